@@ -1,0 +1,97 @@
+// Fathom's public engine API. The CLI and the server include only this header (and sampling.h):
+// they never see tensors, backends or graph code.
+//
+//   engine  — loaded weights + tokenizer + chat template; immutable after load, shareable.
+//   session — one timeline: KV state, position, logits. Handed the full token prefix, it decides
+//             itself what it can reuse (common prefix) and evaluates only the rest.
+//
+// Every failure throws fathom::error (include/fathom/error.h) with a one-line message.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fathom/error.h"
+
+namespace fathom {
+
+enum class kv_precision { f16, f32 };
+
+struct engine_options {
+    std::string model_path;        // GGUF file
+    int n_threads = 0;             // 0 = number of online cores
+    int n_ctx = 0;                 // 0 = min(model's training context, 8192)
+    kv_precision kv = kv_precision::f16;
+    bool exact = false;            // reference numerics: dequantised weights x f32 activations, f32 accumulation
+    int n_batch = 512;             // prefill chunk (tokens evaluated per forward call)
+    std::string device = "cpu";    // "cpu" | "cuda" | "cuda:N"
+    // Called with (done, total) while loading weights; may be empty.
+    std::function<void(uint64_t done, uint64_t total)> on_load_progress;
+};
+
+struct model_info {
+    std::string arch;      // GGUF general.architecture
+    std::string name;      // general.name
+    std::string path;
+    uint64_t file_bytes = 0;
+    uint64_t n_params = 0;
+    int32_t n_vocab = 0;
+    int32_t n_ctx_train = 0;
+    int32_t n_ctx = 0;     // context this engine's sessions get
+    int32_t n_layer = 0;
+    int32_t n_embd = 0;
+    uint64_t kv_bytes_per_token = 0;
+    std::string chat_template;  // tokenizer.chat_template ("" if none)
+};
+
+struct chat_message {
+    std::string role;     // system | user | assistant | tool
+    std::string content;
+};
+
+class session;
+
+class engine {
+public:
+    static std::unique_ptr<engine> load(const engine_options &opts);
+    virtual ~engine() = default;
+
+    virtual const model_info &info() const = 0;
+
+    // Tokenizer. add_special: BOS/EOS as the model's metadata asks. parse_special: special-token text
+    // (e.g. "<|im_start|>") becomes the special token; otherwise it is plain text.
+    virtual std::vector<int32_t> tokenize(std::string_view text, bool add_special, bool parse_special) const = 0;
+    virtual std::string token_to_piece(int32_t token) const = 0;  // raw bytes (may be a partial UTF-8 sequence)
+    virtual std::string detokenize(std::span<const int32_t> tokens) const = 0;
+    virtual bool is_end_of_generation(int32_t token) const = 0;
+    virtual int32_t bos_token() const = 0;  // -1 if none
+
+    // Render messages with the model's chat template.
+    virtual std::string apply_chat_template(const std::vector<chat_message> &messages,
+                                            bool add_generation_prompt) const = 0;
+
+    virtual std::unique_ptr<session> new_session() = 0;
+};
+
+class session {
+public:
+    virtual ~session() = default;
+    // Make the session hold exactly `prefix`: keep the longest common prefix with what it holds, drop
+    // the rest, evaluate the remainder in chunks. Afterwards logits() are those of prefix.back().
+    // on_progress(done, total) is called after each evaluated chunk.
+    virtual void sync(std::span<const int32_t> prefix,
+                      const std::function<void(int64_t, int64_t)> &on_progress = {}) = 0;
+    // Append tokens and evaluate them. If all_logits is non-null it receives [tokens.size() x n_vocab].
+    virtual void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) = 0;
+    // Logits of the last evaluated token, n_vocab floats.
+    virtual std::span<const float> logits() const = 0;
+    virtual int64_t n_past() const = 0;
+    virtual const std::vector<int32_t> &tokens() const = 0;
+    virtual void reset() = 0;
+};
+
+}  // namespace fathom

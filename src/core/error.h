@@ -1,0 +1,3 @@
+// Internal code uses the public error type.
+#pragma once
+#include "fathom/error.h"
