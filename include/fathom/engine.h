@@ -75,6 +75,15 @@ public:
                                             bool add_generation_prompt) const = 0;
 
     virtual std::unique_ptr<session> new_session() = 0;
+
+    // Batched decode step (used by the server's scheduler once per step for all decoding requests):
+    // for every i, append tokens[i] to sessions[i] and evaluate it, so that afterwards
+    // sessions[i]->logits() are those of tokens[i]. sessions.size() == tokens.size(); the sessions
+    // are distinct and were created by this engine. The default runs the sessions one after the
+    // other with session::eval; a backend may override it to fuse them into one forward pass, but the
+    // logits must not depend on which other sessions share the step (the server's greedy outputs are
+    // required to be independent of batch composition).
+    virtual void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens);
 };
 
 class session {
@@ -93,5 +102,12 @@ public:
     virtual const std::vector<int32_t> &tokens() const = 0;
     virtual void reset() = 0;
 };
+
+inline void engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
+    if (sessions.size() != tokens.size())
+        throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
+                    std::to_string(tokens.size()) + " tokens");
+    for (size_t i = 0; i < sessions.size(); ++i) sessions[i]->eval(tokens.subspan(i, 1));
+}
 
 }  // namespace fathom

@@ -127,7 +127,21 @@ public:
     void set_arr_i32(const std::string &key, const std::vector<int32_t> &v);
     void set_arr_u32(const std::string &key, const std::vector<uint32_t> &v);
     void set_arr_f32(const std::string &key, const std::vector<float> &v);
-    // Raw escape hatch for tests of malformed input: any value type with its encoded payload bytes.
+    // Remaining value types (one setter per GGUF type; arrays of u8/i8/u16/i16/u64 and nested arrays
+    // only through set_raw).
+    void set_u8(const std::string &key, uint8_t v);
+    void set_i8(const std::string &key, int8_t v);
+    void set_u16(const std::string &key, uint16_t v);
+    void set_i16(const std::string &key, int16_t v);
+    void set_i64(const std::string &key, int64_t v);
+    void set_f64(const std::string &key, double v);
+    void set_arr_i64(const std::string &key, const std::vector<int64_t> &v);
+    void set_arr_f64(const std::string &key, const std::vector<double> &v);
+    void set_arr_bool(const std::string &key, const std::vector<bool> &v);
+    // Raw escape hatch for tests of malformed input: any value type with its encoded payload bytes
+    // (for arrays: u32 element type, u64 count, elements). Unchecked: duplicates are allowed.
+    // The typed setters throw on duplicate keys; general.alignment is written automatically when the
+    // writer alignment is not 32 (setting it by hand must agree with the constructor argument).
     void set_raw(const std::string &key, value_type type, std::vector<uint8_t> payload);
     // Declare a tensor (ne[0] innermost). Data is supplied later, in declaration order.
     void add_tensor(const std::string &name, dtype type, std::vector<int64_t> ne);

@@ -1,0 +1,137 @@
+// The compute backend interface: memory (allocate, upload, download, views) and the ops a
+// transformer forward needs, behind one small vtable. The model code calls ops on a `backend`
+// object in order; the CPU backend (src/backend/cpu/) runs each op at once on its thread pool and
+// is the numerical reference every other backend is tested against. A CUDA backend implements the
+// same class by enqueueing kernels on a stream; synchronize() is then the only blocking call.
+//
+// Tensors are plain 2-D descriptors (rows of ne[0] elements, row stride nb1 bytes) with a pointer
+// into backend memory. Activations are f32 and row-major: one row per token. Weights are GGUF
+// tensors of any dtype with ne[0] = input features (K) and ne[1] = output features (N).
+// Higher-rank GGUF tensors (experts, heads) are handled as 2-D row slices (view_rows).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/types.h"
+
+namespace fathom {
+
+// A 2-D view: ne[1] rows of ne[0] elements of `type`, rows nb1 bytes apart. Does not own memory.
+struct tensor {
+    dtype type = dtype::f32;
+    int64_t ne[2] = {0, 0};  // [0]: elements per row, [1]: rows
+    size_t nb1 = 0;          // bytes between consecutive rows
+    void *data = nullptr;    // backend address (host address for the CPU backend)
+
+    int64_t cols() const { return ne[0]; }
+    int64_t rows() const { return ne[1]; }
+    size_t row_bytes() const { return dtype_row_bytes(type, ne[0]); }
+    bool contiguous() const { return nb1 == row_bytes(); }
+    size_t nbytes() const { return nb1 * static_cast<size_t>(ne[1]); }
+};
+
+// A contiguous tensor over `data`.
+tensor make_tensor(dtype type, int64_t cols, int64_t rows, void *data);
+// Rows [r0, r0+n) of t.
+tensor view_rows(const tensor &t, int64_t r0, int64_t n);
+// Columns [c0, c0+n) of every row (f32/f16 only: no block boundary issues).
+tensor view_cols(const tensor &t, int64_t c0, int64_t n);
+// Reinterpret a contiguous tensor as rows of `cols` elements (e.g. [n_tok, n_head*hd] -> [n_tok*n_head, hd]).
+tensor reshape(const tensor &t, int64_t cols);
+
+enum class rope_mode {
+    normal,  // rotate adjacent pairs (x[2i], x[2i+1])            — llama.cpp LLAMA_ROPE_TYPE_NORM
+    neox,    // rotate halves     (x[i], x[i + n_rot/2])          — llama.cpp LLAMA_ROPE_TYPE_NEOX
+};
+
+// RoPE frequencies. theta_i(pos) = pos * base^(-2i/n_rot) / freq_factor_i, then YaRN-scaled:
+// theta = freq_scale*theta (interpolation), blended back towards the unscaled theta for the
+// dimensions below the correction range when ext_factor > 0; cos/sin multiplied by mscale.
+struct rope_params {
+    int32_t n_rot = 0;             // rotated dimensions per head (<= head_dim; the rest pass through)
+    rope_mode mode = rope_mode::normal;
+    float freq_base = 10000.0f;
+    float freq_scale = 1.0f;       // 1/linear scaling factor
+    float ext_factor = 0.0f;       // YaRN extrapolation mix (0 = off)
+    float attn_factor = 1.0f;      // YaRN magnitude scale
+    float beta_fast = 32.0f;
+    float beta_slow = 1.0f;
+    int32_t n_ctx_orig = 0;        // YaRN original training context
+    const float *freq_factors = nullptr;  // host array [n_rot/2] (llama3 rope_freqs) or null
+};
+
+struct attn_params {
+    int32_t n_head = 0;        // query heads
+    int32_t n_head_kv = 0;     // key/value heads (GQA: n_head % n_head_kv == 0)
+    int32_t head_dim = 0;
+    int64_t n_ctx = 0;         // cache capacity (rows per kv head in the cache tensors)
+    int64_t n_past = 0;        // position of the first query token; keys [0, n_past + n_tok) are valid
+    float scale = 1.0f;        // multiplies q.k
+    float softcap = 0.0f;      // > 0: scores = softcap * tanh(scores / softcap)
+    int32_t window = 0;        // > 0: query at p sees keys k with p - k < window (sliding window)
+};
+
+enum class glu_kind {
+    swiglu,  // silu(gate) * up
+    geglu,   // gelu_tanh(gate) * up  (llama.cpp's tanh approximation)
+};
+
+// One backend. Not thread-safe: one caller issues ops in order. All sizes are validated by the
+// implementation (mismatches throw fathom::error naming the op).
+class backend {
+public:
+    virtual ~backend() = default;
+    virtual const char *name() const = 0;
+    virtual int n_threads() const = 0;
+
+    // ---- memory --------------------------------------------------------------------------------
+    // Allocate zero-initialised backend memory (64-byte aligned). Freed with release().
+    virtual void *alloc(size_t bytes) = 0;
+    virtual void release(void *ptr) = 0;
+    // Make a weight usable by ops. host points into the mapped GGUF file; the CPU backend returns
+    // it unchanged (weights are never copied), a device backend uploads.
+    virtual void *map_weights(const void *host, size_t bytes) = 0;
+    virtual void upload(const tensor &dst, const void *host) = 0;   // dst must be contiguous
+    virtual void download(const tensor &src, void *host) = 0;       // src must be contiguous
+
+    // ---- ops -----------------------------------------------------------------------------------
+    // out[i] = dequantised table row ids[i]. ids are host memory, validated against table rows.
+    virtual void get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) = 0;
+    // out[m] = x[m] . W^T for each (W, out) pair: x [M, K] f32, W [N, K] any compute dtype,
+    // out [M, N] f32. Activations are converted once for all pairs sharing x.
+    virtual void mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) = 0;
+    // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w (w: one row of x.cols(), or null).
+    virtual void rms_norm(const tensor &x, const tensor *w, float eps, const tensor &out) = 0;
+    // cos/sin table for positions [p0, p0+n): out [n, n_rot] f32 as (cos, sin) pairs.
+    virtual void rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) = 0;
+    // In place: x [n_tok, n_head*head_dim]; each head's first n_rot dims rotated by table row.
+    virtual void rope(const tensor &x, int32_t head_dim, const tensor &table, rope_mode mode) = 0;
+    // Store rows of src [n_tok, n_head_kv*head_dim] f32 at positions [p0, p0+n_tok) of a cache
+    // tensor [n_head_kv*n_ctx, head_dim] (f16 or f32; head-major so each head's keys are contiguous).
+    virtual void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) = 0;
+    // Causal attention of q [n_tok, n_head*head_dim] (query i at position n_past+i) over the caches
+    // k, v [n_head_kv*n_ctx, head_dim]; out [n_tok, n_head*head_dim].
+    virtual void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                           const tensor &out) = 0;
+    virtual void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) = 0;
+    virtual void add(const tensor &a, const tensor &b, const tensor &out) = 0;
+    virtual void scale(const tensor &x, float s) = 0;            // in place
+    virtual void softcap(const tensor &x, float cap) = 0;        // in place: cap * tanh(x / cap)
+    virtual void softmax(const tensor &x) = 0;                   // in place, per row
+    virtual void copy(const tensor &src, const tensor &dst) = 0; // same shape; f32 -> f32/f16
+
+    // Wait until every issued op has completed (no-op for the CPU backend).
+    virtual void synchronize() = 0;
+};
+
+struct cpu_options {
+    int n_threads = 1;   // workers including the calling thread
+    bool exact = false;  // mul_mat: dequantise weight rows, f32 dot, f32 accumulation
+    int64_t max_cols = 0;  // largest K any mul_mat will see (sizes the activation scratch); 0 = grow
+    int64_t max_rows = 0;  // largest M any mul_mat will see
+    int64_t max_ctx = 0;   // largest attention span (sizes per-thread score scratch)
+};
+std::unique_ptr<backend> make_cpu_backend(const cpu_options &opts);
+
+}  // namespace fathom

@@ -1,0 +1,596 @@
+// The CPU backend: the reference implementation of backend.h. Every op runs at once, split across
+// a persistent thread pool (thread_pool.h); scratch buffers are sized up front (cpu_options) and
+// only ever grow, so a decode loop allocates nothing. Quantised kernels come from quants.h, the
+// f32/f16 vector kernels from vec.h.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/quants.h"
+#include "backend/cpu/thread_pool.h"
+#include "backend/cpu/vec.h"
+#include "core/error.h"
+
+namespace fathom {
+
+// ---- tensor helpers ------------------------------------------------------------------------------
+
+tensor make_tensor(dtype type, int64_t cols, int64_t rows, void *data) {
+    tensor t;
+    t.type = type;
+    t.ne[0] = cols;
+    t.ne[1] = rows;
+    t.nb1 = dtype_row_bytes(type, cols);
+    t.data = data;
+    return t;
+}
+
+tensor view_rows(const tensor &t, int64_t r0, int64_t n) {
+    if (r0 < 0 || n < 0 || r0 + n > t.ne[1])
+        throw error("view_rows: rows [" + std::to_string(r0) + ", " + std::to_string(r0 + n) + ") outside " +
+                    std::to_string(t.ne[1]));
+    tensor v = t;
+    v.ne[1] = n;
+    v.data = static_cast<uint8_t *>(t.data) + static_cast<size_t>(r0) * t.nb1;
+    return v;
+}
+
+tensor view_cols(const tensor &t, int64_t c0, int64_t n) {
+    if (t.type != dtype::f32 && t.type != dtype::f16) throw error("view_cols: only f32/f16 tensors");
+    if (c0 < 0 || n < 0 || c0 + n > t.ne[0]) throw error("view_cols: columns out of range");
+    tensor v = t;
+    v.ne[0] = n;
+    v.data = static_cast<uint8_t *>(t.data) + dtype_row_bytes(t.type, c0);
+    return v;
+}
+
+tensor reshape(const tensor &t, int64_t cols) {
+    if (!t.contiguous() || cols <= 0 || (t.ne[0] * t.ne[1]) % cols != 0 ||
+        cols % dtype_info(t.type).block_size != 0)
+        throw error("reshape: cannot view " + std::to_string(t.ne[0]) + "x" + std::to_string(t.ne[1]) +
+                    " as rows of " + std::to_string(cols));
+    return make_tensor(t.type, cols, t.ne[0] * t.ne[1] / cols, t.data);
+}
+
+namespace cpu {
+namespace {
+
+template <class T>
+T *row_ptr(const tensor &t, int64_t r) {
+    return reinterpret_cast<T *>(static_cast<uint8_t *>(t.data) + static_cast<size_t>(r) * t.nb1);
+}
+
+void check(bool ok, const char *op, const std::string &what) {
+    if (!ok) throw error(std::string(op) + ": " + what);
+}
+
+std::string shape(const tensor &t) {
+    return std::string(dtype_name(t.type)) + "[" + std::to_string(t.ne[1]) + "x" + std::to_string(t.ne[0]) + "]";
+}
+
+void check_f32(const tensor &t, const char *op, const char *name) {
+    check(t.type == dtype::f32, op, std::string(name) + " must be f32, got " + shape(t));
+    check(t.data != nullptr || t.ne[1] == 0, op, std::string(name) + " has no data");
+}
+
+void check_same(const tensor &a, const tensor &b, const char *op) {
+    check(a.ne[0] == b.ne[0] && a.ne[1] == b.ne[1], op, "shape mismatch " + shape(a) + " vs " + shape(b));
+}
+
+// Work below this many elements runs on the calling thread: waking workers costs more.
+constexpr int64_t kParallelMin = 16384;
+
+struct scratch_buf {
+    std::vector<uint8_t, std::allocator<uint8_t>> bytes;
+    uint8_t *get(size_t n) {
+        if (bytes.size() < n) bytes.resize(n);
+        return bytes.data();
+    }
+};
+
+class cpu_backend final : public backend {
+public:
+    explicit cpu_backend(const cpu_options &o) : opts_(o), pool_(std::max(1, o.n_threads)) {
+        const int nth = pool_.size();
+        thread_f32_.resize(static_cast<size_t>(nth));
+        // Size scratch now so the first forward does not allocate either.
+        if (o.max_cols > 0 && o.max_rows > 0)
+            for (auto &s : act_) s.get(static_cast<size_t>(o.max_cols * o.max_rows) * sizeof(float) + 64);
+        grow_thread_scratch(std::max<int64_t>(o.max_cols, o.max_ctx + 1024));
+    }
+    ~cpu_backend() override {
+        for (auto &[p, n] : maps_) munmap(p, n);
+    }
+
+    const char *name() const override { return "cpu"; }
+    int n_threads() const override { return pool_.size(); }
+
+    void *alloc(size_t bytes) override {
+        // Anonymous mappings: zero-filled and backed lazily, so a KV cache sized to n_ctx only
+        // costs resident memory for the positions actually written.
+        const size_t n = std::max<size_t>(bytes, 1);
+        void *p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw error("cpu backend: cannot allocate " + std::to_string(bytes) + " bytes");
+        maps_[p] = n;
+        return p;
+    }
+    void release(void *ptr) override {
+        auto it = maps_.find(ptr);
+        if (it == maps_.end()) return;
+        munmap(it->first, it->second);
+        maps_.erase(it);
+    }
+    void *map_weights(const void *host, size_t) override { return const_cast<void *>(host); }
+    void upload(const tensor &dst, const void *host) override {
+        check(dst.contiguous(), "upload", "destination must be contiguous");
+        std::memcpy(dst.data, host, dst.nbytes());
+    }
+    void download(const tensor &src, void *host) override {
+        check(src.contiguous(), "download", "source must be contiguous");
+        std::memcpy(host, src.data, src.nbytes());
+    }
+    void synchronize() override {}
+
+    void get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) override;
+    void mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) override;
+    void rms_norm(const tensor &x, const tensor *w, float eps, const tensor &out) override;
+    void rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) override;
+    void rope(const tensor &x, int32_t head_dim, const tensor &table, rope_mode mode) override;
+    void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) override;
+    void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                   const tensor &out) override;
+    void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
+    void add(const tensor &a, const tensor &b, const tensor &out) override;
+    void scale(const tensor &x, float s) override;
+    void softcap(const tensor &x, float cap) override;
+    void softmax(const tensor &x) override;
+    void copy(const tensor &src, const tensor &dst) override;
+
+private:
+    // Run fn(r0, r1) over rows [0, n) split across threads when the work (n*cost) is large enough.
+    template <class F>
+    void for_rows(int64_t n, int64_t cost, F &&fn) {
+        if (n <= 1 || n * cost < kParallelMin || pool_.size() == 1) {
+            fn(int64_t{0}, n);
+            return;
+        }
+        pool_.run([&](int ith, int nth) {
+            int64_t r0, r1;
+            split_range(n, ith, nth, 1, r0, r1);
+            if (r0 < r1) fn(r0, r1);
+        }, static_cast<int>(std::min<int64_t>(n, pool_.size())));
+    }
+    void grow_thread_scratch(int64_t n_floats) {
+        for (auto &s : thread_f32_) s.get(static_cast<size_t>(n_floats) * sizeof(float));
+    }
+    void mul_mat_exact(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out);
+
+    cpu_options opts_;
+    thread_pool pool_;
+    scratch_buf act_[4];                    // x converted to each distinct vec_dot_type of one mul_mat
+    std::vector<scratch_buf> thread_f32_;   // per-thread f32 scratch (dequantised rows, scores)
+    std::unordered_map<void *, size_t> maps_;
+};
+
+// ---- get_rows ------------------------------------------------------------------------------------
+
+void cpu_backend::get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) {
+    check_f32(out, "get_rows", "out");
+    check(out.ne[0] == table.ne[0] && out.ne[1] == n, "get_rows", "out " + shape(out) + " vs table " + shape(table));
+    check(dtype_info(table.type).compute, "get_rows", "unsupported table type " + shape(table));
+    for (int64_t i = 0; i < n; ++i)
+        check(ids[i] >= 0 && ids[i] < table.ne[1], "get_rows",
+              "token id " + std::to_string(ids[i]) + " outside [0, " + std::to_string(table.ne[1]) + ")");
+    for_rows(n, table.ne[0], [&](int64_t r0, int64_t r1) {
+        for (int64_t i = r0; i < r1; ++i)
+            dequantize_row(table.type, row_ptr<uint8_t>(table, ids[i]), row_ptr<float>(out, i), table.ne[0]);
+    });
+}
+
+// ---- mul_mat -------------------------------------------------------------------------------------
+
+void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) {
+    check_f32(x, "mul_mat", "x");
+    check(n_pairs >= 1 && n_pairs <= 8, "mul_mat", "1..8 weight/output pairs");
+    const int64_t K = x.ne[0], M = x.ne[1];
+    int64_t total_rows = 0;
+    for (int i = 0; i < n_pairs; ++i) {
+        const tensor &W = *w[i], &Y = *out[i];
+        check(W.ne[0] == K, "mul_mat", "weight " + shape(W) + " does not take " + std::to_string(K) + " inputs");
+        check(dtype_info(W.type).compute, "mul_mat", "unsupported weight type " + shape(W));
+        check_f32(Y, "mul_mat", "out");
+        check(Y.ne[0] == W.ne[1] && Y.ne[1] == M, "mul_mat", "out " + shape(Y) + " for weight " + shape(W) +
+              " and x " + shape(x));
+        total_rows += W.ne[1];
+    }
+    if (M == 0) return;
+    if (opts_.exact) {
+        mul_mat_exact(x, n_pairs, w, out);
+        return;
+    }
+
+    // 1. Convert x once per distinct activation type.
+    const void *xq[8];
+    size_t xs[8];
+    dtype seen_t[4];
+    const void *seen_p[4];
+    size_t seen_s[4];
+    int n_seen = 0;
+    for (int i = 0; i < n_pairs; ++i) {
+        const dtype vt = vec_dot_type(w[i]->type);
+        int j = 0;
+        while (j < n_seen && seen_t[j] != vt) ++j;
+        if (j == n_seen) {
+            check(n_seen < 4, "mul_mat", "too many distinct activation types");
+            const size_t rb = dtype_row_bytes(vt, K);
+            check(K % dtype_info(vt).block_size == 0, "mul_mat",
+                  std::to_string(K) + " inputs not a multiple of the " + std::string(dtype_name(vt)) + " block");
+            if (vt == dtype::f32) {
+                seen_p[j] = x.data;
+                seen_s[j] = x.nb1;
+            } else {
+                uint8_t *buf = act_[j].get(rb * static_cast<size_t>(M));
+                for_rows(M, K * 4, [&](int64_t r0, int64_t r1) {
+                    for (int64_t m = r0; m < r1; ++m)
+                        quantize_row(vt, row_ptr<float>(x, m), buf + rb * static_cast<size_t>(m), K);
+                });
+                seen_p[j] = buf;
+                seen_s[j] = rb;
+            }
+            seen_t[j] = vt;
+            ++n_seen;
+        }
+        xq[i] = seen_p[j];
+        xs[i] = seen_s[j];
+    }
+
+    // 2. Split the concatenated output rows of all pairs across threads. Small M (decode): one
+    // contiguous, equal share per thread. Large M (prefill): dynamic blocks of rows, each block
+    // swept over M in chunks so its weights stay in cache while the activations stream.
+    const int64_t row_block = M <= 8 ? 0 : 32;
+    std::atomic<int64_t> next{0};
+    auto do_rows = [&](int64_t a, int64_t b) {  // rows [a, b) of the concatenation
+        int64_t off = 0;
+        for (int i = 0; i < n_pairs && a < b; ++i) {
+            const tensor &W = *w[i], &Y = *out[i];
+            const int64_t n_i = W.ne[1];
+            const int64_t r0 = std::max(a, off) - off, r1 = std::min(b, off + n_i) - off;
+            if (r0 < r1) {
+                constexpr int64_t kMChunk = 64;
+                for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+                    const int64_t mc = std::min(kMChunk, M - m0);
+                    gemm(W.type, K, W.data, W.nb1, r0, r1, static_cast<const uint8_t *>(xq[i]) + xs[i] * m0, xs[i],
+                         mc, row_ptr<float>(Y, m0), static_cast<int64_t>(Y.nb1 / sizeof(float)));
+                }
+            }
+            off += n_i;
+        }
+    };
+    const int64_t work = total_rows * K * M;
+    if (work < kParallelMin * 4 || pool_.size() == 1) {
+        do_rows(0, total_rows);
+        return;
+    }
+    pool_.run([&](int ith, int nth) {
+        if (row_block == 0) {
+            int64_t a, b;
+            split_range(total_rows, ith, nth, 16, a, b);
+            if (a < b) do_rows(a, b);
+            return;
+        }
+        for (;;) {
+            const int64_t a = next.fetch_add(row_block, std::memory_order_relaxed);
+            if (a >= total_rows) break;
+            do_rows(a, std::min(total_rows, a + row_block));
+        }
+    });
+}
+
+// Reference numerics: each weight row dequantised to f32 once, dotted with f32 activations.
+void cpu_backend::mul_mat_exact(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) {
+    const int64_t K = x.ne[0], M = x.ne[1];
+    int64_t total_rows = 0;
+    for (int i = 0; i < n_pairs; ++i) total_rows += w[i]->ne[1];
+    grow_thread_scratch(K);
+    const auto &vk = vec();
+    pool_.run([&](int ith, int nth) {
+        int64_t a, b;
+        split_range(total_rows, ith, nth, 1, a, b);
+        float *buf = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
+        int64_t off = 0;
+        for (int i = 0; i < n_pairs; ++i) {
+            const tensor &W = *w[i], &Y = *out[i];
+            const int64_t r0 = std::max(a, off) - off, r1 = std::min(b, off + W.ne[1]) - off;
+            for (int64_t r = r0; r < r1; ++r) {
+                const float *wr = buf;
+                if (W.type == dtype::f32) wr = row_ptr<const float>(W, r);
+                else dequantize_row(W.type, row_ptr<const uint8_t>(W, r), buf, K);
+                for (int64_t m = 0; m < M; ++m) row_ptr<float>(Y, m)[r] = vk.dot_f32(K, wr, row_ptr<const float>(x, m));
+            }
+            off += W.ne[1];
+        }
+    }, static_cast<int>(std::min<int64_t>(total_rows, pool_.size())));
+}
+
+// ---- norms, rope -----------------------------------------------------------------------------
+
+void cpu_backend::rms_norm(const tensor &x, const tensor *w, float eps, const tensor &out) {
+    check_f32(x, "rms_norm", "x");
+    check_f32(out, "rms_norm", "out");
+    check_same(x, out, "rms_norm");
+    if (w) {
+        check(w->type == dtype::f32 && w->ne[0] == x.ne[0], "rms_norm", "weight " + shape(*w) + " for x " + shape(x));
+    }
+    const int64_t n = x.ne[0];
+    for_rows(x.ne[1], n, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *xr = row_ptr<const float>(x, r);
+            float *yr = row_ptr<float>(out, r);
+            double ss = 0;  // double accumulation, as ggml does
+            for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(xr[i] * xr[i]);
+            const float s = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
+            if (w) {
+                const float *wr = static_cast<const float *>(w->data);
+                for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * s) * wr[i];
+            } else {
+                for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * s;
+            }
+        }
+    });
+}
+
+namespace {
+// YaRN correction range: the dims whose wavelength spans fewer than `n_rot_turns` turns over the
+// original context (ggml_rope_yarn_corr_dims).
+float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot_turns, float base) {
+    return static_cast<float>(n_dims * std::log(n_ctx_orig / (n_rot_turns * 2.0 * M_PI)) / (2.0 * std::log(base)));
+}
+}  // namespace
+
+void cpu_backend::rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) {
+    check_f32(out, "rope_table", "out");
+    check(p.n_rot > 0 && p.n_rot % 2 == 0, "rope_table", "n_rot must be positive and even");
+    check(out.ne[0] == p.n_rot && out.ne[1] == n, "rope_table", "out " + shape(out));
+    check(p.freq_base > 0 && p.freq_scale > 0, "rope_table", "freq_base and freq_scale must be positive");
+    const int half = p.n_rot / 2;
+    float corr0 = 0, corr1 = 0;
+    if (p.ext_factor != 0.0f) {
+        check(p.n_ctx_orig > 0, "rope_table", "YaRN needs the original context length");
+        corr0 = std::max(0.0f, std::floor(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_fast, p.freq_base)));
+        corr1 = std::min(static_cast<float>(p.n_rot - 1),
+                         std::ceil(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_slow, p.freq_base)));
+    }
+    float mscale = p.attn_factor;
+    if (p.ext_factor != 0.0f) mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
+    for (int64_t t = 0; t < n; ++t) {
+        float *row = row_ptr<float>(out, t);
+        const double pos = static_cast<double>(p0 + t);
+        for (int i = 0; i < half; ++i) {
+            double theta_extrap = pos * std::pow(static_cast<double>(p.freq_base), -2.0 * i / p.n_rot);
+            if (p.freq_factors) theta_extrap /= p.freq_factors[i];
+            double theta = p.freq_scale * theta_extrap;
+            if (p.ext_factor != 0.0f) {
+                const float y = (static_cast<float>(i) - corr0) / std::max(0.001f, corr1 - corr0);
+                const float ramp = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
+                theta = theta * (1.0 - ramp) + theta_extrap * ramp;
+            }
+            row[2 * i] = static_cast<float>(std::cos(theta)) * mscale;
+            row[2 * i + 1] = static_cast<float>(std::sin(theta)) * mscale;
+        }
+    }
+}
+
+void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, rope_mode mode) {
+    check_f32(x, "rope", "x");
+    check_f32(table, "rope", "table");
+    const int64_t n_rot = table.ne[0];
+    check(head_dim > 0 && x.ne[0] % head_dim == 0, "rope", "row of " + std::to_string(x.ne[0]) +
+          " is not whole heads of " + std::to_string(head_dim));
+    check(n_rot <= head_dim && table.ne[1] == x.ne[1], "rope", "table " + shape(table) + " for x " + shape(x));
+    const int64_t n_head = x.ne[0] / head_dim, half = n_rot / 2;
+    const int64_t stride = mode == rope_mode::normal ? 1 : half;  // distance between pair members
+    const int64_t step = mode == rope_mode::normal ? 2 : 1;       // distance between pairs
+    for_rows(x.ne[1], x.ne[0], [&](int64_t r0, int64_t r1) {
+        for (int64_t t = r0; t < r1; ++t) {
+            const float *cs = row_ptr<const float>(table, t);
+            float *xr = row_ptr<float>(x, t);
+            for (int64_t h = 0; h < n_head; ++h) {
+                float *xh = xr + h * head_dim;
+                for (int64_t i = 0; i < half; ++i) {
+                    float *a = xh + i * step, *b = a + stride;
+                    const float c = cs[2 * i], s = cs[2 * i + 1], x0 = *a, x1 = *b;
+                    *a = x0 * c - x1 * s;
+                    *b = x0 * s + x1 * c;
+                }
+            }
+        }
+    });
+}
+
+// ---- KV cache and attention ------------------------------------------------------------------
+
+void cpu_backend::kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) {
+    check_f32(src, "kv_store", "src");
+    check(cache.type == dtype::f32 || cache.type == dtype::f16, "kv_store", "cache must be f16 or f32");
+    check(n_head_kv > 0 && src.ne[0] == n_head_kv * cache.ne[0] && cache.ne[1] == n_head_kv * n_ctx, "kv_store",
+          "src " + shape(src) + " vs cache " + shape(cache));
+    check(p0 >= 0 && p0 + src.ne[1] <= n_ctx, "kv_store", "positions beyond the cache");
+    const int64_t hd = cache.ne[0];
+    const auto &vk = vec();
+    for (int64_t t = 0; t < src.ne[1]; ++t) {
+        const float *s = row_ptr<const float>(src, t);
+        for (int64_t h = 0; h < n_head_kv; ++h) {
+            const int64_t row = h * n_ctx + p0 + t;
+            if (cache.type == dtype::f16) vk.f32_to_f16_row(hd, s + h * hd, row_ptr<uint16_t>(cache, row));
+            else std::memcpy(row_ptr<float>(cache, row), s + h * hd, static_cast<size_t>(hd) * sizeof(float));
+        }
+    }
+}
+
+void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                            const tensor &out) {
+    check_f32(q, "attention", "q");
+    check_f32(out, "attention", "out");
+    check_same(q, out, "attention");
+    check(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0, "attention",
+          "bad head counts");
+    check(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention", "q " + shape(q) + " is not heads x head_dim");
+    check(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
+    check(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
+          v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
+    const int64_t n_tok = q.ne[1];
+    check(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
+    grow_thread_scratch(p.n_past + n_tok + p.head_dim);
+    const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv;
+    const bool f16 = k.type == dtype::f16;
+    const auto &vk = vec();
+    const int64_t n_items = n_tok * p.n_head;  // (token, head) pairs, split across threads
+    auto body = [&](int ith, int nth) {
+        float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
+        float *acc = scores + p.n_past + n_tok;
+        int64_t a, b;
+        split_range(n_items, ith, nth, 1, a, b);
+        for (int64_t it = a; it < b; ++it) {
+            const int64_t t = it / p.n_head, h = it % p.n_head, hk = h / group;
+            const int64_t pos = p.n_past + t;
+            const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+            const float *qr = row_ptr<const float>(q, t) + h * hd;
+            const int64_t base = hk * p.n_ctx;
+            float mx = -INFINITY;
+            for (int64_t j = lo; j <= pos; ++j) {
+                float s = (f16 ? vk.dot_f16(hd, row_ptr<const uint16_t>(k, base + j), qr)
+                               : vk.dot_f32(hd, row_ptr<const float>(k, base + j), qr)) * p.scale;
+                if (p.softcap > 0) s = p.softcap * std::tanh(s / p.softcap);
+                scores[j] = s;
+                mx = std::max(mx, s);
+            }
+            float sum = 0;
+            for (int64_t j = lo; j <= pos; ++j) {
+                scores[j] = std::exp(scores[j] - mx);
+                sum += scores[j];
+            }
+            std::fill(acc, acc + hd, 0.0f);
+            for (int64_t j = lo; j <= pos; ++j) {
+                if (f16) vk.axpy_f16(hd, scores[j], row_ptr<const uint16_t>(v, base + j), acc);
+                else vk.axpy_f32(hd, scores[j], row_ptr<const float>(v, base + j), acc);
+            }
+            float *o = row_ptr<float>(out, t) + h * hd;
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] * inv;
+        }
+    };
+    pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));
+}
+
+// ---- elementwise -------------------------------------------------------------------------------
+
+void cpu_backend::glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) {
+    check_f32(gate, "glu", "gate");
+    check_f32(up, "glu", "up");
+    check_f32(out, "glu", "out");
+    check_same(gate, up, "glu");
+    check_same(gate, out, "glu");
+    const int64_t n = gate.ne[0];
+    for_rows(gate.ne[1], n * 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *g = row_ptr<const float>(gate, r), *u = row_ptr<const float>(up, r);
+            float *o = row_ptr<float>(out, r);
+            if (kind == glu_kind::swiglu) {
+                for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+            } else {
+                constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
+                for (int64_t i = 0; i < n; ++i) {
+                    const float x = g[i];
+                    o[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + kCoef * x * x))) * u[i];
+                }
+            }
+        }
+    });
+}
+
+void cpu_backend::add(const tensor &a, const tensor &b, const tensor &out) {
+    check_f32(a, "add", "a");
+    check_f32(b, "add", "b");
+    check_f32(out, "add", "out");
+    check_same(a, out, "add");
+    const bool bcast = b.ne[1] == 1 && a.ne[1] != 1;  // b: one row added to every row
+    check(b.ne[0] == a.ne[0] && (bcast || b.ne[1] == a.ne[1]), "add", "shape mismatch " + shape(a) + " vs " + shape(b));
+    for_rows(a.ne[1], a.ne[0], [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *x = row_ptr<const float>(a, r), *y = row_ptr<const float>(b, bcast ? 0 : r);
+            float *o = row_ptr<float>(out, r);
+            for (int64_t i = 0; i < a.ne[0]; ++i) o[i] = x[i] + y[i];
+        }
+    });
+}
+
+void cpu_backend::scale(const tensor &x, float s) {
+    check_f32(x, "scale", "x");
+    for_rows(x.ne[1], x.ne[0], [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            float *o = row_ptr<float>(x, r);
+            for (int64_t i = 0; i < x.ne[0]; ++i) o[i] *= s;
+        }
+    });
+}
+
+void cpu_backend::softcap(const tensor &x, float cap) {
+    check_f32(x, "softcap", "x");
+    check(cap > 0, "softcap", "cap must be positive");
+    for_rows(x.ne[1], x.ne[0] * 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            float *o = row_ptr<float>(x, r);
+            for (int64_t i = 0; i < x.ne[0]; ++i) o[i] = cap * std::tanh(o[i] / cap);
+        }
+    });
+}
+
+void cpu_backend::softmax(const tensor &x) {
+    check_f32(x, "softmax", "x");
+    for_rows(x.ne[1], x.ne[0] * 4, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            float *o = row_ptr<float>(x, r);
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < x.ne[0]; ++i) mx = std::max(mx, o[i]);
+            double sum = 0;
+            for (int64_t i = 0; i < x.ne[0]; ++i) {
+                o[i] = std::exp(o[i] - mx);
+                sum += o[i];
+            }
+            const float inv = static_cast<float>(1.0 / sum);
+            for (int64_t i = 0; i < x.ne[0]; ++i) o[i] *= inv;
+        }
+    });
+}
+
+void cpu_backend::copy(const tensor &src, const tensor &dst) {
+    check_f32(src, "copy", "src");
+    check(dst.type == dtype::f32 || dst.type == dtype::f16, "copy", "dst must be f32 or f16");
+    check_same(src, dst, "copy");
+    const auto &vk = vec();
+    for_rows(src.ne[1], src.ne[0], [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            if (dst.type == dtype::f16) vk.f32_to_f16_row(src.ne[0], row_ptr<const float>(src, r), row_ptr<uint16_t>(dst, r));
+            else std::memcpy(row_ptr<float>(dst, r), row_ptr<const float>(src, r), static_cast<size_t>(src.ne[0]) * 4);
+        }
+    });
+}
+
+}  // namespace
+}  // namespace cpu
+
+std::unique_ptr<backend> make_cpu_backend(const cpu_options &opts) {
+    if (opts.n_threads < 1 || opts.n_threads > 1024)
+        throw error("cpu backend: n_threads must be in [1, 1024], got " + std::to_string(opts.n_threads));
+    return std::make_unique<cpu::cpu_backend>(opts);
+}
+
+}  // namespace fathom

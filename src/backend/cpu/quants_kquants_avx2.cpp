@@ -1,0 +1,210 @@
+// AVX2 kernels for the k-quants used by real models (q2_k, q4_k, q5_k, q6_k) against q8_k.
+//
+// Each 256-element weight super-block is decoded once per row into 8 chunks of 32 unsigned bytes,
+// 8 vectors of per-16-lane i16 sub-block scales and one i16 vector of "min" coefficients aligned with
+// q8_k's 16 bsums. The super-block's contribution is then
+//     d_a * (d * sum_j madd(maddubs(q_j, a_j), sc_j)  -  dmin * madd(mn, bsums))
+// all in int32 until the final scale, as in ggml. q6_k's -32 offset becomes a min term with
+// dmin = d and mn = 32 * sc. A tile is 4 weight rows x up to 4 activation rows: the decoded rows stay
+// in L1 (stack) and are reused by every activation row; the 4 row sums are reduced with hadds.
+#include <algorithm>
+
+#include "backend/cpu/quants_avx2_common.h"
+#include "backend/cpu/quants_impl.h"
+
+namespace fathom::cpu::detail {
+namespace {
+
+using namespace avx2;
+
+struct kdec {
+    __m256i q[8];   // unsigned quants, chunk j = elements 32j .. 32j+31
+    __m256i sc[8];  // i16 per maddubs lane: low 128 bits = sub-block 2j (or 32-block j), high = 2j+1
+    __m256i mn;     // i16 x16 multiplying q8_k bsums[0..15]
+    float d, dmin;
+};
+
+inline __m256i sc_pair(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(hi)), _mm_set1_epi16(static_cast<short>(lo))); }
+inline __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+
+// q4_k / q5_k 12-byte scales -> bytes [sc0..sc7, m0..m7] (ggml's utmp bit shuffle).
+inline void unpack_k4_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t u[4];
+    std::memcpy(u, s, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t aux = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = aux;
+    u[0] &= k1;
+    std::memcpy(out, u, 16);
+}
+
+struct tr_q4_k {
+    static constexpr int size = 144;
+    static void decode(const uint8_t *b, kdec &o) {
+        uint8_t sm[16];
+        unpack_k4_scales(b + 4, sm);
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = ld256(b + 16 + 32 * c);
+            o.q[2 * c] = _mm256_and_si256(v, mask);
+            o.q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(sm[j]);
+        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 8));
+        o.mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // m_j for bsums 2j and 2j+1
+        o.d = ldf16(b);
+        o.dmin = ldf16(b + 2);
+    }
+};
+
+struct tr_q5_k {
+    static constexpr int size = 176;
+    static void decode(const uint8_t *b, kdec &o) {
+        uint8_t sm[16];
+        unpack_k4_scales(b + 4, sm);
+        const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+        const __m256i qh = ld256(b + 16);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = ld256(b + 48 + 32 * c);
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4);
+            o.q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, mask), h0);
+            o.q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), h1);
+        }
+        for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(sm[j]);
+        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 8));
+        o.mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        o.d = ldf16(b);
+        o.dmin = ldf16(b + 2);
+    }
+};
+
+struct tr_q6_k {
+    static constexpr int size = 210;
+    static void decode(const uint8_t *b, kdec &o) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const auto *sc = reinterpret_cast<const int8_t *>(b + 192);
+        const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+        for (int c = 0; c < 2; ++c) {
+            const __m256i l0 = ld256(ql + 64 * c), l1 = ld256(ql + 64 * c + 32), h = ld256(qh + 32 * c);
+            const __m256i lo[4] = {_mm256_and_si256(l0, mask), _mm256_and_si256(l1, mask),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), mask),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), mask)};
+            for (int g = 0; g < 4; ++g) {
+                const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g), three), 4);
+                o.q[4 * c + g] = _mm256_or_si256(lo[g], hi);
+            }
+        }
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair(sc[2 * j], sc[2 * j + 1]);
+        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sc));
+        o.mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s16), 5);  // 32 * sc: the -32 offset
+        o.d = ldf16(b + 208);
+        o.dmin = o.d;
+    }
+};
+
+struct tr_q2_k {
+    static constexpr int size = 84;
+    static void decode(const uint8_t *b, kdec &o) {
+        const uint8_t *s = b;
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int c = 0; c < 2; ++c) {
+            const __m256i v = ld256(b + 16 + 32 * c);
+            for (int j = 0; j < 4; ++j) o.q[4 * c + j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), three);
+        }
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair(s[2 * j] & 0xF, s[2 * j + 1] & 0xF);
+        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s));
+        o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
+        o.d = ldf16(b + 80);
+        o.dmin = ldf16(b + 82);
+    }
+};
+
+// q8_k block: f32 d at 0, s8 qs[256] at 4, i16 bsums[16] at 260; 292 bytes.
+constexpr int q8k_size = 292;
+
+// NR weight rows (<= 4) x MB activation rows over nb super-blocks; out[m][r].
+template <class T, int NR, int MB>
+inline void ktile(int64_t nb, const uint8_t *const w[NR], const uint8_t *const x[MB], float out[MB][4]) {
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    kdec dec[NR];
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < NR; ++r) T::decode(w[r] + b * T::size, dec[r]);
+        float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
+        for (int r = 0; r < NR; ++r) dv[r] = dec[r].d, mv[r] = dec[r].dmin;
+        const __m256 d8 = _mm256_setr_ps(dv[0], dv[1], dv[2], dv[3], dv[0], dv[1], dv[2], dv[3]);
+        const __m256 m8 = _mm256_setr_ps(mv[0], mv[1], mv[2], mv[3], mv[0], mv[1], mv[2], mv[3]);
+        for (int m = 0; m < MB; ++m) {
+            const uint8_t *xb = x[m] + b * q8k_size;
+            __m256i sq[4], sm[4];
+            for (int r = 0; r < 4; ++r) sq[r] = sm[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const __m256i a = ld256(xb + 4 + 32 * j);
+                for (int r = 0; r < NR; ++r)
+                    sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(dec[r].q[j], a), dec[r].sc[j]));
+            }
+            const __m256i bs = ld256(xb + 260);
+            for (int r = 0; r < NR; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
+            float da;
+            std::memcpy(&da, xb, 4);
+            const __m256 vda = _mm256_set1_ps(da);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
+            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
+}
+
+template <class T>
+void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+            int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + std::min(i, rows - 1)) * w_stride;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(std::min<int64_t>(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + std::min(j, mb - 1)) * x_stride;
+            float out[4][4];
+            switch (mb) {
+                case 1: ktile<T, 4, 1>(nb, w, x, out); break;
+                case 2: ktile<T, 4, 2>(nb, w, x, out); break;
+                case 3: ktile<T, 4, 3>(nb, w, x, out); break;
+                default: ktile<T, 4, 4>(nb, w, x, out); break;
+            }
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+template <class T>
+float dot_k(int64_t n, const void *w, const void *a) {
+    const uint8_t *wp[1] = {static_cast<const uint8_t *>(w)};
+    const uint8_t *xp[1] = {static_cast<const uint8_t *>(a)};
+    float out[1][4];
+    ktile<T, 1, 1>(n / qk_k, wp, xp, out);
+    return out[0][0];
+}
+
+}  // namespace
+
+void fill_avx2_kquants(kernel_table &t) {
+    t.dot[slot(dtype::q2_k)] = dot_k<tr_q2_k>;
+    t.dot[slot(dtype::q4_k)] = dot_k<tr_q4_k>;
+    t.dot[slot(dtype::q5_k)] = dot_k<tr_q5_k>;
+    t.dot[slot(dtype::q6_k)] = dot_k<tr_q6_k>;
+    t.gemm[slot(dtype::q2_k)] = gemm_k<tr_q2_k>;
+    t.gemm[slot(dtype::q4_k)] = gemm_k<tr_q4_k>;
+    t.gemm[slot(dtype::q5_k)] = gemm_k<tr_q5_k>;
+    t.gemm[slot(dtype::q6_k)] = gemm_k<tr_q6_k>;
+}
+
+}  // namespace fathom::cpu::detail

@@ -1,0 +1,76 @@
+// Scalar reference vector kernels and the run-time choice of the best set (see vec.h).
+#include "backend/cpu/vec.h"
+
+#include "backend/cpu/quants.h"
+
+namespace fathom::cpu {
+
+const vec_kernels *vec_avx2_table();  // vec_avx2.cpp; only call after the CPUID check
+
+namespace {
+
+float dot_f32_generic(int64_t n, const float *a, const float *b) {
+    // Eight partial sums (same association as the 8-lane SIMD version, and faster scalar code).
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+    float r = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    for (; i < n; ++i) r += a[i] * b[i];
+    return r;
+}
+
+float dot_f16_generic(int64_t n, const uint16_t *a, const float *b) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] += f16_to_f32(a[i + j]) * b[i + j];
+    float r = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    for (; i < n; ++i) r += f16_to_f32(a[i]) * b[i];
+    return r;
+}
+
+void axpy_f32_generic(int64_t n, float a, const float *x, float *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void axpy_f16_generic(int64_t n, float a, const uint16_t *x, float *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * f16_to_f32(x[i]);
+}
+
+void f16_to_f32_row_generic(int64_t n, const uint16_t *x, float *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f16_to_f32(x[i]);
+}
+
+void f32_to_f16_row_generic(int64_t n, const float *x, uint16_t *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+
+const vec_kernels kGeneric{dot_f32_generic, dot_f16_generic, axpy_f32_generic, axpy_f16_generic,
+                           f16_to_f32_row_generic, f32_to_f16_row_generic};
+
+const vec_kernels &choose() {
+    if (const vec_kernels *k = vec_avx2()) return *k;
+    return kGeneric;
+}
+
+}  // namespace
+
+const vec_kernels &vec_generic() { return kGeneric; }
+
+const vec_kernels *vec_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+    return ok ? vec_avx2_table() : nullptr;
+#else
+    return nullptr;
+#endif
+}
+
+const vec_kernels &vec() {
+    static const vec_kernels &k = choose();
+    return k;
+}
+
+}  // namespace fathom::cpu

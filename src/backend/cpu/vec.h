@@ -1,0 +1,22 @@
+// Small f32/f16 vector kernels used by the CPU backend's attention and elementwise ops, with a
+// scalar generic version (vec.cpp) and an AVX2+FMA+F16C override (vec_avx2.cpp) picked once from
+// CPUID. (Quantised dot products live in quants.h, owned separately.)
+#pragma once
+#include <cstdint>
+
+namespace fathom::cpu {
+
+struct vec_kernels {
+    float (*dot_f32)(int64_t n, const float *a, const float *b);
+    float (*dot_f16)(int64_t n, const uint16_t *a, const float *b);      // a: f16 bits
+    void (*axpy_f32)(int64_t n, float a, const float *x, float *y);      // y += a*x
+    void (*axpy_f16)(int64_t n, float a, const uint16_t *x, float *y);   // y += a*x, x: f16 bits
+    void (*f16_to_f32_row)(int64_t n, const uint16_t *x, float *y);
+    void (*f32_to_f16_row)(int64_t n, const float *x, uint16_t *y);      // round to nearest even
+};
+
+const vec_kernels &vec();            // best kernels for this CPU
+const vec_kernels &vec_generic();    // scalar reference
+const vec_kernels *vec_avx2();       // null if not compiled in / not supported
+
+}  // namespace fathom::cpu

@@ -1,0 +1,223 @@
+// DeepSeek V4 Flash ("DS4") reference model: hyper-parameters, weights bound to a GGUF mapping
+// (llama.cpp `deepseek4` layout), the explicit evaluation state and the f32 forward pass.
+//
+// Normative description: ../shared/reference/ds4-architecture.md (section numbers below refer to it).
+// The forward is evaluated layer-major over a chunk of tokens (prefill chunk of n tokens; decode is
+// n = 1); all model state lives in `ds4::state`, so any split of a sequence into chunks gives the same
+// logits up to f32 rounding.
+//
+// File map: deepseek4_load.cpp (hparams + tensors + validation), deepseek4_ops.* (f32 helpers),
+// deepseek4_qat.* (FP8/FP4/Hadamard round trips), deepseek4_attn.cpp (attention, compressors,
+// indexer), deepseek4_moe.cpp (hyper-connections, MoE), deepseek4_forward.cpp (layer builder),
+// deepseek4_mtp.cpp (multi-token-prediction head).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+#include "fathom/engine.h"
+
+namespace fathom::gguf {
+class file;
+}
+
+namespace fathom::ds4 {
+
+// Which quantisation-aware-training round trips are simulated (spec section 8).
+//   full    : QAT-1 (FP8 e4m3 on non-RoPE KV dims) and QAT-2 (Hadamard + FP4 e2m1 on indexer q/k)
+//   fp4only : QAT-2 only (what one copy of the official TileLang kernel computes)
+//   off     : neither
+enum class qat_mode { full, fp4only, off };
+
+struct hparams {
+    int n_layer = 0;         // main-model blocks (block_count - nextn_predict_layers)
+    int n_nextn = 0;         // MTP blocks stored after the main ones (llama.cpp MTP files)
+    int n_embd = 0;          // D
+    int n_vocab = 0;
+    int n_head = 0;          // H query heads (one shared K=V row)
+    int head_dim = 0;        // d (q, k and v)
+    int n_rot = 0;           // RoPE dims at the tail of each head
+    int q_lora = 0;          // Q low rank
+    int o_groups = 0;        // output groups
+    int o_rank = 0;          // output low rank per group
+    int window = 0;          // raw sliding window (rows, including the query itself)
+    int n_expert = 0;
+    int n_expert_used = 0;
+    int n_expert_shared = 0; // 0 or 1
+    int n_ff_exp = 0;        // routed and shared expert width
+    int n_hash_layer = 0;    // first layers use tid2eid hash routing
+    int idx_head = 0;        // indexer heads
+    int idx_dim = 0;         // indexer head dim (power of two: Hadamard)
+    int idx_topk = 0;
+    int n_hc = 0;            // hyper-connection streams
+    int sinkhorn_iters = 0;
+    float hc_eps = 0;
+    float rms_eps = 0;
+    float rope_base = 0;           // ratio-0 layers, no YaRN
+    float compress_rope_base = 0;  // compressed layers, their compressors and indexer (YaRN)
+    float yarn_factor = 0;
+    float yarn_beta_fast = 0;
+    float yarn_beta_slow = 0;
+    int64_t yarn_orig_ctx = 0;
+    float expert_weights_scale = 0;
+    std::vector<int> compress_ratio;  // [n_layer + n_nextn]: 0, or R >= 2 (overlap iff R == 4)
+    std::vector<float> clamp_exp;     // [n_layer + n_nextn] SwiGLU clamp, routed experts
+    std::vector<float> clamp_shexp;   // [n_layer + n_nextn] SwiGLU clamp, shared expert
+};
+
+// Read and validate hyper-parameters. Throws fathom::error naming the key.
+hparams load_hparams(const gguf::file &f);
+
+// A 2-D weight in torch orientation [rows = out, cols = in], rows `row_bytes` apart. Any dtype with
+// CPU dequantisation; `data` points into the GGUF mapping (or at a column offset inside a wider row).
+struct matrix {
+    dtype type = dtype::f32;
+    const uint8_t *data = nullptr;
+    int64_t rows = 0;
+    int64_t cols = 0;
+    size_t row_bytes = 0;
+    const uint8_t *row(int64_t r) const { return data + static_cast<size_t>(r) * row_bytes; }
+};
+
+// Stacked experts: ggml {cols, rows, n}; expert e is a [rows, cols] matrix.
+struct expert_bank {
+    matrix first;             // expert 0
+    int64_t n = 0;
+    size_t expert_bytes = 0;  // rows * row_bytes
+    matrix expert(int64_t e) const {
+        matrix m = first;
+        m.data += static_cast<size_t>(e) * expert_bytes;
+        return m;
+    }
+};
+
+struct hc_weights {          // one hyper-connection mixer (spec 3.1 / 3.4)
+    matrix fn;               // [n_mix, n_hc*D], n_mix = (2+n_hc)*n_hc (sublayer) or n_hc (head)
+    std::vector<float> base; // [n_mix]
+    std::vector<float> scale;// [3] (sublayer) or [1] (head)
+};
+
+struct compressor_weights {  // spec 4.4; c = 2 if ratio == 4 (overlapping windows) else 1
+    int ratio = 0;
+    int dim = 0;             // d' (row width)
+    matrix kv;               // [c*d', D]
+    matrix gate;             // [c*d', D]
+    std::vector<float> ape;  // [ratio, c*d']
+    std::vector<float> norm; // [d']
+};
+
+struct layer_weights {
+    int ratio = 0;           // 0: window only
+    bool hash = false;       // hash-routed (tid2eid) instead of learned routing + bias
+    float clamp = 0;         // SwiGLU clamp, routed experts
+    float clamp_sh = 0;      // SwiGLU clamp, shared expert
+    std::vector<float> attn_norm, ffn_norm;  // [D]
+    hc_weights hc_attn, hc_ffn;
+    matrix q_a;                     // [q_lora, D]
+    std::vector<float> q_a_norm;    // [q_lora]
+    matrix q_b;                     // [H*d, q_lora]
+    matrix kv;                      // [d, D]
+    std::vector<float> kv_norm;     // [d]
+    std::vector<float> sinks;       // [H]
+    matrix out_a;                   // [G*o_rank, (H/G)*d]
+    matrix out_b;                   // [D, G*o_rank]
+    compressor_weights comp;        // ratio > 0
+    // indexer (ratio == 4)
+    matrix idx_q_b;                 // [idx_head*idx_dim, q_lora]
+    matrix idx_proj;                // [idx_head, D]
+    compressor_weights idx_comp;
+    // MoE
+    matrix gate_inp;                // [E, D]
+    std::vector<float> exp_bias;    // [E] (learned routing)
+    std::vector<int32_t> tid2eid;   // [n_vocab, used] (hash routing)
+    expert_bank gate_exps, up_exps; // each expert [F, D]
+    expert_bank down_exps;          // each expert [D, F]
+    matrix gate_sh, up_sh;          // [F, D]
+    matrix down_sh;                 // [D, F]
+};
+
+struct model {
+    hparams hp;
+    std::shared_ptr<const gguf::file> file;  // keeps the mapping alive
+    matrix tok_embd;                         // [n_vocab, D]
+    matrix output;                           // [n_vocab, D]
+    std::vector<float> output_norm;          // [D]
+    hc_weights hc_head;
+    std::vector<layer_weights> layers;       // [n_layer]
+};
+
+// Bind and validate every tensor of the main model. Throws fathom::error naming the tensor.
+std::unique_ptr<model> load_model(std::shared_ptr<const gguf::file> f);
+std::unique_ptr<model> load_model(const std::string &path);
+
+// Load one block whose tensors are named `<prefix><suffix>` (e.g. "blk.3.", "mtp.0.").
+layer_weights load_layer(const gguf::file &f, const hparams &hp, const std::string &prefix, int ratio,
+                         bool hash, float clamp, float clamp_sh);
+
+// ---- evaluation state --------------------------------------------------------------------------
+
+// Rows of fixed width stored in f32 or f16 (KV cache precision).
+class row_store {
+public:
+    row_store() = default;
+    row_store(int64_t width, kv_precision prec) : width_(width), prec_(prec) {}
+    int64_t width() const { return width_; }
+    int64_t size() const { return n_rows_; }
+    void resize(int64_t n_rows);
+    void set(int64_t r, const float *src);  // rounds through f16 when stored as f16
+    void push(const float *src);
+    void get(int64_t r, float *dst) const;
+private:
+    int64_t width_ = 0;
+    kv_precision prec_ = kv_precision::f32;
+    int64_t n_rows_ = 0;
+    std::vector<float> f32_;
+    std::vector<uint16_t> f16_;
+};
+
+// Compressor frontier (spec 4.4, decode state): `slots` rows of (a, g), each c*d' wide.
+// ratio 4: 8 slots (0..3 previous block, 4..7 current block); otherwise `ratio` slots.
+struct compressor_state {
+    int ratio = 0;
+    int dim = 0;
+    std::vector<float> kv;     // [slots, c*d']
+    std::vector<float> score;  // [slots, c*d'], -inf where empty
+};
+
+struct layer_state {
+    row_store raw;             // ring of `window` raw KV rows, slot = pos mod window
+    compressor_state comp;     // attention compressor frontier (ratio > 0)
+    row_store comp_rows;       // emitted attention-compressor rows [n_comp, d]
+    compressor_state idx_comp; // indexer compressor frontier (ratio == 4)
+    row_store idx_rows;        // emitted indexer rows [n_comp, idx_dim]
+};
+
+struct state {
+    int64_t n_past = 0;        // tokens evaluated so far (next position)
+    qat_mode qat = qat_mode::full;
+    kv_precision kv = kv_precision::f32;
+    std::vector<layer_state> layers;
+};
+
+// Fresh state for `m` (no tokens).
+state new_state(const model &m, qat_mode qat, kv_precision kv);
+layer_state new_layer_state(const hparams &hp, const layer_weights &lw, kv_precision kv);
+
+// What forward() returns besides logits.
+struct forward_out {
+    // [n, n_vocab] logits of every token, or [n_vocab] of the last one only (size decides).
+    std::span<float> logits;
+    // optional [n, n_hc, D]: final hyper-connection state of every token (before the HC head),
+    // the input of the MTP head.
+    std::span<float> hc_state;
+};
+
+// Evaluate `tokens` at `positions` (must be n_past, n_past+1, ...), updating `st`.
+void forward(const model &m, state &st, std::span<const int32_t> tokens,
+             std::span<const int64_t> positions, const forward_out &out);
+
+}  // namespace fathom::ds4

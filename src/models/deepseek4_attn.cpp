@@ -1,0 +1,254 @@
+// DS4 attention sublayer (spec section 4): low-rank Q with per-head norm, one shared K=V row,
+// partial interleaved RoPE, the raw sliding-window ring, the KV compressors (ratio 4 with
+// overlapping windows, ratio 128 without), the indexer's top-k choice of compressed rows, sink
+// attention, inverse RoPE on outputs and the grouped low-rank output projection.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "models/deepseek4_impl.h"
+#include "models/deepseek4_qat.h"
+
+namespace fathom::ds4 {
+
+rope_set make_rope_set(const hparams &hp) {
+    rope_set r;
+    r.plain = rope_plain(hp.rope_base, hp.n_rot);
+    r.yarn = rope_yarn(hp.compress_rope_base, hp.n_rot, hp.yarn_factor, hp.yarn_orig_ctx, hp.yarn_beta_fast,
+                       hp.yarn_beta_slow);
+    return r;
+}
+
+// ---- compressor --------------------------------------------------------------------------------------
+
+bool compressor_push(compressor_state &s, const compressor_weights &w, const float *a, const float *g, int64_t pos,
+                     float *pooled) {
+    const int R = w.ratio, dp = w.dim;
+    const bool overlap = R == 4;
+    const int width = (overlap ? 2 : 1) * dp;
+    const int phase = static_cast<int>(pos % R);
+    const size_t slot = static_cast<size_t>(overlap ? R + phase : phase);
+    const float *ape = w.ape.data() + static_cast<size_t>(phase) * static_cast<size_t>(width);
+    for (int j = 0; j < width; ++j) {
+        s.kv[slot * static_cast<size_t>(width) + static_cast<size_t>(j)] = a[j];
+        s.score[slot * static_cast<size_t>(width) + static_cast<size_t>(j)] = g[j] + ape[j];
+    }
+    if ((pos + 1) % R != 0) return false;
+
+    // Candidates per channel j: overlap -> previous block's first half (slots 0..R-1, column j) and
+    // the current block's second half (slots R..2R-1, column dp+j); otherwise the R slots, column j.
+    const int n_cand = overlap ? 2 * R : R;
+    std::vector<float> wgt(static_cast<size_t>(n_cand));
+    for (int j = 0; j < dp; ++j) {
+        auto at = [&](int t) {
+            const int col = overlap && t >= R ? dp + j : j;
+            return static_cast<size_t>(t) * static_cast<size_t>(width) + static_cast<size_t>(col);
+        };
+        float mx = -INFINITY;
+        for (int t = 0; t < n_cand; ++t) mx = std::max(mx, s.score[at(t)]);
+        float sum = 0;
+        for (int t = 0; t < n_cand; ++t) sum += (wgt[static_cast<size_t>(t)] = std::exp(s.score[at(t)] - mx));
+        float acc = 0;
+        for (int t = 0; t < n_cand; ++t) {
+            const float wt = wgt[static_cast<size_t>(t)] / sum;
+            if (wt != 0.0f) acc += s.kv[at(t)] * wt;  // skips empty (-inf score, value 0) candidates
+        }
+        pooled[j] = acc;
+    }
+    if (overlap) {  // the current block becomes the previous one
+        const size_t half = static_cast<size_t>(R) * static_cast<size_t>(width);
+        std::copy(s.kv.begin() + static_cast<std::ptrdiff_t>(half), s.kv.end(), s.kv.begin());
+        std::copy(s.score.begin() + static_cast<std::ptrdiff_t>(half), s.score.end(), s.score.begin());
+    }
+    return true;
+}
+
+// Emitted row: RMSNorm, RoPE at the block start, then the QAT round trip of its kind.
+static void compressor_finish(const hparams &hp, const rope_set &ropes, const compressor_weights &w, bool indexer,
+                              qat_mode qat, int64_t pos, float *row) {
+    rms_norm(row, w.dim, w.norm.data(), hp.rms_eps, row);
+    const int64_t block_start = pos + 1 - w.ratio;
+    rope_apply(row + (w.dim - hp.n_rot), ropes.yarn, block_start, false);
+    if (indexer) {
+        if (qat != qat_mode::off) {
+            hadamard_normalised(row, w.dim);
+            fp4_round_trip(row, w.dim);
+        }
+    } else if (qat == qat_mode::full) {
+        fp8_round_trip(row, w.dim - hp.n_rot);
+    }
+}
+
+// ---- indexer and attention kernels ------------------------------------------------------------------
+
+std::vector<int64_t> indexer_select(const float *q, const float *w, const row_store &rows, int64_t n, int idx_head,
+                                    int idx_dim, int topk) {
+    std::vector<int64_t> idx(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), 0);
+    if (n <= topk) return idx;
+    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim));
+    for (int64_t c = 0; c < n; ++c) {
+        rows.get(c, k.data());
+        float s = 0;
+        for (int h = 0; h < idx_head; ++h)
+            s += w[h] * std::max(0.0f, dot_f32(q + static_cast<int64_t>(h) * idx_dim, k.data(), idx_dim));
+        score[static_cast<size_t>(c)] = s;
+    }
+    std::partial_sort(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t b) {
+        const float sa = score[static_cast<size_t>(a)], sb = score[static_cast<size_t>(b)];
+        return sa > sb || (sa == sb && a < b);
+    });
+    idx.resize(static_cast<size_t>(topk));
+    std::sort(idx.begin(), idx.end());
+    return idx;
+}
+
+void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
+                      float scale, float *o) {
+    std::vector<float> s(static_cast<size_t>(n));
+    for (int h = 0; h < n_head; ++h) {
+        const float *qh = q + h * d;
+        float mx = sinks[h];
+        for (int64_t r = 0; r < n; ++r) mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
+        float denom = std::exp(sinks[h] - mx);
+        for (int64_t r = 0; r < n; ++r) denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
+        float *oh = o + h * d;
+        std::fill(oh, oh + d, 0.0f);
+        for (int64_t r = 0; r < n; ++r) {
+            const float p = s[static_cast<size_t>(r)] / denom;
+            const float *kr = kv + r * d;
+            for (int64_t i = 0; i < d; ++i) oh[i] += p * kr[i];
+        }
+    }
+}
+
+// ---- attention sublayer -------------------------------------------------------------------------------
+
+namespace {
+
+// Per-chunk projections of the attention sublayer (all [n, ...] row-major).
+struct attn_proj {
+    std::vector<float> q_lat;     // [n, q_lora]
+    std::vector<float> q;         // [n, H*d]  normed per head, RoPE'd
+    std::vector<float> kv;        // [n, d]    normed, RoPE'd, QAT-1
+    std::vector<float> ca, cg;    // [n, c*d]  attention compressor inputs
+    std::vector<float> iq;        // [n, IH*Id] indexer queries (RoPE, QAT-2)
+    std::vector<float> iw;        // [n, IH]    indexer head weights (scaled)
+    std::vector<float> ica, icg;  // [n, 2*Id]  indexer compressor inputs
+};
+
+std::vector<float> project(const matrix &w, const float *x, int64_t n) {
+    std::vector<float> y(static_cast<size_t>(n * w.rows));
+    matmul(w, x, n, y.data());
+    return y;
+}
+
+attn_proj project_attention(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
+                            const float *xn, std::span<const int64_t> pos) {
+    const int64_t n = static_cast<int64_t>(pos.size()), d = hp.head_dim, nr = hp.n_rot;
+    const rope_table &rope = ropes.for_ratio(l.ratio);
+    attn_proj p;
+    p.q_lat = project(l.q_a, xn, n);
+    for (int64_t i = 0; i < n; ++i)
+        rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
+                 &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
+    p.q = project(l.q_b, p.q_lat.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+        for (int h = 0; h < hp.n_head; ++h) {
+            float *qh = &p.q[static_cast<size_t>((i * hp.n_head + h) * d)];
+            rms_norm(qh, d, nullptr, hp.rms_eps, qh);
+            rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+        }
+    p.kv = project(l.kv, xn, n);
+    for (int64_t i = 0; i < n; ++i) {
+        float *k = &p.kv[static_cast<size_t>(i * d)];
+        rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
+        rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+        if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
+    }
+    if (l.ratio > 0) {
+        p.ca = project(l.comp.kv, xn, n);
+        p.cg = project(l.comp.gate, xn, n);
+    }
+    return p;
+}
+
+void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
+                     const float *xn, std::span<const int64_t> pos, attn_proj &p) {
+    const int64_t n = static_cast<int64_t>(pos.size()), Id = hp.idx_dim;
+    p.iq = project(l.idx_q_b, p.q_lat.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+        for (int h = 0; h < hp.idx_head; ++h) {
+            float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
+            rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
+            if (qat != qat_mode::off) {
+                hadamard_normalised(qh, Id);
+                fp4_round_trip(qh, Id);
+            }
+        }
+    p.iw = project(l.idx_proj, xn, n);
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
+    for (float &w : p.iw) w *= scale;
+    p.ica = project(l.idx_comp.kv, xn, n);
+    p.icg = project(l.idx_comp.gate, xn, n);
+}
+
+// Grouped low-rank output projection (spec 4.7): o [H*d] -> y [D].
+void output_projection(const hparams &hp, const layer_weights &l, const float *o, float *y) {
+    const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim;
+    std::vector<float> z(static_cast<size_t>(hp.o_groups * hp.o_rank));
+    for (int g = 0; g < hp.o_groups; ++g)
+        matmul_rows(l.out_a, static_cast<int64_t>(g) * hp.o_rank, static_cast<int64_t>(g + 1) * hp.o_rank, o + g * gd,
+                    1, z.data() + static_cast<size_t>(g) * static_cast<size_t>(hp.o_rank));
+    matmul(l.out_b, z.data(), 1, y);
+}
+
+}  // namespace
+
+void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
+                     const float *xn, std::span<const int64_t> positions, float *y) {
+    const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = hp.n_head, W = hp.window;
+    attn_proj p = project_attention(hp, ropes, l, qat, xn, positions);
+    if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
+    const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d), icw = static_cast<size_t>(2 * hp.idx_dim);
+    std::vector<float> rows, row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
+    std::vector<float> o(static_cast<size_t>(H * d));
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = positions[static_cast<size_t>(i)];
+        const size_t ui = static_cast<size_t>(i);
+        // 1. state updates for token pos (all precede its attention): raw ring, compressors.
+        ls.raw.set(pos % W, &p.kv[ui * static_cast<size_t>(d)]);
+        if (l.ratio > 0 && compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row.data())) {
+            compressor_finish(hp, ropes, l.comp, false, qat, pos, row.data());
+            ls.comp_rows.push(row.data());
+        }
+        if (l.ratio == 4 && compressor_push(ls.idx_comp, l.idx_comp, &p.ica[ui * icw], &p.icg[ui * icw], pos, irow.data())) {
+            compressor_finish(hp, ropes, l.idx_comp, true, qat, pos, irow.data());
+            ls.idx_rows.push(irow.data());
+        }
+        // 2. candidate rows: raw window max(0, pos-W+1)..pos, then the chosen compressed rows.
+        const int64_t first = std::max<int64_t>(0, pos - W + 1);
+        const int64_t n_comp = l.ratio > 0 ? ls.comp_rows.size() : 0;
+        std::vector<int64_t> sel;
+        if (l.ratio == 4)
+            sel = indexer_select(&p.iq[ui * static_cast<size_t>(hp.idx_head * hp.idx_dim)],
+                                 &p.iw[ui * static_cast<size_t>(hp.idx_head)], ls.idx_rows, n_comp, hp.idx_head,
+                                 hp.idx_dim, hp.idx_topk);
+        else if (l.ratio > 0) {
+            sel.resize(static_cast<size_t>(n_comp));
+            std::iota(sel.begin(), sel.end(), 0);
+        }
+        const int64_t n_rows = pos - first + 1 + static_cast<int64_t>(sel.size());
+        rows.resize(static_cast<size_t>(n_rows * d));
+        int64_t r = 0;
+        for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % W, &rows[static_cast<size_t>(r * d)]);
+        for (int64_t c : sel) ls.comp_rows.get(c, &rows[static_cast<size_t>(r++ * d)]);
+        // 3. sink attention, inverse RoPE on each head's output, grouped output projection.
+        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data(), hp.n_head, d,
+                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), o.data());
+        for (int64_t h = 0; h < H; ++h) rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
+        output_projection(hp, l, o.data(), y + i * hp.n_embd);
+    }
+}
+
+}  // namespace fathom::ds4

@@ -1,0 +1,159 @@
+// DS4 hyper-connections (HC pre/post with Sinkhorn, HC head; spec section 3) and the MoE FFN
+// (sqrt-softplus router, hash or biased top-k routing, clamped SwiGLU experts, shared expert;
+// spec section 5).
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "models/deepseek4_impl.h"
+
+namespace fathom::ds4 {
+
+// ---- hyper-connections ----------------------------------------------------------------------------
+
+void sinkhorn(float *c, int n, int iters, float eps) {
+    // 1. row softmax, + eps
+    for (int j = 0; j < n; ++j) {
+        float *row = c + j * n;
+        const float mx = *std::max_element(row, row + n);
+        float sum = 0;
+        for (int k = 0; k < n; ++k) sum += (row[k] = std::exp(row[k] - mx));
+        for (int k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
+    }
+    auto col_norm = [&] {
+        for (int k = 0; k < n; ++k) {
+            float s = 0;
+            for (int j = 0; j < n; ++j) s += c[j * n + k];
+            for (int j = 0; j < n; ++j) c[j * n + k] /= (s + eps);
+        }
+    };
+    auto row_norm = [&] {
+        for (int j = 0; j < n; ++j) {
+            float s = 0;
+            for (int k = 0; k < n; ++k) s += c[j * n + k];
+            for (int k = 0; k < n; ++k) c[j * n + k] /= (s + eps);
+        }
+    };
+    // 2. column normalise; 3. (iters - 1) rounds of row then column normalisation.
+    col_norm();
+    for (int it = 1; it < iters; ++it) {
+        row_norm();
+        col_norm();
+    }
+}
+
+void hc_split_sinkhorn(const float *mix, const float *scale, const float *base, int n_hc, int iters, float eps,
+                       float *pre, float *post, float *comb) {
+    for (int s = 0; s < n_hc; ++s) {
+        pre[s] = sigmoid(mix[s] * scale[0] + base[s]) + eps;
+        post[s] = 2.0f * sigmoid(mix[n_hc + s] * scale[1] + base[n_hc + s]);
+    }
+    for (int i = 0; i < n_hc * n_hc; ++i) comb[i] = mix[2 * n_hc + i] * scale[2] + base[2 * n_hc + i];
+    sinkhorn(comb, n_hc, iters, eps);
+}
+
+// m = (F v) / sqrt(mean(v^2) + eps) for the flattened state v [n_hc*D].
+static std::vector<float> hc_mix(const hparams &hp, const hc_weights &w, const float *x) {
+    const int64_t n = static_cast<int64_t>(hp.n_hc) * hp.n_embd;
+    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
+    matmul(w.fn, x, 1, mix.data());
+    double ss = 0;
+    for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + hp.rms_eps));
+    for (float &m : mix) m *= r;
+    return mix;
+}
+
+// u = sum_s w[s] * X_s
+static void hc_weighted_sum(int n_hc, int64_t dim, const float *w, const float *x, float *u) {
+    for (int64_t i = 0; i < dim; ++i) {
+        float acc = 0;
+        for (int s = 0; s < n_hc; ++s) acc += w[s] * x[s * dim + i];
+        u[i] = acc;
+    }
+}
+
+void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
+    const std::vector<float> mix = hc_mix(hp, w, x);
+    std::vector<float> pre(static_cast<size_t>(hp.n_hc));
+    hc_split_sinkhorn(mix.data(), w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps, pre.data(),
+                      post, comb);
+    hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, u);
+}
+
+void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post, const float *comb,
+             float *x_new) {
+    for (int k = 0; k < n_hc; ++k)
+        for (int64_t i = 0; i < dim; ++i) {
+            float acc = post[k] * y[i];
+            for (int j = 0; j < n_hc; ++j) acc += comb[j * n_hc + k] * x_old[j * dim + i];
+            x_new[k * dim + i] = acc;
+        }
+}
+
+void hc_head(const hparams &hp, const hc_weights &w, const float *x, float *z) {
+    const std::vector<float> mix = hc_mix(hp, w, x);
+    std::vector<float> pre(static_cast<size_t>(hp.n_hc));
+    for (int s = 0; s < hp.n_hc; ++s) pre[static_cast<size_t>(s)] = sigmoid(mix[s] * w.scale[0] + w.base[s]) + hp.hc_eps;
+    hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, z);
+}
+
+// ---- MoE ---------------------------------------------------------------------------------------------
+
+route moe_route(const hparams &hp, const layer_weights &l, const float *logits, int32_t token) {
+    const int E = hp.n_expert, k = hp.n_expert_used;
+    std::vector<float> score(static_cast<size_t>(E));
+    for (int e = 0; e < E; ++e) score[static_cast<size_t>(e)] = std::sqrt(softplus(logits[e]));
+    route r;
+    if (l.hash) {
+        const int32_t *row = l.tid2eid.data() + static_cast<size_t>(token) * static_cast<size_t>(k);
+        r.experts.assign(row, row + k);
+    } else {
+        // top-k of score + bias (bias selects only); ties -> lower expert id
+        std::vector<float> biased(score);
+        for (int e = 0; e < E; ++e) biased[static_cast<size_t>(e)] += l.exp_bias[static_cast<size_t>(e)];
+        std::vector<int> idx(static_cast<size_t>(E));
+        std::iota(idx.begin(), idx.end(), 0);
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
+            return biased[static_cast<size_t>(a)] > biased[static_cast<size_t>(b)] ||
+                   (biased[static_cast<size_t>(a)] == biased[static_cast<size_t>(b)] && a < b);
+        });
+        r.experts.assign(idx.begin(), idx.begin() + k);
+    }
+    float sum = 0;
+    for (int e : r.experts) sum += score[static_cast<size_t>(e)];
+    for (int e : r.experts) r.weights.push_back(score[static_cast<size_t>(e)] / sum * hp.expert_weights_scale);
+    return r;
+}
+
+void swiglu_clamped(float *g, const float *v, int64_t n, float clamp) {
+    for (int64_t i = 0; i < n; ++i) g[i] = silu(std::min(g[i], clamp)) * std::clamp(v[i], -clamp, clamp);
+}
+
+// y += W2 (w * swiglu(W1 x, W3 x)) for one expert (the routing weight multiplies h before W2).
+static void expert_add(const matrix &w1, const matrix &w3, const matrix &w2, float clamp, float weight,
+                       const float *xn, float *y, std::vector<float> &g, std::vector<float> &v,
+                       std::vector<float> &out) {
+    matmul(w1, xn, 1, g.data());
+    matmul(w3, xn, 1, v.data());
+    swiglu_clamped(g.data(), v.data(), w1.rows, clamp);
+    for (int64_t i = 0; i < w1.rows; ++i) g[static_cast<size_t>(i)] *= weight;
+    matmul(w2, g.data(), 1, out.data());
+    for (int64_t i = 0; i < w2.rows; ++i) y[i] += out[static_cast<size_t>(i)];
+}
+
+void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y) {
+    std::vector<float> logits(static_cast<size_t>(hp.n_expert));
+    matmul(l.gate_inp, xn, 1, logits.data());
+    const route r = moe_route(hp, l, logits.data(), token);
+    std::vector<float> g(static_cast<size_t>(hp.n_ff_exp)), v(g.size()), out(static_cast<size_t>(hp.n_embd));
+    std::fill(y, y + hp.n_embd, 0.0f);
+    for (size_t i = 0; i < r.experts.size(); ++i) {
+        const int e = r.experts[i];
+        expert_add(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp, r.weights[i], xn, y,
+                   g, v, out);
+    }
+    if (hp.n_expert_shared == 1) expert_add(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, 1.0f, xn, y, g, v, out);
+}
+
+}  // namespace fathom::ds4

@@ -1,0 +1,44 @@
+// Small self-contained f32 helpers for the DS4 reference forward: matrix x vectors over dequantised
+// rows, RMSNorm, interleaved partial RoPE with YaRN frequencies, and scalar activations.
+// Reductions accumulate in a fixed order (double for norms, 8 float lanes for dot products) so
+// results do not depend on threading or chunking.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "models/deepseek4.h"
+
+namespace fathom::ds4 {
+
+// Dot product of n floats (8 independent lanes, then a fixed-order sum).
+float dot_f32(const float *a, const float *b, int64_t n);
+
+// y[i*W.rows + r] = sum_c W[r][c] * x[i*W.cols + c] for i in [0, n). Rows are dequantised once per
+// call (any dtype with CPU dequantisation; f32 rows are read in place when aligned).
+void matmul(const matrix &w, const float *x, int64_t n, float *y);
+// Same for a row range [r0, r1): y[i*(r1-r0) + (r-r0)].
+void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y);
+
+// out = x / sqrt(mean(x^2) + eps) * w (w may be null: no weight). out may alias x.
+void rms_norm(const float *x, int64_t n, const float *w, float eps, float *out);
+
+// RoPE frequencies for one layer kind (spec 4.2): f_i for i in [0, n_rot/2).
+struct rope_table {
+    std::vector<float> freq;
+};
+// Plain RoPE: f_i = base^(-2i/n_rot), in f32 as the official table computes it.
+rope_table rope_plain(float base, int n_rot);
+// YaRN-blended frequencies (no magnitude factor): pairs below the correction range keep b_i,
+// pairs above are divided by `factor`, linear ramp in between.
+rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, float beta_fast,
+                     float beta_slow);
+// Rotate interleaved pairs (x[2i], x[2i+1]) of the n_rot dims at x by pos*f_i (inverse: -pos*f_i).
+void rope_apply(float *x, const rope_table &t, int64_t pos, bool inverse);
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// torch softplus (beta 1, threshold 20).
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+}  // namespace fathom::ds4

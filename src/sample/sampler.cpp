@@ -1,0 +1,302 @@
+// Token sampler: implements include/fathom/sampling.h.
+//
+// One call of sampler::sample() runs the stages in llama.cpp's order on a candidate list
+// [n_vocab] of (token, logit):
+//
+//   penalties (repeat / frequency / presence over the last N history tokens)
+//     -> [logprobs of the full penalised distribution, if asked]
+//     -> temperature == 0 ? argmax (ties -> lowest id)
+//     -> top-k -> top-p -> min-p -> temperature -> draw with the seeded RNG.
+//
+// top-p and min-p see the logits before temperature (as in llama.cpp); temperature only reshapes
+// the distribution the survivors are drawn from. All working buffers live in impl and are sized on
+// the first call (or when n_vocab changes), so steady-state sampling does not allocate, except
+// for sample_result::top when n_logprobs > 0 (it is returned by value).
+#include "fathom/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "core/error.h"
+
+namespace fathom {
+
+// ---------------------------------------------------------------------------------------------
+// Parameter validation
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+std::string fmt_float(float v) {
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+    return std::to_string(v);
+}
+
+[[noreturn]] void bad_param(const char *name, const std::string &value, const char *rule) {
+    throw error(std::string("invalid sampling parameter ") + name + " = " + value + ": " + rule);
+}
+
+}  // namespace
+
+void sampling_params::validate() const {
+    // Written as !(ok) so that NaN, for which every comparison is false, fails each check.
+    if (!(std::isfinite(temperature) && temperature >= 0.0f))
+        bad_param("temperature", fmt_float(temperature), "must be a finite number >= 0");
+    if (top_k < 0) bad_param("top_k", std::to_string(top_k), "must be >= 0 (0 = off)");
+    if (!(top_p > 0.0f && top_p <= 1.0f))
+        bad_param("top_p", fmt_float(top_p), "must be in (0, 1] (1 = off)");
+    if (!(min_p >= 0.0f && min_p <= 1.0f))
+        bad_param("min_p", fmt_float(min_p), "must be in [0, 1] (0 = off)");
+    if (!(std::isfinite(repeat_penalty) && repeat_penalty > 0.0f))
+        bad_param("repeat_penalty", fmt_float(repeat_penalty), "must be a finite number > 0 (1 = off)");
+    if (repeat_last_n < -1)
+        bad_param("repeat_last_n", std::to_string(repeat_last_n), "must be >= -1 (-1 = whole history, 0 = off)");
+    if (!std::isfinite(frequency_penalty))
+        bad_param("frequency_penalty", fmt_float(frequency_penalty), "must be finite");
+    if (!std::isfinite(presence_penalty))
+        bad_param("presence_penalty", fmt_float(presence_penalty), "must be finite");
+    if (n_logprobs < 0) bad_param("n_logprobs", std::to_string(n_logprobs), "must be >= 0");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampler state
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+struct candidate {
+    int32_t token;
+    float logit;
+};
+
+// Descending logit, ties broken by ascending id: a strict weak order on finite-or--inf logits
+// that makes every truncation and the greedy choice deterministic.
+inline bool better(const candidate &a, const candidate &b) {
+    if (a.logit != b.logit) return a.logit > b.logit;
+    return a.token < b.token;
+}
+
+}  // namespace
+
+struct sampler::impl {
+    sampling_params params;
+    std::mt19937_64 rng;
+
+    std::vector<float> full;         // [n_vocab] penalised logits, indexed by token id
+    std::vector<candidate> cand;     // [n_vocab] working set, shrinks through the truncation stages
+    std::vector<candidate> ranked;   // [n_vocab] copy used to rank logprob alternatives
+    std::vector<int32_t> counts;     // [n_vocab] occurrences in the penalty window (zeroed after use)
+    std::vector<int32_t> touched;    // distinct tokens whose counts are non-zero
+    std::vector<double> probs;       // [n_cand] unnormalised probabilities of the survivors
+    bool sorted = false;             // cand is ordered by better()
+
+    explicit impl(const sampling_params &p) : params(p), rng(p.seed) {}
+
+    void prepare(std::span<const float> logits);
+    void apply_penalties(std::span<const int32_t> history);
+    void fill_logprobs(sample_result &out, int32_t chosen);
+    int32_t argmax() const;
+    void sort_all();
+    void apply_top_k();
+    void apply_top_p();
+    void apply_min_p();
+    int32_t draw();
+};
+
+// Copies logits into `full`, rejecting values no distribution can be built from
+// (NaN, +inf, or nothing but -inf). Buffers grow only when n_vocab does.
+void sampler::impl::prepare(std::span<const float> logits) {
+    const size_t n = logits.size();
+    if (n == 0) throw error("sampler: empty logits");
+    if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+        throw error("sampler: vocabulary too large (" + std::to_string(n) + " logits)");
+    if (full.size() != n) {
+        full.resize(n);
+        counts.assign(n, 0);
+        touched.reserve(n);  // distinct tokens in any window <= n_vocab: never regrows
+        cand.reserve(n);
+        ranked.reserve(n);
+        probs.reserve(n);
+    }
+    bool any_finite = false;
+    for (size_t i = 0; i < n; ++i) {
+        const float v = logits[i];
+        if (std::isnan(v) || v == std::numeric_limits<float>::infinity())
+            throw error("sampler: logit of token " + std::to_string(i) + " is " + fmt_float(v));
+        any_finite |= std::isfinite(v);
+        full[i] = v;
+    }
+    if (!any_finite) throw error("sampler: every logit is -inf");
+}
+
+// llama.cpp semantics for the repeat penalty (a positive logit is divided by it, a negative one
+// multiplied, so the token always becomes less likely); OpenAI semantics for frequency
+// (count * penalty) and presence (penalty once if count > 0), both subtracted.
+void sampler::impl::apply_penalties(std::span<const int32_t> history) {
+    const sampling_params &p = params;
+    if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
+    if (p.repeat_last_n == 0 || history.empty()) return;
+    size_t window = history.size();
+    if (p.repeat_last_n > 0) window = std::min(window, static_cast<size_t>(p.repeat_last_n));
+    const auto recent = history.subspan(history.size() - window);
+    const int64_t n_vocab = static_cast<int64_t>(full.size());
+    touched.clear();
+    for (int32_t t : recent) {
+        if (t < 0 || t >= n_vocab) {
+            for (int32_t u : touched) counts[u] = 0;  // leave counts clean for the next call
+            throw error("sampler: history token " + std::to_string(t) + " outside vocabulary [0, " +
+                        std::to_string(n_vocab) + ")");
+        }
+        if (counts[t]++ == 0) touched.push_back(t);
+    }
+    for (int32_t t : touched) {
+        float &l = full[t];
+        const int32_t c = counts[t];
+        if (std::isfinite(l)) {  // a masked (-inf) token stays masked
+            l = l > 0.0f ? l / p.repeat_penalty : l * p.repeat_penalty;
+            l -= static_cast<float>(c) * p.frequency_penalty + p.presence_penalty;
+        }
+        counts[t] = 0;
+    }
+}
+
+// Log-softmax over the full penalised distribution (before truncation and temperature).
+void sampler::impl::fill_logprobs(sample_result &out, int32_t chosen) {
+    float max_l = -std::numeric_limits<float>::infinity();
+    for (float l : full) max_l = std::max(max_l, l);
+    double sum = 0.0;
+    for (float l : full) sum += std::exp(static_cast<double>(l) - max_l);
+    const double log_z = max_l + std::log(sum);
+    out.logprob = static_cast<float>(full[chosen] - log_z);
+    const size_t n_top = std::min(static_cast<size_t>(params.n_logprobs), full.size());
+    if (n_top == 0) return;
+    ranked.resize(full.size());
+    for (size_t i = 0; i < full.size(); ++i) ranked[i] = {static_cast<int32_t>(i), full[i]};
+    std::partial_sort(ranked.begin(), ranked.begin() + static_cast<std::ptrdiff_t>(n_top), ranked.end(), better);
+    out.top.resize(n_top);
+    for (size_t i = 0; i < n_top; ++i)
+        out.top[i] = {ranked[i].token, static_cast<float>(ranked[i].logit - log_z)};
+}
+
+// Greedy choice: highest penalised logit; the strict > keeps the lowest id among ties.
+int32_t sampler::impl::argmax() const {
+    size_t best = 0;
+    for (size_t i = 1; i < full.size(); ++i)
+        if (full[i] > full[best]) best = i;
+    return static_cast<int32_t>(best);
+}
+
+void sampler::impl::sort_all() {
+    if (!sorted) std::sort(cand.begin(), cand.end(), better);
+    sorted = true;
+}
+
+void sampler::impl::apply_top_k() {
+    const size_t k = static_cast<size_t>(params.top_k);
+    if (k == 0 || k >= cand.size()) return;
+    // Partition the k best to the front, then order only those.
+    std::nth_element(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k - 1), cand.end(), better);
+    cand.resize(k);
+    std::sort(cand.begin(), cand.end(), better);
+    sorted = true;
+}
+
+// Keeps the shortest best-first prefix whose probability mass (softmax of the current logits)
+// reaches top_p; the token that crosses the threshold is kept, and at least one token always is.
+void sampler::impl::apply_top_p() {
+    if (params.top_p >= 1.0f || cand.size() <= 1) return;
+    sort_all();
+    const double max_l = cand[0].logit;
+    double z = 0.0;
+    for (const candidate &c : cand) z += std::exp(static_cast<double>(c.logit) - max_l);
+    double cum = 0.0;
+    size_t keep = cand.size();
+    for (size_t i = 0; i < cand.size(); ++i) {
+        cum += std::exp(static_cast<double>(cand[i].logit) - max_l) / z;
+        if (cum >= static_cast<double>(params.top_p)) {
+            keep = i + 1;
+            break;
+        }
+    }
+    cand.resize(keep);
+}
+
+// Keeps tokens whose probability is at least min_p times the best one's:
+// p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p). The best token always survives.
+void sampler::impl::apply_min_p() {
+    if (params.min_p <= 0.0f || cand.size() <= 1) return;
+    float max_l = -std::numeric_limits<float>::infinity();
+    for (const candidate &c : cand) max_l = std::max(max_l, c.logit);
+    const double threshold = static_cast<double>(max_l) + std::log(static_cast<double>(params.min_p));
+    size_t w = 0;
+    for (size_t i = 0; i < cand.size(); ++i)
+        if (static_cast<double>(cand[i].logit) >= threshold) cand[w++] = cand[i];
+    cand.resize(w);  // order-preserving compaction: a sorted list stays sorted
+}
+
+// Softmax of logit / temperature over the survivors, then one inverse-CDF draw with a 53-bit
+// uniform from the seeded generator.
+int32_t sampler::impl::draw() {
+    const double inv_t = 1.0 / static_cast<double>(params.temperature);
+    double max_s = -std::numeric_limits<double>::infinity();
+    for (const candidate &c : cand) max_s = std::max(max_s, c.logit * inv_t);
+    probs.resize(cand.size());
+    double z = 0.0;
+    for (size_t i = 0; i < cand.size(); ++i) {
+        // exp(-inf - finite) = 0: a masked token can never be drawn.
+        probs[i] = std::exp(cand[i].logit * inv_t - max_s);
+        z += probs[i];
+    }
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * z;  // u in [0, z)
+    double cum = 0.0;
+    for (size_t i = 0; i < cand.size(); ++i) {
+        cum += probs[i];
+        if (u < cum) return cand[i].token;
+    }
+    // Rounding left u at or above the final sum: take the last token with non-zero mass.
+    for (size_t i = cand.size(); i-- > 0;)
+        if (probs[i] > 0.0) return cand[i].token;
+    return cand[0].token;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public API
+// ---------------------------------------------------------------------------------------------
+
+sampler::sampler(const sampling_params &p) {
+    p.validate();
+    p_ = std::make_unique<impl>(p);
+}
+
+sampler::~sampler() = default;
+
+void sampler::reset() { p_->rng.seed(p_->params.seed); }
+
+sample_result sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
+    impl &s = *p_;
+    s.prepare(logits);
+    s.apply_penalties(history);
+
+    sample_result out;
+    int32_t chosen;
+    if (s.params.temperature == 0.0f) {
+        chosen = s.argmax();
+    } else {
+        s.cand.resize(s.full.size());
+        for (size_t i = 0; i < s.full.size(); ++i) s.cand[i] = {static_cast<int32_t>(i), s.full[i]};
+        s.sorted = false;
+        s.apply_top_k();
+        s.apply_top_p();
+        s.apply_min_p();
+        chosen = s.draw();
+    }
+    s.fill_logprobs(out, chosen);
+    out.token = chosen;
+    return out;
+}
+
+}  // namespace fathom

@@ -1,0 +1,410 @@
+// Scheduler worker: admission, chunked prefill under a token budget, batched decode, sampling,
+// stop strings, cancellation and the counters behind /metrics. See scheduler.h for the policy.
+#include "sched/scheduler.h"
+
+#include <algorithm>
+
+#include "sched/text_stream.h"
+
+namespace fathom::sched {
+
+using clock = std::chrono::steady_clock;
+
+static double secs(clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+const char *to_string(finish_reason r) {
+    switch (r) {
+    case finish_reason::none: return "none";
+    case finish_reason::eog: return "eog";
+    case finish_reason::stop_string: return "stop_string";
+    case finish_reason::length: return "length";
+    case finish_reason::cancelled: return "cancelled";
+    case finish_reason::error: return "error";
+    }
+    return "none";
+}
+
+// ---------------------------------------------------------------------------------------------
+// job channel and histogram
+// ---------------------------------------------------------------------------------------------
+
+bool job::next(event &ev, std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!cv_.wait_for(lk, timeout, [&] { return !events_.empty(); })) return false;
+    ev = std::move(events_.front());
+    events_.pop_front();
+    return true;
+}
+
+void job::post(event ev) {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        events_.push_back(std::move(ev));
+    }
+    cv_.notify_all();
+}
+
+histogram::histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size(), 0) {}
+
+void histogram::observe(double v) {
+    for (size_t i = 0; i < bounds.size(); ++i)
+        if (v <= bounds[i]) ++counts[i];
+    sum += v;
+    ++count;
+}
+
+scheduler_stats::scheduler_stats()
+    : ttft_s({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
+      token_latency_s({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}) {}
+
+// ---------------------------------------------------------------------------------------------
+// slots
+// ---------------------------------------------------------------------------------------------
+
+enum class phase { idle, prefill, decode };
+
+struct scheduler::slot {
+    int index = 0;
+    std::unique_ptr<session> sess;
+    std::shared_ptr<job> j;         // null when idle (written by the worker under mu_)
+    phase ph = phase::idle;
+    uint64_t seq = 0;               // admission order (FIFO among prefills)
+    size_t prefill_pos = 0;         // prompt tokens the session holds so far
+    int64_t n_reused = 0;
+    std::unique_ptr<sampler> smp;
+    std::vector<int32_t> history;   // prompt + generated, for penalties
+    std::unique_ptr<text_stream> ts;
+    int32_t pending = -1;           // sampled, not yet evaluated
+    int32_t n_gen = 0;
+    bool got_first = false;
+    double ttft = 0.0;
+    clock::time_point t_last;
+    int64_t n_tokens_published = 0; // session size as seen by stats() (under mu_)
+};
+
+static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
+    const size_t n = std::min(a.size(), b.size());
+    size_t i = 0;
+    while (i < n && a[i] == b[i]) ++i;
+    return i;
+}
+
+scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), opts_(opts) {
+    if (opts_.n_slots < 1) throw error("scheduler: --parallel must be >= 1 (got " + std::to_string(opts_.n_slots) + ")");
+    if (opts_.max_queue < 0) throw error("scheduler: queue size must be >= 0");
+    if (opts_.prefill_chunk < 1) throw error("scheduler: prefill chunk must be >= 1");
+    opts_.step_token_budget = std::max(opts_.step_token_budget, 1);
+    n_ctx_ = eng_.info().n_ctx;
+    for (int i = 0; i < opts_.n_slots; ++i) {
+        auto s = std::make_unique<slot>();
+        s->index = i;
+        s->sess = eng_.new_session();
+        slots_.push_back(std::move(s));
+    }
+    stats_.n_slots = opts_.n_slots;
+    stats_.queue_capacity = opts_.max_queue;
+    stats_.kv_tokens_capacity = int64_t(opts_.n_slots) * n_ctx_;
+    worker_ = std::thread([this] { worker_loop(); });
+}
+
+scheduler::~scheduler() { stop(); }
+
+void scheduler::stop() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+}
+
+std::shared_ptr<job> scheduler::submit(request req) {
+    if (req.prompt.empty()) throw error("the prompt is empty");
+    if (int64_t(req.prompt.size()) >= n_ctx_)
+        throw error("the prompt has " + std::to_string(req.prompt.size()) + " tokens but the context holds " +
+                    std::to_string(n_ctx_) + " (prompt plus at least one generated token)");
+    if (req.max_tokens <= 0) throw error("max_tokens must be > 0 (got " + std::to_string(req.max_tokens) + ")");
+    const int32_t n_vocab = eng_.info().n_vocab;
+    for (int32_t t : req.prompt)
+        if (t < 0 || t >= n_vocab)
+            throw error("prompt token " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+    req.sampling.validate();
+    auto j = std::make_shared<job>();
+    j->req_ = std::move(req);
+    j->t_submit_ = clock::now();
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stop_) throw queue_full("the server is shutting down");
+        int64_t idle = 0;
+        for (auto &s : slots_) idle += s->j ? 0 : 1;
+        if (int64_t(queue_.size()) >= opts_.max_queue + idle) {
+            ++stats_.requests_rejected;
+            throw queue_full("the server is busy: " + std::to_string(queue_.size()) + " requests are waiting (limit " +
+                             std::to_string(opts_.max_queue) + ")");
+        }
+        j->id_ = next_id_++;
+        ++stats_.requests_submitted;
+        stats_.prompt_tokens += j->req_.prompt.size();
+        queue_.push_back(j);
+    }
+    cv_.notify_all();
+    return j;
+}
+
+scheduler_stats scheduler::stats() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    scheduler_stats s = stats_;
+    s.queue_depth = int64_t(queue_.size());
+    s.slots_busy = 0;
+    s.kv_tokens_used = 0;
+    for (auto &sl : slots_) {
+        s.slots_busy += sl->j ? 1 : 0;
+        s.kv_tokens_used += sl->n_tokens_published;
+    }
+    return s;
+}
+
+std::vector<slot_info> scheduler::slots() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<slot_info> out;
+    for (auto &sl : slots_) out.push_back({sl->index, sl->j != nullptr, sl->n_tokens_published});
+    return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// worker
+// ---------------------------------------------------------------------------------------------
+
+void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r) {
+    event ev;
+    ev.final = true;
+    ev.reason = r;
+    ev.n_prompt = int64_t(j->req_.prompt.size());
+    ev.total_s = secs(clock::now() - j->t_submit_);
+    j->post(std::move(ev));
+    ++stats_.requests_cancelled;
+}
+
+void scheduler::admit_locked() {
+    // Drop requests cancelled while waiting.
+    for (auto it = queue_.begin(); it != queue_.end();) {
+        if ((*it)->cancelled()) {
+            finish_queued(*it, finish_reason::cancelled);
+            it = queue_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    while (!queue_.empty()) {
+        auto j = queue_.front();
+        slot *best = nullptr;
+        size_t best_lcp = 0;
+        for (auto &s : slots_) {
+            if (s->j) continue;
+            const size_t l = common_prefix(s->sess->tokens(), j->req_.prompt);
+            if (!best || l > best_lcp) {
+                best = s.get();
+                best_lcp = l;
+            }
+        }
+        if (!best) break;  // every slot busy: the request keeps waiting
+        queue_.pop_front();
+        slot &s = *best;
+        s.j = j;
+        s.ph = phase::prefill;
+        s.seq = ++admit_seq_;
+        s.prefill_pos = best_lcp;
+        const size_t n = j->req_.prompt.size();
+        s.n_reused = int64_t(std::min(best_lcp, n - 1));
+        s.smp = std::make_unique<sampler>(j->req_.sampling);
+        s.history = j->req_.prompt;
+        s.ts = std::make_unique<text_stream>(j->req_.stop);
+        s.pending = -1;
+        s.n_gen = 0;
+        s.got_first = false;
+        s.ttft = 0.0;
+    }
+}
+
+void scheduler::worker_loop() {
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait(lk, [&] {
+                if (stop_ || !queue_.empty()) return true;
+                for (auto &s : slots_)
+                    if (s->j) return true;
+                return false;
+            });
+            if (stop_) break;
+            admit_locked();
+        }
+        try {
+            run_step();
+        } catch (const std::exception &e) {
+            // Unexpected failure outside a single job's evaluation: fail every active job.
+            for (auto &s : slots_)
+                if (s->j) finish(*s, finish_reason::error, e.what());
+        }
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto &j : queue_) finish_queued(j, finish_reason::cancelled);
+    queue_.clear();
+    for (auto &s : slots_) {
+        if (!s->j) continue;
+        event ev;
+        ev.final = true;
+        ev.reason = finish_reason::cancelled;
+        s->j->post(std::move(ev));
+        s->j.reset();
+    }
+}
+
+bool scheduler::run_step() {
+    std::vector<slot *> dec;
+    for (auto &s : slots_) {
+        if (!s->j) continue;
+        if (s->j->cancelled()) {
+            finish(*s, finish_reason::cancelled);
+            continue;
+        }
+        if (s->ph == phase::decode) dec.push_back(s.get());
+    }
+    if (!dec.empty()) decode_all(dec);
+    prefill_some(opts_.step_token_budget - int(dec.size()));
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.steps;
+    for (auto &s : slots_) s->n_tokens_published = int64_t(s->sess->tokens().size());
+    return true;
+}
+
+void scheduler::decode_all(std::vector<slot *> &dec) {
+    std::vector<session *> sess;
+    std::vector<int32_t> toks;
+    for (slot *s : dec) {
+        sess.push_back(s->sess.get());
+        toks.push_back(s->pending);
+    }
+    try {
+        eng_.decode_step(std::span<session *const>(sess), std::span<const int32_t>(toks));
+    } catch (const std::exception &e) {
+        for (slot *s : dec) finish(*s, finish_reason::error, e.what());
+        return;
+    }
+    for (slot *s : dec) sample_and_emit(*s);
+}
+
+void scheduler::prefill_some(int budget) {
+    std::vector<slot *> pre;
+    for (auto &s : slots_)
+        if (s->j && s->ph == phase::prefill) pre.push_back(s.get());
+    std::sort(pre.begin(), pre.end(), [](slot *a, slot *b) { return a->seq < b->seq; });
+    bool first = true;
+    const size_t chunk = size_t(opts_.prefill_chunk);
+    for (slot *s : pre) {
+        const auto &prompt = s->j->req_.prompt;
+        const size_t n = prompt.size();
+        while (s->ph == phase::prefill && (budget > 0 || first)) {
+            first = false;
+            size_t end = std::min(n, (s->prefill_pos / chunk + 1) * chunk);
+            if (s->prefill_pos >= n) end = n;  // whole prompt held: sync re-derives the last logits
+            const size_t cost = std::max<size_t>(end - std::min(s->prefill_pos, end), 1);
+            try {
+                s->sess->sync(std::span<const int32_t>(prompt.data(), end));
+            } catch (const std::exception &e) {
+                finish(*s, finish_reason::error, e.what());
+                break;
+            }
+            budget -= int(cost);
+            {
+                std::lock_guard<std::mutex> lk(mu_);
+                stats_.prompt_tokens_evaluated += cost;
+            }
+            s->prefill_pos = end;
+            if (end == n) sample_and_emit(*s);
+        }
+    }
+}
+
+void scheduler::sample_and_emit(slot &s) {
+    sample_result r;
+    try {
+        r = s.smp->sample(s.sess->logits(), s.history);
+    } catch (const std::exception &e) {
+        finish(s, finish_reason::error, e.what());
+        return;
+    }
+    const auto now = clock::now();
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!s.got_first) {
+            s.ttft = secs(now - s.j->t_submit_);
+            stats_.ttft_s.observe(s.ttft);
+        } else {
+            stats_.token_latency_s.observe(secs(now - s.t_last));
+        }
+    }
+    s.got_first = true;
+    s.t_last = now;
+    if (eng_.is_end_of_generation(r.token)) {
+        finish(s, finish_reason::eog);
+        return;
+    }
+    s.history.push_back(r.token);
+    ++s.n_gen;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.generated_tokens;
+    }
+    event ev;
+    ev.text = s.ts->push(eng_.token_to_piece(r.token));
+    token_info ti;
+    ti.id = r.token;
+    if (s.j->req_.want_logprobs) {
+        ti.logprob = r.logprob;
+        ti.top = std::move(r.top);
+    }
+    ev.tokens.push_back(std::move(ti));
+    s.j->post(std::move(ev));
+    if (s.ts->stopped()) finish(s, finish_reason::stop_string);
+    else if (s.n_gen >= s.j->req_.max_tokens) finish(s, finish_reason::length);
+    else if (s.sess->n_past() + 1 > n_ctx_) finish(s, finish_reason::length);  // no room to evaluate it
+    else {
+        s.pending = r.token;
+        s.ph = phase::decode;
+    }
+}
+
+void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
+    event ev;
+    ev.final = true;
+    ev.reason = r;
+    if (r == finish_reason::eog || r == finish_reason::length) ev.text = s.ts->flush();
+    if (r == finish_reason::stop_string) ev.stop_string = s.ts->matched_stop();
+    ev.error = err;
+    ev.n_prompt = int64_t(s.j->req_.prompt.size());
+    ev.n_reused = s.n_reused;
+    ev.n_generated = s.n_gen;
+    ev.ttft_s = s.ttft;
+    ev.total_s = secs(clock::now() - s.j->t_submit_);
+    auto j = s.j;
+    if (r == finish_reason::error) {
+        try {
+            s.sess->reset();  // its state is unknown after a failed evaluation
+        } catch (...) {
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (r == finish_reason::cancelled) ++stats_.requests_cancelled;
+        else if (r == finish_reason::error) ++stats_.requests_failed;
+        else ++stats_.requests_finished;
+        s.j.reset();
+        s.ph = phase::idle;
+        s.smp.reset();
+        s.n_tokens_published = int64_t(s.sess->tokens().size());
+    }
+    j->post(std::move(ev));
+}
+
+}  // namespace fathom::sched

@@ -1,0 +1,168 @@
+// Request scheduler: ONE worker thread owns every session of the engine. HTTP (or other) threads
+// only validate and submit() a request, then read its events from the returned job's channel.
+//
+// Slots: n_slots sessions, each serving at most one request. Each worker step evaluates
+//   1. one token for every decoding request, all together through engine::decode_step, then
+//   2. prefill chunks of admitted requests, oldest first, while the step's token budget lasts
+//      (the oldest prefilling request always gets at least one chunk, so prefill never starves).
+// Prefill chunks end at absolute positions that are multiples of prefill_chunk (or at the prompt's
+// end), so a prompt is split the same way whatever else is running.
+// Admission: FIFO from a bounded queue; a request takes the idle slot whose session shares the
+// longest token prefix with its prompt (session::sync then reuses that prefix). When the queue is
+// full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
+// frees its slot.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fathom/engine.h"
+#include "fathom/sampling.h"
+
+namespace fathom::sched {
+
+// Thrown by submit() when the waiting queue is full (the server answers 503).
+class queue_full : public error {
+public:
+    using error::error;
+};
+
+struct request {
+    std::vector<int32_t> prompt;        // full token prefix, BOS included
+    sampling_params sampling;
+    int32_t max_tokens = 256;           // > 0; generation also ends when the context is full
+    std::vector<std::string> stop;      // stop strings (excluded from the output)
+    bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
+};
+
+struct token_info {
+    int32_t id = -1;
+    float logprob = 0.0f;
+    std::vector<token_logprob> top;
+};
+
+enum class finish_reason { none, eog, stop_string, length, cancelled, error };
+const char *to_string(finish_reason r);
+
+struct event {
+    std::string text;                 // newly released text (may be empty)
+    std::vector<token_info> tokens;   // the token(s) generated in this event
+    bool final = false;               // last event of the job
+    // Filled on the final event:
+    finish_reason reason = finish_reason::none;
+    std::string stop_string;          // the stop string that matched (reason == stop_string)
+    std::string error;                // reason == error
+    int64_t n_prompt = 0;             // prompt tokens
+    int64_t n_reused = 0;             // prompt tokens reused from the slot's session (not evaluated)
+    int64_t n_generated = 0;          // sampled tokens, end-of-generation token excluded
+    double ttft_s = 0.0;              // submit -> first token
+    double total_s = 0.0;             // submit -> final
+};
+
+struct job_runtime;  // worker-side state (scheduler.cpp)
+
+// Shared between the submitting thread and the worker.
+class job {
+public:
+    // Waits up to `timeout` for the next event; false on timeout.
+    bool next(event &ev, std::chrono::milliseconds timeout);
+    void cancel() { cancelled_.store(true); }
+    bool cancelled() const { return cancelled_.load(); }
+    uint64_t id() const { return id_; }
+
+private:
+    friend class scheduler;
+    void post(event ev);
+    uint64_t id_ = 0;
+    request req_;
+    std::chrono::steady_clock::time_point t_submit_;
+    std::atomic<bool> cancelled_{false};
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<event> events_;
+};
+
+// Fixed-bucket histogram (Prometheus semantics: counts[i] = observations <= bounds[i]).
+struct histogram {
+    std::vector<double> bounds;
+    std::vector<uint64_t> counts;  // cumulative per bound
+    double sum = 0.0;
+    uint64_t count = 0;
+    explicit histogram(std::vector<double> b = {});
+    void observe(double v);
+};
+
+struct scheduler_stats {
+    uint64_t requests_submitted = 0, requests_finished = 0, requests_cancelled = 0;
+    uint64_t requests_rejected = 0, requests_failed = 0;
+    uint64_t prompt_tokens = 0, prompt_tokens_evaluated = 0, generated_tokens = 0;
+    uint64_t steps = 0;
+    int64_t queue_depth = 0, queue_capacity = 0;
+    int64_t slots_busy = 0, n_slots = 0;
+    int64_t kv_tokens_used = 0, kv_tokens_capacity = 0;  // tokens held by the slots' sessions
+    histogram ttft_s, token_latency_s;
+    scheduler_stats();
+};
+
+struct scheduler_options {
+    int n_slots = 1;
+    int max_queue = 64;            // waiting requests beyond the slots
+    int prefill_chunk = 512;       // tokens per prefill chunk
+    int step_token_budget = 512;   // tokens per step (decodes count one each)
+};
+
+struct slot_info {
+    int index = 0;
+    bool busy = false;
+    int64_t n_tokens = 0;  // tokens held by the slot's session
+};
+
+class scheduler {
+public:
+    scheduler(engine &eng, const scheduler_options &opts);
+    ~scheduler();  // stops the worker; unfinished jobs end with reason cancelled
+    scheduler(const scheduler &) = delete;
+    scheduler &operator=(const scheduler &) = delete;
+
+    // Validates (prompt non-empty and within the context, max_tokens > 0, sampling valid) and
+    // queues. Throws fathom::error on invalid input, queue_full when the queue is full.
+    std::shared_ptr<job> submit(request req);
+
+    scheduler_stats stats() const;
+    std::vector<slot_info> slots() const;
+    int n_ctx() const { return n_ctx_; }
+    void stop();
+
+private:
+    struct slot;
+    void worker_loop();
+    void admit_locked();
+    bool run_step();
+    void prefill_some(int budget);
+    void decode_all(std::vector<slot *> &dec);
+    void sample_and_emit(slot &s);
+    void finish(slot &s, finish_reason r, const std::string &err = {});
+    void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
+
+    engine &eng_;
+    scheduler_options opts_;
+    int n_ctx_ = 0;
+    std::vector<std::unique_ptr<slot>> slots_;
+    mutable std::mutex mu_;               // guards queue_, stats_, stop_, slot busy flags
+    std::condition_variable cv_;
+    std::deque<std::shared_ptr<job>> queue_;
+    scheduler_stats stats_;
+    bool stop_ = false;
+    uint64_t next_id_ = 1;
+    uint64_t admit_seq_ = 0;  // worker only
+    std::thread worker_;
+};
+
+}  // namespace fathom::sched

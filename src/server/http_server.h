@@ -1,0 +1,55 @@
+// `fathom serve`'s HTTP front end (cpp-httplib): OpenAI- and Anthropic-compatible endpoints, SSE
+// streaming, bearer-key auth, /health, /metrics (Prometheus), /props, /v1/models and the web chat
+// page at /. HTTP threads parse and validate, then hand the work to the scheduler (one worker owns
+// the model) and stream the job's events back. Errors use each API's error JSON.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fathom/engine.h"
+#include "fathom/sampling.h"
+#include "sched/scheduler.h"
+
+namespace fathom::server {
+
+struct server_options {
+    std::string host = "127.0.0.1";
+    int port = 8080;                    // 0 = any free port (see http_server::bind)
+    std::string api_key;                // "" = no auth; else "Authorization: Bearer KEY" or "x-api-key: KEY"
+    size_t max_body_bytes = 8u << 20;   // larger bodies -> 413
+    int http_threads = 64;              // connections served at once (streams hold one each)
+    sampling_params defaults;           // used for fields a request leaves out
+    std::vector<std::string> model_ids; // accepted "model" values; [0] is reported; empty = derive from the file
+};
+
+class http_server {
+public:
+    http_server(engine &eng, sched::scheduler &sch, server_options opts);
+    ~http_server();
+    // Binds the listening socket; returns the port (useful with port 0). Throws fathom::error.
+    int bind();
+    // Serves until stop() (call bind() first).
+    void listen();
+    void stop();
+    const std::vector<std::string> &model_ids() const;
+
+private:
+    struct impl;
+    std::unique_ptr<impl> p_;
+};
+
+// Prometheus text exposition of the scheduler's and the HTTP layer's counters.
+// http_counts: "endpoint status" -> count.
+std::string render_metrics(const sched::scheduler_stats &s, const std::vector<std::pair<std::string, uint64_t>> &http_counts);
+
+// "data: <json>\n\n"
+std::string sse_data(const std::string &json_text);
+// "event: <name>\ndata: <json>\n\n"
+std::string sse_event(const std::string &name, const std::string &json_text);
+
+// The embedded chat page (web/index.html).
+const std::string &web_index_html();
+
+}  // namespace fathom::server

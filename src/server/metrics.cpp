@@ -1,0 +1,66 @@
+// Prometheus text format (version 0.0.4) for /metrics, and SSE framing helpers.
+#include <sstream>
+
+#include "server/http_server.h"
+
+namespace fathom::server {
+
+std::string sse_data(const std::string &json_text) { return "data: " + json_text + "\n\n"; }
+
+std::string sse_event(const std::string &name, const std::string &json_text) {
+    return "event: " + name + "\ndata: " + json_text + "\n\n";
+}
+
+static void metric(std::ostringstream &o, const char *name, const char *type, const char *help, double v) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << ' ' << type << '\n' << name << ' ' << v << '\n';
+}
+
+static void hist(std::ostringstream &o, const char *name, const char *help, const sched::histogram &h) {
+    o << "# HELP " << name << ' ' << help << "\n# TYPE " << name << " histogram\n";
+    for (size_t i = 0; i < h.bounds.size(); ++i)
+        o << name << "_bucket{le=\"" << h.bounds[i] << "\"} " << h.counts[i] << '\n';
+    o << name << "_bucket{le=\"+Inf\"} " << h.count << '\n';
+    o << name << "_sum " << h.sum << '\n' << name << "_count " << h.count << '\n';
+}
+
+std::string render_metrics(const sched::scheduler_stats &s,
+                           const std::vector<std::pair<std::string, uint64_t>> &http_counts) {
+    std::ostringstream o;
+    o.precision(10);
+    metric(o, "fathom_requests_submitted_total", "counter", "Generation requests accepted into the queue.",
+           double(s.requests_submitted));
+    metric(o, "fathom_requests_finished_total", "counter", "Generation requests that ran to completion.",
+           double(s.requests_finished));
+    metric(o, "fathom_requests_cancelled_total", "counter", "Generation requests cancelled (client gone).",
+           double(s.requests_cancelled));
+    metric(o, "fathom_requests_rejected_total", "counter", "Requests refused because the queue was full.",
+           double(s.requests_rejected));
+    metric(o, "fathom_requests_failed_total", "counter", "Generation requests that failed in the engine.",
+           double(s.requests_failed));
+    metric(o, "fathom_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", double(s.prompt_tokens));
+    metric(o, "fathom_prompt_tokens_evaluated_total", "counter",
+           "Prompt tokens actually evaluated (the rest was reused from a slot's session).",
+           double(s.prompt_tokens_evaluated));
+    metric(o, "fathom_generated_tokens_total", "counter", "Tokens generated.", double(s.generated_tokens));
+    metric(o, "fathom_scheduler_steps_total", "counter", "Scheduler steps run.", double(s.steps));
+    metric(o, "fathom_queue_depth", "gauge", "Requests waiting for a slot.", double(s.queue_depth));
+    metric(o, "fathom_queue_capacity", "gauge", "Waiting requests allowed before 503.", double(s.queue_capacity));
+    metric(o, "fathom_slots_busy", "gauge", "Slots serving a request.", double(s.slots_busy));
+    metric(o, "fathom_slots_total", "gauge", "Slots (--parallel).", double(s.n_slots));
+    metric(o, "fathom_kv_tokens_used", "gauge", "Tokens held in the slots' KV caches.", double(s.kv_tokens_used));
+    metric(o, "fathom_kv_tokens_capacity", "gauge", "KV capacity in tokens (slots x context).",
+           double(s.kv_tokens_capacity));
+    hist(o, "fathom_time_to_first_token_seconds", "Submit to first generated token.", s.ttft_s);
+    hist(o, "fathom_token_latency_seconds", "Time between consecutive generated tokens of a request.",
+         s.token_latency_s);
+    o << "# HELP fathom_http_requests_total HTTP requests by endpoint and status.\n"
+         "# TYPE fathom_http_requests_total counter\n";
+    for (const auto &[key, n] : http_counts) {
+        const size_t sp = key.rfind(' ');
+        o << "fathom_http_requests_total{endpoint=\"" << key.substr(0, sp) << "\",status=\"" << key.substr(sp + 1)
+          << "\"} " << n << '\n';
+    }
+    return o.str();
+}
+
+}  // namespace fathom::server

@@ -1,0 +1,120 @@
+// `fathom bench`: prefill throughput (one prompt of -p tokens through session::sync) and decode
+// throughput (-n single-token eval() calls after it), best and median over --reps repetitions.
+// The prompt is a fixed pseudo-random id sequence, so runs are comparable across builds.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "fathom/error.h"
+
+namespace fathom::cli {
+
+namespace {
+
+struct bench_args {
+    model_args model;
+    int32_t n_prompt = 512;
+    int32_t n_gen = 128;
+    int32_t reps = 3;
+    bool json = false;
+};
+
+struct rates {
+    double best = 0.0;
+    double median = 0.0;
+};
+
+rates summarise(std::vector<double> v) {
+    rates r;
+    if (v.empty()) return r;
+    std::sort(v.begin(), v.end());
+    r.best = v.back();
+    const size_t m = v.size() / 2;
+    r.median = v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+    return r;
+}
+
+int32_t argmax(std::span<const float> logits) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+void bench_main(const bench_args &a) {
+    if (a.n_prompt < 1) throw error("bench: -p must be >= 1");
+    if (a.reps < 1) throw error("bench: --reps must be >= 1");
+    auto eng = load_engine(a.model);
+    const model_info &info = eng->info();
+    if (static_cast<int64_t>(a.n_prompt) + a.n_gen > info.n_ctx)
+        throw error("bench: -p + -n = " + std::to_string(static_cast<int64_t>(a.n_prompt) + a.n_gen) +
+                    " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
+
+    std::mt19937 rng(12345);
+    std::uniform_int_distribution<int32_t> pick(0, info.n_vocab - 1);
+    std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));
+    for (auto &t : prompt) t = pick(rng);
+    if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
+
+    auto sess = eng->new_session();
+    std::vector<double> prefill, decode;
+    for (int r = 0; r < a.reps; ++r) {
+        sess->reset();
+        const auto t0 = clock::now();
+        sess->sync(prompt);
+        prefill.push_back(a.n_prompt / seconds_since(t0));
+        if (a.n_gen > 0) {
+            // Greedy continuation: realistic token ids at a negligible sampling cost.
+            const auto t1 = clock::now();
+            for (int i = 0; i < a.n_gen; ++i) {
+                const int32_t tok = argmax(sess->logits());
+                sess->eval(std::span<const int32_t>(&tok, 1));
+            }
+            decode.push_back(a.n_gen / seconds_since(t1));
+        }
+        if (!a.json) std::fprintf(stderr, "rep %d/%d done\n", r + 1, a.reps);
+    }
+    const rates p = summarise(prefill), d = summarise(decode);
+    if (a.json) {
+        nlohmann::json j = {
+            {"model", info.path}, {"arch", info.arch}, {"threads", a.model.threads}, {"reps", a.reps},
+            {"exact", a.model.exact}, {"kv_type", a.model.kv_type},
+            {"prefill", {{"n_tokens", a.n_prompt}, {"best_tok_s", p.best}, {"median_tok_s", p.median}}},
+            {"decode", {{"n_tokens", a.n_gen}, {"best_tok_s", d.best}, {"median_tok_s", d.median}}},
+        };
+        write_out(j.dump() + "\n");
+    } else {
+        char line[256];
+        std::snprintf(line, sizeof line, "prefill %d tokens: best %.1f tok/s, median %.1f tok/s (%d reps)\n",
+                      a.n_prompt, p.best, p.median, a.reps);
+        write_out(line);
+        std::snprintf(line, sizeof line, "decode %d tokens: best %.1f tok/s, median %.1f tok/s (%d reps)\n", a.n_gen,
+                      d.best, d.median, a.reps);
+        write_out(line);
+    }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App &app) {
+    auto a = std::make_shared<bench_args>();
+    auto *cmd = app.add_subcommand("bench", "Measure prefill and decode throughput (tokens/s)");
+    add_model_options(cmd, a->model, /*model_required=*/false);
+    cmd->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens for the prefill measurement")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    cmd->add_option("-n,--n-gen", a->n_gen, "Tokens for the decode measurement (0 = skip)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--reps", a->reps, "Repetitions; best and median are reported")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    cmd->add_flag("--json", a->json, "Print one JSON object instead of two text lines");
+    cmd->callback([a]() { bench_main(*a); });
+}
+
+}  // namespace fathom::cli

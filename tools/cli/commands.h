@@ -1,0 +1,15 @@
+// The subcommands of the `fathom` binary, one file each in tools/cli/. Each add_*_command adds
+// its CLI11 subcommand (options documented for --help) and the callback that runs it; callbacks
+// throw fathom::error on failure, which tools/fathom.cpp turns into "error: <msg>", exit 1.
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace fathom::cli {
+
+void add_run_command(CLI::App &app);       // run.cpp: one prompt, streamed completion
+void add_chat_command(CLI::App &app);      // chat.cpp: REPL with the model's chat template
+void add_tokenize_command(CLI::App &app);  // tokenize.cpp: stdin text -> token ids
+void add_logits_command(CLI::App &app);    // logits.cpp: token ids -> float32 logits file
+void add_bench_command(CLI::App &app);     // bench.cpp: prefill / decode throughput
+
+}  // namespace fathom::cli

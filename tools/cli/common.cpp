@@ -1,0 +1,297 @@
+// Shared pieces of the `fathom` subcommands (see common.h): option groups, model resolution,
+// engine loading with a progress bar, UTF-8 safe streaming and the generate loop.
+#include "cli/common.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <filesystem>
+#include <system_error>
+
+#include "fathom/error.h"
+
+namespace fs = std::filesystem;
+
+namespace fathom::cli {
+
+// ---------------------------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------------------------
+
+void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
+    auto *m = cmd->add_option("-m,--model", a.model,
+                              "GGUF file path, or a short name (smollm2, gemma3) looked up in the models directory");
+    if (model_required)
+        m->required();
+    else
+        m->capture_default_str();
+    cmd->add_option("--models-dir", a.models_dir,
+                    "Directory searched for short model names (default: <exe_dir>/../models, "
+                    "<exe_dir>/../../models, then ./models)");
+    cmd->add_option("-t,--threads", a.threads, "CPU threads (0 = all online cores)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--ctx", a.ctx, "Context size in tokens (0 = min(training context, 8192))")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--kv-type", a.kv_type, "KV cache precision: f16 or f32")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"f16", "f32"}));
+    cmd->add_flag("--exact", a.exact,
+                  "Reference numerics: dequantised weights x f32 activations, f32 accumulation (slow)");
+    cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
+}
+
+void add_sampling_options(CLI::App *cmd, sampling_params &p) {
+    cmd->add_option("--temp", p.temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
+    cmd->add_option("--top-k", p.top_k, "Keep the K most likely tokens (0 = off)")->capture_default_str();
+    cmd->add_option("--top-p", p.top_p, "Nucleus sampling: smallest set with probability mass >= P (1 = off)")
+        ->capture_default_str();
+    cmd->add_option("--min-p", p.min_p, "Drop tokens less likely than P x the most likely one (0 = off)")
+        ->capture_default_str();
+    cmd->add_option("--repeat-penalty", p.repeat_penalty,
+                    "Penalise tokens seen in the last --repeat-last-n tokens (1 = off)")
+        ->capture_default_str();
+    cmd->add_option("--repeat-last-n", p.repeat_last_n, "Penalty window in tokens (-1 = whole history, 0 = off)")
+        ->capture_default_str();
+    cmd->add_option("--frequency-penalty", p.frequency_penalty, "Subtract count x F from a seen token's logit")
+        ->capture_default_str();
+    cmd->add_option("--presence-penalty", p.presence_penalty, "Subtract P once from a seen token's logit")
+        ->capture_default_str();
+    cmd->add_option("--seed", p.seed, "Random seed (same seed, same output)")->capture_default_str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model resolution
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+fs::path executable_dir() {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    return ec ? fs::path() : exe.parent_path();
+}
+
+bool is_dir(const fs::path &p) {
+    std::error_code ec;
+    return fs::is_directory(p, ec);
+}
+
+bool is_file(const fs::path &p) {
+    std::error_code ec;
+    return fs::is_regular_file(p, ec);
+}
+
+// Lower-case letters and digits only: "SmolLM2-135M" -> "smollm2135m", "gemma-3-270m" -> "gemma3270m".
+std::string normalise_name(std::string_view s) {
+    std::string out;
+    for (char c : s)
+        if (std::isalnum(static_cast<unsigned char>(c))) out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return out;
+}
+
+}  // namespace
+
+std::string default_models_dir() {
+    std::vector<fs::path> candidates;
+    const fs::path exe_dir = executable_dir();
+    if (!exe_dir.empty()) {
+        candidates.push_back(exe_dir / ".." / "models");        // <repo>/build/fathom
+        candidates.push_back(exe_dir / ".." / ".." / "models");  // <repo>/build/<sub>/fathom
+    }
+    candidates.push_back(fs::path("models"));
+    for (const auto &c : candidates)
+        if (is_dir(c)) return fs::weakly_canonical(c).string();
+    return "";
+}
+
+std::string resolve_model_path(const std::string &model, const std::string &models_dir_opt) {
+    if (model.empty()) throw error("empty model name (-m)");
+    if (is_file(model)) return model;
+    const bool looks_like_path = model.find('/') != std::string::npos || model.ends_with(".gguf");
+    if (looks_like_path) {
+        std::error_code ec;
+        if (fs::exists(model, ec)) throw error("model path is not a regular file: " + model);
+        throw error("model file not found: " + model);
+    }
+    const std::string dir = models_dir_opt.empty() ? default_models_dir() : models_dir_opt;
+    if (dir.empty())
+        throw error("model '" + model + "' is not a file and no models directory was found "
+                    "(looked in <exe_dir>/../models, <exe_dir>/../../models, ./models; use --models-dir)");
+    if (!is_dir(dir)) throw error("models directory not found: " + dir);
+
+    // Candidates: every .gguf up to two levels down whose file name, or whose parent directory's
+    // name, starts with the short name once both are reduced to lower-case letters and digits.
+    const std::string key = normalise_name(model);
+    std::vector<fs::path> matches;
+    std::error_code ec;
+    fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+        if (it.depth() > 1) it.disable_recursion_pending();
+        const fs::path &p = it->path();
+        if (p.extension() != ".gguf" || !is_file(p)) continue;
+        const std::string file = normalise_name(p.stem().string());
+        const std::string parent = it.depth() > 0 ? normalise_name(p.parent_path().filename().string()) : "";
+        if (file.starts_with(key) || (!parent.empty() && parent.starts_with(key))) matches.push_back(p);
+    }
+    if (matches.empty())
+        throw error("no model named '" + model + "' in " + dir + " (expected a .gguf file whose name starts with it)");
+    std::sort(matches.begin(), matches.end());
+    if (matches.size() > 1)
+        std::fprintf(stderr, "note: '%s' matches %zu files in %s; using %s\n", model.c_str(), matches.size(),
+                     dir.c_str(), matches.front().filename().c_str());
+    return matches.front().string();
+}
+
+std::unique_ptr<engine> load_engine(const model_args &a) {
+    engine_options o;
+    o.model_path = resolve_model_path(a.model, a.models_dir);
+    o.n_threads = a.threads;
+    o.n_ctx = a.ctx;
+    o.kv = a.kv_type == "f32" ? kv_precision::f32 : kv_precision::f16;
+    o.exact = a.exact;
+    progress_bar bar("loading", a.progress || stderr_is_tty());
+    o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
+        bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));
+    };
+    auto eng = engine::load(o);
+    bar.finish();
+    return eng;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Terminal helpers
+// ---------------------------------------------------------------------------------------------
+
+bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
+bool stdin_is_tty() { return ::isatty(STDIN_FILENO) == 1; }
+
+progress_bar::progress_bar(std::string label, bool active) : label_(std::move(label)), active_(active) {}
+
+progress_bar::~progress_bar() { finish(); }
+
+void progress_bar::update(int64_t done, int64_t total) {
+    if (!active_ || total <= 0) return;
+    done = std::clamp<int64_t>(done, 0, total);
+    const int permille = static_cast<int>(done * 1000 / total);
+    if (permille == last_permille_) return;  // redraw only when the bar visibly moves
+    last_permille_ = permille;
+    constexpr int width = 30;
+    const int filled = permille * width / 1000;
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.append(static_cast<size_t>(width - filled), '.');
+    std::fprintf(stderr, "\r%s [%s] %3d%% (%lld/%lld)", label_.c_str(), bar.c_str(), permille / 10,
+                 static_cast<long long>(done), static_cast<long long>(total));
+    std::fflush(stderr);
+    drawn_ = true;
+}
+
+void progress_bar::finish() {
+    if (!drawn_) return;
+    std::fputs("\r\033[K", stderr);  // back to column 0 and clear the line
+    std::fflush(stderr);
+    drawn_ = false;
+    last_permille_ = -1;
+}
+
+std::string utf8_stream::push(std::string_view bytes) {
+    pending_.append(bytes);
+    const size_t n = pending_.size();
+    size_t cut = n;
+    // Walk back over at most 3 continuation bytes to the last lead byte; hold it back if its
+    // sequence is not complete yet.
+    for (size_t i = 1; i <= 4 && i <= n; ++i) {
+        const auto c = static_cast<unsigned char>(pending_[n - i]);
+        if ((c & 0xC0) == 0x80) continue;
+        const size_t need = c >= 0xF8 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+        if (need > i) cut = n - i;
+        break;
+    }
+    std::string out = pending_.substr(0, cut);
+    pending_.erase(0, cut);
+    return out;
+}
+
+std::string utf8_stream::flush() {
+    std::string out;
+    out.swap(pending_);
+    return out;
+}
+
+void write_out(std::string_view text) {
+    if (text.empty()) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generation
+// ---------------------------------------------------------------------------------------------
+
+std::vector<int32_t> tokenize_prompt(const engine &eng, const std::string &text) {
+    std::vector<int32_t> toks = eng.tokenize(text, /*add_special=*/true, /*parse_special=*/true);
+    const int32_t bos = eng.bos_token();
+    if (bos >= 0 && toks.size() >= 2 && toks[0] == bos && toks[1] == bos) toks.erase(toks.begin());
+    return toks;
+}
+
+generation_stats generate(engine &eng, session &sess, sampler &smp, const std::vector<int32_t> &prompt,
+                          int32_t max_tokens, bool show_progress,
+                          const std::function<void(std::string_view)> &on_text, std::vector<int32_t> *out) {
+    const int64_t n_ctx = eng.info().n_ctx;
+    generation_stats st;
+    st.n_prompt = static_cast<int64_t>(prompt.size());
+    if (prompt.empty()) throw error("empty prompt");
+    if (st.n_prompt >= n_ctx)
+        throw error("prompt is " + std::to_string(st.n_prompt) + " tokens but the context holds " +
+                    std::to_string(n_ctx) + " (leave room to generate, or raise --ctx)");
+
+    // Prefill: the session reuses what it already holds of the prompt (chat turns).
+    const auto &held = sess.tokens();
+    size_t common = 0;
+    while (common < held.size() && common < prompt.size() && held[common] == prompt[common]) ++common;
+    st.n_prefilled = st.n_prompt - static_cast<int64_t>(common);
+    {
+        progress_bar bar("prefill", show_progress);
+        const auto t0 = clock::now();
+        sess.sync(prompt, [&bar](int64_t done, int64_t total) { bar.update(done, total); });
+        st.prefill_s = seconds_since(t0);
+    }
+
+    utf8_stream text;
+    const auto t1 = clock::now();
+    for (;;) {
+        const sample_result r = smp.sample(sess.logits(), sess.tokens());
+        if (eng.is_end_of_generation(r.token)) {
+            st.hit_eog = true;
+            break;
+        }
+        ++st.n_generated;
+        if (out) out->push_back(r.token);
+        on_text(text.push(eng.token_to_piece(r.token)));
+        if (max_tokens > 0 && st.n_generated >= max_tokens) break;
+        if (sess.n_past() >= n_ctx) {
+            st.hit_ctx = true;
+            break;
+        }
+        sess.eval(std::span<const int32_t>(&r.token, 1));
+    }
+    on_text(text.flush());
+    st.decode_s = seconds_since(t1);
+    return st;
+}
+
+std::string format_stats(const generation_stats &s) {
+    auto rate = [](int64_t n, double sec) { return sec > 0.0 ? static_cast<double>(n) / sec : 0.0; };
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "prefill: %lld tokens in %.3f s (%.1f tok/s) | decode: %lld tokens in %.3f s (%.1f tok/s)",
+                  static_cast<long long>(s.n_prefilled), s.prefill_s, rate(s.n_prefilled, s.prefill_s),
+                  static_cast<long long>(s.n_generated), s.decode_s, rate(s.n_generated, s.decode_s));
+    return buf;
+}
+
+}  // namespace fathom::cli

@@ -1,0 +1,125 @@
+// Shared pieces of the `fathom` subcommands: model/engine options and loading, model-name
+// resolution, sampling options, the stderr progress bar, a UTF-8 boundary buffer for streaming,
+// and the generate loop used by `run` and `chat`. Subcommands see only the public API
+// (fathom/engine.h, fathom/sampling.h).
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fathom/engine.h"
+#include "fathom/sampling.h"
+
+namespace fathom::cli {
+
+// ---------------------------------------------------------------------------------------------
+// Engine options
+// ---------------------------------------------------------------------------------------------
+
+struct model_args {
+    std::string model = "smollm2";  // path, or short name resolved in models_dir
+    std::string models_dir;         // "" = <exe_dir>/../models, <exe_dir>/../../models, ./models
+    int threads = 0;                // 0 = all online cores
+    int ctx = 0;                    // 0 = engine default
+    std::string kv_type = "f16";
+    bool exact = false;
+    bool progress = false;          // force progress bars even when stderr is not a TTY
+};
+
+// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --progress.
+// `model_required`: -m must be given (no default model).
+void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
+
+// The models directory used when --models-dir is not given (first existing candidate).
+std::string default_models_dir();
+
+// `model` is an existing file -> that path. Otherwise a short name ("smollm2", "gemma3") matched
+// against the .gguf files of the models directory. Throws fathom::error naming what was tried.
+std::string resolve_model_path(const std::string &model, const std::string &models_dir);
+
+// Resolves the model, builds engine_options and loads, with a progress bar when enabled.
+std::unique_ptr<engine> load_engine(const model_args &a);
+
+// ---------------------------------------------------------------------------------------------
+// Sampling options
+// ---------------------------------------------------------------------------------------------
+
+// Adds --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --frequency-penalty,
+// --presence-penalty, --seed. Values are checked later by sampling_params::validate().
+void add_sampling_options(CLI::App *cmd, sampling_params &p);
+
+// ---------------------------------------------------------------------------------------------
+// Terminal helpers
+// ---------------------------------------------------------------------------------------------
+
+bool stderr_is_tty();
+bool stdin_is_tty();
+
+// A one-line bar on stderr: "label [#####.....]  45% (done/total)". Inactive bars do nothing.
+class progress_bar {
+public:
+    progress_bar(std::string label, bool active);
+    ~progress_bar();
+    void update(int64_t done, int64_t total);
+    void finish();  // erase the line
+private:
+    std::string label_;
+    bool active_;
+    bool drawn_ = false;
+    int last_permille_ = -1;
+};
+
+// Holds back the bytes of an incomplete UTF-8 sequence so streamed output never splits a
+// character: push() returns the longest complete prefix of everything pushed so far.
+class utf8_stream {
+public:
+    std::string push(std::string_view bytes);
+    std::string flush();  // whatever is left (an invalid tail is emitted as is)
+private:
+    std::string pending_;
+};
+
+// Writes and flushes stdout.
+void write_out(std::string_view text);
+
+using clock = std::chrono::steady_clock;
+inline double seconds_since(clock::time_point t0) {
+    return std::chrono::duration<double>(clock::now() - t0).count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generation
+// ---------------------------------------------------------------------------------------------
+
+struct generation_stats {
+    int64_t n_prompt = 0;     // tokens of the prompt prefix
+    int64_t n_prefilled = 0;  // of those, evaluated (the rest was reused by the session)
+    double prefill_s = 0.0;
+    int64_t n_generated = 0;  // sampled tokens, end-of-generation excluded
+    double decode_s = 0.0;
+    bool hit_eog = false;
+    bool hit_ctx = false;
+};
+
+// Syncs the session to `prompt` (prefill), then samples up to max_tokens (0 = until EOG or the
+// context is full), streaming text through on_text. Returns the generated token ids in `out`.
+// Throws fathom::error if the prompt does not fit the context.
+generation_stats generate(engine &eng, session &sess, sampler &smp, const std::vector<int32_t> &prompt,
+                          int32_t max_tokens, bool show_progress,
+                          const std::function<void(std::string_view)> &on_text,
+                          std::vector<int32_t> *out = nullptr);
+
+// "prefill: 12 tokens in 0.05 s (240.0 tok/s) | decode: 64 tokens in 1.20 s (53.3 tok/s)"
+std::string format_stats(const generation_stats &s);
+
+// Tokenizes a rendered chat prompt (special tokens parsed, BOS per metadata, a doubled BOS from
+// a template that writes it itself collapsed to one).
+std::vector<int32_t> tokenize_prompt(const engine &eng, const std::string &text);
+
+}  // namespace fathom::cli
