@@ -2,6 +2,9 @@
 // and operator precedence (condexpr < or < and < not < compare < +,- < ~ < *,/,//,% < ** < unary <
 // postfix/filter/test). Unknown tags, filters and tests are rejected here, as jinja2 rejects them at
 // compile time, with the template line in the message.
+#include <cerrno>
+#include <cstdlib>
+
 #include "chat/jinja_ast.h"
 #include "chat/jinja_builtins.h"
 #include "core/error.h"

@@ -35,8 +35,9 @@ public:
     void stop();
     const std::vector<std::string> &model_ids() const;
 
+    struct impl;  // opaque (http_server.cpp)
+
 private:
-    struct impl;
     std::unique_ptr<impl> p_;
 };
 

@@ -86,12 +86,19 @@ public:
         std::string s =
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
-        for (const auto &t : tools) s += "\n" + t.dump(-1, ' ', false, json::error_handler_t::replace);
+        for (const auto &t : tools) {
+            s += '\n';
+            s += t.dump(-1, ' ', false, json::error_handler_t::replace);
+        }
         s += "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
              "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
              "\"arguments\": <args-json-object>}\n</tool_call>";
         if (choice.kind == tool_choice::required) s += "\n\nYou must call at least one function.";
-        if (choice.kind == tool_choice::function) s += "\n\nYou must call the function \"" + choice.name + "\".";
+        if (choice.kind == tool_choice::function) {
+            s += "\n\nYou must call the function \"";
+            s += choice.name;
+            s += "\".";
+        }
         return s;
     }
 
@@ -139,7 +146,6 @@ public:
             }
             pos = next;
         }
-        if (!out.calls.empty()) out.content = std::string(trim(out.content));
         return out;
     }
 

@@ -24,7 +24,8 @@ struct tool_call {
 };
 
 struct parsed_output {
-    std::string content;             // generated text without call markup
+    std::string content;             // generated text without call markup (untrimmed: a streamed
+                                     // prefix stays a prefix of it)
     std::vector<tool_call> calls;
 };
 

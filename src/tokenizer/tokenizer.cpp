@@ -344,12 +344,8 @@ tokenizer::tokenizer(const gguf::file &f) : p_(std::make_unique<impl>()) {
     build_specials(t, f);
     t.pieces.resize(n);
     for (int32_t id = 0; id < n; ++id) t.pieces[id] = make_piece(t, id);
-    if (t.model == model_kind::spm) {
-        t.nl = t.byte_token['\n'];
-    } else {
-        const std::vector<int32_t> ids = t.encode("\n", false, false);
-        t.nl = ids.empty() ? token_null : ids[0];
-    }
+    // "\n" is one word of one byte for every pre-tokenizer, so its token is the byte's token.
+    t.nl = t.byte_token['\n'];
 }
 
 tokenizer::~tokenizer() = default;

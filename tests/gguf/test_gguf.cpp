@@ -408,3 +408,12 @@ TEST(GgufShared, Ds4TinyModelsParse) {
     const auto &last = f->tensors().back();
     EXPECT_LE(f->data_offset() + last.offset + last.nbytes, f->size());
 }
+
+namespace {
+// Removes this process's temp directory after the last test.
+class temp_cleanup : public ::testing::Environment {
+public:
+    void TearDown() override { std::filesystem::remove_all(temp_dir()); }
+};
+[[maybe_unused]] ::testing::Environment *const kTempCleanup = ::testing::AddGlobalTestEnvironment(new temp_cleanup);
+}  // namespace

@@ -25,8 +25,12 @@ struct ref_file {
 };
 
 ref_file load_ref(const std::string &name) {
-    const std::string path = std::string(FATHOM_SOURCE_DIR) + "/tests/quant/data/" + name;
+    std::string path = std::string(FATHOM_SOURCE_DIR) + "/tests/quant/data/" + name;
     std::ifstream f(path, std::ios::binary);
+    if (!f) {  // a relocated binary (e.g. run on another machine) finds the data from the repo root
+        path = "tests/quant/data/" + name;
+        f.open(path, std::ios::binary);
+    }
     if (!f) throw std::runtime_error("missing reference file " + path);
     char magic[4];
     ref_file r;
@@ -244,6 +248,40 @@ TEST(QuantQuantize, MatchesReferenceBitExact) {
                 if (out[i] != r.bytes[i]) { first = i; break; }
             EXPECT_EQ(first, out.size()) << name << " [" << isa_name(level) << "] first differing byte " << first;
         }
+    }
+}
+
+// Hand-worked rounding: with amax = 127 the q8 scale is exactly 1, so x = k + 0.5 are exact ties.
+// ggml's q8_0/q8_1 use roundf (ties away from zero); q8_k uses nearest_int (ties to even) on -x.
+TEST(QuantQuantize, Q8TiesHandWorked) {
+    isa_guard g;
+    std::vector<float> x(256, 0.0f);
+    x[0] = 127.0f;
+    const float ties[] = {0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 126.5f, -126.5f};
+    for (int j = 0; j < 8; ++j) x[1 + j] = ties[j];
+    const int away[] = {1, 2, 3, -1, -2, -3, 127, -127};
+    const int even_neg[] = {0, -2, -2, 0, 2, 2, -126, 126};  // nearest_int(-x), ties to even
+    for (isa level : isas()) {
+        force_isa(level);
+        std::vector<uint8_t> q0(dtype_row_bytes(dtype::q8_0, 256)), q1(dtype_row_bytes(dtype::q8_1, 256));
+        std::vector<uint8_t> qk(dtype_row_bytes(dtype::q8_k, 256));
+        quantize_row(dtype::q8_0, x.data(), q0.data(), 256);
+        quantize_row(dtype::q8_1, x.data(), q1.data(), 256);
+        quantize_row(dtype::q8_k, x.data(), qk.data(), 256);
+        EXPECT_EQ(q0[0] | (q0[1] << 8), 0x3C00) << "q8_0 d must be f16(1.0)";
+        for (int j = 0; j < 8; ++j) {
+            EXPECT_EQ(static_cast<int8_t>(q0[2 + 1 + j]), away[j]) << "q8_0 [" << isa_name(level) << "] x=" << ties[j];
+            EXPECT_EQ(static_cast<int8_t>(q1[4 + 1 + j]), away[j]) << "q8_1 [" << isa_name(level) << "] x=" << ties[j];
+            EXPECT_EQ(static_cast<int8_t>(qk[4 + 1 + j]), even_neg[j]) << "q8_k [" << isa_name(level) << "] x=" << ties[j];
+        }
+        float dk;
+        std::memcpy(&dk, qk.data(), 4);
+        EXPECT_EQ(dk, -1.0f);  // d = 1 / (-127 / 127)
+        int16_t bs0;
+        std::memcpy(&bs0, qk.data() + 260, 2);
+        int sum = -127;
+        for (int j = 0; j < 8; ++j) sum += even_neg[j];
+        EXPECT_EQ(bs0, sum) << "q8_k bsums[0]";
     }
 }
 

@@ -92,8 +92,11 @@ void bench_main(const bench_args &a) {
         std::snprintf(line, sizeof line, "prefill %d tokens: best %.1f tok/s, median %.1f tok/s (%d reps)\n",
                       a.n_prompt, p.best, p.median, a.reps);
         write_out(line);
-        std::snprintf(line, sizeof line, "decode %d tokens: best %.1f tok/s, median %.1f tok/s (%d reps)\n", a.n_gen,
-                      d.best, d.median, a.reps);
+        if (a.n_gen > 0)
+            std::snprintf(line, sizeof line, "decode %d tokens: best %.1f tok/s, median %.1f tok/s (%d reps)\n",
+                          a.n_gen, d.best, d.median, a.reps);
+        else
+            std::snprintf(line, sizeof line, "decode: skipped (-n 0)\n");
         write_out(line);
     }
 }
@@ -106,13 +109,13 @@ void add_bench_command(CLI::App &app) {
     add_model_options(cmd, a->model, /*model_required=*/false);
     cmd->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens for the prefill measurement")
         ->capture_default_str()
-        ->check(CLI::PositiveNumber);
+        ->check(at_least(1));
     cmd->add_option("-n,--n-gen", a->n_gen, "Tokens for the decode measurement (0 = skip)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_option("--reps", a->reps, "Repetitions; best and median are reported")
         ->capture_default_str()
-        ->check(CLI::PositiveNumber);
+        ->check(at_least(1));
     cmd->add_flag("--json", a->json, "Print one JSON object instead of two text lines");
     cmd->callback([a]() { bench_main(*a); });
 }

@@ -90,7 +90,7 @@ void add_chat_command(CLI::App &app) {
     cmd->add_option("--system", a->system, "System message that starts the conversation");
     cmd->add_option("-n,--n-predict", a->n_predict, "Maximum tokens per reply (0 = until end of generation)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_flag("--stats", a->stats, "Print prefill/decode speed after each reply (stderr)");
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { chat_main(*a); });

@@ -11,5 +11,7 @@ void add_chat_command(CLI::App &app);      // chat.cpp: REPL with the model's ch
 void add_tokenize_command(CLI::App &app);  // tokenize.cpp: stdin text -> token ids
 void add_logits_command(CLI::App &app);    // logits.cpp: token ids -> float32 logits file
 void add_bench_command(CLI::App &app);     // bench.cpp: prefill / decode throughput
+void add_serve_command(CLI::App &app);     // serve.cpp: HTTP API server (server engineer)
+void add_daemon_command(CLI::App &app);    // daemon.cpp: stdin/stdout line protocol (server engineer)
 
 }  // namespace fathom::cli

@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <system_error>
 
 #include "fathom/error.h"
+#include "tokenizer/tokenizer.h"  // utf8_stream
 
 namespace fs = std::filesystem;
 
@@ -19,6 +21,19 @@ namespace fathom::cli {
 // ---------------------------------------------------------------------------------------------
 // Options
 // ---------------------------------------------------------------------------------------------
+
+CLI::Validator at_least(long long min) {
+    return CLI::Validator(
+        [min](std::string &value) -> std::string {
+            long long v = 0;
+            const char *b = value.data(), *e = value.data() + value.size();
+            const auto [ptr, ec] = std::from_chars(b, e, v);
+            if (ec != std::errc() || ptr != e) return "expected an integer, got '" + value + "'";
+            if (v < min) return "must be >= " + std::to_string(min) + ", got " + value;
+            return "";
+        },
+        "INT>=" + std::to_string(min));
+}
 
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
     auto *m = cmd->add_option("-m,--model", a.model,
@@ -32,10 +47,10 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
                     "<exe_dir>/../../models, then ./models)");
     cmd->add_option("-t,--threads", a.threads, "CPU threads (0 = all online cores)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_option("--ctx", a.ctx, "Context size in tokens (0 = min(training context, 8192))")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_option("--kv-type", a.kv_type, "KV cache precision: f16 or f32")
         ->capture_default_str()
         ->check(CLI::IsMember({"f16", "f32"}));
@@ -197,30 +212,6 @@ void progress_bar::finish() {
     last_permille_ = -1;
 }
 
-std::string utf8_stream::push(std::string_view bytes) {
-    pending_.append(bytes);
-    const size_t n = pending_.size();
-    size_t cut = n;
-    // Walk back over at most 3 continuation bytes to the last lead byte; hold it back if its
-    // sequence is not complete yet.
-    for (size_t i = 1; i <= 4 && i <= n; ++i) {
-        const auto c = static_cast<unsigned char>(pending_[n - i]);
-        if ((c & 0xC0) == 0x80) continue;
-        const size_t need = c >= 0xF8 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-        if (need > i) cut = n - i;
-        break;
-    }
-    std::string out = pending_.substr(0, cut);
-    pending_.erase(0, cut);
-    return out;
-}
-
-std::string utf8_stream::flush() {
-    std::string out;
-    out.swap(pending_);
-    return out;
-}
-
 void write_out(std::string_view text) {
     if (text.empty()) return;
     std::fwrite(text.data(), 1, text.size(), stdout);
@@ -261,7 +252,7 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
         st.prefill_s = seconds_since(t0);
     }
 
-    utf8_stream text;
+    fathom::utf8_stream text;  // holds back a partial UTF-8 character between tokens
     const auto t1 = clock::now();
     for (;;) {
         const sample_result r = smp.sample(sess.logits(), sess.tokens());

@@ -1,7 +1,7 @@
 // Shared pieces of the `fathom` subcommands: model/engine options and loading, model-name
-// resolution, sampling options, the stderr progress bar, a UTF-8 boundary buffer for streaming,
-// and the generate loop used by `run` and `chat`. Subcommands see only the public API
-// (fathom/engine.h, fathom/sampling.h).
+// resolution, sampling options, the stderr progress bar, and the generate loop used by `run` and
+// `chat`. Subcommands see only the public API (fathom/engine.h, fathom/sampling.h); common.cpp
+// also uses the tokenizer's utf8_stream so streamed text never splits a character.
 #pragma once
 #include <CLI/CLI.hpp>
 
@@ -46,6 +46,9 @@ std::string resolve_model_path(const std::string &model, const std::string &mode
 // Resolves the model, builds engine_options and loads, with a progress bar when enabled.
 std::unique_ptr<engine> load_engine(const model_args &a);
 
+// Integer-range checks whose error reads "--opt: must be >= 0, got -3".
+CLI::Validator at_least(long long min);
+
 // ---------------------------------------------------------------------------------------------
 // Sampling options
 // ---------------------------------------------------------------------------------------------
@@ -73,16 +76,6 @@ private:
     bool active_;
     bool drawn_ = false;
     int last_permille_ = -1;
-};
-
-// Holds back the bytes of an incomplete UTF-8 sequence so streamed output never splits a
-// character: push() returns the longest complete prefix of everything pushed so far.
-class utf8_stream {
-public:
-    std::string push(std::string_view bytes);
-    std::string flush();  // whatever is left (an invalid tail is emitted as is)
-private:
-    std::string pending_;
 };
 
 // Writes and flushes stdout.

@@ -67,7 +67,7 @@ void add_run_command(CLI::App &app) {
     cmd->add_option("-n,--n-predict", a->n_predict,
                     "Maximum tokens to generate (0 = until end of generation or a full context)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(at_least(0));
     cmd->add_option("--system", a->system, "System message (chat mode only)");
     cmd->add_flag("--no-chat", a->no_chat,
                   "Feed the prompt as raw text instead of wrapping it in the model's chat template");

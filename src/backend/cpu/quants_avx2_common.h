@@ -7,6 +7,7 @@
 #include <cstring>
 
 namespace fathom::cpu::detail::avx2 {
+namespace {  // internal linkage: this header is compiled under different -m flags per TU
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -63,4 +64,5 @@ inline __m256i reduce4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
 // [a0 a1 a2 a3 | a0 a1 a2 a3] + [b...] -> a + b per row: folds the two halves of a reduce4 layout.
 inline __m128 fold_halves(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
 
+}  // namespace
 }  // namespace fathom::cpu::detail::avx2

@@ -56,9 +56,13 @@ void fill_generic(kernel_table &t);  // quants_generic.cpp: every compute type
 void fill_avx2(kernel_table &t);     // quants_avx2.cpp: overrides for hot types
 void fill_avx512(kernel_table &t);   // quants_avx512.cpp: overrides on top of avx2
 
+// ---- Scalar helpers ----------------------------------------------------------------------------------
+// Internal linkage on purpose: this header is compiled in TUs with different ISA flags, and an
+// external inline function could be deduplicated by the linker into a copy holding AVX-512 code.
+namespace {
+
 inline int slot(dtype t) { return static_cast<int>(t); }
 
-// ---- Scalar helpers ----------------------------------------------------------------------------------
 inline float fp16(uint16_t h) { return f16_to_f32(h); }
 
 // ggml's GGML_E8M0_TO_FP32_HALF: 2^(e-128) as a float, exact for every e (subnormal for e < 2).
@@ -90,4 +94,27 @@ inline int q3k_scale(const uint8_t *s, int i) {
     return (lo | (hi << 4)) - 32;
 }
 
+// Heap scratch owned by one thread (kept between calls). A plain new[] instead of std::vector so
+// that no std template gets instantiated with ISA-specific code in the x86 kernel TUs.
+template <class T>
+struct scratch {
+    T *p = nullptr;
+    size_t n = 0;
+    scratch() = default;
+    scratch(const scratch &) = delete;
+    scratch &operator=(const scratch &) = delete;
+    ~scratch() { delete[] p; }
+    T *get(size_t want) {
+        if (want > n) {
+            delete[] p;
+            p = new T[want];
+            n = want;
+        }
+        return p;
+    }
+};
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+}  // namespace
 }  // namespace fathom::cpu::detail

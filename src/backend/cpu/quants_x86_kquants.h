@@ -1,3 +1,8 @@
+// x86 SIMD kernels, included by quants_avx2.cpp and quants_avx512.cpp: each includes this header in its
+// own ISA-flagged translation unit, and everything here has internal linkage (anonymous namespace),
+// so the AVX2 and AVX-512 instantiations never mix. Under -mavx512* the same code gets EVEX
+// encodings, 32 vector registers and (where noted) VNNI instructions.
+//
 // AVX2 kernels for the k-quants used by real models (q2_k, q4_k, q5_k, q6_k) against q8_k.
 //
 // Each 256-element weight super-block is decoded once per row into 8 chunks of 32 unsigned bytes,
@@ -7,7 +12,8 @@
 // all in int32 until the final scale, as in ggml. q6_k's -32 offset becomes a min term with
 // dmin = d and mn = 32 * sc. A tile is 4 weight rows x up to 4 activation rows: the decoded rows stay
 // in L1 (stack) and are reused by every activation row; the 4 row sums are reduced with hadds.
-#include <algorithm>
+#pragma once
+#include <cstring>
 
 #include "backend/cpu/quants_avx2_common.h"
 #include "backend/cpu/quants_impl.h"
@@ -126,13 +132,19 @@ struct tr_q2_k {
 constexpr int q8k_size = 292;
 
 // NR weight rows (<= 4) x MB activation rows over nb super-blocks; out[m][r].
+// Weights are decoded here (panel == nullptr: decode, M <= 4) or read from a panel of nb x NR
+// decoded super-blocks that gemm_k fills once per 4 rows and reuses for every activation tile.
 template <class T, int NR, int MB>
-inline void ktile(int64_t nb, const uint8_t *const w[NR], const uint8_t *const x[MB], float out[MB][4]) {
+inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, const uint8_t *const x[MB],
+                  float out[MB][4]) {
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-    kdec dec[NR];
+    kdec local[NR];
     for (int64_t b = 0; b < nb; ++b) {
-        for (int r = 0; r < NR; ++r) T::decode(w[r] + b * T::size, dec[r]);
+        const kdec *dec = local;
+        if (panel) dec = panel + b * NR;
+        else
+            for (int r = 0; r < NR; ++r) T::decode(w[r] + b * T::size, local[r]);
         float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
         for (int r = 0; r < NR; ++r) dv[r] = dec[r].d, mv[r] = dec[r].dmin;
         const __m256 d8 = _mm256_setr_ps(dv[0], dv[1], dv[2], dv[3], dv[0], dv[1], dv[2], dv[3]);
@@ -158,26 +170,36 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const uint8_t *const x
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
+thread_local scratch<kdec> t_kpanel;  // per-thread decoded panel [nb][4]
+
 template <class T>
 void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
             int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / qk_k;
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
+    const bool use_panel = M > 4;
+    kdec *pbuf = use_panel ? t_kpanel.get(static_cast<size_t>(4 * nb)) : nullptr;
     for (int64_t r = r0; r < r1; r += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
+        const int rows = static_cast<int>(imin(4, r1 - r));
         const uint8_t *w[4];
-        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + std::min(i, rows - 1)) * w_stride;
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;
+        const kdec *panel = nullptr;
+        if (use_panel) {
+            for (int64_t b = 0; b < nb; ++b)
+                for (int i = 0; i < 4; ++i) T::decode(w[i] + b * T::size, pbuf[4 * b + i]);
+            panel = pbuf;
+        }
         for (int64_t m = 0; m < M; m += 4) {
-            const int mb = static_cast<int>(std::min<int64_t>(4, M - m));
+            const int mb = static_cast<int>(imin(4, M - m));
             const uint8_t *x[4];
-            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + std::min(j, mb - 1)) * x_stride;
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
             float out[4][4];
             switch (mb) {
-                case 1: ktile<T, 4, 1>(nb, w, x, out); break;
-                case 2: ktile<T, 4, 2>(nb, w, x, out); break;
-                case 3: ktile<T, 4, 3>(nb, w, x, out); break;
-                default: ktile<T, 4, 4>(nb, w, x, out); break;
+                case 1: ktile<T, 4, 1>(nb, w, panel, x, out); break;
+                case 2: ktile<T, 4, 2>(nb, w, panel, x, out); break;
+                case 3: ktile<T, 4, 3>(nb, w, panel, x, out); break;
+                default: ktile<T, 4, 4>(nb, w, panel, x, out); break;
             }
             for (int j = 0; j < mb; ++j)
                 for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
@@ -190,13 +212,11 @@ float dot_k(int64_t n, const void *w, const void *a) {
     const uint8_t *wp[1] = {static_cast<const uint8_t *>(w)};
     const uint8_t *xp[1] = {static_cast<const uint8_t *>(a)};
     float out[1][4];
-    ktile<T, 1, 1>(n / qk_k, wp, xp, out);
+    ktile<T, 1, 1>(n / qk_k, wp, nullptr, xp, out);
     return out[0][0];
 }
 
-}  // namespace
-
-void fill_avx2_kquants(kernel_table &t) {
+inline void fill_x86_kquants(kernel_table &t) {
     t.dot[slot(dtype::q2_k)] = dot_k<tr_q2_k>;
     t.dot[slot(dtype::q4_k)] = dot_k<tr_q4_k>;
     t.dot[slot(dtype::q5_k)] = dot_k<tr_q5_k>;
@@ -207,4 +227,5 @@ void fill_avx2_kquants(kernel_table &t) {
     t.gemm[slot(dtype::q6_k)] = gemm_k<tr_q6_k>;
 }
 
+}  // namespace
 }  // namespace fathom::cpu::detail

@@ -1,0 +1,443 @@
+// x86 SIMD kernels, included by quants_avx2.cpp and quants_avx512.cpp: each includes this header in its
+// own ISA-flagged translation unit, and everything here has internal linkage (anonymous namespace),
+// so the AVX2 and AVX-512 instantiations never mix. Under -mavx512* the same code gets EVEX
+// encodings, 32 vector registers and (where noted) VNNI instructions.
+//
+// AVX2 kernels for the 32-element block types (q4_0, q4_1, q5_0, q5_1, q8_0, mxfp4) against q8_0 /
+// q8_1 activations, and for f32 / f16 / bf16. k-quants: quants_x86_kquants.h.
+//
+// GEMM tile (the prefill and decode hot path): 4 weight rows x up to 4 activation rows. Per block,
+// each weight row is unpacked once into 32 bytes and reused for every activation row; the 4 row
+// products are reduced with two hadd levels into one vector [r0 r1 r2 r3 | r0 r1 r2 r3], so one
+// accumulator per activation row holds all 4 outputs and one cvt + FMA scales 4 products at once.
+// Unsigned quants (q4/q5 0..31, mxfp4 shifted to 0..24) use maddubs directly; the offset is folded
+// into a per-block term coef_w * S_a, where S_a = d_a * sum(a) (q8_0, precomputed once per gemm
+// call) or the stored s of q8_1 (ggml's numerics for q4_1/q5_1).
+#pragma once
+#include <cstring>
+
+#include "backend/cpu/quants_avx2_common.h"
+#include "backend/cpu/quants_impl.h"
+
+namespace fathom::cpu::detail {
+namespace {
+
+using namespace avx2;
+
+// ---- Per-block scale vectors for 4 rows: d8 = [d0 d1 d2 d3 | d0 d1 d2 d3], c8 = [c0 c1 c2 c3 | 0] --
+inline uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// f16 d at offset 0, coefficient c = k * d.
+inline void scales_d(const uint8_t *const b[4], float k, __m256 &d8, __m256 &c8) {
+    const __m128i h = _mm_setr_epi16(static_cast<short>(ld16(b[0])), static_cast<short>(ld16(b[1])),
+                                     static_cast<short>(ld16(b[2])), static_cast<short>(ld16(b[3])), 0, 0, 0, 0);
+    const __m128 d4 = _mm_cvtph_ps(h);
+    d8 = _mm256_set_m128(d4, d4);
+    c8 = _mm256_zextps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(k)));
+}
+
+// f16 pair (d, m) at offset 0: coefficient c = m.
+inline void scales_dm(const uint8_t *const b[4], __m256 &d8, __m256 &c8) {
+    const __m128i h = _mm_setr_epi32(static_cast<int>(ld32(b[0])), static_cast<int>(ld32(b[1])),
+                                     static_cast<int>(ld32(b[2])), static_cast<int>(ld32(b[3])));
+    const __m256 f = _mm256_cvtph_ps(h);  // [d0 m0 d1 m1 d2 m2 d3 m3]
+    d8 = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    c8 = _mm256_blend_ps(_mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)), _mm256_setzero_ps(), 0xF0);
+}
+
+// ---- Weight block traits --------------------------------------------------------------------------
+// size: bytes per block; quants(): 32 unpacked values; scale/coef: d and the offset coefficient of one
+// block, scales4: both for 4 blocks as vectors; has_coef: whether the activation-sum term applies;
+// is_signed: quants are s8 (else u8 <= 31, so 8 maddubs products fit an i16: see tile4).
+struct tr_q4_0 {
+    static constexpr int size = 18;
+    static constexpr bool has_coef = true, is_signed = false, act_q8_1 = false;
+    static __m256i quants(const uint8_t *b) { return nibbles32(b + 2); }
+    static float scale(const uint8_t *b) { return ldf16(b); }
+    static float coef(const uint8_t *, float d) { return -8.0f * d; }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_d(b, -8.0f, d8, c8); }
+};
+struct tr_q4_1 {
+    static constexpr int size = 20;
+    static constexpr bool has_coef = true, is_signed = false, act_q8_1 = true;
+    static __m256i quants(const uint8_t *b) { return nibbles32(b + 4); }
+    static float scale(const uint8_t *b) { return ldf16(b); }
+    static float coef(const uint8_t *b, float) { return ldf16(b + 2); }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_dm(b, d8, c8); }
+};
+struct tr_q5_0 {
+    static constexpr int size = 22;
+    static constexpr bool has_coef = true, is_signed = false, act_q8_1 = false;
+    static __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 6), bits32_x16(b + 2)); }
+    static float scale(const uint8_t *b) { return ldf16(b); }
+    static float coef(const uint8_t *, float d) { return -16.0f * d; }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_d(b, -16.0f, d8, c8); }
+};
+struct tr_q5_1 {
+    static constexpr int size = 24;
+    static constexpr bool has_coef = true, is_signed = false, act_q8_1 = true;
+    static __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 8), bits32_x16(b + 4)); }
+    static float scale(const uint8_t *b) { return ldf16(b); }
+    static float coef(const uint8_t *b, float) { return ldf16(b + 2); }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_dm(b, d8, c8); }
+};
+struct tr_q8_0 {
+    static constexpr int size = 34;
+    static constexpr bool has_coef = false, is_signed = true, act_q8_1 = false;
+    static __m256i quants(const uint8_t *b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2)); }
+    static float scale(const uint8_t *b) { return ldf16(b); }
+    static float coef(const uint8_t *, float) { return 0.0f; }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_d(b, 0.0f, d8, c8); }
+};
+struct tr_mxfp4 {  // e2m1 codes -> (2 * value + 12) in 0..24 via pshufb, offset -12 folded into coef
+    static constexpr int size = 17;
+    static constexpr bool has_coef = true, is_signed = false, act_q8_1 = false;
+    static __m256i quants(const uint8_t *b) {
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                             12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        return _mm256_shuffle_epi8(lut, nibbles32(b + 1));
+    }
+    static float scale(const uint8_t *b) { return e8m0_to_fp32_half(b[0]); }
+    static float coef(const uint8_t *, float d) { return -12.0f * d; }
+    static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) {
+        const __m128 d4 = _mm_setr_ps(scale(b[0]), scale(b[1]), scale(b[2]), scale(b[3]));
+        d8 = _mm256_set_m128(d4, d4);
+        c8 = _mm256_zextps128_ps256(_mm_mul_ps(d4, _mm_set1_ps(-12.0f)));
+    }
+};
+
+template <class T>
+inline __m256i dot32(__m256i q, __m256i a) {  // one row: 8 x i32 partial sums
+    if constexpr (T::is_signed) return dot_s8s8(q, a);
+    else return dot_u8s8(q, a);
+}
+
+// Activation block geometry: q8_0 {f16 d; s8 qs[32]}, q8_1 {f16 d; f16 s; s8 qs[32]}.
+template <class T> constexpr int act_size = T::act_q8_1 ? 36 : 34;
+template <class T> constexpr int act_qs = T::act_q8_1 ? 4 : 2;
+
+// Per activation block: da = d, sa = d * sum(q) (q8_0) or the stored s (q8_1). Layout [m][nb].
+template <class T>
+void prepare_act(const uint8_t *X, size_t x_stride, int64_t M, int64_t nb, float *da, float *sa) {
+    for (int64_t m = 0; m < M; ++m) {
+        const uint8_t *x = X + m * x_stride;
+        for (int64_t b = 0; b < nb; ++b, x += act_size<T>) {
+            const float d = ldf16(x);
+            da[m * nb + b] = d;
+            if constexpr (T::act_q8_1) {
+                sa[m * nb + b] = ldf16(x + 2);
+            } else if constexpr (T::has_coef) {
+                const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + act_qs<T>));
+                const __m256i s = dot_u8s8(_mm256_set1_epi8(1), a);
+                const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                const int sum = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+                sa[m * nb + b] = d * static_cast<float>(sum);
+            } else {
+                sa[m * nb + b] = 0.0f;
+            }
+        }
+    }
+}
+
+// Sum over 32 elements of 4 rows' products with one activation block, as [r0 r1 r2 r3 | r0 r1 r2 r3]
+// i32 halves. Unsigned quants <= 31: maddubs lanes are <= 2*31*128 = 7936, so two i16 hadd levels
+// (4 lanes, <= 31744) cannot overflow and one madd widens at the end. s8 quants need i32 first.
+template <class T>
+inline __m256i dot4(const __m256i q[4], __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    // VNNI: u8 x s8 products summed into i32 in one instruction, no i16 intermediate.
+    const __m256i z = _mm256_setzero_si256();
+    if constexpr (T::is_signed) {
+        auto d = [&](__m256i qq) { return _mm256_dpbusd_epi32(z, _mm256_sign_epi8(qq, qq), _mm256_sign_epi8(a, qq)); };
+        return reduce4(d(q[0]), d(q[1]), d(q[2]), d(q[3]));
+    } else {
+        return reduce4(_mm256_dpbusd_epi32(z, q[0], a), _mm256_dpbusd_epi32(z, q[1], a), _mm256_dpbusd_epi32(z, q[2], a),
+                       _mm256_dpbusd_epi32(z, q[3], a));
+    }
+#endif
+    if constexpr (T::is_signed) {
+        return reduce4(dot_s8s8(q[0], a), dot_s8s8(q[1], a), dot_s8s8(q[2], a), dot_s8s8(q[3], a));
+    } else {
+        const __m256i p01 = _mm256_hadd_epi16(_mm256_maddubs_epi16(q[0], a), _mm256_maddubs_epi16(q[1], a));
+        const __m256i p23 = _mm256_hadd_epi16(_mm256_maddubs_epi16(q[2], a), _mm256_maddubs_epi16(q[3], a));
+        return _mm256_madd_epi16(_mm256_hadd_epi16(p01, p23), _mm256_set1_epi16(1));
+    }
+}
+
+// One block of 4 weight rows, decoded: 4 x 32 quants and the two scale vectors (192 bytes).
+struct wblock4 {
+    __m256i q[4];
+    __m256 d8, c8;
+};
+
+template <class T>
+inline void decode4(const uint8_t *const w[4], int64_t b, wblock4 &o) {
+    const uint8_t *blk[4] = {w[0] + b * T::size, w[1] + b * T::size, w[2] + b * T::size, w[3] + b * T::size};
+    for (int r = 0; r < 4; ++r) o.q[r] = T::quants(blk[r]);
+    T::scales4(blk, o.d8, o.c8);
+}
+
+// 4 weight rows x MB activation rows over nb blocks; out[m] = the 4 row results. Weights come either
+// straight from the rows (panel == nullptr: decode, M <= 4) or from a pre-decoded panel (prefill:
+// the panel is decoded once per 4 rows and reused by all M/4 activation tiles).
+template <class T, int MB>
+inline void tile4(int64_t nb, const uint8_t *const w[4], const wblock4 *panel, const uint8_t *const x[MB],
+                  const float *da, const float *sa, int64_t nbs, __m128 out[MB]) {
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        wblock4 dec;
+        if (panel) dec = panel[b];
+        else decode4<T>(w, b, dec);
+        for (int m = 0; m < MB; ++m) {
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[m] + b * act_size<T> + act_qs<T>));
+            const __m256i s = dot4<T>(dec.q, a);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dec.d8, _mm256_set1_ps(da[m * nbs + b])), acc[m]);
+            if constexpr (T::has_coef) acc[m] = _mm256_fmadd_ps(dec.c8, _mm256_set1_ps(sa[m * nbs + b]), acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; ++m) out[m] = fold_halves(acc[m]);
+}
+
+thread_local scratch<float> t_act;      // per-thread [2][M][nb] activation scales / sums
+thread_local scratch<wblock4> t_panel;  // per-thread decoded 4-row panel [nb]
+
+template <class T>
+void gemm_q32(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+              int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk32;
+    if (M <= 0 || r1 <= r0) return;
+    float *da = t_act.get(static_cast<size_t>(2 * M * nb) + 1), *sa = da + M * nb;
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    prepare_act<T>(Xb, x_stride, M, nb, da, sa);
+    const bool use_panel = M > 4;
+    wblock4 *pbuf = use_panel ? t_panel.get(static_cast<size_t>(nb)) : nullptr;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // pad with last row
+        const wblock4 *panel = nullptr;
+        if (use_panel) {
+            for (int64_t b = 0; b < nb; ++b) decode4<T>(w, b, pbuf[b]);
+            panel = pbuf;
+        }
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(imin(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            __m128 out[4];
+            const float *dam = da + m * nb, *sam = sa + m * nb;
+            switch (mb) {
+                case 1: tile4<T, 1>(nb, w, panel, x, dam, sam, nb, out); break;
+                case 2: tile4<T, 2>(nb, w, panel, x, dam, sam, nb, out); break;
+                case 3: tile4<T, 3>(nb, w, panel, x, dam, sam, nb, out); break;
+                default: tile4<T, 4>(nb, w, panel, x, dam, sam, nb, out); break;
+            }
+            for (int j = 0; j < mb; ++j) {
+                alignas(16) float o[4];
+                _mm_store_ps(o, out[j]);
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = o[i];
+            }
+        }
+    }
+}
+
+// Single row x single column (vec_dot): ggml-style block loop.
+template <class T>
+float dot_q32(int64_t n, const void *w, const void *a) {
+    const auto *wb = static_cast<const uint8_t *>(w);
+    const auto *ab = static_cast<const uint8_t *>(a);
+    __m256 acc = _mm256_setzero_ps();
+    float coef_sum = 0;
+    for (int64_t b = 0; b < n / qk32; ++b, wb += T::size, ab += act_size<T>) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ab + act_qs<T>));
+        const float dw = T::scale(wb), dx = ldf16(ab);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32<T>(T::quants(wb), av)), _mm256_set1_ps(dw * dx), acc);
+        if constexpr (T::act_q8_1) {
+            coef_sum += T::coef(wb, dw) * ldf16(ab + 2);
+        } else if constexpr (T::has_coef) {
+            const __m256i s = dot_u8s8(_mm256_set1_epi8(1), av);
+            coef_sum += T::coef(wb, dw) * dx * hsum(_mm256_cvtepi32_ps(s));
+        }
+    }
+    return hsum(acc) + coef_sum;
+}
+
+// ---- Float types: 4 weight rows x 2 activation rows of FMAs, scalar tail -----------------------------
+struct ld_f32 {
+    using elem = float;
+    static __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
+    static float one(const float *p) { return *p; }
+};
+struct ld_f16 {
+    using elem = uint16_t;
+    static __m256 load8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+    static float one(const uint16_t *p) { return _cvtsh_ss(*p); }
+};
+struct ld_bf16 {
+    using elem = uint16_t;
+    static __m256 load8(const uint16_t *p) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    static float one(const uint16_t *p) { return bf16_to_f32(*p); }
+};
+
+template <class L, int NR, int MB>
+inline void float_tile(int64_t K, const typename L::elem *const w[NR], const typename L::elem *const x[MB],
+                       float out[MB][NR]) {
+    __m256 acc[MB][NR];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NR];
+        for (int r = 0; r < NR; ++r) wv[r] = L::load8(w[r] + k);
+        for (int m = 0; m < MB; ++m) {
+            const __m256 xv = L::load8(x[m] + k);
+            for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < NR; ++r) {
+            float s = hsum(acc[m][r]);
+            for (int64_t t = k; t < K; ++t) s += L::one(w[r] + t) * L::one(x[m] + t);
+            out[m][r] = s;
+        }
+}
+
+template <class L>
+void gemm_float(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+                int64_t M, float *y, int64_t ldy) {
+    using E = typename L::elem;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const E *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = reinterpret_cast<const E *>(Wb + (r + imin(i, rows - 1)) * w_stride);
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mb = static_cast<int>(imin(2, M - m));
+            const E *x[2] = {reinterpret_cast<const E *>(Xb + m * x_stride),
+                             reinterpret_cast<const E *>(Xb + (m + mb - 1) * x_stride)};
+            float out[2][4];
+            if (mb == 2) float_tile<L, 4, 2>(K, w, x, out);
+            else float_tile<L, 4, 1>(K, w, x, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+template <class L>
+float dot_float(int64_t n, const void *w, const void *a) {
+    const typename L::elem *wp[1] = {static_cast<const typename L::elem *>(w)};
+    const typename L::elem *xp[1] = {static_cast<const typename L::elem *>(a)};
+    float out[1][1];
+    float_tile<L, 1, 1>(n, wp, xp, out);
+    return out[0][0];
+}
+
+// ---- Activation quantisers, bit-exact with the scalar reference (quants_quantize.cpp) ------------------
+// roundf (half away from zero) from round-to-even: they differ only on exact ties, where the
+// fraction v - trunc(v) (exact in float) is +-0.5.
+inline __m256 roundf8(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 e = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+    const __m256 frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(v, t));
+    const __m256 tie = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(e, _mm256_add_ps(t, _mm256_or_ps(_mm256_set1_ps(1.0f), sign)), tie);
+}
+
+inline float absmax32(const float *x) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_and_ps(_mm256_loadu_ps(x), abs_mask);
+    for (int j = 8; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+// 32 floats * id, rounded, packed to s8 in element order; returns the sum of the 32 integers.
+inline int quant32(const float *x, float id, int8_t *qs, bool away_from_zero) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) {
+        __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(id));
+        f = away_from_zero ? roundf8(f) : _mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v[k] = _mm256_cvtps_epi32(f);
+    }
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    // packs interleave 128-bit lanes; the permute restores element order.
+    const __m256i p16a = _mm256_packs_epi32(v[0], v[1]), p16b = _mm256_packs_epi32(v[2], v[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(qs),
+                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
+void quant_q8_0_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_0 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        const float d = absmax32(x) / 127;
+        const float id = d != 0 ? 1.0f / d : 0.0f;
+        y[i].d = f32_to_f16(d);
+        quant32(x, id, y[i].qs, true);
+    }
+}
+
+void quant_q8_1_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_1 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        const float d = absmax32(x) / 127;
+        const float id = d != 0 ? 1.0f / d : 0.0f;
+        const int sum = quant32(x, id, y[i].qs, true);
+        y[i].d = f32_to_f16(d);
+        y[i].s = f32_to_f16(static_cast<float>(sum) * d);
+    }
+}
+
+void quant_f16_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<uint16_t *>(dst);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+
+inline void fill_x86_q32(kernel_table &t) {
+    t.dot[slot(dtype::q4_0)] = dot_q32<tr_q4_0>;
+    t.dot[slot(dtype::q4_1)] = dot_q32<tr_q4_1>;
+    t.dot[slot(dtype::q5_0)] = dot_q32<tr_q5_0>;
+    t.dot[slot(dtype::q5_1)] = dot_q32<tr_q5_1>;
+    t.dot[slot(dtype::q8_0)] = dot_q32<tr_q8_0>;
+    t.dot[slot(dtype::mxfp4)] = dot_q32<tr_mxfp4>;
+    t.gemm[slot(dtype::q4_0)] = gemm_q32<tr_q4_0>;
+    t.gemm[slot(dtype::q4_1)] = gemm_q32<tr_q4_1>;
+    t.gemm[slot(dtype::q5_0)] = gemm_q32<tr_q5_0>;
+    t.gemm[slot(dtype::q5_1)] = gemm_q32<tr_q5_1>;
+    t.gemm[slot(dtype::q8_0)] = gemm_q32<tr_q8_0>;
+    t.gemm[slot(dtype::mxfp4)] = gemm_q32<tr_mxfp4>;
+    t.dot[slot(dtype::f32)] = dot_float<ld_f32>;
+    t.dot[slot(dtype::f16)] = dot_float<ld_f16>;
+    t.dot[slot(dtype::bf16)] = dot_float<ld_bf16>;
+    t.gemm[slot(dtype::f32)] = gemm_float<ld_f32>;
+    t.gemm[slot(dtype::f16)] = gemm_float<ld_f16>;
+    t.gemm[slot(dtype::bf16)] = gemm_float<ld_bf16>;
+    t.quant[slot(dtype::q8_0)] = quant_q8_0_avx2;
+    t.quant[slot(dtype::q8_1)] = quant_q8_1_avx2;
+    t.quant[slot(dtype::f16)] = quant_f16_avx2;
+}
+
+}  // namespace
+}  // namespace fathom::cpu::detail

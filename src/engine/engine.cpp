@@ -1,0 +1,252 @@
+// engine / session implementation of include/fathom/engine.h for the dense family on the CPU
+// backend. The engine owns the mapped GGUF, the backend (and so the one thread pool), the model
+// weights, the tokenizer and the chat template; sessions own a KV cache, activation scratch and
+// the token timeline. Forward calls of all sessions of one engine are serialised by a mutex, so
+// sessions may live on different threads without oversubscribing the cores.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "backend/backend.h"
+#include "chat/chat_template.h"
+#include "core/error.h"
+#include "fathom/engine.h"
+#include "gguf/gguf.h"
+#include "kv/kv_cache.h"
+#include "models/dense.h"
+#include "tokenizer/tokenizer.h"
+
+namespace fathom {
+
+namespace {
+
+// Built-in templates for files without tokenizer.chat_template (llama.cpp falls back to ChatML
+// for every model; Gemma files get Gemma's turn format, which is what they were trained on).
+std::string render_builtin_template(const std::string &arch, const std::vector<chat_message> &msgs, bool add_gen) {
+    std::string out;
+    if (arch.rfind("gemma", 0) == 0) {
+        // Gemma: no system role; a system message is prepended to the first user turn.
+        std::string pending_system;
+        for (const auto &m : msgs) {
+            if (m.role == "system") {
+                pending_system += m.content + "\n\n";
+                continue;
+            }
+            const std::string role = m.role == "assistant" ? "model" : m.role;
+            out += "<start_of_turn>" + role + "\n" + pending_system + m.content + "<end_of_turn>\n";
+            pending_system.clear();
+        }
+        if (add_gen) out += "<start_of_turn>model\n";
+        return out;
+    }
+    for (const auto &m : msgs) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+    if (add_gen) out += "<|im_start|>assistant\n";
+    return out;
+}
+
+int default_threads() {
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? static_cast<int>(n) : std::max(1u, std::thread::hardware_concurrency());
+}
+
+class engine_impl;
+
+class session_impl final : public session {
+public:
+    explicit session_impl(engine_impl &e);
+    void sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &on_progress) override;
+    void eval(std::span<const int32_t> tokens, float *all_logits) override;
+    std::span<const float> logits() const override {
+        return have_logits_ ? std::span<const float>(logits_) : std::span<const float>();
+    }
+    int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
+    const std::vector<int32_t> &tokens() const override { return tokens_; }
+    void reset() override {
+        tokens_.clear();
+        kv_->n_used = 0;
+        have_logits_ = false;
+    }
+
+private:
+    void eval_chunks(std::span<const int32_t> toks, float *all_logits,
+                     const std::function<void(int64_t, int64_t)> *on_progress);
+    engine_impl &e_;
+    std::unique_ptr<kv_cache> kv_;
+    std::unique_ptr<dense_scratch> scratch_;
+    std::vector<int32_t> tokens_;
+    std::vector<float> logits_;  // [n_vocab] of tokens_.back()
+    bool have_logits_ = false;
+};
+
+class engine_impl final : public engine {
+public:
+    explicit engine_impl(const engine_options &o) : opts_(o) {
+        if (o.device != "cpu") {
+            if (o.device.rfind("cuda", 0) == 0) throw error("device '" + o.device + "': this build has no CUDA backend");
+            throw error("device '" + o.device + "': expected cpu, cuda or cuda:N");
+        }
+        if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
+        if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
+        if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
+        file_ = gguf::file::open(o.model_path);
+        const dense_hparams hp = dense_load_hparams(*file_);  // arch check before anything heavy
+        n_ctx_ = o.n_ctx > 0 ? o.n_ctx : std::min(hp.n_ctx_train, 8192);
+        n_batch_ = std::min<int64_t>(o.n_batch, n_ctx_);
+        const int64_t max_cols = std::max({int64_t{hp.n_embd}, int64_t{hp.n_head} * hp.head_dim, int64_t{hp.n_ff}});
+        cpu_options co;
+        co.n_threads = o.n_threads > 0 ? o.n_threads : default_threads();
+        co.exact = o.exact;
+        co.max_cols = max_cols;
+        co.max_rows = n_batch_;
+        co.max_ctx = n_ctx_;
+        be_ = make_cpu_backend(co);
+        if (o.on_load_progress) o.on_load_progress(0, file_->size());
+        model_ = dense_load(*file_, *be_);
+        tok_ = std::make_unique<tokenizer>(*file_);
+        if (tok_->n_vocab() != model_->hp.n_vocab && tok_->n_vocab() > model_->hp.n_vocab)
+            throw error(o.model_path + ": tokenizer has " + std::to_string(tok_->n_vocab()) + " tokens, the model " +
+                        std::to_string(model_->hp.n_vocab));
+        const std::string_view tmpl = file_->get_string("tokenizer.chat_template", "");
+        if (!tmpl.empty()) template_.emplace(std::string(tmpl));
+        fill_info(o);
+        if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
+    }
+
+    const model_info &info() const override { return info_; }
+
+    std::vector<int32_t> tokenize(std::string_view text, bool add_special, bool parse_special) const override {
+        return tok_->encode(text, add_special, parse_special);
+    }
+    std::string token_to_piece(int32_t token) const override { return tok_->token_to_piece(token); }
+    std::string detokenize(std::span<const int32_t> tokens) const override { return tok_->decode(tokens); }
+    bool is_end_of_generation(int32_t token) const override { return tok_->is_eog(token); }
+    int32_t bos_token() const override { return tok_->bos(); }
+
+    std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen) const override {
+        if (!template_) return render_builtin_template(info_.arch, messages, add_gen);
+        chat_template_inputs in;
+        for (const auto &m : messages) in.messages.push_back({{"role", m.role}, {"content", m.content}});
+        in.add_generation_prompt = add_gen;
+        if (tok_->bos() != token_null) in.bos_token = tok_->token_to_piece(tok_->bos());
+        if (tok_->eos() != token_null) in.eos_token = tok_->token_to_piece(tok_->eos());
+        return template_->render(in);
+    }
+
+    std::unique_ptr<session> new_session() override { return std::make_unique<session_impl>(*this); }
+
+    // ---- for sessions ----
+    const dense_model &model() const { return *model_; }
+    backend &be() { return *be_; }
+    std::mutex &forward_mutex() { return forward_mutex_; }
+    int64_t n_ctx() const { return n_ctx_; }
+    int64_t n_batch() const { return n_batch_; }
+    dtype kv_type() const { return opts_.kv == kv_precision::f32 ? dtype::f32 : dtype::f16; }
+
+private:
+    void fill_info(const engine_options &o) {
+        const dense_hparams &hp = model_->hp;
+        info_.arch = hp.arch;
+        info_.name = std::string(file_->get_string("general.name", ""));
+        info_.path = o.model_path;
+        info_.file_bytes = file_->size();
+        info_.n_params = model_->n_params;
+        info_.n_vocab = hp.n_vocab;
+        info_.n_ctx_train = hp.n_ctx_train;
+        info_.n_ctx = static_cast<int32_t>(n_ctx_);
+        info_.n_layer = hp.n_layer;
+        info_.n_embd = hp.n_embd;
+        info_.kv_bytes_per_token = kv_cache::bytes_per_token(hp.n_layer, hp.n_head_kv, hp.head_dim, kv_type());
+        info_.chat_template = template_ ? template_->source() : "";
+    }
+
+    engine_options opts_;
+    std::unique_ptr<gguf::file> file_;
+    std::unique_ptr<backend> be_;
+    std::unique_ptr<dense_model> model_;
+    std::unique_ptr<tokenizer> tok_;
+    std::optional<chat_template> template_;
+    model_info info_;
+    int64_t n_ctx_ = 0, n_batch_ = 0;
+    std::mutex forward_mutex_;
+};
+
+session_impl::session_impl(engine_impl &e) : e_(e) {
+    const dense_hparams &hp = e.model().hp;
+    kv_ = std::make_unique<kv_cache>(e.be(), hp.n_layer, hp.n_head_kv, hp.head_dim, e.n_ctx(), e.kv_type());
+    scratch_ = dense_scratch_create(hp, e.be(), e.n_batch());
+    logits_.assign(static_cast<size_t>(hp.n_vocab), 0.0f);
+    tokens_.reserve(static_cast<size_t>(e.n_ctx()));
+}
+
+void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
+                               const std::function<void(int64_t, int64_t)> *on_progress) {
+    const dense_model &m = e_.model();
+    const int64_t n_vocab = m.hp.n_vocab, total = static_cast<int64_t>(toks.size());
+    if (total == 0) return;
+    if (n_past() + total > e_.n_ctx())
+        throw error("context full: " + std::to_string(n_past()) + " + " + std::to_string(total) + " tokens exceed n_ctx " +
+                    std::to_string(e_.n_ctx()));
+    for (int32_t t : toks)
+        if (t < 0 || t >= n_vocab)
+            throw error("token id " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+    std::lock_guard<std::mutex> lock(e_.forward_mutex());
+    for (int64_t done = 0; done < total;) {
+        const int64_t n = std::min(e_.n_batch(), total - done);
+        const bool last = done + n == total;
+        float *out = nullptr;
+        int64_t n_out = 0;
+        if (all_logits) {
+            out = all_logits + done * n_vocab;
+            n_out = n;
+        } else if (last) {
+            out = logits_.data();
+            n_out = 1;
+        }
+        have_logits_ = false;
+        dense_forward(m, e_.be(), *kv_, *scratch_, toks.data() + done, n, n_past(), n_out, out);
+        tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
+        kv_->n_used = n_past();
+        done += n;
+        if (last) {
+            if (all_logits) std::memcpy(logits_.data(), out + (n - 1) * n_vocab, static_cast<size_t>(n_vocab) * sizeof(float));
+            have_logits_ = true;
+        }
+        if (on_progress && *on_progress) (*on_progress)(done, total);
+    }
+}
+
+void session_impl::eval(std::span<const int32_t> tokens, float *all_logits) { eval_chunks(tokens, all_logits, nullptr); }
+
+void session_impl::sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &on_progress) {
+    if (static_cast<int64_t>(prefix.size()) > e_.n_ctx())
+        throw error("prompt of " + std::to_string(prefix.size()) + " tokens exceeds n_ctx " + std::to_string(e_.n_ctx()));
+    if (prefix.empty()) {
+        reset();
+        if (on_progress) on_progress(0, 0);
+        return;
+    }
+    size_t keep = 0;
+    while (keep < prefix.size() && keep < tokens_.size() && prefix[keep] == tokens_[keep]) ++keep;
+    if (keep == prefix.size() && keep == tokens_.size() && have_logits_) {
+        if (on_progress) on_progress(0, 0);
+        return;
+    }
+    // The logits of prefix.back() are needed: if it is already held but is not the last token
+    // evaluated (or its logits were not kept), evaluate it again.
+    if (keep == prefix.size()) --keep;
+    tokens_.resize(keep);
+    kv_->n_used = static_cast<int64_t>(keep);  // positions >= keep are stale and get overwritten
+    have_logits_ = false;
+    eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
+}
+
+}  // namespace
+
+std::unique_ptr<engine> engine::load(const engine_options &opts) { return std::make_unique<engine_impl>(opts); }
+
+}  // namespace fathom

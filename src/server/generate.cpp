@@ -1,0 +1,414 @@
+// The generating endpoints: request -> prompt tokens -> scheduler job -> response, for
+// /v1/chat/completions, /v1/completions and /v1/messages, streamed (SSE) or not. The stream
+// writers own each API's wire format; the driver owns hold-back of tool-call markup, logprobs
+// forwarding and cancellation when the client goes away.
+#include <chrono>
+#include <ctime>
+
+#include "server/server_impl.h"
+
+namespace fathom::server {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct prepared {
+    gen_request r;
+    std::vector<int32_t> prompt;
+    std::string model_id;  // the id reported back
+};
+
+// Request body -> validated request and prompt tokens. Throws api_error.
+prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind, bool count_only) {
+    prepared p;
+    const json body = parse_body(req.body);
+    if (kind == api_kind::openai_chat) p.r = parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt);
+    else if (kind == api_kind::openai_completion) p.r = parse_openai_completion(body, ctx.opts.defaults);
+    else p.r = parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only);
+    const auto &ids = ctx.opts.model_ids;
+    if (!p.r.model.empty() && std::find(ids.begin(), ids.end(), p.r.model) == ids.end())
+        throw api_error(404, "not_found_error", "the model '" + p.r.model + "' does not exist (this server serves '" +
+                                                    ids.front() + "')", "model");
+    p.model_id = p.r.model.empty() ? ids.front() : p.r.model;
+    try {
+        if (kind == api_kind::openai_completion) {
+            p.prompt = p.r.prompt_is_tokens ? p.r.prompt_tokens : ctx.eng.tokenize(p.r.prompt_text, true, true);
+        } else {
+            const std::string text = ctx.eng.apply_chat_template(p.r.messages, true);
+            p.prompt = ctx.eng.tokenize(text, true, true);
+            const int32_t bos = ctx.eng.bos_token();  // a template that writes BOS itself: keep one
+            if (bos >= 0 && p.prompt.size() >= 2 && p.prompt[0] == bos && p.prompt[1] == bos)
+                p.prompt.erase(p.prompt.begin());
+        }
+    } catch (const error &e) {
+        bad_request(std::string("cannot build the prompt: ") + e.what());
+    }
+    const int n_ctx = ctx.sch.n_ctx();
+    if (!count_only && int64_t(p.prompt.size()) >= n_ctx)
+        throw api_error(400, "invalid_request_error",
+                        "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
+                            std::to_string(n_ctx) + " tokens (prompt plus at least one generated token)",
+                        "messages");
+    if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
+    return p;
+}
+
+std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
+    sched::request sr;
+    sr.prompt = p.prompt;
+    sr.sampling = p.r.sampling;
+    const int32_t room = int32_t(ctx.sch.n_ctx() - int64_t(p.prompt.size()));
+    sr.max_tokens = p.r.max_tokens < 0 ? room : p.r.max_tokens;
+    sr.stop = p.r.stop;
+    sr.want_logprobs = p.r.logprobs;
+    try {
+        return ctx.sch.submit(std::move(sr));
+    } catch (const sched::queue_full &e) {
+        throw api_error(503, "overloaded_error", e.what());
+    } catch (const error &e) {
+        bad_request(e.what());
+    }
+}
+
+json token_bytes(const std::string &piece) {
+    json b = json::array();
+    for (unsigned char c : piece) b.push_back(int(c));
+    return b;
+}
+
+// OpenAI chat logprobs entries for tokens.
+json chat_logprobs(const engine &eng, const std::vector<sched::token_info> &toks) {
+    json content = json::array();
+    for (const auto &t : toks) {
+        const std::string piece = eng.token_to_piece(t.id);
+        json top = json::array();
+        for (const auto &alt : t.top) {
+            const std::string ap = eng.token_to_piece(alt.token);
+            top.push_back({{"token", ap}, {"logprob", alt.logprob}, {"bytes", token_bytes(ap)}});
+        }
+        content.push_back({{"token", piece}, {"logprob", t.logprob}, {"bytes", token_bytes(piece)}, {"top_logprobs", top}});
+    }
+    return {{"content", content}};
+}
+
+// Legacy completions logprobs; text_offset counts bytes from `offset` (text already sent).
+json completion_logprobs(const engine &eng, const std::vector<sched::token_info> &toks, size_t &offset) {
+    json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+    for (const auto &t : toks) {
+        const std::string piece = eng.token_to_piece(t.id);
+        tokens.push_back(piece);
+        lps.push_back(t.logprob);
+        json top = json::object();
+        for (const auto &alt : t.top) top[eng.token_to_piece(alt.token)] = alt.logprob;
+        tops.push_back(top);
+        offs.push_back(offset);
+        offset += piece.size();
+    }
+    return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+}
+
+const char *openai_finish(const sched::event &ev, bool calls) {
+    if (calls) return "tool_calls";
+    return ev.reason == sched::finish_reason::length ? "length" : "stop";
+}
+
+const char *anthropic_stop(const sched::event &ev, bool calls) {
+    if (calls) return "tool_use";
+    if (ev.reason == sched::finish_reason::length) return "max_tokens";
+    if (ev.reason == sched::finish_reason::stop_string) return "stop_sequence";
+    return "end_turn";
+}
+
+json openai_usage(const sched::event &ev) {
+    return {{"prompt_tokens", ev.n_prompt},
+            {"completion_tokens", ev.n_generated},
+            {"total_tokens", ev.n_prompt + ev.n_generated},
+            {"prompt_tokens_details", {{"cached_tokens", ev.n_reused}}}};
+}
+
+json openai_tool_calls(const std::vector<tool_call> &calls, bool with_index) {
+    json arr = json::array();
+    for (size_t i = 0; i < calls.size(); ++i) {
+        json c = {{"id", calls[i].id}, {"type", "function"},
+                  {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+        if (with_index) c["index"] = i;
+        arr.push_back(c);
+    }
+    return arr;
+}
+
+std::string trim_copy(const std::string &s) {
+    size_t a = 0, b = s.size();
+    while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
+    while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
+    return s.substr(a, b - a);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream writers: each turns driver callbacks into the API's SSE frames.
+// ---------------------------------------------------------------------------------------------
+
+struct stream_writer {
+    virtual ~stream_writer() = default;
+    virtual std::string begin() = 0;
+    virtual std::string delta(const std::string &text, const std::vector<sched::token_info> &lps) = 0;
+    virtual std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
+                               const std::vector<tool_call> &calls, const sched::event &ev) = 0;
+    virtual std::string fail(const std::string &msg) = 0;
+};
+
+struct openai_writer : stream_writer {
+    const engine &eng;
+    const prepared &p;
+    bool chat;
+    std::string id;
+    int64_t created = int64_t(std::time(nullptr));
+    size_t offset = 0;  // completions text_offset
+    openai_writer(const engine &e, const prepared &pp, bool c)
+        : eng(e), p(pp), chat(c), id(random_id(c ? "chatcmpl-" : "cmpl-")) {}
+
+    json chunk(json choice) const {
+        choice["index"] = 0;
+        return {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created},
+                {"model", p.model_id}, {"choices", json::array({choice})}};
+    }
+    json lp(const std::vector<sched::token_info> &lps) {
+        if (!p.r.logprobs) return nullptr;
+        return chat ? chat_logprobs(eng, lps) : completion_logprobs(eng, lps, offset);
+    }
+    std::string text_chunk(const std::string &text, const std::vector<sched::token_info> &lps) {
+        json c = chat ? json{{"delta", {{"content", text}}}} : json{{"text", text}};
+        c["logprobs"] = lp(lps);
+        c["finish_reason"] = nullptr;
+        return sse_data(dump_json(chunk(c)));
+    }
+    std::string begin() override {
+        if (!chat) return {};
+        return sse_data(dump_json(chunk({{"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+                                         {"finish_reason", nullptr}})));
+    }
+    std::string delta(const std::string &text, const std::vector<sched::token_info> &lps) override {
+        return text_chunk(text, lps);
+    }
+    std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
+                       const std::vector<tool_call> &calls, const sched::event &ev) override {
+        std::string out;
+        if (!rest.empty() || !lps.empty()) out += text_chunk(rest, lps);
+        if (!calls.empty())
+            out += sse_data(dump_json(chunk({{"delta", {{"tool_calls", openai_tool_calls(calls, true)}}},
+                                             {"logprobs", nullptr}, {"finish_reason", nullptr}})));
+        json last = chat ? json{{"delta", json::object()}} : json{{"text", ""}};
+        last["logprobs"] = nullptr;
+        last["finish_reason"] = openai_finish(ev, !calls.empty());
+        out += sse_data(dump_json(chunk(last)));
+        if (p.r.include_usage) {
+            json u = chunk({});
+            u["choices"] = json::array();
+            u["usage"] = openai_usage(ev);
+            out += sse_data(dump_json(u));
+        }
+        return out + "data: [DONE]\n\n";
+    }
+    std::string fail(const std::string &msg) override {
+        json e = {{"error", {{"message", msg}, {"type", "server_error"}, {"param", nullptr}, {"code", nullptr}}}};
+        return sse_data(dump_json(e)) + "data: [DONE]\n\n";
+    }
+};
+
+struct anthropic_writer : stream_writer {
+    const prepared &p;
+    std::string id = random_id("msg_");
+    int index = 0;
+    bool text_open = false;
+    explicit anthropic_writer(const prepared &pp) : p(pp) {}
+
+    std::string ev(const std::string &name, json data) {
+        data["type"] = name;
+        return sse_event(name, dump_json(data));
+    }
+    std::string begin() override {
+        json msg = {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", p.model_id},
+                    {"content", json::array()}, {"stop_reason", nullptr}, {"stop_sequence", nullptr},
+                    {"usage", {{"input_tokens", p.prompt.size()}, {"output_tokens", 0}}}};
+        return ev("message_start", {{"message", msg}}) + ev("ping", json::object());
+    }
+    std::string text(const std::string &t) {
+        if (t.empty()) return {};
+        std::string out;
+        if (!text_open) {
+            out += ev("content_block_start", {{"index", index}, {"content_block", {{"type", "text"}, {"text", ""}}}});
+            text_open = true;
+        }
+        return out + ev("content_block_delta", {{"index", index}, {"delta", {{"type", "text_delta"}, {"text", t}}}});
+    }
+    std::string delta(const std::string &t, const std::vector<sched::token_info> &) override { return text(t); }
+    std::string finish(const std::string &rest, const std::vector<sched::token_info> &,
+                       const std::vector<tool_call> &calls, const sched::event &e) override {
+        std::string out = text(rest);
+        if (text_open) {
+            out += ev("content_block_stop", {{"index", index}});
+            ++index;
+        }
+        for (const auto &c : calls) {
+            out += ev("content_block_start", {{"index", index},
+                                              {"content_block", {{"type", "tool_use"}, {"id", c.id}, {"name", c.name},
+                                                                 {"input", json::object()}}}});
+            out += ev("content_block_delta",
+                      {{"index", index}, {"delta", {{"type", "input_json_delta"}, {"partial_json", c.arguments}}}});
+            out += ev("content_block_stop", {{"index", index}});
+            ++index;
+        }
+        json d = {{"stop_reason", anthropic_stop(e, !calls.empty())},
+                  {"stop_sequence", e.reason == sched::finish_reason::stop_string ? json(e.stop_string) : json()}};
+        out += ev("message_delta", {{"delta", d}, {"usage", {{"output_tokens", e.n_generated}}}});
+        return out + ev("message_stop", json::object());
+    }
+    std::string fail(const std::string &msg) override {
+        return ev("error", {{"error", {{"type", "api_error"}, {"message", msg}}}});
+    }
+};
+
+// Parses calls out of the whole output (when tools are active), renaming ids for Anthropic.
+parsed_output split_calls(server_context &ctx, const prepared &p, const std::string &text) {
+    if (!p.r.tools_active()) return {text, {}};
+    parsed_output out = ctx.fmt->parse(text, p.r.tool_names);
+    if (p.r.kind == api_kind::anthropic_messages)
+        for (auto &c : out.calls) c.id = random_id("toolu_");
+    return out;
+}
+
+// Waits for the job's next event, cancelling it if the client disconnected. false = client gone.
+bool next_event(sched::job &j, const connection_probe &probe, sched::event &ev) {
+    for (;;) {
+        if (j.next(ev, 100ms)) return true;
+        if (!probe.alive()) {
+            j.cancel();
+            return false;
+        }
+    }
+}
+
+void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<prepared> p,
+                std::shared_ptr<sched::job> job, std::shared_ptr<connection_probe> probe) {
+    std::shared_ptr<stream_writer> w;
+    if (p->r.kind == api_kind::anthropic_messages) w = std::make_shared<anthropic_writer>(*p);
+    else w = std::make_shared<openai_writer>(ctx.eng, *p, p->r.kind == api_kind::openai_chat);
+    server_context *c = &ctx;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream", [c, p, job, probe, w](size_t, httplib::DataSink &sink) {
+            auto write = [&](const std::string &s) {
+                if (s.empty() || sink.write(s.data(), s.size())) return true;
+                job->cancel();
+                return false;
+            };
+            if (!write(w->begin())) return false;
+            std::string acc;
+            size_t emitted = 0;
+            std::vector<sched::token_info> lps;
+            const bool tools = p->r.tools_active();
+            sched::event ev;
+            for (;;) {
+                if (!next_event(*job, *probe, ev)) return false;
+                acc += ev.text;
+                if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
+                if (ev.final) break;
+                const size_t safe = tools ? c->fmt->safe_content_prefix(acc) : acc.size();
+                if (safe > emitted || (!lps.empty() && !tools)) {
+                    if (!write(w->delta(acc.substr(emitted, safe - emitted), lps))) return false;
+                    emitted = safe;
+                    lps.clear();
+                }
+            }
+            if (ev.reason == sched::finish_reason::error) {
+                write(w->fail("generation failed: " + ev.error));
+            } else if (ev.reason == sched::finish_reason::cancelled) {
+                write(w->fail("generation cancelled: the server is shutting down"));
+            } else {
+                const parsed_output po = split_calls(*c, *p, acc);
+                const std::string rest = emitted < po.content.size() ? po.content.substr(emitted) : std::string();
+                if (!write(w->finish(rest, lps, po.calls, ev))) return false;
+            }
+            sink.done();
+            return true;
+        });
+}
+
+json openai_response(server_context &ctx, const prepared &p, const std::string &text,
+                     const std::vector<sched::token_info> &lps, const sched::event &ev) {
+    const bool chat = p.r.kind == api_kind::openai_chat;
+    const parsed_output po = split_calls(ctx, p, text);
+    json choice = {{"index", 0}, {"finish_reason", openai_finish(ev, !po.calls.empty())}};
+    size_t offset = 0;
+    choice["logprobs"] = !p.r.logprobs ? json() : chat ? chat_logprobs(ctx.eng, lps) : completion_logprobs(ctx.eng, lps, offset);
+    if (chat) {
+        json msg = {{"role", "assistant"}};
+        if (po.calls.empty()) msg["content"] = po.content;
+        else {
+            const std::string c = trim_copy(po.content);
+            msg["content"] = c.empty() ? json() : json(c);
+            msg["tool_calls"] = openai_tool_calls(po.calls, false);
+        }
+        choice["message"] = msg;
+    } else {
+        choice["text"] = po.content;
+    }
+    return {{"id", random_id(chat ? "chatcmpl-" : "cmpl-")}, {"object", chat ? "chat.completion" : "text_completion"},
+            {"created", int64_t(std::time(nullptr))}, {"model", p.model_id}, {"choices", json::array({choice})},
+            {"usage", openai_usage(ev)}};
+}
+
+json anthropic_response(server_context &ctx, const prepared &p, const std::string &text, const sched::event &ev) {
+    const parsed_output po = split_calls(ctx, p, text);
+    json content = json::array();
+    const std::string t = po.calls.empty() ? po.content : trim_copy(po.content);
+    if (!t.empty()) content.push_back({{"type", "text"}, {"text", t}});
+    for (const auto &c : po.calls) {
+        json input = json::parse(c.arguments, nullptr, false);
+        content.push_back({{"type", "tool_use"}, {"id", c.id}, {"name", c.name},
+                           {"input", input.is_discarded() ? json::object() : input}});
+    }
+    return {{"id", random_id("msg_")}, {"type", "message"}, {"role", "assistant"}, {"model", p.model_id},
+            {"content", content}, {"stop_reason", anthropic_stop(ev, !po.calls.empty())},
+            {"stop_sequence", ev.reason == sched::finish_reason::stop_string ? json(ev.stop_string) : json()},
+            {"usage", {{"input_tokens", ev.n_prompt}, {"output_tokens", ev.n_generated}}}};
+}
+
+}  // namespace
+
+void handle_generate(server_context &ctx, const httplib::Request &req, httplib::Response &res, api_kind kind) {
+    auto probe = std::make_shared<connection_probe>(req);
+    auto p = std::make_shared<prepared>(prepare(ctx, req, kind, false));
+    auto job = submit(ctx, *p);
+    if (p->r.stream) {
+        run_stream(ctx, res, p, job, probe);
+        return;
+    }
+    std::string text;
+    std::vector<sched::token_info> lps;
+    sched::event ev;
+    for (;;) {
+        if (!next_event(*job, *probe, ev)) {
+            res.status = 499;  // nobody reads it: the client closed the connection
+            return;
+        }
+        text += ev.text;
+        if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
+        if (ev.final) break;
+    }
+    if (ev.reason == sched::finish_reason::error) throw api_error(500, "api_error", "generation failed: " + ev.error);
+    if (ev.reason == sched::finish_reason::cancelled)
+        throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
+    const json out = kind == api_kind::anthropic_messages ? anthropic_response(ctx, *p, text, ev)
+                                                          : openai_response(ctx, *p, text, lps, ev);
+    res.set_content(dump_json(out), "application/json");
+}
+
+void handle_count_tokens(server_context &ctx, const httplib::Request &req, httplib::Response &res) {
+    const prepared p = prepare(ctx, req, api_kind::anthropic_messages, true);
+    res.set_content(dump_json({{"input_tokens", p.prompt.size()}}), "application/json");
+}
+
+}  // namespace fathom::server

@@ -1,0 +1,122 @@
+// A deterministic stand-in for fathom::engine so the server, scheduler and daemon can be tested
+// without a model. Its behaviour is simple enough to predict by hand in every test:
+//   vocabulary: token b (0..255) is the byte b; 256 = end of generation; 257 = BOS.
+//   tokenize: [BOS if add_special] + the bytes.  chat template: "[role]content\n" per message
+//   ("[assistant]\x02content\n" for assistant turns), then "[assistant]\x02" as the generation prompt.
+//   next token (logit 10, every other logit 0):
+//     - after the \x02 marker (chat): the last user message is echoed byte by byte, then EOG;
+//       a user message starting with "LOOP" makes it emit 'x' forever;
+//     - otherwise (completion): 'a' + (number of tokens held % 26), forever.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "fathom/engine.h"
+
+namespace fathom::test {
+
+constexpr int32_t k_eog = 256;
+constexpr int32_t k_bos = 257;
+constexpr int32_t k_vocab = 258;
+
+class fake_session : public session {
+public:
+    fake_session(int n_ctx, std::atomic<int64_t> &evaluated, int delay_us)
+        : n_ctx_(n_ctx), evaluated_(evaluated), delay_us_(delay_us), logits_(k_vocab, 0.0f) {}
+
+    void sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &) override {
+        size_t l = 0;
+        while (l < prefix.size() && l < toks_.size() && prefix[l] == toks_[l]) ++l;
+        if (l == prefix.size() && l > 0) l -= 1;  // re-derive the last token's logits
+        toks_.resize(l);
+        eval(prefix.subspan(l));
+    }
+    void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) override {
+        if (int64_t(toks_.size() + tokens.size()) > n_ctx_) throw error("fake: context full");
+        for (int32_t t : tokens) {
+            if (t < 0 || t >= k_vocab) throw error("fake: bad token");
+            toks_.push_back(t);
+        }
+        evaluated_ += int64_t(tokens.size());
+        if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
+        std::fill(logits_.begin(), logits_.end(), 0.0f);
+        logits_[next_token()] = 10.0f;
+    }
+    std::span<const float> logits() const override { return logits_; }
+    int64_t n_past() const override { return int64_t(toks_.size()); }
+    const std::vector<int32_t> &tokens() const override { return toks_; }
+    void reset() override { toks_.clear(); }
+
+    int32_t next_token() const {
+        size_t marker = toks_.size();
+        for (size_t i = toks_.size(); i-- > 0;)
+            if (toks_[i] == 2) {
+                marker = i;
+                break;
+            }
+        if (marker == toks_.size()) return 'a' + int32_t(toks_.size() % 26);
+        // Last "[user]" before the marker; its content runs to the next '\n'.
+        const std::string pat = "[user]";
+        std::string text;
+        for (size_t i = 0; i < marker; ++i) text += char(toks_[i] < 256 ? toks_[i] : 0);
+        const size_t u = text.rfind(pat);
+        std::string content;
+        if (u != std::string::npos) content = text.substr(u + pat.size(), text.find('\n', u) - u - pat.size());
+        const size_t k = toks_.size() - 1 - marker;
+        if (content.rfind("LOOP", 0) == 0) return 'x';
+        return k < content.size() ? int32_t(static_cast<unsigned char>(content[k])) : k_eog;
+    }
+
+private:
+    int64_t n_ctx_;
+    std::atomic<int64_t> &evaluated_;
+    int delay_us_;
+    std::vector<int32_t> toks_;
+    std::vector<float> logits_;
+};
+
+class fake_engine : public engine {
+public:
+    explicit fake_engine(int n_ctx = 512, int delay_us = 0) : delay_us_(delay_us) {
+        info_.arch = "fake";
+        info_.name = "Fake Model";
+        info_.path = "/models/fake-model.gguf";
+        info_.n_vocab = k_vocab;
+        info_.n_ctx = n_ctx;
+        info_.n_ctx_train = n_ctx;
+    }
+    const model_info &info() const override { return info_; }
+    std::vector<int32_t> tokenize(std::string_view text, bool add_special, bool) const override {
+        std::vector<int32_t> out;
+        if (add_special) out.push_back(k_bos);
+        for (unsigned char c : text) out.push_back(c);
+        return out;
+    }
+    std::string token_to_piece(int32_t t) const override { return t >= 0 && t < 256 ? std::string(1, char(t)) : ""; }
+    std::string detokenize(std::span<const int32_t> toks) const override {
+        std::string s;
+        for (int32_t t : toks) s += token_to_piece(t);
+        return s;
+    }
+    bool is_end_of_generation(int32_t t) const override { return t == k_eog; }
+    int32_t bos_token() const override { return k_bos; }
+    std::string apply_chat_template(const std::vector<chat_message> &msgs, bool gen) const override {
+        std::string s;
+        for (const auto &m : msgs) s += "[" + m.role + "]" + (m.role == "assistant" ? "\x02" : "") + m.content + "\n";
+        if (gen) s += "[assistant]\x02";
+        return s;
+    }
+    std::unique_ptr<session> new_session() override {
+        ++sessions_created;
+        return std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
+    }
+    std::atomic<int64_t> evaluated{0};   // tokens evaluated by all sessions
+    std::atomic<int> sessions_created{0};
+
+private:
+    model_info info_;
+    int delay_us_;
+};
+
+}  // namespace fathom::test

@@ -1,0 +1,191 @@
+// Request parsing and validation (OpenAI chat/completions, Anthropic messages): accepted shapes
+// map to the right fields, and every malformed field is a 400 naming the parameter.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "server/api.h"
+
+using namespace fathom::server;
+using json = nlohmann::json;
+
+namespace {
+
+fathom::sampling_params defaults() { return {}; }
+
+gen_request chat(const json &b) {
+    auto f = make_tool_format("llama");
+    return parse_openai_chat(b, defaults(), *f);
+}
+gen_request anth(const json &b) {
+    auto f = make_tool_format("llama");
+    return parse_anthropic(b, defaults(), *f, false);
+}
+
+// Runs fn, expects an api_error with `status` whose param equals `param` and message contains `needle`.
+template <class F>
+void expect_error(F &&fn, int status, const std::string &param, const std::string &needle) {
+    try {
+        fn();
+        ADD_FAILURE() << "no error (expected " << needle << ")";
+    } catch (const api_error &e) {
+        EXPECT_EQ(e.status, status);
+        EXPECT_EQ(e.param, param) << e.what();
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+json user_msgs(const std::string &text) { return json::array({{{"role", "user"}, {"content", text}}}); }
+
+}  // namespace
+
+TEST(Api, MinimalChat) {
+    auto r = chat({{"model", "m"}, {"messages", user_msgs("hi")}});
+    ASSERT_EQ(r.messages.size(), 1u);
+    EXPECT_EQ(r.messages[0].role, "user");
+    EXPECT_EQ(r.messages[0].content, "hi");
+    EXPECT_EQ(r.model, "m");
+    EXPECT_FALSE(r.stream);
+    EXPECT_EQ(r.max_tokens, -1);
+    EXPECT_FLOAT_EQ(r.sampling.temperature, defaults().temperature);
+}
+
+TEST(Api, ContentPartsAndSampling) {
+    json msgs = json::array({{{"role", "system"}, {"content", "be brief"}},
+                             {{"role", "user"}, {"content", json::array({{{"type", "text"}, {"text", "a"}},
+                                                                         {{"type", "text"}, {"text", "b"}}})}}});
+    auto r = chat({{"messages", msgs}, {"temperature", 0}, {"top_p", 0.5}, {"top_k", 7}, {"min_p", 0.1},
+                   {"seed", 42}, {"frequency_penalty", 0.5}, {"presence_penalty", -0.5}, {"repetition_penalty", 1.1},
+                   {"max_completion_tokens", 9}, {"max_tokens", 100}, {"stop", "END"}, {"stream", true},
+                   {"stream_options", {{"include_usage", true}}}, {"logprobs", true}, {"top_logprobs", 3}});
+    ASSERT_EQ(r.messages.size(), 2u);
+    EXPECT_EQ(r.messages[1].content, "ab");
+    EXPECT_EQ(r.sampling.temperature, 0.0f);
+    EXPECT_FLOAT_EQ(r.sampling.top_p, 0.5f);
+    EXPECT_EQ(r.sampling.top_k, 7);
+    EXPECT_FLOAT_EQ(r.sampling.min_p, 0.1f);
+    EXPECT_EQ(r.sampling.seed, 42u);
+    EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, 0.5f);
+    EXPECT_FLOAT_EQ(r.sampling.presence_penalty, -0.5f);
+    EXPECT_FLOAT_EQ(r.sampling.repeat_penalty, 1.1f);
+    EXPECT_EQ(r.max_tokens, 9);  // max_completion_tokens wins
+    EXPECT_EQ(r.stop, std::vector<std::string>{"END"});
+    EXPECT_TRUE(r.stream);
+    EXPECT_TRUE(r.include_usage);
+    EXPECT_TRUE(r.logprobs);
+    EXPECT_EQ(r.sampling.n_logprobs, 3);
+}
+
+TEST(Api, ChatValidationErrors) {
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"temperature", -1}}); }, 400, "temperature", "between");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"temperature", "hot"}}); }, 400, "temperature", "must be a number");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"top_p", 0}}); }, 400, "top_p", "> 0");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"n", 2}}); }, 400, "n", "must be 1");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"stop", 5}}); }, 400, "stop", "string or a list");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"stop", json::array({""})}}); }, 400, "stop", "empty");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"max_tokens", 0}}); }, 400, "max_tokens", "between");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"max_tokens", 1.5}}); }, 400, "max_tokens", "integer");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"top_logprobs", 2}}); }, 400, "top_logprobs", "requires");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"stream_options", {{"include_usage", true}}}}); }, 400,
+                 "stream_options", "only allowed");
+    expect_error([] { chat({{"model", "m"}}); }, 400, "messages", "required");
+    expect_error([] { chat({{"messages", json::array()}}); }, 400, "messages", "non-empty");
+    expect_error([] { chat({{"messages", json::array({{{"role", "wizard"}, {"content", "x"}}})}}); }, 400, "messages",
+                 "'wizard'");
+    expect_error(
+        [] {
+            chat({{"messages", json::array({{{"role", "user"},
+                                             {"content", json::array({{{"type", "image_url"}, {"image_url", "u"}}})}}})}});
+        },
+        400, "messages", "image_url");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "json_object"}}}}); }, 400,
+                 "response_format", "not supported");
+}
+
+TEST(Api, BodyMustBeJsonObject) {
+    expect_error([] { parse_body("not json"); }, 400, "", "not valid JSON");
+    expect_error([] { parse_body("[1,2]"); }, 400, "", "JSON object");
+    EXPECT_TRUE(parse_body("{\"a\":1}").is_object());
+}
+
+TEST(Api, ToolConversationIsRendered) {
+    json tools = json::array({{{"type", "function"},
+                               {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}}});
+    json msgs = json::array(
+        {{{"role", "system"}, {"content", "sys"}},
+         {{"role", "user"}, {"content", "weather?"}},
+         {{"role", "assistant"}, {"content", nullptr},
+          {"tool_calls", json::array({{{"id", "call_9"}, {"type", "function"},
+                                       {"function", {{"name", "get_weather"}, {"arguments", "{\"city\":\"Paris\"}"}}}}})}},
+         {{"role", "tool"}, {"tool_call_id", "call_9"}, {"content", "sunny"}},
+         {{"role", "tool"}, {"tool_call_id", "call_9"}, {"content", "warm"}}});
+    auto r = chat({{"messages", msgs}, {"tools", tools}});
+    ASSERT_EQ(r.messages.size(), 4u);  // the two results share one user turn
+    EXPECT_EQ(r.messages[0].role, "system");
+    EXPECT_EQ(r.messages[0].content.rfind("sys\n\n# Tools", 0), 0u);
+    EXPECT_NE(r.messages[0].content.find("get_weather"), std::string::npos);
+    EXPECT_EQ(r.messages[2].role, "assistant");
+    EXPECT_NE(r.messages[2].content.find("<tool_call>"), std::string::npos);
+    EXPECT_NE(r.messages[2].content.find("\"city\":\"Paris\""), std::string::npos);
+    EXPECT_EQ(r.messages[3].role, "user");
+    EXPECT_EQ(r.messages[3].content, "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm\n</tool_response>");
+    EXPECT_TRUE(r.tools_active());
+
+    auto none = chat({{"messages", user_msgs("x")}, {"tools", tools}, {"tool_choice", "none"}});
+    EXPECT_FALSE(none.tools_active());
+    ASSERT_EQ(none.messages.size(), 1u);  // no tool prompt injected
+    expect_error([&] { chat({{"messages", user_msgs("x")}, {"tools", tools},
+                             {"tool_choice", {{"type", "function"}, {"function", {{"name", "nope"}}}}}}); },
+                 400, "tool_choice", "unknown tool");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"tools", json::array({{{"type", "function"}}})}}); }, 400,
+                 "tools", "function");
+}
+
+TEST(Api, Completion) {
+    auto r = parse_openai_completion({{"prompt", "Once"}, {"logprobs", 2}}, defaults());
+    EXPECT_EQ(r.prompt_text, "Once");
+    EXPECT_FALSE(r.prompt_is_tokens);
+    EXPECT_EQ(r.max_tokens, 16);  // the completions API's default
+    EXPECT_TRUE(r.logprobs);
+    EXPECT_EQ(r.sampling.n_logprobs, 2);
+    r = parse_openai_completion({{"prompt", json::array({json::array({1, 2, 3})})}}, defaults());
+    EXPECT_TRUE(r.prompt_is_tokens);
+    EXPECT_EQ(r.prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
+    expect_error([] { parse_openai_completion({{"prompt", json::array({"a", "b"})}}, defaults()); }, 400, "prompt", "exactly one");
+    expect_error([] { parse_openai_completion({{"prompt", "a"}, {"echo", true}}, defaults()); }, 400, "echo", "not supported");
+    expect_error([] { parse_openai_completion({{"prompt", json::array({-1})}}, defaults()); }, 400, "prompt", "out of range");
+    expect_error([] { parse_openai_completion(json::object(), defaults()); }, 400, "prompt", "required");
+}
+
+TEST(Api, Anthropic) {
+    json msgs = json::array(
+        {{{"role", "user"}, {"content", "weather?"}},
+         {{"role", "assistant"},
+          {"content", json::array({{{"type", "text"}, {"text", "Checking."}},
+                                   {{"type", "tool_use"}, {"id", "toolu_1"}, {"name", "get_weather"},
+                                    {"input", {{"city", "Oslo"}}}}})}},
+         {{"role", "user"},
+          {"content", json::array({{{"type", "tool_result"}, {"tool_use_id", "toolu_1"}, {"content", "cold"}}})}}});
+    json tools = json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}}});
+    auto r = anth({{"model", "m"}, {"max_tokens", 20}, {"system", json::array({{{"type", "text"}, {"text", "S"}}})},
+                   {"messages", msgs}, {"tools", tools}, {"tool_choice", {{"type", "any"}}},
+                   {"stop_sequences", json::array({"##"})}, {"temperature", 0.5}});
+    EXPECT_EQ(r.max_tokens, 20);
+    EXPECT_EQ(r.choice.kind, tool_choice::required);
+    EXPECT_EQ(r.stop, std::vector<std::string>{"##"});
+    ASSERT_EQ(r.messages.size(), 4u);
+    EXPECT_EQ(r.messages[0].content.rfind("S\n\n# Tools", 0), 0u);
+    EXPECT_NE(r.messages[0].content.find("You must call at least one function"), std::string::npos);
+    EXPECT_EQ(r.messages[2].role, "assistant");
+    EXPECT_EQ(r.messages[2].content.rfind("Checking.\n<tool_call>", 0), 0u);
+    EXPECT_EQ(r.messages[3].content, "<tool_response>\ncold\n</tool_response>");
+
+    expect_error([] { anth({{"model", "m"}, {"messages", user_msgs("x")}}); }, 400, "max_tokens", "required");
+    expect_error([] { anth({{"max_tokens", 5}, {"messages", user_msgs("x")}}); }, 400, "model", "required");
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")}, {"temperature", 1.5}}); }, 400,
+                 "temperature", "between");
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", json::array({{{"role", "system"}, {"content", "x"}}})}}); },
+                 400, "messages", "user or assistant");
+    // count_tokens needs no max_tokens
+    auto f = make_tool_format("llama");
+    EXPECT_NO_THROW(parse_anthropic({{"model", "m"}, {"messages", user_msgs("x")}}, defaults(), *f, true));
+}

@@ -1,0 +1,110 @@
+// `fathom serve`: loads one model and serves the OpenAI/Anthropic-compatible HTTP API
+// (src/server) on top of the request scheduler (src/sched). SIGINT/SIGTERM stop it cleanly.
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "server/http_server.h"
+
+namespace fathom::cli {
+
+namespace {
+
+struct serve_args {
+    model_args model;
+    std::string host = "127.0.0.1";
+    int port = 8080;
+    std::string api_key;
+    int parallel = 1;
+    int queue = 64;
+    int prefill_chunk = 512;
+    size_t max_body = 8u << 20;
+    int http_threads = 64;
+    std::vector<std::string> aliases;
+    sampling_params sampling;
+};
+
+void serve_main(serve_args &a) {
+    if (a.api_key.empty())
+        if (const char *k = std::getenv("FATHOM_API_KEY")) a.api_key = k;
+    a.sampling.validate();
+    // Block the stop signals before any thread starts, so only the waiter below receives them.
+    sigset_t stop_set;
+    sigemptyset(&stop_set);
+    sigaddset(&stop_set, SIGINT);
+    sigaddset(&stop_set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
+
+    std::unique_ptr<engine> eng = load_engine(a.model);
+    sched::scheduler_options so;
+    so.n_slots = a.parallel;
+    so.max_queue = a.queue;
+    so.prefill_chunk = a.prefill_chunk;
+    so.step_token_budget = a.prefill_chunk;
+    sched::scheduler sch(*eng, so);
+
+    server::server_options o;
+    o.host = a.host;
+    o.port = a.port;
+    o.api_key = a.api_key;
+    o.max_body_bytes = a.max_body;
+    o.http_threads = a.http_threads;
+    o.defaults = a.sampling;
+    o.model_ids = a.aliases;
+    server::http_server srv(*eng, sch, o);
+    const int port = srv.bind();
+    std::fprintf(stderr, "fathom serve: listening on http://%s:%d  model '%s'  ctx %d  parallel %d%s\n", a.host.c_str(),
+                 port, srv.model_ids().front().c_str(), sch.n_ctx(), a.parallel,
+                 a.api_key.empty() ? "" : "  (API key required)");
+    if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" && a.api_key.empty())
+        std::fprintf(stderr, "fathom serve: warning: listening on %s without --api-key\n", a.host.c_str());
+
+    std::thread waiter([&] {
+        int sig = 0;
+        sigwait(&stop_set, &sig);
+        srv.stop();
+    });
+    srv.listen();
+    pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the waiter if listen ended on its own
+    waiter.join();
+    sch.stop();
+    std::fprintf(stderr, "fathom serve: stopped\n");
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App &app) {
+    auto a = std::make_shared<serve_args>();
+    auto *cmd = app.add_subcommand("serve", "Serve the OpenAI- and Anthropic-compatible HTTP API (and a chat page at /)");
+    add_model_options(cmd, a->model, /*model_required=*/false);
+    cmd->add_option("--host", a->host, "Address to listen on (loopback by default)")->capture_default_str();
+    cmd->add_option("--port", a->port, "TCP port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+    cmd->add_option("--api-key", a->api_key,
+                    "Require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*, /metrics, /props "
+                    "(default: $FATHOM_API_KEY)");
+    cmd->add_option("-np,--parallel", a->parallel, "Requests generated at once (slots, one session each)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 256));
+    cmd->add_option("--queue", a->queue, "Requests allowed to wait for a slot; beyond that: 503")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 100000));
+    cmd->add_option("--prefill-chunk", a->prefill_chunk, "Prefill chunk and per-step token budget")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 20));
+    cmd->add_option("--max-body", a->max_body, "Largest request body in bytes (413 beyond)")->capture_default_str();
+    cmd->add_option("--http-threads", a->http_threads, "HTTP connections served at once")
+        ->capture_default_str()
+        ->check(CLI::Range(2, 4096));
+    cmd->add_option("--alias", a->aliases, "Model id(s) clients use (default: the file name without .gguf)");
+    add_sampling_options(cmd, a->sampling);
+    cmd->callback([a]() { serve_main(*a); });
+}
+
+}  // namespace fathom::cli
