@@ -14,17 +14,18 @@
 
 int main(int argc, char **argv) {
     CLI::App app{"fathom — LLM inference engine (CPU reference backend)", "fathom"};
-    app.require_subcommand(1);
-    app.set_version_flag("--version", "fathom 0.1.0");
-    app.set_help_all_flag("--help-all", "Print the help of every subcommand and exit");
-    fathom::cli::add_run_command(app);
-    fathom::cli::add_chat_command(app);
-    fathom::cli::add_tokenize_command(app);
-    fathom::cli::add_logits_command(app);
-    fathom::cli::add_bench_command(app);
-    fathom::cli::add_serve_command(app);
-    fathom::cli::add_daemon_command(app);
     try {
+        // Building the command tree can throw too (CLI::ConstructionError for a bad option name).
+        app.require_subcommand(1);
+        app.set_version_flag("--version", "fathom 0.1.0");
+        app.set_help_all_flag("--help-all", "Print the help of every subcommand and exit");
+        fathom::cli::add_run_command(app);
+        fathom::cli::add_chat_command(app);
+        fathom::cli::add_tokenize_command(app);
+        fathom::cli::add_logits_command(app);
+        fathom::cli::add_bench_command(app);
+        fathom::cli::add_serve_command(app);
+        fathom::cli::add_daemon_command(app);
         app.parse(argc, argv);  // the selected subcommand's callback runs inside parse()
     } catch (const CLI::Success &e) {
         return app.exit(e);  // --help / --version

@@ -19,20 +19,55 @@ using json = nlohmann::json;
 
 // ---- shared formatting ----
 
-// One-line printable rendering of file bytes: escapes control and non-ASCII bytes, cuts long strings.
+// True if s is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
+bool valid_utf8(std::string_view s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        const auto c = static_cast<unsigned char>(s[i]);
+        size_t n = 0;
+        uint32_t cp = 0;
+        if (c < 0x80) {
+            ++i;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            n = 1, cp = c & 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            n = 2, cp = c & 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            n = 3, cp = c & 0x07;
+        } else {
+            return false;
+        }
+        if (i + n >= s.size()) return false;  // sequence runs past the end
+        for (size_t k = 1; k <= n; ++k) {
+            const auto d = static_cast<unsigned char>(s[i + k]);
+            if ((d & 0xc0) != 0x80) return false;
+            cp = (cp << 6) | (d & 0x3f);
+        }
+        static const uint32_t min_cp[4] = {0, 0x80, 0x800, 0x10000};
+        if (cp < min_cp[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+        i += n + 1;
+    }
+    return true;
+}
+
+// One-line printable rendering of file bytes: escapes control bytes (and all non-ASCII bytes unless
+// the string is valid UTF-8), cuts long strings.
 std::string printable(std::string_view s, size_t max_len = 80) {
     static const char *hex = "0123456789abcdef";
+    const bool utf8 = valid_utf8(s);
     std::string out = "\"";
     for (size_t i = 0; i < s.size(); ++i) {
-        if (i == max_len) {
+        const auto c = static_cast<unsigned char>(s[i]);
+        // Cut only at a character boundary (never inside a UTF-8 sequence).
+        if (i >= max_len && (c & 0xc0) != 0x80) {
             out += "...(" + std::to_string(s.size()) + " bytes)";
             break;
         }
-        const auto c = static_cast<unsigned char>(s[i]);
         if (c == '"' || c == '\\') {
             out += '\\';
             out += static_cast<char>(c);
-        } else if (c >= 0x20 && c < 0x7f) {
+        } else if ((c >= 0x20 && c < 0x7f) || (utf8 && c >= 0x80)) {
             out += static_cast<char>(c);
         } else {
             out += "\\x";
@@ -57,15 +92,20 @@ std::string format_double(double d) {
 
 std::string format_scalar(const value &v) {
     switch (v.type) {
-        case value_type::string: return printable(v.str);
-        case value_type::boolean: return v.i ? "true" : "false";
+        case value_type::string:
+            return printable(v.str);
+        case value_type::boolean:
+            return v.i ? "true" : "false";
         case value_type::f32:
-        case value_type::f64: return format_double(v.f);
+        case value_type::f64:
+            return format_double(v.f);
         case value_type::u8:
         case value_type::u16:
         case value_type::u32:
-        case value_type::u64: return std::to_string(v.u);
-        default: return std::to_string(v.i);
+        case value_type::u64:
+            return std::to_string(v.u);
+        default:
+            return std::to_string(v.i);
     }
 }
 
@@ -101,29 +141,43 @@ json value_json(const value &v) {
     json j;
     j["type"] = std::string(fathom::gguf::value_type_name(v.type));
     switch (v.type) {
-        case value_type::string: j["value"] = std::string(v.str); break;
-        case value_type::boolean: j["value"] = v.i != 0; break;
+        case value_type::string:
+            j["value"] = std::string(v.str);
+            break;
+        case value_type::boolean:
+            j["value"] = v.i != 0;
+            break;
         case value_type::f32:
-        case value_type::f64: j["value"] = v.f; break;
+        case value_type::f64:
+            j["value"] = v.f;
+            break;
         case value_type::u8:
         case value_type::u16:
         case value_type::u32:
-        case value_type::u64: j["value"] = v.u; break;
+        case value_type::u64:
+            j["value"] = v.u;
+            break;
         case value_type::array: {
             j["elem_type"] = std::string(fathom::gguf::value_type_name(v.elem_type));
             j["len"] = v.arr_len;
             json head = json::array();
             const size_t n = std::min<size_t>(v.arr_len, 16);
             for (size_t k = 0; k < n; ++k) {
-                if (v.elem_type == value_type::string) head.push_back(std::string(v.arr_str[k]));
-                else if (v.elem_type == value_type::f32 || v.elem_type == value_type::f64) head.push_back(v.arr_float[k]);
-                else if (v.elem_type == value_type::boolean) head.push_back(v.arr_int[k] != 0);
-                else if (v.elem_type != value_type::array) head.push_back(v.arr_int[k]);
+                if (v.elem_type == value_type::string)
+                    head.push_back(std::string(v.arr_str[k]));
+                else if (v.elem_type == value_type::f32 || v.elem_type == value_type::f64)
+                    head.push_back(v.arr_float[k]);
+                else if (v.elem_type == value_type::boolean)
+                    head.push_back(v.arr_int[k] != 0);
+                else if (v.elem_type != value_type::array)
+                    head.push_back(v.arr_int[k]);
             }
             j["head"] = head;
             break;
         }
-        default: j["value"] = v.i; break;
+        default:
+            j["value"] = v.i;
+            break;
     }
     return j;
 }

@@ -47,7 +47,7 @@ value attr_path(const value &v, const std::string &path) {
 
 // Sort key of jinja2's ignore_case postprocessor: lowercase strings unless case_sensitive.
 value sort_key(const value &v, bool case_sensitive) {
-    return (!case_sensitive && v.is_string()) ? value::string(ascii_lower(v.as_string())) : v;
+    return (!case_sensitive && v.is_string()) ? value::string(py_lower(v.as_string())) : v;
 }
 
 // ---- filters -------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ value f_attr(const value &v, call_args &a) {
 
 value f_batch(const value &v, call_args &a) {
     int64_t n = arg_int(a, 0, "linecount", 0);
-    if (n <= 0) throw fathom::error("batch(): linecount must be positive");
+    if (n <= 0 || n > (1 << 20)) throw fathom::error("batch(): linecount must be in [1, 2^20]");
     const value *fill = arg(a, 1, "fill_with");
     value_list out, cur;
     for (const auto &e : iterate(v)) {
@@ -137,7 +137,7 @@ bool parse_py_float(const std::string &s, double &out) {
         clean.push_back(t[i]);
     }
     if (clean.empty()) return false;
-    std::string low = ascii_lower(clean);
+    std::string low = py_lower(clean);
     std::string body = (low[0] == '+' || low[0] == '-') ? low.substr(1) : low;
     if (body == "inf" || body == "infinity" || body == "nan") {
         out = body == "nan" ? NAN : (low[0] == '-' ? -INFINITY : INFINITY);
@@ -152,6 +152,7 @@ bool parse_py_float(const std::string &s, double &out) {
 value f_float(const value &v, call_args &a) {
     const value *d = arg(a, 0, "default");
     value dflt = d ? *d : value::floating(0.0);
+    if (v.is_undefined()) fail_undefined(v);  // Undefined.__float__ raises
     if (v.is_number()) return value::floating(v.as_double());
     double f;
     if (v.is_string() && parse_py_float(v.as_string(), f)) return value::floating(f);
@@ -162,6 +163,7 @@ value f_int(const value &v, call_args &a) {
     const value *d = arg(a, 0, "default");
     value dflt = d ? *d : value::integer(0);
     int64_t base = arg_int(a, 1, "base", 10);
+    if (v.is_undefined()) fail_undefined(v);  // Undefined.__int__ raises
     if (v.is_int() || v.is_bool()) return value::integer(v.as_int());
     if (v.is_float()) {
         double f = v.as_double();
@@ -174,6 +176,11 @@ value f_int(const value &v, call_args &a) {
         if (c != '_') t.push_back(c);
     if (!t.empty()) {
         size_t s = (t[0] == '+' || t[0] == '-') ? 1 : 0;
+        // int(str, base) accepts the 0x / 0o / 0b prefix matching the base; base 0 infers it.
+        auto prefix = [&](char p) { return t.size() > s + 1 && t[s] == '0' && (t[s + 1] == p || t[s + 1] == p - 32); };
+        if (base == 0) base = prefix('x') ? 16 : prefix('o') ? 8 : prefix('b') ? 2 : 10;
+        if ((base == 16 && prefix('x')) || (base == 8 && prefix('o')) || (base == 2 && prefix('b'))) s += 2;
+        if (base < 2 || base > 36) return dflt;
         int64_t r = 0;
         auto res = std::from_chars(t.data() + s, t.data() + t.size(), r, static_cast<int>(base));
         if (s < t.size() && res.ec == std::errc() && res.ptr == t.data() + t.size()) return value::integer(t[0] == '-' ? -r : r);
@@ -184,50 +191,18 @@ value f_int(const value &v, call_args &a) {
 }
 
 value f_format(const value &v, call_args &a) {
-    // printf-style "%s" formatting: %s %r %d %i %f %.Nf %%.
-    std::string fmt = soft_str(v), out;
-    size_t next = 0;
-    for (size_t i = 0; i < fmt.size(); ++i) {
-        if (fmt[i] != '%') {
-            out.push_back(fmt[i]);
-            continue;
-        }
-        if (++i >= fmt.size()) throw fathom::error("format: incomplete format");
-        if (fmt[i] == '%') {
-            out.push_back('%');
-            continue;
-        }
-        int prec = -1;
-        if (fmt[i] == '.') {
-            size_t j = i + 1;
-            prec = 0;
-            while (j < fmt.size() && isdigit(static_cast<unsigned char>(fmt[j]))) prec = prec * 10 + (fmt[j++] - '0');
-            i = j;
-        }
-        if (i >= fmt.size()) throw fathom::error("format: incomplete format");
-        if (next >= a.pos.size()) throw fathom::error("format: not enough arguments for format string");
-        const value &x = a.pos[next++];
-        char c = fmt[i];
-        if (c == 's') out += soft_str(x);
-        else if (c == 'r') out += py_repr(x);
-        else if ((c == 'd' || c == 'i') && x.is_number()) out += std::to_string(x.is_float() ? static_cast<int64_t>(x.as_double()) : x.as_int());
-        else if (c == 'f' && x.is_number()) {
-            char buf[512];
-            std::snprintf(buf, sizeof(buf), "%.*f", prec < 0 ? 6 : std::min(prec, 100), x.as_double());
-            out += buf;
-        } else {
-            throw fathom::error(std::string("format: unsupported format character '") + c + "'");
-        }
-    }
-    if (next != a.pos.size()) throw fathom::error("format: not all arguments converted during string formatting");
-    return value::string(out);
+    if (!a.kw.empty()) throw fathom::error("format filter: keyword arguments are not supported");
+    return value::string(py_percent_format(soft_str(v), a.pos, false));
 }
 
 value f_indent(const value &v, call_args &a) {
     const value *w = arg(a, 0, "width");
+    if (w && !w->is_string() && !w->is_int()) throw fathom::error("indent(): width must be an int or a string");
+    if (w && w->is_int() && w->as_int() > 4096) throw fathom::error("indent(): width too large");
     std::string ind = (w && w->is_string()) ? w->as_string() : std::string(static_cast<size_t>(std::max<int64_t>(0, w ? w->as_int() : 4)), ' ');
     bool first = arg_bool(a, 1, "first", false), blank = arg_bool(a, 2, "blank", false);
-    std::string s = soft_str(v) + "\n";  // jinja2's quirk so splitlines keeps a trailing empty line
+    if (!v.is_string()) throw fathom::error("indent filter: expected a string, got " + v.type_name());  // jinja2: s += "\n"
+    std::string s = v.as_string() + "\n";  // jinja2's quirk so splitlines keeps a trailing empty line
     std::vector<std::string> lines = py_splitlines(s, false);
     std::string rv;
     if (blank) {
@@ -262,8 +237,8 @@ value f_join(const value &v, call_args &a) {
 
 value f_length(const value &v, call_args &) { return value::integer(py_len(v)); }
 value f_list(const value &v, call_args &) { return value::list(iterate(v)); }
-value f_lower(const value &v, call_args &) { return value::string(ascii_lower(soft_str(v))); }
-value f_upper(const value &v, call_args &) { return value::string(ascii_upper(soft_str(v))); }
+value f_lower(const value &v, call_args &) { return value::string(py_lower(soft_str(v))); }
+value f_upper(const value &v, call_args &) { return value::string(py_upper(soft_str(v))); }
 value f_title(const value &v, call_args &) {
     // jinja2 do_title: split on runs of [-\s({[<], capitalise each piece.
     std::u32string u = utf8_decode(soft_str(v)), out;
@@ -274,7 +249,7 @@ value f_title(const value &v, call_args &) {
         bool sep = is_sep(u[i]);
         while (i < u.size() && is_sep(u[i]) == sep) ++i;
         std::u32string piece = u.substr(b, i - b);
-        out += sep ? piece : utf8_decode(ascii_upper(utf8_encode(piece.substr(0, 1))) + ascii_lower(utf8_encode(piece.substr(1))));
+        out += sep ? piece : utf8_decode(py_upper(utf8_encode(piece.substr(0, 1))) + py_lower(utf8_encode(piece.substr(1))));
     }
     return value::string(utf8_encode(out));
 }
@@ -426,6 +401,7 @@ value f_tojson(const value &v, call_args &a) {
             opt.indent_is_string = true;
             opt.indent_str = indent->as_string();
         } else {
+            if (!indent->is_int() || indent->as_int() > 4096) throw fathom::error("tojson: indent must be an int <= 4096, a string or None");
             opt.indent = static_cast<int>(std::max<int64_t>(0, indent->as_int()));
         }
         opt.item_sep = ",";
@@ -510,18 +486,24 @@ bool t_iterable(const value &v, call_args &) { return v.is_undefined() || v.is_s
 bool t_sequence(const value &v, call_args &) { return v.is_undefined() || v.is_string() || v.is_sequence() || v.is_dict(); }
 bool t_callable(const value &v, call_args &) { return v.is_function(); }
 bool t_escaped(const value &, call_args &) { return false; }
-bool t_lower(const value &v, call_args &) { return v.is_string() ? ascii_lower(v.as_string()) == v.as_string() : false; }
-bool t_upper(const value &v, call_args &) { return v.is_string() ? ascii_upper(v.as_string()) == v.as_string() : false; }
-int64_t int_of(const value &v, const char *test) {
-    if (!v.is_int() && !v.is_bool()) throw fathom::error(std::string("test '") + test + "' needs an integer, got " + v.type_name());
-    return v.as_int();
+// str(value).islower() / isupper(): no letters of the other case, and at least one cased letter.
+bool t_lower(const value &v, call_args &) {
+    std::string s = py_str(v);
+    return py_lower(s) == s && py_upper(s) != s;
 }
-bool t_even(const value &v, call_args &) { return int_of(v, "even") % 2 == 0; }
-bool t_odd(const value &v, call_args &) { return int_of(v, "odd") % 2 != 0; }
+bool t_upper(const value &v, call_args &) {
+    std::string s = py_str(v);
+    return py_upper(s) == s && py_lower(s) != s;
+}
+// jinja2's even / odd / divisibleby compute Python's value % n, which floats support too.
+value py_mod(const value &v, const value &n, const char *test) {
+    if (!v.is_number() || !n.is_number()) throw fathom::error(std::string("test '") + test + "' needs numbers, got " + v.type_name());
+    return binary_op("%", v, n);
+}
+bool t_even(const value &v, call_args &) { return py_equal(py_mod(v, value::integer(2), "even"), value::integer(0)); }
+bool t_odd(const value &v, call_args &) { return py_equal(py_mod(v, value::integer(2), "odd"), value::integer(1)); }
 bool t_divisibleby(const value &v, call_args &a) {
-    int64_t d = int_of(test_arg(a, "divisibleby"), "divisibleby");
-    if (d == 0) throw fathom::error("integer division or modulo by zero");
-    return int_of(v, "divisibleby") % d == 0;
+    return py_equal(py_mod(v, test_arg(a, "divisibleby"), "divisibleby"), value::integer(0));
 }
 bool t_eq(const value &v, call_args &a) { return py_equal(v, test_arg(a, "eq")); }
 bool t_ne(const value &v, call_args &a) { return !py_equal(v, test_arg(a, "ne")); }

@@ -64,6 +64,7 @@ public:
 
 private:
     const render_options &opt_;
+    int call_depth_ = 0;  // nested macro calls (recursive macros are legal; unbounded ones are not)
 
     // ---- statements --------------------------------------------------------------------------
 
@@ -217,6 +218,11 @@ private:
         return value::function(name, [this, node, weak, name](call_args &a) {
             scope_ptr parent = weak.lock();
             if (!parent) throw fathom::error("macro '" + name + "' called after its defining scope ended");
+            if (call_depth_ >= 100) throw fathom::error("macro '" + name + "': recursion deeper than 100 calls");
+            struct depth_scope {
+                int &d;
+                ~depth_scope() { --d; }
+            } depth{++call_depth_};
             auto sc = child_of(parent);
             value_list extra_pos;
             for (size_t i = 0; i < a.pos.size(); ++i) {
@@ -241,7 +247,7 @@ private:
                 for (const auto &[k, v] : sc->vars) given = given || k == p.name;
                 if (!given) sc->set(p.name, p.default_value ? eval(*p.default_value, sc) : value::undefined("parameter '" + p.name + "' was not provided"));
             }
-            sc->set("varargs", value::list(std::move(extra_pos)));
+            sc->set("varargs", value::tuple(std::move(extra_pos)));
             sc->set("kwargs", value::dict(std::move(extra_kw)));
             if (!caller.is_undefined()) sc->set("caller", caller);
             std::string out;

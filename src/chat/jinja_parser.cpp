@@ -27,6 +27,15 @@ private:
     std::vector<token> toks_;
     size_t i_ = 0;
     int loop_depth_ = 0;
+    int nesting_ = 0;  // recursion depth of the descent, bounded so hostile input cannot overflow the stack
+
+    struct depth_guard {
+        parser &p;
+        explicit depth_guard(parser &owner) : p(owner) {
+            if (++p.nesting_ > 200) p.fail("template nesting too deep (more than 200 levels)");
+        }
+        ~depth_guard() { --p.nesting_; }
+    };
 
     const token &cur() const { return toks_[i_]; }
     const token &peek(size_t k = 1) const { return toks_[std::min(i_ + k, toks_.size() - 1)]; }
@@ -87,7 +96,11 @@ private:
         while (true) {
             const token &t = cur();
             if (t.kind == token_kind::token_kind_eof) {
-                if (end_names.size() != 0) fail("unexpected end of template, expected '" + std::string(*end_names.begin()) + "'");
+                if (end_names.size() != 0) {
+                    std::string want;
+                    for (const char *n : end_names) want += std::string(want.empty() ? "'" : " or '") + n + "'";
+                    fail("unexpected end of template, expected " + want);
+                }
                 return body;
             }
             if (t.kind == token_kind::token_kind_data) {
@@ -126,6 +139,7 @@ private:
     }
 
     stmt_ptr parse_statement() {
+        depth_guard guard(*this);
         if (cur().kind != token_kind::token_kind_name) fail("tag name expected");
         std::string tag = cur().text;
         if (tag == "if") return parse_if();
@@ -452,6 +466,7 @@ private:
     }
 
     expr_ptr parse_unary(bool with_filter) {
+        depth_guard guard(*this);
         int line = cur().line;
         expr_ptr e;
         if (is_op("-") || is_op("+")) {
@@ -665,7 +680,8 @@ private:
         std::string n = expect_name();
         while (is_op(".")) {
             next();
-            n += "." + expect_name();
+            n.push_back('.');
+            n += expect_name();
         }
         return n;
     }

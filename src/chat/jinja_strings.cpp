@@ -2,6 +2,7 @@
 #include "chat/jinja_strings.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "core/error.h"
 
@@ -9,23 +10,75 @@ namespace fathom::jinja {
 
 static bool ascii_alpha(char32_t c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 static bool ascii_digit(char32_t c) { return c >= '0' && c <= '9'; }
-// "Cased" for str.title(): ASCII letters plus the Latin-1/Latin Extended, Greek and Cyrillic letter
-// blocks (whose case Fathom leaves unchanged, but which must not start a new word).
+// "Cased" for str.title(): letters of the scripts the case mapping below covers.
 static bool is_cased(char32_t c) {
-    return ascii_alpha(c) || (c >= 0xC0 && c <= 0x24F && c != 0xD7 && c != 0xF7) || (c >= 0x370 && c <= 0x4FF);
+    return ascii_alpha(c) || (c >= 0xC0 && c <= 0x24F && c != 0xD7 && c != 0xF7) || (c >= 0x370 && c <= 0x52F) || c == 0xB5 ||
+           (c >= 0xFF21 && c <= 0xFF3A) || (c >= 0xFF41 && c <= 0xFF5A);
 }
-static char32_t up(char32_t c) { return (c >= 'a' && c <= 'z') ? c - 32 : c; }
-static char32_t low(char32_t c) { return (c >= 'A' && c <= 'Z') ? c + 32 : c; }
+// Simple (1:1) case mapping for ASCII, Latin-1, Latin Extended-A, Greek, Cyrillic and fullwidth
+// Latin, as Python's str.upper()/lower() do them; 'ß'.upper() -> "SS" is handled by the callers.
+// Not covered: other scripts (unchanged), Greek final-sigma lowering, İ -> "i̇", ŉ -> "ʼN".
+static bool pair_even_upper(char32_t c) {  // blocks where upper case is the even code point of a pair
+    return (c >= 0x100 && c <= 0x12F) || (c >= 0x132 && c <= 0x137) || (c >= 0x14A && c <= 0x177) ||
+           (c >= 0x460 && c <= 0x481) || (c >= 0x48A && c <= 0x4BF) || (c >= 0x4D0 && c <= 0x52F);
+}
+static bool pair_odd_upper(char32_t c) { return (c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E) || (c >= 0x4C1 && c <= 0x4CE); }
 
-std::string ascii_upper(std::string s) {
-    for (char &c : s)
-        if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 32);
-    return s;
+static char32_t up(char32_t c) {
+    if (c < 0x80) return (c >= 'a' && c <= 'z') ? c - 32 : c;
+    if ((c >= 0xE0 && c <= 0xFE && c != 0xF7) || (c >= 0x3B1 && c <= 0x3CB && c != 0x3C2) || (c >= 0x430 && c <= 0x44F)) return c - 32;
+    if (c >= 0x450 && c <= 0x45F) return c - 80;
+    if (c >= 0xFF41 && c <= 0xFF5A) return c - 32;
+    if (pair_even_upper(c)) return c & ~char32_t{1};
+    if (pair_odd_upper(c)) return (c & 1) ? c : c - 1;
+    switch (c) {
+    case 0xB5: return 0x39C;
+    case 0xFF: return 0x178;
+    case 0x131: return 'I';
+    case 0x17F: return 'S';
+    case 0x3C2: return 0x3A3;
+    case 0x3AC: return 0x386;
+    case 0x3AD: case 0x3AE: case 0x3AF: return c - 37;
+    case 0x3CC: return 0x38C;
+    case 0x3CD: case 0x3CE: return c - 63;
+    case 0x4CF: return 0x4C0;
+    default: return c;
+    }
 }
-std::string ascii_lower(std::string s) {
-    for (char &c : s)
-        if (c >= 'A' && c <= 'Z') c = static_cast<char>(c + 32);
-    return s;
+
+static char32_t low(char32_t c) {
+    if (c < 0x80) return (c >= 'A' && c <= 'Z') ? c + 32 : c;
+    if ((c >= 0xC0 && c <= 0xDE && c != 0xD7) || (c >= 0x391 && c <= 0x3AB && c != 0x3A2) || (c >= 0x410 && c <= 0x42F)) return c + 32;
+    if (c >= 0x400 && c <= 0x40F) return c + 80;
+    if (c >= 0xFF21 && c <= 0xFF3A) return c + 32;
+    if (pair_even_upper(c)) return c | 1;
+    if (pair_odd_upper(c)) return (c & 1) ? c + 1 : c;
+    switch (c) {
+    case 0x178: return 0xFF;
+    case 0x386: return 0x3AC;
+    case 0x388: case 0x389: case 0x38A: return c + 37;
+    case 0x38C: return 0x3CC;
+    case 0x38E: case 0x38F: return c + 63;
+    case 0x4C0: return 0x4CF;
+    default: return c;
+    }
+}
+
+std::string py_upper(const std::string &s) {
+    std::string out;
+    out.reserve(s.size());
+    for (char32_t c : utf8_decode(s)) {
+        if (c == 0xDF) out += "SS";
+        else utf8_append(out, up(c));
+    }
+    return out;
+}
+
+std::string py_lower(const std::string &s) {
+    std::string out;
+    out.reserve(s.size());
+    for (char32_t c : utf8_decode(s)) utf8_append(out, low(c));
+    return out;
 }
 
 std::string py_capitalize(const std::string &s) {
@@ -99,7 +152,7 @@ std::vector<std::string> py_split(const std::string &s, const std::optional<std:
         return out;
     }
     // Whitespace split: runs of whitespace separate, leading/trailing runs are dropped; once
-    // maxsplit is reached the rest (minus whitespace on the consumed side) is one item.
+    // maxsplit is reached the rest (minus whitespace on the consumed side only) is one item.
     std::u32string u = utf8_decode(s);
     if (from_right) std::reverse(u.begin(), u.end());
     size_t i = 0, n = u.size();
@@ -107,9 +160,7 @@ std::vector<std::string> py_split(const std::string &s, const std::optional<std:
         while (i < n && py_isspace(u[i])) ++i;
         if (i >= n) break;
         if (maxsplit >= 0 && static_cast<int64_t>(out.size()) >= maxsplit) {
-            size_t e = n;
-            while (e > i && py_isspace(u[e - 1])) --e;
-            std::u32string piece = u.substr(i, e - i);
+            std::u32string piece = u.substr(i);  // the remainder keeps its far-side whitespace
             if (from_right) std::reverse(piece.begin(), piece.end());
             out.push_back(utf8_encode(piece));
             break;
@@ -172,6 +223,48 @@ std::string py_replace(const std::string &s, const std::string &old_s, const std
         ++done;
     }
     out.append(s, pos, std::string::npos);
+    return out;
+}
+
+std::string py_percent_format(const std::string &fmt, const value_list &args, bool lenient) {
+    std::string out;
+    size_t next = 0;
+    for (size_t i = 0; i < fmt.size(); ++i) {
+        if (fmt[i] != '%') {
+            out.push_back(fmt[i]);
+            continue;
+        }
+        if (++i >= fmt.size()) throw fathom::error("incomplete format");
+        if (fmt[i] == '%') {
+            out.push_back('%');
+            continue;
+        }
+        int prec = -1;
+        if (fmt[i] == '.') {
+            size_t j = i + 1;
+            prec = 0;
+            while (j < fmt.size() && fmt[j] >= '0' && fmt[j] <= '9') prec = std::min(prec * 10 + (fmt[j++] - '0'), 1000);
+            i = j;
+        }
+        if (i >= fmt.size()) throw fathom::error("incomplete format");
+        if (next >= args.size()) throw fathom::error("not enough arguments for format string");
+        const value &x = args[next++];
+        char c = fmt[i];
+        if (c == 's') {
+            out += py_str(x);
+        } else if (c == 'r') {
+            out += py_repr(x);
+        } else if ((c == 'd' || c == 'i') && x.is_number()) {
+            out += std::to_string(x.is_float() ? static_cast<int64_t>(x.as_double()) : x.as_int());
+        } else if (c == 'f' && x.is_number()) {
+            char buf[512];
+            std::snprintf(buf, sizeof(buf), "%.*f", prec < 0 ? 6 : std::min(prec, 100), x.as_double());
+            out += buf;
+        } else {
+            throw fathom::error(std::string("unsupported format character '") + c + "' (or argument type " + x.type_name() + ")");
+        }
+    }
+    if (next != args.size() && !lenient) throw fathom::error("not all arguments converted during string formatting");
     return out;
 }
 
@@ -284,8 +377,8 @@ static value str_method_impl(const std::string &s, const std::string &name, call
         if (!p) throw fathom::error(name + "() takes at least 1 argument (0 given)");
         return value::boolean(affix_match(s, *p, name == "startswith"));
     }
-    if (name == "upper") return value::string(ascii_upper(s));
-    if (name == "lower" || name == "casefold") return value::string(ascii_lower(s));
+    if (name == "upper") return value::string(py_upper(s));
+    if (name == "lower" || name == "casefold") return value::string(py_lower(s));
     if (name == "title") return value::string(py_title(s));
     if (name == "capitalize") return value::string(py_capitalize(s));
     if (name == "replace") {
@@ -360,6 +453,7 @@ static value str_method_impl(const std::string &s, const std::string &name, call
         if (f.size() != 1) throw fathom::error("The fill character must be exactly one character long");
         int64_t len = static_cast<int64_t>(u.size());
         if (width <= len) return value::string(s);
+        if (width > (int64_t{1} << 28)) throw fathom::error(name + "(): width too large");
         int64_t pad = width - len, left = 0;
         if (name == "rjust") left = pad;
         else if (name == "center") left = pad / 2 + (pad & width & 1);

@@ -28,19 +28,32 @@ using detail::quote;
 
 std::string_view value_type_name(value_type t) {
     switch (t) {
-        case value_type::u8: return "u8";
-        case value_type::i8: return "i8";
-        case value_type::u16: return "u16";
-        case value_type::i16: return "i16";
-        case value_type::u32: return "u32";
-        case value_type::i32: return "i32";
-        case value_type::f32: return "f32";
-        case value_type::boolean: return "bool";
-        case value_type::string: return "string";
-        case value_type::array: return "array";
-        case value_type::u64: return "u64";
-        case value_type::i64: return "i64";
-        case value_type::f64: return "f64";
+        case value_type::u8:
+            return "u8";
+        case value_type::i8:
+            return "i8";
+        case value_type::u16:
+            return "u16";
+        case value_type::i16:
+            return "i16";
+        case value_type::u32:
+            return "u32";
+        case value_type::i32:
+            return "i32";
+        case value_type::f32:
+            return "f32";
+        case value_type::boolean:
+            return "bool";
+        case value_type::string:
+            return "string";
+        case value_type::array:
+            return "array";
+        case value_type::u64:
+            return "u64";
+        case value_type::i64:
+            return "i64";
+        case value_type::f64:
+            return "f64";
     }
     return "invalid";
 }
@@ -53,7 +66,9 @@ bool is_signed_int(value_type t) {
 bool is_unsigned_int(value_type t) {
     return t == value_type::u8 || t == value_type::u16 || t == value_type::u32 || t == value_type::u64;
 }
-bool is_float(value_type t) { return t == value_type::f32 || t == value_type::f64; }
+bool is_float(value_type t) {
+    return t == value_type::f32 || t == value_type::f64;
+}
 
 // "string", "u32", "array[string]", "array[array]".
 std::string describe(const value &v) {
@@ -72,8 +87,9 @@ T load(const uint8_t *p) {
 // Sequential reader over [base, base+size) with precise error messages. `ctx_` names what is being
 // parsed ("key 'general.name'", "tensor 'blk.0.attn_q.weight'") so every failure can say where it is.
 class parser {
-public:
-    parser(const std::string &path, const uint8_t *base, size_t size) : path_(path), base_(base), size_(size) {}
+  public:
+    parser(const std::string &path, const uint8_t *base, size_t size)
+        : path_(path), base_(base), size_(size) {}
 
     [[noreturn]] void fail(const std::string &reason) const { throw error(path_ + ": " + reason); }
     // Failure inside the current context ("key 'x': ...").
@@ -110,7 +126,7 @@ public:
         return s;
     }
 
-private:
+  private:
     const std::string &path_;
     const uint8_t *base_;
     size_t size_;
@@ -120,8 +136,8 @@ private:
 
 // Smallest encoding of one array element of type t: used to bound element counts by the bytes left.
 uint64_t min_element_size(value_type t) {
-    if (t == value_type::string) return 8;      // u64 length, empty string
-    if (t == value_type::array) return 4 + 8;   // element type + length, empty array
+    if (t == value_type::string) return 8;     // u64 length, empty string
+    if (t == value_type::array) return 4 + 8;  // element type + length, empty array
     return detail::scalar_size(t);
 }
 
@@ -162,13 +178,20 @@ void skip_array(parser &p, int depth) {
 // One integer or bool array element, widened to int64.
 int64_t read_int_element(parser &p, value_type t) {
     switch (t) {
-        case value_type::u8: return p.read<uint8_t>("array element");
-        case value_type::i8: return p.read<int8_t>("array element");
-        case value_type::u16: return p.read<uint16_t>("array element");
-        case value_type::i16: return p.read<int16_t>("array element");
-        case value_type::u32: return p.read<uint32_t>("array element");
-        case value_type::i32: return p.read<int32_t>("array element");
-        case value_type::i64: return p.read<int64_t>("array element");
+        case value_type::u8:
+            return p.read<uint8_t>("array element");
+        case value_type::i8:
+            return p.read<int8_t>("array element");
+        case value_type::u16:
+            return p.read<uint16_t>("array element");
+        case value_type::i16:
+            return p.read<int16_t>("array element");
+        case value_type::u32:
+            return p.read<uint32_t>("array element");
+        case value_type::i32:
+            return p.read<int32_t>("array element");
+        case value_type::i64:
+            return p.read<int64_t>("array element");
         case value_type::u64: {
             const uint64_t u = p.read<uint64_t>("array element");
             if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
@@ -181,7 +204,8 @@ int64_t read_int_element(parser &p, value_type t) {
             if (b > 1) p.fail_ctx("bool array element has value " + std::to_string(b) + " (must be 0 or 1)");
             return b;
         }
-        default: p.fail_ctx("internal: not an integer element type");
+        default:
+            p.fail_ctx("internal: not an integer element type");
     }
 }
 
@@ -214,30 +238,56 @@ void parse_array(parser &p, value &v) {
 
 void parse_value(parser &p, value &v) {
     switch (v.type) {
-        case value_type::u8: v.u = p.read<uint8_t>("value"); break;
-        case value_type::i8: v.i = p.read<int8_t>("value"); break;
-        case value_type::u16: v.u = p.read<uint16_t>("value"); break;
-        case value_type::i16: v.i = p.read<int16_t>("value"); break;
-        case value_type::u32: v.u = p.read<uint32_t>("value"); break;
-        case value_type::i32: v.i = p.read<int32_t>("value"); break;
-        case value_type::u64: v.u = p.read<uint64_t>("value"); break;
-        case value_type::i64: v.i = p.read<int64_t>("value"); break;
-        case value_type::f32: v.f = p.read<float>("value"); break;
-        case value_type::f64: v.f = p.read<double>("value"); break;
+        case value_type::u8:
+            v.u = p.read<uint8_t>("value");
+            break;
+        case value_type::i8:
+            v.i = p.read<int8_t>("value");
+            break;
+        case value_type::u16:
+            v.u = p.read<uint16_t>("value");
+            break;
+        case value_type::i16:
+            v.i = p.read<int16_t>("value");
+            break;
+        case value_type::u32:
+            v.u = p.read<uint32_t>("value");
+            break;
+        case value_type::i32:
+            v.i = p.read<int32_t>("value");
+            break;
+        case value_type::u64:
+            v.u = p.read<uint64_t>("value");
+            break;
+        case value_type::i64:
+            v.i = p.read<int64_t>("value");
+            break;
+        case value_type::f32:
+            v.f = p.read<float>("value");
+            break;
+        case value_type::f64:
+            v.f = p.read<double>("value");
+            break;
         case value_type::boolean: {
             const uint8_t b = p.read<uint8_t>("value");
             if (b > 1) p.fail_ctx("bool value " + std::to_string(b) + " (must be 0 or 1)");
             v.i = b;
             break;
         }
-        case value_type::string: v.str = p.read_string("string value"); break;
-        case value_type::array: parse_array(p, v); break;
+        case value_type::string:
+            v.str = p.read_string("string value");
+            break;
+        case value_type::array:
+            parse_array(p, v);
+            break;
     }
 }
 
 }  // namespace
 
-bool value::is_integer() const { return is_signed_int(type) || is_unsigned_int(type); }
+bool value::is_integer() const {
+    return is_signed_int(type) || is_unsigned_int(type);
+}
 
 struct file::index {
     std::unordered_map<std::string_view, size_t> keys;     // key -> position in kvs_
@@ -335,8 +385,8 @@ void check_tensor_shape(parser &p, tensor_info &t, uint32_t type_id, const uint6
         t.ne[d] = static_cast<int64_t>(dims[d]);
     }
     if (dims[0] % ti.block_size != 0) {
-        p.fail_ctx("ne[0] = " + std::to_string(dims[0]) + " is not a multiple of the " + std::string(ti.name) +
-                   " block size " + std::to_string(ti.block_size));
+        p.fail_ctx("ne[0] = " + std::to_string(dims[0]) + " is not a multiple of the " +
+                   std::string(ti.name) + " block size " + std::to_string(ti.block_size));
     }
     // count / block_size blocks of type_size bytes; count is a multiple of block_size since ne[0] is.
     uint64_t nbytes = 0;
@@ -353,8 +403,8 @@ void file::parse() {
     const uint64_t n_kv = p.read<uint64_t>("metadata count");
     // Smallest kv: u64 key length + u32 type + 1-byte value.
     if (n_kv > p.remaining() / 13) {
-        p.fail("metadata count " + std::to_string(n_kv) + " exceeds what the " + std::to_string(p.remaining()) +
-               " bytes after the header can hold");
+        p.fail("metadata count " + std::to_string(n_kv) + " exceeds what the " +
+               std::to_string(p.remaining()) + " bytes after the header can hold");
     }
     index_ = std::make_unique<index>();
     kvs_.reserve(static_cast<size_t>(n_kv));
@@ -393,15 +443,16 @@ void file::parse() {
         p.set_ctx("tensor " + quote(t.name));
         t.n_dims = p.read<uint32_t>("n_dims");
         if (t.n_dims == 0 || t.n_dims > detail::kMaxDims) {
-            p.fail_ctx("n_dims = " + std::to_string(t.n_dims) + " (must be 1.." + std::to_string(detail::kMaxDims) +
-                       ")");
+            p.fail_ctx("n_dims = " + std::to_string(t.n_dims) + " (must be 1.." +
+                       std::to_string(detail::kMaxDims) + ")");
         }
         uint64_t dims[detail::kMaxDims] = {1, 1, 1, 1};
         for (uint32_t d = 0; d < t.n_dims; ++d) dims[d] = p.read<uint64_t>("ne");
         const uint32_t type_id = p.read<uint32_t>("tensor type");
         t.offset = p.read<uint64_t>("tensor data offset");
         check_tensor_shape(p, t, type_id, dims);
-        if (!index_->tensors.emplace(t.name, tensors_.size()).second) p.fail("duplicate tensor name " + quote(t.name));
+        if (!index_->tensors.emplace(t.name, tensors_.size()).second)
+            p.fail("duplicate tensor name " + quote(t.name));
         tensors_.push_back(t);
     }
 
@@ -416,8 +467,8 @@ void file::parse() {
         if (!detail::add_ok(data_offset_, t.offset, begin) || !detail::add_ok(begin, t.nbytes, end) ||
             end > size_) {
             p.fail("tensor " + quote(t.name) + ": data (offset " + std::to_string(t.offset) + ", " +
-                   std::to_string(t.nbytes) + " bytes) extends past the end of the file (" + std::to_string(size_) +
-                   " bytes, data section at " + std::to_string(data_offset_) + ")");
+                   std::to_string(t.nbytes) + " bytes) extends past the end of the file (" +
+                   std::to_string(size_) + " bytes, data section at " + std::to_string(data_offset_) + ")");
         }
         t.data = base_ + begin;
     }
@@ -430,8 +481,8 @@ void file::parse() {
         const tensor_info &a = tensors_[order[k - 1]], &b = tensors_[order[k]];
         if (a.offset + a.nbytes > b.offset) {  // both bounded by the file size: no overflow
             p.fail("tensors " + quote(a.name) + " and " + quote(b.name) + " overlap (offsets " +
-                   std::to_string(a.offset) + "+" + std::to_string(a.nbytes) + " and " + std::to_string(b.offset) +
-                   ")");
+                   std::to_string(a.offset) + "+" + std::to_string(a.nbytes) + " and " +
+                   std::to_string(b.offset) + ")");
         }
     }
 }
@@ -456,7 +507,8 @@ const tensor_info &file::tensor(std::string_view name) const {
 
 namespace {
 
-[[noreturn]] void throw_type(const std::string &path, std::string_view key, const value &v, const char *expected) {
+[[noreturn]] void throw_type(const std::string &path, std::string_view key, const value &v,
+                             const char *expected) {
     throw error(path + ": key " + quote(key) + " has type " + describe(v) + ", expected " + expected);
 }
 
@@ -470,7 +522,8 @@ int64_t to_int(const std::string &path, std::string_view key, const value &v) {
     if (is_signed_int(v.type)) return v.i;
     if (is_unsigned_int(v.type)) {
         if (v.u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-            throw error(path + ": key " + quote(key) + " value " + std::to_string(v.u) + " does not fit in int64");
+            throw error(path + ": key " + quote(key) + " value " + std::to_string(v.u) +
+                        " does not fit in int64");
         }
         return static_cast<int64_t>(v.u);
     }
@@ -496,23 +549,29 @@ double to_float(const std::string &path, std::string_view key, const value &v) {
 }
 
 bool is_int_array(const value &v) {
-    return v.type == value_type::array && (v.elem_type == value_type::boolean || is_signed_int(v.elem_type) ||
-                                           is_unsigned_int(v.elem_type));
+    return v.type == value_type::array &&
+           (v.elem_type == value_type::boolean || is_signed_int(v.elem_type) || is_unsigned_int(v.elem_type));
 }
 
 }  // namespace
 
-int64_t file::get_int(std::string_view key) const { return to_int(path_, key, require(*this, key)); }
+int64_t file::get_int(std::string_view key) const {
+    return to_int(path_, key, require(*this, key));
+}
 int64_t file::get_int(std::string_view key, int64_t def) const {
     const value *v = find(key);
     return v ? to_int(path_, key, *v) : def;
 }
-uint32_t file::get_u32(std::string_view key) const { return to_u32(path_, key, require(*this, key)); }
+uint32_t file::get_u32(std::string_view key) const {
+    return to_u32(path_, key, require(*this, key));
+}
 uint32_t file::get_u32(std::string_view key, uint32_t def) const {
     const value *v = find(key);
     return v ? to_u32(path_, key, *v) : def;
 }
-double file::get_float(std::string_view key) const { return to_float(path_, key, require(*this, key)); }
+double file::get_float(std::string_view key) const {
+    return to_float(path_, key, require(*this, key));
+}
 double file::get_float(std::string_view key, double def) const {
     const value *v = find(key);
     return v ? to_float(path_, key, *v) : def;
@@ -522,7 +581,9 @@ bool file::get_bool(std::string_view key) const {
     if (v.type != value_type::boolean) throw_type(path_, key, v, "bool");
     return v.i != 0;
 }
-bool file::get_bool(std::string_view key, bool def) const { return has(key) ? get_bool(key) : def; }
+bool file::get_bool(std::string_view key, bool def) const {
+    return has(key) ? get_bool(key) : def;
+}
 std::string_view file::get_string(std::string_view key) const {
     const value &v = require(*this, key);
     if (v.type != value_type::string) throw_type(path_, key, v, "string");
@@ -533,7 +594,8 @@ std::string_view file::get_string(std::string_view key, std::string_view def) co
 }
 const std::vector<std::string_view> &file::get_string_array(std::string_view key) const {
     const value &v = require(*this, key);
-    if (v.type != value_type::array || v.elem_type != value_type::string) throw_type(path_, key, v, "array[string]");
+    if (v.type != value_type::array || v.elem_type != value_type::string)
+        throw_type(path_, key, v, "array[string]");
     return v.arr_str;
 }
 std::vector<int64_t> file::get_int_array(std::string_view key) const {

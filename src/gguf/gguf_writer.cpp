@@ -22,7 +22,8 @@ template <typename T>
 void put(std::vector<uint8_t> &out, T v) {
     uint8_t b[sizeof(T)];
     std::memcpy(b, &v, sizeof(T));  // host is little-endian (static_assert in gguf_format.h)
-    out.insert(out.end(), b, b + sizeof(T));
+    for (uint8_t x : b)
+        out.push_back(x);  // (a range insert here trips a GCC 12 -Wstringop-overflow false positive)
 }
 
 void put_string(std::vector<uint8_t> &out, std::string_view s) {
@@ -47,7 +48,9 @@ std::vector<uint8_t> array_payload(value_type elem, const std::vector<T> &v) {
     return p;
 }
 
-uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+uint64_t align_up(uint64_t x, uint64_t a) {
+    return (x + a - 1) / a * a;
+}
 
 }  // namespace
 
@@ -91,7 +94,8 @@ struct writer::impl {
     }
     void pad_to(uint64_t target) {
         static const uint8_t zeros[256] = {};
-        while (written < target) emit(zeros, static_cast<size_t>(std::min<uint64_t>(target - written, sizeof zeros)));
+        while (written < target)
+            emit(zeros, static_cast<size_t>(std::min<uint64_t>(target - written, sizeof zeros)));
     }
 
     void add(const std::string &key, value_type type, std::vector<uint8_t> payload) {
@@ -101,7 +105,8 @@ struct writer::impl {
             uint32_t v = 0;
             if (type == value_type::u32) std::memcpy(&v, payload.data(), 4);
             if (type != value_type::u32 || v != alignment) {
-                fail("general.alignment must be a u32 equal to the writer alignment " + std::to_string(alignment));
+                fail("general.alignment must be a u32 equal to the writer alignment " +
+                     std::to_string(alignment));
             }
         }
         kvs.push_back({key, type, std::move(payload)});
@@ -112,8 +117,10 @@ writer::writer(std::string path, uint32_t version, size_t alignment) : p_(std::m
     p_->path = std::move(path);
     p_->version = version;
     p_->alignment = alignment;
-    if (version != 2 && version != 3) p_->fail("writer supports GGUF versions 2 and 3, not " + std::to_string(version));
-    if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > std::numeric_limits<uint32_t>::max()) {
+    if (version != 2 && version != 3)
+        p_->fail("writer supports GGUF versions 2 and 3, not " + std::to_string(version));
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0 ||
+        alignment > std::numeric_limits<uint32_t>::max()) {
         p_->fail("alignment " + std::to_string(alignment) + " is not a power of two that fits in u32");
     }
 }
@@ -126,16 +133,36 @@ writer::~writer() {
     }
 }
 
-void writer::set_u8(const std::string &key, uint8_t v) { p_->add(key, value_type::u8, scalar_payload(v)); }
-void writer::set_i8(const std::string &key, int8_t v) { p_->add(key, value_type::i8, scalar_payload(v)); }
-void writer::set_u16(const std::string &key, uint16_t v) { p_->add(key, value_type::u16, scalar_payload(v)); }
-void writer::set_i16(const std::string &key, int16_t v) { p_->add(key, value_type::i16, scalar_payload(v)); }
-void writer::set_u32(const std::string &key, uint32_t v) { p_->add(key, value_type::u32, scalar_payload(v)); }
-void writer::set_i32(const std::string &key, int32_t v) { p_->add(key, value_type::i32, scalar_payload(v)); }
-void writer::set_u64(const std::string &key, uint64_t v) { p_->add(key, value_type::u64, scalar_payload(v)); }
-void writer::set_i64(const std::string &key, int64_t v) { p_->add(key, value_type::i64, scalar_payload(v)); }
-void writer::set_f32(const std::string &key, float v) { p_->add(key, value_type::f32, scalar_payload(v)); }
-void writer::set_f64(const std::string &key, double v) { p_->add(key, value_type::f64, scalar_payload(v)); }
+void writer::set_u8(const std::string &key, uint8_t v) {
+    p_->add(key, value_type::u8, scalar_payload(v));
+}
+void writer::set_i8(const std::string &key, int8_t v) {
+    p_->add(key, value_type::i8, scalar_payload(v));
+}
+void writer::set_u16(const std::string &key, uint16_t v) {
+    p_->add(key, value_type::u16, scalar_payload(v));
+}
+void writer::set_i16(const std::string &key, int16_t v) {
+    p_->add(key, value_type::i16, scalar_payload(v));
+}
+void writer::set_u32(const std::string &key, uint32_t v) {
+    p_->add(key, value_type::u32, scalar_payload(v));
+}
+void writer::set_i32(const std::string &key, int32_t v) {
+    p_->add(key, value_type::i32, scalar_payload(v));
+}
+void writer::set_u64(const std::string &key, uint64_t v) {
+    p_->add(key, value_type::u64, scalar_payload(v));
+}
+void writer::set_i64(const std::string &key, int64_t v) {
+    p_->add(key, value_type::i64, scalar_payload(v));
+}
+void writer::set_f32(const std::string &key, float v) {
+    p_->add(key, value_type::f32, scalar_payload(v));
+}
+void writer::set_f64(const std::string &key, double v) {
+    p_->add(key, value_type::f64, scalar_payload(v));
+}
 void writer::set_bool(const std::string &key, bool v) {
     p_->add(key, value_type::boolean, scalar_payload<uint8_t>(v ? 1 : 0));
 }
@@ -188,7 +215,8 @@ void writer::add_tensor(const std::string &name, dtype type, std::vector<int64_t
     }
     uint64_t count = 1;
     for (size_t d = 0; d < ne.size(); ++d) {
-        if (ne[d] <= 0) w.fail(where + "ne[" + std::to_string(d) + "] = " + std::to_string(ne[d]) + " (must be >= 1)");
+        if (ne[d] <= 0)
+            w.fail(where + "ne[" + std::to_string(d) + "] = " + std::to_string(ne[d]) + " (must be >= 1)");
         if (!detail::mul_ok(count, static_cast<uint64_t>(ne[d]), count) ||
             count > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
             w.fail(where + "element count overflows int64");
@@ -212,7 +240,8 @@ void writer::write_header() {
     impl &w = *p_;
     if (w.header_done) w.fail("write_header() called twice");
     if (w.alignment != detail::kDefaultAlignment && w.keys.count("general.alignment") == 0) {
-        w.add("general.alignment", value_type::u32, scalar_payload<uint32_t>(static_cast<uint32_t>(w.alignment)));
+        w.add("general.alignment", value_type::u32,
+              scalar_payload<uint32_t>(static_cast<uint32_t>(w.alignment)));
     }
     w.fp = std::fopen(w.path.c_str(), "wb");
     if (w.fp == nullptr) w.fail(std::string("cannot create: ") + std::strerror(errno));
@@ -250,11 +279,13 @@ void writer::write_tensor_data(const void *data, size_t n) {
     if (!w.header_done) w.fail("write_tensor_data() before write_header()");
     if (w.finished) w.fail("write_tensor_data() after finish()");
     if (n == 0) return;
-    if (w.cur >= w.tensors.size()) w.fail("write_tensor_data(): all declared tensors already have their data");
+    if (w.cur >= w.tensors.size())
+        w.fail("write_tensor_data(): all declared tensors already have their data");
     const auto &t = w.tensors[w.cur];
     if (n > t.nbytes - w.cur_done) {
         w.fail("tensor " + quote(t.name) + ": " + std::to_string(n) + " bytes supplied but only " +
-               std::to_string(t.nbytes - w.cur_done) + " of its " + std::to_string(t.nbytes) + " bytes remain");
+               std::to_string(t.nbytes - w.cur_done) + " of its " + std::to_string(t.nbytes) +
+               " bytes remain");
     }
     if (w.cur_done == 0) w.pad_to(w.data_start + t.offset);
     w.emit(data, n);
@@ -280,7 +311,8 @@ void writer::finish() {
     if (std::fflush(w.fp) != 0) w.fail(std::string("write failed: ") + std::strerror(errno));
     const long pos = std::ftell(w.fp);
     if (pos < 0 || static_cast<uint64_t>(pos) != expected || w.written != expected) {
-        w.fail("byte count mismatch: wrote " + std::to_string(w.written) + ", expected " + std::to_string(expected));
+        w.fail("byte count mismatch: wrote " + std::to_string(w.written) + ", expected " +
+               std::to_string(expected));
     }
     std::FILE *fp = w.fp;
     w.fp = nullptr;

@@ -34,26 +34,26 @@ namespace fathom::ds4 {
 enum class qat_mode { full, fp4only, off };
 
 struct hparams {
-    int n_layer = 0;         // main-model blocks (block_count - nextn_predict_layers)
-    int n_nextn = 0;         // MTP blocks stored after the main ones (llama.cpp MTP files)
-    int n_embd = 0;          // D
+    int n_layer = 0;  // main-model blocks (block_count - nextn_predict_layers)
+    int n_nextn = 0;  // MTP blocks stored after the main ones (llama.cpp MTP files)
+    int n_embd = 0;   // D
     int n_vocab = 0;
-    int n_head = 0;          // H query heads (one shared K=V row)
-    int head_dim = 0;        // d (q, k and v)
-    int n_rot = 0;           // RoPE dims at the tail of each head
-    int q_lora = 0;          // Q low rank
-    int o_groups = 0;        // output groups
-    int o_rank = 0;          // output low rank per group
-    int window = 0;          // raw sliding window (rows, including the query itself)
+    int n_head = 0;    // H query heads (one shared K=V row)
+    int head_dim = 0;  // d (q, k and v)
+    int n_rot = 0;     // RoPE dims at the tail of each head
+    int q_lora = 0;    // Q low rank
+    int o_groups = 0;  // output groups
+    int o_rank = 0;    // output low rank per group
+    int window = 0;    // raw sliding window (rows, including the query itself)
     int n_expert = 0;
     int n_expert_used = 0;
-    int n_expert_shared = 0; // 0 or 1
-    int n_ff_exp = 0;        // routed and shared expert width
-    int n_hash_layer = 0;    // first layers use tid2eid hash routing
-    int idx_head = 0;        // indexer heads
-    int idx_dim = 0;         // indexer head dim (power of two: Hadamard)
+    int n_expert_shared = 0;  // 0 or 1
+    int n_ff_exp = 0;         // routed and shared expert width
+    int n_hash_layer = 0;     // first layers use tid2eid hash routing
+    int idx_head = 0;         // indexer heads
+    int idx_dim = 0;          // indexer head dim (power of two: Hadamard)
     int idx_topk = 0;
-    int n_hc = 0;            // hyper-connection streams
+    int n_hc = 0;  // hyper-connection streams
     int sinkhorn_iters = 0;
     float hc_eps = 0;
     float rms_eps = 0;
@@ -85,7 +85,7 @@ struct matrix {
 
 // Stacked experts: ggml {cols, rows, n}; expert e is a [rows, cols] matrix.
 struct expert_bank {
-    matrix first;             // expert 0
+    matrix first;  // expert 0
     int64_t n = 0;
     size_t expert_bytes = 0;  // rows * row_bytes
     matrix expert(int64_t e) const {
@@ -95,49 +95,49 @@ struct expert_bank {
     }
 };
 
-struct hc_weights {          // one hyper-connection mixer (spec 3.1 / 3.4)
-    matrix fn;               // [n_mix, n_hc*D], n_mix = (2+n_hc)*n_hc (sublayer) or n_hc (head)
-    std::vector<float> base; // [n_mix]
-    std::vector<float> scale;// [3] (sublayer) or [1] (head)
+struct hc_weights {            // one hyper-connection mixer (spec 3.1 / 3.4)
+    matrix fn;                 // [n_mix, n_hc*D], n_mix = (2+n_hc)*n_hc (sublayer) or n_hc (head)
+    std::vector<float> base;   // [n_mix]
+    std::vector<float> scale;  // [3] (sublayer) or [1] (head)
 };
 
 struct compressor_weights {  // spec 4.4; c = 2 if ratio == 4 (overlapping windows) else 1
     int ratio = 0;
-    int dim = 0;             // d' (row width)
-    matrix kv;               // [c*d', D]
-    matrix gate;             // [c*d', D]
-    std::vector<float> ape;  // [ratio, c*d']
-    std::vector<float> norm; // [d']
+    int dim = 0;              // d' (row width)
+    matrix kv;                // [c*d', D]
+    matrix gate;              // [c*d', D]
+    std::vector<float> ape;   // [ratio, c*d']
+    std::vector<float> norm;  // [d']
 };
 
 struct layer_weights {
-    int ratio = 0;           // 0: window only
-    bool hash = false;       // hash-routed (tid2eid) instead of learned routing + bias
-    float clamp = 0;         // SwiGLU clamp, routed experts
-    float clamp_sh = 0;      // SwiGLU clamp, shared expert
+    int ratio = 0;                           // 0: window only
+    bool hash = false;                       // hash-routed (tid2eid) instead of learned routing + bias
+    float clamp = 0;                         // SwiGLU clamp, routed experts
+    float clamp_sh = 0;                      // SwiGLU clamp, shared expert
     std::vector<float> attn_norm, ffn_norm;  // [D]
     hc_weights hc_attn, hc_ffn;
-    matrix q_a;                     // [q_lora, D]
-    std::vector<float> q_a_norm;    // [q_lora]
-    matrix q_b;                     // [H*d, q_lora]
-    matrix kv;                      // [d, D]
-    std::vector<float> kv_norm;     // [d]
-    std::vector<float> sinks;       // [H]
-    matrix out_a;                   // [G*o_rank, (H/G)*d]
-    matrix out_b;                   // [D, G*o_rank]
-    compressor_weights comp;        // ratio > 0
+    matrix q_a;                   // [q_lora, D]
+    std::vector<float> q_a_norm;  // [q_lora]
+    matrix q_b;                   // [H*d, q_lora]
+    matrix kv;                    // [d, D]
+    std::vector<float> kv_norm;   // [d]
+    std::vector<float> sinks;     // [H]
+    matrix out_a;                 // [G*o_rank, (H/G)*d]
+    matrix out_b;                 // [D, G*o_rank]
+    compressor_weights comp;      // ratio > 0
     // indexer (ratio == 4)
-    matrix idx_q_b;                 // [idx_head*idx_dim, q_lora]
-    matrix idx_proj;                // [idx_head, D]
+    matrix idx_q_b;   // [idx_head*idx_dim, q_lora]
+    matrix idx_proj;  // [idx_head, D]
     compressor_weights idx_comp;
     // MoE
-    matrix gate_inp;                // [E, D]
-    std::vector<float> exp_bias;    // [E] (learned routing)
-    std::vector<int32_t> tid2eid;   // [n_vocab, used] (hash routing)
-    expert_bank gate_exps, up_exps; // each expert [F, D]
-    expert_bank down_exps;          // each expert [D, F]
-    matrix gate_sh, up_sh;          // [F, D]
-    matrix down_sh;                 // [D, F]
+    matrix gate_inp;                 // [E, D]
+    std::vector<float> exp_bias;     // [E] (learned routing)
+    std::vector<int32_t> tid2eid;    // [n_vocab, used] (hash routing)
+    expert_bank gate_exps, up_exps;  // each expert [F, D]
+    expert_bank down_exps;           // each expert [D, F]
+    matrix gate_sh, up_sh;           // [F, D]
+    matrix down_sh;                  // [D, F]
 };
 
 struct model {
@@ -147,7 +147,7 @@ struct model {
     matrix output;                           // [n_vocab, D]
     std::vector<float> output_norm;          // [D]
     hc_weights hc_head;
-    std::vector<layer_weights> layers;       // [n_layer]
+    std::vector<layer_weights> layers;  // [n_layer]
 };
 
 // Bind and validate every tensor of the main model. Throws fathom::error naming the tensor.
@@ -162,7 +162,7 @@ layer_weights load_layer(const gguf::file &f, const hparams &hp, const std::stri
 
 // Rows of fixed width stored in f32 or f16 (KV cache precision).
 class row_store {
-public:
+  public:
     row_store() = default;
     row_store(int64_t width, kv_precision prec) : width_(width), prec_(prec) {}
     int64_t width() const { return width_; }
@@ -171,7 +171,8 @@ public:
     void set(int64_t r, const float *src);  // rounds through f16 when stored as f16
     void push(const float *src);
     void get(int64_t r, float *dst) const;
-private:
+
+  private:
     int64_t width_ = 0;
     kv_precision prec_ = kv_precision::f32;
     int64_t n_rows_ = 0;
@@ -189,15 +190,15 @@ struct compressor_state {
 };
 
 struct layer_state {
-    row_store raw;             // ring of `window` raw KV rows, slot = pos mod window
-    compressor_state comp;     // attention compressor frontier (ratio > 0)
-    row_store comp_rows;       // emitted attention-compressor rows [n_comp, d]
-    compressor_state idx_comp; // indexer compressor frontier (ratio == 4)
-    row_store idx_rows;        // emitted indexer rows [n_comp, idx_dim]
+    row_store raw;              // ring of `window` raw KV rows, slot = pos mod window
+    compressor_state comp;      // attention compressor frontier (ratio > 0)
+    row_store comp_rows;        // emitted attention-compressor rows [n_comp, d]
+    compressor_state idx_comp;  // indexer compressor frontier (ratio == 4)
+    row_store idx_rows;         // emitted indexer rows [n_comp, idx_dim]
 };
 
 struct state {
-    int64_t n_past = 0;        // tokens evaluated so far (next position)
+    int64_t n_past = 0;  // tokens evaluated so far (next position)
     qat_mode qat = qat_mode::full;
     kv_precision kv = kv_precision::f32;
     std::vector<layer_state> layers;
@@ -217,7 +218,7 @@ struct forward_out {
 };
 
 // Evaluate `tokens` at `positions` (must be n_past, n_past+1, ...), updating `st`.
-void forward(const model &m, state &st, std::span<const int32_t> tokens,
-             std::span<const int64_t> positions, const forward_out &out);
+void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+             const forward_out &out);
 
 }  // namespace fathom::ds4

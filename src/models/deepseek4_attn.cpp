@@ -21,8 +21,8 @@ rope_set make_rope_set(const hparams &hp) {
 
 // ---- compressor --------------------------------------------------------------------------------------
 
-bool compressor_push(compressor_state &s, const compressor_weights &w, const float *a, const float *g, int64_t pos,
-                     float *pooled) {
+bool compressor_push(compressor_state &s, const compressor_weights &w, const float *a, const float *g,
+                     int64_t pos, float *pooled) {
     const int R = w.ratio, dp = w.dim;
     const bool overlap = R == 4;
     const int width = (overlap ? 2 : 1) * dp;
@@ -64,8 +64,8 @@ bool compressor_push(compressor_state &s, const compressor_weights &w, const flo
 }
 
 // Emitted row: RMSNorm, RoPE at the block start, then the QAT round trip of its kind.
-static void compressor_finish(const hparams &hp, const rope_set &ropes, const compressor_weights &w, bool indexer,
-                              qat_mode qat, int64_t pos, float *row) {
+static void compressor_finish(const hparams &hp, const rope_set &ropes, const compressor_weights &w,
+                              bool indexer, qat_mode qat, int64_t pos, float *row) {
     rms_norm(row, w.dim, w.norm.data(), hp.rms_eps, row);
     const int64_t block_start = pos + 1 - w.ratio;
     rope_apply(row + (w.dim - hp.n_rot), ropes.yarn, block_start, false);
@@ -81,8 +81,8 @@ static void compressor_finish(const hparams &hp, const rope_set &ropes, const co
 
 // ---- indexer and attention kernels ------------------------------------------------------------------
 
-std::vector<int64_t> indexer_select(const float *q, const float *w, const row_store &rows, int64_t n, int idx_head,
-                                    int idx_dim, int topk) {
+std::vector<int64_t> indexer_select(const float *q, const float *w, const row_store &rows, int64_t n,
+                                    int idx_head, int idx_dim, int topk) {
     std::vector<int64_t> idx(static_cast<size_t>(n));
     std::iota(idx.begin(), idx.end(), 0);
     if (n <= topk) return idx;
@@ -109,9 +109,11 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
     for (int h = 0; h < n_head; ++h) {
         const float *qh = q + h * d;
         float mx = sinks[h];
-        for (int64_t r = 0; r < n; ++r) mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
+        for (int64_t r = 0; r < n; ++r)
+            mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
         float denom = std::exp(sinks[h] - mx);
-        for (int64_t r = 0; r < n; ++r) denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
+        for (int64_t r = 0; r < n; ++r)
+            denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
         float *oh = o + h * d;
         std::fill(oh, oh + d, 0.0f);
         for (int64_t r = 0; r < n; ++r) {
@@ -198,19 +200,20 @@ void output_projection(const hparams &hp, const layer_weights &l, const float *o
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim;
     std::vector<float> z(static_cast<size_t>(hp.o_groups * hp.o_rank));
     for (int g = 0; g < hp.o_groups; ++g)
-        matmul_rows(l.out_a, static_cast<int64_t>(g) * hp.o_rank, static_cast<int64_t>(g + 1) * hp.o_rank, o + g * gd,
-                    1, z.data() + static_cast<size_t>(g) * static_cast<size_t>(hp.o_rank));
+        matmul_rows(l.out_a, static_cast<int64_t>(g) * hp.o_rank, static_cast<int64_t>(g + 1) * hp.o_rank,
+                    o + g * gd, 1, z.data() + static_cast<size_t>(g) * static_cast<size_t>(hp.o_rank));
     matmul(l.out_b, z.data(), 1, y);
 }
 
 }  // namespace
 
-void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
-                     const float *xn, std::span<const int64_t> positions, float *y) {
+void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
+                     qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y) {
     const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = hp.n_head, W = hp.window;
     attn_proj p = project_attention(hp, ropes, l, qat, xn, positions);
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
-    const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d), icw = static_cast<size_t>(2 * hp.idx_dim);
+    const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
+                 icw = static_cast<size_t>(2 * hp.idx_dim);
     std::vector<float> rows, row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
     std::vector<float> o(static_cast<size_t>(H * d));
     for (int64_t i = 0; i < n; ++i) {
@@ -218,11 +221,13 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
         const size_t ui = static_cast<size_t>(i);
         // 1. state updates for token pos (all precede its attention): raw ring, compressors.
         ls.raw.set(pos % W, &p.kv[ui * static_cast<size_t>(d)]);
-        if (l.ratio > 0 && compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row.data())) {
+        if (l.ratio > 0 &&
+            compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row.data())) {
             compressor_finish(hp, ropes, l.comp, false, qat, pos, row.data());
             ls.comp_rows.push(row.data());
         }
-        if (l.ratio == 4 && compressor_push(ls.idx_comp, l.idx_comp, &p.ica[ui * icw], &p.icg[ui * icw], pos, irow.data())) {
+        if (l.ratio == 4 &&
+            compressor_push(ls.idx_comp, l.idx_comp, &p.ica[ui * icw], &p.icg[ui * icw], pos, irow.data())) {
             compressor_finish(hp, ropes, l.idx_comp, true, qat, pos, irow.data());
             ls.idx_rows.push(irow.data());
         }
@@ -232,8 +237,8 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
         std::vector<int64_t> sel;
         if (l.ratio == 4)
             sel = indexer_select(&p.iq[ui * static_cast<size_t>(hp.idx_head * hp.idx_dim)],
-                                 &p.iw[ui * static_cast<size_t>(hp.idx_head)], ls.idx_rows, n_comp, hp.idx_head,
-                                 hp.idx_dim, hp.idx_topk);
+                                 &p.iw[ui * static_cast<size_t>(hp.idx_head)], ls.idx_rows, n_comp,
+                                 hp.idx_head, hp.idx_dim, hp.idx_topk);
         else if (l.ratio > 0) {
             sel.resize(static_cast<size_t>(n_comp));
             std::iota(sel.begin(), sel.end(), 0);
@@ -244,9 +249,10 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
         for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % W, &rows[static_cast<size_t>(r * d)]);
         for (int64_t c : sel) ls.comp_rows.get(c, &rows[static_cast<size_t>(r++ * d)]);
         // 3. sink attention, inverse RoPE on each head's output, grouped output projection.
-        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data(), hp.n_head, d,
-                         static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), o.data());
-        for (int64_t h = 0; h < H; ++h) rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
+        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data(),
+                         hp.n_head, d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), o.data());
+        for (int64_t h = 0; h < H; ++h)
+            rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
         output_projection(hp, l, o.data(), y + i * hp.n_embd);
     }
 }

@@ -11,8 +11,9 @@
 
 namespace fathom::ds4 {
 
-void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
-                   float *x, std::span<const int32_t> tokens, std::span<const int64_t> positions) {
+void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
+                   qat_mode qat, float *x, std::span<const int32_t> tokens,
+                   std::span<const int64_t> positions) {
     const int64_t n = static_cast<int64_t>(positions.size()), D = hp.n_embd, S = hp.n_hc * D;
     const size_t nh = static_cast<size_t>(hp.n_hc);
     std::vector<float> u(static_cast<size_t>(n * D)), y(static_cast<size_t>(n * D));
@@ -22,7 +23,8 @@ void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights
     // attention half: (u, post, comb) = HCPre(X); a = Attn(RMSNorm(u)); X = HCPost(a, X, post, comb)
     for (int64_t i = 0; i < n; ++i) {
         float *ui = &u[static_cast<size_t>(i * D)];
-        hc_pre(hp, l.hc_attn, x + i * S, ui, &post[static_cast<size_t>(i) * nh], &comb[static_cast<size_t>(i) * nh * nh]);
+        hc_pre(hp, l.hc_attn, x + i * S, ui, &post[static_cast<size_t>(i) * nh],
+               &comb[static_cast<size_t>(i) * nh * nh]);
         rms_norm(ui, D, l.attn_norm.data(), hp.rms_eps, ui);
     }
     attention_layer(hp, ropes, l, ls, qat, u.data(), positions, y.data());
@@ -69,17 +71,18 @@ static void check_inputs(const model &m, const state &st, std::span<const int32_
                         std::to_string(m.hp.n_vocab) + ")");
         // Compressors pool blocks of absolute positions: the sequence must be contiguous.
         if (positions[i] != st.n_past + static_cast<int64_t>(i))
-            throw error("ds4 forward: position " + std::to_string(positions[i]) + " at index " + std::to_string(i) +
-                        ", expected " + std::to_string(st.n_past + static_cast<int64_t>(i)));
+            throw error("ds4 forward: position " + std::to_string(positions[i]) + " at index " +
+                        std::to_string(i) + ", expected " +
+                        std::to_string(st.n_past + static_cast<int64_t>(i)));
     }
     const size_t V = static_cast<size_t>(m.hp.n_vocab);
     if (!out.logits.empty() && out.logits.size() != n * V && out.logits.size() != V)
-        throw error("ds4 forward: logits buffer of " + std::to_string(out.logits.size()) + " floats, expected " +
-                    std::to_string(n * V) + " or " + std::to_string(V));
+        throw error("ds4 forward: logits buffer of " + std::to_string(out.logits.size()) +
+                    " floats, expected " + std::to_string(n * V) + " or " + std::to_string(V));
     const size_t S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
     if (!out.hc_state.empty() && out.hc_state.size() != n * S)
-        throw error("ds4 forward: hc_state buffer of " + std::to_string(out.hc_state.size()) + " floats, expected " +
-                    std::to_string(n * S));
+        throw error("ds4 forward: hc_state buffer of " + std::to_string(out.hc_state.size()) +
+                    " floats, expected " + std::to_string(n * S));
 }
 
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
@@ -90,7 +93,8 @@ void forward(const model &m, state &st, std::span<const int32_t> tokens, std::sp
     if (n == 0) return;
     const rope_set ropes = make_rope_set(hp);
     std::vector<float> x(static_cast<size_t>(n * S));  // [n, n_hc, D] hyper-connection state
-    for (int64_t i = 0; i < n; ++i) embed_token(m, tokens[static_cast<size_t>(i)], &x[static_cast<size_t>(i * S)]);
+    for (int64_t i = 0; i < n; ++i)
+        embed_token(m, tokens[static_cast<size_t>(i)], &x[static_cast<size_t>(i * S)]);
     for (size_t il = 0; il < m.layers.size(); ++il)
         block_forward(hp, ropes, m.layers[il], st.layers[il], st.qat, x.data(), tokens, positions);
     st.n_past += n;

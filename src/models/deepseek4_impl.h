@@ -30,8 +30,8 @@ void hc_head(const hparams &hp, const hc_weights &w, const float *x, float *z);
 // ---- MoE (deepseek4_moe.cpp) ---------------------------------------------------------------------
 
 struct route {
-    std::vector<int> experts;   // [used]
-    std::vector<float> weights; // [used], renormalised and scaled
+    std::vector<int> experts;    // [used]
+    std::vector<float> weights;  // [used], renormalised and scaled
 };
 // Routing from router logits [E] (spec 5.1-5.3): sqrt(softplus) scores, hash table or biased top-k.
 route moe_route(const hparams &hp, const layer_weights &l, const float *logits, int32_t token);
@@ -71,6 +71,7 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
 
 // Full block (HC attention half + HC MoE half) for a chunk: x [n, n_hc, D] updated in place.
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
-                   qat_mode qat, float *x, std::span<const int32_t> tokens, std::span<const int64_t> positions);
+                   qat_mode qat, float *x, std::span<const int32_t> tokens,
+                   std::span<const int64_t> positions);
 
 }  // namespace fathom::ds4

@@ -17,7 +17,9 @@ namespace {
 
 const std::string arch_prefix = "deepseek4.";
 
-std::string where(const gguf::file &f) { return f.path() + ": "; }
+std::string where(const gguf::file &f) {
+    return f.path() + ": ";
+}
 
 // Required positive integer hyper-parameter that fits an int.
 int get_pos_int(const gguf::file &f, const std::string &key, int64_t max_value = 1 << 30) {
@@ -107,8 +109,8 @@ void check_shape_relations(const gguf::file &f, const hparams &hp) {
         fail("attention.head_count = " + std::to_string(hp.n_head) +
              " is not a multiple of attention.output_group_count = " + std::to_string(hp.o_groups));
     if (hp.n_expert_used > hp.n_expert)
-        fail("expert_used_count = " + std::to_string(hp.n_expert_used) + " exceeds expert_count = " +
-             std::to_string(hp.n_expert));
+        fail("expert_used_count = " + std::to_string(hp.n_expert_used) +
+             " exceeds expert_count = " + std::to_string(hp.n_expert));
     if (hp.n_expert_shared < 0 || hp.n_expert_shared > 1)
         fail("expert_shared_count = " + std::to_string(hp.n_expert_shared) + " unsupported (0 or 1)");
     if (hp.n_hash_layer < 0 || hp.n_hash_layer > hp.n_layer)
@@ -150,8 +152,8 @@ hparams load_hparams(const gguf::file &f) {
     const auto ratios = f.get_int_array(arch_prefix + "attention.compress_ratios");
     const size_t n_arr = ratios.size();
     if (n_arr != static_cast<size_t>(n_block))
-        throw error(where(f) + "metadata key deepseek4.attention.compress_ratios has " + std::to_string(n_arr) +
-                    " entries, expected block_count = " + std::to_string(n_block));
+        throw error(where(f) + "metadata key deepseek4.attention.compress_ratios has " +
+                    std::to_string(n_arr) + " entries, expected block_count = " + std::to_string(n_block));
     hp.n_layer = n_block - hp.n_nextn;
     for (size_t i = 0; i < n_arr; ++i) {
         const int64_t r = ratios[i];
@@ -161,8 +163,9 @@ hparams load_hparams(const gguf::file &f) {
         hp.compress_ratio.push_back(static_cast<int>(r));
     }
     hp.clamp_exp = get_block_floats(f, "swiglu_clamp_exp", n_arr);
-    hp.clamp_shexp = f.has(arch_prefix + "swiglu_clamp_shexp") ? get_block_floats(f, "swiglu_clamp_shexp", n_arr)
-                                                               : hp.clamp_exp;
+    hp.clamp_shexp = f.has(arch_prefix + "swiglu_clamp_shexp")
+                         ? get_block_floats(f, "swiglu_clamp_shexp", n_arr)
+                         : hp.clamp_exp;
     check_shape_relations(f, hp);
     if (f.has(arch_prefix + "embedding_length_out"))
         expect_int(f, "embedding_length_out", static_cast<int64_t>(hp.n_hc) * hp.n_embd,
@@ -187,8 +190,8 @@ const gguf::tensor_info &shaped(const gguf::file &f, const std::string &name, st
     bool ok = t->n_dims == ne.size();
     for (size_t i = 0; ok && i < ne.size(); ++i) ok = t->ne[i] == ne[i];
     if (!ok)
-        throw error(where(f) + "tensor " + name + " has shape " + shape_str(t->ne, t->n_dims) + ", expected " +
-                    shape_str(ne.data(), static_cast<uint32_t>(ne.size())));
+        throw error(where(f) + "tensor " + name + " has shape " + shape_str(t->ne, t->n_dims) +
+                    ", expected " + shape_str(ne.data(), static_cast<uint32_t>(ne.size())));
     return *t;
 }
 
@@ -243,7 +246,8 @@ std::vector<float> get_vector(const gguf::file &f, const std::string &name, std:
     return v;
 }
 
-hc_weights get_hc(const gguf::file &f, const std::string &stem, const hparams &hp, int64_t n_mix, int64_t n_scale) {
+hc_weights get_hc(const gguf::file &f, const std::string &stem, const hparams &hp, int64_t n_mix,
+                  int64_t n_scale) {
     hc_weights w;
     w.fn = get_matrix(f, stem + "_fn.weight", static_cast<int64_t>(hp.n_hc) * hp.n_embd, n_mix);
     w.base = get_vector(f, stem + "_base.weight", {n_mix});
@@ -320,8 +324,8 @@ void load_moe(const gguf::file &f, const hparams &hp, const std::string &p, laye
 
 }  // namespace
 
-layer_weights load_layer(const gguf::file &f, const hparams &hp, const std::string &prefix, int ratio, bool hash,
-                         float clamp, float clamp_sh) {
+layer_weights load_layer(const gguf::file &f, const hparams &hp, const std::string &prefix, int ratio,
+                         bool hash, float clamp, float clamp_sh) {
     layer_weights l;
     l.ratio = ratio;
     l.hash = hash;

@@ -42,8 +42,8 @@ void sinkhorn(float *c, int n, int iters, float eps) {
     }
 }
 
-void hc_split_sinkhorn(const float *mix, const float *scale, const float *base, int n_hc, int iters, float eps,
-                       float *pre, float *post, float *comb) {
+void hc_split_sinkhorn(const float *mix, const float *scale, const float *base, int n_hc, int iters,
+                       float eps, float *pre, float *post, float *comb) {
     for (int s = 0; s < n_hc; ++s) {
         pre[s] = sigmoid(mix[s] * scale[0] + base[s]) + eps;
         post[s] = 2.0f * sigmoid(mix[n_hc + s] * scale[1] + base[n_hc + s]);
@@ -76,8 +76,8 @@ static void hc_weighted_sum(int n_hc, int64_t dim, const float *w, const float *
 void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
     const std::vector<float> mix = hc_mix(hp, w, x);
     std::vector<float> pre(static_cast<size_t>(hp.n_hc));
-    hc_split_sinkhorn(mix.data(), w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps, pre.data(),
-                      post, comb);
+    hc_split_sinkhorn(mix.data(), w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps,
+                      pre.data(), post, comb);
     hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, u);
 }
 
@@ -94,7 +94,8 @@ void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const fl
 void hc_head(const hparams &hp, const hc_weights &w, const float *x, float *z) {
     const std::vector<float> mix = hc_mix(hp, w, x);
     std::vector<float> pre(static_cast<size_t>(hp.n_hc));
-    for (int s = 0; s < hp.n_hc; ++s) pre[static_cast<size_t>(s)] = sigmoid(mix[s] * w.scale[0] + w.base[s]) + hp.hc_eps;
+    for (int s = 0; s < hp.n_hc; ++s)
+        pre[static_cast<size_t>(s)] = sigmoid(mix[s] * w.scale[0] + w.base[s]) + hp.hc_eps;
     hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, z);
 }
 
@@ -122,7 +123,8 @@ route moe_route(const hparams &hp, const layer_weights &l, const float *logits, 
     }
     float sum = 0;
     for (int e : r.experts) sum += score[static_cast<size_t>(e)];
-    for (int e : r.experts) r.weights.push_back(score[static_cast<size_t>(e)] / sum * hp.expert_weights_scale);
+    for (int e : r.experts)
+        r.weights.push_back(score[static_cast<size_t>(e)] / sum * hp.expert_weights_scale);
     return r;
 }
 
@@ -150,10 +152,11 @@ void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int
     std::fill(y, y + hp.n_embd, 0.0f);
     for (size_t i = 0; i < r.experts.size(); ++i) {
         const int e = r.experts[i];
-        expert_add(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp, r.weights[i], xn, y,
-                   g, v, out);
+        expert_add(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp, r.weights[i],
+                   xn, y, g, v, out);
     }
-    if (hp.n_expert_shared == 1) expert_add(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, 1.0f, xn, y, g, v, out);
+    if (hp.n_expert_shared == 1)
+        expert_add(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, 1.0f, xn, y, g, v, out);
 }
 
 }  // namespace fathom::ds4

@@ -9,13 +9,22 @@
 
 namespace fathom::ds4 {
 
-float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// Compiled twice (AVX2 and baseline) and picked at load time; no FMA contraction and a fixed lane
+// assignment, so both versions return the same bits.
+__attribute__((target_clones("avx2", "default"))) float dot_f32(const float *a, const float *b, int64_t n) {
+    // Products are exact in double; 16 double lanes, then a fixed pairwise reduction. Accumulating
+    // in double keeps the result within about one f32 rounding of the exact dot product, i.e. as
+    // close as an f32 evaluation can be to any other correct one (long QAT sequences amplify
+    // order-dependent f32 noise, README of the goldens).
+    constexpr int L = 16;
+    double acc[L] = {};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-    for (; i < n; ++i) acc[i & 7] += a[i] * b[i];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i + L <= n; i += L)
+        for (int l = 0; l < L; ++l) acc[l] += static_cast<double>(a[i + l]) * static_cast<double>(b[i + l]);
+    for (; i < n; ++i) acc[i % L] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+    for (int w = L / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return static_cast<float>(acc[0]);
 }
 
 void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y) {
@@ -38,7 +47,9 @@ void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_
     }
 }
 
-void matmul(const matrix &w, const float *x, int64_t n, float *y) { matmul_rows(w, 0, w.rows, x, n, y); }
+void matmul(const matrix &w, const float *x, int64_t n, float *y) {
+    matmul_rows(w, 0, w.rows, x, n, y);
+}
 
 void rms_norm(const float *x, int64_t n, const float *w, float eps, float *out) {
     double ss = 0;
@@ -69,7 +80,8 @@ rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, floa
     double hi = std::min(std::ceil(corr(beta_slow)), static_cast<double>(n_rot - 1));
     if (lo == hi) hi += 0.001;
     for (size_t i = 0; i < t.freq.size(); ++i) {
-        const float ramp = std::clamp(static_cast<float>((static_cast<double>(i) - lo) / (hi - lo)), 0.0f, 1.0f);
+        const float ramp =
+            std::clamp(static_cast<float>((static_cast<double>(i) - lo) / (hi - lo)), 0.0f, 1.0f);
         const float smooth = 1.0f - ramp;
         const float f = t.freq[i];
         t.freq[i] = f / factor * (1.0f - smooth) + f * smooth;

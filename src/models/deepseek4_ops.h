@@ -1,6 +1,6 @@
 // Small self-contained f32 helpers for the DS4 reference forward: matrix x vectors over dequantised
 // rows, RMSNorm, interleaved partial RoPE with YaRN frequencies, and scalar activations.
-// Reductions accumulate in a fixed order (double for norms, 8 float lanes for dot products) so
+// Reductions accumulate in a fixed order (double for norms and dot products) so
 // results do not depend on threading or chunking.
 #pragma once
 #include <cmath>
@@ -11,7 +11,7 @@
 
 namespace fathom::ds4 {
 
-// Dot product of n floats (8 independent lanes, then a fixed-order sum).
+// Dot product of n floats, accumulated in double (16 lanes, then a fixed pairwise sum).
 float dot_f32(const float *a, const float *b, int64_t n);
 
 // y[i*W.rows + r] = sum_c W[r][c] * x[i*W.cols + c] for i in [0, n). Rows are dequantised once per
@@ -31,14 +31,19 @@ struct rope_table {
 rope_table rope_plain(float base, int n_rot);
 // YaRN-blended frequencies (no magnitude factor): pairs below the correction range keep b_i,
 // pairs above are divided by `factor`, linear ramp in between.
-rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, float beta_fast,
-                     float beta_slow);
+rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, float beta_fast, float beta_slow);
 // Rotate interleaved pairs (x[2i], x[2i+1]) of the n_rot dims at x by pos*f_i (inverse: -pos*f_i).
 void rope_apply(float *x, const rope_table &t, int64_t pos, bool inverse);
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) {
+    return 1.0f / (1.0f + std::exp(-x));
+}
+inline float silu(float x) {
+    return x / (1.0f + std::exp(-x));
+}
 // torch softplus (beta 1, threshold 20).
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+inline float softplus(float x) {
+    return x > 20.0f ? x : std::log1p(std::exp(x));
+}
 
 }  // namespace fathom::ds4

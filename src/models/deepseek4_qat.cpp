@@ -21,8 +21,12 @@ static float round_minifloat(float x, int mbits, int emin, float maxv) {
     return std::copysign(r, x);
 }
 
-float fp8_e4m3_round(float x) { return round_minifloat(x, 3, -6, 448.0f); }
-float fp4_e2m1_round(float x) { return round_minifloat(x, 1, 0, 6.0f); }
+float fp8_e4m3_round(float x) {
+    return round_minifloat(x, 3, -6, 448.0f);
+}
+float fp4_e2m1_round(float x) {
+    return round_minifloat(x, 1, 0, 6.0f);
+}
 
 float pow2_ceil(float v) {
     int e = 0;

@@ -93,16 +93,19 @@ struct sampler::impl {
     std::vector<int32_t> touched;    // distinct tokens whose counts are non-zero
     std::vector<double> probs;       // [n_cand] unnormalised probabilities of the survivors
     bool sorted = false;             // cand is ordered by better()
+    float full_max = 0.0f;           // max of `full`
+    double full_z = 0.0;             // sum of exp(full - full_max): softmax normaliser of `full`
 
     explicit impl(const sampling_params &p) : params(p), rng(p.seed) {}
 
     void prepare(std::span<const float> logits);
     void apply_penalties(std::span<const int32_t> history);
+    void normalise_full();
     void fill_logprobs(sample_result &out, int32_t chosen);
     int32_t argmax() const;
-    void sort_all();
     void apply_top_k();
-    void apply_top_p();
+    void softmax_stats(float &max_l, double &z) const;
+    void apply_top_p(float max_l, double z);
     void apply_min_p();
     int32_t draw();
 };
@@ -164,13 +167,20 @@ void sampler::impl::apply_penalties(std::span<const int32_t> history) {
     }
 }
 
-// Log-softmax over the full penalised distribution (before truncation and temperature).
-void sampler::impl::fill_logprobs(sample_result &out, int32_t chosen) {
+// Softmax normaliser of the full penalised distribution; top-p reuses it when no top-k ran
+// before it (then its candidates are exactly `full`), saving a second pass over the vocabulary.
+void sampler::impl::normalise_full() {
     float max_l = -std::numeric_limits<float>::infinity();
     for (float l : full) max_l = std::max(max_l, l);
     double sum = 0.0;
-    for (float l : full) sum += std::exp(static_cast<double>(l) - max_l);
-    const double log_z = max_l + std::log(sum);
+    for (float l : full) sum += std::exp(l - max_l);  // float exp: one pass over up to ~256k logits
+    full_max = max_l;
+    full_z = sum;
+}
+
+// Log-softmax over the full penalised distribution (before truncation and temperature).
+void sampler::impl::fill_logprobs(sample_result &out, int32_t chosen) {
+    const double log_z = full_max + std::log(full_z);
     out.logprob = static_cast<float>(full[chosen] - log_z);
     const size_t n_top = std::min(static_cast<size_t>(params.n_logprobs), full.size());
     if (n_top == 0) return;
@@ -190,11 +200,6 @@ int32_t sampler::impl::argmax() const {
     return static_cast<int32_t>(best);
 }
 
-void sampler::impl::sort_all() {
-    if (!sorted) std::sort(cand.begin(), cand.end(), better);
-    sorted = true;
-}
-
 void sampler::impl::apply_top_k() {
     const size_t k = static_cast<size_t>(params.top_k);
     if (k == 0 || k >= cand.size()) return;
@@ -207,22 +212,49 @@ void sampler::impl::apply_top_k() {
 
 // Keeps the shortest best-first prefix whose probability mass (softmax of the current logits)
 // reaches top_p; the token that crosses the threshold is kept, and at least one token always is.
-void sampler::impl::apply_top_p() {
-    if (params.top_p >= 1.0f || cand.size() <= 1) return;
-    sort_all();
-    const double max_l = cand[0].logit;
-    double z = 0.0;
-    for (const candidate &c : cand) z += std::exp(static_cast<double>(c.logit) - max_l);
-    double cum = 0.0;
-    size_t keep = cand.size();
-    for (size_t i = 0; i < cand.size(); ++i) {
-        cum += std::exp(static_cast<double>(cand[i].logit) - max_l) / z;
-        if (cum >= static_cast<double>(params.top_p)) {
-            keep = i + 1;
-            break;
-        }
+// Without a preceding top-k the list is unsorted and may be the whole vocabulary: rather than
+// sorting all of it, sort a best-first window of m candidates and widen it (x4) only if the mass
+// in it stays below top_p. The comparator is a total order, so every window is a prefix of the
+// fully sorted list and the result equals that of a full sort.
+// Max logit and softmax normaliser of the current candidates (reusing those of `full` when the
+// candidates are still the whole vocabulary).
+void sampler::impl::softmax_stats(float &max_l, double &z) const {
+    if (cand.size() == full.size()) {
+        max_l = full_max;
+        z = full_z;
+        return;
     }
-    cand.resize(keep);
+    max_l = -std::numeric_limits<float>::infinity();
+    for (const candidate &c : cand) max_l = std::max(max_l, c.logit);
+    z = 0.0;
+    for (const candidate &c : cand) z += std::exp(c.logit - max_l);
+}
+
+// (max_l, z): softmax_stats() of the candidate set top-p is defined on (see sample()).
+void sampler::impl::apply_top_p(float max_l, double z) {
+    if (params.top_p >= 1.0f || cand.size() <= 1) return;
+    const size_t n = cand.size();
+    const double target = static_cast<double>(params.top_p);
+    size_t m = sorted ? n : std::min<size_t>(n, 256);
+    for (;;) {
+        if (!sorted) {
+            const auto mid = cand.begin() + static_cast<std::ptrdiff_t>(m);
+            if (m < n) std::nth_element(cand.begin(), mid - 1, cand.end(), better);
+            std::sort(cand.begin(), mid, better);
+            sorted = m == n;
+        }
+        double cum = 0.0;
+        for (size_t i = 0; i < m; ++i) {
+            cum += std::exp(cand[i].logit - max_l) / z;
+            if (cum >= target) {
+                cand.resize(i + 1);
+                sorted = true;  // what remains is the sorted window prefix
+                return;
+            }
+        }
+        if (m == n) return;  // the mass never reached top_p (rounding, or min-p cut first): keep all
+        m = std::min(n, m * 4);
+    }
 }
 
 // Keeps tokens whose probability is at least min_p times the best one's:
@@ -280,6 +312,7 @@ sample_result sampler::sample(std::span<const float> logits, std::span<const int
     impl &s = *p_;
     s.prepare(logits);
     s.apply_penalties(history);
+    s.normalise_full();
 
     sample_result out;
     int32_t chosen;
@@ -290,8 +323,16 @@ sample_result sampler::sample(std::span<const float> logits, std::span<const int
         for (size_t i = 0; i < s.full.size(); ++i) s.cand[i] = {static_cast<int32_t>(i), s.full[i]};
         s.sorted = false;
         s.apply_top_k();
-        s.apply_top_p();
+        // top-p then min-p keep best-first prefixes of the same order, and min-p's threshold
+        // (relative to the max, which both keep) does not depend on what top-p removed, so the
+        // result is the shorter of the two prefixes. Filtering min-p first, in O(n), therefore gives
+        // the same set while leaving top-p far fewer candidates to sort. top-p still normalises
+        // over the set it is defined on, captured before the filter.
+        float max_l;
+        double z;
+        s.softmax_stats(max_l, z);
         s.apply_min_p();
+        s.apply_top_p(max_l, z);
         chosen = s.draw();
     }
     s.fill_logprobs(out, chosen);

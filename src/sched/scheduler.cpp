@@ -69,6 +69,7 @@ struct scheduler::slot {
     std::shared_ptr<job> j;         // null when idle (written by the worker under mu_)
     phase ph = phase::idle;
     uint64_t seq = 0;               // admission order (FIFO among prefills)
+    uint64_t last_used = 0;         // seq of the last request served (0 = never)
     size_t prefill_pos = 0;         // prompt tokens the session holds so far
     int64_t n_reused = 0;
     std::unique_ptr<sampler> smp;
@@ -197,22 +198,32 @@ void scheduler::admit_locked() {
     }
     while (!queue_.empty()) {
         auto j = queue_.front();
-        slot *best = nullptr;
+        // Prefer the idle slot sharing the longest prefix, if that reuses at least half of what the
+        // slot holds; otherwise take the least recently used idle slot (empty ones first), so a
+        // short accidental match (e.g. the template's opening tokens) does not evict a conversation.
+        slot *best = nullptr, *lru = nullptr;
         size_t best_lcp = 0;
         for (auto &s : slots_) {
             if (s->j) continue;
+            const size_t held = s->sess->tokens().size();
             const size_t l = common_prefix(s->sess->tokens(), j->req_.prompt);
-            if (!best || l > best_lcp) {
+            if (l > 0 && 2 * l >= held && l > best_lcp) {
                 best = s.get();
                 best_lcp = l;
             }
+            if (!lru || s->last_used < lru->last_used) lru = s.get();
         }
-        if (!best) break;  // every slot busy: the request keeps waiting
+        if (!lru) break;  // every slot busy: the request keeps waiting
+        if (!best) {
+            best = lru;
+            best_lcp = common_prefix(best->sess->tokens(), j->req_.prompt);
+        }
         queue_.pop_front();
         slot &s = *best;
         s.j = j;
         s.ph = phase::prefill;
         s.seq = ++admit_seq_;
+        s.last_used = s.seq;
         s.prefill_pos = best_lcp;
         const size_t n = j->req_.prompt.size();
         s.n_reused = int64_t(std::min(best_lcp, n - 1));

@@ -8,7 +8,9 @@
 // Prefill chunks end at absolute positions that are multiples of prefill_chunk (or at the prompt's
 // end), so a prompt is split the same way whatever else is running.
 // Admission: FIFO from a bounded queue; a request takes the idle slot whose session shares the
-// longest token prefix with its prompt (session::sync then reuses that prefix). When the queue is
+// longest token prefix with its prompt (session::sync then reuses that prefix) provided that
+// prefix is at least half of what the slot holds; otherwise the least recently used idle slot, so
+// a short accidental match does not evict another conversation's cache. When the queue is
 // full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
 // frees its slot.
 #pragma once

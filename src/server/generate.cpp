@@ -280,13 +280,15 @@ parsed_output split_calls(server_context &ctx, const prepared &p, const std::str
 }
 
 // Waits for the job's next event, cancelling it if the client disconnected. false = client gone.
-bool next_event(sched::job &j, const connection_probe &probe, sched::event &ev) {
+// The connection is checked at least every 100 ms, also while events keep arriving.
+bool next_event(sched::job &j, connection_probe &probe, sched::event &ev) {
     for (;;) {
-        if (j.next(ev, 100ms)) return true;
-        if (!probe.alive()) {
+        const bool got = j.next(ev, 100ms);
+        if (probe.due() && !probe.alive()) {
             j.cancel();
             return false;
         }
+        if (got) return true;
     }
 }
 

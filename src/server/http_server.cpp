@@ -61,6 +61,13 @@ connection_probe::connection_probe(const httplib::Request &req) {
     closedir(d);
 }
 
+bool connection_probe::due() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_ < std::chrono::milliseconds(100)) return false;
+    last_ = now;
+    return true;
+}
+
 bool connection_probe::alive() const {
     if (fd_ < 0) return true;
     char c;

@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <map>
 #include <mutex>
 
@@ -29,8 +30,11 @@ class connection_probe {
 public:
     explicit connection_probe(const httplib::Request &req);
     bool alive() const;
+    // True at most once per 100 ms: rate-limits the checks of a busy stream.
+    bool due();
 private:
     int fd_ = -1;  // -1 = not found: always reported alive
+    std::chrono::steady_clock::time_point last_{};
 };
 
 // Error JSON in the API's schema (Anthropic for /v1/messages*, OpenAI otherwise).

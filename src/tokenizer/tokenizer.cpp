@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include <xxhash.h>
+
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "tokenizer/tokenizer_impl.h"
@@ -36,6 +38,7 @@ constexpr std::string_view k_eot_texts[] = {"<|eot_id|>", "<|im_end|>", "<|end|>
 constexpr std::string_view k_eog_texts[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
                                             "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
                                             "<|end_of_text|>", "<end_of_utterance>"};
+constexpr std::string_view k_eom_texts[] = {"<|eom_id|>"};
 // FIM roles in llama.cpp's order: prefix, suffix, middle, pad, repo, file separator.
 constexpr std::string_view k_fim_pre_texts[] = {"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>",
                                                 "<PRE>", "▁<PRE>", "<|code_prefix|>"};
@@ -53,6 +56,19 @@ bool in_list(const std::string_view (&list)[N], std::string_view s) {
 }
 
 }  // namespace
+
+uint32_t token_hash(std::string_view s) {
+    return static_cast<uint32_t>(XXH3_64bits(s.data(), s.size()));
+}
+
+int32_t token_index::find(std::string_view s, std::string_view arena, const std::vector<uint32_t> &off) const {
+    const uint32_t h = token_hash(s);
+    for (uint64_t i = h & mask_;; i = (i + 1) & mask_) {
+        const slot &sl = slots_[i];
+        if (sl.id == token_null) return token_null;
+        if (sl.hash == h && arena.substr(off[sl.id], off[sl.id + 1] - off[sl.id]) == s) return sl.id;
+    }
+}
 
 void special_trie::insert(std::string_view text, int32_t id) {
     int32_t n = 0;
@@ -123,13 +139,13 @@ void load_vocab(impl_t &t, const gguf::file &f) {
         t.scores[i] = scores.empty() ? 0.0f : static_cast<float>(scores[i]);
     }
     t.text_off[n] = static_cast<uint32_t>(t.arena.size());
-    t.text_to_id.reserve(n);
-    for (size_t i = 0; i < n; ++i) t.text_to_id.insert_or_assign(t.text(static_cast<int32_t>(i)), static_cast<int32_t>(i));
+    t.text_to_id.build(static_cast<int32_t>(n), [&t](int32_t id) { return t.text(id); });
 }
 
 void load_bpe_merges(impl_t &t, const gguf::file &f) {
     const auto &merges = f.get_string_array("tokenizer.ggml.merges");
     t.merges.reserve(merges.size());
+    std::string joined;
     for (size_t i = 0; i < merges.size(); ++i) {
         const std::string_view m = merges[i];
         const size_t sp = m.find(' ', 1);
@@ -138,7 +154,9 @@ void load_bpe_merges(impl_t &t, const gguf::file &f) {
         }
         const int32_t l = t.find(m.substr(0, sp));
         const int32_t r = t.find(m.substr(sp + 1));
-        const int32_t res = t.find(std::string(m.substr(0, sp)) + std::string(m.substr(sp + 1)));
+        joined.assign(m.substr(0, sp));
+        joined.append(m.substr(sp + 1));
+        const int32_t res = t.find(joined);
         // A merge whose parts or result are not tokens can never produce a token: skip it.
         if (l < 0 || r < 0 || res < 0) continue;
         const uint64_t key = static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32 | static_cast<uint32_t>(r);
@@ -151,6 +169,29 @@ void load_bpe_merges(impl_t &t, const gguf::file &f) {
         unicode::utf8_append(t.byte_char[b], cpt);
         t.byte_token[b] = t.find(t.byte_char[b]);
         t.char_byte[cpt] = b;
+    }
+    // A byte's token should be a normal one: DeepSeek LLM also has user-defined tokens with the same texts
+    // (e.g. "ÿ"), which text_to_id prefers but which render as the UTF-8 character, not the byte.
+    for (int32_t id = 0; id < t.n_vocab(); ++id) {
+        const std::string_view s = t.text(id);
+        if (t.types[id] != token_type::normal || s.size() > 2) continue;
+        const unicode::utf8_unit u = unicode::utf8_decode(s, 0);
+        if (u.len != s.size() || u.cpt >= t.char_byte.size() || t.char_byte[u.cpt] < 0) continue;
+        const int b = t.char_byte[u.cpt];
+        if (t.byte_token[b] < 0 || t.types[t.byte_token[b]] != token_type::normal) t.byte_token[b] = id;
+    }
+}
+
+// Marks every byte that some token has directly before a U+2581 outside the token's leading U+2581 run.
+void find_spm_space_joins(impl_t &t) {
+    static constexpr std::string_view k_sp = "\xE2\x96\x81";
+    for (int32_t id = 0; id < t.n_vocab(); ++id) {
+        const std::string_view s = t.text(id);
+        size_t p = 0;
+        while (s.compare(p, 3, k_sp) == 0) p += 3;
+        for (size_t q = s.find(k_sp, p); q != std::string_view::npos; q = s.find(k_sp, q + 3)) {
+            if (q > 0) t.spm_joins_space[static_cast<uint8_t>(s[q - 1])] = true;
+        }
     }
 }
 
@@ -172,8 +213,9 @@ void read_special(const gguf::file &f, const char *key, int32_t n_vocab, int32_t
 }
 
 // llama.cpp's text-based fix-ups: find EOT/EOM/FIM tokens by text when the metadata does not name them,
-// force those tokens to control type, and build the end-of-generation set. Candidates are scanned in id order
-// (llama.cpp scans a hash map; the order only matters for vocabs with several candidates for one role).
+// force those tokens to control type, and build the end-of-generation set. llama.cpp takes whichever candidate
+// its hash map yields first; we take the first text of each list (so Llama 3's EOT is <|eot_id|>, not
+// <|end_of_text|>).
 void detect_special_roles(impl_t &t, const gguf::file &f) {
     const int32_t n = t.n_vocab();
     int32_t fim[6] = {token_null, token_null, token_null, token_null, token_null, token_null};
@@ -188,23 +230,25 @@ void detect_special_roles(impl_t &t, const gguf::file &f) {
         read_special(f, fim_keys[k][0], n, fim[k]);
         if (fim_keys[k][1]) read_special(f, fim_keys[k][1], n, fim[k]);
     }
-    auto claim = [&](int32_t &role, int32_t id) {
+    // A role left unset by the metadata goes to the first text of its list that the vocab has.
+    auto claim = [&](int32_t &role, const auto &texts) {
         if (role != token_null) return;
-        role = id;
-        t.types[id] = token_type::control;
+        for (std::string_view s : texts) {
+            if (const int32_t id = t.find(s); id >= 0) {
+                role = id;
+                t.types[id] = token_type::control;
+                return;
+            }
+        }
     };
-    for (int32_t id = 0; id < n; ++id) {
-        if (t.find(t.text(id)) != id) continue;  // shadowed duplicate text: llama.cpp never sees it
-        const std::string_view s = t.text(id);
-        if (in_list(k_eot_texts, s)) claim(t.eot, id);
-        if (s == "<|eom_id|>") claim(t.eom, id);
-        if (in_list(k_fim_pre_texts, s)) claim(fim[0], id);
-        if (in_list(k_fim_suf_texts, s)) claim(fim[1], id);
-        if (in_list(k_fim_mid_texts, s)) claim(fim[2], id);
-        if (in_list(k_fim_pad_texts, s)) claim(fim[3], id);
-        if (in_list(k_fim_rep_texts, s)) claim(fim[4], id);
-        if (in_list(k_fim_sep_texts, s)) claim(fim[5], id);
-    }
+    claim(t.eot, k_eot_texts);
+    claim(t.eom, k_eom_texts);
+    claim(fim[0], k_fim_pre_texts);
+    claim(fim[1], k_fim_suf_texts);
+    claim(fim[2], k_fim_mid_texts);
+    claim(fim[3], k_fim_pad_texts);
+    claim(fim[4], k_fim_rep_texts);
+    claim(fim[5], k_fim_sep_texts);
     std::vector<int32_t> eog;
     for (int k = 3; k < 6; ++k) {
         if (fim[k] != token_null) eog.push_back(fim[k]);
@@ -267,10 +311,15 @@ std::string make_piece(const impl_t &t, int32_t id) {
         case token_type::normal:
             break;
         case token_type::byte:
-            if (t.model == tokenizer::model_kind::spm && text.size() == 6 && text.substr(0, 3) == "<0x") {
-                return std::string(1, static_cast<char>(std::stoi(std::string(text.substr(3, 2)), nullptr, 16)));
+            if (text.size() == 6 && text.substr(0, 3) == "<0x" && text[5] == '>') {
+                auto hex = [](char c) {
+                    return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                                          : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+                };
+                const int hi = hex(text[3]), lo = hex(text[4]);
+                if (hi >= 0 && lo >= 0) return std::string(1, static_cast<char>(hi * 16 + lo));
             }
-            return {};
+            return {};  // a byte-typed token that does not spell <0xNN>: nothing to render
         default:
             return {};  // unused / undefined tokens render as nothing, as in llama.cpp
     }
@@ -325,6 +374,7 @@ tokenizer::tokenizer(const gguf::file &f) : p_(std::make_unique<impl>()) {
         t.eos = 2 < n ? 2 : token_null;
         t.unk = 0;
         load_spm_bytes(t);
+        find_spm_space_joins(t);
     } else {
         throw fathom::error(f.path() + ": unsupported tokenizer.ggml.model '" + std::string(model) + "'");
     }

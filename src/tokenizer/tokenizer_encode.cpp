@@ -2,6 +2,7 @@
 // SentencePiece merging, and the per-model driver (BOS/EOS, SPM dummy prefix).
 #include <algorithm>
 #include <queue>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "tokenizer/tokenizer_impl.h"
@@ -167,7 +168,24 @@ void bpe_word(const impl_t &t, std::string_view word, bpe_scratch &s, std::vecto
 void impl_t::encode_bpe(std::string_view text, std::vector<int32_t> &out) const {
     bpe_scratch s;
     tok_detail::pretokenize(pre, text, s.pre, s.words);
-    for (const auto &[b, e] : s.words) bpe_word(*this, text.substr(b, e - b), s, out);
+    // Natural text repeats its words: remember each short word's ids for the rest of this call.
+    // word bytes -> [first, first + count) in `out`, where that word's ids were first written.
+    std::unordered_map<std::string_view, std::pair<size_t, size_t>> seen;
+    for (const auto &[b, e] : s.words) {
+        const std::string_view word = text.substr(b, e - b);
+        if (word.size() > 32) {
+            bpe_word(*this, word, s, out);
+            continue;
+        }
+        const auto it = seen.find(word);
+        if (it != seen.end()) {
+            for (size_t i = 0; i < it->second.second; ++i) out.push_back(out[it->second.first + i]);
+            continue;
+        }
+        const size_t first = out.size();
+        bpe_word(*this, word, s, out);
+        seen.emplace(word, std::make_pair(first, out.size() - first));
+    }
 }
 
 // ---- SentencePiece BPE ------------------------------------------------------------------------------------
@@ -195,10 +213,29 @@ struct spm_bigram_after {
 }  // namespace
 
 void impl_t::encode_spm(std::string_view text, std::vector<int32_t> &out) const {
+    // A merge can cross the start of a U+2581 run only if some token has U+2581 right after the byte that
+    // precedes the run (spm_joins_space, from the vocab at load; Gemma3 has one such token, ">▁</").
+    // Elsewhere the text is cut into segments merged on their own: merges in different segments are
+    // independent, so the result is the same, with small queues.
+    static constexpr std::string_view k_sp = "\xE2\x96\x81";
+    size_t start = 0;
+    for (size_t i = 3; i + 3 <= text.size(); ++i) {
+        if (text.compare(i, 3, k_sp) == 0 && text.compare(i - 3, 3, k_sp) != 0 &&
+            !spm_joins_space[static_cast<uint8_t>(text[i - 1])]) {
+            encode_spm_segment(text.substr(start, i - start), out);
+            start = i;
+            i += 2;
+        }
+    }
+    encode_spm_segment(text.substr(start), out);
+}
+
+void impl_t::encode_spm_segment(std::string_view text, std::vector<int32_t> &out) const {
     std::vector<spm_symbol> sym;
     for (uint32_t off = 0; off < text.size();) {
-        const uint32_t len = static_cast<uint32_t>(
-            std::min(unicode::utf8_lead_len(static_cast<uint8_t>(text[off])), text.size() - off));
+        // One symbol per character; an invalid byte is a symbol of its own (llama.cpp trusts the lead byte,
+        // which lets a broken sequence swallow the next character) so every byte survives the round trip.
+        const uint32_t len = unicode::utf8_decode(text, off).len;
         const int32_t idx = static_cast<int32_t>(sym.size());
         sym.push_back({off, len, idx - 1, off + len < text.size() ? idx + 1 : -1});
         off += len;

@@ -26,6 +26,49 @@ struct special_trie {
     int32_t child(int32_t n, uint8_t b) const;
 };
 
+// Text -> token id, open addressing over (hash, id) slots; keys are compared against the vocab arena.
+// Flat and cache-friendly: the lookup sits on the hot path of SPM merging and of loading merges.
+class token_index {
+public:
+    // `text_of(id)` must stay valid for the index's lifetime. Equal texts: the highest id wins (llama.cpp).
+    template <typename TextOf>
+    void build(int32_t n, TextOf text_of);
+    int32_t find(std::string_view s, std::string_view arena, const std::vector<uint32_t> &off) const;
+
+private:
+    struct slot {
+        uint32_t hash;
+        int32_t id;  // token_null when empty
+    };
+    std::vector<slot> slots_;
+    uint64_t mask_ = 0;
+};
+
+uint32_t token_hash(std::string_view s);
+
+template <typename TextOf>
+void token_index::build(int32_t n, TextOf text_of) {
+    uint64_t cap = 16;
+    while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
+    slots_.assign(cap, slot{0, token_null});
+    mask_ = cap - 1;
+    for (int32_t id = 0; id < n; ++id) {
+        const std::string_view s = text_of(id);
+        const uint32_t h = token_hash(s);
+        for (uint64_t i = h & mask_;; i = (i + 1) & mask_) {
+            slot &sl = slots_[i];
+            if (sl.id == token_null) {
+                sl = {h, id};
+                break;
+            }
+            if (sl.hash == h && text_of(sl.id) == s) {
+                sl.id = id;  // duplicate text: the later id wins
+                break;
+            }
+        }
+    }
+}
+
 struct tokenizer::impl {
     model_kind model = model_kind::bpe;
     std::string pre_name;
@@ -39,7 +82,7 @@ struct tokenizer::impl {
     std::vector<token_type> types;   // [n_vocab]
     std::vector<float> scores;       // [n_vocab]
     std::vector<uint8_t> rstrip;     // [n_vocab] special token eats following whitespace (llama.cpp RSTRIP)
-    std::unordered_map<std::string_view, int32_t> text_to_id;  // last id wins on duplicate texts, as llama.cpp
+    token_index text_to_id;  // last id wins on duplicate texts, as llama.cpp
 
     int32_t bos = token_null, eos = token_null, eot = token_null, eom = token_null;
     int32_t pad = token_null, unk = token_null, nl = token_null;
@@ -55,6 +98,9 @@ struct tokenizer::impl {
     std::string byte_char[256];       // BPE: UTF-8 of the GPT-2 code point of each byte
     std::vector<int32_t> char_byte;   // BPE decode: code point (< 512) -> byte, -1 if not a byte char
 
+    // SPM: bytes b such that some token contains b followed by U+2581 (after its leading U+2581 run).
+    bool spm_joins_space[256] = {};
+
     // Special tokens (control, user-defined, unknown) for the pre-split of encode().
     special_trie trie;
     std::vector<std::string> pieces;  // token_to_piece(id, render_special = true), precomputed
@@ -63,10 +109,7 @@ struct tokenizer::impl {
     std::string_view text(int32_t id) const {
         return std::string_view(arena).substr(text_off[id], text_off[id + 1] - text_off[id]);
     }
-    int32_t find(std::string_view s) const {
-        auto it = text_to_id.find(s);
-        return it == text_to_id.end() ? token_null : it->second;
-    }
+    int32_t find(std::string_view s) const { return text_to_id.find(s, arena, text_off); }
     void check_id(int32_t id) const;
 
     // tokenizer_encode.cpp
@@ -77,6 +120,7 @@ struct tokenizer::impl {
     void split_special(std::string_view text, bool parse_special, std::vector<fragment> &out) const;
     void encode_bpe(std::string_view text, std::vector<int32_t> &out) const;
     void encode_spm(std::string_view escaped, std::vector<int32_t> &out) const;
+    void encode_spm_segment(std::string_view escaped, std::vector<int32_t> &out) const;
     std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special) const;
 };
 

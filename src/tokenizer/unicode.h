@@ -36,16 +36,6 @@ struct utf8_unit {
 // truncated sequences decode as one invalid byte, so every input byte belongs to exactly one unit.
 utf8_unit utf8_decode(std::string_view s, size_t pos);
 
-// Length of the sequence announced by a lead byte (1 for continuation/invalid bytes, like llama.cpp's
-// unicode_len_utf8), used by the SentencePiece splitter.
-inline size_t utf8_lead_len(uint8_t c) {
-    if (c < 0x80) return 1;
-    if ((c & 0xE0) == 0xC0) return 2;
-    if ((c & 0xF0) == 0xE0) return 3;
-    if ((c & 0xF8) == 0xF0) return 4;
-    return 1;
-}
-
 void utf8_append(std::string &out, uint32_t cpt);
 
 }  // namespace fathom::unicode

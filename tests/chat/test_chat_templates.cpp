@@ -16,7 +16,7 @@ namespace {
 using ojson = nlohmann::ordered_json;
 
 ojson load_json(const std::string &name) {
-    std::string path = std::string(FATHOM_TEST_DATA_DIR) + "/" + name;
+    std::string path = std::string(FATHOM_SOURCE_DIR) + "/tests/chat/data/" + name;
     std::ifstream f(path, std::ios::binary);
     if (!f) throw std::runtime_error("cannot open " + path);
     std::stringstream ss;

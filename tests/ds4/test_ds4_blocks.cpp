@@ -23,12 +23,14 @@ TEST(ds4_hc, sinkhorn_kronecker_4x4) {
     const double A[2][2] = {{3, 1}, {2, 2}}, B[2][2] = {{4, 1}, {1, 1}};
     float c[16];
     for (int j = 0; j < 4; ++j)
-        for (int k = 0; k < 4; ++k) c[j * 4 + k] = static_cast<float>(std::log(A[j / 2][k / 2] * B[j % 2][k % 2]));
+        for (int k = 0; k < 4; ++k)
+            c[j * 4 + k] = static_cast<float>(std::log(A[j / 2][k / 2] * B[j % 2][k % 2]));
     sinkhorn(c, 4, 20, 1e-6f);
     const double x = std::sqrt(3.0) / (1 + std::sqrt(3.0)), y = 2.0 / 3.0;
     const double LA[2][2] = {{x, 1 - x}, {1 - x, x}}, LB[2][2] = {{y, 1 - y}, {1 - y, y}};
     for (int j = 0; j < 4; ++j)
-        for (int k = 0; k < 4; ++k) EXPECT_NEAR(c[j * 4 + k], LA[j / 2][k / 2] * LB[j % 2][k % 2], 1e-5) << j << "," << k;
+        for (int k = 0; k < 4; ++k)
+            EXPECT_NEAR(c[j * 4 + k], LA[j / 2][k / 2] * LB[j % 2][k % 2], 1e-5) << j << "," << k;
 }
 
 // Identical rows of C0: after the row softmax every row is p; the column step then makes every
@@ -49,9 +51,9 @@ TEST(ds4_hc, split_pre_post) {
     hc_split_sinkhorn(mix, scale, base, 2, 20, 1e-6f, pre, post, comb);
     EXPECT_NEAR(pre[0], 1 / (1 + std::exp(-2.0)) + 1e-6, 1e-7);
     EXPECT_NEAR(pre[1], 1 / (1 + std::exp(1.5)) + 1e-6, 1e-7);
-    EXPECT_NEAR(post[0], 1.0, 1e-7);                         // 2*sigmoid(0.5*3 - 1.5)
+    EXPECT_NEAR(post[0], 1.0, 1e-7);                       // 2*sigmoid(0.5*3 - 1.5)
     EXPECT_NEAR(post[1], 2 / (1 + std::exp(-1.0)), 1e-6);  // 2*sigmoid(0*3 + 1)
-    for (float v : comb) EXPECT_NEAR(v, 0.5, 1e-6);         // all-zero logits -> uniform
+    for (float v : comb) EXPECT_NEAR(v, 0.5, 1e-6);        // all-zero logits -> uniform
 }
 
 TEST(ds4_hc, post_row_is_source_column_is_destination) {
@@ -84,7 +86,8 @@ TEST(ds4_compressor, ratio4_first_block_and_overlap) {
     const float ln2 = std::log(2.0f), ln3 = std::log(3.0f), ln4 = std::log(4.0f);
     // block 0: lane B scores ln[1,2,3,4] -> weights [1,2,3,4]/10 over values [10,20,30,40] -> 30.
     // lane A of block 0 (value 1, score 0) feeds block 1.
-    const float a0[4][2] = {{1, 10}, {1, 20}, {1, 30}, {1, 40}}, g0[4][2] = {{0, 0}, {0, ln2}, {0, ln3}, {0, ln4}};
+    const float a0[4][2] = {{1, 10}, {1, 20}, {1, 30}, {1, 40}},
+                g0[4][2] = {{0, 0}, {0, ln2}, {0, ln3}, {0, ln4}};
     float out = -1;
     for (int t = 0; t < 4; ++t) {
         const bool emitted = compressor_push(s, w, a0[t], g0[t], t, &out);
@@ -167,8 +170,10 @@ TEST(ds4_rope, yarn_tiny_ramp) {
 TEST(ds4_rope, yarn_flash_range) {
     const rope_table t = rope_yarn(160000, 64, 16, 65536, 32, 1);
     const rope_table p = rope_plain(160000, 64);
-    for (int i = 0; i <= 15; ++i) EXPECT_EQ(t.freq[static_cast<size_t>(i)], p.freq[static_cast<size_t>(i)]) << i;
-    for (int i = 25; i < 32; ++i) EXPECT_NEAR(t.freq[static_cast<size_t>(i)] * 16 / p.freq[static_cast<size_t>(i)], 1.0, 1e-6);
+    for (int i = 0; i <= 15; ++i)
+        EXPECT_EQ(t.freq[static_cast<size_t>(i)], p.freq[static_cast<size_t>(i)]) << i;
+    for (int i = 25; i < 32; ++i)
+        EXPECT_NEAR(t.freq[static_cast<size_t>(i)] * 16 / p.freq[static_cast<size_t>(i)], 1.0, 1e-6);
     EXPECT_NEAR(t.freq[20] / p.freq[20], 0.5 + 0.5 / 16, 1e-6);
 }
 
@@ -190,7 +195,9 @@ TEST(ds4_rope, interleaved_pairs_and_inverse) {
 // ---- MoE ---------------------------------------------------------------------------------------------
 
 // logits chosen so sqrt(softplus(l)) = s exactly: l = ln(e^{s^2} - 1)
-float logit_for(double s) { return static_cast<float>(std::log(std::exp(s * s) - 1)); }
+float logit_for(double s) {
+    return static_cast<float>(std::log(std::exp(s * s) - 1));
+}
 
 TEST(ds4_moe, biased_topk_selects_unbiased_weights) {
     hparams hp;
@@ -227,8 +234,8 @@ TEST(ds4_moe, swiglu_clamps_gate_above_and_up_both_sides) {
     const float v[4] = {2, -2, 1, -0.5f};
     swiglu_clamped(g, v, 4, 1.5f);
     auto silu_d = [](double x) { return x / (1 + std::exp(-x)); };
-    EXPECT_NEAR(g[0], silu_d(1.5) * 1.5, 1e-6);    // gate clamped to 1.5, up to 1.5
-    EXPECT_NEAR(g[1], silu_d(-3) * -1.5, 1e-6);    // gate not clamped below, up to -1.5
+    EXPECT_NEAR(g[0], silu_d(1.5) * 1.5, 1e-6);  // gate clamped to 1.5, up to 1.5
+    EXPECT_NEAR(g[1], silu_d(-3) * -1.5, 1e-6);  // gate not clamped below, up to -1.5
     EXPECT_NEAR(g[2], silu_d(0.5) * 1, 1e-6);
     EXPECT_NEAR(g[3], silu_d(1) * -0.5, 1e-6);
 }
@@ -237,17 +244,17 @@ TEST(ds4_moe, swiglu_clamps_gate_above_and_up_both_sides) {
 
 TEST(ds4_qat, e4m3_hand_values) {
     EXPECT_EQ(fp8_e4m3_round(1.0f), 1.0f);
-    EXPECT_EQ(fp8_e4m3_round(1.0625f), 1.0f);    // tie between codes 0 and 1 -> even
-    EXPECT_EQ(fp8_e4m3_round(1.1875f), 1.25f);   // tie between codes 1 and 2 -> even
-    EXPECT_EQ(fp8_e4m3_round(0.3f), 0.3125f);    // step 2^-5 in [0.25, 0.5)
+    EXPECT_EQ(fp8_e4m3_round(1.0625f), 1.0f);   // tie between codes 0 and 1 -> even
+    EXPECT_EQ(fp8_e4m3_round(1.1875f), 1.25f);  // tie between codes 1 and 2 -> even
+    EXPECT_EQ(fp8_e4m3_round(0.3f), 0.3125f);   // step 2^-5 in [0.25, 0.5)
     EXPECT_EQ(fp8_e4m3_round(-0.3f), -0.3125f);
     EXPECT_EQ(fp8_e4m3_round(448.0f), 448.0f);
-    EXPECT_EQ(fp8_e4m3_round(500.0f), 448.0f);   // clamp
-    EXPECT_EQ(fp8_e4m3_round(0x1p-9f), 0x1p-9f); // smallest subnormal
-    EXPECT_EQ(fp8_e4m3_round(0x1p-10f), 0.0f);   // tie to 0 (even)
+    EXPECT_EQ(fp8_e4m3_round(500.0f), 448.0f);    // clamp
+    EXPECT_EQ(fp8_e4m3_round(0x1p-9f), 0x1p-9f);  // smallest subnormal
+    EXPECT_EQ(fp8_e4m3_round(0x1p-10f), 0.0f);    // tie to 0 (even)
     EXPECT_EQ(fp8_e4m3_round(0x1.8p-10f), 0x1p-9f);
     EXPECT_EQ(fp8_e4m3_round(0x1.9p-7f), 0x1.8p-7f);  // subnormal step 2^-9: 6.25 steps -> 6
-    EXPECT_EQ(fp8_e4m3_round(300.0f), 288.0f);   // step 32 in [256, 448]: 9.375 -> 9
+    EXPECT_EQ(fp8_e4m3_round(300.0f), 288.0f);        // step 32 in [256, 448]: 9.375 -> 9
 }
 
 TEST(ds4_qat, e2m1_hand_values) {

@@ -10,9 +10,10 @@
 #include <numeric>
 
 #include "core/error.h"
-#include "golden_util.h"
 #include "gguf/gguf.h"
+#include "golden_util.h"
 #include "models/deepseek4.h"
+#include "rewrite_util.h"
 
 namespace {
 
@@ -53,71 +54,31 @@ TEST(ds4_load, tiny_hparams) {
 // ---- broken files ----------------------------------------------------------------------------------
 
 struct tensor_edit {
-    std::vector<int64_t> ne;  // empty: keep
-    int type = -1;            // -1: keep
+    std::vector<int64_t> ne;                           // empty: keep
+    int type = -1;                                     // -1: keep
     std::function<void(std::vector<uint8_t> &)> data;  // optional in-place edit
     bool drop = false;
 };
 
 struct variant {
-    std::map<std::string, std::function<void(gguf::writer &)>> keys;  // replace (empty fn: drop)
+    ds4_test::key_edits keys;  // replace (null fn: drop)
     std::map<std::string, tensor_edit> tensors;
 };
 
-void copy_value(gguf::writer &w, const std::string &k, const gguf::value &v) {
-    using vt = gguf::value_type;
-    switch (v.type) {
-    case vt::u32: w.set_u32(k, static_cast<uint32_t>(v.u)); break;
-    case vt::i32: w.set_i32(k, static_cast<int32_t>(v.i)); break;
-    case vt::u64: w.set_u64(k, v.u); break;
-    case vt::f32: w.set_f32(k, static_cast<float>(v.f)); break;
-    case vt::boolean: w.set_bool(k, v.i != 0); break;
-    case vt::string: w.set_string(k, std::string(v.str)); break;
-    case vt::array:
-        if (v.elem_type == vt::i32) w.set_arr_i32(k, std::vector<int32_t>(v.arr_int.begin(), v.arr_int.end()));
-        else if (v.elem_type == vt::f32) w.set_arr_f32(k, std::vector<float>(v.arr_float.begin(), v.arr_float.end()));
-        else FAIL() << "unexpected array type for " << k;
-        break;
-    default: FAIL() << "unexpected value type for " << k;
-    }
-}
-
-// Rewrite ds4-tiny-a.gguf (without tokenizer keys) with the edits of `var`; returns the path.
 std::string write_variant(const std::string &name, const variant &var) {
-    const auto src = gguf::file::open(ds4_test::golden_dir() + "/ds4-tiny-a.gguf");
-    const std::string path = (std::filesystem::temp_directory_path() / ("ds4_load_" + name + ".gguf")).string();
-    gguf::writer w(path);
-    for (const auto &kv : src->metadata()) {
-        const std::string k(kv.key);
-        if (k.rfind("tokenizer.", 0) == 0) continue;
-        if (auto it = var.keys.find(k); it != var.keys.end()) {
-            if (it->second) it->second(w);
-        } else {
-            copy_value(w, k, kv.val);
-        }
-    }
-    for (const auto &[k, fn] : var.keys)
-        if (!src->has(k) && fn) fn(w);
-    std::vector<std::pair<const gguf::tensor_info *, tensor_edit>> plan;
-    for (const auto &t : src->tensors()) {
-        tensor_edit e;
-        if (auto it = var.tensors.find(std::string(t.name)); it != var.tensors.end()) e = it->second;
-        if (e.drop) continue;
-        if (e.ne.empty()) e.ne.assign(t.ne, t.ne + t.n_dims);
-        if (e.type < 0) e.type = static_cast<int>(t.type);
-        w.add_tensor(std::string(t.name), static_cast<dtype>(e.type), e.ne);
-        plan.emplace_back(&t, e);
-    }
-    w.write_header();
-    for (auto &[t, e] : plan) {
-        const int64_t n = std::accumulate(e.ne.begin(), e.ne.end(), int64_t{1}, std::multiplies<>());
-        std::vector<uint8_t> bytes(dtype_row_bytes(static_cast<dtype>(e.type), n), 0);
-        if (bytes.size() == t->nbytes) std::memcpy(bytes.data(), t->data, bytes.size());
-        if (e.data) e.data(bytes);
-        w.write_tensor_data(bytes.data(), bytes.size());
-    }
-    w.finish();
-    return path;
+    return ds4_test::rewrite_tiny(name, var.keys, [&](const gguf::tensor_info &t) {
+        ds4_test::tensor_out o = ds4_test::copy_tensor(t);
+        const auto it = var.tensors.find(std::string(t.name));
+        if (it == var.tensors.end()) return o;
+        const tensor_edit &e = it->second;
+        o.drop = e.drop;
+        if (!e.ne.empty()) o.ne = e.ne;
+        if (e.type >= 0) o.type = static_cast<dtype>(e.type);
+        const int64_t n = std::accumulate(o.ne.begin(), o.ne.end(), int64_t{1}, std::multiplies<>());
+        if (dtype_row_bytes(o.type, n) != o.bytes.size()) o.bytes.assign(dtype_row_bytes(o.type, n), 0);
+        if (e.data) e.data(o.bytes);
+        return o;
+    });
 }
 
 void expect_rejected(const std::string &name, const variant &var, const std::string &needle) {
@@ -126,8 +87,8 @@ void expect_rejected(const std::string &name, const variant &var, const std::str
         ds4::load_model(path);
         ADD_FAILURE() << name << ": loaded although broken";
     } catch (const fathom::error &e) {
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << name << ": message '" << e.what()
-                                                                         << "' does not name '" << needle << "'";
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+            << name << ": message '" << e.what() << "' does not name '" << needle << "'";
     }
     std::filesystem::remove(path);
 }
@@ -156,15 +117,21 @@ TEST(ds4_load, rejects_broken_keys) {
     expect_rejected("ratio_value", v, "compress_ratios[3]");
 
     v = {};
-    v.keys["deepseek4.expert_weights_norm"] = [](gguf::writer &w) { w.set_bool("deepseek4.expert_weights_norm", false); };
+    v.keys["deepseek4.expert_weights_norm"] = [](gguf::writer &w) {
+        w.set_bool("deepseek4.expert_weights_norm", false);
+    };
     expect_rejected("weights_norm", v, "deepseek4.expert_weights_norm");
 
     v = {};
-    v.keys["deepseek4.attention.head_count_kv"] = [](gguf::writer &w) { w.set_u32("deepseek4.attention.head_count_kv", 2); };
+    v.keys["deepseek4.attention.head_count_kv"] = [](gguf::writer &w) {
+        w.set_u32("deepseek4.attention.head_count_kv", 2);
+    };
     expect_rejected("kv_heads", v, "deepseek4.attention.head_count_kv");
 
     v = {};
-    v.keys["deepseek4.swiglu_clamp_exp"] = [](gguf::writer &w) { w.set_arr_f32("deepseek4.swiglu_clamp_exp", {1.5f}); };
+    v.keys["deepseek4.swiglu_clamp_exp"] = [](gguf::writer &w) {
+        w.set_arr_f32("deepseek4.swiglu_clamp_exp", {1.5f});
+    };
     expect_rejected("clamp_len", v, "deepseek4.swiglu_clamp_exp");
 
     v = {};

@@ -25,6 +25,8 @@ except ImportError:
     print("gguf-py is not installed (pip install gguf)", file=sys.stderr)
     sys.exit(1 if os.environ.get("CI") else 77)
 
+Q8_1 = 9
+
 TYPE_NAMES = {
     GGUFValueType.UINT8: "u8", GGUFValueType.INT8: "i8", GGUFValueType.UINT16: "u16",
     GGUFValueType.INT16: "i16", GGUFValueType.UINT32: "u32", GGUFValueType.INT32: "i32",
@@ -53,12 +55,16 @@ def compare_value(key, ours, field, errors):
         errors.append(f"{key}: type {ours['type']} vs gguf-py {main}")
         return
     if main == "array":
-        elem = TYPE_NAMES[types[1]]
+        # parts[3] / parts[4] are the array header (element type, length), after the key length, key
+        # and value type. field.types and field.data are not usable for this: gguf-py flattens
+        # nested arrays and omits the element type of an empty array there.
+        elem = TYPE_NAMES[GGUFValueType(int(field.parts[3][0]))]
+        length = int(field.parts[4][0])
         if ours["elem_type"] != elem:
             errors.append(f"{key}: element type {ours['elem_type']} vs gguf-py {elem}")
             return
-        if ours["len"] != len(field.data):
-            errors.append(f"{key}: length {ours['len']} vs gguf-py {len(field.data)}")
+        if ours["len"] != length:
+            errors.append(f"{key}: length {ours['len']} vs gguf-py {length}")
             return
         if elem == "array":
             return  # nested arrays: Fathom keeps only the outer length
@@ -133,6 +139,10 @@ def check_file(tool, path):
             "abs_offset": ours["data_offset"] + t["offset"],
             "nbytes": t["nbytes"],
         }
+        if t["type_id"] == Q8_1 and theirs["nbytes"] == mine["nbytes"] // 36 * 40:
+            # gguf-py's GGML_QUANT_SIZES still lists q8_1 as 40 bytes per block (two f32 scales);
+            # ggml's block_q8_1 is 36 bytes (two f16, static_assert in ggml-common.h).
+            theirs["nbytes"] = mine["nbytes"]
         if mine != theirs:
             errors.append(f"tensor {t['name']}: {mine} vs gguf-py {theirs}")
     return errors
@@ -143,6 +153,8 @@ def main():
     ap.add_argument("--tool", required=True, help="path to fathom-gguf")
     ap.add_argument("--samples", required=True, help="path to gguf_samples (Fathom writer)")
     ap.add_argument("--shared", required=True, help="shared data directory")
+    ap.add_argument("--all", action="store_true",
+                    help="also check the large vocabularies (gguf-py needs minutes for them)")
     args = ap.parse_args()
 
     files = sorted(glob.glob(os.path.join(args.shared, "tokenizer-tests", "*.gguf")))
@@ -150,6 +162,14 @@ def main():
     if not files:
         print(f"no shared GGUF files under {args.shared}", file=sys.stderr)
         return 1
+    # GGUFReader builds a numpy view per array element: a 100k-token vocabulary takes it 10-60 s on
+    # the CI machine, so by default only vocabularies under ~1 MiB (llama-spm, phi-3) are compared;
+    # the ds4-tiny models have few, small arrays and are always compared. --all checks everything.
+    if not args.all:
+        big = [f for f in files if "tokenizer-tests" in f and os.path.getsize(f) > (1 << 20)]
+        for f in big:
+            print(f"skip {os.path.basename(f)} ({os.path.getsize(f)} bytes; use --all)")
+        files = [f for f in files if f not in big]
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([args.samples, tmp], check=True)
         samples = sorted(glob.glob(os.path.join(tmp, "*.gguf")))
@@ -168,7 +188,12 @@ def main():
             else:
                 passed += 1
                 print(f"ok   {name}")
-    print(f"gguf-py cross-check (gguf {getattr(gguf, '__version__', '?')}): {passed} passed, {failed} failed")
+    try:
+        from importlib.metadata import version
+        gguf_version = version("gguf")
+    except Exception:  # noqa: BLE001 - only used in the summary line
+        gguf_version = "?"
+    print(f"gguf-py {gguf_version} cross-check: {passed} passed, {failed} failed")
     return 1 if failed else 0
 
 

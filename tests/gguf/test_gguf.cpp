@@ -18,14 +18,20 @@ namespace {
 // Block geometry from ggml's type traits (block elements, bytes per block), typed in by hand so that the
 // test does not depend on core/types.cpp.
 const std::map<uint32_t, std::pair<uint32_t, uint32_t>> kGeometry = {
-    {0, {1, 4}},      {1, {1, 2}},      {2, {32, 18}},    {3, {32, 20}},    {6, {32, 22}},
-    {7, {32, 24}},    {8, {32, 34}},    {9, {32, 36}},    {10, {256, 84}},  {11, {256, 110}},
-    {12, {256, 144}}, {13, {256, 176}}, {14, {256, 210}}, {15, {256, 292}}, {16, {256, 66}},
-    {17, {256, 74}},  {18, {256, 98}},  {19, {256, 50}},  {20, {32, 18}},   {21, {256, 110}},
-    {22, {256, 82}},  {23, {256, 136}}, {24, {1, 1}},     {25, {1, 2}},     {26, {1, 4}},
-    {27, {1, 8}},     {28, {1, 8}},     {29, {256, 56}},  {30, {1, 2}},     {34, {256, 54}},
+    {0, {1, 4}},      {1, {1, 2}},      {2, {32, 18}},   {3, {32, 20}},    {6, {32, 22}},    {7, {32, 24}},
+    {8, {32, 34}},    {9, {32, 36}},    {10, {256, 84}}, {11, {256, 110}}, {12, {256, 144}}, {13, {256, 176}},
+    {14, {256, 210}}, {15, {256, 292}}, {16, {256, 66}}, {17, {256, 74}},  {18, {256, 98}},  {19, {256, 50}},
+    {20, {32, 18}},   {21, {256, 110}}, {22, {256, 82}}, {23, {256, 136}}, {24, {1, 1}},     {25, {1, 2}},
+    {26, {1, 4}},     {27, {1, 8}},     {28, {1, 8}},    {29, {256, 56}},  {30, {1, 2}},     {34, {256, 54}},
     {35, {256, 66}},  {39, {32, 17}},
 };
+
+// "t<id>". (Appending instead of `"t" + std::to_string(id)` avoids a GCC 12 -Wrestrict false positive.)
+std::string type_tensor_name(uint32_t id) {
+    std::string s = "t";
+    s += std::to_string(id);
+    return s;
+}
 
 }  // namespace
 
@@ -218,7 +224,8 @@ TEST(GgufRoundTrip, EveryTensorType) {
             writer w(path, 3, alignment);
             for (const auto &[id, geo] : kGeometry) {
                 // [2 blocks, 3, 1, 2]: exercises every dimension slot.
-                w.add_tensor("t" + std::to_string(id), static_cast<dtype>(id), {2 * int64_t(geo.first), 3, 1, 2});
+                w.add_tensor(type_tensor_name(id), static_cast<dtype>(id),
+                             {2 * int64_t(geo.first), 3, 1, 2});
             }
             w.add_tensor("vec", dtype::f16, {5});
             w.write_header();
@@ -238,7 +245,7 @@ TEST(GgufRoundTrip, EveryTensorType) {
         size_t k = 0;
         for (const auto &[id, geo] : kGeometry) {
             const auto &t = f->tensors()[k];
-            EXPECT_EQ(t.name, "t" + std::to_string(id));
+            EXPECT_EQ(t.name, type_tensor_name(id));
             EXPECT_EQ(static_cast<uint32_t>(t.type), id);
             EXPECT_EQ(t.n_dims, 4u);
             EXPECT_EQ(t.ne[0], 2 * int64_t(geo.first));
@@ -291,13 +298,15 @@ TEST(GgufGetters, TypedErrorsNameTheKey) {
     EXPECT_TRUE(f->get_bool("flag", false));
     EXPECT_FALSE(f->get_bool("nothing", false));
     EXPECT_EQ(f->get_string("nothing", "d"), "d");
-    EXPECT_EQ(msg([&] { f->get_string("ints"); }), "mem.gguf: key 'ints' has type array[i32], expected string");
+    EXPECT_EQ(msg([&] { f->get_string("ints"); }),
+              "mem.gguf: key 'ints' has type array[i32], expected string");
     EXPECT_EQ(msg([&] { f->get_string_array("ints"); }),
               "mem.gguf: key 'ints' has type array[i32], expected array[string]");
     EXPECT_EQ(f->get_float_array("ints"), (std::vector<double>{3, 4}));
     EXPECT_EQ(msg([&] { f->get_int_array("strs"); }),
               "mem.gguf: key 'strs' has type array[string], expected integer array");
-    EXPECT_EQ(msg([&] { f->get_float("strs"); }), "mem.gguf: key 'strs' has type array[string], expected float");
+    EXPECT_EQ(msg([&] { f->get_float("strs"); }),
+              "mem.gguf: key 'strs' has type array[string], expected float");
     EXPECT_EQ(msg([&] { f->tensor("x"); }), "mem.gguf: tensor 'x' not found");
 }
 
@@ -339,7 +348,8 @@ TEST(GgufOpen, FileErrors) {
         file::open(temp_path("does-not-exist.gguf"));
         FAIL();
     } catch (const fathom::error &e) {
-        EXPECT_NE(std::string(e.what()).find("does-not-exist.gguf: cannot open"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("does-not-exist.gguf: cannot open"), std::string::npos)
+            << e.what();
     }
     EXPECT_THROW(file::open(temp_dir().string()), fathom::error);
     const std::string empty = temp_path("empty.gguf");
@@ -412,8 +422,9 @@ TEST(GgufShared, Ds4TinyModelsParse) {
 namespace {
 // Removes this process's temp directory after the last test.
 class temp_cleanup : public ::testing::Environment {
-public:
+  public:
     void TearDown() override { std::filesystem::remove_all(temp_dir()); }
 };
-[[maybe_unused]] ::testing::Environment *const kTempCleanup = ::testing::AddGlobalTestEnvironment(new temp_cleanup);
+[[maybe_unused]] ::testing::Environment *const kTempCleanup =
+    ::testing::AddGlobalTestEnvironment(new temp_cleanup);
 }  // namespace

@@ -59,7 +59,8 @@ TEST(GgufMalformed, Header) {
     EXPECT_PARSE_ERROR(builder().header(1, 0, 0).b, "GGUF version 1 is not supported");
     EXPECT_PARSE_ERROR(builder().header(4, 0, 0).b, "unsupported GGUF version 4");
     EXPECT_PARSE_ERROR(builder().header(0x03000000, 0, 0).b, "big-endian GGUF file");
-    EXPECT_PARSE_ERROR(bytes({'G', 'G'}), "truncated file at offset 0: header: magic needs 4 bytes, only 2 left");
+    EXPECT_PARSE_ERROR(bytes({'G', 'G'}),
+                       "truncated file at offset 0: header: magic needs 4 bytes, only 2 left");
     EXPECT_PARSE_ERROR(bytes({'G', 'G', 'U', 'F', 3, 0}), "truncated file at offset 4: header: version");
 }
 
@@ -84,7 +85,8 @@ TEST(GgufMalformed, EveryTruncationFails) {
     // A cut inside a key's string value names the offset, key and field.
     builder h;
     h.header(3, 0, 1).str("general.name").u32(8).u64(4).u8('b').u8('a');
-    EXPECT_PARSE_ERROR(h.b, "truncated file at offset 56: key 'general.name': string value needs 4 bytes, only 2 left");
+    EXPECT_PARSE_ERROR(
+        h.b, "truncated file at offset 56: key 'general.name': string value needs 4 bytes, only 2 left");
     // A cut inside the data of the last tensor.
     bytes cut2(full.begin(), full.begin() + data_end - 1);
     EXPECT_PARSE_ERROR(cut2, "tensor 'a.1': data (offset 96, 32 bytes) extends past the end of the file");
@@ -103,10 +105,9 @@ TEST(GgufMalformed, StringAndArrayLengths) {
     patch_u64(b, a - 5 - 8, 1ull << 40);  // key length of "k.arr" (5 bytes before its type)
     EXPECT_PARSE_ERROR(b, "metadata entry #2: key needs 1099511627776 bytes");
     // Arrays of strings: each element needs at least its 8-byte length.
-    EXPECT_PARSE_ERROR(meta_file([](writer &w) {
-                           w.set_raw("s", value_type::array, builder().u32(8).u64(1000).u64(0).b);
-                       }),
-                       "key 's': array length 1000 of string exceeds");
+    EXPECT_PARSE_ERROR(
+        meta_file([](writer &w) { w.set_raw("s", value_type::array, builder().u32(8).u64(1000).u64(0).b); }),
+        "key 's': array length 1000 of string exceeds");
 }
 
 TEST(GgufMalformed, ValueTypes) {
@@ -141,7 +142,8 @@ TEST(GgufMalformed, NestedArraysBounded) {
                        "key 'n': arrays nested deeper than 8 levels");
     // A nested array claiming more elements than the file can hold.
     EXPECT_PARSE_ERROR(meta_file([](writer &w) {
-                           w.set_raw("n", value_type::array, builder().u32(9).u64(1).u32(9).u64(1ull << 50).b);
+                           w.set_raw("n", value_type::array,
+                                     builder().u32(9).u64(1).u32(9).u64(1ull << 50).b);
                        }),
                        "array length 1125899906842624 of array exceeds");
 }
@@ -155,15 +157,20 @@ TEST(GgufMalformed, DuplicateKeys) {
 }
 
 TEST(GgufMalformed, Alignment) {
-    EXPECT_PARSE_ERROR(
-        meta_file([](writer &w) { w.set_raw("general.alignment", value_type::string, builder().str("32").b); }),
-        "key 'general.alignment' has type string, expected u32");
+    EXPECT_PARSE_ERROR(meta_file([](writer &w) {
+                           w.set_raw("general.alignment", value_type::string, builder().str("32").b);
+                       }),
+                       "key 'general.alignment' has type string, expected u32");
     EXPECT_PARSE_ERROR(
         meta_file([](writer &w) { w.set_raw("general.alignment", value_type::u64, builder().u64(32).b); }),
         "key 'general.alignment' has type u64, expected u32");
-    EXPECT_PARSE_ERROR(meta_file([](writer &w) { w.set_raw("general.alignment", value_type::u32, {0, 0, 0, 0}); }),
+    EXPECT_PARSE_ERROR(meta_file([](writer &w) {
+                           w.set_raw("general.alignment", value_type::u32, {0, 0, 0, 0});
+                       }),
                        "general.alignment = 0 is not a non-zero power of two");
-    EXPECT_PARSE_ERROR(meta_file([](writer &w) { w.set_raw("general.alignment", value_type::u32, {48, 0, 0, 0}); }),
+    EXPECT_PARSE_ERROR(meta_file([](writer &w) {
+                           w.set_raw("general.alignment", value_type::u32, {48, 0, 0, 0});
+                       }),
                        "general.alignment = 48 is not a non-zero power of two");
 }
 
@@ -209,7 +216,8 @@ TEST(GgufMalformed, TensorPlacement) {
     EXPECT_PARSE_ERROR(b, "tensor 'a.1': data offset 100 is not a multiple of the alignment 32");
     b = good;
     patch_u64(b, a1.offset, 1ull << 40);
-    EXPECT_PARSE_ERROR(b, "tensor 'a.1': data (offset 1099511627776, 32 bytes) extends past the end of the file");
+    EXPECT_PARSE_ERROR(
+        b, "tensor 'a.1': data (offset 1099511627776, 32 bytes) extends past the end of the file");
     b = good;
     patch_u64(b, a1.offset, ~0ull << 5);  // aligned, and data_offset + offset overflows
     EXPECT_PARSE_ERROR(b, "extends past the end of the file");

@@ -13,5 +13,16 @@ if(FATHOM_PYTHON3 AND TARGET fathom-gguf)
              COMMAND ${FATHOM_PYTHON3} ${CMAKE_CURRENT_LIST_DIR}/check_gguf_py.py
                      --tool $<TARGET_FILE:fathom-gguf> --samples $<TARGET_FILE:gguf_samples>
                      --shared ${FATHOM_SHARED_DIR})
-    set_tests_properties(gguf_py_check PROPERTIES SKIP_RETURN_CODE 77 LABELS gguf TIMEOUT 120)
+    set_tests_properties(gguf_py_check PROPERTIES SKIP_RETURN_CODE 77 LABELS gguf TIMEOUT 300)
+endif()
+
+# fathom-gguf text mode: the llama-spm vocabulary's token array is listed with its length, and a
+# non-GGUF file is rejected with the reader's one-line message.
+if(TARGET fathom-gguf)
+    add_test(NAME gguf_info_text
+             COMMAND fathom-gguf info ${FATHOM_SHARED_DIR}/tokenizer-tests/ggml-vocab-llama-spm.gguf)
+    set_tests_properties(gguf_info_text PROPERTIES LABELS gguf
+        PASS_REGULAR_EXPRESSION "\"tokenizer\\.ggml\\.tokens\" array\\[string\\] \\(32000\\) = \\[\"<unk>\", \"<s>\", \"</s>\"")
+    add_test(NAME gguf_info_rejects_non_gguf COMMAND fathom-gguf info ${PROJECT_SOURCE_DIR}/CMakeLists.txt)
+    set_tests_properties(gguf_info_rejects_non_gguf PROPERTIES LABELS gguf WILL_FAIL TRUE)
 endif()

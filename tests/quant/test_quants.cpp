@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -67,7 +68,7 @@ const dtype kWeightTypes[] = {dtype::f32,  dtype::f16,  dtype::bf16, dtype::q4_0
 
 // ---- Independent decoders of the activation formats (plain field reads, no kernel code) ------------
 // Returns the values the kernel must see, and per element the bound on |x - decoded| implied by the
-// format's rounding (derived in docs/formats/quant-types.md, "Test tolerances").
+// format's rounding (derived in docs/formats/quant-types.md, section "Tests").
 void decode_activation(dtype t, const std::vector<uint8_t> &a, int64_t n, std::vector<double> &val,
                        std::vector<double> &err_bound, std::vector<double> &s_err) {
     val.assign(n, 0);
@@ -422,6 +423,7 @@ TEST(QuantErrors, BadArgumentsThrow) {
 
 TEST(QuantDispatch, ForceIsaClampsToDetected) {
     isa_guard g;
+    std::printf("detected ISA: %s (all kernels are checked on every level up to it)\n", isa_name(detected_isa()));
     force_isa(isa::avx512);
     EXPECT_LE(static_cast<int>(active_isa()), static_cast<int>(detected_isa()));
     force_isa(isa::scalar);

@@ -124,11 +124,50 @@ TEST(Sampler, TopP) {
     expect_distribution(p, logits_1234(), {{3, 4.0 / 9}, {2, 3.0 / 9}, {1, 2.0 / 9}});
 }
 
+TEST(Sampler, TopPOverALargeUnsortedVocabulary) {
+    // 3000 tokens: 0..299 have odds 2, 300..2999 odds 1, so z = 3300. top_p = 0.305 needs mass
+    // 1006.5/3300: all 300 heavy tokens (600) plus 407 light ones (ties go to the lowest ids), so
+    // tokens 0..706 survive with probabilities 2/1007 and 1/1007. No top-k: the sampler must widen
+    // its sorted window past its initial size to find the cut.
+    auto p = plain(1.0f);
+    p.top_p = 0.305f;
+    std::vector<float> logits(3000, 0.0f);
+    for (int i = 0; i < 300; ++i) logits[i] = std::log(2.0f);
+    sampler s(p);
+    const int n = 5000;  // each call costs O(n_vocab): keep the suite fast
+    int heavy = 0, max_tok = -1;
+    for (int i = 0; i < n; ++i) {
+        const int32_t t = s.sample(logits, {}).token;
+        ASSERT_LE(t, 706) << "token outside the nucleus";
+        heavy += t < 300;
+        max_tok = std::max(max_tok, static_cast<int>(t));
+    }
+    EXPECT_GE(max_tok, 690);  // P(none of 690..706 drawn) = (1 - 17/1007)^5000 ~ e^-84
+    EXPECT_NEAR(static_cast<double>(heavy) / n, 600.0 / 1007.0, 0.03);  // sd 0.007
+}
+
 TEST(Sampler, MinP) {
     auto p = plain(1.0f);
     p.min_p = 0.6f;  // threshold 0.6 * 0.4 = 0.24
     expect_distribution(p, logits_1234(), {{3, 4.0 / 7}, {2, 3.0 / 7}});
     p.min_p = 0.45f;  // threshold 0.18
+    expect_distribution(p, logits_1234(), {{3, 4.0 / 9}, {2, 3.0 / 9}, {1, 2.0 / 9}});
+}
+
+TEST(Sampler, TopPAndMinPKeepTheShorterCut) {
+    // top_p = 0.75 alone keeps {0.4, 0.3, 0.2}; min_p = 0.6 alone keeps {0.4, 0.3}.
+    auto p = plain(1.0f);
+    p.top_p = 0.75f;
+    p.min_p = 0.6f;
+    expect_distribution(p, logits_1234(), {{3, 4.0 / 7}, {2, 3.0 / 7}});
+    // top_p = 0.6 alone keeps {0.4, 0.3}; min_p = 0.45 alone keeps {0.4, 0.3, 0.2}.
+    p.top_p = 0.6f;
+    p.min_p = 0.45f;
+    expect_distribution(p, logits_1234(), {{3, 4.0 / 7}, {2, 3.0 / 7}});
+    // top_p = 0.85: cumulative 0.4, 0.7, 0.9 keeps three; min_p = 0.2 (threshold 0.08) keeps
+    // all four, so top-p decides, normalised over the full distribution (not min-p's survivors).
+    p.top_p = 0.85f;
+    p.min_p = 0.2f;
     expect_distribution(p, logits_1234(), {{3, 4.0 / 9}, {2, 3.0 / 9}, {1, 2.0 / 9}});
 }
 

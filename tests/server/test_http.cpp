@@ -180,7 +180,9 @@ TEST(Http, ChatStreamFraming) {
     for (size_t i = 0; i + 1 < frames.size(); ++i) {
         json j = json::parse(frames[i].second);
         EXPECT_EQ(j["object"], "chat.completion.chunk");
-        if (i == 0) EXPECT_EQ(j["choices"][0]["delta"]["role"], "assistant");
+        if (i == 0) {
+            EXPECT_EQ(j["choices"][0]["delta"]["role"], "assistant");
+        }
         if (j.contains("usage") && !j["usage"].is_null()) {
             usage = j["usage"];
             EXPECT_TRUE(j["choices"].empty());
@@ -251,7 +253,8 @@ TEST(Http, ToolCallParsedFromOutput) {
     json calls;
     for (const auto &[name, data] : frames) {
         if (data == "[DONE]") continue;
-        const auto &ch = json::parse(data)["choices"][0];
+        const json j = json::parse(data);
+        const auto &ch = j["choices"][0];
         if (ch["delta"].contains("content")) text += ch["delta"]["content"].get<std::string>();
         if (ch["delta"].contains("tool_calls")) calls = ch["delta"]["tool_calls"];
         if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
@@ -304,7 +307,9 @@ TEST(Http, AnthropicMessages) {
         json j = json::parse(d);
         EXPECT_EQ(j["type"], n);  // the data's type repeats the event name
         if (n == "content_block_delta") text += j["delta"]["text"].get<std::string>();
-        if (n == "message_delta") EXPECT_EQ(j["delta"]["stop_reason"], "end_turn");
+        if (n == "message_delta") {
+            EXPECT_EQ(j["delta"]["stop_reason"], "end_turn");
+        }
     }
     EXPECT_EQ(text, "Hi");
     const std::vector<std::string> expect = {"message_start", "ping", "content_block_start", "content_block_delta",
@@ -321,6 +326,7 @@ TEST(Http, AnthropicMessages) {
     EXPECT_EQ(r["stop_sequence"], "##");
     json tb = st;
     tb.erase("stop_sequences");
+    tb["max_tokens"] = 200;
     tb["messages"][0]["content"] = k_call_text;
     tb["tools"] = json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}}});
     r = post_json(s, "/v1/messages", tb, 200);

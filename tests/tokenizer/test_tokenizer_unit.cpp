@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 
 #include "tokenizer/pretokenize.h"
 #include "tokenizer/unicode.h"
@@ -95,7 +96,9 @@ TEST(Pieces, ByteLevelBpeMapping) {
 TEST(Pieces, InvalidUtf8RoundTrips) {
     for (const char *name : {"gpt-2", "llama-bpe", "qwen2", "deepseek-v3", "deepseek-llm", "llama-spm"}) {
         const tokenizer &tok = vocab(name);
-        const std::string text = std::string("ok \xFF\xC3 x\xE2\x82", 9) + std::string(1, '\0') + "z";
+        // Stray continuation byte, truncated sequences, NUL. (Not 0xF8..0xFF: deepseek-llm maps those bytes to
+        // user-defined tokens such as "ÿ", which render as the character, as in llama.cpp and HF.)
+        const std::string text = std::string("ok \x80\xC3 x\xE2\x82", 9) + std::string(1, '\0') + "z";
         decode_options opt;
         opt.strip_prefix_space = true;
         EXPECT_EQ(tok.decode(tok.encode(text, false, false), opt), text) << name;
@@ -311,22 +314,34 @@ std::string mixed_text(size_t bytes) {
         "Привет, мир! Γειά σου κόσμε. ",
         "1234567890 2026-11-29 12:00:00 ",
     };
+    // Each part is followed by a pseudo-random 6-letter word, so the text is not one phrase repeated.
     std::string s;
     size_t i = 0;
-    while (s.size() < bytes) s += parts[i++ % (sizeof(parts) / sizeof(parts[0]))];
+    uint32_t x = 12345;
+    while (s.size() < bytes) {
+        s += parts[i++ % (sizeof(parts) / sizeof(parts[0]))];
+        for (int k = 0; k < 6; ++k) {
+            x = x * 1103515245u + 12345u;
+            s += static_cast<char>('a' + (x >> 16) % 26);
+        }
+        s += ' ';
+    }
     return s;
 }
 
 TEST(Speed, EncodeOneMegabyte) {
     const std::string text = mixed_text(1 << 20);
-    for (const char *name : {"llama-bpe", "qwen2", "deepseek-v3", "llama-spm"}) {
+    for (const char *name : {"llama-bpe", "qwen2", "deepseek-v3", "deepseek-llm", "gpt-2", "llama-spm"}) {
         const tokenizer &tok = vocab(name);
+        // CPU time of this (single-threaded) process, so that a busy shared machine does not distort it.
+        const std::clock_t c0 = std::clock();
         const auto t0 = std::chrono::steady_clock::now();
         const auto ids = tok.encode(text, false, false);
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::printf("[ speed    ] %-12s 1 MiB -> %zu tokens in %.3f s (%.1f MB/s)\n", name, ids.size(), s,
-                    text.size() / s / 1e6);
-        EXPECT_LT(s, 3.0) << name;  // loose bound for a shared CI box; typical figures are reported above
+        const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+        std::printf("[ speed    ] %-12s 1 MiB -> %zu tokens: cpu %.3f s (%.1f MB/s), wall %.3f s\n", name, ids.size(),
+                    cpu, text.size() / cpu / 1e6, wall);
+        EXPECT_LT(cpu, 2.0) << name;  // loose bound for CI; typical figures are reported above
         decode_options opt;
         opt.strip_prefix_space = true;
         EXPECT_EQ(tok.decode(ids, opt), text) << name;

@@ -71,7 +71,10 @@ inline std::vector<suite_case> read_suite(const std::filesystem::path &gguf_path
 
 inline std::string ids_str(const std::vector<int32_t> &v) {
     std::string s;
-    for (int32_t x : v) s += " " + std::to_string(x);
+    for (int32_t x : v) {
+        s += ' ';
+        s += std::to_string(x);
+    }
     return s;
 }
 

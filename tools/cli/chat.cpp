@@ -24,8 +24,6 @@ struct chat_args {
 void chat_main(const chat_args &a) {
     a.sampling.validate();
     auto eng = load_engine(a.model);
-    if (eng->info().chat_template.empty())
-        throw error("model has no chat template (tokenizer.chat_template); use `fathom run --no-chat`");
     auto sess = eng->new_session();
     sampler smp(a.sampling);
     const bool interactive = stdin_is_tty();

@@ -277,10 +277,13 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
 
 std::string format_stats(const generation_stats &s) {
     auto rate = [](int64_t n, double sec) { return sec > 0.0 ? static_cast<double>(n) / sec : 0.0; };
+    char reused[64] = "";
+    if (s.n_prompt > s.n_prefilled)
+        std::snprintf(reused, sizeof reused, " (+%lld reused)", static_cast<long long>(s.n_prompt - s.n_prefilled));
     char buf[256];
     std::snprintf(buf, sizeof buf,
-                  "prefill: %lld tokens in %.3f s (%.1f tok/s) | decode: %lld tokens in %.3f s (%.1f tok/s)",
-                  static_cast<long long>(s.n_prefilled), s.prefill_s, rate(s.n_prefilled, s.prefill_s),
+                  "prefill: %lld tokens%s in %.3f s (%.1f tok/s) | decode: %lld tokens in %.3f s (%.1f tok/s)",
+                  static_cast<long long>(s.n_prefilled), reused, s.prefill_s, rate(s.n_prefilled, s.prefill_s),
                   static_cast<long long>(s.n_generated), s.decode_s, rate(s.n_generated, s.decode_s));
     return buf;
 }

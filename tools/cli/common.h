@@ -108,7 +108,8 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
                           const std::function<void(std::string_view)> &on_text,
                           std::vector<int32_t> *out = nullptr);
 
-// "prefill: 12 tokens in 0.05 s (240.0 tok/s) | decode: 64 tokens in 1.20 s (53.3 tok/s)"
+// "prefill: 12 tokens (+30 reused) in 0.050 s (240.0 tok/s) | decode: 64 tokens in 1.200 s (53.3 tok/s)"
+// ("(+N reused)" only when the session already held part of the prompt.)
 std::string format_stats(const generation_stats &s);
 
 // Tokenizes a rendered chat prompt (special tokens parsed, BOS per metadata, a doubled BOS from

@@ -36,8 +36,8 @@ void run_main(const run_args &a) {
     auto eng = load_engine(a.model);
 
     std::string text = prompt;
-    const bool chat = !a.no_chat && !eng->info().chat_template.empty();
-    if (chat) {
+    // The engine renders with the file's template, or a built-in one for files without it.
+    if (!a.no_chat) {
         std::vector<chat_message> msgs;
         if (!a.system.empty()) msgs.push_back({"system", a.system});
         msgs.push_back({"user", prompt});

@@ -89,7 +89,7 @@ void add_serve_command(CLI::App &app) {
     cmd->add_option("--api-key", a->api_key,
                     "Require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*, /metrics, /props "
                     "(default: $FATHOM_API_KEY)");
-    cmd->add_option("-np,--parallel", a->parallel, "Requests generated at once (slots, one session each)")
+    cmd->add_option("--parallel,--np", a->parallel, "Requests generated at once (slots, one session each)")
         ->capture_default_str()
         ->check(CLI::Range(1, 256));
     cmd->add_option("--queue", a->queue, "Requests allowed to wait for a slot; beyond that: 503")

@@ -68,21 +68,24 @@ T *row_ptr(const tensor &t, int64_t r) {
     return reinterpret_cast<T *>(static_cast<uint8_t *>(t.data) + static_cast<size_t>(r) * t.nb1);
 }
 
-void check(bool ok, const char *op, const std::string &what) {
-    if (!ok) throw error(std::string(op) + ": " + what);
-}
+// Validation that builds its message only on failure: ops run hundreds of times per token and
+// must not allocate.
+#define FATHOM_CHECK(cond, op, what)                                      \
+    do {                                                                  \
+        if (!(cond)) throw error(std::string(op) + ": " + (what));        \
+    } while (0)
 
 std::string shape(const tensor &t) {
     return std::string(dtype_name(t.type)) + "[" + std::to_string(t.ne[1]) + "x" + std::to_string(t.ne[0]) + "]";
 }
 
 void check_f32(const tensor &t, const char *op, const char *name) {
-    check(t.type == dtype::f32, op, std::string(name) + " must be f32, got " + shape(t));
-    check(t.data != nullptr || t.ne[1] == 0, op, std::string(name) + " has no data");
+    FATHOM_CHECK(t.type == dtype::f32, op, std::string(name) + " must be f32, got " + shape(t));
+    FATHOM_CHECK(t.data != nullptr || t.ne[1] == 0, op, std::string(name) + " has no data");
 }
 
 void check_same(const tensor &a, const tensor &b, const char *op) {
-    check(a.ne[0] == b.ne[0] && a.ne[1] == b.ne[1], op, "shape mismatch " + shape(a) + " vs " + shape(b));
+    FATHOM_CHECK(a.ne[0] == b.ne[0] && a.ne[1] == b.ne[1], op, "shape mismatch " + shape(a) + " vs " + shape(b));
 }
 
 // Work below this many elements runs on the calling thread: waking workers costs more.
@@ -130,11 +133,11 @@ public:
     }
     void *map_weights(const void *host, size_t) override { return const_cast<void *>(host); }
     void upload(const tensor &dst, const void *host) override {
-        check(dst.contiguous(), "upload", "destination must be contiguous");
+        FATHOM_CHECK(dst.contiguous(), "upload", "destination must be contiguous");
         std::memcpy(dst.data, host, dst.nbytes());
     }
     void download(const tensor &src, void *host) override {
-        check(src.contiguous(), "download", "source must be contiguous");
+        FATHOM_CHECK(src.contiguous(), "download", "source must be contiguous");
         std::memcpy(host, src.data, src.nbytes());
     }
     void synchronize() override {}
@@ -184,10 +187,10 @@ private:
 
 void cpu_backend::get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) {
     check_f32(out, "get_rows", "out");
-    check(out.ne[0] == table.ne[0] && out.ne[1] == n, "get_rows", "out " + shape(out) + " vs table " + shape(table));
-    check(dtype_info(table.type).compute, "get_rows", "unsupported table type " + shape(table));
+    FATHOM_CHECK(out.ne[0] == table.ne[0] && out.ne[1] == n, "get_rows", "out " + shape(out) + " vs table " + shape(table));
+    FATHOM_CHECK(dtype_info(table.type).compute, "get_rows", "unsupported table type " + shape(table));
     for (int64_t i = 0; i < n; ++i)
-        check(ids[i] >= 0 && ids[i] < table.ne[1], "get_rows",
+        FATHOM_CHECK(ids[i] >= 0 && ids[i] < table.ne[1], "get_rows",
               "token id " + std::to_string(ids[i]) + " outside [0, " + std::to_string(table.ne[1]) + ")");
     for_rows(n, table.ne[0], [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; ++i)
@@ -199,15 +202,15 @@ void cpu_backend::get_rows(const tensor &table, const int32_t *ids, int64_t n, c
 
 void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) {
     check_f32(x, "mul_mat", "x");
-    check(n_pairs >= 1 && n_pairs <= 8, "mul_mat", "1..8 weight/output pairs");
+    FATHOM_CHECK(n_pairs >= 1 && n_pairs <= 8, "mul_mat", "1..8 weight/output pairs");
     const int64_t K = x.ne[0], M = x.ne[1];
     int64_t total_rows = 0;
     for (int i = 0; i < n_pairs; ++i) {
         const tensor &W = *w[i], &Y = *out[i];
-        check(W.ne[0] == K, "mul_mat", "weight " + shape(W) + " does not take " + std::to_string(K) + " inputs");
-        check(dtype_info(W.type).compute, "mul_mat", "unsupported weight type " + shape(W));
+        FATHOM_CHECK(W.ne[0] == K, "mul_mat", "weight " + shape(W) + " does not take " + std::to_string(K) + " inputs");
+        FATHOM_CHECK(dtype_info(W.type).compute, "mul_mat", "unsupported weight type " + shape(W));
         check_f32(Y, "mul_mat", "out");
-        check(Y.ne[0] == W.ne[1] && Y.ne[1] == M, "mul_mat", "out " + shape(Y) + " for weight " + shape(W) +
+        FATHOM_CHECK(Y.ne[0] == W.ne[1] && Y.ne[1] == M, "mul_mat", "out " + shape(Y) + " for weight " + shape(W) +
               " and x " + shape(x));
         total_rows += W.ne[1];
     }
@@ -229,9 +232,9 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
         int j = 0;
         while (j < n_seen && seen_t[j] != vt) ++j;
         if (j == n_seen) {
-            check(n_seen < 4, "mul_mat", "too many distinct activation types");
+            FATHOM_CHECK(n_seen < 4, "mul_mat", "too many distinct activation types");
             const size_t rb = dtype_row_bytes(vt, K);
-            check(K % dtype_info(vt).block_size == 0, "mul_mat",
+            FATHOM_CHECK(K % dtype_info(vt).block_size == 0, "mul_mat",
                   std::to_string(K) + " inputs not a multiple of the " + std::string(dtype_name(vt)) + " block");
             if (vt == dtype::f32) {
                 seen_p[j] = x.data;
@@ -327,7 +330,7 @@ void cpu_backend::rms_norm(const tensor &x, const tensor *w, float eps, const te
     check_f32(out, "rms_norm", "out");
     check_same(x, out, "rms_norm");
     if (w) {
-        check(w->type == dtype::f32 && w->ne[0] == x.ne[0], "rms_norm", "weight " + shape(*w) + " for x " + shape(x));
+        FATHOM_CHECK(w->type == dtype::f32 && w->ne[0] == x.ne[0], "rms_norm", "weight " + shape(*w) + " for x " + shape(x));
     }
     const int64_t n = x.ne[0];
     for_rows(x.ne[1], n, [&](int64_t r0, int64_t r1) {
@@ -357,13 +360,13 @@ float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot_turns, float base) {
 
 void cpu_backend::rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) {
     check_f32(out, "rope_table", "out");
-    check(p.n_rot > 0 && p.n_rot % 2 == 0, "rope_table", "n_rot must be positive and even");
-    check(out.ne[0] == p.n_rot && out.ne[1] == n, "rope_table", "out " + shape(out));
-    check(p.freq_base > 0 && p.freq_scale > 0, "rope_table", "freq_base and freq_scale must be positive");
+    FATHOM_CHECK(p.n_rot > 0 && p.n_rot % 2 == 0, "rope_table", "n_rot must be positive and even");
+    FATHOM_CHECK(out.ne[0] == p.n_rot && out.ne[1] == n, "rope_table", "out " + shape(out));
+    FATHOM_CHECK(p.freq_base > 0 && p.freq_scale > 0, "rope_table", "freq_base and freq_scale must be positive");
     const int half = p.n_rot / 2;
     float corr0 = 0, corr1 = 0;
     if (p.ext_factor != 0.0f) {
-        check(p.n_ctx_orig > 0, "rope_table", "YaRN needs the original context length");
+        FATHOM_CHECK(p.n_ctx_orig > 0, "rope_table", "YaRN needs the original context length");
         corr0 = std::max(0.0f, std::floor(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_fast, p.freq_base)));
         corr1 = std::min(static_cast<float>(p.n_rot - 1),
                          std::ceil(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_slow, p.freq_base)));
@@ -392,9 +395,9 @@ void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, r
     check_f32(x, "rope", "x");
     check_f32(table, "rope", "table");
     const int64_t n_rot = table.ne[0];
-    check(head_dim > 0 && x.ne[0] % head_dim == 0, "rope", "row of " + std::to_string(x.ne[0]) +
+    FATHOM_CHECK(head_dim > 0 && x.ne[0] % head_dim == 0, "rope", "row of " + std::to_string(x.ne[0]) +
           " is not whole heads of " + std::to_string(head_dim));
-    check(n_rot <= head_dim && table.ne[1] == x.ne[1], "rope", "table " + shape(table) + " for x " + shape(x));
+    FATHOM_CHECK(n_rot <= head_dim && table.ne[1] == x.ne[1], "rope", "table " + shape(table) + " for x " + shape(x));
     const int64_t n_head = x.ne[0] / head_dim, half = n_rot / 2;
     const int64_t stride = mode == rope_mode::normal ? 1 : half;  // distance between pair members
     const int64_t step = mode == rope_mode::normal ? 2 : 1;       // distance between pairs
@@ -419,10 +422,10 @@ void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, r
 
 void cpu_backend::kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) {
     check_f32(src, "kv_store", "src");
-    check(cache.type == dtype::f32 || cache.type == dtype::f16, "kv_store", "cache must be f16 or f32");
-    check(n_head_kv > 0 && src.ne[0] == n_head_kv * cache.ne[0] && cache.ne[1] == n_head_kv * n_ctx, "kv_store",
+    FATHOM_CHECK(cache.type == dtype::f32 || cache.type == dtype::f16, "kv_store", "cache must be f16 or f32");
+    FATHOM_CHECK(n_head_kv > 0 && src.ne[0] == n_head_kv * cache.ne[0] && cache.ne[1] == n_head_kv * n_ctx, "kv_store",
           "src " + shape(src) + " vs cache " + shape(cache));
-    check(p0 >= 0 && p0 + src.ne[1] <= n_ctx, "kv_store", "positions beyond the cache");
+    FATHOM_CHECK(p0 >= 0 && p0 + src.ne[1] <= n_ctx, "kv_store", "positions beyond the cache");
     const int64_t hd = cache.ne[0];
     const auto &vk = vec();
     for (int64_t t = 0; t < src.ne[1]; ++t) {
@@ -440,14 +443,14 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
     check_f32(q, "attention", "q");
     check_f32(out, "attention", "out");
     check_same(q, out, "attention");
-    check(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0, "attention",
+    FATHOM_CHECK(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0, "attention",
           "bad head counts");
-    check(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention", "q " + shape(q) + " is not heads x head_dim");
-    check(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
-    check(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
+    FATHOM_CHECK(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention", "q " + shape(q) + " is not heads x head_dim");
+    FATHOM_CHECK(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
+    FATHOM_CHECK(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
           v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
     const int64_t n_tok = q.ne[1];
-    check(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
+    FATHOM_CHECK(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
     grow_thread_scratch(p.n_past + n_tok + p.head_dim);
     const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv;
     const bool f16 = k.type == dtype::f16;
@@ -522,7 +525,7 @@ void cpu_backend::add(const tensor &a, const tensor &b, const tensor &out) {
     check_f32(out, "add", "out");
     check_same(a, out, "add");
     const bool bcast = b.ne[1] == 1 && a.ne[1] != 1;  // b: one row added to every row
-    check(b.ne[0] == a.ne[0] && (bcast || b.ne[1] == a.ne[1]), "add", "shape mismatch " + shape(a) + " vs " + shape(b));
+    FATHOM_CHECK(b.ne[0] == a.ne[0] && (bcast || b.ne[1] == a.ne[1]), "add", "shape mismatch " + shape(a) + " vs " + shape(b));
     for_rows(a.ne[1], a.ne[0], [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
             const float *x = row_ptr<const float>(a, r), *y = row_ptr<const float>(b, bcast ? 0 : r);
@@ -544,7 +547,7 @@ void cpu_backend::scale(const tensor &x, float s) {
 
 void cpu_backend::softcap(const tensor &x, float cap) {
     check_f32(x, "softcap", "x");
-    check(cap > 0, "softcap", "cap must be positive");
+    FATHOM_CHECK(cap > 0, "softcap", "cap must be positive");
     for_rows(x.ne[1], x.ne[0] * 8, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
             float *o = row_ptr<float>(x, r);
@@ -573,7 +576,7 @@ void cpu_backend::softmax(const tensor &x) {
 
 void cpu_backend::copy(const tensor &src, const tensor &dst) {
     check_f32(src, "copy", "src");
-    check(dst.type == dtype::f32 || dst.type == dtype::f16, "copy", "dst must be f32 or f16");
+    FATHOM_CHECK(dst.type == dtype::f32 || dst.type == dtype::f16, "copy", "dst must be f32 or f16");
     check_same(src, dst, "copy");
     const auto &vk = vec();
     for_rows(src.ne[1], src.ne[0], [&](int64_t r0, int64_t r1) {

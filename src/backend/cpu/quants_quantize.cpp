@@ -5,6 +5,7 @@
 //    search like ggml's make_qkx2_quants); valid blocks whose dequantisation is close to the input.
 // Not on hot paths: used by writers, tests, and activation conversion before a dot product.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -346,7 +347,7 @@ void quant_iq2_xxs_group(const float *x, float db, uint32_t aux[2]) {
             if (v[j] < 0) signs |= 1u << j;
             if (std::fabs(v[j]) < std::fabs(v[smallest])) smallest = j;
         }
-        if (__builtin_popcount(signs) & 1) signs ^= 1u << smallest;
+        if (std::popcount(signs) & 1) signs ^= 1u << smallest;
         int best = 0;
         float best_err = INFINITY;
         for (int g = 0; g < 256; ++g) {

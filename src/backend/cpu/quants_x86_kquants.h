@@ -30,11 +30,21 @@ struct kdec {
     float d, dmin;
 };
 
-inline __m256i sc_pair(int lo, int hi) { return _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(hi)), _mm_set1_epi16(static_cast<short>(lo))); }
+// Sub-block scales as i16 lanes for chunk j, from 16 scale bytes in one register (pshufb + widen):
+// pair: [s[2j] x8 | s[2j+1] x8] (16-element sub-blocks); one: s[j] x16 (32-element sub-blocks).
+inline __m256i sc_pair_s8(__m128i s, int j) {
+    const __m128i idx = _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(2 * j)), _mm_set1_epi8(static_cast<char>(2 * j + 1)));
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s, idx));
+}
+inline __m256i sc_pair_u8(__m128i s, int j) {
+    const __m128i idx = _mm_unpacklo_epi64(_mm_set1_epi8(static_cast<char>(2 * j)), _mm_set1_epi8(static_cast<char>(2 * j + 1)));
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(s, idx));
+}
+inline __m256i sc_one_u8(__m128i s, int j) { return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(s, _mm_set1_epi8(static_cast<char>(j)))); }
 inline __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
 
 // q4_k / q5_k 12-byte scales -> bytes [sc0..sc7, m0..m7] (ggml's utmp bit shuffle).
-inline void unpack_k4_scales(const uint8_t *s, uint8_t out[16]) {
+inline __m128i unpack_k4_scales(const uint8_t *s) {
     uint32_t u[4];
     std::memcpy(u, s, 12);
     const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
@@ -43,22 +53,21 @@ inline void unpack_k4_scales(const uint8_t *s, uint8_t out[16]) {
     u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
     u[2] = aux;
     u[0] &= k1;
-    std::memcpy(out, u, 16);
+    return _mm_setr_epi32(static_cast<int>(u[0]), static_cast<int>(u[1]), static_cast<int>(u[2]), static_cast<int>(u[3]));
 }
 
 struct tr_q4_k {
     static constexpr int size = 144;
     static void decode(const uint8_t *b, kdec &o) {
-        uint8_t sm[16];
-        unpack_k4_scales(b + 4, sm);
+        const __m128i sm = unpack_k4_scales(b + 4);
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (int c = 0; c < 4; ++c) {
             const __m256i v = ld256(b + 16 + 32 * c);
             o.q[2 * c] = _mm256_and_si256(v, mask);
             o.q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         }
-        for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(sm[j]);
-        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 8));
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_one_u8(sm, j);
+        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
         o.mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // m_j for bsums 2j and 2j+1
         o.d = ldf16(b);
         o.dmin = ldf16(b + 2);
@@ -68,8 +77,7 @@ struct tr_q4_k {
 struct tr_q5_k {
     static constexpr int size = 176;
     static void decode(const uint8_t *b, kdec &o) {
-        uint8_t sm[16];
-        unpack_k4_scales(b + 4, sm);
+        const __m128i sm = unpack_k4_scales(b + 4);
         const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
         const __m256i qh = ld256(b + 16);
         for (int c = 0; c < 4; ++c) {
@@ -79,8 +87,8 @@ struct tr_q5_k {
             o.q[2 * c] = _mm256_or_si256(_mm256_and_si256(v, mask), h0);
             o.q[2 * c + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), h1);
         }
-        for (int j = 0; j < 8; ++j) o.sc[j] = _mm256_set1_epi16(sm[j]);
-        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(sm + 8));
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_one_u8(sm, j);
+        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
         o.mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
         o.d = ldf16(b);
         o.dmin = ldf16(b + 2);
@@ -103,8 +111,8 @@ struct tr_q6_k {
                 o.q[4 * c + g] = _mm256_or_si256(lo[g], hi);
             }
         }
-        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair(sc[2 * j], sc[2 * j + 1]);
         const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(sc));
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair_s8(s16, j);
         o.mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s16), 5);  // 32 * sc: the -32 offset
         o.d = ldf16(b + 208);
         o.dmin = o.d;
@@ -120,8 +128,9 @@ struct tr_q2_k {
             const __m256i v = ld256(b + 16 + 32 * c);
             for (int j = 0; j < 4; ++j) o.q[4 * c + j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), three);
         }
-        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair(s[2 * j] & 0xF, s[2 * j + 1] & 0xF);
         const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s));
+        const __m128i lo4 = _mm_and_si128(s16, _mm_set1_epi8(0x0F));
+        for (int j = 0; j < 8; ++j) o.sc[j] = sc_pair_u8(lo4, j);
         o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
         o.d = ldf16(b + 80);
         o.dmin = ldf16(b + 82);
@@ -170,6 +179,37 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, con
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
+// Decode (M == 1): each row's super-block is decoded and consumed at once, so the decoded vectors
+// can live in registers instead of a stack copy shared by 4 activation rows.
+template <class T, int NR>
+inline void ktile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, float out[4]) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *xb = x + b * q8k_size;
+        const __m256i bs = ld256(xb + 260);
+        __m256i sq[4], sm[4];
+        float dv[4] = {0, 0, 0, 0}, mv[4] = {0, 0, 0, 0};
+        for (int r = 0; r < 4; ++r) sq[r] = sm[r] = _mm256_setzero_si256();
+        for (int r = 0; r < NR; ++r) {
+            kdec t;
+            T::decode(w[r] + b * T::size, t);
+            for (int j = 0; j < 8; ++j)
+                sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(t.q[j], ld256(xb + 4 + 32 * j)), t.sc[j]));
+            sm[r] = _mm256_madd_epi16(t.mn, bs);
+            dv[r] = t.d;
+            mv[r] = t.dmin;
+        }
+        float da;
+        std::memcpy(&da, xb, 4);
+        const __m256 vda = _mm256_set1_ps(da);
+        const __m256 d8 = _mm256_setr_ps(dv[0], dv[1], dv[2], dv[3], dv[0], dv[1], dv[2], dv[3]);
+        const __m256 m8 = _mm256_setr_ps(mv[0], mv[1], mv[2], mv[3], mv[0], mv[1], mv[2], mv[3]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc);
+        acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc);
+    }
+    _mm_storeu_ps(out, fold_halves(acc));
+}
+
 thread_local scratch<kdec> t_kpanel;  // per-thread decoded panel [nb][4]
 
 template <class T>
@@ -196,7 +236,10 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
             for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
             float out[4][4];
             switch (mb) {
-                case 1: ktile<T, 4, 1>(nb, w, panel, x, out); break;
+                case 1:
+                    if (panel) ktile<T, 4, 1>(nb, w, panel, x, out);
+                    else ktile_m1<T, 4>(nb, w, x[0], out[0]);
+                    break;
                 case 2: ktile<T, 4, 2>(nb, w, panel, x, out); break;
                 case 3: ktile<T, 4, 3>(nb, w, panel, x, out); break;
                 default: ktile<T, 4, 4>(nb, w, panel, x, out); break;
@@ -211,9 +254,9 @@ template <class T>
 float dot_k(int64_t n, const void *w, const void *a) {
     const uint8_t *wp[1] = {static_cast<const uint8_t *>(w)};
     const uint8_t *xp[1] = {static_cast<const uint8_t *>(a)};
-    float out[1][4];
-    ktile<T, 1, 1>(n / qk_k, wp, nullptr, xp, out);
-    return out[0][0];
+    float out[4];
+    ktile_m1<T, 1>(n / qk_k, wp, xp[0], out);
+    return out[0];
 }
 
 inline void fill_x86_kquants(kernel_table &t) {

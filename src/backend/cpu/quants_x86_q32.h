@@ -14,6 +14,7 @@
 // into a per-block term coef_w * S_a, where S_a = d_a * sum(a) (q8_0, precomputed once per gemm
 // call) or the stored s of q8_1 (ggml's numerics for q4_1/q5_1).
 #pragma once
+#include <cmath>
 #include <cstring>
 
 #include "backend/cpu/quants_avx2_common.h"
@@ -407,6 +408,35 @@ void quant_q8_1_avx2(const float *x, void *dst, int64_t n) {
     }
 }
 
+// q8_k: iscale = -127/max (max = first element of largest |x|), q = min(127, round-to-even), bsums.
+void quant_q8_k_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_k *>(dst);
+    for (int64_t i = 0; i < n / qk_k; ++i, x += qk_k) {
+        float amax = 0;
+        for (int j = 0; j < qk_k; j += 32) {
+            const float a = absmax32(x + j);
+            amax = a > amax ? a : amax;
+        }
+        if (amax == 0) {
+            std::memset(&y[i], 0, sizeof(block_q8_k));
+            continue;
+        }
+        int first = 0;
+        while (std::fabs(x[first]) != amax) ++first;
+        const float iscale = -127.f / x[first];
+        // |iscale * x| <= 127 up to float rounding; the saturating packs in quant32 give the reference's
+        // min(127, .) (and -128 cannot arise).
+        for (int j = 0; j < qk_k; j += 32) quant32(x + j, iscale, y[i].qs + j, false);
+        for (int g = 0; g < 16; ++g) {
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(y[i].qs + 16 * g));
+            const __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(_mm_set1_epi8(1), q), _mm_set1_epi16(1));
+            const __m128i h = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            y[i].bsums[g] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1))));
+        }
+        y[i].d = 1 / iscale;
+    }
+}
+
 void quant_f16_avx2(const float *x, void *dst, int64_t n) {
     auto *y = static_cast<uint16_t *>(dst);
     int64_t i = 0;
@@ -437,6 +467,7 @@ inline void fill_x86_q32(kernel_table &t) {
     t.quant[slot(dtype::q8_0)] = quant_q8_0_avx2;
     t.quant[slot(dtype::q8_1)] = quant_q8_1_avx2;
     t.quant[slot(dtype::f16)] = quant_f16_avx2;
+    t.quant[slot(dtype::q8_k)] = quant_q8_k_avx2;
 }
 
 }  // namespace

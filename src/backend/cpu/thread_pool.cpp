@@ -16,6 +16,8 @@ namespace {
 // ~50-100 us of spinning before a worker sleeps: long enough to bridge the gap between two ops of
 // one forward, short enough not to burn a core when the engine is idle.
 constexpr int kSpinIterations = 20000;
+// Pauses the caller spends waiting for stragglers before it starts yielding its core.
+constexpr int kWaitSpins = 2000;
 }  // namespace
 
 thread_pool::thread_pool(int n_threads) : n_(std::max(1, n_threads)) {
@@ -44,7 +46,12 @@ void thread_pool::dispatch(task_ref t, int n_max) {
     generation_.fetch_add(1, std::memory_order_acq_rel);  // publishes task_/active_
     generation_.notify_all();
     t(0, nth);
-    while (pending_.load(std::memory_order_acquire) != 0) FATHOM_PAUSE();
+    // Workers normally finish within microseconds of the caller; if one was preempted (more
+    // runnable threads than cores), yield the core to it instead of spinning through our slice.
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+        if (spin < kWaitSpins) FATHOM_PAUSE();
+        else std::this_thread::yield();
+    }
     task_ = nullptr;
 }
 
@@ -53,7 +60,8 @@ void thread_pool::worker(int ith) {
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
         for (int spin = 0; g == seen && spin < kSpinIterations; ++spin) {
-            FATHOM_PAUSE();
+            if (spin % 1024 == 1023) std::this_thread::yield();  // let a preempted caller run
+            else FATHOM_PAUSE();
             g = generation_.load(std::memory_order_acquire);
         }
         if (g == seen) {

@@ -1,0 +1,562 @@
+// The CUDA backend object: memory (cudaMalloc'd buffers, weights uploaded once per host pointer),
+// op validation (same checks and messages as the CPU reference), dispatch to the kernel launchers
+// in cuda_kernels.h, cuBLAS for prefill GEMMs, device-side error reporting and CUDA-graph capture.
+// Everything is enqueued on one non-blocking stream; download() and synchronize() are the only
+// calls that wait for the device.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "core/error.h"
+
+namespace fathom {
+namespace cuda {
+namespace {
+
+void ck(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) throw error(std::string("cuda backend: ") + what + ": " + cudaGetErrorString(e));
+}
+void ckb(cublasStatus_t st, const char *what) {
+    if (st != CUBLAS_STATUS_SUCCESS)
+        throw error(std::string("cuda backend: ") + what + ": cuBLAS status " + std::to_string(static_cast<int>(st)));
+}
+void check(bool ok, const char *op, const std::string &what) {
+    if (!ok) throw error(std::string(op) + ": " + what);
+}
+std::string shape(const tensor &t) {
+    return std::string(dtype_name(t.type)) + "[" + std::to_string(t.ne[1]) + "x" + std::to_string(t.ne[0]) + "]";
+}
+void check_f32(const tensor &t, const char *op, const char *name) {
+    check(t.type == dtype::f32, op, std::string(name) + " must be f32, got " + shape(t));
+    check(t.data != nullptr || t.ne[1] == 0, op, std::string(name) + " has no data");
+    check(t.nb1 % 4 == 0 && reinterpret_cast<uintptr_t>(t.data) % 4 == 0, op,
+          std::string(name) + " rows must be 4-byte aligned");
+}
+void check_same(const tensor &a, const tensor &b, const char *op) {
+    check(a.ne[0] == b.ne[0] && a.ne[1] == b.ne[1], op, "shape mismatch " + shape(a) + " vs " + shape(b));
+}
+int64_t ld(const tensor &t) { return static_cast<int64_t>(t.nb1 / 4); }  // f32 row stride in elements
+float *fp(const tensor &t) { return static_cast<float *>(t.data); }
+
+// YaRN correction dimension (ggml_rope_yarn_corr_dims), identical to the CPU reference.
+float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot_turns, float base) {
+    return static_cast<float>(n_dims * std::log(n_ctx_orig / (n_rot_turns * 2.0 * M_PI)) / (2.0 * std::log(base)));
+}
+
+// A grow-only device buffer (scratch). Growing is refused while a graph is being captured.
+struct dev_buf {
+    void *p = nullptr;
+    size_t n = 0;
+};
+
+class cuda_backend final : public cuda_backend_api {
+public:
+    explicit cuda_backend(const cuda_options &o);
+    ~cuda_backend() override;
+
+    const char *name() const override { return "cuda"; }
+    int n_threads() const override { return n_sm_; }
+
+    void *alloc(size_t bytes) override;
+    void release(void *ptr) override;
+    void *map_weights(const void *host, size_t bytes) override;
+    void upload(const tensor &dst, const void *host) override;
+    void download(const tensor &src, void *host) override;
+    void synchronize() override;
+
+    void get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) override;
+    void mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) override;
+    void rms_norm(const tensor &x, const tensor *w, float eps, const tensor &out) override;
+    void rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) override;
+    void rope(const tensor &x, int32_t head_dim, const tensor &table, rope_mode mode) override;
+    void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) override;
+    void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                   const tensor &out) override;
+    void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
+    void add(const tensor &a, const tensor &b, const tensor &out) override;
+    void scale(const tensor &x, float s) override;
+    void softcap(const tensor &x, float cap) override;
+    void softmax(const tensor &x) override;
+    void copy(const tensor &src, const tensor &dst) override;
+
+    void set_device_positions(bool on) override { device_pos_ = on; }
+    void set_step_pos(int64_t pos) override;
+    void get_rows_device(const tensor &table, const int32_t *dev_ids, int64_t n, const tensor &out) override;
+    void capture_begin() override;
+    int capture_end() override;
+    void graph_launch(int id) override;
+    size_t weight_bytes() const override { return weight_bytes_; }
+    void *stream() const override { return stream_; }
+
+private:
+    void *grow(dev_buf &b, size_t bytes, const char *op);
+    void launched(const char *op) { ck(cudaGetLastError(), op); }
+    void not_capturing(const char *op) const {
+        if (capturing_) throw error(std::string(op) + ": not allowed while capturing a CUDA graph");
+    }
+    const int64_t *pos_base() const { return device_pos_ ? pos_dev_ + 1 : pos_dev_; }
+    void check_get_rows(const tensor &table, int64_t n, const tensor &out) const;
+    void gemm_prefill(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out);
+
+    int device_ = 0;
+    int n_sm_ = 0;
+    cudaStream_t stream_ = nullptr;
+    cublasHandle_t cublas_ = nullptr;
+    void *cublas_ws_ = nullptr;
+    uint32_t *err_host_ = nullptr;  // host-mapped device error word (cuda_kernels.h bits)
+    uint32_t *err_dev_ = nullptr;
+    int64_t *pos_dev_ = nullptr;    // [0] = 0 (host positions), [1] = step position S
+    bool device_pos_ = false;
+    bool capturing_ = false;
+    std::unordered_map<void *, size_t> allocs_;
+    std::map<std::pair<const void *, size_t>, void *> weights_;
+    std::unordered_map<const float *, float *> freq_factors_;
+    size_t weight_bytes_ = 0;
+    dev_buf wbuf_, xbuf_, attn_part_, ids_dev_;
+    int32_t *ids_host_ = nullptr;   // pinned staging for host token ids
+    size_t ids_host_n_ = 0;
+    cudaEvent_t ids_done_ = nullptr;
+    std::vector<cudaGraphExec_t> graphs_;
+};
+
+cuda_backend::cuda_backend(const cuda_options &o) : device_(o.device) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        throw error("cuda backend: no CUDA device available");
+    }
+    if (o.device < 0 || o.device >= count)
+        throw error("cuda backend: device " + std::to_string(o.device) + " outside [0, " + std::to_string(count) + ")");
+    ck(cudaSetDevice(device_), "cudaSetDevice");
+    ck(cudaDeviceGetAttribute(&n_sm_, cudaDevAttrMultiProcessorCount, device_), "device attributes");
+    ck(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    ckb(cublasCreate(&cublas_), "cublasCreate");
+    ckb(cublasSetStream(cublas_, stream_), "cublasSetStream");
+    ck(cudaMalloc(&cublas_ws_, o.cublas_workspace), "cuBLAS workspace");
+    ckb(cublasSetWorkspace(cublas_, cublas_ws_, o.cublas_workspace), "cublasSetWorkspace");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&err_host_), sizeof(uint32_t), cudaHostAllocMapped), "error word");
+    *err_host_ = 0;
+    ck(cudaHostGetDevicePointer(reinterpret_cast<void **>(&err_dev_), err_host_, 0), "error word");
+    ck(cudaMalloc(&pos_dev_, 2 * sizeof(int64_t)), "step position");
+    ck(cudaMemsetAsync(pos_dev_, 0, 2 * sizeof(int64_t), stream_), "step position");
+    ck(cudaEventCreateWithFlags(&ids_done_, cudaEventDisableTiming), "cudaEventCreate");
+    ck(cudaEventRecord(ids_done_, stream_), "cudaEventRecord");
+}
+
+cuda_backend::~cuda_backend() {
+    // Errors are ignored here: a destructor cannot report them and the context is going away.
+    cudaStreamSynchronize(stream_);
+    for (auto g : graphs_) cudaGraphExecDestroy(g);
+    for (auto &[p, n] : allocs_) cudaFree(p);
+    for (auto &[k, p] : weights_) cudaFree(p);
+    for (auto &[k, p] : freq_factors_) cudaFree(p);
+    for (dev_buf *b : {&wbuf_, &xbuf_, &attn_part_, &ids_dev_}) cudaFree(b->p);
+    cudaFreeHost(ids_host_);
+    cudaEventDestroy(ids_done_);
+    cudaFree(pos_dev_);
+    cudaFreeHost(err_host_);
+    cublasDestroy(cublas_);
+    cudaFree(cublas_ws_);
+    cudaStreamDestroy(stream_);
+}
+
+void *cuda_backend::grow(dev_buf &b, size_t bytes, const char *op) {
+    if (b.n >= bytes) return b.p;
+    if (capturing_)
+        throw error(std::string(op) + ": scratch of " + std::to_string(bytes) +
+                    " bytes not allocated before graph capture (run the same ops once eagerly first)");
+    ck(cudaStreamSynchronize(stream_), op);  // the old buffer may still be in use
+    const size_t n = std::max(bytes, b.n * 2);
+    cudaFree(b.p);
+    b.p = nullptr;
+    b.n = 0;
+    ck(cudaMalloc(&b.p, n), op);
+    b.n = n;
+    return b.p;
+}
+
+// ---- memory ------------------------------------------------------------------------------------
+
+void *cuda_backend::alloc(size_t bytes) {
+    not_capturing("alloc");
+    void *p = nullptr;
+    ck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), ("alloc of " + std::to_string(bytes) + " bytes").c_str());
+    allocs_[p] = bytes;
+    ck(cudaMemsetAsync(p, 0, bytes, stream_), "alloc: zero fill");
+    return p;
+}
+
+void cuda_backend::release(void *ptr) {
+    not_capturing("release");
+    auto it = allocs_.find(ptr);
+    if (it == allocs_.end()) return;
+    ck(cudaStreamSynchronize(stream_), "release");
+    cudaFree(ptr);
+    allocs_.erase(it);
+}
+
+void *cuda_backend::map_weights(const void *host, size_t bytes) {
+    not_capturing("map_weights");
+    const auto key = std::make_pair(host, bytes);
+    if (auto it = weights_.find(key); it != weights_.end()) return it->second;
+    void *p = nullptr;
+    ck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), ("map_weights: " + std::to_string(bytes) + " bytes").c_str());
+    ck(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice), "map_weights: upload");
+    weights_[key] = p;
+    weight_bytes_ += bytes;
+    return p;
+}
+
+void cuda_backend::upload(const tensor &dst, const void *host) {
+    not_capturing("upload");
+    check(dst.contiguous(), "upload", "destination must be contiguous");
+    ck(cudaMemcpyAsync(dst.data, host, dst.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    ck(cudaStreamSynchronize(stream_), "upload");  // host buffer may be reused on return
+}
+
+void cuda_backend::download(const tensor &src, void *host) {
+    not_capturing("download");
+    check(src.contiguous(), "download", "source must be contiguous");
+    ck(cudaMemcpyAsync(host, src.data, src.nbytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    synchronize();
+}
+
+void cuda_backend::synchronize() {
+    not_capturing("synchronize");
+    ck(cudaStreamSynchronize(stream_), "synchronize");
+    const uint32_t e = __atomic_exchange_n(err_host_, 0u, __ATOMIC_SEQ_CST);
+    if (e == 0) return;
+    std::string what;
+    if (e & err_get_rows_id) what += " get_rows: device token id outside the table;";
+    if (e & err_kv_pos) what += " kv_store: position outside the cache;";
+    if (e & err_attn_pos) what += " attention: query position outside the cache;";
+    throw error("cuda backend: device-side check failed:" + what);
+}
+
+// ---- graphs and step position ------------------------------------------------------------------
+
+void cuda_backend::set_step_pos(int64_t pos) {
+    not_capturing("set_step_pos");
+    launch_set_i64(pos_dev_ + 1, pos, stream_);
+    launched("set_step_pos");
+}
+
+void cuda_backend::capture_begin() {
+    not_capturing("capture_begin");
+    ck(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "capture_begin");
+    capturing_ = true;
+}
+
+int cuda_backend::capture_end() {
+    if (!capturing_) throw error("capture_end: no capture in progress");
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    ck(cudaStreamEndCapture(stream_, &g), "capture_end");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    ck(e, "capture_end: instantiate");
+    graphs_.push_back(exec);
+    return static_cast<int>(graphs_.size()) - 1;
+}
+
+void cuda_backend::graph_launch(int id) {
+    not_capturing("graph_launch");
+    if (id < 0 || id >= static_cast<int>(graphs_.size())) throw error("graph_launch: unknown graph " + std::to_string(id));
+    ck(cudaGraphLaunch(graphs_[static_cast<size_t>(id)], stream_), "graph_launch");
+}
+
+// ---- get_rows ----------------------------------------------------------------------------------
+
+void cuda_backend::check_get_rows(const tensor &table, int64_t n, const tensor &out) const {
+    check_f32(out, "get_rows", "out");
+    check(n >= 0 && out.ne[0] == table.ne[0] && out.ne[1] == n, "get_rows",
+          "out " + shape(out) + " vs table " + shape(table));
+    check(mm_supported(table.type), "get_rows", "unsupported table type " + shape(table));
+    check(table.ne[0] % 16 == 0 && table.ne[0] % dtype_info(table.type).block_size == 0, "get_rows",
+          "row of " + std::to_string(table.ne[0]) + " is not whole 16-element units");
+    const int a = mm_alignment(table.type);
+    check(reinterpret_cast<uintptr_t>(table.data) % a == 0 && table.nb1 % a == 0, "get_rows",
+          "table rows not " + std::to_string(a) + "-byte aligned");
+}
+
+void cuda_backend::get_rows(const tensor &table, const int32_t *ids, int64_t n, const tensor &out) {
+    not_capturing("get_rows (host ids; use get_rows_device in graphs)");
+    check_get_rows(table, n, out);
+    for (int64_t i = 0; i < n; ++i)
+        check(ids[i] >= 0 && ids[i] < table.ne[1], "get_rows",
+              "token id " + std::to_string(ids[i]) + " outside [0, " + std::to_string(table.ne[1]) + ")");
+    if (n == 0) return;
+    // The pinned staging buffer is reused: wait until the previous copy out of it has completed.
+    ck(cudaEventSynchronize(ids_done_), "get_rows");
+    if (ids_host_n_ < static_cast<size_t>(n)) {
+        cudaFreeHost(ids_host_);
+        ids_host_ = nullptr;
+        ids_host_n_ = 0;
+        ck(cudaHostAlloc(reinterpret_cast<void **>(&ids_host_), static_cast<size_t>(n) * 4, cudaHostAllocDefault),
+           "get_rows: staging");
+        ids_host_n_ = static_cast<size_t>(n);
+    }
+    auto *dev = static_cast<int32_t *>(grow(ids_dev_, static_cast<size_t>(n) * 4, "get_rows"));
+    std::memcpy(ids_host_, ids, static_cast<size_t>(n) * 4);
+    ck(cudaMemcpyAsync(dev, ids_host_, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_), "get_rows");
+    ck(cudaEventRecord(ids_done_, stream_), "get_rows");
+    launch_get_rows(table.type, table.data, table.nb1, table.ne[0], table.ne[1], dev, n, fp(out), ld(out), err_dev_,
+                    stream_);
+    launched("get_rows");
+}
+
+void cuda_backend::get_rows_device(const tensor &table, const int32_t *dev_ids, int64_t n, const tensor &out) {
+    check_get_rows(table, n, out);
+    if (n == 0) return;
+    launch_get_rows(table.type, table.data, table.nb1, table.ne[0], table.ne[1], dev_ids, n, fp(out), ld(out),
+                    err_dev_, stream_);
+    launched("get_rows_device");
+}
+
+// ---- mul_mat -------------------------------------------------------------------------------------
+
+void cuda_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) {
+    check_f32(x, "mul_mat", "x");
+    check(n_pairs >= 1 && n_pairs <= 8, "mul_mat", "1..8 weight/output pairs");
+    const int64_t K = x.ne[0], M = x.ne[1];
+    for (int i = 0; i < n_pairs; ++i) {
+        const tensor &W = *w[i], &Y = *out[i];
+        check(W.ne[0] == K, "mul_mat", "weight " + shape(W) + " does not take " + std::to_string(K) + " inputs");
+        check(mm_supported(W.type), "mul_mat", "unsupported weight type " + shape(W) + " on the CUDA backend");
+        check(K % 16 == 0 && K % dtype_info(W.type).block_size == 0, "mul_mat",
+              std::to_string(K) + " inputs are not whole blocks of " + shape(W));
+        const int a = mm_alignment(W.type);
+        check(reinterpret_cast<uintptr_t>(W.data) % a == 0 && W.nb1 % a == 0, "mul_mat",
+              "weight " + shape(W) + " rows not " + std::to_string(a) + "-byte aligned");
+        check_f32(Y, "mul_mat", "out");
+        check(Y.ne[0] == W.ne[1] && Y.ne[1] == M, "mul_mat", "out " + shape(Y) + " for weight " + shape(W) +
+              " and x " + shape(x));
+    }
+    if (M == 0) return;
+    if (M <= 8) {
+        for (int i = 0; i < n_pairs; ++i) {
+            const tensor &W = *w[i], &Y = *out[i];
+            launch_gemv(W.type, W.data, W.nb1, K, W.ne[1], fp(x), ld(x), M, fp(Y), ld(Y), stream_);
+            launched("mul_mat");
+        }
+        return;
+    }
+    gemm_prefill(x, n_pairs, w, out);
+}
+
+// Prefill: weights dequantised to bf16 (one weight at a time into a scratch buffer), x converted to
+// bf16 once, cuBLAS bf16 GEMM with f32 accumulation and f32 output. f32 weights use an f32 GEMM.
+// Row-major Y[M,N] = X[M,K] W[N,K]^T is column-major Y^T = W^T(op T of K x N) * X^T(K x M).
+void cuda_backend::gemm_prefill(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out) {
+    const int64_t K = x.ne[0], M = x.ne[1];
+    const float one = 1.0f, zero = 0.0f;
+    uint16_t *xb = nullptr;
+    for (int i = 0; i < n_pairs; ++i) {
+        const tensor &W = *w[i], &Y = *out[i];
+        const int64_t N = W.ne[1];
+        check(N < (1ll << 31) && M < (1ll << 31) && K < (1ll << 31), "mul_mat", "dimensions exceed cuBLAS int range");
+        if (W.type == dtype::f32) {
+            ckb(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                             static_cast<int>(K), &one, W.data, CUDA_R_32F, static_cast<int>(W.nb1 / 4), x.data,
+                             CUDA_R_32F, static_cast<int>(ld(x)), &zero, Y.data, CUDA_R_32F, static_cast<int>(ld(Y)),
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                "mul_mat: f32 GEMM");
+            continue;
+        }
+        if (!xb) {
+            xb = static_cast<uint16_t *>(grow(xbuf_, static_cast<size_t>(M * K) * 2, "mul_mat"));
+            launch_f32_to_bf16(fp(x), ld(x), K, M, xb, stream_);
+            launched("mul_mat: convert x");
+        }
+        auto *wb = static_cast<uint16_t *>(grow(wbuf_, static_cast<size_t>(N * K) * 2, "mul_mat"));
+        launch_dequant_bf16(W.type, W.data, W.nb1, K, N, wb, stream_);
+        launched("mul_mat: dequantise");
+        ckb(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                         static_cast<int>(K), &one, wb, CUDA_R_16BF, static_cast<int>(K), xb, CUDA_R_16BF,
+                         static_cast<int>(K), &zero, Y.data, CUDA_R_32F, static_cast<int>(ld(Y)), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT),
+            "mul_mat: bf16 GEMM");
+    }
+}
+
+// ---- norms, rope ---------------------------------------------------------------------------------
+
+void cuda_backend::rms_norm(const tensor &x, const tensor *w, float eps, const tensor &out) {
+    check_f32(x, "rms_norm", "x");
+    check_f32(out, "rms_norm", "out");
+    check_same(x, out, "rms_norm");
+    if (w) check(w->type == dtype::f32 && w->ne[0] == x.ne[0], "rms_norm", "weight " + shape(*w) + " for x " + shape(x));
+    launch_rms_norm(fp(x), ld(x), w ? fp(*w) : nullptr, eps, x.ne[0], x.ne[1], fp(out), ld(out), stream_);
+    launched("rms_norm");
+}
+
+void cuda_backend::rope_table(int64_t p0, int64_t n, const rope_params &p, const tensor &out) {
+    check_f32(out, "rope_table", "out");
+    check(p.n_rot > 0 && p.n_rot % 2 == 0, "rope_table", "n_rot must be positive and even");
+    check(out.ne[0] == p.n_rot && out.ne[1] == n, "rope_table", "out " + shape(out));
+    check(p.freq_base > 0 && p.freq_scale > 0, "rope_table", "freq_base and freq_scale must be positive");
+    rope_table_args a{};
+    a.n_rot = p.n_rot;
+    a.freq_base = p.freq_base;
+    a.freq_scale = p.freq_scale;
+    a.ext_factor = p.ext_factor;
+    if (p.ext_factor != 0.0f) {
+        check(p.n_ctx_orig > 0, "rope_table", "YaRN needs the original context length");
+        a.corr0 = std::max(0.0f, std::floor(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_fast, p.freq_base)));
+        a.corr1 = std::min(static_cast<float>(p.n_rot - 1),
+                           std::ceil(yarn_corr_dim(p.n_rot, p.n_ctx_orig, p.beta_slow, p.freq_base)));
+    }
+    a.mscale = p.attn_factor;
+    if (p.ext_factor != 0.0f) a.mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
+    if (p.freq_factors) {
+        // Frequency factors come from the (immutable) GGUF: uploaded once per host pointer.
+        auto it = freq_factors_.find(p.freq_factors);
+        if (it == freq_factors_.end()) {
+            not_capturing("rope_table (first use of freq_factors)");
+            float *d = nullptr;
+            const size_t bytes = static_cast<size_t>(p.n_rot / 2) * sizeof(float);
+            ck(cudaMalloc(&d, bytes), "rope_table: freq_factors");
+            ck(cudaMemcpy(d, p.freq_factors, bytes, cudaMemcpyHostToDevice), "rope_table: freq_factors");
+            it = freq_factors_.emplace(p.freq_factors, d).first;
+        }
+        a.freq_factors = it->second;
+    }
+    launch_rope_table(pos_base(), p0, n, a, fp(out), ld(out), stream_);
+    launched("rope_table");
+}
+
+void cuda_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, rope_mode mode) {
+    check_f32(x, "rope", "x");
+    check_f32(table, "rope", "table");
+    const int64_t n_rot = table.ne[0];
+    check(head_dim > 0 && x.ne[0] % head_dim == 0, "rope", "row of " + std::to_string(x.ne[0]) +
+          " is not whole heads of " + std::to_string(head_dim));
+    check(n_rot <= head_dim && table.ne[1] == x.ne[1], "rope", "table " + shape(table) + " for x " + shape(x));
+    launch_rope(fp(x), ld(x), x.ne[1], x.ne[0] / head_dim, head_dim, fp(table), ld(table), static_cast<int32_t>(n_rot),
+                mode == rope_mode::neox, stream_);
+    launched("rope");
+}
+
+// ---- KV cache and attention ------------------------------------------------------------------
+
+void cuda_backend::kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) {
+    check_f32(src, "kv_store", "src");
+    check(cache.type == dtype::f32 || cache.type == dtype::f16, "kv_store", "cache must be f16 or f32");
+    check(n_head_kv > 0 && src.ne[0] == n_head_kv * cache.ne[0] && cache.ne[1] == n_head_kv * n_ctx, "kv_store",
+          "src " + shape(src) + " vs cache " + shape(cache));
+    if (!device_pos_) check(p0 >= 0 && p0 + src.ne[1] <= n_ctx, "kv_store", "positions beyond the cache");
+    launch_kv_store(fp(src), ld(src), src.ne[1], n_head_kv, static_cast<int32_t>(cache.ne[0]), cache.data,
+                    cache.type == dtype::f16, cache.nb1, n_ctx, pos_base(), p0, err_dev_, stream_);
+    launched("kv_store");
+}
+
+void cuda_backend::attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                             const tensor &out) {
+    check_f32(q, "attention", "q");
+    check_f32(out, "attention", "out");
+    check_same(q, out, "attention");
+    check(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0, "attention",
+          "bad head counts");
+    check(p.head_dim <= 256, "attention", "head_dim " + std::to_string(p.head_dim) + " > 256 on the CUDA backend");
+    check(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention", "q " + shape(q) + " is not heads x head_dim");
+    check(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
+    check(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
+          v.ne[1] == k.ne[1] && k.nb1 == v.nb1, "attention", "cache " + shape(k) + " vs head layout");
+    const int64_t n_tok = q.ne[1];
+    if (!device_pos_) check(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
+    attn_args a{p.n_head, p.n_head_kv, p.head_dim, p.n_ctx, p.n_past, p.scale, p.softcap, p.window};
+    const int n_split = attention_splits(n_tok, p.n_head, p.n_ctx);
+    float *part = nullptr;
+    if (n_split > 1)
+        part = static_cast<float *>(grow(attn_part_,
+                                         static_cast<size_t>(n_tok * p.n_head * n_split * (p.head_dim + 2)) * 4,
+                                         "attention"));
+    launch_attention(fp(q), ld(q), n_tok, k.data, v.data, k.type == dtype::f16, k.nb1, a, pos_base(), fp(out), ld(out),
+                     err_dev_, part, n_split, stream_);
+    launched("attention");
+}
+
+// ---- elementwise -------------------------------------------------------------------------------
+
+void cuda_backend::glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) {
+    check_f32(gate, "glu", "gate");
+    check_f32(up, "glu", "up");
+    check_f32(out, "glu", "out");
+    check_same(gate, up, "glu");
+    check_same(gate, out, "glu");
+    launch_elementwise(kind == glu_kind::swiglu ? ew_op::swiglu : ew_op::geglu, fp(gate), ld(gate), fp(up), ld(up),
+                       out.data, ld(out), gate.ne[0], gate.ne[1], 0.0f, stream_);
+    launched("glu");
+}
+
+void cuda_backend::add(const tensor &a, const tensor &b, const tensor &out) {
+    check_f32(a, "add", "a");
+    check_f32(b, "add", "b");
+    check_f32(out, "add", "out");
+    check_same(a, out, "add");
+    const bool bcast = b.ne[1] == 1 && a.ne[1] != 1;
+    check(b.ne[0] == a.ne[0] && (bcast || b.ne[1] == a.ne[1]), "add", "shape mismatch " + shape(a) + " vs " + shape(b));
+    launch_elementwise(bcast ? ew_op::add_bcast : ew_op::add, fp(a), ld(a), fp(b), ld(b), out.data, ld(out), a.ne[0],
+                       a.ne[1], 0.0f, stream_);
+    launched("add");
+}
+
+void cuda_backend::scale(const tensor &x, float s) {
+    check_f32(x, "scale", "x");
+    launch_elementwise(ew_op::scale, fp(x), ld(x), nullptr, 0, x.data, ld(x), x.ne[0], x.ne[1], s, stream_);
+    launched("scale");
+}
+
+void cuda_backend::softcap(const tensor &x, float cap) {
+    check_f32(x, "softcap", "x");
+    check(cap > 0, "softcap", "cap must be positive");
+    launch_elementwise(ew_op::softcap, fp(x), ld(x), nullptr, 0, x.data, ld(x), x.ne[0], x.ne[1], cap, stream_);
+    launched("softcap");
+}
+
+void cuda_backend::softmax(const tensor &x) {
+    check_f32(x, "softmax", "x");
+    launch_softmax(fp(x), ld(x), x.ne[0], x.ne[1], stream_);
+    launched("softmax");
+}
+
+void cuda_backend::copy(const tensor &src, const tensor &dst) {
+    check_f32(src, "copy", "src");
+    check(dst.type == dtype::f32 || dst.type == dtype::f16, "copy", "dst must be f32 or f16");
+    check_same(src, dst, "copy");
+    const bool f16 = dst.type == dtype::f16;
+    check(dst.nb1 % (f16 ? 2 : 4) == 0, "copy", "dst rows misaligned");
+    launch_elementwise(f16 ? ew_op::copy_f16 : ew_op::copy_f32, fp(src), ld(src), nullptr, 0, dst.data,
+                       static_cast<int64_t>(dst.nb1 / (f16 ? 2 : 4)), src.ne[0], src.ne[1], 0.0f, stream_);
+    launched("copy");
+}
+
+}  // namespace
+}  // namespace cuda
+
+bool cuda_device_available() {
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // clear the sticky "no device" error
+        return false;
+    }
+    return count > 0;
+}
+
+std::unique_ptr<cuda_backend_api> make_cuda_backend(const cuda_options &opts) {
+    return std::make_unique<cuda::cuda_backend>(opts);
+}
+
+}  // namespace fathom

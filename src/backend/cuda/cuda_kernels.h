@@ -1,0 +1,77 @@
+// Host-callable launchers for the CUDA backend's kernels (cuda_mm.cu: weight formats; cuda_ops.cu:
+// everything else). Pointers are device addresses; strides are in elements unless named *_bytes.
+// Launchers only enqueue on `s`; shape validation happens in cuda_backend.cpp before they are called.
+// Device-side checks (positions and ids that only exist on the device) set bits in `err`, a
+// host-mapped word read by synchronize().
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/types.h"
+
+namespace fathom::cuda {
+
+enum device_error_bits : uint32_t {
+    err_get_rows_id = 1u << 0,   // a device token id outside the table
+    err_kv_pos = 1u << 1,        // kv_store position outside the cache
+    err_attn_pos = 1u << 2,      // attention span outside the cache
+};
+
+// True when the GEMV / dequantise kernels know dtype t.
+bool mm_supported(dtype t);
+// Byte alignment a weight row pointer and stride need for dtype t's kernels.
+int mm_alignment(dtype t);
+
+// y[m*ldy + r] = W row r . x row m, r < N, m < M (M <= 8). W rows w_stride bytes apart, K % 16 == 0.
+void launch_gemv(dtype t, const void *W, size_t w_stride, int64_t K, int64_t N, const float *x, int64_t ldx,
+                 int64_t M, float *y, int64_t ldy, cudaStream_t s);
+// dst[r*K + k] (bf16) = dequantised W, all N rows.
+void launch_dequant_bf16(dtype t, const void *W, size_t w_stride, int64_t K, int64_t N, uint16_t *dst,
+                         cudaStream_t s);
+// dst[m*K + k] (bf16) = x[m*ldx + k].
+void launch_f32_to_bf16(const float *x, int64_t ldx, int64_t K, int64_t M, uint16_t *dst, cudaStream_t s);
+// out[i*ldo + k] = dequantised table row ids[i]; ids >= n_rows or < 0 set err_get_rows_id.
+void launch_get_rows(dtype t, const void *table, size_t t_stride, int64_t K, int64_t n_rows, const int32_t *ids,
+                     int64_t n, float *out, int64_t ldo, uint32_t *err, cudaStream_t s);
+
+// ---- cuda_ops.cu ---------------------------------------------------------------------------------
+void launch_rms_norm(const float *x, int64_t ldx, const float *w, float eps, int64_t n, int64_t rows, float *y,
+                     int64_t ldy, cudaStream_t s);
+
+// Table of (cos, sin) for positions *pos_base + p0 + t, t < n (pos_base: device int64).
+struct rope_table_args {
+    int32_t n_rot;
+    float freq_base, freq_scale, ext_factor, mscale, corr0, corr1;
+    const float *freq_factors;  // device [n_rot/2] or null
+};
+void launch_rope_table(const int64_t *pos_base, int64_t p0, int64_t n, const rope_table_args &a, float *out,
+                       int64_t ldo, cudaStream_t s);
+void launch_rope(float *x, int64_t ldx, int64_t rows, int64_t n_head, int32_t head_dim, const float *table,
+                 int64_t ldt, int32_t n_rot, bool neox, cudaStream_t s);
+// cache rows h*n_ctx + *pos_base + p0 + t get src row t's head h (f16 or f32 cache).
+void launch_kv_store(const float *src, int64_t lds, int64_t n_tok, int32_t n_head_kv, int32_t hd, void *cache,
+                     bool f16, size_t cache_stride_bytes, int64_t n_ctx, const int64_t *pos_base, int64_t p0,
+                     uint32_t *err, cudaStream_t s);
+struct attn_args {
+    int32_t n_head, n_head_kv, head_dim;
+    int64_t n_ctx, n_past;  // n_past is an offset added to *pos_base
+    float scale, softcap;
+    int32_t window;
+};
+// Key splits for n_tok queries of n_head heads over a cache of n_ctx rows (position-independent).
+int attention_splits(int64_t n_tok, int32_t n_head, int64_t n_ctx);
+// With n_split > 1, `part` holds n_tok*n_head*n_split*(head_dim+2) floats of scratch.
+void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k, const void *v, bool f16,
+                      size_t kv_stride_bytes, const attn_args &a, const int64_t *pos_base, float *out, int64_t ldo,
+                      uint32_t *err, float *part, int n_split, cudaStream_t s);
+
+enum class ew_op { add, add_bcast, scale, softcap, swiglu, geglu, copy_f32, copy_f16 };
+// Row-wise elementwise: out = op(a, b) over rows x n. Pointers/strides per operand (b may be null).
+void launch_elementwise(ew_op op, const float *a, int64_t lda, const float *b, int64_t ldb, void *out,
+                        int64_t ldo, int64_t n, int64_t rows, float param, cudaStream_t s);
+void launch_softmax(float *x, int64_t ldx, int64_t n, int64_t rows, cudaStream_t s);
+void launch_set_i64(int64_t *dst, int64_t v, cudaStream_t s);
+
+}  // namespace fathom::cuda

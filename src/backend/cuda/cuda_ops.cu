@@ -1,0 +1,381 @@
+// CUDA kernels for the non-matmul ops: rms_norm, rope table + rotation, KV-cache store, attention
+// (flash-decoding style: online softmax per warp, optional split over keys with a combine pass),
+// row-wise elementwise ops and softmax. Positions for rope_table / kv_store / attention are read on
+// the device as *pos_base + offset so a captured CUDA graph replays at a new position.
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "core/error.h"
+
+namespace fathom::cuda {
+namespace {
+
+unsigned grid_for(int64_t total, int threads) {
+    const int64_t g = (total + threads - 1) / threads;
+    if (g > 0x7fffffff) throw error("cuda: launch of " + std::to_string(total) + " threads is too large");
+    return static_cast<unsigned>(g);
+}
+
+__device__ __forceinline__ float warp_sum(float a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    return a;
+}
+__device__ __forceinline__ double warp_sum_d(double a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    return a;
+}
+__device__ __forceinline__ float warp_max(float a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    return a;
+}
+
+// Block-wide reductions for 256-thread blocks (result broadcast to every thread).
+__device__ double block_sum_d(double a, double *sh) {
+    a = warp_sum_d(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) sh[warp] = a;
+    __syncthreads();
+    double t = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) t += sh[i];
+    return t;
+}
+__device__ float block_max(float a, float *sh) {
+    a = warp_max(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) sh[warp] = a;
+    __syncthreads();
+    float t = -INFINITY;
+    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) t = fmaxf(t, sh[i]);
+    return t;
+}
+
+// ---- rms_norm: one 256-thread block per row; squares summed in double as the CPU does ----------
+__global__ void rms_norm_kernel(const float *__restrict__ x, int64_t ldx, const float *__restrict__ w, float eps,
+                                int64_t n, float *__restrict__ y, int64_t ldy) {
+    __shared__ double sh[8];
+    const float *xr = x + blockIdx.x * ldx;
+    float *yr = y + blockIdx.x * ldy;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
+    ss = block_sum_d(ss, sh);
+    const float s = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? (xr[i] * s) * w[i] : xr[i] * s;
+}
+
+// ---- rope ------------------------------------------------------------------------------------
+// Same arithmetic as the CPU reference: theta in double, YaRN ramp in float, cos/sin in double.
+__global__ void rope_table_kernel(const int64_t *pos_base, int64_t p0, int64_t n, rope_table_args a, float *out,
+                                  int64_t ldo) {
+    const int half = a.n_rot / 2;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= n * half) return;
+    const int64_t t = idx / half;
+    const int i = static_cast<int>(idx % half);
+    // Negative positions are computed as the CPU reference does (no error).
+    const double pos = static_cast<double>(*pos_base + p0 + t);
+    double theta_extrap = pos * pow(static_cast<double>(a.freq_base), -2.0 * i / a.n_rot);
+    if (a.freq_factors) theta_extrap /= a.freq_factors[i];
+    double theta = a.freq_scale * theta_extrap;
+    if (a.ext_factor != 0.0f) {
+        const float y = (static_cast<float>(i) - a.corr0) / fmaxf(0.001f, a.corr1 - a.corr0);
+        const float ramp = (1.0f - fminf(1.0f, fmaxf(0.0f, y))) * a.ext_factor;
+        theta = theta * (1.0 - ramp) + theta_extrap * ramp;
+    }
+    float *row = out + t * ldo;
+    row[2 * i] = static_cast<float>(cos(theta)) * a.mscale;
+    row[2 * i + 1] = static_cast<float>(sin(theta)) * a.mscale;
+}
+
+__global__ void rope_kernel(float *x, int64_t ldx, int64_t rows, int64_t n_head, int32_t hd,
+                            const float *__restrict__ table, int64_t ldt, int32_t n_rot, bool neox) {
+    const int half = n_rot / 2;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= rows * n_head * half) return;
+    const int i = static_cast<int>(idx % half);
+    const int64_t h = (idx / half) % n_head, t = idx / (half * n_head);
+    float *xh = x + t * ldx + h * hd;
+    float *pa = neox ? xh + i : xh + 2 * i;
+    float *pb = neox ? pa + half : pa + 1;
+    const float c = table[t * ldt + 2 * i], s = table[t * ldt + 2 * i + 1];
+    const float x0 = *pa, x1 = *pb;
+    *pa = x0 * c - x1 * s;
+    *pb = x0 * s + x1 * c;
+}
+
+// ---- kv_store: thread per (token, kv head, dim) -------------------------------------------------
+__global__ void kv_store_kernel(const float *__restrict__ src, int64_t lds, int64_t n_tok, int32_t n_head_kv,
+                                int32_t hd, uint8_t *cache, bool f16, size_t cstride, int64_t n_ctx,
+                                const int64_t *pos_base, int64_t p0, uint32_t *err) {
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= n_tok * n_head_kv * hd) return;
+    const int64_t d = idx % hd, h = (idx / hd) % n_head_kv, t = idx / (static_cast<int64_t>(hd) * n_head_kv);
+    const int64_t pos = *pos_base + p0 + t;
+    if (pos < 0 || pos >= n_ctx) {
+        if (d == 0) atomicOr(err, err_kv_pos);
+        return;
+    }
+    const float v = src[t * lds + h * hd + d];
+    uint8_t *row = cache + static_cast<size_t>(h * n_ctx + pos) * cstride;
+    if (f16) reinterpret_cast<__half *>(row)[d] = __float2half_rn(v);
+    else reinterpret_cast<float *>(row)[d] = v;
+}
+
+// ---- attention --------------------------------------------------------------------------------
+constexpr int kAttnWarps = 4;
+constexpr int kMaxHd = 256;  // head_dim limit: 8 dims per lane
+
+template <bool F16>
+__device__ __forceinline__ float kv_at(const uint8_t *row, int d) {
+    if constexpr (F16) return __half2float(reinterpret_cast<const __half *>(row)[d]);
+    else return reinterpret_cast<const float *>(row)[d];
+}
+
+// Block (item = token*n_head + head, split). Each warp walks keys j0+warp, j0+warp+4, ... of the
+// split's key range with an online softmax; lanes own dims lane + 32*i. The 4 warps are merged in
+// shared memory; with one split the block writes the normalised output, otherwise the unnormalised
+// partial (max, sum, acc[hd]) for attn_combine_kernel.
+template <bool F16>
+__global__ void __launch_bounds__(32 * kAttnWarps) attn_kernel(const float *__restrict__ q, int64_t ldq,
+                                                               const uint8_t *__restrict__ k,
+                                                               const uint8_t *__restrict__ v, size_t kvs,
+                                                               attn_args a, const int64_t *pos_base,
+                                                               int64_t chunk, float *out, int64_t ldo, float *part,
+                                                               uint32_t *err) {
+    __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps];
+    __shared__ float sm_acc[kAttnWarps][kMaxHd];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t item = blockIdx.x;
+    const int split = blockIdx.y, n_split = gridDim.y;
+    const int64_t t = item / a.n_head;
+    const int h = static_cast<int>(item % a.n_head), hk = h / (a.n_head / a.n_head_kv);
+    const int hd = a.head_dim;
+    const int64_t pos = *pos_base + a.n_past + t;
+    if (pos < 0 || pos >= a.n_ctx) {
+        if (threadIdx.x == 0 && split == 0) atomicOr(err, err_attn_pos);
+        return;
+    }
+    const int64_t lo = a.window > 0 ? max(static_cast<int64_t>(0), pos - a.window + 1) : 0;
+    const int64_t j0 = max(lo, split * chunk), j1 = min(pos + 1, (split + 1) * chunk);
+
+    float qr[8], acc[8];
+    const float *qh = q + t * ldq + static_cast<int64_t>(h) * hd;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int d = lane + 32 * i;
+        qr[i] = d < hd ? qh[d] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    const size_t base = static_cast<size_t>(hk) * a.n_ctx;
+    for (int64_t j = j0 + warp; j < j1; j += kAttnWarps) {
+        const uint8_t *kr = k + (base + j) * kvs, *vr = v + (base + j) * kvs;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int d = lane + 32 * i;
+            if (d < hd) s += qr[i] * kv_at<F16>(kr, d);
+        }
+        s = warp_sum(s) * a.scale;
+        if (a.softcap > 0.0f) s = a.softcap * tanhf(s / a.softcap);
+        const float mn = fmaxf(m, s);
+        const float c = expf(m - mn), p = expf(s - mn);
+        l = l * c + p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int d = lane + 32 * i;
+            acc[i] = acc[i] * c + (d < hd ? p * kv_at<F16>(vr, d) : 0.0f);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int d = lane + 32 * i;
+        if (d < hd) sm_acc[warp][d] = acc[i];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm_m[w]);
+    float L = 0.0f, f[kAttnWarps];
+    for (int w = 0; w < kAttnWarps; ++w) {
+        f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - M);
+        L += sm_l[w] * f[w];
+    }
+    if (n_split == 1) {
+        float *o = out + t * ldo + static_cast<int64_t>(h) * hd;
+        const float inv = 1.0f / L;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float s = 0.0f;
+            for (int w = 0; w < kAttnWarps; ++w) s += sm_acc[w][d] * f[w];
+            o[d] = s * inv;
+        }
+    } else {
+        float *pp = part + (item * n_split + split) * (hd + 2);
+        if (threadIdx.x == 0) {
+            pp[0] = M;
+            pp[1] = L;
+        }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float s = 0.0f;
+            for (int w = 0; w < kAttnWarps; ++w) s += sm_acc[w][d] * f[w];
+            pp[2 + d] = s;
+        }
+    }
+}
+
+__global__ void attn_combine_kernel(const float *__restrict__ part, int n_split, attn_args a,
+                                    const int64_t *pos_base, float *out, int64_t ldo) {
+    const int64_t item = blockIdx.x;
+    const int64_t t = item / a.n_head;
+    const int h = static_cast<int>(item % a.n_head), hd = a.head_dim;
+    const int64_t pos = *pos_base + a.n_past + t;
+    if (pos < 0 || pos >= a.n_ctx) return;  // flagged by attn_kernel
+    const float *pp = part + item * n_split * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, pp[s * (hd + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < n_split; ++s) {
+        const float ms = pp[s * (hd + 2)];
+        if (ms != -INFINITY) L += pp[s * (hd + 2) + 1] * expf(ms - M);
+    }
+    float *o = out + t * ldo + static_cast<int64_t>(h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+            const float ms = pp[s * (hd + 2)];
+            if (ms != -INFINITY) acc += pp[s * (hd + 2) + 2 + d] * expf(ms - M);
+        }
+        o[d] = acc / L;
+    }
+}
+
+// ---- elementwise --------------------------------------------------------------------------------
+__global__ void elementwise_kernel(ew_op op, const float *__restrict__ a, int64_t lda, const float *__restrict__ b,
+                                   int64_t ldb, void *out, int64_t ldo, int64_t n, int64_t total, float param) {
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= total) return;
+    const int64_t r = idx / n, i = idx % n;
+    const float x = a[r * lda + i];
+    float y;
+    switch (op) {
+    case ew_op::add: y = x + b[r * ldb + i]; break;
+    case ew_op::add_bcast: y = x + b[i]; break;
+    case ew_op::scale: y = x * param; break;
+    case ew_op::softcap: y = param * tanhf(x / param); break;
+    case ew_op::swiglu: y = x / (1.0f + expf(-x)) * b[r * ldb + i]; break;
+    case ew_op::geglu: {
+        constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
+        y = 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + kCoef * x * x))) * b[r * ldb + i];
+        break;
+    }
+    case ew_op::copy_f16:
+        static_cast<__half *>(out)[r * ldo + i] = __float2half_rn(x);
+        return;
+    default: y = x; break;
+    }
+    static_cast<float *>(out)[r * ldo + i] = y;
+}
+
+__global__ void softmax_kernel(float *x, int64_t ldx, int64_t n) {
+    __shared__ float shf[8];
+    __shared__ double shd[8];
+    float *xr = x + blockIdx.x * ldx;
+    float mx = -INFINITY;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, xr[i]);
+    mx = block_max(mx, shf);
+    double sum = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float e = expf(xr[i] - mx);
+        xr[i] = e;
+        sum += e;
+    }
+    sum = block_sum_d(sum, shd);
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) xr[i] *= inv;
+}
+
+__global__ void set_i64_kernel(int64_t *dst, int64_t v) { *dst = v; }
+
+}  // namespace
+
+void launch_rms_norm(const float *x, int64_t ldx, const float *w, float eps, int64_t n, int64_t rows, float *y,
+                     int64_t ldy, cudaStream_t s) {
+    if (rows == 0) return;
+    rms_norm_kernel<<<grid_for(rows, 1), 256, 0, s>>>(x, ldx, w, eps, n, y, ldy);
+}
+
+void launch_rope_table(const int64_t *pos_base, int64_t p0, int64_t n, const rope_table_args &a, float *out,
+                       int64_t ldo, cudaStream_t s) {
+    const int64_t total = n * (a.n_rot / 2);
+    if (total == 0) return;
+    rope_table_kernel<<<grid_for(total, 128), 128, 0, s>>>(pos_base, p0, n, a, out, ldo);
+}
+
+void launch_rope(float *x, int64_t ldx, int64_t rows, int64_t n_head, int32_t head_dim, const float *table,
+                 int64_t ldt, int32_t n_rot, bool neox, cudaStream_t s) {
+    const int64_t total = rows * n_head * (n_rot / 2);
+    if (total == 0) return;
+    rope_kernel<<<grid_for(total, 256), 256, 0, s>>>(x, ldx, rows, n_head, head_dim, table, ldt, n_rot, neox);
+}
+
+void launch_kv_store(const float *src, int64_t lds, int64_t n_tok, int32_t n_head_kv, int32_t hd, void *cache,
+                     bool f16, size_t cache_stride_bytes, int64_t n_ctx, const int64_t *pos_base, int64_t p0,
+                     uint32_t *err, cudaStream_t s) {
+    const int64_t total = n_tok * n_head_kv * hd;
+    if (total == 0) return;
+    kv_store_kernel<<<grid_for(total, 256), 256, 0, s>>>(src, lds, n_tok, n_head_kv, hd, static_cast<uint8_t *>(cache),
+                                                         f16, cache_stride_bytes, n_ctx, pos_base, p0, err);
+}
+
+// Splits over keys only pay when there are few (token, head) items, i.e. decode; the split count
+// depends on n_tok, n_head and the cache capacity only, never on the position, so graphs stay valid.
+int attention_splits(int64_t n_tok, int32_t n_head, int64_t n_ctx) {
+    const int64_t items = n_tok * n_head;
+    int64_t splits = std::max<int64_t>(1, 264 / std::max<int64_t>(1, items));
+    splits = std::min<int64_t>(splits, std::max<int64_t>(1, (n_ctx + 127) / 128));
+    return static_cast<int>(std::min<int64_t>(splits, 64));
+}
+
+void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k, const void *v, bool f16,
+                      size_t kv_stride_bytes, const attn_args &a, const int64_t *pos_base, float *out, int64_t ldo,
+                      uint32_t *err, float *part, int n_split, cudaStream_t s) {
+    if (n_tok == 0) return;
+    if (a.head_dim > kMaxHd) throw error("cuda attention: head_dim " + std::to_string(a.head_dim) + " > 256");
+    const int64_t items = n_tok * a.n_head;
+    const int64_t chunk = (a.n_ctx + n_split - 1) / n_split;
+    const dim3 grid(grid_for(items, 1), static_cast<unsigned>(n_split));
+    const auto *k8 = static_cast<const uint8_t *>(k), *v8 = static_cast<const uint8_t *>(v);
+    if (f16)
+        attn_kernel<true><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, chunk, out,
+                                                           ldo, part, err);
+    else
+        attn_kernel<false><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, chunk, out,
+                                                            ldo, part, err);
+    if (n_split > 1) attn_combine_kernel<<<grid_for(items, 1), 128, 0, s>>>(part, n_split, a, pos_base, out, ldo);
+}
+
+void launch_elementwise(ew_op op, const float *a, int64_t lda, const float *b, int64_t ldb, void *out, int64_t ldo,
+                        int64_t n, int64_t rows, float param, cudaStream_t s) {
+    const int64_t total = n * rows;
+    if (total == 0) return;
+    elementwise_kernel<<<grid_for(total, 256), 256, 0, s>>>(op, a, lda, b, ldb, out, ldo, n, total, param);
+}
+
+void launch_softmax(float *x, int64_t ldx, int64_t n, int64_t rows, cudaStream_t s) {
+    if (rows == 0) return;
+    softmax_kernel<<<grid_for(rows, 1), 256, 0, s>>>(x, ldx, n);
+}
+
+void launch_set_i64(int64_t *dst, int64_t v, cudaStream_t s) { set_i64_kernel<<<1, 1, 0, s>>>(dst, v); }
+
+}  // namespace fathom::cuda

@@ -1,0 +1,294 @@
+// Device-side decoding of GGUF block formats, shared by the GEMV, dequantise-for-GEMM and get_rows
+// kernels. Every supported type is cut into "units" of 16 weights laid out as two runs of 8
+// consecutive elements of the row: unit u of a row yields w[0..8) for elements [s0, s0+8) and
+// w[8..16) for [s1, s1+8). A unit is what one thread decodes at a time; neighbouring lanes decode
+// neighbouring units, so a warp reads a contiguous stretch of the row.
+//
+// Layouts (bit-exact with ggml, docs/formats/quant-types.md):
+//   q4_0 18 B: f16 d, u8 qs[16]            x[j] = (qs[j]&15 - 8) d, x[j+16] = (qs[j]>>4 - 8) d
+//   q4_1 20 B: f16 d, f16 m, u8 qs[16]     x = q d + m
+//   q5_0 22 B: f16 d, u8 qh[4], u8 qs[16]  5th bit of element j is bit j of qh (j < 32); q - 16
+//   q5_1 24 B: f16 d, f16 m, qh[4], qs[16]
+//   q8_0 34 B: f16 d, i8 qs[32]
+//   q4_k 144 B / 256: f16 d, f16 dmin, u8 scales[12] (6-bit sc/min pairs), u8 qs[128]
+//   q5_k 176 B / 256: as q4_k plus u8 qh[32] before qs
+//   q6_k 210 B / 256: u8 ql[128], u8 qh[64], i8 scales[16], f16 d
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "core/types.h"
+
+namespace fathom::cuda {
+
+__device__ __forceinline__ float ld_f16(const uint8_t *p) {
+    return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t *>(p)));
+}
+__device__ __forceinline__ float ld_bf16(const uint8_t *p) {
+    return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t *>(p)) << 16);
+}
+// 8 bytes from a 2-byte aligned address, as two little-endian words.
+__device__ __forceinline__ void ld8_a2(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
+    const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
+    lo = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+    hi = static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16);
+}
+__device__ __forceinline__ void ld8_a4(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
+    const uint32_t *h = reinterpret_cast<const uint32_t *>(p);
+    lo = h[0];
+    hi = h[1];
+}
+__device__ __forceinline__ uint32_t byte_of(uint32_t lo, uint32_t hi, int i) {
+    return ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu;
+}
+
+// q4_k / q5_k 6-bit (scale, min) pair j of 8 (ggml get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+template <dtype T> struct qtraits;
+template <> struct qtraits<dtype::f32>  { static constexpr int bs = 16,  ts = 64,  align = 4; };
+template <> struct qtraits<dtype::f16>  { static constexpr int bs = 16,  ts = 32,  align = 2; };
+template <> struct qtraits<dtype::bf16> { static constexpr int bs = 16,  ts = 32,  align = 2; };
+template <> struct qtraits<dtype::q4_0> { static constexpr int bs = 32,  ts = 18,  align = 2; };
+template <> struct qtraits<dtype::q4_1> { static constexpr int bs = 32,  ts = 20,  align = 4; };
+template <> struct qtraits<dtype::q5_0> { static constexpr int bs = 32,  ts = 22,  align = 2; };
+template <> struct qtraits<dtype::q5_1> { static constexpr int bs = 32,  ts = 24,  align = 4; };
+template <> struct qtraits<dtype::q8_0> { static constexpr int bs = 32,  ts = 34,  align = 2; };
+template <> struct qtraits<dtype::q4_k> { static constexpr int bs = 256, ts = 144, align = 4; };
+template <> struct qtraits<dtype::q5_k> { static constexpr int bs = 256, ts = 176, align = 4; };
+template <> struct qtraits<dtype::q6_k> { static constexpr int bs = 256, ts = 210, align = 2; };
+
+// Decode unit u of a row starting at `row` into w[16]; s0/s1 are the element offsets of the runs.
+template <dtype T>
+__device__ __forceinline__ void decode_unit(const uint8_t *row, int64_t u, float w[16], int64_t &s0, int64_t &s1);
+
+template <>
+__device__ __forceinline__ void decode_unit<dtype::f32>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                        int64_t &s1) {
+    const float *p = reinterpret_cast<const float *>(row) + 16 * u;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = p[i];
+    s0 = 16 * u;
+    s1 = s0 + 8;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::f16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                        int64_t &s1) {
+    const uint8_t *p = row + 32 * u;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = ld_f16(p + 2 * i);
+    s0 = 16 * u;
+    s1 = s0 + 8;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::bf16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const uint8_t *p = row + 32 * u;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = ld_bf16(p + 2 * i);
+    s0 = 16 * u;
+    s1 = s0 + 8;
+}
+
+// q4_0 / q4_1: unit h (0/1) of a block = qs[8h..8h+8): low nibbles -> elements 8h+i, high -> 16+8h+i.
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q4_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 1;
+    const int h = static_cast<int>(u & 1);
+    const uint8_t *blk = row + 18 * b;
+    const float d = ld_f16(blk);
+    uint32_t lo, hi;
+    ld8_a2(blk + 2 + 8 * h, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t q = byte_of(lo, hi, i);
+        w[i] = (static_cast<int>(q & 15) - 8) * d;
+        w[8 + i] = (static_cast<int>(q >> 4) - 8) * d;
+    }
+    s0 = 32 * b + 8 * h;
+    s1 = s0 + 16;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q4_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 1;
+    const int h = static_cast<int>(u & 1);
+    const uint8_t *blk = row + 20 * b;
+    const float d = ld_f16(blk), m = ld_f16(blk + 2);
+    uint32_t lo, hi;
+    ld8_a4(blk + 4 + 8 * h, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t q = byte_of(lo, hi, i);
+        w[i] = static_cast<float>(q & 15) * d + m;
+        w[8 + i] = static_cast<float>(q >> 4) * d + m;
+    }
+    s0 = 32 * b + 8 * h;
+    s1 = s0 + 16;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q5_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 1;
+    const int h = static_cast<int>(u & 1);
+    const uint8_t *blk = row + 22 * b;
+    const float d = ld_f16(blk);
+    uint32_t qh, lo, hi;
+    ld8_a2(blk + 2, qh, lo);  // qh[4] then qs[0..4): only qh used from this load
+    ld8_a2(blk + 6 + 8 * h, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int j = 8 * h + i;
+        const uint32_t q = byte_of(lo, hi, i);
+        const int x0 = static_cast<int>((q & 15) | (((qh >> j) & 1u) << 4)) - 16;
+        const int x1 = static_cast<int>((q >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16;
+        w[i] = x0 * d;
+        w[8 + i] = x1 * d;
+    }
+    s0 = 32 * b + 8 * h;
+    s1 = s0 + 16;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q5_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 1;
+    const int h = static_cast<int>(u & 1);
+    const uint8_t *blk = row + 24 * b;
+    const float d = ld_f16(blk), m = ld_f16(blk + 2);
+    const uint32_t qh = *reinterpret_cast<const uint32_t *>(blk + 4);
+    uint32_t lo, hi;
+    ld8_a4(blk + 8 + 8 * h, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int j = 8 * h + i;
+        const uint32_t q = byte_of(lo, hi, i);
+        w[i] = static_cast<float>((q & 15) | (((qh >> j) & 1u) << 4)) * d + m;
+        w[8 + i] = static_cast<float>((q >> 4) | (((qh >> (j + 16)) & 1u) << 4)) * d + m;
+    }
+    s0 = 32 * b + 8 * h;
+    s1 = s0 + 16;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q8_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 1;
+    const int h = static_cast<int>(u & 1);
+    const uint8_t *blk = row + 34 * b;
+    const float d = ld_f16(blk);
+    uint32_t a, c, e, f;
+    ld8_a2(blk + 2 + 16 * h, a, c);
+    ld8_a2(blk + 10 + 16 * h, e, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        w[i] = static_cast<float>(static_cast<int8_t>(byte_of(a, c, i))) * d;
+        w[8 + i] = static_cast<float>(static_cast<int8_t>(byte_of(e, f, i))) * d;
+    }
+    s0 = 32 * b + 16 * h;
+    s1 = s0 + 8;
+}
+
+// q4_k / q5_k: unit = (group g of 64, slice s of 8): qs[32g+8s+i] low -> 64g+8s+i (pair 2g),
+// high -> 64g+32+8s+i (pair 2g+1).
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q4_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 4;
+    const int g = static_cast<int>((u >> 2) & 3), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 144 * b;
+    const float d = ld_f16(blk), dmin = ld_f16(blk + 2);
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, blk + 4, sc0, m0);
+    scale_min_k4(2 * g + 1, blk + 4, sc1, m1);
+    const float d0 = d * sc0, mm0 = dmin * m0, d1 = d * sc1, mm1 = dmin * m1;
+    uint32_t lo, hi;
+    ld8_a4(blk + 16 + 32 * g + 8 * s, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t q = byte_of(lo, hi, i);
+        w[i] = d0 * static_cast<float>(q & 15) - mm0;
+        w[8 + i] = d1 * static_cast<float>(q >> 4) - mm1;
+    }
+    s0 = 256 * b + 64 * g + 8 * s;
+    s1 = s0 + 32;
+}
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q5_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 4;
+    const int g = static_cast<int>((u >> 2) & 3), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 176 * b;
+    const float d = ld_f16(blk), dmin = ld_f16(blk + 2);
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * g, blk + 4, sc0, m0);
+    scale_min_k4(2 * g + 1, blk + 4, sc1, m1);
+    const float d0 = d * sc0, mm0 = dmin * m0, d1 = d * sc1, mm1 = dmin * m1;
+    uint32_t lo, hi, hlo, hhi;
+    ld8_a4(blk + 48 + 32 * g + 8 * s, lo, hi);
+    ld8_a4(blk + 16 + 8 * s, hlo, hhi);  // qh[l] for l = 8s+i: bit 2g (low), 2g+1 (high)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t q = byte_of(lo, hi, i), h = byte_of(hlo, hhi, i);
+        w[i] = d0 * static_cast<float>((q & 15) | (((h >> (2 * g)) & 1u) << 4)) - mm0;
+        w[8 + i] = d1 * static_cast<float>((q >> 4) | (((h >> (2 * g + 1)) & 1u) << 4)) - mm1;
+    }
+    s0 = 256 * b + 64 * g + 8 * s;
+    s1 = s0 + 32;
+}
+
+// q6_k: half n (128 elements), pair p, slice s: p = 0 uses ql[64n+8s+i] (low -> 128n+8s+i with
+// qh bits 0-1, high -> 128n+64+8s+i with bits 4-5); p = 1 uses ql[64n+32+8s+i] (low -> +32 with
+// bits 2-3, high -> +96 with bits 6-7). qh byte qh[32n+8s+i]; scales 8n + s/2 + {0,4} or {2,6}.
+template <>
+__device__ __forceinline__ void decode_unit<dtype::q6_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 4;
+    const int n = static_cast<int>((u >> 3) & 1), p = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 210 * b;
+    const float d = ld_f16(blk + 208);
+    const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192) + 8 * n + (s >> 1) + 2 * p;
+    const float d0 = d * sc[0], d1 = d * sc[4];
+    uint32_t lo, hi, hlo, hhi;
+    ld8_a2(blk + 64 * n + 32 * p + 8 * s, lo, hi);
+    ld8_a2(blk + 128 + 32 * n + 8 * s, hlo, hhi);
+    const int sh0 = 2 * p, sh1 = 2 * p + 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t q = byte_of(lo, hi, i), h = byte_of(hlo, hhi, i);
+        w[i] = d0 * static_cast<float>(static_cast<int>((q & 15) | (((h >> sh0) & 3u) << 4)) - 32);
+        w[8 + i] = d1 * static_cast<float>(static_cast<int>((q >> 4) | (((h >> sh1) & 3u) << 4)) - 32);
+    }
+    s0 = 256 * b + 128 * n + 32 * p + 8 * s;
+    s1 = s0 + 64;
+}
+
+// Calls f.template operator()<T>() for the runtime dtype t; returns false for unsupported types.
+template <class F>
+bool dispatch_qtype(dtype t, F &&f) {
+    switch (t) {
+    case dtype::f32: f.template operator()<dtype::f32>(); return true;
+    case dtype::f16: f.template operator()<dtype::f16>(); return true;
+    case dtype::bf16: f.template operator()<dtype::bf16>(); return true;
+    case dtype::q4_0: f.template operator()<dtype::q4_0>(); return true;
+    case dtype::q4_1: f.template operator()<dtype::q4_1>(); return true;
+    case dtype::q5_0: f.template operator()<dtype::q5_0>(); return true;
+    case dtype::q5_1: f.template operator()<dtype::q5_1>(); return true;
+    case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
+    case dtype::q4_k: f.template operator()<dtype::q4_k>(); return true;
+    case dtype::q5_k: f.template operator()<dtype::q5_k>(); return true;
+    case dtype::q6_k: f.template operator()<dtype::q6_k>(); return true;
+    default: return false;
+    }
+}
+
+}  // namespace fathom::cuda

@@ -1,0 +1,105 @@
+// ds4-tiny-a MTP head against ../shared/golden/ds4-tiny/mtp_cases.jsonl: the main model prefills the
+// tokens (f32 KV) keeping its final HC state per position, then the MTP block runs on rows
+// (H_i, t_(i+1)) all at once, one by one and in chunks of 7, for both file layouts.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "core/error.h"
+#include "golden_util.h"
+#include "models/deepseek4.h"
+#include "models/deepseek4_mtp.h"
+
+namespace {
+
+using namespace fathom;
+
+struct fixture_data {
+    std::unique_ptr<ds4::model> main;
+    std::unique_ptr<ds4::mtp_weights> llama_names, ds4_names;
+    std::vector<ds4_test::golden_case> cases;
+};
+
+const fixture_data &data() {
+    static fixture_data d = [] {
+        fixture_data f;
+        f.main = ds4::load_model(ds4_test::golden_dir() + "/ds4-tiny-a.gguf");
+        f.llama_names = ds4::load_mtp(*f.main, ds4_test::golden_dir() + "/ds4-tiny-a-mtp.gguf");
+        f.ds4_names = ds4::load_mtp(*f.main, ds4_test::golden_dir() + "/ds4-tiny-a-mtp-ds4c.gguf");
+        f.cases = ds4_test::load_cases("mtp_cases.jsonl");
+        return f;
+    }();
+    return d;
+}
+
+std::vector<float> run_mtp(const ds4::mtp_weights &w, const ds4_test::golden_case &c,
+                           const std::vector<float> &hc, size_t chunk) {
+    const ds4::model &m = *data().main;
+    const size_t n = c.mtp_tokens.size(), V = static_cast<size_t>(m.hp.n_vocab);
+    const size_t S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
+    ds4::mtp_state st = ds4::new_mtp_state(m, w, c.qat, kv_precision::f32);
+    std::vector<float> logits(n * V);
+    std::vector<int64_t> pos(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    for (size_t b = 0; b < n; b += chunk) {
+        const size_t e = std::min(n, b + chunk);
+        ds4::mtp_forward(m, w, st, std::span(hc).subspan(b * S, (e - b) * S),
+                         std::span(c.mtp_tokens).subspan(b, e - b), std::span(pos).subspan(b, e - b),
+                         std::span(logits).subspan(b * V, (e - b) * V));
+    }
+    return logits;
+}
+
+TEST(ds4_mtp, golden_cases_both_layouts) {
+    const ds4::model &m = *data().main;
+    for (const auto &c : data().cases) {
+        const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
+        ASSERT_EQ(c.mtp_tokens.size(), n);
+        ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
+        std::vector<float> hc(n * S);
+        std::vector<int64_t> pos(n);
+        std::iota(pos.begin(), pos.end(), 0);
+        ds4::forward(m, st, c.tokens, pos, {{}, hc});
+        for (size_t chunk : {n, size_t{1}, size_t{7}}) {
+            const auto v = ds4_test::compare(c, run_mtp(*data().llama_names, c, hc, chunk), m.hp.n_vocab);
+            EXPECT_TRUE(v.ok) << c.name << " (llama.cpp names) chunk " << chunk << ": " << v.why;
+            std::printf("  %-24s chunk %3zu  max e_p %.3g  median e_p %.3g\n", c.name.c_str(), chunk, v.max_e,
+                        v.median_e);
+        }
+        const auto v = ds4_test::compare(c, run_mtp(*data().ds4_names, c, hc, n), m.hp.n_vocab);
+        EXPECT_TRUE(v.ok) << c.name << " (ds4 names): " << v.why;
+    }
+}
+
+// Wrong pairing (state of position i with the embedding of t_i, the antirez/ds4 convention) must fail:
+// guards against a test that cannot tell the conventions apart.
+TEST(ds4_mtp, same_token_pairing_fails) {
+    const ds4::model &m = *data().main;
+    const auto &c = data().cases[8];  // mtp.len5.no_qat
+    ASSERT_EQ(c.name, "mtp.len5.no_qat");
+    const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
+    ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
+    std::vector<float> hc(n * S);
+    std::vector<int64_t> pos(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    ds4::forward(m, st, c.tokens, pos, {{}, hc});
+    ds4_test::golden_case wrong = c;
+    wrong.mtp_tokens = c.tokens;
+    EXPECT_FALSE(ds4_test::compare(c, run_mtp(*data().llama_names, wrong, hc, n), m.hp.n_vocab).ok);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(ds4_mtp, rejects_non_mtp_file) {
+    const auto &main = *data().main;
+    try {
+        fathom::ds4::load_mtp(main, ds4_test::golden_dir() + "/ds4-tiny-a.gguf");
+        ADD_FAILURE() << "main model accepted as MTP file";
+    } catch (const fathom::error &e) {
+        EXPECT_NE(std::string(e.what()).find("nextn_predict_layers"), std::string::npos) << e.what();
+    }
+}
+
+}  // namespace
