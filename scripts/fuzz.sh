@@ -14,13 +14,9 @@ if ! command -v clang++ >/dev/null; then
     echo "fuzz.sh: clang++ not found (apt-get install clang libclang-rt-14-dev)" >&2
     exit 1
 fi
-extra=()
-# Debian's cpp-httplib ships no CMake package file; a caller may point at one with HTTPLIB_DIR.
-if [ -n "${HTTPLIB_DIR:-}" ]; then extra+=("-Dhttplib_DIR=$HTTPLIB_DIR"); fi
-
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-      -DFATHOM_FUZZ=ON -DFATHOM_TESTS=OFF "${extra[@]}" >/dev/null
+      -DFATHOM_FUZZ=ON -DFATHOM_TESTS=OFF >/dev/null
 cmake --build "$build" --target fuzz_gguf gguf_seeds -j2
 
 work="$(mktemp -d)"

@@ -78,11 +78,6 @@ std::string printable(std::string_view s, size_t max_len = 80) {
     return out + "\"";
 }
 
-std::string type_label(const value &v) {
-    if (v.type != value_type::array) return std::string(fathom::gguf::value_type_name(v.type));
-    return "array[" + std::string(fathom::gguf::value_type_name(v.elem_type)) + "]";
-}
-
 std::string format_double(double d) {
     std::ostringstream os;
     os.precision(9);
@@ -228,7 +223,7 @@ void print_info_text(const fathom::gguf::file &f) {
     std::printf("metadata:    %zu entries\n", f.metadata().size());
     for (const auto &e : f.metadata()) {
         const value &v = e.val;
-        std::string line = "  " + printable(e.key, 120) + " " + type_label(v);
+        std::string line = "  " + printable(e.key, 120) + " " + fathom::gguf::value_type_label(v);
         if (v.type == value_type::array) {
             line += " (" + std::to_string(v.arr_len) + ") = " + format_array(v);
         } else {

@@ -29,6 +29,9 @@ struct engine_options {
     bool exact = false;            // reference numerics: dequantised weights x f32 activations, f32 accumulation
     int n_batch = 512;             // prefill chunk (tokens evaluated per forward call)
     std::string device = "cpu";    // "cpu" | "cuda" | "cuda:N"
+    // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
+    // round trips, "full" (trained configuration), "fp4only" or "off".
+    std::string ds4_qat = "full";
     // Called with (done, total) while loading weights; may be empty.
     std::function<void(uint64_t done, uint64_t total)> on_load_progress;
 };

@@ -290,6 +290,11 @@ static value repeat(const value &seq, int64_t n) {
 
 value binary_op(const std::string &op, const value &a, const value &b) {
     if (op == "~") return value::string(py_str(a) + py_str(b));
+    if (op == "%" && a.is_string()) {  // printf-style formatting: a tuple spreads, anything else is one argument
+        value_list args = b.is_tuple() ? b.items() : value_list{b};
+        // Python skips the "not all arguments converted" check for operands with __getitem__.
+        return value::string(py_percent_format(a.as_string(), args, b.is_dict() || b.is_list() || b.is_undefined()));
+    }
     if (a.is_undefined()) fail_undefined(a);
     if (b.is_undefined()) fail_undefined(b);
     if (a.is_number() && b.is_number()) return arith(op, a, b);
@@ -307,10 +312,7 @@ value binary_op(const std::string &op, const value &a, const value &b) {
         if ((a.is_string() || a.is_sequence()) && (b.is_int() || b.is_bool())) return repeat(a, b.as_int());
         if ((b.is_string() || b.is_sequence()) && (a.is_int() || a.is_bool())) return repeat(b, a.as_int());
     }
-    if (op == "%" && a.is_string()) {  // printf-style formatting: a tuple spreads, anything else is one argument
-        value_list args = b.is_tuple() ? b.items() : value_list{b};
-        return value::string(py_percent_format(a.as_string(), args, b.is_dict() || b.is_list()));
-    }
+
     throw fathom::error("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
 }
 
@@ -319,7 +321,10 @@ bool contains(const value &container, const value &item) {
         if (!item.is_string()) throw fathom::error("'in <string>' requires string as left operand, not " + item.type_name());
         return container.as_string().find(item.as_string()) != std::string::npos;
     }
-    if (container.is_dict() || container.is_namespace()) return container.find(item) != nullptr;
+    if (container.is_dict() || container.is_namespace()) {
+        if (item.is_list() || item.is_dict() || item.is_namespace()) throw fathom::error("unhashable type: '" + item.type_name() + "'");
+        return container.find(item) != nullptr;
+    }
     if (container.is_sequence()) {
         for (const auto &e : container.items())
             if (py_equal(e, item)) return true;

@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "chat/chat_template.h"
+#include "engine/ds4_session.h"
 #include "core/error.h"
 #include "fathom/engine.h"
 #include "gguf/gguf.h"
@@ -85,7 +86,7 @@ private:
 
 class engine_impl final : public engine {
 public:
-    explicit engine_impl(const engine_options &o) : opts_(o) {
+    engine_impl(const engine_options &o, std::shared_ptr<const gguf::file> file) : opts_(o), file_(std::move(file)) {
         if (o.device != "cpu") {
             if (o.device.rfind("cuda", 0) == 0) throw error("device '" + o.device + "': this build has no CUDA backend");
             throw error("device '" + o.device + "': expected cpu, cuda or cuda:N");
@@ -93,7 +94,6 @@ public:
         if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
         if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
         if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
-        file_ = gguf::file::open(o.model_path);
         const dense_hparams hp = dense_load_hparams(*file_);  // arch check before anything heavy
         n_ctx_ = o.n_ctx > 0 ? o.n_ctx : std::min(hp.n_ctx_train, 8192);
         n_batch_ = std::min<int64_t>(o.n_batch, n_ctx_);
@@ -165,7 +165,7 @@ private:
     }
 
     engine_options opts_;
-    std::unique_ptr<gguf::file> file_;
+    std::shared_ptr<const gguf::file> file_;  // mapped weights: must outlive model_
     std::unique_ptr<backend> be_;
     std::unique_ptr<dense_model> model_;
     std::unique_ptr<tokenizer> tok_;
@@ -247,6 +247,11 @@ void session_impl::sync(std::span<const int32_t> prefix, const std::function<voi
 
 }  // namespace
 
-std::unique_ptr<engine> engine::load(const engine_options &opts) { return std::make_unique<engine_impl>(opts); }
+std::unique_ptr<engine> engine::load(const engine_options &opts) {
+    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp).
+    std::shared_ptr<const gguf::file> f = gguf::file::open(opts.model_path);
+    if (f->get_string("general.architecture", "") == "deepseek4") return make_ds4_engine(opts, std::move(f));
+    return std::make_unique<engine_impl>(opts, std::move(f));
+}
 
 }  // namespace fathom

@@ -36,6 +36,9 @@ struct value {
     bool is_integer() const;                // any integer scalar type (not bool)
 };
 
+// The type as messages and tools print it: "u32", "string", "array[string]".
+std::string value_type_label(const value &v);
+
 struct kv {
     std::string_view key;
     value val;

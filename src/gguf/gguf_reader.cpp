@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -58,6 +57,11 @@ std::string_view value_type_name(value_type t) {
     return "invalid";
 }
 
+std::string value_type_label(const value &v) {
+    if (v.type != value_type::array) return std::string(value_type_name(v.type));
+    return "array[" + std::string(value_type_name(v.elem_type)) + "]";
+}
+
 namespace {
 
 bool is_signed_int(value_type t) {
@@ -68,12 +72,6 @@ bool is_unsigned_int(value_type t) {
 }
 bool is_float(value_type t) {
     return t == value_type::f32 || t == value_type::f64;
-}
-
-// "string", "u32", "array[string]", "array[array]".
-std::string describe(const value &v) {
-    if (v.type != value_type::array) return std::string(value_type_name(v.type));
-    return "array[" + std::string(value_type_name(v.elem_type)) + "]";
 }
 
 // Little-endian loads from a bounds-checked position.
@@ -421,7 +419,7 @@ void file::parse() {
 
     if (const value *a = find("general.alignment")) {
         if (a->type != value_type::u32) {
-            p.fail("key 'general.alignment' has type " + describe(*a) + ", expected u32");
+            p.fail("key 'general.alignment' has type " + value_type_label(*a) + ", expected u32");
         }
         if (a->u == 0 || (a->u & (a->u - 1)) != 0) {
             p.fail("general.alignment = " + std::to_string(a->u) + " is not a non-zero power of two");
@@ -509,7 +507,7 @@ namespace {
 
 [[noreturn]] void throw_type(const std::string &path, std::string_view key, const value &v,
                              const char *expected) {
-    throw error(path + ": key " + quote(key) + " has type " + describe(v) + ", expected " + expected);
+    throw error(path + ": key " + quote(key) + " has type " + value_type_label(v) + ", expected " + expected);
 }
 
 const value &require(const file &f, std::string_view key) {

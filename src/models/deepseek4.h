@@ -24,6 +24,9 @@
 namespace fathom::gguf {
 class file;
 }
+namespace fathom::cpu {
+class thread_pool;
+}
 
 namespace fathom::ds4 {
 
@@ -197,12 +200,29 @@ struct layer_state {
     row_store idx_rows;         // emitted indexer rows [n_comp, idx_dim]
 };
 
+// How forward() evaluates matrix products (deepseek4_ops.cpp). The default is the single-threaded
+// reference: dequantised weight rows x f32 activations, double accumulation. `pool` splits the rows
+// of every product over its threads (same bits as without it). `quantised` sends non-f32 weights
+// through the quantised kernels (activations quantised to cpu::vec_dot_type(weight), cpu::gemm);
+// f32 weights always take the reference path.
+struct exec_options {
+    cpu::thread_pool *pool = nullptr;
+    bool quantised = false;
+};
+
 struct state {
     int64_t n_past = 0;  // tokens evaluated so far (next position)
+    exec_options exec;   // how products are evaluated (set by the engine; default: reference)
     qat_mode qat = qat_mode::full;
     kv_precision kv = kv_precision::f32;
     std::vector<layer_state> layers;
 };
+
+// KV-cache bytes per token of context for KV rows stored at `kv` precision (spec 4.3-4.5): per
+// ratio-R layer d/R compressed-row elements per token, per ratio-4 layer also idx_dim/4 indexer-row
+// elements, plus every layer's raw ring (window x d, a fixed size) amortised over n_ctx tokens.
+// Compressor frontiers (f32, a fixed few KiB per layer) are not KV rows and are not counted.
+double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx);
 
 // Fresh state for `m` (no tokens).
 state new_state(const model &m, qat_mode qat, kv_precision kv);

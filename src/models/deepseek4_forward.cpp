@@ -88,6 +88,7 @@ static void check_inputs(const model &m, const state &st, std::span<const int32_
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out) {
     check_inputs(m, st, tokens, positions, out);
+    const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
     const hparams &hp = m.hp;
     const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd, S = hp.n_hc * D, V = hp.n_vocab;
     if (n == 0) return;

@@ -393,6 +393,19 @@ void row_store::get(int64_t r, float *dst) const {
         for (int64_t i = 0; i < width_; ++i) dst[i] = cpu::f16_to_f32(f16_[o + static_cast<size_t>(i)]);
 }
 
+double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx) {
+    if (n_ctx <= 0) throw error("kv_bytes_per_token: n_ctx must be positive, got " + std::to_string(n_ctx));
+    const double elt = kv == kv_precision::f16 ? 2.0 : 4.0;
+    double per_token = 0;  // elements of compressed + indexer rows per token of context
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int r = hp.compress_ratio[static_cast<size_t>(il)];
+        if (r > 0) per_token += static_cast<double>(hp.head_dim) / r;
+        if (r == 4) per_token += static_cast<double>(hp.idx_dim) / r;
+    }
+    const double ring = static_cast<double>(hp.n_layer) * hp.window * hp.head_dim;  // elements, fixed
+    return elt * (per_token + ring / static_cast<double>(n_ctx));
+}
+
 static compressor_state new_compressor_state(const compressor_weights &c) {
     compressor_state s;
     s.ratio = c.ratio;

@@ -131,6 +131,7 @@ mtp_state new_mtp_state(const model &main, const mtp_weights &w, qat_mode qat, k
 void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
                  std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
                  std::span<float> logits) {
+    const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
     const hparams &hp = main.hp;
     const int64_t n = static_cast<int64_t>(next_tokens.size()), D = hp.n_embd, S = hp.n_hc * D,
                   V = hp.n_vocab;

@@ -30,6 +30,7 @@ std::unique_ptr<mtp_weights> load_mtp(const model &main, const std::string &path
 struct mtp_state {
     int64_t n_past = 0;
     qat_mode qat = qat_mode::full;
+    exec_options exec;  // see ds4::state
     layer_state block;
 };
 mtp_state new_mtp_state(const model &main, const mtp_weights &w, qat_mode qat, kv_precision kv);

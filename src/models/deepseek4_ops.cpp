@@ -6,6 +6,7 @@
 #include <numbers>
 
 #include "backend/cpu/quants.h"
+#include "backend/cpu/thread_pool.h"
 
 namespace fathom::ds4 {
 
@@ -27,10 +28,17 @@ __attribute__((target_clones("avx2", "default"))) float dot_f32(const float *a, 
     return static_cast<float>(acc[0]);
 }
 
-void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y) {
-    const int64_t k = w.cols, nr = r1 - r0;
+namespace {
+
+const exec_options default_exec{};
+thread_local const exec_options *tl_exec = &default_exec;
+
+// Reference rows [a, b) of W (absolute row ids) for n activations; y has row stride nr, column r - r0.
+void reference_rows(const matrix &w, int64_t r0, int64_t a, int64_t b, const float *x, int64_t n, int64_t nr,
+                    float *y) {
+    const int64_t k = w.cols;
     std::vector<float> scratch;
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = a; r < b; ++r) {
         const float *wr = nullptr;
         const uint8_t *src = w.row(r);
         if (w.type == dtype::f32 && reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) {
@@ -45,6 +53,74 @@ void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_
         }
         for (int64_t i = 0; i < n; ++i) y[i * nr + (r - r0)] = dot_f32(wr, x + i * k, k);
     }
+}
+
+// Thread ith's share [a, b) of [0, total), in whole multiples of `align` (the last share takes the rest).
+void split_range(int64_t total, int64_t align, int ith, int nth, int64_t &a, int64_t &b) {
+    const int64_t units = (total + align - 1) / align;
+    a = std::min(total, units * ith / nth * align);
+    b = std::min(total, units * (ith + 1) / nth * align);
+}
+
+// Run fn(a, b) over [0, total) split across the pool (or inline when there is none / it is small).
+template <class F>
+void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, F &&fn) {
+    // Below ~64k multiply-adds a dispatch costs more than it saves.
+    if (!pool || pool->size() == 1 || total < 2 || total * work_per_row < (int64_t{1} << 16)) {
+        fn(int64_t{0}, total);
+        return;
+    }
+    pool->run([&](int ith, int nth) {
+        int64_t a = 0, b = 0;
+        split_range(total, 4, ith, nth, a, b);
+        if (a < b) fn(a, b);
+    });
+}
+
+// Quantised path: X [n, k] -> vec_dot_type(w) rows once, then cpu::gemm over row shares.
+void quantised_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y,
+                    cpu::thread_pool *pool) {
+    const int64_t k = w.cols, nr = r1 - r0;
+    const dtype vt = cpu::vec_dot_type(w.type);
+    const size_t xs = dtype_row_bytes(vt, k);
+    thread_local std::vector<uint8_t> xq;  // per calling thread; reused across calls
+    xq.resize(xs * static_cast<size_t>(n));
+    uint8_t *xqd = xq.data();
+    parallel_rows(pool, n, k, [&](int64_t a, int64_t b) {
+        for (int64_t i = a; i < b; ++i) cpu::quantize_row(vt, x + i * k, xqd + static_cast<size_t>(i) * xs, k);
+    });
+    const uint8_t *w0 = w.row(r0);  // gemm row ids are relative to r0, so y's columns are too
+    parallel_rows(pool, nr, k * n, [&](int64_t a, int64_t b) {
+        cpu::gemm(w.type, k, w0, w.row_bytes, a, b, xqd, xs, n, y, nr);
+    });
+}
+
+}  // namespace
+
+const exec_options &current_exec() {
+    return *tl_exec;
+}
+
+exec_scope::exec_scope(const exec_options &o) : prev_(tl_exec) {
+    tl_exec = &o;
+}
+
+exec_scope::~exec_scope() {
+    tl_exec = prev_;
+}
+
+void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y) {
+    const exec_options &ex = current_exec();
+    const int64_t nr = r1 - r0;
+    if (nr <= 0 || n <= 0) return;
+    if (ex.quantised && w.type != dtype::f32 && dtype_info(w.type).compute &&
+        w.cols % dtype_info(cpu::vec_dot_type(w.type)).block_size == 0) {
+        quantised_rows(w, r0, r1, x, n, y, ex.pool);
+        return;
+    }
+    // Each row's dot products are independent of the split: same bits for any thread count.
+    parallel_rows(ex.pool, nr, w.cols * n,
+                  [&](int64_t a, int64_t b) { reference_rows(w, r0, r0 + a, r0 + b, x, n, nr, y); });
 }
 
 void matmul(const matrix &w, const float *x, int64_t n, float *y) {

@@ -11,11 +11,27 @@
 
 namespace fathom::ds4 {
 
+// The exec_options that matmul/matmul_rows use on this thread: forward() and mtp_forward() install
+// their state's options for the duration of the call (thread-local, so sessions on different
+// threads do not interfere; the pool's workers never call matmul themselves).
+const exec_options &current_exec();
+class exec_scope {
+  public:
+    explicit exec_scope(const exec_options &o);
+    ~exec_scope();
+    exec_scope(const exec_scope &) = delete;
+    exec_scope &operator=(const exec_scope &) = delete;
+
+  private:
+    const exec_options *prev_;
+};
+
 // Dot product of n floats, accumulated in double (16 lanes, then a fixed pairwise sum).
 float dot_f32(const float *a, const float *b, int64_t n);
 
-// y[i*W.rows + r] = sum_c W[r][c] * x[i*W.cols + c] for i in [0, n). Rows are dequantised once per
-// call (any dtype with CPU dequantisation; f32 rows are read in place when aligned).
+// y[i*W.rows + r] = sum_c W[r][c] * x[i*W.cols + c] for i in [0, n). Reference path (default): rows
+// are dequantised once per call (any dtype with CPU dequantisation; f32 rows are read in place when
+// aligned). current_exec() may thread it over rows and/or route quantised weights through cpu::gemm.
 void matmul(const matrix &w, const float *x, int64_t n, float *y);
 // Same for a row range [r0, r1): y[i*(r1-r0) + (r-r0)].
 void matmul_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int64_t n, float *y);

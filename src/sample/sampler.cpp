@@ -4,7 +4,7 @@
 // [n_vocab] of (token, logit):
 //
 //   penalties (repeat / frequency / presence over the last N history tokens)
-//     -> [logprobs of the full penalised distribution, if asked]
+//     -> log-softmax of the full penalised distribution (the reported logprobs)
 //     -> temperature == 0 ? argmax (ties -> lowest id)
 //     -> top-k -> top-p -> min-p -> temperature -> draw with the seeded RNG.
 //
@@ -162,6 +162,9 @@ void sampler::impl::apply_penalties(std::span<const int32_t> history) {
         if (std::isfinite(l)) {  // a masked (-inf) token stays masked
             l = l > 0.0f ? l / p.repeat_penalty : l * p.repeat_penalty;
             l -= static_cast<float>(c) * p.frequency_penalty + p.presence_penalty;
+            // Extreme (finite) penalties can overflow to +-inf; keep the logit finite so the
+            // softmax and the comparator stay well defined.
+            l = std::clamp(l, -std::numeric_limits<float>::max(), std::numeric_limits<float>::max());
         }
         counts[t] = 0;
     }

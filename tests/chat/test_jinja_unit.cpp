@@ -61,7 +61,8 @@ TEST(jinja_expr, strings_index_by_code_point) {
     EXPECT_EQ(render("{{ s[1] }}", v), "\xC3\xA9");
     EXPECT_EQ(render("{{ s[::-1] }}", v), "oll\xC3\xA9h");
     EXPECT_EQ(render("{{ s[-2:] }}", v), "lo");
-    EXPECT_EQ(render("{{ s.upper() }}", v), "H\xC3\xA9LLO");  // ASCII-only case mapping (documented)
+    EXPECT_EQ(render("{{ s.upper() }}", v), "H\xC3\x89LLO");  // U+00E9 -> U+00C9
+    EXPECT_EQ(render("{{ '\xC3\x9F\xD0\xB6' | upper }}"), "SS\xD0\x96");  // German sharp s, Cyrillic zhe
 }
 
 TEST(jinja_expr, containers_print_like_python) {

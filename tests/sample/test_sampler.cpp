@@ -164,11 +164,14 @@ TEST(Sampler, TopPAndMinPKeepTheShorterCut) {
     p.top_p = 0.6f;
     p.min_p = 0.45f;
     expect_distribution(p, logits_1234(), {{3, 4.0 / 7}, {2, 3.0 / 7}});
-    // top_p = 0.85: cumulative 0.4, 0.7, 0.9 keeps three; min_p = 0.2 (threshold 0.08) keeps
-    // all four, so top-p decides, normalised over the full distribution (not min-p's survivors).
-    p.top_p = 0.85f;
+    // Probabilities {0.05, 0.1, 0.15, 0.3, 0.4}: min_p = 0.2 (threshold 0.08) drops only 0.05;
+    // top_p = 0.72 over the full distribution (cumulative 0.4, 0.7, 0.85) keeps three tokens.
+    // (Normalising over min-p's survivors instead, mass 0.95, would stop at two: 0.42, 0.74.)
+    p.top_p = 0.72f;
     p.min_p = 0.2f;
-    expect_distribution(p, logits_1234(), {{3, 4.0 / 9}, {2, 3.0 / 9}, {1, 2.0 / 9}});
+    const std::vector<float> five = {std::log(0.05f), std::log(0.1f), std::log(0.15f), std::log(0.3f),
+                                     std::log(0.4f)};
+    expect_distribution(p, five, {{4, 0.4 / 0.85}, {3, 0.3 / 0.85}, {2, 0.15 / 0.85}});
 }
 
 TEST(Sampler, TopPSeesTheTopKRenormalisedDistribution) {
@@ -351,6 +354,15 @@ TEST(Sampler, RejectsUnusableInputs) {
     sampler pen(p);
     EXPECT_THROW(pen.sample(logits_1234(), std::vector<int32_t>{0, 4}), fathom::error);
     EXPECT_THROW(pen.sample(logits_1234(), std::vector<int32_t>{-1}), fathom::error);
+    // Penalties large enough to overflow float stay well defined.
+    auto q = plain(1.0f);
+    q.frequency_penalty = -3e38f;
+    q.presence_penalty = 3e38f;
+    q.repeat_penalty = 1e30f;
+    sampler extreme(q);
+    const auto r = extreme.sample(logits_1234(), std::vector<int32_t>{0, 0, 1});
+    EXPECT_GE(r.token, 0);
+    EXPECT_TRUE(std::isfinite(r.logprob) || r.logprob == -INFINITY);
     // Still usable afterwards, and the failed call left no penalty counts behind.
     EXPECT_EQ(pen.sample(logits_1234(), {}).token >= 0, true);
 }

@@ -170,17 +170,19 @@ class ServeTests(unittest.TestCase):
             self.chat(messages=[{"role": "user", "content": "word " * 5000}])
         self.assertIn("context", str(e.exception))
         with self.assertRaises(anthropic.BadRequestError):
-            an().messages.create(model=MODEL, max_tokens=8, temperature=5, messages=MSG)
+            an().messages.create(model=MODEL, max_tokens=8, messages=MSG, extra_body={"temperature": 5})
         self.assertEqual(json.loads(http_get("/health"))["status"], "ok")  # still serving
 
     def test_anthropic(self):
         c = an()
-        r = c.messages.create(model=MODEL, max_tokens=16, temperature=0, system="Be brief.", messages=MSG)
+        # Sampling fields go through extra_body: recent SDK versions dropped them from create().
+        greedy = {"temperature": 0}
+        r = c.messages.create(model=MODEL, max_tokens=16, system="Be brief.", messages=MSG, extra_body=greedy)
         self.assertEqual(r.role, "assistant")
         self.assertIn(r.stop_reason, ("end_turn", "max_tokens"))
         text = "".join(b.text for b in r.content if b.type == "text")
         self.assertTrue(text)
-        with c.messages.stream(model=MODEL, max_tokens=16, temperature=0, system="Be brief.", messages=MSG) as s:
+        with c.messages.stream(model=MODEL, max_tokens=16, system="Be brief.", messages=MSG, extra_body=greedy) as s:
             streamed = "".join(s.text_stream)
             final = s.get_final_message()
         self.assertEqual(streamed, text)

@@ -105,6 +105,34 @@ TEST(Pieces, InvalidUtf8RoundTrips) {
     }
 }
 
+TEST(Pieces, RandomBytesRoundTrip) {
+    // Random byte strings (no 0xF8..0xFF, see InvalidUtf8RoundTrips) mixed with special-token texts, UTF-8
+    // characters and whitespace runs: decode(encode(x)) == x without special parsing; with it, every id is
+    // in range and decoding does not fail.
+    const std::string atoms[] = {"<|endoftext|>", "<s>", "</s>", "<|im_start|>", "é", "中", "🦙", "  ", "\n\n", "\t",
+                                 "'s", "123", "\xE2\x96\x81", "<0x41>"};
+    uint32_t x = 987654321;
+    auto next = [&x]() { return (x = x * 1664525u + 1013904223u) >> 8; };
+    for (const char *name : {"gpt-2", "llama-bpe", "qwen2", "deepseek-v3", "deepseek-llm", "llama-spm", "phi-3"}) {
+        const tokenizer &tok = vocab(name);
+        decode_options opt;
+        opt.strip_prefix_space = true;
+        for (int iter = 0; iter < 150; ++iter) {
+            std::string text;
+            const uint32_t n = next() % 24;
+            for (uint32_t k = 0; k < n; ++k) {
+                if (next() % 3 == 0) {
+                    text += atoms[next() % (sizeof(atoms) / sizeof(atoms[0]))];
+                } else {
+                    text += static_cast<char>(next() % 0xF8);
+                }
+            }
+            ASSERT_EQ(tok.decode(tok.encode(text, false, false), opt), text) << name << " iter " << iter;
+            for (int32_t id : tok.encode(text, true, true)) ASSERT_TRUE(id >= 0 && id < tok.n_vocab());
+        }
+    }
+}
+
 TEST(Pieces, OutOfRangeIdsThrow) {
     const tokenizer &tok = vocab("gpt-2");
     EXPECT_THROW(tok.token_to_piece(-1), fathom::error);

@@ -56,6 +56,10 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->check(CLI::IsMember({"f16", "f32"}));
     cmd->add_flag("--exact", a.exact,
                   "Reference numerics: dequantised weights x f32 activations, f32 accumulation (slow)");
+    cmd->add_option("--qat", a.qat,
+                    "DeepSeek V4 only: simulated QAT round trips, full (trained), fp4only or off")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"full", "fp4only", "off"}));
     cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
 }
 
@@ -168,6 +172,7 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.n_ctx = a.ctx;
     o.kv = a.kv_type == "f32" ? kv_precision::f32 : kv_precision::f16;
     o.exact = a.exact;
+    o.ds4_qat = a.qat;
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));

@@ -345,9 +345,19 @@ void cuda_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w,
     }
     if (M == 0) return;
     if (M <= 8) {
+        // The GEMV reads x as float4: a misaligned view is first copied to aligned scratch.
+        const float *xs = fp(x);
+        int64_t ldxs = ld(x);
+        if (reinterpret_cast<uintptr_t>(x.data) % 16 != 0 || x.nb1 % 16 != 0) {
+            auto *tmp = static_cast<float *>(grow(xbuf_, static_cast<size_t>(M * K) * 4, "mul_mat"));
+            launch_elementwise(ew_op::copy_f32, fp(x), ld(x), nullptr, 0, tmp, K, K, M, 0.0f, stream_);
+            launched("mul_mat: align x");
+            xs = tmp;
+            ldxs = K;
+        }
         for (int i = 0; i < n_pairs; ++i) {
             const tensor &W = *w[i], &Y = *out[i];
-            launch_gemv(W.type, W.data, W.nb1, K, W.ne[1], fp(x), ld(x), M, fp(Y), ld(Y), stream_);
+            launch_gemv(W.type, W.data, W.nb1, K, W.ne[1], xs, ldxs, M, fp(Y), ld(Y), stream_);
             launched("mul_mat");
         }
         return;

@@ -24,7 +24,8 @@ bool mm_supported(dtype t);
 // Byte alignment a weight row pointer and stride need for dtype t's kernels.
 int mm_alignment(dtype t);
 
-// y[m*ldy + r] = W row r . x row m, r < N, m < M (M <= 8). W rows w_stride bytes apart, K % 16 == 0.
+// y[m*ldy + r] = W row r . x row m, r < N, m < M. W rows w_stride bytes apart, K % 16 == 0,
+// x rows 16-byte aligned. Meant for small M (decode); each 4 rows of x re-read W.
 void launch_gemv(dtype t, const void *W, size_t w_stride, int64_t K, int64_t N, const float *x, int64_t ldx,
                  int64_t M, float *y, int64_t ldy, cudaStream_t s);
 // dst[r*K + k] (bf16) = dequantised W, all N rows.

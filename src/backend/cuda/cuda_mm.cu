@@ -12,24 +12,18 @@ namespace {
 
 constexpr int kGemvWarps = 4;  // rows per 128-thread block: one warp per output row
 
-template <bool Vec>
+// x is 16-byte aligned (the backend checks x rows, and s0/s1 are multiples of 8).
 __device__ __forceinline__ float dot8(const float *w, const float *x) {
-    float a = 0.0f;
-    if constexpr (Vec) {
-        const float4 x0 = __ldg(reinterpret_cast<const float4 *>(x));
-        const float4 x1 = __ldg(reinterpret_cast<const float4 *>(x) + 1);
-        a = w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w;
-        a += w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a += w[i] * __ldg(x + i);
-    }
+    const float4 x0 = __ldg(reinterpret_cast<const float4 *>(x));
+    const float4 x1 = __ldg(reinterpret_cast<const float4 *>(x) + 1);
+    float a = w[0] * x0.x + w[1] * x0.y + w[2] * x0.z + w[3] * x0.w;
+    a += w[4] * x1.x + w[5] * x1.y + w[6] * x1.z + w[7] * x1.w;
     return a;
 }
 
 // One warp per output row r: lanes stride over the row's 16-weight units, each lane keeps M partial
 // sums, then a warp reduction. x rows are read through the read-only cache (reused by every warp).
-template <dtype T, int M, bool Vec>
+template <dtype T, int M>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_kernel(const uint8_t *__restrict__ W, size_t w_stride,
                                                                int64_t units, int64_t N, const float *__restrict__ x,
                                                                int64_t ldx, float *__restrict__ y, int64_t ldy) {
@@ -48,7 +42,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_kernel(const uint8_t *__
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             const float *xm = x + m * ldx;
-            acc[m] += dot8<Vec>(w, xm + s0) + dot8<Vec>(w + 8, xm + s1);
+            acc[m] += dot8(w, xm + s0) + dot8(w + 8, xm + s1);
         }
     }
 #pragma unroll
@@ -116,19 +110,19 @@ unsigned grid_for(int64_t total, int threads) {
 
 template <dtype T, int M>
 void gemv_m(const void *W, size_t w_stride, int64_t K, int64_t N, const float *x, int64_t ldx, float *y, int64_t ldy,
-            bool vec, cudaStream_t s) {
-    const unsigned grid = grid_for(N, kGemvWarps);
-    const auto *w8 = static_cast<const uint8_t *>(W);
-    if (vec)
-        gemv_kernel<T, M, true><<<grid, 32 * kGemvWarps, 0, s>>>(w8, w_stride, K / 16, N, x, ldx, y, ldy);
-    else
-        gemv_kernel<T, M, false><<<grid, 32 * kGemvWarps, 0, s>>>(w8, w_stride, K / 16, N, x, ldx, y, ldy);
+            cudaStream_t s) {
+    gemv_kernel<T, M><<<grid_for(N, kGemvWarps), 32 * kGemvWarps, 0, s>>>(static_cast<const uint8_t *>(W), w_stride,
+                                                                        K / 16, N, x, ldx, y, ldy);
 }
+
+struct supported_fn {
+    template <dtype T> void operator()() const {}
+};
 
 }  // namespace
 
 bool mm_supported(dtype t) {
-    return dispatch_qtype(t, []<dtype T>() {});
+    return dispatch_qtype(t, supported_fn{});
 }
 
 int mm_alignment(dtype t) {
@@ -139,19 +133,17 @@ int mm_alignment(dtype t) {
 
 void launch_gemv(dtype t, const void *W, size_t w_stride, int64_t K, int64_t N, const float *x, int64_t ldx,
                  int64_t M, float *y, int64_t ldy, cudaStream_t s) {
-    const bool vec = (reinterpret_cast<uintptr_t>(x) % 16 == 0) && (ldx % 4 == 0);
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 4 != 0)
+        throw error("cuda gemv: activation rows must be 16-byte aligned");
+    // M is covered by chunks of 4, 2 and 1 rows (fewer template instances than one per M).
     const bool ok = dispatch_qtype(t, [&]<dtype T>() {
-        switch (M) {
-        case 1: gemv_m<T, 1>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 2: gemv_m<T, 2>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 3: gemv_m<T, 3>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 4: gemv_m<T, 4>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 5: gemv_m<T, 5>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 6: gemv_m<T, 6>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 7: gemv_m<T, 7>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        case 8: gemv_m<T, 8>(W, w_stride, K, N, x, ldx, y, ldy, vec, s); break;
-        default: throw error("cuda gemv: M = " + std::to_string(M) + " outside 1..8");
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) gemv_m<T, 4>(W, w_stride, K, N, x + m * ldx, ldx, y + m * ldy, ldy, s);
+        if (m + 2 <= M) {
+            gemv_m<T, 2>(W, w_stride, K, N, x + m * ldx, ldx, y + m * ldy, ldy, s);
+            m += 2;
         }
+        if (m < M) gemv_m<T, 1>(W, w_stride, K, N, x + m * ldx, ldx, y + m * ldy, ldy, s);
     });
     if (!ok) throw error("cuda gemv: unsupported weight type " + std::string(dtype_name(t)));
 }
