@@ -1,0 +1,6 @@
+# tests/cuda (only reached with -DFATHOM_CUDA=ON; see tests/CMakeLists.txt): test_cuda is the
+# GoogleTest suite (op-by-op vs the CPU backend, CUDA-graph replay; skips without a device).
+# bench_cuda measures decode GEMV bandwidth against the device copy bandwidth (not a ctest).
+add_executable(bench_cuda ${CMAKE_CURRENT_SOURCE_DIR}/cuda/bench_cuda.cpp)
+target_include_directories(bench_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(bench_cuda PRIVATE fathom_core)
