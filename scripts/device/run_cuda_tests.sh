@@ -13,6 +13,13 @@ if [ "${1:-}" = "--sanitize" ]; then sanitize=1; shift; fi
 reps="${1:-5}"
 
 export LD_LIBRARY_PATH="$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+# cuBLAS / cudart 13 may live only in a Python wheel (PyTorch's) on the device image.
+for lib in libcublas.so.13 libcudart.so.13; do
+    if ! ldd "$carry/test_cuda" | grep "$lib" | grep -q "=> /"; then
+        d=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
+        [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):$LD_LIBRARY_PATH"
+    fi
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
 if ldd "$carry/test_cuda" | grep -q "not found"; then
     echo "missing shared libraries:"; ldd "$carry/test_cuda" | grep "not found"
@@ -22,7 +29,7 @@ rc=0
 "$carry/test_cuda" --gtest_color=no 2>&1 | tee "$out/test_cuda.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 if [ "$sanitize" = 1 ] && command -v compute-sanitizer >/dev/null; then
-    timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$carry/test_cuda" --gtest_color=no \
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$carry/test_cuda" --gtest_color=no \
         --gtest_filter='CudaOps.*:CudaGraph.*' 2>&1 | tail -40 | tee "$out/memcheck.log"
 fi
 timeout 240 "$carry/bench_cuda" "$reps" 2>&1 | tee "$out/bench_cuda.log"

@@ -4,6 +4,8 @@
 // {"name":..,"arguments":..} (or "parameters"), {"function":{...}}, {"tool_calls":[...]} or an array.
 #include "server/tool_calls.h"
 
+#include "chat/dsml.h"  // make_dsml_tool_format
+
 #include <algorithm>
 #include <random>
 
@@ -167,6 +169,9 @@ public:
 
 }  // namespace
 
-std::unique_ptr<tool_format> make_tool_format(std::string_view) { return std::make_unique<hermes_format>(); }
+std::unique_ptr<tool_format> make_tool_format(std::string_view arch) {
+    if (arch == "deepseek4") return make_dsml_tool_format();  // DSML, defined in chat/dsml.cpp
+    return std::make_unique<hermes_format>();
+}
 
 }  // namespace fathom::server

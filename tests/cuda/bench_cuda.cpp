@@ -1,4 +1,4 @@
-// Decode GEMV bandwidth on the CUDA backend for SmolLM2-135M shapes, against the device's measured
+// Decode GEMV bandwidth on the CUDA backend for SmolLM2-135M (and two Gemma3-270M) shapes, against the device's measured
 // copy bandwidth. Each weight is replicated until the copies span 256 MiB (several times the L2),
 // and a CUDA graph of one GEMV per copy is replayed, so every GEMV streams its weight from HBM and
 // launch overhead is amortised. Prints one line per (shape, type). Usage: bench_cuda [reps]
@@ -77,7 +77,9 @@ int main(int argc, char **argv) {
     };
     const shape shapes[] = {{"attn_q/o 576x576", 576, 576}, {"attn_k/v 192x576", 192, 576},
                             {"ffn_gate/up 1536x576", 1536, 576}, {"ffn_down 576x1536", 576, 1536},
-                            {"lm_head 49152x576", 49152, 576}};
+                            {"lm_head 49152x576", 49152, 576},
+                            // Gemma3-270M: the K = 2048 down projection admits k-quants.
+                            {"g3 ffn_down 640x2048", 640, 2048}, {"g3 lm_head 262144x640", 262144, 640}};
     const dtype types[] = {dtype::q4_1, dtype::q8_0, dtype::q5_0, dtype::q4_k, dtype::q6_k, dtype::f16};
     std::mt19937 rng(5);
     std::normal_distribution<float> nd(0.0f, 0.5f);

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "fathom/engine.h"
 #include "gguf/gguf.h"
+#include "kv/kv_cache.h"
 #include "models/dense.h"
 
 using namespace fathom;
@@ -53,35 +54,43 @@ double rel_l2(const float *a, const float *b, size_t n) {
     return std::sqrt(e / r);
 }
 
-// Compare all-position logits with a golden JSON (make_reference_json.py); returns the worst
-// relative error over the stored entries, normalised by each row's L2 norm.
-void check_reference(const std::string &model, const std::string &json_name, double tol) {
-    if (!exists(model)) GTEST_SKIP() << model << " not installed";
-    std::ifstream in(std::string(FATHOM_SOURCE_DIR) + "/tests/models/data/" + json_name);
-    ASSERT_TRUE(in.good());
-    const auto j = nlohmann::json::parse(in);
-    const std::vector<int32_t> toks = j["tokens"].get<std::vector<int32_t>>();
-    auto e = load(model, true, kv_precision::f32);
-    const int64_t nv = e->info().n_vocab;
-    ASSERT_EQ(nv, j["n_vocab"].get<int64_t>());
-    std::vector<float> lg(toks.size() * nv);
-    e->new_session()->eval(toks, lg.data());
+// Compare all-position logits [n_tok x n_vocab] with a golden JSON (make_reference_json.py):
+// argmax per position, and every stored entry within tol of the reference relative to the
+// row's RMS (norm / sqrt(n_vocab)).
+void compare_reference(const std::vector<float> &lg, const nlohmann::json &j, double tol, const std::string &what) {
+    const int64_t nv = j["n_vocab"].get<int64_t>();
+    const size_t n_tok = j["tokens"].size();
+    ASSERT_EQ(lg.size(), n_tok * nv);
     double worst = 0;
-    for (size_t p = 0; p < toks.size(); ++p) {
+    for (size_t p = 0; p < n_tok; ++p) {
         const auto &pos = j["positions"][p];
-        const double norm = pos["norm"].get<double>();
+        const double rms = pos["norm"].get<double>() / std::sqrt(double(nv));
         const float *row = &lg[p * nv];
         int64_t am = 0;
         for (int64_t i = 1; i < nv; ++i)
             if (row[i] > row[am]) am = i;
-        EXPECT_EQ(am, pos["ids"][0].get<int64_t>()) << "argmax at position " << p;
-        for (size_t k = 0; k < pos["ids"].size(); ++k) {
-            const double ref = pos["logits"][k].get<double>();
-            worst = std::max(worst, std::abs(row[pos["ids"][k].get<int64_t>()] - ref) / norm * std::sqrt(double(nv)));
-        }
+        EXPECT_EQ(am, pos["ids"][0].get<int64_t>()) << what << ": argmax at position " << p;
+        for (size_t k = 0; k < pos["ids"].size(); ++k)
+            worst = std::max(worst, std::abs(row[pos["ids"][k].get<int64_t>()] - pos["logits"][k].get<double>()) / rms);
     }
-    // Entries are compared relative to the row's RMS (norm / sqrt(n_vocab)).
-    EXPECT_LT(worst, tol) << json_name;
+    EXPECT_LT(worst, tol) << what;
+}
+
+nlohmann::json read_json(const std::string &name) {
+    std::ifstream in(std::string(FATHOM_SOURCE_DIR) + "/tests/models/data/" + name);
+    if (!in.good()) throw error("cannot open " + name);
+    return nlohmann::json::parse(in);
+}
+
+void check_reference(const std::string &model, const std::string &json_name, double tol) {
+    if (!exists(model)) GTEST_SKIP() << model << " not installed";
+    const auto j = read_json(json_name);
+    const std::vector<int32_t> toks = j["tokens"].get<std::vector<int32_t>>();
+    auto e = load(model, true, kv_precision::f32);
+    ASSERT_EQ(e->info().n_vocab, j["n_vocab"].get<int64_t>());
+    std::vector<float> lg(toks.size() * e->info().n_vocab);
+    e->new_session()->eval(toks, lg.data());
+    compare_reference(lg, j, tol, json_name);
 }
 
 }  // namespace
@@ -399,4 +408,30 @@ TEST(Smollm2, MatchesLlamaCppGolden) {
     EXPECT_LT(sum_err / double(n_cases), 0.06) << "mean relative L2 vs llama.cpp";
     std::printf("worst rel L2 %.4f, mean %.4f, %zu/%zu cases fully matched\n", worst, sum_err / double(n_cases),
                 n_full_match, n_cases);
+}
+
+// A tiny random qwen3 (per-head q/k norm, NeoX RoPE, head_dim 16 != 32/4, GQA 4/2, untied f16
+// output, f16 V) through the internal API, against dense_reference.py's float64 logits
+// (tests/models/scripts/make_tiny_qwen3.py wrote both files). Chunked in 3s to cross batches.
+TEST(Qwen3, TinyModelMatchesFloat64Reference) {
+    const auto j = read_json("tiny_qwen3_reference.json");
+    auto f = gguf::file::open(std::string(FATHOM_SOURCE_DIR) + "/tests/models/data/tiny_qwen3.gguf");
+    cpu_options co;
+    co.n_threads = 2;
+    co.exact = true;
+    auto be = make_cpu_backend(co);
+    auto m = dense_load(*f, *be);
+    EXPECT_TRUE(m->hp.qk_norm);
+    EXPECT_EQ(m->hp.rope.mode, rope_mode::neox);
+    EXPECT_NE(m->output.data, m->tok_embd.data);
+    const auto toks = j["tokens"].get<std::vector<int32_t>>();
+    const int64_t nv = m->hp.n_vocab, n = int64_t(toks.size());
+    kv_cache kv(*be, m->hp.n_layer, m->hp.n_head_kv, m->hp.head_dim, 64, dtype::f32);
+    auto s = dense_scratch_create(m->hp, *be, 3);
+    std::vector<float> lg(n * nv);
+    for (int64_t p = 0; p < n; p += 3) {
+        const int64_t c = std::min<int64_t>(3, n - p);
+        dense_forward(*m, *be, kv, *s, &toks[p], c, p, c, &lg[p * nv]);
+    }
+    compare_reference(lg, j, 1e-4, "tiny qwen3");
 }

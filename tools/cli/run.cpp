@@ -7,6 +7,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "fathom/error.h"
+#include "fathom/pflash.h"
 
 namespace fathom::cli {
 
@@ -20,6 +21,12 @@ struct run_args {
     std::string system;
     int32_t n_predict = 256;
     bool no_chat = false;
+    // PFlash prompt compression (docs/pflash.md).
+    bool pflash = false;
+    double keep_ratio = 0.2;
+    std::string drafter = "smollm2";
+    std::string drafter_residency = "auto";
+    bool pflash_verbatim_user = false;
 };
 
 std::string read_file(const std::string &path) {
@@ -32,6 +39,8 @@ std::string read_file(const std::string &path) {
 
 void run_main(const run_args &a) {
     a.sampling.validate();  // before the (slow) load, so a bad --temp fails at once
+    pflash::validate_keep_ratio(a.keep_ratio, "--keep-ratio");
+    const pflash::drafter_residency residency = pflash::parse_residency(a.drafter_residency);
     const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
     auto eng = load_engine(a.model);
 
@@ -43,7 +52,25 @@ void run_main(const run_args &a) {
         msgs.push_back({"user", prompt});
         text = eng->apply_chat_template(msgs, /*add_generation_prompt=*/true);
     }
-    const std::vector<int32_t> tokens = tokenize_prompt(*eng, text);
+    std::vector<int32_t> tokens = tokenize_prompt(*eng, text);
+    if (a.pflash) {
+        pflash::options po;
+        po.drafter_path = resolve_model_path(a.drafter, a.model.models_dir);
+        po.keep_ratio = a.keep_ratio;
+        po.residency = residency;
+        po.n_threads = a.model.threads;
+        // `run` has one user message: by default it is the text to compress (its question sits in the
+        // always-kept tail chunks); --pflash-verbatim-user keeps it whole instead.
+        po.verbatim_last_user = a.pflash_verbatim_user;
+        const pflash::result r = pflash::compressor::create(po)->compress(*eng, tokens);
+        std::fprintf(stderr, "pflash: prompt %lld -> %lld tokens (keep %.3f, %lld/%lld chunks) in %.3f s\n",
+                     static_cast<long long>(r.n_original), static_cast<long long>(r.n_effective), a.keep_ratio,
+                     static_cast<long long>(r.n_kept_chunks), static_cast<long long>(r.n_chunks), r.total_s);
+        std::fprintf(stderr, "pflash: drafter %lld tokens: load %.3f s, prefill %.3f s, queries %.3f s, scoring %.3f s\n",
+                     static_cast<long long>(r.n_drafter_tokens), r.load_s, r.drafter_prefill_s, r.drafter_query_s,
+                     r.drafter_attend_s);
+        tokens = r.tokens;
+    }
 
     auto sess = eng->new_session();
     sampler smp(a.sampling);
@@ -71,6 +98,15 @@ void add_run_command(CLI::App &app) {
     cmd->add_option("--system", a->system, "System message (chat mode only)");
     cmd->add_flag("--no-chat", a->no_chat,
                   "Feed the prompt as raw text instead of wrapping it in the model's chat template");
+    cmd->add_flag("--pflash", a->pflash, "Compress the prompt with PFlash before prefill (docs/pflash.md)");
+    cmd->add_option("--keep-ratio", a->keep_ratio, "PFlash: fraction of prompt chunks kept, in [0, 1]")
+        ->capture_default_str();
+    cmd->add_option("--drafter", a->drafter, "PFlash: drafter model (path or short name)")->capture_default_str();
+    cmd->add_option("--drafter-residency", a->drafter_residency,
+                    "PFlash: keep | release-after-use | auto (drafter memory after use)")
+        ->capture_default_str();
+    cmd->add_flag("--pflash-verbatim-user", a->pflash_verbatim_user,
+                  "PFlash: never compress the (last) user message, only what surrounds it");
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a, p, f]() {
         if (p->count() == 0 && f->count() == 0) throw error("run: a prompt is required (-p TEXT or -f FILE)");

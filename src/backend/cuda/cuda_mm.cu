@@ -10,7 +10,7 @@
 namespace fathom::cuda {
 namespace {
 
-constexpr int kGemvWarps = 4;  // rows per 128-thread block: one warp per output row
+constexpr int kGemvWarps = 4;  // 128-thread blocks
 
 // x is 16-byte aligned (the backend checks x rows, and s0/s1 are multiples of 8).
 __device__ __forceinline__ float dot8(const float *w, const float *x) {
@@ -21,36 +21,41 @@ __device__ __forceinline__ float dot8(const float *w, const float *x) {
     return a;
 }
 
-// One warp per output row r: lanes stride over the row's 16-weight units, each lane keeps M partial
-// sums, then a warp reduction. x rows are read through the read-only cache (reused by every warp).
-template <dtype T, int M>
+// LPR lanes per output row (8 or 32): a warp covers 32/LPR rows. Small K (few units per row) uses
+// 8 lanes per row so lanes stay busy and each warp keeps 4 rows' loads in flight; large K uses the
+// whole warp. Lanes stride over the row's 16-weight units, keep M partial sums, and reduce within
+// their group (xor shuffles below LPR stay inside the group). x rows are read through the
+// read-only cache (every warp reuses them).
+template <dtype T, int M, int LPR>
 __global__ void __launch_bounds__(32 * kGemvWarps) gemv_kernel(const uint8_t *__restrict__ W, size_t w_stride,
                                                                int64_t units, int64_t N, const float *__restrict__ x,
                                                                int64_t ldx, float *__restrict__ y, int64_t ldy) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp;
-    if (r >= N) return;
-    const uint8_t *row = W + static_cast<size_t>(r) * w_stride;
+    const int sub = lane % LPR;
+    const int64_t r = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + warp) * (32 / LPR) + lane / LPR;
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    if (r < N) {  // no early return: every lane takes part in the shuffles below
+        const uint8_t *row = W + static_cast<size_t>(r) * w_stride;
 #pragma unroll 2
-    for (int64_t u = lane; u < units; u += 32) {
-        float w[16];
-        int64_t s0, s1;
-        decode_unit<T>(row, u, w, s0, s1);
+        for (int64_t u = sub; u < units; u += LPR) {
+            float w[16];
+            int64_t s0, s1;
+            decode_unit<T>(row, u, w, s0, s1);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const float *xm = x + m * ldx;
-            acc[m] += dot8(w, xm + s0) + dot8(w + 8, xm + s1);
+            for (int m = 0; m < M; ++m) {
+                const float *xm = x + m * ldx;
+                acc[m] += dot8(w, xm + s0) + dot8(w + 8, xm + s1);
+            }
         }
     }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         float a = acc[m];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        if (lane == 0) y[m * ldy + r] = a;
+        for (int o = LPR / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (sub == 0 && r < N) y[m * ldy + r] = a;
     }
 }
 
@@ -111,8 +116,15 @@ unsigned grid_for(int64_t total, int threads) {
 template <dtype T, int M>
 void gemv_m(const void *W, size_t w_stride, int64_t K, int64_t N, const float *x, int64_t ldx, float *y, int64_t ldy,
             cudaStream_t s) {
-    gemv_kernel<T, M><<<grid_for(N, kGemvWarps), 32 * kGemvWarps, 0, s>>>(static_cast<const uint8_t *>(W), w_stride,
-                                                                        K / 16, N, x, ldx, y, ldy);
+    const auto *w8 = static_cast<const uint8_t *>(W);
+    const int64_t units = K / 16;
+    if (units <= 128) {
+        gemv_kernel<T, M, 8><<<grid_for(N, kGemvWarps * 4), 32 * kGemvWarps, 0, s>>>(w8, w_stride, units, N, x, ldx,
+                                                                                    y, ldy);
+    } else {
+        gemv_kernel<T, M, 32><<<grid_for(N, kGemvWarps), 32 * kGemvWarps, 0, s>>>(w8, w_stride, units, N, x, ldx, y,
+                                                                                 ldy);
+    }
 }
 
 struct supported_fn {

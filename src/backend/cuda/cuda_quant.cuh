@@ -1,4 +1,4 @@
-// Device-side decoding of GGUF block formats, shared by the GEMV, dequantise-for-GEMM and get_rows
+// Decoding of GGUF block formats (host + device, so the layouts can be checked without a GPU), shared by the GEMV, dequantise-for-GEMM and get_rows
 // kernels. Every supported type is cut into "units" of 16 weights laid out as two runs of 8
 // consecutive elements of the row: unit u of a row yields w[0..8) for elements [s0, s0+8) and
 // w[8..16) for [s1, s1+8). A unit is what one thread decodes at a time; neighbouring lanes decode
@@ -16,36 +16,42 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <vector_types.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "core/types.h"
 
+// Loop unrolling hint for nvcc; nothing for a host compiler (tests include this header from C++).
+#ifdef __CUDACC__
+#define FATHOM_UNROLL _Pragma("unroll")
+#else
+#define FATHOM_UNROLL
+#endif
+
 namespace fathom::cuda {
 
-__device__ __forceinline__ float ld_f16(const uint8_t *p) {
+__host__ __device__ __forceinline__ float ld_f16(const uint8_t *p) {
     return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t *>(p)));
 }
-__device__ __forceinline__ float ld_bf16(const uint8_t *p) {
-    return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t *>(p)) << 16);
-}
 // 8 bytes from a 2-byte aligned address, as two little-endian words.
-__device__ __forceinline__ void ld8_a2(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
+__host__ __device__ __forceinline__ void ld8_a2(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
     const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
     lo = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
     hi = static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16);
 }
-__device__ __forceinline__ void ld8_a4(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
+__host__ __device__ __forceinline__ void ld8_a4(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
     const uint32_t *h = reinterpret_cast<const uint32_t *>(p);
     lo = h[0];
     hi = h[1];
 }
-__device__ __forceinline__ uint32_t byte_of(uint32_t lo, uint32_t hi, int i) {
+__host__ __device__ __forceinline__ uint32_t byte_of(uint32_t lo, uint32_t hi, int i) {
     return ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu;
 }
 
 // q4_k / q5_k 6-bit (scale, min) pair j of 8 (ggml get_scale_min_k4).
-__device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
+__host__ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
     if (j < 4) {
         sc = q[j] & 63;
         m = q[j + 4] & 63;
@@ -56,9 +62,9 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, i
 }
 
 template <dtype T> struct qtraits;
-template <> struct qtraits<dtype::f32>  { static constexpr int bs = 16,  ts = 64,  align = 4; };
-template <> struct qtraits<dtype::f16>  { static constexpr int bs = 16,  ts = 32,  align = 2; };
-template <> struct qtraits<dtype::bf16> { static constexpr int bs = 16,  ts = 32,  align = 2; };
+template <> struct qtraits<dtype::f32>  { static constexpr int bs = 16,  ts = 64,  align = 16; };
+template <> struct qtraits<dtype::f16>  { static constexpr int bs = 16,  ts = 32,  align = 16; };
+template <> struct qtraits<dtype::bf16> { static constexpr int bs = 16,  ts = 32,  align = 16; };
 template <> struct qtraits<dtype::q4_0> { static constexpr int bs = 32,  ts = 18,  align = 2; };
 template <> struct qtraits<dtype::q4_1> { static constexpr int bs = 32,  ts = 20,  align = 4; };
 template <> struct qtraits<dtype::q5_0> { static constexpr int bs = 32,  ts = 22,  align = 2; };
@@ -70,39 +76,71 @@ template <> struct qtraits<dtype::q6_k> { static constexpr int bs = 256, ts = 21
 
 // Decode unit u of a row starting at `row` into w[16]; s0/s1 are the element offsets of the runs.
 template <dtype T>
-__device__ __forceinline__ void decode_unit(const uint8_t *row, int64_t u, float w[16], int64_t &s0, int64_t &s1);
+__host__ __device__ __forceinline__ void decode_unit(const uint8_t *row, int64_t u, float w[16], int64_t &s0, int64_t &s1);
 
+// Plain types: 16-byte loads (rows and unit offsets are 16-byte aligned; mm_alignment says 16).
 template <>
-__device__ __forceinline__ void decode_unit<dtype::f32>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::f32>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                         int64_t &s1) {
-    const float *p = reinterpret_cast<const float *>(row) + 16 * u;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = p[i];
+    const float4 *p = reinterpret_cast<const float4 *>(row + 64 * u);
+FATHOM_UNROLL
+    for (int i = 0; i < 4; ++i) {
+        const float4 v = p[i];
+        w[4 * i] = v.x;
+        w[4 * i + 1] = v.y;
+        w[4 * i + 2] = v.z;
+        w[4 * i + 3] = v.w;
+    }
+    s0 = 16 * u;
+    s1 = s0 + 8;
+}
+__host__ __device__ __forceinline__ float half_bits(uint32_t h) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+__host__ __device__ __forceinline__ float bf16_bits(uint32_t h) {
+    const uint32_t u = h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+template <>
+__host__ __device__ __forceinline__ void decode_unit<dtype::f16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                        int64_t &s1) {
+    const uint4 *p = reinterpret_cast<const uint4 *>(row + 32 * u);
+FATHOM_UNROLL
+    for (int i = 0; i < 2; ++i) {
+        const uint4 v = p[i];
+        const uint32_t q[4] = {v.x, v.y, v.z, v.w};
+FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            w[8 * i + 2 * j] = half_bits(q[j] & 0xFFFFu);
+            w[8 * i + 2 * j + 1] = half_bits(q[j] >> 16);
+        }
+    }
     s0 = 16 * u;
     s1 = s0 + 8;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::f16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
-                                                        int64_t &s1) {
-    const uint8_t *p = row + 32 * u;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = ld_f16(p + 2 * i);
-    s0 = 16 * u;
-    s1 = s0 + 8;
-}
-template <>
-__device__ __forceinline__ void decode_unit<dtype::bf16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::bf16>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
-    const uint8_t *p = row + 32 * u;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = ld_bf16(p + 2 * i);
+    const uint4 *p = reinterpret_cast<const uint4 *>(row + 32 * u);
+FATHOM_UNROLL
+    for (int i = 0; i < 2; ++i) {
+        const uint4 v = p[i];
+        const uint32_t q[4] = {v.x, v.y, v.z, v.w};
+FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            w[8 * i + 2 * j] = bf16_bits(q[j] & 0xFFFFu);
+            w[8 * i + 2 * j + 1] = bf16_bits(q[j] >> 16);
+        }
+    }
     s0 = 16 * u;
     s1 = s0 + 8;
 }
 
 // q4_0 / q4_1: unit h (0/1) of a block = qs[8h..8h+8): low nibbles -> elements 8h+i, high -> 16+8h+i.
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q4_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q4_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 1;
     const int h = static_cast<int>(u & 1);
@@ -110,7 +148,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_0>(const uint8_t *row, int
     const float d = ld_f16(blk);
     uint32_t lo, hi;
     ld8_a2(blk + 2 + 8 * h, lo, hi);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const uint32_t q = byte_of(lo, hi, i);
         w[i] = (static_cast<int>(q & 15) - 8) * d;
@@ -120,7 +158,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_0>(const uint8_t *row, int
     s1 = s0 + 16;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q4_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q4_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 1;
     const int h = static_cast<int>(u & 1);
@@ -128,7 +166,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_1>(const uint8_t *row, int
     const float d = ld_f16(blk), m = ld_f16(blk + 2);
     uint32_t lo, hi;
     ld8_a4(blk + 4 + 8 * h, lo, hi);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const uint32_t q = byte_of(lo, hi, i);
         w[i] = static_cast<float>(q & 15) * d + m;
@@ -138,7 +176,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_1>(const uint8_t *row, int
     s1 = s0 + 16;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q5_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q5_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 1;
     const int h = static_cast<int>(u & 1);
@@ -147,7 +185,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_0>(const uint8_t *row, int
     uint32_t qh, lo, hi;
     ld8_a2(blk + 2, qh, lo);  // qh[4] then qs[0..4): only qh used from this load
     ld8_a2(blk + 6 + 8 * h, lo, hi);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const int j = 8 * h + i;
         const uint32_t q = byte_of(lo, hi, i);
@@ -160,7 +198,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_0>(const uint8_t *row, int
     s1 = s0 + 16;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q5_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q5_1>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 1;
     const int h = static_cast<int>(u & 1);
@@ -169,7 +207,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_1>(const uint8_t *row, int
     const uint32_t qh = *reinterpret_cast<const uint32_t *>(blk + 4);
     uint32_t lo, hi;
     ld8_a4(blk + 8 + 8 * h, lo, hi);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const int j = 8 * h + i;
         const uint32_t q = byte_of(lo, hi, i);
@@ -180,7 +218,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_1>(const uint8_t *row, int
     s1 = s0 + 16;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q8_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q8_0>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 1;
     const int h = static_cast<int>(u & 1);
@@ -189,7 +227,7 @@ __device__ __forceinline__ void decode_unit<dtype::q8_0>(const uint8_t *row, int
     uint32_t a, c, e, f;
     ld8_a2(blk + 2 + 16 * h, a, c);
     ld8_a2(blk + 10 + 16 * h, e, f);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         w[i] = static_cast<float>(static_cast<int8_t>(byte_of(a, c, i))) * d;
         w[8 + i] = static_cast<float>(static_cast<int8_t>(byte_of(e, f, i))) * d;
@@ -201,7 +239,7 @@ __device__ __forceinline__ void decode_unit<dtype::q8_0>(const uint8_t *row, int
 // q4_k / q5_k: unit = (group g of 64, slice s of 8): qs[32g+8s+i] low -> 64g+8s+i (pair 2g),
 // high -> 64g+32+8s+i (pair 2g+1).
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q4_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q4_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 4;
     const int g = static_cast<int>((u >> 2) & 3), s = static_cast<int>(u & 3);
@@ -213,7 +251,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_k>(const uint8_t *row, int
     const float d0 = d * sc0, mm0 = dmin * m0, d1 = d * sc1, mm1 = dmin * m1;
     uint32_t lo, hi;
     ld8_a4(blk + 16 + 32 * g + 8 * s, lo, hi);
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const uint32_t q = byte_of(lo, hi, i);
         w[i] = d0 * static_cast<float>(q & 15) - mm0;
@@ -223,7 +261,7 @@ __device__ __forceinline__ void decode_unit<dtype::q4_k>(const uint8_t *row, int
     s1 = s0 + 32;
 }
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q5_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q5_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 4;
     const int g = static_cast<int>((u >> 2) & 3), s = static_cast<int>(u & 3);
@@ -236,7 +274,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_k>(const uint8_t *row, int
     uint32_t lo, hi, hlo, hhi;
     ld8_a4(blk + 48 + 32 * g + 8 * s, lo, hi);
     ld8_a4(blk + 16 + 8 * s, hlo, hhi);  // qh[l] for l = 8s+i: bit 2g (low), 2g+1 (high)
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const uint32_t q = byte_of(lo, hi, i), h = byte_of(hlo, hhi, i);
         w[i] = d0 * static_cast<float>((q & 15) | (((h >> (2 * g)) & 1u) << 4)) - mm0;
@@ -250,7 +288,7 @@ __device__ __forceinline__ void decode_unit<dtype::q5_k>(const uint8_t *row, int
 // qh bits 0-1, high -> 128n+64+8s+i with bits 4-5); p = 1 uses ql[64n+32+8s+i] (low -> +32 with
 // bits 2-3, high -> +96 with bits 6-7). qh byte qh[32n+8s+i]; scales 8n + s/2 + {0,4} or {2,6}.
 template <>
-__device__ __forceinline__ void decode_unit<dtype::q6_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+__host__ __device__ __forceinline__ void decode_unit<dtype::q6_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
                                                          int64_t &s1) {
     const int64_t b = u >> 4;
     const int n = static_cast<int>((u >> 3) & 1), p = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
@@ -262,7 +300,7 @@ __device__ __forceinline__ void decode_unit<dtype::q6_k>(const uint8_t *row, int
     ld8_a2(blk + 64 * n + 32 * p + 8 * s, lo, hi);
     ld8_a2(blk + 128 + 32 * n + 8 * s, hlo, hhi);
     const int sh0 = 2 * p, sh1 = 2 * p + 4;
-#pragma unroll
+FATHOM_UNROLL
     for (int i = 0; i < 8; ++i) {
         const uint32_t q = byte_of(lo, hi, i), h = byte_of(hlo, hhi, i);
         w[i] = d0 * static_cast<float>(static_cast<int>((q & 15) | (((h >> sh0) & 3u) << 4)) - 32);
