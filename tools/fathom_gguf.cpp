@@ -1,6 +1,7 @@
 // fathom-gguf: command-line tool for GGUF files. One function pair per subcommand:
 // setup_<name>(CLI::App&) declares its options, run_<name>(options) does the work.
 //   info FILE [--json]   header, metadata (arrays abbreviated) and tensor table
+//   synth-dense ...      random-weight qwen3/gemma3 GGUF with a real vocab (src/models/dense_synth.h)
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -10,6 +11,8 @@
 
 #include "core/error.h"
 #include "gguf/gguf.h"
+#include "models/deepseek4_synth_cli.h"  // synth subcommand (DS4 engineer)
+#include "models/dense_synth.h"
 
 namespace {
 
@@ -261,6 +264,36 @@ void setup_info(CLI::App &app, int &rc) {
     sub->callback([opts, &rc] { rc = run_info(*opts); });
 }
 
+// ---- synth-dense ----
+
+struct synth_dense_options {
+    std::string arch = "qwen3";
+    std::string vocab;
+    std::string out;
+    uint64_t seed = 1;
+    bool float_weights = false;
+};
+
+int run_synth_dense(const synth_dense_options &o) {
+    fathom::dense_synth_options so = fathom::dense_synth_preset(o.arch, o.vocab, o.seed);
+    so.float_weights = o.float_weights;
+    fathom::dense_synth_write(so, o.out);
+    std::printf("%s  %s\n", fathom::dense_synth_sha256(o.out).c_str(), o.out.c_str());
+    return 0;
+}
+
+void setup_synth_dense(CLI::App &app, int &rc) {
+    auto opts = std::make_shared<synth_dense_options>();
+    CLI::App *sub = app.add_subcommand(
+        "synth-dense", "Write a small random-weight dense model (preset geometry) with the tokenizer of a vocab GGUF");
+    sub->add_option("--arch", opts->arch, "qwen3 | gemma3")->capture_default_str();
+    sub->add_option("--vocab", opts->vocab, "GGUF whose tokenizer.* keys are copied")->required();
+    sub->add_option("--seed", opts->seed, "weight seed")->capture_default_str();
+    sub->add_option("-o,--out", opts->out, "output GGUF")->required();
+    sub->add_flag("--float-weights", opts->float_weights, "only f32/f16 matrices (no quantised types)");
+    sub->callback([opts, &rc] { rc = run_synth_dense(*opts); });
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -268,6 +301,8 @@ int main(int argc, char **argv) {
     app.require_subcommand(1);
     int rc = 0;
     setup_info(app, rc);
+    fathom::ds4::setup_synth_command(app, rc);
+    setup_synth_dense(app, rc);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError &e) {

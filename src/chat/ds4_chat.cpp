@@ -65,14 +65,15 @@ std::optional<std::string> text_of(const ojson &c, size_t i) {
         std::string t;
         if (part.is_string()) {
             t = part.get<std::string>();
-        } else if (part.is_object() && part.value("type", "") == "text") {
+        } else if (part.is_object() && part.contains("type") && part["type"] == "text") {
             const auto it = part.find("text");
             if (it != part.end() && !it->is_null()) {
                 if (!it->is_string()) bad(i, "text part with a non-string text");
                 t = it->get<std::string>();
             }
         } else {
-            const std::string type = part.is_object() ? part.value("type", "?") : "?";
+            const bool named = part.is_object() && part.contains("type") && part["type"].is_string();
+            const std::string type = named ? part["type"].get<std::string>() : "?";
             bad(i, "unsupported content part type '" + type + "' (text only)");
         }
         if (!first) out += "\n\n";
@@ -120,7 +121,10 @@ message load_message(const ojson &m, size_t i) {
         const auto it = m.find("tool_call_id");
         if (it != m.end() && it->is_string()) out.tool_call_id = it->get<std::string>();
     }
-    if (m.contains("tools") && m["tools"].is_array() && !m["tools"].empty()) out.tools = m["tools"];
+    if (m.contains("tools") && !m["tools"].is_null()) {
+        if (!m["tools"].is_array()) bad(i, "tools must be an array");
+        if (!m["tools"].empty()) out.tools = m["tools"];
+    }
     if (m.contains("response_format") && !m["response_format"].is_null()) out.response_format = m["response_format"];
     if (m.contains("wo_eos") && m["wo_eos"].is_boolean()) out.wo_eos = m["wo_eos"].get<bool>();
     return out;

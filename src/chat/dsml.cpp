@@ -302,6 +302,45 @@ std::optional<tag_info> parse_tag(std::string_view tag) {
 
 std::string show_tag(std::string_view tag) { return std::string(tag.substr(0, 60)); }
 
+// Invalid UTF-8 -> U+FFFD per maximal subpart (what Python's errors="replace" decoding does), so
+// the arguments text is always valid JSON even when sampled bytes are not valid UTF-8.
+std::string sanitize_utf8(std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    size_t i = 0;
+    while (i < s.size()) {
+        const auto c = static_cast<unsigned char>(s[i]);
+        size_t need = 0;
+        unsigned char lo = 0x80, hi = 0xBF;  // allowed range of the first continuation byte
+        if (c < 0x80) {
+            out += s[i++];
+            continue;
+        }
+        if (c >= 0xC2 && c <= 0xDF) need = 1;
+        else if (c == 0xE0) need = 2, lo = 0xA0;
+        else if ((c >= 0xE1 && c <= 0xEC) || c == 0xEE || c == 0xEF) need = 2;
+        else if (c == 0xED) need = 2, hi = 0x9F;
+        else if (c == 0xF0) need = 3, lo = 0x90;
+        else if (c >= 0xF1 && c <= 0xF3) need = 3;
+        else if (c == 0xF4) need = 3, hi = 0x8F;
+        size_t ok = 0;
+        while (need && ok < need && i + 1 + ok < s.size()) {
+            const auto cc = static_cast<unsigned char>(s[i + 1 + ok]);
+            const bool in_range = ok == 0 ? (cc >= lo && cc <= hi) : (cc & 0xC0) == 0x80;
+            if (!in_range) break;
+            ++ok;
+        }
+        if (need && ok == need) {
+            out.append(s.substr(i, need + 1));
+            i += need + 1;
+        } else {
+            out += "\xEF\xBF\xBD";
+            i += 1 + ok;
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 dsml_stream_parser::dsml_stream_parser(dsml_parser_options opts)
@@ -463,7 +502,7 @@ bool dsml_stream_parser::step_block(dsml_delta &d, bool at_end) {
                 if (at_end) fail("unterminated DSML parameter value", d);
                 return at_end;
             }
-            std::string value = blk_.substr(cur_, best - cur_);
+            std::string value = sanitize_utf8(std::string_view(blk_).substr(cur_, best - cur_));
             cur_ = best + blen;
             std::string text;
             if (param_is_string_) {
@@ -483,7 +522,8 @@ bool dsml_stream_parser::step_block(dsml_delta &d, bool at_end) {
             return at_end;
         }
         if (blk_[cur_] != '<') {
-            fail("unexpected text in DSML tool_calls block: " + show_tag(std::string_view(blk_).substr(cur_)), d);
+            // No quote of the text: how much of it has arrived depends on the token split.
+            fail("unexpected text in DSML tool_calls block", d);
             return true;
         }
         size_t end = cur_ + 1;
@@ -517,7 +557,7 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
                 fail("DSML invoke without a name: " + show_tag(tag), d);
                 return false;
             }
-            call_name_ = *name;
+            call_name_ = sanitize_utf8(*name);
             call_args_.clear();
             bst_ = block_state::invoke;
             return true;
@@ -539,7 +579,7 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
                     fail("duplicate DSML parameter \"" + *name + "\" in invoke \"" + call_name_ + "\"", d);
                     return false;
                 }
-            param_name_ = *name;
+            param_name_ = sanitize_utf8(*name);
             param_is_string_ = !str || *str == "true";
             bst_ = block_state::value;
             scan_ = cur_;

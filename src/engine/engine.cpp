@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "chat/chat_template.h"
+#include "engine/batch_decode.h"
 #include "engine/ds4_session.h"
 #include "core/error.h"
 #include "fathom/engine.h"
@@ -74,6 +75,7 @@ public:
     }
 
 private:
+    friend class engine_impl;  // decode_step (batched) reads and advances kv_/tokens_/logits_
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
     engine_impl &e_;
@@ -138,6 +140,8 @@ public:
     }
 
     std::unique_ptr<session> new_session() override { return std::make_unique<session_impl>(*this); }
+    // One forward for all sessions' tokens (src/engine/batch_decode.cpp); defined below session_impl.
+    void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
 
     // ---- for sessions ----
     const dense_model &model() const { return *model_; }
@@ -173,6 +177,7 @@ private:
     model_info info_;
     int64_t n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
+    std::unique_ptr<dense_batch_decoder> batch_;  // created on first decode_step (under forward_mutex_)
 };
 
 session_impl::session_impl(engine_impl &e) : e_(e) {
@@ -243,6 +248,37 @@ void session_impl::sync(std::span<const int32_t> prefix, const std::function<voi
     kv_->n_used = static_cast<int64_t>(keep);  // positions >= keep are stale and get overwritten
     have_logits_ = false;
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
+}
+
+void engine_impl::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
+    if (sessions.size() != tokens.size())
+        throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
+                    std::to_string(tokens.size()) + " tokens");
+    if (sessions.empty()) return;
+    std::vector<session_impl *> ss(sessions.size());
+    std::vector<dense_batch_seq> seqs(sessions.size());
+    for (size_t i = 0; i < sessions.size(); ++i) {
+        auto *s = dynamic_cast<session_impl *>(sessions[i]);
+        if (!s || &s->e_ != this) throw error("decode_step: session " + std::to_string(i) + " was not created by this engine");
+        if (s->n_past() + 1 > n_ctx_)
+            throw error("context full: " + std::to_string(s->n_past()) + " + 1 tokens exceed n_ctx " + std::to_string(n_ctx_));
+        if (tokens[i] < 0 || tokens[i] >= model_->hp.n_vocab)
+            throw error("token id " + std::to_string(tokens[i]) + " outside the vocabulary [0, " +
+                        std::to_string(model_->hp.n_vocab) + ")");
+        if (std::find(ss.begin(), ss.begin() + static_cast<std::ptrdiff_t>(i), s) != ss.begin() + static_cast<std::ptrdiff_t>(i))
+            throw error("decode_step: session " + std::to_string(i) + " appears twice");
+        ss[i] = s;
+        seqs[i] = {s->kv_.get(), s->n_past(), tokens[i], s->logits_.data()};
+    }
+    std::lock_guard<std::mutex> lock(forward_mutex_);
+    for (session_impl *s : ss) s->have_logits_ = false;
+    if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
+    batch_->run(seqs);
+    for (size_t i = 0; i < ss.size(); ++i) {
+        ss[i]->tokens_.push_back(tokens[i]);
+        ss[i]->kv_->n_used = ss[i]->n_past();
+        ss[i]->have_logits_ = true;
+    }
 }
 
 }  // namespace

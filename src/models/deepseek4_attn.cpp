@@ -105,23 +105,26 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
 
 void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
                       float scale, float *o) {
-    std::vector<float> s(static_cast<size_t>(n));
-    for (int h = 0; h < n_head; ++h) {
-        const float *qh = q + h * d;
-        float mx = sinks[h];
-        for (int64_t r = 0; r < n; ++r)
-            mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
-        float denom = std::exp(sinks[h] - mx);
-        for (int64_t r = 0; r < n; ++r)
-            denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
-        float *oh = o + h * d;
-        std::fill(oh, oh + d, 0.0f);
-        for (int64_t r = 0; r < n; ++r) {
-            const float p = s[static_cast<size_t>(r)] / denom;
-            const float *kr = kv + r * d;
-            for (int64_t i = 0; i < d; ++i) oh[i] += p * kr[i];
+    // Heads are independent: split across the exec pool (same bits for any split).
+    parallel_for(n_head, n * d * 2, [&](int64_t h0, int64_t h1) {
+        std::vector<float> s(static_cast<size_t>(n));
+        for (int64_t h = h0; h < h1; ++h) {
+            const float *qh = q + h * d;
+            float mx = sinks[h];
+            for (int64_t r = 0; r < n; ++r)
+                mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
+            float denom = std::exp(sinks[h] - mx);
+            for (int64_t r = 0; r < n; ++r)
+                denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
+            float *oh = o + h * d;
+            std::fill(oh, oh + d, 0.0f);
+            for (int64_t r = 0; r < n; ++r) {
+                const float p = s[static_cast<size_t>(r)] / denom;
+                const float *kr = kv + r * d;
+                for (int64_t i = 0; i < d; ++i) oh[i] += p * kr[i];
+            }
         }
-    }
+    });
 }
 
 // ---- attention sublayer -------------------------------------------------------------------------------

@@ -34,16 +34,18 @@ void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights
                 &comb[static_cast<size_t>(i) * nh * nh], x + i * S);
     }
 
-    // MoE half, token by token (routing differs per token).
+    // MoE half: HCPre per token, experts batched over the chunk's tokens routed to them, HCPost.
     for (int64_t i = 0; i < n; ++i) {
         float *ui = &u[static_cast<size_t>(i * D)];
-        float *pi = &post[static_cast<size_t>(i) * nh];
-        float *ci = &comb[static_cast<size_t>(i) * nh * nh];
-        hc_pre(hp, l.hc_ffn, x + i * S, ui, pi, ci);
+        hc_pre(hp, l.hc_ffn, x + i * S, ui, &post[static_cast<size_t>(i) * nh],
+               &comb[static_cast<size_t>(i) * nh * nh]);
         rms_norm(ui, D, l.ffn_norm.data(), hp.rms_eps, ui);
-        moe_forward(hp, l, ui, tokens[static_cast<size_t>(i)], &y[static_cast<size_t>(i * D)]);
+    }
+    moe_forward_batch(hp, l, u.data(), tokens, y.data());
+    for (int64_t i = 0; i < n; ++i) {
         std::copy(x + i * S, x + (i + 1) * S, x_old.begin());
-        hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), pi, ci, x + i * S);
+        hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), &post[static_cast<size_t>(i) * nh],
+                &comb[static_cast<size_t>(i) * nh * nh], x + i * S);
     }
 }
 

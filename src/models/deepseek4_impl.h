@@ -39,6 +39,10 @@ route moe_route(const hparams &hp, const layer_weights &l, const float *logits, 
 void swiglu_clamped(float *g, const float *v, int64_t n, float clamp);
 // MoE FFN of one token: xn [D] -> y [D].
 void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y);
+// MoE FFN of a chunk, each expert's products batched over the tokens routed to it:
+// xn [n, D] -> y [n, D]; every token's result has the bits of moe_forward on it alone.
+void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *xn,
+                       std::span<const int32_t> tokens, float *y);
 
 // ---- attention (deepseek4_attn.cpp) --------------------------------------------------------------
 

@@ -132,31 +132,81 @@ void swiglu_clamped(float *g, const float *v, int64_t n, float clamp) {
     for (int64_t i = 0; i < n; ++i) g[i] = silu(std::min(g[i], clamp)) * std::clamp(v[i], -clamp, clamp);
 }
 
-// y += W2 (w * swiglu(W1 x, W3 x)) for one expert (the routing weight multiplies h before W2).
-static void expert_add(const matrix &w1, const matrix &w3, const matrix &w2, float clamp, float weight,
-                       const float *xn, float *y, std::vector<float> &g, std::vector<float> &v,
-                       std::vector<float> &out) {
-    matmul(w1, xn, 1, g.data());
-    matmul(w3, xn, 1, v.data());
-    swiglu_clamped(g.data(), v.data(), w1.rows, clamp);
-    for (int64_t i = 0; i < w1.rows; ++i) g[static_cast<size_t>(i)] *= weight;
-    matmul(w2, g.data(), 1, out.data());
-    for (int64_t i = 0; i < w2.rows; ++i) y[i] += out[static_cast<size_t>(i)];
+// One expert over the m tokens that use it: rows `xs` [m, D] gathered from the chunk, per-token
+// routing weights `w` [m]; out [m, D] = W2 (w * swiglu(W1 x, W3 x)) (the weight multiplies h before
+// W2). Each token's arithmetic is that of a lone token (products are per row), so batching does not
+// change a bit on the reference path.
+static void expert_rows(const matrix &w1, const matrix &w3, const matrix &w2, float clamp, const float *xs,
+                        const float *w, int64_t m, float *out) {
+    const int64_t F = w1.rows;
+    std::vector<float> g(static_cast<size_t>(m * F)), v(g.size());
+    matmul(w1, xs, m, g.data());
+    matmul(w3, xs, m, v.data());
+    for (int64_t i = 0; i < m; ++i) {
+        float *gi = &g[static_cast<size_t>(i * F)];
+        swiglu_clamped(gi, &v[static_cast<size_t>(i * F)], F, clamp);
+        for (int64_t j = 0; j < F; ++j) gi[j] *= w[i];
+    }
+    matmul(w2, g.data(), m, out);
+}
+
+void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *xn,
+                       std::span<const int32_t> tokens, float *y) {
+    const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd, E = hp.n_expert;
+    const int k = hp.n_expert_used, n_slot = k + (hp.n_expert_shared == 1 ? 1 : 0);
+    std::vector<float> logits(static_cast<size_t>(n * E));
+    matmul(l.gate_inp, xn, n, logits.data());
+    // users[e] = (token, slot) pairs routed to expert e; slot k is the shared expert.
+    std::vector<std::vector<std::pair<int64_t, int>>> users(static_cast<size_t>(E));
+    std::vector<float> weight(static_cast<size_t>(n * n_slot), 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+        const route r = moe_route(hp, l, &logits[static_cast<size_t>(i * E)], tokens[static_cast<size_t>(i)]);
+        for (int j = 0; j < k; ++j) {
+            users[static_cast<size_t>(r.experts[static_cast<size_t>(j)])].emplace_back(i, j);
+            weight[static_cast<size_t>(i * n_slot + j)] = r.weights[static_cast<size_t>(j)];
+        }
+    }
+    std::vector<float> outs(static_cast<size_t>(n * n_slot * D));  // [n, n_slot, D]
+    std::vector<float> xs, ws, o;
+    auto run = [&](const matrix &w1, const matrix &w3, const matrix &w2, float clamp,
+                   const std::vector<std::pair<int64_t, int>> &who) {
+        const int64_t m = static_cast<int64_t>(who.size());
+        xs.resize(static_cast<size_t>(m * D));
+        ws.resize(static_cast<size_t>(m));
+        o.resize(static_cast<size_t>(m * D));
+        for (int64_t u = 0; u < m; ++u) {
+            const auto [i, slot] = who[static_cast<size_t>(u)];
+            std::copy(xn + i * D, xn + (i + 1) * D, xs.begin() + u * D);
+            ws[static_cast<size_t>(u)] = weight[static_cast<size_t>(i * n_slot + slot)];
+        }
+        expert_rows(w1, w3, w2, clamp, xs.data(), ws.data(), m, o.data());
+        for (int64_t u = 0; u < m; ++u) {
+            const auto [i, slot] = who[static_cast<size_t>(u)];
+            std::copy(o.begin() + u * D, o.begin() + (u + 1) * D, outs.begin() + (i * n_slot + slot) * D);
+        }
+    };
+    for (int64_t e = 0; e < E; ++e)
+        if (!users[static_cast<size_t>(e)].empty())
+            run(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp,
+                users[static_cast<size_t>(e)]);
+    if (n_slot > k) {
+        std::vector<std::pair<int64_t, int>> all;
+        for (int64_t i = 0; i < n; ++i) all.emplace_back(i, k);
+        run(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, all);
+    }
+    // y = sum over slots in routing order, then the shared expert (the order of a lone token).
+    for (int64_t i = 0; i < n; ++i) {
+        float *yi = y + i * D;
+        std::fill(yi, yi + D, 0.0f);
+        for (int s = 0; s < n_slot; ++s) {
+            const float *os = &outs[static_cast<size_t>((i * n_slot + s) * D)];
+            for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
+        }
+    }
 }
 
 void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y) {
-    std::vector<float> logits(static_cast<size_t>(hp.n_expert));
-    matmul(l.gate_inp, xn, 1, logits.data());
-    const route r = moe_route(hp, l, logits.data(), token);
-    std::vector<float> g(static_cast<size_t>(hp.n_ff_exp)), v(g.size()), out(static_cast<size_t>(hp.n_embd));
-    std::fill(y, y + hp.n_embd, 0.0f);
-    for (size_t i = 0; i < r.experts.size(); ++i) {
-        const int e = r.experts[i];
-        expert_add(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp, r.weights[i],
-                   xn, y, g, v, out);
-    }
-    if (hp.n_expert_shared == 1)
-        expert_add(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, 1.0f, xn, y, g, v, out);
+    moe_forward_batch(hp, l, xn, std::span<const int32_t>(&token, 1), y);
 }
 
 }  // namespace fathom::ds4

@@ -63,8 +63,9 @@ void split_range(int64_t total, int64_t align, int ith, int nth, int64_t &a, int
 }
 
 // Run fn(a, b) over [0, total) split across the pool (or inline when there is none / it is small).
+// Shares are multiples of `align` items (4 rows keep cpu::gemm's register blocks whole).
 template <class F>
-void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, F &&fn) {
+void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, F &&fn, int64_t align = 4) {
     // Below ~64k multiply-adds a dispatch costs more than it saves.
     if (!pool || pool->size() == 1 || total < 2 || total * work_per_row < (int64_t{1} << 16)) {
         fn(int64_t{0}, total);
@@ -72,7 +73,7 @@ void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, 
     }
     pool->run([&](int ith, int nth) {
         int64_t a = 0, b = 0;
-        split_range(total, 4, ith, nth, a, b);
+        split_range(total, align, ith, nth, a, b);
         if (a < b) fn(a, b);
     });
 }
@@ -96,6 +97,10 @@ void quantised_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int
 }
 
 }  // namespace
+
+void parallel_for(int64_t total, int64_t work_per_item, const std::function<void(int64_t, int64_t)> &fn) {
+    parallel_rows(current_exec().pool, total, work_per_item, fn, 1);
+}
 
 const exec_options &current_exec() {
     return *tl_exec;

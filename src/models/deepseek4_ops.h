@@ -5,6 +5,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "models/deepseek4.h"
@@ -25,6 +26,10 @@ class exec_scope {
   private:
     const exec_options *prev_;
 };
+
+// Run fn(a, b) over sub-ranges covering [0, total), split across current_exec().pool (inline when
+// there is none or total * work_per_item is small). fn must only write disjoint outputs per item.
+void parallel_for(int64_t total, int64_t work_per_item, const std::function<void(int64_t, int64_t)> &fn);
 
 // Dot product of n floats, accumulated in double (16 lanes, then a fixed pairwise sum).
 float dot_f32(const float *a, const float *b, int64_t n);

@@ -39,6 +39,8 @@ struct dense_hparams {
     bool embed_scale = false;      // embeddings multiplied by sqrt(n_embd) (gemma3)
     glu_kind act = glu_kind::swiglu;
     float attn_scale = 0.0f;       // q.k scale; set by the family (default 1/sqrt(head_dim))
+    bool scale_q = false;          // apply attn_scale to q before attention (gemma3, as llama.cpp does:
+                                   // the scaled q is what gets rounded to f16) instead of to the scores
     float attn_softcap = 0.0f;     // > 0: attention score soft-capping
     float final_softcap = 0.0f;    // > 0: final logit soft-capping
     int32_t n_swa = 0;             // sliding window (tokens) of the SWA layers; 0 = none
@@ -53,6 +55,15 @@ struct dense_layer {
     tensor ffn_norm, ffn_gate, ffn_up, ffn_down;
     tensor post_ffn_norm;           // when post_norms
 };
+
+// Optional trace of intermediates, named as in llama.cpp's graph ("attn_norm", "Qcur", "kqv_out",
+// "l_out", ...; layer -1 for whole-model tensors) so numerics can be compared with llama.cpp's eval
+// callback tensor by tensor. Off (null) by default; set it only while no forward is running.
+struct dense_trace {
+    void (*fn)(void *user, const char *name, int32_t layer, const tensor &t) = nullptr;
+    void *user = nullptr;
+};
+extern dense_trace g_dense_trace;
 
 struct dense_model {
     dense_hparams hp;

@@ -46,7 +46,13 @@ std::unique_ptr<dense_scratch> dense_scratch_create(const dense_hparams &hp, bac
     return s;
 }
 
+dense_trace g_dense_trace;
+
 namespace {
+
+void trace(const char *name, int32_t layer, const tensor &t) {
+    if (g_dense_trace.fn) g_dense_trace.fn(g_dense_trace.user, name, layer, t);
+}
 
 // y = x . W^T (+ bias), for one or more weights sharing x.
 void linear(backend &be, const tensor &x, const tensor &w, const tensor &y, const tensor &bias) {
@@ -76,6 +82,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
 
     be.get_rows(m.tok_embd, tokens, n, x);                                   // [n, E]
     if (hp.embed_scale) be.scale(x, std::sqrt(static_cast<float>(hp.n_embd)));
+    trace("inp_scaled", -1, x);
     be.rope_table(p0, n, hp.rope, rope_g);                                   // [n, n_rot] (cos, sin)
     const bool any_swa = std::find(hp.swa_layer.begin(), hp.swa_layer.end(), true) != hp.swa_layer.end();
     if (any_swa) be.rope_table(p0, n, hp.rope_local, rope_l);
@@ -86,7 +93,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
     ap.head_dim = hd;
     ap.n_ctx = kv.n_ctx;
     ap.n_past = p0;
-    ap.scale = hp.attn_scale;
+    ap.scale = hp.scale_q ? 1.0f : hp.attn_scale;
     ap.softcap = hp.attn_softcap;
 
     for (int32_t il = 0; il < hp.n_layer; ++il) {
@@ -95,6 +102,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
 
         // ---- attention block ----
         be.rms_norm(x, &ly.attn_norm, hp.rms_eps, xn);                       // attn_norm [n, E]
+        trace("attn_norm", il, xn);
         {
             const tensor *w[] = {&ly.wq, &ly.wk, &ly.wv};
             const tensor *y[] = {&q, &k, &v};
@@ -110,25 +118,40 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
         const tensor &table = swa ? rope_l : rope_g;
         be.rope(q, hd, table, hp.rope.mode);
         be.rope(k, hd, table, hp.rope.mode);
+        if (hp.scale_q) be.scale(q, hp.attn_scale);
+        trace("Qcur", il, q);
+        trace("Kcur", il, k);
+        trace("Vcur", il, v);
         be.kv_store(k, kv.k[static_cast<size_t>(il)], hp.n_head_kv, kv.n_ctx, p0);
         be.kv_store(v, kv.v[static_cast<size_t>(il)], hp.n_head_kv, kv.n_ctx, p0);
         ap.window = swa ? hp.n_swa : 0;
         be.attention(q, kv.k[static_cast<size_t>(il)], kv.v[static_cast<size_t>(il)], ap, attn);  // [n, H*hd]
+        trace("kqv_out", il, attn);
         linear(be, attn, ly.wo, o, ly.bo);                                   // attn_out [n, E]
+        trace("attn_out", il, o);
         if (hp.post_norms) be.rms_norm(o, &ly.post_attn_norm, hp.rms_eps, o);
+        trace("attn_post_norm", il, o);
         be.add(x, o, x);                                                     // residual
+        trace("ffn_inp", il, x);
 
         // ---- feed-forward block ----
         be.rms_norm(x, &ly.ffn_norm, hp.rms_eps, xn);
+        trace("ffn_norm", il, xn);
         {
             const tensor *w[] = {&ly.ffn_gate, &ly.ffn_up};
             const tensor *y[] = {&gate, &up};
             be.mul_mat(xn, 2, w, y);                                         // [n, n_ff] each
         }
+        trace("ffn_gate", il, gate);
+        trace("ffn_up", il, up);
         be.glu(gate, up, hp.act, gate);                                      // act(gate) * up
+        trace("ffn_glu", il, gate);
         linear(be, gate, ly.ffn_down, o, tensor{});                          // ffn_out [n, E]
+        trace("ffn_down", il, o);
         if (hp.post_norms) be.rms_norm(o, &ly.post_ffn_norm, hp.rms_eps, o);
+        trace("ffn_out", il, o);
         be.add(x, o, x);
+        trace("l_out", il, x);
     }
     kv.n_used = std::max(kv.n_used, p0 + n);
     if (n_out == 0 || !logits) {
@@ -139,6 +162,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
     // ---- output: final norm and logits of the last n_out rows, a chunk of rows at a time ----
     const tensor xo = view_rows(s.x, n - n_out, n_out), xno = view_rows(s.xn, n - n_out, n_out);
     be.rms_norm(xo, &m.output_norm, hp.rms_eps, xno);
+    trace("result_norm", -1, xno);
     for (int64_t r0 = 0; r0 < n_out; r0 += s.n_logit_rows) {
         const int64_t nr = std::min(s.n_logit_rows, n_out - r0);
         const tensor lg = view_rows(s.logits, 0, nr);                        // [nr, n_vocab]

@@ -51,6 +51,7 @@ void dense_hparams_gemma3(const gguf::file &f, dense_hparams &hp) {
     qpas = static_cast<float>(f.get_float(a + ".attention.query_pre_attn_scalar", qpas));
     if (!(qpas > 0.0f)) throw error(f.path() + ": " + a + ".attention.query_pre_attn_scalar must be positive");
     hp.attn_scale = 1.0f / std::sqrt(qpas);
+    hp.scale_q = true;  // llama.cpp's gemma3 graph scales Qcur after RoPE, then attends with scale 1
     hp.final_softcap = static_cast<float>(f.get_float(a + ".final_logit_softcapping", 0.0));
     hp.attn_softcap = static_cast<float>(f.get_float(a + ".attn_logit_softcapping", 0.0));
     if (hp.final_softcap < 0 || hp.attn_softcap < 0) throw error(f.path() + ": negative soft-capping value");

@@ -23,8 +23,21 @@ namespace {
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
 
-bool matches_at(std::string_view text, uint64_t pos, std::string_view piece) {
-    return pos <= text.size() && text.size() - pos >= piece.size() && text.compare(pos, piece.size(), piece) == 0;
+// Bytes of text from `pos` that `piece` stands for, or -1. SPM vocabularies escape ' ' as U+2581 and
+// render it back as ' ', so there a piece's ' ' also stands for a literal U+2581 in the text.
+int64_t match_len(std::string_view text, uint64_t pos, std::string_view piece, bool spm) {
+    static constexpr std::string_view k_sp = "\xE2\x96\x81";
+    uint64_t t = pos;
+    for (char c : piece) {
+        if (t < text.size() && text[t] == c) {
+            ++t;
+        } else if (spm && c == ' ' && text.compare(t, 3, k_sp) == 0) {
+            t += 3;
+        } else {
+            return -1;
+        }
+    }
+    return static_cast<int64_t>(t - pos);
 }
 
 }  // namespace
@@ -37,6 +50,7 @@ drafter_tokens encode_with_offsets(const tokenizer &tok, std::string_view text) 
         out.ids.insert(out.ids.end(), body.begin(), body.end());
     }
     out.spans.reserve(out.ids.size());
+    const bool spm = tok.model() == tokenizer::model_kind::spm;
     uint64_t pos = 0;
     bool prev_special = false;  // the previous token may have swallowed whitespace after it (RSTRIP)
     for (size_t i = 0; i < out.ids.size(); ++i) {
@@ -45,15 +59,16 @@ drafter_tokens encode_with_offsets(const tokenizer &tok, std::string_view text) 
         const bool special = ty == token_type::control || ty == token_type::user_defined;
         const std::string piece = tok.token_to_piece(id, /*render_special=*/true);
         for (;;) {
-            if (!piece.empty() && matches_at(text, pos, piece)) {
-                out.spans.push_back({pos, pos + piece.size()});
-                pos += piece.size();
+            if (const int64_t m = match_len(text, pos, piece, spm); !piece.empty() && m >= 0) {
+                out.spans.push_back({pos, pos + static_cast<uint64_t>(m)});
+                pos += static_cast<uint64_t>(m);
                 break;
             }
             // SPM dummy prefix: the tokenizer added a space that is not in the text.
-            if (piece.size() > 1 && piece[0] == ' ' && matches_at(text, pos, std::string_view(piece).substr(1))) {
-                out.spans.push_back({pos, pos + piece.size() - 1});
-                pos += piece.size() - 1;
+            if (const int64_t m = piece.size() > 1 && piece[0] == ' ' ? match_len(text, pos, std::string_view(piece).substr(1), spm) : -1;
+                m >= 0) {
+                out.spans.push_back({pos, pos + static_cast<uint64_t>(m)});
+                pos += static_cast<uint64_t>(m);
                 break;
             }
             if (piece == " " && tok.add_space_prefix() && (pos == 0 || prev_special)) {

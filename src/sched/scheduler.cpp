@@ -81,6 +81,7 @@ struct scheduler::slot {
     double ttft = 0.0;
     clock::time_point t_last;
     int64_t n_tokens_published = 0; // session size as seen by stats() (under mu_)
+    int64_t kv_limit = 0;           // positions reserved in the pool for the running request
 };
 
 static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
@@ -104,7 +105,14 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     }
     stats_.n_slots = opts_.n_slots;
     stats_.queue_capacity = opts_.max_queue;
-    stats_.kv_tokens_capacity = int64_t(opts_.n_slots) * n_ctx_;
+    if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
+    if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
+    const int64_t per_slot = (int64_t(n_ctx_) + opts_.kv_block_tokens - 1) / opts_.kv_block_tokens;
+    const int64_t n_blocks = opts_.kv_blocks > 0 ? opts_.kv_blocks : per_slot * opts_.n_slots;
+    pool_ = std::make_unique<kv_block_pool>(n_blocks, opts_.kv_block_tokens, opts_.n_slots);
+    stats_.kv_tokens_capacity = std::min(int64_t(opts_.n_slots) * n_ctx_, n_blocks * opts_.kv_block_tokens);
+    stats_.kv_blocks_total = n_blocks;
+    stats_.kv_block_tokens = opts_.kv_block_tokens;
     worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -130,6 +138,13 @@ std::shared_ptr<job> scheduler::submit(request req) {
         if (t < 0 || t >= n_vocab)
             throw error("prompt token " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     req.sampling.validate();
+    const int64_t pool_tokens = pool_->n_blocks() * pool_->block_tokens();
+    if (int64_t(req.prompt.size()) + 1 > pool_tokens) {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.requests_rejected;
+        throw queue_full("the prompt has " + std::to_string(req.prompt.size()) + " tokens but the KV pool holds " +
+                         std::to_string(pool_tokens) + " (prompt plus at least one generated token)");
+    }
     auto j = std::make_shared<job>();
     j->req_ = std::move(req);
     j->t_submit_ = clock::now();
@@ -158,10 +173,13 @@ scheduler_stats scheduler::stats() const {
     s.queue_depth = int64_t(queue_.size());
     s.slots_busy = 0;
     s.kv_tokens_used = 0;
+    s.kv_blocks_cached = 0;
     for (auto &sl : slots_) {
         s.slots_busy += sl->j ? 1 : 0;
         s.kv_tokens_used += sl->n_tokens_published;
+        if (!sl->j) s.kv_blocks_cached += pool_->held(sl->index);
     }
+    s.kv_blocks_used = pool_->n_used();
     return s;
 }
 
@@ -218,6 +236,16 @@ void scheduler::admit_locked() {
             best = lru;
             best_lcp = common_prefix(best->sess->tokens(), j->req_.prompt);
         }
+        const int64_t need = kv_need_tokens(j->req_);
+        if (!kv_make_room_locked(*best, int64_t(best_lcp), need)) {
+            ++stats_.kv_waits;
+            break;  // not enough KV blocks until running requests end: the head keeps waiting (FIFO)
+        }
+        // The session keeps at most best_lcp tokens (sync drops the rest): shrink its table to them
+        // and reserve the request's positions.
+        pool_->shrink(best->index, int64_t(best_lcp));
+        if (!pool_->reserve(best->index, need)) throw error("scheduler: KV pool accounting error");
+        best->kv_limit = need;
         queue_.pop_front();
         slot &s = *best;
         s.j = j;
@@ -235,6 +263,41 @@ void scheduler::admit_locked() {
         s.got_first = false;
         s.ttft = 0.0;
     }
+}
+
+// Positions a request may occupy: prompt + max_tokens, capped by the context and by the whole pool.
+int64_t scheduler::kv_need_tokens(const request &r) const {
+    const int64_t want = int64_t(r.prompt.size()) + int64_t(r.max_tokens);
+    return std::min({want, int64_t(n_ctx_), pool_->n_blocks() * pool_->block_tokens()});
+}
+
+// Under mu_ (worker). Can slot s, keeping keep_tokens of its cache, grow to need_tokens? Drops the
+// caches of other idle slots, least recently used first, until it can; false if even that fails
+// (then nothing was dropped).
+bool scheduler::kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_tokens) {
+    const int64_t kept = std::min(pool_->held(s.index), pool_->blocks_for(keep_tokens));
+    const int64_t extra = pool_->blocks_for(need_tokens) - kept;
+    const int64_t freed_by_s = pool_->held(s.index) - kept;
+    int64_t avail = pool_->n_free() + freed_by_s;
+    if (avail >= extra) return true;
+    std::vector<slot *> idle;
+    int64_t evictable = 0;
+    for (auto &o : slots_)
+        if (o.get() != &s && !o->j && pool_->held(o->index) > 0) {
+            idle.push_back(o.get());
+            evictable += pool_->held(o->index);
+        }
+    if (avail + evictable < extra) return false;
+    std::sort(idle.begin(), idle.end(), [](slot *a, slot *b) { return a->last_used < b->last_used; });
+    for (slot *o : idle) {
+        if (avail >= extra) break;
+        avail += pool_->held(o->index);
+        pool_->release(o->index);
+        o->sess = eng_.new_session();  // unmaps the old cache: its memory goes back to the system
+        o->n_tokens_published = 0;
+        ++stats_.kv_evictions;
+    }
+    return true;
 }
 
 void scheduler::worker_loop() {
@@ -379,7 +442,8 @@ void scheduler::sample_and_emit(slot &s) {
     s.j->post(std::move(ev));
     if (s.ts->stopped()) finish(s, finish_reason::stop_string);
     else if (s.n_gen >= s.j->req_.max_tokens) finish(s, finish_reason::length);
-    else if (s.sess->n_past() + 1 > n_ctx_) finish(s, finish_reason::length);  // no room to evaluate it
+    else if (s.sess->n_past() + 1 > std::min<int64_t>(n_ctx_, s.kv_limit))
+        finish(s, finish_reason::length);  // no room to evaluate it (context or KV reservation full)
     else {
         s.pending = r.token;
         s.ph = phase::decode;
@@ -414,6 +478,8 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
         s.ph = phase::idle;
         s.smp.reset();
         s.n_tokens_published = int64_t(s.sess->tokens().size());
+        pool_->shrink(s.index, s.n_tokens_published);  // keep blocks only for the cached prefix
+        s.kv_limit = 0;
     }
     j->post(std::move(ev));
 }

@@ -13,6 +13,13 @@
 // a short accidental match does not evict another conversation's cache. When the queue is
 // full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
 // frees its slot.
+// KV memory: a block pool (src/kv/paged_pool.h) of kv_blocks blocks of kv_block_tokens positions.
+// Admitting a request reserves the blocks for prompt + max_tokens (capped by the context and by
+// the whole pool) in its slot's table; if the free blocks do not suffice, the caches of idle slots
+// are dropped (least recently used first, their sessions recreated so the memory is unmapped),
+// and if that is still not enough the request waits at the head of the queue until running ones
+// end. A request whose prompt alone exceeds the pool gets queue_full (503). When a request ends,
+// its slot keeps only the blocks covering the tokens its session still holds (prefix reuse).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -27,6 +34,7 @@
 
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
+#include "kv/paged_pool.h"
 
 namespace fathom::sched {
 
@@ -109,6 +117,11 @@ struct scheduler_stats {
     int64_t queue_depth = 0, queue_capacity = 0;
     int64_t slots_busy = 0, n_slots = 0;
     int64_t kv_tokens_used = 0, kv_tokens_capacity = 0;  // tokens held by the slots' sessions
+    int64_t kv_blocks_total = 0, kv_blocks_used = 0;     // pool blocks; used = reserved + cached
+    int64_t kv_blocks_cached = 0;                        // held by idle slots' caches (evictable)
+    int64_t kv_block_tokens = 0;
+    uint64_t kv_evictions = 0;                           // idle caches dropped to make room
+    uint64_t kv_waits = 0;                               // admissions deferred for lack of blocks
     histogram ttft_s, token_latency_s;
     scheduler_stats();
 };
@@ -118,6 +131,8 @@ struct scheduler_options {
     int max_queue = 64;            // waiting requests beyond the slots
     int prefill_chunk = 512;       // tokens per prefill chunk
     int step_token_budget = 512;   // tokens per step (decodes count one each)
+    int64_t kv_blocks = 0;         // KV pool size in blocks; 0 = every slot can hold a full context
+    int kv_block_tokens = 16;      // token positions per block
 };
 
 struct slot_info {
@@ -152,11 +167,14 @@ private:
     void sample_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
+    int64_t kv_need_tokens(const request &r) const;
+    bool kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_tokens);
 
     engine &eng_;
     scheduler_options opts_;
     int n_ctx_ = 0;
     std::vector<std::unique_ptr<slot>> slots_;
+    std::unique_ptr<kv_block_pool> pool_;  // guarded by mu_
     mutable std::mutex mu_;               // guards queue_, stats_, stop_, slot busy flags
     std::condition_variable cv_;
     std::deque<std::shared_ptr<job>> queue_;

@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 
@@ -112,8 +114,14 @@ void send_error(const httplib::Request &req, httplib::Response &res, int status,
 struct http_server::impl {
     server_context ctx;
     httplib::Server svr;
+    std::atomic<int> listen_fd{-1};  // the listening socket, captured when httplib creates it
     impl(engine &e, sched::scheduler &s, server_options o) : ctx(e, s, std::move(o)) {}
 };
+
+// cpp-httplib (Debian's build) listens with a backlog of 5: under a burst of connections the
+// accept queue overflows, the kernel drops handshakes and clients see resets. Listen again with a
+// real backlog (Linux updates the backlog of a listening socket).
+constexpr int k_listen_backlog = 1024;
 
 static bool key_matches(const std::string &given, const std::string &key) {
     // Constant-time in the key's length: no early exit on the first differing byte.
@@ -174,6 +182,8 @@ int http_server::bind() {
     int port = o.port;
     if (port == 0) port = p_->svr.bind_to_any_port(o.host);
     else if (!p_->svr.bind_to_port(o.host, port)) port = -1;
+    if (port >= 0 && p_->listen_fd.load() >= 0 && ::listen(p_->listen_fd.load(), k_listen_backlog) != 0)
+        throw error(std::string("serve: cannot raise the listen backlog: ") + std::strerror(errno));
     if (port < 0) throw error("serve: cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or not available)");
     return port;
 }
@@ -207,6 +217,10 @@ static void setup_routes(http_server::impl &p) {
     httplib::Server &svr = p.svr;
     const int threads = std::max(ctx.opts.http_threads, 2);
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    svr.set_socket_options([&p](socket_t sock) {
+        httplib::default_socket_options(sock);
+        p.listen_fd.store(int(sock));  // the last socket created is the one that got bound
+    });
     svr.set_payload_max_length(ctx.opts.max_body_bytes);
 
     svr.set_pre_routing_handler([&ctx](const httplib::Request &req, httplib::Response &res) {

@@ -50,6 +50,16 @@ std::string render_metrics(const sched::scheduler_stats &s,
     metric(o, "fathom_kv_tokens_used", "gauge", "Tokens held in the slots' KV caches.", double(s.kv_tokens_used));
     metric(o, "fathom_kv_tokens_capacity", "gauge", "KV capacity in tokens (slots x context).",
            double(s.kv_tokens_capacity));
+    metric(o, "fathom_kv_blocks_total", "gauge", "KV pool blocks.", double(s.kv_blocks_total));
+    metric(o, "fathom_kv_blocks_used", "gauge", "KV pool blocks in use (reserved by running requests plus cached).",
+           double(s.kv_blocks_used));
+    metric(o, "fathom_kv_blocks_cached", "gauge", "KV blocks held by idle slots' cached prefixes (evictable).",
+           double(s.kv_blocks_cached));
+    metric(o, "fathom_kv_block_tokens", "gauge", "Token positions per KV block.", double(s.kv_block_tokens));
+    metric(o, "fathom_kv_evictions_total", "counter", "Idle slot caches dropped to make room in the KV pool.",
+           double(s.kv_evictions));
+    metric(o, "fathom_kv_admission_waits_total", "counter", "Admissions deferred because the KV pool was full.",
+           double(s.kv_waits));
     hist(o, "fathom_time_to_first_token_seconds", "Submit to first generated token.", s.ttft_s);
     hist(o, "fathom_token_latency_seconds", "Time between consecutive generated tokens of a request.",
          s.token_latency_s);

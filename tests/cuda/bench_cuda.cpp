@@ -83,8 +83,8 @@ int main(int argc, char **argv) {
     const dtype types[] = {dtype::q4_1, dtype::q8_0, dtype::q5_0, dtype::q4_k, dtype::q6_k, dtype::f16};
     std::mt19937 rng(5);
     std::normal_distribution<float> nd(0.0f, 0.5f);
-    float *x = static_cast<float *>(gpu->alloc(1536 * 4 * 8));
-    float *y = static_cast<float *>(gpu->alloc(49152 * 4 * 8));
+    float *x = static_cast<float *>(gpu->alloc(2048 * 4 * 8));
+    float *y = static_cast<float *>(gpu->alloc(262144 * 4 * 8));
     std::printf("%-22s %-5s %2s %10s %9s %9s %7s\n", "shape", "type", "M", "bytes", "us/gemv", "GB/s", "%copy");
     for (const shape &sh : shapes) {
         for (dtype t : types) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chat/ds4_chat.h"
+#include "core/error.h"
 
 using ojson = nlohmann::ordered_json;
 namespace d = fathom::ds4chat;
@@ -91,7 +92,7 @@ TEST(Ds4Render, ThinkMaxPrefix) {
     EXPECT_EQ(render(R"([{"role":"user","content":"Q"}])", false, "null", o), BOS USR "Q" AST "</think>");
 }
 
-// Rules 4, 5, 12, 14, 15, 17: tools on the system message, tools keep all reasoning, DSML call
+// Rules 4, 6, 12, 14, 15, 17: tools on the system message, tools keep all reasoning, DSML call
 // block with "\n\n" before it, tool result as a user turn.
 TEST(Ds4Render, ToolConversationThinking) {
     const char *m = R"([{"role":"system","content":"You are a bot."},
@@ -270,6 +271,8 @@ TEST(Ds4Render, InvalidInputsThrowOneLineErrors) {
     EXPECT_THROW(bad(R"([{"role":"assistant","content":"","tool_calls":[{"id":"c","function":{"arguments":"{}"}}]}])"),
                  fathom::error);
     EXPECT_THROW(bad(R"({"role":"user"})"), fathom::error);
+    EXPECT_THROW(bad(R"([{"role":"user","content":[{"type":5}]}])"), fathom::error);
+    EXPECT_THROW(bad(R"([{"role":"system","content":"s","tools":{}}])"), fathom::error);
     try {
         bad(R"([{"role":"user","content":"ok"},{"role":"robot"}])");
         FAIL();

@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "chat/ds4_chat.h"
+#include "core/error.h"
 #include "chat/dsml.h"
 #include "server/tool_calls.h"
 
@@ -194,6 +196,16 @@ TEST(DsmlParse, StringFalseThatIsNotJsonBecomesString) {
     EXPECT_EQ(r.calls[0].arguments, R"({"a": "hello world"})");
 }
 
+TEST(DsmlParse, InvalidUtf8InValuesBecomesReplacementCharacter) {
+    const auto r = d::dsml_parse(
+        "<tool_calls><invoke name=\"f\"><parameter name=\"a\" string=\"true\">x\xE6\x97y\xFFz\xF0\x9F\x98</parameter>"
+        "</invoke></tool_calls>");
+    ASSERT_EQ(r.calls.size(), 1u);
+    // "\xE6\x97" is one truncated 3-byte sequence -> one U+FFFD; "\xFF" -> one; "\xF0\x9F\x98" -> one.
+    EXPECT_EQ(r.calls[0].arguments, "{\"a\": \"x\uFFFDy\uFFFDz\uFFFD\"}");
+    EXPECT_FALSE(json::parse(r.calls[0].arguments, nullptr, false).is_discarded());
+}
+
 TEST(DsmlParse, ContentWithAngleBracketsIsUntouched) {
     const std::string t = "a < b and <b>bold</b> <tool_call> <tool_callsX> </think> end";
     const auto r = d::dsml_parse(t);
@@ -240,7 +252,7 @@ TEST(DsmlMalformed, ReportedAsErrorOrText) {
     const auto r = d::dsml_parse(bad);
     EXPECT_EQ(r.content, "Hi");
     EXPECT_TRUE(r.calls.empty());
-    EXPECT_EQ(r.error, "unexpected text in DSML tool_calls block: garbage here");
+    EXPECT_EQ(r.error, "unexpected text in DSML tool_calls block");
     EXPECT_EQ(r.error_text, bad.substr(2));
     EXPECT_FALSE(r.replay_exact);
     d::dsml_parser_options o;
@@ -275,9 +287,41 @@ TEST(DsmlMalformed, EachKindHasItsMessage) {
         EXPECT_EQ(r.content, "");
     }
     // A malformed second block keeps the calls of the first, well-formed one.
-    const auto r = d::dsml_parse(k_block + k_block.substr(0, 40));
+    const auto r = d::dsml_parse(k_block + k_block.substr(0, 25));  // ends after "<｜DSML｜tool_calls>\n"
     EXPECT_EQ(r.calls.size(), 1u);
     EXPECT_EQ(r.error, "unterminated DSML tool_calls block");
+}
+
+// Random truncations and byte edits of valid output: no crash, and byte-by-byte streaming agrees
+// with the whole-text parse on content, calls and error.
+TEST(DsmlMalformed, RandomMutationsAgreeWhenStreamed) {
+    const std::string base = "Intro é." + k_block + "\n\n<tool_calls><invoke name=\"x\"><parameter name=\"p\" string=\"false\">"
+                             "[1, {\"a\": \"</parameter\"}]</parameter></invoke></tool_calls>";
+    const std::string alphabet = "<>/\"=｜ \nDSMLtoolcalsinvkeparm";
+    std::mt19937 rng(1234);
+    for (int it = 0; it < 300; ++it) {
+        std::string t = base.substr(0, rng() % (base.size() + 1));
+        for (int k = rng() % 4; k > 0 && !t.empty(); --k) t[rng() % t.size()] = alphabet[rng() % alphabet.size()];
+        d::dsml_parser_options o;
+        o.thinking = it % 5 == 0;
+        o.malformed_as_text = it % 2 == 0;
+        const auto whole = d::dsml_parse(t, o);
+        d::dsml_stream_parser p(o);
+        std::string content;
+        std::vector<d::dsml_call> calls;
+        for (char c : t) {
+            const auto dl = p.feed(std::string_view(&c, 1));
+            content += dl.content;
+            calls.insert(calls.end(), dl.calls.begin(), dl.calls.end());
+        }
+        const auto dl = p.finish();
+        content += dl.content;
+        calls.insert(calls.end(), dl.calls.begin(), dl.calls.end());
+        ASSERT_EQ(content, whole.content) << it;
+        ASSERT_EQ(calls, whole.calls) << it;
+        ASSERT_EQ(p.result().error, whole.error) << it;
+        for (const auto &c : calls) EXPECT_FALSE(json::parse(c.arguments, nullptr, false).is_discarded()) << c.arguments;
+    }
 }
 
 // ---- streaming ----

@@ -350,22 +350,27 @@ float f16_bits_to_f32(uint16_t h) {
     return sign ? -v : v;
 }
 
-}  // namespace
 
-TEST(Smollm2, MatchesLlamaCppGolden) {
-    if (!exists(kSmol)) GTEST_SKIP() << "SmolLM2 not installed";
+// Default (fast) mode mirrors llama.cpp's CPU numerics (docs/architecture.md, "Agreement with
+// llama.cpp"): q8 activations as ggml-cpu converts them, ggml's dot-product lane order, f16 Q and
+// P in attention, ggml's expf/silu/GELU table and RoPE recurrence. Criteria (foundation issue):
+// greedy continuations equal llama.cpp's token for token until a step whose llama.cpp top-2 gap
+// was < near_tie_gap, and last-prompt-position logits within relative L2 max_err of llama.cpp's.
+struct golden_stats {
+    double worst = 0, mean = 0;
+};
+
+golden_stats check_llamacpp_golden(const std::string &model, const std::string &json_name, double max_err) {
+    golden_stats st;
     const std::string dir = std::string(FATHOM_SOURCE_DIR) + "/tests/models/data/";
-    std::ifstream in(dir + "smollm2_llamacpp.json");
-    ASSERT_TRUE(in.good());
-    const auto j = nlohmann::json::parse(in);
+    const auto j = read_json(json_name);
     const int64_t nv = j["n_vocab"].get<int64_t>();
     std::ifstream lf(dir + j["logits_file"].get<std::string>(), std::ios::binary);
     std::vector<uint16_t> raw(j["cases"].size() * nv);
-    ASSERT_TRUE(lf.read(reinterpret_cast<char *>(raw.data()), std::streamsize(raw.size() * 2)).good());
+    EXPECT_TRUE(lf.read(reinterpret_cast<char *>(raw.data()), std::streamsize(raw.size() * 2)).good());
     const double gap_tol = j["near_tie_gap"].get<double>();
-    auto e = load(kSmol, false, kv_precision::f16, 512, 512, 2);
-    double worst = 0, sum_err = 0;
-    size_t n_cases = 0, n_full_match = 0;
+    auto e = load(model, false, kv_precision::f16, 512, 512, 2);
+    size_t n_cases = 0;
     for (size_t c = 0; c < j["cases"].size(); ++c) {
         const auto &cs = j["cases"][c];
         const auto toks = cs["tokens"].get<std::vector<int32_t>>();
@@ -374,40 +379,51 @@ TEST(Smollm2, MatchesLlamaCppGolden) {
         std::vector<float> ref(nv);
         for (int64_t i = 0; i < nv; ++i) ref[i] = f16_bits_to_f32(raw[c * nv + i]);
         const double err = rel_l2(s->logits().data(), ref.data(), nv);
-        worst = std::max(worst, err);
-        sum_err += err;
-        // Greedy continuation: must agree token for token until llama.cpp's own top-2 gap was a
-        // near tie (where rounding differences may legitimately flip the choice).
+        EXPECT_LT(err, max_err) << json_name << " case " << c << ": last-position logits vs llama.cpp";
+        st.worst = std::max(st.worst, err);
+        st.mean += err;
         const auto greedy = cs["greedy"].get<std::vector<int32_t>>();
         const auto gaps = cs["top2_gap"].get<std::vector<double>>();
         size_t matched = 0;
-        const size_t n_steps = std::min<size_t>(greedy.size(), 12);  // keeps the suite fast
+        const size_t n_steps = std::min<size_t>(greedy.size(), 12);  // keeps the suite fast on 2 cores
         for (size_t g = 0; g < n_steps; ++g) {
             const auto lg = s->logits();
             int32_t best = 0;
             for (int32_t i = 1; i < int32_t(nv); ++i)
                 if (lg[i] > lg[best]) best = i;
             if (best != greedy[g]) {
-                EXPECT_LT(gaps[g], 0.5) << "case " << c << " diverged at step " << g << " where llama.cpp's gap was " << gaps[g];
+                EXPECT_LT(gaps[g], gap_tol) << json_name << " case " << c << " diverged at step " << g
+                                            << " where llama.cpp's top-2 gap was " << gaps[g];
                 break;
             }
             ++matched;
+            if (gaps[g] < gap_tol) break;  // a near tie: the rest may legitimately differ
             s->eval({&best, 1});
-            if (gaps[g] < gap_tol) break;
         }
         ++n_cases;
-        n_full_match += matched == n_steps;
-        std::printf("case %zu: logits rel L2 %.4f, greedy matched %zu/%zu\n", c, err, matched, n_steps);
+        std::printf("%s case %zu: logits rel L2 %.5f, greedy matched %zu steps\n", json_name.c_str(), c, err, matched);
     }
-    // Both engines quantise activations to q8 (~0.5% error per matmul) along different rounding
-    // paths; through 30 layers that amounts to 1-10% relative L2 between them — the same size as
-    // llama.cpp's own distance from the float64 reference (3.3% on case 0; our exact mode vs
-    // llama.cpp: 1-11%). The bounds below are that noise level, not a free pass: a wrong RoPE
-    // base or norm gives > 50%.
-    EXPECT_LT(worst, 0.3) << "last-position logits vs llama.cpp";
-    EXPECT_LT(sum_err / double(n_cases), 0.06) << "mean relative L2 vs llama.cpp";
-    std::printf("worst rel L2 %.4f, mean %.4f, %zu/%zu cases fully matched\n", worst, sum_err / double(n_cases),
-                n_full_match, n_cases);
+    st.mean /= double(n_cases);
+    std::printf("%s: worst rel L2 %.5f, mean %.5f\n", json_name.c_str(), st.worst, st.mean);
+    return st;
+}
+
+}  // namespace
+
+// SmolLM2 Q4_1 (q4_1 + q8_0 weights): bit-identical to llama.cpp; the residual 2e-4 is the golden's
+// f16 storage of the logits.
+TEST(Smollm2, MatchesLlamaCppGolden) {
+    if (!exists(kSmol)) GTEST_SKIP() << "SmolLM2 not installed";
+    check_llamacpp_golden(kSmol, "smollm2_llamacpp.json", 1e-2);
+}
+
+// Gemma 3 Q4_K_M: q5_0 / q8_0 / q6_k matmuls, attention, GELU and norms mirror llama.cpp, but
+// llama.cpp repacks Q4_K weights (attn_output here) into its interleaved 8-row layout and runs them
+// through a different GEMM whose float order we do not reproduce (docs/architecture.md). The
+// resulting ~1e-7 differences are amplified by the model to ~1e-2: bound documented there.
+TEST(Gemma3, MatchesLlamaCppGolden) {
+    if (!exists(kGemma)) GTEST_SKIP() << "Gemma 3 not installed";
+    check_llamacpp_golden(kGemma, "gemma3_llamacpp.json", 5e-2);
 }
 
 // A tiny random qwen3 (per-head q/k norm, NeoX RoPE, head_dim 16 != 32/4, GQA 4/2, untied f16

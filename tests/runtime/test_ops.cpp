@@ -203,10 +203,45 @@ TEST(Ops, AttentionMatchesNaive) {
         const tensor vt = c.f16 ? make_tensor(dtype::f16, c.hd, kv_rows, v16.data()) : f32(vf, c.hd, kv_rows);
         const auto ref = naive_attention(q, kf, vf, p, n_tok);
         for (int nth : {1, 2, 3}) {
-            auto be = make_cpu(nth);
+            auto be = make_cpu(nth, /*exact=*/true);
             be->attention(f32(q, c.n_head * c.hd, n_tok), kt, vt, p, f32(out, c.n_head * c.hd, n_tok));
             EXPECT_LT(rel_l2(ref, out.data()), 2e-6) << "case n_head " << c.n_head << " window " << c.window << " threads "
                                                      << nth;
+        }
+        // Fast mode mirrors llama.cpp: q and the normalised probabilities pass through f16. Against
+        // the float64 reference that is f16-level error; against a float64 reference that rounds q
+        // and P the same way it is float-order noise only.
+        if (c.softcap == 0) {
+            std::vector<float> q16(q.size());
+            for (size_t i = 0; i < q.size(); ++i) q16[i] = cpu::f16_to_f32(cpu::f32_to_f16(q[i]));
+            std::vector<double> ref16(q.size());
+            for (int64_t t = 0; t < n_tok; ++t)
+                for (int h = 0; h < c.n_head; ++h) {
+                    const int64_t pos = p.n_past + t, hk = h / (c.n_head / c.n_head_kv);
+                    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+                    std::vector<double> sc(pos + 1);
+                    double mx = -1e300, sum = 0;
+                    for (int64_t j = lo; j <= pos; ++j) {
+                        double d = 0;
+                        for (int i = 0; i < c.hd; ++i) d += double(q16[(t * c.n_head + h) * c.hd + i]) * kf[(hk * p.n_ctx + j) * c.hd + i];
+                        sc[j] = d * p.scale;
+                        mx = std::max(mx, sc[j]);
+                    }
+                    for (int64_t j = lo; j <= pos; ++j) sum += sc[j] = std::exp(sc[j] - mx);
+                    for (int i = 0; i < c.hd; ++i) {
+                        double o = 0;
+                        for (int64_t j = lo; j <= pos; ++j)
+                            o += double(cpu::f16_to_f32(cpu::f32_to_f16(float(sc[j] / sum)))) * vf[(hk * p.n_ctx + j) * c.hd + i];
+                        ref16[(t * c.n_head + h) * c.hd + i] = o;
+                    }
+                }
+            std::vector<float> fast(q.size());
+            for (int nth : {1, 2}) {
+                make_cpu(nth)->attention(f32(q, c.n_head * c.hd, n_tok), kt, vt, p, f32(fast, c.n_head * c.hd, n_tok));
+                EXPECT_LT(rel_l2(ref16, fast.data()), 2e-5) << "fast mode vs f16-rounding reference, n_head " << c.n_head;
+                EXPECT_LT(rel_l2(ref, fast.data()), 3e-3) << "fast mode vs float64";
+                EXPECT_GT(rel_l2(ref, fast.data()), 1e-5) << "fast mode should carry llama.cpp's f16 roundings";
+            }
         }
     }
 }
@@ -226,7 +261,7 @@ TEST(Ops, KvStoreLayoutAndAttentionBounds) {
 }
 
 TEST(Ops, GluMatchesF64) {
-    auto be = make_cpu(2);
+    auto be = make_cpu(2, /*exact=*/true);
     const int64_t n = 1000, rows = 40;
     auto g = randn(n * rows, 4, 3.0f), u = randn(n * rows, 5);
     std::vector<float> out(n * rows);
@@ -240,6 +275,21 @@ TEST(Ops, GluMatchesF64) {
         ref[i] = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))) * u[i];
     }
     EXPECT_LT(rel_l2(ref, out.data()), 1e-6);
+    // Fast mode: swiglu with ggml's vectorised exp (still float-accurate); geglu as ggml-cpu's
+    // GGML_GELU_FP16 table: gelu of the f16-rounded input, rounded to f16, saturated outside +-10.
+    auto fast = make_cpu(2);
+    fast->glu(f32(g, n, rows), f32(u, n, rows), glu_kind::swiglu, f32(out, n, rows));
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
+    EXPECT_LT(rel_l2(ref, out.data()), 1e-6);
+    fast->glu(f32(g, n, rows), f32(u, n, rows), glu_kind::geglu, f32(out, n, rows));
+    int n_off = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const double x = cpu::f16_to_f32(cpu::f32_to_f16(g[i]));
+        const double gl = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+        const double want = g[i] <= -10 ? 0.0 : g[i] >= 10 ? double(g[i]) * u[i] : cpu::f16_to_f32(cpu::f32_to_f16(float(gl))) * double(u[i]);
+        n_off += std::abs(out[i] - want) > 1e-6 * (1 + std::abs(want));
+    }
+    EXPECT_LE(n_off, 40) << "geglu differs from the f16-table reference beyond f16 tie flips";
 }
 
 TEST(Ops, ElementwiseMatchF64) {

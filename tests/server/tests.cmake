@@ -13,3 +13,19 @@ if(Python3_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_integration_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
 endif()
+if(Python3_FOUND AND TARGET fathom)
+    # Chat page in headless Chromium (Debian `chromium`) driven by Playwright (`pip install playwright`).
+    add_test(NAME server_web_page
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/web_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_web_page PROPERTIES LABELS "server;slow" TIMEOUT 300)
+    # Reliability load test, CI mode (64 clients, random cancellations, 30 s); full mode: --duration 300.
+    add_test(NAME server_load_ci
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/load_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf --duration 30
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_load_ci PROPERTIES LABELS "server;slow" TIMEOUT 600)
+endif()

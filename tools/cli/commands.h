@@ -13,5 +13,6 @@ void add_logits_command(CLI::App &app);    // logits.cpp: token ids -> float32 l
 void add_bench_command(CLI::App &app);     // bench.cpp: prefill / decode throughput
 void add_serve_command(CLI::App &app);     // serve.cpp: HTTP API server (server engineer)
 void add_daemon_command(CLI::App &app);    // daemon.cpp: stdin/stdout line protocol (server engineer)
+void add_eval_command(CLI::App &app);      // eval.cpp: quality evaluations (`eval niah`, PFlash)
 
 }  // namespace fathom::cli

@@ -27,6 +27,7 @@ struct run_args {
     std::string drafter = "smollm2";
     std::string drafter_residency = "auto";
     bool pflash_verbatim_user = false;
+    int32_t drafter_window = 512;
 };
 
 std::string read_file(const std::string &path) {
@@ -58,6 +59,7 @@ void run_main(const run_args &a) {
         po.drafter_path = resolve_model_path(a.drafter, a.model.models_dir);
         po.keep_ratio = a.keep_ratio;
         po.residency = residency;
+        po.drafter_window = a.drafter_window;
         po.n_threads = a.model.threads;
         // `run` has one user message: by default it is the text to compress (its question sits in the
         // always-kept tail chunks); --pflash-verbatim-user keeps it whole instead.
@@ -105,6 +107,10 @@ void add_run_command(CLI::App &app) {
     cmd->add_option("--drafter-residency", a->drafter_residency,
                     "PFlash: keep | release-after-use | auto (drafter memory after use)")
         ->capture_default_str();
+    cmd->add_option("--drafter-window", a->drafter_window,
+                    "PFlash: sliding attention window of the drafter's prefill (0 = full attention)")
+        ->capture_default_str()
+        ->check(at_least(0));
     cmd->add_flag("--pflash-verbatim-user", a->pflash_verbatim_user,
                   "PFlash: never compress the (last) user message, only what surrounds it");
     add_sampling_options(cmd, a->sampling);

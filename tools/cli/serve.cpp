@@ -27,6 +27,8 @@ struct serve_args {
     int prefill_chunk = 512;
     size_t max_body = 8u << 20;
     int http_threads = 64;
+    double kv_mem_mib = 0;       // KV pool budget; 0 = every slot can hold a full context
+    int kv_block = 16;           // tokens per KV block
     std::vector<std::string> aliases;
     sampling_params sampling;
 };
@@ -48,6 +50,13 @@ void serve_main(serve_args &a) {
     so.max_queue = a.queue;
     so.prefill_chunk = a.prefill_chunk;
     so.step_token_budget = a.prefill_chunk;
+    so.kv_block_tokens = a.kv_block;
+    if (a.kv_mem_mib > 0) {
+        const double block_bytes = double(eng->info().kv_bytes_per_token) * a.kv_block;
+        if (block_bytes <= 0) throw error("--kv-mem: the model reports no KV size per token");
+        so.kv_blocks = int64_t(a.kv_mem_mib * 1048576.0 / block_bytes);
+        if (so.kv_blocks < 1) throw error("--kv-mem " + std::to_string(a.kv_mem_mib) + " MiB is less than one KV block");
+    }
     sched::scheduler sch(*eng, so);
 
     server::server_options o;
@@ -60,8 +69,10 @@ void serve_main(serve_args &a) {
     o.model_ids = a.aliases;
     server::http_server srv(*eng, sch, o);
     const int port = srv.bind();
-    std::fprintf(stderr, "fathom serve: listening on http://%s:%d  model '%s'  ctx %d  parallel %d%s\n", a.host.c_str(),
-                 port, srv.model_ids().front().c_str(), sch.n_ctx(), a.parallel,
+    const auto st0 = sch.stats();
+    std::fprintf(stderr, "fathom serve: listening on http://%s:%d  model '%s'  ctx %d  parallel %d  kv %lld blocks x %lld%s\n",
+                 a.host.c_str(), port, srv.model_ids().front().c_str(), sch.n_ctx(), a.parallel,
+                 static_cast<long long>(st0.kv_blocks_total), static_cast<long long>(st0.kv_block_tokens),
                  a.api_key.empty() ? "" : "  (API key required)");
     if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" && a.api_key.empty())
         std::fprintf(stderr, "fathom serve: warning: listening on %s without --api-key\n", a.host.c_str());
@@ -102,6 +113,13 @@ void add_serve_command(CLI::App &app) {
     cmd->add_option("--http-threads", a->http_threads, "HTTP connections served at once")
         ->capture_default_str()
         ->check(CLI::Range(2, 4096));
+    cmd->add_option("--kv-mem", a->kv_mem_mib,
+                    "KV cache budget in MiB, shared by all slots in blocks; requests that do not fit wait "
+                    "(default 0: every slot can hold a full context)")
+        ->check(CLI::Range(0.0, 1e9));
+    cmd->add_option("--kv-block", a->kv_block, "Token positions per KV block")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 4096));
     cmd->add_option("--alias", a->aliases, "Model id(s) clients use (default: the file name without .gguf)");
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });

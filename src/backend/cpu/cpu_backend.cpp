@@ -88,6 +88,20 @@ void check_same(const tensor &a, const tensor &b, const char *op) {
     FATHOM_CHECK(a.ne[0] == b.ne[0] && a.ne[1] == b.ne[1], op, "shape mismatch " + shape(a) + " vs " + shape(b));
 }
 
+// gelu_tanh(h) rounded to f16 for every f16 bit pattern h (ggml-cpu's ggml_table_gelu_f16).
+const uint16_t *gelu_f16_table() {
+    static const std::vector<uint16_t> table = [] {
+        std::vector<uint16_t> t(65536);
+        constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
+        for (uint32_t h = 0; h < 65536; ++h) {
+            const float x = f16_to_f32(static_cast<uint16_t>(h));
+            t[h] = f32_to_f16(0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + kCoef * x * x))));
+        }
+        return t;
+    }();
+    return table.data();
+}
+
 // Work below this many elements runs on the calling thread: waking workers costs more.
 constexpr int64_t kParallelMin = 16384;
 
@@ -243,7 +257,7 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
                 uint8_t *buf = act_[j].get(rb * static_cast<size_t>(M));
                 for_rows(M, K * 4, [&](int64_t r0, int64_t r1) {
                     for (int64_t m = r0; m < r1; ++m)
-                        quantize_row(vt, row_ptr<float>(x, m), buf + rb * static_cast<size_t>(m), K);
+                        quantize_row_act(vt, row_ptr<float>(x, m), buf + rb * static_cast<size_t>(m), K);
                 });
                 seen_p[j] = buf;
                 seen_s[j] = rb;
@@ -373,6 +387,29 @@ void cpu_backend::rope_table(int64_t p0, int64_t n, const rope_params &p, const 
     }
     float mscale = p.attn_factor;
     if (p.ext_factor != 0.0f) mscale *= 1.0f + 0.1f * std::log(1.0f / p.freq_scale);
+    if (!opts_.exact) {
+        // Fast mode: ggml's float recurrence (theta_i = pos * theta_scale^i, multiplied up one
+        // step at a time with theta_scale = powf(base, -2/n_rot)), then cosf/sinf. Its rounding
+        // drifts ~1e-6 relative from the exact angle at the last dimensions; llama.cpp's K/Q carry
+        // exactly that drift.
+        const float theta_scale = powf(p.freq_base, -2.0f / static_cast<float>(p.n_rot));
+        for (int64_t t = 0; t < n; ++t) {
+            float *row = row_ptr<float>(out, t);
+            float theta_base = static_cast<float>(p0 + t);
+            for (int i = 0; i < half; ++i, theta_base *= theta_scale) {
+                const float theta_extrap = p.freq_factors ? theta_base / p.freq_factors[i] : theta_base;
+                float theta = p.freq_scale * theta_extrap;
+                if (p.ext_factor != 0.0f) {
+                    const float y = (static_cast<float>(i) - corr0) / std::max(0.001f, corr1 - corr0);
+                    const float ramp = (1.0f - std::min(1.0f, std::max(0.0f, y))) * p.ext_factor;
+                    theta = theta * (1.0f - ramp) + theta_extrap * ramp;
+                }
+                row[2 * i] = cosf(theta) * mscale;
+                row[2 * i + 1] = sinf(theta) * mscale;
+            }
+        }
+        return;
+    }
     for (int64_t t = 0; t < n; ++t) {
         float *row = row_ptr<float>(out, t);
         const double pos = static_cast<double>(p0 + t);
@@ -401,6 +438,7 @@ void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, r
     const int64_t n_head = x.ne[0] / head_dim, half = n_rot / 2;
     const int64_t stride = mode == rope_mode::normal ? 1 : half;  // distance between pair members
     const int64_t step = mode == rope_mode::normal ? 2 : 1;       // distance between pairs
+    const bool fused = !opts_.exact;
     for_rows(x.ne[1], x.ne[0], [&](int64_t r0, int64_t r1) {
         for (int64_t t = r0; t < r1; ++t) {
             const float *cs = row_ptr<const float>(table, t);
@@ -410,8 +448,13 @@ void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, r
                 for (int64_t i = 0; i < half; ++i) {
                     float *a = xh + i * step, *b = a + stride;
                     const float c = cs[2 * i], s = cs[2 * i + 1], x0 = *a, x1 = *b;
-                    *a = x0 * c - x1 * s;
-                    *b = x0 * s + x1 * c;
+                    if (fused) {  // ggml's rotation as GCC compiles it with FMA contraction
+                        *a = std::fma(x0, c, -(x1 * s));
+                        *b = std::fma(x0, s, x1 * c);
+                    } else {
+                        *a = x0 * c - x1 * s;
+                        *b = x0 * s + x1 * c;
+                    }
                 }
             }
         }
@@ -451,14 +494,20 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
           v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
     const int64_t n_tok = q.ne[1];
     FATHOM_CHECK(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
-    grow_thread_scratch(p.n_past + n_tok + p.head_dim);
+    grow_thread_scratch(p.n_past + n_tok + 9 * p.head_dim);
     const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv;
     const bool f16 = k.type == dtype::f16;
     const auto &vk = vec();
     const int64_t n_items = n_tok * p.n_head;  // (token, head) pairs, split across threads
+    // Fast mode mirrors llama.cpp's CPU attention without flash attention: KQ = mul_mat(K f16,
+    // Q -> f16) with f32 accumulation, soft_max_ext (scale, max subtraction, sum in double, rows
+    // normalised), then KQV = mul_mat(V f16, P -> f16). Exact mode keeps q and the probabilities in
+    // f32 and normalises once at the end.
+    const bool mirror = !opts_.exact;
     auto body = [&](int ith, int nth) {
         float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
-        float *acc = scores + p.n_past + n_tok;
+        float *acc = scores + p.n_past + n_tok;  // [hd] (exact) or [8][hd] lanes (fast)
+        float *q16 = acc + 8 * hd;               // q rounded through f16 (fast mode)
         int64_t a, b;
         split_range(n_items, ith, nth, 1, a, b);
         for (int64_t it = a; it < b; ++it) {
@@ -466,14 +515,44 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
             const int64_t pos = p.n_past + t;
             const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
             const float *qr = row_ptr<const float>(q, t) + h * hd;
+            if (mirror) {
+                for (int64_t i = 0; i < hd; ++i) q16[i] = f16_to_f32(f32_to_f16(qr[i]));
+                qr = q16;
+            }
             const int64_t base = hk * p.n_ctx;
             float mx = -INFINITY;
             for (int64_t j = lo; j <= pos; ++j) {
-                float s = (f16 ? vk.dot_f16(hd, row_ptr<const uint16_t>(k, base + j), qr)
-                               : vk.dot_f32(hd, row_ptr<const float>(k, base + j), qr)) * p.scale;
+                float s;
+                if (!f16) s = vk.dot_f32(hd, row_ptr<const float>(k, base + j), qr);
+                else if (mirror) s = vk.dot_f16_lanes(hd, row_ptr<const uint16_t>(k, base + j), qr);
+                else s = vk.dot_f16(hd, row_ptr<const uint16_t>(k, base + j), qr);
+                s *= p.scale;
                 if (p.softcap > 0) s = p.softcap * std::tanh(s / p.softcap);
                 scores[j] = s;
                 mx = std::max(mx, s);
+            }
+            float *o = row_ptr<float>(out, t) + h * hd;
+            if (mirror) {
+                // Probabilities over cells [0, pos] (masked cells below lo are exact zeros, as in
+                // llama.cpp's masked row), so the 8-groups of the sum align with ggml's.
+                std::fill(scores, scores + lo, -INFINITY);
+                const double sum = vk.softmax_exp(pos + 1, scores, mx, scores);
+                const float inv = static_cast<float>(1.0 / sum);
+                // KQV as tinyBLAS computes it: lane c = cell mod 8 accumulates p16[c] * V[c] with
+                // FMAs in cell order, then the lanes are summed as hsum does.
+                float *lanes = acc;  // [8][hd]
+                std::fill(lanes, lanes + 8 * hd, 0.0f);
+                for (int64_t j = lo; j <= pos; ++j) {
+                    const float pj = f16_to_f32(f32_to_f16(scores[j] * inv));
+                    float *lane = lanes + (j & 7) * hd;
+                    if (f16) vk.axpy_f16(hd, pj, row_ptr<const uint16_t>(v, base + j), lane);
+                    else vk.axpy_f32(hd, pj, row_ptr<const float>(v, base + j), lane);
+                }
+                for (int64_t i = 0; i < hd; ++i) {
+                    const float *l = lanes + i;
+                    o[i] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+                }
+                continue;
             }
             float sum = 0;
             for (int64_t j = lo; j <= pos; ++j) {
@@ -485,7 +564,6 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 if (f16) vk.axpy_f16(hd, scores[j], row_ptr<const uint16_t>(v, base + j), acc);
                 else vk.axpy_f32(hd, scores[j], row_ptr<const float>(v, base + j), acc);
             }
-            float *o = row_ptr<float>(out, t) + h * hd;
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] * inv;
         }
@@ -506,8 +584,18 @@ void cpu_backend::glu(const tensor &gate, const tensor &up, glu_kind kind, const
         for (int64_t r = r0; r < r1; ++r) {
             const float *g = row_ptr<const float>(gate, r), *u = row_ptr<const float>(up, r);
             float *o = row_ptr<float>(out, r);
-            if (kind == glu_kind::swiglu) {
+            if (kind == glu_kind::swiglu && !opts_.exact) {
+                vec().swiglu(n, g, u, o);  // ggml's vectorised silu (llama.cpp numerics)
+            } else if (kind == glu_kind::swiglu) {
                 for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+            } else if (!opts_.exact) {
+                // ggml-cpu (GGML_GELU_FP16): gelu looked up by the f16 rounding of x in a table of
+                // f16-rounded values; saturated outside (-10, 10).
+                const uint16_t *tab = gelu_f16_table();
+                for (int64_t i = 0; i < n; ++i) {
+                    const float x = g[i];
+                    o[i] = x <= -10.0f ? 0.0f : x >= 10.0f ? x * u[i] : f16_to_f32(tab[f32_to_f16(x)]) * u[i];
+                }
             } else {
                 constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
                 for (int64_t i = 0; i < n; ++i) {

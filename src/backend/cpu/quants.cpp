@@ -137,6 +137,14 @@ void quantize_row(dtype t, const float *src, void *dst, int64_t n) {
     fn(src, dst, n);
 }
 
+void quantize_row_act(dtype t, const float *src, void *dst, int64_t n) {
+    check_row("quantize_row_act", t, n);
+    const auto &tab = active_table();
+    const auto fn = tab.quant_act[slot(t)] ? tab.quant_act[slot(t)] : tab.quant[slot(t)];
+    if (!fn) throw error("quantize_row_act: no quantiser for dtype " + type_str(t));
+    fn(src, dst, n);
+}
+
 float vec_dot(dtype w, int64_t n, const void *wrow, const void *arow) {
     check_row("vec_dot", w, n);
     const auto fn = active_table().dot[slot(w)];

@@ -31,6 +31,12 @@ void dequantize_row(dtype t, const void *src, float *dst, int64_t n);
 // (round-to-nearest per block; used by writers and tests, not on hot paths).
 void quantize_row(dtype t, const float *src, void *dst, int64_t n);
 
+// Activation conversion exactly as ggml-cpu's x86 build does it before a quantised dot product
+// (llama.cpp's numerics): q8_0 and q8_1 use the multiplier 127/amax and round half to even (the
+// reference quantize_row uses 1/d and roundf; they differ on ~1e-5 of elements); every other type
+// as quantize_row. The fast-mode mul_mat uses this.
+void quantize_row_act(dtype t, const float *src, void *dst, int64_t n);
+
 // Dot product of one weight row (type w) with one activation row of type vec_dot_type(w), n elements.
 float vec_dot(dtype w, int64_t n, const void *wrow, const void *arow);
 

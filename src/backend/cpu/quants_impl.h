@@ -48,6 +48,9 @@ constexpr int n_type_slots = 40;  // dtype ids are < 40 (core/types.cpp)
 struct kernel_table {
     dequant_fn dequant[n_type_slots] = {};
     quant_fn quant[n_type_slots] = {};
+    // Activation conversion as ggml-cpu's x86 from_float (q8_0/q8_1: id = 127/amax, round half to
+    // even); null: same as quant.
+    quant_fn quant_act[n_type_slots] = {};
     dot_fn dot[n_type_slots] = {};    // weight type -> dot against vec_dot_type(weight)
     gemm_fn gemm[n_type_slots] = {};  // null: quants.cpp loops dot()
 };

@@ -71,6 +71,36 @@ void quant_q8_1(const float *x, void *dst, int64_t n) {
     }
 }
 
+// ggml-cpu's x86 activation conversion (quantize_row_q8_0/q8_1 with AVX/AVX2): same d, but the
+// multiplier is 127/amax (not 1/d) and rounding is half to even. llama.cpp feeds its dot products
+// with these, so the fast mul_mat uses them to reproduce llama.cpp's activations bit for bit.
+void quant_q8_0_act(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_0 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        float amax = 0;
+        for (int j = 0; j < qk32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float id = amax != 0 ? 127.f / amax : 0.0f;
+        y[i].d = f32_to_f16(amax / 127.f);
+        for (int j = 0; j < qk32; ++j) y[i].qs[j] = static_cast<int8_t>(nearest_int(x[j] * id));
+    }
+}
+
+void quant_q8_1_act(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_1 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        float amax = 0;
+        for (int j = 0; j < qk32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float d = amax / 127.f, id = amax != 0 ? 127.f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < qk32; ++j) {
+            y[i].qs[j] = static_cast<int8_t>(nearest_int(x[j] * id));
+            sum += y[i].qs[j];
+        }
+        y[i].d = f32_to_f16(d);
+        y[i].s = f32_to_f16(static_cast<float>(sum) * d);
+    }
+}
+
 // q8_k: iscale = -127/max (max signed), q = min(127, nearest_int(iscale*x)), d = 1/iscale.
 void quant_q8_k(const float *x, void *dst, int64_t n) {
     auto *y = static_cast<block_q8_k *>(dst);
@@ -392,6 +422,8 @@ void fill_quantizers(kernel_table &t) {
     t.quant[slot(dtype::bf16)] = quant_bf16;
     t.quant[slot(dtype::q8_0)] = quant_q8_0;
     t.quant[slot(dtype::q8_1)] = quant_q8_1;
+    t.quant_act[slot(dtype::q8_0)] = quant_q8_0_act;
+    t.quant_act[slot(dtype::q8_1)] = quant_q8_1_act;
     t.quant[slot(dtype::q8_k)] = quant_q8_k;
     t.quant[slot(dtype::q4_0)] = quant_q4_0;
     t.quant[slot(dtype::q4_1)] = quant_q4_1;

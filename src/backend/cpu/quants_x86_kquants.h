@@ -259,15 +259,95 @@ float dot_k(int64_t n, const void *w, const void *a) {
     return out[0];
 }
 
+// ---- llama.cpp-exact q4_k / q6_k (ggml-cpu's AVX2 vec_dot float order) ---------------------------
+// Per output: one 8-lane accumulator; lane L = the i32 sum over the super-block of scale * w * a for
+// elements 4L..4L+3 of every 32-chunk (q6_k's -32 offset inside the integers); acc = fma(d_a * d,
+// float(lanes), acc). q4_k's mins: 4 lanes m[2k]*S[2k] + m[2k+1]*S[2k+1] (S = 32-element activation
+// sums) into acc_m = fma(-d_a * dmin, ., acc_m). Result hsum(acc) + hsum(acc_m).
+template <class T, int MB>
+inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float out[MB][4]) {
+    constexpr bool q6 = T::size == 210;
+    __m256 acc[MB][4];
+    __m128 accm[MB][4];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) {
+            acc[m][r] = _mm256_setzero_ps();
+            accm[m][r] = _mm_setzero_ps();
+        }
+    for (int64_t b = 0; b < nb; ++b) {
+        kdec t[4];
+        for (int r = 0; r < 4; ++r) T::decode(w[r] + b * T::size, t[r]);
+        for (int m = 0; m < MB; ++m) {
+            const uint8_t *xb = x[m] + b * q8k_size;
+            float da;
+            std::memcpy(&da, xb, 4);
+            __m256i a[8], a32[8];
+            for (int j = 0; j < 8; ++j) {
+                a[j] = ld256(xb + 4 + 32 * j);
+                if constexpr (q6) a32[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), a[j]);
+            }
+            const __m256i bs = ld256(xb + 260);
+            for (int r = 0; r < 4; ++r) {
+                __m256i sumi = _mm256_setzero_si256();
+                for (int j = 0; j < 8; ++j) {
+                    __m256i p = _mm256_maddubs_epi16(t[r].q[j], a[j]);
+                    if constexpr (q6) p = _mm256_sub_epi16(p, a32[j]);
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, t[r].sc[j]));
+                }
+                acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(da * t[r].d), _mm256_cvtepi32_ps(sumi), acc[m][r]);
+                if constexpr (!q6) {
+                    const __m256i v = _mm256_madd_epi16(t[r].mn, bs);  // m_i * S_i
+                    const __m128i prod = _mm_hadd_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+                    accm[m][r] = _mm_fmadd_ps(_mm_set1_ps(-da * t[r].dmin), _mm_cvtepi32_ps(prod), accm[m][r]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) out[m][r] = hsum(acc[m][r]) + (q6 ? 0.0f : hsum(accm[m][r]));
+}
+
+template <class T>
+void gemm_k_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+                  int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mb = static_cast<int>(imin(2, M - m));
+            const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+            float out[2][4];
+            if (mb == 2) ktile_exact<T, 2>(nb, w, x, out);
+            else ktile_exact<T, 1>(nb, w, x, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+template <class T>
+float dot_k_exact(int64_t n, const void *w, const void *a) {
+    const auto *wp = static_cast<const uint8_t *>(w);
+    const uint8_t *wr[4] = {wp, wp, wp, wp};
+    const uint8_t *x[1] = {static_cast<const uint8_t *>(a)};
+    float out[1][4];
+    ktile_exact<T, 1>(n / qk_k, wr, x, out);
+    return out[0][0];
+}
+
 inline void fill_x86_kquants(kernel_table &t) {
     t.dot[slot(dtype::q2_k)] = dot_k<tr_q2_k>;
-    t.dot[slot(dtype::q4_k)] = dot_k<tr_q4_k>;
+    t.dot[slot(dtype::q4_k)] = dot_k_exact<tr_q4_k>;
     t.dot[slot(dtype::q5_k)] = dot_k<tr_q5_k>;
-    t.dot[slot(dtype::q6_k)] = dot_k<tr_q6_k>;
+    t.dot[slot(dtype::q6_k)] = dot_k_exact<tr_q6_k>;
     t.gemm[slot(dtype::q2_k)] = gemm_k<tr_q2_k>;
-    t.gemm[slot(dtype::q4_k)] = gemm_k<tr_q4_k>;
+    t.gemm[slot(dtype::q4_k)] = gemm_k_exact<tr_q4_k>;
     t.gemm[slot(dtype::q5_k)] = gemm_k<tr_q5_k>;
-    t.gemm[slot(dtype::q6_k)] = gemm_k<tr_q6_k>;
+    t.gemm[slot(dtype::q6_k)] = gemm_k_exact<tr_q6_k>;
 }
 
 }  // namespace

@@ -55,6 +55,7 @@ inline void scales_dm(const uint8_t *const b[4], __m256 &d8, __m256 &c8) {
 // block, scales4: both for 4 blocks as vectors; has_coef: whether the activation-sum term applies;
 // is_signed: quants are s8 (else u8 <= 31, so 8 maddubs products fit an i16: see tile4).
 struct tr_q4_0 {
+    static constexpr int ggml_off = 8;
     static constexpr int size = 18;
     static constexpr bool has_coef = true, is_signed = false, act_q8_1 = false;
     static __m256i quants(const uint8_t *b) { return nibbles32(b + 2); }
@@ -63,6 +64,7 @@ struct tr_q4_0 {
     static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_d(b, -8.0f, d8, c8); }
 };
 struct tr_q4_1 {
+    static constexpr int ggml_off = -1;
     static constexpr int size = 20;
     static constexpr bool has_coef = true, is_signed = false, act_q8_1 = true;
     static __m256i quants(const uint8_t *b) { return nibbles32(b + 4); }
@@ -71,6 +73,7 @@ struct tr_q4_1 {
     static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_dm(b, d8, c8); }
 };
 struct tr_q5_0 {
+    static constexpr int ggml_off = 16;
     static constexpr int size = 22;
     static constexpr bool has_coef = true, is_signed = false, act_q8_1 = false;
     static __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 6), bits32_x16(b + 2)); }
@@ -79,6 +82,7 @@ struct tr_q5_0 {
     static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_d(b, -16.0f, d8, c8); }
 };
 struct tr_q5_1 {
+    static constexpr int ggml_off = -1;
     static constexpr int size = 24;
     static constexpr bool has_coef = true, is_signed = false, act_q8_1 = true;
     static __m256i quants(const uint8_t *b) { return _mm256_or_si256(nibbles32(b + 8), bits32_x16(b + 4)); }
@@ -87,6 +91,7 @@ struct tr_q5_1 {
     static void scales4(const uint8_t *const b[4], __m256 &d8, __m256 &c8) { scales_dm(b, d8, c8); }
 };
 struct tr_q8_0 {
+    static constexpr int ggml_off = 0;
     static constexpr int size = 34;
     static constexpr bool has_coef = false, is_signed = true, act_q8_1 = false;
     static __m256i quants(const uint8_t *b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b + 2)); }
@@ -249,6 +254,87 @@ void gemm_q32(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1,
     }
 }
 
+// ---- llama.cpp-exact GEMM: ggml-cpu's AVX2 vec_dot float order, for 4 weight rows x MB columns ------
+// Per output: one 8-lane accumulator, lane L = the i32 sum of products of elements 4L..4L+3 of a
+// block (maddubs + madd), acc = fma(d_w*d_a, float(lanes), acc) block after block; q4_1/q5_1 add
+// summs = fma(m_w, s_a, summs) (GCC contracts ggml's `summs += m*s`); result hsum(acc) + summs.
+// q4_0/q5_0 take the offset inside the integers (signed q - 8 / q - 16), as ggml does. Every
+// output thus carries llama.cpp's exact rounding; the model is chaotic enough that the last-bit
+// differences of any other association grow to percent-level logit differences.
+template <class T>
+inline __m256i exact_quants(const uint8_t *b) {
+    if constexpr (T::ggml_off > 0) return _mm256_sub_epi8(T::quants(b), _mm256_set1_epi8(static_cast<char>(T::ggml_off)));
+    else return T::quants(b);
+}
+
+template <class T, int MB>
+inline void exact_tile4(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float out[MB][4]) {
+    __m256 acc[MB][4];
+    float summs[MB][4];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) {
+            acc[m][r] = _mm256_setzero_ps();
+            summs[m][r] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i q[4];
+        float dw[4], mw[4];
+        for (int r = 0; r < 4; ++r) {
+            const uint8_t *blk = w[r] + b * T::size;
+            q[r] = exact_quants<T>(blk);
+            dw[r] = T::scale(blk);
+            mw[r] = T::act_q8_1 ? T::coef(blk, dw[r]) : 0.0f;
+        }
+        for (int m = 0; m < MB; ++m) {
+            const uint8_t *xb = x[m] + b * act_size<T>;
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + act_qs<T>));
+            const float dx = ldf16(xb);
+            for (int r = 0; r < 4; ++r) {
+                const __m256i s = T::ggml_off < 0 ? dot_u8s8(q[r], a) : dot_s8s8(q[r], a);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[r] * dx), _mm256_cvtepi32_ps(s), acc[m][r]);
+            }
+            if constexpr (T::act_q8_1) {
+                const float sx = ldf16(xb + 2);
+                for (int r = 0; r < 4; ++r) summs[m][r] = std::fma(mw[r], sx, summs[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) out[m][r] = hsum(acc[m][r]) + summs[m][r];
+}
+
+template <class T>
+void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
+                    size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk32;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // pad with last row
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mb = static_cast<int>(imin(2, M - m));
+            const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+            float out[2][4];
+            if (mb == 2) exact_tile4<T, 2>(nb, w, x, out);
+            else exact_tile4<T, 1>(nb, w, x, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+template <class T>
+float dot_q32_exact(int64_t n, const void *w, const void *a) {
+    const uint8_t *wr[4] = {static_cast<const uint8_t *>(w), static_cast<const uint8_t *>(w),
+                            static_cast<const uint8_t *>(w), static_cast<const uint8_t *>(w)};
+    const uint8_t *x[1] = {static_cast<const uint8_t *>(a)};
+    float out[1][4];
+    exact_tile4<T, 1>(n / qk32, wr, x, out);
+    return out[0][0];
+}
+
 // Single row x single column (vec_dot): ggml-style block loop.
 template <class T>
 float dot_q32(int64_t n, const void *w, const void *a) {
@@ -408,6 +494,26 @@ void quant_q8_1_avx2(const float *x, void *dst, int64_t n) {
     }
 }
 
+// ggml-cpu's own x86 conversion (see quant_q8_0_act in quants_quantize.cpp): id = 127/amax, half to even.
+void quant_q8_0_act_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_0 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        const float amax = absmax32(x);
+        y[i].d = f32_to_f16(amax / 127.f);
+        quant32(x, amax != 0 ? 127.f / amax : 0.0f, y[i].qs, false);
+    }
+}
+
+void quant_q8_1_act_avx2(const float *x, void *dst, int64_t n) {
+    auto *y = static_cast<block_q8_1 *>(dst);
+    for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
+        const float amax = absmax32(x), d = amax / 127.f;
+        const int sum = quant32(x, amax != 0 ? 127.f / amax : 0.0f, y[i].qs, false);
+        y[i].d = f32_to_f16(d);
+        y[i].s = f32_to_f16(static_cast<float>(sum) * d);
+    }
+}
+
 // q8_k: iscale = -127/max (max = first element of largest |x|), q = min(127, round-to-even), bsums.
 void quant_q8_k_avx2(const float *x, void *dst, int64_t n) {
     auto *y = static_cast<block_q8_k *>(dst);
@@ -446,17 +552,17 @@ void quant_f16_avx2(const float *x, void *dst, int64_t n) {
 }
 
 inline void fill_x86_q32(kernel_table &t) {
-    t.dot[slot(dtype::q4_0)] = dot_q32<tr_q4_0>;
-    t.dot[slot(dtype::q4_1)] = dot_q32<tr_q4_1>;
-    t.dot[slot(dtype::q5_0)] = dot_q32<tr_q5_0>;
-    t.dot[slot(dtype::q5_1)] = dot_q32<tr_q5_1>;
-    t.dot[slot(dtype::q8_0)] = dot_q32<tr_q8_0>;
+    t.dot[slot(dtype::q4_0)] = dot_q32_exact<tr_q4_0>;
+    t.dot[slot(dtype::q4_1)] = dot_q32_exact<tr_q4_1>;
+    t.dot[slot(dtype::q5_0)] = dot_q32_exact<tr_q5_0>;
+    t.dot[slot(dtype::q5_1)] = dot_q32_exact<tr_q5_1>;
+    t.dot[slot(dtype::q8_0)] = dot_q32_exact<tr_q8_0>;
     t.dot[slot(dtype::mxfp4)] = dot_q32<tr_mxfp4>;
-    t.gemm[slot(dtype::q4_0)] = gemm_q32<tr_q4_0>;
-    t.gemm[slot(dtype::q4_1)] = gemm_q32<tr_q4_1>;
-    t.gemm[slot(dtype::q5_0)] = gemm_q32<tr_q5_0>;
-    t.gemm[slot(dtype::q5_1)] = gemm_q32<tr_q5_1>;
-    t.gemm[slot(dtype::q8_0)] = gemm_q32<tr_q8_0>;
+    t.gemm[slot(dtype::q4_0)] = gemm_q32_exact<tr_q4_0>;
+    t.gemm[slot(dtype::q4_1)] = gemm_q32_exact<tr_q4_1>;
+    t.gemm[slot(dtype::q5_0)] = gemm_q32_exact<tr_q5_0>;
+    t.gemm[slot(dtype::q5_1)] = gemm_q32_exact<tr_q5_1>;
+    t.gemm[slot(dtype::q8_0)] = gemm_q32_exact<tr_q8_0>;
     t.gemm[slot(dtype::mxfp4)] = gemm_q32<tr_mxfp4>;
     t.dot[slot(dtype::f32)] = dot_float<ld_f32>;
     t.dot[slot(dtype::f16)] = dot_float<ld_f16>;
@@ -466,6 +572,8 @@ inline void fill_x86_q32(kernel_table &t) {
     t.gemm[slot(dtype::bf16)] = gemm_float<ld_bf16>;
     t.quant[slot(dtype::q8_0)] = quant_q8_0_avx2;
     t.quant[slot(dtype::q8_1)] = quant_q8_1_avx2;
+    t.quant_act[slot(dtype::q8_0)] = quant_q8_0_act_avx2;
+    t.quant_act[slot(dtype::q8_1)] = quant_q8_1_act_avx2;
     t.quant[slot(dtype::f16)] = quant_f16_avx2;
     t.quant[slot(dtype::q8_k)] = quant_q8_k_avx2;
 }

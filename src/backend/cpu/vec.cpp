@@ -1,6 +1,8 @@
 // Scalar reference vector kernels and the run-time choice of the best set (see vec.h).
 #include "backend/cpu/vec.h"
 
+#include <cmath>
+
 #include "backend/cpu/quants.h"
 
 namespace fathom::cpu {
@@ -46,8 +48,37 @@ void f32_to_f16_row_generic(int64_t n, const float *x, uint16_t *y) {
     for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
 }
 
+// The mirroring kernels' scalar versions keep the association (lanes, group sums) with libm expf;
+// only the AVX2 versions are bit-exact with ggml-cpu's x86 build.
+float dot_f16_lanes_generic(int64_t n, const uint16_t *a, const float *b) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] = std::fma(f16_to_f32(a[i + j]), b[i + j], s[j]);
+    float r = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+    for (; i < n; ++i) r += f16_to_f32(a[i]) * b[i];
+    return r;
+}
+
+double softmax_exp_generic(int64_t n, const float *x, float mx, float *y) {
+    double sum = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        float e[8];
+        for (int j = 0; j < 8; ++j) y[i + j] = e[j] = std::exp(x[i + j] - mx);
+        sum += static_cast<double>(((e[0] + e[4]) + (e[2] + e[6])) + ((e[1] + e[5]) + (e[3] + e[7])));
+    }
+    for (; i < n; ++i) sum += static_cast<double>(y[i] = std::exp(x[i] - mx));
+    return sum;
+}
+
+void swiglu_generic(int64_t n, const float *g, const float *u, float *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
 const vec_kernels kGeneric{dot_f32_generic, dot_f16_generic, axpy_f32_generic, axpy_f16_generic,
-                           f16_to_f32_row_generic, f32_to_f16_row_generic};
+                           f16_to_f32_row_generic, f32_to_f16_row_generic, dot_f16_lanes_generic,
+                           softmax_exp_generic, swiglu_generic};
 
 const vec_kernels &choose() {
     if (const vec_kernels *k = vec_avx2()) return *k;

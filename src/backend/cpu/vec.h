@@ -13,6 +13,16 @@ struct vec_kernels {
     void (*axpy_f16)(int64_t n, float a, const uint16_t *x, float *y);   // y += a*x, x: f16 bits
     void (*f16_to_f32_row)(int64_t n, const uint16_t *x, float *y);
     void (*f32_to_f16_row)(int64_t n, const float *x, uint16_t *y);      // round to nearest even
+
+    // llama.cpp-mirroring kernels (fast mode), reproducing ggml-cpu's x86 float order:
+    // dot with ONE 8-lane FMA accumulator (lane = index mod 8) and the (lo+hi, movehl, movehdup)
+    // horizontal sum — llamafile's tinyBLAS f16 kernel, which computes KQ and KQV.
+    float (*dot_f16_lanes)(int64_t n, const uint16_t *a, const float *b);
+    // y[i] = exp(x[i] - mx) with ggml's vectorised expf (8 at a time from i = 0); returns the sum as
+    // ggml_vec_soft_max_f32 forms it: each group of 8 summed in float, groups added in double.
+    double (*softmax_exp)(int64_t n, const float *x, float mx, float *y);
+    // out[i] = silu(g[i]) * u[i] with ggml's vectorised silu (x / (1 + expf(-x))).
+    void (*swiglu)(int64_t n, const float *g, const float *u, float *out);
 };
 
 const vec_kernels &vec();            // best kernels for this CPU

@@ -2,6 +2,8 @@
 // vec_avx2() (vec.cpp, baseline ISA) checks CPUID before handing them out.
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "backend/cpu/vec.h"
 
 namespace fathom::cpu {
@@ -76,7 +78,81 @@ void f32_to_f16_row(int64_t n, const float *x, uint16_t *y) {
     for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
-const vec_kernels kAvx2{dot_f32, dot_f16, axpy_f32, axpy_f16, f16_to_f32_row, f32_to_f16_row};
+// ---- llama.cpp-mirroring kernels (see vec.h) ---------------------------------------------------
+
+float dot_f16_lanes(int64_t n, const uint16_t *a, const float *b) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(load_f16(a + i), _mm256_loadu_ps(b + i), s);
+    float r = hsum(s);
+    for (; i < n; ++i) r += _cvtsh_ss(a[i]) * b[i];
+    return r;
+}
+
+// exp(x) as ggml-cpu's AVX2 ggml_v_expf computes it (a published minimax scheme: n = round(x/ln2)
+// via the 1.5*2^23 trick, two-constant Cody-Waite reduction, degree-5 polynomial j with
+// exp(x) = 2^n * (1 + j)). Lanes with |n| > 126 (|x| > ~87) fall back to expf: there ggml's
+// special path gives 0 / inf / denormals, which after f16 rounding or division are the same.
+inline __m256 exp8(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+    const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0f))));
+    const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), n), _mm256_set1_ps(126.0f), _CMP_GT_OQ);
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+    __m256 res = _mm256_fmadd_ps(j, k, k);
+    if (_mm256_movemask_ps(big)) {
+        alignas(32) float xv[8], rv[8];
+        _mm256_store_ps(xv, x);
+        _mm256_store_ps(rv, res);
+        const int mask = _mm256_movemask_ps(big);
+        for (int l = 0; l < 8; ++l)
+            if (mask & (1 << l)) rv[l] = std::exp(xv[l]);
+        res = _mm256_load_ps(rv);
+    }
+    return res;
+}
+
+double softmax_exp(int64_t n, const float *x, float mx, float *y) {
+    double sum = 0;
+    int64_t i = 0;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmx));
+        _mm256_storeu_ps(y + i, v);
+        sum += static_cast<double>(hsum(v));
+    }
+    if (i < n) {  // ggml's row continues with masked (-inf) cells: same 8-group, exp8 for all
+        alignas(32) float t[8];
+        for (int l = 0; l < 8; ++l) t[l] = i + l < n ? x[i + l] : -INFINITY;
+        const __m256 v = exp8(_mm256_sub_ps(_mm256_load_ps(t), vmx));
+        _mm256_store_ps(t, v);
+        for (int l = 0; i + l < n; ++l) y[i + l] = t[l];
+        sum += static_cast<double>(hsum(v));
+    }
+    return sum;
+}
+
+void swiglu(int64_t n, const float *g, const float *u, float *out) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, neg))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+const vec_kernels kAvx2{dot_f32, dot_f16, axpy_f32, axpy_f16, f16_to_f32_row, f32_to_f16_row,
+                        dot_f16_lanes, softmax_exp, swiglu};
 
 }  // namespace
 

@@ -53,6 +53,10 @@ float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot_turns, float base) {
     return static_cast<float>(n_dims * std::log(n_ctx_orig / (n_rot_turns * 2.0 * M_PI)) / (2.0 * std::log(base)));
 }
 
+// Every allocation gets this many spare bytes: block loads of 2-byte aligned formats (q8_0, q4_0,
+// q5_0, q6_k) read whole aligned words and may touch 2 bytes past a tensor's last block.
+constexpr size_t kAllocPad = 16;
+
 // A grow-only device buffer (scratch). Growing is refused while a graph is being captured.
 struct dev_buf {
     void *p = nullptr;
@@ -65,7 +69,7 @@ public:
     ~cuda_backend() override;
 
     const char *name() const override { return "cuda"; }
-    int n_threads() const override { return n_sm_; }
+    int n_threads() const override { return n_sm_; }  // streaming multiprocessors
 
     void *alloc(size_t bytes) override;
     void release(void *ptr) override;
@@ -190,7 +194,7 @@ void *cuda_backend::grow(dev_buf &b, size_t bytes, const char *op) {
 void *cuda_backend::alloc(size_t bytes) {
     not_capturing("alloc");
     void *p = nullptr;
-    ck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), ("alloc of " + std::to_string(bytes) + " bytes").c_str());
+    ck(cudaMalloc(&p, bytes + kAllocPad), ("alloc of " + std::to_string(bytes) + " bytes").c_str());
     allocs_[p] = bytes;
     ck(cudaMemsetAsync(p, 0, bytes, stream_), "alloc: zero fill");
     return p;
@@ -210,7 +214,7 @@ void *cuda_backend::map_weights(const void *host, size_t bytes) {
     const auto key = std::make_pair(host, bytes);
     if (auto it = weights_.find(key); it != weights_.end()) return it->second;
     void *p = nullptr;
-    ck(cudaMalloc(&p, std::max<size_t>(bytes, 1)), ("map_weights: " + std::to_string(bytes) + " bytes").c_str());
+    ck(cudaMalloc(&p, bytes + kAllocPad), ("map_weights: " + std::to_string(bytes) + " bytes").c_str());
     ck(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice), "map_weights: upload");
     weights_[key] = p;
     weight_bytes_ += bytes;

@@ -21,9 +21,9 @@ __device__ __forceinline__ float dot8(const float *w, const float *x) {
     return a;
 }
 
-// LPR lanes per output row (8 or 32): a warp covers 32/LPR rows. Small K (few units per row) uses
-// 8 lanes per row so lanes stay busy and each warp keeps 4 rows' loads in flight; large K uses the
-// whole warp. Lanes stride over the row's 16-weight units, keep M partial sums, and reduce within
+// LPR lanes per output row (8 or 32): a warp covers 32/LPR rows. Small K with many rows uses 8
+// lanes per row so lanes stay busy and each warp keeps 4 rows' loads in flight; otherwise the
+// whole warp takes a row. Lanes stride over the row's 16-weight units, keep M partial sums, and reduce within
 // their group (xor shuffles below LPR stay inside the group). x rows are read through the
 // read-only cache (every warp reuses them).
 template <dtype T, int M, int LPR>
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps) gemv_kernel(const uint8_t *__
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
     if (r < N) {  // no early return: every lane takes part in the shuffles below
         const uint8_t *row = W + static_cast<size_t>(r) * w_stride;
-#pragma unroll 2
+#pragma unroll 4
         for (int64_t u = sub; u < units; u += LPR) {
             float w[16];
             int64_t s0, s1;
@@ -118,7 +118,9 @@ void gemv_m(const void *W, size_t w_stride, int64_t K, int64_t N, const float *x
             cudaStream_t s) {
     const auto *w8 = static_cast<const uint8_t *>(W);
     const int64_t units = K / 16;
-    if (units <= 128) {
+    // 8 lanes per row only when there are rows enough to fill the GPU with 16-row blocks (e.g. an
+    // output head); otherwise a warp per row keeps the grid wide (small N is latency-bound).
+    if (units <= 128 && N >= 16 * 264) {
         gemv_kernel<T, M, 8><<<grid_for(N, kGemvWarps * 4), 32 * kGemvWarps, 0, s>>>(w8, w_stride, units, N, x, ldx,
                                                                                     y, ldy);
     } else {

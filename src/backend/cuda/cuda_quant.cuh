@@ -23,8 +23,9 @@
 
 #include "core/types.h"
 
-// Loop unrolling hint for nvcc; nothing for a host compiler (tests include this header from C++).
-#ifdef __CUDACC__
+// Loop unrolling hint for nvcc's device pass; nothing for host passes (g++ warns on the pragma, and
+// tests include this header from plain C++).
+#ifdef __CUDA_ARCH__
 #define FATHOM_UNROLL _Pragma("unroll")
 #else
 #define FATHOM_UNROLL
@@ -35,11 +36,22 @@ namespace fathom::cuda {
 __host__ __device__ __forceinline__ float ld_f16(const uint8_t *p) {
     return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t *>(p)));
 }
-// 8 bytes from a 2-byte aligned address, as two little-endian words.
+// 8 bytes from a 2-byte aligned address as two little-endian words. On the device this is three
+// aligned 4-byte loads and a funnel shift (instead of four 2-byte loads); it may read the 2 bytes
+// before p and the 2 bytes after p + 8. A tensor's first row starts 4-byte aligned (allocations
+// are) and the backend pads every allocation by 16 bytes, so both stay inside the allocation.
 __host__ __device__ __forceinline__ void ld8_a2(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
-    const uint16_t *h = reinterpret_cast<const uint16_t *>(p);
-    lo = static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
-    hi = static_cast<uint32_t>(h[2]) | (static_cast<uint32_t>(h[3]) << 16);
+#ifdef __CUDA_ARCH__
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint32_t *b = reinterpret_cast<const uint32_t *>(a & ~static_cast<uintptr_t>(3));
+    const uint32_t sh = static_cast<uint32_t>(a & 2u) * 8u;  // 0 or 16
+    const uint32_t w0 = b[0], w1 = b[1], w2 = b[sh ? 2 : 1];
+    lo = __funnelshift_r(w0, w1, sh);
+    hi = __funnelshift_r(w1, w2, sh);
+#else
+    memcpy(&lo, p, 4);
+    memcpy(&hi, p + 4, 4);
+#endif
 }
 __host__ __device__ __forceinline__ void ld8_a4(const uint8_t *p, uint32_t &lo, uint32_t &hi) {
     const uint32_t *h = reinterpret_cast<const uint32_t *>(p);

@@ -1,0 +1,26 @@
+# PFlash extra ctest entries (included from tests/CMakeLists.txt with `dir` = this directory).
+#   pflash_niah_e2e   slow gate: 4K-token 5-needle retrieval, PFlash keep 0.2 within 10 points of full
+#                     prefill (Gemma3-270M target, SmolLM2-135M drafter); run with `ctest -L slow`
+#   pflash_cli_*      the keep-ratio check on the CLI surfaces: NaN / Inf / negative / > 1 fail with
+#                     a one-line error before any model is loaded
+add_test(NAME pflash_niah_e2e
+         COMMAND test_pflash --gtest_filter=pflash_niah_e2e.* --gtest_also_run_disabled_tests
+         WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+set_tests_properties(pflash_niah_e2e PROPERTIES LABELS "pflash;slow" TIMEOUT 3600)
+
+if(TARGET fathom)
+    set(_pflash_bad_ratios nan inf -inf -0.5 1.5)
+    foreach(r ${_pflash_bad_ratios})
+        string(REPLACE "-" "neg" _name "${r}")
+        add_test(NAME pflash_cli_run_keep_ratio_${_name}
+                 COMMAND $<TARGET_FILE:fathom> run -m gemma3 --pflash --keep-ratio=${r} -p hi
+                 WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+        set_tests_properties(pflash_cli_run_keep_ratio_${_name} PROPERTIES LABELS pflash
+                             PASS_REGULAR_EXPRESSION "error: --keep-ratio: must be")
+        add_test(NAME pflash_cli_eval_keep_ratio_${_name}
+                 COMMAND $<TARGET_FILE:fathom> eval niah --keep-ratios=0.2,${r}
+                 WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+        set_tests_properties(pflash_cli_eval_keep_ratio_${_name} PROPERTIES LABELS pflash
+                             PASS_REGULAR_EXPRESSION "error: --keep-ratios: (must be|'.*' is not a number)")
+    endforeach()
+endif()

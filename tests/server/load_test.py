@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Reliability load test for `fathom serve` (loopback only, bounded duration, standard library only).
+
+N clients (default 64) hammer a live server for --duration seconds with a random mix of OpenAI
+chat (streaming and not), legacy completions and Anthropic messages, random max_tokens, and random
+cancellations (a streaming client hangs up after a few chunks; a non-streaming one gives up after
+a short timeout). Passes when:
+  * no response has a 5xx status other than deliberate 503s (queue or KV pool full), and no stream
+    carries an error frame; every 200 stream ends properly unless the client hung up itself;
+  * afterwards the server is idle (/metrics: no busy slot, empty queue, no KV block reserved by a
+    running request, no failed request) and still answers;
+  * its resident memory is back to the baseline taken after a warm-up at full concurrency
+    (tolerance --rss-tolerance-mib + 10%); skipped with --no-rss (sanitizer builds);
+  * it exits cleanly (status 0) on SIGTERM, with no sanitizer report on stderr.
+
+  python3 tests/server/load_test.py --fathom BUILD/fathom --model models/SmolLM2-135M-Instruct.Q4_1.gguf
+      --duration 300          # full mode (5 minutes)
+      --duration 30           # CI mode
+"""
+import argparse
+import http.client
+import json
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+WORDS = ("apple river stone cloud music light garden window paper engine forest silver winter "
+         "candle bridge ocean market letter mirror island").split()
+
+
+class Server:
+    def __init__(self, fathom, model, args):
+        cmd = [fathom, "serve", "-m", model, "--port", "0", "--parallel", str(args.parallel),
+               "--queue", str(args.queue), "--ctx", str(args.ctx), "--http-threads", str(args.clients + 16)]
+        if args.threads:
+            cmd += ["-t", str(args.threads)]
+        cmd += args.serve_args.split()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.stderr_lines = []
+        deadline = time.time() + 300
+        self.port = None
+        while time.time() < deadline and self.port is None:
+            line = self.proc.stderr.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.stderr_lines.append(line)
+            m = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+        if self.port is None:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.stderr_lines))
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def rss_mib(self):
+        with open("/proc/%d/status" % self.proc.pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+        return 0.0
+
+    def metrics(self):
+        text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=30).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, val = line.rsplit(" ", 1)
+                out[name] = float(val)
+        return out
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            rc = self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -9
+        self.reader.join(timeout=10)
+        return rc
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status = {}
+        self.failures = []
+        self.completed = self.cancelled = self.tokens = 0
+
+    def count(self, key):
+        with self.lock:
+            self.status[key] = self.status.get(key, 0) + 1
+
+    def fail(self, msg):
+        with self.lock:
+            if len(self.failures) < 50:
+                self.failures.append(msg)
+
+
+def make_request(rng):
+    kind = rng.choice(["chat", "chat_stream", "completion", "completion_stream", "anthropic_stream"])
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
+    max_tokens = rng.randint(1, 48)
+    if kind.startswith("chat"):
+        path = "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "Tell me about " + text}], "max_tokens": max_tokens,
+                "temperature": rng.choice([0, 0.7, 1.0]), "stream": kind.endswith("stream")}
+    elif kind.startswith("completion"):
+        path = "/v1/completions"
+        body = {"prompt": text, "max_tokens": max_tokens, "temperature": rng.choice([0, 0.8]),
+                "stream": kind.endswith("stream")}
+    else:
+        path = "/v1/messages"
+        body = {"model": "x", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                "stream": True}
+        body.pop("model")  # let the server use the served model
+    return kind, path, body
+
+
+def one_request(port, rng, stats, cancel_p, deadline):
+    kind, path, body = make_request(rng)
+    if path == "/v1/messages":
+        body["model"] = SERVED_MODEL[0]
+    streaming = body.get("stream", False)
+    cancel = rng.random() < cancel_p
+    # The load phase is bounded: at the deadline (plus a grace period) clients hang up on whatever
+    # is still running, which is one more cancellation for the server to handle.
+    timeout = rng.uniform(0.05, 0.5) if (cancel and not streaming) else max(1.0, deadline + 5 - time.time())
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        stats.count(resp.status)
+        if resp.status >= 500 and resp.status != 503:
+            stats.fail("%s -> %d %s" % (kind, resp.status, resp.read()[:300]))
+            return
+        if resp.status != 200:
+            if resp.status != 503:
+                stats.fail("%s -> %d %s" % (kind, resp.status, resp.read()[:300]))
+            else:
+                resp.read()
+                time.sleep(rng.uniform(0.05, 0.3))  # back off like a real client instead of a 503 storm
+            return
+        if not streaming:
+            obj = json.loads(resp.read())
+            if "choices" not in obj and "content" not in obj:
+                stats.fail("%s: unexpected body %s" % (kind, str(obj)[:200]))
+            with stats.lock:
+                stats.completed += 1
+            return
+        hang_up_after = rng.randint(0, 6) if cancel else None
+        n, done = 0, False
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            if line == "event: error" or line.startswith('data: {"error"') or '"type": "error"' in line \
+                    or '"type":"error"' in line:
+                stats.fail("%s: error frame %s" % (kind, line[:300]))
+                return
+            if line == "data: [DONE]" or line == "event: message_stop":
+                done = True
+                break
+            if line.startswith("data: "):
+                n += 1
+                if hang_up_after is not None and n >= hang_up_after:
+                    with stats.lock:
+                        stats.cancelled += 1
+                    return  # close() below hangs up mid-stream
+        if not done:
+            stats.fail("%s: stream ended without its final frame" % kind)
+        with stats.lock:
+            stats.completed += 1
+            stats.tokens += n
+    except (socket.timeout, TimeoutError):
+        if (cancel and not streaming) or time.time() > deadline:
+            with stats.lock:
+                stats.cancelled += 1
+        else:
+            stats.fail("%s: timed out" % kind)
+    except (ConnectionError, http.client.HTTPException, OSError) as e:
+        stats.fail("%s: connection error %r" % (kind, e))
+    finally:
+        conn.close()
+
+
+SERVED_MODEL = [""]
+
+
+def run_clients(port, clients, duration, cancel_p, seed, stats):
+    deadline = time.time() + duration
+
+    def client(i):
+        rng = random.Random(seed * 1000 + i)
+        while time.time() < deadline:
+            one_request(port, rng, stats, cancel_p, deadline)
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def wait_idle(srv, timeout):
+    deadline = time.time() + timeout
+    m = srv.metrics()
+    while time.time() < deadline:
+        m = srv.metrics()
+        if m.get("fathom_slots_busy", 1) == 0 and m.get("fathom_queue_depth", 1) == 0:
+            return m
+        time.sleep(0.2)
+    return m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fathom", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load (300 = full mode)")
+    ap.add_argument("--warmup", type=float, default=8.0)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--queue", type=int, default=32, help="small on purpose: some 503s are expected")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cancel-p", type=float, default=0.3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-rss", action="store_true", help="skip the memory check (sanitizer builds)")
+    ap.add_argument("--rss-tolerance-mib", type=float, default=24.0)
+    ap.add_argument("--serve-args", default="", help="extra `fathom serve` arguments, e.g. '--kv-mem 4'")
+    args = ap.parse_args()
+
+    srv = Server(args.fathom, args.model, args)
+    ok = True
+    try:
+        SERVED_MODEL[0] = json.loads(urllib.request.urlopen(
+            "http://127.0.0.1:%d/v1/models" % srv.port, timeout=30).read())["data"][0]["id"]
+        # Warm-up at full concurrency: every slot, HTTP thread and allocator arena gets used once.
+        warm = Stats()
+        run_clients(srv.port, args.clients, args.warmup, args.cancel_p, args.seed + 7, warm)
+        wait_idle(srv, 120)
+        time.sleep(0.5)
+        base = srv.rss_mib()
+        print("warm-up: %s; baseline RSS %.1f MiB" % (dict(sorted(warm.status.items())), base), flush=True)
+
+        stats = Stats()
+        t0 = time.time()
+        run_clients(srv.port, args.clients, args.duration, args.cancel_p, args.seed, stats)
+        elapsed = time.time() - t0
+        m = wait_idle(srv, 120)
+        time.sleep(0.5)
+        after = srv.rss_mib()
+        print("load: %.1f s, %d clients, statuses %s, completed %d, cancelled by client %d, stream frames %d"
+              % (elapsed, args.clients, dict(sorted(stats.status.items())), stats.completed, stats.cancelled,
+                 stats.tokens), flush=True)
+        print("metrics: submitted %d finished %d cancelled %d rejected %d failed %d; kv blocks used %d cached %d "
+              "of %d" % tuple(m.get(k, -1) for k in (
+                  "fathom_requests_submitted_total", "fathom_requests_finished_total",
+                  "fathom_requests_cancelled_total", "fathom_requests_rejected_total",
+                  "fathom_requests_failed_total", "fathom_kv_blocks_used", "fathom_kv_blocks_cached",
+                  "fathom_kv_blocks_total")), flush=True)
+        for f in stats.failures + warm.failures:
+            print("FAIL:", f)
+        if stats.failures or warm.failures:
+            ok = False
+        if stats.completed == 0:
+            print("FAIL: no request completed")
+            ok = False
+        if m.get("fathom_slots_busy") != 0 or m.get("fathom_queue_depth") != 0:
+            print("FAIL: server not idle after the load")
+            ok = False
+        if m.get("fathom_requests_failed_total", 1) != 0:
+            print("FAIL: requests failed in the engine")
+            ok = False
+        if m.get("fathom_kv_blocks_used") != m.get("fathom_kv_blocks_cached"):
+            print("FAIL: KV blocks still reserved with no request running")
+            ok = False
+        if not args.no_rss:
+            limit = base * 1.10 + args.rss_tolerance_mib
+            print("RSS after: %.1f MiB (baseline %.1f, limit %.1f)" % (after, base, limit))
+            if after > limit:
+                print("FAIL: resident memory did not come back to the baseline")
+                ok = False
+        # Still serving after all that.
+        r = json.loads(urllib.request.urlopen(urllib.request.Request(
+            "http://127.0.0.1:%d/v1/completions" % srv.port,
+            data=json.dumps({"prompt": "hello", "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=120).read())
+        if "choices" not in r:
+            print("FAIL: server no longer answers")
+            ok = False
+    finally:
+        rc = srv.stop()
+    err = "".join(srv.stderr_lines)
+    if rc != 0:
+        print("FAIL: server exited with status %s" % rc)
+        ok = False
+    if re.search(r"(AddressSanitizer|LeakSanitizer|UndefinedBehaviorSanitizer|runtime error:)", err):
+        print("FAIL: sanitizer report:\n" + err[-8000:])
+        ok = False
+    print("PASS" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
