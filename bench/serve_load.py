@@ -52,7 +52,7 @@ def start_server(fathom, model, parallel, threads, ctx, extra):
 
 
 def stream_completion(url, prompt, max_tokens, timeout=600):
-    """Returns (t_start, t_first_token, t_end, n_tokens) for one streamed completion."""
+    """Returns (t_start, t_first_token, t_end, n_tokens, token_times) for one streamed completion."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -62,7 +62,7 @@ def stream_completion(url, prompt, max_tokens, timeout=600):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError("HTTP %d: %s" % (resp.status, resp.read()[:200]))
-    t_first, n_tok = None, 0
+    t_first, n_tok, times = None, 0, []
     for raw in resp:
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data: "):
@@ -71,13 +71,15 @@ def stream_completion(url, prompt, max_tokens, timeout=600):
         if data == "[DONE]":
             break
         obj = json.loads(data)
-        if obj.get("choices") and obj["choices"][0].get("text") and t_first is None:
-            t_first = time.perf_counter()
+        if obj.get("choices") and obj["choices"][0].get("text"):
+            times.append(time.perf_counter())
+            if t_first is None:
+                t_first = times[-1]
         if obj.get("usage"):
             n_tok = obj["usage"]["completion_tokens"]
     t_end = time.perf_counter()
     conn.close()
-    return t0, t_first if t_first is not None else t_end, t_end, n_tok
+    return t0, t_first if t_first is not None else t_end, t_end, n_tok, times
 
 
 def run_level(url, clients, per_client, max_tokens):
@@ -109,9 +111,14 @@ def run_level(url, clients, per_client, max_tokens):
     first = min(r[1] for r in results)
     last = max(r[2] for r in results)
     dec_tokens = sum(max(r[3] - 1, 0) for r in results)
+    # Steady state: the window in which every request of the level was past its first token and
+    # none had finished (all C sequences decoding together); streamed chunks inside it per second.
+    w0, w1 = max(r[1] for r in results), min(r[2] for r in results)
+    in_window = sum(1 for r in results for t in r[4] if w0 < t <= w1)
+    steady = in_window / (w1 - w0) if w1 - w0 > 0.5 and per_client == 1 else float("nan")
     return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": n,
             "wall_s": wall, "aggregate_tok_s": n / wall if wall > 0 else 0.0,
-            "decode_tok_s": dec_tokens / (last - first) if last > first else 0.0,
+            "decode_tok_s": dec_tokens / (last - first) if last > first else 0.0, "steady_tok_s": steady,
             "ttft_median_ms": 1000 * statistics.median(r[1] - r[0] for r in results)}
 
 
@@ -141,7 +148,7 @@ def ttft_compare(url, fathom, model, threads, ctx, reps):
     stream_completion(url, "Warm-up." + base, 1)
     for i in range(reps):
         before = ttft_metric_sum(url)
-        t0, t1, _, _ = stream_completion(url, prompts[i % len(prompts)], 1)
+        t0, t1, _, _, _ = stream_completion(url, prompts[i % len(prompts)], 1)
         http_ttft.append(t1 - t0)
         sched_ttft.append(ttft_metric_sum(url) - before)
     res = {"http_ttft_median_ms": 1000 * statistics.median(http_ttft), "reps": reps,
@@ -192,12 +199,13 @@ def main():
             row = run_level(url, c, args.per_client, args.max_tokens)
             rows.append(row)
             print("concurrency %3d: %3d requests, %5d tokens in %6.2f s -> aggregate %7.1f tok/s, decode %7.1f tok/s,"
-                  " TTFT median %7.1f ms, errors %d" % (c, row["requests"], row["tokens"], row["wall_s"],
-                                                      row["aggregate_tok_s"], row["decode_tok_s"],
-                                                      row["ttft_median_ms"], row["errors"]), flush=True)
+                  " steady-state decode %7.1f tok/s, TTFT median %7.1f ms, errors %d"
+                  % (c, row["requests"], row["tokens"], row["wall_s"], row["aggregate_tok_s"], row["decode_tok_s"],
+                     row["steady_tok_s"], row["ttft_median_ms"], row["errors"]), flush=True)
         if len(rows) > 1 and rows[0]["aggregate_tok_s"] > 0:
-            print("speed-up at %d vs %d: %.2fx" % (rows[-1]["clients"], rows[0]["clients"],
-                                                   rows[-1]["aggregate_tok_s"] / rows[0]["aggregate_tok_s"]))
+            print("speed-up at %d vs %d: aggregate %.2fx, steady-state decode %.2fx"
+                  % (rows[-1]["clients"], rows[0]["clients"], rows[-1]["aggregate_tok_s"] / rows[0]["aggregate_tok_s"],
+                     rows[-1]["steady_tok_s"] / rows[0]["steady_tok_s"]))
         if not args.no_ttft:
             t = ttft_compare(url, args.fathom, args.model, args.threads, args.ctx, args.ttft_reps)
             print("TTFT over %d requests: HTTP median %.2f ms, scheduler (submit -> first token) median %.2f ms, "

@@ -17,9 +17,10 @@ done
 
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3 python3-pip unzip
               libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev
-              libcpp-httplib-dev libxxhash-dev libzstd-dev libssl-dev clang libclang-rt-14-dev)
+              libcpp-httplib-dev libxxhash-dev libzstd-dev libssl-dev clang libclang-rt-14-dev
+              chromium)
 # Test-time references only (never imported by Fathom itself).
-PIP_PACKAGES=(numpy gguf jinja2 openai anthropic)
+PIP_PACKAGES=(numpy gguf jinja2 openai anthropic playwright)
 
 if [ "$deps" = 1 ]; then
     missing=()
@@ -32,7 +33,7 @@ if [ "$deps" = 1 ]; then
         $SUDO apt-get update -qq
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
     fi
-    python3 -c "import numpy, gguf, jinja2, openai, anthropic" 2>/dev/null || \
+    python3 -c "import numpy, gguf, jinja2, openai, anthropic, playwright" 2>/dev/null || \
         python3 -m pip install --quiet --disable-pip-version-check "${PIP_PACKAGES[@]}"
 fi
 

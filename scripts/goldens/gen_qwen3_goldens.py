@@ -5,7 +5,7 @@ No real Qwen3 checkpoint is installable here, so the test model is a small rando
 Fathom's own GGUF writer produces deterministically (`fathom-gguf synth-dense`, src/models/dense_synth.h):
 the real Qwen2-family tokenizer (tokens, types, merges, pre=qwen2) copied from
 ../shared/tokenizer-tests/ggml-vocab-qwen2.gguf, and seeded random weights (f32 norms; f32, f16,
-q8_0 and q4_k matrices; q4_0 embeddings, q8_0 output). The test regenerates the file at run time,
+q8_0 and q4_k matrices; q4_0 embeddings, q8_0 output; or f32/f16 only with --float-weights). The test regenerates the file at run time,
 checks its SHA-256 against the one recorded here, and compares its logits with these.
 
 Reference: llama.cpp through the `llama-cpp-python` PyPI package (test-time only; CI does not have
@@ -22,6 +22,13 @@ Output (OUT_PREFIX.json + OUT_PREFIX.f32, little-endian float32):
 Usage:
   python3 scripts/goldens/gen_qwen3_goldens.py --fathom-gguf build/tools/fathom-gguf \
       [--arch qwen3|gemma3] [--seed 1] [--float-weights] [--out tests/models/data/<arch>_synth[_float]_llamacpp]
+
+The committed goldens (tests/models/test_dense_synth_llamacpp.cpp) are the four combinations of
+--arch qwen3/gemma3 with and without --float-weights (f32/f16 matrices only), seed 1:
+  for a in qwen3 gemma3; do for f in "" --float-weights; do
+    python3 scripts/goldens/gen_qwen3_goldens.py --fathom-gguf build/tools/fathom-gguf --arch $a $f; done; done
+The gemma3 files reuse the Qwen2 tokenizer (only token ids matter for logits; no Gemma vocab is in
+../shared): 6 layers, sliding window 32 on layers 0-4, tied q8_0 (float: f16) embeddings.
 """
 import argparse
 import hashlib

@@ -22,6 +22,7 @@
 
 #include "backend/cpu/thread_pool.h"
 #include "chat/chat_template.h"
+#include "chat/ds4_chat.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
@@ -53,21 +54,21 @@ int online_cores() {
     return n > 0 ? static_cast<int>(n) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// DeepSeek chat format, used when the file carries no tokenizer.chat_template:
-// BOS, system text, then "<｜User｜>content" and "<｜Assistant｜>content<｜end▁of▁sentence｜>" turns.
+// DeepSeek V4 chat format (src/chat/ds4_chat.h, the official encoder) in chat mode ("</think>"
+// after the Assistant marker), used when the file carries no tokenizer.chat_template. The encoder
+// always ends a conversation whose last turn is the user's with the generation prefix; the engine
+// contract makes that depend on add_gen.
 std::string render_deepseek(const std::vector<chat_message> &msgs, bool add_gen) {
-    std::string out = "<\xEF\xBD\x9C" "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
-    for (const auto &m : msgs) {
-        if (m.role == "system")
-            out += m.content;
-        else if (m.role == "assistant")
-            out += "<\xEF\xBD\x9C" "Assistant\xEF\xBD\x9C>" + m.content +
-                   "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
-        else
-            out += "<\xEF\xBD\x9C" "User\xEF\xBD\x9C>" + m.content;
-    }
-    if (add_gen) out += "<\xEF\xBD\x9C" "Assistant\xEF\xBD\x9C>";
-    return out;
+    nlohmann::ordered_json j = nlohmann::ordered_json::array();
+    for (const auto &m : msgs) j.push_back({{"role", m.role}, {"content", m.content}});
+    ds4chat::render_options o;
+    o.thinking = false;
+    std::string s = ds4chat::render_prompt(j, nlohmann::ordered_json(), o);
+    const std::string gp = ds4chat::generation_prefix(false);
+    const bool has = s.size() >= gp.size() && s.compare(s.size() - gp.size(), gp.size(), gp) == 0;
+    if (!add_gen && has) s.resize(s.size() - gp.size());
+    if (add_gen && !has) s += gp;
+    return s;
 }
 
 class ds4_engine;

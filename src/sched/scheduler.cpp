@@ -238,13 +238,14 @@ void scheduler::admit_locked() {
         }
         const int64_t need = kv_need_tokens(j->req_);
         if (!kv_make_room_locked(*best, int64_t(best_lcp), need)) {
-            ++stats_.kv_waits;
+            if (!j->kv_waited_) ++stats_.kv_waits;  // counted once per request
+            j->kv_waited_ = true;
             break;  // not enough KV blocks until running requests end: the head keeps waiting (FIFO)
         }
         // The session keeps at most best_lcp tokens (sync drops the rest): shrink its table to them
-        // and reserve the request's positions.
+        // and reserve the request's positions (kv_make_room_locked made sure they are free).
         pool_->shrink(best->index, int64_t(best_lcp));
-        if (!pool_->reserve(best->index, need)) throw error("scheduler: KV pool accounting error");
+        if (!pool_->reserve(best->index, need)) break;
         best->kv_limit = need;
         queue_.pop_front();
         slot &s = *best;
@@ -293,7 +294,11 @@ bool scheduler::kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_t
         if (avail >= extra) break;
         avail += pool_->held(o->index);
         pool_->release(o->index);
-        o->sess = eng_.new_session();  // unmaps the old cache: its memory goes back to the system
+        try {
+            o->sess = eng_.new_session();  // unmaps the old cache: its memory goes back to the system
+        } catch (const std::exception &) {
+            o->sess->reset();  // no memory for a fresh one: keep the old session, emptied
+        }
         o->n_tokens_published = 0;
         ++stats_.kv_evictions;
     }

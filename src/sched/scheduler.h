@@ -94,6 +94,7 @@ private:
     request req_;
     std::chrono::steady_clock::time_point t_submit_;
     std::atomic<bool> cancelled_{false};
+    bool kv_waited_ = false;  // worker only: already counted in kv_waits
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<event> events_;

@@ -138,6 +138,18 @@ TEST(ds4_engine, sync_reuses_extends_and_rebuilds) {
     EXPECT_TRUE(s->logits().empty());
 }
 
+// ds4-tiny-a has no tokenizer.chat_template: the DeepSeek V4 chat-mode layout (spec of the official
+// encoder, docs/ds4-chat-format.md): BOS, system text, <｜User｜>text, <｜Assistant｜></think>.
+TEST(ds4_engine, builtin_chat_template) {
+    auto e = load("off");
+    const std::string bos = "<\xEF\xBD\x9C" "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+    const std::string user = "<\xEF\xBD\x9C" "User\xEF\xBD\x9C>";
+    const std::string asst = "<\xEF\xBD\x9C" "Assistant\xEF\xBD\x9C>";
+    const std::vector<chat_message> msgs = {{"system", "Be brief."}, {"user", "hi"}};
+    EXPECT_EQ(e->apply_chat_template(msgs, true), bos + "Be brief." + user + "hi" + asst + "</think>");
+    EXPECT_EQ(e->apply_chat_template(msgs, false), bos + "Be brief." + user + "hi");
+}
+
 TEST(ds4_engine, context_limit) {
     auto e = load("off", kv_precision::f32, 16);
     auto s = e->new_session();

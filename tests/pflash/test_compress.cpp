@@ -65,13 +65,13 @@ TEST(pflash_compress, needle_found_by_scores_and_tokens_are_original) {
     if (!have_models()) GTEST_SKIP() << "models missing";
     const std::vector<int32_t> prompt = target().tokenize(needle_prompt(), true, false);
     options o = base_opts();
-    o.keep_ratio = 0.15;
+    o.keep_ratio = 0.3;  // ~22 chunks: budget 7, of which 3 are head/tail, 4 chosen by score
     o.anchor_ngram = 0;  // the scores alone must find the needle
     auto c = compressor::create(o);
     const result r = c->compress(target(), prompt);
     EXPECT_EQ(r.n_original, static_cast<int64_t>(prompt.size()));
     EXPECT_EQ(r.n_effective, static_cast<int64_t>(r.tokens.size()));
-    EXPECT_LT(r.n_effective, r.n_original / 2);
+    EXPECT_LT(r.n_effective, r.n_original * 6 / 10);
     std::vector<size_t> where;
     ASSERT_TRUE(is_subsequence(r.tokens, prompt, where));
     EXPECT_EQ(where.front(), 0u);                   // BOS / head kept

@@ -403,6 +403,13 @@ TEST(Http, MetricsCountRequests) {
     EXPECT_EQ(metric_value(s, "fathom_time_to_first_token_seconds_count"), 2);
     EXPECT_EQ(metric_value(s, "fathom_slots_total"), 2);
     EXPECT_EQ(metric_value(s, "fathom_queue_depth"), 0);
+    // KV pool: default size = 2 slots x 4096 / 16 positions; idle, so every used block is a cached prefix.
+    EXPECT_EQ(metric_value(s, "fathom_kv_blocks_total"), 512);
+    EXPECT_EQ(metric_value(s, "fathom_kv_block_tokens"), 16);
+    EXPECT_GT(metric_value(s, "fathom_kv_blocks_used"), 0);
+    EXPECT_EQ(metric_value(s, "fathom_kv_blocks_used"), metric_value(s, "fathom_kv_blocks_cached"));
+    auto props = json::parse(s.client().Get("/props")->body);
+    EXPECT_EQ(props["kv_pool"]["blocks_total"], 512);
     auto body = s.client().Get("/metrics")->body;
     EXPECT_NE(body.find("fathom_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"), std::string::npos);
     EXPECT_NE(body.find("# TYPE fathom_token_latency_seconds histogram"), std::string::npos);

@@ -95,7 +95,9 @@ const uint16_t *gelu_f16_table() {
         constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
         for (uint32_t h = 0; h < 65536; ++h) {
             const float x = f16_to_f32(static_cast<uint16_t>(h));
-            t[h] = f32_to_f16(0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * (1.0f + kCoef * x * x))));
+            // 1 + a*x*x as one FMA: ggml-cpu is built with -march=native and GCC's default
+            // -ffp-contract=fast, and near-tie f16 entries depend on that rounding.
+            t[h] = f32_to_f16(0.5f * x * (1.0f + tanhf(kSqrt2OverPi * x * std::fma(kCoef * x, x, 1.0f))));
         }
         return t;
     }();
@@ -494,7 +496,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
           v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
     const int64_t n_tok = q.ne[1];
     FATHOM_CHECK(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
-    grow_thread_scratch(p.n_past + n_tok + 9 * p.head_dim);
+    grow_thread_scratch(p.n_past + n_tok + 33 * p.head_dim);
     const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv;
     const bool f16 = k.type == dtype::f16;
     const auto &vk = vec();
@@ -504,10 +506,11 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
     // normalised), then KQV = mul_mat(V f16, P -> f16). Exact mode keeps q and the probabilities in
     // f32 and normalises once at the end.
     const bool mirror = !opts_.exact;
+    const bool single = n_tok == 1;  // llama.cpp: ggml_vec_dot_f16 instead of tinyBLAS
     auto body = [&](int ith, int nth) {
         float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
-        float *acc = scores + p.n_past + n_tok;  // [hd] (exact) or [8][hd] lanes (fast)
-        float *q16 = acc + 8 * hd;               // q rounded through f16 (fast mode)
+        float *acc = scores + p.n_past + n_tok;  // [hd] (exact) or [8 or 32][hd] lanes (fast)
+        float *q16 = acc + 32 * hd;              // q rounded through f16 (fast mode)
         int64_t a, b;
         split_range(n_items, ith, nth, 1, a, b);
         for (int64_t it = a; it < b; ++it) {
@@ -524,6 +527,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
             for (int64_t j = lo; j <= pos; ++j) {
                 float s;
                 if (!f16) s = vk.dot_f32(hd, row_ptr<const float>(k, base + j), qr);
+                else if (mirror && single) s = vk.dot_f16_ggml(hd, row_ptr<const uint16_t>(k, base + j), qr);
                 else if (mirror) s = vk.dot_f16_lanes(hd, row_ptr<const uint16_t>(k, base + j), qr);
                 else s = vk.dot_f16(hd, row_ptr<const uint16_t>(k, base + j), qr);
                 s *= p.scale;
@@ -538,19 +542,29 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 std::fill(scores, scores + lo, -INFINITY);
                 const double sum = vk.softmax_exp(pos + 1, scores, mx, scores);
                 const float inv = static_cast<float>(1.0 / sum);
-                // KQV as tinyBLAS computes it: lane c = cell mod 8 accumulates p16[c] * V[c] with
-                // FMAs in cell order, then the lanes are summed as hsum does.
-                float *lanes = acc;  // [8][hd]
-                std::fill(lanes, lanes + 8 * hd, 0.0f);
+                // KQV: batches of several tokens go through tinyBLAS (lane = cell mod 8, FMAs in
+                // cell order, hsum tree); a single token through ggml_vec_dot_f16 (lane = cell mod
+                // 32: four 8-lane accumulators, reduced 0+2, 1+3, 0+1, then two hadds).
+                const int n_lanes = single ? 32 : 8;
+                float *lanes = acc;  // [n_lanes][hd]
+                std::fill(lanes, lanes + n_lanes * hd, 0.0f);
                 for (int64_t j = lo; j <= pos; ++j) {
                     const float pj = f16_to_f32(f32_to_f16(scores[j] * inv));
-                    float *lane = lanes + (j & 7) * hd;
+                    float *lane = lanes + (j & (n_lanes - 1)) * hd;
                     if (f16) vk.axpy_f16(hd, pj, row_ptr<const uint16_t>(v, base + j), lane);
                     else vk.axpy_f32(hd, pj, row_ptr<const float>(v, base + j), lane);
                 }
                 for (int64_t i = 0; i < hd; ++i) {
                     const float *l = lanes + i;
-                    o[i] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+                    if (single) {
+                        float x[8];
+                        for (int c = 0; c < 8; ++c)
+                            x[c] = (l[c * hd] + l[(16 + c) * hd]) + (l[(8 + c) * hd] + l[(24 + c) * hd]);
+                        const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+                        o[i] = (t0 + t1) + (t2 + t3);
+                    } else {
+                        o[i] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+                    }
                 }
                 continue;
             }

@@ -60,6 +60,19 @@ float dot_f16_lanes_generic(int64_t n, const uint16_t *a, const float *b) {
     return r;
 }
 
+float dot_f16_ggml_generic(int64_t n, const uint16_t *a, const float *b) {
+    float s[32] = {};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 32; ++j) s[j] = std::fma(f16_to_f32(a[i + j]), b[i + j], s[j]);
+    float x[8], t[4];
+    for (int l = 0; l < 8; ++l) x[l] = (s[l] + s[16 + l]) + (s[8 + l] + s[24 + l]);
+    for (int l = 0; l < 4; ++l) t[l] = x[l] + x[4 + l];
+    double r = static_cast<double>((t[0] + t[1]) + (t[2] + t[3]));
+    for (; i < n; ++i) r += static_cast<double>(f16_to_f32(a[i]) * b[i]);
+    return static_cast<float>(r);
+}
+
 double softmax_exp_generic(int64_t n, const float *x, float mx, float *y) {
     double sum = 0;
     int64_t i = 0;
@@ -77,7 +90,7 @@ void swiglu_generic(int64_t n, const float *g, const float *u, float *out) {
 }
 
 const vec_kernels kGeneric{dot_f32_generic, dot_f16_generic, axpy_f32_generic, axpy_f16_generic,
-                           f16_to_f32_row_generic, f32_to_f16_row_generic, dot_f16_lanes_generic,
+                           f16_to_f32_row_generic, f32_to_f16_row_generic, dot_f16_lanes_generic, dot_f16_ggml_generic,
                            softmax_exp_generic, swiglu_generic};
 
 const vec_kernels &choose() {

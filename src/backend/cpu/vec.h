@@ -18,6 +18,10 @@ struct vec_kernels {
     // dot with ONE 8-lane FMA accumulator (lane = index mod 8) and the (lo+hi, movehl, movehdup)
     // horizontal sum — llamafile's tinyBLAS f16 kernel, which computes KQ and KQV.
     float (*dot_f16_lanes)(int64_t n, const uint16_t *a, const float *b);
+    // ggml_vec_dot_f16 (which llama.cpp uses instead of tinyBLAS for a single-token batch): four
+    // 8-lane FMA accumulators over steps of 32, reduced (0+2, 1+3, 0+1) and then two hadds; the
+    // n % 32 tail is added in double.
+    float (*dot_f16_ggml)(int64_t n, const uint16_t *a, const float *b);
     // y[i] = exp(x[i] - mx) with ggml's vectorised expf (8 at a time from i = 0); returns the sum as
     // ggml_vec_soft_max_f32 forms it: each group of 8 summed in float, groups added in double.
     double (*softmax_exp)(int64_t n, const float *x, float mx, float *y);

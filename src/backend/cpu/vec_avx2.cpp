@@ -89,6 +89,19 @@ float dot_f16_lanes(int64_t n, const uint16_t *a, const float *b) {
     return r;
 }
 
+float dot_f16_ggml(int64_t n, const uint16_t *a, const float *b) {
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; ++j) s[j] = _mm256_fmadd_ps(load_f16(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), s[j]);
+    const __m256 x = _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    double r = static_cast<double>(_mm_cvtss_f32(_mm_hadd_ps(t1, t1)));
+    for (; i < n; ++i) r += static_cast<double>(_cvtsh_ss(a[i]) * b[i]);
+    return static_cast<float>(r);
+}
+
 // exp(x) as ggml-cpu's AVX2 ggml_v_expf computes it (a published minimax scheme: n = round(x/ln2)
 // via the 1.5*2^23 trick, two-constant Cody-Waite reduction, degree-5 polynomial j with
 // exp(x) = 2^n * (1 + j)). Lanes with |n| > 126 (|x| > ~87) fall back to expf: there ggml's
@@ -152,7 +165,7 @@ void swiglu(int64_t n, const float *g, const float *u, float *out) {
 }
 
 const vec_kernels kAvx2{dot_f32, dot_f16, axpy_f32, axpy_f16, f16_to_f32_row, f32_to_f16_row,
-                        dot_f16_lanes, softmax_exp, swiglu};
+                        dot_f16_lanes, dot_f16_ggml, softmax_exp, swiglu};
 
 }  // namespace
 
