@@ -6,7 +6,8 @@
 add_test(NAME pflash_niah_e2e
          COMMAND test_pflash --gtest_filter=pflash_niah_e2e.* --gtest_also_run_disabled_tests
          WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-set_tests_properties(pflash_niah_e2e PROPERTIES LABELS "pflash;slow" TIMEOUT 3600)
+# Labelled "heavy": tens of minutes on 2 cores; excluded from scripts/test.sh unless --all.
+set_tests_properties(pflash_niah_e2e PROPERTIES LABELS "pflash;slow;heavy" TIMEOUT 3600)
 
 if(TARGET fathom)
     set(_pflash_bad_ratios nan inf -inf -0.5 1.5)
