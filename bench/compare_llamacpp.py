@@ -36,7 +36,7 @@ def fathom_run(exe, model, threads, p, n):
     out = subprocess.run([exe, "bench", "-m", model, "-t", str(threads), "-p", str(p), "-n", str(n),
                           "--reps", "1", "--json"], check=True, capture_output=True, text=True).stdout
     d = json.loads(out.strip().splitlines()[-1])
-    return d["prefill_tps"], d["decode_tps"]
+    return d["prefill"]["best_tok_s"], d["decode"]["best_tok_s"]
 
 
 def main():
@@ -52,7 +52,7 @@ def main():
     from llama_cpp import Llama
     import llama_cpp
     # logits_all=False: llama.cpp computes only the last position's logits, as a server would.
-    llm = Llama(model_path=args.model, n_ctx=args.prompt + args.gen + 16, n_batch=args.prompt,
+    llm = Llama(model_path=args.model, n_ctx=args.prompt + args.gen + 16, n_batch=args.prompt + args.gen + 16,
                 n_threads=args.threads, n_threads_batch=args.threads, logits_all=False, verbose=False)
     rng = np.random.default_rng(0)
     n_vocab = llm.n_vocab()
