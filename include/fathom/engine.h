@@ -27,6 +27,11 @@ struct engine_options {
     int n_ctx = 0;                 // 0 = min(model's training context, 8192)
     kv_precision kv = kv_precision::f16;
     bool exact = false;            // reference numerics: dequantised weights x f32 activations, f32 accumulation
+    // Quantised numerics (exact = false): true = batch-invariant, every token's result is bit-identical
+    // whatever batch it is evaluated in (prefill chunk, single-token decode, prefix-cache reuse, batched
+    // serving), so greedy output never depends on cache state. false = mirror llama.cpp's CPU build,
+    // whose attention sums differently for one token than for a batch (parity tests use this).
+    bool batch_invariant = true;
     int n_batch = 512;             // prefill chunk (tokens evaluated per forward call)
     std::string device = "cpu";    // "cpu" | "cuda" | "cuda:N"
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training

@@ -128,6 +128,9 @@ public:
 struct cpu_options {
     int n_threads = 1;   // workers including the calling thread
     bool exact = false;  // mul_mat: dequantise weight rows, f32 dot, f32 accumulation
+    // Fast mode only: attention sums a single token's row in the same order as a batch's (results
+    // independent of batch shape). false: llama.cpp's single-token order (ggml_vec_dot_f16).
+    bool batch_invariant = true;
     int64_t max_cols = 0;  // largest K any mul_mat will see (sizes the activation scratch); 0 = grow
     int64_t max_rows = 0;  // largest M any mul_mat will see
     int64_t max_ctx = 0;   // largest attention span (sizes per-thread score scratch)

@@ -103,6 +103,7 @@ public:
         cpu_options co;
         co.n_threads = o.n_threads > 0 ? o.n_threads : default_threads();
         co.exact = o.exact;
+        co.batch_invariant = o.batch_invariant;
         co.max_cols = max_cols;
         co.max_rows = n_batch_;
         co.max_ctx = n_ctx_;

@@ -38,14 +38,14 @@ def run(fathom, args, stdin=None, timeout=120):
 # ------------------------------------------------------------------------------------------- help
 
 OPTIONS = {
-    "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--progress",
+    "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--numerics", "--progress",
             "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
             "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
             "--presence-penalty", "--seed"],
     "chat": ["-m,--model", "--models-dir", "--system", "-n,--n-predict", "--stats", "--temp", "--top-k",
              "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads"],
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
-    "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--kv-type", "-t,--threads", "--ctx"],
+    "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx"],
     "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--json"],
 }
 

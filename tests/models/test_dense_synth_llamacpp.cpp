@@ -141,6 +141,7 @@ compare_result evaluate(const golden &g, const std::string &path, bool exact, co
     engine_options o;
     o.model_path = path;
     o.exact = exact;
+    o.batch_invariant = false;  // llama.cpp's own (batch-dependent) summation order
     o.kv = kv_precision::f16;
     o.n_ctx = 512;
     o.n_batch = 512;  // one batched evaluation, as llama.cpp's

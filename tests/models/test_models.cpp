@@ -38,6 +38,7 @@ std::unique_ptr<engine> load(const std::string &path, bool exact, kv_precision k
     engine_options o;
     o.model_path = path;
     o.exact = exact;
+    o.batch_invariant = false;  // llama.cpp's own (batch-dependent) summation order, for the parity tests
     o.kv = kv;
     o.n_batch = n_batch;
     o.n_ctx = n_ctx;
@@ -118,6 +119,38 @@ TEST(Smollm2, PrefillDecodeAndChunkedAgree) {
     // The session's logits() are the last row.
     EXPECT_EQ(0, std::memcmp(s->logits().data(), &decode[(n - 1) * nv], nv * sizeof(float)));
 }
+
+// Batch-invariant numerics (the engine default): each token's logits must be bit-identical whether it
+// is evaluated in one prefill batch, in chunks of 5, or one token at a time. The serving path relies
+// on this (prefix-cache reuse, continuous batching). Fails with batch_invariant = false: llama.cpp's
+// single-token attention order differs from its batched one.
+void check_batch_invariant(const std::string &path) {
+    if (!exists(path)) GTEST_SKIP() << path << " not installed";
+    const std::vector<int32_t> toks = {2, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 17, 29, 80};
+    const size_t n = toks.size();
+    auto mk = [&](int n_batch) {
+        engine_options o;
+        o.model_path = path;
+        o.n_batch = n_batch;
+        o.n_ctx = 128;
+        o.n_threads = 2;
+        return engine::load(o);
+    };
+    auto e = mk(512), e5 = mk(5);
+    const int64_t nv = e->info().n_vocab;
+    std::vector<float> prefill(n * nv), decode(n * nv), chunked(n * nv);
+    e->new_session()->eval(toks, prefill.data());
+    auto s = e->new_session();
+    for (size_t i = 0; i < n; ++i) s->eval({&toks[i], 1}, &decode[i * nv]);
+    e5->new_session()->eval(toks, chunked.data());
+    for (size_t i = 0; i < n; ++i) {
+        EXPECT_EQ(0, std::memcmp(&decode[i * nv], &prefill[i * nv], nv * sizeof(float))) << "decode vs prefill at " << i;
+        EXPECT_EQ(0, std::memcmp(&chunked[i * nv], &prefill[i * nv], nv * sizeof(float))) << "chunked vs prefill at " << i;
+    }
+}
+
+TEST(Smollm2, BatchInvariantByDefault) { check_batch_invariant(kSmol); }
+TEST(Gemma3, BatchInvariantByDefault) { check_batch_invariant(kGemma); }
 
 TEST(Smollm2, ThreadCountInvariantLogits) {
     if (!exists(kSmol)) GTEST_SKIP() << "SmolLM2 not installed";

@@ -82,7 +82,7 @@ void bench_main(const bench_args &a) {
     if (a.json) {
         nlohmann::json j = {
             {"model", info.path}, {"arch", info.arch}, {"threads", a.model.threads}, {"reps", a.reps},
-            {"exact", a.model.exact}, {"kv_type", a.model.kv_type},
+            {"exact", a.model.exact}, {"numerics", a.model.numerics}, {"kv_type", a.model.kv_type},
             {"prefill", {{"n_tokens", a.n_prompt}, {"best_tok_s", p.best}, {"median_tok_s", p.median}}},
             {"decode", {{"n_tokens", a.n_gen}, {"best_tok_s", d.best}, {"median_tok_s", d.median}}},
         };

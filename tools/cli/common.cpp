@@ -55,7 +55,14 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->check(CLI::IsMember({"f16", "f32"}));
     cmd->add_flag("--exact", a.exact,
-                  "Reference numerics: dequantised weights x f32 activations, f32 accumulation (slow)");
+                  "Reference numerics: dequantised weights x f32 activations, f32 accumulation (slow); "
+                  "same as --numerics exact");
+    cmd->add_option("--numerics", a.numerics,
+                    "invariant: a token's result never depends on its batch (prefill chunk, decode, cache "
+                    "reuse, serving batch); llamacpp: llama.cpp CPU's order (differs for single tokens); "
+                    "exact: f32 reference (slow)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"invariant", "llamacpp", "exact"}));
     cmd->add_option("--qat", a.qat,
                     "DeepSeek V4 only: simulated QAT round trips, full (trained), fp4only or off")
         ->capture_default_str()
@@ -171,7 +178,8 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.n_threads = a.threads;
     o.n_ctx = a.ctx;
     o.kv = a.kv_type == "f32" ? kv_precision::f32 : kv_precision::f16;
-    o.exact = a.exact;
+    o.exact = a.exact || a.numerics == "exact";
+    o.batch_invariant = a.numerics != "llamacpp";
     o.ds4_qat = a.qat;
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {

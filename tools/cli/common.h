@@ -29,11 +29,12 @@ struct model_args {
     int ctx = 0;                    // 0 = engine default
     std::string kv_type = "f16";
     bool exact = false;
+    std::string numerics = "invariant";  // invariant | llamacpp | exact (--exact = exact)
     std::string qat = "full";       // DeepSeek V4 QAT round trips: full | fp4only | off
     bool progress = false;          // force progress bars even when stderr is not a TTY
 };
 
-// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --qat, --progress.
+// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress.
 // `model_required`: -m must be given (no default model).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 

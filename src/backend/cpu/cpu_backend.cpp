@@ -506,7 +506,9 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
     // normalised), then KQV = mul_mat(V f16, P -> f16). Exact mode keeps q and the probabilities in
     // f32 and normalises once at the end.
     const bool mirror = !opts_.exact;
-    const bool single = n_tok == 1;  // llama.cpp: ggml_vec_dot_f16 instead of tinyBLAS
+    // llama.cpp: ggml_vec_dot_f16 instead of tinyBLAS for one token; batch-invariant mode always takes
+    // the batch order so a token's output does not depend on how many share its call.
+    const bool single = n_tok == 1 && !opts_.batch_invariant;
     auto body = [&](int ith, int nth) {
         float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
         float *acc = scores + p.n_past + n_tok;  // [hd] (exact) or [8 or 32][hd] lanes (fast)
