@@ -33,7 +33,12 @@ struct engine_options {
     // whose attention sums differently for one token than for a batch (parity tests use this).
     bool batch_invariant = true;
     int n_batch = 512;             // prefill chunk (tokens evaluated per forward call)
-    std::string device = "cpu";    // "cpu" | "cuda" | "cuda:N"
+    // "cpu" | "cuda" | "cuda:N" | "auto". cuda/cuda:N fail with a one-line error when the build has no
+    // CUDA backend, no device is present or the weights + KV cache do not fit in free device memory;
+    // auto uses cuda:0 when present and the CPU otherwise (model_info::device says which).
+    // On CUDA, exact / batch_invariant do not apply (one numerics: f32 decode GEMV, bf16 prefill GEMM).
+    std::string device = "cpu";
+    bool cuda_graphs = true;       // CUDA: replay single-token decode steps as a captured CUDA graph
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";
@@ -54,6 +59,8 @@ struct model_info {
     int32_t n_embd = 0;
     uint64_t kv_bytes_per_token = 0;
     std::string chat_template;  // tokenizer.chat_template ("" if none)
+    std::string device = "cpu";   // where the forward runs: "cpu" or "cuda:N (<device name>)"
+    uint64_t decode_weight_bytes = 0;  // weight bytes one decode step reads (all matrices, norms, output head; one embedding row)
 };
 
 struct chat_message {
@@ -83,6 +90,10 @@ public:
                                             bool add_generation_prompt) const = 0;
 
     virtual std::unique_ptr<session> new_session() = 0;
+
+    // Device memory copy bandwidth in bytes/s (bytes read + written), measured now with device-to-device
+    // copies of 1 GiB: the roofline ceiling for decode. 0 when the engine runs on the CPU.
+    virtual double measure_copy_bandwidth() { return 0.0; }
 
     // Batched decode step (used by the server's scheduler once per step for all decoding requests):
     // for every i, append tokens[i] to sessions[i] and evaluate it, so that afterwards

@@ -48,13 +48,21 @@ struct options {
     int32_t smooth_kernel = 5;  // moving-average width over token scores (odd, 1 = none)
     int32_t drafter_window = 512;  // sliding window of the drafter's prefill (0 = full attention)
     int32_t drafter_batch = 512;   // drafter tokens per forward call
-    // Anchor rule: every anchor_ngram-gram of drafter tokens within the last anchor_tail_tokens that
-    // occurs earlier at most anchor_max_hits times forces the chunks overlapping that occurrence widened by
-    // anchor_radius_tokens drafter tokens on each side. anchor_ngram == 0 disables the rule.
+    // Anchor rule (the query's own words point at earlier text): the query is the last
+    // anchor_tail_tokens drafter tokens of the last user message (of the whole prompt when no chat
+    // turns are found; role markers and the assistant header never count). Each anchor_ngram-gram of the
+    // query that holds a content token (a letter; not whitespace / punctuation / digits alone) and
+    // does not cut a word, and that occurs earlier 1..anchor_max_hits times (also as whole words),
+    // marks the chunks within anchor_radius_tokens drafter tokens of its occurrences. Anchors are not
+    // forced beyond the budget: they claim at most round(anchor_budget_fraction x budget) chunks, and
+    // never more than the budget left after head/tail/structure, rarest n-gram first; the scores fill
+    // the rest. So keep_ratio bounds the output whatever the prompt repeats. anchor_ngram == 0 disables
+    // the rule.
     int32_t anchor_ngram = 4;
     int32_t anchor_tail_tokens = 96;
-    int32_t anchor_max_hits = 8;
+    int32_t anchor_max_hits = 4;
     int32_t anchor_radius_tokens = 16;
+    double anchor_budget_fraction = 0.5;  // in [0, 1]
     // Structure: chat role markers are always kept; the system prompt and the last user message are
     // kept verbatim when these are set; tool-call and JSON blocks are never cut (kept whole or dropped).
     bool verbatim_system = true;
@@ -76,6 +84,7 @@ struct result {
     int64_t n_drafter_tokens = 0;      // drafter tokens of the prompt
     int64_t n_drafter_evaluated = 0;   // of those, evaluated by the drafter forward this call
     int64_t n_chunks = 0, n_kept_chunks = 0, n_forced_chunks = 0, n_cached_chunks = 0;
+    int64_t n_anchor_chunks = 0;       // kept because of the anchor rule (part of the budget)
     std::vector<std::pair<uint64_t, uint64_t>> kept_bytes;  // kept [begin, end) byte ranges of the text
     double load_s = 0, score_s = 0, select_s = 0, total_s = 0;
     // score_s split: drafter prefill (windowed), query forward (full attention), tail-query scoring.
@@ -91,6 +100,8 @@ public:
     virtual const options &opts() const = 0;
     // Set the keep ratio for the next calls (validated).
     virtual void set_keep_ratio(double r) = 0;
+    // Set options::verbatim_system / verbatim_last_user for the next calls.
+    virtual void set_verbatim(bool system, bool last_user) = 0;
 
     // Compress `prompt` (tokens of `target`). Prompts of at most (head + tail) chunks come back whole.
     virtual result compress(const engine &target, std::span<const int32_t> prompt) = 0;

@@ -1,11 +1,15 @@
-// engine / session implementation of include/fathom/engine.h for the dense family on the CPU
-// backend. The engine owns the mapped GGUF, the backend (and so the one thread pool), the model
-// weights, the tokenizer and the chat template; sessions own a KV cache, activation scratch and
-// the token timeline. Forward calls of all sessions of one engine are serialised by a mutex, so
-// sessions may live on different threads without oversubscribing the cores.
+// engine / session implementation of include/fathom/engine.h for the dense family on the CPU or
+// CUDA backend. The engine owns the mapped GGUF, the backend (and so the one thread pool, or the
+// device copy of the weights), the model weights, the tokenizer and the chat template; sessions
+// own a KV cache, activation scratch and the token timeline (on the device for CUDA, where a
+// session also replays its single-token decode step as a captured CUDA graph). Forward calls of
+// all sessions of one engine are serialised by a mutex, so sessions may live on different threads
+// without oversubscribing the cores. FATHOM_ENGINE_CUDA is defined for this file only when the
+// build has the CUDA backend (src/CMakeLists.txt).
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -22,10 +26,70 @@
 #include "kv/kv_cache.h"
 #include "models/dense.h"
 #include "tokenizer/tokenizer.h"
+#ifdef FATHOM_ENGINE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace fathom {
 
 namespace {
+
+// ---- device selection ---------------------------------------------------------------------------
+
+struct device_choice {
+    enum kind_t { cpu, cuda, automatic } kind = cpu;
+    int ordinal = 0;
+};
+
+// "cpu" | "auto" | "cuda" | "cuda:N" (N decimal, no sign).
+device_choice parse_device(const std::string &d) {
+    if (d == "cpu") return {};
+    if (d == "auto") return {device_choice::automatic, 0};
+    if (d == "cuda") return {device_choice::cuda, 0};
+    if (d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.size() <= 8 &&
+        std::all_of(d.begin() + 5, d.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        return {device_choice::cuda, std::stoi(d.substr(5))};
+    throw error("device '" + d + "': expected cpu, cuda, cuda:N or auto");
+}
+
+bool build_has_cuda() {
+#ifdef FATHOM_ENGINE_CUDA
+    return true;
+#else
+    return false;
+#endif
+}
+
+int cuda_devices_present() {
+#ifdef FATHOM_ENGINE_CUDA
+    return cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+// Resolves the requested device to "cpu" or a CUDA ordinal (>= 0), or throws the one-line reason
+// a forced CUDA device cannot be used. auto falls back to the CPU silently (the caller reports it
+// through model_info::device).
+int resolve_cuda_ordinal(const std::string &device) {
+    const device_choice dc = parse_device(device);
+    if (dc.kind == device_choice::cpu) return -1;
+    if (dc.kind == device_choice::automatic) return build_has_cuda() && cuda_devices_present() > 0 ? 0 : -1;
+    if (!build_has_cuda())
+        throw error("device '" + device + "': this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
+    const int n = cuda_devices_present();
+    if (n == 0)
+        throw error("device '" + device + "': no CUDA device present (use --device cpu, or --device auto to fall back to the CPU)");
+    if (dc.ordinal >= n)
+        throw error("device '" + device + "': only " + std::to_string(n) + " CUDA device(s) present");
+    return dc.ordinal;
+}
+
+[[maybe_unused]] std::string gib(uint64_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+    return buf;
+}
 
 // Built-in templates for files without tokenizer.chat_template (llama.cpp falls back to ChatML
 // for every model; Gemma files get Gemma's turn format, which is what they were trained on).
@@ -84,15 +148,20 @@ private:
     std::vector<int32_t> tokens_;
     std::vector<float> logits_;  // [n_vocab] of tokens_.back()
     bool have_logits_ = false;
+    // CUDA: single-token decode through a captured graph. Returns false when the step must run
+    // eagerly (CPU engine, graphs off, the session's first decode, or a capture that failed).
+    bool decode_graph(int32_t token);
+#ifdef FATHOM_ENGINE_CUDA
+    std::unique_ptr<cuda_step_graph> graph_;
+#endif
+    int64_t eager_decodes_ = 0;
+    bool graph_failed_ = false;
 };
 
 class engine_impl final : public engine {
 public:
     engine_impl(const engine_options &o, std::shared_ptr<const gguf::file> file) : opts_(o), file_(std::move(file)) {
-        if (o.device != "cpu") {
-            if (o.device.rfind("cuda", 0) == 0) throw error("device '" + o.device + "': this build has no CUDA backend");
-            throw error("device '" + o.device + "': expected cpu, cuda or cuda:N");
-        }
+        const int cuda_ordinal = resolve_cuda_ordinal(o.device);  // throws for an unusable forced device
         if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
         if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
         if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
@@ -107,7 +176,10 @@ public:
         co.max_cols = max_cols;
         co.max_rows = n_batch_;
         co.max_ctx = n_ctx_;
-        be_ = make_cpu_backend(co);
+        if (cuda_ordinal >= 0)
+            make_cuda(cuda_ordinal, hp);
+        else
+            be_ = make_cpu_backend(co);
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
         model_ = dense_load(*file_, *be_);
         tok_ = std::make_unique<tokenizer>(*file_);
@@ -150,9 +222,83 @@ public:
     std::mutex &forward_mutex() { return forward_mutex_; }
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_batch() const { return n_batch_; }
+    bool cuda_graphs() const { return opts_.cuda_graphs; }
+    // CUDA: select the engine's device on the calling thread (the CUDA runtime's current device is
+    // per thread; server workers are not the loading thread).
+    void bind_device() {
+#ifdef FATHOM_ENGINE_CUDA
+        if (gpu_) gpu_->make_current();
+#endif
+    }
+#ifdef FATHOM_ENGINE_CUDA
+    cuda_backend_api *gpu() const { return gpu_; }
+#endif
+    double measure_copy_bandwidth() override {
+#ifdef FATHOM_ENGINE_CUDA
+        if (gpu_) {
+            std::lock_guard<std::mutex> lock(forward_mutex_);
+            return cuda_measure_copy_bandwidth(cuda_ordinal_);
+        }
+#endif
+        return 0.0;
+    }
     dtype kv_type() const { return opts_.kv == kv_precision::f32 ? dtype::f32 : dtype::f16; }
 
 private:
+    // The CUDA backend on device `ordinal`, after checking that the weights, one session's KV cache
+    // and the scratch buffers fit in the device's free memory (so loading never fails midway).
+    void make_cuda(int ordinal, const dense_hparams &hp) {
+#ifdef FATHOM_ENGINE_CUDA
+        cuda_options co;
+        co.device = ordinal;
+        auto gpu = make_cuda_backend(co);
+        const cuda_device_memory mem = cuda_query_memory(ordinal);  // after the context and cuBLAS workspace
+        const uint64_t E = static_cast<uint64_t>(hp.n_embd), Q = uint64_t(hp.n_head) * static_cast<uint64_t>(hp.head_dim),
+                       KV = uint64_t(hp.n_head_kv) * static_cast<uint64_t>(hp.head_dim), F = static_cast<uint64_t>(hp.n_ff),
+                       B = static_cast<uint64_t>(n_batch_), V = static_cast<uint64_t>(hp.n_vocab);
+        const uint64_t weights = file_->size();  // upper bound: tensor data plus the metadata
+        const uint64_t kv = static_cast<uint64_t>(n_ctx_) *
+                            kv_cache::bytes_per_token(hp.n_layer, hp.n_head_kv, hp.head_dim, kv_type());
+        const uint64_t max_cols = std::max({E, Q, F});
+        // Session activations (dense_scratch), the largest weight dequantised to bf16 for a prefill
+        // GEMM, x in bf16, attention partials, and 64 MiB for kernels' and cuBLAS's own needs.
+        const uint64_t scratch = B * (3 * E + 2 * Q + 2 * KV + 2 * F + 2 * static_cast<uint64_t>(hp.rope.n_rot)) * 4 +
+                                 (8u << 20) + std::max({V * E, F * E, Q * E}) * 2 + B * max_cols * 2 +
+                                 B * static_cast<uint64_t>(hp.n_head) * 64 * (static_cast<uint64_t>(hp.head_dim) + 2) * 4 +
+                                 (64u << 20);
+        const uint64_t need = weights + kv + scratch;
+        if (need > mem.free_bytes)
+            throw error("device 'cuda:" + std::to_string(ordinal) + "' (" + mem.name + "): needs " + gib(need) +
+                        " (weights " + gib(weights) + " + KV cache of " + std::to_string(n_ctx_) + " tokens " + gib(kv) +
+                        " + scratch " + gib(scratch) + ") but only " + gib(mem.free_bytes) +
+                        " is free (lower --ctx or use --device cpu)");
+        device_name_ = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
+        cuda_ordinal_ = ordinal;
+        gpu_ = gpu.get();
+        be_ = std::move(gpu);
+#else
+        (void)ordinal;
+        (void)hp;
+        throw error("this build has no CUDA backend");
+#endif
+    }
+
+    // Weight bytes a single-token step reads: every layer tensor, the final norm, the output head
+    // and one embedding row.
+    uint64_t decode_weight_bytes() const {
+        uint64_t b = 0;
+        auto add = [&b](const tensor &t) { b += t.data ? t.nbytes() : 0; };
+        for (const dense_layer &ly : model_->layers)
+            for (const tensor *t : {&ly.attn_norm, &ly.wq, &ly.wk, &ly.wv, &ly.wo, &ly.bq, &ly.bk, &ly.bv, &ly.bo,
+                                    &ly.attn_q_norm, &ly.attn_k_norm, &ly.post_attn_norm, &ly.ffn_norm, &ly.ffn_gate,
+                                    &ly.ffn_up, &ly.ffn_down, &ly.post_ffn_norm})
+                add(*t);
+        add(model_->output_norm);
+        add(model_->output);
+        b += model_->tok_embd.nb1;
+        return b;
+    }
+
     void fill_info(const engine_options &o) {
         const dense_hparams &hp = model_->hp;
         info_.arch = hp.arch;
@@ -167,6 +313,8 @@ private:
         info_.n_embd = hp.n_embd;
         info_.kv_bytes_per_token = kv_cache::bytes_per_token(hp.n_layer, hp.n_head_kv, hp.head_dim, kv_type());
         info_.chat_template = template_ ? template_->source() : "";
+        info_.device = device_name_;
+        info_.decode_weight_bytes = decode_weight_bytes();
     }
 
     engine_options opts_;
@@ -179,9 +327,15 @@ private:
     int64_t n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
     std::unique_ptr<dense_batch_decoder> batch_;  // created on first decode_step (under forward_mutex_)
+    std::string device_name_ = "cpu";
+    int cuda_ordinal_ = -1;
+#ifdef FATHOM_ENGINE_CUDA
+    cuda_backend_api *gpu_ = nullptr;  // be_ when it is the CUDA backend
+#endif
 };
 
 session_impl::session_impl(engine_impl &e) : e_(e) {
+    e.bind_device();
     const dense_hparams &hp = e.model().hp;
     kv_ = std::make_unique<kv_cache>(e.be(), hp.n_layer, hp.n_head_kv, hp.head_dim, e.n_ctx(), e.kv_type());
     scratch_ = dense_scratch_create(hp, e.be(), e.n_batch());
@@ -201,6 +355,7 @@ void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         if (t < 0 || t >= n_vocab)
             throw error("token id " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     std::lock_guard<std::mutex> lock(e_.forward_mutex());
+    e_.bind_device();
     for (int64_t done = 0; done < total;) {
         const int64_t n = std::min(e_.n_batch(), total - done);
         const bool last = done + n == total;
@@ -214,7 +369,8 @@ void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
             n_out = 1;
         }
         have_logits_ = false;
-        dense_forward(m, e_.be(), *kv_, *scratch_, toks.data() + done, n, n_past(), n_out, out);
+        if (!(n == 1 && out == logits_.data() && decode_graph(toks[static_cast<size_t>(done)])))
+            dense_forward(m, e_.be(), *kv_, *scratch_, toks.data() + done, n, n_past(), n_out, out);
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
         kv_->n_used = n_past();
         done += n;
@@ -224,6 +380,39 @@ void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         }
         if (on_progress && *on_progress) (*on_progress)(done, total);
     }
+}
+
+bool session_impl::decode_graph(int32_t token) {
+#ifdef FATHOM_ENGINE_CUDA
+    cuda_backend_api *gpu = e_.gpu();
+    if (!gpu || !e_.cuda_graphs() || graph_failed_) return false;
+    if (!graph_) {
+        // The first decode runs eagerly: it sizes the backend's scratch (attention key-split partials),
+        // which cannot grow while a graph is being captured.
+        if (eager_decodes_++ == 0) return false;
+        graph_ = std::make_unique<cuda_step_graph>(*gpu, 1, logits_.size() * sizeof(float));
+    }
+    if (!graph_->ready() || graph_->stale()) {
+        // Captured at position offset 0; replay() supplies the position and the token id.
+        const dense_model &m = e_.model();
+        try {
+            graph_->capture([&](backend &proxy) {
+                const int32_t placeholder = 0;  // replaced by the device id buffer
+                dense_forward(m, proxy, *kv_, *scratch_, &placeholder, 1, 0, 1, logits_.data());
+            });
+        } catch (const error &ex) {
+            std::fprintf(stderr, "fathom: CUDA graph capture failed (%s); decoding eagerly\n", ex.what());
+            graph_failed_ = true;
+            graph_.reset();
+            return false;
+        }
+    }
+    graph_->replay(&token, n_past());
+    return true;
+#else
+    (void)token;
+    return false;
+#endif
 }
 
 void session_impl::eval(std::span<const int32_t> tokens, float *all_logits) { eval_chunks(tokens, all_logits, nullptr); }
@@ -272,6 +461,7 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
         seqs[i] = {s->kv_.get(), s->n_past(), tokens[i], s->logits_.data()};
     }
     std::lock_guard<std::mutex> lock(forward_mutex_);
+    bind_device();
     for (session_impl *s : ss) s->have_logits_ = false;
     if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
     batch_->run(seqs);
@@ -285,9 +475,19 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
 }  // namespace
 
 std::unique_ptr<engine> engine::load(const engine_options &opts) {
-    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp).
+    parse_device(opts.device);  // syntax first, before touching the file
+    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp), CPU only: auto means cpu.
     std::shared_ptr<const gguf::file> f = gguf::file::open(opts.model_path);
-    if (f->get_string("general.architecture", "") == "deepseek4") return make_ds4_engine(opts, std::move(f));
+    if (f->get_string("general.architecture", "") == "deepseek4") {
+        if (opts.device == "auto") {
+            engine_options o = opts;
+            o.device = "cpu";
+            return make_ds4_engine(o, std::move(f));
+        }
+        if (opts.device != "cpu")
+            throw error("device '" + opts.device + "': the deepseek4 architecture runs on the CPU only (use --device cpu)");
+        return make_ds4_engine(opts, std::move(f));
+    }
     return std::make_unique<engine_impl>(opts, std::move(f));
 }
 

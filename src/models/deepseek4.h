@@ -241,4 +241,23 @@ struct forward_out {
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out);
 
+// ---- layer ranges (pipeline stages, src/dist) ---------------------------------------------------
+// forward() is embed_tokens -> forward_layers(0, n_layer) -> head_logits; a pipeline runs the same
+// three pieces on different ranks, each rank holding the state of its own layers only, and gets the
+// bits of the unsplit forward.
+
+// x [n, n_hc, D] = the embedding row of every token copied into all n_hc streams.
+void embed_tokens(const model &m, std::span<const int32_t> tokens, std::span<float> x);
+
+// Blocks [l0, l1) over a chunk: x [n, n_hc, D] updated in place. `layers` holds the states of
+// exactly these blocks (layers[i] belongs to block l0 + i). `positions` must be n_past, n_past+1, ...
+// of the caller's sequence (checked by forward(); here only the sizes and the range are checked).
+void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                    int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                    std::span<float> x);
+
+// Logits from the final HC state x [n, n_hc, D]: `logits` is [n, n_vocab] (every token) or [n_vocab]
+// (the last token only).
+void head_logits(const model &m, const exec_options &exec, std::span<const float> x, std::span<float> logits);
+
 }  // namespace fathom::ds4

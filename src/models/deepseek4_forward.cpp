@@ -60,6 +60,61 @@ static void embed_token(const model &m, int32_t token, float *x) {
     for (int s = 1; s < m.hp.n_hc; ++s) std::copy(x, x + D, x + s * D);
 }
 
+void embed_tokens(const model &m, std::span<const int32_t> tokens, std::span<float> x) {
+    const size_t S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
+    if (x.size() != tokens.size() * S)
+        throw error("ds4 embed: state buffer of " + std::to_string(x.size()) + " floats, expected " +
+                    std::to_string(tokens.size() * S));
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] < 0 || tokens[i] >= m.hp.n_vocab)
+            throw error("ds4 embed: token id " + std::to_string(tokens[i]) + " outside [0, " +
+                        std::to_string(m.hp.n_vocab) + ")");
+        embed_token(m, tokens[i], &x[i * S]);
+    }
+}
+
+void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                    int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                    std::span<float> x) {
+    const size_t n = tokens.size(), S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
+    if (l0 < 0 || l1 < l0 || l1 > static_cast<int>(m.layers.size()))
+        throw error("ds4 forward_layers: range [" + std::to_string(l0) + ", " + std::to_string(l1) +
+                    ") outside the model's " + std::to_string(m.layers.size()) + " layers");
+    if (layers.size() != static_cast<size_t>(l1 - l0))
+        throw error("ds4 forward_layers: " + std::to_string(layers.size()) + " layer states for range [" +
+                    std::to_string(l0) + ", " + std::to_string(l1) + ")");
+    if (positions.size() != n || x.size() != n * S)
+        throw error("ds4 forward_layers: " + std::to_string(n) + " tokens, " + std::to_string(positions.size()) +
+                    " positions and a state of " + std::to_string(x.size()) + " floats (expected " +
+                    std::to_string(n * S) + ")");
+    if (n == 0) return;
+    const exec_scope scope(exec);
+    const rope_set ropes = make_rope_set(m.hp);
+    for (int il = l0; il < l1; ++il)
+        block_forward(m.hp, ropes, m.layers[static_cast<size_t>(il)], layers[static_cast<size_t>(il - l0)], qat,
+                      x.data(), tokens, positions);
+}
+
+void head_logits(const model &m, const exec_options &exec, std::span<const float> x, std::span<float> logits) {
+    const hparams &hp = m.hp;
+    const int64_t D = hp.n_embd, S = hp.n_hc * D, V = hp.n_vocab;
+    const int64_t n = static_cast<int64_t>(x.size()) / S;
+    if (static_cast<int64_t>(x.size()) != n * S || n == 0 ||
+        (static_cast<int64_t>(logits.size()) != n * V && static_cast<int64_t>(logits.size()) != V))
+        throw error("ds4 head: state of " + std::to_string(x.size()) + " floats and logits buffer of " +
+                    std::to_string(logits.size()) + " floats do not match n_hc*D = " + std::to_string(S) +
+                    ", n_vocab = " + std::to_string(V));
+    const exec_scope scope(exec);
+    // z = HCHead(X); logits = W_out * RMSNorm(z; output_norm) (all tokens or the last one).
+    const int64_t i0 = static_cast<int64_t>(logits.size()) == V ? n - 1 : 0;
+    std::vector<float> z(static_cast<size_t>(D));
+    for (int64_t i = i0; i < n; ++i) {
+        hc_head(hp, m.hc_head, &x[static_cast<size_t>(i * S)], z.data());
+        rms_norm(z.data(), D, m.output_norm.data(), hp.rms_eps, z.data());
+        matmul(m.output, z.data(), 1, &logits[static_cast<size_t>((i - i0) * V)]);
+    }
+}
+
 static void check_inputs(const model &m, const state &st, std::span<const int32_t> tokens,
                          std::span<const int64_t> positions, const forward_out &out) {
     const size_t n = tokens.size();
@@ -90,27 +145,14 @@ static void check_inputs(const model &m, const state &st, std::span<const int32_
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out) {
     check_inputs(m, st, tokens, positions, out);
-    const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
-    const hparams &hp = m.hp;
-    const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd, S = hp.n_hc * D, V = hp.n_vocab;
+    const int64_t n = static_cast<int64_t>(tokens.size()), S = m.hp.n_hc * m.hp.n_embd;
     if (n == 0) return;
-    const rope_set ropes = make_rope_set(hp);
     std::vector<float> x(static_cast<size_t>(n * S));  // [n, n_hc, D] hyper-connection state
-    for (int64_t i = 0; i < n; ++i)
-        embed_token(m, tokens[static_cast<size_t>(i)], &x[static_cast<size_t>(i * S)]);
-    for (size_t il = 0; il < m.layers.size(); ++il)
-        block_forward(hp, ropes, m.layers[il], st.layers[il], st.qat, x.data(), tokens, positions);
+    embed_tokens(m, tokens, x);
+    forward_layers(m, st.layers, st.qat, st.exec, 0, static_cast<int>(m.layers.size()), tokens, positions, x);
     st.n_past += n;
     if (!out.hc_state.empty()) std::copy(x.begin(), x.end(), out.hc_state.begin());
-    if (out.logits.empty()) return;
-    // Head: z = HCHead(X); logits = W_out * RMSNorm(z; output_norm) (all tokens or the last one).
-    const int64_t i0 = static_cast<int64_t>(out.logits.size()) == V ? n - 1 : 0;
-    std::vector<float> z(static_cast<size_t>(D));
-    for (int64_t i = i0; i < n; ++i) {
-        hc_head(hp, m.hc_head, &x[static_cast<size_t>(i * S)], z.data());
-        rms_norm(z.data(), D, m.output_norm.data(), hp.rms_eps, z.data());
-        matmul(m.output, z.data(), 1, &out.logits[static_cast<size_t>((i - i0) * V)]);
-    }
+    if (!out.logits.empty()) head_logits(m, st.exec, x, out.logits);
 }
 
 }  // namespace fathom::ds4

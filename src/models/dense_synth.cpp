@@ -269,14 +269,24 @@ std::vector<synth_tensor> plan_tensors(const dense_synth_options &o, int64_t n_v
     if (!o.tied_output) ts.push_back(mat("output.weight", out_type, E, n_vocab, 3.0f));
     for (int32_t il = 0; il < o.n_layer; ++il) {
         const std::string p = "blk." + std::to_string(il) + ".";
-        auto ty = [&o, il](const char *kind) { return dense_synth_weight_type(kind, il, o.float_weights); };
+        // q4_k needs rows of whole 256-blocks: other row lengths (real geometries such as K = 576)
+        // get q8_0 instead, as llama.cpp's quantiser falls back. The presets never hit this.
+        auto ty = [&o, il](const char *kind) {
+            const dtype t = dense_synth_weight_type(kind, il, o.float_weights);
+            const int64_t k = std::string(kind) == "attn_output" ? int64_t{o.n_head} * o.head_dim
+                              : std::string(kind) == "ffn_down"  ? o.n_ff
+                                                                 : o.n_embd;
+            return t == dtype::q4_k && k % 256 != 0 ? dtype::q8_0 : t;
+        };
         ts.push_back(norm(p + "attn_norm.weight", E));
         ts.push_back(mat(p + "attn_q.weight", ty("attn_q"), E, Q, 1.0f));
         ts.push_back(mat(p + "attn_k.weight", ty("attn_k"), E, KV, 1.0f));
         ts.push_back(mat(p + "attn_v.weight", ty("attn_v"), E, KV, 1.0f));
         ts.push_back(mat(p + "attn_output.weight", ty("attn_output"), Q, E, 1.0f));
-        ts.push_back(norm(p + "attn_q_norm.weight", o.head_dim));
-        ts.push_back(norm(p + "attn_k_norm.weight", o.head_dim));
+        if (o.arch != "llama") {  // llama has no per-head q/k norms
+            ts.push_back(norm(p + "attn_q_norm.weight", o.head_dim));
+            ts.push_back(norm(p + "attn_k_norm.weight", o.head_dim));
+        }
         if (gemma) ts.push_back(norm(p + "post_attention_norm.weight", E));
         ts.push_back(norm(p + "ffn_norm.weight", E));
         ts.push_back(mat(p + "ffn_gate.weight", ty("ffn_gate"), E, o.n_ff, 1.0f));
@@ -298,7 +308,8 @@ std::vector<synth_tensor> plan_tensors(const dense_synth_options &o, int64_t n_v
 }
 
 void check_options(const dense_synth_options &o) {
-    if (o.arch != "qwen3" && o.arch != "gemma3") throw error("synth-dense: unsupported arch '" + o.arch + "' (qwen3, gemma3)");
+    if (o.arch != "qwen3" && o.arch != "gemma3" && o.arch != "llama")
+        throw error("synth-dense: unsupported arch '" + o.arch + "' (qwen3, gemma3, llama)");
     auto pos = [](int32_t v, const char *what) {
         if (v <= 0 || v > (1 << 20)) throw error(std::string("synth-dense: ") + what + " out of range: " + std::to_string(v));
     };

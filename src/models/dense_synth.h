@@ -19,7 +19,7 @@
 namespace fathom {
 
 struct dense_synth_options {
-    std::string arch = "qwen3";  // qwen3 | gemma3
+    std::string arch = "qwen3";  // qwen3 | gemma3 | llama (llama: no preset; no q/k norm tensors)
     std::string vocab_path;      // GGUF whose tokenizer.* keys are copied; n_vocab = its token count
     uint64_t seed = 1;
     int32_t n_layer = 4;

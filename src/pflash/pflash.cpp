@@ -54,6 +54,9 @@ void options::validate() const {
     need(anchor_tail_tokens >= 0, "anchor_tail_tokens", ">= 0", anchor_tail_tokens);
     need(anchor_max_hits >= 1, "anchor_max_hits", ">= 1", anchor_max_hits);
     need(anchor_radius_tokens >= 0, "anchor_radius_tokens", ">= 0", anchor_radius_tokens);
+    if (!std::isfinite(anchor_budget_fraction) || anchor_budget_fraction < 0.0 || anchor_budget_fraction > 1.0)
+        throw error("pflash option anchor_budget_fraction: must be a finite number in [0, 1], got " +
+                    std::to_string(anchor_budget_fraction));
     need(score_cache_max_entries >= 1, "score_cache_max_entries", ">= 1", score_cache_max_entries);
     need(n_threads >= 0, "n_threads", ">= 0", n_threads);
 }
@@ -75,6 +78,10 @@ public:
     void set_keep_ratio(double r) override {
         validate_keep_ratio(r);
         opts_.keep_ratio = r;
+    }
+    void set_verbatim(bool system, bool last_user) override {
+        opts_.verbatim_system = system;
+        opts_.verbatim_last_user = last_user;
     }
 
     void load_drafter() override {
@@ -187,6 +194,7 @@ result compressor_impl::compress(const engine &target, std::span<const int32_t> 
         const selection sel = select_spans(dt.ids, dt.spans, scores, st, tt.text, opts_);
         for (bool k : sel.kept_chunk) r.n_kept_chunks += k ? 1 : 0;
         r.n_forced_chunks = sel.n_forced;
+        r.n_anchor_chunks = sel.n_anchor;
         r.kept_bytes.reserve(sel.kept.size());
         for (const byte_span &b : sel.kept) r.kept_bytes.push_back({b.begin, b.end});
         for (int64_t i : tokens_covering(tt.spans, sel.kept)) r.tokens.push_back(prompt[static_cast<size_t>(i)]);

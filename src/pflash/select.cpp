@@ -34,36 +34,113 @@ std::vector<float> chunk_means(std::span<const float> x, int32_t chunk) {
     return out;
 }
 
-std::vector<bool> anchor_chunks(std::span<const int32_t> ids, const options &o) {
-    const int64_t n = static_cast<int64_t>(ids.size()), g = o.anchor_ngram, C = o.chunk_tokens;
-    std::vector<bool> forced(static_cast<size_t>((n + C - 1) / C), false);
-    if (g <= 0 || n < 2 * g) return forced;
-    const int64_t tail0 = std::max<int64_t>(0, n - o.anchor_tail_tokens);
-    auto gram_hash = [&](int64_t i) { return XXH3_64bits(ids.data() + i, static_cast<size_t>(g) * sizeof(int32_t)); };
-    // The query tail's distinct n-grams -> their earlier occurrences (positions < tail0).
-    std::unordered_map<uint64_t, std::vector<int64_t>> tail_grams;
-    for (int64_t i = tail0; i + g <= n; ++i) tail_grams.emplace(gram_hash(i), std::vector<int64_t>{});
-    if (tail_grams.empty()) return forced;
-    for (int64_t i = 0; i + g <= tail0; ++i) {
-        const auto it = tail_grams.find(gram_hash(i));
-        if (it == tail_grams.end()) continue;
-        // Hash equality is not enough: confirm against one tail occurrence of the n-gram.
-        bool same = false;
-        for (int64_t j = tail0; j + g <= n && !same; ++j)
-            same = std::equal(ids.begin() + i, ids.begin() + i + g, ids.begin() + j);
-        if (!same) continue;
-        // One entry past anchor_max_hits is enough to know the n-gram is too common (caps memory).
-        if (static_cast<int64_t>(it->second.size()) <= o.anchor_max_hits) it->second.push_back(i);
+bool is_content_piece(std::string_view piece) {
+    for (size_t i = 0; i < piece.size(); ++i) {
+        const auto c = static_cast<unsigned char>(piece[i]);
+        if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) return true;
+        if (c < 0xC0) continue;  // ASCII non-letter, or a continuation byte
+        // A non-ASCII lead byte: content unless General Punctuation (U+2000..U+206F: E2 80..81 xx) or
+        // CJK Symbols and Punctuation (U+3000..U+303F: E3 80 xx).
+        const auto n = i + 1 < piece.size() ? static_cast<unsigned char>(piece[i + 1]) : 0u;
+        if ((c == 0xE2 && (n == 0x80 || n == 0x81)) || (c == 0xE3 && n == 0x80)) continue;
+        return true;
     }
-    for (const auto &[h, occ] : tail_grams) {
-        if (occ.empty() || static_cast<int64_t>(occ.size()) > o.anchor_max_hits) continue;
-        for (int64_t p : occ) {
+    return false;
+}
+
+byte_span anchor_query_bytes(const prompt_structure &st, std::string_view text) {
+    for (auto it = st.turns.rbegin(); it != st.turns.rend(); ++it)
+        if (it->role == "user") return it->content;
+    return {0, text.size()};
+}
+
+namespace {
+
+bool is_word_byte(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+}
+
+// A boundary at byte b cuts a word when ASCII letters/digits touch on both sides ("entry 4|7").
+bool cuts_word(std::string_view text, uint64_t b) {
+    return b > 0 && b < text.size() && is_word_byte(text[b - 1]) && is_word_byte(text[b]);
+}
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
+                                                std::string_view text, byte_span query, const options &o) {
+    const int64_t n = static_cast<int64_t>(ids.size()), g = o.anchor_ngram, C = o.chunk_tokens;
+    if (g <= 0 || n < 2 * g || o.anchor_tail_tokens <= 0) return {};
+    // Query tokens: the last anchor_tail_tokens drafter tokens inside `query` (and non-empty).
+    std::vector<int64_t> q;
+    for (int64_t i = n - 1; i >= 0 && static_cast<int64_t>(q.size()) < o.anchor_tail_tokens; --i) {
+        const byte_span &s = spans[static_cast<size_t>(i)];
+        if (s.begin >= query.begin && s.end <= query.end && s.end > s.begin) q.push_back(i);
+        else if (s.end <= query.begin) break;
+    }
+    std::reverse(q.begin(), q.end());
+    if (static_cast<int64_t>(q.size()) < g) return {};
+    const int64_t q0 = q.front();  // occurrences must end before the query starts
+    auto piece = [&](int64_t i) {
+        const byte_span &s = spans[static_cast<size_t>(i)];
+        return text.substr(s.begin, s.end - s.begin);
+    };
+    // An n-gram starting at token i qualifies: contiguous tokens, whole words, one content token.
+    auto whole_words = [&](int64_t i) {
+        for (int64_t k = i; k + 1 < i + g; ++k)
+            if (spans[static_cast<size_t>(k)].end != spans[static_cast<size_t>(k + 1)].begin) return false;
+        return !cuts_word(text, spans[static_cast<size_t>(i)].begin) &&
+               !cuts_word(text, spans[static_cast<size_t>(i + g - 1)].end);
+    };
+    struct gram {
+        int64_t start;              // token index in the query
+        std::vector<int64_t> occ;   // earlier occurrences (at most anchor_max_hits + 1 recorded)
+    };
+    std::vector<gram> grams;
+    std::unordered_map<uint64_t, size_t> by_hash;  // n-gram hash -> grams index (first in query order)
+    auto gram_hash = [&](int64_t i) { return XXH3_64bits(ids.data() + i, static_cast<size_t>(g) * sizeof(int32_t)); };
+    for (size_t k = 0; k + static_cast<size_t>(g) <= q.size(); ++k) {
+        const int64_t i = q[k];
+        if (q[k + static_cast<size_t>(g) - 1] != i + g - 1 || !whole_words(i)) continue;
+        bool content = false;
+        for (int64_t j = i; j < i + g && !content; ++j) content = is_content_piece(piece(j));
+        if (!content) continue;
+        if (by_hash.emplace(gram_hash(i), grams.size()).second) grams.push_back({i, {}});
+    }
+    if (grams.empty()) return {};
+    for (int64_t i = 0; i + g <= q0; ++i) {
+        const auto it = by_hash.find(gram_hash(i));
+        if (it == by_hash.end()) continue;
+        gram &gr = grams[it->second];
+        // Hash equality is not enough: compare the tokens; then the occurrence must not cut a word either.
+        if (!std::equal(ids.begin() + i, ids.begin() + i + g, ids.begin() + gr.start) || !whole_words(i)) continue;
+        if (static_cast<int64_t>(gr.occ.size()) <= o.anchor_max_hits) gr.occ.push_back(i);  // one past = too common
+    }
+    std::vector<size_t> order;
+    for (size_t k = 0; k < grams.size(); ++k) {
+        const int64_t h = static_cast<int64_t>(grams[k].occ.size());
+        if (h >= 1 && h <= o.anchor_max_hits) order.push_back(k);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return grams[a].occ.size() < grams[b].occ.size(); });
+    std::vector<std::vector<int64_t>> out;
+    for (size_t k : order) {
+        std::vector<int64_t> chunks;
+        for (int64_t p : grams[k].occ) {
             const int64_t a = std::max<int64_t>(0, p - o.anchor_radius_tokens);
             const int64_t b = std::min<int64_t>(n, p + g + o.anchor_radius_tokens);  // exclusive
-            for (int64_t c = a / C; c <= (b - 1) / C; ++c) forced[static_cast<size_t>(c)] = true;
+            for (int64_t c = a / C; c <= (b - 1) / C; ++c) chunks.push_back(c);
         }
+        std::sort(chunks.begin(), chunks.end());
+        chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+        if (std::find(out.begin(), out.end(), chunks) == out.end()) out.push_back(std::move(chunks));
     }
-    return forced;
+    return out;
+}
+
+int64_t anchor_budget(int64_t budget, int64_t n_forced, const options &o) {
+    const int64_t share = std::llround(o.anchor_budget_fraction * static_cast<double>(budget));
+    return std::max<int64_t>(0, std::min(share, budget - n_forced));
 }
 
 int64_t chunk_budget(int64_t n_chunks, const options &o) {
@@ -107,8 +184,8 @@ selection select_spans(std::span<const int32_t> ids, std::span<const byte_span> 
         return byte_span{spans[static_cast<size_t>(a)].begin, spans[static_cast<size_t>(b)].end};
     };
 
-    // Forced chunks: head, tail, anchors, and chunks overlapping forced structure.
-    std::vector<bool> forced = anchor_chunks(ids, o);
+    // Forced chunks: head, tail, and chunks overlapping forced structure.
+    std::vector<bool> forced(static_cast<size_t>(n_chunks), false);
     for (int64_t c = 0; c < n_chunks; ++c) {
         if (c < o.head_chunks || c >= n_chunks - o.tail_chunks) forced[static_cast<size_t>(c)] = true;
         const byte_span cb = chunk_bytes(c);
@@ -122,6 +199,20 @@ selection select_spans(std::span<const int32_t> ids, std::span<const byte_span> 
         ++kept;
     }
     sel.n_forced = kept;
+    const int64_t budget = chunk_budget(n_chunks, o);
+
+    // Anchors claim part of the budget, rarest n-gram first; a group that does not fit whole is skipped.
+    const int64_t anchor_cap = anchor_budget(budget, sel.n_forced, o);
+    if (anchor_cap > 0) {
+        for (const std::vector<int64_t> &grp : anchor_groups(ids, spans, text, anchor_query_bytes(st, text), o)) {
+            int64_t add = 0;
+            for (int64_t c : grp) add += sel.kept_chunk[static_cast<size_t>(c)] ? 0 : 1;
+            if (add == 0 || sel.n_anchor + add > anchor_cap) continue;
+            for (int64_t c : grp) sel.kept_chunk[static_cast<size_t>(c)] = true;
+            sel.n_anchor += add;
+            kept += add;
+        }
+    }
 
     // Fill the budget with the best-scoring other chunks (ties: earlier first).
     std::vector<int64_t> order(static_cast<size_t>(n_chunks));
@@ -129,7 +220,6 @@ selection select_spans(std::span<const int32_t> ids, std::span<const byte_span> 
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
         return chunk_scores[static_cast<size_t>(a)] > chunk_scores[static_cast<size_t>(b)];
     });
-    const int64_t budget = chunk_budget(n_chunks, o);
     for (int64_t c : order) {
         if (kept >= budget) break;
         if (sel.kept_chunk[static_cast<size_t>(c)]) continue;

@@ -17,15 +17,34 @@ std::vector<float> smooth_scores(std::span<const float> x, int32_t k);
 // Mean of x over each chunk of `chunk` consecutive entries (the last chunk may be shorter).
 std::vector<float> chunk_means(std::span<const float> x, int32_t chunk);
 
-// Anchor rule (pflash.h options): chunk indices forced by n-grams of the query tail.
-std::vector<bool> anchor_chunks(std::span<const int32_t> ids, const options &o);
+// True if the text of a token carries content: an ASCII letter, or a non-ASCII character outside the
+// general / CJK punctuation blocks. Whitespace, ASCII punctuation and digits alone are not content.
+bool is_content_piece(std::string_view piece);
+
+// The query span of the anchor rule: the content of the last user turn when the structure has one
+// (role markers and the assistant header after it excluded), else the whole text.
+byte_span anchor_query_bytes(const prompt_structure &st, std::string_view text);
+
+// Anchor rule (pflash.h options). The query is the last anchor_tail_tokens drafter tokens lying inside
+// `query` (bytes). An anchor_ngram-gram of the query qualifies when it holds at least one content token
+// and does not cut a word (no ASCII letter/digit on both sides of its first or last boundary); its
+// earlier occurrences (before the query, also not cutting a word) count if there are 1..anchor_max_hits
+// of them. One group per qualifying n-gram: the chunks within anchor_radius_tokens of its occurrences.
+// Groups come rarest n-gram first (then in query order), duplicates removed.
+std::vector<std::vector<int64_t>> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
+                                                std::string_view text, byte_span query, const options &o);
+
+// Chunks the anchors may claim: round(anchor_budget_fraction * budget), and never more than the budget
+// left after the forced chunks (anchors do not push the selection past keep_ratio).
+int64_t anchor_budget(int64_t budget, int64_t n_forced, const options &o);
 
 // Number of chunks the budget allows: 0 if keep_ratio == 0, else max(min_chunks, round(r * n)), <= n.
 int64_t chunk_budget(int64_t n_chunks, const options &o);
 
 struct selection {
     std::vector<bool> kept_chunk;     // [n_chunks]
-    int64_t n_forced = 0;
+    int64_t n_forced = 0;             // head, tail and structure chunks
+    int64_t n_anchor = 0;             // chunks claimed by anchors (within the budget)
     std::vector<byte_span> kept;      // merged byte ranges of the text
 };
 

@@ -93,6 +93,15 @@ void parse_sampling(const json &b, gen_request &r, bool openai) {
     if (get_int(b, "repeat_last_n", -1, 1 << 20, i)) p.repeat_last_n = int32_t(i);
     if (get_int(b, "seed", INT64_MIN, INT64_MAX, i)) p.seed = uint64_t(i);
     else p.seed = std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}();
+    // PFlash overrides (docs/server.md): validated here so a bad value is a 400 before any work.
+    compression_request &c = r.compression;
+    if (get_string(b, "prefill_compression", c.mode) && c.mode != "off" && c.mode != "auto" && c.mode != "always")
+        bad_request("'prefill_compression' must be \"off\", \"auto\" or \"always\" (got \"" + c.mode + "\")",
+                    "prefill_compression");
+    if (get_number(b, "prefill_keep_ratio", 0.0, 1.0, d)) c.keep_ratio = d;
+    if (get_int(b, "prefill_threshold", 1, INT32_MAX, i)) c.threshold = i;
+    get_bool(b, "prefill_verbatim_system", c.verbatim_system);
+    get_bool(b, "prefill_verbatim_last_user", c.verbatim_last_user);
 }
 
 void parse_stop(const json &b, const char *key, gen_request &r) {

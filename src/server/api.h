@@ -12,6 +12,7 @@
 
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
+#include "server/prompt_compression.h"
 #include "server/tool_calls.h"
 
 namespace fathom::server {
@@ -48,6 +49,10 @@ struct gen_request {
     bool include_usage = false;               // OpenAI stream_options.include_usage
     bool logprobs = false;
     int32_t top_logprobs = 0;
+
+    // PFlash overrides: prefill_compression (off|auto|always), prefill_keep_ratio ([0, 1]),
+    // prefill_threshold (tokens); absent = the server's settings.
+    compression_request compression;
 
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;

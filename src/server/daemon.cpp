@@ -48,7 +48,8 @@ fs::path confine_path(const fs::path &root, const std::string &rel, bool must_ex
     return target;
 }
 
-daemon::daemon(loader load, const fs::path &root) : load_(std::move(load)), root_(root) {
+daemon::daemon(loader load, const fs::path &root, std::string default_drafter)
+    : load_(std::move(load)), root_(root), default_drafter_(std::move(default_drafter)) {
     std::error_code ec;
     if (!fs::is_directory(root_, ec)) throw error("daemon: --root '" + root_.string() + "' is not a directory");
     eng_ = load_();
@@ -97,22 +98,11 @@ static int64_t parse_int(const std::string &s, int64_t lo, int64_t hi, const std
 
 std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     if (a.size() < 2 || a.size() > 3) throw error("usage: generate <ids-file> <n> [out-file]");
-    const fs::path in = confine_path(root_, a[0], true);
+    confine_path(root_, a[0], true);  // path errors before anything else
     const int64_t n = parse_int(a[1], 1, 1 << 24, "n");
-    fs::path out;
-    if (a.size() == 3) out = confine_path(root_, a[2], false);
+    if (a.size() == 3) confine_path(root_, a[2], false);
     engine &eng = target("generate");
-    std::ifstream f(in, std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    if (bytes.empty() || bytes.size() % 4 != 0)
-        throw error("'" + a[0] + "' must hold little-endian int32 token ids (" + std::to_string(bytes.size()) + " bytes)");
-    std::vector<int32_t> prompt(bytes.size() / 4);
-    for (size_t i = 0; i < prompt.size(); ++i) {
-        const auto *b = reinterpret_cast<const unsigned char *>(bytes.data() + 4 * i);
-        prompt[i] = int32_t(uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24);
-        if (prompt[i] < 0 || prompt[i] >= eng.info().n_vocab)
-            throw error("token id " + std::to_string(prompt[i]) + " at index " + std::to_string(i) + " outside the vocabulary");
-    }
+    const std::vector<int32_t> prompt = read_ids(a[0], eng);
     const int64_t n_ctx = eng.info().n_ctx;
     if (int64_t(prompt.size()) >= n_ctx)
         throw error("prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " + std::to_string(n_ctx));
@@ -138,20 +128,94 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
         working_->eval(std::span<const int32_t>(&t, 1));
     }
     std::string reply = "ok " + std::to_string(gen.size()) + " " + reason;
-    if (!out.empty()) {
-        std::ofstream o(out, std::ios::binary | std::ios::trunc);
-        for (int32_t t : gen) {
-            const uint32_t u = uint32_t(t);
-            const char b[4] = {char(u & 0xFF), char((u >> 8) & 0xFF), char((u >> 16) & 0xFF), char(u >> 24)};
-            o.write(b, 4);
-        }
-        if (!o) throw error("cannot write '" + a[2] + "'");
-    } else {
-        for (int32_t t : gen) {
+    write_or_append_ids(gen, a.size() == 3 ? a[2] : std::string(), reply);
+    return reply;
+}
+
+// A file of little-endian int32 token ids inside --root, each checked against the vocabulary.
+std::vector<int32_t> daemon::read_ids(const std::string &rel, const engine &eng) const {
+    const fs::path in = confine_path(root_, rel, true);
+    std::ifstream f(in, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (bytes.empty() || bytes.size() % 4 != 0)
+        throw error("'" + rel + "' must hold little-endian int32 token ids (" + std::to_string(bytes.size()) + " bytes)");
+    std::vector<int32_t> ids(bytes.size() / 4);
+    for (size_t i = 0; i < ids.size(); ++i) {
+        const auto *b = reinterpret_cast<const unsigned char *>(bytes.data() + 4 * i);
+        ids[i] = int32_t(uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24);
+        if (ids[i] < 0 || ids[i] >= eng.info().n_vocab)
+            throw error("token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) + " outside the vocabulary");
+    }
+    return ids;
+}
+
+// Writes ids to out_rel (int32 LE, inside --root) or, when out_rel is empty, appends them to the reply.
+void daemon::write_or_append_ids(const std::vector<int32_t> &ids, const std::string &out_rel, std::string &reply) const {
+    if (out_rel.empty()) {
+        for (int32_t t : ids) {
             reply += ' ';
             reply += std::to_string(t);
         }
+        return;
     }
+    const fs::path out = confine_path(root_, out_rel, false);
+    std::ofstream o(out, std::ios::binary | std::ios::trunc);
+    for (int32_t t : ids) {
+        const uint32_t u = uint32_t(t);
+        const char b[4] = {char(u & 0xFF), char((u >> 8) & 0xFF), char((u >> 16) & 0xFF), char(u >> 24)};
+        o.write(b, 4);
+    }
+    if (!o) throw error("cannot write '" + out_rel + "'");
+}
+
+// compress <ids-file> <keep-x1000> <drafter> [device=cpu] [residency=keep|release|auto] [nopark] [out=<file>]
+// Reply: "ok <n_original> <n_effective>" followed by the kept ids (or written to out=<file>).
+std::string daemon::cmd_compress(const std::vector<std::string> &a) {
+    static const char *usage =
+        "usage: compress <ids-file> <keep-x1000> <drafter|default> [device=cpu] [residency=keep|release|auto] "
+        "[nopark] [out=<file>]";
+    if (a.size() < 3) throw error(usage);
+    confine_path(root_, a[0], true);
+    const double keep = double(parse_int(a[1], 0, 1000, "keep-x1000")) / 1000.0;
+    std::string drafter;
+    if (a[2] == "default") {
+        if (default_drafter_.empty()) throw error("no default drafter (start the daemon with --drafter PATH)");
+        drafter = default_drafter_;
+    } else {
+        drafter = confine_path(root_, a[2], true).string();
+    }
+    pflash::drafter_residency residency = pflash::drafter_residency::auto_select;
+    std::string out_rel;
+    for (size_t i = 3; i < a.size(); ++i) {
+        const std::string &o = a[i];
+        if (o == "nopark") continue;  // the target is never parked while scoring (docs/daemon-protocol.md)
+        if (o.rfind("device=", 0) == 0) {
+            if (o != "device=cpu") throw error("'" + o + "': the drafter runs on the CPU in this build (device=cpu)");
+        } else if (o.rfind("residency=", 0) == 0) {
+            residency = pflash::parse_residency(o.substr(10));
+        } else if (o.rfind("out=", 0) == 0) {
+            out_rel = o.substr(4);
+            confine_path(root_, out_rel, false);
+        } else {
+            throw error("unknown option '" + o + "' (" + usage + ")");
+        }
+    }
+    engine &eng = target("compress");
+    const std::vector<int32_t> prompt = read_ids(a[0], eng);
+    if (!comp_ || comp_drafter_ != drafter || comp_->opts().residency != residency) {
+        comp_.reset();  // a different drafter or policy: release the old one first
+        pflash::options po;
+        po.drafter_path = drafter;
+        po.keep_ratio = keep;
+        po.residency = residency;
+        po.verbatim_last_user = false;  // ids carry no chat structure the caller asked to keep
+        comp_ = pflash::compressor::create(po);
+        comp_drafter_ = drafter;
+    }
+    comp_->set_keep_ratio(keep);
+    const pflash::result r = comp_->compress(eng, prompt);
+    std::string reply = "ok " + std::to_string(r.n_original) + " " + std::to_string(r.n_effective);
+    write_or_append_ids(r.tokens, out_rel, reply);
     return reply;
 }
 
@@ -159,8 +223,14 @@ std::string daemon::cmd_park(const std::vector<std::string> &a, bool park) {
     const char *cmd = park ? "park" : "unpark";
     if (a.size() > 1) throw error(std::string("usage: ") + cmd + " [target|draft|all]");
     const std::string what = a.empty() ? "all" : a[0];
-    if (what == "draft") throw error(std::string(cmd) + ": no draft model is loaded");
-    if (what != "target" && what != "all") throw error(std::string(cmd) + ": unknown target '" + what + "' (target|draft|all)");
+    if (what != "target" && what != "draft" && what != "all")
+        throw error(std::string(cmd) + ": unknown target '" + what + "' (target|draft|all)");
+    if (what == "draft" && !comp_) throw error(std::string(cmd) + ": no drafter yet (run compress first)");
+    if (what != "target" && comp_) {  // draft or all: the PFlash drafter's weights and state
+        if (park) comp_->release_drafter();
+        else comp_->load_drafter();
+        if (what == "draft") return std::string("ok ") + (park ? "parked" : "unparked") + " draft";
+    }
     if (park) {
         if (eng_) {
             drop_sessions();  // sessions belong to the engine: keep their tokens, free their KV
@@ -204,7 +274,8 @@ std::string daemon::cmd_slot(const std::string &cmd, const std::vector<std::stri
 }
 
 std::string daemon::cmd_list() const {
-    std::string r = std::string("ok target=") + (eng_ ? "loaded" : "parked") + " draft=none working=" +
+    const char *draft = !comp_ ? "none" : comp_->drafter_loaded() ? "loaded" : "parked";
+    std::string r = std::string("ok target=") + (eng_ ? "loaded" : "parked") + " draft=" + draft + " working=" +
                     std::to_string(working_ ? working_->tokens().size() : working_tokens_.size()) + " slots=";
     bool first = true;
     for (const auto &[k, s] : slots_) {
@@ -224,7 +295,7 @@ std::string daemon::handle(const std::string &line) {
     const std::vector<std::string> args(words.begin() + 1, words.end());
     try {
         if (cmd == "generate") return cmd_generate(args);
-        if (cmd == "compress") return "error: compress: not available (PFlash not built yet)";
+        if (cmd == "compress") return cmd_compress(args);
         if (cmd == "park" || cmd == "unpark") return cmd_park(args, cmd == "park");
         if (cmd == "snapshot" || cmd == "restore" || cmd == "free") return cmd_slot(cmd, args);
         if (cmd == "list") {

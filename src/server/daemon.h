@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fathom/engine.h"
+#include "fathom/pflash.h"
 
 namespace fathom::server {
 
@@ -24,7 +25,8 @@ class daemon {
 public:
     using loader = std::function<std::unique_ptr<engine>()>;
     // `load` is called now and again on "unpark"; root must be an existing directory.
-    daemon(loader load, const std::filesystem::path &root);
+    // default_drafter: the drafter `compress ... default` uses ("" = none; others are paths in root).
+    daemon(loader load, const std::filesystem::path &root, std::string default_drafter = {});
     ~daemon();
 
     // Handles one command line and returns the reply line (no trailing newline). Blank lines -> "".
@@ -40,6 +42,9 @@ private:
         bool valid = false;
     };
     std::string cmd_generate(const std::vector<std::string> &args);
+    std::string cmd_compress(const std::vector<std::string> &args);
+    std::vector<int32_t> read_ids(const std::string &rel, const engine &eng) const;
+    void write_or_append_ids(const std::vector<int32_t> &ids, const std::string &out_rel, std::string &reply) const;
     std::string cmd_park(const std::vector<std::string> &args, bool park);
     std::string cmd_slot(const std::string &cmd, const std::vector<std::string> &args);
     std::string cmd_list() const;
@@ -52,6 +57,9 @@ private:
     std::unique_ptr<session> working_;    // the session generate uses
     std::vector<int32_t> working_tokens_; // kept across park/unpark
     std::map<int, snapshot> slots_;
+    std::string default_drafter_;
+    std::unique_ptr<pflash::compressor> comp_;  // PFlash drafter state (created by the first compress)
+    std::string comp_drafter_;                  // its drafter path
     bool done_ = false;
 };
 

@@ -18,6 +18,7 @@ struct prepared {
     gen_request r;
     std::vector<int32_t> prompt;
     std::string model_id;  // the id reported back
+    compression_outcome compression;  // PFlash: applied or not, original/effective prompt tokens
 };
 
 // Request body -> validated request and prompt tokens. Throws api_error.
@@ -46,6 +47,18 @@ prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind
         bad_request(std::string("cannot build the prompt: ") + e.what());
     }
     const int n_ctx = ctx.sch.n_ctx();
+    if (!count_only && !p.prompt.empty()) {
+        try {
+            ctx.compressor->check(p.r.compression);
+        } catch (const error &e) {
+            bad_request(e.what(), "prefill_compression");
+        }
+        try {
+            p.compression = ctx.compressor->apply(ctx.eng, p.prompt, n_ctx, p.r.compression);
+        } catch (const error &e) {
+            throw api_error(500, "server_error", std::string("prompt compression failed: ") + e.what());
+        }
+    }
     if (!count_only && int64_t(p.prompt.size()) >= n_ctx)
         throw api_error(400, "invalid_request_error",
                         "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
@@ -121,11 +134,29 @@ const char *anthropic_stop(const sched::event &ev, bool calls) {
     return "end_turn";
 }
 
-json openai_usage(const sched::event &ev) {
-    return {{"prompt_tokens", ev.n_prompt},
-            {"completion_tokens", ev.n_generated},
-            {"total_tokens", ev.n_prompt + ev.n_generated},
-            {"prompt_tokens_details", {{"cached_tokens", ev.n_reused}}}};
+// PFlash's report in `usage` (present only when the prompt was compressed): prompt_tokens counts
+// the effective (kept) tokens, the tokens actually in the context.
+void add_compression(json &usage, const compression_outcome &c) {
+    if (!c.applied) return;
+    usage["prefill_compression"] = {{"original_prompt_tokens", c.n_original},
+                                    {"effective_prompt_tokens", c.n_effective},
+                                    {"keep_ratio", c.keep_ratio},
+                                    {"seconds", c.seconds}};
+}
+
+json openai_usage(const sched::event &ev, const prepared &p) {
+    json u = {{"prompt_tokens", ev.n_prompt},
+              {"completion_tokens", ev.n_generated},
+              {"total_tokens", ev.n_prompt + ev.n_generated},
+              {"prompt_tokens_details", {{"cached_tokens", ev.n_reused}}}};
+    add_compression(u, p.compression);
+    return u;
+}
+
+json anthropic_usage(int64_t input, int64_t output, const prepared &p) {
+    json u = {{"input_tokens", input}, {"output_tokens", output}};
+    add_compression(u, p.compression);
+    return u;
 }
 
 json openai_tool_calls(const std::vector<tool_call> &calls, bool with_index) {
@@ -206,7 +237,7 @@ struct openai_writer : stream_writer {
         if (p.r.include_usage) {
             json u = chunk({});
             u["choices"] = json::array();
-            u["usage"] = openai_usage(ev);
+            u["usage"] = openai_usage(ev, p);
             out += sse_data(dump_json(u));
         }
         return out + "data: [DONE]\n\n";
@@ -231,7 +262,7 @@ struct anthropic_writer : stream_writer {
     std::string begin() override {
         json msg = {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", p.model_id},
                     {"content", json::array()}, {"stop_reason", nullptr}, {"stop_sequence", nullptr},
-                    {"usage", {{"input_tokens", p.prompt.size()}, {"output_tokens", 0}}}};
+                    {"usage", anthropic_usage(int64_t(p.prompt.size()), 0, p)}};
         return ev("message_start", {{"message", msg}}) + ev("ping", json::object());
     }
     std::string text(const std::string &t) {
@@ -359,7 +390,7 @@ json openai_response(server_context &ctx, const prepared &p, const std::string &
     }
     return {{"id", random_id(chat ? "chatcmpl-" : "cmpl-")}, {"object", chat ? "chat.completion" : "text_completion"},
             {"created", int64_t(std::time(nullptr))}, {"model", p.model_id}, {"choices", json::array({choice})},
-            {"usage", openai_usage(ev)}};
+            {"usage", openai_usage(ev, p)}};
 }
 
 json anthropic_response(server_context &ctx, const prepared &p, const std::string &text, const sched::event &ev) {
@@ -375,7 +406,7 @@ json anthropic_response(server_context &ctx, const prepared &p, const std::strin
     return {{"id", random_id("msg_")}, {"type", "message"}, {"role", "assistant"}, {"model", p.model_id},
             {"content", content}, {"stop_reason", anthropic_stop(ev, !po.calls.empty())},
             {"stop_sequence", ev.reason == sched::finish_reason::stop_string ? json(ev.stop_string) : json()},
-            {"usage", {{"input_tokens", ev.n_prompt}, {"output_tokens", ev.n_generated}}}};
+            {"usage", anthropic_usage(ev.n_prompt, ev.n_generated, p)}};
 }
 
 }  // namespace

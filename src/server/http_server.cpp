@@ -154,6 +154,11 @@ static json props_json(server_context &ctx) {
                          {"blocks_cached", s.kv_blocks_cached}, {"block_tokens", s.kv_block_tokens},
                          {"bytes_per_token", mi.kv_bytes_per_token}}},
             {"tool_format", ctx.fmt->name()},
+            {"prefill_compression", {{"mode", compression_mode_name(ctx.compressor->options().mode)},
+                                     {"threshold", ctx.compressor->options().threshold},
+                                     {"keep_ratio", ctx.compressor->options().keep_ratio},
+                                     {"drafter", ctx.compressor->options().drafter_path},
+                                     {"drafter_residency", pflash::residency_name(ctx.compressor->options().residency)}}},
             {"chat_template", mi.chat_template},
             {"max_body_bytes", ctx.opts.max_body_bytes},
             {"default_sampling", {{"temperature", d.temperature}, {"top_k", d.top_k}, {"top_p", d.top_p},
@@ -173,6 +178,7 @@ http_server::http_server(engine &eng, sched::scheduler &sch, server_options opts
         if (!mi.name.empty() && mi.name != o.model_ids.front()) o.model_ids.push_back(mi.name);
     }
     p_->ctx.fmt = make_tool_format(eng.info().arch);
+    p_->ctx.compressor = std::make_unique<prompt_compressor>(o.compression);
     setup_routes(*p_);
 }
 
@@ -271,7 +277,8 @@ static void setup_routes(http_server::impl &p) {
             std::lock_guard<std::mutex> lk(ctx.mu);
             counts.assign(ctx.http_counts.begin(), ctx.http_counts.end());
         }
-        res.set_content(render_metrics(ctx.sch.stats(), counts), "text/plain; version=0.0.4");
+        res.set_content(render_metrics(ctx.sch.stats(), counts) + render_compression_metrics(ctx.compressor->stats()),
+                        "text/plain; version=0.0.4");
     });
     svr.Get("/props", [&ctx](const httplib::Request &, httplib::Response &res) {
         res.set_content(dump_json(props_json(ctx)), "application/json");

@@ -11,6 +11,7 @@
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
 #include "sched/scheduler.h"
+#include "server/prompt_compression.h"
 
 namespace fathom::server {
 
@@ -22,6 +23,7 @@ struct server_options {
     int http_threads = 64;              // connections served at once (streams hold one each)
     sampling_params defaults;           // used for fields a request leaves out
     std::vector<std::string> model_ids; // accepted "model" values; [0] is reported; empty = derive from the file
+    compression_options compression;    // PFlash (docs/pflash.md "Server and daemon"); off by default
 };
 
 class http_server {
@@ -44,6 +46,8 @@ private:
 // Prometheus text exposition of the scheduler's and the HTTP layer's counters.
 // http_counts: "endpoint status" -> count.
 std::string render_metrics(const sched::scheduler_stats &s, const std::vector<std::pair<std::string, uint64_t>> &http_counts);
+// The PFlash counters (fathom_prefill_compression_*), appended to the above.
+std::string render_compression_metrics(const compression_stats &s);
 
 // "data: <json>\n\n"
 std::string sse_data(const std::string &json_text);

@@ -73,4 +73,20 @@ std::string render_metrics(const sched::scheduler_stats &s,
     return o.str();
 }
 
+std::string render_compression_metrics(const compression_stats &s) {
+    std::ostringstream o;
+    o.precision(10);
+    metric(o, "fathom_prefill_compression_requests_total", "counter", "Prompts compressed by PFlash.",
+           double(s.requests));
+    metric(o, "fathom_prefill_compression_failures_total", "counter", "PFlash compressions that failed.",
+           double(s.failures));
+    metric(o, "fathom_prefill_compression_tokens_original_total", "counter",
+           "Prompt tokens of compressed prompts, before compression.", double(s.tokens_original));
+    metric(o, "fathom_prefill_compression_tokens_effective_total", "counter",
+           "Prompt tokens of compressed prompts, after compression.", double(s.tokens_effective));
+    metric(o, "fathom_prefill_compression_seconds_total", "counter",
+           "Wall time spent compressing (drafter load, scoring, selection).", s.seconds);
+    return o.str();
+}
+
 }  // namespace fathom::server

@@ -19,6 +19,7 @@ struct server_context {
     sched::scheduler &sch;
     server_options opts;
     std::unique_ptr<tool_format> fmt;
+    std::unique_ptr<prompt_compressor> compressor;  // PFlash (validated options; drafter loads on first use)
     std::mutex mu;
     std::map<std::string, uint64_t> http_counts;  // "endpoint status" -> n
     server_context(engine &e, sched::scheduler &s, server_options o) : eng(e), sch(s), opts(std::move(o)) {}

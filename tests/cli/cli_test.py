@@ -39,14 +39,14 @@ def run(fathom, args, stdin=None, timeout=120):
 
 OPTIONS = {
     "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--numerics", "--progress",
-            "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
+            "--device", "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
             "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
             "--presence-penalty", "--seed"],
     "chat": ["-m,--model", "--models-dir", "--system", "-n,--n-predict", "--stats", "--temp", "--top-k",
-             "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads"],
+             "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device"],
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
-    "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx"],
-    "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--json"],
+    "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
+    "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--json", "--device"],
 }
 
 
@@ -123,6 +123,8 @@ def test_bad_inputs(fathom, tmp, shared):
     expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "-n", "-5"], "negative -n", needle="n-predict")
     expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "--temp", "abc"], "non-numeric temperature")
     expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "--kv-type", "q8"], "bad --kv-type", needle="kv-type")
+    expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "--device", "gpu"], "bad --device", needle="device")
+    expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "--device", "cuda:x"], "bad --device ordinal", needle="device")
     expect_error(fathom, ["run", "-m", garbage, "-p", "hi", "-t", "-1"], "negative threads", needle="threads")
     expect_error(fathom, ["run", "-m", garbage], "run without a prompt", needle="prompt")
     expect_error(fathom, ["run", "-m", garbage, "-f", missing], "missing prompt file")
@@ -256,6 +258,17 @@ def test_model(fathom, model, m, tmp, special, real):
     if rc == 0:
         j = json.loads(out.decode())
         check(j["prefill"]["best_tok_s"] > 0 and j["decode"]["best_tok_s"] > 0, "bench reports positive tok/s")
+        check(j["device"] == "cpu" and j["decode_weight_bytes"] > 0, "bench reports device and weight bytes per token")
+
+    # --device: cuda fails with one line when this build or machine has no CUDA device (CI); auto
+    # falls back to the CPU with a notice. A build and machine with a device run it instead (no check).
+    rc, out, err = run(fathom, ["run"] + m + ["-p", "hi", "-n", "2", "--temp", "0", "--device", "cuda"], timeout=120)
+    if rc != 0:
+        lines = [l for l in err.splitlines() if l.strip()]
+        check(len(lines) == 1 and "device 'cuda'" in lines[0] and ("no CUDA" in lines[0]),
+              f"--device cuda without CUDA: one-line error naming it (got {lines!r})")
+        rc, out, err = run(fathom, ["run"] + m + ["-p", "hi", "-n", "2", "--temp", "0", "--device", "auto"], timeout=120)
+        check(rc == 0 and "running on the CPU" in err, f"--device auto falls back to the CPU with a notice ({err[-200:]!r})")
 
 
 def main():

@@ -4,3 +4,8 @@
 add_executable(bench_cuda ${CMAKE_CURRENT_SOURCE_DIR}/cuda/bench_cuda.cpp)
 target_include_directories(bench_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(bench_cuda PRIVATE fathom_core)
+# cuda_synth writes real-geometry synthetic models for `fathom bench --device cuda` on the device.
+add_executable(cuda_synth ${CMAKE_CURRENT_SOURCE_DIR}/cuda/cuda_synth.cpp)
+target_include_directories(cuda_synth PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(cuda_synth PRIVATE fathom_core)
+target_compile_definitions(cuda_synth PRIVATE FATHOM_SHARED_DIR="${FATHOM_SHARED_DIR}")

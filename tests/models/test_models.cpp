@@ -454,18 +454,15 @@ TEST(Smollm2, MatchesLlamaCppGolden) {
     check_llamacpp_golden(kSmol, "smollm2_llamacpp.json", 1e-2);
 }
 
-// Gemma 3 Q4_K_M: NOT yet at the criteria. Embedding, q/k norms, q5_0/q8_0 matmuls,
-// attention, GELU and norms are bit-identical to llama.cpp, but two kernels are not
-// (docs/architecture.md, "Agreement with llama.cpp"): llama.cpp repacks Q4_K (attn_output) into
-// interleaved 8-row blocks with its own GEMM order, and our q6_k (ffn_down) lane order does not yet
-// reproduce vec_dot_q6_K_q8_K's. Their 1e-7 differences grow through 18 layers to 1-5% at the
-// logits (measured: mean 2.1%, worst 5.3%), and greedy runs part where llama.cpp's margin was up
-// to 0.74. These looser bounds keep the test a regression guard (a wrong norm or RoPE gives
-// > 50%) until those two kernels are mirrored.
+// Gemma 3 Q4_K_M (q4_K, q6_K, q5_0, q8_0 weights): at the criteria, bit-identical prompt
+// logits (the residual 2e-4 is the golden's f16 storage). Two llama.cpp kernels beyond vec_dot are
+// mirrored for this (src/backend/cpu/repack.h): Q4_K weights are repacked into 8-row blocks and
+// run through ggml's gemv/gemm_q4_K_8x8_q8_K order (GEMM for rows [0, M - M % 4), GEMV for the
+// rest), and q6_K batches of >= 8 rows take ggml-cpu's tiled K-quant matmul order.
 TEST(Gemma3, MatchesLlamaCppGolden) {
     if (!exists(kGemma)) GTEST_SKIP() << "Gemma 3 not installed";
-    const golden_stats st = check_llamacpp_golden(kGemma, "gemma3_llamacpp.json", 0.08, /*diverge_gap=*/1.0);
-    EXPECT_LT(st.mean, 0.03);
+    const golden_stats st = check_llamacpp_golden(kGemma, "gemma3_llamacpp.json", 1e-2);
+    EXPECT_LT(st.mean, 1e-3);
 }
 
 // A tiny random qwen3 (per-head q/k norm, NeoX RoPE, head_dim 16 != 32/4, GQA 4/2, untied f16

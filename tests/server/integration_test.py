@@ -27,9 +27,9 @@ ARGS = None
 SERVER = None  # (process, base_url)
 
 
-def start_server():
+def start_server(extra=()):
     cmd = [ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "4", "--ctx", "2048",
-           "-t", str(ARGS.threads)]
+           "-t", str(ARGS.threads), *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     port = None
@@ -171,6 +171,15 @@ class ServeTests(unittest.TestCase):
         self.assertIn("context", str(e.exception))
         with self.assertRaises(anthropic.BadRequestError):
             an().messages.create(model=MODEL, max_tokens=8, messages=MSG, extra_body={"temperature": 5})
+        # PFlash overrides: this server has no drafter, and bad values are 400s naming the field.
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.chat(extra_body={"prefill_compression": "always"})
+        self.assertIn("--prefill-drafter", str(e.exception))
+        for bad in ({"prefill_keep_ratio": 1.5}, {"prefill_keep_ratio": -0.1}, {"prefill_keep_ratio": "NaN"},
+                    {"prefill_compression": "sometimes"}, {"prefill_threshold": 0}):
+            with self.assertRaises(openai.BadRequestError, msg=str(bad)) as e:
+                self.chat(extra_body=bad)
+            self.assertIn(next(iter(bad)), str(e.exception))
         self.assertEqual(json.loads(http_get("/health"))["status"], "ok")  # still serving
 
     def test_anthropic(self):
@@ -217,6 +226,102 @@ class ServeTests(unittest.TestCase):
             time.sleep(0.2)
         self.assertGreater(metric("fathom_requests_cancelled_total"), before)
         self.assertEqual(metric("fathom_slots_busy"), 0)
+
+
+def haystack(n_sentences, needle_at):
+    # Distinct filler sentences: a repeated filler would make PFlash's anchor rule (n-grams of the
+    # query tail seen earlier at most 8 times) keep nearly everything.
+    words = ["apple", "river", "lantern", "copper", "meadow", "violin", "harbor", "pepper", "glacier", "saddle",
+             "orchid", "tunnel", "walnut", "canyon", "ribbon", "falcon", "marble", "thistle", "anchor", "biscuit"]
+    s = ""
+    for i in range(n_sentences):
+        s += f"The {words[(i * 7) % 20]} rests beside a {words[(i * 11 + 3) % 20]} and a {words[(i * 3 + 5) % 20]}. "
+        if i == needle_at:
+            s += "The secret code for the blue door is 48213. "
+    return s + "\nQuestion: what is the secret code for the blue door?"
+
+
+class PFlashServeTests(unittest.TestCase):
+    """`fathom serve --prefill-compression auto` with SmolLM2 as its own drafter (docs/pflash.md)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.proc, cls.url = start_server(["--prefill-compression", "auto", "--prefill-threshold", "300",
+                                          "--prefill-keep-ratio", "0.2", "--prefill-drafter", ARGS.model])
+        cls.client = openai.OpenAI(base_url=cls.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.proc.terminate()
+        cls.proc.wait(timeout=30)
+
+    @staticmethod
+    def msgs(content):
+        # The haystack is an earlier turn: the last user message (the question) stays verbatim.
+        return [{"role": "user", "content": content}, {"role": "assistant", "content": "I have read it."},
+                {"role": "user", "content": "What is the secret code for the blue door?"}]
+
+    def chat(self, content, **kw):
+        return self.client.chat.completions.create(model=MODEL, messages=self.msgs(content), temperature=0,
+                                                   max_tokens=4, **kw)
+
+    def usage_pc(self, r):
+        extra = r.usage.model_extra or {}
+        return extra.get("prefill_compression")
+
+    def test_long_prompt_compressed_short_not(self):
+        long_text = haystack(36, 15)
+        r = self.chat(long_text)
+        pc = self.usage_pc(r)
+        self.assertIsNotNone(pc, "a prompt over --prefill-threshold must be compressed")
+        self.assertGreater(pc["original_prompt_tokens"], 300)
+        # How much is kept depends on the selection rules (tested in tests/pflash); here: it shrank.
+        self.assertLess(pc["effective_prompt_tokens"], pc["original_prompt_tokens"] * 0.9)
+        self.assertEqual(r.usage.prompt_tokens, pc["effective_prompt_tokens"])
+        self.assertAlmostEqual(pc["keep_ratio"], 0.2)
+        self.assertIsNone(self.usage_pc(self.chat("Name three colours.")))
+        # Per-request overrides: off, a threshold above the prompt, a different keep ratio, always.
+        self.assertIsNone(self.usage_pc(self.chat(long_text, extra_body={"prefill_compression": "off"})))
+        self.assertIsNone(self.usage_pc(self.chat(long_text, extra_body={"prefill_threshold": 100000})))
+        r5 = self.chat(long_text, extra_body={"prefill_keep_ratio": 1.0})
+        self.assertGreater(self.usage_pc(r5)["effective_prompt_tokens"], pc["effective_prompt_tokens"])
+        self.assertIsNotNone(self.usage_pc(self.chat("Name three colours.", extra_body={"prefill_compression": "always"})))
+        # Streaming reports it too, and so does the Anthropic API.
+        chunks = list(self.client.chat.completions.create(
+            model=MODEL, messages=self.msgs(long_text), temperature=0, max_tokens=4,
+            stream=True, stream_options={"include_usage": True}))
+        usage = [c.usage for c in chunks if c.usage][0]
+        self.assertEqual((usage.model_extra or {})["prefill_compression"]["effective_prompt_tokens"],
+                         pc["effective_prompt_tokens"])
+        a = anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=600)
+        m = a.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": long_text}],
+                              extra_body={"temperature": 0})
+        self.assertIn("prefill_compression", m.usage.model_extra or {})
+        # A single user message is the document: verbatim by default, compressible on request.
+        one = [{"role": "user", "content": long_text}]
+        r1 = self.client.chat.completions.create(model=MODEL, messages=one, temperature=0, max_tokens=4)
+        self.assertGreater(self.usage_pc(r1)["effective_prompt_tokens"], 0.9 * self.usage_pc(r1)["original_prompt_tokens"])
+        r2 = self.client.chat.completions.create(model=MODEL, messages=one, temperature=0, max_tokens=4,
+                                                 extra_body={"prefill_verbatim_last_user": False})
+        self.assertLess(self.usage_pc(r2)["effective_prompt_tokens"], self.usage_pc(r1)["effective_prompt_tokens"])
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as f:
+            text = f.read().decode()
+        n = [float(l.split()[1]) for l in text.splitlines()
+             if l.startswith("fathom_prefill_compression_requests_total ")][0]
+        self.assertGreaterEqual(n, 5)
+        with urllib.request.urlopen(self.url + "/props", timeout=30) as f:
+            props = json.loads(f.read())
+        self.assertEqual(props["prefill_compression"]["mode"], "auto")
+
+    def test_bad_flags_fail_before_loading(self):
+        for extra, needle in ((["--prefill-compression", "auto"], "--prefill-drafter"),
+                              (["--prefill-keep-ratio", "nan", "--prefill-drafter", ARGS.model], "keep"),
+                              (["--prefill-keep-ratio", "1.5", "--prefill-drafter", ARGS.model], "keep"),
+                              (["--prefill-drafter", "/no/such/drafter.gguf"], "drafter")):
+            p = subprocess.run([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", *extra],
+                               capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(p.returncode, 0, extra)
+            self.assertIn(needle, p.stderr, extra)
 
 
 def main():

@@ -85,7 +85,15 @@ TEST(Daemon, Protocol) {
         std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
         EXPECT_EQ(bytes, std::string("d\0\0\0e\0\0\0", 8));
     }
-    EXPECT_EQ(d.handle("compress a b c"), "error: compress: not available (PFlash not built yet)");
+    EXPECT_EQ(d.handle("compress a b c").rfind("error: compress: 'a': ", 0), 0u);  // missing ids file
+    EXPECT_EQ(d.handle("compress p.bin"), "error: compress: usage: compress <ids-file> <keep-x1000> <drafter|default> "
+                                          "[device=cpu] [residency=keep|release|auto] [nopark] [out=<file>]");
+    EXPECT_EQ(d.handle("compress p.bin 1001 default"),
+              "error: compress: keep-x1000 must be an integer in [0, 1000], got '1001'");
+    EXPECT_EQ(d.handle("compress p.bin -1 default"), "error: compress: keep-x1000 must be an integer in [0, 1000], got '-1'");
+    EXPECT_EQ(d.handle("compress p.bin nan default"), "error: compress: keep-x1000 must be an integer in [0, 1000], got 'nan'");
+    EXPECT_EQ(d.handle("compress p.bin 200 default"), "error: compress: no default drafter (start the daemon with --drafter PATH)");
+    EXPECT_EQ(d.handle("compress p.bin 200 ../x.gguf").rfind("error: compress: path '../x.gguf' contains '..'", 0), 0u);
     EXPECT_EQ(d.handle(""), "");
     EXPECT_EQ(d.handle("bogus"), "error: unknown command 'bogus' (generate, compress, park, unpark, snapshot, restore, free, list, quit)");
     EXPECT_EQ(d.handle("generate ../p.bin 2").rfind("error: generate: ", 0), 0u);
@@ -108,7 +116,7 @@ TEST(Daemon, Protocol) {
     EXPECT_EQ(d.handle("free 3"), "error: free: slot 3 is empty");
 
     // Park / unpark reload the model; generation in between is refused.
-    EXPECT_EQ(d.handle("park draft"), "error: park: no draft model is loaded");
+    EXPECT_EQ(d.handle("park draft"), "error: park: no drafter yet (run compress first)");
     EXPECT_EQ(d.handle("park target"), "ok parked target");
     EXPECT_EQ(d.handle("list").rfind("ok target=parked", 0), 0u);
     EXPECT_EQ(d.handle("generate p.bin 1").rfind("error: generate: the target model is parked", 0), 0u);

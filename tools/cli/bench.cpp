@@ -1,6 +1,9 @@
 // `fathom bench`: prefill throughput (one prompt of -p tokens through session::sync) and decode
 // throughput (-n single-token eval() calls after it), best and median over --reps repetitions.
 // The prompt is a fixed pseudo-random id sequence, so runs are comparable across builds.
+// On a CUDA device (--device cuda) it also prints a roofline line: the weight bytes one decode step
+// reads, the bandwidth the median decode rate implies, and that as a percentage of the device's
+// copy bandwidth measured in the same run (1 GiB device-to-device copies, bytes read + written).
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -79,13 +82,22 @@ void bench_main(const bench_args &a) {
         if (!a.json) std::fprintf(stderr, "rep %d/%d done\n", r + 1, a.reps);
     }
     const rates p = summarise(prefill), d = summarise(decode);
+    // Roofline (device only): decode is memory-bound, so weight bytes x tok/s against copy bandwidth.
+    const double copy_bw = info.device == "cpu" ? 0.0 : eng->measure_copy_bandwidth();
+    const double wbytes = static_cast<double>(info.decode_weight_bytes);
+    const double dec_bw = wbytes * d.median;
+    const double pct = copy_bw > 0 ? 100.0 * dec_bw / copy_bw : 0.0;
     if (a.json) {
         nlohmann::json j = {
             {"model", info.path}, {"arch", info.arch}, {"threads", a.model.threads}, {"reps", a.reps},
             {"exact", a.model.exact}, {"numerics", a.model.numerics}, {"kv_type", a.model.kv_type},
             {"prefill", {{"n_tokens", a.n_prompt}, {"best_tok_s", p.best}, {"median_tok_s", p.median}}},
             {"decode", {{"n_tokens", a.n_gen}, {"best_tok_s", d.best}, {"median_tok_s", d.median}}},
+            {"device", info.device}, {"decode_weight_bytes", info.decode_weight_bytes},
         };
+        if (copy_bw > 0)
+            j["roofline"] = {{"copy_bandwidth_bytes_s", copy_bw}, {"decode_weight_bandwidth_bytes_s", dec_bw},
+                             {"percent_of_copy", pct}};
         write_out(j.dump() + "\n");
     } else {
         char line[256];
@@ -98,6 +110,13 @@ void bench_main(const bench_args &a) {
         else
             std::snprintf(line, sizeof line, "decode: skipped (-n 0)\n");
         write_out(line);
+        if (copy_bw > 0 && a.n_gen > 0) {
+            std::snprintf(line, sizeof line,
+                          "roofline (%s): %.1f MB of weights per decoded token; median decode reads %.1f GB/s = "
+                          "%.1f%% of the measured device copy bandwidth %.0f GB/s (read + write)\n",
+                          info.device.c_str(), wbytes / 1e6, dec_bw / 1e9, pct, copy_bw / 1e9);
+            write_out(line);
+        }
     }
 }
 

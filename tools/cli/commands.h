@@ -14,5 +14,6 @@ void add_bench_command(CLI::App &app);     // bench.cpp: prefill / decode throug
 void add_serve_command(CLI::App &app);     // serve.cpp: HTTP API server (server engineer)
 void add_daemon_command(CLI::App &app);    // daemon.cpp: stdin/stdout line protocol (server engineer)
 void add_eval_command(CLI::App &app);      // eval.cpp: quality evaluations (`eval niah`, PFlash)
+void add_plan_command(CLI::App &app);      // plan.cpp: multi-device placement of a DS4 model (src/dist)
 
 }  // namespace fathom::cli

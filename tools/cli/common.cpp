@@ -68,6 +68,19 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->check(CLI::IsMember({"full", "fp4only", "off"}));
     cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
+    cmd->add_option("--device", a.device,
+                    "Where the forward runs: cpu, cuda (= cuda:0), cuda:N, or auto (CUDA when a device is "
+                    "present, else the CPU with a notice); a forced CUDA device that is missing is an error")
+        ->capture_default_str()
+        ->check([](const std::string &v) -> std::string {
+            if (v == "cpu" || v == "auto" || v == "cuda") return "";
+            if (v.size() > 5 && v.size() <= 8 && v.rfind("cuda:", 0) == 0 &&
+                v.find_first_not_of("0123456789", 5) == std::string::npos)
+                return "";
+            return "expected cpu, cuda, cuda:N or auto, got '" + v + "'";
+        });
+    cmd->add_flag("--no-cuda-graph", a.no_cuda_graph,
+                  "CUDA: launch every decode kernel eagerly instead of replaying a captured CUDA graph (for comparison)");
 }
 
 void add_sampling_options(CLI::App *cmd, sampling_params &p) {
@@ -181,12 +194,16 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.exact = a.exact || a.numerics == "exact";
     o.batch_invariant = a.numerics != "llamacpp";
     o.ds4_qat = a.qat;
+    o.device = a.device;
+    o.cuda_graphs = !a.no_cuda_graph;
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));
     };
     auto eng = engine::load(o);
     bar.finish();
+    if (a.device == "auto" && eng->info().device == "cpu")
+        std::fprintf(stderr, "note: --device auto: no CUDA device present (or no CUDA backend in this build); running on the CPU\n");
     return eng;
 }
 

@@ -32,9 +32,12 @@ struct model_args {
     std::string numerics = "invariant";  // invariant | llamacpp | exact (--exact = exact)
     std::string qat = "full";       // DeepSeek V4 QAT round trips: full | fp4only | off
     bool progress = false;          // force progress bars even when stderr is not a TTY
+    std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
+    bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
 };
 
-// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress.
+// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
+// --device, --no-cuda-graph.
 // `model_required`: -m must be given (no default model).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 
@@ -45,7 +48,8 @@ std::string default_models_dir();
 // against the .gguf files of the models directory. Throws fathom::error naming what was tried.
 std::string resolve_model_path(const std::string &model, const std::string &models_dir);
 
-// Resolves the model, builds engine_options and loads, with a progress bar when enabled.
+// Resolves the model, builds engine_options and loads, with a progress bar when enabled. With
+// --device auto on a machine (or build) without CUDA, prints a one-line notice and uses the CPU.
 std::unique_ptr<engine> load_engine(const model_args &a);
 
 // Integer-range checks whose error reads "--opt: must be >= 0, got -3".

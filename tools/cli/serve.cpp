@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "fathom/pflash.h"
 #include "cli/common.h"
 #include "server/http_server.h"
 
@@ -31,12 +32,26 @@ struct serve_args {
     int kv_block = 16;           // tokens per KV block
     std::vector<std::string> aliases;
     sampling_params sampling;
+    // PFlash (docs/pflash.md "Server and daemon").
+    std::string prefill_compression = "off";
+    int64_t prefill_threshold = 4096;
+    double prefill_keep_ratio = 0.2;
+    std::string prefill_drafter;           // path or short name; "" = none
+    std::string drafter_residency = "auto";
 };
 
 void serve_main(serve_args &a) {
     if (a.api_key.empty())
         if (const char *k = std::getenv("FATHOM_API_KEY")) a.api_key = k;
     a.sampling.validate();
+    server::compression_options co;
+    co.mode = server::parse_compression_mode(a.prefill_compression, "--prefill-compression");
+    co.threshold = a.prefill_threshold;
+    co.keep_ratio = a.prefill_keep_ratio;
+    co.residency = pflash::parse_residency(a.drafter_residency);
+    co.n_threads = a.model.threads;
+    if (!a.prefill_drafter.empty()) co.drafter_path = resolve_model_path(a.prefill_drafter, a.model.models_dir);
+    co.validate();  // before the (slow) model load: a bad flag fails at once
     // Block the stop signals before any thread starts, so only the waiter below receives them.
     sigset_t stop_set;
     sigemptyset(&stop_set);
@@ -67,6 +82,7 @@ void serve_main(serve_args &a) {
     o.http_threads = a.http_threads;
     o.defaults = a.sampling;
     o.model_ids = a.aliases;
+    o.compression = co;
     server::http_server srv(*eng, sch, o);
     const int port = srv.bind();
     const auto st0 = sch.stats();
@@ -121,6 +137,21 @@ void add_serve_command(CLI::App &app) {
         ->capture_default_str()
         ->check(CLI::Range(1, 4096));
     cmd->add_option("--alias", a->aliases, "Model id(s) clients use (default: the file name without .gguf)");
+    cmd->add_option("--prefill-compression", a->prefill_compression,
+                    "PFlash prompt compression: off, auto (prompts of at least --prefill-threshold tokens, or too "
+                    "long for the context) or always; requests may override it (docs/pflash.md)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"off", "auto", "always"}));
+    cmd->add_option("--prefill-threshold", a->prefill_threshold, "PFlash auto mode: smallest prompt compressed (tokens)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+    cmd->add_option("--prefill-keep-ratio", a->prefill_keep_ratio,
+                    "PFlash: fraction of prompt chunks kept, finite, in [0, 1]")
+        ->capture_default_str();
+    cmd->add_option("--prefill-drafter", a->prefill_drafter, "PFlash drafter model (path or short name, e.g. smollm2)");
+    cmd->add_option("--drafter-residency", a->drafter_residency,
+                    "PFlash: keep | release-after-use | auto (drafter memory after each compression)")
+        ->capture_default_str();
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });
 }

@@ -3,6 +3,7 @@
 // only ever grow, so a decode loop allocates nothing. Quantised kernels come from quants.h, the
 // f32/f16 vector kernels from vec.h.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +16,8 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/quants.h"
+#include "backend/cpu/quants_x8.h"
+#include "backend/cpu/repack.h"
 #include "backend/cpu/thread_pool.h"
 #include "backend/cpu/vec.h"
 #include "core/error.h"
@@ -115,6 +118,26 @@ struct scratch_buf {
     }
 };
 
+// A row-interleaved copy (quants_x8.h) of the first 8 * n_groups rows of a q4_1 / q8_0 weight.
+struct x8_weight {
+    void *data = nullptr;
+    dtype type = dtype::f32;
+    int64_t K = 0, n_groups = 0;
+    size_t nb1 = 0;
+};
+
+// Rows [r0, r1) of W against M activation rows X: whole groups of 8 from the interleaved copy, any
+// rows outside them (a range not aligned to 8, the last N % 8 rows) from W's own rows. Both kernels
+// give identical results, so the split changes nothing numerically.
+void x8_rows(const x8_weight &e, const tensor &W, int64_t r0, int64_t r1, const uint8_t *X,
+             size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    const int64_t g0 = (r0 + 7) / 8, g1 = std::max(g0, std::min(r1 / 8, e.n_groups));
+    const int64_t a = std::min(r1, 8 * g0), b = std::max(a, 8 * g1);
+    if (r0 < a) gemm(W.type, e.K, W.data, W.nb1, r0, a, X, x_stride, M, y, ldy);
+    if (g0 < g1) x8_gemm(W.type, e.K, e.data, g0, g1, X, x_stride, M, y, ldy);
+    if (b < r1) gemm(W.type, e.K, W.data, W.nb1, b, r1, X, x_stride, M, y, ldy);
+}
+
 class cpu_backend final : public backend {
 public:
     explicit cpu_backend(const cpu_options &o) : opts_(o), pool_(std::max(1, o.n_threads)) {
@@ -147,7 +170,10 @@ public:
         munmap(it->first, it->second);
         maps_.erase(it);
     }
-    void *map_weights(const void *host, size_t) override { return const_cast<void *>(host); }
+    void *map_weights(const void *host, size_t bytes) override {
+        weight_ranges_.emplace_back(static_cast<const uint8_t *>(host), bytes);  // eligible for repacking
+        return const_cast<void *>(host);
+    }
     void upload(const tensor &dst, const void *host) override {
         FATHOM_CHECK(dst.contiguous(), "upload", "destination must be contiguous");
         std::memcpy(dst.data, host, dst.nbytes());
@@ -166,6 +192,7 @@ public:
     void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) override;
     void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
                    const tensor &out) override;
+    void attention_blocks(const tensor &q, const tensor &k, const tensor &v, const attn_params &p, const tensor &out);
     void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
     void add(const tensor &a, const tensor &b, const tensor &out) override;
     void scale(const tensor &x, float s) override;
@@ -197,6 +224,25 @@ private:
     scratch_buf act_[4];                    // x converted to each distinct vec_dot_type of one mul_mat
     std::vector<scratch_buf> thread_f32_;   // per-thread f32 scratch (dequantised rows, scores)
     std::unordered_map<void *, size_t> maps_;
+
+    // ---- weight preparation (repack.h) ------------------------------------------------------
+    // Q4_K weights from map_weights (read-only file pages, so their bytes never change) are
+    // repacked into 8-row interleaved blocks on first use by mul_mat, as llama.cpp's CPU_REPACK
+    // buffer does at load; the source pages are then reclaimed (MADV_PAGEOUT: refaulted from the
+    // file if get_rows ever reads them). Keyed by the tensor's data pointer.
+    struct repacked {
+        std::vector<uint8_t> bytes;
+        int64_t K = 0, N = 0;
+    };
+    const uint8_t *prepared_q4k(const tensor &W);
+    std::vector<std::pair<const uint8_t *, size_t>> weight_ranges_;
+    std::unordered_map<const void *, repacked> repacked_;
+
+    // Row-interleaved copies of q4_1 / q8_0 weights from map_weights (quants_x8.h: same results,
+    // fewer instructions), made on first use by mul_mat and keyed by the tensor's data pointer. The
+    // original rows stay in place (get_rows reads the tied embedding table from them).
+    const x8_weight *prepared_x8(const tensor &W);
+    std::unordered_map<const void *, x8_weight> x8_;
 };
 
 // ---- get_rows ------------------------------------------------------------------------------------
@@ -236,17 +282,32 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
         return;
     }
 
+    // Repacked Q4_K (repack.h). llama.cpp order (batch_invariant off): rows [0, M - M % 4) go
+    // through its GEMM (their q8_K from ggml_quantize_mat_q8_K_4x8: the `x4` conversion below), the
+    // rest through its GEMV. Batch-invariant mode: every row in GEMV order and plain q8_K.
+    const uint8_t *rp[8];
+    for (int i = 0; i < n_pairs; ++i) rp[i] = prepared_q4k(*w[i]);
+    const x8_weight *px[8];  // row-interleaved q4_1 / q8_0 copies (quants_x8.h), or null
+    for (int i = 0; i < n_pairs; ++i) px[i] = prepared_x8(*w[i]);
+    const int64_t gemm_rows = opts_.batch_invariant ? 0 : M - M % 4;
+    // llama.cpp sends K-quant weights it did not repack through ggml-cpu's tiled matmul once a
+    // batch has >= 8 rows (another float order; repack.h). Mirrored for q6_K in llama.cpp mode
+    // only; batch-invariant mode keeps the vec_dot order (llama.cpp's order for 1..7 rows).
+    const bool q6_tiled = !opts_.batch_invariant && M >= kTiledMinRows;
+
     // 1. Convert x once per distinct activation type.
     const void *xq[8];
     size_t xs[8];
     dtype seen_t[4];
+    bool seen_x4[4];
     const void *seen_p[4];
     size_t seen_s[4];
     int n_seen = 0;
     for (int i = 0; i < n_pairs; ++i) {
         const dtype vt = vec_dot_type(w[i]->type);
+        const bool x4 = rp[i] && gemm_rows > 0;
         int j = 0;
-        while (j < n_seen && seen_t[j] != vt) ++j;
+        while (j < n_seen && (seen_t[j] != vt || seen_x4[j] != x4)) ++j;
         if (j == n_seen) {
             FATHOM_CHECK(n_seen < 4, "mul_mat", "too many distinct activation types");
             const size_t rb = dtype_row_bytes(vt, K);
@@ -258,23 +319,29 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
             } else {
                 uint8_t *buf = act_[j].get(rb * static_cast<size_t>(M));
                 for_rows(M, K * 4, [&](int64_t r0, int64_t r1) {
-                    for (int64_t m = r0; m < r1; ++m)
-                        quantize_row_act(vt, row_ptr<float>(x, m), buf + rb * static_cast<size_t>(m), K);
+                    for (int64_t m = r0; m < r1; ++m) {
+                        uint8_t *dst = buf + rb * static_cast<size_t>(m);
+                        if (x4 && m < gemm_rows) quantize_row_q8_k_x4(row_ptr<float>(x, m), dst, K);
+                        else quantize_row_act(vt, row_ptr<float>(x, m), dst, K);
+                    }
                 });
                 seen_p[j] = buf;
                 seen_s[j] = rb;
             }
             seen_t[j] = vt;
+            seen_x4[j] = x4;
             ++n_seen;
         }
         xq[i] = seen_p[j];
         xs[i] = seen_s[j];
     }
 
-    // 2. Split the concatenated output rows of all pairs across threads. Small M (decode): one
-    // contiguous, equal share per thread. Large M (prefill): dynamic blocks of rows, each block
-    // swept over M in chunks so its weights stay in cache while the activations stream.
-    const int64_t row_block = M <= 8 ? 0 : 32;
+    // 2. Split the concatenated output rows of all pairs across threads in dynamic blocks of rows
+    // (multiples of 16, so interleaved groups of 8 stay whole). Small M (decode): ~8 blocks per
+    // thread, so a thread that starts late (or runs slower) simply takes fewer. Large M (prefill):
+    // 32 rows, each block swept over M in chunks so its weights stay in cache while the
+    // activations stream.
+    const int64_t row_block = M <= 8 ? std::max<int64_t>(16, (total_rows / (8 * pool_.size()) + 15) / 16 * 16) : 32;
     std::atomic<int64_t> next{0};
     auto do_rows = [&](int64_t a, int64_t b) {  // rows [a, b) of the concatenation
         int64_t off = 0;
@@ -286,6 +353,22 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
                 constexpr int64_t kMChunk = 64;
                 for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
                     const int64_t mc = std::min(kMChunk, M - m0);
+                    if (q6_tiled && W.type == dtype::q6_k) {  // llama.cpp's tiled K-quant matmul order
+                        q6k_mul_tiled(K, W.data, W.nb1, r0, r1, static_cast<const uint8_t *>(xq[i]) + xs[i] * m0, xs[i],
+                                      mc, row_ptr<float>(Y, m0), static_cast<int64_t>(Y.nb1 / sizeof(float)));
+                        continue;
+                    }
+                    if (rp[i]) {  // m0 % 4 == 0, so chunk rows below gemm_rows - m0 are whole GEMM tiles
+                        q4k_x8_mul(K, rp[i], r0, r1, static_cast<const uint8_t *>(xq[i]) + xs[i] * m0, xs[i], mc,
+                                   std::clamp<int64_t>(gemm_rows - m0, 0, mc), row_ptr<float>(Y, m0),
+                                   static_cast<int64_t>(Y.nb1 / sizeof(float)));
+                        continue;
+                    }
+                    if (px[i]) {
+                        x8_rows(*px[i], W, r0, r1, static_cast<const uint8_t *>(xq[i]) + xs[i] * m0, xs[i], mc,
+                                row_ptr<float>(Y, m0), static_cast<int64_t>(Y.nb1 / sizeof(float)));
+                        continue;
+                    }
                     gemm(W.type, K, W.data, W.nb1, r0, r1, static_cast<const uint8_t *>(xq[i]) + xs[i] * m0, xs[i],
                          mc, row_ptr<float>(Y, m0), static_cast<int64_t>(Y.nb1 / sizeof(float)));
                 }
@@ -298,19 +381,81 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
         do_rows(0, total_rows);
         return;
     }
-    pool_.run([&](int ith, int nth) {
-        if (row_block == 0) {
-            int64_t a, b;
-            split_range(total_rows, ith, nth, 16, a, b);
-            if (a < b) do_rows(a, b);
-            return;
-        }
+    pool_.run([&](int, int) {
         for (;;) {
             const int64_t a = next.fetch_add(row_block, std::memory_order_relaxed);
             if (a >= total_rows) break;
             do_rows(a, std::min(total_rows, a + row_block));
         }
     });
+}
+
+// The repacked form of W if it is a Q4_K weight from map_weights that the AVX2 kernels take
+// (llama.cpp: Q4_K with N % 8 == 0 on AVX2), repacking it on first use; null otherwise.
+const uint8_t *cpu_backend::prepared_q4k(const tensor &W) {
+    if (W.type != dtype::q4_k || W.ne[1] % 8 != 0 || W.ne[0] % 256 != 0 || W.ne[1] == 0 || !W.contiguous() ||
+        detected_isa() == isa::scalar)
+        return nullptr;
+    if (auto it = repacked_.find(W.data); it != repacked_.end())
+        return it->second.K == W.ne[0] && it->second.N == W.ne[1] ? it->second.bytes.data() : nullptr;
+    const auto *p = static_cast<const uint8_t *>(W.data);
+    const size_t n = W.nbytes();
+    bool mapped = false;
+    for (const auto &[base, len] : weight_ranges_)
+        mapped = mapped || (p >= base && n <= len && static_cast<size_t>(p - base) <= len - n);
+    if (!mapped) return nullptr;  // activations or test buffers: contents may change, never cache
+    repacked &r = repacked_[W.data];
+    r.K = W.ne[0];
+    r.N = W.ne[1];
+    r.bytes.resize(q4k_x8_bytes(r.K, r.N));
+    const size_t group_bytes = static_cast<size_t>(r.K / 256) * q4k_x8_block_bytes;  // 8 rows
+    for_rows(r.N / 8, r.K * 8, [&](int64_t g0, int64_t g1) {
+        q4k_x8_repack(p + static_cast<size_t>(g0 * 8) * W.nb1, W.nb1, r.K, (g1 - g0) * 8,
+                      r.bytes.data() + group_bytes * static_cast<size_t>(g0));
+    });
+    // Reclaim the pages wholly inside the tensor so resident memory does not hold both copies.
+    // MADV_PAGEOUT, not MADV_DONTNEED: clean file pages are dropped (refaulted from the GGUF if
+    // read again) while anonymous memory a caller passed to map_weights keeps its contents.
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+    if (hi > lo) madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_PAGEOUT);  // best effort: errors ignored
+    return r.bytes.data();
+}
+
+// The row-interleaved copy of W (quants_x8.h) if W is a q4_1 / q8_0 weight from map_weights with
+// at least 8 rows, packing it on first use; null otherwise (then mul_mat reads W's own rows).
+const x8_weight *cpu_backend::prepared_x8(const tensor &W) {
+    if (!x8_supported(W.type) || W.ne[1] < 8 || W.ne[0] % 32 != 0) return nullptr;
+    if (auto it = x8_.find(W.data); it != x8_.end()) {
+        const x8_weight &e = it->second;
+        return e.type == W.type && e.K == W.ne[0] && e.n_groups == W.ne[1] / 8 && e.nb1 == W.nb1 ? &e : nullptr;
+    }
+    const auto *p = static_cast<const uint8_t *>(W.data);
+    const size_t n = static_cast<size_t>(W.ne[1] - 1) * W.nb1 + dtype_row_bytes(W.type, W.ne[0]);
+    bool mapped = false;
+    for (const auto &[base, len] : weight_ranges_)
+        mapped = mapped || (p >= base && n <= len && static_cast<size_t>(p - base) <= len - n);
+    if (!mapped) return nullptr;  // activations or test buffers: contents may change, never cache
+    x8_weight e;
+    e.type = W.type;
+    e.K = W.ne[0];
+    e.n_groups = W.ne[1] / 8;
+    e.nb1 = W.nb1;
+    const size_t bytes = x8_bytes(e.type, e.K, e.n_groups);
+    e.data = alloc(bytes);
+    // Huge pages where the kernel allows them: fewer page faults while packing, fewer TLB misses
+    // while streaming the weights each token. Advisory only.
+    madvise(e.data, bytes, MADV_HUGEPAGE);
+    for_rows(e.n_groups, e.K * 8, [&](int64_t g0, int64_t g1) { x8_pack(e.type, e.K, p, W.nb1, g0, g1, e.data); });
+    // As for Q4_K above: drop the file pages wholly inside the packed rows so resident memory does
+    // not hold both copies (map_weights memory is the read-only file mapping; get_rows refaults the
+    // few pages of a tied embedding table it reads).
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + static_cast<size_t>(8 * e.n_groups) * W.nb1) / page * page;
+    if (hi > lo) madvise(reinterpret_cast<void *>(lo), hi - lo, MADV_DONTNEED);
+    return &(x8_[W.data] = e);
 }
 
 // Reference numerics: each weight row dequantised to f32 once, dotted with f32 activations.
@@ -509,6 +654,10 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
     // llama.cpp: ggml_vec_dot_f16 instead of tinyBLAS for one token; batch-invariant mode always takes
     // the batch order so a token's output does not depend on how many share its call.
     const bool single = n_tok == 1 && !opts_.batch_invariant;
+    if (mirror && !single && f16) {
+        attention_blocks(q, k, v, p, out);
+        return;
+    }
     auto body = [&](int ith, int nth) {
         float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
         float *acc = scores + p.n_past + n_tok;  // [hd] (exact) or [8 or 32][hd] lanes (fast)
@@ -521,7 +670,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
             const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
             const float *qr = row_ptr<const float>(q, t) + h * hd;
             if (mirror) {
-                for (int64_t i = 0; i < hd; ++i) q16[i] = f16_to_f32(f32_to_f16(qr[i]));
+                vk.round_f16(hd, qr, 1.0f, q16);
                 qr = q16;
             }
             const int64_t base = hk * p.n_ctx;
@@ -544,6 +693,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 std::fill(scores, scores + lo, -INFINITY);
                 const double sum = vk.softmax_exp(pos + 1, scores, mx, scores);
                 const float inv = static_cast<float>(1.0 / sum);
+                vk.round_f16(pos + 1 - lo, scores + lo, inv, scores + lo);  // P -> f16, as llama.cpp's KQV input
                 // KQV: batches of several tokens go through tinyBLAS (lane = cell mod 8, FMAs in
                 // cell order, hsum tree); a single token through ggml_vec_dot_f16 (lane = cell mod
                 // 32: four 8-lane accumulators, reduced 0+2, 1+3, 0+1, then two hadds).
@@ -551,7 +701,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 float *lanes = acc;  // [n_lanes][hd]
                 std::fill(lanes, lanes + n_lanes * hd, 0.0f);
                 for (int64_t j = lo; j <= pos; ++j) {
-                    const float pj = f16_to_f32(f32_to_f16(scores[j] * inv));
+                    const float pj = scores[j];
                     float *lane = lanes + (j & (n_lanes - 1)) * hd;
                     if (f16) vk.axpy_f16(hd, pj, row_ptr<const uint16_t>(v, base + j), lane);
                     else vk.axpy_f32(hd, pj, row_ptr<const float>(v, base + j), lane);
@@ -582,6 +732,104 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
             }
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] * inv;
+        }
+    };
+    pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));
+}
+
+// Fast-mode attention over an f16 cache in the batch order (KQ lane = dim mod 8, KQV lane = cell
+// mod 8): the per-(token, head) operations of the loop in attention(), but up to 4 consecutive
+// tokens of one head share each K and V row conversion (the vec *_multi kernels give each query
+// the single-query bits), and (token block, head) items are handed out dynamically, longest rows
+// first, since causal rows grow with the position.
+void cpu_backend::attention_blocks(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
+                                   const tensor &out) {
+    constexpr int kQ = 4;
+    const int64_t n_tok = q.ne[1], hd = p.head_dim, group = p.n_head / p.n_head_kv;
+    const int64_t S = p.n_past + n_tok;  // score row length
+    grow_thread_scratch(kQ * S + kQ * 9 * hd);
+    const auto &vk = vec();
+    const int64_t n_blocks = (n_tok + kQ - 1) / kQ, n_items = n_blocks * p.n_head;
+    std::atomic<int64_t> next{0};
+    auto body = [&](int ith, int) {
+        float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());  // [kQ][S]
+        float *lanes = scores + kQ * S;    // [kQ][8][hd] KQV lane accumulators
+        float *q16 = lanes + kQ * 8 * hd;  // [kQ][hd] q rounded through f16
+        for (;;) {
+            const int64_t it = next.fetch_add(1, std::memory_order_relaxed);
+            if (it >= n_items) break;
+            const int64_t t0 = (n_blocks - 1 - it / p.n_head) * kQ, h = it % p.n_head, hk = h / group;
+            const int nq = static_cast<int>(std::min<int64_t>(kQ, n_tok - t0));
+            int64_t pos[kQ] = {}, lo[kQ] = {};
+            float mx[kQ] = {};
+            const float *qp[kQ] = {};
+            for (int i = 0; i < nq; ++i) {
+                pos[i] = p.n_past + t0 + i;
+                lo[i] = p.window > 0 ? std::max<int64_t>(0, pos[i] - p.window + 1) : 0;
+                vk.round_f16(hd, row_ptr<const float>(q, t0 + i) + h * hd, 1.0f, q16 + i * hd);
+                qp[i] = q16 + i * hd;
+                mx[i] = -INFINITY;
+            }
+            // Queries that see cell j: lo[i] <= j <= pos[i], a contiguous run [a, b) (lo, pos grow with i).
+            auto active = [&](int64_t j, int &a, int &b) {
+                for (a = 0; a < nq && pos[a] < j; ++a) {}
+                for (b = a; b < nq && lo[b] <= j; ++b) {}
+            };
+            const int64_t base = hk * p.n_ctx;
+            for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
+                int a, b;
+                active(j, a, b);
+                if (a == b) continue;
+                float s[kQ];
+                vk.dot_f16_lanes_multi(hd, row_ptr<const uint16_t>(k, base + j), qp + a, b - a, s);
+                for (int i = a; i < b; ++i) {
+                    float x = s[i - a] * p.scale;
+                    if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
+                    scores[i * S + j] = x;
+                    mx[i] = std::max(mx[i], x);
+                }
+            }
+            for (int i = 0; i < nq; ++i) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
+                float *sc = scores + i * S;
+                std::fill(sc, sc + lo[i], -INFINITY);
+                const double sum = vk.softmax_exp(pos[i] + 1, sc, mx[i], sc);
+                vk.round_f16(pos[i] + 1 - lo[i], sc + lo[i], static_cast<float>(1.0 / sum), sc + lo[i]);
+                std::fill(lanes + i * 8 * hd, lanes + (i + 1) * 8 * hd, 0.0f);
+            }
+            // KQV: cells every query sees, [lo[nq-1], pos[0]], in one register-blocked pass; the
+            // cells before and after them per cell. Each lane still takes its cells in increasing j.
+            const int64_t f0 = lo[nq - 1], f1 = pos[0];
+            for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
+                if (j == f0 && f0 <= f1) {
+                    const float *pq[kQ];
+                    float *lq[kQ];
+                    for (int i = 0; i < nq; ++i) {
+                        pq[i] = scores + i * S;
+                        lq[i] = lanes + i * 8 * hd;
+                    }
+                    vk.kqv_lanes_f16(hd, f0, f1, row_ptr<const uint16_t>(v, base), static_cast<int64_t>(v.nb1 / 2), pq,
+                                     nq, lq);
+                    j = f1;
+                    continue;
+                }
+                int a, b;
+                active(j, a, b);
+                if (a == b) continue;
+                float c[kQ];
+                float *y[kQ];
+                for (int i = a; i < b; ++i) {
+                    c[i - a] = scores[i * S + j];
+                    y[i - a] = lanes + (i * 8 + (j & 7)) * hd;
+                }
+                vk.axpy_f16_multi(hd, c, row_ptr<const uint16_t>(v, base + j), y, b - a);
+            }
+            for (int i = 0; i < nq; ++i) {  // tinyBLAS's hsum tree over the 8 lanes
+                float *o = row_ptr<float>(out, t0 + i) + h * hd;
+                for (int64_t d = 0; d < hd; ++d) {
+                    const float *l = lanes + i * 8 * hd + d;
+                    o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+                }
+            }
         }
     };
     pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backend/cpu/quants_impl.h"
+#include "backend/cpu/quants_iq2.h"
 #include "core/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -53,8 +54,10 @@ struct tables {
         fill_generic(level[0]);
         level[1] = level[0];
         fill_avx2(level[1]);
+        fill_avx2_iq2(level[1]);  // quants_iq2.h
         level[2] = level[1];
         fill_avx512(level[2]);
+        fill_avx512_iq2(level[2]);
     }
 };
 

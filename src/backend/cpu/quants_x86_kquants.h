@@ -261,11 +261,15 @@ float dot_k(int64_t n, const void *w, const void *a) {
 
 // ---- llama.cpp-exact q4_k / q6_k (ggml-cpu's AVX2 vec_dot float order) ---------------------------
 // Per output: one 8-lane accumulator; lane L = the i32 sum over the super-block of scale * w * a for
-// elements 4L..4L+3 of every 32-chunk (q6_k's -32 offset inside the integers); acc = fma(d_a * d,
+// elements 4L..4L+3 of every 32-chunk (q6_k: unsigned 6-bit w, and lane k then loses the -32 offset
+// of 32-element group k, 32 * sum sc * bsums, as current ggml-cpu does it); acc = fma(d_a * d,
 // float(lanes), acc). q4_k's mins: 4 lanes m[2k]*S[2k] + m[2k+1]*S[2k+1] (S = 32-element activation
 // sums) into acc_m = fma(-d_a * dmin, ., acc_m). Result hsum(acc) + hsum(acc_m).
+// panel: null = decode the 4 rows here; else nb x 4 decoded super-blocks (gemm_k_exact fills it once
+// per row group when M > 2 and reuses it for every activation pair; same arithmetic either way).
 template <class T, int MB>
-inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float out[MB][4]) {
+inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const kdec *panel, const uint8_t *const x[MB],
+                        float out[MB][4]) {
     constexpr bool q6 = T::size == 210;
     __m256 acc[MB][4];
     __m128 accm[MB][4];
@@ -275,25 +279,25 @@ inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const uint8_t *co
             accm[m][r] = _mm_setzero_ps();
         }
     for (int64_t b = 0; b < nb; ++b) {
-        kdec t[4];
-        for (int r = 0; r < 4; ++r) T::decode(w[r] + b * T::size, t[r]);
+        kdec local[4];
+        const kdec *t = local;
+        if (panel) t = panel + 4 * b;
+        else
+            for (int r = 0; r < 4; ++r) T::decode(w[r] + b * T::size, local[r]);
         for (int m = 0; m < MB; ++m) {
             const uint8_t *xb = x[m] + b * q8k_size;
             float da;
             std::memcpy(&da, xb, 4);
-            __m256i a[8], a32[8];
-            for (int j = 0; j < 8; ++j) {
-                a[j] = ld256(xb + 4 + 32 * j);
-                if constexpr (q6) a32[j] = _mm256_maddubs_epi16(_mm256_set1_epi8(32), a[j]);
-            }
+            __m256i a[8];
+            for (int j = 0; j < 8; ++j) a[j] = ld256(xb + 4 + 32 * j);
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < 4; ++r) {
                 __m256i sumi = _mm256_setzero_si256();
-                for (int j = 0; j < 8; ++j) {
-                    __m256i p = _mm256_maddubs_epi16(t[r].q[j], a[j]);
-                    if constexpr (q6) p = _mm256_sub_epi16(p, a32[j]);
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, t[r].sc[j]));
-                }
+                for (int j = 0; j < 8; ++j)
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(t[r].q[j], a[j]), t[r].sc[j]));
+                // q6_k: the -32 offset leaves the lanes as one term per 32-element group,
+                // lane k -= 32 * (sc[2k] * bsums[2k] + sc[2k+1] * bsums[2k+1]) (ggml's q8sclsub).
+                if constexpr (q6) sumi = _mm256_sub_epi32(sumi, _mm256_madd_epi16(t[r].mn, bs));
                 acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(da * t[r].d), _mm256_cvtepi32_ps(sumi), acc[m][r]);
                 if constexpr (!q6) {
                     const __m256i v = _mm256_madd_epi16(t[r].mn, bs);  // m_i * S_i
@@ -313,16 +317,20 @@ void gemm_k_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t
     const int64_t nb = K / qk_k;
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
+    kdec *pbuf = M > 2 ? t_kpanel.get(static_cast<size_t>(4 * nb)) : nullptr;
     for (int64_t r = r0; r < r1; r += 4) {
         const int rows = static_cast<int>(imin(4, r1 - r));
         const uint8_t *w[4];
         for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;
+        if (pbuf)
+            for (int64_t b = 0; b < nb; ++b)
+                for (int i = 0; i < 4; ++i) T::decode(w[i] + b * T::size, pbuf[4 * b + i]);
         for (int64_t m = 0; m < M; m += 2) {
             const int mb = static_cast<int>(imin(2, M - m));
             const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
             float out[2][4];
-            if (mb == 2) ktile_exact<T, 2>(nb, w, x, out);
-            else ktile_exact<T, 1>(nb, w, x, out);
+            if (mb == 2) ktile_exact<T, 2>(nb, w, pbuf, x, out);
+            else ktile_exact<T, 1>(nb, w, pbuf, x, out);
             for (int j = 0; j < mb; ++j)
                 for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
         }
@@ -335,7 +343,7 @@ float dot_k_exact(int64_t n, const void *w, const void *a) {
     const uint8_t *wr[4] = {wp, wp, wp, wp};
     const uint8_t *x[1] = {static_cast<const uint8_t *>(a)};
     float out[1][4];
-    ktile_exact<T, 1>(n / qk_k, wr, x, out);
+    ktile_exact<T, 1>(n / qk_k, wr, nullptr, x, out);
     return out[0][0];
 }
 

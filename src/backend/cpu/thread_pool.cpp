@@ -22,7 +22,7 @@ constexpr int kWaitSpins = 2000;
 
 thread_pool::thread_pool(int n_threads) : n_(std::max(1, n_threads)) {
     threads_.reserve(static_cast<size_t>(n_ - 1));
-    for (int i = 1; i < n_; ++i) threads_.emplace_back([this, i] { worker(i); });
+    for (int i = 1; i < n_; ++i) threads_.emplace_back([this] { worker(); });
 }
 
 thread_pool::~thread_pool() {
@@ -33,29 +33,44 @@ thread_pool::~thread_pool() {
 }
 
 void thread_pool::dispatch(task_ref t, int n_max) {
-    const int nth = std::clamp(n_max, 1, n_);
+    const int nth = std::clamp(n_max, 1, std::min(n_, 0xFFFF));
     if (nth == 1) {
         t(0, 1);
         return;
     }
-    // Every worker acknowledges every job (those beyond nth do nothing), so no worker can lag a
-    // generation behind and run a later job twice.
-    task_ = &t;
-    active_ = nth;
-    pending_.store(n_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_acq_rel);  // publishes task_/active_
+    // The previous job is complete (done_ reached its nth before it returned), so nobody can be
+    // inside a call or hold a claimable word of it.
+    done_.store(0, std::memory_order_relaxed);
+    task_.store(&t, std::memory_order_relaxed);
+    ++job_;
+    work_.store(static_cast<uint64_t>(job_) << 32 | static_cast<uint64_t>(nth) << 16, std::memory_order_release);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
     generation_.notify_all();
-    t(0, nth);
-    // Workers normally finish within microseconds of the caller; if one was preempted (more
-    // runnable threads than cores), yield the core to it instead of spinning through our slice.
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    claim_tasks();
+    // Calls claimed by workers may still be running; they normally end within microseconds. If a
+    // worker was preempted mid-call, yield the core to it instead of spinning through our slice.
+    for (int spin = 0; done_.load(std::memory_order_acquire) != nth; ++spin) {
         if (spin < kWaitSpins) FATHOM_PAUSE();
         else std::this_thread::yield();
     }
-    task_ = nullptr;
 }
 
-void thread_pool::worker(int ith) {
+void thread_pool::claim_tasks() {
+    uint64_t w = work_.load(std::memory_order_acquire);
+    for (;;) {
+        const int nth = static_cast<int>(w >> 16 & 0xFFFF), ith = static_cast<int>(w & 0xFFFF);
+        if (ith >= nth) return;
+        const task_ref *t = task_.load(std::memory_order_acquire);
+        // Success means the job of word w was still unfinished at this point, so t (read before)
+        // is that job's task and stays alive until our done_ increment below.
+        if (!work_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+        (*t)(ith, nth);
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        w = work_.load(std::memory_order_acquire);
+    }
+}
+
+void thread_pool::worker() {
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
@@ -70,8 +85,7 @@ void thread_pool::worker(int ith) {
         }
         seen = g;
         if (stop_.load(std::memory_order_acquire)) return;
-        if (ith < active_) (*task_)(ith, active_);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+        claim_tasks();
     }
 }
 

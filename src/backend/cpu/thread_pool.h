@@ -1,7 +1,10 @@
-// Persistent worker pool for the CPU backend. run(fn) executes fn(ith, nth) on nth threads (the
-// caller is thread 0) and returns when all have finished. Workers spin briefly on the job counter
-// (ops arrive microseconds apart during decode) and then sleep on it, so an idle engine costs no
-// CPU and there are never more runnable threads than n_threads. No allocation per run().
+// Persistent worker pool for the CPU backend. run(fn) calls fn(ith, nth) once for every ith in
+// [0, nth) and returns when all calls have finished. The nth calls are claimed one at a time by
+// whichever thread gets there first, the caller included: when a worker is late (descheduled on a
+// busy machine) the caller runs its share instead of waiting for it to wake up. So ith is a task
+// index, not a thread id (per-ith scratch stays exclusive: each ith runs once, on one thread).
+// Workers spin briefly on the job counter (ops arrive microseconds apart during decode) and then
+// sleep on it, so an idle engine costs no CPU. No allocation per run().
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -38,15 +41,20 @@ public:
 
 private:
     void dispatch(task_ref t, int n_max);
-    void worker(int ith);
+    void worker();
+    void claim_tasks();  // run unclaimed calls of the current job until none is left
 
     int n_;
     std::vector<std::thread> threads_;
-    alignas(64) std::atomic<uint64_t> generation_{0};
-    alignas(64) std::atomic<int> pending_{0};
+    alignas(64) std::atomic<uint64_t> generation_{0};  // bumped per job: wakes spinning / sleeping workers
+    // The current job's claim word: job number (32 bits) | nth (16) | next unclaimed ith (16). A
+    // claim is a CAS on the whole word, so it succeeds only while that job is still unfinished; the
+    // job's task_/nth are read before the CAS and are valid exactly when it succeeds.
+    alignas(64) std::atomic<uint64_t> work_{0};
+    alignas(64) std::atomic<int> done_{0};  // calls of the current job that have returned
     alignas(64) std::atomic<bool> stop_{false};
-    const task_ref *task_ = nullptr;
-    int active_ = 0;  // threads doing work in the current job (all n_-1 workers acknowledge it)
+    std::atomic<const task_ref *> task_{nullptr};
+    uint32_t job_ = 0;
 };
 
 }  // namespace fathom::cpu

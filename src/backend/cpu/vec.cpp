@@ -89,9 +89,28 @@ void swiglu_generic(int64_t n, const float *g, const float *u, float *out) {
     for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+void round_f16_generic(int64_t n, const float *x, float s, float *y) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f16_to_f32(f32_to_f16(x[i] * s));
+}
+
+void dot_f16_lanes_multi_generic(int64_t n, const uint16_t *a, const float *const *b, int nq, float *out) {
+    for (int q = 0; q < nq; ++q) out[q] = dot_f16_lanes_generic(n, a, b[q]);
+}
+
+void axpy_f16_multi_generic(int64_t n, const float *c, const uint16_t *x, float *const *y, int nq) {
+    for (int q = 0; q < nq; ++q) axpy_f16_generic(n, c[q], x, y[q]);
+}
+
+void kqv_lanes_f16_generic(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride,
+                           const float *const *p, int nq, float *const *lanes) {
+    for (int64_t j = j0; j <= j1; ++j)
+        for (int q = 0; q < nq; ++q) axpy_f16_generic(hd, p[q][j], v + j * v_stride, lanes[q] + (j & 7) * hd);
+}
+
 const vec_kernels kGeneric{dot_f32_generic, dot_f16_generic, axpy_f32_generic, axpy_f16_generic,
                            f16_to_f32_row_generic, f32_to_f16_row_generic, dot_f16_lanes_generic, dot_f16_ggml_generic,
-                           softmax_exp_generic, swiglu_generic};
+                           softmax_exp_generic, swiglu_generic, round_f16_generic,
+                           dot_f16_lanes_multi_generic, axpy_f16_multi_generic, kqv_lanes_f16_generic};
 
 const vec_kernels &choose() {
     if (const vec_kernels *k = vec_avx2()) return *k;

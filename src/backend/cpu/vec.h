@@ -27,6 +27,20 @@ struct vec_kernels {
     double (*softmax_exp)(int64_t n, const float *x, float mx, float *y);
     // out[i] = silu(g[i]) * u[i] with ggml's vectorised silu (x / (1 + expf(-x))).
     void (*swiglu)(int64_t n, const float *g, const float *u, float *out);
+    // y[i] = x[i] * s rounded to the nearest f16 (ties to even) and back to f32: llama.cpp's f16
+    // copies of attention inputs (q, probabilities). In place allowed.
+    void (*round_f16)(int64_t n, const float *x, float s, float *y);
+    // Several queries against one f16 row, converting the row once; each result bit-identical to
+    // the single-row kernel. nq in [1, 4].
+    //   out[q] = dot_f16_lanes(n, a, b[q]);     y[q] += c[q] * x  (axpy_f16)
+    void (*dot_f16_lanes_multi)(int64_t n, const uint16_t *a, const float *const *b, int nq, float *out);
+    void (*axpy_f16_multi)(int64_t n, const float *c, const uint16_t *x, float *const *y, int nq);
+    // Attention's KQV into 8 cell lanes, for cells j in [j0, j1] and nq in [1, 4] queries:
+    //   lanes[q][(j % 8) * hd + d] += p[q][j] * v[j * v_stride + d]   (v: f16 rows)
+    // bit-identical to axpy_f16 per cell in increasing j, but with the lane accumulators held in
+    // registers while a lane's cells stream past. Needs hd % 16 == 0 for the fast path.
+    void (*kqv_lanes_f16)(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride,
+                          const float *const *p, int nq, float *const *lanes);
 };
 
 const vec_kernels &vec();            // best kernels for this CPU

@@ -164,8 +164,100 @@ void swiglu(int64_t n, const float *g, const float *u, float *out) {
     for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+void round_f16(int64_t n, const float *x, float s, float *y) {
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs),
+                                                                _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; ++i) y[i] = _cvtsh_ss(_cvtss_sh(x[i] * s, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// NQ queries share each converted 8-element chunk of a; per query the operations of dot_f16_lanes.
+template <int NQ>
+void dot_lanes_n(int64_t n, const uint16_t *a, const float *const *b, float *out) {
+    __m256 s[NQ];
+    for (int q = 0; q < NQ; ++q) s[q] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 w = load_f16(a + i);
+        for (int q = 0; q < NQ; ++q) s[q] = _mm256_fmadd_ps(w, _mm256_loadu_ps(b[q] + i), s[q]);
+    }
+    for (int q = 0; q < NQ; ++q) {
+        float r = hsum(s[q]);
+        for (int64_t t = i; t < n; ++t) r += _cvtsh_ss(a[t]) * b[q][t];
+        out[q] = r;
+    }
+}
+
+void dot_f16_lanes_multi(int64_t n, const uint16_t *a, const float *const *b, int nq, float *out) {
+    switch (nq) {
+        case 1: out[0] = dot_f16_lanes(n, a, b[0]); break;
+        case 2: dot_lanes_n<2>(n, a, b, out); break;
+        case 3: dot_lanes_n<3>(n, a, b, out); break;
+        default: dot_lanes_n<4>(n, a, b, out); break;
+    }
+}
+
+void axpy_f16_multi(int64_t n, const float *c, const uint16_t *x, float *const *y, int nq) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = load_f16(x + i);
+        for (int q = 0; q < nq; ++q)
+            _mm256_storeu_ps(y[q] + i, _mm256_fmadd_ps(_mm256_set1_ps(c[q]), xv, _mm256_loadu_ps(y[q] + i)));
+    }
+    for (; i < n; ++i)
+        for (int q = 0; q < nq; ++q) y[q][i] += c[q] * _cvtsh_ss(x[i]);
+}
+
+// Per (lane, 16-dim chunk): NQ x 2 accumulators loaded once, every cell of the lane folded in with
+// axpy_f16's fma(p, v, y), stored once.
+template <int NQ>
+void kqv_lanes_n(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride, const float *const *p,
+                 float *const *lanes) {
+    for (int64_t l = 0; l < 8; ++l) {
+        const int64_t first = j0 + ((l - j0) % 8 + 8) % 8;  // first cell >= j0 in lane l
+        if (first > j1) continue;
+        for (int64_t d = 0; d < hd; d += 16) {
+            __m256 acc[NQ][2];
+            for (int q = 0; q < NQ; ++q) {
+                acc[q][0] = _mm256_loadu_ps(lanes[q] + l * hd + d);
+                acc[q][1] = _mm256_loadu_ps(lanes[q] + l * hd + d + 8);
+            }
+            for (int64_t j = first; j <= j1; j += 8) {
+                const __m256 v0 = load_f16(v + j * v_stride + d), v1 = load_f16(v + j * v_stride + d + 8);
+                for (int q = 0; q < NQ; ++q) {
+                    const __m256 pj = _mm256_set1_ps(p[q][j]);
+                    acc[q][0] = _mm256_fmadd_ps(pj, v0, acc[q][0]);
+                    acc[q][1] = _mm256_fmadd_ps(pj, v1, acc[q][1]);
+                }
+            }
+            for (int q = 0; q < NQ; ++q) {
+                _mm256_storeu_ps(lanes[q] + l * hd + d, acc[q][0]);
+                _mm256_storeu_ps(lanes[q] + l * hd + d + 8, acc[q][1]);
+            }
+        }
+    }
+}
+
+void kqv_lanes_f16(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride, const float *const *p,
+                   int nq, float *const *lanes) {
+    if (hd % 16 != 0) {
+        for (int64_t j = j0; j <= j1; ++j)
+            for (int q = 0; q < nq; ++q) axpy_f16(hd, p[q][j], v + j * v_stride, lanes[q] + (j & 7) * hd);
+        return;
+    }
+    switch (nq) {
+        case 1: kqv_lanes_n<1>(hd, j0, j1, v, v_stride, p, lanes); break;
+        case 2: kqv_lanes_n<2>(hd, j0, j1, v, v_stride, p, lanes); break;
+        case 3: kqv_lanes_n<3>(hd, j0, j1, v, v_stride, p, lanes); break;
+        default: kqv_lanes_n<4>(hd, j0, j1, v, v_stride, p, lanes); break;
+    }
+}
+
 const vec_kernels kAvx2{dot_f32, dot_f16, axpy_f32, axpy_f16, f16_to_f32_row, f32_to_f16_row,
-                        dot_f16_lanes, dot_f16_ggml, softmax_exp, swiglu};
+                        dot_f16_lanes, dot_f16_ggml, softmax_exp, swiglu, round_f16,
+                        dot_f16_lanes_multi, axpy_f16_multi, kqv_lanes_f16};
 
 }  // namespace
 

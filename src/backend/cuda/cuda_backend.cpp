@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -52,6 +53,8 @@ float *fp(const tensor &t) { return static_cast<float *>(t.data); }
 float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot_turns, float base) {
     return static_cast<float>(n_dims * std::log(n_ctx_orig / (n_rot_turns * 2.0 * M_PI)) / (2.0 * std::log(base)));
 }
+
+std::atomic<uint64_t> g_graph_launches{0};  // cuda_graph_launch_count()
 
 // Every allocation gets this many spare bytes: block loads of 2-byte aligned formats (q8_0, q4_0,
 // q5_0, q6_k) read whole aligned words and may touch 2 bytes past a tensor's last block.
@@ -98,7 +101,11 @@ public:
     void get_rows_device(const tensor &table, const int32_t *dev_ids, int64_t n, const tensor &out) override;
     void capture_begin() override;
     int capture_end() override;
+    void capture_abort() override;
     void graph_launch(int id) override;
+    void graph_destroy(int id) override;
+    uint64_t scratch_epoch() const override { return scratch_epoch_; }
+    void make_current() override { ck(cudaSetDevice(device_), "cudaSetDevice"); }
     size_t weight_bytes() const override { return weight_bytes_; }
     void *stream() const override { return stream_; }
 
@@ -130,7 +137,8 @@ private:
     int32_t *ids_host_ = nullptr;   // pinned staging for host token ids
     size_t ids_host_n_ = 0;
     cudaEvent_t ids_done_ = nullptr;
-    std::vector<cudaGraphExec_t> graphs_;
+    std::vector<cudaGraphExec_t> graphs_;  // null where destroyed
+    uint64_t scratch_epoch_ = 0;
 };
 
 cuda_backend::cuda_backend(const cuda_options &o) : device_(o.device) {
@@ -160,7 +168,8 @@ cuda_backend::cuda_backend(const cuda_options &o) : device_(o.device) {
 cuda_backend::~cuda_backend() {
     // Errors are ignored here: a destructor cannot report them and the context is going away.
     cudaStreamSynchronize(stream_);
-    for (auto g : graphs_) cudaGraphExecDestroy(g);
+    for (auto g : graphs_)
+        if (g) cudaGraphExecDestroy(g);
     for (auto &[p, n] : allocs_) cudaFree(p);
     for (auto &[k, p] : weights_) cudaFree(p);
     for (auto &[k, p] : freq_factors_) cudaFree(p);
@@ -180,6 +189,7 @@ void *cuda_backend::grow(dev_buf &b, size_t bytes, const char *op) {
         throw error(std::string(op) + ": scratch of " + std::to_string(bytes) +
                     " bytes not allocated before graph capture (run the same ops once eagerly first)");
     ck(cudaStreamSynchronize(stream_), op);  // the old buffer may still be in use
+    ++scratch_epoch_;                        // graphs holding the old pointer are now stale
     const size_t n = std::max(bytes, b.n * 2);
     cudaFree(b.p);
     b.p = nullptr;
@@ -274,10 +284,28 @@ int cuda_backend::capture_end() {
     return static_cast<int>(graphs_.size()) - 1;
 }
 
+void cuda_backend::capture_abort() {
+    if (!capturing_) return;
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream_, &g);  // invalidated capture: the error is expected, the graph discarded
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+}
+
 void cuda_backend::graph_launch(int id) {
     not_capturing("graph_launch");
-    if (id < 0 || id >= static_cast<int>(graphs_.size())) throw error("graph_launch: unknown graph " + std::to_string(id));
+    if (id < 0 || id >= static_cast<int>(graphs_.size()) || !graphs_[static_cast<size_t>(id)])
+        throw error("graph_launch: unknown graph " + std::to_string(id));
     ck(cudaGraphLaunch(graphs_[static_cast<size_t>(id)], stream_), "graph_launch");
+    g_graph_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+void cuda_backend::graph_destroy(int id) {
+    if (id < 0 || id >= static_cast<int>(graphs_.size()) || !graphs_[static_cast<size_t>(id)]) return;
+    cudaStreamSynchronize(stream_);  // a replay in flight may still use it
+    cudaGraphExecDestroy(graphs_[static_cast<size_t>(id)]);
+    graphs_[static_cast<size_t>(id)] = nullptr;
 }
 
 // ---- get_rows ----------------------------------------------------------------------------------
@@ -567,6 +595,69 @@ bool cuda_device_available() {
         return false;
     }
     return count > 0;
+}
+
+uint64_t cuda_graph_launch_count() { return cuda::g_graph_launches.load(std::memory_order_relaxed); }
+
+int cuda_device_count() {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return count;
+}
+
+cuda_device_memory cuda_query_memory(int device) {
+    const int count = cuda_device_count();
+    if (device < 0 || device >= count)
+        throw error("cuda: device " + std::to_string(device) + " outside [0, " + std::to_string(count) + ")");
+    cuda::ck(cudaSetDevice(device), "cudaSetDevice");
+    cuda_device_memory m;
+    cuda::ck(cudaMemGetInfo(&m.free_bytes, &m.total_bytes), "cudaMemGetInfo");
+    cudaDeviceProp prop{};
+    cuda::ck(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    m.name = prop.name;
+    return m;
+}
+
+double cuda_measure_copy_bandwidth(int device, size_t bytes, int reps) {
+    if (reps < 1 || bytes < 4096) throw error("cuda_measure_copy_bandwidth: reps >= 1 and bytes >= 4096");
+    cuda::ck(cudaSetDevice(device), "cudaSetDevice");
+    void *a = nullptr, *b = nullptr;
+    cudaStream_t st = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    std::vector<float> ms;
+    std::string err;
+    // Every resource is released on all paths; the first failure is reported after clean-up.
+    auto step = [&err](cudaError_t e, const char *what) {
+        if (e != cudaSuccess && err.empty()) err = std::string(what) + ": " + cudaGetErrorString(e);
+        return err.empty();
+    };
+    if (step(cudaMalloc(&a, bytes), "cudaMalloc") && step(cudaMalloc(&b, bytes), "cudaMalloc") &&
+        step(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream") &&
+        step(cudaEventCreate(&e0), "event") && step(cudaEventCreate(&e1), "event") &&
+        step(cudaMemsetAsync(a, 0x5a, bytes, st), "memset") &&
+        step(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st), "warm-up copy")) {
+        for (int r = 0; r < reps && err.empty(); ++r) {
+            float t = 0.0f;
+            if (step(cudaEventRecord(e0, st), "event") &&
+                step(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, st), "copy") &&
+                step(cudaEventRecord(e1, st), "event") && step(cudaEventSynchronize(e1), "sync") &&
+                step(cudaEventElapsedTime(&t, e0, e1), "elapsed"))
+                ms.push_back(t);
+        }
+    }
+    if (st) cudaStreamSynchronize(st);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (st) cudaStreamDestroy(st);
+    cudaFree(a);
+    cudaFree(b);
+    if (!err.empty()) throw error("cuda: copy bandwidth: " + err);
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2] * 1e-3;
+    return med > 0 ? 2.0 * static_cast<double>(bytes) / med : 0.0;
 }
 
 std::unique_ptr<cuda_backend_api> make_cuda_backend(const cuda_options &opts) {

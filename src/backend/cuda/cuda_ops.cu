@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(32 * kAttnWarps) attn_kernel(const float *__re
                                                                const uint8_t *__restrict__ k,
                                                                const uint8_t *__restrict__ v, size_t kvs,
                                                                attn_args a, const int64_t *pos_base,
-                                                               int64_t chunk, float *out, int64_t ldo, float *part,
+                                                               float *out, int64_t ldo, float *part,
                                                                uint32_t *err) {
     __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps];
     __shared__ float sm_acc[kAttnWarps][kMaxHd];
@@ -162,7 +162,12 @@ __global__ void __launch_bounds__(32 * kAttnWarps) attn_kernel(const float *__re
         return;
     }
     const int64_t lo = a.window > 0 ? max(static_cast<int64_t>(0), pos - a.window + 1) : 0;
-    const int64_t j0 = max(lo, split * chunk), j1 = min(pos + 1, (split + 1) * chunk);
+    // The valid keys [lo, pos] are divided evenly among the splits when the kernel runs: the grid
+    // cannot depend on pos (it may exist only on the device, in a replayed graph), but the work
+    // can, so a decode step at position 600 of an 8192-slot cache gives every split ~600/n_split
+    // keys instead of leaving all of them to the first few splits. Splits past the span get none.
+    const int64_t per = (pos + 1 - lo + n_split - 1) / n_split;
+    const int64_t j0 = lo + split * per, j1 = min(pos + 1, j0 + per);
 
     float qr[8], acc[8];
     const float *qh = q + t * ldq + static_cast<int64_t>(h) * hd;
@@ -352,14 +357,13 @@ void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k,
     if (n_tok == 0) return;
     if (a.head_dim > kMaxHd) throw error("cuda attention: head_dim " + std::to_string(a.head_dim) + " > 256");
     const int64_t items = n_tok * a.n_head;
-    const int64_t chunk = (a.n_ctx + n_split - 1) / n_split;
     const dim3 grid(grid_for(items, 1), static_cast<unsigned>(n_split));
     const auto *k8 = static_cast<const uint8_t *>(k), *v8 = static_cast<const uint8_t *>(v);
     if (f16)
-        attn_kernel<true><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, chunk, out,
+        attn_kernel<true><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out,
                                                            ldo, part, err);
     else
-        attn_kernel<false><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, chunk, out,
+        attn_kernel<false><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out,
                                                             ldo, part, err);
     if (n_split > 1) attn_combine_kernel<<<grid_for(items, 1), 128, 0, s>>>(part, n_split, a, pos_base, out, ldo);
 }

@@ -1,0 +1,207 @@
+// x86 SIMD kernels for IQ2_XXS weights against Q8_K activations: the dot product and the GEMM tile.
+// Included by quants_iq2_avx2.cpp (-mavx2) and quants_iq2_avx512.cpp (-mavx512*, same code with EVEX
+// encodings and 32 vector registers); everything here has internal linkage, so the two
+// instantiations never mix.
+//
+// Float order (one order for every M, so it serves both numerics modes):
+//   per output, one 8-lane f32 accumulator acc; per 256-element super-block b, lane L gets the exact
+//   i32  S_L = sum over the 8 32-element groups g of (2 * ls_g + 1) * sum_{k in 4L..4L+3} w_gk * a_gk
+//   (w = grid magnitude with the group's signs applied to the activation, as in ggml), then
+//   acc = fma(float(fp16(d_w) * d_a), float(S), acc); result 0.125f * hsum(acc).
+// This is ggml-cpu's AVX2 ggml_vec_dot_iq2_xxs_q8_K order (x86/quants.c): its lanes hold the same
+// integers (integer sums are exact in any order; |S_L| < 2^23), its per-block scale is the same f32
+// product, and its hsum_float_8 adds the two 128-bit halves, then the 64-bit halves, then the last
+// pair, as avx2::hsum does. llama.cpp has no repacked or tiled IQ2_XXS path on x86, so its mul_mat
+// is this vec_dot for every element and batch size. The GEMM tile below computes each (row, token)
+// with exactly this sequence too, so gemm() == vec_dot() bit for bit for any M (batch invariance).
+//
+// Tiles: M == 1 (decode) decodes each super-block of up to 4 rows and consumes it at once; M > 1
+// decodes a panel of 4 rows x all super-blocks once per row group (thread-local scratch, 544 B per
+// block-row) and sweeps it over the activations 2 at a time.
+#pragma once
+#include <bit>
+#include <cstring>
+
+#include "backend/cpu/iq_tables.h"
+#include "backend/cpu/quants_avx2_common.h"
+#include "backend/cpu/quants_impl.h"
+
+namespace fathom::cpu::detail {
+namespace {
+
+using namespace avx2;
+
+constexpr int iq2_bytes = 66;       // block_iq2_xxs: f16 d, then 8 groups x (u32 grid indices, u32 signs|scale)
+constexpr int iq2_q8k_bytes = 292;  // block_q8_k: f32 d at 0, s8 qs[256] at 4, i16 bsums[16] at 260
+
+// 7-bit IQ2 sign code c -> 8 bytes for _mm256_sign_epi8: byte j is -1 if bit j of c | parity(c) << 7
+// is set (ksigns_iq2xs[c], the format's even-parity rule), else +1. Built from the rule at compile
+// time; the tests check the decoded values against gguf-py's dequantisation.
+struct iq2_sign_lut {
+    uint64_t v[128];
+};
+constexpr iq2_sign_lut make_iq2_sign_lut() {
+    iq2_sign_lut t{};
+    for (unsigned c = 0; c < 128; ++c) {
+        const unsigned bits = c | ((std::popcount(c) & 1u) << 7);
+        uint64_t v = 0;
+        for (int j = 0; j < 8; ++j) v |= static_cast<uint64_t>((bits >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+        t.v[c] = v;
+    }
+    return t;
+}
+alignas(64) constexpr iq2_sign_lut kIq2Signs = make_iq2_sign_lut();
+
+inline long long iq2_grid64(uint32_t i) {
+    long long v;
+    std::memcpy(&v, iq2xxs_grid[i & 255], 8);
+    return v;
+}
+inline long long iq2_sign64(uint32_t code) { return static_cast<long long>(kIq2Signs.v[code & 127]); }
+
+inline __m256i iq2_ld(const uint8_t *p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)); }
+
+// Group g (elements 32g..32g+31) of a block: 32 grid magnitudes (u8) and 32 sign bytes (+-1).
+inline __m256i iq2_grid32(uint32_t idx) {
+    return _mm256_set_epi64x(iq2_grid64(idx >> 24), iq2_grid64(idx >> 16), iq2_grid64(idx >> 8), iq2_grid64(idx));
+}
+inline __m256i iq2_signs32(uint32_t sg) {
+    return _mm256_set_epi64x(iq2_sign64(sg >> 21), iq2_sign64(sg >> 14), iq2_sign64(sg >> 7), iq2_sign64(sg));
+}
+
+// One group's contribution to the 8 i32 lanes: (2 ls + 1) * sum over lane L's 4 elements of q * (+-a).
+inline __m256i iq2_group_dot(__m256i q, __m256i s, __m256i a, __m256i scale16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_sign_epi8(a, s)), scale16);
+}
+
+// A decoded block-row of the M > 1 panel.
+struct iq2dec {
+    __m256i q[8];    // grid magnitudes of group g
+    __m256i s[8];    // sign bytes of group g
+    int16_t sc[8];   // 2 * ls_g + 1
+    float d;         // fp16(d_w) as f32
+};
+
+inline void iq2_decode(const uint8_t *b, iq2dec &o) {
+    uint32_t aux[16];
+    std::memcpy(aux, b + 2, 64);
+    for (int g = 0; g < 8; ++g) {
+        o.q[g] = iq2_grid32(aux[2 * g]);
+        o.s[g] = iq2_signs32(aux[2 * g + 1]);
+        o.sc[g] = static_cast<int16_t>(2 * (aux[2 * g + 1] >> 28) + 1);
+    }
+    o.d = ldf16(b);
+}
+
+// M == 1: NR weight rows (<= 4) against one activation row; out[r] = row r's result.
+template <int NR>
+inline void iq2_tile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, float out[NR]) {
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *xb = x + b * iq2_q8k_bytes;
+        float da;
+        std::memcpy(&da, xb, 4);
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *wb = w[r] + b * iq2_bytes;
+            uint32_t aux[16];
+            std::memcpy(aux, wb + 2, 64);
+            __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();  // even / odd groups
+            for (int g = 0; g < 8; g += 2) {
+                const uint32_t sg1 = aux[2 * g + 1], sg2 = aux[2 * g + 3];
+                s1 = _mm256_add_epi32(s1, iq2_group_dot(iq2_grid32(aux[2 * g]), iq2_signs32(sg1), iq2_ld(xb + 4 + 32 * g),
+                                                        _mm256_set1_epi16(static_cast<short>(2 * (sg1 >> 28) + 1))));
+                s2 = _mm256_add_epi32(s2, iq2_group_dot(iq2_grid32(aux[2 * g + 2]), iq2_signs32(sg2),
+                                                        iq2_ld(xb + 36 + 32 * g),
+                                                        _mm256_set1_epi16(static_cast<short>(2 * (sg2 >> 28) + 1))));
+            }
+            const float d = ldf16(wb) * da;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s1, s2)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; ++r) out[r] = 0.125f * hsum(acc[r]);
+}
+
+// M > 1: 4 decoded rows (panel[4 * b + r] = super-block b of row r) against MB activation rows.
+template <int MB>
+inline void iq2_tile_panel(int64_t nb, const iq2dec *panel, const uint8_t *const x[MB], float out[MB][4]) {
+    __m256 acc[MB][4];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const iq2dec *dec = panel + 4 * b;
+        const uint8_t *xb[MB];
+        float da[MB];
+        for (int m = 0; m < MB; ++m) {
+            xb[m] = x[m] + b * iq2_q8k_bytes;
+            std::memcpy(&da[m], xb[m], 4);
+        }
+        for (int r = 0; r < 4; ++r) {
+            __m256i sum[MB];
+            for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; ++g) {
+                const __m256i sc = _mm256_set1_epi16(dec[r].sc[g]);
+                for (int m = 0; m < MB; ++m)
+                    sum[m] = _mm256_add_epi32(sum[m], iq2_group_dot(dec[r].q[g], dec[r].s[g], iq2_ld(xb[m] + 4 + 32 * g), sc));
+            }
+            for (int m = 0; m < MB; ++m)
+                acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dec[r].d * da[m]), _mm256_cvtepi32_ps(sum[m]), acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) out[m][r] = 0.125f * hsum(acc[m][r]);
+}
+
+thread_local scratch<iq2dec> t_iq2_panel;  // per-thread decoded panel [nb][4]
+
+void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+                  int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    if (M <= 0) return;
+    const bool use_panel = M > 1;
+    iq2dec *pbuf = use_panel ? t_iq2_panel.get(static_cast<size_t>(4 * nb)) : nullptr;
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // tail: repeat the last row
+        if (!use_panel) {
+            float out[4];
+            switch (rows) {
+                case 1: iq2_tile_m1<1>(nb, w, Xb, out); break;
+                case 2: iq2_tile_m1<2>(nb, w, Xb, out); break;
+                case 3: iq2_tile_m1<3>(nb, w, Xb, out); break;
+                default: iq2_tile_m1<4>(nb, w, Xb, out); break;
+            }
+            for (int i = 0; i < rows; ++i) y[r + i] = out[i];
+            continue;
+        }
+        for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 4; ++i) iq2_decode(w[i] + b * iq2_bytes, pbuf[4 * b + i]);
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mb = static_cast<int>(imin(2, M - m));
+            const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+            float out[2][4];
+            if (mb == 2) iq2_tile_panel<2>(nb, pbuf, x, out);
+            else iq2_tile_panel<1>(nb, pbuf, x, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+float dot_iq2_xxs_x86(int64_t n, const void *w, const void *a) {
+    const uint8_t *wp[1] = {static_cast<const uint8_t *>(w)};
+    float out[1];
+    iq2_tile_m1<1>(n / qk_k, wp, static_cast<const uint8_t *>(a), out);
+    return out[0];
+}
+
+inline void fill_x86_iq2(kernel_table &t) {
+    t.dot[slot(dtype::iq2_xxs)] = dot_iq2_xxs_x86;
+    t.gemm[slot(dtype::iq2_xxs)] = gemm_iq2_xxs;
+}
+
+}  // namespace
+}  // namespace fathom::cpu::detail

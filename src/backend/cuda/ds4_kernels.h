@@ -1,0 +1,109 @@
+// Host launchers of the DS4 (DeepSeek V4 Flash) decode building blocks on CUDA: the MoE expert
+// GEMVs reading only the selected experts' weights (ds4_moe.cu), the router (sqrt-softplus scores,
+// hash or biased top-k, weight normalisation; ds4_moe.cu) and the hyper-connection pre/post mixers
+// with Sinkhorn normalisation (ds4_hc.cu). One token per call (decode). Pointers are device
+// addresses; every count that can change per token (token id, expert ids, routing weights) is read
+// from device memory, so the launches can be captured in a CUDA graph and replayed.
+// Reference semantics: src/models/deepseek4_moe.cpp (the CPU reference these are tested against,
+// tests/cuda/test_cuda_ds4.cpp), spec ../shared/reference/ds4-architecture.md sections 3 and 5.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/types.h"
+
+namespace fathom::cuda::ds4 {
+
+// Bits set in the host-mapped error word (beside cuda_kernels.h's device_error_bits 0..2).
+enum ds4_error_bits : uint32_t {
+    err_expert_id = 1u << 8,  // an expert id outside [0, n_expert): that slot is skipped
+    err_token_id = 1u << 9,   // hash routing with a token outside [0, n_vocab): ids/weights not written
+};
+
+// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0.
+bool expert_type_supported(dtype t);
+// Byte alignment the row pointer and stride of type t need (rows of 2-byte aligned formats are
+// read with funnel shifts; all buffers need 16 bytes of padding after the last row).
+int expert_alignment(dtype t);
+
+// A stack of n_expert matrices [rows, cols] (ggml {cols, rows, n}) or one matrix (n_expert = 1).
+struct expert_bank {
+    dtype type = dtype::f32;
+    const void *data = nullptr;
+    size_t row_bytes = 0;     // bytes per row (cols elements)
+    size_t expert_bytes = 0;  // bytes per expert (rows * row_bytes)
+    int64_t n_expert = 0;
+    int64_t rows = 0, cols = 0;
+};
+
+// Gate/up half of n_slot experts for one token: for slot s (e = ids ? ids[s] : 0) and r < F:
+//   h[(s0 + s) * F + r] = silu(min(g, clamp)) * clamp(v, -clamp, clamp) * (w ? w[s] : 1)
+// with g = gate_e row r . x, v = up_e row r . x (x [D], 16-byte aligned). gate and up must have the
+// same shape [F, D]; their types may differ. An id outside the bank sets err_expert_id and leaves
+// that slot's h unwritten.
+void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
+                        int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
+// Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
+// summed in slot order (the CPU's order), r < D. ids == null: expert 0 for every slot.
+void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, int s0, const float *h,
+                     bool accumulate, float *y, uint32_t *err, cudaStream_t s);
+
+// Router for one token from logits [E] (spec 5.1-5.3): s_e = sqrt(softplus(logit_e)); with `bias`
+// (learned routing) the k experts with the largest s_e + bias_e (ties: lower id) in descending
+// order, otherwise (hash routing) tid2eid[*token * k .. + k) (table [n_vocab, k]); then
+// weights[j] = scale * s_{ids[j]} / sum_j s_{ids[j]}. E <= 1024, k <= 32. Hash ids outside
+// [0, E) or a token outside the table set the error bits.
+void launch_moe_route(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
+                      const int32_t *token, int k, float scale, int32_t *ids, float *weights, uint32_t *err,
+                      cudaStream_t s);
+
+// The MoE FFN of one token (spec section 5) as one chain of launches: router logits
+// (gate_inp . xn, any type launch_gemv knows), routing, routed experts and the shared expert.
+struct moe_layer {
+    dtype gate_inp_type = dtype::f32;
+    const void *gate_inp = nullptr;  // [E, D]
+    size_t gate_inp_row_bytes = 0;
+    const float *exp_bias = nullptr;   // [E] (learned routing) or null (hash routing)
+    const int32_t *tid2eid = nullptr;  // [n_vocab, k] (hash routing)
+    int64_t n_vocab = 0;
+    int n_expert = 0, n_used = 0;
+    float weights_scale = 0, clamp = 0, clamp_sh = 0;
+    expert_bank gate, up, down;           // routed banks: [F, D], [F, D], [D, F]
+    expert_bank gate_sh, up_sh, down_sh;  // shared expert (n_expert = 1), or data == null for none
+};
+// Scratch the chain needs: logits [E] f32, ids [k] i32, weights [k] f32, h [(k + 1) * F] f32.
+struct moe_scratch {
+    float *logits = nullptr;
+    int32_t *ids = nullptr;
+    float *weights = nullptr;
+    float *h = nullptr;
+};
+// y [D] = MoE(xn [D]) for the token *token (device). xn 16-byte aligned.
+void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, const moe_scratch &sc, float *y,
+                    uint32_t *err, cudaStream_t s);
+
+// ---- hyper-connections (ds4_hc.cu) ---------------------------------------------------------------
+// HCPre for one token (spec 3.1-3.3): X [n_hc, D] (stream-major, 16-byte aligned) ->
+// u [D] = sum_s pre_s X_s, post [n_hc], comb [n_hc, n_hc] (row = source, column = destination).
+// fn [(2 + n_hc) * n_hc, n_hc * D] is f32 or f16 (rows fn_row_bytes apart); base [(2+n_hc)*n_hc],
+// scale [3] f32. `mix` is scratch of (2 + n_hc) * n_hc + 1 floats. n_hc <= 5.
+struct hc_params {
+    int n_hc = 0;
+    int64_t dim = 0;
+    int sinkhorn_iters = 0;
+    float hc_eps = 0, rms_eps = 0;
+};
+void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                   const float *scale, const float *x, float *mix, float *u, float *post, float *comb,
+                   cudaStream_t s);
+// HCPost (spec 3.2): x_new[k*D + i] = post[k] * y[i] + sum_j comb[j*n_hc + k] * x_old[j*D + i].
+void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post,
+                    const float *comb, float *x_new, cudaStream_t s);
+
+// ---- benchmark support ----------------------------------------------------------------------------
+// Fills n bytes with a deterministic pseudo-random stream (splitmix64 of seed and the byte index).
+void launch_fill_random(void *dst, size_t n, uint64_t seed, cudaStream_t s);
+
+}  // namespace fathom::cuda::ds4

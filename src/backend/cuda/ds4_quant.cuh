@@ -1,0 +1,185 @@
+// DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4
+// and Q8_0 (the shared expert of the q2 mix), host + device so tests/cuda/test_cuda_ds4.cpp checks
+// every element against the CPU dequantize_row without a GPU. Used by ds4_moe.cu.
+//
+// A unit is 32 weights in 4 runs of 8: w[8 r + i] is row element base + r * stride + i.
+//   iq2_xxs 66 B / 256: f16 d, u16 qs[32]; unit = group g of 32 (8 bytes: 4 grid indices | 4 x 7-bit
+//                       sign codes + 4-bit scale); contiguous (stride 8). Element = db * grid * sign,
+//                       db = d * (0.5 + scale) * 0.25.
+//   q2_k    84 B / 256: u8 scales[16] (lo: scale, hi: min), u8 qs[64], f16 d, f16 dmin; unit =
+//                       (half c, slice s): 8 bytes qs[32c + 8s ..], 2-bit field j -> run j,
+//                       base 128c + 8s, stride 32. x = d * sc * q - dmin * m.
+//   mxfp4   17 B / 32:  u8 e (e8m0), u8 qs[16]; lo nibbles -> 0..15, hi -> 16..31; x = 2^(e-128) * 2v.
+//   q8_0    34 B / 32:  f16 d, i8 qs[32].
+// The per-element products are written with round-to-nearest intrinsics on the device so nvcc cannot
+// contract them into FMAs: decoded weights are bit-identical to the CPU's dequantisation.
+// Loads may touch up to 4 bytes past a row's last block (funnel-shift loads of 2-byte / 1-byte
+// aligned data): device buffers holding these formats need 16 bytes of padding (cuda_backend
+// allocations have it).
+#pragma once
+#include "backend/cuda/cuda_quant.cuh"
+
+namespace fathom::cuda::ds4q {
+
+__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+__host__ __device__ __forceinline__ float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+__host__ __device__ __forceinline__ int popc8(uint32_t v) {
+#ifdef __CUDA_ARCH__
+    return __popc(v);
+#else
+    return __builtin_popcount(v);
+#endif
+}
+
+// 16 bytes from any byte address as 4 little-endian words (device: 4-5 aligned loads + funnel
+// shifts, may read 3 bytes past p + 16).
+__host__ __device__ __forceinline__ void ld16_any(const uint8_t *p, uint32_t q[4]) {
+#ifdef __CUDA_ARCH__
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uint32_t *b = reinterpret_cast<const uint32_t *>(a & ~static_cast<uintptr_t>(3));
+    const uint32_t sh = static_cast<uint32_t>(a & 3u) * 8u;
+    uint32_t w[5];
+    FATHOM_UNROLL
+    for (int i = 0; i < 4; ++i) w[i] = b[i];
+    w[4] = sh ? b[4] : w[3];
+    FATHOM_UNROLL
+    for (int i = 0; i < 4; ++i) q[i] = __funnelshift_r(w[i], w[i + 1], sh);
+#else
+    memcpy(q, p, 16);
+#endif
+}
+
+// e8m0 exponent -> 2^(e-128) exactly (ggml's E8M0_TO_FP32_HALF; subnormal for e < 2).
+__host__ __device__ __forceinline__ float e8m0_half(uint32_t e) {
+    const uint32_t bits = e < 2 ? (0x00200000u << e) : ((e - 1) << 23);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+// e2m1 code -> 2 * value: 0 1 2 3 4 6 8 12, bit 3 = sign.
+__host__ __device__ __forceinline__ int e2m1_x2(uint32_t c) {
+    const int m = static_cast<int>(c & 7u);
+    const int v = m < 4 ? m : (m < 6 ? (m - 2) * 2 : (m - 4) * 4);
+    return (c & 8u) ? -v : v;
+}
+
+template <dtype T> struct unit_traits;
+template <> struct unit_traits<dtype::iq2_xxs> { static constexpr int block = 256, bytes = 66, align = 2; };
+template <> struct unit_traits<dtype::q2_k>    { static constexpr int block = 256, bytes = 84, align = 4; };
+template <> struct unit_traits<dtype::mxfp4>   { static constexpr int block = 32,  bytes = 17, align = 1; };
+template <> struct unit_traits<dtype::q8_0>    { static constexpr int block = 32,  bytes = 34, align = 2; };
+
+// Decode unit u of a row into w[32]; base/stride as in the banner. `grid` is the IQ2_XXS grid as
+// 256 little-endian u64 (8 magnitudes each); other types ignore it.
+template <dtype T>
+__host__ __device__ __forceinline__ void decode32(const uint8_t *row, int64_t u, float w[32], int64_t &base,
+                                                  int &stride, const uint64_t *grid);
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::iq2_xxs>(const uint8_t *row, int64_t u, float w[32],
+                                                                  int64_t &base, int &stride, const uint64_t *grid) {
+    const int64_t b = u >> 3;
+    const int g = static_cast<int>(u & 7);
+    const uint8_t *blk = row + 66 * b;
+    const float d = ld_f16(blk);
+    uint32_t a0, a1;
+    ld8_a2(blk + 2 + 8 * g, a0, a1);
+    const float db = mul_rn(mul_rn(d, 0.5f + static_cast<float>(a1 >> 28)), 0.25f);
+    FATHOM_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const uint64_t gv = grid[(a0 >> (8 * l)) & 0xFFu];
+        const uint32_t code = (a1 >> (7 * l)) & 127u;
+        const uint32_t signs = code | (static_cast<uint32_t>(popc8(code) & 1) << 7);
+        FATHOM_UNROLL
+        for (int j = 0; j < 8; ++j) {
+            const float m = mul_rn(db, static_cast<float>((gv >> (8 * j)) & 0xFFu));
+            w[8 * l + j] = ((signs >> j) & 1u) ? -m : m;
+        }
+    }
+    base = 32 * u;
+    stride = 8;
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q2_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    const int64_t b = u >> 3;
+    const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 84 * b;
+    const float d = ld_f16(blk + 80), dmin = ld_f16(blk + 82);
+    uint32_t q0, q1, s0, s1;
+    ld8_a4(blk + 16 + 32 * c + 8 * s, q0, q1);
+    ld8_a4(blk + 8 * c, s0, s1);  // scales[8c .. 8c+8): run j uses byte 2j + (s >> 1)
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t sc = byte_of(s0, s1, 2 * j + (s >> 1));
+        const float dl = mul_rn(d, static_cast<float>(sc & 0xFu)), ml = mul_rn(dmin, static_cast<float>(sc >> 4));
+        FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t q = (byte_of(q0, q1, i) >> (2 * j)) & 3u;
+            w[8 * j + i] = sub_rn(mul_rn(dl, static_cast<float>(q)), ml);
+        }
+    }
+    base = 256 * b + 128 * c + 8 * s;
+    stride = 32;
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::mxfp4>(const uint8_t *row, int64_t u, float w[32],
+                                                                int64_t &base, int &stride, const uint64_t *) {
+    const uint8_t *blk = row + 17 * u;
+    const float d = e8m0_half(blk[0]);
+    uint32_t q[4];
+    ld16_any(blk + 1, q);
+    FATHOM_UNROLL
+    for (int j = 0; j < 16; ++j) {
+        const uint32_t v = (q[j >> 2] >> (8 * (j & 3))) & 0xFFu;
+        w[j] = mul_rn(d, static_cast<float>(e2m1_x2(v & 15u)));
+        w[16 + j] = mul_rn(d, static_cast<float>(e2m1_x2(v >> 4)));
+    }
+    base = 32 * u;
+    stride = 8;
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q8_0>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    const uint8_t *blk = row + 34 * u;
+    const float d = ld_f16(blk);
+    FATHOM_UNROLL
+    for (int h = 0; h < 4; ++h) {
+        uint32_t lo, hi;
+        ld8_a2(blk + 2 + 8 * h, lo, hi);
+        FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i)
+            w[8 * h + i] = mul_rn(d, static_cast<float>(static_cast<int8_t>(byte_of(lo, hi, i))));
+    }
+    base = 32 * u;
+    stride = 8;
+}
+
+// Calls f.template operator()<T>() for the expert types above; false for any other type.
+template <class F>
+bool dispatch_expert_type(dtype t, F &&f) {
+    switch (t) {
+    case dtype::iq2_xxs: f.template operator()<dtype::iq2_xxs>(); return true;
+    case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
+    case dtype::mxfp4: f.template operator()<dtype::mxfp4>(); return true;
+    case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
+    default: return false;
+    }
+}
+
+}  // namespace fathom::cuda::ds4q

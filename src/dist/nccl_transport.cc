@@ -1,0 +1,210 @@
+// NCCL transport (see nccl_transport.h): non-blocking communicator, staged host<->device copies,
+// deadline polling and abort.
+#include "dist/nccl_transport.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+
+namespace fathom::dist {
+
+namespace {
+
+using clk = std::chrono::steady_clock;
+
+std::string cuda_msg(cudaError_t e) {
+    return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+}
+
+class nccl_endpoint final : public transport {
+  public:
+    nccl_endpoint(int rank, int size, const ncclUniqueId &id, const nccl_options &o)
+        : rank_(rank), size_(size), device_(o.device), timeout_(o.timeout) {
+        check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+        check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.blocking = 0;  // calls return ncclInProgress; completion is polled with a deadline
+        ncclResult_t r = ncclCommInitRankConfig(&comm_, size, id, rank, &cfg);
+        if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "communicator init");
+        wait_comm("communicator init", true);
+    }
+
+    ~nccl_endpoint() override {
+        if (comm_ && !aborted_.load()) ncclCommAbort(comm_);  // never blocks on a peer that may be gone
+        if (buf_) cudaFree(buf_);
+        if (stream_) cudaStreamDestroy(stream_);
+    }
+
+    int rank() const override { return rank_; }
+    int size() const override { return size_; }
+
+    void send(int peer, const void *data, size_t bytes) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        begin(peer, "send to");
+        reserve(bytes);
+        check_cuda(cudaMemcpyAsync(buf_, data, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
+        const ncclResult_t r = ncclSend(buf_, bytes, ncclUint8, peer, comm_, stream_);
+        if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "ncclSend to rank " + std::to_string(peer));
+        wait_stream("sending " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer), true);
+    }
+
+    void recv(int peer, void *data, size_t bytes) override { receive(peer, data, bytes, true); }
+    void recv_idle(int peer, void *data, size_t bytes) override { receive(peer, data, bytes, false); }
+
+    void abort(const std::string &why) override {
+        bool expected = false;
+        if (!aborted_.compare_exchange_strong(expected, true)) return;
+        {
+            std::lock_guard<std::mutex> lock(why_mu_);
+            why_ = why.empty() ? "aborted" : why;
+        }
+        // ncclCommAbort may be called while another thread waits in this endpoint: the waiter's next
+        // poll sees aborted_ and throws.
+        if (comm_) ncclCommAbort(comm_);
+    }
+
+  private:
+    void receive(int peer, void *data, size_t bytes, bool deadline) {
+        std::lock_guard<std::mutex> lock(mu_);
+        begin(peer, "receive from");
+        reserve(bytes);
+        const ncclResult_t r = ncclRecv(buf_, bytes, ncclUint8, peer, comm_, stream_);
+        if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "ncclRecv from rank " + std::to_string(peer));
+        wait_stream("waiting for " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer), deadline);
+        check_cuda(cudaMemcpyAsync(data, buf_, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
+        wait_stream("copying a received message", true);
+    }
+
+    void begin(int peer, const char *what) {
+        if (aborted_.load()) throw error("dist: rank " + std::to_string(rank_) + " aborted: " + reason());
+        if (peer < 0 || peer >= size_ || peer == rank_)
+            throw error("dist: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
+                        " (ranks 0.." + std::to_string(size_ - 1) + ", not itself)");
+    }
+
+    void reserve(size_t bytes) {
+        if (bytes <= cap_) return;
+        if (buf_) check_cuda(cudaFree(buf_), "cudaFree");
+        buf_ = nullptr;
+        cap_ = 0;
+        check_cuda(cudaMalloc(&buf_, bytes), "cudaMalloc of a " + std::to_string(bytes) + "-byte staging buffer");
+        cap_ = bytes;
+    }
+
+    std::string reason() {
+        std::lock_guard<std::mutex> lock(why_mu_);
+        return why_;
+    }
+
+    // Poll until the stream drains; NCCL errors, abort() and the deadline end the wait with an error.
+    void wait_stream(const std::string &what, bool deadline) {
+        const auto t0 = clk::now();
+        for (;;) {
+            if (aborted_.load()) throw error("dist: rank " + std::to_string(rank_) + " aborted: " + reason());
+            const cudaError_t e = cudaStreamQuery(stream_);
+            if (e == cudaSuccess) return;
+            if (e != cudaErrorNotReady) fatal("dist: rank " + std::to_string(rank_) + ": CUDA error " + cuda_msg(e) +
+                                              " while " + what);
+            poll_async(what);
+            if (deadline && clk::now() - t0 > timeout_)
+                fatal("dist: rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_.count()) +
+                      " ms " + what);
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+
+    // Init completes when the async error leaves ncclInProgress.
+    void wait_comm(const std::string &what, bool deadline) {
+        const auto t0 = clk::now();
+        for (;;) {
+            ncclResult_t st = ncclSuccess;
+            const ncclResult_t r = ncclCommGetAsyncError(comm_, &st);
+            if (r != ncclSuccess) fail_nccl(r, what);
+            if (st == ncclSuccess) return;
+            if (st != ncclInProgress) fail_nccl(st, what);
+            if (deadline && clk::now() - t0 > timeout_)
+                fatal("dist: rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_.count()) +
+                      " ms in " + what + " (are all " + std::to_string(size_) + " ranks started?)");
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+    }
+
+    void poll_async(const std::string &what) {
+        ncclResult_t st = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &st);
+        if (r != ncclSuccess) fail_nccl(r, what);
+        if (st != ncclSuccess && st != ncclInProgress) fail_nccl(st, what);
+    }
+
+    [[noreturn]] void fail_nccl(ncclResult_t r, const std::string &what) {
+        std::string last = comm_ ? ncclGetLastError(comm_) : ncclGetLastError(nullptr);
+        for (char &c : last)
+            if (c == '\n' || c == '\r') c = ' ';
+        fatal("dist: rank " + std::to_string(rank_) + ": NCCL " + ncclGetErrorString(r) + " in " + what +
+              (last.empty() ? "" : ": " + last));
+    }
+
+    // Abort the communicator (peers waiting on this rank fail instead of hanging) and throw.
+    [[noreturn]] void fatal(const std::string &msg) {
+        abort(msg);
+        throw error(msg);
+    }
+
+    void check_cuda(cudaError_t e, const std::string &what) {
+        if (e != cudaSuccess) fatal("dist: rank " + std::to_string(rank_) + ": " + what + ": " + cuda_msg(e));
+    }
+
+    int rank_, size_, device_;
+    std::chrono::milliseconds timeout_;
+    cudaStream_t stream_ = nullptr;
+    ncclComm_t comm_ = nullptr;
+    void *buf_ = nullptr;
+    size_t cap_ = 0;
+    std::mutex mu_;  // one operation at a time (abort() may come from another thread)
+    std::atomic<bool> aborted_{false};
+    std::mutex why_mu_;
+    std::string why_;
+};
+
+}  // namespace
+
+std::string nccl_new_id() {
+    ::setenv("NCCL_NVLS_ENABLE", "0", 0);
+    ncclUniqueId id;
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) throw error(std::string("dist: ncclGetUniqueId: ") + ncclGetErrorString(r));
+    std::string hex;
+    char b[3];
+    for (size_t i = 0; i < sizeof(id.internal); ++i) {
+        std::snprintf(b, sizeof b, "%02x", static_cast<unsigned char>(id.internal[i]));
+        hex += b;
+    }
+    return hex;
+}
+
+std::unique_ptr<transport> make_nccl_transport(int rank, int size, const std::string &id_hex, const nccl_options &o) {
+    ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast off unless the user chose otherwise
+    if (size < 1 || rank < 0 || rank >= size)
+        throw error("dist: nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + " is out of range");
+    if (o.timeout.count() <= 0) throw error("dist: nccl timeout must be positive");
+    ncclUniqueId id;
+    if (id_hex.size() != 2 * sizeof(id.internal))
+        throw error("dist: nccl id must be " + std::to_string(2 * sizeof(id.internal)) + " hex characters, got " +
+                    std::to_string(id_hex.size()));
+    for (size_t i = 0; i < sizeof(id.internal); ++i) {
+        unsigned v = 0;
+        if (std::sscanf(id_hex.c_str() + 2 * i, "%2x", &v) != 1)
+            throw error("dist: nccl id has a non-hex character near offset " + std::to_string(2 * i));
+        id.internal[i] = static_cast<char>(v);
+    }
+    return std::make_unique<nccl_endpoint>(rank, size, id, o);
+}
+
+}  // namespace fathom::dist

@@ -1,0 +1,227 @@
+// DS4 layer pipeline over a dist::transport (see pipeline.h for the protocol): rank 0 drives and
+// embeds, every rank runs ds4::forward_layers on its own blocks, the last rank runs the head and
+// returns the logits to rank 0.
+#include "dist/pipeline.h"
+
+#include <thread>
+
+#include "core/error.h"
+
+namespace fathom::dist {
+
+namespace {
+
+enum op : int64_t { op_stop = 0, op_forward = 1, op_reset = 2 };
+enum logits_mode : int64_t { logits_none = 0, logits_last = 1, logits_all = 2 };
+constexpr size_t header_len = 4;
+
+}  // namespace
+
+void check_ranges(const std::vector<layer_range> &ranges, int n_layer) {
+    if (ranges.empty()) throw error("dist: no layer ranges");
+    int next = 0;
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        const auto &r = ranges[i];
+        if (r.first != next || r.last <= r.first || r.last > n_layer)
+            throw error("dist: layer range " + std::to_string(i) + " = [" + std::to_string(r.first) + ", " +
+                        std::to_string(r.last) + ") does not continue at layer " + std::to_string(next) +
+                        " with at least one of the model's " + std::to_string(n_layer) + " layers");
+        next = r.last;
+    }
+    if (next != n_layer)
+        throw error("dist: layer ranges end at layer " + std::to_string(next) + ", the model has " +
+                    std::to_string(n_layer));
+}
+
+std::vector<layer_range> even_ranges(int n_layer, int parts) {
+    if (parts < 1 || parts > n_layer)
+        throw error("dist: cannot split " + std::to_string(n_layer) + " layers into " + std::to_string(parts) +
+                    " non-empty ranges");
+    std::vector<layer_range> out;
+    int first = 0;
+    for (int i = 0; i < parts; ++i) {
+        const int len = n_layer / parts + (i < n_layer % parts ? 1 : 0);
+        out.push_back({first, first + len});
+        first += len;
+    }
+    return out;
+}
+
+pipeline_rank::pipeline_rank(const ds4::model &m, std::vector<layer_range> ranges, transport &t,
+                             ds4::qat_mode qat, kv_precision kv, ds4::exec_options exec)
+    : m_(m), ranges_(std::move(ranges)), t_(t), rank_(t.rank()), qat_(qat), kv_(kv), exec_(exec) {
+    check_ranges(ranges_, static_cast<int>(m_.layers.size()));
+    if (static_cast<int>(ranges_.size()) != t_.size())
+        throw error("dist: " + std::to_string(ranges_.size()) + " layer ranges for " + std::to_string(t_.size()) +
+                    " ranks");
+    fresh_state();
+}
+
+void pipeline_rank::fresh_state() {
+    layers_.clear();
+    for (int il = range().first; il < range().last; ++il)
+        layers_.push_back(ds4::new_layer_state(m_.hp, m_.layers[static_cast<size_t>(il)], kv_));
+    n_past_ = 0;
+}
+
+void pipeline_rank::run_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                               std::span<float> x) {
+    for (size_t i = 0; i < positions.size(); ++i)
+        if (positions[i] != n_past_ + static_cast<int64_t>(i))
+            throw error("dist: rank " + std::to_string(rank_) + ": position " + std::to_string(positions[i]) +
+                        " at index " + std::to_string(i) + ", expected " +
+                        std::to_string(n_past_ + static_cast<int64_t>(i)));
+    ds4::forward_layers(m_, layers_, qat_, exec_, range().first, range().last, tokens, positions, x);
+    n_past_ += static_cast<int64_t>(tokens.size());
+}
+
+void pipeline_rank::send_on(const int64_t *hdr, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                            std::span<const float> x) {
+    const int next = rank_ + 1;
+    t_.send(next, hdr, header_len * sizeof(int64_t));
+    if (hdr[0] != op_forward) return;
+    t_.send(next, tokens.data(), tokens.size_bytes());
+    t_.send(next, positions.data(), positions.size_bytes());
+    t_.send(next, x.data(), x.size_bytes());
+}
+
+void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                            std::span<float> logits) {
+    if (rank_ != 0) throw error("dist: forward() is for rank 0, called on rank " + std::to_string(rank_));
+    const size_t n = tokens.size(), V = static_cast<size_t>(m_.hp.n_vocab);
+    const size_t S = static_cast<size_t>(m_.hp.n_hc) * static_cast<size_t>(m_.hp.n_embd);
+    if (positions.size() != n)
+        throw error("dist: " + std::to_string(n) + " tokens but " + std::to_string(positions.size()) + " positions");
+    if (n == 0) return;
+    const int64_t mode = logits.empty() ? logits_none : logits.size() == V ? logits_last : logits_all;
+    if (mode == logits_all && logits.size() != n * V)
+        throw error("dist: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(n * V) + " or " + std::to_string(V));
+    std::vector<float> x(n * S);
+    const int64_t past = n_past_;
+    ds4::embed_tokens(m_, tokens, x);
+    run_layers(tokens, positions, x);
+    const int last = t_.size() - 1;
+    if (last == 0) {
+        if (mode != logits_none) ds4::head_logits(m_, exec_, x, logits);
+        return;
+    }
+    const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(n), mode, past};
+    send_on(hdr, tokens, positions, x);
+    if (mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
+}
+
+void pipeline_rank::reset() {
+    if (rank_ != 0) throw error("dist: reset() is for rank 0, called on rank " + std::to_string(rank_));
+    fresh_state();
+    if (t_.size() > 1) {
+        const int64_t hdr[header_len] = {op_reset, 0, 0, 0};
+        send_on(hdr, {}, {}, {});
+    }
+}
+
+void pipeline_rank::stop() {
+    if (rank_ != 0) throw error("dist: stop() is for rank 0, called on rank " + std::to_string(rank_));
+    if (t_.size() > 1) {
+        const int64_t hdr[header_len] = {op_stop, 0, 0, 0};
+        send_on(hdr, {}, {}, {});
+    }
+}
+
+void pipeline_rank::serve() {
+    if (rank_ == 0) throw error("dist: serve() is for ranks > 0");
+    const int prev = rank_ - 1, last = t_.size() - 1;
+    const size_t S = static_cast<size_t>(m_.hp.n_hc) * static_cast<size_t>(m_.hp.n_embd);
+    const size_t V = static_cast<size_t>(m_.hp.n_vocab);
+    try {
+        for (;;) {
+            int64_t hdr[header_len];
+            t_.recv_idle(prev, hdr, sizeof(hdr));  // idle between requests is normal
+            if (hdr[0] == op_stop || hdr[0] == op_reset) {
+                if (hdr[0] == op_reset) fresh_state();
+                if (rank_ < last) send_on(hdr, {}, {}, {});
+                if (hdr[0] == op_stop) return;
+                continue;
+            }
+            const int64_t n = hdr[1];
+            if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[2] < logits_none ||
+                hdr[2] > logits_all || hdr[3] != n_past_)
+                throw error("dist: rank " + std::to_string(rank_) + " received a bad header {" +
+                            std::to_string(hdr[0]) + ", " + std::to_string(hdr[1]) + ", " + std::to_string(hdr[2]) +
+                            ", " + std::to_string(hdr[3]) + "} at n_past " + std::to_string(n_past_));
+            const size_t un = static_cast<size_t>(n);
+            std::vector<int32_t> tokens(un);
+            std::vector<int64_t> positions(un);
+            std::vector<float> x(un * S);
+            t_.recv(prev, tokens.data(), tokens.size() * sizeof(int32_t));
+            t_.recv(prev, positions.data(), positions.size() * sizeof(int64_t));
+            t_.recv(prev, x.data(), x.size() * sizeof(float));
+            run_layers(tokens, positions, x);
+            if (rank_ < last) {
+                send_on(hdr, tokens, positions, x);
+            } else if (hdr[2] != logits_none) {
+                std::vector<float> logits(hdr[2] == logits_all ? un * V : V);
+                ds4::head_logits(m_, exec_, x, logits);
+                t_.send(0, logits.data(), logits.size() * sizeof(float));
+            }
+        }
+    } catch (const std::exception &e) {
+        t_.abort(e.what());
+        throw;
+    }
+}
+
+// ---- local_pipeline --------------------------------------------------------------------------------
+
+struct local_pipeline::impl {
+    std::unique_ptr<inprocess_hub> hub;
+    std::vector<std::unique_ptr<transport>> ends;
+    std::vector<std::unique_ptr<pipeline_rank>> ranks;
+    std::vector<std::thread> threads;
+    std::vector<std::string> errors;  // [rank] what serve() threw ("" = none)
+};
+
+local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat,
+                               kv_precision kv, std::chrono::milliseconds timeout)
+    : p_(std::make_unique<impl>()) {
+    const int n = static_cast<int>(ranges.size());
+    p_->hub = std::make_unique<inprocess_hub>(n, timeout);
+    for (int r = 0; r < n; ++r) {
+        p_->ends.push_back(p_->hub->endpoint(r));
+        p_->ranks.push_back(std::make_unique<pipeline_rank>(m, ranges, *p_->ends.back(), qat, kv));
+    }
+    p_->errors.resize(static_cast<size_t>(n));
+    for (int r = 1; r < n; ++r)
+        p_->threads.emplace_back([this, r] {
+            try {
+                p_->ranks[static_cast<size_t>(r)]->serve();
+            } catch (const std::exception &e) {
+                p_->errors[static_cast<size_t>(r)] = e.what();
+            }
+        });
+}
+
+local_pipeline::~local_pipeline() {
+    try {
+        p_->ranks[0]->stop();
+    } catch (const std::exception &e) {
+        // A rank already failed: abort rank 0 too so every thread's recv returns at once.
+        p_->ends[0]->abort(std::string("stopping: ") + e.what());
+    }
+    for (auto &t : p_->threads) t.join();
+}
+
+void local_pipeline::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                             std::span<float> logits) {
+    p_->ranks[0]->forward(tokens, positions, logits);
+}
+
+void local_pipeline::reset() {
+    p_->ranks[0]->reset();
+}
+
+int64_t local_pipeline::n_past() const {
+    return p_->ranks[0]->n_past();
+}
+
+}  // namespace fathom::dist

@@ -1,0 +1,104 @@
+// DS4 layer pipeline: each rank owns a contiguous range of blocks (their weights and their KV state)
+// and the hyper-connection state X [n, n_hc, D] of a chunk crosses each range boundary over a
+// dist::transport. Rank 0 is the driver: it embeds the tokens, runs its blocks, sends the state on,
+// and receives the logits back from the last rank (which runs the HC head and the output head).
+// Every rank runs the same CPU code as ds4::forward on its range, so the logits of a pipeline equal
+// the unsplit forward bit for bit.
+//
+// Wire protocol per chunk (rank r -> r+1), every message sized from the header:
+//   header int64[4] = {op, n, logits_mode, n_past}   op: 1 forward, 2 reset, 0 stop
+//   tokens int32[n], positions int64[n], state f32[n * n_hc * D]      (op == forward only)
+// and last rank -> rank 0: logits f32[n * n_vocab] (mode all) or f32[n_vocab] (mode last).
+// Errors: any failure (a peer's death, a timeout, a bad message) throws a one-line fathom::error on the
+// rank that sees it and aborts that rank's transport, so the others fail fast too. The ranks' states
+// then disagree: a pipeline that threw must be torn down, not reused.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dist/transport.h"
+#include "models/deepseek4.h"
+
+namespace fathom::dist {
+
+// Blocks [first, last) of one rank.
+struct layer_range {
+    int first = 0;
+    int last = 0;
+    int count() const { return last - first; }
+};
+
+// Validate that `ranges` tile [0, n_layer) in order, each non-empty. Throws fathom::error naming
+// the offending range.
+void check_ranges(const std::vector<layer_range> &ranges, int n_layer);
+
+// Split n_layer blocks into `parts` contiguous ranges of sizes differing by at most one (earlier
+// ranges take the remainder).
+std::vector<layer_range> even_ranges(int n_layer, int parts);
+
+class pipeline_rank {
+  public:
+    // `ranges[transport.rank()]` is this rank's share; ranges.size() must equal transport.size().
+    pipeline_rank(const ds4::model &m, std::vector<layer_range> ranges, transport &t, ds4::qat_mode qat,
+                  kv_precision kv, ds4::exec_options exec = {});
+
+    // Rank 0: evaluate `tokens` at `positions` (n_past, n_past+1, ...) through every rank. `logits`
+    // is empty (no logits), [n_vocab] (last token) or [n, n_vocab] (every token).
+    void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    // Rank 0: forget the sequence on every rank (fresh KV state, n_past 0).
+    void reset();
+    // Rank 0: tell every other rank to leave serve().
+    void stop();
+    // Ranks > 0: handle messages from the previous rank until stop. On any error the rank aborts its
+    // transport (so its peers fail fast instead of waiting) and rethrows.
+    void serve();
+
+    int rank() const { return rank_; }
+    int64_t n_past() const { return n_past_; }
+    const layer_range &range() const { return ranges_[static_cast<size_t>(rank_)]; }
+
+  private:
+    void run_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> x);
+    void send_on(const int64_t *hdr, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                 std::span<const float> x);
+    void fresh_state();
+
+    const ds4::model &m_;
+    std::vector<layer_range> ranges_;
+    transport &t_;
+    int rank_ = 0;
+    ds4::qat_mode qat_;
+    kv_precision kv_;
+    ds4::exec_options exec_;
+    std::vector<ds4::layer_state> layers_;  // states of this rank's blocks only
+    int64_t n_past_ = 0;
+};
+
+}  // namespace fathom::dist
+
+namespace fathom::dist {
+
+// A whole pipeline inside one process: ranks 1.. run serve() on their own threads over an
+// inprocess_hub; the caller drives rank 0. For CPU tests and debugging the split logic without
+// devices. The destructor stops and joins the threads.
+class local_pipeline {
+  public:
+    local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat, kv_precision kv,
+                   std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+    ~local_pipeline();
+    local_pipeline(const local_pipeline &) = delete;
+    local_pipeline &operator=(const local_pipeline &) = delete;
+    // As pipeline_rank::forward / reset on rank 0; an error on any rank surfaces here.
+    void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    void reset();
+    int64_t n_past() const;
+
+    struct impl;
+
+  private:
+    std::unique_ptr<impl> p_;
+};
+
+}  // namespace fathom::dist

@@ -1,0 +1,32 @@
+// cuda_synth ARCH OUT [N_LAYER]: writes a synthetic dense model with a real geometry
+// (dense_geometry.h: llama = SmolLM2-135M, qwen3 = Qwen3-0.6B, gemma3 = Gemma3-270M) for
+// `fathom bench --device cuda` on the device machine, where the real files cannot be carried.
+// Vocab files come from $FATHOM_CUDA_VOCAB_DIR (else FATHOM_SHARED_DIR/tokenizer-tests).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "core/error.h"
+#include "dense_geometry.h"
+
+int main(int argc, char **argv) {
+    if (argc < 3 || argc > 4) {
+        std::fprintf(stderr, "usage: cuda_synth llama|qwen3|gemma3 OUT.gguf [N_LAYER]\n");
+        return 2;
+    }
+    const fathom::cuda_test::family *f = fathom::cuda_test::find_family(argv[1]);
+    if (!f) {
+        std::fprintf(stderr, "cuda_synth: unknown arch '%s' (llama, qwen3, gemma3)\n", argv[1]);
+        return 2;
+    }
+    const char *vd = std::getenv("FATHOM_CUDA_VOCAB_DIR");
+    const std::string vocab_dir = vd ? vd : std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests";
+    try {
+        fathom::cuda_test::write_family_model(*f, vocab_dir, argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
+    } catch (const fathom::error &e) {
+        std::fprintf(stderr, "cuda_synth: %s\n", e.what());
+        return 1;
+    }
+    std::printf("%s\n", argv[2]);
+    return 0;
+}
