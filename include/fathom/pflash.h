@@ -54,10 +54,10 @@ struct options {
     // query that holds a content token (a letter; not whitespace / punctuation / digits alone) and
     // does not cut a word, and that occurs earlier 1..anchor_max_hits times (also as whole words),
     // marks the chunks within anchor_radius_tokens drafter tokens of its occurrences. Anchors are not
-    // forced beyond the budget: they claim at most round(anchor_budget_fraction x budget) chunks, and
-    // never more than the budget left after head/tail/structure, rarest n-gram first; the scores fill
-    // the rest. So keep_ratio bounds the output whatever the prompt repeats. anchor_ngram == 0 disables
-    // the rule.
+    // forced beyond the budget: they claim at most round(anchor_budget_fraction x budget) chunks of it,
+    // the query's last n-grams first (a share reserved even when head/tail/structure fill the
+    // budget); the scores fill the rest. So keep_ratio bounds the output (at most
+    // max(budget, forced + share) chunks) whatever the prompt repeats. anchor_ngram == 0 disables the rule.
     int32_t anchor_ngram = 4;
     int32_t anchor_tail_tokens = 96;
     int32_t anchor_max_hits = 4;

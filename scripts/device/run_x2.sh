@@ -12,7 +12,7 @@ cd "$here"
 carry=.x2-carry
 out="${OUT:-$here/x2-out}"
 mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export LD_LIBRARY_PATH="$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 if ldd "$carry/dist_nccl_pipeline" | grep -q "libnccl.so.2 => not found"; then
     d=$(find /usr/local /opt /usr/lib /usr/lib64 -name libnccl.so.2 2>/dev/null | head -1)
@@ -58,7 +58,7 @@ wait $ref1
 log "== ref synth: rc $(cat "$out/ref_synth.rc"): $(tail -1 "$out/ref_synth.log")"
 pair synth 60 "$P" rank 0 "$out/synth.id" synth "$out/synth.bin" -- "$P" rank 1 "$out/synth.id" synth "$out/synth.bin"
 pair die1 30 "$P" loop 0 "$out/die1.id" 1 3 -- "$P" loop 1 "$out/die1.id" 1 3
-pair die0 25 "$P" loop 0 "$out/die0.id" 0 3 -- "$P" loop 1 "$out/die0.id" 0 3
+pair die0 15 "$P" loop 0 "$out/die0.id" 0 3 -- "$P" loop 1 "$out/die0.id" 0 3
 wait $ref2
 log "== ref golden: rc $(cat "$out/ref_golden.rc"): $(tail -1 "$out/ref_golden.log")"
 pair golden 90 "$P" rank 0 "$out/golden.id" golden "$out/golden.bin" -- "$P" rank 1 "$out/golden.id" golden "$out/golden.bin"

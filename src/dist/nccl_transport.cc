@@ -33,7 +33,7 @@ class nccl_endpoint final : public transport {
         cfg.blocking = 0;  // calls return ncclInProgress; completion is polled with a deadline
         ncclResult_t r = ncclCommInitRankConfig(&comm_, size, id, rank, &cfg);
         if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "communicator init");
-        wait_comm("communicator init", true);
+        wait_comm("communicator init", true, clk::now(), " (are all " + std::to_string(size) + " ranks started?)");
     }
 
     ~nccl_endpoint() override {
@@ -52,7 +52,10 @@ class nccl_endpoint final : public transport {
         check_cuda(cudaMemcpyAsync(buf_, data, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
         const ncclResult_t r = ncclSend(buf_, bytes, ncclUint8, peer, comm_, stream_);
         if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "ncclSend to rank " + std::to_string(peer));
-        wait_stream("sending " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer), true);
+        const std::string what = "sending " + std::to_string(bytes) + " bytes to rank " + std::to_string(peer);
+        const auto t0 = clk::now();
+        wait_comm(what, true, t0);  // enqueued (non-blocking NCCL), then delivered
+        wait_stream(what, true, t0);
     }
 
     void recv(int peer, void *data, size_t bytes) override { receive(peer, data, bytes, true); }
@@ -77,9 +80,12 @@ class nccl_endpoint final : public transport {
         reserve(bytes);
         const ncclResult_t r = ncclRecv(buf_, bytes, ncclUint8, peer, comm_, stream_);
         if (r != ncclSuccess && r != ncclInProgress) fail_nccl(r, "ncclRecv from rank " + std::to_string(peer));
-        wait_stream("waiting for " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer), deadline);
+        const std::string what = "waiting for " + std::to_string(bytes) + " bytes from rank " + std::to_string(peer);
+        const auto t0 = clk::now();
+        wait_comm(what, deadline, t0);  // enqueued (non-blocking NCCL), then arrived
+        wait_stream(what, deadline, t0);
         check_cuda(cudaMemcpyAsync(data, buf_, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
-        wait_stream("copying a received message", true);
+        wait_stream("copying a received message", true, clk::now());
     }
 
     void begin(int peer, const char *what) {
@@ -103,9 +109,9 @@ class nccl_endpoint final : public transport {
         return why_;
     }
 
-    // Poll until the stream drains; NCCL errors, abort() and the deadline end the wait with an error.
-    void wait_stream(const std::string &what, bool deadline) {
-        const auto t0 = clk::now();
+    // Poll until the stream drains; NCCL errors, abort() and the deadline (from t0) end the wait with
+    // an error.
+    void wait_stream(const std::string &what, bool deadline, clk::time_point t0) {
         for (;;) {
             if (aborted_.load()) throw error("dist: rank " + std::to_string(rank_) + " aborted: " + reason());
             const cudaError_t e = cudaStreamQuery(stream_);
@@ -120,10 +126,14 @@ class nccl_endpoint final : public transport {
         }
     }
 
-    // Init completes when the async error leaves ncclInProgress.
-    void wait_comm(const std::string &what, bool deadline) {
-        const auto t0 = clk::now();
+    // Non-blocking NCCL: a call that returned ncclInProgress (init; a send/recv, which may first
+    // connect to its peer) has finished -- for a send/recv: is enqueued on the stream -- only when
+    // ncclCommGetAsyncError reports ncclSuccess. Before that the stream looks idle (a receiver would
+    // read a stale buffer) and NCCL refuses the next call, so every call waits here first (first run
+    // on 2 GPUs, docs/dist.md). abort(), NCCL errors and the deadline (from t0) end the wait.
+    void wait_comm(const std::string &what, bool deadline, clk::time_point t0, const std::string &hint = "") {
         for (;;) {
+            if (aborted_.load()) throw error("dist: rank " + std::to_string(rank_) + " aborted: " + reason());
             ncclResult_t st = ncclSuccess;
             const ncclResult_t r = ncclCommGetAsyncError(comm_, &st);
             if (r != ncclSuccess) fail_nccl(r, what);
@@ -131,8 +141,8 @@ class nccl_endpoint final : public transport {
             if (st != ncclInProgress) fail_nccl(st, what);
             if (deadline && clk::now() - t0 > timeout_)
                 fatal("dist: rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_.count()) +
-                      " ms in " + what + " (are all " + std::to_string(size_) + " ranks started?)");
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                      " ms " + (hint.empty() ? what : "in " + what + hint));
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
     }
 

@@ -11,7 +11,9 @@ namespace fathom::dist {
 
 namespace {
 
-enum op : int64_t { op_stop = 0, op_forward = 1, op_reset = 2 };
+// No op is 0: a zeroed or never-written buffer is a bad header, not a stop (a transport bug once
+// delivered zeros; docs/dist.md).
+enum op : int64_t { op_forward = 1, op_reset = 2, op_stop = 3 };
 enum logits_mode : int64_t { logits_none = 0, logits_last = 1, logits_all = 2 };
 constexpr size_t header_len = 4;
 

@@ -6,7 +6,7 @@
 // the unsplit forward bit for bit.
 //
 // Wire protocol per chunk (rank r -> r+1), every message sized from the header:
-//   header int64[4] = {op, n, logits_mode, n_past}   op: 1 forward, 2 reset, 0 stop
+//   header int64[4] = {op, n, logits_mode, n_past}   op: 1 forward, 2 reset, 3 stop (never 0)
 //   tokens int32[n], positions int64[n], state f32[n * n_hc * D]      (op == forward only)
 // and last rank -> rank 0: logits f32[n * n_vocab] (mode all) or f32[n_vocab] (mode last).
 // Errors: any failure (a peer's death, a timeout, a bad message) throws a one-line fathom::error on the

@@ -67,8 +67,8 @@ bool cuts_word(std::string_view text, uint64_t b) {
 
 }  // namespace
 
-std::vector<std::vector<int64_t>> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
-                                                std::string_view text, byte_span query, const options &o) {
+std::vector<anchor_group> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
+                                        std::string_view text, byte_span query, const options &o) {
     const int64_t n = static_cast<int64_t>(ids.size()), g = o.anchor_ngram, C = o.chunk_tokens;
     if (g <= 0 || n < 2 * g || o.anchor_tail_tokens <= 0) return {};
     // Query tokens: the last anchor_tail_tokens drafter tokens inside `query` (and non-empty).
@@ -121,26 +121,35 @@ std::vector<std::vector<int64_t>> anchor_groups(std::span<const int32_t> ids, st
         const int64_t h = static_cast<int64_t>(grams[k].occ.size());
         if (h >= 1 && h <= o.anchor_max_hits) order.push_back(k);
     }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return grams[a].occ.size() < grams[b].occ.size(); });
-    std::vector<std::vector<int64_t>> out;
+    // Latest in the query first (the question sits at the end, after any document text that falls
+    // inside the query window), then rarest first.
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        if (grams[a].start != grams[b].start) return grams[a].start > grams[b].start;
+        return grams[a].occ.size() < grams[b].occ.size();
+    });
+    auto add_range = [&](std::vector<int64_t> &v, int64_t a, int64_t b) {  // chunks of tokens [a, b)
+        for (int64_t c = std::max<int64_t>(0, a) / C; c <= (std::min(n, b) - 1) / C; ++c) v.push_back(c);
+    };
+    auto sort_unique = [](std::vector<int64_t> &v) {
+        std::sort(v.begin(), v.end());
+        v.erase(std::unique(v.begin(), v.end()), v.end());
+    };
+    std::vector<anchor_group> out;
     for (size_t k : order) {
-        std::vector<int64_t> chunks;
+        anchor_group grp;
         for (int64_t p : grams[k].occ) {
-            const int64_t a = std::max<int64_t>(0, p - o.anchor_radius_tokens);
-            const int64_t b = std::min<int64_t>(n, p + g + o.anchor_radius_tokens);  // exclusive
-            for (int64_t c = a / C; c <= (b - 1) / C; ++c) chunks.push_back(c);
+            add_range(grp.core, p, p + g);
+            add_range(grp.all, p - o.anchor_radius_tokens, p + g + o.anchor_radius_tokens);
         }
-        std::sort(chunks.begin(), chunks.end());
-        chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
-        if (std::find(out.begin(), out.end(), chunks) == out.end()) out.push_back(std::move(chunks));
+        sort_unique(grp.core);
+        sort_unique(grp.all);
+        if (std::find(out.begin(), out.end(), grp) == out.end()) out.push_back(std::move(grp));
     }
     return out;
 }
 
-int64_t anchor_budget(int64_t budget, int64_t n_forced, const options &o) {
-    const int64_t share = std::llround(o.anchor_budget_fraction * static_cast<double>(budget));
-    return std::max<int64_t>(0, std::min(share, budget - n_forced));
+int64_t anchor_budget(int64_t budget, const options &o) {
+    return std::llround(o.anchor_budget_fraction * static_cast<double>(budget));
 }
 
 int64_t chunk_budget(int64_t n_chunks, const options &o) {
@@ -184,12 +193,24 @@ selection select_spans(std::span<const int32_t> ids, std::span<const byte_span> 
         return byte_span{spans[static_cast<size_t>(a)].begin, spans[static_cast<size_t>(b)].end};
     };
 
-    // Forced chunks: head, tail, and chunks overlapping forced structure.
+    // Forced chunks: head, tail, and chunks overlapping forced verbatim text. Forced ranges made only of
+    // role markers are kept as bytes (added to the ranges below) but force no chunk: a marker is a few
+    // tokens, and forcing the chunks around every turn's markers would eat the budget of a long chat.
+    std::vector<byte_span> verbatim;
+    for (const byte_span &f : st.forced) {
+        uint64_t marker_bytes = 0;  // headers and footers are disjoint: their overlaps with f add up
+        for (const chat_turn &t : st.turns)
+            for (const byte_span &m : {t.header, t.footer})
+                marker_bytes += std::min(f.end, m.end) > std::max(f.begin, m.begin)
+                                    ? std::min(f.end, m.end) - std::max(f.begin, m.begin)
+                                    : 0;
+        if (marker_bytes < f.end - f.begin) verbatim.push_back(f);
+    }
     std::vector<bool> forced(static_cast<size_t>(n_chunks), false);
     for (int64_t c = 0; c < n_chunks; ++c) {
         if (c < o.head_chunks || c >= n_chunks - o.tail_chunks) forced[static_cast<size_t>(c)] = true;
         const byte_span cb = chunk_bytes(c);
-        for (const byte_span &f : st.forced)
+        for (const byte_span &f : verbatim)
             if (f.begin < cb.end && cb.begin < f.end) forced[static_cast<size_t>(c)] = true;
     }
     int64_t kept = 0;
@@ -201,16 +222,21 @@ selection select_spans(std::span<const int32_t> ids, std::span<const byte_span> 
     sel.n_forced = kept;
     const int64_t budget = chunk_budget(n_chunks, o);
 
-    // Anchors claim part of the budget, rarest n-gram first; a group that does not fit whole is skipped.
-    const int64_t anchor_cap = anchor_budget(budget, sel.n_forced, o);
+    // Anchors claim their share of the budget, the query's last n-grams first. The share is reserved even when head/tail/structure already fill the budget (many chat
+    // turns), so the question's references survive; the output is then at most n_forced + share.
+    const int64_t anchor_cap = anchor_budget(budget, o);
     if (anchor_cap > 0) {
-        for (const std::vector<int64_t> &grp : anchor_groups(ids, spans, text, anchor_query_bytes(st, text), o)) {
-            int64_t add = 0;
-            for (int64_t c : grp) add += sel.kept_chunk[static_cast<size_t>(c)] ? 0 : 1;
-            if (add == 0 || sel.n_anchor + add > anchor_cap) continue;
-            for (int64_t c : grp) sel.kept_chunk[static_cast<size_t>(c)] = true;
-            sel.n_anchor += add;
-            kept += add;
+        for (const anchor_group &grp : anchor_groups(ids, spans, text, anchor_query_bytes(st, text), o)) {
+            // The whole neighbourhood if it fits, else the chunks of the occurrences alone, else nothing.
+            for (const std::vector<int64_t> *part : {&grp.all, &grp.core}) {
+                int64_t add = 0;
+                for (int64_t c : *part) add += sel.kept_chunk[static_cast<size_t>(c)] ? 0 : 1;
+                if (sel.n_anchor + add > anchor_cap) continue;
+                for (int64_t c : *part) sel.kept_chunk[static_cast<size_t>(c)] = true;
+                sel.n_anchor += add;
+                kept += add;
+                break;
+            }
         }
     }
 

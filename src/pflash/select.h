@@ -29,14 +29,20 @@ byte_span anchor_query_bytes(const prompt_structure &st, std::string_view text);
 // `query` (bytes). An anchor_ngram-gram of the query qualifies when it holds at least one content token
 // and does not cut a word (no ASCII letter/digit on both sides of its first or last boundary); its
 // earlier occurrences (before the query, also not cutting a word) count if there are 1..anchor_max_hits
-// of them. One group per qualifying n-gram: the chunks within anchor_radius_tokens of its occurrences.
-// Groups come rarest n-gram first (then in query order), duplicates removed.
-std::vector<std::vector<int64_t>> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
-                                                std::string_view text, byte_span query, const options &o);
+// of them. One group per qualifying n-gram: `core` = the chunks its occurrences lie in, `all` = core and
+// the chunks within anchor_radius_tokens of them. Groups come latest n-gram of the query first (the
+// question ends the prompt; document text inside the query window comes before it), ties rarest
+// first; duplicates removed.
+struct anchor_group {
+    std::vector<int64_t> core, all;  // ascending chunk indices
+    bool operator==(const anchor_group &) const = default;
+};
+std::vector<anchor_group> anchor_groups(std::span<const int32_t> ids, std::span<const byte_span> spans,
+                                        std::string_view text, byte_span query, const options &o);
 
-// Chunks the anchors may claim: round(anchor_budget_fraction * budget), and never more than the budget
-// left after the forced chunks (anchors do not push the selection past keep_ratio).
-int64_t anchor_budget(int64_t budget, int64_t n_forced, const options &o);
+// Chunks the anchors may claim: round(anchor_budget_fraction * budget). Anchor chunks count against the
+// budget like scored ones, so the selection stays within max(budget, n_forced + this share).
+int64_t anchor_budget(int64_t budget, const options &o);
 
 // Number of chunks the budget allows: 0 if keep_ratio == 0, else max(min_chunks, round(r * n)), <= n.
 int64_t chunk_budget(int64_t n_chunks, const options &o);

@@ -172,3 +172,19 @@ TEST(dist_transport, pipeline_protocol_error_propagates) {
 }
 
 }  // namespace
+
+namespace {
+
+// The first 2-GPU run (docs/dist.md) had the NCCL transport hand a receiver a zeroed buffer; with
+// op 0 meaning "stop", rank 1 left serve() quietly. No op is 0 now: zeros are a protocol error.
+TEST(dist_transport, zeroed_header_is_an_error_not_a_stop) {
+    const auto &m = small_model();
+    dist::inprocess_hub hub(2, 30s);
+    auto e0 = hub.endpoint(0), e1 = hub.endpoint(1);
+    dist::pipeline_rank r1(m, {{0, 1}, {1, 3}}, *e1, ds4::qat_mode::full, kv_precision::f32);
+    const int64_t zeros[4] = {0, 0, 0, 0};
+    e0->send(1, zeros, sizeof zeros);
+    EXPECT_EQ(error_of([&] { r1.serve(); }), "dist: rank 1 received a bad header {0, 0, 0, 0} at n_past 0");
+}
+
+}  // namespace

@@ -5,6 +5,7 @@
 // drafter prefix reuse across calls.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <filesystem>
 
 #include "fathom/engine.h"
@@ -79,6 +80,58 @@ TEST(pflash_compress, needle_found_by_scores_and_tokens_are_original) {
     const std::string kept = target().detokenize(r.tokens);
     EXPECT_NE(kept.find("48213"), std::string::npos) << kept;
     EXPECT_NE(kept.find("Question: what is the secret code"), std::string::npos);
+}
+
+// The prompt on which the old anchor rule over-fired (keep 0.2, 0.5 and 1.0 all kept ~75 %): a Gemma
+// chat of ~700 target tokens with a numbered list ("entry 40".."entry 49": single-digit drafter
+// tokens), a filler sentence repeated in every turn, role markers in every turn, and a last user
+// question about one entry.
+std::string chat_list_prompt() {
+    static const char *val[] = {"amber", "basil", "cedar", "delta", "ember", "fable", "garnet", "harbor", "indigo", "juniper"};
+    const std::string filler = "The weather stayed calm and the harbor lights were dim that evening. ";
+    std::string s;
+    for (int turn = 0; turn < 5; ++turn) {
+        s += "<start_of_turn>user\nHere are more notes. " + filler;
+        for (int k = 0; k < 2; ++k) {
+            const int e = 40 + turn * 2 + k;
+            s += "The value of entry " + std::to_string(e) + " is " + val[e - 40] + ". ";
+            s += "Farmers carried baskets of apples number " + std::to_string(turn * 7 + k) + " to the market. " + filler;
+        }
+        s += "Children read stories in the library until the bell. A narrow bridge joined the two halves of the village.";
+        s += "<end_of_turn>\n<start_of_turn>model\nNoted, thank you.<end_of_turn>\n";
+    }
+    return s + "<start_of_turn>user\nWhat is the value of entry 47?<end_of_turn>\n<start_of_turn>model\n";
+}
+
+TEST(pflash_compress, keep_ratio_bounds_anchors_on_repetitive_chat) {
+    if (!have_models()) GTEST_SKIP() << "models missing";
+    const std::vector<int32_t> prompt = target().tokenize(chat_list_prompt(), true, true);
+    options o = base_opts();
+    o.chunk_tokens = 32;
+    o.verbatim_last_user = true;
+    o.residency = drafter_residency::keep;
+    auto c = compressor::create(o);
+    int64_t prev = 0;
+    for (double keep : {0.2, 0.5, 1.0}) {
+        c->set_keep_ratio(keep);
+        const result r = c->compress(target(), prompt);  // scores cached after the first call
+        std::printf("keep %.1f: %lld of %zu tokens, %lld/%lld chunks (%lld forced, %lld anchor)\n", keep,
+                    static_cast<long long>(r.n_effective), prompt.size(), static_cast<long long>(r.n_kept_chunks),
+                    static_cast<long long>(r.n_chunks), static_cast<long long>(r.n_forced_chunks),
+                    static_cast<long long>(r.n_anchor_chunks));
+        EXPECT_GT(r.n_effective, prev) << "keep " << keep;
+        if (keep < 1.0) {
+            EXPECT_LE(r.n_effective, static_cast<int64_t>(static_cast<double>(prompt.size()) * (keep + 0.2))) << "keep " << keep;
+        }
+        prev = r.n_effective;
+        const std::string kept = target().detokenize(r.tokens);
+        EXPECT_NE(kept.find("entry 47 is harbor"), std::string::npos) << "keep " << keep << ": " << kept;
+        EXPECT_NE(kept.find("What is the value of entry 47?"), std::string::npos);
+        if (keep == 0.2) {
+            EXPECT_GT(r.n_anchor_chunks, 0);
+        }
+    }
+    EXPECT_EQ(prev, static_cast<int64_t>(prompt.size()));
 }
 
 TEST(pflash_compress, score_cache_and_prefix_reuse) {

@@ -47,8 +47,7 @@ std::vector<int32_t> read_ids(const fs::path &p) {
     return ids;
 }
 
-// Distinct filler sentences: a repeated filler would make the anchor rule (n-grams of the query tail
-// seen earlier at most 8 times) keep most of it.
+// Varied filler sentences, one needle; the question's n-grams anchor the needle (within the budget).
 std::string needle_prompt() {
     static const char *w[] = {"apple",  "river",  "lantern", "copper", "meadow", "violin", "harbor",
                               "pepper", "glacier", "saddle", "orchid", "tunnel", "walnut", "canyon",

@@ -82,31 +82,79 @@ TEST(pflash_select, zero_ratio_keeps_only_forced) {
     EXPECT_EQ(s.kept, (std::vector<byte_span>{{0, 4}, {32, 40}}));  // adjacent chunks merged
 }
 
-TEST(pflash_select, anchors_force_earlier_occurrences) {
-    toy t(64);  // 16 chunks of 4
-    // The tail (last 8 tokens) holds the 3-gram 501 502 503; it also occurs at token 21 (chunk 5).
-    for (int i = 0; i < 3; ++i) {
-        t.ids[static_cast<size_t>(21 + i)] = 501 + i;
-        t.ids[static_cast<size_t>(58 + i)] = 501 + i;
-    }
+TEST(pflash_select, anchors_claim_budget_for_earlier_occurrences) {
+    // 64 one-byte tokens over a text of spaces (16 chunks of 4); the 3-gram 501 502 503 spells the
+    // word "abc" in the tail (token 58) and earlier at token 21 (chunk 5).
+    toy t(64, std::string(64, ' '));
+    for (int base : {21, 58})
+        for (int i = 0; i < 3; ++i) {
+            t.ids[static_cast<size_t>(base + i)] = 501 + i;
+            t.text[static_cast<size_t>(base + i)] = static_cast<char>('a' + i);
+        }
     options o = small_opts();
-    o.keep_ratio = 0.0;
     o.anchor_ngram = 3;
     o.anchor_tail_tokens = 8;
     o.anchor_max_hits = 2;
     o.anchor_radius_tokens = 0;
-    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, std::vector<float>(16, 0.f), {}, t.text, o)),
-              (std::vector<int64_t>{0, 5, 15}));
-    // Radius 3 tokens: tokens [18, 27) -> chunks 4..6.
+    o.anchor_budget_fraction = 0.5;
+    const std::vector<float> zero(16, 0.f);  // no score preference: the fill takes the earliest chunks
+    // keep 3/16: budget 3, forced head 0 + tail 15, anchor share round(1.5) = 2 -> chunk 5; budget full.
+    o.keep_ratio = 3.0 / 16;
+    selection s = select_spans(t.ids, t.spans, zero, {}, t.text, o);
+    EXPECT_EQ(kept_chunks(s), (std::vector<int64_t>{0, 5, 15}));
+    EXPECT_EQ(s.n_anchor, 1);
+    // Radius 3 tokens: tokens [18, 27) -> chunks 4..6, 3 chunks: over the share of 2, so only the
+    // occurrence's own chunk 5 is kept.
     o.anchor_radius_tokens = 3;
-    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, std::vector<float>(16, 0.f), {}, t.text, o)),
-              (std::vector<int64_t>{0, 4, 5, 6, 15}));
+    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, zero, {}, t.text, o)), (std::vector<int64_t>{0, 5, 15}));
+    o.anchor_ngram = 3;
+    EXPECT_EQ(anchor_groups(t.ids, t.spans, t.text, {0, 64}, o),
+              (std::vector<anchor_group>{{.core = {5}, .all = {4, 5, 6}}}));
+    // keep 5/16: budget 5, share round(2.5) = 3 -> the group fits.
+    o.keep_ratio = 5.0 / 16;
+    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, zero, {}, t.text, o)), (std::vector<int64_t>{0, 4, 5, 6, 15}));
+    // keep 0: no budget, so anchors add nothing (only head and tail).
+    o.keep_ratio = 0.0;
+    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, zero, {}, t.text, o)), (std::vector<int64_t>{0, 15}));
     // Too common: occurrences at 21, 33 and 45 exceed max_hits 2 -> no anchor.
+    o.keep_ratio = 3.0 / 16;
     o.anchor_radius_tokens = 0;
     for (int base : {33, 45})
         for (int i = 0; i < 3; ++i) t.ids[static_cast<size_t>(base + i)] = 501 + i;
-    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, std::vector<float>(16, 0.f), {}, t.text, o)),
-              (std::vector<int64_t>{0, 15}));
+    // (bytes at 33 and 45 are spaces, but occurrences are matched on ids; words are checked on bytes)
+    EXPECT_EQ(kept_chunks(select_spans(t.ids, t.spans, zero, {}, t.text, o)), (std::vector<int64_t>{0, 1, 15}));
+}
+
+TEST(pflash_select, anchor_ngrams_need_content_and_whole_words) {
+    EXPECT_TRUE(is_content_piece(" entry"));
+    EXPECT_TRUE(is_content_piece("\xc3\xa9"));       // é
+    EXPECT_TRUE(is_content_piece("\xe6\x97\xa5"));   // 日
+    EXPECT_FALSE(is_content_piece(" 47"));
+    EXPECT_FALSE(is_content_piece(" .,;:\n\t"));
+    EXPECT_FALSE(is_content_piece("\xe2\x80\x94"));  // em dash (General Punctuation)
+    EXPECT_FALSE(is_content_piece("\xe3\x80\x82"));  // ideographic full stop
+    EXPECT_FALSE(is_content_piece(""));
+
+    // "x7y" cut as tokens x|7|y: the 2-gram "7y" in the tail cuts the word "x7y" -> no anchor; the
+    // 2-gram ". ." has no content -> no anchor; the whole word " x7y" as tokens " x","7","y" is fine.
+    options o = small_opts();
+    o.anchor_ngram = 2;
+    o.anchor_tail_tokens = 2;
+    o.anchor_max_hits = 4;
+    o.anchor_radius_tokens = 0;
+    const std::string text = "x7y . . x7y";
+    //                 tokens: x 7 y _. _. _x 7 y  (spans below)
+    const std::vector<byte_span> sp = {{0, 1}, {1, 2}, {2, 3}, {3, 5}, {5, 7}, {7, 9}, {9, 10}, {10, 11}};
+    const std::vector<int32_t> ids = {1, 2, 3, 4, 4, 5, 2, 3};
+    EXPECT_TRUE(anchor_groups(ids, sp, text, {0, text.size()}, o).empty());  // tail "7","y": cuts "x7y"
+    o.anchor_tail_tokens = 3;  // tail " x","7","y": "7 y" still cuts; " x 7" cuts too -> nothing
+    EXPECT_TRUE(anchor_groups(ids, sp, text, {0, text.size()}, o).empty());
+    o.anchor_ngram = 3;        // " x 7 y" is a whole word but never occurs earlier as those ids
+    EXPECT_TRUE(anchor_groups(ids, sp, text, {0, text.size()}, o).empty());
+    const std::vector<int32_t> ids2 = {5, 2, 3, 4, 4, 5, 2, 3};  // now it does, at token 0
+    EXPECT_EQ(anchor_groups(ids2, sp, text, {0, text.size()}, o), (std::vector<anchor_group>{{.core = {0}, .all = {0}}}));
+    // A query span of one token (" ." at [3, 5)) holds no 3-gram -> no anchors.
+    EXPECT_TRUE(anchor_groups(ids2, sp, text, {3, 5}, o).empty());
 }
 
 TEST(pflash_structure, chatml_turns_forced) {
@@ -231,6 +279,13 @@ TEST(pflash_options, other_fields) {
     b = o;
     b.chunk_tokens = 0;
     EXPECT_THROW(b.validate(), fathom::error);
+    for (double f : {-0.1, 1.5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+        b = o;
+        b.anchor_budget_fraction = f;
+        EXPECT_THROW(b.validate(), fathom::error) << f;
+    }
+    b.anchor_budget_fraction = 0.0;
+    EXPECT_NO_THROW(b.validate());
     EXPECT_EQ(parse_residency("keep"), drafter_residency::keep);
     EXPECT_EQ(parse_residency("release-after-use"), drafter_residency::release_after_use);
     EXPECT_EQ(parse_residency("auto"), drafter_residency::auto_select);

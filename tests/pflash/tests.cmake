@@ -1,5 +1,5 @@
 # PFlash extra ctest entries (included from tests/CMakeLists.txt with `dir` = this directory).
-#   pflash_niah_e2e   slow gate: 4K-token 5-needle retrieval, PFlash keep 0.2 within 10 points of full
+#   pflash_niah_e2e   slow gate: 4K- and 8K-token 5-needle retrieval, PFlash keep 0.2 within 10 points of full
 #                     prefill (Gemma3-270M target, SmolLM2-135M drafter); run with `ctest -L slow`
 #   pflash_cli_*      the keep-ratio check on the CLI surfaces: NaN / Inf / negative / > 1 fail with
 #                     a one-line error before any model is loaded

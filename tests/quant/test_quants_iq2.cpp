@@ -4,7 +4,7 @@
 //    q8_K bytes, must equal vec_dot and every gemm element bit for bit on the SIMD levels;
 //  - gemm == vec_dot bit for bit for every M, row range and tile edge (batch invariance);
 //  - scalar and SIMD agree to float-summation accuracy on quantised random rows;
-//  - the worst-case magnitudes (largest grid, scale 15, |a| = 127) do not overflow the i16/i32 lanes;
+//  - the worst-case magnitudes (largest grid, scale 15, |a| = 127, one sign) do not overflow the i16/i32 lanes;
 //  - a flipped weight bit changes the result past the f64 tolerance (the checks can fail).
 #include <gtest/gtest.h>
 
@@ -226,7 +226,7 @@ TEST(QuantIq2, ScalarAndSimdAgree) {
 }
 
 // Worst case for the integer lanes: every group uses the grid point with the largest magnitudes,
-// scale 15 (factor 31), no signs, and activations all 127, so every product has the same sign and
+// scale 15 (factor 31), no signs, and activations all +-127 alike, so every product has the same sign and
 // maddubs sees its largest pair sums. Expected value from the format rule, in f64.
 TEST(QuantIq2, ExtremeMagnitudesDoNotOverflow) {
     isa_guard g;
@@ -261,12 +261,16 @@ TEST(QuantIq2, ExtremeMagnitudesDoNotOverflow) {
     const std::vector<float> x(static_cast<size_t>(K), 1.0f);
     std::vector<uint8_t> a(dtype_row_bytes(dtype::q8_k, K));
     quantize_row(dtype::q8_k, x.data(), a.data(), K);
+    // ggml's q8_K scales by -127 / (signed max): all ones become q = -127 with a negative d.
+    const int q0 = static_cast<int8_t>(a[4]);
+    ASSERT_EQ(std::abs(q0), 127);
     for (int64_t b = 0; b < K / 256; ++b)
-        for (int k = 0; k < 256; ++k) ASSERT_EQ(static_cast<int8_t>(a[b * kQ8k + 4 + k]), 127);
+        for (int k = 0; k < 256; ++k) ASSERT_EQ(static_cast<int8_t>(a[b * kQ8k + 4 + k]), q0);
     float da;
     std::memcpy(&da, a.data(), 4);
-    // Per block: 32 grid points, each best_sum * 31 / 8 * 127 * da.
-    const double want = static_cast<double>(K / 256) * 32 * best_sum * 31.0 / 8.0 * 127.0 * da;
+    // Per block: 32 grid points, each best_sum * 31 / 8 * q0 * da.
+    const double want = static_cast<double>(K / 256) * 32 * best_sum * 31.0 / 8.0 * q0 * da;
+    ASSERT_GT(want, 0.0);
     for (isa level : isas()) {
         force_isa(level);
         const float got = vec_dot(dtype::iq2_xxs, K, w.data(), a.data());

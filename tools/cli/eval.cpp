@@ -5,6 +5,7 @@
 // trial, without cache) + span selection + the target's prefill of the kept tokens + the first token.
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -32,6 +33,7 @@ struct niah_args {
     int32_t max_tokens = 64;
     std::string csv_path;
     bool no_anchors = false;
+    bool no_full = false;
 };
 
 std::vector<double> parse_ratios(const std::string &s) {
@@ -56,8 +58,16 @@ std::vector<double> parse_ratios(const std::string &s) {
 struct run_result {
     int32_t correct = 0;
     double prefill_s = 0, ttft_s = 0;
+    double prefill_cpu_s = 0;  // process CPU seconds of the prefill (all threads; steadier under load)
     std::string text;
 };
+
+// CPU seconds used by this process so far (all threads).
+double process_cpu_s() {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 // Fresh prefill of `prompt` (no reuse), then greedy decoding until EOG, max_tokens or as many lines
 // as there are needles.
@@ -66,8 +76,10 @@ run_result answer(engine &eng, session &sess, const std::vector<int32_t> &prompt
     run_result r;
     sess.reset();
     const auto t0 = clock::now();
+    const double c0 = process_cpu_s();
     sess.sync(prompt);
     r.prefill_s = seconds_since(t0);
+    r.prefill_cpu_s = process_cpu_s() - c0;
     std::vector<int32_t> out;
     for (int32_t i = 0; i < max_tokens; ++i) {
         const auto lg = sess.logits();
@@ -117,7 +129,8 @@ void niah_main(const niah_args &a) {
         write_out(line + "\n");
         if (csv_file) csv_file << line << "\n";
     };
-    emit("mode,keep_ratio,trial,n_prompt,n_effective,correct,needles,drafter_s,prefill_s,ttft_s,answer");
+    emit("mode,keep_ratio,trial,n_prompt,n_effective,correct,needles,drafter_s,prefill_s,ttft_s,drafter_cpu_s,"
+         "prefill_cpu_s,anchor_chunks,answer");
     struct agg {
         int64_t correct = 0, total = 0, n_eff = 0, n_runs = 0;
         double ttft = 0;
@@ -132,27 +145,30 @@ void niah_main(const niah_args &a) {
         const pflash::niah_case c = pflash::niah_generate(
             no, [&](std::string_view s) { return static_cast<int64_t>(eng->tokenize(s, false, false).size()); });
         const std::vector<int32_t> full = tokenize_prompt(*eng, c.prompt);
-        char buf[512];
-        {
+        char buf[1024];
+        if (!a.no_full) {
             const run_result r = answer(*eng, *sess, full, c, a.max_tokens);
-            std::snprintf(buf, sizeof buf, "full,1,%d,%zu,%zu,%d,%zu,0,%.3f,%.3f,\"%s\"", trial, full.size(), full.size(),
-                          r.correct, c.needles.size(), r.prefill_s, r.ttft_s, one_line(r.text).c_str());
+            std::snprintf(buf, sizeof buf, "full,1,%d,%zu,%zu,%d,%zu,0,%.3f,%.3f,0,%.3f,0,\"%s\"", trial, full.size(),
+                          full.size(), r.correct, c.needles.size(), r.prefill_s, r.ttft_s, r.prefill_cpu_s,
+                          one_line(r.text).c_str());
             emit(buf);
             agg &s = sums[-1.0];
             s.correct += r.correct, s.total += static_cast<int64_t>(c.needles.size()), s.ttft += r.ttft_s;
             s.n_eff += static_cast<int64_t>(full.size()), ++s.n_runs;
         }
         comp->clear_score_cache();
-        double score_s = -1;  // the uncached drafter scoring of this haystack
+        double score_s = -1, score_cpu_s = 0;  // the uncached drafter scoring of this haystack
         for (double ratio : ratios) {
             comp->set_keep_ratio(ratio);
+            const double c0 = process_cpu_s();
             const pflash::result pr = comp->compress(*eng, full);
-            if (score_s < 0) score_s = pr.score_s;
+            if (score_s < 0) score_s = pr.score_s, score_cpu_s = process_cpu_s() - c0;
             const run_result r = answer(*eng, *sess, pr.tokens, c, a.max_tokens);
             const double ttft = score_s + pr.select_s + r.ttft_s;
-            std::snprintf(buf, sizeof buf, "pflash,%.3f,%d,%zu,%lld,%d,%zu,%.3f,%.3f,%.3f,\"%s\"", ratio, trial, full.size(),
-                          static_cast<long long>(pr.n_effective), r.correct, c.needles.size(), score_s, r.prefill_s, ttft,
-                          one_line(r.text).c_str());
+            std::snprintf(buf, sizeof buf, "pflash,%.3f,%d,%zu,%lld,%d,%zu,%.3f,%.3f,%.3f,%.3f,%.3f,%lld,\"%s\"", ratio,
+                          trial, full.size(), static_cast<long long>(pr.n_effective), r.correct, c.needles.size(),
+                          score_s, r.prefill_s, ttft, score_cpu_s, r.prefill_cpu_s,
+                          static_cast<long long>(pr.n_anchor_chunks), one_line(r.text).c_str());
             emit(buf);
             agg &s = sums[ratio];
             s.correct += r.correct, s.total += static_cast<int64_t>(c.needles.size()), s.ttft += ttft;
@@ -188,6 +204,7 @@ void add_eval_command(CLI::App &app) {
     niah->add_option("--max-tokens", a->max_tokens, "Generation limit per answer")->capture_default_str()->check(at_least(1));
     niah->add_option("--csv", a->csv_path, "Also write the CSV rows to this file");
     niah->add_flag("--no-anchors", a->no_anchors, "Disable PFlash's n-gram anchor rule (scores alone choose spans)");
+    niah->add_flag("--no-full", a->no_full, "Skip the full-prefill runs (PFlash rows only)");
     niah->callback([a]() { niah_main(*a); });
 }
 

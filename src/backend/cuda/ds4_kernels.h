@@ -1,7 +1,8 @@
 // Host launchers of the DS4 (DeepSeek V4 Flash) decode building blocks on CUDA: the MoE expert
 // GEMVs reading only the selected experts' weights (ds4_moe.cu), the router (sqrt-softplus scores,
 // hash or biased top-k, weight normalisation; ds4_moe.cu) and the hyper-connection pre/post mixers
-// with Sinkhorn normalisation (ds4_hc.cu). One token per call (decode). Pointers are device
+// with Sinkhorn normalisation (ds4_hc.cu), the indexer's scoring and exact top-k (ds4_indexer.cu).
+// One token per call (decode). Pointers are device
 // addresses; every count that can change per token (token id, expert ids, routing weights) is read
 // from device memory, so the launches can be captured in a CUDA graph and replayed.
 // Reference semantics: src/models/deepseek4_moe.cpp (the CPU reference these are tested against,
@@ -41,8 +42,8 @@ struct expert_bank {
 // Gate/up half of n_slot experts for one token: for slot s (e = ids ? ids[s] : 0) and r < F:
 //   h[(s0 + s) * F + r] = silu(min(g, clamp)) * clamp(v, -clamp, clamp) * (w ? w[s] : 1)
 // with g = gate_e row r . x, v = up_e row r . x (x [D], 16-byte aligned). gate and up must have the
-// same shape [F, D]; their types may differ. An id outside the bank sets err_expert_id and leaves
-// that slot's h unwritten.
+// same shape [F, D] and type. An id outside the bank sets err_expert_id and leaves that slot's h
+// unwritten. The activation (x here, h rows for down) is staged in shared memory: D, F <= 8192.
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
 // Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
@@ -101,6 +102,14 @@ void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_
 // HCPost (spec 3.2): x_new[k*D + i] = post[k] * y[i] + sum_j comb[j*n_hc + k] * x_old[j*D + i].
 void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post,
                     const float *comb, float *x_new, cudaStream_t s);
+
+// ---- indexer (ds4_indexer.cu) -----------------------------------------------------------------------
+// Indexer selection (spec 4.5) for one query: q [n_head, dim], w [n_head] (already scaled), rows
+// [n, dim] (f32 or f16, row_stride bytes apart). out [min(topk, n)] = the rows with the largest
+// score_c = sum_h w_h * max(0, q_h . rows_c) (ties: lower row), ascending, as the CPU's
+// indexer_select. score: scratch [n]. n_head <= 128, dim <= 256.
+void launch_indexer_select(const float *q, const float *w, const void *rows, bool rows_f16, size_t row_stride,
+                           int64_t n, int n_head, int dim, int topk, float *score, int32_t *out, cudaStream_t s);
 
 // ---- benchmark support ----------------------------------------------------------------------------
 // Fills n bytes with a deterministic pseudo-random stream (splitmix64 of seed and the byte index).

@@ -4,10 +4,11 @@
 // whole-FFN chain. Launchers: ds4_kernels.h; block decoding: ds4_quant.cuh.
 //
 // GEMV layout: one warp per output row, lanes stride over the row's 32-weight units (a warp reads a
-// contiguous stretch of the row), x read through the read-only cache as float4. Grid = (row
-// blocks, slots): blockIdx.y picks the slot, its expert id comes from device memory.
+// contiguous stretch of the row); the activation vector is staged in padded shared memory once per
+// block (see pidx). Expert ids come from device memory.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
@@ -86,31 +87,60 @@ __device__ const uint64_t k_iq2xxs_grid[256] = {
     0x2b2b082b08080808ull, 0x2b2b190808192b08ull, 0x2b2b2b0819190808ull, 0x2b2b2b1908081908ull,
 };
 
-constexpr int kWarps = 4;  // 128-thread blocks, one output row per warp
+constexpr int kWarps = 8;       // 256-thread blocks, one output row per warp at a time
+constexpr int kDownRows = 2;    // down: rows per warp (blocks of kWarps * kDownRows rows)
+constexpr int kMaxCols = 8192;  // x / h staged in shared memory: 4.5 bytes per column (36 KB)
 
-// Stage the IQ2_XXS grid in shared memory (random 8-byte lookups; L1 would serve them too, but
-// shared memory keeps them off the weight stream's cache lines). Call before any early return.
+// Stage the IQ2_XXS grid in shared memory (random 8-byte lookups). No barrier here: the caller's
+// staging barrier covers it.
 template <dtype T>
 __device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
-    if constexpr (T == dtype::iq2_xxs) {
+    if constexpr (T == dtype::iq2_xxs)
         for (int i = threadIdx.x; i < 256; i += blockDim.x) sgrid[i] = k_iq2xxs_grid[i];
-        __syncthreads();
-    }
     return sgrid;
 }
 
-// Dot of a decoded unit with x: w[8r + i] pairs with x[base + r * stride + i] (base % 8 == 0).
-__device__ __forceinline__ float dot32(const float w[32], const float *__restrict__ x, int64_t base, int stride) {
+// The activation vector lives in shared memory with 4 floats of padding after every 32: lane l
+// of a warp decodes unit l (+ 32 k), 32 consecutive columns, so unpadded its float4 reads would all
+// hit one bank (through L1: 32 distinct lines per load, the first version's bottleneck, 12-17% of
+// the copy rate). Padded, 8 consecutive units' float4 reads cover all 32 banks.
+__device__ __forceinline__ int64_t pidx(int64_t e) {
+    return e + 4 * (e >> 5);
+}
+// xs[pidx(i)] = x[i], i < K (K % 32 == 0, x 16-byte aligned). Caller syncs.
+__device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K, float *xs) {
+    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < K; i += 4 * static_cast<int64_t>(blockDim.x))
+        *reinterpret_cast<float4 *>(xs + pidx(i)) = *reinterpret_cast<const float4 *>(x + i);
+}
+
+// Dot of a decoded unit with the staged vector: w[8r + i] pairs with x[base + r * stride + i]
+// (base % 8 == 0, so each run of 8 stays inside one padded group of 32).
+__device__ __forceinline__ float dot32(const float w[32], const float *xs, int64_t base, int stride) {
     float a = 0.0f;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-        const float4 *xp = reinterpret_cast<const float4 *>(x + base + r * stride);
-        const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+        const float4 *xp = reinterpret_cast<const float4 *>(xs + pidx(base + r * stride));
+        const float4 x0 = xp[0], x1 = xp[1];
         const float *wr = w + 8 * r;
         a += wr[0] * x0.x + wr[1] * x0.y + wr[2] * x0.z + wr[3] * x0.w;
         a += wr[4] * x1.x + wr[5] * x1.y + wr[6] * x1.z + wr[7] * x1.w;
     }
     return a;
+}
+
+// Gate and up units of one row position share each x read.
+__device__ __forceinline__ void dot32x2(const float wg[32], const float wu[32], const float *xs, int64_t base,
+                                        int stride, float &ag, float &au) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float4 *xp = reinterpret_cast<const float4 *>(xs + pidx(base + r * stride));
+        const float4 x0 = xp[0], x1 = xp[1];
+        const float *g = wg + 8 * r, *u = wu + 8 * r;
+        ag += g[0] * x0.x + g[1] * x0.y + g[2] * x0.z + g[3] * x0.w + g[4] * x1.x + g[5] * x1.y + g[6] * x1.z +
+              g[7] * x1.w;
+        au += u[0] * x0.x + u[1] * x0.y + u[2] * x0.z + u[3] * x0.w + u[4] * x1.x + u[5] * x1.y + u[6] * x1.z +
+              u[7] * x1.w;
+    }
 }
 
 __device__ __forceinline__ float warp_sum(float a) {
@@ -125,75 +155,104 @@ struct bank_dev {
     int64_t n_expert, rows, units;  // units = cols / 32
 };
 
+// Tasks t = (slot, row), slot-major, spread over a grid of about two blocks per SM (x is staged
+// once per block); consecutive warps take consecutive rows of one expert.
 template <dtype T>
 __global__ void __launch_bounds__(32 * kWarps)
     moe_gate_up_kernel(bank_dev g, bank_dev up, const int32_t *__restrict__ ids, const float *__restrict__ wts,
-                       int s0, const float *__restrict__ x, float clamp, float *__restrict__ h, uint32_t *err) {
+                       int n_slot, int s0, const float *__restrict__ x, float clamp, float *__restrict__ h,
+                       uint32_t *err) {
+    extern __shared__ float4 dyn_smem[];
+    float *xs = reinterpret_cast<float *>(dyn_smem);
     __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
     const uint64_t *grid = stage_grid<T>(sgrid);
-    const int slot = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = ids ? ids[slot] : 0;
-    if (e < 0 || e >= g.n_expert) {
-        if (threadIdx.x == 0 && blockIdx.x == 0) atomicOr(err, err_expert_id);
-        return;
-    }
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-    if (r >= g.rows) return;  // warp-uniform; no block barrier follows
-    const uint8_t *rg = g.data + static_cast<size_t>(e) * g.expert_bytes + static_cast<size_t>(r) * g.row_bytes;
-    const uint8_t *ru = up.data + static_cast<size_t>(e) * up.expert_bytes + static_cast<size_t>(r) * up.row_bytes;
-    float ag = 0.0f, au = 0.0f;
+    stage_vec(x, g.units * 32, xs);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t total = static_cast<int64_t>(n_slot) * g.rows;
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < total;
+         t += static_cast<int64_t>(gridDim.x) * kWarps) {
+        const int slot = static_cast<int>(t / g.rows);
+        const int64_t r = t % g.rows;
+        const int e = ids ? ids[slot] : 0;
+        if (e < 0 || e >= g.n_expert) {
+            if (r == 0 && lane == 0) atomicOr(err, err_expert_id);
+            continue;
+        }
+        const uint8_t *rg = g.data + static_cast<size_t>(e) * g.expert_bytes + static_cast<size_t>(r) * g.row_bytes;
+        const uint8_t *ru = up.data + static_cast<size_t>(e) * up.expert_bytes + static_cast<size_t>(r) * up.row_bytes;
+        float ag = 0.0f, au = 0.0f;
 #pragma unroll 2
-    for (int64_t u = lane; u < g.units; u += 32) {
-        float w[32];
-        int64_t base;
-        int stride;
-        ds4q::decode32<T>(rg, u, w, base, stride, grid);
-        ag += dot32(w, x, base, stride);
-        ds4q::decode32<T>(ru, u, w, base, stride, grid);
-        au += dot32(w, x, base, stride);
-    }
-    ag = warp_sum(ag);
-    au = warp_sum(au);
-    if (lane == 0) {
-        // CPU: silu(min(g, c)) * clamp(v, -c, c), then * w (deepseek4_moe.cpp swiglu_clamped).
-        const float gc = fminf(ag, clamp), vc = fminf(fmaxf(au, -clamp), clamp);
-        float hv = gc / (1.0f + expf(-gc)) * vc;
-        if (wts) hv *= wts[slot];
-        h[static_cast<int64_t>(s0 + slot) * g.rows + r] = hv;
+        for (int64_t u = lane; u < g.units; u += 32) {
+            float wg[32], wu[32];
+            int64_t base;
+            int stride;
+            ds4q::decode32<T>(rg, u, wg, base, stride, grid);
+            ds4q::decode32<T>(ru, u, wu, base, stride, grid);  // same type: same base / stride
+            dot32x2(wg, wu, xs, base, stride, ag, au);
+        }
+        ag = warp_sum(ag);
+        au = warp_sum(au);
+        if (lane == 0) {
+            // CPU: silu(min(g, c)) * clamp(v, -c, c), then * w (deepseek4_moe.cpp swiglu_clamped).
+            const float gc = fminf(ag, clamp), vc = fminf(fmaxf(au, -clamp), clamp);
+            float hv = gc / (1.0f + expf(-gc)) * vc;
+            if (wts) hv *= wts[slot];
+            h[static_cast<int64_t>(s0 + slot) * g.rows + r] = hv;
+        }
     }
 }
 
+// A block owns kWarps * kDownRows rows (warp w: rows w, w + kWarps, ...) and walks the slots in
+// order, staging each slot's h row in shared memory.
 template <dtype T>
 __global__ void __launch_bounds__(32 * kWarps)
     moe_down_kernel(bank_dev d, const int32_t *__restrict__ ids, int n_slot, int s0, const float *__restrict__ h,
                     bool accumulate, float *__restrict__ y, uint32_t *err) {
+    extern __shared__ float4 dyn_smem[];
+    float *xs = reinterpret_cast<float *>(dyn_smem);
     __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
     const uint64_t *grid = stage_grid<T>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-    if (r >= d.rows) return;
-    const int64_t F = d.units * 32;
-    float total = accumulate ? y[r] : 0.0f;
+    const int64_t F = d.units * 32, row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
+    float total[kDownRows];
+#pragma unroll
+    for (int q = 0; q < kDownRows; ++q) {
+        const int64_t r = row0 + q * kWarps;
+        total[q] = (accumulate && r < d.rows) ? y[r] : 0.0f;
+    }
     for (int s = 0; s < n_slot; ++s) {
+        __syncthreads();  // the previous slot's readers are done with xs
+        stage_vec(h + static_cast<int64_t>(s0 + s) * F, F, xs);
+        __syncthreads();
         const int e = ids ? ids[s] : 0;
         if (e < 0 || e >= d.n_expert) {
-            if (r == 0 && lane == 0) atomicOr(err, err_expert_id);
-            continue;
+            if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, err_expert_id);
+            continue;  // uniform over the block
         }
-        const uint8_t *row = d.data + static_cast<size_t>(e) * d.expert_bytes + static_cast<size_t>(r) * d.row_bytes;
-        const float *hs = h + static_cast<int64_t>(s0 + s) * F;
-        float a = 0.0f;
+        const uint8_t *ex = d.data + static_cast<size_t>(e) * d.expert_bytes;
+#pragma unroll
+        for (int q = 0; q < kDownRows; ++q) {
+            const int64_t r = row0 + q * kWarps;
+            if (r >= d.rows) continue;
+            const uint8_t *row = ex + static_cast<size_t>(r) * d.row_bytes;
+            float a = 0.0f;
 #pragma unroll 2
-        for (int64_t u = lane; u < d.units; u += 32) {
-            float w[32];
-            int64_t base;
-            int stride;
-            ds4q::decode32<T>(row, u, w, base, stride, grid);
-            a += dot32(w, hs, base, stride);
+            for (int64_t u = lane; u < d.units; u += 32) {
+                float w[32];
+                int64_t base;
+                int stride;
+                ds4q::decode32<T>(row, u, w, base, stride, grid);
+                a += dot32(w, xs, base, stride);
+            }
+            total[q] += warp_sum(a);  // per-expert sum first, then slot order (as the CPU)
         }
-        total += warp_sum(a);  // per-expert sum first, then slot order (as the CPU)
     }
-    if (lane == 0) y[r] = total;
+#pragma unroll
+    for (int q = 0; q < kDownRows; ++q) {
+        const int64_t r = row0 + q * kWarps;
+        if (lane == 0 && r < d.rows) y[r] = total[q];
+    }
 }
 
 // softplus as the CPU computes it in float (log1pf(expf(x)), torch threshold 20), each step
@@ -325,10 +384,18 @@ bank_dev to_dev(const expert_bank &b) {
     return {static_cast<const uint8_t *>(b.data), b.row_bytes, b.expert_bytes, b.n_expert, b.rows, b.cols / 32};
 }
 
-unsigned row_blocks(int64_t rows) {
-    const int64_t g = (rows + kWarps - 1) / kWarps;
-    if (g > 0x7fffffff) throw error("cuda ds4: " + std::to_string(rows) + " rows is too many for one launch");
-    return static_cast<unsigned>(g);
+size_t staged_bytes(int64_t cols) {
+    if (cols > kMaxCols)
+        throw error("cuda ds4 moe: " + std::to_string(cols) + " columns exceed the staged-activation limit of " +
+                    std::to_string(kMaxCols));
+    return static_cast<size_t>(cols + cols / 8) * sizeof(float);  // 36 floats per 32 columns
+}
+
+unsigned sm_count() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
+        throw error("cuda ds4 moe: cannot query the multiprocessor count");
+    return static_cast<unsigned>(n);
 }
 
 void check_launch(const char *what) {
@@ -336,10 +403,14 @@ void check_launch(const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
+struct nothing_fn {
+    template <dtype T> void operator()() const {}
+};
+
 }  // namespace
 
 bool expert_type_supported(dtype t) {
-    return ds4q::dispatch_expert_type(t, []<dtype>() {});
+    return ds4q::dispatch_expert_type(t, nothing_fn{});
 }
 
 int expert_alignment(dtype t) {
@@ -356,9 +427,12 @@ void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const in
         throw error("cuda ds4 moe: gate and up banks differ in type or shape");
     if (n_slot < 1 || n_slot > 65535 || s0 < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error("cuda ds4 moe: x must be 16-byte aligned");
-    const dim3 grid(row_blocks(gate.rows), static_cast<unsigned>(n_slot));
+    const size_t smem = staged_bytes(gate.cols);
+    const int64_t tasks = static_cast<int64_t>(n_slot) * gate.rows;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((tasks + kWarps - 1) / kWarps, 2 * sm_count()));
     ds4q::dispatch_expert_type(gate.type, [&]<dtype T>() {
-        moe_gate_up_kernel<T><<<grid, 32 * kWarps, 0, s>>>(to_dev(gate), to_dev(up), ids, w, s0, x, clamp, h, err);
+        moe_gate_up_kernel<T><<<grid, 32 * kWarps, smem, s>>>(to_dev(gate), to_dev(up), ids, w, n_slot, s0, x, clamp,
+                                                              h, err);
     });
     check_launch("moe gate/up");
 }
@@ -369,8 +443,10 @@ void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, in
     if (n_slot < 1 || s0 < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
     if (reinterpret_cast<uintptr_t>(h) % 16 != 0) throw error("cuda ds4 moe: h must be 16-byte aligned");
     ds4q::dispatch_expert_type(down.type, [&]<dtype T>() {
-        moe_down_kernel<T><<<row_blocks(down.rows), 32 * kWarps, 0, s>>>(to_dev(down), ids, n_slot, s0, h, accumulate,
-                                                                          y, err);
+        const int64_t per_block = kWarps * kDownRows;
+        const unsigned grid = static_cast<unsigned>((down.rows + per_block - 1) / per_block);
+        moe_down_kernel<T><<<grid, 32 * kWarps, staged_bytes(down.cols), s>>>(to_dev(down), ids, n_slot, s0, h,
+                                                                               accumulate, y, err);
     });
     check_launch("moe down");
 }

@@ -1,0 +1,609 @@
+// DS4 decode building blocks on CUDA (src/backend/cuda/ds4_*) against the CPU reference model code
+// (src/models/deepseek4_moe.cpp: hc_pre, hc_post, moe_route, moe_forward) on fresh random inputs,
+// with every device output NaN-poisoned first (an unwritten element makes rel_l2 NaN: fails).
+//   CudaDs4Host.*  block decoders vs cpu::dequantize_row, bit-exact (no GPU needed: runs in CI)
+//   CudaDs4.*      kernels on the device (skipped without one)
+//   CudaDs4Bench.* full DS4-Flash expert shapes, bandwidth vs the device copy rate; only with
+//                  FATHOM_DS4_BENCH=1 in the environment (not a correctness test)
+// Tolerances: the CPU reference accumulates dot products in double, the GPU GEMVs in f32 (per lane,
+// then a warp tree): relative L2 <= 1e-5 on outputs. Router ids must be identical; element-wise HC
+// arithmetic is repeated op for op (HC post: exact given the same inputs).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/cpu/iq_tables.h"
+#include "backend/cpu/quants.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_quant.cuh"
+#include "core/error.h"
+#include "models/deepseek4_impl.h"
+
+namespace fathom {
+namespace {
+
+namespace cd = cuda::ds4;
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        const cudaError_t e_ = (x);                                                  \
+        ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);          \
+    } while (0)
+
+double rel_l2(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const double d = static_cast<double>(a[i]) - b[i];
+        num += d * d;
+        den += static_cast<double>(b[i]) * b[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+}
+double rel_l2(const std::vector<float> &a, const std::vector<float> &b) {
+    EXPECT_EQ(a.size(), b.size());
+    return rel_l2(a.data(), b.data(), std::min(a.size(), b.size()));
+}
+
+std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f) {
+    std::normal_distribution<float> nd(0.0f, sd);
+    std::vector<float> v(n);
+    for (auto &x : v) x = nd(rng);
+    return v;
+}
+
+std::vector<uint64_t> host_grid() {
+    std::vector<uint64_t> g(256);
+    for (int i = 0; i < 256; ++i) std::memcpy(&g[static_cast<size_t>(i)], cpu::iq2xxs_grid[i], 8);
+    return g;
+}
+
+// Quantise rows x cols random N(0, sd) values to t with the CPU reference quantiser. IQ2_XXS (whose
+// reference quantiser searches the grid, slow for megabytes) gets uniformly random codes instead
+// (every grid entry and sign code) with block scales d giving weights of about sd.
+std::vector<uint8_t> quant_rows(dtype t, int64_t cols, int64_t rows, std::mt19937 &rng, float sd) {
+    if (t == dtype::iq2_xxs) {
+        std::vector<uint8_t> q(dtype_row_bytes(t, cols) * static_cast<size_t>(rows));
+        for (auto &b : q) b = static_cast<uint8_t>(rng() >> 24);
+        std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+        for (size_t off = 0; off < q.size(); off += 66) {  // 66-byte blocks: f16 d first
+            const uint16_t d = cpu::f32_to_f16(sd / 100.0f * ud(rng));
+            std::memcpy(&q[off], &d, 2);
+        }
+        return q;
+    }
+    const auto f = randn(static_cast<size_t>(cols * rows), rng, sd);
+    const size_t rb = dtype_row_bytes(t, cols);
+    std::vector<uint8_t> q(rb * static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) cpu::quantize_row(t, f.data() + r * cols, q.data() + rb * r, cols);
+    return q;
+}
+
+// ---- host: decoders --------------------------------------------------------------------------------
+
+template <dtype T>
+void check_units(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)));
+    std::mt19937 rng(static_cast<unsigned>(T) + 7);
+    const auto q = quant_rows(T, K, 1, rng, 1.0f);
+    std::vector<float> ref(static_cast<size_t>(K)), got(static_cast<size_t>(K), std::nanf(""));
+    cpu::dequantize_row(T, q.data(), ref.data(), K);
+    std::vector<int> hits(static_cast<size_t>(K), 0);
+    const auto grid = host_grid();
+    for (int64_t u = 0; u < K / 32; ++u) {
+        float w[32];
+        int64_t base;
+        int stride;
+        cuda::ds4q::decode32<T>(q.data(), u, w, base, stride, grid.data());
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t e = base + r * stride + i;
+                ASSERT_TRUE(e >= 0 && e < K) << "unit " << u;
+                got[static_cast<size_t>(e)] = w[8 * r + i];
+                ++hits[static_cast<size_t>(e)];
+            }
+    }
+    for (int64_t i = 0; i < K; ++i) {
+        ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << "element " << i;
+        ASSERT_EQ(got[static_cast<size_t>(i)], ref[static_cast<size_t>(i)]) << "element " << i;
+    }
+}
+
+TEST(CudaDs4Host, ExpertUnitsMatchCpuDequantisation) {
+    check_units<dtype::iq2_xxs>(4096);
+    check_units<dtype::q2_k>(4096);
+    check_units<dtype::mxfp4>(4096);
+    check_units<dtype::q8_0>(4096);
+}
+
+// The IQ2_XXS sign bits are computed (7-bit code + parity bit), not looked up: equal to ksigns_iq2xs.
+TEST(CudaDs4Host, Iq2xxsSignParityMatchesTable) {
+    for (uint32_t c = 0; c < 128; ++c)
+        EXPECT_EQ(c | (static_cast<uint32_t>(__builtin_popcount(c) & 1) << 7), cpu::ksigns_iq2xs[c]) << c;
+}
+
+// ---- device -------------------------------------------------------------------------------------------
+
+// Device buffers freed at the end of a test; every allocation carries 16 spare bytes (the block
+// decoders' funnel-shift loads may read up to 4 bytes past a tensor).
+class CudaDs4 : public ::testing::Test {
+protected:
+    void SetUp() override {
+        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+        ASSERT_EQ(cudaStreamCreate(&s_), cudaSuccess);
+        err_ = dev<uint32_t>(1);
+    }
+    void TearDown() override {
+        for (void *p : bufs_) cudaFree(p);
+        if (s_) cudaStreamDestroy(s_);
+    }
+    void *raw(size_t bytes) {
+        void *p = nullptr;
+        if (cudaMalloc(&p, bytes + 16) != cudaSuccess) throw error("test: cudaMalloc failed");
+        cudaMemset(p, 0, bytes + 16);
+        bufs_.push_back(p);
+        return p;
+    }
+    template <class T> T *dev(size_t n) { return static_cast<T *>(raw(n * sizeof(T))); }
+    template <class T> T *up(const std::vector<T> &v) {
+        T *p = dev<T>(v.size());
+        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+        return p;
+    }
+    float *poisoned(size_t n) { return up(std::vector<float>(n, std::nanf(""))); }
+    template <class T> std::vector<T> down(const T *p, size_t n) {
+        std::vector<T> v(n);
+        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+        return v;
+    }
+    uint32_t take_err() {
+        const uint32_t e = down(err_, 1)[0];
+        cudaMemset(err_, 0, 4);
+        return e;
+    }
+
+    cudaStream_t s_ = nullptr;
+    uint32_t *err_ = nullptr;
+    std::vector<void *> bufs_;
+    std::mt19937 rng_{20261129};
+};
+
+// A DS4 MoE layer in host memory (CPU reference view) and on the device.
+struct moe_fixture {
+    ds4::hparams hp;
+    ds4::layer_weights l;
+    std::vector<uint8_t> gate, up, down, gsh, ush, dsh;
+    std::vector<float> gate_inp, bias;
+    std::vector<int32_t> tid2eid;
+    cd::moe_layer d;
+};
+
+ds4::matrix host_matrix(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols) {
+    return {t, b.data(), rows, cols, dtype_row_bytes(t, cols)};
+}
+ds4::expert_bank host_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
+    ds4::expert_bank e;
+    e.first = host_matrix(t, b, rows, cols);
+    e.n = n;
+    e.expert_bytes = e.first.row_bytes * static_cast<size_t>(rows);
+    return e;
+}
+
+class CudaDs4Moe : public CudaDs4 {
+protected:
+    cd::expert_bank dev_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
+        cd::expert_bank e;
+        e.type = t;
+        e.data = up(b);
+        e.row_bytes = dtype_row_bytes(t, cols);
+        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
+        e.n_expert = n;
+        e.rows = rows;
+        e.cols = cols;
+        return e;
+    }
+    // D x F experts (E of them, k used), gate/up of type tgu, down tdn, shared expert tsh.
+    void build(moe_fixture &m, int64_t D, int64_t F, int E, int k, dtype tgu, dtype tdn, dtype tsh, bool hash) {
+        auto &hp = m.hp;
+        hp.n_embd = static_cast<int>(D);
+        hp.n_ff_exp = static_cast<int>(F);
+        hp.n_expert = E;
+        hp.n_expert_used = k;
+        hp.n_expert_shared = 1;
+        hp.expert_weights_scale = 1.5f;
+        hp.n_vocab = 97;
+        const float sd_in = 1.0f / std::sqrt(static_cast<float>(D)), sd_f = 1.0f / std::sqrt(static_cast<float>(F));
+        m.gate = quant_rows(tgu, D, F * E, rng_, sd_in);
+        m.up = quant_rows(tgu, D, F * E, rng_, sd_in);
+        m.down = quant_rows(tdn, F, D * E, rng_, sd_f);
+        m.gsh = quant_rows(tsh, D, F, rng_, sd_in);
+        m.ush = quant_rows(tsh, D, F, rng_, sd_in);
+        m.dsh = quant_rows(tsh, F, D, rng_, sd_f);
+        m.gate_inp = randn(static_cast<size_t>(E * D), rng_, 2.0f * sd_in);
+        m.bias = randn(static_cast<size_t>(E), rng_, 0.3f);
+        m.tid2eid.resize(static_cast<size_t>(hp.n_vocab * k));
+        for (int t = 0; t < hp.n_vocab; ++t) {  // k distinct experts per token
+            std::vector<int32_t> p(static_cast<size_t>(E));
+            std::iota(p.begin(), p.end(), 0);
+            std::shuffle(p.begin(), p.end(), rng_);
+            std::copy(p.begin(), p.begin() + k, m.tid2eid.begin() + t * k);
+        }
+        auto &l = m.l;
+        l.hash = hash;
+        l.clamp = 1.0f;  // small clamps so both SwiGLU clamps are exercised (g, v ~ N(0, 1))
+        l.clamp_sh = 1.25f;
+        l.gate_inp = {dtype::f32, reinterpret_cast<const uint8_t *>(m.gate_inp.data()), E, D,
+                      static_cast<size_t>(D) * 4};
+        if (!hash) l.exp_bias = m.bias;
+        l.tid2eid = m.tid2eid;
+        l.gate_exps = host_bank(tgu, m.gate, F, D, E);
+        l.up_exps = host_bank(tgu, m.up, F, D, E);
+        l.down_exps = host_bank(tdn, m.down, D, F, E);
+        l.gate_sh = host_matrix(tsh, m.gsh, F, D);
+        l.up_sh = host_matrix(tsh, m.ush, F, D);
+        l.down_sh = host_matrix(tsh, m.dsh, D, F);
+        auto &d = m.d;
+        d.gate_inp_type = dtype::f32;
+        d.gate_inp = up(m.gate_inp);
+        d.gate_inp_row_bytes = static_cast<size_t>(D) * 4;
+        d.exp_bias = hash ? nullptr : up(m.bias);
+        d.tid2eid = up(m.tid2eid);
+        d.n_vocab = hp.n_vocab;
+        d.n_expert = E;
+        d.n_used = k;
+        d.weights_scale = hp.expert_weights_scale;
+        d.clamp = l.clamp;
+        d.clamp_sh = l.clamp_sh;
+        d.gate = dev_bank(tgu, m.gate, F, D, E);
+        d.up = dev_bank(tgu, m.up, F, D, E);
+        d.down = dev_bank(tdn, m.down, D, F, E);
+        d.gate_sh = dev_bank(tsh, m.gsh, F, D, 1);
+        d.up_sh = dev_bank(tsh, m.ush, F, D, 1);
+        d.down_sh = dev_bank(tsh, m.dsh, D, F, 1);
+    }
+};
+
+// The whole MoE FFN of one token (router GEMV, routing, routed + shared experts) vs moe_forward.
+TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
+    struct cfg {
+        dtype gu, dn, sh;
+        bool hash;
+    };
+    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false},
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true},
+                        {dtype::q2_k, dtype::q2_k, dtype::q8_0, false},
+                        {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false},
+                        {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true}};
+    const int64_t D = 1024, F = 512;
+    const int E = 16, k = 6;
+    for (const cfg &c : cfgs) {
+        SCOPED_TRACE(std::string(dtype_name(c.gu)) + "/" + std::string(dtype_name(c.dn)) + "/" + std::string(dtype_name(c.sh)) +
+                     (c.hash ? " hash" : " biased"));
+        moe_fixture m;
+        build(m, D, F, E, k, c.gu, c.dn, c.sh, c.hash);
+        cd::moe_scratch sc;
+        sc.logits = poisoned(E);
+        sc.ids = dev<int32_t>(k);
+        sc.weights = poisoned(k);
+        sc.h = poisoned(static_cast<size_t>((k + 1) * F));
+        int32_t *tok = dev<int32_t>(1);
+        float *y = poisoned(static_cast<size_t>(D));
+        for (int trial = 0; trial < 3; ++trial) {
+            const int32_t token = static_cast<int32_t>(rng_() % 97);
+            const auto xn = randn(static_cast<size_t>(D), rng_);
+            float *xd = up(xn);
+            cudaMemcpy(tok, &token, 4, cudaMemcpyHostToDevice);
+            cudaMemcpy(y, std::vector<float>(static_cast<size_t>(D), std::nanf("")).data(), D * 4,
+                       cudaMemcpyHostToDevice);
+            cd::launch_moe_ffn(m.d, xd, tok, sc, y, err_, s_);
+            std::vector<float> ref(static_cast<size_t>(D));
+            ds4::moe_forward(m.hp, m.l, xn.data(), token, ref.data());
+            const auto got = down(y, static_cast<size_t>(D));
+            const double e = rel_l2(got, ref);
+            EXPECT_LE(e, 1e-5);
+            // the route the CPU takes on its own logits
+            std::vector<float> logits(static_cast<size_t>(E));
+            ds4::matmul(m.l.gate_inp, xn.data(), 1, logits.data());
+            const ds4::route r = ds4::moe_route(m.hp, m.l, logits.data(), token);
+            const auto ids = down(sc.ids, static_cast<size_t>(k));
+            EXPECT_EQ(std::vector<int>(ids.begin(), ids.end()), r.experts);
+            EXPECT_EQ(take_err(), 0u);
+            if (trial == 0) std::printf("  moe ffn %s: rel L2 %.3g\n", testing::UnitTest::GetInstance()->current_test_info()->name(), e);
+        }
+    }
+}
+
+// Router alone, fed the CPU's logits: identical ids (including ties, broken towards the lower id)
+// and weights.
+TEST_F(CudaDs4Moe, RouterIdsExactAndWeights) {
+    const int E = 256, k = 6;
+    moe_fixture m;
+    build(m, 256, 256, E, k, dtype::q8_0, dtype::q8_0, dtype::q8_0, false);
+    float *logits_d = dev<float>(E);
+    int32_t *ids_d = dev<int32_t>(k);
+    float *w_d = poisoned(k);
+    int32_t *tok = dev<int32_t>(1);
+    int checked = 0;
+    double worst_w = 0;
+    for (int trial = 0; trial < 300; ++trial) {
+        const bool hash = trial % 3 == 2;
+        m.l.hash = hash;
+        auto logits = randn(static_cast<size_t>(E), rng_, 3.0f);
+        if (trial % 5 == 0)  // exact ties: equal logits and zero bias on a run of experts
+            for (int e = 10; e < 30; ++e) logits[static_cast<size_t>(e)] = 7.0f;
+        if (trial % 5 == 0) std::fill(m.l.exp_bias.begin(), m.l.exp_bias.end(), 0.0f);
+        else m.l.exp_bias = randn(static_cast<size_t>(E), rng_, 0.5f);
+        const float *bias_d = hash ? nullptr : up(m.l.exp_bias);
+        const int32_t token = static_cast<int32_t>(rng_() % 97);
+        cudaMemcpy(logits_d, logits.data(), E * 4, cudaMemcpyHostToDevice);
+        cudaMemcpy(tok, &token, 4, cudaMemcpyHostToDevice);
+        cudaMemset(ids_d, 0xff, k * 4);
+        cd::launch_moe_route(logits_d, E, bias_d, m.d.tid2eid, 97, tok, k, 1.5f, ids_d, w_d, err_, s_);
+        const ds4::route r = ds4::moe_route(m.hp, m.l, logits.data(), token);
+        const auto ids = down(ids_d, k);
+        const auto w = down(w_d, k);
+        ASSERT_EQ(std::vector<int>(ids.begin(), ids.end()), r.experts) << "trial " << trial;
+        for (int j = 0; j < k; ++j)
+            worst_w = std::max(worst_w, std::fabs(static_cast<double>(w[j]) - r.weights[static_cast<size_t>(j)]) /
+                                            std::fabs(r.weights[static_cast<size_t>(j)]));
+        ++checked;
+    }
+    EXPECT_LE(worst_w, 1e-6);
+    EXPECT_EQ(take_err(), 0u);
+    std::printf("  router: %d routes, ids identical, worst weight rel error %.3g\n", checked, worst_w);
+    // A hash-routed token outside the table: error bit, ids -1, nothing read out of bounds.
+    const int32_t bad = 97;
+    cudaMemcpy(tok, &bad, 4, cudaMemcpyHostToDevice);
+    cd::launch_moe_route(logits_d, E, nullptr, m.d.tid2eid, 97, tok, k, 1.5f, ids_d, w_d, err_, s_);
+    EXPECT_EQ(take_err(), static_cast<uint32_t>(cd::err_token_id));
+    EXPECT_EQ(down(ids_d, 1)[0], -1);
+    // An expert id outside the bank: the GEMVs skip the slot and report it.
+    const std::vector<int32_t> bad_ids = {0, 1, 2, 3, 4, 300};
+    int32_t *bid = up(bad_ids);
+    float *h = poisoned(static_cast<size_t>(7 * 256));
+    std::vector<float> x(256, 1.0f);
+    cd::launch_moe_gate_up(m.d.gate, m.d.up, bid, nullptr, 6, 0, up(x), 1.0f, h, err_, s_);
+    EXPECT_EQ(take_err(), static_cast<uint32_t>(cd::err_expert_id));
+    EXPECT_THROW(cd::launch_moe_route(logits_d, 2000, nullptr, nullptr, 0, nullptr, 6, 1.0f, ids_d, w_d, err_, s_),
+                 error);
+    cd::expert_bank wrong = m.d.gate;
+    wrong.type = dtype::q4_k;
+    EXPECT_THROW(cd::launch_moe_gate_up(wrong, wrong, bid, nullptr, 6, 0, up(x), 1.0f, h, err_, s_), error);
+}
+
+// HC pre (mixer, Sinkhorn, weighted sum) and HC post at the full Flash width, f32 and f16 mixers.
+TEST_F(CudaDs4, HcPreAndPostMatchCpu) {
+    ds4::hparams hp;
+    hp.n_hc = 4;
+    hp.n_embd = 4096;
+    hp.sinkhorn_iters = 20;
+    hp.hc_eps = 1e-6f;
+    hp.rms_eps = 1e-6f;
+    const int n = hp.n_hc, n_mix = (2 + n) * n;
+    const int64_t D = hp.n_embd, S = n * D;
+    for (dtype ft : {dtype::f32, dtype::f16}) {
+        SCOPED_TRACE(std::string(dtype_name(ft)));
+        for (int trial = 0; trial < 3; ++trial) {
+            auto fn = randn(static_cast<size_t>(n_mix * S), rng_, 1.0f / std::sqrt(static_cast<float>(S)) * 4.0f);
+            std::vector<uint8_t> fnb(dtype_row_bytes(ft, S) * n_mix);
+            for (int r = 0; r < n_mix; ++r)
+                cpu::quantize_row(ft, fn.data() + r * S, fnb.data() + r * dtype_row_bytes(ft, S), S);
+            ds4::hc_weights w;
+            w.fn = {ft, fnb.data(), n_mix, S, dtype_row_bytes(ft, S)};
+            w.base = randn(static_cast<size_t>(n_mix), rng_, 0.5f);
+            w.scale = randn(3, rng_, 1.0f);
+            const auto x = randn(static_cast<size_t>(S), rng_, 2.0f);
+            std::vector<float> u(static_cast<size_t>(D)), post(n), comb(static_cast<size_t>(n * n));
+            ds4::hc_pre(hp, w, x.data(), u.data(), post.data(), comb.data());
+
+            float *xd = up(x), *mix = poisoned(static_cast<size_t>(n_mix + 1)), *ud = poisoned(D),
+                  *pd = poisoned(n), *cdv = poisoned(static_cast<size_t>(n * n));
+            cd::hc_params p{n, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
+            cd::launch_hc_pre(p, ft, up(fnb), dtype_row_bytes(ft, S), up(w.base), up(w.scale), xd, mix, ud, pd, cdv,
+                              s_);
+            const double eu = rel_l2(down(ud, D), u), ep = rel_l2(down(pd, n), post),
+                         ec = rel_l2(down(cdv, static_cast<size_t>(n * n)), comb);
+            EXPECT_LE(eu, 1e-5);
+            EXPECT_LE(ep, 1e-5);
+            EXPECT_LE(ec, 1e-5);
+
+            // HC post from the CPU's post/comb: the same f32 operations in the same order.
+            const auto y = randn(static_cast<size_t>(D), rng_);
+            std::vector<float> xn(static_cast<size_t>(S));
+            ds4::hc_post(n, D, y.data(), x.data(), post.data(), comb.data(), xn.data());
+            float *xnd = poisoned(static_cast<size_t>(S));
+            cd::launch_hc_post(n, D, up(y), xd, up(post), up(comb), xnd, s_);
+            const double ex = rel_l2(down(xnd, static_cast<size_t>(S)), xn);
+            EXPECT_EQ(ex, 0.0);
+            if (trial == 0)
+                std::printf("  hc %s: pre u %.3g post %.3g comb %.3g; hc_post %.3g\n", std::string(dtype_name(ft)).c_str(), eu, ep, ec, ex);
+        }
+    }
+}
+
+// Indexer scoring + exact top-k vs indexer_select: identical row sets (ascending), f32 and f16 rows,
+// with duplicated rows (equal scores: the lower row wins) and n <= top-k (every row).
+TEST_F(CudaDs4, IndexerSelectMatchesCpu) {
+    const int H = 64, Dh = 128, topk = 512;
+    for (kv_precision prec : {kv_precision::f32, kv_precision::f16}) {
+        for (int64_t n : {int64_t{300}, int64_t{3000}, int64_t{20000}}) {
+            SCOPED_TRACE((prec == kv_precision::f16 ? "f16 n=" : "f32 n=") + std::to_string(n));
+            const auto q = randn(static_cast<size_t>(H * Dh), rng_);
+            auto w = randn(static_cast<size_t>(H), rng_, 1.0f / 90.5f);
+            auto rows = randn(static_cast<size_t>(n * Dh), rng_);
+            for (int64_t c = 1; c < n; c += 7)  // duplicates of earlier rows: exact score ties
+                std::copy_n(rows.begin() + (c - 1) * Dh, Dh, rows.begin() + c * Dh);
+            ds4::row_store rs(Dh, prec);
+            rs.resize(n);
+            for (int64_t c = 0; c < n; ++c) rs.set(c, rows.data() + c * Dh);
+            const auto ref = ds4::indexer_select(q.data(), w.data(), rs, n, H, Dh, topk);
+            const void *rd;
+            size_t stride;
+            if (prec == kv_precision::f16) {
+                std::vector<uint16_t> h(rows.size());
+                for (size_t i = 0; i < rows.size(); ++i) h[i] = cpu::f32_to_f16(rows[i]);
+                rd = up(h);
+                stride = Dh * 2;
+            } else {
+                rd = up(rows);
+                stride = Dh * 4;
+            }
+            const size_t m = static_cast<size_t>(std::min<int64_t>(n, topk));
+            int32_t *out = up(std::vector<int32_t>(m, -7));
+            float *sc = poisoned(static_cast<size_t>(n));
+            cd::launch_indexer_select(up(q), up(w), rd, prec == kv_precision::f16, stride, n, H, Dh, topk, sc, out, s_);
+            const auto got = down(out, m);
+            ASSERT_EQ(std::vector<int64_t>(got.begin(), got.end()), ref);
+        }
+    }
+    std::printf("  indexer: n = 300 / 3000 / 20000, f32 and f16 rows: selections identical\n");
+}
+
+// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
+
+// Median of `reps` replays of graph g, in milliseconds.
+float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    std::vector<float> ms;
+    cudaGraphLaunch(g, s);
+    cudaGraphLaunch(g, s);
+    for (int i = 0; i < reps; ++i) {
+        cudaEventRecord(a, s);
+        cudaGraphLaunch(g, s);
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float t = 0;
+        cudaEventElapsedTime(&t, a, b);
+        ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+// DS4-Flash expert geometry (D 4096, F 2048, 256 experts, 6 routed + 1 shared) with random weight
+// bytes generated on the device. T tokens, each with its own random expert set, are captured into one
+// graph (so the 6 experts of consecutive tokens differ and the ~2 GB banks stream from HBM, not L2);
+// bytes/token = 6 routed experts (gate + up + down) + the shared expert.
+TEST_F(CudaDs4, BenchExpertGemvBandwidth) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    const int64_t D = 4096, F = 2048;
+    const int E = 256, k = 6, T = 64, reps = 9;
+    int dev_id = 0;
+    cudaGetDevice(&dev_id);
+    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
+    std::printf("  device copy bandwidth (D2D 1 GiB, read + write): %.1f GB/s\n", copy_bw / 1e9);
+    struct mix_t {
+        const char *name;
+        dtype gu, dn, sh;
+    };
+    const mix_t mixes[] = {{"q2 (iq2_xxs gate/up, q2_k down, q8_0 shared)", dtype::iq2_xxs, dtype::q2_k, dtype::q8_0},
+                           {"q2k (q2_k experts, q8_0 shared)", dtype::q2_k, dtype::q2_k, dtype::q8_0},
+                           {"mxfp4 (mxfp4 experts, q8_0 shared)", dtype::mxfp4, dtype::mxfp4, dtype::q8_0}};
+    std::vector<int32_t> ids(static_cast<size_t>(T * k));
+    for (int t = 0; t < T; ++t) {
+        std::vector<int32_t> p(E);
+        std::iota(p.begin(), p.end(), 0);
+        std::shuffle(p.begin(), p.end(), rng_);
+        std::copy(p.begin(), p.begin() + k, ids.begin() + t * k);
+    }
+    int32_t *ids_d = up(ids);
+    float *w_d = up(randn(static_cast<size_t>(T * k), rng_, 0.3f));
+    float *x_d = up(randn(static_cast<size_t>(D), rng_));
+    float *h_d = dev<float>(static_cast<size_t>(T * (k + 1) * F));
+    float *y_d = dev<float>(static_cast<size_t>(T * D));
+    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
+        cd::expert_bank b;
+        b.type = t;
+        b.row_bytes = dtype_row_bytes(t, cols);
+        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
+        b.n_expert = n;
+        b.rows = rows;
+        b.cols = cols;
+        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
+        void *p = raw(bytes);
+        cd::launch_fill_random(p, bytes, seed, s_);
+        b.data = p;
+        return b;
+    };
+    std::printf("  %-46s %10s %10s %9s %7s | %s\n", "mix", "MB/token", "us/token", "GB/s", "%copy",
+                "gate+up routed / down routed (GB/s)");
+    for (const mix_t &mx : mixes) {
+        const auto g = bank(mx.gu, F, D, E, 1), u = bank(mx.gu, F, D, E, 2), dn = bank(mx.dn, D, F, E, 3);
+        const auto gs = bank(mx.sh, F, D, 1, 4), us = bank(mx.sh, F, D, 1, 5), ds = bank(mx.sh, D, F, 1, 6);
+        CK(cudaStreamSynchronize(s_));
+        // part 0: whole MoE expert work; 1: routed gate/up only; 2: routed down only
+        float ms[3];
+        for (int part = 0; part < 3; ++part) {
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+            for (int t = 0; t < T; ++t) {
+                const int32_t *it = ids_d + t * k;
+                float *ht = h_d + static_cast<size_t>(t) * (k + 1) * F, *yt = y_d + static_cast<size_t>(t) * D;
+                if (part != 2) cd::launch_moe_gate_up(g, u, it, w_d + t * k, k, 0, x_d, 10.0f, ht, err_, s_);
+                if (part == 0) cd::launch_moe_gate_up(gs, us, nullptr, nullptr, 1, k, x_d, 10.0f, ht, err_, s_);
+                if (part != 1) cd::launch_moe_down(dn, it, k, 0, ht, false, yt, err_, s_);
+                if (part == 0) cd::launch_moe_down(ds, nullptr, 1, k, ht, true, yt, err_, s_);
+            }
+            CK(cudaStreamEndCapture(s_, &graph));
+            CK(cudaGraphInstantiate(&exec, graph, 0));
+            ms[part] = time_graph(exec, s_, reps);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+        }
+        CK(cudaStreamSynchronize(s_));
+        ASSERT_EQ(take_err(), 0u);
+        const double gu_bytes = 2.0 * static_cast<double>(g.expert_bytes) * k, dn_bytes = static_cast<double>(dn.expert_bytes) * k;
+        const double sh_bytes = static_cast<double>(gs.expert_bytes + us.expert_bytes + ds.expert_bytes);
+        const double bytes = gu_bytes + dn_bytes + sh_bytes;
+        const double us_tok = ms[0] * 1e3 / T;
+        const double bw = bytes / (us_tok * 1e-6);
+        const double bw_gu = gu_bytes / (ms[1] * 1e-3 / T), bw_dn = dn_bytes / (ms[2] * 1e-3 / T);
+        std::printf("  %-46s %10.2f %10.2f %9.1f %6.1f%% | %.1f / %.1f\n", mx.name, bytes / 1e6, us_tok, bw / 1e9,
+                    100.0 * bw / copy_bw, bw_gu / 1e9, bw_dn / 1e9);
+        for (const auto *b : {&g, &u, &dn, &gs, &us, &ds}) {
+            auto it = std::find(bufs_.begin(), bufs_.end(), b->data);
+            cudaFree(*it);
+            bufs_.erase(it);
+        }
+    }
+    // Indexer at 128K context (32768 compressed rows of 128 f16, 64 heads, top-512), 16 per graph.
+    const int64_t n = 32768;
+    const int H = 64, Dh = 128, reps_i = 16;
+    void *rows = raw(static_cast<size_t>(n * Dh * 2));
+    std::vector<uint16_t> hr(static_cast<size_t>(n * Dh));
+    for (auto &v : hr) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 1.0f)(rng_));
+    cudaMemcpy(rows, hr.data(), hr.size() * 2, cudaMemcpyHostToDevice);
+    float *qd = up(randn(static_cast<size_t>(H * Dh), rng_)), *wd = up(randn(H, rng_, 0.011f));
+    float *sc = dev<float>(static_cast<size_t>(n));
+    int32_t *out = dev<int32_t>(512);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < reps_i; ++i) cd::launch_indexer_select(qd, wd, rows, true, Dh * 2, n, H, Dh, 512, sc, out, s_);
+    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const float ms = time_graph(exec, s_, reps);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    std::printf("  indexer n=%lld (128K ctx), 64 heads x 128, top-512: %.1f us per call\n", static_cast<long long>(n),
+                ms * 1e3 / reps_i);
+}
+
+}  // namespace
+}  // namespace fathom
