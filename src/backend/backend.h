@@ -92,6 +92,10 @@ public:
     // Make a weight usable by ops. host points into the mapped GGUF file; the CPU backend returns
     // it unchanged (weights are never copied), a device backend uploads.
     virtual void *map_weights(const void *host, size_t bytes) = 0;
+    // Optional, after map_weights: w (a view of mapped weights) will be a mul_mat weight. A backend
+    // may build its faster layout now instead of on first use (the CPU backend's row-interleaved
+    // copies), so the first forward pass is not slowed by it. Default: nothing.
+    virtual void prepare_weight(const tensor &w) { (void)w; }
     virtual void upload(const tensor &dst, const void *host) = 0;   // dst must be contiguous
     virtual void download(const tensor &src, void *host) = 0;       // src must be contiguous
 

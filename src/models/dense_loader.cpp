@@ -120,6 +120,7 @@ struct tensor_loader {
         ++n_used;
         tensor t = make_tensor(ti->type, ne0, ne1, nullptr);
         t.data = be.map_weights(ti->data, ti->nbytes);
+        if (!need_f32) be.prepare_weight(t);  // repacked layouts built at load, not in the first prefill
         return t;
     }
 };

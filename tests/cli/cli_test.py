@@ -46,7 +46,7 @@ OPTIONS = {
              "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device"],
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
     "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
-    "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--json", "--device"],
+    "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json", "--device"],
 }
 
 

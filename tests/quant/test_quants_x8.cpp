@@ -25,14 +25,22 @@ float h2f(const uint8_t *p) {
     return f16_to_f32(h);
 }
 
-// Weight element e (0..31) of one block, as the integer ggml multiplies (q4_1: 0..15, q8_0: s8).
+// Weight element e (0..31) of one block, as the integer ggml multiplies (q4_1: 0..15, q8_0: s8,
+// q5_0: (nibble | high bit << 4) - 16, what ggml's AVX2 q5_0 dot builds with its andnot/or trick).
 int weight_q(dtype t, const uint8_t *blk, int e) {
     if (t == dtype::q4_1) return e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4;
+    if (t == dtype::q5_0) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        const int nib = e < 16 ? blk[6 + e] & 0x0F : blk[6 + e - 16] >> 4;
+        return (nib | static_cast<int>((qh >> e) & 1u) << 4) - 16;
+    }
     return static_cast<int8_t>(blk[2 + e]);
 }
 
 float ggml_order_dot(dtype t, int64_t K, const uint8_t *w, const uint8_t *x) {
-    const int wsz = t == dtype::q4_1 ? 20 : 34, xsz = t == dtype::q4_1 ? 36 : 34, xqs = t == dtype::q4_1 ? 4 : 2;
+    const int wsz = t == dtype::q4_1 ? 20 : t == dtype::q5_0 ? 22 : 34, xsz = t == dtype::q4_1 ? 36 : 34,
+              xqs = t == dtype::q4_1 ? 4 : 2;
     float acc[8] = {}, summs = 0.0f;
     for (int64_t b = 0; b < K / 32; ++b, w += wsz, x += xsz) {
         const float sc = h2f(w) * h2f(x);
@@ -53,7 +61,7 @@ std::vector<uint8_t> random_weights(dtype t, int64_t N, int64_t K, std::mt19937 
     std::uniform_int_distribution<int> byte(0, 255);
     std::uniform_real_distribution<float> mag(-4.0f, 0.0f);
     for (auto &v : w) v = static_cast<uint8_t>(byte(rng));
-    const int bsz = t == dtype::q4_1 ? 20 : 34;
+    const int bsz = t == dtype::q4_1 ? 20 : t == dtype::q5_0 ? 22 : 34;
     for (size_t off = 0; off < w.size(); off += static_cast<size_t>(bsz)) {
         const uint16_t d = f32_to_f16(std::pow(10.0f, mag(rng)) * (byte(rng) & 1 ? 1.0f : -1.0f));
         const uint16_t m = f32_to_f16(-std::pow(10.0f, mag(rng)));
@@ -69,7 +77,7 @@ TEST(QuantX8, MatchesGgmlOrderBitExact) {
     if (!x8_supported(dtype::q4_1)) GTEST_SKIP() << "no AVX2";
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (dtype t : {dtype::q4_1, dtype::q8_0}) {
+    for (dtype t : {dtype::q4_1, dtype::q8_0, dtype::q5_0}) {
         for (int64_t K : {32, 96, 576}) {
             const int64_t N = 27, G = N / 8;  // 3 groups and 3 rows the layout does not cover
             const std::vector<uint8_t> w = random_weights(t, N, K, rng);
@@ -124,7 +132,7 @@ TEST(QuantX8, BadArgumentsThrow) {
 TEST(QuantX8, SimdPackMatchesScalarPack) {
     if (!x8_supported(dtype::q4_1)) GTEST_SKIP() << "no AVX2";
     std::mt19937 rng(11);
-    for (dtype t : {dtype::q4_1, dtype::q8_0}) {
+    for (dtype t : {dtype::q4_1, dtype::q8_0, dtype::q5_0}) {
         const int64_t K = 96, N = 24, G = 3;
         const std::vector<uint8_t> w = random_weights(t, N, K, rng);
         std::vector<uint8_t> simd(x8_bytes(t, K, G), 0xAB), scalar(simd.size(), 0xCD);

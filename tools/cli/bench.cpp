@@ -1,6 +1,9 @@
 // `fathom bench`: prefill throughput (one prompt of -p tokens through session::sync) and decode
 // throughput (-n single-token eval() calls after it), best and median over --reps repetitions.
 // The prompt is a fixed pseudo-random id sequence, so runs are comparable across builds.
+// Like llama-bench, one untimed warm-up pass (the prompt, then up to 8 decode steps) runs first, so
+// one-off costs (first touch of the mapped weights and of the KV cache, lazily built kernel
+// layouts) are not charged to the first repetition; --no-warmup times them.
 // On a CUDA device (--device cuda) it also prints a roofline line: the weight bytes one decode step
 // reads, the bandwidth the median decode rate implies, and that as a percentage of the device's
 // copy bandwidth measured in the same run (1 GiB device-to-device copies, bytes read + written).
@@ -27,6 +30,7 @@ struct bench_args {
     int32_t n_gen = 128;
     int32_t reps = 3;
     bool json = false;
+    bool no_warmup = false;
 };
 
 struct rates {
@@ -64,6 +68,13 @@ void bench_main(const bench_args &a) {
     if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
 
     auto sess = eng->new_session();
+    if (!a.no_warmup) {
+        sess->sync(prompt);
+        for (int i = 0; i < std::min(a.n_gen, 8); ++i) {
+            const int32_t tok = argmax(sess->logits());
+            sess->eval(std::span<const int32_t>(&tok, 1));
+        }
+    }
     std::vector<double> prefill, decode;
     for (int r = 0; r < a.reps; ++r) {
         sess->reset();
@@ -132,6 +143,7 @@ void add_bench_command(CLI::App &app) {
     cmd->add_option("-n,--n-gen", a->n_gen, "Tokens for the decode measurement (0 = skip)")
         ->capture_default_str()
         ->check(at_least(0));
+    cmd->add_flag("--no-warmup", a->no_warmup, "Skip the untimed warm-up pass (prompt + up to 8 decode steps)");
     cmd->add_option("--reps", a->reps, "Repetitions; best and median are reported")
         ->capture_default_str()
         ->check(at_least(1));

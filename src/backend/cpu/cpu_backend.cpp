@@ -235,6 +235,11 @@ private:
         int64_t K = 0, N = 0;
     };
     const uint8_t *prepared_q4k(const tensor &W);
+    void prepare_weight(const tensor &w) override {
+        if (opts_.exact) return;  // the reference path reads the GGUF rows as they are
+        prepared_q4k(w);
+        prepared_x8(w);
+    }
     std::vector<std::pair<const uint8_t *, size_t>> weight_ranges_;
     std::unordered_map<const void *, repacked> repacked_;
 

@@ -24,7 +24,10 @@
 
 namespace fathom::cpu {
 
-// Whether weights of type t have an x8 kernel on this CPU (q4_1 / q8_0 with AVX2 active).
+// Whether weights of type t have an x8 kernel on this CPU (q4_1 / q8_0 / q5_0 with AVX2 active).
+// q5_0 rows are stored in the q8_0 layout (each block converted exactly: int8 q - 16, same d) and
+// multiplied by the q8_0 kernel: ggml's AVX2 q5_0 and q8_0 dots are the same arithmetic on those
+// int8 values, so results stay bit-identical to gemm(q5_0, ...). Costs 34 instead of 22 bytes/block.
 bool x8_supported(dtype t);
 
 // Bytes of the x8 copy of n_groups groups (8 * n_groups rows) of K inputs. K % 32 == 0.
