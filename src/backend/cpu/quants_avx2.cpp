@@ -1,6 +1,6 @@
 // AVX2 (+FMA, F16C, BMI2) kernel table: the x86 kernels of quants_x86_q32.h and
-// quants_x86_kquants.h instantiated in this -mavx2 translation unit. q3_k and iq2_xxs keep the
-// scalar kernels (no model we target uses them on a hot path).
+// quants_x86_kquants.h instantiated in this -mavx2 translation unit. q3_k keeps the scalar kernel
+// (no model we target uses it on a hot path); iq2_xxs is added by quants_iq2_avx2.cpp.
 #include "backend/cpu/quants_x86_kquants.h"
 #include "backend/cpu/quants_x86_q32.h"
 
