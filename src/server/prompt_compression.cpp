@@ -41,21 +41,21 @@ prompt_compressor::prompt_compressor(compression_options o) : opts_(std::move(o)
 
 prompt_compressor::~prompt_compressor() = default;
 
-void prompt_compressor::check(const compression_request &req) const {
+compression_mode prompt_compressor::check(const compression_request &req) const {
     const compression_mode mode =
         req.mode.empty() ? opts_.mode : parse_compression_mode(req.mode, "'prefill_compression'");
     if (req.keep_ratio >= 0.0) pflash::validate_keep_ratio(req.keep_ratio, "'prefill_keep_ratio'");
     if (mode != compression_mode::off && !has_drafter())
         throw error(std::string("'prefill_compression': ") + compression_mode_name(mode) +
                     " needs a drafter, and this server has none (start it with --prefill-drafter PATH)");
+    return mode;
 }
 
 compression_outcome prompt_compressor::apply(const engine &target, std::vector<int32_t> &prompt, int64_t n_ctx,
                                              const compression_request &req) {
-    check(req);
+    const compression_mode mode = check(req);
     compression_outcome out;
     out.n_original = out.n_effective = int64_t(prompt.size());
-    const compression_mode mode = req.mode.empty() ? opts_.mode : parse_compression_mode(req.mode, "");
     const double ratio = req.keep_ratio >= 0.0 ? req.keep_ratio : opts_.keep_ratio;
     const int64_t threshold = req.threshold >= 0 ? req.threshold : opts_.threshold;
     if (mode == compression_mode::off) return out;

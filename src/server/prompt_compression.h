@@ -77,8 +77,8 @@ public:
     compression_outcome apply(const engine &target, std::vector<int32_t> &prompt, int64_t n_ctx,
                               const compression_request &req);
     // The override checks apply() starts with, alone (the server answers 400 for these, 500 for a drafter
-    // failure inside apply()).
-    void check(const compression_request &req) const;
+    // failure inside apply()). Returns the mode the request resolves to.
+    compression_mode check(const compression_request &req) const;
 
     compression_stats stats() const;
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu/quants.h"
+#include "isa_levels.h"
 #include "core/error.h"
 
 using namespace fathom;
@@ -51,16 +52,8 @@ ref_file load_ref(const std::string &name) {
     return r;
 }
 
-std::vector<isa> isas() {
-    std::vector<isa> v{isa::scalar};
-    if (detected_isa() >= isa::avx2) v.push_back(isa::avx2);
-    if (detected_isa() >= isa::avx512) v.push_back(isa::avx512);
-    return v;
-}
-
-struct isa_guard {
-    ~isa_guard() { force_isa(detected_isa()); }
-};
+using test::isa_guard;
+using test::isas;
 
 const dtype kWeightTypes[] = {dtype::f32,  dtype::f16,  dtype::bf16, dtype::q4_0, dtype::q4_1,
                               dtype::q5_0, dtype::q5_1, dtype::q8_0, dtype::mxfp4, dtype::q2_k,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/quants.h"
+#include "isa_levels.h"
 
 using namespace fathom;
 using namespace fathom::cpu;
@@ -54,16 +55,8 @@ iq2_ref load_iq2_ref() {
     return r;
 }
 
-std::vector<isa> isas() {
-    std::vector<isa> v{isa::scalar};
-    if (detected_isa() >= isa::avx2) v.push_back(isa::avx2);
-    if (detected_isa() >= isa::avx512) v.push_back(isa::avx512);
-    return v;
-}
-
-struct isa_guard {
-    ~isa_guard() { force_isa(detected_isa()); }
-};
+using test::isa_guard;
+using test::isas;
 
 float f16_at(const uint8_t *p) {
     uint16_t h;
