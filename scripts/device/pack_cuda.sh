@@ -7,16 +7,20 @@
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build="${FATHOM_CUDA_BUILD:-$root/build-cuda}"
-cmake -S "$root" -B "$build" -G Ninja -DFATHOM_CUDA=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >/dev/null
-cmake --build "$build" --target test_cuda bench_cuda cuda_synth fathom -j2
+cmake -S "$root" -B "$build" -G Ninja -DFATHOM_CUDA=ON -DFATHOM_TESTS=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >/dev/null
+cmake --build "$build" --target test_cuda bench_cuda bench_cuda_ds4 cuda_synth fathom fathom-gguf -j2
 grep -qx '/.cuda-carry/' "$root/.git/info/exclude" 2>/dev/null || echo '/.cuda-carry/' >> "$root/.git/info/exclude"
 rm -rf "$root/.cuda-carry"
 mkdir -p "$root/.cuda-carry/lib" "$root/.cuda-carry/vocab"
-bins="$build/tests/test_cuda $build/tests/bench_cuda $build/tests/cuda_synth $build/fathom"
+bins="$build/tests/test_cuda $build/tests/bench_cuda $build/tests/bench_cuda_ds4 $build/tests/cuda_synth $build/fathom $build/tools/fathom-gguf"
 for b in $bins; do strip -o "$root/.cuda-carry/$(basename "$b")" "$b"; done
 # Everything ldd resolves outside libc/CUDA (the device image has CUDA 13 but not Debian's -dev libs).
 ldd $bins | awk '/=> \// {print $3}' | sort -u |
     grep -Ev '/(libc|libm|libdl|librt|libpthread|ld-linux|libgcc_s|libstdc\+\+)\.|cuda|cublas' |
     while read -r lib; do cp -L "$lib" "$root/.cuda-carry/lib/"; done
+# ds4-tiny golden (model + cases) for the DS4 tests (run_ds4_cuda.sh links it where FATHOM_SHARED_DIR points).
+mkdir -p "$root/.cuda-carry/shared/golden/ds4-tiny"
+for f in ds4-tiny-a.gguf cases.jsonl; do cp "$root/../shared/golden/ds4-tiny/$f" "$root/.cuda-carry/shared/golden/ds4-tiny/"; done
+# Only for the dense-family runs (the DS4 run removes them to stay under the 64 MiB carry limit).
 for v in gpt-2 qwen2 llama-bpe; do cp "$root/../shared/tokenizer-tests/ggml-vocab-$v.gguf" "$root/.cuda-carry/vocab/"; done
 du -sh "$root/.cuda-carry"

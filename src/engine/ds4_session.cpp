@@ -24,9 +24,14 @@
 #include "chat/chat_template.h"
 #include "chat/ds4_chat.h"
 #include "core/error.h"
+#include "engine/device.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
 #include "tokenizer/tokenizer.h"
+#ifdef FATHOM_ENGINE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_model.h"
+#endif
 
 namespace fathom {
 
@@ -40,10 +45,6 @@ ds4::qat_mode parse_qat(const std::string &s) {
 }
 
 void check_options(const engine_options &o) {
-    if (o.device != "cpu") {
-        if (o.device.rfind("cuda", 0) == 0) throw error("device '" + o.device + "': this build has no CUDA backend");
-        throw error("device '" + o.device + "': expected cpu, cuda or cuda:N");
-    }
     if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
     if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
     if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
@@ -86,10 +87,15 @@ class ds4_session final : public session {
     void reset() override;
 
   private:
+    bool on_gpu() const;
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
+    void forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out);
     ds4_engine &e_;
-    ds4::state st_;
+    ds4::state st_;  // CPU state (empty when the engine runs on CUDA)
+#ifdef FATHOM_ENGINE_CUDA
+    std::unique_ptr<ds4::cuda_sequence> gpu_;  // device state when the engine runs on CUDA
+#endif
     std::vector<int32_t> tokens_;
     std::vector<float> logits_;  // [n_vocab] of tokens_.back()
     bool have_logits_ = false;
@@ -100,8 +106,12 @@ class ds4_engine final : public engine {
     ds4_engine(const engine_options &o, std::shared_ptr<const gguf::file> file) : opts_(o), file_(std::move(file)) {
         check_options(o);
         qat_ = parse_qat(o.ds4_qat);
+        const int ordinal = resolve_cuda_ordinal(o.device);  // -1: CPU; throws for an unusable forced device
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
         model_ = ds4::load_model(file_);
+        if (ordinal < 0 && file_->get_int("fathom.synth.replicate_rows", 0) > 0)
+            throw error(o.model_path + ": a sparse synthetic file (fathom.synth.replicate_rows) is for CUDA benchmarks "
+                        "only: its stored rows are not the model on the CPU; use --device cuda");
         const ds4::hparams &hp = model_->hp;
         n_ctx_train_ = file_->get_int("deepseek4.context_length", 0);
         if (n_ctx_train_ < 0 || n_ctx_train_ > INT32_MAX)
@@ -121,6 +131,7 @@ class ds4_engine final : public engine {
         const std::string_view tmpl = file_->get_string("tokenizer.chat_template", "");
         if (!tmpl.empty()) template_.emplace(std::string(tmpl));
         fill_info();
+        if (ordinal >= 0) make_cuda(ordinal);
         if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
     }
 
@@ -154,6 +165,22 @@ class ds4_engine final : public engine {
         return st;
     }
     std::mutex &forward_mutex() { return forward_mutex_; }
+#ifdef FATHOM_ENGINE_CUDA
+    // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
+    const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
+    std::unique_ptr<ds4::cuda_sequence> new_gpu_sequence() const {
+        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs);
+    }
+#endif
+    double measure_copy_bandwidth() override {
+#ifdef FATHOM_ENGINE_CUDA
+        if (gpu_) {
+            std::lock_guard<std::mutex> lock(forward_mutex_);
+            return cuda_measure_copy_bandwidth(ordinal_);
+        }
+#endif
+        return 0.0;
+    }
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_batch() const { return n_batch_; }
 
@@ -161,6 +188,31 @@ class ds4_engine final : public engine {
     const tokenizer &tok() const {
         if (!tok_) throw error(opts_.model_path + ": the file has no tokenizer (tokenizer.ggml.model)");
         return *tok_;
+    }
+
+    // Upload the weights to CUDA device `ordinal` (memory checked before any allocation).
+    void make_cuda(int ordinal) {
+#ifdef FATHOM_ENGINE_CUDA
+        ds4::cuda_run_options co;
+        co.device = ordinal;
+        co.qat = qat_;
+        co.kv = opts_.kv;
+        const size_t seq = ds4::cuda_sequence_bytes(model_->hp, opts_.kv, n_ctx_);
+        const cuda_device_memory mem = cuda_query_memory(ordinal);
+        if (seq + file_->size() > mem.free_bytes)
+            throw error("device 'cuda:" + std::to_string(ordinal) + "' (" + mem.name + "): the weights (" +
+                        std::to_string(file_->size() >> 20) + " MiB) and one " + std::to_string(n_ctx_) +
+                        "-token context (" + std::to_string(seq >> 20) + " MiB) exceed its " +
+                        std::to_string(mem.free_bytes >> 20) + " MiB free; lower --ctx or use more devices");
+        gpu_ = ds4::cuda_upload(*model_, co, [&](uint64_t done, uint64_t total) {
+            if (opts_.on_load_progress && total) opts_.on_load_progress(done * file_->size() / total, file_->size());
+        });
+        ordinal_ = ordinal;
+        info_.device = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
+        info_.decode_weight_bytes = static_cast<uint64_t>(ds4::cuda_bytes_per_token(*gpu_));
+#else
+        (void)ordinal;
+#endif
     }
 
     void fill_info() {
@@ -191,16 +243,45 @@ class ds4_engine final : public engine {
     model_info info_;
     int64_t n_ctx_train_ = 0, n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
+#ifdef FATHOM_ENGINE_CUDA
+    std::shared_ptr<const ds4::cuda_weights> gpu_;
+#endif
+    int ordinal_ = -1;
 };
 
-ds4_session::ds4_session(ds4_engine &e) : e_(e), st_(e.fresh_state()) {
+ds4_session::ds4_session(ds4_engine &e) : e_(e) {
+#ifdef FATHOM_ENGINE_CUDA
+    if (e.gpu()) gpu_ = e.new_gpu_sequence();
+#endif
+    if (!on_gpu()) st_ = e.fresh_state();
     logits_.assign(static_cast<size_t>(e.model().hp.n_vocab), 0.0f);
 }
 
+bool ds4_session::on_gpu() const {
+#ifdef FATHOM_ENGINE_CUDA
+    return gpu_ != nullptr;
+#else
+    return false;
+#endif
+}
+
 void ds4_session::reset() {
-    st_ = e_.fresh_state();
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_) gpu_->reset();
+#endif
+    if (!on_gpu()) st_ = e_.fresh_state();
     tokens_.clear();
     have_logits_ = false;
+}
+
+void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out) {
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_) {
+        gpu_->eval(toks, out);
+        return;
+    }
+#endif
+    ds4::forward(e_.model(), st_, toks, pos, {out, {}});
 }
 
 void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
@@ -229,10 +310,9 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         have_logits_ = false;
         // On a throw mid-chunk the state may be half-updated: the session is left empty, not torn.
         try {
-            ds4::forward(m, st_, toks.subspan(static_cast<size_t>(done), static_cast<size_t>(n)), pos, {out, {}});
+            forward_chunk(toks.subspan(static_cast<size_t>(done), static_cast<size_t>(n)), pos, out);
         } catch (...) {
-            st_ = e_.fresh_state();
-            tokens_.clear();
+            reset();
             throw;
         }
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);

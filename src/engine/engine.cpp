@@ -1,10 +1,11 @@
 // engine / session implementation of include/fathom/engine.h for the dense family on the CPU or
 // CUDA backend. The engine owns the mapped GGUF, the backend (and so the one thread pool, or the
-// device copy of the weights), the model weights, the tokenizer and the chat template; sessions
-// own a KV cache, activation scratch and the token timeline (on the device for CUDA, where a
-// session also replays its single-token decode step as a captured CUDA graph). Forward calls of
-// all sessions of one engine are serialised by a mutex, so sessions may live on different threads
-// without oversubscribing the cores. FATHOM_ENGINE_CUDA is defined for this file only when the
+// device copy of the weights), the model weights, the tokenizer, the chat template and, on the
+// CPU, the one paged KV pool of all its sessions (src/kv/kv_pool.h); sessions own a block table
+// in that pool (CPU) or a contiguous device KV cache (CUDA, where a session also replays its
+// single-token decode step as a captured CUDA graph), activation scratch and the token timeline.
+// Forward calls of all sessions of one engine are serialised by a mutex, so sessions may live on
+// different threads without oversubscribing the cores. FATHOM_ENGINE_CUDA is defined for this file only when the
 // build has the CUDA backend (src/CMakeLists.txt).
 #include <unistd.h>
 
@@ -24,17 +25,19 @@
 #include "fathom/engine.h"
 #include "gguf/gguf.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_pool.h"
 #include "models/dense.h"
 #include "tokenizer/tokenizer.h"
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
+#include "engine/device.h"
 
 namespace fathom {
 
-namespace {
-
 // ---- device selection ---------------------------------------------------------------------------
+
+namespace {
 
 struct device_choice {
     enum kind_t { cpu, cuda, automatic } kind = cpu;
@@ -68,9 +71,10 @@ int cuda_devices_present() {
 #endif
 }
 
-// Resolves the requested device to "cpu" or a CUDA ordinal (>= 0), or throws the one-line reason
-// a forced CUDA device cannot be used. auto falls back to the CPU silently (the caller reports it
-// through model_info::device).
+}  // namespace
+
+// (engine/device.h) auto falls back to the CPU silently; the caller reports it through
+// model_info::device.
 int resolve_cuda_ordinal(const std::string &device) {
     const device_choice dc = parse_device(device);
     if (dc.kind == device_choice::cpu) return -1;
@@ -84,6 +88,8 @@ int resolve_cuda_ordinal(const std::string &device) {
         throw error("device '" + device + "': only " + std::to_string(n) + " CUDA device(s) present");
     return dc.ordinal;
 }
+
+namespace {
 
 [[maybe_unused]] std::string gib(uint64_t bytes) {
     char buf[32];
@@ -134,16 +140,44 @@ public:
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override {
         tokens_.clear();
-        kv_->n_used = 0;
         have_logits_ = false;
+        if (kv_) kv_->n_used = 0;
+        if (seq_ >= 0) {
+            reserved_ = 0;
+            pool_->shrink(seq_, 0);
+        }
     }
+    ~session_impl() override {
+        if (seq_ >= 0) pool_->seq_close(seq_);
+    }
+    void truncate(int64_t n_keep) override;
+    bool kv_reserve(int64_t n_tokens) override;
+    int64_t kv_blocks() const override { return seq_ >= 0 ? pool_->held(seq_) : 0; }
 
 private:
     friend class engine_impl;  // decode_step (batched) reads and advances kv_/tokens_/logits_
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
+    // Drop held tokens beyond `keep` (their KV is stale; paged: their blocks beyond the
+    // reservation go back to the pool).
+    void drop_after(size_t keep);
+    // Paged: make the table cover positions [0, end) or throw (the pool's cap is reached).
+    void kv_cover(int64_t end);
+    dense_kv kv_target() {
+        dense_kv d;
+        if (seq_ >= 0) {
+            d.pool = pool_;
+            d.seq = seq_;
+        } else {
+            d.cache = kv_.get();
+        }
+        return d;
+    }
     engine_impl &e_;
-    std::unique_ptr<kv_cache> kv_;
+    std::unique_ptr<kv_cache> kv_;  // CUDA: the session's contiguous device cache (null when paged)
+    kv_pool *pool_ = nullptr;       // CPU: the engine's pool, the session's sequence in it
+    int seq_ = -1;
+    int64_t reserved_ = 0;          // positions kept allocated ahead (kv_reserve)
     std::unique_ptr<dense_scratch> scratch_;
     std::vector<int32_t> tokens_;
     std::vector<float> logits_;  // [n_vocab] of tokens_.back()
@@ -182,6 +216,14 @@ public:
             be_ = make_cpu_backend(co);
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
         model_ = dense_load(*file_, *be_);
+        // The CPU backend reads K/V through block tables: one pool for all sessions, 16-token
+        // blocks, no cap until a scheduler sets one (kv_pool_configure). CUDA keeps per-session
+        // contiguous device caches.
+        if (be_->supports_paged_kv()) {
+            const int32_t bt = 16;
+            pool_ = std::make_unique<fathom::kv_pool>(*be_, hp.n_layer, hp.n_head_kv, hp.head_dim, kv_type(), bt,
+                                                      arena_blocks(bt), 0);
+        }
         tok_ = std::make_unique<tokenizer>(*file_);
         if (tok_->n_vocab() != model_->hp.n_vocab && tok_->n_vocab() > model_->hp.n_vocab)
             throw error(o.model_path + ": tokenizer has " + std::to_string(tok_->n_vocab()) + " tokens, the model " +
@@ -213,6 +255,20 @@ public:
     }
 
     std::unique_ptr<session> new_session() override { return std::make_unique<session_impl>(*this); }
+    kv_pool_info kv_pool() const override {
+        kv_pool_info i;
+        if (!pool_) return i;
+        i.block_tokens = pool_->block_tokens();
+        i.max_blocks = pool_->max_blocks();
+        i.n_blocks = pool_->n_blocks();
+        i.n_used = pool_->n_used();
+        return i;
+    }
+    bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) override {
+        if (!pool_) return false;
+        pool_->configure(block_tokens, arena_blocks(block_tokens), max_blocks);
+        return true;
+    }
     // One forward for all sessions' tokens (src/engine/batch_decode.cpp); defined below session_impl.
     void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
 
@@ -243,8 +299,12 @@ public:
         return 0.0;
     }
     dtype kv_type() const { return opts_.kv == kv_precision::f32 ? dtype::f32 : dtype::f16; }
+    fathom::kv_pool *paged_kv() { return pool_.get(); }
 
 private:
+    // Pool arenas hold one full context each, so the pool grows in the steps a contiguous cache
+    // per session would have taken.
+    int64_t arena_blocks(int32_t block_tokens) const { return (n_ctx_ + block_tokens - 1) / block_tokens; }
     // The CUDA backend on device `ordinal`, after checking that the weights, one session's KV cache
     // and the scratch buffers fit in the device's free memory (so loading never fails midway).
     void make_cuda(int ordinal, const dense_hparams &hp) {
@@ -321,6 +381,7 @@ private:
     std::shared_ptr<const gguf::file> file_;  // mapped weights: must outlive model_
     std::unique_ptr<backend> be_;
     std::unique_ptr<dense_model> model_;
+    std::unique_ptr<fathom::kv_pool> pool_;  // paged KV of all sessions (CPU); null on CUDA
     std::unique_ptr<tokenizer> tok_;
     std::optional<chat_template> template_;
     model_info info_;
@@ -337,7 +398,9 @@ private:
 session_impl::session_impl(engine_impl &e) : e_(e) {
     e.bind_device();
     const dense_hparams &hp = e.model().hp;
-    kv_ = std::make_unique<kv_cache>(e.be(), hp.n_layer, hp.n_head_kv, hp.head_dim, e.n_ctx(), e.kv_type());
+    pool_ = e.paged_kv();
+    if (pool_) seq_ = pool_->seq_open();
+    else kv_ = std::make_unique<kv_cache>(e.be(), hp.n_layer, hp.n_head_kv, hp.head_dim, e.n_ctx(), e.kv_type());
     scratch_ = dense_scratch_create(hp, e.be(), e.n_batch());
     logits_.assign(static_cast<size_t>(hp.n_vocab), 0.0f);
     tokens_.reserve(static_cast<size_t>(e.n_ctx()));
@@ -369,10 +432,11 @@ void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
             n_out = 1;
         }
         have_logits_ = false;
+        kv_cover(n_past() + n);
         if (!(n == 1 && out == logits_.data() && decode_graph(toks[static_cast<size_t>(done)])))
-            dense_forward(m, e_.be(), *kv_, *scratch_, toks.data() + done, n, n_past(), n_out, out);
+            dense_forward(m, e_.be(), kv_target(), *scratch_, toks.data() + done, n, n_past(), n_out, out);
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
-        kv_->n_used = n_past();
+        if (kv_) kv_->n_used = n_past();
         done += n;
         if (last) {
             if (all_logits) std::memcpy(logits_.data(), out + (n - 1) * n_vocab, static_cast<size_t>(n_vocab) * sizeof(float));
@@ -434,10 +498,36 @@ void session_impl::sync(std::span<const int32_t> prefix, const std::function<voi
     // The logits of prefix.back() are needed: if it is already held but is not the last token
     // evaluated (or its logits were not kept), evaluate it again.
     if (keep == prefix.size()) --keep;
-    tokens_.resize(keep);
-    kv_->n_used = static_cast<int64_t>(keep);  // positions >= keep are stale and get overwritten
-    have_logits_ = false;
+    drop_after(keep);
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
+}
+
+void session_impl::drop_after(size_t keep) {
+    if (keep < tokens_.size()) have_logits_ = false;
+    tokens_.resize(std::min(keep, tokens_.size()));
+    if (kv_) kv_->n_used = n_past();  // positions >= keep are stale and get overwritten
+    if (seq_ >= 0) pool_->shrink(seq_, std::max(reserved_, n_past()));
+}
+
+void session_impl::truncate(int64_t n_keep) {
+    if (n_keep < n_past()) drop_after(static_cast<size_t>(std::max<int64_t>(n_keep, 0)));
+}
+
+bool session_impl::kv_reserve(int64_t n_tokens) {
+    if (n_tokens < 0) throw error("kv_reserve: negative token count");
+    if (seq_ < 0) return true;  // CUDA: the contiguous cache already covers n_ctx
+    const int64_t cover = std::max(n_tokens, n_past());
+    if (!pool_->reserve(seq_, cover)) return false;
+    pool_->shrink(seq_, cover);
+    reserved_ = n_tokens;
+    return true;
+}
+
+void session_impl::kv_cover(int64_t end) {
+    if (seq_ >= 0 && !pool_->reserve(seq_, end))
+        throw error("KV pool full: " + std::to_string(pool_->blocks_for(end) - pool_->held(seq_)) + " more blocks of " +
+                    std::to_string(pool_->block_tokens()) + " tokens needed, " + std::to_string(pool_->n_available()) +
+                    " available (cap " + std::to_string(pool_->max_blocks()) + ")");
 }
 
 void engine_impl::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
@@ -458,8 +548,9 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
         if (std::find(ss.begin(), ss.begin() + static_cast<std::ptrdiff_t>(i), s) != ss.begin() + static_cast<std::ptrdiff_t>(i))
             throw error("decode_step: session " + std::to_string(i) + " appears twice");
         ss[i] = s;
-        seqs[i] = {s->kv_.get(), s->n_past(), tokens[i], s->logits_.data()};
+        seqs[i] = {s->kv_target(), s->n_past(), tokens[i], s->logits_.data()};
     }
+    for (session_impl *s : ss) s->kv_cover(s->n_past() + 1);
     std::lock_guard<std::mutex> lock(forward_mutex_);
     bind_device();
     for (session_impl *s : ss) s->have_logits_ = false;
@@ -467,7 +558,7 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
     batch_->run(seqs);
     for (size_t i = 0; i < ss.size(); ++i) {
         ss[i]->tokens_.push_back(tokens[i]);
-        ss[i]->kv_->n_used = ss[i]->n_past();
+        if (ss[i]->kv_) ss[i]->kv_->n_used = ss[i]->n_past();
         ss[i]->have_logits_ = true;
     }
 }
@@ -476,16 +567,10 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
 
 std::unique_ptr<engine> engine::load(const engine_options &opts) {
     parse_device(opts.device);  // syntax first, before touching the file
-    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp), CPU only: auto means cpu.
+    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp, CPU or one CUDA device;
+    // it resolves --device itself, auto included).
     std::shared_ptr<const gguf::file> f = gguf::file::open(opts.model_path);
     if (f->get_string("general.architecture", "") == "deepseek4") {
-        if (opts.device == "auto") {
-            engine_options o = opts;
-            o.device = "cpu";
-            return make_ds4_engine(o, std::move(f));
-        }
-        if (opts.device != "cpu")
-            throw error("device '" + opts.device + "': the deepseek4 architecture runs on the CPU only (use --device cpu)");
         return make_ds4_engine(opts, std::move(f));
     }
     return std::make_unique<engine_impl>(opts, std::move(f));

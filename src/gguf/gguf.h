@@ -153,6 +153,9 @@ public:
     // Append the next tensor's bytes (may be called several times per tensor; the writer pads between
     // tensors and checks that each tensor received exactly its size).
     void write_tensor_data(const void *data, size_t n);
+    // Append n zero bytes to the current tensor without writing them: the file gets a hole (sparse
+    // on file systems that support it), so a tensor that is mostly zeros costs no disk space.
+    void write_tensor_zeros(uint64_t n);
     void finish();  // pads, flushes, closes; throws on I/O error
 private:
     struct impl;

@@ -8,6 +8,9 @@
 #include <limits>
 #include <unordered_set>
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "gguf/gguf_format.h"
@@ -296,6 +299,27 @@ void writer::write_tensor_data(const void *data, size_t n) {
     }
 }
 
+void writer::write_tensor_zeros(uint64_t n) {
+    impl &w = *p_;
+    if (!w.header_done) w.fail("write_tensor_zeros() before write_header()");
+    if (w.finished) w.fail("write_tensor_zeros() after finish()");
+    if (n == 0) return;
+    if (w.cur >= w.tensors.size()) w.fail("write_tensor_zeros(): all declared tensors already have their data");
+    const auto &t = w.tensors[w.cur];
+    if (n > t.nbytes - w.cur_done)
+        w.fail("tensor " + quote(t.name) + ": " + std::to_string(n) + " zero bytes supplied but only " +
+               std::to_string(t.nbytes - w.cur_done) + " of its " + std::to_string(t.nbytes) + " bytes remain");
+    if (w.cur_done == 0) w.pad_to(w.data_start + t.offset);
+    if (std::fflush(w.fp) != 0 || fseeko(w.fp, static_cast<off_t>(n), SEEK_CUR) != 0)
+        w.fail(std::string("seek failed: ") + std::strerror(errno));
+    w.written += n;
+    w.cur_done += n;
+    if (w.cur_done == t.nbytes) {
+        ++w.cur;
+        w.cur_done = 0;
+    }
+}
+
 void writer::finish() {
     impl &w = *p_;
     if (w.finished) w.fail("finish() called twice");
@@ -309,6 +333,9 @@ void writer::finish() {
     const uint64_t expected = w.data_start + w.next_offset;  // next_offset is aligned past the last tensor
     w.pad_to(expected);
     if (std::fflush(w.fp) != 0) w.fail(std::string("write failed: ") + std::strerror(errno));
+    // A trailing hole (write_tensor_zeros at the very end) leaves the file short until extended.
+    if (ftruncate(fileno(w.fp), static_cast<off_t>(expected)) != 0)
+        w.fail(std::string("truncate failed: ") + std::strerror(errno));
     const long pos = std::ftell(w.fp);
     if (pos < 0 || static_cast<uint64_t>(pos) != expected || w.written != expected) {
         w.fail("byte count mismatch: wrote " + std::to_string(w.written) + ", expected " +

@@ -171,6 +171,11 @@ class tensor_streamer {
         buf_.insert(buf_.end(), p, p + n);
         if (buf_.size() >= (size_t{4} << 20)) flush();
     }
+    void zeros(uint64_t n) {
+        flush();
+        w_.write_tensor_zeros(n);
+        done_ += n;
+    }
     void flush() {
         if (buf_.empty()) return;
         w_.write_tensor_data(buf_.data(), buf_.size());
@@ -222,6 +227,12 @@ void write_tensor(const tensor_spec &t, const hparams &hp, const synth_options &
             fill_row(g, t.kind, row, hp, v.data());
             cpu::quantize_row(t.type, v.data(), pool.data() + static_cast<size_t>(r) * rb, row);
         }
+        if (o.sparse) {  // rows 0..P-1 = the pool, the rest a hole (replicated on the device)
+            out.put(pool.data(), pool.size());
+            out.flush();
+            out.zeros(static_cast<uint64_t>(rows - o.pool_rows) * rb);
+            return;
+        }
         for (int64_t r = 0; r < rows; ++r)
             out.put(pool.data() + static_cast<size_t>(g.next() % static_cast<uint64_t>(o.pool_rows)) * rb, rb);
     }
@@ -251,6 +262,7 @@ void write_metadata(gguf::writer &w, const hparams &hp, const synth_options &o) 
     const std::string a = "deepseek4.";
     w.set_string("general.architecture", "deepseek4");
     w.set_string("general.name", o.name.empty() ? "ds4-synth" : o.name);
+    if (o.sparse) w.set_u64("fathom.synth.replicate_rows", static_cast<uint64_t>(o.pool_rows));
     w.set_u32(a + "context_length", static_cast<uint32_t>(std::min<double>(
                                         4294967295.0, static_cast<double>(hp.yarn_orig_ctx) * hp.yarn_factor)));
     w.set_u32(a + "embedding_length", static_cast<uint32_t>(hp.n_embd));
@@ -377,6 +389,7 @@ void synth_check(const hparams &hp) {
 uint64_t synth_write(const std::string &path, const hparams &hp, const synth_options &o) {
     synth_check(hp);
     if (o.pool_rows < 0) throw error("synth: pool rows must be >= 0, got " + std::to_string(o.pool_rows));
+    if (o.sparse && o.pool_rows == 0) throw error("synth: a sparse file needs a row pool (pool rows > 0)");
     const std::vector<tensor_spec> specs = tensor_list(hp, o.mix);
     gguf::writer w(path);
     write_metadata(w, hp, o);

@@ -33,6 +33,11 @@ struct synth_options {
     // Tensors with more rows than this draw each row from a pool of this many seeded random rows,
     // quantised once (keeps synthesising a multi-GiB file to seconds); 0 = every row drawn fresh.
     int64_t pool_rows = 256;
+    // Device-scale files: pooled tensors store their pool rows 0..P-1 once and leave the remaining rows
+    // as a file hole (zeros on disk, no space used); the key fathom.synth.replicate_rows = P tells the
+    // CUDA loader to fill row r with row r mod P on the device. The CPU loader refuses such files
+    // (their zero rows would not be the model the key describes). Needs pool_rows > 0.
+    bool sparse = false;
     std::string name;  // general.name ("" = "ds4-synth")
     std::function<void(uint64_t done, uint64_t total)> on_progress;  // bytes of tensor data
 };

@@ -83,6 +83,9 @@ inline void setup_synth_command(CLI::App &app, int &rc) {
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     s->add_option("--name", a->opt.name, "general.name");
+    s->add_flag("--sparse", a->opt.sparse,
+                "Store each pooled tensor's pool once and leave the rest as a file hole; the CUDA loader "
+                "replicates the pool on the device (device-scale benchmarks; the CPU refuses such files)");
     s->add_flag("-q,--quiet", a->quiet, "No progress line");
     s->callback([a, &rc] { rc = run_synth_command(*a); });
 }

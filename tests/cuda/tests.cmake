@@ -9,3 +9,7 @@ add_executable(cuda_synth ${CMAKE_CURRENT_SOURCE_DIR}/cuda/cuda_synth.cpp)
 target_include_directories(cuda_synth PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(cuda_synth PRIVATE fathom_core)
 target_compile_definitions(cuda_synth PRIVATE FATHOM_SHARED_DIR="${FATHOM_SHARED_DIR}")
+# bench_cuda_ds4: DS4 decode at context frontiers on the device (ds4::cuda_sequence), against the roofline.
+add_executable(bench_cuda_ds4 ${CMAKE_CURRENT_SOURCE_DIR}/cuda/bench_cuda_ds4.cpp)
+target_include_directories(bench_cuda_ds4 PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(bench_cuda_ds4 PRIVATE fathom_core)

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <set>
 
+#include <sys/stat.h>
+
 #include "backend/cpu/quants.h"
 #include "fathom/engine.h"
 #include "gguf/gguf.h"
@@ -171,6 +173,53 @@ TEST(ds4_synth, presets_and_errors) {
     o.mix = "q3";
     EXPECT_THROW(ds4::synth_write(tmp("bad"), ds4::synth_preset("tiny"), o), error);
     std::filesystem::remove(tmp("bad"));
+}
+
+}  // namespace
+
+namespace {
+
+// --sparse: pooled tensors keep their pool rows (the same P rows the dense file draws from), the rest
+// is a file hole (zeros when read), the key tells the CUDA loader to replicate, the file takes far
+// less disk than its size, and the CPU engine refuses it with a clear message.
+TEST(ds4_synth, sparse_file_holes_and_cpu_refusal) {
+    ds4::hparams hp = small_geometry();
+    hp.n_expert = 64;  // expert banks of 64 x 256 rows: far more than the pool
+    ds4::synth_options o;
+    o.seed = 3;
+    o.pool_rows = 16;
+    o.sparse = true;
+    const std::string p = tmp("sparse");
+    ds4::synth_write(p, hp, o);
+    const auto f = gguf::file::open(p);
+    EXPECT_EQ(f->get_int("fathom.synth.replicate_rows"), 16);
+    const gguf::tensor_info *t = nullptr;
+    for (const auto &ti : f->tensors())
+        if (ti.name == "blk.3.ffn_gate_exps.weight") t = &ti;
+    ASSERT_NE(t, nullptr);
+    const size_t rb = dtype_row_bytes(t->type, t->ne[0]);
+    const size_t rows = static_cast<size_t>(t->ne[1] * t->ne[2]);
+    ASSERT_GT(rows, 16u);
+    // rows 0..15 hold quantised random values, every later byte is zero
+    EXPECT_TRUE(std::any_of(t->data, t->data + 16 * rb, [](uint8_t b) { return b != 0; }));
+    EXPECT_TRUE(std::all_of(t->data + 16 * rb, t->data + rows * rb, [](uint8_t b) { return b == 0; }));
+    // blocks actually allocated on disk: well under the apparent size (holes)
+    struct stat sb{};
+    ASSERT_EQ(stat(p.c_str(), &sb), 0);
+    EXPECT_LT(static_cast<uint64_t>(sb.st_blocks) * 512, static_cast<uint64_t>(sb.st_size) / 2)
+        << "apparent " << sb.st_size << " bytes";
+    engine_options eo;
+    eo.model_path = p;
+    try {
+        (void)engine::load(eo);
+        FAIL() << "the CPU engine accepted a sparse synthetic file";
+    } catch (const error &e) {
+        EXPECT_NE(std::string(e.what()).find("sparse synthetic"), std::string::npos) << e.what();
+    }
+    ds4::synth_options bad = o;
+    bad.pool_rows = 0;
+    EXPECT_THROW(ds4::synth_write(tmp("sparse_bad"), hp, bad), error);
+    std::filesystem::remove(p);
 }
 
 }  // namespace

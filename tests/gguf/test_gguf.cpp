@@ -2,6 +2,7 @@
 // spec encoding, round trips of every value type and every tensor type, typed getters, and the shared
 // real-world files. Malformed input is covered in test_gguf_malformed.cpp.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 
@@ -110,6 +111,32 @@ TEST(GgufWrite, ByteExact) {
     e.pad_to(32).f32(1.0f).f32(2.0f).pad_to(32);
     e.raw(bytes(34, 0xab)).pad_to(32);
     EXPECT_EQ(read_file(path), e.b);
+}
+
+// write_tensor_zeros: the same bytes as writing zeros (mid-tensor, across a tensor boundary and at
+// the very end of the file, where the hole must still extend the file to its full size).
+TEST(GgufWrite, ZeroRunsEqualWrittenZeros) {
+    const std::string a = temp_path("zeros_hole.gguf"), b = temp_path("zeros_dense.gguf");
+    const float d[4] = {1, 2, 3, 4};
+    const std::vector<uint8_t> z(40, 0);
+    for (int hole = 0; hole < 2; ++hole) {
+        writer w(hole ? a : b);
+        w.add_tensor("t", dtype::f32, {6});
+        w.add_tensor("u", dtype::f32, {10});
+        w.write_header();
+        w.write_tensor_data(d, 8);
+        if (hole) w.write_tensor_zeros(8); else w.write_tensor_data(z.data(), 8);
+        w.write_tensor_data(d + 2, 8);
+        w.write_tensor_data(d, 4);
+        if (hole) w.write_tensor_zeros(36); else w.write_tensor_data(z.data(), 36);
+        EXPECT_THROW(w.write_tensor_zeros(1), fathom::error);  // every tensor is complete
+        w.finish();
+    }
+    EXPECT_EQ(read_file(a), read_file(b));
+    auto f = file::open(a);
+    float v = 0;
+    std::memcpy(&v, f->tensors()[1].data, 4);
+    EXPECT_EQ(v, 1.0f);
 }
 
 TEST(GgufWrite, AlignmentKeyWrittenWhenNotDefault) {

@@ -126,6 +126,23 @@ __global__ void __launch_bounds__(kApplyThreads)
     u[i] = acc;
 }
 
+// HC head (spec 3.4): pre_s = sigmoid(mix_s * r * scale[0] + base[s]) + eps; z = sum_s pre_s X_s.
+__global__ void __launch_bounds__(kApplyThreads)
+    hc_head_apply_kernel(int n, int64_t D, float eps, const float *__restrict__ mix, const float *__restrict__ base,
+                         const float *__restrict__ scale, const float *__restrict__ x, float *__restrict__ z) {
+    __shared__ float pre_s[kMaxHc];
+    if (threadIdx.x < n) {
+        const float m = __fmul_rn(mix[threadIdx.x], mix[n]);
+        pre_s[threadIdx.x] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(m, scale[0]), base[threadIdx.x])), eps);
+    }
+    __syncthreads();
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
+    if (i >= D) return;
+    float acc = 0;
+    for (int s = 0; s < n; ++s) acc = __fadd_rn(acc, __fmul_rn(pre_s[s], x[s * D + i]));
+    z[i] = acc;
+}
+
 __global__ void hc_post_kernel(int n, int64_t D, const float *__restrict__ y, const float *__restrict__ x_old,
                                const float *__restrict__ post, const float *__restrict__ comb, float *__restrict__ x_new) {
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -167,6 +184,28 @@ void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_
     hc_pre_apply_kernel<<<blocks, kApplyThreads, 0, s>>>(p.n_hc, p.dim, p.sinkhorn_iters, p.hc_eps, mix, base, scale,
                                                          x, u, post, comb);
     check_launch("hc pre");
+}
+
+void launch_hc_head(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                    const float *scale, const float *x, float *mix, float *z, cudaStream_t s) {
+    if (p.n_hc < 1 || p.n_hc > kMaxHc || p.dim < 1)
+        throw error("cuda ds4 hc_head: unsupported n_hc " + std::to_string(p.n_hc) + " (1..5) or dim " +
+                    std::to_string(p.dim));
+    if (fn_type != dtype::f32 && fn_type != dtype::f16)
+        throw error("cuda ds4 hc_head: mixer weight type " + std::string(dtype_name(fn_type)) +
+                    " unsupported (f32 or f16)");
+    const int64_t n = static_cast<int64_t>(p.n_hc) * p.dim;
+    if (fn_row_bytes < dtype_row_bytes(fn_type, n) || fn_row_bytes % (fn_type == dtype::f32 ? 4 : 2) != 0)
+        throw error("cuda ds4 hc_head: mixer row stride too small or misaligned");
+    const auto *w = static_cast<const uint8_t *>(fn);
+    if (fn_type == dtype::f16)
+        hc_mix_kernel<true><<<p.n_hc + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, p.n_hc, p.rms_eps, mix);
+    else
+        hc_mix_kernel<false><<<p.n_hc + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, p.n_hc, p.rms_eps, mix);
+    check_launch("hc head mix");
+    const unsigned blocks = static_cast<unsigned>((p.dim + kApplyThreads - 1) / kApplyThreads);
+    hc_head_apply_kernel<<<blocks, kApplyThreads, 0, s>>>(p.n_hc, p.dim, p.hc_eps, mix, base, scale, x, z);
+    check_launch("hc head");
 }
 
 void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post,

@@ -23,7 +23,9 @@ enum ds4_error_bits : uint32_t {
     err_token_id = 1u << 9,   // hash routing with a token outside [0, n_vocab): ids/weights not written
 };
 
-// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0.
+// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0, and f16/f32
+// (float rows need a column count that is a multiple of 4; when it is not a multiple of 32 the last
+// unit of a row reads up to 31 elements past it, so the buffer needs 128 bytes of padding).
 bool expert_type_supported(dtype t);
 // Byte alignment the row pointer and stride of type t need (rows of 2-byte aligned formats are
 // read with funnel shifts; all buffers need 16 bytes of padding after the last row).
@@ -99,6 +101,10 @@ struct hc_params {
 void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
                    const float *scale, const float *x, float *mix, float *u, float *post, float *comb,
                    cudaStream_t s);
+// HC head collapse (spec 3.4): z [D] = sum_s pre_s X_s, pre_s = sigmoid(r (fn_s . X) scale[0] +
+// base[s]) + hc_eps. fn [n_hc, n_hc * D] f32 or f16; base [n_hc], scale [1]; mix scratch n_hc + 1.
+void launch_hc_head(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                    const float *scale, const float *x, float *mix, float *z, cudaStream_t s);
 // HCPost (spec 3.2): x_new[k*D + i] = post[k] * y[i] + sum_j comb[j*n_hc + k] * x_old[j*D + i].
 void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post,
                     const float *comb, float *x_new, cudaStream_t s);

@@ -107,10 +107,12 @@ __device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
 __device__ __forceinline__ int64_t pidx(int64_t e) {
     return e + 4 * (e >> 5);
 }
-// xs[pidx(i)] = x[i], i < K (K % 32 == 0, x 16-byte aligned). Caller syncs.
-__device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K, float *xs) {
-    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < K; i += 4 * static_cast<int64_t>(blockDim.x))
-        *reinterpret_cast<float4 *>(xs + pidx(i)) = *reinterpret_cast<const float4 *>(x + i);
+// xs[pidx(i)] = x[i] for i < K, 0 for K <= i < K_pad (K % 4 == 0, K_pad = 32 * units, x 16-byte
+// aligned): a float row's last partial unit meets zeros. Caller syncs.
+__device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K, int64_t K_pad, float *xs) {
+    for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < K_pad; i += 4 * static_cast<int64_t>(blockDim.x))
+        *reinterpret_cast<float4 *>(xs + pidx(i)) =
+            i < K ? *reinterpret_cast<const float4 *>(x + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // Dot of a decoded unit with the staged vector: w[8r + i] pairs with x[base + r * stride + i]
@@ -152,7 +154,7 @@ __device__ __forceinline__ float warp_sum(float a) {
 struct bank_dev {
     const uint8_t *data;
     size_t row_bytes, expert_bytes;
-    int64_t n_expert, rows, units;  // units = cols / 32
+    int64_t n_expert, rows, cols, units;  // units = ceil(cols / 32) (cols % 32 != 0 only for float rows)
 };
 
 // Tasks t = (slot, row), slot-major, spread over a grid of about two blocks per SM (x is staged
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     float *xs = reinterpret_cast<float *>(dyn_smem);
     __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
     const uint64_t *grid = stage_grid<T>(sgrid);
-    stage_vec(x, g.units * 32, xs);
+    stage_vec(x, g.cols, g.units * 32, xs);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t total = static_cast<int64_t>(n_slot) * g.rows;
@@ -214,7 +216,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
     const uint64_t *grid = stage_grid<T>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t F = d.units * 32, row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
+    const int64_t F = d.cols, row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
     float total[kDownRows];
 #pragma unroll
     for (int q = 0; q < kDownRows; ++q) {
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     }
     for (int s = 0; s < n_slot; ++s) {
         __syncthreads();  // the previous slot's readers are done with xs
-        stage_vec(h + static_cast<int64_t>(s0 + s) * F, F, xs);
+        stage_vec(h + static_cast<int64_t>(s0 + s) * F, F, d.units * 32, xs);
         __syncthreads();
         const int e = ids ? ids[s] : 0;
         if (e < 0 || e >= d.n_expert) {
@@ -381,14 +383,16 @@ void check_bank(const expert_bank &b, const char *what) {
 }
 
 bank_dev to_dev(const expert_bank &b) {
-    return {static_cast<const uint8_t *>(b.data), b.row_bytes, b.expert_bytes, b.n_expert, b.rows, b.cols / 32};
+    return {static_cast<const uint8_t *>(b.data), b.row_bytes, b.expert_bytes, b.n_expert, b.rows, b.cols,
+            (b.cols + 31) / 32};
 }
 
 size_t staged_bytes(int64_t cols) {
     if (cols > kMaxCols)
         throw error("cuda ds4 moe: " + std::to_string(cols) + " columns exceed the staged-activation limit of " +
                     std::to_string(kMaxCols));
-    return static_cast<size_t>(cols + cols / 8) * sizeof(float);  // 36 floats per 32 columns
+    const int64_t padded = (cols + 31) / 32 * 32;
+    return static_cast<size_t>(padded + padded / 8) * sizeof(float);  // 36 floats per 32 columns
 }
 
 unsigned sm_count() {

@@ -80,6 +80,12 @@ template <> struct unit_traits<dtype::iq2_xxs> { static constexpr int block = 25
 template <> struct unit_traits<dtype::q2_k>    { static constexpr int block = 256, bytes = 84, align = 4; };
 template <> struct unit_traits<dtype::mxfp4>   { static constexpr int block = 32,  bytes = 17, align = 1; };
 template <> struct unit_traits<dtype::q8_0>    { static constexpr int block = 32,  bytes = 34, align = 2; };
+// Float rows (the ds4-tiny reference model stores experts in f32): units of 32 consecutive elements;
+// the last unit of a row whose length is not a multiple of 32 reads past it (into the next row or
+// the buffer's padding) and those weights meet zeros in the staged activation. block = the column
+// multiple the kernels need (float4 staging).
+template <> struct unit_traits<dtype::f32>     { static constexpr int block = 4,   bytes = 4,  align = 4; };
+template <> struct unit_traits<dtype::f16>     { static constexpr int block = 4,   bytes = 2,  align = 2; };
 
 // Decode unit u of a row into w[32]; base/stride as in the banner. `grid` is the IQ2_XXS grid as
 // 256 little-endian u64 (8 magnitudes each); other types ignore it.
@@ -170,6 +176,25 @@ __host__ __device__ __forceinline__ void decode32<dtype::q8_0>(const uint8_t *ro
     stride = 8;
 }
 
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::f32>(const uint8_t *row, int64_t u, float w[32],
+                                                              int64_t &base, int &stride, const uint64_t *) {
+    const float *p = reinterpret_cast<const float *>(row) + 32 * u;
+    FATHOM_UNROLL
+    for (int i = 0; i < 32; ++i) w[i] = p[i];
+    base = 32 * u;
+    stride = 8;
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::f16>(const uint8_t *row, int64_t u, float w[32],
+                                                              int64_t &base, int &stride, const uint64_t *) {
+    FATHOM_UNROLL
+    for (int i = 0; i < 32; ++i) w[i] = ld_f16(row + 2 * (32 * u + i));
+    base = 32 * u;
+    stride = 8;
+}
+
 // Calls f.template operator()<T>() for the expert types above; false for any other type.
 template <class F>
 bool dispatch_expert_type(dtype t, F &&f) {
@@ -178,6 +203,8 @@ bool dispatch_expert_type(dtype t, F &&f) {
     case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
     case dtype::mxfp4: f.template operator()<dtype::mxfp4>(); return true;
     case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
+    case dtype::f32: f.template operator()<dtype::f32>(); return true;
+    case dtype::f16: f.template operator()<dtype::f16>(); return true;
     default: return false;
     }
 }

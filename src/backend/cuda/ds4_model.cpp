@@ -1,0 +1,756 @@
+// DS4 on one CUDA device (see ds4_model.h): weight upload, the sequence's device state, and the
+// decode step as a chain of launches (ds4_kernels.h, ds4_attn_kernels.h, cuda_kernels.h) that reads
+// the token id and position from device memory, captured once as a CUDA graph.
+//
+// Step, per layer (spec section 2; the CPU's block_forward for one token):
+//   attention half: HCPre(X) -> u, post, comb; xn = RMSNorm(u)
+//     q_lat = RMSNorm(W_qa xn); q = headnorm+RoPE(W_qb q_lat); kv = norm/RoPE/FP8(W_kv xn) -> ring
+//     ratio > 0: compressor(W_ckv xn, W_cg xn) -> compressed row every R tokens
+//     ratio 4  : indexer q (W_iqb q_lat, RoPE, Hadamard+FP4), weights W_ip xn, indexer compressor,
+//                top-k of the indexer rows
+//     o = sink attention(q; window rows + compressed rows), inverse RoPE; y = W_ob (W_oa grouped o)
+//     X = HCPost(y, X)
+//   MoE half: HCPre, RMSNorm, router + routed experts + shared expert, HCPost
+// then HC head, RMSNorm, output head, device argmax.
+#include "backend/cuda/ds4_model.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cpu/quants.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_attn_kernels.h"
+#include "backend/cuda/ds4_kernels.h"
+#include "core/error.h"
+#include "gguf/gguf.h"
+#include "models/deepseek4_impl.h"
+
+namespace fathom::ds4 {
+
+namespace cd = cuda::ds4;
+
+namespace {
+
+void ck(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) throw error(std::string("cuda ds4: ") + what + ": " + cudaGetErrorString(e));
+}
+
+std::string gib(double b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
+    return s;
+}
+
+// A device matrix [rows, cols] in its GGUF format, rows row_bytes apart.
+struct dmat {
+    dtype type = dtype::f32;
+    const void *p = nullptr;
+    size_t row_bytes = 0;
+    int64_t rows = 0, cols = 0;
+};
+struct dhc {
+    dmat fn;
+    const float *base = nullptr, *scale = nullptr;
+};
+struct dcomp {
+    int ratio = 0, dim = 0;
+    dmat kv, gate;
+    const float *ape = nullptr, *norm = nullptr;
+};
+struct dlayer {
+    int ratio = 0;
+    const float *attn_norm = nullptr, *ffn_norm = nullptr;
+    dhc hc_attn, hc_ffn;
+    dmat q_a, q_b, kv, out_a, out_b, idx_q_b, idx_proj;
+    const float *q_a_norm = nullptr, *kv_norm = nullptr, *sinks = nullptr;
+    dcomp comp, idx_comp;
+    cd::moe_layer moe;
+};
+
+}  // namespace
+
+class cuda_weights {
+  public:
+    hparams hp;
+    cuda_run_options opt;
+    int device = 0;
+    std::vector<void *> allocs;
+    size_t bytes = 0;
+    double step_bytes = 0;
+    dmat tok_embd, output;
+    const float *output_norm = nullptr;
+    dhc hc_head;
+    std::vector<dlayer> layers;
+    const float *rope_plain = nullptr, *rope_yarn = nullptr;
+    cuda_weights() = default;
+    cuda_weights(const cuda_weights &) = delete;
+    cuda_weights &operator=(const cuda_weights &) = delete;
+    ~cuda_weights() {
+        cudaSetDevice(device);
+        for (void *p : allocs) cudaFree(p);
+    }
+};
+
+namespace {
+
+// Copies host tensors to the device once each (a map from host address to device address), with
+// 256 zeroed bytes after every buffer (block decoders read a little past a row; float expert rows
+// up to 31 elements). replicate > 0: sparse synthetic file, rows >= replicate repeat rows 0..P-1.
+class uploader {
+  public:
+    uploader(cuda_weights &w, int64_t replicate, uint64_t total, const std::function<void(uint64_t, uint64_t)> &cb)
+        : w_(w), replicate_(replicate), total_(total), cb_(cb) {}
+
+    const void *bytes(const uint8_t *src, size_t n, size_t row_bytes, int64_t rows) {
+        if (auto it = seen_.find(src); it != seen_.end()) return it->second;
+        void *d = nullptr;
+        ck(cudaMalloc(&d, n + 256), "allocating weights");
+        w_.allocs.push_back(d);
+        ck(cudaMemset(static_cast<uint8_t *>(d) + n, 0, 256), "padding");
+        if (replicate_ > 0 && rows > replicate_ && row_bytes > 0) {
+            size_t have = static_cast<size_t>(replicate_) * row_bytes;
+            ck(cudaMemcpy(d, src, have, cudaMemcpyHostToDevice), "uploading weights");
+            while (have < n) {  // doubling device copies: row r = row r mod P
+                const size_t c = std::min(have, n - have);
+                ck(cudaMemcpy(static_cast<uint8_t *>(d) + have, d, c, cudaMemcpyDeviceToDevice), "replicating rows");
+                have += c;
+            }
+        } else {
+            ck(cudaMemcpy(d, src, n, cudaMemcpyHostToDevice), "uploading weights");
+        }
+        w_.bytes += n;
+        done_ += n;
+        if (cb_) cb_(std::min(done_, total_), total_);
+        seen_.emplace(src, d);
+        return d;
+    }
+    dmat mat(const matrix &m) {
+        dmat r;
+        r.type = m.type;
+        r.rows = m.rows;
+        r.cols = m.cols;
+        r.row_bytes = m.row_bytes;
+        if (!m.data) return r;
+        const size_t n = static_cast<size_t>(m.rows - 1) * m.row_bytes + dtype_row_bytes(m.type, m.cols);
+        r.p = bytes(m.data, n, m.row_bytes, m.rows);
+        return r;
+    }
+    const float *vec(const std::vector<float> &v) {
+        if (v.empty()) return nullptr;
+        return static_cast<const float *>(bytes(reinterpret_cast<const uint8_t *>(v.data()), v.size() * sizeof(float), 0, 0));
+    }
+    cd::expert_bank bank(const expert_bank &b) {
+        cd::expert_bank r;
+        r.type = b.first.type;
+        r.row_bytes = b.first.row_bytes;
+        r.expert_bytes = b.expert_bytes;
+        r.n_expert = b.n;
+        r.rows = b.first.rows;
+        r.cols = b.first.cols;
+        if (b.first.data)
+            r.data = bytes(b.first.data, b.expert_bytes * static_cast<size_t>(b.n), b.first.row_bytes, b.first.rows * b.n);
+        return r;
+    }
+    cd::expert_bank single(const matrix &m) {
+        cd::expert_bank r;
+        const dmat d = mat(m);
+        r.type = d.type;
+        r.data = d.p;
+        r.row_bytes = d.row_bytes;
+        r.expert_bytes = d.row_bytes * static_cast<size_t>(d.rows);
+        r.n_expert = 1;
+        r.rows = d.rows;
+        r.cols = d.cols;
+        return r;
+    }
+
+  private:
+    cuda_weights &w_;
+    int64_t replicate_;
+    uint64_t total_, done_ = 0;
+    const std::function<void(uint64_t, uint64_t)> &cb_;
+    std::unordered_map<const void *, void *> seen_;
+};
+
+double mat_bytes(const dmat &m) {
+    return m.p ? static_cast<double>(m.row_bytes) * static_cast<double>(m.rows) : 0.0;
+}
+double hc_bytes(const dhc &h) {
+    return mat_bytes(h.fn);
+}
+
+dlayer upload_layer(uploader &u, const hparams &hp, const layer_weights &l, const int32_t *tid2eid_dev) {
+    dlayer d;
+    d.ratio = l.ratio;
+    d.attn_norm = u.vec(l.attn_norm);
+    d.ffn_norm = u.vec(l.ffn_norm);
+    d.hc_attn = {u.mat(l.hc_attn.fn), u.vec(l.hc_attn.base), u.vec(l.hc_attn.scale)};
+    d.hc_ffn = {u.mat(l.hc_ffn.fn), u.vec(l.hc_ffn.base), u.vec(l.hc_ffn.scale)};
+    d.q_a = u.mat(l.q_a);
+    d.q_a_norm = u.vec(l.q_a_norm);
+    d.q_b = u.mat(l.q_b);
+    d.kv = u.mat(l.kv);
+    d.kv_norm = u.vec(l.kv_norm);
+    d.sinks = u.vec(l.sinks);
+    d.out_a = u.mat(l.out_a);
+    d.out_b = u.mat(l.out_b);
+    auto comp = [&](const compressor_weights &c) {
+        dcomp r;
+        r.ratio = c.ratio;
+        r.dim = c.dim;
+        r.kv = u.mat(c.kv);
+        r.gate = u.mat(c.gate);
+        r.ape = u.vec(c.ape);
+        r.norm = u.vec(c.norm);
+        return r;
+    };
+    if (l.ratio > 0) d.comp = comp(l.comp);
+    if (l.ratio == 4) {
+        d.idx_q_b = u.mat(l.idx_q_b);
+        d.idx_proj = u.mat(l.idx_proj);
+        d.idx_comp = comp(l.idx_comp);
+    }
+    cd::moe_layer &m = d.moe;
+    const dmat gi = u.mat(l.gate_inp);
+    m.gate_inp_type = gi.type;
+    m.gate_inp = gi.p;
+    m.gate_inp_row_bytes = gi.row_bytes;
+    m.exp_bias = l.hash ? nullptr : u.vec(l.exp_bias);
+    m.tid2eid = l.hash ? tid2eid_dev : nullptr;
+    m.n_vocab = hp.n_vocab;
+    m.n_expert = hp.n_expert;
+    m.n_used = hp.n_expert_used;
+    m.weights_scale = hp.expert_weights_scale;
+    m.clamp = l.clamp;
+    m.clamp_sh = l.clamp_sh;
+    m.gate = u.bank(l.gate_exps);
+    m.up = u.bank(l.up_exps);
+    m.down = u.bank(l.down_exps);
+    if (hp.n_expert_shared == 1) {
+        m.gate_sh = u.single(l.gate_sh);
+        m.up_sh = u.single(l.up_sh);
+        m.down_sh = u.single(l.down_sh);
+    }
+    for (const cd::expert_bank *b : {&m.gate, &m.up, &m.down})
+        if (!cd::expert_type_supported(b->type))
+            throw error("cuda ds4: expert weight type " + std::string(dtype_name(b->type)) + " has no CUDA kernel");
+    return d;
+}
+
+// Bytes one decode step reads from layer d's weights: every dense matrix, the used experts.
+double layer_step_bytes(const hparams &hp, const dlayer &d) {
+    double b = hc_bytes(d.hc_attn) + hc_bytes(d.hc_ffn);
+    for (const dmat *m : {&d.q_a, &d.q_b, &d.kv, &d.out_a, &d.out_b, &d.idx_q_b, &d.idx_proj, &d.comp.kv, &d.comp.gate,
+                          &d.idx_comp.kv, &d.idx_comp.gate})
+        b += mat_bytes(*m);
+    b += static_cast<double>(d.moe.gate_inp_row_bytes) * hp.n_expert;
+    for (const cd::expert_bank *e : {&d.moe.gate, &d.moe.up, &d.moe.down})
+        b += static_cast<double>(e->expert_bytes) * hp.n_expert_used;
+    for (const cd::expert_bank *e : {&d.moe.gate_sh, &d.moe.up_sh, &d.moe.down_sh})
+        if (e->data) b += static_cast<double>(e->expert_bytes);
+    return b;
+}
+
+}  // namespace
+
+std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_options &o,
+                                                const std::function<void(uint64_t, uint64_t)> &progress) {
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) throw error("cuda ds4: no CUDA device available");
+    if (o.device < 0 || o.device >= n_dev)
+        throw error("cuda ds4: device " + std::to_string(o.device) + " out of range (" + std::to_string(n_dev) +
+                    " devices)");
+    ck(cudaSetDevice(o.device), "selecting the device");
+    const hparams &hp = m.hp;
+    if (hp.n_hc > 5 || hp.head_dim > 512 || hp.idx_dim > 256 || hp.idx_head > 128)
+        throw error("cuda ds4: geometry outside the CUDA kernels' limits (n_hc <= 5, head dim <= 512, indexer dim "
+                    "<= 256, indexer heads <= 128)");
+    // Memory check before any allocation: all tensor bytes of the file plus a 1 GiB margin.
+    uint64_t total = 0;
+    int64_t replicate = 0;
+    if (m.file) {
+        for (const auto &t : m.file->tensors()) total += t.nbytes;
+        replicate = m.file->get_int("fathom.synth.replicate_rows", 0);
+        if (replicate < 0) throw error("cuda ds4: fathom.synth.replicate_rows must be >= 0");
+    }
+    size_t free_b = 0, total_b = 0;
+    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+    if (static_cast<double>(total) + (1u << 30) > static_cast<double>(free_b))
+        throw error("cuda ds4: the model's weights need " + gib(static_cast<double>(total)) + " (+1 GiB margin) but device " +
+                    std::to_string(o.device) + " has " + gib(static_cast<double>(free_b)) + " free");
+
+    auto w = std::make_shared<cuda_weights>();
+    w->hp = hp;
+    w->opt = o;
+    w->device = o.device;
+    uploader u(*w, replicate, total, progress);
+    w->tok_embd = u.mat(m.tok_embd);
+    w->output = u.mat(m.output);
+    w->output_norm = u.vec(m.output_norm);
+    w->hc_head = {u.mat(m.hc_head.fn), u.vec(m.hc_head.base), u.vec(m.hc_head.scale)};
+    const rope_set ropes = make_rope_set(hp);
+    w->rope_plain = u.vec(ropes.plain.freq);
+    w->rope_yarn = u.vec(ropes.yarn.freq);
+    w->step_bytes = mat_bytes(w->output) + hc_bytes(w->hc_head) + static_cast<double>(w->tok_embd.row_bytes);
+    for (const layer_weights &l : m.layers) {
+        const int32_t *tid = nullptr;
+        if (l.hash)
+            tid = static_cast<const int32_t *>(u.bytes(reinterpret_cast<const uint8_t *>(l.tid2eid.data()),
+                                                       l.tid2eid.size() * sizeof(int32_t), 0, 0));
+        w->layers.push_back(upload_layer(u, hp, l, tid));
+        w->step_bytes += layer_step_bytes(hp, w->layers.back());
+    }
+    ck(cudaDeviceSynchronize(), "finishing the upload");
+    return w;
+}
+
+size_t cuda_weight_bytes(const cuda_weights &w) {
+    return w.bytes;
+}
+double cuda_bytes_per_token(const cuda_weights &w) {
+    return w.step_bytes;
+}
+
+// ---- sequence -----------------------------------------------------------------------------------
+
+namespace {
+
+struct layer_state_dev {
+    void *ring = nullptr;  // [window, d]
+    float *comp_kv = nullptr, *comp_score = nullptr;  // [slots, c*d]
+    void *comp_rows = nullptr;                        // [max_comp, d]
+    int64_t max_comp = 0;
+    float *ic_kv = nullptr, *ic_score = nullptr;  // [8, 2*idx_dim]
+    void *idx_rows = nullptr;                     // [max_comp, idx_dim]
+    size_t comp_state_floats = 0, ic_state_floats = 0;
+};
+
+int64_t comp_capacity(int64_t n_ctx, int ratio) {
+    return ratio > 0 ? n_ctx / ratio + 1 : 0;
+}
+
+}  // namespace
+
+struct cuda_sequence::impl {
+    std::shared_ptr<const cuda_weights> w;
+    cudaStream_t s = nullptr;
+    std::vector<void *> allocs;
+    std::vector<layer_state_dev> ls;
+    size_t kv_elem = 2;
+    int64_t *pos = nullptr;
+    int32_t *token = nullptr;
+    float *x[2] = {nullptr, nullptr};
+    float *xn, *mix, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y,
+        *zh, *logits;
+    int32_t *sel, *n_sel, *amax;
+    cd::moe_scratch moe;
+    int64_t *h_pos = nullptr;  // pinned
+    int32_t *h_token = nullptr, *h_amax = nullptr;
+    uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
+    cudaGraphExec_t graph = nullptr;
+    bool use_graph = true;
+
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating sequence state");
+        allocs.push_back(p);
+        return static_cast<T *>(p);
+    }
+    ~impl() {
+        if (w) cudaSetDevice(w->device);
+        if (graph) cudaGraphExecDestroy(graph);
+        for (void *p : allocs) cudaFree(p);
+        if (h_pos) cudaFreeHost(h_pos);
+        if (h_token) cudaFreeHost(h_token);
+        if (h_amax) cudaFreeHost(h_amax);
+        if (err_h) cudaFreeHost(err_h);
+        if (s) cudaStreamDestroy(s);
+    }
+
+    void enqueue_attention(const dlayer &l, layer_state_dev &st);
+    void enqueue_step();
+};
+
+size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx) {
+    const size_t e = kv == kv_precision::f16 ? 2 : 4;
+    size_t b = 0;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int r = hp.compress_ratio[static_cast<size_t>(il)];
+        b += static_cast<size_t>(hp.window) * hp.head_dim * e;
+        if (r > 0) {
+            const size_t c = r == 4 ? 2 : 1;
+            b += static_cast<size_t>(comp_capacity(n_ctx, r)) * hp.head_dim * e +
+                 2 * (r == 4 ? 8 : static_cast<size_t>(r)) * c * hp.head_dim * 4;
+        }
+        if (r == 4) b += static_cast<size_t>(comp_capacity(n_ctx, r)) * hp.idx_dim * e + 2 * 8 * 2 * hp.idx_dim * 4;
+    }
+    return b + (size_t{64} << 20);  // scratch (vocab logits, activations, attention partials)
+}
+
+const hparams &cuda_sequence::hp() const {
+    return p_->w->hp;
+}
+
+cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph)
+    : p_(std::make_unique<impl>()), n_ctx_(n_ctx) {
+    if (!w) throw error("cuda ds4: no weights");
+    if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
+    impl &p = *p_;
+    p.w = std::move(w);
+    p.use_graph = use_graph;
+    const hparams &hp = p.w->hp;
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    size_t free_b = 0, total_b = 0;
+    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx);
+    if (need > free_b)
+        throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
+                    " of device memory, " + gib(static_cast<double>(free_b)) + " free");
+    ck(cudaStreamCreateWithFlags(&p.s, cudaStreamNonBlocking), "creating a stream");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_pos), sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_token), sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_amax), sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&p.err_h), sizeof(uint32_t), cudaHostAllocMapped), "pinned memory");
+    *p.err_h = 0;
+    ck(cudaHostGetDevicePointer(reinterpret_cast<void **>(&p.err_d), p.err_h, 0), "mapping the error word");
+
+    p.kv_elem = p.w->opt.kv == kv_precision::f16 ? 2 : 4;
+    const int64_t D = hp.n_embd, d = hp.head_dim, H = hp.n_head, Id = hp.idx_dim;
+    int64_t max_idx = 1;
+    size_t part = 1;
+    for (const dlayer &l : p.w->layers) {
+        layer_state_dev st;
+        st.ring = p.dev<uint8_t>(static_cast<size_t>(hp.window) * d * p.kv_elem);
+        if (l.ratio > 0) {
+            const int c = l.ratio == 4 ? 2 : 1, slots = l.ratio == 4 ? 8 : l.ratio;
+            st.comp_state_floats = static_cast<size_t>(slots) * c * d;
+            st.comp_kv = p.dev<float>(st.comp_state_floats);
+            st.comp_score = p.dev<float>(st.comp_state_floats);
+            st.max_comp = comp_capacity(n_ctx, l.ratio);
+            st.comp_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
+        }
+        if (l.ratio == 4) {
+            st.ic_state_floats = static_cast<size_t>(8) * 2 * Id;
+            st.ic_kv = p.dev<float>(st.ic_state_floats);
+            st.ic_score = p.dev<float>(st.ic_state_floats);
+            st.idx_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
+            max_idx = std::max(max_idx, st.max_comp);
+        }
+        p.ls.push_back(st);
+    }
+    // attention partials: the largest over the layer kinds
+    for (size_t il = 0; il < p.w->layers.size(); ++il) {
+        cd::sparse_attn_args a;
+        a.n_head = hp.n_head;
+        a.d = hp.head_dim;
+        a.window = hp.window;
+        const int r = p.w->layers[il].ratio;
+        a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
+        a.ratio = r;
+        a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, p.ls[il].max_comp) : p.ls[il].max_comp;
+        part = std::max(part, cd::attn_part_floats(a));
+    }
+    p.pos = p.dev<int64_t>(1);
+    p.token = p.dev<int32_t>(1);
+    p.x[0] = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
+    p.x[1] = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
+    p.xn = p.dev<float>(static_cast<size_t>(D));
+    p.mix = p.dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 1));
+    p.post = p.dev<float>(static_cast<size_t>(hp.n_hc));
+    p.comb = p.dev<float>(static_cast<size_t>(hp.n_hc * hp.n_hc));
+    p.q_lat = p.dev<float>(static_cast<size_t>(hp.q_lora));
+    p.q = p.dev<float>(static_cast<size_t>(H * d));
+    p.kvrow = p.dev<float>(static_cast<size_t>(d));
+    p.ca = p.dev<float>(static_cast<size_t>(2 * d));
+    p.cg = p.dev<float>(static_cast<size_t>(2 * d));
+    p.iq = p.dev<float>(static_cast<size_t>(hp.idx_head * Id));
+    p.iw = p.dev<float>(static_cast<size_t>(std::max(hp.idx_head, 1)));
+    p.ica = p.dev<float>(static_cast<size_t>(2 * Id));
+    p.icg = p.dev<float>(static_cast<size_t>(2 * Id));
+    p.score = p.dev<float>(static_cast<size_t>(max_idx));
+    p.sel = p.dev<int32_t>(static_cast<size_t>(std::max(hp.idx_topk, 1)));
+    p.n_sel = p.dev<int32_t>(1);
+    p.part = p.dev<float>(part);
+    p.o = p.dev<float>(static_cast<size_t>(H * d));
+    p.z = p.dev<float>(static_cast<size_t>(hp.o_groups * hp.o_rank));
+    p.y = p.dev<float>(static_cast<size_t>(D));
+    p.zh = p.dev<float>(static_cast<size_t>(D));
+    p.logits = p.dev<float>(static_cast<size_t>(hp.n_vocab));
+    p.amax = p.dev<int32_t>(1);
+    p.moe.logits = p.dev<float>(static_cast<size_t>(hp.n_expert));
+    p.moe.ids = p.dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
+    p.moe.weights = p.dev<float>(static_cast<size_t>(hp.n_expert_used));
+    p.moe.h = p.dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
+    reset();
+}
+
+cuda_sequence::~cuda_sequence() = default;
+
+void cuda_sequence::reset() {
+    impl &p = *p_;
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    const hparams &hp = p.w->hp;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (size_t il = 0; il < p.ls.size(); ++il) {
+        layer_state_dev &st = p.ls[il];
+        ck(cudaMemsetAsync(st.ring, 0, static_cast<size_t>(hp.window) * hp.head_dim * p.kv_elem, p.s), "clearing");
+        auto clear_frontier = [&](float *kv, float *score, size_t n) {
+            const std::vector<float> inf(n, ninf);
+            ck(cudaMemsetAsync(kv, 0, n * sizeof(float), p.s), "clearing");
+            ck(cudaMemcpyAsync(score, inf.data(), n * sizeof(float), cudaMemcpyHostToDevice, p.s), "clearing");
+            ck(cudaStreamSynchronize(p.s), "clearing");
+        };
+        if (st.comp_kv) clear_frontier(st.comp_kv, st.comp_score, st.comp_state_floats);
+        if (st.ic_kv) clear_frontier(st.ic_kv, st.ic_score, st.ic_state_floats);
+    }
+    ck(cudaStreamSynchronize(p.s), "clearing");
+    *p.err_h = 0;
+    n_past_ = 0;
+}
+
+void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st) {
+    const hparams &hp = w->hp;
+    const qat_mode qat = w->opt.qat;
+    const int64_t D = hp.n_embd, d = hp.head_dim, Id = hp.idx_dim;
+    const bool f16 = kv_elem == 2;
+    auto gemv = [&](const dmat &m, const float *x, float *out) {
+        cuda::launch_gemv(m.type, m.p, m.row_bytes, m.cols, m.rows, x, m.cols, 1, out, m.rows, s);
+    };
+    const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
+    const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
+    gemv(l.q_a, xn, q_lat);
+    cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
+    gemv(l.q_b, q_lat, q);
+    cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
+    gemv(l.kv, xn, kvrow);
+    cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
+                               qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
+                               static_cast<size_t>(d) * kv_elem, hp.window, pos, s);
+    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
+                          const float *a, const float *g) {
+        cd::compressor_args ca_;
+        ca_.ratio = c.ratio;
+        ca_.dim = c.dim;
+        ca_.ape = c.ape;
+        ca_.norm_w = c.norm;
+        ca_.eps = hp.rms_eps;
+        ca_.rope = yarn;
+        ca_.qat = qk;
+        ca_.state_kv = skv;
+        ca_.state_score = sscore;
+        ca_.rows = rows;
+        ca_.rows_f16 = f16;
+        ca_.row_stride = static_cast<size_t>(width) * kv_elem;
+        ca_.max_rows = st.max_comp;
+        cd::launch_compressor_step(ca_, a, g, pos, err_d, s);
+    };
+    if (l.ratio > 0) {
+        gemv(l.comp.kv, xn, ca);
+        gemv(l.comp.gate, xn, cg);
+        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
+                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg);
+    }
+    if (l.ratio == 4) {
+        const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+        gemv(l.idx_q_b, q_lat, iq);
+        cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
+        gemv(l.idx_proj, xn, iw);
+        gemv(l.idx_comp.kv, xn, ica);
+        gemv(l.idx_comp.gate, xn, icg);
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, ica, icg);
+        const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
+        cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4, st.max_comp,
+                                hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, s);
+    }
+    cd::sparse_attn_args a;
+    a.n_head = hp.n_head;
+    a.d = static_cast<int>(d);
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    a.sinks = l.sinks;
+    a.ring = st.ring;
+    a.ring_f16 = f16;
+    a.ring_stride = static_cast<size_t>(d) * kv_elem;
+    a.window = hp.window;
+    a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
+    a.comp = st.comp_rows;
+    a.comp_f16 = f16;
+    a.comp_stride = static_cast<size_t>(d) * kv_elem;
+    a.ratio = l.ratio;
+    a.sel = sel;
+    a.n_sel = n_sel;
+    a.max_comp = l.ratio == 4 ? std::min<int64_t>(hp.idx_topk, st.max_comp) : st.max_comp;
+    a.rope = rope;
+    cd::launch_sparse_sink_attention(a, q, pos, part, o, s);
+    const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d;
+    cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp.o_rank, hp.o_groups, o, z, s);
+    gemv(l.out_b, z, y);
+    (void)D;
+}
+
+void cuda_sequence::impl::enqueue_step() {
+    const hparams &hp = w->hp;
+    const int64_t D = hp.n_embd;
+    const int nh = hp.n_hc;
+    for (int k = 0; k < nh; ++k)
+        cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
+                              x[0] + k * D, D, err_d, s);
+    const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
+    int cur = 0;
+    auto hc_pre = [&](const dhc &h, const float *norm) {
+        cd::launch_hc_pre(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, xn, post, comb, s);
+        cuda::launch_rms_norm(xn, D, norm, hp.rms_eps, D, 1, xn, D, s);
+    };
+    auto hc_post = [&] {
+        cd::launch_hc_post(nh, D, y, x[cur], post, comb, x[1 - cur], s);
+        cur = 1 - cur;
+    };
+    for (size_t il = 0; il < w->layers.size(); ++il) {
+        const dlayer &l = w->layers[il];
+        hc_pre(l.hc_attn, l.attn_norm);
+        enqueue_attention(l, ls[il]);
+        hc_post();
+        hc_pre(l.hc_ffn, l.ffn_norm);
+        cd::launch_moe_ffn(l.moe, xn, token, moe, y, err_d, s);
+        hc_post();
+    }
+    const dhc &h = w->hc_head;
+    cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, zh, s);
+    cuda::launch_rms_norm(zh, D, w->output_norm, hp.rms_eps, D, 1, zh, D, s);
+    const dmat &out = w->output;
+    cuda::launch_gemv(out.type, out.p, out.row_bytes, out.cols, out.rows, zh, out.cols, 1, logits, out.rows, s);
+    cd::launch_argmax(logits, hp.n_vocab, amax, s);
+}
+
+void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    if (tok < 0 || tok >= hp.n_vocab)
+        throw error("cuda ds4: token id " + std::to_string(tok) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
+    if (n_past_ >= n_ctx_) throw error("cuda ds4: context full (" + std::to_string(n_ctx_) + " tokens)");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    *p.h_pos = n_past_;
+    *p.h_token = tok;
+    ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
+    ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
+    if (p.use_graph) {
+        if (!p.graph) {
+            cudaGraph_t g = nullptr;
+            ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
+            try {
+                p.enqueue_step();
+            } catch (...) {
+                cudaStreamEndCapture(p.s, &g);
+                if (g) cudaGraphDestroy(g);
+                throw;
+            }
+            ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
+            const cudaError_t e = cudaGraphInstantiate(&p.graph, g, 0);
+            cudaGraphDestroy(g);
+            ck(e, "instantiating the decode graph");
+        }
+        ck(cudaGraphLaunch(p.graph, p.s), "launching the decode graph");
+        ++replays_;
+    } else {
+        p.enqueue_step();
+    }
+    if (logits_host)
+        ck(cudaMemcpyAsync(logits_host, p.logits, static_cast<size_t>(hp.n_vocab) * sizeof(float),
+                           cudaMemcpyDeviceToHost, p.s),
+           "downloading logits");
+    if (argmax_host) ck(cudaMemcpyAsync(p.h_amax, p.amax, sizeof(int32_t), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaStreamSynchronize(p.s), "decode step");
+    if (*p.err_h != 0) {
+        const uint32_t e = *p.err_h;
+        reset();
+        throw error("cuda ds4: device-side error 0x" + [&] {
+            char b[16];
+            std::snprintf(b, sizeof b, "%x", e);
+            return std::string(b);
+        }() + " at position " + std::to_string(*p.h_pos) + " (bad token/expert id or a row index past its buffer); "
+              "the sequence was reset");
+    }
+    if (argmax_host) *argmax_host = *p.h_amax;
+    ++n_past_;
+}
+
+void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
+    const hparams &hp = p_->w->hp;
+    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab);
+    if (!logits.empty() && logits.size() != V && logits.size() != n * V)
+        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(V) + " or " + std::to_string(n * V));
+    if (n_past_ + static_cast<int64_t>(n) > n_ctx_)
+        throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(n) + " tokens exceed n_ctx " +
+                    std::to_string(n_ctx_));
+    for (int32_t t : tokens)
+        if (t < 0 || t >= hp.n_vocab)
+            throw error("cuda ds4: token id " + std::to_string(t) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
+    for (size_t i = 0; i < n; ++i) {
+        float *out = nullptr;
+        if (logits.size() == n * V)
+            out = logits.data() + i * V;
+        else if (!logits.empty() && i + 1 == n)
+            out = logits.data();
+        step(tokens[i], out, nullptr);
+    }
+}
+
+void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    if (n < 0 || n >= n_ctx_) throw error("cuda ds4: synthetic depth " + std::to_string(n) + " outside [0, n_ctx)");
+    reset();
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    // A pattern of 4096 rows of the widest row (head_dim) in the KV precision, N(0, 1) values.
+    const size_t pat_rows = 4096, width = static_cast<size_t>(std::max(hp.head_dim, hp.idx_dim));
+    std::vector<uint8_t> pat(pat_rows * width * p.kv_elem);
+    uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < pat_rows * width; ++i) {
+        double u1 = 0, u2 = 0;
+        for (double *u : {&u1, &u2}) {
+            st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+            *u = (static_cast<double>(st >> 11) + 0.5) / 9007199254740992.0;
+        }
+        const float v = static_cast<float>(std::sqrt(-2 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+        if (p.kv_elem == 2) {
+            const uint16_t h = cpu::f32_to_f16(v);
+            std::memcpy(&pat[i * 2], &h, 2);
+        } else {
+            std::memcpy(&pat[i * 4], &v, 4);
+        }
+    }
+    auto fill = [&](void *dst, size_t bytes) {
+        size_t have = std::min(bytes, pat.size());
+        ck(cudaMemcpy(dst, pat.data(), have, cudaMemcpyHostToDevice), "filling state");
+        while (have < bytes) {
+            const size_t c = std::min(have, bytes - have);
+            ck(cudaMemcpy(static_cast<uint8_t *>(dst) + have, dst, c, cudaMemcpyDeviceToDevice), "filling state");
+            have += c;
+        }
+    };
+    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
+    for (size_t il = 0; il < p.ls.size(); ++il) {
+        const int r = p.w->layers[il].ratio;
+        layer_state_dev &ls = p.ls[il];
+        fill(ls.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
+        if (r > 0 && n / r > 0) fill(ls.comp_rows, static_cast<size_t>(n / r) * d * p.kv_elem);
+        if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
+    }
+    n_past_ = n;
+}
+
+int32_t cuda_sequence::step_greedy(int32_t token) {
+    int32_t a = -1;
+    step(token, nullptr, &a);
+    return a;
+}
+
+}  // namespace fathom::ds4

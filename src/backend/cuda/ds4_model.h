@@ -1,0 +1,87 @@
+// DS4 (DeepSeek V4 Flash) on one CUDA device: the weights of a ds4::model uploaded once
+// (cuda_weights), and a sequence's evaluation state on the device with the decode step as one chain
+// of kernel launches (cuda_sequence). The step reads the token id and its position from device
+// memory, so it is captured once as a CUDA graph and replayed at every position (raw-ring wrap and
+// compressed-row boundaries included: every position-derived count is computed on the device).
+//
+// Semantics are the CPU reference's (src/models/deepseek4_*.cpp, spec
+// ../shared/reference/ds4-architecture.md): the same layer order, HC mixers with Sinkhorn, the raw
+// ring + compressors (ratio 4 overlap / 128), the indexer's exact top-k, sink attention with inverse
+// RoPE, grouped output projection, MoE with hash / biased routing, QAT round trips. Matrix products
+// take f32 activations against the weights' own formats (no requantisation of activations).
+//
+// Sparse synthetic files (fathom-gguf synth --sparse, key fathom.synth.replicate_rows = P): tensors
+// with more than P rows hold rows 0..P-1 and a file hole; upload() fills row r with row r mod P on the
+// device, so the full DS4-Flash geometry (~81 GB in the q2 mix) is benchmarked from a file of a few
+// GB. This header has no CUDA includes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+
+#include "core/types.h"
+#include "models/deepseek4.h"
+
+namespace fathom::ds4 {
+
+struct cuda_run_options {
+    int device = 0;
+    qat_mode qat = qat_mode::full;
+    kv_precision kv = kv_precision::f16;  // raw ring, compressed and indexer rows
+};
+
+class cuda_weights;
+
+// Upload every tensor of `m` to the device (m and its mapping may be released afterwards).
+// `progress(done, total)` reports bytes. Throws fathom::error before allocating when the device does
+// not have the memory (weights + a 1 GiB margin), naming both sizes.
+std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_options &o,
+                                                const std::function<void(uint64_t, uint64_t)> &progress = {});
+// Bytes of weights on the device, and the bytes one decode step reads (every dense weight, the
+// selected experts of every layer, the output head): the numerator of the roofline.
+size_t cuda_weight_bytes(const cuda_weights &w);
+double cuda_bytes_per_token(const cuda_weights &w);
+
+// Device bytes a sequence of n_ctx tokens needs (KV rows, compressor frontiers, scratch).
+size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx);
+
+class cuda_sequence {
+  public:
+    // Allocates the state for up to n_ctx tokens (fathom::error when the device lacks the memory).
+    // use_graph: replay the captured decode step (default) instead of launching it eagerly.
+    cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true);
+    ~cuda_sequence();
+    cuda_sequence(const cuda_sequence &) = delete;
+    cuda_sequence &operator=(const cuda_sequence &) = delete;
+
+    int64_t n_past() const { return n_past_; }
+    int64_t n_ctx() const { return n_ctx_; }
+    const hparams &hp() const;
+    // Forget every token (clears rings, frontiers and rows on the device).
+    void reset();
+    // Evaluate tokens at positions n_past, n_past + 1, ...; logits: empty, [n_vocab] (the last
+    // token's) or [n * n_vocab] (every token's). Throws on a token outside the vocabulary or past
+    // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
+    void eval(std::span<const int32_t> tokens, std::span<float> logits);
+    // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
+    int32_t step_greedy(int32_t token);
+    // Benchmarks only: make the sequence look n tokens deep without evaluating them. The raw ring,
+    // the n / R compressed rows and the n / 4 indexer rows of every layer are filled with seeded
+    // N(0, 1) values (compressor frontiers stay empty) and n_past becomes n, so the next decode step
+    // does exactly the work (rows scored, selected and attended) of a real step at position n.
+    // The logits that follow are meaningless; reset() before real use.
+    void fill_synthetic(int64_t n, uint64_t seed);
+    // Number of decode steps replayed from the captured graph (tests check graphs are really used).
+    uint64_t graph_replays() const { return replays_; }
+
+  private:
+    struct impl;
+    std::unique_ptr<impl> p_;
+    int64_t n_past_ = 0, n_ctx_ = 0;
+    uint64_t replays_ = 0;
+    void step(int32_t token, float *logits_host, int32_t *argmax_host);
+};
+
+}  // namespace fathom::ds4

@@ -1,0 +1,12 @@
+// Device selection shared by the engines (engine.cpp: dense families; ds4_session.cpp: DS4).
+#pragma once
+#include <string>
+
+namespace fathom {
+
+// Resolves --device ("cpu" | "auto" | "cuda" | "cuda:N") to -1 (the CPU) or a CUDA ordinal, or
+// throws the one-line reason a forced CUDA device cannot be used (no CUDA in this build, no device
+// present, ordinal out of range). "auto" falls back to the CPU silently.
+int resolve_cuda_ordinal(const std::string &device);
+
+}  // namespace fathom

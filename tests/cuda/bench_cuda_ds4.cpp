@@ -1,0 +1,112 @@
+// DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
+//   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
+// For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
+// KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
+// step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
+// 4-byte download per token). Also: an end-to-end prefill + decode from position 0 through eval()
+// (logits downloaded every token), the weight bytes a step reads, and the device copy bandwidth
+// measured in the same run, so every rate is also a fraction of the roofline.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_model.h"
+#include "core/error.h"
+#include "models/deepseek4.h"
+
+using namespace fathom;
+
+namespace {
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::vector<int64_t> parse_list(const std::string &s) {
+    std::vector<int64_t> v;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ','))
+        if (!item.empty()) v.push_back(std::stoll(item));
+    return v;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) try {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n", argv[0]);
+        return 2;
+    }
+    std::string path = argv[1], kv = "f16";
+    std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
+    int n_gen = 64;
+    bool eager = false;
+    for (int i = 2; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--depths" && i + 1 < argc) depths = parse_list(argv[++i]);
+        else if (a == "--n" && i + 1 < argc) n_gen = std::atoi(argv[++i]);
+        else if (a == "--kv" && i + 1 < argc) kv = argv[++i];
+        else if (a == "--eager") eager = true;
+        else throw error("unknown argument " + a);
+    }
+    const double t_load = now_s();
+    auto m = ds4::load_model(path);
+    ds4::cuda_run_options o;
+    o.kv = kv == "f32" ? kv_precision::f32 : kv_precision::f16;
+    auto w = ds4::cuda_upload(*m, o);
+    const double bytes = ds4::cuda_bytes_per_token(*w);
+    std::printf("model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f s\n",
+                path.c_str(), m->hp.n_layer, m->hp.n_embd, m->hp.n_expert, m->hp.n_expert_used, m->hp.n_vocab,
+                static_cast<double>(ds4::cuda_weight_bytes(*w)) / 1e9, now_s() - t_load);
+    const double copy_bw = cuda_measure_copy_bandwidth(o.device);
+    std::printf("weights read per decoded token: %.3f GB; device copy bandwidth (1 GiB D2D, read + write): %.1f GB/s; "
+                "roofline %.1f tok/s\n",
+                bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
+    const int64_t max_depth = *std::max_element(depths.begin(), depths.end());
+    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager);
+    m.reset();  // the host mapping is no longer needed
+
+    // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
+    {
+        std::vector<int32_t> prompt(256);
+        for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % 1000 + 100);
+        std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
+        seq.eval(std::span(prompt).first(8), logits);  // warm-up + graph capture
+        seq.reset();
+        double t0 = now_s();
+        seq.eval(prompt, logits);
+        const double pf = static_cast<double>(prompt.size()) / (now_s() - t0);
+        int32_t t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        t0 = now_s();
+        for (int i = 0; i < n_gen; ++i) {
+            seq.eval(std::span(&t, 1), logits);
+            t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        }
+        const double dc = n_gen / (now_s() - t0);
+        std::printf("end to end from position 0 (eval, logits to the host every token): prefill 256 tokens %.1f tok/s "
+                    "(token-serial), decode %.1f tok/s = %.1f%% of roofline\n",
+                    pf, dc, 100.0 * dc * bytes / copy_bw);
+    }
+    std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");
+    for (int64_t depth : depths) {
+        seq.fill_synthetic(depth, 1);
+        int32_t t = 100;
+        for (int i = 0; i < 3; ++i) t = seq.step_greedy(t);  // warm-up
+        const double t0 = now_s();
+        for (int i = 0; i < n_gen; ++i) t = seq.step_greedy(t);
+        const double dt = (now_s() - t0) / n_gen;
+        std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt, dt * 1e3,
+                    bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+    }
+    return 0;
+} catch (const std::exception &e) {
+    std::fprintf(stderr, "bench_cuda_ds4: %s\n", e.what());
+    return 1;
+}
