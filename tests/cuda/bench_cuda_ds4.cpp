@@ -94,6 +94,7 @@ int main(int argc, char **argv) try {
                     "(token-serial), decode %.1f tok/s = %.1f%% of roofline\n",
                     pf, dc, 100.0 * dc * bytes / copy_bw);
     }
+    std::vector<std::pair<int64_t, std::vector<std::pair<std::string, float>>>> phases;
     std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");
     for (int64_t depth : depths) {
         seq.fill_synthetic(depth, 1);
@@ -104,6 +105,14 @@ int main(int argc, char **argv) try {
         const double dt = (now_s() - t0) / n_gen;
         std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt, dt * 1e3,
                     bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+        phases.emplace_back(depth, seq.profile_step(t));
+    }
+    // Where a step's time goes (eager launches queued behind a device pause; events between phases).
+    for (const auto &[depth, ph] : phases) {
+        float total = 0;
+        for (const auto &x : ph) total += x.second;
+        std::printf("phases at depth %lld (eager step, %.3f ms):\n", static_cast<long long>(depth), total);
+        for (const auto &x : ph) std::printf("  %-44s %8.3f ms %5.1f%%\n", x.first.c_str(), x.second, 100.0 * x.second / total);
     }
     return 0;
 } catch (const std::exception &e) {

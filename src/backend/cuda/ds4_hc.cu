@@ -57,6 +57,12 @@ __global__ void __launch_bounds__(kMixThreads)
                            : static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(rms_eps)));
 }
 
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
 __device__ __forceinline__ float sigmoid_f(float x) {
     return __frcp_rn(__fadd_rn(1.0f, expf(-x)));
 }
@@ -154,6 +160,11 @@ __global__ void hc_post_kernel(int n, int64_t D, const float *__restrict__ y, co
     x_new[idx] = acc;
 }
 
+__global__ void sleep_kernel(uint64_t ns) {
+    const uint64_t t0 = globaltimer_ns();
+    while (globaltimer_ns() - t0 < ns) __nanosleep(1000);
+}
+
 void check_launch(const char *what) {
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
@@ -214,6 +225,11 @@ void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, c
     const int64_t total = n_hc * dim;
     hc_post_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, s>>>(n_hc, dim, y, x_old, post, comb, x_new);
     check_launch("hc post");
+}
+
+void launch_gpu_sleep(uint64_t ns, cudaStream_t s) {
+    sleep_kernel<<<1, 1, 0, s>>>(ns);
+    check_launch("sleep");
 }
 
 }  // namespace fathom::cuda::ds4

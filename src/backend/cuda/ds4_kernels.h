@@ -118,6 +118,9 @@ void launch_indexer_select(const float *q, const float *w, const void *rows, boo
                            int64_t n, int n_head, int dim, int topk, float *score, int32_t *out, cudaStream_t s);
 
 // ---- benchmark support ----------------------------------------------------------------------------
+// One thread that spins for ns nanoseconds of device time (profiling: lets the host enqueue a whole
+// step before the device starts, so per-phase event times are not launch-gap bound).
+void launch_gpu_sleep(uint64_t ns, cudaStream_t s);
 // Fills n bytes with a deterministic pseudo-random stream (splitmix64 of seed and the byte index).
 void launch_fill_random(void *dst, size_t n, uint64_t seed, cudaStream_t s);
 

@@ -356,6 +356,10 @@ struct cuda_sequence::impl {
     uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
     cudaGraphExec_t graph = nullptr;
     bool use_graph = true;
+    std::function<void(const char *)> mark;  // profiling: phase boundary (null otherwise)
+    void phase(const char *name) {
+        if (mark) mark(name);
+    }
 
     template <class T>
     T *dev(size_t n) {
@@ -526,10 +530,12 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     };
     const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
     const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
+    phase("attn q (q_a, norm, q_b, head norm+rope)");
     gemv(l.q_a, xn, q_lat);
     cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
     gemv(l.q_b, q_lat, q);
     cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
+    phase("attn kv (proj, norm, rope, fp8, ring)");
     gemv(l.kv, xn, kvrow);
     cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
@@ -553,6 +559,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         cd::launch_compressor_step(ca_, a, g, pos, err_d, s);
     };
     if (l.ratio > 0) {
+        phase("attn compressor (2 proj + step)");
         gemv(l.comp.kv, xn, ca);
         gemv(l.comp.gate, xn, cg);
         compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
@@ -560,6 +567,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     }
     if (l.ratio == 4) {
         const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+        phase("indexer proj (q, weights, compressor)");
         gemv(l.idx_q_b, q_lat, iq);
         cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
         gemv(l.idx_proj, xn, iw);
@@ -567,9 +575,11 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         gemv(l.idx_comp.gate, xn, icg);
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, ica, icg);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
+        phase("indexer top-k");
         cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4, st.max_comp,
                                 hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, s);
     }
+    phase("sparse sink attention");
     cd::sparse_attn_args a;
     a.n_head = hp.n_head;
     a.d = static_cast<int>(d);
@@ -589,6 +599,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     a.max_comp = l.ratio == 4 ? std::min<int64_t>(hp.idx_topk, st.max_comp) : st.max_comp;
     a.rope = rope;
     cd::launch_sparse_sink_attention(a, q, pos, part, o, s);
+    phase("attn output (grouped A, B)");
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d;
     cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp.o_rank, hp.o_groups, o, z, s);
     gemv(l.out_b, z, y);
@@ -599,16 +610,19 @@ void cuda_sequence::impl::enqueue_step() {
     const hparams &hp = w->hp;
     const int64_t D = hp.n_embd;
     const int nh = hp.n_hc;
+    phase("embedding");
     for (int k = 0; k < nh; ++k)
         cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
                               x[0] + k * D, D, err_d, s);
     const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
     int cur = 0;
     auto hc_pre = [&](const dhc &h, const float *norm) {
+        phase("hc pre + rmsnorm");
         cd::launch_hc_pre(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, xn, post, comb, s);
         cuda::launch_rms_norm(xn, D, norm, hp.rms_eps, D, 1, xn, D, s);
     };
     auto hc_post = [&] {
+        phase("hc post");
         cd::launch_hc_post(nh, D, y, x[cur], post, comb, x[1 - cur], s);
         cur = 1 - cur;
     };
@@ -618,15 +632,18 @@ void cuda_sequence::impl::enqueue_step() {
         enqueue_attention(l, ls[il]);
         hc_post();
         hc_pre(l.hc_ffn, l.ffn_norm);
+        phase("moe (router, 6 routed + shared expert)");
         cd::launch_moe_ffn(l.moe, xn, token, moe, y, err_d, s);
         hc_post();
     }
+    phase("head (hc head, norm, output, argmax)");
     const dhc &h = w->hc_head;
     cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, zh, s);
     cuda::launch_rms_norm(zh, D, w->output_norm, hp.rms_eps, D, 1, zh, D, s);
     const dmat &out = w->output;
     cuda::launch_gemv(out.type, out.p, out.row_bytes, out.cols, out.rows, zh, out.cols, 1, logits, out.rows, s);
     cd::launch_argmax(logits, hp.n_vocab, amax, s);
+    phase("");
 }
 
 void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) {
@@ -745,6 +762,43 @@ void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
         if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
     }
     n_past_ = n;
+}
+
+std::vector<std::pair<std::string, float>> cuda_sequence::profile_step(int32_t tok) {
+    impl &p = *p_;
+    if (tok < 0 || tok >= p.w->hp.n_vocab || n_past_ >= n_ctx_) throw error("cuda ds4: profile_step: bad token or context full");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    *p.h_pos = n_past_;
+    *p.h_token = tok;
+    ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
+    ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
+    std::vector<std::pair<std::string, cudaEvent_t>> marks;
+    p.mark = [&](const char *name) {
+        cudaEvent_t e;
+        ck(cudaEventCreate(&e), "creating an event");
+        ck(cudaEventRecord(e, p.s), "recording an event");
+        marks.emplace_back(name, e);
+    };
+    cd::launch_gpu_sleep(200'000'000, p.s);  // 200 ms: the host enqueues the whole step meanwhile
+    try {
+        p.enqueue_step();
+    } catch (...) {
+        p.mark = nullptr;
+        throw;
+    }
+    p.mark = nullptr;
+    ck(cudaStreamSynchronize(p.s), "profiled step");
+    std::vector<std::pair<std::string, float>> out;
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+        float ms = 0;
+        ck(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second), "event time");
+        auto it = std::find_if(out.begin(), out.end(), [&](const auto &x) { return x.first == marks[i].first; });
+        if (it == out.end()) out.emplace_back(marks[i].first, ms);
+        else it->second += ms;
+    }
+    for (auto &m : marks) cudaEventDestroy(m.second);
+    ++n_past_;
+    return out;
 }
 
 int32_t cuda_sequence::step_greedy(int32_t token) {

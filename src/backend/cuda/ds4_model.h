@@ -20,6 +20,9 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/types.h"
 #include "models/deepseek4.h"
@@ -73,6 +76,10 @@ class cuda_sequence {
     // does exactly the work (rows scored, selected and attended) of a real step at position n.
     // The logits that follow are meaningless; reset() before real use.
     void fill_synthetic(int64_t n, uint64_t seed);
+    // Profiling: one eager decode step of `token` with device events between its phases (the host
+    // enqueues the whole step behind a device-side pause first, so phases run back to back).
+    // Returns (phase, milliseconds) summed over layers, in first-seen order; advances n_past.
+    std::vector<std::pair<std::string, float>> profile_step(int32_t token);
     // Number of decode steps replayed from the captured graph (tests check graphs are really used).
     uint64_t graph_replays() const { return replays_; }
 
