@@ -7,6 +7,7 @@
 //
 // Every failure throws fathom::error (include/fathom/error.h) with a one-line message.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -63,6 +64,16 @@ struct model_info {
     uint64_t decode_weight_bytes = 0;  // weight bytes one decode step reads (all matrices, norms, output head; one embedding row)
 };
 
+// The paged KV pool of an engine (dense family on the CPU: one pool per engine, sessions hold block
+// tables into it; docs/kv-cache.md). block_tokens == 0: the engine has no pool and each session
+// owns its KV memory (DeepSeek V4, the CUDA backend).
+struct kv_pool_info {
+    int32_t block_tokens = 0;  // token positions per block
+    int64_t max_blocks = 0;    // cap (a KV memory budget); 0 = grows with demand
+    int64_t n_blocks = 0;      // blocks allocated so far
+    int64_t n_used = 0;        // blocks in sessions' tables (held tokens plus reservations)
+};
+
 struct chat_message {
     std::string role;     // system | user | assistant | tool
     std::string content;
@@ -90,6 +101,17 @@ public:
                                             bool add_generation_prompt) const = 0;
 
     virtual std::unique_ptr<session> new_session() = 0;
+
+    // Paged KV. kv_pool(): the pool's state (block_tokens == 0: no pool). kv_pool_configure():
+    // set the block size (a power of two >= 8) and the cap in blocks (0 = none); only while no
+    // session holds KV blocks (throws otherwise). Returns false, changing nothing, when the
+    // engine has no paged pool.
+    virtual kv_pool_info kv_pool() const { return {}; }
+    virtual bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) {
+        (void)block_tokens;
+        (void)max_blocks;
+        return false;
+    }
 
     // Device memory copy bandwidth in bytes/s (bytes read + written), measured now with device-to-device
     // copies of 1 GiB: the roofline ceiling for decode. 0 when the engine runs on the CPU.
@@ -119,8 +141,30 @@ public:
     virtual std::span<const float> logits() const = 0;
     virtual int64_t n_past() const = 0;
     virtual const std::vector<int32_t> &tokens() const = 0;
-    virtual void reset() = 0;
+    virtual void reset() = 0;  // holds nothing afterwards (paged KV: every block and the reservation freed)
+
+    // Keep only the first n_keep tokens (no-op when n_keep >= n_past()). logits() afterwards are
+    // empty or those of the last kept token (the default goes through sync(), which re-derives
+    // them); a later sync() of a longer prefix evaluates only what is missing.
+    virtual void truncate(int64_t n_keep);
+    // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
+    // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
+    // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,
+    // when the pool cannot supply the blocks. Sessions that own their KV memory (no pool) need no
+    // reservation: true.
+    virtual bool kv_reserve(int64_t n_tokens) {
+        (void)n_tokens;
+        return true;
+    }
+    virtual int64_t kv_blocks() const { return 0; }  // blocks in the session's table (0 without a pool)
 };
+
+inline void session::truncate(int64_t n_keep) {
+    if (n_keep >= n_past()) return;
+    std::vector<int32_t> keep(tokens().begin(), tokens().begin() + std::max<int64_t>(n_keep, 0));
+    if (keep.empty()) reset();
+    else sync(keep);  // sync keeps keep.size() - 1 tokens and re-evaluates the last for its logits
+}
 
 inline void engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
     if (sessions.size() != tokens.size())

@@ -72,6 +72,23 @@ struct attn_params {
     int32_t window = 0;        // > 0: query at p sees keys k with p - k < window (sliding window)
 };
 
+// One sequence's K/V of one layer in a paged KV pool (src/kv/kv_pool.h): the sequence's positions
+// live in fixed-size blocks listed in position order, anywhere in the pool. Position p of kv head
+// h is the row (p % block_tokens) of head h in block blocks[p / block_tokens]:
+//   K row = blocks[p / block_tokens] + k_offset + (h * block_tokens + p % block_tokens) * row_bytes
+//   (V the same with v_offset), rows of head_dim elements of `type` (f16 or f32), so each head's
+//   keys inside one block are contiguous. block_tokens is a power of two >= 8 (the attention's
+//   8-lane sums then split at block boundaries without changing their order).
+struct kv_pages {
+    uint8_t *const *blocks = nullptr;  // [n_blocks] base address of each block, position order
+    int64_t n_blocks = 0;              // positions [0, n_blocks * block_tokens) are addressable
+    int32_t block_tokens = 0;
+    int32_t n_head_kv = 0;
+    int32_t head_dim = 0;
+    dtype type = dtype::f16;
+    size_t k_offset = 0, v_offset = 0;  // bytes from a block's base to this layer's K / V [n_head_kv][block_tokens][head_dim]
+};
+
 enum class glu_kind {
     swiglu,  // silu(gate) * up
     geglu,   // gelu_tanh(gate) * up  (llama.cpp's tanh approximation)
@@ -118,6 +135,13 @@ public:
     // k, v [n_head_kv*n_ctx, head_dim]; out [n_tok, n_head*head_dim].
     virtual void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
                            const tensor &out) = 0;
+    // Paged KV (optional; supports_paged_kv() says whether a backend has it, the defaults throw):
+    // kv_store and attention with the sequence's K/V read and written through its block table
+    // instead of a contiguous cache. Results are bit-identical to the contiguous ops on the same
+    // values. p.n_ctx is not used: the table bounds the positions.
+    virtual bool supports_paged_kv() const { return false; }
+    virtual void kv_store_paged(const tensor &k_src, const tensor &v_src, const kv_pages &kv, int64_t p0);
+    virtual void attention_paged(const tensor &q, const kv_pages &kv, const attn_params &p, const tensor &out);
     virtual void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) = 0;
     virtual void add(const tensor &a, const tensor &b, const tensor &out) = 0;
     virtual void scale(const tensor &x, float s) = 0;            // in place

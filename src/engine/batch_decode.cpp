@@ -1,7 +1,8 @@
 // Batched decode step of the dense family (see batch_decode.h). The layer sequence mirrors
 // dense_forward() (src/models/dense_forward.cpp) for n = 1 token, op for op, with three per-row
 // differences: the RoPE table has one row per sequence (its own position), and K/V store and
-// attention run per sequence against that sequence's cache. Everything else (norms, projections,
+// attention run per sequence against that sequence's cache (contiguous, or its block table in the
+// engine's paged pool). Everything else (norms, projections,
 // GLU, residuals, output) runs once over all B rows.
 #include "engine/batch_decode.h"
 
@@ -11,6 +12,7 @@
 
 #include "core/error.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_pool.h"
 #include "models/dense.h"
 
 namespace fathom {
@@ -27,21 +29,35 @@ void linear(backend &be, const tensor &x, const tensor &w, const tensor &y, cons
     if (bias.data) be.add(y, bias, y);
 }
 
-void validate(std::span<const dense_batch_seq> seqs, const dense_hparams &hp) {
+// blocks[i]: sequence i's block addresses when it is paged (filled here).
+void validate(std::span<const dense_batch_seq> seqs, const dense_hparams &hp, std::vector<std::vector<uint8_t *>> &blocks) {
     if (seqs.empty()) throw error("batch decode: no sequences");
+    if (blocks.size() < seqs.size()) blocks.resize(seqs.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
         const dense_batch_seq &q = seqs[i];
-        if (!q.kv || !q.logits) throw error("batch decode: sequence " + std::to_string(i) + " has no cache or logits");
-        if (q.pos < 0 || q.pos + 1 > q.kv->n_ctx)
+        if (!q.kv.cache == !q.kv.pool || !q.logits)
+            throw error("batch decode: sequence " + std::to_string(i) + " needs exactly one cache or pool sequence, and logits");
+        int64_t cap = 0;
+        if (q.kv.cache) {
+            cap = q.kv.cache->n_ctx;
+            if (q.kv.cache->n_layer != hp.n_layer || q.kv.cache->n_head_kv != hp.n_head_kv || q.kv.cache->head_dim != hp.head_dim)
+                throw error("batch decode: sequence " + std::to_string(i) + " has a cache of another geometry");
+        } else {
+            const kv_pool &p = *q.kv.pool;
+            if (p.n_layer() != hp.n_layer || p.n_head_kv() != hp.n_head_kv || p.head_dim() != hp.head_dim)
+                throw error("batch decode: sequence " + std::to_string(i) + " has a pool of another geometry");
+            p.block_addrs(q.kv.seq, blocks[i]);
+            cap = static_cast<int64_t>(blocks[i].size()) * p.block_tokens();
+        }
+        if (q.pos < 0 || q.pos + 1 > cap)
             throw error("batch decode: sequence " + std::to_string(i) + " position " + std::to_string(q.pos) +
-                        " outside the cache of " + std::to_string(q.kv->n_ctx));
+                        " outside the " + (q.kv.cache ? "cache of " : "KV blocks held, ") + std::to_string(cap));
         if (q.token < 0 || q.token >= hp.n_vocab)
             throw error("batch decode: token id " + std::to_string(q.token) + " outside the vocabulary [0, " +
                         std::to_string(hp.n_vocab) + ")");
-        if (q.kv->n_layer != hp.n_layer || q.kv->n_head_kv != hp.n_head_kv || q.kv->head_dim != hp.head_dim)
-            throw error("batch decode: sequence " + std::to_string(i) + " has a cache of another geometry");
         for (size_t j = 0; j < i; ++j)
-            if (seqs[j].kv == q.kv) throw error("batch decode: two sequences share one cache");
+            if (seqs[j].kv.cache == q.kv.cache && seqs[j].kv.pool == q.kv.pool && seqs[j].kv.seq == q.kv.seq)
+                throw error("batch decode: two sequences share one cache");
     }
 }
 
@@ -49,7 +65,7 @@ void validate(std::span<const dense_batch_seq> seqs, const dense_hparams &hp) {
 
 void dense_batch_decoder::run(std::span<const dense_batch_seq> seqs) {
     const dense_hparams &hp = m_.hp;
-    validate(seqs, hp);
+    validate(seqs, hp, blocks_);
     const int64_t n = static_cast<int64_t>(seqs.size());
     if (!s_ || s_->n_batch < n) s_ = dense_scratch_create(hp, be_, std::max<int64_t>(n, s_ ? 2 * s_->n_batch : 8));
     dense_scratch &s = *s_;
@@ -106,13 +122,20 @@ void dense_batch_decoder::run(std::span<const dense_batch_seq> seqs) {
         // ---- per sequence: store K/V at its position, attend over its own cache ----
         for (int64_t i = 0; i < n; ++i) {
             const dense_batch_seq &sq = seqs[static_cast<size_t>(i)];
-            kv_cache &kv = *sq.kv;
-            const tensor &kc = kv.k[static_cast<size_t>(il)], &vc = kv.v[static_cast<size_t>(il)];
-            be_.kv_store(view_rows(k, i, 1), kc, hp.n_head_kv, kv.n_ctx, sq.pos);
-            be_.kv_store(view_rows(v, i, 1), vc, hp.n_head_kv, kv.n_ctx, sq.pos);
-            ap.n_ctx = kv.n_ctx;
             ap.n_past = sq.pos;
-            be_.attention(view_rows(q, i, 1), kc, vc, ap, view_rows(attn, i, 1));
+            if (sq.kv.cache) {
+                kv_cache &kv = *sq.kv.cache;
+                const tensor &kc = kv.k[static_cast<size_t>(il)], &vc = kv.v[static_cast<size_t>(il)];
+                be_.kv_store(view_rows(k, i, 1), kc, hp.n_head_kv, kv.n_ctx, sq.pos);
+                be_.kv_store(view_rows(v, i, 1), vc, hp.n_head_kv, kv.n_ctx, sq.pos);
+                ap.n_ctx = kv.n_ctx;
+                be_.attention(view_rows(q, i, 1), kc, vc, ap, view_rows(attn, i, 1));
+            } else {
+                const kv_pages pg = sq.kv.pool->pages(blocks_[static_cast<size_t>(i)], il);
+                be_.kv_store_paged(view_rows(k, i, 1), view_rows(v, i, 1), pg, sq.pos);
+                ap.n_ctx = 0;  // the block table bounds the positions
+                be_.attention_paged(view_rows(q, i, 1), pg, ap, view_rows(attn, i, 1));
+            }
         }
         linear(be_, attn, ly.wo, o, ly.bo);                                  // [B, E]
         if (hp.post_norms) be_.rms_norm(o, &ly.post_attn_norm, hp.rms_eps, o);
@@ -130,7 +153,8 @@ void dense_batch_decoder::run(std::span<const dense_batch_seq> seqs) {
         if (hp.post_norms) be_.rms_norm(o, &ly.post_ffn_norm, hp.rms_eps, o);
         be_.add(x, o, x);
     }
-    for (const dense_batch_seq &sq : seqs) sq.kv->n_used = std::max(sq.kv->n_used, sq.pos + 1);
+    for (const dense_batch_seq &sq : seqs)
+        if (sq.kv.cache) sq.kv.cache->n_used = std::max(sq.kv.cache->n_used, sq.pos + 1);
 
     // ---- output: final norm, logits a chunk of rows at a time, each row to its sequence ----
     be_.rms_norm(x, &m_.output_norm, hp.rms_eps, xn);

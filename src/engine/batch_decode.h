@@ -9,18 +9,16 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "backend/backend.h"
+#include "models/dense.h"
 
 namespace fathom {
 
-struct dense_model;
-struct dense_scratch;
-struct kv_cache;
-
 // One sequence of a batched decode step.
 struct dense_batch_seq {
-    kv_cache *kv = nullptr;   // the sequence's cache; positions [0, pos) hold its past
+    dense_kv kv;              // the sequence's cache or paged-pool sequence; positions [0, pos) hold its past
     int64_t pos = 0;          // position of the new token
     int32_t token = 0;        // the new token
     float *logits = nullptr;  // out: [n_vocab] logits of the new token (host)
@@ -34,14 +32,16 @@ public:
     dense_batch_decoder &operator=(const dense_batch_decoder &) = delete;
 
     // Evaluate seqs[i].token at seqs[i].pos against seqs[i].kv for all i in one forward pass and
-    // write its logits. The caches must be distinct; pos + 1 <= kv->n_ctx. Raises kv->n_used to
-    // pos + 1. Not thread-safe (the engine serialises forward calls).
+    // write its logits. The caches (pool sequences) must be distinct; position pos must be inside
+    // the cache (paged: inside the blocks the sequence's table holds). A contiguous cache's n_used
+    // is raised to pos + 1. Not thread-safe (the engine serialises forward calls).
     void run(std::span<const dense_batch_seq> seqs);
 
 private:
     const dense_model &m_;
     backend &be_;
     std::unique_ptr<dense_scratch> s_;  // activations for up to s_->n_batch sequences (grown on demand)
+    std::vector<std::vector<uint8_t *>> blocks_;  // [B] paged sequences' block addresses (reused)
 };
 
 }  // namespace fathom

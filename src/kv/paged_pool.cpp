@@ -56,6 +56,24 @@ void kv_block_pool::shrink(int seq, int64_t tokens) {
     }
 }
 
+void kv_block_pool::add_blocks(int64_t n) {
+    if (n < 1 || n_blocks() + n > std::numeric_limits<int32_t>::max())
+        throw error("kv pool: cannot add " + std::to_string(n) + " blocks to " + std::to_string(n_blocks()));
+    const int64_t first = n_blocks();
+    owner_.resize(size_t(first + n), -1);
+    // The new ids go under the free stack's existing entries, lowest on top: recently freed blocks
+    // (memory already resident) are handed out before fresh ones.
+    std::vector<int32_t> fresh;
+    fresh.reserve(size_t(n));
+    for (int64_t b = first + n - 1; b >= first; --b) fresh.push_back(int32_t(b));
+    free_.insert(free_.begin(), fresh.begin(), fresh.end());
+}
+
+int kv_block_pool::add_seq() {
+    tables_.emplace_back();
+    return int(tables_.size()) - 1;
+}
+
 const std::vector<int32_t> &kv_block_pool::table(int seq) const {
     check_seq(seq, "table");
     return tables_[size_t(seq)];

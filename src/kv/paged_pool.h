@@ -4,13 +4,11 @@
 // never exceed the budget: a request that does not fit waits in the queue (or is refused when it
 // could never fit) instead of running the process out of memory.
 //
-// What is paged and what is not (honest scope): the pool does the accounting — block ids,
-// tables, free list, admission — for caches that are physically per slot (kv_cache: one
-// contiguous [n_head_kv * n_ctx, head_dim] tensor per layer, mapped lazily by the CPU backend, so
-// only positions actually written become resident). Block b of a sequence's table stands for
-// positions [b * block_tokens, (b + 1) * block_tokens) of that slot's cache; the block ids do not
-// select physical memory. Memory comes back to the system when the scheduler drops an idle slot's
-// session (its mapping is unmapped), which it does when the pool needs that slot's blocks.
+// Two users: the dense engine's physical pool (src/kv/kv_pool.h) keeps one of these as the record
+// of which block holds which sequence's positions (block b of a sequence's table holds positions
+// [b * block_tokens, (b + 1) * block_tokens) of that sequence, wherever block b's memory is); the
+// scheduler keeps its own only for engines whose sessions own their KV memory (DS4, the tests'
+// fake engine), where the blocks count memory without placing it.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -36,6 +34,12 @@ public:
     // Shrink seq's table to the blocks covering `tokens` positions, freeing the rest.
     void shrink(int seq, int64_t tokens);
     void release(int seq) { shrink(seq, 0); }
+
+    // Growth (the engine's pool allocates memory in arenas): n more free blocks, ids n_blocks()..;
+    // one more sequence with an empty table, whose id is returned.
+    void add_blocks(int64_t n);
+    int add_seq();
+    int n_seqs() const { return int(tables_.size()); }
 
     const std::vector<int32_t> &table(int seq) const;
     int64_t held(int seq) const { return int64_t(table(seq).size()); }

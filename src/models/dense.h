@@ -86,12 +86,23 @@ std::unique_ptr<dense_model> dense_load(const gguf::file &f, backend &be);
 
 // KV cache: per layer K and V tensors [n_head_kv*n_ctx x head_dim], head-major.
 struct kv_cache;
+class kv_pool;
+
+// Where a forward keeps one sequence's K/V: a contiguous kv_cache (CUDA sessions, the PFlash
+// drafter, tests), or sequence `seq` of a paged pool (CPU engine sessions; src/kv/kv_pool.h),
+// whose table must already cover the positions being evaluated.
+struct dense_kv {
+    kv_cache *cache = nullptr;
+    kv_pool *pool = nullptr;
+    int seq = -1;
+};
 
 // Activation buffers for up to n_batch tokens, allocated once per session.
 struct dense_scratch {
     int64_t n_batch = 0;
     int64_t n_logit_rows = 0;  // rows of logits computed per output matmul
     tensor x, xn, q, k, v, attn, o, gate, up, rope_g, rope_l, logits;
+    std::vector<uint8_t *> kv_blocks;  // paged KV: block addresses of the sequence (reused per call)
     void *mem = nullptr;
     backend *be = nullptr;
     dense_scratch() = default;
@@ -103,6 +114,8 @@ std::unique_ptr<dense_scratch> dense_scratch_create(const dense_hparams &hp, bac
 
 // Evaluate tokens[0, n) at positions [p0, p0 + n), n <= n_batch: writes their K/V into the cache
 // and, if logits != nullptr, the logits of the last n_out tokens to logits[n_out x n_vocab] (host).
+void dense_forward(const dense_model &m, backend &be, const dense_kv &kv, dense_scratch &s, const int32_t *tokens,
+                   int64_t n, int64_t p0, int64_t n_out, float *logits);
 void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratch &s, const int32_t *tokens,
                    int64_t n, int64_t p0, int64_t n_out, float *logits);
 

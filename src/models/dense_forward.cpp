@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "kv/kv_cache.h"
+#include "kv/kv_pool.h"
 #include "models/dense.h"
 
 namespace fathom {
@@ -66,11 +67,22 @@ void linear(backend &be, const tensor &x, const tensor &w, const tensor &y, cons
 
 void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratch &s, const int32_t *tokens,
                    int64_t n, int64_t p0, int64_t n_out, float *logits) {
+    dense_kv dk;
+    dk.cache = &kv;
+    dense_forward(m, be, dk, s, tokens, n, p0, n_out, logits);
+}
+
+void dense_forward(const dense_model &m, backend &be, const dense_kv &kv, dense_scratch &s, const int32_t *tokens,
+                   int64_t n, int64_t p0, int64_t n_out, float *logits) {
     const dense_hparams &hp = m.hp;
     if (n <= 0 || n > s.n_batch) throw error("forward: " + std::to_string(n) + " tokens outside [1, n_batch]");
-    if (p0 < 0 || p0 + n > kv.n_ctx)
-        throw error("forward: positions [" + std::to_string(p0) + ", " + std::to_string(p0 + n) + ") exceed n_ctx " +
-                    std::to_string(kv.n_ctx));
+    if (!kv.cache == !kv.pool) throw error("forward: exactly one of a KV cache and a KV pool sequence");
+    // Paged: the block addresses of the sequence, looked up once for all layers.
+    if (kv.pool) kv.pool->block_addrs(kv.seq, s.kv_blocks);
+    const int64_t cap = kv.cache ? kv.cache->n_ctx : static_cast<int64_t>(s.kv_blocks.size()) * kv.pool->block_tokens();
+    if (p0 < 0 || p0 + n > cap)
+        throw error("forward: positions [" + std::to_string(p0) + ", " + std::to_string(p0 + n) + ") exceed the " +
+                    (kv.cache ? "context " : "KV blocks held ") + std::to_string(cap));
     if (n_out < 0 || n_out > n) throw error("forward: n_out outside [0, n]");
     const int32_t hd = hp.head_dim;
 
@@ -91,7 +103,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
     ap.n_head = hp.n_head;
     ap.n_head_kv = hp.n_head_kv;
     ap.head_dim = hd;
-    ap.n_ctx = kv.n_ctx;
+    ap.n_ctx = kv.cache ? kv.cache->n_ctx : 0;  // paged: the block table bounds the positions
     ap.n_past = p0;
     ap.scale = hp.scale_q ? 1.0f : hp.attn_scale;
     ap.softcap = hp.attn_softcap;
@@ -122,10 +134,17 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
         trace("Qcur", il, q);
         trace("Kcur", il, k);
         trace("Vcur", il, v);
-        be.kv_store(k, kv.k[static_cast<size_t>(il)], hp.n_head_kv, kv.n_ctx, p0);
-        be.kv_store(v, kv.v[static_cast<size_t>(il)], hp.n_head_kv, kv.n_ctx, p0);
         ap.window = swa ? hp.n_swa : 0;
-        be.attention(q, kv.k[static_cast<size_t>(il)], kv.v[static_cast<size_t>(il)], ap, attn);  // [n, H*hd]
+        if (kv.cache) {
+            const tensor &kc = kv.cache->k[static_cast<size_t>(il)], &vc = kv.cache->v[static_cast<size_t>(il)];
+            be.kv_store(k, kc, hp.n_head_kv, kv.cache->n_ctx, p0);
+            be.kv_store(v, vc, hp.n_head_kv, kv.cache->n_ctx, p0);
+            be.attention(q, kc, vc, ap, attn);                               // [n, H*hd]
+        } else {
+            const kv_pages pg = kv.pool->pages(s.kv_blocks, il);             // this layer, via the block table
+            be.kv_store_paged(k, v, pg, p0);
+            be.attention_paged(q, pg, ap, attn);                             // [n, H*hd]
+        }
         trace("kqv_out", il, attn);
         linear(be, attn, ly.wo, o, ly.bo);                                   // attn_out [n, E]
         trace("attn_out", il, o);
@@ -153,7 +172,7 @@ void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratc
         be.add(x, o, x);
         trace("l_out", il, x);
     }
-    kv.n_used = std::max(kv.n_used, p0 + n);
+    if (kv.cache) kv.cache->n_used = std::max(kv.cache->n_used, p0 + n);
     if (n_out == 0 || !logits) {
         be.synchronize();
         return;

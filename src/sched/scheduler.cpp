@@ -97,6 +97,16 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     if (opts_.prefill_chunk < 1) throw error("scheduler: prefill chunk must be >= 1");
     opts_.step_token_budget = std::max(opts_.step_token_budget, 1);
     n_ctx_ = eng_.info().n_ctx;
+    if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
+    if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
+    const int64_t per_slot = (int64_t(n_ctx_) + opts_.kv_block_tokens - 1) / opts_.kv_block_tokens;
+    const int64_t n_blocks = opts_.kv_blocks > 0 ? opts_.kv_blocks : per_slot * opts_.n_slots;
+    // The engine's paged pool takes the geometry before any slot session exists; engines without
+    // one get the counting pool.
+    paged_ = eng_.kv_pool_configure(opts_.kv_block_tokens, n_blocks);
+    if (!paged_) pool_ = std::make_unique<kv_block_pool>(n_blocks, opts_.kv_block_tokens, opts_.n_slots);
+    kv_n_blocks_ = n_blocks;
+    kv_block_tokens_ = opts_.kv_block_tokens;
     for (int i = 0; i < opts_.n_slots; ++i) {
         auto s = std::make_unique<slot>();
         s->index = i;
@@ -105,11 +115,6 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     }
     stats_.n_slots = opts_.n_slots;
     stats_.queue_capacity = opts_.max_queue;
-    if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
-    if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
-    const int64_t per_slot = (int64_t(n_ctx_) + opts_.kv_block_tokens - 1) / opts_.kv_block_tokens;
-    const int64_t n_blocks = opts_.kv_blocks > 0 ? opts_.kv_blocks : per_slot * opts_.n_slots;
-    pool_ = std::make_unique<kv_block_pool>(n_blocks, opts_.kv_block_tokens, opts_.n_slots);
     stats_.kv_tokens_capacity = std::min(int64_t(opts_.n_slots) * n_ctx_, n_blocks * opts_.kv_block_tokens);
     stats_.kv_blocks_total = n_blocks;
     stats_.kv_block_tokens = opts_.kv_block_tokens;
@@ -138,7 +143,7 @@ std::shared_ptr<job> scheduler::submit(request req) {
         if (t < 0 || t >= n_vocab)
             throw error("prompt token " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     req.sampling.validate();
-    const int64_t pool_tokens = pool_->n_blocks() * pool_->block_tokens();
+    const int64_t pool_tokens = kv_n_blocks_ * kv_block_tokens_;
     if (int64_t(req.prompt.size()) + 1 > pool_tokens) {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.requests_rejected;
@@ -177,9 +182,9 @@ scheduler_stats scheduler::stats() const {
     for (auto &sl : slots_) {
         s.slots_busy += sl->j ? 1 : 0;
         s.kv_tokens_used += sl->n_tokens_published;
-        if (!sl->j) s.kv_blocks_cached += pool_->held(sl->index);
+        if (!sl->j) s.kv_blocks_cached += kv_held(*sl);
     }
-    s.kv_blocks_used = pool_->n_used();
+    s.kv_blocks_used = kv_n_blocks_ - kv_free();
     return s;
 }
 
@@ -242,10 +247,9 @@ void scheduler::admit_locked() {
             j->kv_waited_ = true;
             break;  // not enough KV blocks until running requests end: the head keeps waiting (FIFO)
         }
-        // The session keeps at most best_lcp tokens (sync drops the rest): shrink its table to them
-        // and reserve the request's positions (kv_make_room_locked made sure they are free).
-        pool_->shrink(best->index, int64_t(best_lcp));
-        if (!pool_->reserve(best->index, need)) break;
+        // The session keeps at most best_lcp tokens (sync would drop the rest): drop them now and
+        // reserve the request's positions (kv_make_room_locked made sure they are free).
+        if (!kv_prepare(*best, int64_t(best_lcp), need)) break;
         best->kv_limit = need;
         queue_.pop_front();
         slot &s = *best;
@@ -269,36 +273,69 @@ void scheduler::admit_locked() {
 // Positions a request may occupy: prompt + max_tokens, capped by the context and by the whole pool.
 int64_t scheduler::kv_need_tokens(const request &r) const {
     const int64_t want = int64_t(r.prompt.size()) + int64_t(r.max_tokens);
-    return std::min({want, int64_t(n_ctx_), pool_->n_blocks() * pool_->block_tokens()});
+    return std::min({want, int64_t(n_ctx_), kv_n_blocks_ * kv_block_tokens_});
+}
+
+// ---- KV accounting: the engine's paged pool through the slot's session, or the counting pool ----
+
+int64_t scheduler::kv_held(const slot &s) const { return paged_ ? s.sess->kv_blocks() : pool_->held(s.index); }
+
+int64_t scheduler::kv_free() const {
+    return paged_ ? kv_n_blocks_ - eng_.kv_pool().n_used : pool_->n_free();
+}
+
+int64_t scheduler::kv_blocks_for(int64_t tokens) const { return (tokens + kv_block_tokens_ - 1) / kv_block_tokens_; }
+
+bool scheduler::kv_prepare(slot &s, int64_t keep_tokens, int64_t need_tokens) {
+    if (!paged_) {
+        pool_->shrink(s.index, keep_tokens);
+        return pool_->reserve(s.index, need_tokens);
+    }
+    s.sess->truncate(keep_tokens);  // paged: frees the blocks past the kept prefix
+    return s.sess->kv_reserve(need_tokens);
+}
+
+void scheduler::kv_settle(slot &s) {
+    if (paged_) s.sess->kv_reserve(0);  // shrinking: always succeeds
+    else pool_->shrink(s.index, int64_t(s.sess->tokens().size()));
+}
+
+void scheduler::kv_evict(slot &s) {
+    if (paged_) {
+        s.sess->reset();  // its blocks go back to the engine's pool
+        return;
+    }
+    pool_->release(s.index);
+    try {
+        s.sess = eng_.new_session();  // unmaps the old cache: its memory goes back to the system
+    } catch (const std::exception &) {
+        s.sess->reset();  // no memory for a fresh one: keep the old session, emptied
+    }
 }
 
 // Under mu_ (worker). Can slot s, keeping keep_tokens of its cache, grow to need_tokens? Drops the
 // caches of other idle slots, least recently used first, until it can; false if even that fails
 // (then nothing was dropped).
 bool scheduler::kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_tokens) {
-    const int64_t kept = std::min(pool_->held(s.index), pool_->blocks_for(keep_tokens));
-    const int64_t extra = pool_->blocks_for(need_tokens) - kept;
-    const int64_t freed_by_s = pool_->held(s.index) - kept;
-    int64_t avail = pool_->n_free() + freed_by_s;
+    const int64_t held_s = kv_held(s);
+    const int64_t kept = std::min(held_s, kv_blocks_for(keep_tokens));
+    const int64_t extra = kv_blocks_for(need_tokens) - kept;
+    const int64_t freed_by_s = held_s - kept;
+    int64_t avail = kv_free() + freed_by_s;
     if (avail >= extra) return true;
     std::vector<slot *> idle;
     int64_t evictable = 0;
     for (auto &o : slots_)
-        if (o.get() != &s && !o->j && pool_->held(o->index) > 0) {
+        if (o.get() != &s && !o->j && kv_held(*o) > 0) {
             idle.push_back(o.get());
-            evictable += pool_->held(o->index);
+            evictable += kv_held(*o);
         }
     if (avail + evictable < extra) return false;
     std::sort(idle.begin(), idle.end(), [](slot *a, slot *b) { return a->last_used < b->last_used; });
     for (slot *o : idle) {
         if (avail >= extra) break;
-        avail += pool_->held(o->index);
-        pool_->release(o->index);
-        try {
-            o->sess = eng_.new_session();  // unmaps the old cache: its memory goes back to the system
-        } catch (const std::exception &) {
-            o->sess->reset();  // no memory for a fresh one: keep the old session, emptied
-        }
+        avail += kv_held(*o);
+        kv_evict(*o);
         o->n_tokens_published = 0;
         ++stats_.kv_evictions;
     }
@@ -483,7 +520,7 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
         s.ph = phase::idle;
         s.smp.reset();
         s.n_tokens_published = int64_t(s.sess->tokens().size());
-        pool_->shrink(s.index, s.n_tokens_published);  // keep blocks only for the cached prefix
+        kv_settle(s);  // keep blocks only for the cached prefix
         s.kv_limit = 0;
     }
     j->post(std::move(ev));

@@ -13,13 +13,16 @@
 // a short accidental match does not evict another conversation's cache. When the queue is
 // full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
 // frees its slot.
-// KV memory: a block pool (src/kv/paged_pool.h) of kv_blocks blocks of kv_block_tokens positions.
-// Admitting a request reserves the blocks for prompt + max_tokens (capped by the context and by
-// the whole pool) in its slot's table; if the free blocks do not suffice, the caches of idle slots
-// are dropped (least recently used first, their sessions recreated so the memory is unmapped),
-// and if that is still not enough the request waits at the head of the queue until running ones
-// end. A request whose prompt alone exceeds the pool gets queue_full (503). When a request ends,
-// its slot keeps only the blocks covering the tokens its session still holds (prefix reuse).
+// KV memory: a pool of kv_blocks blocks of kv_block_tokens positions. For the dense engine on the
+// CPU this is the engine's own paged pool (engine::kv_pool_configure; the sessions' K/V live in
+// its blocks, so the counts below are the real memory); for engines whose sessions own their KV
+// (DS4, CUDA, the tests' fake engine) the scheduler keeps a counting pool of the same geometry,
+// one block table per slot. Admitting a request reserves the blocks for prompt + max_tokens
+// (capped by the context and by the whole pool) for its slot; if the free blocks do not suffice,
+// the caches of idle slots are dropped (least recently used first), and if that is still not
+// enough the request waits at the head of the queue until running ones end. A request whose
+// prompt alone exceeds the pool gets queue_full (503). When a request ends, its slot keeps only
+// the blocks covering the tokens its session still holds (prefix reuse).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -170,12 +173,22 @@ private:
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
     int64_t kv_need_tokens(const request &r) const;
     bool kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_tokens);
+    // KV accounting over the engine's paged pool (paged_) or the counting pool (pool_).
+    int64_t kv_held(const slot &s) const;         // blocks in s's table
+    int64_t kv_free() const;                      // blocks not in any table
+    int64_t kv_blocks_for(int64_t tokens) const;
+    bool kv_prepare(slot &s, int64_t keep_tokens, int64_t need_tokens);  // keep a prefix, reserve; all or nothing
+    void kv_settle(slot &s);                      // keep only the blocks of the tokens s's session holds
+    void kv_evict(slot &s);                       // drop s's cache and all its blocks
 
     engine &eng_;
     scheduler_options opts_;
     int n_ctx_ = 0;
     std::vector<std::unique_ptr<slot>> slots_;
-    std::unique_ptr<kv_block_pool> pool_;  // guarded by mu_
+    bool paged_ = false;                   // the engine's paged pool is the KV record
+    std::unique_ptr<kv_block_pool> pool_;  // counting pool when !paged_; guarded by mu_
+    int64_t kv_n_blocks_ = 0;
+    int32_t kv_block_tokens_ = 0;
     mutable std::mutex mu_;               // guards queue_, stats_, stop_, slot busy flags
     std::condition_variable cv_;
     std::deque<std::shared_ptr<job>> queue_;

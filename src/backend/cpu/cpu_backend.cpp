@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -61,6 +62,14 @@ tensor reshape(const tensor &t, int64_t cols) {
         throw error("reshape: cannot view " + std::to_string(t.ne[0]) + "x" + std::to_string(t.ne[1]) +
                     " as rows of " + std::to_string(cols));
     return make_tensor(t.type, cols, t.ne[0] * t.ne[1] / cols, t.data);
+}
+
+// Backends without paged KV (supports_paged_kv() false): the engine keeps contiguous caches for them.
+void backend::kv_store_paged(const tensor &, const tensor &, const kv_pages &, int64_t) {
+    throw error(std::string("backend ") + name() + ": paged KV is not supported");
+}
+void backend::attention_paged(const tensor &, const kv_pages &, const attn_params &, const tensor &) {
+    throw error(std::string("backend ") + name() + ": paged KV is not supported");
 }
 
 namespace cpu {
@@ -138,6 +147,8 @@ void x8_rows(const x8_weight &e, const tensor &W, int64_t r0, int64_t r1, const 
     if (b < r1) gemm(W.type, e.K, W.data, W.nb1, b, r1, X, x_stride, M, y, ldy);
 }
 
+struct kv_source;  // where attention reads K/V (contiguous or paged), defined with the attention ops
+
 class cpu_backend final : public backend {
 public:
     explicit cpu_backend(const cpu_options &o) : opts_(o), pool_(std::max(1, o.n_threads)) {
@@ -192,7 +203,9 @@ public:
     void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) override;
     void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
                    const tensor &out) override;
-    void attention_blocks(const tensor &q, const tensor &k, const tensor &v, const attn_params &p, const tensor &out);
+    bool supports_paged_kv() const override { return true; }
+    void kv_store_paged(const tensor &k_src, const tensor &v_src, const kv_pages &kv, int64_t p0) override;
+    void attention_paged(const tensor &q, const kv_pages &kv, const attn_params &p, const tensor &out) override;
     void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
     void add(const tensor &a, const tensor &b, const tensor &out) override;
     void scale(const tensor &x, float s) override;
@@ -218,6 +231,8 @@ private:
         for (auto &s : thread_f32_) s.get(static_cast<size_t>(n_floats) * sizeof(float));
     }
     void mul_mat_exact(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out);
+    void attention_rows(const tensor &q, const kv_source &src, const attn_params &p, const tensor &out);
+    void attention_blocks(const tensor &q, const kv_source &src, const attn_params &p, const tensor &out);
 
     cpu_options opts_;
     thread_pool pool_;
@@ -615,6 +630,60 @@ void cpu_backend::rope(const tensor &x, int32_t head_dim, const tensor &table, r
 
 // ---- KV cache and attention ------------------------------------------------------------------
 
+// Where attention finds the K or V rows (positions) of one kv head: a contiguous cache (blocks
+// null: row j at base + j * nb1) or a paged sequence (row j at blocks[j >> shift] + off +
+// (j & mask) * nb1). Both kinds go through the same loops below, so paged and contiguous attention
+// perform the same operations in the same order (bit-identical results).
+struct kv_rows {
+    uint8_t *const *blocks = nullptr;
+    uint8_t *base = nullptr;
+    size_t off = 0, nb1 = 0;
+    int shift = 0;
+    int64_t mask = 0;
+    template <class T>
+    T *row(int64_t j) const {
+        uint8_t *p = blocks ? blocks[j >> shift] + off + static_cast<size_t>(j & mask) * nb1
+                            : base + static_cast<size_t>(j) * nb1;
+        return reinterpret_cast<T *>(p);
+    }
+    // First row of the memory-contiguous run holding row j, and the end (exclusive) of that run.
+    int64_t run_start(int64_t j) const { return blocks ? (j & ~mask) : 0; }
+    int64_t run_end(int64_t j) const { return blocks ? (j | mask) + 1 : INT64_MAX; }
+};
+
+// The K and V of one attention call: either contiguous caches [n_head_kv * n_ctx, head_dim] or one
+// layer of a paged sequence.
+struct kv_source {
+    const tensor *k = nullptr, *v = nullptr;  // contiguous
+    int64_t n_ctx = 0;
+    const kv_pages *pg = nullptr;             // paged
+    dtype type = dtype::f16;
+
+    kv_rows rows(int64_t hk, bool is_v) const {
+        kv_rows r;
+        if (pg) {
+            r.blocks = pg->blocks;
+            r.nb1 = dtype_row_bytes(pg->type, pg->head_dim);
+            r.off = (is_v ? pg->v_offset : pg->k_offset) + static_cast<size_t>(hk) * static_cast<size_t>(pg->block_tokens) * r.nb1;
+            r.shift = std::countr_zero(static_cast<uint32_t>(pg->block_tokens));
+            r.mask = pg->block_tokens - 1;
+        } else {
+            const tensor &t = is_v ? *v : *k;
+            r.nb1 = t.nb1;
+            r.base = static_cast<uint8_t *>(t.data) + static_cast<size_t>(hk * n_ctx) * t.nb1;
+        }
+        return r;
+    }
+};
+
+void check_pages(const kv_pages &kv, const char *op) {
+    FATHOM_CHECK(kv.blocks != nullptr && kv.n_blocks > 0, op, "empty block table");
+    FATHOM_CHECK(kv.block_tokens >= 8 && std::has_single_bit(static_cast<uint32_t>(kv.block_tokens)), op,
+                 "block size " + std::to_string(kv.block_tokens) + " is not a power of two >= 8");
+    FATHOM_CHECK(kv.type == dtype::f16 || kv.type == dtype::f32, op, "cache must be f16 or f32");
+    FATHOM_CHECK(kv.n_head_kv > 0 && kv.head_dim > 0, op, "bad head geometry");
+}
+
 void cpu_backend::kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) {
     check_f32(src, "kv_store", "src");
     FATHOM_CHECK(cache.type == dtype::f32 || cache.type == dtype::f16, "kv_store", "cache must be f16 or f32");
@@ -633,22 +702,60 @@ void cpu_backend::kv_store(const tensor &src, const tensor &cache, int32_t n_hea
     }
 }
 
+void cpu_backend::kv_store_paged(const tensor &k_src, const tensor &v_src, const kv_pages &kv, int64_t p0) {
+    check_f32(k_src, "kv_store_paged", "k");
+    check_f32(v_src, "kv_store_paged", "v");
+    check_same(k_src, v_src, "kv_store_paged");
+    check_pages(kv, "kv_store_paged");
+    const int64_t hd = kv.head_dim;
+    FATHOM_CHECK(k_src.ne[0] == kv.n_head_kv * hd, "kv_store_paged", "src " + shape(k_src) + " is not kv heads x head_dim");
+    FATHOM_CHECK(p0 >= 0 && p0 + k_src.ne[1] <= kv.n_blocks * kv.block_tokens, "kv_store_paged",
+                 "positions beyond the block table");
+    const kv_source src{nullptr, nullptr, 0, &kv, kv.type};
+    const auto &vk = vec();
+    for (int64_t h = 0; h < kv.n_head_kv; ++h) {
+        const kv_rows kr = src.rows(h, false), vr = src.rows(h, true);
+        for (int64_t t = 0; t < k_src.ne[1]; ++t) {
+            const float *ks = row_ptr<const float>(k_src, t) + h * hd, *vs = row_ptr<const float>(v_src, t) + h * hd;
+            if (kv.type == dtype::f16) {
+                vk.f32_to_f16_row(hd, ks, kr.row<uint16_t>(p0 + t));
+                vk.f32_to_f16_row(hd, vs, vr.row<uint16_t>(p0 + t));
+            } else {
+                std::memcpy(kr.row<float>(p0 + t), ks, static_cast<size_t>(hd) * sizeof(float));
+                std::memcpy(vr.row<float>(p0 + t), vs, static_cast<size_t>(hd) * sizeof(float));
+            }
+        }
+    }
+}
+
 void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
                             const tensor &out) {
+    FATHOM_CHECK(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
+    FATHOM_CHECK(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
+          v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
+    FATHOM_CHECK(p.n_past >= 0 && p.n_past + q.ne[1] <= p.n_ctx, "attention", "positions beyond the cache");
+    attention_rows(q, kv_source{&k, &v, p.n_ctx, nullptr, k.type}, p, out);
+}
+
+void cpu_backend::attention_paged(const tensor &q, const kv_pages &kv, const attn_params &p, const tensor &out) {
+    check_pages(kv, "attention_paged");
+    FATHOM_CHECK(kv.head_dim == p.head_dim && kv.n_head_kv == p.n_head_kv, "attention_paged", "pages vs head layout");
+    FATHOM_CHECK(p.n_past >= 0 && p.n_past + q.ne[1] <= kv.n_blocks * kv.block_tokens, "attention_paged",
+                 "positions beyond the block table");
+    attention_rows(q, kv_source{nullptr, nullptr, 0, &kv, kv.type}, p, out);
+}
+
+void cpu_backend::attention_rows(const tensor &q, const kv_source &src, const attn_params &p, const tensor &out) {
     check_f32(q, "attention", "q");
     check_f32(out, "attention", "out");
     check_same(q, out, "attention");
     FATHOM_CHECK(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0, "attention",
           "bad head counts");
     FATHOM_CHECK(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention", "q " + shape(q) + " is not heads x head_dim");
-    FATHOM_CHECK(k.type == v.type && (k.type == dtype::f16 || k.type == dtype::f32), "attention", "cache must be f16 or f32");
-    FATHOM_CHECK(k.ne[0] == p.head_dim && v.ne[0] == p.head_dim && k.ne[1] == p.n_head_kv * p.n_ctx &&
-          v.ne[1] == k.ne[1], "attention", "cache " + shape(k) + " vs head layout");
     const int64_t n_tok = q.ne[1];
-    FATHOM_CHECK(p.n_past >= 0 && p.n_past + n_tok <= p.n_ctx, "attention", "positions beyond the cache");
     grow_thread_scratch(p.n_past + n_tok + 33 * p.head_dim);
     const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv;
-    const bool f16 = k.type == dtype::f16;
+    const bool f16 = src.type == dtype::f16;
     const auto &vk = vec();
     const int64_t n_items = n_tok * p.n_head;  // (token, head) pairs, split across threads
     // Fast mode mirrors llama.cpp's CPU attention without flash attention: KQ = mul_mat(K f16,
@@ -660,7 +767,7 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
     // the batch order so a token's output does not depend on how many share its call.
     const bool single = n_tok == 1 && !opts_.batch_invariant;
     if (mirror && !single && f16) {
-        attention_blocks(q, k, v, p, out);
+        attention_blocks(q, src, p, out);
         return;
     }
     auto body = [&](int ith, int nth) {
@@ -678,14 +785,14 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 vk.round_f16(hd, qr, 1.0f, q16);
                 qr = q16;
             }
-            const int64_t base = hk * p.n_ctx;
+            const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
             float mx = -INFINITY;
             for (int64_t j = lo; j <= pos; ++j) {
                 float s;
-                if (!f16) s = vk.dot_f32(hd, row_ptr<const float>(k, base + j), qr);
-                else if (mirror && single) s = vk.dot_f16_ggml(hd, row_ptr<const uint16_t>(k, base + j), qr);
-                else if (mirror) s = vk.dot_f16_lanes(hd, row_ptr<const uint16_t>(k, base + j), qr);
-                else s = vk.dot_f16(hd, row_ptr<const uint16_t>(k, base + j), qr);
+                if (!f16) s = vk.dot_f32(hd, kr.row<const float>(j), qr);
+                else if (mirror && single) s = vk.dot_f16_ggml(hd, kr.row<const uint16_t>(j), qr);
+                else if (mirror) s = vk.dot_f16_lanes(hd, kr.row<const uint16_t>(j), qr);
+                else s = vk.dot_f16(hd, kr.row<const uint16_t>(j), qr);
                 s *= p.scale;
                 if (p.softcap > 0) s = p.softcap * std::tanh(s / p.softcap);
                 scores[j] = s;
@@ -708,8 +815,8 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
                 for (int64_t j = lo; j <= pos; ++j) {
                     const float pj = scores[j];
                     float *lane = lanes + (j & (n_lanes - 1)) * hd;
-                    if (f16) vk.axpy_f16(hd, pj, row_ptr<const uint16_t>(v, base + j), lane);
-                    else vk.axpy_f32(hd, pj, row_ptr<const float>(v, base + j), lane);
+                    if (f16) vk.axpy_f16(hd, pj, vr.row<const uint16_t>(j), lane);
+                    else vk.axpy_f32(hd, pj, vr.row<const float>(j), lane);
                 }
                 for (int64_t i = 0; i < hd; ++i) {
                     const float *l = lanes + i;
@@ -732,8 +839,8 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
             }
             std::fill(acc, acc + hd, 0.0f);
             for (int64_t j = lo; j <= pos; ++j) {
-                if (f16) vk.axpy_f16(hd, scores[j], row_ptr<const uint16_t>(v, base + j), acc);
-                else vk.axpy_f32(hd, scores[j], row_ptr<const float>(v, base + j), acc);
+                if (f16) vk.axpy_f16(hd, scores[j], vr.row<const uint16_t>(j), acc);
+                else vk.axpy_f32(hd, scores[j], vr.row<const float>(j), acc);
             }
             const float inv = 1.0f / sum;
             for (int64_t i = 0; i < hd; ++i) o[i] = acc[i] * inv;
@@ -743,12 +850,11 @@ void cpu_backend::attention(const tensor &q, const tensor &k, const tensor &v, c
 }
 
 // Fast-mode attention over an f16 cache in the batch order (KQ lane = dim mod 8, KQV lane = cell
-// mod 8): the per-(token, head) operations of the loop in attention(), but up to 4 consecutive
+// mod 8): the per-(token, head) operations of the loop in attention_rows(), but up to 4 consecutive
 // tokens of one head share each K and V row conversion (the vec *_multi kernels give each query
 // the single-query bits), and (token block, head) items are handed out dynamically, longest rows
 // first, since causal rows grow with the position.
-void cpu_backend::attention_blocks(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
-                                   const tensor &out) {
+void cpu_backend::attention_blocks(const tensor &q, const kv_source &src, const attn_params &p, const tensor &out) {
     constexpr int kQ = 4;
     const int64_t n_tok = q.ne[1], hd = p.head_dim, group = p.n_head / p.n_head_kv;
     const int64_t S = p.n_past + n_tok;  // score row length
@@ -780,13 +886,13 @@ void cpu_backend::attention_blocks(const tensor &q, const tensor &k, const tenso
                 for (a = 0; a < nq && pos[a] < j; ++a) {}
                 for (b = a; b < nq && lo[b] <= j; ++b) {}
             };
-            const int64_t base = hk * p.n_ctx;
+            const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
             for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
                 int a, b;
                 active(j, a, b);
                 if (a == b) continue;
                 float s[kQ];
-                vk.dot_f16_lanes_multi(hd, row_ptr<const uint16_t>(k, base + j), qp + a, b - a, s);
+                vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp + a, b - a, s);
                 for (int i = a; i < b; ++i) {
                     float x = s[i - a] * p.scale;
                     if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
@@ -801,19 +907,25 @@ void cpu_backend::attention_blocks(const tensor &q, const tensor &k, const tenso
                 vk.round_f16(pos[i] + 1 - lo[i], sc + lo[i], static_cast<float>(1.0 / sum), sc + lo[i]);
                 std::fill(lanes + i * 8 * hd, lanes + (i + 1) * 8 * hd, 0.0f);
             }
-            // KQV: cells every query sees, [lo[nq-1], pos[0]], in one register-blocked pass; the
+            // KQV: cells every query sees, [lo[nq-1], pos[0]], in one register-blocked pass per
+            // memory-contiguous run of V rows (a paged cache splits it at block boundaries: blocks
+            // start at multiples of 8 cells, so lanes and per-lane cell order are unchanged); the
             // cells before and after them per cell. Each lane still takes its cells in increasing j.
             const int64_t f0 = lo[nq - 1], f1 = pos[0];
             for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
                 if (j == f0 && f0 <= f1) {
-                    const float *pq[kQ];
-                    float *lq[kQ];
-                    for (int i = 0; i < nq; ++i) {
-                        pq[i] = scores + i * S;
-                        lq[i] = lanes + i * 8 * hd;
+                    for (int64_t r0 = f0; r0 <= f1;) {
+                        const int64_t base = vr.run_start(r0), r1 = std::min(f1, vr.run_end(r0) - 1);
+                        const float *pq[kQ];
+                        float *lq[kQ];
+                        for (int i = 0; i < nq; ++i) {
+                            pq[i] = scores + i * S + base;  // indexed by cell - base, as the V rows
+                            lq[i] = lanes + i * 8 * hd;
+                        }
+                        vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base),
+                                         static_cast<int64_t>(vr.nb1 / 2), pq, nq, lq);
+                        r0 = r1 + 1;
                     }
-                    vk.kqv_lanes_f16(hd, f0, f1, row_ptr<const uint16_t>(v, base), static_cast<int64_t>(v.nb1 / 2), pq,
-                                     nq, lq);
                     j = f1;
                     continue;
                 }
@@ -826,7 +938,7 @@ void cpu_backend::attention_blocks(const tensor &q, const tensor &k, const tenso
                     c[i - a] = scores[i * S + j];
                     y[i - a] = lanes + (i * 8 + (j & 7)) * hd;
                 }
-                vk.axpy_f16_multi(hd, c, row_ptr<const uint16_t>(v, base + j), y, b - a);
+                vk.axpy_f16_multi(hd, c, vr.row<const uint16_t>(j), y, b - a);
             }
             for (int i = 0; i < nq; ++i) {  // tinyBLAS's hsum tree over the 8 lanes
                 float *o = row_ptr<float>(out, t0 + i) + h * hd;
