@@ -62,5 +62,11 @@ pair die0 15 "$P" loop 0 "$out/die0.id" 0 3 -- "$P" loop 1 "$out/die0.id" 0 3
 wait $ref2
 log "== ref golden: rc $(cat "$out/ref_golden.rc"): $(tail -1 "$out/ref_golden.log")"
 pair golden 90 "$P" rank 0 "$out/golden.id" golden "$out/golden.bin" -- "$P" rank 1 "$out/golden.id" golden "$out/golden.bin"
+# CUDA stages (ds4::cuda_sequence per rank): the single-GPU CUDA run is the reference, bit for bit.
+for m in synth golden; do
+    timeout 120 "$P" ref $m "$out/c$m.bin.ref" cuda > "$out/ref_c$m.log" 2>&1
+    log "== ref $m on cuda:0: rc $?: $(tail -1 "$out/ref_c$m.log")"
+    pair c$m 120 "$P" rank 0 "$out/c$m.id" $m "$out/c$m.bin" cuda -- "$P" rank 1 "$out/c$m.id" $m "$out/c$m.bin" cuda
+done
 rm -f "$out"/*.bin "$out"/*.bin.ref
 log "done"

@@ -6,8 +6,17 @@
 #include <thread>
 
 #include "core/error.h"
+#ifdef FATHOM_ENGINE_CUDA
+#include "backend/cuda/ds4_model.h"
+#endif
 
 namespace fathom::dist {
+
+struct pipeline_rank::gpu_stage {
+#ifdef FATHOM_ENGINE_CUDA
+    std::unique_ptr<ds4::cuda_sequence> seq;
+#endif
+};
 
 namespace {
 
@@ -50,16 +59,55 @@ std::vector<layer_range> even_ranges(int n_layer, int parts) {
 }
 
 pipeline_rank::pipeline_rank(const ds4::model &m, std::vector<layer_range> ranges, transport &t,
-                             ds4::qat_mode qat, kv_precision kv, ds4::exec_options exec)
-    : m_(m), ranges_(std::move(ranges)), t_(t), rank_(t.rank()), qat_(qat), kv_(kv), exec_(exec) {
+                             ds4::qat_mode qat, kv_precision kv, ds4::exec_options exec, stage_device dev)
+    : m_(m), ranges_(std::move(ranges)), t_(t), rank_(t.rank()), qat_(qat), kv_(kv), exec_(exec), dev_(dev),
+      gpu_(std::make_unique<gpu_stage>()) {
     check_ranges(ranges_, static_cast<int>(m_.layers.size()));
     if (static_cast<int>(ranges_.size()) != t_.size())
         throw error("dist: " + std::to_string(ranges_.size()) + " layer ranges for " + std::to_string(t_.size()) +
                     " ranks");
+    if (dev_.cuda_device >= 0) {
+#ifdef FATHOM_ENGINE_CUDA
+        if (dev_.n_ctx < 1) throw error("dist: a CUDA stage needs a positive n_ctx");
+        ds4::cuda_run_options o;
+        o.device = dev_.cuda_device;
+        o.qat = qat;
+        o.kv = kv;
+        o.first_layer = range().first;
+        o.last_layer = range().last;
+        gpu_->seq = std::make_unique<ds4::cuda_sequence>(ds4::cuda_upload(m_, o), dev_.n_ctx);
+#else
+        throw error("dist: CUDA stage requested but this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
+#endif
+    }
     fresh_state();
 }
 
+pipeline_rank::~pipeline_rank() = default;
+
+void pipeline_rank::gpu_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                               std::span<float> x, std::span<float> logits) {
+#ifdef FATHOM_ENGINE_CUDA
+    for (size_t i = 0; i < positions.size(); ++i)
+        if (positions[i] != n_past_ + static_cast<int64_t>(i))
+            throw error("dist: rank " + std::to_string(rank_) + ": position " + std::to_string(positions[i]) +
+                        " at index " + std::to_string(i) + ", expected " +
+                        std::to_string(n_past_ + static_cast<int64_t>(i)));
+    gpu_->seq->eval_stage(tokens, x, logits);
+    n_past_ += static_cast<int64_t>(tokens.size());
+#else
+    (void)tokens, (void)positions, (void)x, (void)logits;
+#endif
+}
+
 void pipeline_rank::fresh_state() {
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_->seq) {
+        gpu_->seq->reset();
+        n_past_ = 0;
+        return;
+    }
+#endif
     layers_.clear();
     for (int il = range().first; il < range().last; ++il)
         layers_.push_back(ds4::new_layer_state(m_.hp, m_.layers[static_cast<size_t>(il)], kv_));
@@ -101,12 +149,17 @@ void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int
                     std::to_string(n * V) + " or " + std::to_string(V));
     std::vector<float> x(n * S);
     const int64_t past = n_past_;
-    ds4::embed_tokens(m_, tokens, x);
-    run_layers(tokens, positions, x);
     const int last = t_.size() - 1;
-    if (last == 0) {
-        if (mode != logits_none) ds4::head_logits(m_, exec_, x, logits);
-        return;
+    if (dev_.cuda_device >= 0) {
+        gpu_layers(tokens, positions, x, last == 0 ? logits : std::span<float>());
+        if (last == 0) return;
+    } else {
+        ds4::embed_tokens(m_, tokens, x);
+        run_layers(tokens, positions, x);
+        if (last == 0) {
+            if (mode != logits_none) ds4::head_logits(m_, exec_, x, logits);
+            return;
+        }
     }
     const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(n), mode, past};
     send_on(hdr, tokens, positions, x);
@@ -158,12 +211,15 @@ void pipeline_rank::serve() {
             t_.recv(prev, tokens.data(), tokens.size() * sizeof(int32_t));
             t_.recv(prev, positions.data(), positions.size() * sizeof(int64_t));
             t_.recv(prev, x.data(), x.size() * sizeof(float));
-            run_layers(tokens, positions, x);
+            std::vector<float> logits(rank_ == last && hdr[2] != logits_none ? (hdr[2] == logits_all ? un * V : V) : 0);
+            if (dev_.cuda_device >= 0)
+                gpu_layers(tokens, positions, x, logits);  // the last CUDA stage runs the heads itself
+            else
+                run_layers(tokens, positions, x);
             if (rank_ < last) {
                 send_on(hdr, tokens, positions, x);
             } else if (hdr[2] != logits_none) {
-                std::vector<float> logits(hdr[2] == logits_all ? un * V : V);
-                ds4::head_logits(m_, exec_, x, logits);
+                if (dev_.cuda_device < 0) ds4::head_logits(m_, exec_, x, logits);
                 t_.send(0, logits.data(), logits.size() * sizeof(float));
             }
         }

@@ -38,11 +38,21 @@ void check_ranges(const std::vector<layer_range> &ranges, int n_layer);
 // ranges take the remainder).
 std::vector<layer_range> even_ranges(int n_layer, int parts);
 
+// Where a rank evaluates its blocks: the CPU (default) or one CUDA device (ds4::cuda_sequence on the
+// rank's block range: its weights and KV live on that device, the embedding on rank 0's, the heads on
+// the last rank's; the HC state crosses as host f32, so the logits equal a single-device CUDA run bit
+// for bit). CUDA needs a build with -DFATHOM_CUDA=ON.
+struct stage_device {
+    int cuda_device = -1;  // -1: CPU
+    int64_t n_ctx = 0;     // CUDA: the sequence capacity (tokens)
+};
+
 class pipeline_rank {
   public:
     // `ranges[transport.rank()]` is this rank's share; ranges.size() must equal transport.size().
     pipeline_rank(const ds4::model &m, std::vector<layer_range> ranges, transport &t, ds4::qat_mode qat,
-                  kv_precision kv, ds4::exec_options exec = {});
+                  kv_precision kv, ds4::exec_options exec = {}, stage_device dev = {});
+    ~pipeline_rank();
 
     // Rank 0: evaluate `tokens` at `positions` (n_past, n_past+1, ...) through every rank. `logits`
     // is empty (no logits), [n_vocab] (last token) or [n, n_vocab] (every token).
@@ -72,8 +82,14 @@ class pipeline_rank {
     ds4::qat_mode qat_;
     kv_precision kv_;
     ds4::exec_options exec_;
-    std::vector<ds4::layer_state> layers_;  // states of this rank's blocks only
+    std::vector<ds4::layer_state> layers_;  // states of this rank's blocks only (CPU)
     int64_t n_past_ = 0;
+    stage_device dev_;
+    struct gpu_stage;
+    std::unique_ptr<gpu_stage> gpu_;  // CUDA stage (dev_.cuda_device >= 0)
+    // CUDA: run this rank's blocks (embedding on rank 0, heads on the last rank) over the chunk.
+    void gpu_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> x,
+                    std::span<float> logits);
 };
 
 }  // namespace fathom::dist

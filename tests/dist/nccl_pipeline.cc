@@ -7,6 +7,10 @@
 //                                            drives the same workload, writes its logits to OUT, compares
 //                                            them bit for bit with OUT's "ref" twin (OUT.ref) when present,
 //                                            and, for the golden model, with the official golden logits.
+//   ... ref MODEL OUT cuda / rank R ID_FILE MODEL OUT cuda
+//                                            the same on CUDA: ref = the whole model on GPU 0
+//                                            (ds4::cuda_sequence), rank R = a CUDA stage on GPU R; the
+//                                            pipeline must equal the single-GPU run bit for bit.
 //   nccl_pipeline loop R ID_FILE DIE_RANK DIE_S
 //                                            failure test: rank 0 sends decode steps for up to 60 s; rank
 //                                            DIE_RANK SIGKILLs itself DIE_S seconds after init. The
@@ -32,6 +36,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/ds4_model.h"
 #include "core/error.h"
 #include "dist/nccl_transport.h"
 #include "dist/pipeline.h"
@@ -149,23 +154,34 @@ double since(clk::time_point t0) {
     return std::chrono::duration<double>(clk::now() - t0).count();
 }
 
-int mode_ref(const std::string &model, const std::string &out) {
+int mode_ref(const std::string &model, const std::string &out, bool cuda) {
     const auto w = make_workload(model);
-    ds4::state st = ds4::new_state(*w.m, w.qat, kv_precision::f32);
-    const auto logits = run_workload(
-        w, [&](auto t, auto p, auto l) { ds4::forward(*w.m, st, t, p, {l, {}}); },
-        [&] { st = ds4::new_state(*w.m, w.qat, kv_precision::f32); });
+    std::vector<float> logits;
+    if (cuda) {
+        ds4::cuda_run_options o;
+        o.qat = w.qat;
+        o.kv = kv_precision::f32;
+        ds4::cuda_sequence seq(ds4::cuda_upload(*w.m, o), static_cast<int64_t>(w.tokens.size()) + 8);
+        logits = run_workload(w, [&](auto t, auto, auto l) { seq.eval(t, l); }, [&] { seq.reset(); });
+    } else {
+        ds4::state st = ds4::new_state(*w.m, w.qat, kv_precision::f32);
+        logits = run_workload(
+            w, [&](auto t, auto p, auto l) { ds4::forward(*w.m, st, t, p, {l, {}}); },
+            [&] { st = ds4::new_state(*w.m, w.qat, kv_precision::f32); });
+    }
     write_floats(out, logits);
     std::printf("ref %s: %zu logits written\n", model.c_str(), logits.size());
     return 0;
 }
 
-int mode_rank(int rank, const std::string &id_path, const std::string &model, const std::string &out) {
+int mode_rank(int rank, const std::string &id_path, const std::string &model, const std::string &out, bool cuda) {
     const auto w = make_workload(model);
     const auto t0 = clk::now();
     auto t = join(rank, id_path);
-    std::printf("rank %d: joined in %.2f s\n", rank, since(t0));
-    dist::pipeline_rank pr(*w.m, dist::even_ranges(w.m->hp.n_layer, 2), *t, w.qat, kv_precision::f32);
+    std::printf("rank %d: joined in %.2f s%s\n", rank, since(t0), cuda ? " (CUDA stage)" : "");
+    dist::stage_device dev;
+    if (cuda) dev = {rank, static_cast<int64_t>(w.tokens.size()) + 8};
+    dist::pipeline_rank pr(*w.m, dist::even_ranges(w.m->hp.n_layer, 2), *t, w.qat, kv_precision::f32, {}, dev);
     if (rank != 0) {
         pr.serve();
         std::printf("rank %d: blocks [%d, %d) served, stopped\n", rank, pr.range().first, pr.range().last);
@@ -248,12 +264,13 @@ int main(int argc, char **argv) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);
     try {
         const std::string mode = argc > 1 ? argv[1] : "";
-        if (mode == "ref" && argc == 4) return mode_ref(argv[2], argv[3]);
-        if (mode == "rank" && argc == 6) return mode_rank(std::atoi(argv[2]), argv[3], argv[4], argv[5]);
+        const bool cuda = std::string(argv[argc - 1]) == "cuda";
+        if (mode == "ref" && argc == 4 + cuda) return mode_ref(argv[2], argv[3], cuda);
+        if (mode == "rank" && argc == 6 + cuda) return mode_rank(std::atoi(argv[2]), argv[3], argv[4], argv[5], cuda);
         if (mode == "loop" && argc == 6)
             return mode_loop(std::atoi(argv[2]), argv[3], std::atoi(argv[4]), std::atof(argv[5]));
         std::fprintf(stderr,
-                     "usage: nccl_pipeline ref MODEL OUT | rank R ID_FILE MODEL OUT | loop R ID_FILE DIE_RANK DIE_S\n");
+                     "usage: nccl_pipeline ref MODEL OUT [cuda] | rank R ID_FILE MODEL OUT [cuda] | loop R ID_FILE DIE_RANK DIE_S\n");
         return 2;
     } catch (const std::exception &e) {
         std::printf("error: %s\n", e.what());
