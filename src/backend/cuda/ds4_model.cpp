@@ -81,6 +81,9 @@ class cuda_weights {
     hparams hp;
     cuda_run_options opt;
     int device = 0;
+    int first = 0, last = 0;  // blocks [first, last) on this device
+    bool embed() const { return first == 0; }
+    bool head() const { return last == hp.n_layer; }
     std::vector<void *> allocs;
     size_t bytes = 0;
     double step_bytes = 0;
@@ -290,16 +293,24 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     w->hp = hp;
     w->opt = o;
     w->device = o.device;
+    w->first = o.first_layer;
+    w->last = o.last_layer < 0 ? hp.n_layer : o.last_layer;
+    if (w->first < 0 || w->last <= w->first || w->last > hp.n_layer || static_cast<int>(m.layers.size()) != hp.n_layer)
+        throw error("cuda ds4: block range [" + std::to_string(w->first) + ", " + std::to_string(w->last) +
+                    ") outside the model's " + std::to_string(hp.n_layer) + " blocks");
     uploader u(*w, replicate, total, progress);
-    w->tok_embd = u.mat(m.tok_embd);
-    w->output = u.mat(m.output);
-    w->output_norm = u.vec(m.output_norm);
-    w->hc_head = {u.mat(m.hc_head.fn), u.vec(m.hc_head.base), u.vec(m.hc_head.scale)};
+    if (w->embed()) w->tok_embd = u.mat(m.tok_embd);
+    if (w->head()) {
+        w->output = u.mat(m.output);
+        w->output_norm = u.vec(m.output_norm);
+        w->hc_head = {u.mat(m.hc_head.fn), u.vec(m.hc_head.base), u.vec(m.hc_head.scale)};
+    }
     const rope_set ropes = make_rope_set(hp);
     w->rope_plain = u.vec(ropes.plain.freq);
     w->rope_yarn = u.vec(ropes.yarn.freq);
-    w->step_bytes = mat_bytes(w->output) + hc_bytes(w->hc_head) + static_cast<double>(w->tok_embd.row_bytes);
-    for (const layer_weights &l : m.layers) {
+    w->step_bytes = mat_bytes(w->output) + hc_bytes(w->hc_head) + (w->embed() ? static_cast<double>(w->tok_embd.row_bytes) : 0.0);
+    for (int il = w->first; il < w->last; ++il) {
+        const layer_weights &l = m.layers[static_cast<size_t>(il)];
         const int32_t *tid = nullptr;
         if (l.hash)
             tid = static_cast<const int32_t *>(u.bytes(reinterpret_cast<const uint8_t *>(l.tid2eid.data()),
@@ -611,9 +622,10 @@ void cuda_sequence::impl::enqueue_step() {
     const int64_t D = hp.n_embd;
     const int nh = hp.n_hc;
     phase("embedding");
-    for (int k = 0; k < nh; ++k)
-        cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
-                              x[0] + k * D, D, err_d, s);
+    if (w->embed())  // otherwise x[0] holds the state entering this stage (copied in by step())
+        for (int k = 0; k < nh; ++k)
+            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
+                                  x[0] + k * D, D, err_d, s);
     const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
     int cur = 0;
     auto hc_pre = [&](const dhc &h, const float *norm) {
@@ -636,6 +648,11 @@ void cuda_sequence::impl::enqueue_step() {
         cd::launch_moe_ffn(l.moe, xn, token, moe, y, err_d, s);
         hc_post();
     }
+    // Two HCPosts per block: the state leaving the blocks is back in x[0] (a stage's output).
+    if (!w->head()) {
+        phase("");
+        return;
+    }
     phase("head (hc head, norm, output, argmax)");
     const dhc &h = w->hc_head;
     cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, zh, s);
@@ -646,9 +663,10 @@ void cuda_sequence::impl::enqueue_step() {
     phase("");
 }
 
-void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) {
+void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
     if (tok < 0 || tok >= hp.n_vocab)
         throw error("cuda ds4: token id " + std::to_string(tok) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
     if (n_past_ >= n_ctx_) throw error("cuda ds4: context full (" + std::to_string(n_ctx_) + " tokens)");
@@ -657,6 +675,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) 
     *p.h_token = tok;
     ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
     ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
+    if (x_in) ck(cudaMemcpyAsync(p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
     if (p.use_graph) {
         if (!p.graph) {
             cudaGraph_t g = nullptr;
@@ -683,6 +702,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) 
                            cudaMemcpyDeviceToHost, p.s),
            "downloading logits");
     if (argmax_host) ck(cudaMemcpyAsync(p.h_amax, p.amax, sizeof(int32_t), cudaMemcpyDeviceToHost, p.s), "downloading");
+    if (x_out) ck(cudaMemcpyAsync(x_out, p.x[0], S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
     ck(cudaStreamSynchronize(p.s), "decode step");
     if (*p.err_h != 0) {
         const uint32_t e = *p.err_h;
@@ -698,18 +718,45 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host) 
     ++n_past_;
 }
 
-void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
+void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
     const hparams &hp = p_->w->hp;
-    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab);
-    if (!logits.empty() && logits.size() != V && logits.size() != n * V)
-        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
-                    std::to_string(V) + " or " + std::to_string(n * V));
-    if (n_past_ + static_cast<int64_t>(n) > n_ctx_)
-        throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(n) + " tokens exceed n_ctx " +
-                    std::to_string(n_ctx_));
+    if (n_past_ + static_cast<int64_t>(tokens.size()) > n_ctx_)
+        throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(tokens.size()) +
+                    " tokens exceed n_ctx " + std::to_string(n_ctx_));
     for (int32_t t : tokens)
         if (t < 0 || t >= hp.n_vocab)
             throw error("cuda ds4: token id " + std::to_string(t) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
+}
+
+void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits) {
+    const cuda_weights &w = *p_->w;
+    const size_t n = tokens.size(), V = static_cast<size_t>(w.hp.n_vocab);
+    const size_t S = static_cast<size_t>(w.hp.n_hc) * static_cast<size_t>(w.hp.n_embd);
+    if ((!w.embed() || !w.head()) && x.size() != n * S)
+        throw error("cuda ds4: stage state buffer of " + std::to_string(x.size()) + " floats, expected " +
+                    std::to_string(n * S));
+    if (!logits.empty() && (!w.head() || (logits.size() != V && logits.size() != n * V)))
+        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats for a stage " +
+                    (w.head() ? "(expected n_vocab or n * n_vocab)" : "without the output head"));
+    check_tokens(tokens);
+    for (size_t i = 0; i < n; ++i) {
+        float *out = nullptr;
+        if (logits.size() == n * V)
+            out = logits.data() + i * V;
+        else if (!logits.empty() && i + 1 == n)
+            out = logits.data();
+        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, w.head() ? nullptr : x.data() + i * S);
+    }
+}
+
+void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
+    const hparams &hp = p_->w->hp;
+    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab);
+    if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
+    if (!logits.empty() && logits.size() != V && logits.size() != n * V)
+        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(V) + " or " + std::to_string(n * V));
+    check_tokens(tokens);
     for (size_t i = 0; i < n; ++i) {
         float *out = nullptr;
         if (logits.size() == n * V)
@@ -802,6 +849,7 @@ std::vector<std::pair<std::string, float>> cuda_sequence::profile_step(int32_t t
 }
 
 int32_t cuda_sequence::step_greedy(int32_t token) {
+    if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: step_greedy() needs the whole model");
     int32_t a = -1;
     step(token, nullptr, &a);
     return a;

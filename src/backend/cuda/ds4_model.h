@@ -33,6 +33,10 @@ struct cuda_run_options {
     int device = 0;
     qat_mode qat = qat_mode::full;
     kv_precision kv = kv_precision::f16;  // raw ring, compressed and indexer rows
+    // Pipeline stages (src/dist): only blocks [first_layer, last_layer) live on this device (-1: all
+    // of them); the embedding is uploaded only with block 0, the HC head and output head only with
+    // the last block.
+    int first_layer = 0, last_layer = -1;
 };
 
 class cuda_weights;
@@ -68,6 +72,11 @@ class cuda_sequence {
     // token's) or [n * n_vocab] (every token's). Throws on a token outside the vocabulary or past
     // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
     void eval(std::span<const int32_t> tokens, std::span<float> logits);
+    // A pipeline stage (weights uploaded for a block range): x [n, n_hc * D] is the HC state entering
+    // the range (ignored when the range starts at block 0: the tokens are embedded here) and, unless
+    // the range ends with the last block, receives the state leaving it. logits as in eval() (only
+    // when the range ends with the last block). Token ids are needed by every stage (hash routing).
+    void eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits);
     // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
     int32_t step_greedy(int32_t token);
     // Benchmarks only: make the sequence look n tokens deep without evaluating them. The raw ring,
@@ -88,7 +97,9 @@ class cuda_sequence {
     std::unique_ptr<impl> p_;
     int64_t n_past_ = 0, n_ctx_ = 0;
     uint64_t replays_ = 0;
-    void step(int32_t token, float *logits_host, int32_t *argmax_host);
+    void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
+              float *x_out = nullptr);
+    void check_tokens(std::span<const int32_t> tokens) const;
 };
 
 }  // namespace fathom::ds4
