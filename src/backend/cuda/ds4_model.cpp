@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <unordered_map>
@@ -27,6 +28,7 @@
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_attn_kernels.h"
+#include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
@@ -51,9 +53,11 @@ std::string gib(double b) {
 // A device matrix [rows, cols] in its GGUF format, rows row_bytes apart.
 struct dmat {
     dtype type = dtype::f32;
-    const void *p = nullptr;
+    const void *p = nullptr;  // GGUF rows (null when only the fast form is kept)
     size_t row_bytes = 0;
     int64_t rows = 0, cols = 0;
+    bool fast = false;        // fw is valid: ds4_gemv.h's decode GEMV (q8_0 repacked, f16/f32 in place)
+    cd::gemv_weight fw;
 };
 struct dhc {
     dmat fn;
@@ -134,7 +138,10 @@ class uploader {
         seen_.emplace(src, d);
         return d;
     }
-    dmat mat(const matrix &m) {
+    // gemv: the matrix is only ever multiplied by launch_gemv-style decode GEMVs, so it gets the fast
+    // form when ds4_gemv supports its type and shape (q8_0: repacked once on the device, the GGUF copy
+    // freed; f16 / f32: used in place).
+    dmat mat(const matrix &m, bool gemv = false) {
         dmat r;
         r.type = m.type;
         r.rows = m.rows;
@@ -143,6 +150,23 @@ class uploader {
         if (!m.data) return r;
         const size_t n = static_cast<size_t>(m.rows - 1) * m.row_bytes + dtype_row_bytes(m.type, m.cols);
         r.p = bytes(m.data, n, m.row_bytes, m.rows);
+        if (!gemv || !cd::gemv_fast_supported(m.type, m.cols) || (m.type != dtype::q8_0 && m.row_bytes % 16 != 0))
+            return r;
+        void *dst = nullptr;
+        if (m.type == dtype::q8_0) {
+            ck(cudaMalloc(&dst, cd::gemv_prepared_bytes(m.type, m.rows, m.cols) + 256), "allocating weights");
+            w_.allocs.push_back(dst);
+        }
+        r.fw = cd::gemv_prepare(m.type, r.p, m.row_bytes, m.rows, m.cols, dst, nullptr);
+        r.fast = true;
+        if (m.type == dtype::q8_0) {  // the repacked copy replaces the GGUF rows
+            ck(cudaDeviceSynchronize(), "repacking weights");
+            void *raw = const_cast<void *>(r.p);
+            w_.allocs.erase(std::find(w_.allocs.begin(), w_.allocs.end(), raw));
+            seen_.erase(m.data);
+            ck(cudaFree(raw), "freeing repacked rows");
+            r.p = nullptr;
+        }
         return r;
     }
     const float *vec(const std::vector<float> &v) {
@@ -183,7 +207,29 @@ class uploader {
 };
 
 double mat_bytes(const dmat &m) {
-    return m.p ? static_cast<double>(m.row_bytes) * static_cast<double>(m.rows) : 0.0;
+    return m.p || m.fast ? static_cast<double>(m.row_bytes) * static_cast<double>(m.rows) : 0.0;
+}
+
+// y = W x for one token: the fast decode GEMV when the weight has it, else the generic one.
+void gemv(const dmat &m, const float *x, float *y, cudaStream_t s) {
+    if (m.fast)
+        cd::launch_gemv_fast(m.fw, x, y, s);
+    else
+        cuda::launch_gemv(m.type, m.p, m.row_bytes, m.cols, m.rows, x, m.cols, 1, y, m.rows, s);
+}
+
+// Several weights reading the same x: one launch when every one has the fast form.
+void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, const float *x, cudaStream_t s) {
+    cd::gemv_segment seg[cd::gemv_max_segments];
+    int n = 0;
+    bool all_fast = mats.size() <= static_cast<size_t>(cd::gemv_max_segments);
+    for (const auto &[m, y] : mats) all_fast = all_fast && m->fast;
+    if (all_fast) {
+        for (const auto &[m, y] : mats) seg[n++] = {m->fw, y};
+        cd::launch_gemv_multi(seg, n, x, s);
+        return;
+    }
+    for (const auto &[m, y] : mats) gemv(*m, x, y, s);
 }
 double hc_bytes(const dhc &h) {
     return mat_bytes(h.fn);
@@ -196,28 +242,28 @@ dlayer upload_layer(uploader &u, const hparams &hp, const layer_weights &l, cons
     d.ffn_norm = u.vec(l.ffn_norm);
     d.hc_attn = {u.mat(l.hc_attn.fn), u.vec(l.hc_attn.base), u.vec(l.hc_attn.scale)};
     d.hc_ffn = {u.mat(l.hc_ffn.fn), u.vec(l.hc_ffn.base), u.vec(l.hc_ffn.scale)};
-    d.q_a = u.mat(l.q_a);
+    d.q_a = u.mat(l.q_a, true);
     d.q_a_norm = u.vec(l.q_a_norm);
-    d.q_b = u.mat(l.q_b);
-    d.kv = u.mat(l.kv);
+    d.q_b = u.mat(l.q_b, true);
+    d.kv = u.mat(l.kv, true);
     d.kv_norm = u.vec(l.kv_norm);
     d.sinks = u.vec(l.sinks);
-    d.out_a = u.mat(l.out_a);
-    d.out_b = u.mat(l.out_b);
+    d.out_a = u.mat(l.out_a, true);
+    d.out_b = u.mat(l.out_b, true);
     auto comp = [&](const compressor_weights &c) {
         dcomp r;
         r.ratio = c.ratio;
         r.dim = c.dim;
-        r.kv = u.mat(c.kv);
-        r.gate = u.mat(c.gate);
+        r.kv = u.mat(c.kv, true);
+        r.gate = u.mat(c.gate, true);
         r.ape = u.vec(c.ape);
         r.norm = u.vec(c.norm);
         return r;
     };
     if (l.ratio > 0) d.comp = comp(l.comp);
     if (l.ratio == 4) {
-        d.idx_q_b = u.mat(l.idx_q_b);
-        d.idx_proj = u.mat(l.idx_proj);
+        d.idx_q_b = u.mat(l.idx_q_b, true);
+        d.idx_proj = u.mat(l.idx_proj, true);
         d.idx_comp = comp(l.idx_comp);
     }
     cd::moe_layer &m = d.moe;
@@ -301,7 +347,7 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     uploader u(*w, replicate, total, progress);
     if (w->embed()) w->tok_embd = u.mat(m.tok_embd);
     if (w->head()) {
-        w->output = u.mat(m.output);
+        w->output = u.mat(m.output, true);
         w->output_norm = u.vec(m.output_norm);
         w->hc_head = {u.mat(m.hc_head.fn), u.vec(m.hc_head.base), u.vec(m.hc_head.scale)};
     }
@@ -536,18 +582,27 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     const qat_mode qat = w->opt.qat;
     const int64_t D = hp.n_embd, d = hp.head_dim, Id = hp.idx_dim;
     const bool f16 = kv_elem == 2;
-    auto gemv = [&](const dmat &m, const float *x, float *out) {
-        cuda::launch_gemv(m.type, m.p, m.row_bytes, m.cols, m.rows, x, m.cols, 1, out, m.rows, s);
-    };
     const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
     const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
-    phase("attn q (q_a, norm, q_b, head norm+rope)");
-    gemv(l.q_a, xn, q_lat);
+    // Every projection of the normed input xn in one launch (q_a, kv, compressor and indexer inputs),
+    // then those of the query latent (q_b, indexer q_b).
+    phase("projections of xn (q_a, kv, compressors, indexer weights)");
+    if (l.ratio == 4)
+        gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}, {&l.comp.kv, ca}, {&l.comp.gate, cg}, {&l.idx_proj, iw},
+                    {&l.idx_comp.kv, ica}, {&l.idx_comp.gate, icg}},
+                   xn, s);
+    else if (l.ratio > 0)
+        gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}, {&l.comp.kv, ca}, {&l.comp.gate, cg}}, xn, s);
+    else
+        gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}}, xn, s);
+    phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
     cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
-    gemv(l.q_b, q_lat, q);
+    if (l.ratio == 4)
+        gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s);
+    else
+        gemv(l.q_b, q_lat, q, s);
     cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
-    phase("attn kv (proj, norm, rope, fp8, ring)");
-    gemv(l.kv, xn, kvrow);
+    phase("attn kv (norm, rope, fp8, ring)");
     cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
                                static_cast<size_t>(d) * kv_elem, hp.window, pos, s);
@@ -570,20 +625,14 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         cd::launch_compressor_step(ca_, a, g, pos, err_d, s);
     };
     if (l.ratio > 0) {
-        phase("attn compressor (2 proj + step)");
-        gemv(l.comp.kv, xn, ca);
-        gemv(l.comp.gate, xn, cg);
+        phase("attn compressor step");
         compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
                    qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg);
     }
     if (l.ratio == 4) {
         const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
-        phase("indexer proj (q, weights, compressor)");
-        gemv(l.idx_q_b, q_lat, iq);
+        phase("indexer q rope+fp4, compressor step");
         cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
-        gemv(l.idx_proj, xn, iw);
-        gemv(l.idx_comp.kv, xn, ica);
-        gemv(l.idx_comp.gate, xn, icg);
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, ica, icg);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
         phase("indexer top-k");
@@ -612,8 +661,11 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     cd::launch_sparse_sink_attention(a, q, pos, part, o, s);
     phase("attn output (grouped A, B)");
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d;
-    cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp.o_rank, hp.o_groups, o, z, s);
-    gemv(l.out_b, z, y);
+    if (l.out_a.fast)
+        cd::launch_gemv_fast_grouped(l.out_a.fw, hp.o_rank, o, z, s);
+    else
+        cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp.o_rank, hp.o_groups, o, z, s);
+    gemv(l.out_b, z, y, s);
     (void)D;
 }
 
@@ -657,8 +709,7 @@ void cuda_sequence::impl::enqueue_step() {
     const dhc &h = w->hc_head;
     cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, zh, s);
     cuda::launch_rms_norm(zh, D, w->output_norm, hp.rms_eps, D, 1, zh, D, s);
-    const dmat &out = w->output;
-    cuda::launch_gemv(out.type, out.p, out.row_bytes, out.cols, out.rows, zh, out.cols, 1, logits, out.rows, s);
+    gemv(w->output, zh, logits, s);
     cd::launch_argmax(logits, hp.n_vocab, amax, s);
     phase("");
 }

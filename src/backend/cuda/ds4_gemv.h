@@ -1,0 +1,78 @@
+// Fast decode GEMV for DS4's dense weights (q8_0, f16, f32): y[r] = W_r . x for one token, with a
+// grouped form (output projection A) and a multi-matrix form (several weights sharing one input in
+// one launch). Kernels: ds4_gemv.cu; tests and benchmark: tests/cuda/test_cuda_ds4_gemv.cpp.
+//
+// Weights are prepared once at upload (gemv_prepare):
+//   q8_0 is REPACKED (a layout change only: every quant byte and f16 scale keeps its bits) into
+//     q      int8 [rows, cols], rows q_stride = cols bytes apart. Within a row, tile t (512 elements,
+//            512 bytes) stores element 512 t + 128 k + 4 l + j at byte 512 t + 16 l + 4 k + j
+//            (l < 32, k < 4, j < 4): lane l's 16-byte load holds four 4-element runs whose
+//            activations are 4 float4 that the 32 lanes read contiguously (512 bytes per
+//            instruction, conflict-free).
+//     scales f16 [rows, cols / 32], rows s_stride = cols / 16 bytes apart. Tile t's 16 scales sit
+//            at scales + 32 t: position 4 g + k holds the scale of the tile's block 4 k + g
+//            (block b = elements 32 b .. 32 b + 31 of the tile), so lane l reads its 4 scales
+//            (k = 0..3, g = l / 8) with one 8-byte load.
+//   f16 / f32 rows are read in place (q = the GGUF rows, scales unused).
+// Requirements (gemv_fast_supported): q8_0 cols % 512 == 0; f16 / f32 cols % 4 == 0 with 16-byte
+// aligned rows (pointer and stride); x 16-byte aligned, cols floats per group.
+//
+// Numerics: each thread accumulates in f32 (q8_0: d_block * sum_j q_j x_j per 4-element run), then
+// a warp xor-shuffle tree and, for rows split over several warps, a fixed-order sum of the warp
+// partials: no atomics, so the same inputs give the same bits on every run.
+//
+// Launch ordering: the GEMVs are launched with programmatic dependent launch (PDL). A kernel starts
+// streaming its WEIGHTS while the previous kernel in the stream is still finishing, and waits for
+// that kernel (griddepcontrol.wait) before it reads x or writes y. Consequence for callers: weights
+// must not be written by the kernel that immediately precedes a GEMV launch in the stream
+// (gemv_prepare's kernel included: synchronise, or enqueue any other work, after preparing).
+// Everything else (x, y) follows normal stream order. Graph capture keeps these edges.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/types.h"
+
+namespace fathom::cuda::ds4 {
+
+// A weight ready for the fast GEMV (layout above). Pointers are device addresses.
+struct gemv_weight {
+    dtype type = dtype::f32;
+    const void *q = nullptr;       // q8_0: int8 [rows, cols] repacked; f16 / f32: the rows themselves
+    const void *scales = nullptr;  // q8_0: f16 [rows, cols / 32] repacked; otherwise null
+    size_t q_stride = 0;           // bytes between rows of q
+    size_t s_stride = 0;           // bytes between rows of scales (q8_0)
+    int64_t rows = 0, cols = 0;
+};
+
+// True when the fast GEMV handles type t with cols columns (q8_0, f16, f32; see the banner).
+bool gemv_fast_supported(dtype t, int64_t cols);
+// Device bytes gemv_prepare needs at dst: rows * cols * 17 / 16 for q8_0, 0 for f16 / f32 (used in
+// place).
+size_t gemv_prepared_bytes(dtype t, int64_t rows, int64_t cols);
+// src: the GGUF rows on the device (src_stride bytes apart; q8_0 rows 2-byte aligned, f16 / f32 rows
+// 16-byte aligned). q8_0: enqueues the repack into dst (gemv_prepared_bytes, 16-byte aligned) on s;
+// f16 / f32: returns a weight over src (dst unused). Throws on an unsupported type / shape.
+gemv_weight gemv_prepare(dtype t, const void *src, size_t src_stride, int64_t rows, int64_t cols, void *dst,
+                         cudaStream_t s);
+
+// y [rows] = W . x, x [cols] f32.
+void launch_gemv_fast(const gemv_weight &w, const float *x, float *y, cudaStream_t s);
+// Grouped (DS4 output projection A): x [ceil(rows / rows_per_group), cols]; row r uses
+// x + (r / rows_per_group) * cols.
+void launch_gemv_fast_grouped(const gemv_weight &w, int64_t rows_per_group, const float *x, float *y,
+                              cudaStream_t s);
+
+// Several weights with the same cols and the same x in ONE launch (DS4: q_a, kv, compressor kv/gate,
+// indexer projection and indexer compressor kv/gate all read the same normed input); types may
+// differ per segment. Segment i writes segs[i].y [segs[i].w.rows].
+struct gemv_segment {
+    gemv_weight w;
+    float *y = nullptr;
+};
+constexpr int gemv_max_segments = 8;
+void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s);
+
+}  // namespace fathom::cuda::ds4

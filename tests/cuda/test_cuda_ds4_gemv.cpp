@@ -1,0 +1,504 @@
+// The fast DS4 dense GEMV (src/backend/cuda/ds4_gemv.*) against the CPU reference: weights made by
+// the CPU quantiser, dequantised with cpu::dequantize_row, dot products in double. Every device output
+// is NaN-poisoned first (an unwritten element makes rel_l2 NaN: fails).
+//   CudaDs4GemvHost.*   shape / alignment validation (no GPU needed)
+//   CudaDs4Gemv.*       kernels on the device (skipped without one): q8_0 repack bytes vs the GGUF
+//                       blocks, plain / grouped / multi GEMVs vs the CPU (rel L2 <= 1e-5), bit
+//                       reproducibility, PDL ordering in a stream and in a captured graph
+//   CudaDs4GemvBench.*  DS4-Flash shapes, GB/s vs the device copy rate; only with FATHOM_DS4_BENCH=1
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/cpu/quants.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_attn_kernels.h"
+#include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_kernels.h"
+#include "core/error.h"
+
+namespace fathom {
+namespace {
+
+namespace cd = cuda::ds4;
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        const cudaError_t e_ = (x);                                                  \
+        ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);          \
+    } while (0)
+
+double rel_l2(const std::vector<float> &got, const std::vector<double> &ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const double d = static_cast<double>(got[i]) - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+}
+
+std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f) {
+    std::normal_distribution<float> nd(0.0f, sd);
+    std::vector<float> v(n);
+    for (auto &x : v) x = nd(rng);
+    return v;
+}
+
+// A weight in GGUF form on the host: rows of dtype_row_bytes(t, cols) bytes placed `stride` bytes
+// apart (stride >= the row bytes; the gap bytes are random), and its dequantised values.
+struct host_weight {
+    dtype t;
+    int64_t rows, cols;
+    size_t stride;
+    std::vector<uint8_t> bytes;
+    std::vector<float> deq;  // [rows, cols]
+};
+host_weight make_weight(dtype t, int64_t rows, int64_t cols, size_t pad, std::mt19937 &rng) {
+    host_weight w{t, rows, cols, dtype_row_bytes(t, cols) + pad, {}, {}};
+    w.bytes.resize(w.stride * static_cast<size_t>(rows));
+    for (auto &b : w.bytes) b = static_cast<uint8_t>(rng() >> 24);
+    const auto f = randn(static_cast<size_t>(rows * cols), rng, 0.5f);
+    w.deq.resize(f.size());
+    for (int64_t r = 0; r < rows; ++r) {
+        uint8_t *row = w.bytes.data() + w.stride * static_cast<size_t>(r);
+        cpu::quantize_row(t, f.data() + r * cols, row, cols);
+        cpu::dequantize_row(t, row, w.deq.data() + r * cols, cols);
+    }
+    return w;
+}
+// ref[r] = deq row r . x[r / rpg], in double.
+std::vector<double> reference(const host_weight &w, const std::vector<float> &x, int64_t rpg) {
+    std::vector<double> y(static_cast<size_t>(w.rows));
+    for (int64_t r = 0; r < w.rows; ++r) {
+        const float *a = w.deq.data() + r * w.cols, *b = x.data() + (r / rpg) * w.cols;
+        double s = 0;
+        for (int64_t k = 0; k < w.cols; ++k) s += static_cast<double>(a[k]) * b[k];
+        y[static_cast<size_t>(r)] = s;
+    }
+    return y;
+}
+
+// ---- host: validation ------------------------------------------------------------------------------
+
+TEST(CudaDs4GemvHost, SupportedShapesAndSizes) {
+    EXPECT_TRUE(cd::gemv_fast_supported(dtype::q8_0, 4096));
+    EXPECT_TRUE(cd::gemv_fast_supported(dtype::q8_0, 512));
+    EXPECT_FALSE(cd::gemv_fast_supported(dtype::q8_0, 544));  // not whole 512-element tiles
+    EXPECT_TRUE(cd::gemv_fast_supported(dtype::f16, 516));
+    EXPECT_TRUE(cd::gemv_fast_supported(dtype::f32, 4));
+    EXPECT_FALSE(cd::gemv_fast_supported(dtype::f16, 514));
+    EXPECT_FALSE(cd::gemv_fast_supported(dtype::q4_k, 4096));
+    EXPECT_FALSE(cd::gemv_fast_supported(dtype::iq2_xxs, 4096));
+    EXPECT_EQ(cd::gemv_prepared_bytes(dtype::q8_0, 3, 1024), size_t{3 * 1024 + 3 * 64});  // int8 + f16 per 32
+    EXPECT_EQ(cd::gemv_prepared_bytes(dtype::f16, 3, 1024), size_t{0});
+    EXPECT_THROW(cd::gemv_prepared_bytes(dtype::q8_0, 3, 1000), error);
+}
+
+// Every rejection happens before anything touches the device (fake, well-aligned addresses); the
+// message names the reason, so a check that did not fire cannot pass as a later device failure.
+template <class F>
+void expect_rejected(F &&f, const char *reason) {
+    try {
+        f();
+        ADD_FAILURE() << "not rejected (" << reason << ")";
+    } catch (const error &e) {
+        EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+    }
+}
+
+TEST(CudaDs4GemvHost, RejectsBadArguments) {
+    auto *p = reinterpret_cast<void *>(uintptr_t{1} << 20);
+    auto *y = reinterpret_cast<float *>(uintptr_t{2} << 20);
+    const auto *x = reinterpret_cast<const float *>(uintptr_t{3} << 20);
+    cd::gemv_weight w;
+    w.type = dtype::f16;
+    w.q = p;
+    w.q_stride = 8192;
+    w.rows = 16;
+    w.cols = 4096;
+    expect_rejected([&] { cd::launch_gemv_fast(w, x + 1, y, nullptr); }, "x must be 16-byte aligned");
+    cd::gemv_weight bad = w;
+    bad.q_stride = 8200;
+    expect_rejected([&] { cd::launch_gemv_fast(bad, x, y, nullptr); }, "16-byte aligned");
+    bad.q_stride = 4096;  // shorter than a row
+    expect_rejected([&] { cd::launch_gemv_fast(bad, x, y, nullptr); }, "16-byte aligned");
+    bad = w;
+    bad.type = dtype::q8_0;  // q8_0 without scales (not prepared)
+    expect_rejected([&] { cd::launch_gemv_fast(bad, x, y, nullptr); }, "prepare it");
+    bad = w;
+    bad.cols = 4098;
+    expect_rejected([&] { cd::launch_gemv_fast(bad, x, y, nullptr); }, "unsupported weight");
+    expect_rejected([&] { cd::launch_gemv_fast(w, x, nullptr, nullptr); }, "null output");
+    expect_rejected([&] { cd::launch_gemv_fast_grouped(w, 0, x, y, nullptr); }, "rows_per_group");
+    std::vector<cd::gemv_segment> segs(9, cd::gemv_segment{w, y});
+    expect_rejected([&] { cd::launch_gemv_multi(segs.data(), 9, x, nullptr); }, "1..8 segments");
+    expect_rejected([&] { cd::launch_gemv_multi(segs.data(), 0, x, nullptr); }, "1..8 segments");
+    segs[1].w.cols = 2048;
+    segs[1].w.q_stride = 4096;
+    expect_rejected([&] { cd::launch_gemv_multi(segs.data(), 2, x, nullptr); }, "differ in cols");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1000, p, nullptr); }, "unsupported weight");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 31, 4, 1024, p, nullptr); }, "whole");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1024, static_cast<char *>(p) + 8, nullptr); },
+                    "dst must be 16-byte aligned");
+    expect_rejected([&] { cd::gemv_prepare(dtype::f32, p, 4 * 1024 + 4, 4, 1024, nullptr, nullptr); }, "16-byte aligned");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q2_k, p, 84 * 4, 4, 1024, p, nullptr); }, "unsupported weight");
+}
+
+// ---- device -------------------------------------------------------------------------------------------
+
+class CudaDs4Gemv : public ::testing::Test {
+protected:
+    void SetUp() override {
+        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+        ASSERT_EQ(cudaStreamCreate(&s_), cudaSuccess);
+    }
+    void TearDown() override {
+        for (void *p : bufs_) cudaFree(p);
+        if (s_) cudaStreamDestroy(s_);
+    }
+    // 16 spare bytes after every buffer; contents 0 unless uploaded.
+    void *raw(size_t bytes) {
+        void *p = nullptr;
+        if (cudaMalloc(&p, bytes + 16) != cudaSuccess) throw error("test: cudaMalloc failed");
+        cudaMemset(p, 0, bytes + 16);
+        bufs_.push_back(p);
+        return p;
+    }
+    template <class T> T *up(const std::vector<T> &v) {
+        T *p = static_cast<T *>(raw(v.size() * sizeof(T)));
+        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+        return p;
+    }
+    float *poisoned(size_t n) { return up(std::vector<float>(n, std::nanf(""))); }
+    template <class T> std::vector<T> down(const T *p, size_t n) {
+        std::vector<T> v(n);
+        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+        return v;
+    }
+    // Uploads w's GGUF rows and prepares them (synchronised: see the PDL note in ds4_gemv.h).
+    cd::gemv_weight prepare(const host_weight &w) {
+        const void *src = up(w.bytes);
+        const size_t n = cd::gemv_prepared_bytes(w.t, w.rows, w.cols);
+        void *dst = n ? raw(n) : nullptr;
+        const cd::gemv_weight g = cd::gemv_prepare(w.t, src, w.stride, w.rows, w.cols, dst, s_);
+        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        return g;
+    }
+
+    cudaStream_t s_ = nullptr;
+    std::vector<void *> bufs_;
+    std::mt19937 rng_{20261129};
+};
+
+// The repack moves bytes only: every quant and scale of the GGUF blocks appears, bit for bit, where
+// the layout in ds4_gemv.h says (checked from the formula, on strided 2-byte aligned source rows).
+TEST_F(CudaDs4Gemv, Q8RepackIsALayoutChange) {
+    const int64_t rows = 5, cols = 1536;
+    const host_weight w = make_weight(dtype::q8_0, rows, cols, 6, rng_);  // stride 1638: rows 2-byte aligned
+    const cd::gemv_weight g = prepare(w);
+    ASSERT_EQ(g.q_stride, static_cast<size_t>(cols));
+    ASSERT_EQ(g.s_stride, static_cast<size_t>(cols / 16));
+    const auto q = down(static_cast<const uint8_t *>(g.q), static_cast<size_t>(rows * cols));
+    const auto sc = down(static_cast<const uint8_t *>(g.scales), static_cast<size_t>(rows * cols / 16));
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *row = w.bytes.data() + w.stride * static_cast<size_t>(r);
+        for (int64_t e = 0; e < cols; ++e) {  // element e of the row = tile t, k, l, j
+            const int64_t t = e / 512, k = (e % 512) / 128, l = (e % 128) / 4, j = e % 4;
+            const uint8_t got = q[static_cast<size_t>(r * cols + 512 * t + 16 * l + 4 * k + j)];
+            ASSERT_EQ(got, row[34 * (e / 32) + 2 + e % 32]) << "row " << r << " element " << e;
+        }
+        for (int64_t b = 0; b < cols / 32; ++b) {  // block b = tile t, tile block 4k + g
+            const int64_t t = b / 16, k = (b % 16) / 4, gg = b % 4;
+            const size_t at = static_cast<size_t>(r * (cols / 16) + 32 * t + 2 * (4 * gg + k));
+            ASSERT_EQ(sc[at], row[34 * b]) << "row " << r << " block " << b;
+            ASSERT_EQ(sc[at + 1], row[34 * b + 1]) << "row " << r << " block " << b;
+        }
+    }
+}
+
+// Plain GEMV for every type over small / odd / tile-straddling row counts and cols 1024 / 4096 /
+// 8192 (plus cols that are not whole warps for the float types and padded source strides); a
+// second run must give the same bits.
+TEST_F(CudaDs4Gemv, MatchesCpuReference) {
+    struct shape {
+        dtype t;
+        int64_t rows, cols;
+        size_t pad;
+    };
+    std::vector<shape> shapes;
+    for (dtype t : {dtype::q8_0, dtype::f16, dtype::f32})
+        for (int64_t cols : {1024, 4096, 8192})
+            for (int64_t rows : {1, 7, 33, 257, 1000}) shapes.push_back({t, rows, cols, t == dtype::q8_0 ? size_t{2} : 16});
+    shapes.push_back({dtype::q8_0, 2, 512, 0});
+    shapes.push_back({dtype::q8_0, 4099, 1024, 0});   // many 8-row blocks plus a partial one
+    shapes.push_back({dtype::f16, 3, 516, 8});        // cols not a multiple of 128: partial warps
+    shapes.push_back({dtype::f32, 65, 132, 0});
+    shapes.push_back({dtype::f16, 64, 4096, 0});      // DS4 indexer projection
+    shapes.push_back({dtype::f32, 3, 4, 16});
+    for (const shape &sh : shapes) {
+        SCOPED_TRACE(std::string(dtype_name(sh.t)) + " [" + std::to_string(sh.rows) + ", " + std::to_string(sh.cols) +
+                     "] pad " + std::to_string(sh.pad));
+        const host_weight w = make_weight(sh.t, sh.rows, sh.cols, sh.pad, rng_);
+        const auto x = randn(static_cast<size_t>(sh.cols), rng_);
+        const auto ref = reference(w, x, sh.rows);
+        const cd::gemv_weight g = prepare(w);
+        const float *xd = up(x);
+        float *y = poisoned(static_cast<size_t>(sh.rows));
+        cd::launch_gemv_fast(g, xd, y, s_);
+        const auto got = down(y, static_cast<size_t>(sh.rows));
+        EXPECT_LE(rel_l2(got, ref), 1e-5);
+        float *y2 = poisoned(static_cast<size_t>(sh.rows));
+        cd::launch_gemv_fast(g, xd, y2, s_);
+        const auto got2 = down(y2, static_cast<size_t>(sh.rows));
+        EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+    }
+}
+
+// Grouped: DS4 output projection A (8 groups of 1024 q8_0 rows over 4096 inputs each) and small odd
+// group shapes for every type, including a last group with fewer rows.
+TEST_F(CudaDs4Gemv, GroupedMatchesCpuReference) {
+    struct shape {
+        dtype t;
+        int64_t rows, rpg, cols;
+    };
+    const shape shapes[] = {{dtype::q8_0, 8 * 1024, 1024, 4096},
+                            {dtype::q8_0, 3 * 37, 37, 1024},
+                            {dtype::f16, 5 * 13 + 4, 13, 1024},
+                            {dtype::f32, 4 * 3, 3, 4096}};
+    for (const shape &sh : shapes) {
+        SCOPED_TRACE(std::string(dtype_name(sh.t)) + " rows " + std::to_string(sh.rows) + " per group " +
+                     std::to_string(sh.rpg));
+        const host_weight w = make_weight(sh.t, sh.rows, sh.cols, 0, rng_);
+        const int64_t groups = (sh.rows + sh.rpg - 1) / sh.rpg;
+        const auto x = randn(static_cast<size_t>(groups * sh.cols), rng_);
+        const auto ref = reference(w, x, sh.rpg);
+        const cd::gemv_weight g = prepare(w);
+        float *y = poisoned(static_cast<size_t>(sh.rows));
+        cd::launch_gemv_fast_grouped(g, sh.rpg, up(x), y, s_);
+        EXPECT_LE(rel_l2(down(y, static_cast<size_t>(sh.rows)), ref), 1e-5);
+    }
+}
+
+// Multi: the DS4 ratio-4 input projections (q8_0 and f16 segments, 7 of them) and an 8-segment mix
+// of all three types with odd row counts; each segment vs its own CPU reference, and a second launch
+// must give the same bits (the reduction order depends on the launch's group sizes, so the multi
+// result is compared with another multi launch, not with single-weight launches).
+TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
+    struct seg_shape {
+        dtype t;
+        int64_t rows;
+    };
+    const std::vector<seg_shape> ds4 = {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024}, {dtype::f16, 1024},
+                                        {dtype::f16, 64},    {dtype::f16, 256},  {dtype::f16, 256}};
+    const std::vector<seg_shape> mix = {{dtype::f32, 1},  {dtype::q8_0, 33}, {dtype::f16, 7},  {dtype::q8_0, 300},
+                                        {dtype::f32, 65}, {dtype::f16, 1},   {dtype::q8_0, 1}, {dtype::f16, 513}};
+    for (const auto &[set, cols] : {std::pair{ds4, int64_t{4096}}, std::pair{mix, int64_t{1024}}}) {
+        SCOPED_TRACE(std::to_string(set.size()) + " segments, cols " + std::to_string(cols));
+        const auto x = randn(static_cast<size_t>(cols), rng_);
+        std::vector<host_weight> hw;
+        std::vector<cd::gemv_segment> segs, segs2;
+        for (const seg_shape &ss : set) {
+            hw.push_back(make_weight(ss.t, ss.rows, cols, 0, rng_));
+            const cd::gemv_weight g = prepare(hw.back());
+            segs.push_back({g, poisoned(static_cast<size_t>(ss.rows))});
+            segs2.push_back({g, poisoned(static_cast<size_t>(ss.rows))});
+        }
+        const float *xd = up(x);
+        cd::launch_gemv_multi(segs.data(), static_cast<int>(segs.size()), xd, s_);
+        cd::launch_gemv_multi(segs2.data(), static_cast<int>(segs2.size()), xd, s_);
+        for (size_t i = 0; i < segs.size(); ++i) {
+            SCOPED_TRACE("segment " + std::to_string(i) + " " + std::string(dtype_name(hw[i].t)) + " rows " +
+                         std::to_string(hw[i].rows));
+            const auto got = down(segs[i].y, static_cast<size_t>(hw[i].rows));
+            const auto got2 = down(segs2[i].y, static_cast<size_t>(hw[i].rows));
+            EXPECT_LE(rel_l2(got, reference(hw[i], x, hw[i].rows)), 1e-5);
+            EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+        }
+    }
+}
+
+// PDL ordering: a chain where each GEMV's x is the previous GEMV's y (poisoned just before by a
+// memset in the stream) must see the finished values, in the stream and replayed from a graph.
+// x0 [1024] -> y1 = A x0 [4096] -> y2 = B y1 [1024] (grouped: 4 groups of 256 over y1) -> y3 = C y2.
+TEST_F(CudaDs4Gemv, ChainedLaunchesWaitForTheirInput) {
+    const host_weight a = make_weight(dtype::q8_0, 4096, 1024, 0, rng_);
+    const host_weight b = make_weight(dtype::f16, 1024, 1024, 0, rng_);
+    const host_weight c = make_weight(dtype::q8_0, 2048, 1024, 0, rng_);
+    const auto x0 = randn(1024, rng_);
+    const auto r1 = reference(a, x0, 4096);
+    const std::vector<float> y1f(r1.begin(), r1.end());
+    const auto r2 = reference(b, y1f, 256);
+    const std::vector<float> y2f(r2.begin(), r2.end());
+    const auto r3 = reference(c, y2f, 2048);
+    const cd::gemv_weight ga = prepare(a), gb = prepare(b), gc = prepare(c);
+    const float *x0d = up(x0);
+    float *y1 = poisoned(4096), *y2 = poisoned(1024), *y3 = poisoned(2048);
+    auto enqueue = [&] {
+        cudaMemsetAsync(y1, 0xff, 4096 * 4, s_);  // NaN
+        cudaMemsetAsync(y2, 0xff, 1024 * 4, s_);
+        cudaMemsetAsync(y3, 0xff, 2048 * 4, s_);
+        cd::launch_gemv_fast(ga, x0d, y1, s_);
+        cd::launch_gemv_fast_grouped(gb, 256, y1, y2, s_);
+        cd::launch_gemv_fast(gc, y2, y3, s_);
+    };
+    // Relative error of y3 compounds the rounding of y1 and y2 (three f32 GEMVs vs double).
+    for (int i = 0; i < 3; ++i) {
+        enqueue();
+        EXPECT_LE(rel_l2(down(y3, 2048), r3), 1e-5);
+    }
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    enqueue();
+    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 5; ++i) {
+        CK(cudaGraphLaunch(exec, s_));
+        EXPECT_LE(rel_l2(down(y3, 2048), r3), 1e-5);
+        EXPECT_LE(rel_l2(down(y1, 4096), r1), 1e-5);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+}
+
+// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
+
+// Median of `reps` replays of graph g, in milliseconds.
+float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    std::vector<float> ms;
+    cudaGraphLaunch(g, s);
+    cudaGraphLaunch(g, s);
+    for (int i = 0; i < reps; ++i) {
+        cudaEventRecord(a, s);
+        cudaGraphLaunch(g, s);
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float t = 0;
+        cudaEventElapsedTime(&t, a, b);
+        ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+using CudaDs4GemvBench = CudaDs4Gemv;
+
+// DS4-Flash shapes with random weight bytes. Each timed graph cycles through enough copies of the
+// weights (>= 256 MB in all) that they stream from HBM, not the 50 MB L2. Bytes = weight bytes (the
+// GGUF size: q8_0 34 bytes per 32). Reports the fast kernel and launch_gemv
+// (cuda_mm.cu; launch_gemv_grouped for the grouped shape; one launch per weight for the multi set)
+// on the GGUF rows for comparison.
+TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    int dev_id = 0;
+    cudaGetDevice(&dev_id);
+    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
+    std::printf("  device copy bandwidth (D2D 1 GiB, read + write): %.1f GB/s\n", copy_bw / 1e9);
+    struct mat {
+        dtype t;
+        int64_t rows;
+    };
+    struct bench_case {
+        const char *name;
+        int64_t cols, rpg;  // rpg: rows per group (0: not grouped)
+        std::vector<mat> segs;
+    };
+    const bench_case cases[] = {
+        {"q_b q8_0 [32768,1024]", 1024, 0, {{dtype::q8_0, 32768}}},
+        {"out_b q8_0 [4096,8192]", 8192, 0, {{dtype::q8_0, 4096}}},
+        {"out_a q8_0 [8x1024,4096] grouped", 4096, 1024, {{dtype::q8_0, 8192}}},
+        {"q_a q8_0 [1024,4096]", 4096, 0, {{dtype::q8_0, 1024}}},
+        {"comp f16 [1024,4096]", 4096, 0, {{dtype::f16, 1024}}},
+        {"idx comp f16 [256,4096]", 4096, 0, {{dtype::f16, 256}}},
+        {"multi ratio-4 set (7 weights)",
+         4096,
+         0,
+         {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024}, {dtype::f16, 1024}, {dtype::f16, 64},
+          {dtype::f16, 256}, {dtype::f16, 256}}},
+    };
+    const int reps = 15;
+    std::printf("  %-36s %9s %10s %9s %7s | %s\n", "shape", "MB", "us/call", "GB/s", "%copy", "launch_gemv us, GB/s");
+    for (const bench_case &bc : cases) {
+        double bytes = 0;
+        for (const mat &m : bc.segs) bytes += static_cast<double>(dtype_row_bytes(m.t, bc.cols)) * m.rows;
+        const int copies = std::max(2, static_cast<int>(std::ceil(256e6 / bytes)));
+        const int calls = std::max(copies, 24);
+        // copies x (GGUF rows, prepared form) per segment
+        std::vector<std::vector<cd::gemv_segment>> sets(static_cast<size_t>(copies));
+        std::vector<std::vector<const void *>> gguf(static_cast<size_t>(copies));
+        float *x = up(randn(static_cast<size_t>(bc.cols * 8), rng_));
+        for (int c = 0; c < copies; ++c) {
+            for (const mat &m : bc.segs) {
+                const size_t rb = dtype_row_bytes(m.t, bc.cols), n = rb * static_cast<size_t>(m.rows);
+                void *src = raw((n + 7) / 8 * 8);
+                cd::launch_fill_random(src, (n + 7) / 8 * 8, static_cast<uint64_t>(c * 16 + gguf[c].size() + 1), s_);
+                const size_t pb = cd::gemv_prepared_bytes(m.t, m.rows, bc.cols);
+                void *dst = pb ? raw(pb) : nullptr;
+                const cd::gemv_weight g = cd::gemv_prepare(m.t, src, rb, m.rows, bc.cols, dst, s_);
+                sets[static_cast<size_t>(c)].push_back({g, static_cast<float *>(raw(static_cast<size_t>(m.rows) * 4))});
+                gguf[static_cast<size_t>(c)].push_back(src);
+            }
+        }
+        CK(cudaStreamSynchronize(s_));
+        auto timed = [&](bool fast) {
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            EXPECT_EQ(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+            for (int i = 0; i < calls; ++i) {
+                const auto &set = sets[static_cast<size_t>(i % copies)];
+                if (!fast) {  // the existing kernels, one launch per weight (per group when grouped)
+                    const auto &src = gguf[static_cast<size_t>(i % copies)];
+                    for (size_t j = 0; j < bc.segs.size(); ++j) {
+                        const mat &m = bc.segs[j];
+                        const size_t rb = dtype_row_bytes(m.t, bc.cols);
+                        if (bc.rpg)
+                            cd::launch_gemv_grouped(m.t, src[j], rb, bc.cols, bc.rpg, static_cast<int>(m.rows / bc.rpg),
+                                                    x, set[j].y, s_);
+                        else
+                            cuda::launch_gemv(m.t, src[j], rb, bc.cols, m.rows, x, bc.cols, 1, set[j].y, m.rows, s_);
+                    }
+                } else if (set.size() > 1) {
+                    cd::launch_gemv_multi(set.data(), static_cast<int>(set.size()), x, s_);
+                } else if (bc.rpg) {
+                    cd::launch_gemv_fast_grouped(set[0].w, bc.rpg, x, set[0].y, s_);
+                } else {
+                    cd::launch_gemv_fast(set[0].w, x, set[0].y, s_);
+                }
+            }
+            EXPECT_EQ(cudaStreamEndCapture(s_, &graph), cudaSuccess);
+            EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+            const float ms = time_graph(exec, s_, reps);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+            return ms * 1e3 / calls;  // us per call
+        };
+        const double us = timed(true);
+        const double bw = bytes / (us * 1e-6);
+        std::printf("  %-36s %9.2f %10.2f %9.1f %6.1f%%", bc.name, bytes / 1e6, us, bw / 1e9, 100.0 * bw / copy_bw);
+        const double us_old = timed(false);
+        std::printf(" | %.2f us, %.1f GB/s\n", us_old, bytes / (us_old * 1e-6) / 1e9);
+        CK(cudaStreamSynchronize(s_));
+        for (void *p : bufs_) cudaFree(p);
+        bufs_.clear();
+    }
+}
+
+}  // namespace
+}  // namespace fathom
