@@ -49,7 +49,8 @@ struct expert_bank {
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
 // Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
-// summed in slot order (the CPU's order), r < D. ids == null: expert 0 for every slot.
+// summed in a fixed order (deterministic; not the CPU's slot order: f32 rounding differs), r < D.
+// ids == null: expert 0 for every slot.
 void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, int s0, const float *h,
                      bool accumulate, float *y, uint32_t *err, cudaStream_t s);
 

@@ -4,11 +4,16 @@
 // whole-FFN chain. Launchers: ds4_kernels.h; block decoding: ds4_quant.cuh.
 //
 // GEMV layout: one warp per output row, lanes stride over the row's 32-weight units (a warp reads a
-// contiguous stretch of the row); the activation vector is staged in padded shared memory once per
-// block (see pidx). Expert ids come from device memory.
+// contiguous stretch of the row); the activation vector (x, or the h rows) is staged in padded
+// shared memory once per block (see pidx). Each lane first issues the loads of several units
+// (gate + up: 4 units of both rows; down: one unit of every slot and the shared expert), then
+// computes their fused dots (ds4q::unit_dot: no int->float conversion instructions). launch_moe_ffn
+// is 4 launches: router GEMV, route (one warp), gate/up of the routed + shared experts, down of
+// the routed + shared experts. Expert ids come from device memory.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
@@ -89,13 +94,20 @@ __device__ const uint64_t k_iq2xxs_grid[256] = {
 
 constexpr int kWarps = 8;       // 256-thread blocks, one output row per warp at a time
 constexpr int kDownRows = 2;    // down: rows per warp (blocks of kWarps * kDownRows rows)
-constexpr int kMaxCols = 8192;  // x / h staged in shared memory: 4.5 bytes per column (36 KB)
+constexpr int kDownSlots = 6;   // down: routed slots whose loads a lane issues together (DS4: 6 used)
+constexpr int kMaxCols = 8192;  // x / h rows staged in shared memory: 4.5 bytes per column (36 KB)
 
-// Stage the IQ2_XXS grid in shared memory (random 8-byte lookups). No barrier here: the caller's
-// staging barrier covers it.
-template <dtype T>
+// Units (of 32 weights) per lane per matrix whose loads are issued before any arithmetic, by type
+// (bounded by registers: 2 blocks of 256 threads per SM need <= 128 registers per thread).
+template <dtype T> constexpr int units_in_flight() {
+    return (T == dtype::iq2_xxs || T == dtype::q2_k) ? 4 : 2;
+}
+
+// Stage the IQ2_XXS grid in shared memory (random 8-byte lookups) when either type needs it. No
+// barrier here: the caller's staging barrier covers it.
+template <bool Need>
 __device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
-    if constexpr (T == dtype::iq2_xxs)
+    if constexpr (Need)
         for (int i = threadIdx.x; i < 256; i += blockDim.x) sgrid[i] = k_iq2xxs_grid[i];
     return sgrid;
 }
@@ -107,6 +119,10 @@ __device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
 __device__ __forceinline__ int64_t pidx(int64_t e) {
     return e + 4 * (e >> 5);
 }
+// Floats one staged row of K_pad = 32 * units columns occupies (36 per 32).
+__host__ __device__ __forceinline__ int64_t staged_floats(int64_t units) {
+    return 36 * units;
+}
 // xs[pidx(i)] = x[i] for i < K, 0 for K <= i < K_pad (K % 4 == 0, K_pad = 32 * units, x 16-byte
 // aligned): a float row's last partial unit meets zeros. Caller syncs.
 __device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K, int64_t K_pad, float *xs) {
@@ -115,35 +131,13 @@ __device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K
             i < K ? *reinterpret_cast<const float4 *>(x + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// Dot of a decoded unit with the staged vector: w[8r + i] pairs with x[base + r * stride + i]
-// (base % 8 == 0, so each run of 8 stays inside one padded group of 32).
-__device__ __forceinline__ float dot32(const float w[32], const float *xs, int64_t base, int stride) {
-    float a = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float4 *xp = reinterpret_cast<const float4 *>(xs + pidx(base + r * stride));
-        const float4 x0 = xp[0], x1 = xp[1];
-        const float *wr = w + 8 * r;
-        a += wr[0] * x0.x + wr[1] * x0.y + wr[2] * x0.z + wr[3] * x0.w;
-        a += wr[4] * x1.x + wr[5] * x1.y + wr[6] * x1.z + wr[7] * x1.w;
+// x[e .. e+4) of a staged row (e % 4 == 0: the four stay inside one padded group of 32).
+struct staged_x {
+    const float *xs;
+    __device__ __forceinline__ float4 operator()(int64_t e) const {
+        return *reinterpret_cast<const float4 *>(xs + pidx(e));
     }
-    return a;
-}
-
-// Gate and up units of one row position share each x read.
-__device__ __forceinline__ void dot32x2(const float wg[32], const float wu[32], const float *xs, int64_t base,
-                                        int stride, float &ag, float &au) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float4 *xp = reinterpret_cast<const float4 *>(xs + pidx(base + r * stride));
-        const float4 x0 = xp[0], x1 = xp[1];
-        const float *g = wg + 8 * r, *u = wu + 8 * r;
-        ag += g[0] * x0.x + g[1] * x0.y + g[2] * x0.z + g[3] * x0.w + g[4] * x1.x + g[5] * x1.y + g[6] * x1.z +
-              g[7] * x1.w;
-        au += u[0] * x0.x + u[1] * x0.y + u[2] * x0.z + u[3] * x0.w + u[4] * x1.x + u[5] * x1.y + u[6] * x1.z +
-              u[7] * x1.w;
-    }
-}
+};
 
 __device__ __forceinline__ float warp_sum(float a) {
 #pragma unroll
@@ -152,108 +146,162 @@ __device__ __forceinline__ float warp_sum(float a) {
 }
 
 struct bank_dev {
-    const uint8_t *data;
+    const uint8_t *data;  // null: no such bank (no shared expert)
     size_t row_bytes, expert_bytes;
     int64_t n_expert, rows, cols, units;  // units = ceil(cols / 32) (cols % 32 != 0 only for float rows)
 };
 
-// Tasks t = (slot, row), slot-major, spread over a grid of about two blocks per SM (x is staged
-// once per block); consecutive warps take consecutive rows of one expert.
+// Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
+// lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
 template <dtype T>
-__global__ void __launch_bounds__(32 * kWarps)
-    moe_gate_up_kernel(bank_dev g, bank_dev up, const int32_t *__restrict__ ids, const float *__restrict__ wts,
-                       int n_slot, int s0, const float *__restrict__ x, float clamp, float *__restrict__ h,
-                       uint32_t *err) {
+__device__ __forceinline__ void gate_up_row(const uint8_t *rg, const uint8_t *ru, int64_t units, int lane,
+                                            staged_x x, const uint64_t *grid, float &ag, float &au) {
+    constexpr int N = units_in_flight<T>();
+    for (int64_t u0 = lane; u0 < units; u0 += 32 * N) {
+        ds4q::unit_dot<T> g[N], v[N];
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int64_t u = u0 + 32 * c;
+            if (u < units) {
+                g[c].load(rg, u);
+                v[c].load(ru, u);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            if (u0 + 32 * c < units) {
+                ag += g[c].dot(x, grid);
+                au += v[c].dot(x, grid);
+            }
+        }
+    }
+}
+
+struct gate_up_args {
+    bank_dev g, up;    // routed [F, D] stacks
+    bank_dev gs, us;   // shared expert [F, D] (data null: none)
+    const int32_t *ids;
+    const float *wts;
+    int n_slot, s0;    // routed slot s -> h row s0 + s; shared -> h row s0 + n_slot
+    const float *x;    // [D]
+    float clamp, clamp_sh;
+    float *h;
+    uint32_t *err;
+};
+
+// Tasks t = (slot, row), slot-major over the routed slots then the shared expert's rows, spread over
+// a grid of as many resident blocks as fit (x is staged once per block); consecutive warps take
+// consecutive rows of one expert.
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     extern __shared__ float4 dyn_smem[];
     float *xs = reinterpret_cast<float *>(dyn_smem);
-    __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
-    const uint64_t *grid = stage_grid<T>(sgrid);
-    stage_vec(x, g.cols, g.units * 32, xs);
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    stage_vec(a.x, a.g.cols, a.g.units * 32, xs);
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t total = static_cast<int64_t>(n_slot) * g.rows;
+    const int64_t F = a.g.rows;
+    const int64_t total = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * F;
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < total;
          t += static_cast<int64_t>(gridDim.x) * kWarps) {
-        const int slot = static_cast<int>(t / g.rows);
-        const int64_t r = t % g.rows;
-        const int e = ids ? ids[slot] : 0;
-        if (e < 0 || e >= g.n_expert) {
-            if (r == 0 && lane == 0) atomicOr(err, err_expert_id);
-            continue;
-        }
-        const uint8_t *rg = g.data + static_cast<size_t>(e) * g.expert_bytes + static_cast<size_t>(r) * g.row_bytes;
-        const uint8_t *ru = up.data + static_cast<size_t>(e) * up.expert_bytes + static_cast<size_t>(r) * up.row_bytes;
-        float ag = 0.0f, au = 0.0f;
-#pragma unroll 2
-        for (int64_t u = lane; u < g.units; u += 32) {
-            float wg[32], wu[32];
-            int64_t base;
-            int stride;
-            ds4q::decode32<T>(rg, u, wg, base, stride, grid);
-            ds4q::decode32<T>(ru, u, wu, base, stride, grid);  // same type: same base / stride
-            dot32x2(wg, wu, xs, base, stride, ag, au);
+        const int slot = static_cast<int>(t / F);
+        const int64_t r = t % F;
+        float ag = 0.0f, au = 0.0f, c = a.clamp_sh, wmul = 1.0f;
+        if (slot < a.n_slot) {
+            const int e = a.ids ? a.ids[slot] : 0;
+            if (e < 0 || e >= a.g.n_expert) {
+                if (r == 0 && lane == 0) atomicOr(a.err, err_expert_id);
+                continue;
+            }
+            const uint8_t *rg = a.g.data + static_cast<size_t>(e) * a.g.expert_bytes + static_cast<size_t>(r) * a.g.row_bytes;
+            const uint8_t *ru = a.up.data + static_cast<size_t>(e) * a.up.expert_bytes + static_cast<size_t>(r) * a.up.row_bytes;
+            gate_up_row<TR>(rg, ru, a.g.units, lane, staged_x{xs}, grid, ag, au);
+            c = a.clamp;
+            if (a.wts) wmul = a.wts[slot];
+        } else {
+            gate_up_row<TS>(a.gs.data + static_cast<size_t>(r) * a.gs.row_bytes,
+                            a.us.data + static_cast<size_t>(r) * a.us.row_bytes, a.gs.units, lane, staged_x{xs},
+                            grid, ag, au);
         }
         ag = warp_sum(ag);
         au = warp_sum(au);
         if (lane == 0) {
             // CPU: silu(min(g, c)) * clamp(v, -c, c), then * w (deepseek4_moe.cpp swiglu_clamped).
-            const float gc = fminf(ag, clamp), vc = fminf(fmaxf(au, -clamp), clamp);
+            const float gc = fminf(ag, c), vc = fminf(fmaxf(au, -c), c);
             float hv = gc / (1.0f + expf(-gc)) * vc;
-            if (wts) hv *= wts[slot];
-            h[static_cast<int64_t>(s0 + slot) * g.rows + r] = hv;
+            if (slot < a.n_slot && a.wts) hv *= wmul;
+            a.h[static_cast<int64_t>(a.s0 + slot) * F + r] = hv;
         }
     }
 }
 
-// A block owns kWarps * kDownRows rows (warp w: rows w, w + kWarps, ...) and walks the slots in
-// order, staging each slot's h row in shared memory.
-template <dtype T>
-__global__ void __launch_bounds__(32 * kWarps)
-    moe_down_kernel(bank_dev d, const int32_t *__restrict__ ids, int n_slot, int s0, const float *__restrict__ h,
-                    bool accumulate, float *__restrict__ y, uint32_t *err) {
+struct down_args {
+    bank_dev d;    // routed [D, F] stack
+    bank_dev ds;   // shared expert [D, F] (data null: none)
+    const int32_t *ids;
+    int n_slot, s0, s_sh;  // routed slot s reads h row s0 + s, the shared expert h row s_sh
+    const float *h;
+    bool accumulate;
+    float *y;
+    uint32_t *err;
+};
+
+// A block owns kWarps * kDownRows rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all
+// routed slots, then the shared expert's) is staged once, side by side; a lane then issues the loads
+// of one unit of up to kDownSlots experts (+ the shared expert) before decoding any. Per-lane sums
+// run over units, then slots in order, then the shared expert; one warp tree at the end
+// (deterministic: no atomics).
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     extern __shared__ float4 dyn_smem[];
     float *xs = reinterpret_cast<float *>(dyn_smem);
-    __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
-    const uint64_t *grid = stage_grid<T>(sgrid);
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t F = d.cols, row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
-    float total[kDownRows];
-#pragma unroll
+    const int64_t F = a.d.cols, units = a.d.units, stride = staged_floats(units);
+    const bool shared = a.ds.data != nullptr;
+    for (int j = 0; j < a.n_slot; ++j) stage_vec(a.h + static_cast<int64_t>(a.s0 + j) * F, F, 32 * units, xs + j * stride);
+    if (shared) stage_vec(a.h + static_cast<int64_t>(a.s_sh) * F, F, 32 * units, xs + a.n_slot * stride);
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < a.n_slot) {
+        const int e = a.ids ? a.ids[threadIdx.x] : 0;
+        if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
+    }
+    __syncthreads();
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
     for (int q = 0; q < kDownRows; ++q) {
         const int64_t r = row0 + q * kWarps;
-        total[q] = (accumulate && r < d.rows) ? y[r] : 0.0f;
-    }
-    for (int s = 0; s < n_slot; ++s) {
-        __syncthreads();  // the previous slot's readers are done with xs
-        stage_vec(h + static_cast<int64_t>(s0 + s) * F, F, d.units * 32, xs);
-        __syncthreads();
-        const int e = ids ? ids[s] : 0;
-        if (e < 0 || e >= d.n_expert) {
-            if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(err, err_expert_id);
-            continue;  // uniform over the block
-        }
-        const uint8_t *ex = d.data + static_cast<size_t>(e) * d.expert_bytes;
+        if (r >= a.d.rows) break;
+        float acc = 0.0f;
+        for (int sg = 0; sg < a.n_slot || (sg == 0 && shared); sg += kDownSlots) {
+            const uint8_t *rows[kDownSlots];  // null: slot absent or its id out of range (skipped)
 #pragma unroll
-        for (int q = 0; q < kDownRows; ++q) {
-            const int64_t r = row0 + q * kWarps;
-            if (r >= d.rows) continue;
-            const uint8_t *row = ex + static_cast<size_t>(r) * d.row_bytes;
-            float a = 0.0f;
-#pragma unroll 2
-            for (int64_t u = lane; u < d.units; u += 32) {
-                float w[32];
-                int64_t base;
-                int stride;
-                ds4q::decode32<T>(row, u, w, base, stride, grid);
-                a += dot32(w, xs, base, stride);
+            for (int j = 0; j < kDownSlots; ++j) {
+                const int s = sg + j;
+                const int e = s < a.n_slot ? (a.ids ? a.ids[s] : 0) : -1;
+                rows[j] = (e >= 0 && e < a.d.n_expert)
+                              ? a.d.data + static_cast<size_t>(e) * a.d.expert_bytes + static_cast<size_t>(r) * a.d.row_bytes
+                              : nullptr;
             }
-            total[q] += warp_sum(a);  // per-expert sum first, then slot order (as the CPU)
-        }
-    }
+            const bool with_sh = shared && sg == 0;
+            const uint8_t *rsh = with_sh ? a.ds.data + static_cast<size_t>(r) * a.ds.row_bytes : nullptr;
+            for (int64_t u = lane; u < units; u += 32) {
+                ds4q::unit_dot<TR> w[kDownSlots];
+                ds4q::unit_dot<TS> wsh;
 #pragma unroll
-    for (int q = 0; q < kDownRows; ++q) {
-        const int64_t r = row0 + q * kWarps;
-        if (lane == 0 && r < d.rows) y[r] = total[q];
+                for (int j = 0; j < kDownSlots; ++j)
+                    if (rows[j]) w[j].load(rows[j], u);
+                if (with_sh) wsh.load(rsh, u);
+#pragma unroll
+                for (int j = 0; j < kDownSlots; ++j)
+                    if (rows[j]) acc += w[j].dot(staged_x{xs + (sg + j) * stride}, grid);
+                if (with_sh) acc += wsh.dot(staged_x{xs + a.n_slot * stride}, grid);
+            }
+        }
+        const float total = warp_sum(acc);
+        if (lane == 0) a.y[r] = (a.accumulate ? a.y[r] : 0.0f) + total;
     }
 }
 
@@ -265,28 +313,27 @@ __device__ __forceinline__ float softplus_ref(float x) {
     return static_cast<float>(log1p(static_cast<double>(e)));
 }
 
-constexpr int kRouteThreads = 256, kMaxExperts = 1024, kMaxUsed = 32;
+constexpr int kMaxExperts = 1024, kMaxUsed = 32;
 
-// One block. Top-k by k rounds of a block-wide argmax (larger value, then lower id) over the
-// experts not yet taken: the order of the CPU's partial_sort.
-__global__ void __launch_bounds__(kRouteThreads)
+// One warp (a 256-thread block spent ~2 barriers per chosen expert). Top-k by k rounds of a
+// warp-wide argmax (larger value, then lower id) over the experts not yet taken: the order of the
+// CPU's partial_sort.
+__global__ void __launch_bounds__(32)
     moe_route_kernel(const float *__restrict__ logits, int E, const float *__restrict__ bias,
                      const int32_t *__restrict__ tid2eid, int64_t n_vocab, const int32_t *__restrict__ token, int k,
                      float scale, int32_t *ids, float *weights, uint32_t *err) {
     __shared__ float score[kMaxExperts], biased[kMaxExperts];
     __shared__ unsigned char taken[kMaxExperts];
-    __shared__ float red_v[kRouteThreads / 32];
-    __shared__ int red_i[kRouteThreads / 32];
     __shared__ int chosen[kMaxUsed];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int e = tid; e < E; e += kRouteThreads) {
+    const int lane = threadIdx.x;
+    for (int e = lane; e < E; e += 32) {
         score[e] = sqrtf(softplus_ref(logits[e]));
         if (bias) biased[e] = score[e] + bias[e];
         taken[e] = 0;
     }
-    __syncthreads();
+    __syncwarp();
     if (!bias) {
-        if (tid == 0) {
+        if (lane == 0) {
             const int32_t t = *token;
             bool ok = t >= 0 && t < n_vocab;
             for (int j = 0; ok && j < k; ++j) {
@@ -303,10 +350,10 @@ __global__ void __launch_bounds__(kRouteThreads)
         for (int j = 0; j < k; ++j) {
             float bv = 0.0f;
             int bi = -1;
-            for (int e = tid; e < E; e += kRouteThreads) {
+            for (int e = lane; e < E; e += 32) {
                 if (taken[e]) continue;
                 const float v = biased[e];
-                if (bi < 0 || v > bv) {  // ascending e per thread: ties keep the lower id
+                if (bi < 0 || v > bv) {  // ascending e per lane: ties keep the lower id
                     bv = v;
                     bi = e;
                 }
@@ -320,26 +367,16 @@ __global__ void __launch_bounds__(kRouteThreads)
                     bi = oi;
                 }
             }
+            // every lane holds the same winner (k <= E: one is always left)
             if (lane == 0) {
-                red_v[warp] = bv;
-                red_i[warp] = bi;
+                chosen[j] = bi;
+                taken[bi] = 1;
             }
-            __syncthreads();
-            if (tid == 0) {
-                float v = red_v[0];
-                int i = red_i[0];
-                for (int w = 1; w < kRouteThreads / 32; ++w)
-                    if (red_i[w] >= 0 && (i < 0 || red_v[w] > v || (red_v[w] == v && red_i[w] < i))) {
-                        v = red_v[w];
-                        i = red_i[w];
-                    }
-                chosen[j] = i;
-                taken[i] = 1;
-            }
-            __syncthreads();
+            __syncwarp();
         }
     }
-    if (tid == 0) {
+    __syncwarp();
+    if (lane == 0) {
         if (chosen[0] < 0) {
             for (int j = 0; j < k; ++j) {
                 ids[j] = -1;
@@ -395,11 +432,19 @@ size_t staged_bytes(int64_t cols) {
     return static_cast<size_t>(padded + padded / 8) * sizeof(float);  // 36 floats per 32 columns
 }
 
-unsigned sm_count() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
-        throw error("cuda ds4 moe: cannot query the multiprocessor count");
-    return static_cast<unsigned>(n);
+struct device_info {
+    int id = 0, sms = 0;
+    size_t smem_optin = 0;  // dynamic shared memory one block may opt in to
+};
+device_info current_device() {
+    device_info d;
+    int smem = 0;
+    if (cudaGetDevice(&d.id) != cudaSuccess ||
+        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.id) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, d.id) != cudaSuccess || d.sms < 1)
+        throw error("cuda ds4 moe: cannot query the device");
+    d.smem_optin = static_cast<size_t>(smem);
+    return d;
 }
 
 void check_launch(const char *what) {
@@ -410,6 +455,122 @@ void check_launch(const char *what) {
 struct nothing_fn {
     template <dtype T> void operator()() const {}
 };
+
+// f.template operator()<TR, TS>() for a routed type TR and a shared-expert type TS that one kernel
+// handles (TS == TR, or TS == q8_0 as in the q2 mix); false otherwise (the caller launches twice).
+template <class Fn>
+bool dispatch_pair(dtype tr, dtype ts, Fn &&f) {
+    bool ok = false;
+    ds4q::dispatch_expert_type(tr, [&]<dtype TR>() {
+        if (ts == TR) {
+            f.template operator()<TR, TR>();
+            ok = true;
+        } else if (ts == dtype::q8_0) {
+            f.template operator()<TR, dtype::q8_0>();
+            ok = true;
+        }
+    });
+    return ok;
+}
+
+template <dtype TR, dtype TS>
+void run_gate_up(const gate_up_args &a, int64_t tasks, size_t smem, cudaStream_t s) {
+    const device_info di = current_device();
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gate_up_kernel<TR, TS>, 32 * kWarps, smem) !=
+            cudaSuccess ||
+        per_sm < 1)
+        per_sm = 1;
+    const int64_t resident = static_cast<int64_t>(per_sm) * di.sms;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((tasks + kWarps - 1) / kWarps, resident));
+    moe_gate_up_kernel<TR, TS><<<grid, 32 * kWarps, smem, s>>>(a);
+}
+
+// gate/up of n_slot routed experts (h rows s0 ..) and, with gs/us, the shared expert (h row
+// s0 + n_slot, clamp_sh, no routing weight).
+void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert_bank *gs, const expert_bank *us,
+                    const int32_t *ids, const float *w, int n_slot, int s0, const float *x, float clamp,
+                    float clamp_sh, float *h, uint32_t *err, cudaStream_t s) {
+    check_bank(gate, "moe gate");
+    check_bank(up, "moe up");
+    if (gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols || gate.n_expert != up.n_expert)
+        throw error("cuda ds4 moe: gate and up banks differ in type or shape");
+    if (n_slot < 1 || n_slot > 65535 || s0 < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error("cuda ds4 moe: x must be 16-byte aligned");
+    if (gs) {
+        check_bank(*gs, "moe shared gate");
+        check_bank(*us, "moe shared up");
+        if (gs->type != us->type || gs->rows != gate.rows || gs->cols != gate.cols || us->rows != gate.rows ||
+            us->cols != gate.cols)
+            throw error("cuda ds4 moe: shared gate/up differ from the routed shape or from each other");
+    }
+    const size_t smem = staged_bytes(gate.cols);
+    gate_up_args a{to_dev(gate), to_dev(up), gs ? to_dev(*gs) : bank_dev{}, gs ? to_dev(*us) : bank_dev{}, ids, w,
+                   n_slot, s0, x, clamp, clamp_sh, h, err};
+    const int64_t tasks = static_cast<int64_t>(n_slot + (gs ? 1 : 0)) * gate.rows;
+    const bool fused = dispatch_pair(gate.type, gs ? gs->type : gate.type,
+                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, tasks, smem, s); });
+    if (!fused) {  // shared expert of another type: two launches
+        gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, s);
+        gate_up_launch(*gs, *us, nullptr, nullptr, nullptr, nullptr, 1, s0 + n_slot, x, clamp_sh, clamp_sh, h, err,
+                       s);
+        return;
+    }
+    check_launch("moe gate/up");
+}
+
+template <dtype TR, dtype TS>
+void run_down(const down_args &a, size_t smem, const device_info &di, cudaStream_t s) {
+    // opt in to more than 48 KB of dynamic shared memory, once per device (bit = device id)
+    static std::atomic<uint64_t> raised{0};
+    const uint64_t bit = uint64_t{1} << (di.id & 63);
+    if (smem > 48 * 1024 && !(raised.load() & bit)) {
+        if (cudaFuncSetAttribute(moe_down_kernel<TR, TS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(di.smem_optin)) != cudaSuccess)
+            throw error("cuda ds4 moe: cannot raise the down kernel's shared-memory limit");
+        raised.fetch_or(bit);
+    }
+    const int64_t per_block = kWarps * kDownRows;
+    const unsigned grid = static_cast<unsigned>((a.d.rows + per_block - 1) / per_block);
+    moe_down_kernel<TR, TS><<<grid, 32 * kWarps, smem, s>>>(a);
+}
+
+// y = (accumulate ? y : 0) + sum of the n_slot routed experts' down rows (h rows s0 ..) and, with
+// dsh, the shared expert's (h row s_sh). Slots whose staged h rows do not fit in shared memory
+// together go to further launches that accumulate.
+void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t *ids, int n_slot, int s0, int s_sh,
+                 const float *h, bool accumulate, float *y, uint32_t *err, cudaStream_t s) {
+    check_bank(down, "moe down");
+    if (n_slot < 1 || s0 < 0 || s_sh < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
+    if (reinterpret_cast<uintptr_t>(h) % 16 != 0) throw error("cuda ds4 moe: h must be 16-byte aligned");
+    if (dsh) {
+        check_bank(*dsh, "moe shared down");
+        if (dsh->rows != down.rows || dsh->cols != down.cols)
+            throw error("cuda ds4 moe: shared down differs from the routed shape");
+    }
+    const device_info di = current_device();
+    const size_t per_row = staged_bytes(down.cols);
+    const int max_rows = static_cast<int>(std::max<size_t>(1, di.smem_optin / per_row));
+    bool with_sh = dsh != nullptr;
+    if (with_sh && (max_rows < 2 || !dispatch_pair(down.type, dsh->type, [&]<dtype, dtype>() {}))) {
+        // shared expert alone first (as routed expert 0 of a one-expert bank), then accumulate
+        down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, s);
+        accumulate = true;
+        with_sh = false;
+    }
+    for (int first = 0; first < n_slot;) {
+        const int n = std::min(n_slot - first, max_rows - (with_sh ? 1 : 0));
+        down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
+                    s_sh, h, accumulate, y, err};
+        const size_t smem = per_row * static_cast<size_t>(n + (with_sh ? 1 : 0));
+        dispatch_pair(down.type, with_sh ? dsh->type : down.type,
+                      [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, s); });
+        check_launch("moe down");
+        accumulate = true;
+        with_sh = false;
+        first += n;
+    }
+}
 
 }  // namespace
 
@@ -425,34 +586,12 @@ int expert_alignment(dtype t) {
 
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s) {
-    check_bank(gate, "moe gate");
-    check_bank(up, "moe up");
-    if (gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols || gate.n_expert != up.n_expert)
-        throw error("cuda ds4 moe: gate and up banks differ in type or shape");
-    if (n_slot < 1 || n_slot > 65535 || s0 < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
-    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error("cuda ds4 moe: x must be 16-byte aligned");
-    const size_t smem = staged_bytes(gate.cols);
-    const int64_t tasks = static_cast<int64_t>(n_slot) * gate.rows;
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((tasks + kWarps - 1) / kWarps, 2 * sm_count()));
-    ds4q::dispatch_expert_type(gate.type, [&]<dtype T>() {
-        moe_gate_up_kernel<T><<<grid, 32 * kWarps, smem, s>>>(to_dev(gate), to_dev(up), ids, w, n_slot, s0, x, clamp,
-                                                              h, err);
-    });
-    check_launch("moe gate/up");
+    gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, s);
 }
 
 void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, int s0, const float *h,
                      bool accumulate, float *y, uint32_t *err, cudaStream_t s) {
-    check_bank(down, "moe down");
-    if (n_slot < 1 || s0 < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
-    if (reinterpret_cast<uintptr_t>(h) % 16 != 0) throw error("cuda ds4 moe: h must be 16-byte aligned");
-    ds4q::dispatch_expert_type(down.type, [&]<dtype T>() {
-        const int64_t per_block = kWarps * kDownRows;
-        const unsigned grid = static_cast<unsigned>((down.rows + per_block - 1) / per_block);
-        moe_down_kernel<T><<<grid, 32 * kWarps, staged_bytes(down.cols), s>>>(to_dev(down), ids, n_slot, s0, h,
-                                                                               accumulate, y, err);
-    });
-    check_launch("moe down");
+    down_launch(down, nullptr, ids, n_slot, s0, 0, h, accumulate, y, err, s);
 }
 
 void launch_moe_route(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
@@ -463,7 +602,7 @@ void launch_moe_route(const float *logits, int E, const float *bias, const int32
                     " (E <= 1024, used <= 32)");
     if (!bias && (!tid2eid || !token || n_vocab < 1))
         throw error("cuda ds4 route: hash routing needs tid2eid, n_vocab and the token id");
-    moe_route_kernel<<<1, kRouteThreads, 0, s>>>(logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights,
+    moe_route_kernel<<<1, 32, 0, s>>>(logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights,
                                                   err);
     check_launch("route");
 }
@@ -479,10 +618,10 @@ void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, c
     launch_gemv(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, D, l.n_expert, xn, D, 1, sc.logits, l.n_expert, s);
     launch_moe_route(sc.logits, l.n_expert, l.exp_bias, l.tid2eid, l.n_vocab, token, l.n_used, l.weights_scale,
                      sc.ids, sc.weights, err, s);
-    launch_moe_gate_up(l.gate, l.up, sc.ids, sc.weights, l.n_used, 0, xn, l.clamp, sc.h, err, s);
-    if (shared) launch_moe_gate_up(l.gate_sh, l.up_sh, nullptr, nullptr, 1, l.n_used, xn, l.clamp_sh, sc.h, err, s);
-    launch_moe_down(l.down, sc.ids, l.n_used, 0, sc.h, false, y, err, s);
-    if (shared) launch_moe_down(l.down_sh, nullptr, 1, l.n_used, sc.h, true, y, err, s);
+    // routed + shared gate/up in one launch, routed + shared down in one launch
+    gate_up_launch(l.gate, l.up, shared ? &l.gate_sh : nullptr, shared ? &l.up_sh : nullptr, sc.ids, sc.weights,
+                   l.n_used, 0, xn, l.clamp, l.clamp_sh, sc.h, err, s);
+    down_launch(l.down, shared ? &l.down_sh : nullptr, sc.ids, l.n_used, 0, l.n_used, sc.h, false, y, err, s);
 }
 
 void launch_fill_random(void *dst, size_t n, uint64_t seed, cudaStream_t s) {

@@ -195,6 +195,194 @@ __host__ __device__ __forceinline__ void decode32<dtype::f16>(const uint8_t *row
     stride = 8;
 }
 
+// ---- fused unit dot products (the MoE GEMV inner loop) ------------------------------------------
+// unit_dot<T> holds one unit's raw bytes in registers (load: every global read of the unit, issued
+// before any arithmetic so a lane keeps several units in flight) and computes sum_k w_k x_k for the
+// 32 weights of the unit (dot). The scale factors are pulled out of the sums (iq2_xxs: db * sum q x;
+// q2_k: dl * sum q x - ml * sum x per run; q8_0: d * sum q x): the same real number as dotting the
+// decode32 weights, rounded differently (f32 sums, within the GEMV tolerance). Small integers are
+// turned into floats with the 2^23 trick (one integer op + one FADD, exact) instead of I2F, which
+// issues at 1/8 of the FMA rate on sm_80/sm_90 and bounded the decode-then-dot kernels.
+// X is a functor: X(e) returns x[e .. e+4) as a float4 (e % 4 == 0).
+
+__host__ __device__ __forceinline__ float bits_f32(uint32_t b) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(b);
+#else
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+#endif
+}
+// Byte i (0..3) of w as a float, exact: 2^23 + b has b in its low mantissa bits.
+__host__ __device__ __forceinline__ float byte_f32(uint32_t w, int i) {
+    return bits_f32(0x4B000000u | ((w >> (8 * i)) & 0xFFu)) - 8388608.0f;
+}
+// The 8 floats x[e .. e+8) as an array.
+template <class X>
+__host__ __device__ __forceinline__ void x8(const X &x, int64_t e, float v[8]) {
+    const float4 a = x(e), b = x(e + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+template <dtype T> struct unit_dot;
+
+// iq2_xxs: f16 d + 8 bytes (4 grid indices, 4 x 7-bit sign codes + 4-bit scale).
+template <> struct unit_dot<dtype::iq2_xxs> {
+    float d;
+    uint32_t a0, a1;
+    int base;  // first element of the unit (rows are at most 2^31 elements)
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        const uint8_t *blk = row + 66 * (u >> 3);
+        d = ld_f16(blk);
+        ld8_a2(blk + 2 + 8 * (u & 7), a0, a1);
+        base = static_cast<int>(32 * u);
+    }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *grid) const {
+        float acc = 0.0f;
+        FATHOM_UNROLL
+        for (int l = 0; l < 4; ++l) {
+            const uint64_t gv = grid[(a0 >> (8 * l)) & 0xFFu];
+            const uint32_t glo = static_cast<uint32_t>(gv), ghi = static_cast<uint32_t>(gv >> 32);
+            const uint32_t code = (a1 >> (7 * l)) & 127u;
+            const uint32_t signs = code | (static_cast<uint32_t>(popc8(code) & 1) << 7);
+            float v[8];
+            x8(x, base + 8 * l, v);
+            FATHOM_UNROLL
+            for (int j = 0; j < 8; ++j) {
+                const float xs = bits_f32(f32_bits(v[j]) ^ ((signs << (31 - j)) & 0x80000000u));
+                acc = fmaf(byte_f32(j < 4 ? glo : ghi, j & 3), xs, acc);
+            }
+        }
+        const float db = mul_rn(mul_rn(d, 0.5f + static_cast<float>(a1 >> 28)), 0.25f);
+        return db * acc;
+    }
+};
+
+// q2_k: unit (half c, slice s) of block b: 8 bytes qs (2-bit field j -> run j), the 8 scale bytes of
+// half c (run j uses byte 2j + (s >> 1)), f16 d and dmin.
+template <> struct unit_dot<dtype::q2_k> {
+    float d, dmin;
+    uint32_t q0, q1, s0, s1;
+    int hi;    // s >> 1
+    int base;  // element of run 0
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        const int64_t b = u >> 3;
+        const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+        const uint8_t *blk = row + 84 * b;
+        d = ld_f16(blk + 80);
+        dmin = ld_f16(blk + 82);
+        ld8_a4(blk + 16 + 32 * c + 8 * s, q0, q1);
+        ld8_a4(blk + 8 * c, s0, s1);
+        hi = s >> 1;
+        base = static_cast<int>(256 * b + 128 * c + 8 * s);
+    }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *) const {
+        float acc = 0.0f;
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sc = byte_of(s0, s1, 2 * j + hi);
+            const uint32_t m0 = (q0 >> (2 * j)) & 0x03030303u, m1 = (q1 >> (2 * j)) & 0x03030303u;
+            float v[8];
+            x8(x, base + 32 * j, v);
+            float sq = 0.0f, sx = 0.0f;
+            FATHOM_UNROLL
+            for (int i = 0; i < 8; ++i) {
+                sq = fmaf(byte_f32(i < 4 ? m0 : m1, i & 3), v[i], sq);
+                sx += v[i];
+            }
+            const float dl = d * byte_f32(sc & 0xFu, 0), ml = dmin * byte_f32(sc >> 4, 0);
+            acc = fmaf(dl, sq, fmaf(-ml, sx, acc));
+        }
+        return acc;
+    }
+};
+
+// q8_0: f16 d + 32 int8, read as 9 aligned words from the 4-byte boundary at or below the block
+// (blocks are 2-byte aligned; may read up to 2 bytes before and 2 past the block).
+template <> struct unit_dot<dtype::q8_0> {
+    float d;
+    uint32_t q[8];
+    int base;
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        const uint8_t *blk = row + 34 * u;
+        d = ld_f16(blk);
+#ifdef __CUDA_ARCH__
+        const uintptr_t a = reinterpret_cast<uintptr_t>(blk);
+        const uint32_t *w = reinterpret_cast<const uint32_t *>(a & ~static_cast<uintptr_t>(3));
+        const bool odd = (a & 2u) != 0;  // qs starts 4 bytes into the word run, else 2
+        uint32_t W[9];
+        FATHOM_UNROLL
+        for (int i = 0; i < 9; ++i) W[i] = w[i];
+        FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i) q[i] = odd ? W[i + 1] : __funnelshift_r(W[i], W[i + 1], 16);
+#else
+        memcpy(q, blk + 2, 32);
+#endif
+        base = static_cast<int>(32 * u);
+    }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *) const {
+        float acc = 0.0f;
+        FATHOM_UNROLL
+        for (int h = 0; h < 4; ++h) {
+            // int8 -> offset binary (q + 128 in 0..255), then 2^23 + 128 + q - (2^23 + 128) = q exactly
+            const uint32_t lo = q[2 * h] ^ 0x80808080u, hi = q[2 * h + 1] ^ 0x80808080u;
+            float v[8];
+            x8(x, base + 8 * h, v);
+            FATHOM_UNROLL
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t w = i < 4 ? lo : hi;
+                const float qf = bits_f32(0x4B000000u | ((w >> (8 * (i & 3))) & 0xFFu)) - 8388736.0f;
+                acc = fmaf(qf, v[i], acc);
+            }
+        }
+        return d * acc;
+    }
+};
+
+// Other expert types (mxfp4, f32, f16): decode32, then the dot (no integer conversions to save;
+// the load happens inside dot).
+template <dtype T> struct unit_dot_decoded {
+    const uint8_t *row;
+    int64_t u;
+    __host__ __device__ __forceinline__ void load(const uint8_t *r, int64_t uu) {
+        row = r;
+        u = uu;
+    }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *grid) const {
+        float w[32];
+        int64_t base;
+        int stride;
+        decode32<T>(row, u, w, base, stride, grid);
+        float acc = 0.0f;
+        FATHOM_UNROLL
+        for (int r = 0; r < 4; ++r) {
+            float v[8];
+            x8(x, base + r * stride, v);
+            FATHOM_UNROLL
+            for (int i = 0; i < 8; ++i) acc = fmaf(w[8 * r + i], v[i], acc);
+        }
+        return acc;
+    }
+};
+template <> struct unit_dot<dtype::mxfp4> : unit_dot_decoded<dtype::mxfp4> {};
+template <> struct unit_dot<dtype::f32> : unit_dot_decoded<dtype::f32> {};
+template <> struct unit_dot<dtype::f16> : unit_dot_decoded<dtype::f16> {};
+
 // Calls f.template operator()<T>() for the expert types above; false for any other type.
 template <class F>
 bool dispatch_expert_type(dtype t, F &&f) {
