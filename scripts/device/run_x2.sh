@@ -3,7 +3,9 @@
 #   1. dist_nccl_smoke pair: NCCL send/recv between cuda:0 and cuda:1 (1 MiB both ways) + silent-peer deadline
 #   2. dist_nccl_pipeline: DS4 pipeline split over 2 processes/GPUs vs. the unsplit single-process run,
 #      bit for bit (synthetic reduced geometry; ds4-tiny golden 300-token case, also vs. the official logits)
-#   3. a rank SIGKILLed mid-run (rank 1, then rank 0): the survivor must exit with a one-line error
+#   3. a rank SIGKILLed mid-run (rank 1, then rank 0): the survivor must exit at once with a one-line
+#      error naming the dead peer (rc 4; the liveness side channel, src/dist/liveness.h) -- rank 1 too,
+#      which idles in recv_idle without a deadline; a verdict line checks rc, message and seconds
 # Every process runs under `timeout`, so a hang shows as rc 124 instead of eating the device budget.
 # NCCL_NVLS_ENABLE=0 throughout. Logs in $OUT (device tool) or ./x2-out; summary in $OUT/summary.txt.
 set -u
@@ -47,9 +49,23 @@ pair() {
     wait $p0 $p1
     for r in 0 1; do
         read -r rc t1 < "$out/$name.r$r.rc"
-        log "== $name rank $r: rc $rc after $(awk "BEGIN{printf \"%.1f\", $t1 - $t0}") s"
+        awk "BEGIN{printf \"%.1f\", $t1 - $t0}" > "$out/$name.r$r.s"
+        log "== $name rank $r: rc $rc after $(cat "$out/$name.r$r.s") s"
         sed 's/^/   /' "$out/$name.r$r.log" | tail -6 | tee -a "$sum"
     done
+}
+
+# expect NAME RANK RC MAX_S PATTERN: verdict on a failure case run by pair (rc, seconds since the pair
+# started, and an extended regex the rank's log must match).
+expect() {
+    local name=$1 r=$2 want=$3 max=$4 pat=$5 rc t1 s
+    read -r rc t1 < "$out/$name.r$r.rc"
+    s=$(cat "$out/$name.r$r.s")
+    if [ "$rc" = "$want" ] && awk "BEGIN{exit !($s <= $max)}" && grep -Eq "$pat" "$out/$name.r$r.log"; then
+        log "== $name: rank $r OK (rc $rc after $s s, within $max s, log matches '$pat')"
+    else
+        log "== $name: rank $r UNEXPECTED (rc $rc after $s s; want rc $want within $max s and '$pat' in the log)"
+    fi
 }
 
 S="$carry/dist_nccl_smoke"
@@ -57,8 +73,13 @@ pair smoke 40 "$S" pair 0 "$out/smoke.id" -- "$S" pair 1 "$out/smoke.id"
 wait $ref1
 log "== ref synth: rc $(cat "$out/ref_synth.rc"): $(tail -1 "$out/ref_synth.log")"
 pair synth 60 "$P" rank 0 "$out/synth.id" synth "$out/synth.bin" -- "$P" rank 1 "$out/synth.id" synth "$out/synth.bin"
+# The dying rank SIGKILLs itself 3 s after joining (~1 s): the survivor must fail well before its 5 s
+# deadline would end a wait (die1) and before the harness's 15 s hang guard (die0: rank 1 idles in
+# recv_idle, on which NCCL reports nothing; before the side channel it was killed here with rc 137).
 pair die1 30 "$P" loop 0 "$out/die1.id" 1 3 -- "$P" loop 1 "$out/die1.id" 1 3
+expect die1 0 4 8 "peer rank 1 \(pid [0-9]+, host .*\) exited"
 pair die0 15 "$P" loop 0 "$out/die0.id" 0 3 -- "$P" loop 1 "$out/die0.id" 0 3
+expect die0 1 4 8 "peer rank 0 \(pid [0-9]+, host .*\) exited"
 wait $ref2
 log "== ref golden: rc $(cat "$out/ref_golden.rc"): $(tail -1 "$out/ref_golden.log")"
 pair golden 90 "$P" rank 0 "$out/golden.id" golden "$out/golden.bin" -- "$P" rank 1 "$out/golden.id" golden "$out/golden.bin"

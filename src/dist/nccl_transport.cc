@@ -1,13 +1,15 @@
 // NCCL transport (see nccl_transport.h): non-blocking communicator, staged host<->device copies,
-// deadline polling and abort.
+// deadline + liveness polling and abort.
 #include "dist/nccl_transport.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -25,8 +27,9 @@ std::string cuda_msg(cudaError_t e) {
 
 class nccl_endpoint final : public transport {
   public:
-    nccl_endpoint(int rank, int size, const ncclUniqueId &id, const nccl_options &o)
-        : rank_(rank), size_(size), device_(o.device), timeout_(o.timeout) {
+    // `live`: the joined liveness side channel, or null (bare id: no side channel).
+    nccl_endpoint(int rank, int size, const ncclUniqueId &id, const nccl_options &o, std::unique_ptr<liveness> live)
+        : rank_(rank), size_(size), device_(o.device), timeout_(o.timeout), live_(std::move(live)) {
         check_cuda(cudaSetDevice(device_), "cudaSetDevice");
         check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -37,6 +40,10 @@ class nccl_endpoint final : public transport {
     }
 
     ~nccl_endpoint() override {
+        // A clean stop says goodbye on the side channel, so peers do not report this exit as a death.
+        // Destroyed while an exception unwinds (this rank failed outside the transport) or after
+        // abort(): no goodbye, the peers fail at once instead of waiting for a rank that is leaving.
+        if (live_ && !aborted_.load() && std::uncaught_exceptions() == 0) live_->say_bye();
         if (comm_ && !aborted_.load()) ncclCommAbort(comm_);  // never blocks on a peer that may be gone
         if (buf_) cudaFree(buf_);
         if (stream_) cudaStreamDestroy(stream_);
@@ -68,8 +75,10 @@ class nccl_endpoint final : public transport {
             std::lock_guard<std::mutex> lock(why_mu_);
             why_ = why.empty() ? "aborted" : why;
         }
-        // ncclCommAbort may be called while another thread waits in this endpoint: the waiter's next
-        // poll sees aborted_ and throws.
+        // The peers learn the reason over the side channel (NCCL cannot carry it). ncclCommAbort may be
+        // called while another thread waits in this endpoint: the waiter's next poll sees aborted_ and
+        // throws.
+        if (live_) live_->say_abort(why_);
         if (comm_) ncclCommAbort(comm_);
     }
 
@@ -90,6 +99,7 @@ class nccl_endpoint final : public transport {
 
     void begin(int peer, const char *what) {
         if (aborted_.load()) throw error("dist: rank " + std::to_string(rank_) + " aborted: " + reason());
+        poll_live();
         if (peer < 0 || peer >= size_ || peer == rank_)
             throw error("dist: rank " + std::to_string(rank_) + " cannot " + what + " rank " + std::to_string(peer) +
                         " (ranks 0.." + std::to_string(size_ - 1) + ", not itself)");
@@ -119,6 +129,7 @@ class nccl_endpoint final : public transport {
             if (e != cudaErrorNotReady) fatal("dist: rank " + std::to_string(rank_) + ": CUDA error " + cuda_msg(e) +
                                               " while " + what);
             poll_async(what);
+            poll_live();
             if (deadline && clk::now() - t0 > timeout_)
                 fatal("dist: rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_.count()) +
                       " ms " + what);
@@ -139,6 +150,7 @@ class nccl_endpoint final : public transport {
             if (r != ncclSuccess) fail_nccl(r, what);
             if (st == ncclSuccess) return;
             if (st != ncclInProgress) fail_nccl(st, what);
+            poll_live();
             if (deadline && clk::now() - t0 > timeout_)
                 fatal("dist: rank " + std::to_string(rank_) + " timed out after " + std::to_string(timeout_.count()) +
                       " ms " + (hint.empty() ? what : "in " + what + hint));
@@ -151,6 +163,12 @@ class nccl_endpoint final : public transport {
         const ncclResult_t r = ncclCommGetAsyncError(comm_, &st);
         if (r != ncclSuccess) fail_nccl(r, what);
         if (st != ncclSuccess && st != ncclInProgress) fail_nccl(st, what);
+    }
+
+    // A peer process that exited or aborted (side channel, non-blocking): abort and throw its reason.
+    void poll_live() {
+        if (!live_) return;
+        if (auto why = live_->check()) fatal(*why);
     }
 
     [[noreturn]] void fail_nccl(ncclResult_t r, const std::string &what) {
@@ -181,7 +199,40 @@ class nccl_endpoint final : public transport {
     std::atomic<bool> aborted_{false};
     std::mutex why_mu_;
     std::string why_;
+    std::unique_ptr<liveness> live_;  // null without a side channel (bare id)
 };
+
+constexpr size_t id_hex_len = 2 * sizeof(ncclUniqueId::internal);
+
+ncclUniqueId parse_id(const std::string &hex) {
+    ncclUniqueId id;
+    if (hex.size() != id_hex_len)
+        throw error("dist: nccl id must be " + std::to_string(id_hex_len) + " hex characters (+ \"@host:port\"), got " +
+                    std::to_string(hex.size()));
+    for (size_t i = 0; i < sizeof(id.internal); ++i) {
+        unsigned v = 0;
+        if (std::sscanf(hex.c_str() + 2 * i, "%2x", &v) != 1)
+            throw error("dist: nccl id has a non-hex character near offset " + std::to_string(2 * i));
+        id.internal[i] = static_cast<char>(v);
+    }
+    return id;
+}
+
+// The liveness token of a rendezvous: FNV-1a of the hex id, so rank 0 ignores connections of other runs.
+std::string id_token(const std::string &hex) {
+    uint64_t h = 1469598103934665603ull;
+    for (char c : hex) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    char b[17];
+    std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(h));
+    return b;
+}
+
+void check_join(int rank, int size, const nccl_options &o) {
+    ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast off unless the user chose otherwise
+    if (size < 1 || rank < 0 || rank >= size)
+        throw error("dist: nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + " is out of range");
+    if (o.timeout.count() <= 0) throw error("dist: nccl timeout must be positive");
+}
 
 }  // namespace
 
@@ -199,22 +250,34 @@ std::string nccl_new_id() {
     return hex;
 }
 
-std::unique_ptr<transport> make_nccl_transport(int rank, int size, const std::string &id_hex, const nccl_options &o) {
-    ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast off unless the user chose otherwise
-    if (size < 1 || rank < 0 || rank >= size)
-        throw error("dist: nccl rank " + std::to_string(rank) + " of " + std::to_string(size) + " is out of range");
-    if (o.timeout.count() <= 0) throw error("dist: nccl timeout must be positive");
-    ncclUniqueId id;
-    if (id_hex.size() != 2 * sizeof(id.internal))
-        throw error("dist: nccl id must be " + std::to_string(2 * sizeof(id.internal)) + " hex characters, got " +
-                    std::to_string(id_hex.size()));
-    for (size_t i = 0; i < sizeof(id.internal); ++i) {
-        unsigned v = 0;
-        if (std::sscanf(id_hex.c_str() + 2 * i, "%2x", &v) != 1)
-            throw error("dist: nccl id has a non-hex character near offset " + std::to_string(2 * i));
-        id.internal[i] = static_cast<char>(v);
+nccl_root::nccl_root(const nccl_options &o)
+    : listener_(std::make_unique<liveness_listener>(o.liveness_host)) {
+    id_ = nccl_new_id() + "@" + listener_->address();
+}
+
+std::unique_ptr<transport> make_nccl_transport(nccl_root &&root, int size, const nccl_options &o) {
+    check_join(0, size, o);
+    if (!root.listener_) throw error("dist: nccl_root was already used to join");
+    const std::string hex = root.id_.substr(0, root.id_.find('@'));
+    const ncclUniqueId id = parse_id(hex);
+    // Every other rank connects before it starts NCCL init, so this is bounded by the same deadline.
+    auto live = liveness::accept_ranks(*root.listener_, id_token(hex), size, o.timeout);
+    root.listener_.reset();  // no later connections
+    return std::make_unique<nccl_endpoint>(0, size, id, o, std::move(live));
+}
+
+std::unique_ptr<transport> make_nccl_transport(int rank, int size, const std::string &id_text, const nccl_options &o) {
+    check_join(rank, size, o);
+    const size_t at = id_text.find('@');
+    const std::string hex = id_text.substr(0, at);
+    const ncclUniqueId id = parse_id(hex);
+    std::unique_ptr<liveness> live;
+    if (at != std::string::npos) {
+        if (rank == 0)
+            throw error("dist: nccl rank 0 joins through its nccl_root (it owns the liveness listener), not an id string");
+        live = liveness::connect_root(id_text.substr(at + 1), id_token(hex), rank, size, o.timeout);
     }
-    return std::make_unique<nccl_endpoint>(rank, size, id, o);
+    return std::make_unique<nccl_endpoint>(rank, size, id, o, std::move(live));
 }
 
 }  // namespace fathom::dist

@@ -3,7 +3,8 @@
 // rope_plain / rope_yarn, fp8_round_trip, fp4_round_trip, hadamard_normalised, compressor_push,
 // indexer_select, attend_with_sink, row_store) on random inputs. Device outputs are NaN-poisoned (or
 // filled with 0xFF bytes) first, and buffers a kernel must not touch are checked byte for byte
-// afterwards. All tests skip without a CUDA device.
+// afterwards. All tests skip without a CUDA device. CudaDs4AttnBench times the kernels at DS4-Flash
+// shapes by graph replay, only with FATHOM_DS4_BENCH=1 in the environment (not a correctness test).
 //
 // Tolerances: the element-wise kernels repeat the CPU's f32 operations (only block-wide double sums
 // differ in order), so their outputs are expected bit-identical; the check allows 1e-6 of the
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -216,7 +218,9 @@ TEST_F(CudaDs4Attn, HeadNormRopeMatchesCpu) {
     const cfg cfgs[] = {{64, 512, 64, true, false, cd::qat_kind::none},
                         {64, 512, 64, true, true, cd::qat_kind::none},
                         {64, 128, 64, false, true, cd::qat_kind::hadamard_fp4},
-                        {8, 512, 64, true, true, cd::qat_kind::fp8_nope}};
+                        {8, 512, 64, true, true, cd::qat_kind::fp8_nope},
+                        {16, 64, 16, true, true, cd::qat_kind::hadamard_fp4},  // one dim pair per lane
+                        {5, 192, 64, true, true, cd::qat_kind::fp8_nope}};     // not 64 x 2^k: block path
     for (const cfg &c : cfgs) {
         const ds4::rope_table tab = c.yarn ? yarn_table(c.n_rot) : plain_table(c.n_rot);
         const cd::rope_args rope = dev_rope(tab, c.n_rot);
@@ -408,6 +412,8 @@ TEST_F(CudaDs4AttnComp, SmallRatioMatchesCpu) {
     run({8, 64, 16, cd::qat_kind::hadamard_fp4, false});
     run({8, 128, 64, cd::qat_kind::fp8_nope, false});
     run({2, 64, 16, cd::qat_kind::none, true});
+    run({4, 192, 64, cd::qat_kind::fp8_nope, true});  // not 64 x 2^k: the row finished block-wide
+    run({32, 256, 64, cd::qat_kind::fp8_nope, false});  // 32 candidates: 2 chunks of exps, each computed twice
 }
 
 // ---- indexer top-k -------------------------------------------------------------------------------------
@@ -464,6 +470,7 @@ struct attn_case {
     bool ring_f16, comp_f16;
     int ratio;
     int64_t max_comp, n_comp_rows, pos;
+    size_t ring_pad = 16;  // bytes past each ring row (2 or 4: rows not aligned to a dim pair)
 };
 
 class CudaDs4AttnSparse : public CudaDs4Attn {
@@ -532,7 +539,7 @@ class CudaDs4AttnSparse : public CudaDs4Attn {
         a.scale = scale;
         a.sinks = up(sinks);
         a.ring_f16 = c.ring_f16;
-        a.ring_stride = static_cast<size_t>(d) * (c.ring_f16 ? 2 : 4) + 16;
+        a.ring_stride = static_cast<size_t>(d) * (c.ring_f16 ? 2 : 4) + c.ring_pad;
         a.ring = up(pack_rows(ring, d, c.ring_f16, a.ring_stride));
         a.window = W;
         a.mode = c.mode;
@@ -570,6 +577,8 @@ TEST_F(CudaDs4AttnSparse, WindowOnlyMatchesCpu) {
     run({cd::comp_mode::none, false, true, 0, 0, 0, 127});
     run({cd::comp_mode::none, false, true, 0, 0, 0, 1000});  // ring wrapped
     run({cd::comp_mode::none, true, true, 0, 0, 0, 1048575});
+    run({cd::comp_mode::none, true, true, 0, 0, 0, 300, 2});    // f16 rows 2-byte aligned: element loads
+    run({cd::comp_mode::none, false, true, 0, 0, 0, 301, 4});   // f32 rows 4-byte aligned
 }
 
 TEST_F(CudaDs4AttnSparse, AllCompressedRowsMatchCpu) {
@@ -768,6 +777,193 @@ TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
     std::printf("  graph replay: %d positions identical to eager launches\n", compared);
+}
+
+// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
+
+// Median of `reps` replays of graph g, in milliseconds.
+float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    std::vector<float> ms;
+    cudaGraphLaunch(g, s);
+    cudaGraphLaunch(g, s);
+    for (int i = 0; i < reps; ++i) {
+        cudaEventRecord(a, s);
+        cudaGraphLaunch(g, s);
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float t = 0;
+        cudaEventElapsedTime(&t, a, b);
+        ms.push_back(t);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+}
+
+// The per-call cost of each attention-path kernel at DS4-Flash shapes: `calls` launches captured into one
+// graph (as the 43 layers are in the model's step graph, so the per-node cost is included), the position
+// read from device memory as in the model; microseconds per call and the bytes a call must move, as GB/s
+// and % of the device copy rate (most of these are latency-bound: the microseconds are the measure).
+class CudaDs4AttnBench : public CudaDs4Attn {
+  protected:
+    void SetUp() override {
+        if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+        CudaDs4Attn::SetUp();
+        int dev_id = 0;
+        cudaGetDevice(&dev_id);
+        copy_bw_ = cuda_measure_copy_bandwidth(dev_id);
+    }
+    // Captures `calls` enqueue(c) into a graph, replays it at position pos; prints one line.
+    template <class F>
+    void time_calls(const char *what, int calls, int64_t pos, double bytes, double target_us, F enqueue) {
+        set_pos(pos);
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        CK(cudaStreamSynchronize(s_));
+        CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+        for (int c = 0; c < calls; ++c) enqueue(c);
+        CK(cudaStreamEndCapture(s_, &graph));
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        const float ms = time_graph(exec, s_, 21);
+        CK(cudaStreamSynchronize(s_));
+        CK(cudaGetLastError());
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        const double us = ms * 1e3 / calls, bw = bytes / (us * 1e-6);
+        std::printf("  %-58s %7.2f us/call (target <= %4.1f)  %7.3f MB  %7.1f GB/s (%4.1f%% of copy %.0f GB/s)\n",
+                    what, us, target_us, bytes / 1e6, bw / 1e9, 100.0 * bw / copy_bw_, copy_bw_ / 1e9);
+    }
+    double copy_bw_ = 0;
+};
+
+TEST_F(CudaDs4AttnBench, HeadNormRopeKvFinishStore) {
+    const int calls = 43, nr = 64;
+    const cd::rope_args rope = dev_rope(yarn_table(nr), nr);
+    float *q = up(randn(static_cast<size_t>(64 * 512), rng_, 3.0f)), *iq = up(randn(64 * 128, rng_));
+    time_calls("head_norm_rope attention q 64x512 (norm, rope)", calls, 8191, 2.0 * 64 * 512 * 4, 4.0,
+               [&](int) { cd::launch_head_norm_rope(q, 64, 512, true, kEps, rope, cd::qat_kind::none, pos_, s_); });
+    time_calls("head_norm_rope indexer q 64x128 (rope, hadamard, fp4)", calls, 8191, 2.0 * 64 * 128 * 4, 4.0,
+               [&](int) {
+                   cd::launch_head_norm_rope(iq, 64, 128, false, kEps, rope, cd::qat_kind::hadamard_fp4, pos_, s_);
+               });
+    const int d = 512, W = 128;
+    float *kv = up(randn(d, rng_)), *norm_w = up(randn(d, rng_, 0.2f, 1.0f));
+    void *ring = raw(static_cast<size_t>(W) * d * 2);
+    time_calls("kv_finish_store d 512 (norm, rope, fp8, f16 ring)", calls, 8191, 2.0 * d * 4 + d * 4 + d * 2, 4.0,
+               [&](int) {
+                   cd::launch_kv_finish_store(kv, d, norm_w, kEps, rope, cd::qat_kind::fp8_nope, ring, true,
+                                              static_cast<size_t>(d) * 2, W, pos_, s_);
+               });
+}
+
+TEST_F(CudaDs4AttnBench, CompressorStep) {
+    const int calls = 41, nr = 64;
+    struct cfg {
+        const char *what;
+        int ratio, dim;
+        cd::qat_kind qat;
+        int64_t pos;
+    };
+    const cfg cfgs[] = {{"compressor R 4 dim 512 fp8, no row", 4, 512, cd::qat_kind::fp8_nope, 8190},
+                        {"compressor R 4 dim 512 fp8, row emitted", 4, 512, cd::qat_kind::fp8_nope, 8191},
+                        {"compressor R 128 dim 512 fp8, no row", 128, 512, cd::qat_kind::fp8_nope, 8190},
+                        {"compressor R 128 dim 512 fp8, row emitted (1 in 128)", 128, 512, cd::qat_kind::fp8_nope,
+                         8191},
+                        {"indexer compressor R 4 dim 128 hadamard+fp4, no row", 4, 128, cd::qat_kind::hadamard_fp4,
+                         8190},
+                        {"indexer compressor R 4 dim 128 hadamard+fp4, row emitted", 4, 128,
+                         cd::qat_kind::hadamard_fp4, 8191}};
+    for (const cfg &c : cfgs) {
+        const int R = c.ratio, dp = c.dim, width = (R == 4 ? 2 : 1) * dp, slots = R == 4 ? 2 * R : R;
+        const int64_t max_rows = (c.pos + 1) / R;
+        cd::compressor_args a;
+        a.ratio = R;
+        a.dim = dp;
+        a.ape = up(randn(static_cast<size_t>(R) * width, rng_, 0.5f));
+        a.norm_w = up(randn(dp, rng_, 0.2f, 1.0f));
+        a.eps = kEps;
+        a.rope = dev_rope(yarn_table(nr), nr);
+        a.qat = c.qat;
+        a.state_kv = up(randn(static_cast<size_t>(slots) * width, rng_));  // a full frontier: every candidate live
+        a.state_score = up(randn(static_cast<size_t>(slots) * width, rng_));
+        a.rows = raw(static_cast<size_t>(max_rows) * dp * 2);
+        a.rows_f16 = true;
+        a.row_stride = static_cast<size_t>(dp) * 2;
+        a.max_rows = max_rows;
+        const float *ca = up(randn(width, rng_)), *cg = up(randn(width, rng_));
+        const bool emit = (c.pos + 1) % R == 0;
+        const double bytes = 5.0 * width * 4 + (emit ? 2.0 * slots * width * 4 + dp * 2 : 0.0);
+        time_calls(c.what, calls, c.pos, bytes, 4.0,
+                   [&](int) { cd::launch_compressor_step(a, ca, cg, pos_, err_, s_); });
+    }
+    EXPECT_EQ(take_err(), 0u);
+}
+
+// 64 heads x 512, f16 rows, window 128: ratio-0 (128 rows), ratio-4 (128 + 512 selected of 2048),
+// ratio-128 at 8K (128 + 64) and at 1M (128 + 8192; 16 buffer sets cycled, 136 MB: past the L2 as the
+// layers' rows are in the model). Bytes: the rows read, q, o.
+TEST_F(CudaDs4AttnBench, SparseSinkAttention) {
+    const int H = 64, d = 512, W = 128, nr = 64, calls = 16;
+    struct cfg {
+        const char *what;
+        cd::comp_mode mode;
+        int ratio;
+        int64_t n_comp_rows, max_comp, pos;
+        int sets;
+        double target;
+    };
+    const cfg cfgs[] = {{"attention ratio 0: 128 rows", cd::comp_mode::none, 0, 0, 0, 8191, 1, 10.0},
+                        {"attention ratio 4: 128 + 512 selected rows", cd::comp_mode::list, 4, 2048, 512, 8191, 1, 10.0},
+                        {"attention ratio 128 at 8K: 128 + 64 rows", cd::comp_mode::all, 128, 8192, 8192, 8191, 1, 10.0},
+                        {"attention ratio 128 at 1M: 128 + 8192 rows", cd::comp_mode::all, 128, 8192, 8192, 1048575,
+                         16, 15.0}};
+    const float *q = up(randn(static_cast<size_t>(H * d), rng_)), *sinks = up(randn(H, rng_));
+    float *o = dev<float>(static_cast<size_t>(H * d));
+    std::vector<int32_t> sel(512);
+    for (int i = 0; i < 512; ++i) sel[static_cast<size_t>(i)] = 4 * i + 1;  // sorted, spread over 2048 rows
+    const int32_t *sel_d = up(sel), *n_sel = up(std::vector<int32_t>{512});
+    const auto ring_h = pack_rows(randn(static_cast<size_t>(W * d), rng_), d, true, static_cast<size_t>(d) * 2);
+    for (const cfg &c : cfgs) {
+        std::vector<cd::sparse_attn_args> as(static_cast<size_t>(c.sets));
+        std::vector<float *> parts;
+        for (cd::sparse_attn_args &a : as) {
+            a.n_head = H;
+            a.d = d;
+            a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+            a.sinks = sinks;
+            a.ring = up(ring_h);
+            a.ring_f16 = true;
+            a.ring_stride = static_cast<size_t>(d) * 2;
+            a.window = W;
+            a.mode = c.mode;
+            if (c.mode != cd::comp_mode::none) {
+                a.comp = up(pack_rows(randn(static_cast<size_t>(c.n_comp_rows * d), rng_), d, true,
+                                      static_cast<size_t>(d) * 2));
+                a.comp_f16 = true;
+                a.comp_stride = static_cast<size_t>(d) * 2;
+                a.ratio = c.ratio;
+                a.max_comp = c.max_comp;
+                a.sel = sel_d;
+                a.n_sel = n_sel;
+            }
+            a.rope = dev_rope(yarn_table(nr), nr);
+            parts.push_back(dev<float>(cd::attn_part_floats(a)));
+        }
+        const int64_t n_comp = c.mode == cd::comp_mode::none ? 0
+                               : c.mode == cd::comp_mode::list ? 512
+                                                               : std::min<int64_t>((c.pos + 1) / c.ratio, c.max_comp);
+        const double bytes = static_cast<double>(W + n_comp) * d * 2 + 2.0 * H * d * 4;
+        time_calls(c.what, calls, c.pos, bytes, c.target, [&](int k) {
+            const size_t i = static_cast<size_t>(k % c.sets);
+            cd::launch_sparse_sink_attention(as[i], q, pos_, parts[i], o, s_);
+        });
+        const auto out = down(o, static_cast<size_t>(H * d));
+        for (float v : out) ASSERT_TRUE(std::isfinite(v)) << c.what;
+    }
 }
 
 }  // namespace

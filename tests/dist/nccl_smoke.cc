@@ -5,7 +5,9 @@
 //                                    for a message rank 1 never sends (deadline); exit 0 on success.
 //                                    Device = RANK mod the visible device count. With one GPU NCCL
 //                                    refuses two ranks on one device: that must be a clean error.
-// Rank 0 writes the NCCL id to ID_FILE, rank 1 polls for it. NCCL_NVLS_ENABLE=0 is set here too.
+// pair: rank 0 makes the rendezvous (nccl_root: NCCL id + liveness listener on 127.0.0.1) and writes
+// its id ("<256 hex>@127.0.0.1:port") to ID_FILE, rank 1 polls for it. lonely uses a bare nccl_new_id()
+// (no side channel, so only NCCL's init deadline can end it). NCCL_NVLS_ENABLE=0 is set here too.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -26,7 +28,7 @@ static std::string read_id(const std::string &path) {
     for (int i = 0; i < 200; ++i) {
         std::ifstream in(path);
         std::string s;
-        if (in >> s && s.size() == 256) return s;
+        if (in >> s && s.size() > 256) return s;  // "<256 hex>@127.0.0.1:port"
         std::this_thread::sleep_for(50ms);
     }
     throw error("nccl_smoke: no id in " + path);
@@ -35,21 +37,20 @@ static std::string read_id(const std::string &path) {
 static int pair(int rank, const std::string &id_path) {
     int n_dev = 0;
     cudaGetDeviceCount(&n_dev);
-    std::string id;
-    if (rank == 0) {
-        id = dist::nccl_new_id();
-        std::ofstream(id_path + ".tmp") << id;
-        std::rename((id_path + ".tmp").c_str(), id_path.c_str());
-    } else {
-        id = read_id(id_path);
-    }
     dist::nccl_options o;
     o.device = n_dev > 0 ? rank % n_dev : 0;
     o.timeout = 5s;
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_ptr<dist::transport> t;
     try {
-        t = dist::make_nccl_transport(rank, 2, id, o);
+        if (rank == 0) {
+            dist::nccl_root root(o);
+            std::ofstream(id_path + ".tmp") << root.id();
+            std::rename((id_path + ".tmp").c_str(), id_path.c_str());
+            t = dist::make_nccl_transport(std::move(root), 2, o);
+        } else {
+            t = dist::make_nccl_transport(rank, 2, read_id(id_path), o);
+        }
     } catch (const error &e) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::printf("rank %d: init refused after %.1f s (devices %d): %s\n", rank, s, n_dev, e.what());
@@ -75,10 +76,14 @@ static int pair(int rank, const std::string &id_path) {
             std::printf("rank 0: unexpected message\n");
             ok = false;
         } catch (const error &e) {
-            std::printf("rank 0: silent peer -> %s\n", e.what());
+            const bool deadline = std::string(e.what()).find("timed out") != std::string::npos;
+            std::printf("rank 0: silent peer -> %s%s\n", e.what(), deadline ? "" : " (WRONG: not the deadline)");
+            ok &= deadline;
         }
     } else {
-        std::this_thread::sleep_for(8s);  // stay alive but silent past rank 0's 5 s deadline
+        // Stay alive but silent past rank 0's 5 s deadline: rank 0 must fail by that deadline, not
+        // earlier through the side channel (this process is alive).
+        std::this_thread::sleep_for(8s);
     }
     return ok ? 0 : 1;
 }

@@ -15,8 +15,14 @@
 // FP4 round trips use power-of-two scales and ties to even, the compressor softmax takes exp in
 // double (the correctly rounded expf the CPU's libm gives, barring rare halfway cases). Only the
 // block-wide double sums differ in order from the CPU (a float-rounding flip there is ~2^-29
-// likely). Attention accumulates in f32 (scores per row: lanes then a warp tree; softmax online per
-// split), so it matches the CPU's double-accumulated attend_with_sink to ~1e-6 relative.
+// likely). Attention accumulates in f32 (scores: lane partials, then a reduce-scatter over the warp;
+// softmax online per split), so it matches the CPU's double-accumulated attend_with_sink to ~1e-6
+// relative.
+//
+// Latency: the per-token kernels are short chains, so rows of a power-of-two multiple of 64 dims (the
+// DS4-Flash query heads, KV row and compressed rows) are finished by one warp in registers with no block
+// barrier (wrow_*), and the compressor computes each pooling exp once, spread over the block; other
+// widths take the shared-memory block helpers. Attention stages f16 rows as f16 in shared memory.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -159,6 +165,182 @@ __device__ void qat_smem(float *x, int n, int n_rot, qat_kind k) {
     }
 }
 
+// ---- warp-per-row building blocks (a row of 64 * NP dims in one warp's registers) --------------------
+// Lane l owns the pairs (64 j + 2 l, 64 j + 2 l + 1), j < NP, as v[j][0..1]. So a RoPE pair is inside one
+// lane, a 64-dim FP8 block is one j over the whole warp, a 32-dim FP4 block one j over 16 lanes, and a
+// Hadamard stage of span h is an in-lane step (h = 1, or h >= 64 across j) or one shuffle (h = 2 .. 32,
+// lane bit log2(h) - 1). The arithmetic is that of the shared-memory helpers above, op for op; only the
+// RMSNorm double sum is a warp tree. No __syncthreads: single-warp work items have no block barrier.
+
+constexpr int kWarpRowMaxPairs = 8;  // rows of up to 512 dims
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    return v;
+}
+
+template <int NP>
+__device__ __forceinline__ void wrow_load(float (&v)[NP][2], const float *__restrict__ x) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        v[j][0] = x[64 * j + 2 * lane];
+        v[j][1] = x[64 * j + 2 * lane + 1];
+    }
+}
+
+template <int NP>
+__device__ __forceinline__ void wrow_store(const float (&v)[NP][2], float *__restrict__ x) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        x[64 * j + 2 * lane] = v[j][0];
+        x[64 * j + 2 * lane + 1] = v[j][1];
+    }
+}
+
+// A row store as f16 (round to nearest) or f32.
+template <int NP>
+__device__ __forceinline__ void wrow_store_row(const float (&v)[NP][2], uint8_t *dst, bool f16) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int i = 64 * j + 2 * lane + k;
+            if (f16)
+                reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[j][k]);
+            else
+                reinterpret_cast<float *>(dst)[i] = v[j][k];
+        }
+}
+
+// x = x / sqrt(mean(x^2) + eps) * w (w may be null), as rms_norm_smem.
+template <int NP>
+__device__ __forceinline__ void wrow_rms_norm(float (&v)[NP][2], const float *__restrict__ w, float eps) {
+    const int lane = threadIdx.x & 31;
+    double ss = 0;
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) ss += static_cast<double>(v[j][k]) * static_cast<double>(v[j][k]);
+    ss = warp_sum_d(ss);
+    const float r =
+        static_cast<float>(1.0 / sqrt(ss / static_cast<double>(64 * NP) + static_cast<double>(eps)));
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+            v[j][k] = w ? __fmul_rn(w[64 * j + 2 * lane + k], __fmul_rn(v[j][k], r)) : __fmul_rn(v[j][k], r);
+}
+
+// RoPE of the last n_rot dims (pairs of pair index >= (64 NP - n_rot) / 2), as rope_smem: one pair per
+// lane and j, so the double cos/sin of all pairs are computed concurrently.
+template <int NP>
+__device__ __forceinline__ void wrow_rope(float (&v)[NP][2], const float *__restrict__ freq, int n_rot, int64_t pos,
+                                          bool inverse) {
+    const int lane = threadIdx.x & 31, p0 = (64 * NP - n_rot) / 2;
+    const float fp = static_cast<float>(pos);
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        const int i = 32 * j + lane - p0;  // pair index within the RoPE dims
+        if (i < 0) continue;
+        const float ang = __fmul_rn(fp, freq[i]);
+        const float c = static_cast<float>(cos(static_cast<double>(ang)));
+        float s = static_cast<float>(sin(static_cast<double>(ang)));
+        if (inverse) s = -s;
+        const float a = v[j][0], b = v[j][1];
+        v[j][0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        v[j][1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
+// Block round trip (block_round_trip_smem) of dims [0, n): FP8 blocks of 64 (one j each) or FP4
+// blocks of 32 (16 lanes of one j); n a multiple of the block.
+template <int NP>
+__device__ __forceinline__ void wrow_round_trip(float (&v)[NP][2], int n, int block, float fmt_max, float amax_floor,
+                                                int mbits, int emin) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        // shuffles stay unconditional; a 32-block's lanes (xor < 16) never mix with the other block's
+        const bool in = 64 * j + (block == 64 ? 64 : 2 * (lane & 16) + 32) <= n;
+        float amax = fmaxf(fabsf(v[j][0]), fabsf(v[j][1]));
+        for (int o = block == 64 ? 16 : 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
+        if (!in) continue;
+        amax = fmaxf(amax, amax_floor);
+        const float s = pow2_ceil_dev(__fdiv_rn(amax, fmt_max));
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float c = fminf(fmaxf(__fdiv_rn(v[j][k], s), -fmt_max), fmt_max);
+            v[j][k] = __fmul_rn(s, round_minifloat(c, mbits, emin, fmt_max));
+        }
+    }
+}
+
+// Normalised Walsh-Hadamard transform of the whole row (hadamard_smem).
+template <int NP>
+__device__ __forceinline__ void wrow_hadamard(float (&v)[NP][2]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {  // h = 1
+        const float a = v[j][0], b = v[j][1];
+        v[j][0] = __fadd_rn(a, b);
+        v[j][1] = __fsub_rn(a, b);
+    }
+#pragma unroll
+    for (int m = 0; m < 5; ++m) {  // h = 2 << m: partner lane l ^ (1 << m); the lower lane holds x[i]
+        const bool upper = (lane >> m) & 1;
+#pragma unroll
+        for (int j = 0; j < NP; ++j)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const float o = __shfl_xor_sync(kFull, v[j][k], 1 << m);
+                v[j][k] = upper ? __fsub_rn(o, v[j][k]) : __fadd_rn(v[j][k], o);
+            }
+    }
+#pragma unroll
+    for (int hj = 1; hj < NP; hj *= 2)  // h = 64 hj: across j
+#pragma unroll
+        for (int j = 0; j < NP; ++j)
+            if (!(j & hj))
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float a = v[j][k], b = v[j + hj][k];
+                    v[j][k] = __fadd_rn(a, b);
+                    v[j + hj][k] = __fsub_rn(a, b);
+                }
+    const float s = static_cast<float>(1.0 / sqrt(static_cast<double>(64 * NP)));
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) v[j][k] = __fmul_rn(v[j][k], s);
+}
+
+template <int NP>
+__device__ __forceinline__ void wrow_qat(float (&v)[NP][2], int n_rot, qat_kind k) {
+    if (k == qat_kind::fp8_nope) {
+        wrow_round_trip(v, 64 * NP - n_rot, 64, 448.0f, 1e-4f, 3, -6);
+    } else if (k == qat_kind::hadamard_fp4) {
+        wrow_hadamard(v);
+        wrow_round_trip(v, 64 * NP, 32, 6.0f, ldexpf(6.0f, -126), 1, 0);
+    }
+}
+
+// Norm (optional), RoPE at pos, QAT: the finish every row kernel applies.
+template <int NP>
+__device__ __forceinline__ void wrow_finish(float (&v)[NP][2], bool norm, const float *__restrict__ norm_w, float eps,
+                                            const float *__restrict__ freq, int n_rot, int64_t pos, qat_kind qat) {
+    if (norm) wrow_rms_norm(v, norm_w, eps);
+    wrow_rope(v, freq, n_rot, pos, false);
+    wrow_qat(v, n_rot, qat);
+}
+
+// Whether a row of `dim` dims fits the warp-row layout.
+bool warp_row_fits(int dim) {
+    return dim % 64 == 0 && dim / 64 >= 1 && dim / 64 <= kWarpRowMaxPairs && ((dim / 64) & (dim / 64 - 1)) == 0;
+}
+
 // ---- query heads, KV row -----------------------------------------------------------------------------
 
 constexpr int kRowThreads = 128;
@@ -201,48 +383,107 @@ __global__ void __launch_bounds__(kRowThreads)
     }
 }
 
+
+// Warp-per-head variant (hd = 64 * NP, see warp_row_fits): kWarpRowThreads / 32 heads per block, no
+// block barrier, the double cos/sin of the RoPE pairs computed by different lanes concurrently.
+constexpr int kWarpRowThreads = 128;
+
+template <int NP>
+__global__ void __launch_bounds__(kWarpRowThreads)
+    head_norm_rope_warp_kernel(float *x, int n_head, bool norm, float eps, const float *__restrict__ freq,
+                               int n_rot, qat_kind qat, const int64_t *__restrict__ pos) {
+    const int h = blockIdx.x * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
+    if (h >= n_head) return;  // warp-uniform
+    float *xh = x + static_cast<size_t>(h) * 64 * NP;
+    float v[NP][2];
+    wrow_load(v, xh);
+    wrow_finish(v, norm, nullptr, eps, freq, n_rot, *pos, qat);
+    wrow_store(v, xh);
+}
+
+// One warp: kv [64 * NP] finished in place and stored into ring row *pos mod window.
+template <int NP>
+__global__ void __launch_bounds__(32)
+    kv_finish_store_warp_kernel(float *kv, const float *__restrict__ norm_w, float eps,
+                                const float *__restrict__ freq, int n_rot, qat_kind qat, uint8_t *ring,
+                                bool ring_f16, size_t ring_stride, int window, const int64_t *__restrict__ pos) {
+    const int64_t p = *pos;
+    float v[NP][2];
+    wrow_load(v, kv);
+    wrow_finish(v, true, norm_w, eps, freq, n_rot, p, qat);
+    wrow_store(v, kv);
+    wrow_store_row(v, ring + static_cast<size_t>(p % window) * ring_stride, ring_f16);
+}
+
 // ---- compressor ----------------------------------------------------------------------------------------
 
-constexpr int kCompThreads = 256;
+constexpr int kCompThreads = 512, kCompChunk = 16;
 
-// One block. Thread t owns channels j = t, t + blockDim, ... of [0, dim): it writes columns j and (overlap)
-// dim + j of the frontier, pools channel j (those same columns) and shifts them, so the frontier needs
-// no synchronisation between threads; the pooled row is then finished block-wide in shared memory.
+// One block (dim <= kCompThreads). Every token: the frontier slot's columns written by all threads. On
+// an emitting token, pooling per channel j (thread j) in the CPU's order: max over the candidates, then
+// the exps e_t = exp(s_t - max) of kCompChunk candidates at a time computed by the whole block into
+// shared memory (each e_t once when all candidates fit one chunk, as for ratio 4; else once for the sum
+// and again for the weights), the f32 sum and the weighted sum taken by thread j in candidate order.
+// Thread j then shifts its columns j, dp + j (ratio 4). The pooled row is finished by warp 0 in
+// registers (NP > 0: dim = 64 NP) or block-wide in shared memory (NP = 0, any dim).
+template <int NP>
 __global__ void __launch_bounds__(kCompThreads)
     compressor_step_kernel(compressor_args a, const float *__restrict__ ca, const float *__restrict__ cg,
                            const int64_t *__restrict__ pos, uint32_t *err) {
-    extern __shared__ float row[];  // [dim]
+    extern __shared__ float sm[];
+    float *row = sm, *smx = sm + a.dim, *ex = sm + 2 * a.dim;  // [dim], [dim], [kCompChunk, dim]
     __shared__ double red[32];
-    const int R = a.ratio, dp = a.dim;
+    const int R = a.ratio, dp = a.dim, j = threadIdx.x;
     const bool overlap = R == 4;
     const int width = (overlap ? 2 : 1) * dp, n_cand = overlap ? 2 * R : R;
     const int64_t p = *pos;
     const int phase = static_cast<int>(p % R);
     const size_t slot = static_cast<size_t>(overlap ? R + phase : phase);
     const float *ape = a.ape + static_cast<size_t>(phase) * width;
-    for (int j = threadIdx.x; j < width; j += blockDim.x) {
-        a.state_kv[slot * width + j] = ca[j];
-        a.state_score[slot * width + j] = __fadd_rn(cg[j], ape[j]);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        a.state_kv[slot * width + i] = ca[i];
+        a.state_score[slot * width + i] = __fadd_rn(cg[i], ape[i]);
     }
     if ((p + 1) % R != 0) return;  // block-uniform: no row this token
-    __syncthreads();
-    for (int j = threadIdx.x; j < dp; j += blockDim.x) {
-        // candidate t: slot t, column j (overlap: column dp + j for the current block's slots t >= R)
-        auto at = [&](int t) {
-            return static_cast<size_t>(t) * width + static_cast<size_t>(overlap && t >= R ? dp + j : j);
-        };
+    __syncthreads();               // the slot's columns are visible to the whole block
+    // candidate t of channel c: slot t, column c (overlap: column dp + c for the current block's slots)
+    auto at = [&](int t, int c) {
+        return static_cast<size_t>(t) * width + static_cast<size_t>(overlap && t >= R ? dp + c : c);
+    };
+    if (j < dp) {
         float mx = -INFINITY;
-        for (int t = 0; t < n_cand; ++t) mx = fmaxf(mx, a.state_score[at(t)]);
-        float sum = 0.0f;
-        for (int t = 0; t < n_cand; ++t)
-            sum = __fadd_rn(
-                sum, static_cast<float>(exp(static_cast<double>(__fsub_rn(a.state_score[at(t)], mx)))));
-        float acc = 0.0f;
-        for (int t = 0; t < n_cand; ++t) {
-            const float e = static_cast<float>(exp(static_cast<double>(__fsub_rn(a.state_score[at(t)], mx))));
-            const float wt = __fdiv_rn(e, sum);
-            if (wt != 0.0f) acc = __fadd_rn(acc, __fmul_rn(a.state_kv[at(t)], wt));  // skips empty candidates
+        for (int t = 0; t < n_cand; ++t) mx = fmaxf(mx, a.state_score[at(t, j)]);
+        smx[j] = mx;
+    }
+    __syncthreads();
+    auto exps = [&](int c0, int nc) {  // ex[t - c0][c] = exp(s_t - max_c), t in [c0, c0 + nc)
+        for (int k = threadIdx.x; k < nc * dp; k += blockDim.x) {
+            const int t = k / dp, c = k - t * dp;
+            ex[k] = static_cast<float>(exp(static_cast<double>(__fsub_rn(a.state_score[at(c0 + t, c)], smx[c]))));
         }
+        __syncthreads();
+    };
+    const bool kept = n_cand <= kCompChunk;  // one chunk: the exps stay in ex for the weights
+    float sum = 0.0f, acc = 0.0f;
+    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
+        const int nc = min(kCompChunk, n_cand - c0);
+        exps(c0, nc);
+        if (j < dp)
+            for (int t = 0; t < nc; ++t) sum = __fadd_rn(sum, ex[t * dp + j]);
+        if (!kept) __syncthreads();  // ex is rewritten by the next chunk
+    }
+    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
+        const int nc = min(kCompChunk, n_cand - c0);
+        if (!kept) exps(c0, nc);
+        if (j < dp)
+            for (int t = 0; t < nc; ++t) {
+                const float wt = __fdiv_rn(ex[t * dp + j], sum);
+                if (wt != 0.0f) acc = __fadd_rn(acc, __fmul_rn(a.state_kv[at(c0 + t, j)], wt));  // skips empty
+            }
+        if (!kept) __syncthreads();
+    }
+    // every read of another thread's columns happened before the last barrier of the exps
+    if (j < dp) {
         row[j] = acc;
         if (overlap)  // the current block (slots R..2R-1) becomes the previous one, columns j and dp + j
             for (int t = 0; t < R; ++t)
@@ -255,38 +496,55 @@ __global__ void __launch_bounds__(kCompThreads)
                 }
     }
     __syncthreads();
-    rms_norm_smem(row, dp, a.norm_w, a.eps, red);
-    rope_smem(row + dp - a.rope.n_rot, a.rope.freq, a.rope.n_rot, p + 1 - R, false);
-    qat_smem(row, dp, a.rope.n_rot, a.qat);
     const int64_t b = (p + 1) / R - 1;
-    if (b >= a.max_rows) {
-        if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
-        return;
-    }
     uint8_t *dst = static_cast<uint8_t *>(a.rows) + static_cast<size_t>(b) * a.row_stride;
-    for (int j = threadIdx.x; j < dp; j += blockDim.x) {
-        if (a.rows_f16)
-            reinterpret_cast<__half *>(dst)[j] = __float2half_rn(row[j]);
-        else
-            reinterpret_cast<float *>(dst)[j] = row[j];
+    if constexpr (NP > 0) {
+        if (threadIdx.x >= 32) return;  // warp 0 finishes the row
+        if (b >= a.max_rows) {
+            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
+            return;
+        }
+        float v[NP][2];
+        wrow_load(v, row);
+        wrow_finish(v, true, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, p + 1 - R, a.qat);
+        wrow_store_row(v, dst, a.rows_f16);
+    } else {
+        rms_norm_smem(row, dp, a.norm_w, a.eps, red);
+        rope_smem(row + dp - a.rope.n_rot, a.rope.freq, a.rope.n_rot, p + 1 - R, false);
+        qat_smem(row, dp, a.rope.n_rot, a.qat);
+        if (b >= a.max_rows) {
+            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
+            return;
+        }
+        for (int i = threadIdx.x; i < dp; i += blockDim.x) {
+            if (a.rows_f16)
+                reinterpret_cast<__half *>(dst)[i] = __float2half_rn(row[i]);
+            else
+                reinterpret_cast<float *>(dst)[i] = row[i];
+        }
     }
 }
 
 // ---- sparse sink attention -----------------------------------------------------------------------------
 // Candidate rows t in [0, n_raw + n_comp): raw window rows first (t < n_raw: ring row (first + t) mod
-// window), then compressed rows. Split kernel: grid (n_split, ceil(n_head / 16)); block = 8 warps, warp w
-// owns heads h0 + 2w, h0 + 2w + 1 (query and output accumulator in registers, lane l holding dims
-// l + 32 j). Rows [split * rows_per_split, +rows_per_split) are staged 16 at a time as f32 in shared
-// memory and shared by the block's 16 heads (rows_per_split = max(ceil(n / n_split), 16) for this
-// token's n rows, n_split fixed by the capacity); scores are lane-partial dot products reduced by warp
-// shuffles, softmax is online per head (max m, denominator l, unnormalised output acc). Partials
-// part[(split * n_head + h) * (d + 2)] = acc [d], m, l; an empty split writes only m = -inf, l = 0.
-// Combine kernel: one block per head merges the splits with the sink logit in the denominator,
-// applies the inverse RoPE and writes o.
+// window), then compressed rows. This token's n rows are cut into splits of rps rows (attn_rps: at least
+// kMinRowsPerSplit, whole tiles, at most n_split splits, n_split fixed by the capacity on the host); the
+// busy splits are the first ceil(n / rps), and both kernels derive them from *pos, so idle blocks exit
+// at once and the combine reads only what was written.
+//
+// Split kernel: grid (n_split, ceil(n_head / 16)); block = 8 warps, warp w owns heads h0 + 2w, h0 + 2w + 1
+// (query and output accumulator in registers, lane l holding the dim pairs (64 j + 2 l, +1)). Rows are
+// staged 16 at a time in shared memory (as f16 when every source row is f16, else f32: T) and shared by
+// the block's 16 heads. Scores: each lane forms 16 partial dot products (one per tile row) over its dims,
+// and a reduce-scatter (16 shuffles instead of 16 x 5) leaves row (lane & 15)'s full score in lanes l and
+// l + 16. Softmax is online per head (max m, denominator l, unnormalised output acc). Partials: acc at
+// part[(split * n_head + h) * d], (m, l) at part[n_split * n_head * d + (split * n_head + h) * 2].
+// Combine kernel: one block per head merges the busy splits with the sink logit in the denominator,
+// applies the inverse RoPE per dim pair and writes o.
 
 constexpr int kAttnWarps = 8, kAttnThreads = 32 * kAttnWarps, kHeadsPerWarp = 2;
-constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = 16, kMaxD = 512, kMaxJ = kMaxD / 32;
-constexpr int kMaxSplits = 64, kMinRowsPerSplit = kTileRows, kCombineThreads = 128;
+constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = 16, kMaxD = 512, kMaxP = kMaxD / 64;
+constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 128;
 
 struct attn_geom {
     int n_head, d;
@@ -304,6 +562,7 @@ struct attn_geom {
     const int32_t *n_sel;
     int64_t max_comp;
     int n_split;
+    bool pair_loads;  // every row base and stride aligned to a dim pair (4 bytes f16, 8 bytes f32)
 };
 
 struct attn_span {
@@ -324,6 +583,14 @@ __device__ __forceinline__ attn_span attn_span_at(const attn_geom &g, int64_t p)
     return s;
 }
 
+// Rows per split for n rows over at most n_split splits: >= kMinRowsPerSplit, whole tiles; then
+// n_split * rps >= n, and the busy splits are ceil(n / rps).
+__host__ __device__ __forceinline__ int64_t attn_rps(int64_t n, int n_split) {
+    int64_t rps = (n + n_split - 1) / n_split;
+    rps = rps > kMinRowsPerSplit ? rps : kMinRowsPerSplit;
+    return (rps + kTileRows - 1) / kTileRows * kTileRows;
+}
+
 // Row t of the candidate list: its bytes and whether it is f16.
 __device__ __forceinline__ const uint8_t *attn_row(const attn_geom &g, const attn_span &sp, int64_t t,
                                                    bool &f16) {
@@ -337,168 +604,253 @@ __device__ __forceinline__ const uint8_t *attn_row(const attn_geom &g, const att
     return g.comp + static_cast<size_t>(r) * g.comp_stride;
 }
 
-__global__ void __launch_bounds__(kAttnThreads)
+// Tile element pairs: f16 (both sources f16) or f32.
+__device__ __forceinline__ void tile_put(__half2 *t, int i, float a, float b) { t[i] = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void tile_put(float2 *t, int i, float a, float b) { t[i] = make_float2(a, b); }
+__device__ __forceinline__ void tile_put(__half2 *t, int i, __half a, __half b) { t[i] = __halves2half2(a, b); }
+__device__ __forceinline__ void tile_put(float2 *t, int i, __half a, __half b) {
+    t[i] = make_float2(__half2float(a), __half2float(b));
+}
+__device__ __forceinline__ float2 tile_get(const __half2 *t, int i) { return __half22float2(t[i]); }
+__device__ __forceinline__ float2 tile_get(const float2 *t, int i) { return t[i]; }
+template <class T>
+struct tile_pair;
+template <>
+struct tile_pair<__half> {
+    using type = __half2;
+};
+template <>
+struct tile_pair<float> {
+    using type = float2;
+};
+
+// One stage of reduce_scatter16: lanes with bit O set keep rows [O, 2 O) of the 2 O live ones (moved to
+// v[0, O)), the others rows [0, O); each adds its partner's (lane ^ O) copy of the rows it keeps.
+template <int O>
+__device__ __forceinline__ void reduce_scatter_stage(float (&v)[kTileRows], int lane) {
+    const bool up = lane & O;
+#pragma unroll
+    for (int i = 0; i < O; ++i) {
+        const float lo = v[i], hi = v[i + O];
+        const float send = up ? lo : hi, keep = up ? hi : lo;
+        v[i] = keep + __shfl_xor_sync(kFull, send, O);
+    }
+}
+
+// Sum of v[r] over the 32 lanes for r < 16, scattered: returns row (lane & 15)'s total (lanes l and
+// l + 16 agree bit for bit), 16 shuffles in all.
+__device__ __forceinline__ float reduce_scatter16(float (&v)[kTileRows], int lane) {
+    reduce_scatter_stage<8>(v, lane);
+    reduce_scatter_stage<4>(v, lane);
+    reduce_scatter_stage<2>(v, lane);
+    reduce_scatter_stage<1>(v, lane);
+    return v[0] + __shfl_xor_sync(kFull, v[0], 16);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128 registers
     attn_split_kernel(attn_geom g, const float *__restrict__ q, const int64_t *__restrict__ pos,
                       float *__restrict__ part) {
-    extern __shared__ float tile[];  // [kTileRows, d]
+    using P = typename tile_pair<T>::type;
+    extern __shared__ __align__(16) unsigned char tile_raw[];
+    P *tile = reinterpret_cast<P *>(tile_raw);  // [kTileRows, d / 2] pairs
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int d = g.d, nj = d / 32;
-    const size_t ps = static_cast<size_t>(d) + 2;
+    const int d = g.d, np = d / 64, hp = d / 2;
     const int h0 = blockIdx.y * kHeadsPerBlock;
     const attn_span sp = attn_span_at(g, *pos);
     const int64_t n_tot = sp.n_raw + sp.n_comp;
-    // rows per split from this token's count (at least one tile), so short contexts still spread
-    // over many blocks; n_split * rows_per_split capacity >= window + max_comp >= n_tot (host).
-    const int64_t per = (n_tot + g.n_split - 1) / g.n_split;
-    const int64_t rps = per > kTileRows ? per : kTileRows;
+    const int64_t rps = attn_rps(n_tot, g.n_split);
     const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rps;
+    if (r0 >= n_tot) return;  // block-uniform: an idle split (the combine does not read it)
     const int64_t r1 = r0 + rps < n_tot ? r0 + rps : n_tot;
-    if (r0 >= r1) {  // block-uniform: nothing to attend in this split
-        for (int i = threadIdx.x; i < kHeadsPerBlock; i += blockDim.x)
-            if (h0 + i < g.n_head) {
-                float *pp = part + (static_cast<size_t>(blockIdx.x) * g.n_head + h0 + i) * ps;
-                pp[d] = -INFINITY;
-                pp[d + 1] = 0.0f;
-            }
-        return;
-    }
-    float qr[kHeadsPerWarp][kMaxJ], acc[kHeadsPerWarp][kMaxJ], m[kHeadsPerWarp], l[kHeadsPerWarp];
+    float qr[kHeadsPerWarp][kMaxP][2], acc[kHeadsPerWarp][kMaxP][2], m[kHeadsPerWarp], l[kHeadsPerWarp];
 #pragma unroll
     for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
         const int h = h0 + warp * kHeadsPerWarp + hh;
 #pragma unroll
-        for (int j = 0; j < kMaxJ; ++j) {
-            qr[hh][j] = h < g.n_head && j < nj ? q[static_cast<size_t>(h) * d + lane + 32 * j] : 0.0f;
-            acc[hh][j] = 0.0f;
-        }
+        for (int j = 0; j < kMaxP; ++j)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                qr[hh][j][k] = h < g.n_head && j < np ? q[static_cast<size_t>(h) * d + 64 * j + 2 * lane + k] : 0.0f;
+                acc[hh][j][k] = 0.0f;
+            }
         m[hh] = -INFINITY;
         l[hh] = 0.0f;
     }
     for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
         const int nt = static_cast<int>(r1 - t0 < kTileRows ? r1 - t0 : kTileRows);
         __syncthreads();  // the previous tile is consumed
-        for (int r = warp; r < nt; r += kAttnWarps) {
+        for (int r = warp; r < kTileRows; r += kAttnWarps) {  // rows past nt: zeros (p = 0 must not meet NaN)
+            P *dst = tile + r * hp;
+            if (r >= nt) {
+                for (int i = lane; i < hp; i += 32) tile_put(dst, i, 0.0f, 0.0f);
+                continue;
+            }
             bool f16 = false;
             const uint8_t *src = attn_row(g, sp, t0 + r, f16);
-            float *dst = tile + r * d;
-            if (f16)
-                for (int i = lane; i < d; i += 32)
-                    dst[i] = __half2float(reinterpret_cast<const __half *>(src)[i]);
-            else
-                for (int i = lane; i < d; i += 32) dst[i] = reinterpret_cast<const float *>(src)[i];
-        }
-        __syncthreads();
-        // scores: lane r keeps row r's score (lanes >= nt: -inf)
-        float s_mine[kHeadsPerWarp];
-#pragma unroll
-        for (int hh = 0; hh < kHeadsPerWarp; ++hh) s_mine[hh] = -INFINITY;
-        for (int r = 0; r < nt; ++r) {
-            const float *kr = tile + r * d;
-            float dot[kHeadsPerWarp] = {};
-#pragma unroll
-            for (int j = 0; j < kMaxJ; ++j)
-                if (j < nj) {
-                    const float kv = kr[lane + 32 * j];
-#pragma unroll
-                    for (int hh = 0; hh < kHeadsPerWarp; ++hh) dot[hh] = fmaf(qr[hh][j], kv, dot[hh]);
+            if (f16 && g.pair_loads) {
+                const __half2 *s = reinterpret_cast<const __half2 *>(src);
+                for (int i = lane; i < hp; i += 32) {
+                    const __half2 v = s[i];
+                    tile_put(dst, i, __low2half(v), __high2half(v));
                 }
-#pragma unroll
-            for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
-                const float s = warp_sum(dot[hh]) * g.scale;
-                if (lane == r) s_mine[hh] = s;
+            } else if (f16) {
+                const __half *s = reinterpret_cast<const __half *>(src);
+                for (int i = lane; i < hp; i += 32) tile_put(dst, i, s[2 * i], s[2 * i + 1]);
+            } else if (g.pair_loads) {
+                const float2 *s = reinterpret_cast<const float2 *>(src);
+                for (int i = lane; i < hp; i += 32) {
+                    const float2 v = s[i];
+                    tile_put(dst, i, v.x, v.y);
+                }
+            } else {
+                const float *s = reinterpret_cast<const float *>(src);
+                for (int i = lane; i < hp; i += 32) tile_put(dst, i, s[2 * i], s[2 * i + 1]);
             }
         }
+        __syncthreads();
         float pr[kHeadsPerWarp];
+        {
+            float dot[kHeadsPerWarp][kTileRows];
 #pragma unroll
-        for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
-            const float m_new = fmaxf(m[hh], warp_max(s_mine[hh]));  // finite: nt >= 1 rows
-            const float corr = expf(m[hh] - m_new);                  // 0 on the first tile (m = -inf)
-            pr[hh] = lane < nt ? expf(s_mine[hh] - m_new) : 0.0f;
-            l[hh] = l[hh] * corr + warp_sum(pr[hh]);
-            m[hh] = m_new;
+            for (int hh = 0; hh < kHeadsPerWarp; ++hh)
 #pragma unroll
-            for (int j = 0; j < kMaxJ; ++j) acc[hh][j] *= corr;
+                for (int r = 0; r < kTileRows; ++r) dot[hh][r] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kTileRows; ++r)
+#pragma unroll
+                for (int j = 0; j < kMaxP; ++j)
+                    if (j < np) {
+                        const float2 kv = tile_get(tile, r * hp + 32 * j + lane);
+#pragma unroll
+                        for (int hh = 0; hh < kHeadsPerWarp; ++hh)
+                            dot[hh][r] = fmaf(qr[hh][j][1], kv.y, fmaf(qr[hh][j][0], kv.x, dot[hh][r]));
+                    }
+            const bool valid = (lane & 15) < nt;
+#pragma unroll
+            for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
+                const float tot = reduce_scatter16(dot[hh], lane);  // every lane shuffles
+                const float s = valid ? tot * g.scale : -INFINITY;
+                const float m_new = fmaxf(m[hh], warp_max(s));  // finite: nt >= 1 rows
+                const float corr = expf(m[hh] - m_new);          // 0 on the first tile (m = -inf)
+                pr[hh] = valid ? expf(s - m_new) : 0.0f;
+                float ps = pr[hh];  // the 16 rows' sum (lanes l, l + 16 hold the same row)
+                for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(kFull, ps, o);
+                l[hh] = l[hh] * corr + ps;
+                m[hh] = m_new;
+#pragma unroll
+                for (int j = 0; j < kMaxP; ++j) {
+                    acc[hh][j][0] *= corr;
+                    acc[hh][j][1] *= corr;
+                }
+            }
         }
-        for (int r = 0; r < nt; ++r) {
-            const float *kr = tile + r * d;
+#pragma unroll
+        for (int r = 0; r < kTileRows; ++r) {
             float p_r[kHeadsPerWarp];
 #pragma unroll
             for (int hh = 0; hh < kHeadsPerWarp; ++hh) p_r[hh] = __shfl_sync(kFull, pr[hh], r);
 #pragma unroll
-            for (int j = 0; j < kMaxJ; ++j)
-                if (j < nj) {
-                    const float kv = kr[lane + 32 * j];
+            for (int j = 0; j < kMaxP; ++j)
+                if (j < np) {
+                    const float2 kv = tile_get(tile, r * hp + 32 * j + lane);
 #pragma unroll
-                    for (int hh = 0; hh < kHeadsPerWarp; ++hh) acc[hh][j] = fmaf(p_r[hh], kv, acc[hh][j]);
+                    for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
+                        acc[hh][j][0] = fmaf(p_r[hh], kv.x, acc[hh][j][0]);
+                        acc[hh][j][1] = fmaf(p_r[hh], kv.y, acc[hh][j][1]);
+                    }
                 }
         }
     }
+    const size_t ml0 = static_cast<size_t>(g.n_split) * g.n_head * d;
 #pragma unroll
     for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
         const int h = h0 + warp * kHeadsPerWarp + hh;
         if (h >= g.n_head) continue;
-        float *pp = part + (static_cast<size_t>(blockIdx.x) * g.n_head + h) * ps;
+        const size_t ph = static_cast<size_t>(blockIdx.x) * g.n_head + h;
+        float *pp = part + ph * d;
 #pragma unroll
-        for (int j = 0; j < kMaxJ; ++j)
-            if (j < nj) pp[lane + 32 * j] = acc[hh][j];
+        for (int j = 0; j < kMaxP; ++j)
+            if (j < np) {
+                pp[64 * j + 2 * lane] = acc[hh][j][0];
+                pp[64 * j + 2 * lane + 1] = acc[hh][j][1];
+            }
         if (lane == 0) {
-            pp[d] = m[hh];
-            pp[d + 1] = l[hh];
+            part[ml0 + 2 * ph] = m[hh];
+            part[ml0 + 2 * ph + 1] = l[hh];
         }
     }
 }
 
-// One block per head: o_h = sum_s e^(m_s - M) acc_s / (e^(sink - M) + sum_s e^(m_s - M) l_s), M the
-// largest of the sink and the m_s; empty splits (m_s = -inf) are skipped without reading acc. Then the
-// inverse RoPE of the last n_rot dims at *pos.
+// One block per head: o_h = sum_s e^(m_s - M) acc_s / (e^(sink - M) + sum_s e^(m_s - M) l_s) over the
+// busy splits s (each saw >= 1 row: m_s finite), M the largest of the sink and the m_s. Then the inverse
+// RoPE of the last n_rot dims at *pos, one dim pair per thread and step.
 __global__ void __launch_bounds__(kCombineThreads)
-    attn_combine_kernel(const float *__restrict__ part, int n_split, int n_head, int d,
-                        const float *__restrict__ sinks, const float *__restrict__ freq, int n_rot,
-                        const int64_t *__restrict__ pos, float *__restrict__ o) {
-    extern __shared__ float so[];  // [d]
+    attn_combine_kernel(attn_geom g, const float *__restrict__ part, const float *__restrict__ sinks,
+                        const float *__restrict__ freq, int n_rot, const int64_t *__restrict__ pos,
+                        float *__restrict__ o) {
     __shared__ float ws[kMaxSplits];
-    __shared__ float s_denom;
-    const int h = blockIdx.x;
-    const size_t ps = static_cast<size_t>(d) + 2;
-    const float sink = sinks[h];
-    if (threadIdx.x == 0) {
-        float M = sink;
-        for (int s = 0; s < n_split; ++s) M = fmaxf(M, part[(static_cast<size_t>(s) * n_head + h) * ps + d]);
-        float den = expf(sink - M);
-        for (int s = 0; s < n_split; ++s) {
-            const float *pp = part + (static_cast<size_t>(s) * n_head + h) * ps;
-            const float ms = pp[d];
-            ws[s] = ms == -INFINITY ? 0.0f : expf(ms - M);
-            if (ws[s] != 0.0f) den += ws[s] * pp[d + 1];
+    __shared__ float s_inv;
+    const int h = blockIdx.x, d = g.d, n_head = g.n_head;
+    const int64_t p = *pos;
+    const attn_span sp = attn_span_at(g, p);
+    const int64_t n_tot = sp.n_raw + sp.n_comp, rps = attn_rps(n_tot, g.n_split);
+    const int busy = static_cast<int>((n_tot + rps - 1) / rps);
+    const size_t ml0 = static_cast<size_t>(g.n_split) * n_head * d;
+    if (threadIdx.x < 32) {  // warp 0: splits lane and lane + 32
+        const int lane = threadIdx.x;
+        const float sink = sinks[h];
+        float ms[2], ls[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int s = lane + 32 * k;
+            const size_t ph = static_cast<size_t>(s) * n_head + h;
+            ms[k] = s < busy ? part[ml0 + 2 * ph] : -INFINITY;
+            ls[k] = s < busy ? part[ml0 + 2 * ph + 1] : 0.0f;
         }
-        s_denom = den;
+        const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
+        float den = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int s = lane + 32 * k;
+            const float w = s < busy ? expf(ms[k] - M) : 0.0f;
+            if (s < kMaxSplits) ws[s] = w;
+            den += w * ls[k];
+        }
+        den = warp_sum(den);
+        if (lane == 0) s_inv = 1.0f / (expf(sink - M) + den);
     }
     __syncthreads();
-    const float inv = 1.0f / s_denom;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < n_split; ++s)
-            if (ws[s] != 0.0f) a += ws[s] * part[(static_cast<size_t>(s) * n_head + h) * ps + i];
-        so[i] = a * inv;
+    const float inv = s_inv, fp = static_cast<float>(p);
+    const int rp0 = (d - n_rot) / 2;
+    for (int pi = threadIdx.x; pi < d / 2; pi += blockDim.x) {
+        float a = 0.0f, b = 0.0f;
+        for (int s = 0; s < busy; ++s) {
+            const float *pp = part + (static_cast<size_t>(s) * n_head + h) * d + 2 * pi;
+            a += ws[s] * pp[0];
+            b += ws[s] * pp[1];
+        }
+        a *= inv;
+        b *= inv;
+        if (pi >= rp0) {  // inverse RoPE of the pair, as rope_smem
+            const float ang = __fmul_rn(fp, freq[pi - rp0]);
+            const float c = static_cast<float>(cos(static_cast<double>(ang)));
+            const float sn = -static_cast<float>(sin(static_cast<double>(ang)));
+            const float x0 = a, x1 = b;
+            a = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+            b = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+        }
+        o[static_cast<size_t>(h) * d + 2 * pi] = a;
+        o[static_cast<size_t>(h) * d + 2 * pi + 1] = b;
     }
-    __syncthreads();
-    rope_smem(so + d - n_rot, freq, n_rot, *pos, true);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[static_cast<size_t>(h) * d + i] = so[i];
 }
 
-// Rows per split at full capacity (window + max_comp rows): at most kMaxSplits splits, at least
-// kMinRowsPerSplit rows each, a multiple of the tile height. Only the split count (a function of the
-// arguments alone, so attn_part_floats agrees with the launch) is taken from it.
-int64_t attn_rows_per_split(const sparse_attn_args &a) {
-    const int64_t max_rows = a.window + (a.mode == comp_mode::none ? 0 : a.max_comp);
-    int64_t rps = (max_rows + kMaxSplits - 1) / kMaxSplits;
-    rps = std::max<int64_t>(rps, kMinRowsPerSplit);
-    return (rps + kTileRows - 1) / kTileRows * kTileRows;
-}
+// Split count from the capacity (window + max_comp rows): at most kMaxSplits, a function of the
+// arguments alone so attn_part_floats agrees with the launch.
 int attn_splits(const sparse_attn_args &a) {
     const int64_t max_rows = a.window + (a.mode == comp_mode::none ? 0 : a.max_comp);
-    const int64_t rps = attn_rows_per_split(a);
-    return static_cast<int>(std::max<int64_t>(1, (max_rows + rps - 1) / rps));
+    int64_t n = (max_rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit;
+    return static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 1), kMaxSplits));
 }
 
 // ---- argmax --------------------------------------------------------------------------------------------
@@ -561,8 +913,18 @@ void launch_head_norm_rope(float *x, int n_head, int hd, bool norm, float eps, c
     if (n_head < 1 || hd < 1 || hd > 8192) throw error("cuda ds4 head_norm_rope: bad geometry");
     check_rope(rope, hd, "head_norm_rope");
     check_qat(qat, hd, rope.n_rot, "head_norm_rope");
-    head_norm_rope_kernel<<<static_cast<unsigned>(n_head), kRowThreads, sizeof(float) * hd, s>>>(
-        x, hd, norm, eps, rope.freq, rope.n_rot, qat, pos);
+    if (warp_row_fits(hd)) {  // one warp per head
+        const unsigned grid = static_cast<unsigned>((n_head + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
+        switch (hd / 64) {
+            case 1: head_norm_rope_warp_kernel<1><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            case 2: head_norm_rope_warp_kernel<2><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            case 4: head_norm_rope_warp_kernel<4><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            default: head_norm_rope_warp_kernel<8><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+        }
+    } else {  // any other width: one block per head in shared memory
+        head_norm_rope_kernel<<<static_cast<unsigned>(n_head), kRowThreads, sizeof(float) * hd, s>>>(
+            x, hd, norm, eps, rope.freq, rope.n_rot, qat, pos);
+    }
     check_launch("head_norm_rope");
 }
 
@@ -575,9 +937,18 @@ void launch_kv_finish_store(float *kv, int d, const float *norm_w, float eps, co
         throw error("cuda ds4 kv_finish_store: ring stride below the row size or misaligned");
     check_rope(rope, d, "kv_finish_store");
     check_qat(qat, d, rope.n_rot, "kv_finish_store");
-    kv_finish_store_kernel<<<1, kRowThreads, sizeof(float) * d, s>>>(
-        kv, d, norm_w, eps, rope.freq, rope.n_rot, qat, static_cast<uint8_t *>(ring), ring_f16, ring_stride,
-        window, pos);
+    uint8_t *rb = static_cast<uint8_t *>(ring);
+    if (warp_row_fits(d)) {  // one warp, no block barrier
+        switch (d / 64) {
+            case 1: kv_finish_store_warp_kernel<1><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
+            case 2: kv_finish_store_warp_kernel<2><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
+            case 4: kv_finish_store_warp_kernel<4><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
+            default: kv_finish_store_warp_kernel<8><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
+        }
+    } else {
+        kv_finish_store_kernel<<<1, kRowThreads, sizeof(float) * d, s>>>(kv, d, norm_w, eps, rope.freq, rope.n_rot,
+                                                                        qat, rb, ring_f16, ring_stride, window, pos);
+    }
     check_launch("kv_finish_store");
 }
 
@@ -592,7 +963,17 @@ void launch_compressor_step(const compressor_args &a, const float *ca, const flo
         throw error("cuda ds4 compressor: row stride below the row size or misaligned");
     check_rope(a.rope, a.dim, "compressor");
     check_qat(a.qat, a.dim, a.rope.n_rot, "compressor");
-    compressor_step_kernel<<<1, kCompThreads, sizeof(float) * a.dim, s>>>(a, ca, cg, pos, err);
+    const size_t smem = sizeof(float) * static_cast<size_t>(a.dim) * (2 + kCompChunk);  // row, max, exps
+    if (!warp_row_fits(a.dim)) {
+        compressor_step_kernel<0><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err);
+    } else {
+        switch (a.dim / 64) {
+            case 1: compressor_step_kernel<1><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err); break;
+            case 2: compressor_step_kernel<2><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err); break;
+            case 4: compressor_step_kernel<4><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err); break;
+            default: compressor_step_kernel<8><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err); break;
+        }
+    }
     check_launch("compressor");
 }
 
@@ -603,9 +984,9 @@ size_t attn_part_floats(const sparse_attn_args &a) {
 
 void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, const int64_t *pos, float *part,
                                   float *o, cudaStream_t s) {
-    if (a.n_head < 1 || a.d < 32 || a.d > kMaxD || a.d % 32 != 0 || a.window < 1 || !a.ring || !a.sinks)
+    if (a.n_head < 1 || a.d < 64 || a.d > kMaxD || a.d % 64 != 0 || a.window < 1 || !a.ring || !a.sinks)
         throw error("cuda ds4 attention: unsupported geometry (" + std::to_string(a.n_head) + " heads of " +
-                    std::to_string(a.d) + ", d a multiple of 32 <= 512, window " + std::to_string(a.window) +
+                    std::to_string(a.d) + ", d a multiple of 64 <= 512, window " + std::to_string(a.window) +
                     ")");
     if (a.ring_stride < static_cast<size_t>(a.d) * (a.ring_f16 ? 2 : 4) ||
         a.ring_stride % (a.ring_f16 ? 2 : 4) != 0)
@@ -637,12 +1018,22 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
     g.n_sel = a.n_sel;
     g.max_comp = a.mode == comp_mode::none ? 0 : a.max_comp;
     g.n_split = attn_splits(a);
+    auto pair_aligned = [](const void *base, size_t stride, bool f16) {
+        const size_t al = f16 ? 4 : 8;
+        return reinterpret_cast<uintptr_t>(base) % al == 0 && stride % al == 0;
+    };
+    g.pair_loads = pair_aligned(a.ring, a.ring_stride, a.ring_f16) &&
+                   (a.mode == comp_mode::none || pair_aligned(a.comp, a.comp_stride, a.comp_f16));
     const dim3 grid(static_cast<unsigned>(g.n_split),
                     static_cast<unsigned>((a.n_head + kHeadsPerBlock - 1) / kHeadsPerBlock));
-    attn_split_kernel<<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, part);
+    // rows staged as f16 when every row the call can read is f16 (half the shared-memory traffic)
+    if (a.ring_f16 && (a.mode == comp_mode::none || a.comp_f16))
+        attn_split_kernel<__half><<<grid, kAttnThreads, sizeof(__half) * kTileRows * a.d, s>>>(g, q, pos, part);
+    else
+        attn_split_kernel<float><<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, part);
     check_launch("attention split");
-    attn_combine_kernel<<<static_cast<unsigned>(a.n_head), kCombineThreads, sizeof(float) * a.d, s>>>(
-        part, g.n_split, a.n_head, a.d, a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
+    attn_combine_kernel<<<static_cast<unsigned>(a.n_head), kCombineThreads, 0, s>>>(g, part, a.sinks, a.rope.freq,
+                                                                                  a.rope.n_rot, pos, o);
     check_launch("attention combine");
 }
 

@@ -91,7 +91,8 @@ void launch_indexer_topk(const float *q, const float *w, float w_scale, const vo
 //   comp_mode list : rows sel[0 .. *n_sel) of comp (ratio-4 layers, indexer choice).
 // q [n_head, d], keys = values; o[h] = sum_r p_hr row_r with p = softmax over (scores * scale, sink_h)
 // (the sink is a logit in the denominator only). Then the inverse RoPE (rope, at *pos) of the last
-// n_rot dims of each head's output. `part` is scratch of attn_part_floats(...) floats. d <= 512.
+// n_rot dims of each head's output. `part` is scratch of attn_part_floats(...) floats. d a multiple of
+// 64, <= 512.
 enum class comp_mode { none, all, list };
 struct sparse_attn_args {
     int n_head = 0, d = 0;

@@ -15,7 +15,11 @@
 namespace fathom::cuda::ds4 {
 namespace {
 
-constexpr int kMixThreads = 256, kApplyThreads = 256, kMaxHc = 5;
+// Mixer: one block per fn row (plus one for r), kMixThreads threads, each thread a few 8-element
+// units of the row read with 16-byte loads (all issued before the first use), so a row costs about
+// one memory round trip instead of 64 dependent ones. Sinkhorn: one warp, the n x n matrix in
+// registers (n is a template parameter), in a block of its own beside the u blocks.
+constexpr int kMixThreads = 1024, kApplyThreads = 256, kMaxHc = 5;
 
 __device__ __forceinline__ double block_sum_d(double v, double *red) {
 #pragma unroll
@@ -24,37 +28,83 @@ __device__ __forceinline__ double block_sum_d(double v, double *red) {
     if (lane == 0) red[warp] = v;
     __syncthreads();
     double t = 0;
-    if (threadIdx.x == 0)
-        for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) t += red[w];
+    if (warp == 0) {  // the warp sums in a fixed tree order (deterministic)
+        t = lane < static_cast<int>(blockDim.x >> 5) ? red[lane] : 0.0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    }
     return t;  // valid in thread 0
 }
 
-// Blocks b < n_mix: mix[b] = fn row b . v (double sum, rounded once); block n_mix: mix[n_mix] = r =
-// 1 / sqrt(mean(v^2) + eps).
-template <bool F16>
+// Eight consecutive elements of a row (f16 or f32) and of x as floats; 16-byte loads (VEC) or scalar.
+template <bool F16, bool VEC>
+__device__ __forceinline__ void load8(const uint8_t *row, const float *x, int64_t e, float *w, float *xv) {
+    if constexpr (VEC) {
+        const float4 x0 = *reinterpret_cast<const float4 *>(x + e), x1 = *reinterpret_cast<const float4 *>(x + e + 4);
+        xv[0] = x0.x, xv[1] = x0.y, xv[2] = x0.z, xv[3] = x0.w, xv[4] = x1.x, xv[5] = x1.y, xv[6] = x1.z, xv[7] = x1.w;
+        if constexpr (F16) {
+            const uint4 h = *reinterpret_cast<const uint4 *>(reinterpret_cast<const __half *>(row) + e);
+            const uint32_t hw[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw[i]));
+                w[2 * i] = f.x, w[2 * i + 1] = f.y;
+            }
+        } else {
+            const float *r = reinterpret_cast<const float *>(row) + e;
+            const float4 w0 = *reinterpret_cast<const float4 *>(r), w1 = *reinterpret_cast<const float4 *>(r + 4);
+            w[0] = w0.x, w[1] = w0.y, w[2] = w0.z, w[3] = w0.w, w[4] = w1.x, w[5] = w1.y, w[6] = w1.z, w[7] = w1.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            xv[i] = x[e + i];
+            w[i] = F16 ? __half2float(reinterpret_cast<const __half *>(row)[e + i])
+                       : reinterpret_cast<const float *>(row)[e + i];
+        }
+    }
+}
+
+// Blocks b < n_mix: mix[b] = fn row b . v (double sum of exact products, rounded once); block n_mix:
+// mix[n_mix] = r = 1 / sqrt(mean(v^2) + eps). v = x [n]. Thread t takes the 8-element units t,
+// t + kMixThreads, ... (2 at a time, loads first); the tail n % 8 goes element-wise to the first threads.
+template <bool F16, bool VEC>
 __global__ void __launch_bounds__(kMixThreads)
     hc_mix_kernel(const uint8_t *__restrict__ fn, size_t row_bytes, const float *__restrict__ x, int64_t n,
                   int n_mix, float rms_eps, float *mix) {
     __shared__ double red[kMixThreads / 32];
     const int b = blockIdx.x;
+    const bool sq = b == n_mix;  // the r block: v . v
+    const uint8_t *row = fn + static_cast<size_t>(sq ? 0 : b) * row_bytes;
+    const int64_t units = n / 8;
     double acc = 0;
-    if (b < n_mix) {
-        const uint8_t *row = fn + static_cast<size_t>(b) * row_bytes;
-        for (int64_t i = threadIdx.x; i < n; i += kMixThreads) {
-            float w;
-            if constexpr (F16)
-                w = __half2float(reinterpret_cast<const __half *>(row)[i]);
-            else
-                w = reinterpret_cast<const float *>(row)[i];
-            acc += static_cast<double>(w) * static_cast<double>(x[i]);
+    constexpr int U = 2;  // units in flight per thread (2 cover n = 16384 at 1024 threads)
+    for (int64_t u0 = threadIdx.x; u0 < units; u0 += static_cast<int64_t>(U) * kMixThreads) {
+        float w[U][8], xv[U][8];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int64_t u = u0 + static_cast<int64_t>(k) * kMixThreads;
+            if (u < units) load8<F16, VEC>(row, x, u * 8, w[k], xv[k]);
         }
-    } else {
-        for (int64_t i = threadIdx.x; i < n; i += kMixThreads) acc += static_cast<double>(x[i]) * x[i];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            if (u0 + static_cast<int64_t>(k) * kMixThreads >= units) break;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const double xd = static_cast<double>(xv[k][i]);
+                acc = fma(sq ? xd : static_cast<double>(w[k][i]), xd, acc);
+            }
+        }
+    }
+    for (int64_t e = units * 8 + threadIdx.x; e < n; e += kMixThreads) {
+        const float w = F16 ? __half2float(reinterpret_cast<const __half *>(row)[e]) : reinterpret_cast<const float *>(row)[e];
+        const double xd = static_cast<double>(x[e]);
+        acc = fma(sq ? xd : static_cast<double>(w), xd, acc);
     }
     const double t = block_sum_d(acc, red);
     if (threadIdx.x == 0)
-        mix[b] = b < n_mix ? static_cast<float>(t)
-                           : static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(rms_eps)));
+        mix[b] = !sq ? static_cast<float>(t)
+                     : static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(rms_eps)));
 }
 
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -67,68 +117,65 @@ __device__ __forceinline__ float sigmoid_f(float x) {
     return __frcp_rn(__fadd_rn(1.0f, expf(-x)));
 }
 
-// Every block: warp 0 splits the mix and runs Sinkhorn into shared memory (lane l < n*n owns
-// comb[l]; sums are read back in the CPU's index order), then the block writes its slice of u.
-// Block 0 also writes post and comb.
+// post and comb from the mix (one warp; N = n_hc): the CPU's hc_split_sinkhorn + sinkhorn, operation
+// for operation (sums in index order, IEEE division). Lane l < N*N owns comb[l] (row j = l / N,
+// column k = l % N) in a register and reads the other entries of its row or column by shuffles, so a
+// normalisation step costs N shuffles, N adds and one division of latency (lanes >= N*N compute
+// unused values).
+template <int N>
+__device__ void hc_sinkhorn_warp(int iters, float eps, const float *__restrict__ mix, const float *__restrict__ base,
+                                 const float *__restrict__ scale, float *__restrict__ post, float *__restrict__ comb) {
+    const int l = threadIdx.x & 31;
+    const bool act = l < N * N;
+    const int j = act ? l / N : 0, k = act ? l % N : 0;
+    const float r = mix[(2 + N) * N];
+    if (l < N)
+        post[l] = __fmul_rn(2.0f, sigmoid_f(__fadd_rn(__fmul_rn(__fmul_rn(mix[N + l], r), scale[1]), base[N + l])));
+    float v = act ? __fadd_rn(__fmul_rn(__fmul_rn(mix[2 * N + l], r), scale[2]), base[2 * N + l]) : 0.0f;
+    // 1. row softmax, + eps
+    float mx = __shfl_sync(0xffffffffu, v, j * N);
+#pragma unroll
+    for (int q = 1; q < N; ++q) mx = fmaxf(mx, __shfl_sync(0xffffffffu, v, j * N + q));
+    v = expf(__fsub_rn(v, mx));
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < N; ++q) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * N + q));
+    v = __fadd_rn(__fdiv_rn(v, sum), eps);
+    // 2. column normalise; 3. (iters - 1) rounds of row then column normalisation
+    for (int it = 0; it < 2 * iters - 1; ++it) {
+        const bool col = (it & 1) == 0;
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < N; ++q) s = __fadd_rn(s, __shfl_sync(0xffffffffu, v, col ? q * N + k : j * N + q));
+        v = __fdiv_rn(v, __fadd_rn(s, eps));
+    }
+    if (act) comb[l] = v;
+}
+
+// Blocks 0 .. gridDim.x - 2: u[i] = sum_s pre_s X_s[i] for their slice of kApplyThreads elements
+// (pre_s = sigmoid(m_s scale[0] + base[s]) + eps, m_s = mix[s] r); the last block: post and comb
+// (warp 0, Sinkhorn), in parallel with the u blocks.
+template <int N>
 __global__ void __launch_bounds__(kApplyThreads)
-    hc_pre_apply_kernel(int n_hc, int64_t D, int iters, float eps, const float *__restrict__ mix,
-                        const float *__restrict__ base, const float *__restrict__ scale, const float *__restrict__ x,
-                        float *__restrict__ u, float *__restrict__ post, float *__restrict__ comb) {
-    __shared__ float pre_s[kMaxHc], c[kMaxHc * kMaxHc];
-    const int n = n_hc, nn = n * n, tid = threadIdx.x;
-    if (tid < 32) {
-        const float r = mix[(2 + n) * n];
-        const int l = tid, j = l / n, k = l % n;
-        if (l < n) {
-            const float m = __fmul_rn(mix[l], r);
-            pre_s[l] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(m, scale[0]), base[l])), eps);
-            if (blockIdx.x == 0) {
-                const float mp = __fmul_rn(mix[n + l], r);
-                post[l] = __fmul_rn(2.0f, sigmoid_f(__fadd_rn(__fmul_rn(mp, scale[1]), base[n + l])));
-            }
-        }
-        float v = 0;
-        if (l < nn) v = __fadd_rn(__fmul_rn(__fmul_rn(mix[2 * n + l], r), scale[2]), base[2 * n + l]);
-        if (l < nn) c[l] = v;
-        __syncwarp();
-        // 1. row softmax, + eps
-        if (l < nn) {
-            float mx = c[j * n];
-            for (int q = 1; q < n; ++q) mx = fmaxf(mx, c[j * n + q]);
-            v = expf(__fsub_rn(v, mx));
-        }
-        __syncwarp();
-        if (l < nn) c[l] = v;
-        __syncwarp();
-        auto row_sum = [&] {
-            float s = 0;
-            for (int q = 0; q < n; ++q) s = __fadd_rn(s, c[j * n + q]);
-            return s;
-        };
-        auto col_sum = [&] {
-            float s = 0;
-            for (int q = 0; q < n; ++q) s = __fadd_rn(s, c[q * n + k]);
-            return s;
-        };
-        if (l < nn) v = __fadd_rn(__fdiv_rn(v, row_sum()), eps);
-        __syncwarp();
-        if (l < nn) c[l] = v;
-        __syncwarp();
-        // 2. column normalise; 3. (iters - 1) rounds of row then column normalisation
-        for (int it = 0; it < 2 * iters - 1; ++it) {
-            const bool col = (it % 2) == 0;
-            if (l < nn) v = __fdiv_rn(v, __fadd_rn(col ? col_sum() : row_sum(), eps));
-            __syncwarp();
-            if (l < nn) c[l] = v;
-            __syncwarp();
-        }
-        if (blockIdx.x == 0 && l < nn) comb[l] = v;
+    hc_pre_apply_kernel(int64_t D, int iters, float eps, const float *__restrict__ mix, const float *__restrict__ base,
+                        const float *__restrict__ scale, const float *__restrict__ x, float *__restrict__ u,
+                        float *__restrict__ post, float *__restrict__ comb) {
+    if (blockIdx.x == gridDim.x - 1) {
+        if (threadIdx.x < 32) hc_sinkhorn_warp<N>(iters, eps, mix, base, scale, post, comb);
+        return;
+    }
+    __shared__ float pre_s[N];
+    const int tid = threadIdx.x;
+    if (tid < N) {
+        const float m = __fmul_rn(mix[tid], mix[(2 + N) * N]);
+        pre_s[tid] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(m, scale[0]), base[tid])), eps);
     }
     __syncthreads();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + tid;
     if (i >= D) return;
     float acc = 0;
-    for (int s = 0; s < n; ++s) acc = __fadd_rn(acc, __fmul_rn(pre_s[s], x[s * D + i]));
+#pragma unroll
+    for (int s = 0; s < N; ++s) acc = __fadd_rn(acc, __fmul_rn(pre_s[s], x[s * D + i]));
     u[i] = acc;
 }
 
@@ -170,6 +217,34 @@ void check_launch(const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
+// mix [n_mix + 1] from fn rows [n_mix, n] and x [n]: 16-byte loads when the rows, their stride, x
+// and n allow them.
+void launch_mix(dtype fn_type, const void *fn, size_t row_bytes, const float *x, int64_t n, int n_mix, float rms_eps,
+                float *mix, cudaStream_t s) {
+    const auto *w = static_cast<const uint8_t *>(fn);
+    const bool vec = reinterpret_cast<uintptr_t>(fn) % 16 == 0 && row_bytes % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const unsigned grid = static_cast<unsigned>(n_mix + 1);
+    if (fn_type == dtype::f16) {
+        if (vec)
+            hc_mix_kernel<true, true><<<grid, kMixThreads, 0, s>>>(w, row_bytes, x, n, n_mix, rms_eps, mix);
+        else
+            hc_mix_kernel<true, false><<<grid, kMixThreads, 0, s>>>(w, row_bytes, x, n, n_mix, rms_eps, mix);
+    } else {
+        if (vec)
+            hc_mix_kernel<false, true><<<grid, kMixThreads, 0, s>>>(w, row_bytes, x, n, n_mix, rms_eps, mix);
+        else
+            hc_mix_kernel<false, false><<<grid, kMixThreads, 0, s>>>(w, row_bytes, x, n, n_mix, rms_eps, mix);
+    }
+}
+
+template <int N>
+void launch_pre_apply(unsigned blocks, const hc_params &p, const float *mix, const float *base, const float *scale,
+                      const float *x, float *u, float *post, float *comb, cudaStream_t s) {
+    hc_pre_apply_kernel<N><<<blocks, kApplyThreads, 0, s>>>(p.dim, p.sinkhorn_iters, p.hc_eps, mix, base, scale, x, u,
+                                                            post, comb);
+}
+
 }  // namespace
 
 void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
@@ -185,15 +260,16 @@ void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_
     if (fn_row_bytes < dtype_row_bytes(fn_type, n) || fn_row_bytes % (fn_type == dtype::f32 ? 4 : 2) != 0)
         throw error("cuda ds4 hc_pre: mixer row stride too small or misaligned");
     const int n_mix = (2 + p.n_hc) * p.n_hc;
-    const auto *w = static_cast<const uint8_t *>(fn);
-    if (fn_type == dtype::f16)
-        hc_mix_kernel<true><<<n_mix + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, n_mix, p.rms_eps, mix);
-    else
-        hc_mix_kernel<false><<<n_mix + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, n_mix, p.rms_eps, mix);
+    launch_mix(fn_type, fn, fn_row_bytes, x, n, n_mix, p.rms_eps, mix, s);
     check_launch("hc mix");
-    const unsigned blocks = static_cast<unsigned>((p.dim + kApplyThreads - 1) / kApplyThreads);
-    hc_pre_apply_kernel<<<blocks, kApplyThreads, 0, s>>>(p.n_hc, p.dim, p.sinkhorn_iters, p.hc_eps, mix, base, scale,
-                                                         x, u, post, comb);
+    const unsigned blocks = static_cast<unsigned>((p.dim + kApplyThreads - 1) / kApplyThreads) + 1;
+    switch (p.n_hc) {
+    case 1: launch_pre_apply<1>(blocks, p, mix, base, scale, x, u, post, comb, s); break;
+    case 2: launch_pre_apply<2>(blocks, p, mix, base, scale, x, u, post, comb, s); break;
+    case 3: launch_pre_apply<3>(blocks, p, mix, base, scale, x, u, post, comb, s); break;
+    case 4: launch_pre_apply<4>(blocks, p, mix, base, scale, x, u, post, comb, s); break;
+    default: launch_pre_apply<5>(blocks, p, mix, base, scale, x, u, post, comb, s); break;
+    }
     check_launch("hc pre");
 }
 
@@ -208,11 +284,7 @@ void launch_hc_head(const hc_params &p, dtype fn_type, const void *fn, size_t fn
     const int64_t n = static_cast<int64_t>(p.n_hc) * p.dim;
     if (fn_row_bytes < dtype_row_bytes(fn_type, n) || fn_row_bytes % (fn_type == dtype::f32 ? 4 : 2) != 0)
         throw error("cuda ds4 hc_head: mixer row stride too small or misaligned");
-    const auto *w = static_cast<const uint8_t *>(fn);
-    if (fn_type == dtype::f16)
-        hc_mix_kernel<true><<<p.n_hc + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, p.n_hc, p.rms_eps, mix);
-    else
-        hc_mix_kernel<false><<<p.n_hc + 1, kMixThreads, 0, s>>>(w, fn_row_bytes, x, n, p.n_hc, p.rms_eps, mix);
+    launch_mix(fn_type, fn, fn_row_bytes, x, n, p.n_hc, p.rms_eps, mix, s);
     check_launch("hc head mix");
     const unsigned blocks = static_cast<unsigned>((p.dim + kApplyThreads - 1) / kApplyThreads);
     hc_head_apply_kernel<<<blocks, kApplyThreads, 0, s>>>(p.n_hc, p.dim, p.hc_eps, mix, base, scale, x, z);

@@ -5,16 +5,27 @@
 // and ds4_attn_kernels.h (launch_indexer_topk, row count derived on the device from the position,
 // so it can be captured in a CUDA graph): both run the same two kernels.
 //
-// Scores: each head's dot product is accumulated in double from exact products and rounded once
-// (the CPU's dot_f32 also sums exact products in double), then w_h * relu(dot) is added over heads
-// in head order with round-to-nearest f32 operations: the CPU's score bits, barring a double sum
-// that lands within 1e-16 of a float rounding boundary. Top-k: 4-pass radix select (8 bits per
-// pass) of the k-th largest order-preserving key in one block, then an ordered compaction.
+// Scores: each head's dot product is a double sum of exact f32 x f32 products rounded once to f32,
+// then w_h * relu(dot) is added over heads in head order with round-to-nearest f32 operations.
+//   DS4 geometry (64 heads x 128 dims): indexer_score64_kernel repeats the CPU's dot_f32 order
+//   exactly (16 double lanes, lane l summing dims l, l + 16, ... in order, then the pairwise tree
+//   8/4/2/1), so the scores are the CPU's bits. 8 threads are the CPU's 16 lanes for 4 heads (q in
+//   registers as doubles), the tree's last three steps a reduce-scatter over their shuffles.
+//   Other geometries: indexer_score_kernel, one warp per row, sequential double sum per head (the
+//   CPU's bits barring a double sum within 1e-16 of an f32 rounding boundary).
+// Top-k: radix select of the k-th largest order-preserving key in 3 passes of 11/11/10 bits, then an
+// ordered compaction. Large row sets run on a cluster of kClusterBlocks blocks (sm_90: histograms
+// merged through distributed shared memory, in rank order); small ones (and pre-sm_90 devices) on
+// one block of the same kernel.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <string>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+#endif
 
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -25,6 +36,11 @@ namespace {
 
 constexpr int kScoreWarps = 8, kMaxIdxHeads = 128, kMaxIdxDim = 256;
 constexpr int kSelectThreads = 1024;
+constexpr int kClusterBlocks = 8;        // portable cluster size (sm_90)
+constexpr int64_t kClusterMinRows = 4096;  // fewer rows: one block
+constexpr int kKeyCache = 4096;           // keys per block kept in shared memory between passes
+constexpr int kBins = 2048;               // 11-bit digits
+constexpr int kFastHeads = 64, kFastDim = 128, kFastRows = 32;  // indexer_score64_kernel geometry
 
 // Number of visible rows: fixed (pos == null) or (*pos + 1) / ratio capped at max_n (decode).
 struct row_count {
@@ -81,6 +97,121 @@ __global__ void __launch_bounds__(32 * kScoreWarps)
     }
 }
 
+// Scores for 64 heads x 128 dims, in dot_f32's order. Block: 256 threads = 32 groups of 8 lanes;
+// warp w covers heads 16 (w % 4) .. + 16 (4 per group) of the rows of parity w / 4 in each tile of
+// kFastRows rows (the 4 groups of a warp share the row: broadcast shared-memory reads). Lane m of a
+// group stands for the CPU's double lanes m and m + 8: it holds q_h[m + 16 i + 8 p] (i < 8, p < 2) for
+// its 4 heads in registers, sums each lane's 8 products in order, and adds the two (the tree's w = 8
+// step). The steps w = 4, 2, 1 run as a reduce-scatter over the group's shuffles: a lane keeps half of
+// its heads, adds the partner's value for them (the pair the CPU adds; addition commutes) and hands
+// over the other half. Persistent blocks loop over row tiles; the next tile's rows are loaded into
+// registers while the current one is scored, and the head sums of a tile (64 dependent adds per row,
+// in head order) run during the next tile's scoring, spread over the warps.
+__device__ __forceinline__ int ks_index(int j) {  // dim j -> slot: lane m's pair (m + 16 i, + 8) adjacent
+    const int i = j / 16, rem = j % 16;
+    return ((i * 8 + rem % 8) * 2) + rem / 8;
+}
+
+template <bool F16>
+__device__ __forceinline__ void fetch_tile(const void *rows, size_t row_stride, int64_t c0, int64_t n, float *v) {
+    constexpr int kPer = kFastRows * kFastDim / 256;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+        const int e = threadIdx.x + 256 * k, r = e / kFastDim, j = e % kFastDim;
+        const int64_t c = c0 + r;
+        const uint8_t *rp = static_cast<const uint8_t *>(rows) + static_cast<size_t>(c) * row_stride;
+        v[k] = c >= n ? 0.0f
+               : F16  ? __half2float(reinterpret_cast<const __half *>(rp)[j])
+                      : reinterpret_cast<const float *>(rp)[j];
+    }
+}
+
+// score[c0 + r] for the tile's rows r = 4 warp + lane (lane < 4): the CPU's head-order f32 sum.
+__device__ __forceinline__ void sum_tile(const float (*part)[kFastHeads], int64_t c0, int64_t n, float *score) {
+    const int lane = threadIdx.x & 31, r = 4 * (threadIdx.x >> 5) + lane;
+    if (lane < 4 && c0 + r < n) {
+        float sc = 0.0f;
+#pragma unroll 16
+        for (int h = 0; h < kFastHeads; ++h) sc = __fadd_rn(sc, part[r][h]);
+        score[c0 + r] = sc;
+    }
+}
+
+template <bool F16>
+__global__ void __launch_bounds__(256, 1)
+    indexer_score64_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
+                           const void *__restrict__ rows, size_t row_stride, row_count rc, int topk,
+                           float *__restrict__ score) {
+    static_assert(kFastRows == 32, "sum_tile maps 8 warps x 4 lanes to the tile's rows");
+    const int64_t n = rc.get();
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kFastRows, step = static_cast<int64_t>(gridDim.x) * kFastRows;
+    if (n <= topk || first >= n) return;  // no scores needed / no tile for this block (block-uniform exits)
+    __shared__ __align__(16) double ks[kFastRows][kFastDim];  // the tile's rows as doubles, ks_index order
+    __shared__ float part[2][kFastRows][kFastHeads];  // w_h * relu(dot) per row and head, two tiles (48 KB in all)
+    const int tid = threadIdx.x, lane = tid & 31, m = lane & 7, warp = tid >> 5;
+    const int h0 = 16 * (warp & 3) + 4 * (lane >> 3), rpar = warp >> 2;  // the group's heads h0 .. h0 + 3
+    double qr[4][8][2];  // [head][i][p]: q_{h0 + hh}[m + 16 i + 8 p]
+#pragma unroll
+    for (int hh = 0; hh < 4; ++hh)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int p = 0; p < 2; ++p)
+                qr[hh][i][p] = static_cast<double>(q[(h0 + hh) * kFastDim + m + 16 * i + 8 * p]);
+    const bool up4 = (m & 4) != 0, up2 = (m & 2) != 0;
+    const int my_head = h0 + (up4 ? 2 : 0) + (up2 ? 1 : 0);  // the head a lane ends with (m even)
+    const float w_my = __fmul_rn(w[my_head], w_scale);     // the CPU's scaled weight of that head
+    constexpr int kPer = kFastRows * kFastDim / 256;
+    float v[kPer];
+    fetch_tile<F16>(rows, row_stride, first, n, v);
+    int64_t prev = -1;  // the tile whose head sums are pending (in part[pb ^ 1])
+    int pb = 0;
+    for (int64_t c0 = first; c0 < n; c0 += step) {
+        __syncthreads();  // ks consumed by the previous tile's scoring
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+            const int e = tid + 256 * k;
+            ks[e / kFastDim][ks_index(e % kFastDim)] = static_cast<double>(v[k]);
+        }
+        __syncthreads();
+        if (c0 + step < n) fetch_tile<F16>(rows, row_stride, c0 + step, n, v);  // in flight while scoring
+        if (prev >= 0) sum_tile(part[pb ^ 1], prev, n, score);
+        for (int r = rpar; r < kFastRows; r += 2) {
+            if (c0 + r >= n) break;  // warp-uniform: the warp's groups share r
+            double acc[4][2];
+#pragma unroll
+            for (int hh = 0; hh < 4; ++hh) acc[hh][0] = acc[hh][1] = 0.0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const double2 kk = *reinterpret_cast<const double2 *>(&ks[r][(i * 8 + m) * 2]);
+#pragma unroll
+                for (int hh = 0; hh < 4; ++hh) {
+                    acc[hh][0] = fma(qr[hh][i][0], kk.x, acc[hh][0]);
+                    acc[hh][1] = fma(qr[hh][i][1], kk.y, acc[hh][1]);
+                }
+            }
+            double b[4], c2[2], d;
+#pragma unroll
+            for (int hh = 0; hh < 4; ++hh) b[hh] = acc[hh][0] + acc[hh][1];  // w = 8, in the lane
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {  // w = 4: lanes with m & 4 keep heads 2-3, the others 0-1
+                const double give = up4 ? b[j] : b[2 + j], keep = up4 ? b[2 + j] : b[j];
+                c2[j] = keep + __shfl_xor_sync(0xffffffffu, give, 4);
+            }
+            {  // w = 2
+                const double give = up2 ? c2[0] : c2[1], keep = up2 ? c2[1] : c2[0];
+                d = keep + __shfl_xor_sync(0xffffffffu, give, 2);
+            }
+            const double e = d + __shfl_xor_sync(0xffffffffu, d, 1);  // w = 1
+            if ((m & 1) == 0) part[pb][r][my_head] = __fmul_rn(w_my, fmaxf(0.0f, __double2float_rn(e)));
+        }
+        prev = c0;
+        pb ^= 1;
+    }
+    __syncthreads();
+    if (prev >= 0) sum_tile(part[pb ^ 1], prev, n, score);
+}
+
 // Order-preserving key: larger float -> larger key (-0 mapped with +0: equal scores tie).
 __device__ __forceinline__ uint32_t key_of(float f) {
     if (f == 0.0f) f = 0.0f;
@@ -88,7 +219,7 @@ __device__ __forceinline__ uint32_t key_of(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix of a 0/1 flag over the block (in thread order) and the block total.
+// Exclusive prefix of a 0/1 flag over the block of kSelectThreads (in thread order) and the block total.
 __device__ __forceinline__ int block_scan01(bool flag, int *warp_tot, int &total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned b = __ballot_sync(0xffffffffu, flag);
@@ -98,67 +229,180 @@ __device__ __forceinline__ int block_scan01(bool flag, int *warp_tot, int &total
     __syncthreads();
     int before = 0;
     total = 0;
-    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i) {
-        if (i < warp) before += warp_tot[i];
-        total += warp_tot[i];
+#pragma unroll
+    for (int i = 0; i < kSelectThreads / 32; ++i) {  // (blockDim.x == kSelectThreads) loads pipelined
+        const int t = warp_tot[i];
+        before += i < warp ? t : 0;
+        total += t;
     }
     return before + in_warp;
 }
 
+// The cluster the block belongs to (nb blocks; nb == 1: the block alone, no cluster instructions).
+struct cluster_ctx {
+    int nb = 1, rank = 0;
+    __device__ void sync() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (nb > 1) {
+            cooperative_groups::this_cluster().sync();
+            return;
+        }
+#endif
+        __syncthreads();
+    }
+    // Block r's copy of the shared variable p.
+    template <class T>
+    __device__ T *at(T *p, int r) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (nb > 1) return cooperative_groups::this_cluster().map_shared_rank(p, r);
+#endif
+        return p;
+    }
+};
+
+// Exact top-k of score[0 .. n) by a cluster of nb blocks (grid = the cluster): block r owns the rows
+// [r * chunk, (r + 1) * chunk). Three radix passes (bits 31-21, 20-10, 9-0 of the key) narrow the key
+// of the k-th largest score: per pass each block histograms its candidates (keys matching the prefix
+// so far) with warp-aggregated shared atomics, the blocks sum all histograms in rank order, and every
+// block finds the same digit with a suffix scan. Then each block takes its keys above the threshold and
+// the first `need` equal ones in row order (counts before it from lower ranks), written at its offset.
 __global__ void __launch_bounds__(kSelectThreads)
-    topk_select_kernel(const float *__restrict__ score, row_count rc, int k, int32_t *__restrict__ out,
+    topk_select_kernel(const float *__restrict__ score, row_count rc, int k, int nb, int32_t *__restrict__ out,
                        int32_t *__restrict__ n_out) {
+    cluster_ctx cl;
+    cl.nb = nb;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (nb > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#endif
     const int64_t n = rc.get();
-    if (threadIdx.x == 0 && n_out) *n_out = static_cast<int32_t>(n < k ? n : k);
-    if (n <= k) {  // every row, ascending (block-uniform branch)
-        for (int64_t c = threadIdx.x; c < n; c += blockDim.x) out[c] = static_cast<int32_t>(c);
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (tid == 0 && cl.rank == 0 && n_out) *n_out = static_cast<int32_t>(n < k ? n : k);
+    if (n <= k) {  // every row, ascending (uniform over the cluster: no block waits on another)
+        for (int64_t c = static_cast<int64_t>(cl.rank) * blockDim.x + tid; c < n;
+             c += static_cast<int64_t>(nb) * blockDim.x)
+            out[c] = static_cast<int32_t>(c);
         return;
     }
-    __shared__ int hist[256];
+    __shared__ int hist[2][kBins];  // double-buffered: pass p zeroes hist[p & 1] while others may read hist[1 - (p & 1)]
+    __shared__ int tot[kBins];
+    __shared__ uint32_t keys[kKeyCache];
     __shared__ int warp_tot[kSelectThreads / 32];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_need;
-    const int tid = threadIdx.x;
+    __shared__ int s_bin, s_cum;
+    __shared__ int s_counts[2];  // this block's keys above the threshold, equal to it
+    const int64_t chunk = (n + nb - 1) / nb, lo = std::min<int64_t>(n, cl.rank * chunk),
+                  len = std::min<int64_t>(n, lo + chunk) - lo;
+    auto key_at = [&](int64_t i) -> uint32_t { return i < kKeyCache ? keys[i] : key_of(score[lo + i]); };
+
     uint32_t prefix = 0, mask = 0;
     int need = k;  // how many of the remaining candidates (key & mask == prefix) to take
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+        int *h = hist[pass & 1];
+        for (int i = tid; i < kBins; i += blockDim.x) h[i] = 0;
         __syncthreads();
-        for (int64_t c = tid; c < n; c += blockDim.x) {
-            const uint32_t key = key_of(score[c]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
-        }
-        __syncthreads();
-        if (tid == 0) {
-            int cum = 0, b = 255;
-            for (; b > 0; --b) {
-                if (cum + hist[b] >= need) break;
-                cum += hist[b];
+        for (int64_t i0 = 0; i0 < len; i0 += blockDim.x) {  // warp-uniform trip count
+            const int64_t i = i0 + tid;
+            uint32_t bin = 0xffffffffu;  // not a candidate
+            if (i < len) {
+                uint32_t key;
+                if (pass == 0) {
+                    key = key_of(score[lo + i]);
+                    if (i < kKeyCache) keys[i] = key;
+                } else {
+                    key = key_at(i);
+                }
+                if ((key & mask) == prefix) bin = (key >> shift) & (kBins - 1);
             }
-            s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
-            s_need = need - cum;
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&h[bin], __popc(peers));
+        }
+        cl.sync();  // every block's histogram complete (and, nb == 1, this block's)
+#pragma unroll
+        for (int i0 = 0; i0 < kBins; i0 += kSelectThreads) {  // all remote loads issued, then summed in rank order
+            const int i = i0 + tid;
+            int hv[kClusterBlocks];
+#pragma unroll
+            for (int r = 0; r < kClusterBlocks; ++r) hv[r] = r < nb ? cl.at(h, r)[i] : 0;
+            int t = 0;
+#pragma unroll
+            for (int r = 0; r < kClusterBlocks; ++r) t += hv[r];
+            tot[i] = t;
         }
         __syncthreads();
-        prefix = s_prefix;
-        need = s_need;
-        mask |= 255u << shift;
+        // Thread u covers bins 2t + 1, 2t with t = kSelectThreads - 1 - u (u ascending = bins
+        // descending); an inclusive scan over u gives the count of candidates in higher bins.
+        {
+            const int t = kSelectThreads - 1 - tid;
+            const int hi = tot[2 * t + 1], lo_c = tot[2 * t], v = hi + lo_c;
+            int incl = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            if (lane == 31) warp_tot[tid >> 5] = incl;
+            __syncthreads();
+            int before = 0;
+#pragma unroll
+            for (int wi = 0; wi < kSelectThreads / 32; ++wi) before += wi < (tid >> 5) ? warp_tot[wi] : 0;
+            incl += before;
+            const int excl = incl - v;
+            if (excl < need && need <= excl + hi) {
+                s_bin = 2 * t + 1;
+                s_cum = excl;
+            } else if (excl + hi < need && need <= incl) {
+                s_bin = 2 * t;
+                s_cum = excl + hi;
+            }
+        }
+        __syncthreads();
+        prefix |= static_cast<uint32_t>(s_bin) << shift;
+        mask |= static_cast<uint32_t>(kBins - 1) << shift;
+        need -= s_cum;
+        __syncthreads();  // s_bin / s_cum / warp_tot reused by the next pass
     }
-    // prefix = key of the k-th largest score; take every key above it and the first `need` rows
-    // (lowest indices) whose key equals it, writing the rows in ascending order.
-    int eq_seen = 0, written = 0;
-    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
-        const int64_t c = c0 + tid;
-        const uint32_t key = c < n ? key_of(score[c]) : 0u;
-        const bool eq = c < n && key == prefix;
+    // prefix = key of the k-th largest score. This block's counts above it and equal to it.
+    int gt = 0, eq = 0;
+    for (int64_t i = tid; i < len; i += blockDim.x) {
+        const uint32_t key = key_at(i);
+        gt += key > prefix;
+        eq += key == prefix;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        gt += __shfl_xor_sync(0xffffffffu, gt, o);
+        eq += __shfl_xor_sync(0xffffffffu, eq, o);
+    }
+    if (tid == 0) s_counts[0] = s_counts[1] = 0;
+    __syncthreads();
+    if (lane == 0) {  // integer sums: any order gives the same counts
+        atomicAdd(&s_counts[0], gt);
+        atomicAdd(&s_counts[1], eq);
+    }
+    cl.sync();  // every block's counts complete
+    int eq_base = 0, out_base = 0;
+    for (int r = 0; r < cl.rank; ++r) {
+        const int *cr = cl.at(s_counts, r);
+        const int r_gt = cr[0], r_eq = cr[1];
+        out_base += r_gt + std::min(std::max(need - eq_base, 0), r_eq);
+        eq_base += r_eq;
+    }
+    // Ordered compaction of this block's rows.
+    int eq_seen = eq_base, written = out_base;
+    for (int64_t i0 = 0; i0 < len; i0 += blockDim.x) {
+        const int64_t i = i0 + tid;
+        const uint32_t key = i < len ? key_at(i) : 0u;
+        const bool is_eq = i < len && key == prefix;
         int eq_total;
-        const int eq_before = eq_seen + block_scan01(eq, warp_tot, eq_total);
-        const bool take = c < n && (key > prefix || (eq && eq_before < need));
+        const int eq_before = eq_seen + block_scan01(is_eq, warp_tot, eq_total);
+        const bool take = i < len && (key > prefix || (is_eq && eq_before < need));
         int take_total;
         const int pos = written + block_scan01(take, warp_tot, take_total);
-        if (take) out[pos] = static_cast<int32_t>(c);
+        if (take) out[pos] = static_cast<int32_t>(lo + i);
         eq_seen += eq_total;
         written += take_total;
     }
+    cl.sync();  // no block leaves while another may still read its shared counts
 }
 
 void check_launch(const char *what) {
@@ -175,17 +419,25 @@ void indexer_run(const float *q, const float *w, float w_scale, const void *rows
                     std::to_string(dim) + " (<= 128 heads, dim <= 256), top-k " + std::to_string(topk));
     if (max_n < 0 || max_n > 0x7fffffff)
         throw error("cuda ds4 indexer: row count " + std::to_string(max_n) + " out of range");
-    if (max_n > topk) {  // otherwise no call can need scores
+    int dev = 0, sms = 0, cc_major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+    sms = std::max(sms, 1);
+    if (max_n > topk && n_head == kFastHeads && dim == kFastDim) {  // the DS4 geometry, CPU-exact order
+        const unsigned grid = static_cast<unsigned>(std::min<int64_t>((max_n + kFastRows - 1) / kFastRows, sms));
+        if (rows_f16)
+            indexer_score64_kernel<true><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score);
+        else
+            indexer_score64_kernel<false><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score);
+        check_launch("indexer score");
+    } else if (max_n > topk) {  // otherwise no call can need scores
         const size_t smem = sizeof(float) * (static_cast<size_t>(n_head) * (dim + 1) + kScoreWarps * dim +
                                              static_cast<size_t>(kScoreWarps) * n_head);
         if (smem > 48 * 1024)
             throw error("cuda ds4 indexer: query of " + std::to_string(smem) + " bytes exceeds 48 KB");
-        int dev = 0, sms = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         const int64_t want = (max_n + kScoreWarps - 1) / kScoreWarps;
-        const unsigned grid =
-            static_cast<unsigned>(std::min<int64_t>(want, 4 * static_cast<int64_t>(std::max(sms, 1))));
+        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(want, 4 * static_cast<int64_t>(sms)));
         if (rows_f16)
             indexer_score_kernel<true><<<grid, 32 * kScoreWarps, smem, s>>>(q, w, w_scale, rows, row_stride, rc, topk,
                                                                             n_head, dim, score);
@@ -194,7 +446,26 @@ void indexer_run(const float *q, const float *w, float w_scale, const void *rows
                                                                              topk, n_head, dim, score);
         check_launch("indexer score");
     }
-    topk_select_kernel<<<1, kSelectThreads, 0, s>>>(score, rc, topk, out, n_out);
+    // Top-k: a cluster of kClusterBlocks when the row set can be large and the device has clusters.
+    const int nb = cc_major >= 9 && max_n > kClusterMinRows ? kClusterBlocks : 1;
+    if (nb == 1) {
+        topk_select_kernel<<<1, kSelectThreads, 0, s>>>(score, rc, topk, 1, out, n_out);
+    } else {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(static_cast<unsigned>(nb));  // the grid is one cluster
+        cfg.blockDim = dim3(kSelectThreads);
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = static_cast<unsigned>(nb);
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, topk_select_kernel, score, rc, topk, nb, out, n_out);
+        if (e != cudaSuccess)
+            throw error(std::string("cuda ds4 indexer top-k: cluster launch failed: ") + cudaGetErrorString(e));
+    }
     check_launch("indexer top-k");
 }
 
