@@ -14,7 +14,9 @@
 //   nccl_pipeline loop R ID_FILE DIE_RANK DIE_S
 //                                            failure test: rank 0 sends decode steps for up to 60 s; rank
 //                                            DIE_RANK SIGKILLs itself DIE_S seconds after init. The
-//                                            survivor must exit with a one-line error (rc 4), not hang.
+//                                            survivor must exit with a one-line error (rc 4) at once
+//                                            (liveness side channel), not by a deadline and not hang --
+//                                            rank 1 too, which idles in recv_idle between steps.
 // MODEL: "synth" (reduced DS4 geometry, preset "tiny", seed 7: 6 blocks, ring wrap, both compressor
 // kinds, indexer top-k) or "golden" (ds4-tiny-a.gguf and the 300-token strict case of cases.jsonl
 // under FATHOM_SHARED_DIR/golden/ds4-tiny; the device script carries them).
@@ -124,22 +126,8 @@ bool read_floats(const std::string &path, std::vector<float> &v) {
     return static_cast<bool>(f);
 }
 
-std::string exchange_id(int rank, const std::string &path) {
-    if (rank == 0) {
-        const std::string id = dist::nccl_new_id();
-        std::ofstream(path + ".tmp") << id;
-        std::rename((path + ".tmp").c_str(), path.c_str());
-        return id;
-    }
-    for (int i = 0; i < 600; ++i) {  // 30 s
-        std::ifstream in(path);
-        std::string s;
-        if (in >> s && s.size() == 256) return s;
-        std::this_thread::sleep_for(50ms);
-    }
-    throw error("nccl_pipeline: no NCCL id in " + path);
-}
-
+// Rank 0 makes the rendezvous (NCCL id + liveness listener on 127.0.0.1) and publishes its id,
+// "<256 hex>@127.0.0.1:port", in `path` (written whole, then renamed); rank 1 polls for it.
 std::unique_ptr<dist::transport> join(int rank, const std::string &id_path) {
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 2)
@@ -147,7 +135,19 @@ std::unique_ptr<dist::transport> join(int rank, const std::string &id_path) {
     dist::nccl_options o;
     o.device = rank;
     o.timeout = 5s;
-    return dist::make_nccl_transport(rank, 2, exchange_id(rank, id_path), o);
+    if (rank == 0) {
+        dist::nccl_root root(o);
+        std::ofstream(id_path + ".tmp") << root.id();
+        std::rename((id_path + ".tmp").c_str(), id_path.c_str());
+        return dist::make_nccl_transport(std::move(root), 2, o);
+    }
+    for (int i = 0; i < 600; ++i) {  // 30 s
+        std::ifstream in(id_path);
+        std::string s;
+        if (in >> s && s.size() > 256) return dist::make_nccl_transport(rank, 2, s, o);
+        std::this_thread::sleep_for(50ms);
+    }
+    throw error("nccl_pipeline: no NCCL id in " + id_path);
 }
 
 double since(clk::time_point t0) {
@@ -217,8 +217,8 @@ int mode_rank(int rank, const std::string &id_path, const std::string &model, co
     return ok ? 0 : 1;
 }
 
-// Failure test: one rank kills itself mid-run (no abort, no goodbye); the other must fail by its
-// deadline with a one-line error. rc 4 = failed as expected.
+// Failure test: one rank kills itself mid-run (no abort, no goodbye); the other must fail with a
+// one-line error naming the dead peer (liveness side channel). rc 4 = failed as expected.
 int mode_loop(int rank, const std::string &id_path, int die_rank, double die_s) {
     const auto w = make_workload("synth");
     auto t = join(rank, id_path);
