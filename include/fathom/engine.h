@@ -40,6 +40,13 @@ struct engine_options {
     // On CUDA, exact / batch_invariant do not apply (one numerics: f32 decode GEMV, bf16 prefill GEMM).
     std::string device = "cpu";
     bool cuda_graphs = true;       // CUDA: replay single-token decode steps as a captured CUDA graph
+    // DeepSeek V4 only: split the blocks over several devices of this process, e.g. "cpu,cpu" or
+    // "cuda:0,cuda:1" (entries cpu | cuda | cuda:N; a device may repeat). Each session evaluates through
+    // a layer pipeline with one thread per device, each device owning a contiguous block range
+    // (docs/dist.md); the logits equal a one-device run on the same kind of device. "" = one device
+    // (`device`, which must then stay "cpu"). Other architectures throw; so do bad entries, more
+    // devices than blocks and CUDA entries in a build without CUDA.
+    std::string devices;
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";

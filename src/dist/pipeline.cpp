@@ -75,7 +75,9 @@ pipeline_rank::pipeline_rank(const ds4::model &m, std::vector<layer_range> range
         o.kv = kv;
         o.first_layer = range().first;
         o.last_layer = range().last;
-        gpu_->seq = std::make_unique<ds4::cuda_sequence>(ds4::cuda_upload(m_, o), dev_.n_ctx);
+        // Reuse the engine's upload of this range when given (it must be this device's and range's).
+        std::shared_ptr<const ds4::cuda_weights> w = dev_.weights ? dev_.weights : ds4::cuda_upload(m_, o);
+        gpu_->seq = std::make_unique<ds4::cuda_sequence>(std::move(w), dev_.n_ctx, dev_.cuda_graphs);
 #else
         throw error("dist: CUDA stage requested but this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
 #endif
@@ -241,22 +243,38 @@ struct local_pipeline::impl {
 
 local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat,
                                kv_precision kv, std::chrono::milliseconds timeout)
+    : local_pipeline(m, ranges, qat, kv, ds4::exec_options{}, std::vector<stage_device>(ranges.size()), timeout) {}
+
+local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat,
+                               kv_precision kv, ds4::exec_options exec, std::vector<stage_device> devices,
+                               std::chrono::milliseconds timeout)
     : p_(std::make_unique<impl>()) {
     const int n = static_cast<int>(ranges.size());
+    if (devices.size() != ranges.size())
+        throw error("dist: " + std::to_string(devices.size()) + " stage devices for " + std::to_string(n) +
+                    " layer ranges");
     p_->hub = std::make_unique<inprocess_hub>(n, timeout);
     for (int r = 0; r < n; ++r) {
         p_->ends.push_back(p_->hub->endpoint(r));
-        p_->ranks.push_back(std::make_unique<pipeline_rank>(m, ranges, *p_->ends.back(), qat, kv));
+        p_->ranks.push_back(std::make_unique<pipeline_rank>(m, ranges, *p_->ends.back(), qat, kv, exec,
+                                                            devices[static_cast<size_t>(r)]));
     }
     p_->errors.resize(static_cast<size_t>(n));
-    for (int r = 1; r < n; ++r)
-        p_->threads.emplace_back([this, r] {
-            try {
-                p_->ranks[static_cast<size_t>(r)]->serve();
-            } catch (const std::exception &e) {
-                p_->errors[static_cast<size_t>(r)] = e.what();
-            }
-        });
+    try {
+        for (int r = 1; r < n; ++r)
+            p_->threads.emplace_back([this, r] {
+                try {
+                    p_->ranks[static_cast<size_t>(r)]->serve();
+                } catch (const std::exception &e) {
+                    p_->errors[static_cast<size_t>(r)] = e.what();
+                }
+            });
+    } catch (const std::exception &e) {
+        // No thread for a rank (system limit): wake the started ones and join them before rethrowing.
+        p_->ends[0]->abort(std::string("starting the pipeline: ") + e.what());
+        for (auto &t : p_->threads) t.join();
+        throw;
+    }
 }
 
 local_pipeline::~local_pipeline() {

@@ -13,13 +13,19 @@
 // rank that sees it and aborts that rank's transport, so the others fail fast too. The ranks' states
 // then disagree: a pipeline that threw must be torn down, not reused.
 #pragma once
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "dist/transport.h"
 #include "models/deepseek4.h"
+
+namespace fathom::ds4 {
+class cuda_weights;  // backend/cuda/ds4_model.h (CUDA builds only)
+}
 
 namespace fathom::dist {
 
@@ -45,6 +51,11 @@ std::vector<layer_range> even_ranges(int n_layer, int parts);
 struct stage_device {
     int cuda_device = -1;  // -1: CPU
     int64_t n_ctx = 0;     // CUDA: the sequence capacity (tokens)
+    // CUDA: this rank's blocks already on the device (ds4::cuda_upload with the rank's block range
+    // and cuda_device), shared by every pipeline of an engine so that a new sequence costs only its
+    // KV state; null: the rank uploads its blocks itself.
+    std::shared_ptr<const ds4::cuda_weights> weights;
+    bool cuda_graphs = true;  // CUDA: replay the captured decode step (ds4::cuda_sequence use_graph)
 };
 
 class pipeline_rank {
@@ -97,11 +108,21 @@ class pipeline_rank {
 namespace fathom::dist {
 
 // A whole pipeline inside one process: ranks 1.. run serve() on their own threads over an
-// inprocess_hub; the caller drives rank 0. For CPU tests and debugging the split logic without
-// devices. The destructor stops and joins the threads.
+// inprocess_hub (host-memory hand-off of the HC state); the caller drives rank 0. Used by the DS4
+// engine's --devices (one pipeline per session; src/engine/ds4_session.cpp) and by the CPU tests.
+// The destructor stops and joins the threads.
 class local_pipeline {
   public:
+    // Every rank on the CPU with the reference exec options (no thread pool).
     local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat, kv_precision kv,
+                   std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+    // Rank r evaluates on devices[r] (devices.size() == ranges.size()); CPU ranks use `exec`. The
+    // ranks are built on the calling thread (a CUDA stage allocates its sequence there); a rank that
+    // cannot be built throws here, before any thread starts. `exec.pool` may be shared by the ranks:
+    // they run one at a time as long as the caller waits for each forward's logits (a forward without
+    // logits returns once rank 0 has sent its state on, while the later ranks still compute).
+    local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat, kv_precision kv,
+                   ds4::exec_options exec, std::vector<stage_device> devices,
                    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
     ~local_pipeline();
     local_pipeline(const local_pipeline &) = delete;

@@ -8,6 +8,18 @@
 // tokens are a prefix of the requested ones (then only the new tokens are evaluated); any other
 // divergence, including a request that is a strict prefix of what is held, resets the state and
 // evaluates the whole prefix. Appending turns to a conversation therefore never re-evaluates.
+//
+// Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
+// each device a contiguous block range (the placement planner's choice when every device is a CUDA
+// device, whose free memory it can read; an even split otherwise) and uploads each CUDA device's
+// blocks once. Each *session* owns a dist::local_pipeline: one thread per further device, each rank
+// holding the KV state of its blocks only, the HC state handed from rank to rank in host memory.
+// Why per session: a DS4 state cannot be swapped out of a pipeline's ranks nor truncated, so one
+// engine-wide pipeline shared by sessions would have to re-evaluate a session's whole history at
+// every switch. Sessions still take turns under the engine's forward mutex (the CPU ranks share
+// the engine's thread pool, which serves one caller at a time), and every chunk asks for logits so
+// the pipeline is idle again when forward returns. A pipeline that threw is torn down (its ranks'
+// states disagree) and the session starts afresh with a new one.
 #include "engine/ds4_session.h"
 
 #include <unistd.h>
@@ -24,6 +36,8 @@
 #include "chat/chat_template.h"
 #include "chat/ds4_chat.h"
 #include "core/error.h"
+#include "dist/pipeline.h"
+#include "dist/planner.h"
 #include "engine/device.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
@@ -49,6 +63,38 @@ void check_options(const engine_options &o) {
     if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
     if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
 }
+
+// engine_options::devices ("cpu,cuda:1,...") -> per entry -1 (the CPU) or a CUDA ordinal that
+// resolve_cuda_ordinal accepted. Throws one line naming the list and the bad entry.
+std::vector<int> parse_device_list(const std::string &list) {
+    std::vector<int> out;
+    size_t pos = 0;
+    for (;;) {
+        const size_t comma = list.find(',', pos);
+        const std::string d = list.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+        const std::string where = "devices '" + list + "': entry " + std::to_string(out.size() + 1);
+        const bool cuda_n = d.size() > 5 && d.size() <= 8 && d.rfind("cuda:", 0) == 0 &&
+                            d.find_first_not_of("0123456789", 5) == std::string::npos;
+        if (d == "cpu") {
+            out.push_back(-1);
+        } else if (d == "cuda" || cuda_n) {
+            try {
+                out.push_back(resolve_cuda_ordinal(d));
+            } catch (const std::exception &e) {
+                throw error(where + ": " + e.what());
+            }
+        } else {
+            throw error(where + " '" + d + "' is not cpu, cuda or cuda:N (a comma-separated list, no spaces)");
+        }
+        if (comma == std::string::npos) return out;
+        pos = comma + 1;
+    }
+}
+
+// In-process pipelines: a rank waits at most this long for its neighbour. The driving rank waits
+// for a whole chunk through every later rank (minutes for a 512-token chunk of the full model on a
+// CPU); a rank that fails wakes its peers at once, so this only bounds a hang.
+constexpr std::chrono::milliseconds pipeline_deadline = std::chrono::hours(1);
 
 int online_cores() {
     const long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -88,11 +134,14 @@ class ds4_session final : public session {
 
   private:
     bool on_gpu() const;
+    bool on_pipeline() const;
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
     void forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out);
     ds4_engine &e_;
-    ds4::state st_;  // CPU state (empty when the engine runs on CUDA)
+    ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
+    // Several devices: this session's ranks (null after a failure until the next forward).
+    std::unique_ptr<dist::local_pipeline> pl_;
 #ifdef FATHOM_ENGINE_CUDA
     std::unique_ptr<ds4::cuda_sequence> gpu_;  // device state when the engine runs on CUDA
 #endif
@@ -107,9 +156,15 @@ class ds4_engine final : public engine {
         check_options(o);
         qat_ = parse_qat(o.ds4_qat);
         const int ordinal = resolve_cuda_ordinal(o.device);  // -1: CPU; throws for an unusable forced device
+        if (!o.devices.empty() && o.device != "cpu")
+            throw error("devices '" + o.devices + "' and device '" + o.device + "': give one or the other");
+        const std::vector<int> stage_ordinals = o.devices.empty() ? std::vector<int>() : parse_device_list(o.devices);
+        const bool any_cpu = o.devices.empty() ? ordinal < 0
+                                               : std::find(stage_ordinals.begin(), stage_ordinals.end(), -1) !=
+                                                     stage_ordinals.end();
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
         model_ = ds4::load_model(file_);
-        if (ordinal < 0 && file_->get_int("fathom.synth.replicate_rows", 0) > 0)
+        if (any_cpu && file_->get_int("fathom.synth.replicate_rows", 0) > 0)
             throw error(o.model_path + ": a sparse synthetic file (fathom.synth.replicate_rows) is for CUDA benchmarks "
                         "only: its stored rows are not the model on the CPU; use --device cuda");
         const ds4::hparams &hp = model_->hp;
@@ -131,7 +186,10 @@ class ds4_engine final : public engine {
         const std::string_view tmpl = file_->get_string("tokenizer.chat_template", "");
         if (!tmpl.empty()) template_.emplace(std::string(tmpl));
         fill_info();
-        if (ordinal >= 0) make_cuda(ordinal);
+        if (!stage_ordinals.empty())
+            make_pipeline(stage_ordinals);
+        else if (ordinal >= 0)
+            make_cuda(ordinal);
         if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
     }
 
@@ -165,6 +223,12 @@ class ds4_engine final : public engine {
         return st;
     }
     std::mutex &forward_mutex() { return forward_mutex_; }
+    // Several devices: a fresh pipeline (its ranks' threads, KV states and CUDA sequences).
+    bool pipelined() const { return !ranges_.empty(); }
+    std::unique_ptr<dist::local_pipeline> new_pipeline() const {
+        return std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
+                                                      pipeline_deadline);
+    }
 #ifdef FATHOM_ENGINE_CUDA
     // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
     const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
@@ -174,7 +238,7 @@ class ds4_engine final : public engine {
 #endif
     double measure_copy_bandwidth() override {
 #ifdef FATHOM_ENGINE_CUDA
-        if (gpu_) {
+        if (ordinal_ >= 0) {
             std::lock_guard<std::mutex> lock(forward_mutex_);
             return cuda_measure_copy_bandwidth(ordinal_);
         }
@@ -215,6 +279,81 @@ class ds4_engine final : public engine {
 #endif
     }
 
+    // engine_options::devices: one block range per device (the planner's when every device is a CUDA
+    // device, else an even split), each CUDA device's blocks uploaded once, info().device naming the
+    // layout ("pipeline: cpu blocks 0-2 | cpu blocks 3-5").
+    void make_pipeline(const std::vector<int> &ordinals) {
+        const int P = static_cast<int>(ordinals.size()), L = model_->hp.n_layer;
+        if (P > L)
+            throw error("devices '" + opts_.devices + "': " + std::to_string(P) + " devices for a model of " +
+                        std::to_string(L) + " blocks (each device needs at least one block)");
+        const bool all_cuda = std::find(ordinals.begin(), ordinals.end(), -1) == ordinals.end();
+        ranges_ = all_cuda ? planned_ranges(ordinals) : dist::even_ranges(L, P);
+        stages_.assign(static_cast<size_t>(P), {});
+        std::string layout = "pipeline:";
+        double step_bytes = 0;
+        for (int r = 0; r < P; ++r) {
+            dist::stage_device &st = stages_[static_cast<size_t>(r)];
+            const dist::layer_range &lr = ranges_[static_cast<size_t>(r)];
+            st.cuda_device = ordinals[static_cast<size_t>(r)];
+            st.n_ctx = n_ctx_;
+            st.cuda_graphs = opts_.cuda_graphs;
+            std::string name = "cpu";
+            if (st.cuda_device >= 0) {
+#ifdef FATHOM_ENGINE_CUDA
+                ds4::cuda_run_options co;
+                co.device = st.cuda_device;
+                co.qat = qat_;
+                co.kv = opts_.kv;
+                co.first_layer = lr.first;
+                co.last_layer = lr.last;
+                const double fsz = static_cast<double>(file_->size());
+                st.weights = ds4::cuda_upload(*model_, co, [&](uint64_t done, uint64_t total) {
+                    if (!opts_.on_load_progress || total == 0) return;
+                    const double part = (r + static_cast<double>(done) / static_cast<double>(total)) / P;
+                    opts_.on_load_progress(static_cast<uint64_t>(part * fsz), file_->size());
+                });
+                step_bytes += ds4::cuda_bytes_per_token(*st.weights);
+                name = "cuda:" + std::to_string(st.cuda_device) + " (" + cuda_query_memory(st.cuda_device).name + ")";
+#endif
+            }
+            layout += std::string(r ? " |" : "") + " " + name + " blocks " + std::to_string(lr.first) + "-" +
+                      std::to_string(lr.last - 1);
+        }
+        info_.device = layout;
+        if (all_cuda) {
+            info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
+            ordinal_ = ordinals[0];  // measure_copy_bandwidth: the first stage's device
+        }
+    }
+
+    // Every device a CUDA device: the placement planner's pipeline ranges from each device's free
+    // memory (a device listed k times offers 1/k of it to each entry) for one n_ctx sequence.
+    std::vector<dist::layer_range> planned_ranges(const std::vector<int> &ordinals) const {
+        std::vector<dist::layer_range> out;
+#ifdef FATHOM_ENGINE_CUDA
+        std::vector<dist::device_spec> specs;
+        for (int d : ordinals) {
+            const auto share = static_cast<uint64_t>(std::count(ordinals.begin(), ordinals.end(), d));
+            specs.push_back({"cuda:" + std::to_string(d), cuda_query_memory(d).free_bytes / share});
+        }
+        dist::plan_options po;
+        po.n_ctx = n_ctx_;
+        po.n_seq = 1;
+        po.kv = opts_.kv;
+        po.chunk = n_batch_;
+        try {
+            for (const auto &d : dist::make_plan(dist::inventory_from_gguf(*file_), specs, po).devices)
+                out.push_back(d.layers);
+        } catch (const std::exception &e) {
+            throw error("devices '" + opts_.devices + "': " + e.what());
+        }
+#else
+        (void)ordinals;  // CUDA entries were refused by parse_device_list in a build without CUDA
+#endif
+        return out;
+    }
+
     void fill_info() {
         const ds4::hparams &hp = model_->hp;
         info_.arch = "deepseek4";
@@ -243,18 +382,25 @@ class ds4_engine final : public engine {
     model_info info_;
     int64_t n_ctx_train_ = 0, n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
+    std::vector<dist::layer_range> ranges_;   // several devices: [device] its blocks (empty: one device)
+    std::vector<dist::stage_device> stages_;  // [device] where those blocks run (shared CUDA weights)
 #ifdef FATHOM_ENGINE_CUDA
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif
-    int ordinal_ = -1;
+    int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
 };
 
 ds4_session::ds4_session(ds4_engine &e) : e_(e) {
 #ifdef FATHOM_ENGINE_CUDA
     if (e.gpu()) gpu_ = e.new_gpu_sequence();
 #endif
-    if (!on_gpu()) st_ = e.fresh_state();
+    if (e.pipelined()) pl_ = e.new_pipeline();
+    if (!on_gpu() && !on_pipeline()) st_ = e.fresh_state();
     logits_.assign(static_cast<size_t>(e.model().hp.n_vocab), 0.0f);
+}
+
+bool ds4_session::on_pipeline() const {
+    return e_.pipelined();
 }
 
 bool ds4_session::on_gpu() const {
@@ -269,12 +415,31 @@ void ds4_session::reset() {
 #ifdef FATHOM_ENGINE_CUDA
     if (gpu_) gpu_->reset();
 #endif
-    if (!on_gpu()) st_ = e_.fresh_state();
+    if (pl_) {
+        try {
+            pl_->reset();
+        } catch (const std::exception &) {
+            pl_.reset();  // a rank has failed: the next forward builds a new pipeline
+        }
+    }
+    if (!on_gpu() && !on_pipeline()) st_ = e_.fresh_state();
     tokens_.clear();
     have_logits_ = false;
 }
 
 void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out) {
+    if (on_pipeline()) {
+        if (!pl_) pl_ = e_.new_pipeline();
+        // Logits for every chunk (logits_ takes those nobody asked for): rank 0 then waits for the last
+        // rank, so no rank still computes (on the shared thread pool) when the forward mutex is released.
+        try {
+            pl_->forward(toks, pos, out.empty() ? std::span<float>(logits_) : out);
+        } catch (...) {
+            pl_.reset();  // the ranks' states disagree now: stop and join them (see the banner)
+            throw;
+        }
+        return;
+    }
 #ifdef FATHOM_ENGINE_CUDA
     if (gpu_) {
         gpu_->eval(toks, out);

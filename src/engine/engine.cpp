@@ -573,6 +573,10 @@ std::unique_ptr<engine> engine::load(const engine_options &opts) {
     if (f->get_string("general.architecture", "") == "deepseek4") {
         return make_ds4_engine(opts, std::move(f));
     }
+    if (!opts.devices.empty())  // the layer pipeline (src/dist) exists for DeepSeek V4 only
+        throw error(opts.model_path + ": devices '" + opts.devices + "': splitting a model over several devices is "
+                    "supported for DeepSeek V4 (deepseek4) only, not '" +
+                    std::string(f->get_string("general.architecture", "")) + "' yet (use one device)");
     return std::make_unique<engine_impl>(opts, std::move(f));
 }
 

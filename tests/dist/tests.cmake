@@ -7,6 +7,13 @@ if(Python3_Interpreter_FOUND AND TARGET fathom)
                      --shared ${FATHOM_SHARED_DIR}
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(dist_plan_cli PROPERTIES LABELS dist TIMEOUT 60)
+    # `--devices` through the binary (tests/dist/check_devices_cli.py): same greedy text and logits as
+    # one device on ds4-tiny, golden logits, one-line errors for bad inputs.
+    add_test(NAME dist_devices_cli
+             COMMAND Python3::Interpreter ${dir}/check_devices_cli.py --fathom $<TARGET_FILE:fathom>
+                     --shared ${FATHOM_SHARED_DIR} --dense ${PROJECT_SOURCE_DIR}/tests/models/data/tiny_qwen3.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(dist_devices_cli PROPERTIES LABELS dist TIMEOUT 120)
 endif()
 
 # NCCL transport (src/dist/nccl_transport.cc; the .cc extension keeps it out of fathom_core's *.cpp

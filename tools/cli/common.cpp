@@ -68,7 +68,7 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->check(CLI::IsMember({"full", "fp4only", "off"}));
     cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
-    cmd->add_option("--device", a.device,
+    auto *device = cmd->add_option("--device", a.device,
                     "Where the forward runs: cpu, cuda (= cuda:0), cuda:N, or auto (CUDA when a device is "
                     "present, else the CPU with a notice); a forced CUDA device that is missing is an error")
         ->capture_default_str()
@@ -78,6 +78,25 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
                 v.find_first_not_of("0123456789", 5) == std::string::npos)
                 return "";
             return "expected cpu, cuda, cuda:N or auto, got '" + v + "'";
+        });
+    cmd->add_option("--devices", a.devices,
+                    "DeepSeek V4: split the blocks over several devices of this process, e.g. cpu,cpu or "
+                    "cuda:0,cuda:1 (one thread per device, each owning a contiguous block range; docs/dist.md)")
+        ->excludes(device)
+        ->check([](const std::string &v) -> std::string {
+            // Syntax only; the engine checks the devices themselves (present, CUDA in this build).
+            size_t pos = 0;
+            for (;;) {
+                const size_t comma = v.find(',', pos);
+                const std::string d = v.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+                const bool cuda_n = d.size() > 5 && d.size() <= 8 && d.rfind("cuda:", 0) == 0 &&
+                                    d.find_first_not_of("0123456789", 5) == std::string::npos;
+                if (d != "cpu" && d != "cuda" && !cuda_n)
+                    return "expected a comma-separated list of cpu, cuda or cuda:N, got '" + v + "' (entry '" + d +
+                           "')";
+                if (comma == std::string::npos) return "";
+                pos = comma + 1;
+            }
         });
     cmd->add_flag("--no-cuda-graph", a.no_cuda_graph,
                   "CUDA: launch every decode kernel eagerly instead of replaying a captured CUDA graph (for comparison)");
@@ -196,6 +215,7 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.ds4_qat = a.qat;
     o.device = a.device;
     o.cuda_graphs = !a.no_cuda_graph;
+    o.devices = a.devices;
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));
@@ -204,6 +224,7 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     bar.finish();
     if (a.device == "auto" && eng->info().device == "cpu")
         std::fprintf(stderr, "note: --device auto: no CUDA device present (or no CUDA backend in this build); running on the CPU\n");
+    if (!a.devices.empty()) std::fprintf(stderr, "devices: %s\n", eng->info().device.c_str());
     return eng;
 }
 

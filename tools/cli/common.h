@@ -34,10 +34,11 @@ struct model_args {
     bool progress = false;          // force progress bars even when stderr is not a TTY
     std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
+    std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (engine_options::devices; DS4 only)
 };
 
 // Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
-// --device, --no-cuda-graph.
+// --device, --no-cuda-graph, --devices (excludes --device).
 // `model_required`: -m must be given (no default model).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 
@@ -50,6 +51,7 @@ std::string resolve_model_path(const std::string &model, const std::string &mode
 
 // Resolves the model, builds engine_options and loads, with a progress bar when enabled. With
 // --device auto on a machine (or build) without CUDA, prints a one-line notice and uses the CPU.
+// With --devices, prints the layout (each device's block range) on stderr.
 std::unique_ptr<engine> load_engine(const model_args &a);
 
 // Integer-range checks whose error reads "--opt: must be >= 0, got -3".

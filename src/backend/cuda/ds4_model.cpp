@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -321,11 +322,25 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     if (hp.n_hc > 5 || hp.head_dim > 512 || hp.idx_dim > 256 || hp.idx_head > 128)
         throw error("cuda ds4: geometry outside the CUDA kernels' limits (n_hc <= 5, head dim <= 512, indexer dim "
                     "<= 256, indexer heads <= 128)");
-    // Memory check before any allocation: all tensor bytes of the file plus a 1 GiB margin.
+    const int first = o.first_layer, last = o.last_layer < 0 ? hp.n_layer : o.last_layer;
+    // Memory check before any allocation: the bytes of this device's tensors (its blocks "blk.N.*",
+    // the embedding with block 0, the output tensors with the last block) plus a 1 GiB margin.
     uint64_t total = 0;
     int64_t replicate = 0;
     if (m.file) {
-        for (const auto &t : m.file->tensors()) total += t.nbytes;
+        for (const auto &t : m.file->tensors()) {
+            const std::string_view name = t.name;
+            bool mine = false;
+            if (name.rfind("blk.", 0) == 0) {
+                const int il = std::atoi(std::string(name.substr(4)).c_str());
+                mine = il >= first && il < last;
+            } else if (name.rfind("token_embd", 0) == 0) {
+                mine = first == 0;
+            } else if (name.rfind("output", 0) == 0) {
+                mine = last == hp.n_layer;
+            }
+            if (mine) total += t.nbytes;
+        }
         replicate = m.file->get_int("fathom.synth.replicate_rows", 0);
         if (replicate < 0) throw error("cuda ds4: fathom.synth.replicate_rows must be >= 0");
     }
@@ -339,8 +354,8 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     w->hp = hp;
     w->opt = o;
     w->device = o.device;
-    w->first = o.first_layer;
-    w->last = o.last_layer < 0 ? hp.n_layer : o.last_layer;
+    w->first = first;
+    w->last = last;
     if (w->first < 0 || w->last <= w->first || w->last > hp.n_layer || static_cast<int>(m.layers.size()) != hp.n_layer)
         throw error("cuda ds4: block range [" + std::to_string(w->first) + ", " + std::to_string(w->last) +
                     ") outside the model's " + std::to_string(hp.n_layer) + " blocks");
