@@ -68,11 +68,12 @@ dtype type_for(const std::string &mix, wclass c, int64_t row) {
     if (mix == "f32") return dtype::f32;
     if (mix == "f16") return dtype::f16;
     if (mix == "q8_0") return fit(dtype::q8_0, row);
-    if (mix != "q2" && mix != "q2k")
-        throw error("synth: unknown weight mix '" + mix + "' (expected q2, q2k, q8_0, f16 or f32)");
+    if (mix != "q2" && mix != "q2k" && mix != "mxfp4")
+        throw error("synth: unknown weight mix '" + mix + "' (expected q2, q2k, mxfp4, q8_0, f16 or f32)");
     switch (c) {
-        case wclass::expert_gu: return fit(mix == "q2" ? dtype::iq2_xxs : dtype::q2_k, row);
-        case wclass::expert_down: return fit(dtype::q2_k, row);
+        case wclass::expert_gu:
+            return fit(mix == "q2" ? dtype::iq2_xxs : mix == "mxfp4" ? dtype::mxfp4 : dtype::q2_k, row);
+        case wclass::expert_down: return fit(mix == "mxfp4" ? dtype::mxfp4 : dtype::q2_k, row);
         case wclass::projection: return fit(dtype::q8_0, row);
         default: return dtype::f16;
     }

@@ -26,7 +26,8 @@ struct synth_options {
     // Weight types: "q2" (routed gate/up experts IQ2_XXS, down experts Q2_K, projections and the
     // output head Q8_0, HC/compressor/indexer-projection/router matrices and the embedding F16,
     // vectors F32; a row length that a type's block does not divide falls back to Q8_0, then F16),
-    // "q2k" (as q2 with every routed expert Q2_K), "q8_0" (every matrix Q8_0 where it fits), "f16"
+    // "q2k" (as q2 with every routed expert Q2_K), "mxfp4" (as q2 with 4-bit MXFP4 routed experts: the
+    // "4-bit experts" layout, ~153 GB at the Flash geometry), "q8_0" (every matrix Q8_0 where it fits), "f16"
     // or "f32".
     std::string mix = "q2";
     uint64_t seed = 1;

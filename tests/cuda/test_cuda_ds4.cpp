@@ -6,8 +6,10 @@
 //   CudaDs4Bench.* full DS4-Flash expert shapes, bandwidth vs the device copy rate; only with
 //                  FATHOM_DS4_BENCH=1 in the environment (not a correctness test)
 // Tolerances: the CPU reference accumulates dot products in double, the GPU GEMVs in f32 (per lane,
-// then a warp tree): relative L2 <= 1e-5 on outputs. Router ids must be identical; element-wise HC
-// arithmetic is repeated op for op (HC post: exact given the same inputs).
+// then a warp tree): relative L2 <= 1e-5 on outputs. The expert GEMVs of iq2_xxs/q2_k/q8_0 quantise
+// their activations to q8 blocks (integer dots): they are held to 1e-5 against the CPU applying the
+// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself). Router ids must
+// be identical; element-wise HC arithmetic is repeated op for op (HC post: exact given the same inputs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -126,10 +128,152 @@ TEST(CudaDs4Host, ExpertUnitsMatchCpuDequantisation) {
     check_units<dtype::q8_0>(4096);
 }
 
+// The GEMV inner loop's fused unit dots (raw bytes -> sum w x without materialising w) vs the dot of
+// the CPU-dequantised row with x in double: the same sum up to f32 rounding.
+struct host_x {
+    const float *x;
+    float4 operator()(int64_t e) const { return make_float4(x[e], x[e + 1], x[e + 2], x[e + 3]); }
+};
+template <dtype T>
+void check_unit_dots(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)));
+    std::mt19937 rng(static_cast<unsigned>(T) + 11);
+    const auto q = quant_rows(T, K, 1, rng, 1.0f);
+    std::vector<float> w(static_cast<size_t>(K));
+    cpu::dequantize_row(T, q.data(), w.data(), K);
+    const auto x = randn(static_cast<size_t>(K), rng);
+    const auto grid = host_grid();
+    for (int64_t u = 0; u < K / 32; ++u) {
+        cuda::ds4q::unit_dot<T> ud;
+        ud.load(q.data(), u);
+        const double got = ud.dot(host_x{x.data()}, grid.data());
+        // the unit's 32 elements, from decode32's map (checked against dequantize_row above)
+        float tmp[32];
+        int64_t base;
+        int stride;
+        cuda::ds4q::decode32<T>(q.data(), u, tmp, base, stride, grid.data());
+        double ref = 0, mag = 0;
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < 8; ++i) {
+                const size_t e = static_cast<size_t>(base + r * stride + i);
+                ref += static_cast<double>(w[e]) * x[e];
+                mag += std::fabs(static_cast<double>(w[e]) * x[e]);
+            }
+        ASSERT_LE(std::fabs(got - ref), 1e-6 * mag + 1e-30) << "unit " << u << " got " << got << " ref " << ref;
+    }
+}
+
+TEST(CudaDs4Host, FusedUnitDotsMatchDequantisedDot) {
+    check_unit_dots<dtype::iq2_xxs>(4096);
+    check_unit_dots<dtype::q2_k>(4096);
+    check_unit_dots<dtype::q8_0>(4096);
+    check_unit_dots<dtype::mxfp4>(4096);
+    check_unit_dots<dtype::f16>(4096);
+    check_unit_dots<dtype::f32>(4096);
+}
+
 // The IQ2_XXS sign bits are computed (7-bit code + parity bit), not looked up: equal to ksigns_iq2xs.
 TEST(CudaDs4Host, Iq2xxsSignParityMatchesTable) {
     for (uint32_t c = 0; c < 128; ++c)
         EXPECT_EQ(c | (static_cast<uint32_t>(__builtin_popcount(c) & 1) << 7), cpu::ksigns_iq2xs[c]) << c;
+}
+
+// ---- host: integer dots against q8 activations ------------------------------------------------------
+// The q8 activation rule of ggml's q8_1 (quantize_row_q8_1_ref), written out here as the test's own
+// truth: per block of 32, d = amax / 127, q = roundf(x * (1 / d)) (half away from zero), q = 0 when
+// amax = 0.
+// xb gets the blocks in the kernels' layout, xd the dequantised values d * q (exact in double).
+void q8_reference(const float *x, int64_t n, cuda::ds4q::q8_blk *xb, double *xd) {
+    for (int64_t b = 0; b < n / 32; ++b) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t q[32];
+        for (int i = 0; i < 32; ++i) {
+            q[i] = static_cast<int8_t>(std::round(x[32 * b + i] * id));
+            if (xd) xd[32 * b + i] = static_cast<double>(d) * q[i];
+        }
+        if (xb) {
+            std::memcpy(xb[b].qs, q, 32);
+            xb[b].d = d;
+            xb[b].pad = 0.0f;
+        }
+    }
+}
+std::vector<double> q8_dequantised(const float *x, int64_t n) {
+    std::vector<double> xd(static_cast<size_t>(n));
+    q8_reference(x, n, nullptr, xd.data());
+    return xd;
+}
+
+// ds4q::dot_q8 (dp4a of the weight codes with the int8 activations, scales per run / unit) vs the dot
+// of the CPU-dequantised weights with the dequantised q8 activation in double: the same real number,
+// up to f32 rounding of the scale products and the few per-unit sums.
+template <dtype T>
+void check_q8_unit_dots(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)));
+    std::mt19937 rng(static_cast<unsigned>(T) + 13);
+    const auto q = quant_rows(T, K, 1, rng, 1.0f);
+    std::vector<float> w(static_cast<size_t>(K));
+    cpu::dequantize_row(T, q.data(), w.data(), K);
+    auto x = randn(static_cast<size_t>(K), rng);
+    std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // an all-zero block: d = 0
+    std::vector<cuda::ds4q::q8_blk> xb(static_cast<size_t>(K / 32));
+    std::vector<double> xd(static_cast<size_t>(K));
+    q8_reference(x.data(), K, xb.data(), xd.data());
+    const auto grid = host_grid();
+    std::vector<uint64_t> masks(128);
+    for (int c = 0; c < 128; ++c)
+        for (int j = 0; j < 8; ++j)
+            if ((cpu::ksigns_iq2xs[c] >> j) & 1) masks[static_cast<size_t>(c)] |= uint64_t{0xFF} << (8 * j);
+    for (int64_t u = 0; u < K / 32; ++u) {
+        cuda::ds4q::unit_dot<T> ud;
+        ud.load(q.data(), u);
+        const double got = cuda::ds4q::dot_q8<T>(ud, xb.data(), grid.data(), masks.data());
+        float tmp[32];
+        int64_t base;
+        int stride;
+        cuda::ds4q::decode32<T>(q.data(), u, tmp, base, stride, grid.data());
+        double ref = 0, mag = 0;
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < 8; ++i) {
+                const size_t e = static_cast<size_t>(base + r * stride + i);
+                ref += static_cast<double>(w[e]) * xd[e];
+                mag += std::fabs(static_cast<double>(w[e]) * xd[e]);
+            }
+        ASSERT_LE(std::fabs(got - ref), 2e-6 * mag + 1e-30) << "unit " << u << " got " << got << " ref " << ref;
+    }
+}
+
+TEST(CudaDs4Host, Q8UnitDotsMatchDequantisedDot) {
+    check_q8_unit_dots<dtype::iq2_xxs>(4096);
+    check_q8_unit_dots<dtype::q2_k>(4096);
+    check_q8_unit_dots<dtype::q8_0>(4096);
+}
+
+// The header's q8 quantiser (the rule the device staging implements) and sign masks vs the test's.
+TEST(CudaDs4Host, Q8QuantiserAndSignMasks) {
+    std::mt19937 rng(5);
+    auto x = randn(256, rng, 3.0f);
+    x[40] = 0.5f * x[41];  // not a tie in general; ties are checked below
+    std::vector<cuda::ds4q::q8_blk> want(8), got(8);
+    q8_reference(x.data(), 256, want.data(), nullptr);
+    for (int b = 0; b < 8; ++b) cuda::ds4q::quantize_q8_block(x.data() + 32 * b, got[static_cast<size_t>(b)]);
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), sizeof(cuda::ds4q::q8_blk) * 8), 0);
+    // x / d = k + 0.5 exactly: rounds away from zero (amax 127 -> d 1)
+    std::vector<float> t(32, 0.0f);
+    t[0] = 127.0f;
+    t[1] = 2.5f;
+    t[2] = -2.5f;
+    cuda::ds4q::q8_blk tb;
+    cuda::ds4q::quantize_q8_block(t.data(), tb);
+    EXPECT_EQ(tb.d, 1.0f);
+    EXPECT_EQ(static_cast<uint32_t>(tb.qs[0]) & 0xFFFFFFu, 0xFD037Fu);  // 127, 3, -3
+    for (uint32_t c = 0; c < 128; ++c) {
+        const uint64_t m = cuda::ds4q::iq2_sign_mask(c);
+        for (int j = 0; j < 8; ++j)
+            EXPECT_EQ((m >> (8 * j)) & 0xFF, ((cpu::ksigns_iq2xs[c] >> j) & 1) ? 0xFFu : 0u) << c << " " << j;
+    }
 }
 
 // ---- device -------------------------------------------------------------------------------------------
@@ -274,17 +418,64 @@ protected:
     }
 };
 
+// Rows of expert e of a host bank (rows x cols each) dequantised by the CPU and dotted with xd in double.
+std::vector<double> ref_gemv(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int e,
+                             const std::vector<double> &xd) {
+    const size_t rb = dtype_row_bytes(t, cols);
+    std::vector<float> w(static_cast<size_t>(cols));
+    std::vector<double> out(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+        cpu::dequantize_row(t, b.data() + (static_cast<size_t>(e) * static_cast<size_t>(rows) + static_cast<size_t>(r)) * rb,
+                            w.data(), cols);
+        double acc = 0;
+        for (int64_t i = 0; i < cols; ++i) acc += static_cast<double>(w[static_cast<size_t>(i)]) * xd[static_cast<size_t>(i)];
+        out[static_cast<size_t>(r)] = acc;
+    }
+    return out;
+}
+// The q8 gate/up half on the CPU: rows (k + 1) * F, routed slot s = expert ids[s] (times wts[s]), then
+// the shared expert (clamp_sh); x quantised per block of 32.
+std::vector<float> ref_gate_up_q8(const moe_fixture &m, dtype tgu, dtype tsh, const float *x, const std::vector<int> &ids,
+                                  const std::vector<float> &wts) {
+    const int64_t D = m.hp.n_embd, F = m.hp.n_ff_exp;
+    const auto xd = q8_dequantised(x, D);
+    std::vector<float> h;
+    for (size_t s = 0; s <= ids.size(); ++s) {
+        const bool sh = s == ids.size();
+        const auto g = ref_gemv(sh ? tsh : tgu, sh ? m.gsh : m.gate, F, D, sh ? 0 : ids[s], xd);
+        const auto v = ref_gemv(sh ? tsh : tgu, sh ? m.ush : m.up, F, D, sh ? 0 : ids[s], xd);
+        std::vector<float> gf(g.begin(), g.end()), vf(v.begin(), v.end());
+        ds4::swiglu_clamped(gf.data(), vf.data(), F, sh ? m.l.clamp_sh : m.l.clamp);
+        if (!sh)
+            for (auto &e : gf) e *= wts[s];
+        h.insert(h.end(), gf.begin(), gf.end());
+    }
+    return h;
+}
+// The q8 down half on the CPU: y [D] = sum_s down_{ids[s]} . q8(h row s) + down_sh . q8(h row k).
+std::vector<float> ref_down_q8(const moe_fixture &m, dtype tdn, dtype tsh, const float *h, const std::vector<int> &ids) {
+    const int64_t D = m.hp.n_embd, F = m.hp.n_ff_exp;
+    std::vector<double> y(static_cast<size_t>(D), 0.0);
+    for (size_t s = 0; s <= ids.size(); ++s) {
+        const bool sh = s == ids.size();
+        const auto hd = q8_dequantised(h + static_cast<int64_t>(s) * F, F);
+        const auto part = ref_gemv(sh ? tsh : tdn, sh ? m.dsh : m.down, D, F, sh ? 0 : ids[s], hd);
+        for (int64_t r = 0; r < D; ++r) y[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+    }
+    return std::vector<float>(y.begin(), y.end());
+}
+
 // The whole MoE FFN of one token (router GEMV, routing, routed + shared experts) vs moe_forward.
 TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
     struct cfg {
         dtype gu, dn, sh;
-        bool hash;
+        bool hash, q8;  // q8: every type has integer dots (activations quantised to q8 blocks)
     };
-    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false},
-                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true},
-                        {dtype::q2_k, dtype::q2_k, dtype::q8_0, false},
-                        {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false},
-                        {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true}};
+    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true},
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true, true},
+                        {dtype::q2_k, dtype::q2_k, dtype::q8_0, false, true},
+                        {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false},
+                        {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true}};
     const int64_t D = 1024, F = 512;
     const int E = 16, k = 6;
     for (const cfg &c : cfgs) {
@@ -311,7 +502,6 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
             ds4::moe_forward(m.hp, m.l, xn.data(), token, ref.data());
             const auto got = down(y, static_cast<size_t>(D));
             const double e = rel_l2(got, ref);
-            EXPECT_LE(e, 1e-5);
             // the route the CPU takes on its own logits
             std::vector<float> logits(static_cast<size_t>(E));
             ds4::matmul(m.l.gate_inp, xn.data(), 1, logits.data());
@@ -319,8 +509,70 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
             const auto ids = down(sc.ids, static_cast<size_t>(k));
             EXPECT_EQ(std::vector<int>(ids.begin(), ids.end()), r.experts);
             EXPECT_EQ(take_err(), 0u);
-            if (trial == 0) std::printf("  moe ffn %s: rel L2 %.3g\n", testing::UnitTest::GetInstance()->current_test_info()->name(), e);
+            double eq = 0;
+            if (c.q8) {
+                // q8 path: x and h are quantised per block of 32 (rounding error ~ amax / 127 / sqrt(12)
+                // ~ 0.5% of each activation's rms, twice), so vs the f32 reference ~1e-2; vs the same
+                // quantisation on the CPU, f32 rounding plus the rare h element that lands on the other
+                // side of a rounding boundary (one step ~ 1% of its block's amax: ~3e-4 of y each).
+                EXPECT_LE(e, 2e-2);
+                const auto hq = ref_gate_up_q8(m, c.gu, c.sh, xn.data(), r.experts, r.weights);
+                eq = rel_l2(got, ref_down_q8(m, c.dn, c.sh, hq.data(), r.experts));
+                EXPECT_LE(eq, 1e-3);
+            } else {
+                EXPECT_LE(e, 1e-5);
+            }
+            if (trial == 0)
+                std::printf("  moe ffn %s: rel L2 %.3g vs f32 reference, %.3g vs q8 CPU chain\n", dtype_name(c.gu).data(), e, eq);
         }
+    }
+}
+
+// The public gate/up and down launchers on the q8 path (routed slots with routing weights, then the
+// shared expert as its own launch), each half against the CPU doing the same q8 quantisation of its
+// input (x, or a given h): the integer dots are exact, so only f32 rounding of scales and sums
+// differs (<= 1e-5, the tolerance of the f32 path). Inputs include all-zero activation blocks (d = 0).
+TEST_F(CudaDs4Moe, Q8GemvsMatchQuantisedCpu) {
+    struct cfg {
+        dtype gu, dn, sh;
+    };
+    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0},
+                        {dtype::q2_k, dtype::q2_k, dtype::q8_0},
+                        {dtype::q8_0, dtype::iq2_xxs, dtype::q8_0}};
+    const int64_t D = 2048, F = 1024;
+    const int E = 7, k = 6;
+    for (const cfg &c : cfgs) {
+        SCOPED_TRACE(std::string(dtype_name(c.gu)) + "/" + std::string(dtype_name(c.dn)) + "/" + std::string(dtype_name(c.sh)));
+        moe_fixture m;
+        build(m, D, F, E, k, c.gu, c.dn, c.sh, false);
+        std::vector<int> ids(static_cast<size_t>(E));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng_);
+        ids.resize(k);
+        std::vector<float> wts = randn(k, rng_, 0.5f);
+        int32_t *ids_d = up(std::vector<int32_t>(ids.begin(), ids.end()));
+        float *w_d = up(wts);
+        auto x = randn(static_cast<size_t>(D), rng_);
+        std::fill(x.begin() + 256, x.begin() + 288, 0.0f);
+        float *h_d = poisoned(static_cast<size_t>((k + 1) * F));
+        cd::launch_moe_gate_up(m.d.gate, m.d.up, ids_d, w_d, k, 0, up(x), m.l.clamp, h_d, err_, s_);
+        cd::launch_moe_gate_up(m.d.gate_sh, m.d.up_sh, nullptr, nullptr, 1, k, up(x), m.l.clamp_sh, h_d, err_, s_);
+        const auto h = down(h_d, static_cast<size_t>((k + 1) * F));
+        const double eh = rel_l2(h, ref_gate_up_q8(m, c.gu, c.sh, x.data(), ids, wts));
+        EXPECT_LE(eh, 1e-5);
+        // down from a given h (N(0, 1), one zero block per row): its quantisation is the same on both sides
+        auto hin = randn(static_cast<size_t>((k + 1) * F), rng_);
+        for (int s = 0; s <= k; ++s) std::fill_n(hin.begin() + s * F + 32 * s, 32, 0.0f);
+        float *hin_d = up(hin);
+        float *y_d = poisoned(static_cast<size_t>(D));
+        cd::launch_moe_down(m.d.down, ids_d, k, 0, hin_d, false, y_d, err_, s_);
+        cd::launch_moe_down(m.d.down_sh, nullptr, 1, k, hin_d, true, y_d, err_, s_);
+        const auto y = down(y_d, static_cast<size_t>(D));
+        const double ey = rel_l2(y, ref_down_q8(m, c.dn, c.sh, hin.data(), ids));
+        EXPECT_LE(ey, 1e-5);
+        EXPECT_EQ(take_err(), 0u);
+        std::printf("  q8 gemvs %s/%s/%s: gate/up rel L2 %.3g, down %.3g\n", dtype_name(c.gu).data(),
+                    dtype_name(c.dn).data(), dtype_name(c.sh).data(), eh, ey);
     }
 }
 
@@ -582,6 +834,84 @@ TEST_F(CudaDs4, BenchExpertGemvBandwidth) {
             bufs_.erase(it);
         }
     }
+}
+
+// The whole launch_moe_ffn (f16 router GEMV [256, 4096], biased top-6 routing, 6 routed experts +
+// the q8_0 shared expert) at the DS4-Flash geometry, per token: T tokens with their own random
+// activations (so their routes, and the experts streamed from HBM, differ) captured into one graph.
+// Bytes/token = router + 6 routed experts (gate + up + down) + the shared expert.
+TEST_F(CudaDs4, BenchMoeFfnPerToken) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    const int64_t D = 4096, F = 2048;
+    const int E = 256, k = 6, T = 64, reps = 9;
+    int dev_id = 0;
+    cudaGetDevice(&dev_id);
+    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
+    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
+        cd::expert_bank b;
+        b.type = t;
+        b.row_bytes = dtype_row_bytes(t, cols);
+        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
+        b.n_expert = n;
+        b.rows = rows;
+        b.cols = cols;
+        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
+        void *p = raw(bytes);
+        cd::launch_fill_random(p, bytes, seed, s_);
+        b.data = p;
+        return b;
+    };
+    cd::moe_layer l;
+    std::vector<uint16_t> router(static_cast<size_t>(E * D));
+    for (auto &v : router) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.03f)(rng_));
+    l.gate_inp_type = dtype::f16;
+    l.gate_inp = up(router);
+    l.gate_inp_row_bytes = static_cast<size_t>(D) * 2;
+    l.exp_bias = up(randn(static_cast<size_t>(E), rng_, 0.1f));
+    l.n_expert = E;
+    l.n_used = k;
+    l.weights_scale = 1.5f;
+    l.clamp = 10.0f;
+    l.clamp_sh = 10.0f;
+    l.gate = bank(dtype::iq2_xxs, F, D, E, 11);
+    l.up = bank(dtype::iq2_xxs, F, D, E, 12);
+    l.down = bank(dtype::q2_k, D, F, E, 13);
+    l.gate_sh = bank(dtype::q8_0, F, D, 1, 14);
+    l.up_sh = bank(dtype::q8_0, F, D, 1, 15);
+    l.down_sh = bank(dtype::q8_0, D, F, 1, 16);
+    cd::moe_scratch sc;
+    sc.logits = dev<float>(E);
+    sc.ids = dev<int32_t>(k);
+    sc.weights = dev<float>(k);
+    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    float *x_d = up(randn(static_cast<size_t>(T * D), rng_));
+    float *y_d = dev<float>(static_cast<size_t>(T * D));
+    int32_t *tok = dev<int32_t>(1);
+    CK(cudaStreamSynchronize(s_));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    for (int t = 0; t < T; ++t)
+        cd::launch_moe_ffn(l, x_d + static_cast<size_t>(t) * D, tok, sc, y_d + static_cast<size_t>(t) * D, err_, s_);
+    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const float ms = time_graph(exec, s_, reps);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    CK(cudaStreamSynchronize(s_));
+    ASSERT_EQ(take_err(), 0u);
+    const double bytes = static_cast<double>(l.gate_inp_row_bytes) * E +
+                         static_cast<double>(l.gate.expert_bytes + l.up.expert_bytes + l.down.expert_bytes) * k +
+                         static_cast<double>(l.gate_sh.expert_bytes + l.up_sh.expert_bytes + l.down_sh.expert_bytes);
+    const double us_tok = ms * 1e3 / T, bw = bytes / (us_tok * 1e-6);
+    std::printf("  launch_moe_ffn DS4-Flash q2 mix (f16 router, 6 x iq2_xxs/q2_k, q8_0 shared): %.2f MB/token, "
+                "%.2f us/token, %.1f GB/s, %.1f%% of copy bandwidth (%.1f GB/s)\n",
+                bytes / 1e6, us_tok, bw / 1e9, 100.0 * bw / copy_bw, copy_bw / 1e9);
+}
+
+TEST_F(CudaDs4, BenchIndexerSelect128K) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    const int reps = 9;
     // Indexer at 128K context (32768 compressed rows of 128 f16, 64 heads, top-512), 16 per graph.
     const int64_t n = 32768;
     const int H = 64, Dh = 128, reps_i = 16;

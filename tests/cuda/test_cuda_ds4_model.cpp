@@ -4,7 +4,8 @@
 //  - the CPU reference forward (src/models/deepseek4_forward.cpp, itself checked against the
 //    goldens) on a synthetic quantised model (IQ2_XXS / Q2_K experts, Q8_0 projections, F16 mixers)
 //    over 300 positions: raw-ring wrap, ratio-4 and ratio-128 compressed rows, indexer top-k with
-//    more rows than k, in every QAT mode and both KV precisions;
+//    more rows than k, in every QAT mode and both KV precisions: within the error of the CPU's own
+//    quantised path (the MoE runs q8 activations with integer dots);
 //  - graph replay against eager launches (bitwise), device argmax against the host argmax.
 // Skips without a CUDA device.
 #include <gtest/gtest.h>
@@ -89,15 +90,38 @@ const std::string &quant_model_path() {
     return path;
 }
 
-// CPU reference logits of every token (reference products: dequantised rows, double sums).
-std::vector<float> cpu_logits(const ds4::model &m, ds4::qat_mode q, kv_precision kv, const std::vector<int32_t> &toks) {
+// CPU logits of every token: the reference products (dequantised rows, double sums), or the CPU's
+// quantised path (activations quantised to each weight's vec_dot type, cpu::gemm).
+std::vector<float> cpu_logits(const ds4::model &m, ds4::qat_mode q, kv_precision kv, const std::vector<int32_t> &toks,
+                              bool quantised = false) {
     ds4::state st = ds4::new_state(m, q, kv);
+    st.exec.quantised = quantised;
     const size_t V = static_cast<size_t>(m.hp.n_vocab);
     std::vector<float> out(toks.size() * V);
     std::vector<int64_t> pos(toks.size());
     std::iota(pos.begin(), pos.end(), 0);
     ds4::forward(m, st, toks, pos, {out, {}});
     return out;
+}
+
+// Per-position rel L2 of a against b: (median, worst, position of worst, argmax agreements).
+struct err_stats {
+    double median = 0, worst = 0;
+    size_t worst_at = 0, argmax_same = 0;
+};
+err_stats compare_logits(const std::vector<float> &a, const std::vector<float> &b, size_t n, size_t V) {
+    err_stats r;
+    std::vector<double> errs;
+    for (size_t i = 0; i < n; ++i) {
+        const double e = rel_l2(&a[i * V], &b[i * V], V);
+        errs.push_back(e);
+        if (e > r.worst) r.worst = e, r.worst_at = i;
+        r.argmax_same += std::max_element(&a[i * V], &a[(i + 1) * V]) - &a[i * V] ==
+                         std::max_element(&b[i * V], &b[(i + 1) * V]) - &b[i * V];
+    }
+    std::sort(errs.begin(), errs.end());
+    r.median = errs[n / 2];
+    return r;
 }
 
 std::vector<int32_t> random_tokens(size_t n, int vocab, uint32_t seed) {
@@ -123,37 +147,23 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
                             mode_t{ds4::qat_mode::fp4only, kv_precision::f32, "qat fp4only, f32 KV"},
                             mode_t{ds4::qat_mode::off, kv_precision::f32, "qat off, f32 KV"}}) {
         const auto ref = cpu_logits(*m, md.q, md.kv, toks);
+        const auto cpuq = cpu_logits(*m, md.q, md.kv, toks, true);
         auto w = upload(*m, md.q, md.kv);
         ds4::cuda_sequence seq(w, static_cast<int64_t>(n));
         std::vector<float> got(n * V, std::nanf(""));
         seq.eval(toks, got);
-        double worst = 0;
-        size_t worst_at = 0, argmax_same = 0;
-        std::vector<double> errs;
-        for (size_t i = 0; i < n; ++i) {
-            const double e = rel_l2(&got[i * V], &ref[i * V], V);
-            errs.push_back(e);
-            if (e > worst) worst = e, worst_at = i;
-            const auto a = std::max_element(&got[i * V], &got[(i + 1) * V]) - &got[i * V];
-            const auto b = std::max_element(&ref[i * V], &ref[(i + 1) * V]) - &ref[i * V];
-            argmax_same += a == b;
-        }
-        std::sort(errs.begin(), errs.end());
-        const double median = errs[n / 2];
-        std::printf("  %-20s worst rel L2 %.3g at position %zu, median %.3g, argmax agrees %zu/%zu\n", md.name, worst,
-                    worst_at, median, argmax_same, n);
-        // f32 activations against the same dequantised weights: only summation order differs (and
-        // f16 rounding of KV rows, done identically); 2e-3 leaves room for an indexer near-tie.
-        // With QAT-1 an ulp of difference before the FP8 round trip moves a KV value by a whole e4m3
-        // step (1/16 relative), and such a flip in a compressed row can change the indexer's top-k
-        // for later tokens: the official golden's tolerance tier for qat_full cases is statistical
-        // for the same reason (median e_p). Here: every position within 2e-3 without FP8, and with it
-        // a median within 5e-3 (the tails are printed).
-        if (md.q == ds4::qat_mode::full)
-            EXPECT_LT(median, 5e-3) << md.name;
-        else
-            EXPECT_LT(worst, 2e-3) << md.name;
-        EXPECT_GE(argmax_same, n - 3) << md.name;
+        const err_stats g = compare_logits(got, ref, n, V), c = compare_logits(cpuq, ref, n, V);
+        std::printf("  %-20s vs CPU reference: CUDA median %.3g worst %.3g (pos %zu) argmax %zu/%zu | CPU quantised "
+                    "path median %.3g worst %.3g argmax %zu/%zu\n",
+                    md.name, g.median, g.worst, g.worst_at, g.argmax_same, n, c.median, c.worst, c.argmax_same, n);
+        // The criterion: quantised kernels within the CPU quantised path's own error. The
+        // MoE quantises its activations to q8 (dp4a); the CPU's quantised path quantises them to its
+        // vec_dot types. With QAT-1 an ulp of difference before the FP8 round trip moves a KV value by
+        // a whole e4m3 step and can change the indexer's top-k later on, so tails are compared
+        // through the median there (the official golden's tier is statistical for the same reason).
+        EXPECT_LE(g.median, 2.0 * c.median + 1e-4) << md.name;
+        if (md.q != ds4::qat_mode::full) EXPECT_LE(g.worst, 2.0 * c.worst + 1e-4) << md.name;
+        EXPECT_GE(g.argmax_same + 3, c.argmax_same) << md.name;
     }
 }
 

@@ -4,17 +4,27 @@
 // whole-FFN chain. Launchers: ds4_kernels.h; block decoding: ds4_quant.cuh.
 //
 // GEMV layout: one warp per output row, lanes stride over the row's 32-weight units (a warp reads a
-// contiguous stretch of the row); the activation vector (x, or the h rows) is staged in padded
-// shared memory once per block (see pidx). Each lane first issues the loads of several units
-// (gate + up: 4 units of both rows; down: one unit of every slot and the shared expert), then
-// computes their fused dots (ds4q::unit_dot: no int->float conversion instructions). launch_moe_ffn
-// is 4 launches: router GEMV, route (one warp), gate/up of the routed + shared experts, down of
-// the routed + shared experts. Expert ids come from device memory.
+// contiguous stretch of the row); the activation vector (x, or the h rows) is staged in shared
+// memory once per block. Each lane first issues the loads of several units (gate + up: 4 units of
+// both rows; down: one unit of every slot and the shared expert), then computes their dots.
+// Two activation paths, chosen per launch from the weight types:
+//   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix): the activation is quantised while staged, per block of
+//      32 as ggml's q8_1 (d = amax / 127, int8), and the dots are integer (__dp4a of the weight
+//      codes with the int8 activations, llama.cpp mmvq style; ds4q::dot_q8), scaled per run or unit
+//      in f32. The f32 path was instruction-bound (~6 instructions per weight). Results carry the
+//      activations' q8 rounding, as the CPU's quantised matmuls (vec_dot_type activations) do.
+//   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
+//      (ds4q::unit_dot::dot).
+// Every block quantises the same inputs with the same exact operations, so all get the same bits;
+// sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (one
+// warp), gate/up of the routed + shared experts, down of the routed + shared experts. Expert ids
+// come from device memory.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -95,7 +105,7 @@ __device__ const uint64_t k_iq2xxs_grid[256] = {
 constexpr int kWarps = 8;       // 256-thread blocks, one output row per warp at a time
 constexpr int kDownRows = 2;    // down: rows per warp (blocks of kWarps * kDownRows rows)
 constexpr int kDownSlots = 6;   // down: routed slots whose loads a lane issues together (DS4: 6 used)
-constexpr int kMaxCols = 8192;  // x / h rows staged in shared memory: 4.5 bytes per column (36 KB)
+constexpr int kMaxCols = 8192;  // x / h rows staged in shared memory (f32 path: 4.5 bytes per column)
 
 // Units (of 32 weights) per lane per matrix whose loads are issued before any arithmetic, by type
 // (bounded by registers: 2 blocks of 256 threads per SM need <= 128 registers per thread).
@@ -103,13 +113,33 @@ template <dtype T> constexpr int units_in_flight() {
     return (T == dtype::iq2_xxs || T == dtype::q2_k) ? 4 : 2;
 }
 
-// Stage the IQ2_XXS grid in shared memory (random 8-byte lookups) when either type needs it. No
-// barrier here: the caller's staging barrier covers it.
-template <bool Need>
-__device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
-    if constexpr (Need)
+// Kernels whose routed and shared types both have integer dots (iq2_xxs, q2_k, q8_0: the DS4 q2
+// mix) stage the activation quantised to q8 blocks (ds4q::q8_blk) and dot with __dp4a; the others
+// (f32, f16, mxfp4, or a mix with one of them) stage it in f32 and dot with FMAs.
+template <dtype TR, dtype TS> constexpr bool use_q8() {
+    return ds4q::has_q8_dot<TR>() && ds4q::has_q8_dot<TS>();
+}
+bool use_q8_rt(dtype tr, dtype ts) {
+    bool q8 = false;
+    ds4q::dispatch_expert_type(tr, [&]<dtype TR>() {
+        ds4q::dispatch_expert_type(ts, [&]<dtype TS>() { q8 = use_q8<TR, TS>(); });
+    });
+    return q8;
+}
+
+// Lookup tables in shared memory (random 8-byte lookups): the IQ2_XXS grid when either type needs
+// it, and for the q8 path the IQ2_XXS sign masks (ds4q::iq2_sign_mask). No barrier here: the
+// caller's staging barrier covers it.
+struct tables {
+    const uint64_t *grid, *smask;
+};
+template <bool Grid, bool Mask>
+__device__ __forceinline__ tables stage_tables(uint64_t *sgrid, uint64_t *smask) {
+    if constexpr (Grid)
         for (int i = threadIdx.x; i < 256; i += blockDim.x) sgrid[i] = k_iq2xxs_grid[i];
-    return sgrid;
+    if constexpr (Mask)
+        for (int i = threadIdx.x; i < 128; i += blockDim.x) smask[i] = ds4q::iq2_sign_mask(static_cast<uint32_t>(i));
+    return {sgrid, smask};
 }
 
 // The activation vector lives in shared memory with 4 floats of padding after every 32: lane l
@@ -138,6 +168,79 @@ struct staged_x {
         return *reinterpret_cast<const float4 *>(xs + pidx(e));
     }
 };
+// A staged q8 row: blocks of 32 (element e in block e >> 5).
+struct staged_q8 {
+    const ds4q::q8_blk *xb;
+};
+
+// Quantise n_rows rows of nblk * 32 floats (row j starts at src + row_off(j), 16-byte aligned) into
+// dst[j * nblk + b] (ds4q::quantize_q8_block, bit for bit). 8 lanes per block of 32, a float4 each;
+// the amax is an xor-shuffle max over the 8 lanes (exact, so every block staging the same rows gets
+// the same bits). Every lane of a warp runs the same iterations (the shuffles need the whole warp);
+// unrolled so several loads are in flight. Caller syncs.
+template <class RowOff>
+__device__ __forceinline__ void stage_q8(const float *__restrict__ src, RowOff row_off, int n_rows, int64_t nblk,
+                                         ds4q::q8_blk *dst) {
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    const int64_t total = static_cast<int64_t>(n_rows) * nblk, step = blockDim.x >> 3;
+#pragma unroll 4
+    for (int64_t g0 = (threadIdx.x >> 5) * 4; g0 < total; g0 += step) {
+        const int64_t g = g0 + (lane >> 3);
+        const bool ok = g < total;
+        const int j = ok ? static_cast<int>(g / nblk) : 0;
+        const int64_t b = ok ? g - j * nblk : 0;
+        const float4 v = ok ? *reinterpret_cast<const float4 *>(src + row_off(j) + 32 * b + 4 * sub)
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
+        const uint32_t q = ds4q::q8_round(v.x, id) | ds4q::q8_round(v.y, id) << 8 | ds4q::q8_round(v.z, id) << 16 |
+                           ds4q::q8_round(v.w, id) << 24;
+        if (ok) {
+            ds4q::q8_blk &o = dst[g];
+            o.qs[sub] = static_cast<int32_t>(q);
+            if (sub == 0) {
+                o.d = d;
+                o.pad = 0.0f;
+            }
+        }
+    }
+}
+
+// The activation type a kernel stages: q8 blocks or padded f32.
+template <bool Q8> using act_t = std::conditional_t<Q8, staged_q8, staged_x>;
+// Bytes of shared memory one staged row of `units` 32-column units takes.
+__host__ __device__ __forceinline__ size_t staged_row_bytes(int64_t units, bool q8) {
+    return q8 ? static_cast<size_t>(units) * sizeof(ds4q::q8_blk) : static_cast<size_t>(staged_floats(units)) * 4;
+}
+// Row j of n rows staged side by side from smem.
+template <bool Q8>
+__device__ __forceinline__ act_t<Q8> staged_row(void *smem, int64_t units, int j) {
+    if constexpr (Q8) return staged_q8{static_cast<const ds4q::q8_blk *>(smem) + j * units};
+    else return staged_x{static_cast<const float *>(smem) + j * staged_floats(units)};
+}
+
+// sum w x of one loaded unit against either staged form.
+template <dtype T>
+__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, staged_x x, const tables &t) {
+    return w.dot(x, t.grid);
+}
+template <dtype T>
+__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, staged_q8 x, const tables &t) {
+    return ds4q::dot_q8<T>(w, x.xb, t.grid, t.smask);
+}
+
+// Hint: fetch the 128-byte line holding p into L2 (no register result, no fault on the address).
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// The lines of [p, p + bytes) (bytes > 0) prefetched into L2 by the 32 lanes of a warp.
+__device__ __forceinline__ void prefetch_range_l2(const uint8_t *p, size_t bytes, int lane) {
+    for (size_t off = static_cast<size_t>(lane) * 128; off < bytes + 127; off += 32 * 128)
+        prefetch_l2(p + std::min(off, bytes - 1));
+}
 
 __device__ __forceinline__ float warp_sum(float a) {
 #pragma unroll
@@ -153,9 +256,9 @@ struct bank_dev {
 
 // Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
 // lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
-template <dtype T>
-__device__ __forceinline__ void gate_up_row(const uint8_t *rg, const uint8_t *ru, int64_t units, int lane,
-                                            staged_x x, const uint64_t *grid, float &ag, float &au) {
+template <dtype T, class Act>
+__device__ __forceinline__ void gate_up_row(const uint8_t *rg, const uint8_t *ru, int64_t units, int lane, Act x,
+                                            const tables &tb, float &ag, float &au) {
     constexpr int N = units_in_flight<T>();
     for (int64_t u0 = lane; u0 < units; u0 += 32 * N) {
         ds4q::unit_dot<T> g[N], v[N];
@@ -170,8 +273,8 @@ __device__ __forceinline__ void gate_up_row(const uint8_t *rg, const uint8_t *ru
 #pragma unroll
         for (int c = 0; c < N; ++c) {
             if (u0 + 32 * c < units) {
-                ag += g[c].dot(x, grid);
-                au += v[c].dot(x, grid);
+                ag += unit_dot_act(g[c], x, tb);
+                au += unit_dot_act(v[c], x, tb);
             }
         }
     }
@@ -190,20 +293,37 @@ struct gate_up_args {
 };
 
 // Tasks t = (slot, row), slot-major over the routed slots then the shared expert's rows, spread over
-// a grid of as many resident blocks as fit (x is staged once per block); consecutive warps take
-// consecutive rows of one expert.
+// a grid of as many resident blocks as fit (x is staged, and on the q8 path quantised, once per
+// block: every block computes the same bits); consecutive warps take consecutive rows of one expert.
 template <dtype TR, dtype TS>
 __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_args a) {
-    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs, q8 = use_q8<TR, TS>();
     extern __shared__ float4 dyn_smem[];
-    float *xs = reinterpret_cast<float *>(dyn_smem);
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
-    const uint64_t *grid = stage_grid<need_grid>(sgrid);
-    stage_vec(a.x, a.g.cols, a.g.units * 32, xs);
-    __syncthreads();
+    __shared__ uint64_t smask[need_grid && q8 ? 128 : 1];
+    const tables tb = stage_tables<need_grid, need_grid && q8>(sgrid, smask);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t F = a.g.rows;
     const int64_t total = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * F;
+    // The warp's first gate and up rows start streaming into L2 while x is staged.
+    if (const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t0 < total) {
+        const int slot = static_cast<int>(t0 / F);
+        const int64_t r = t0 % F;
+        const int e = slot < a.n_slot ? (a.ids ? a.ids[slot] : 0) : 0;
+        const bank_dev &g = slot < a.n_slot ? a.g : a.gs, &u = slot < a.n_slot ? a.up : a.us;
+        if (e >= 0 && e < g.n_expert) {
+            prefetch_range_l2(g.data + static_cast<size_t>(e) * g.expert_bytes + static_cast<size_t>(r) * g.row_bytes,
+                              g.row_bytes, lane);
+            prefetch_range_l2(u.data + static_cast<size_t>(e) * u.expert_bytes + static_cast<size_t>(r) * u.row_bytes,
+                              u.row_bytes, lane);
+        }
+    }
+    if constexpr (q8)
+        stage_q8(a.x, [](int) { return int64_t{0}; }, 1, a.g.units, reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
+    else
+        stage_vec(a.x, a.g.cols, a.g.units * 32, reinterpret_cast<float *>(dyn_smem));
+    __syncthreads();
+    const act_t<q8> x = staged_row<q8>(dyn_smem, a.g.units, 0);
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < total;
          t += static_cast<int64_t>(gridDim.x) * kWarps) {
         const int slot = static_cast<int>(t / F);
@@ -217,13 +337,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_arg
             }
             const uint8_t *rg = a.g.data + static_cast<size_t>(e) * a.g.expert_bytes + static_cast<size_t>(r) * a.g.row_bytes;
             const uint8_t *ru = a.up.data + static_cast<size_t>(e) * a.up.expert_bytes + static_cast<size_t>(r) * a.up.row_bytes;
-            gate_up_row<TR>(rg, ru, a.g.units, lane, staged_x{xs}, grid, ag, au);
+            gate_up_row<TR>(rg, ru, a.g.units, lane, x, tb, ag, au);
             c = a.clamp;
             if (a.wts) wmul = a.wts[slot];
         } else {
             gate_up_row<TS>(a.gs.data + static_cast<size_t>(r) * a.gs.row_bytes,
-                            a.us.data + static_cast<size_t>(r) * a.us.row_bytes, a.gs.units, lane, staged_x{xs},
-                            grid, ag, au);
+                            a.us.data + static_cast<size_t>(r) * a.us.row_bytes, a.gs.units, lane, x, tb, ag, au);
         }
         ag = warp_sum(ag);
         au = warp_sum(au);
@@ -249,22 +368,45 @@ struct down_args {
 };
 
 // A block owns kWarps * kDownRows rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all
-// routed slots, then the shared expert's) is staged once, side by side; a lane then issues the loads
-// of one unit of up to kDownSlots experts (+ the shared expert) before decoding any. Per-lane sums
-// run over units, then slots in order, then the shared expert; one warp tree at the end
-// (deterministic: no atomics).
+// routed slots, then the shared expert's) is staged once, side by side (q8 path: quantised, the same
+// bits in every block); a lane then issues the loads of one unit of up to kDownSlots experts (+ the
+// shared expert) before decoding any. Per-lane sums run over units, then slots in order, then the
+// shared expert; one warp tree at the end (deterministic: no atomics).
 template <dtype TR, dtype TS>
 __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
-    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs, q8 = use_q8<TR, TS>();
     extern __shared__ float4 dyn_smem[];
-    float *xs = reinterpret_cast<float *>(dyn_smem);
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
-    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    __shared__ uint64_t smask[need_grid && q8 ? 128 : 1];
+    const tables tb = stage_tables<need_grid, need_grid && q8>(sgrid, smask);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t F = a.d.cols, units = a.d.units, stride = staged_floats(units);
+    const int64_t F = a.d.cols, units = a.d.units;
     const bool shared = a.ds.data != nullptr;
-    for (int j = 0; j < a.n_slot; ++j) stage_vec(a.h + static_cast<int64_t>(a.s0 + j) * F, F, 32 * units, xs + j * stride);
-    if (shared) stage_vec(a.h + static_cast<int64_t>(a.s_sh) * F, F, 32 * units, xs + a.n_slot * stride);
+    const int n_rows = a.n_slot + (shared ? 1 : 0);
+    // Start this block's weight rows streaming from HBM into L2 before staging h (staging reads only
+    // h, from L2; without this the first weight loads are issued after it): rows [r0, r0 + nr) of every
+    // selected expert and of the shared expert, contiguous per matrix, one matrix per warp.
+    {
+        const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows;
+        const int64_t nr = std::min<int64_t>(kWarps * kDownRows, a.d.rows - r0);
+        for (int j = warp; j < n_rows; j += kWarps) {
+            const int e = j < a.n_slot ? (a.ids ? a.ids[j] : 0) : 0;
+            if (j < a.n_slot && (e < 0 || e >= a.d.n_expert)) continue;
+            const uint8_t *p = j < a.n_slot ? a.d.data + static_cast<size_t>(e) * a.d.expert_bytes + static_cast<size_t>(r0) * a.d.row_bytes
+                                            : a.ds.data + static_cast<size_t>(r0) * a.ds.row_bytes;
+            prefetch_range_l2(p, static_cast<size_t>(nr) * (j < a.n_slot ? a.d.row_bytes : a.ds.row_bytes), lane);
+        }
+    }
+    if constexpr (q8) {
+        const int n_slot = a.n_slot, s0 = a.s0, s_sh = a.s_sh;
+        stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units,
+                 reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
+    } else {
+        float *xs = reinterpret_cast<float *>(dyn_smem);
+        const int64_t stride = staged_floats(units);
+        for (int j = 0; j < n_rows; ++j)
+            stage_vec(a.h + static_cast<int64_t>(j < a.n_slot ? a.s0 + j : a.s_sh) * F, F, 32 * units, xs + j * stride);
+    }
     if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < a.n_slot) {
         const int e = a.ids ? a.ids[threadIdx.x] : 0;
         if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
@@ -296,8 +438,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
                 if (with_sh) wsh.load(rsh, u);
 #pragma unroll
                 for (int j = 0; j < kDownSlots; ++j)
-                    if (rows[j]) acc += w[j].dot(staged_x{xs + (sg + j) * stride}, grid);
-                if (with_sh) acc += wsh.dot(staged_x{xs + a.n_slot * stride}, grid);
+                    if (rows[j]) acc += unit_dot_act(w[j], staged_row<q8>(dyn_smem, units, sg + j), tb);
+                if (with_sh) acc += unit_dot_act(wsh, staged_row<q8>(dyn_smem, units, a.n_slot), tb);
             }
         }
         const float total = warp_sum(acc);
@@ -424,12 +566,13 @@ bank_dev to_dev(const expert_bank &b) {
             (b.cols + 31) / 32};
 }
 
-size_t staged_bytes(int64_t cols) {
+// Shared memory for one staged activation row of `cols` columns (q8: 40 bytes per 32 columns, f32:
+// 36 floats per 32).
+size_t staged_bytes(int64_t cols, bool q8) {
     if (cols > kMaxCols)
         throw error("cuda ds4 moe: " + std::to_string(cols) + " columns exceed the staged-activation limit of " +
                     std::to_string(kMaxCols));
-    const int64_t padded = (cols + 31) / 32 * 32;
-    return static_cast<size_t>(padded + padded / 8) * sizeof(float);  // 36 floats per 32 columns
+    return staged_row_bytes((cols + 31) / 32, q8);
 }
 
 struct device_info {
@@ -504,7 +647,7 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
             us->cols != gate.cols)
             throw error("cuda ds4 moe: shared gate/up differ from the routed shape or from each other");
     }
-    const size_t smem = staged_bytes(gate.cols);
+    const size_t smem = staged_bytes(gate.cols, use_q8_rt(gate.type, gs ? gs->type : gate.type));
     gate_up_args a{to_dev(gate), to_dev(up), gs ? to_dev(*gs) : bank_dev{}, gs ? to_dev(*us) : bank_dev{}, ids, w,
                    n_slot, s0, x, clamp, clamp_sh, h, err};
     const int64_t tasks = static_cast<int64_t>(n_slot + (gs ? 1 : 0)) * gate.rows;
@@ -549,22 +692,24 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
             throw error("cuda ds4 moe: shared down differs from the routed shape");
     }
     const device_info di = current_device();
-    const size_t per_row = staged_bytes(down.cols);
-    const int max_rows = static_cast<int>(std::max<size_t>(1, di.smem_optin / per_row));
-    bool with_sh = dsh != nullptr;
-    if (with_sh && (max_rows < 2 || !dispatch_pair(down.type, dsh->type, [&]<dtype, dtype>() {}))) {
+    // staged bytes per h row of a launch pairing the routed type with `ts`
+    auto per_row = [&](dtype ts) { return staged_bytes(down.cols, use_q8_rt(down.type, ts)); };
+    bool with_sh = dsh != nullptr && dispatch_pair(down.type, dsh->type, [&]<dtype, dtype>() {}) &&
+                   di.smem_optin / per_row(dsh->type) >= 2;
+    if (dsh && !with_sh) {
         // shared expert alone first (as routed expert 0 of a one-expert bank), then accumulate
         down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, s);
         accumulate = true;
-        with_sh = false;
     }
     for (int first = 0; first < n_slot;) {
+        const dtype ts = with_sh ? dsh->type : down.type;
+        const size_t row_bytes = per_row(ts);
+        const int max_rows = static_cast<int>(std::max<size_t>(1, di.smem_optin / row_bytes));
         const int n = std::min(n_slot - first, max_rows - (with_sh ? 1 : 0));
         down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
                     s_sh, h, accumulate, y, err};
-        const size_t smem = per_row * static_cast<size_t>(n + (with_sh ? 1 : 0));
-        dispatch_pair(down.type, with_sh ? dsh->type : down.type,
-                      [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, s); });
+        const size_t smem = row_bytes * static_cast<size_t>(n + (with_sh ? 1 : 0));
+        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, s); });
         check_launch("moe down");
         accumulate = true;
         with_sh = false;

@@ -17,6 +17,8 @@
 // aligned data): device buffers holding these formats need 16 bytes of padding (cuda_backend
 // allocations have it).
 #pragma once
+#include <cmath>
+
 #include "backend/cuda/cuda_quant.cuh"
 
 namespace fathom::cuda::ds4q {
@@ -382,6 +384,161 @@ template <dtype T> struct unit_dot_decoded {
 template <> struct unit_dot<dtype::mxfp4> : unit_dot_decoded<dtype::mxfp4> {};
 template <> struct unit_dot<dtype::f32> : unit_dot_decoded<dtype::f32> {};
 template <> struct unit_dot<dtype::f16> : unit_dot_decoded<dtype::f16> {};
+
+// ---- integer dot products against q8 activations (llama.cpp mmvq style) ---------------------------
+// The activation vector is quantised per block of 32 like ggml's q8_1 (quantize_row_q8_1_ref): d =
+// amax / 127, q = roundf(x * (1 / d)) (half away from zero; q = 0 when amax = 0), and stored as q8_blk, 40 bytes: the 32
+// int8 then d and 4 bytes of padding. 40 = 10 words: in shared memory the 8-byte loads of lanes
+// reading consecutive blocks (iq2_xxs / q8_0 units) or runs of 8 (q2_k units, see dot_q8) fall into
+// distinct banks per half-warp, and every int2 load is 8-byte aligned.
+// The weights' integer codes are dotted with the int8 activations by __dp4a (4 products + add per
+// instruction); each sum is scaled once per run or unit in f32. The result is the dot of the
+// dequantised weights with the dequantised activation d * q, up to f32 rounding of the scale
+// products and sums (the integer parts are exact).
+struct q8_blk {
+    int32_t qs[8];  // 32 int8, element i in byte i % 4 of word i / 4
+    float d;
+    float pad;
+};
+static_assert(sizeof(q8_blk) == 40, "q8_blk is 10 words");
+
+// Quantise one block of 32 floats as ggml's quantize_row_q8_1_ref: d = amax / 127, id = 1 / d (0 when
+// d = 0), q = roundf(x * id). The host version is the reference the device staging reproduces bit
+// for bit (explicitly rounded operations on the device: no contraction, IEEE division).
+__host__ __device__ __forceinline__ float q8_scale(float amax) {
+#ifdef __CUDA_ARCH__
+    return __fdiv_rn(amax, 127.0f);
+#else
+    return amax / 127.0f;
+#endif
+}
+__host__ __device__ __forceinline__ float q8_inv(float d) {
+#ifdef __CUDA_ARCH__
+    return d != 0.0f ? __frcp_rn(d) : 0.0f;
+#else
+    return d != 0.0f ? 1.0f / d : 0.0f;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t q8_round(float x, float id) {
+    return static_cast<uint8_t>(static_cast<int8_t>(roundf(mul_rn(x, id))));
+}
+inline void quantize_q8_block(const float *x, q8_blk &b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    b.d = q8_scale(amax);
+    b.pad = 0.0f;
+    const float id = q8_inv(b.d);
+    for (int w = 0; w < 8; ++w) {
+        uint32_t q = 0;
+        for (int i = 0; i < 4; ++i) q |= q8_round(x[4 * w + i], id) << (8 * i);
+        b.qs[w] = static_cast<int32_t>(q);
+    }
+}
+
+// __dp4a: c + the sum of the 4 products of the signed bytes of a and b.
+__host__ __device__ __forceinline__ int dp4a(int a, int b, int c) {
+#ifdef __CUDA_ARCH__
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; ++i)
+        c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) * static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
+    return c;
+#endif
+}
+// An int with |v| < 2^22 as a float, exactly: 1.5 * 2^23 + v has v in its mantissa (one integer add
+// and one FADD instead of I2F, which issues at a quarter of the FMA rate).
+__host__ __device__ __forceinline__ float i2f_exact(int v) {
+    return bits_f32(0x4B400000u + static_cast<uint32_t>(v)) - 12582912.0f;
+}
+// Word w (0..7) of a q8 block (an 8-byte aligned pair: w even).
+__host__ __device__ __forceinline__ void q8_pair(const q8_blk &b, int w, int &lo, int &hi) {
+    const int2 v = *reinterpret_cast<const int2 *>(&b.qs[w]);
+    lo = v.x;
+    hi = v.y;
+}
+// The IQ2_XXS sign masks: entry c (7-bit sign code) has byte j = 0xFF where element j of a run of 8
+// is negative (ksigns_iq2xs[c]: c plus an even-parity bit 7), else 0.
+__host__ __device__ __forceinline__ uint64_t iq2_sign_mask(uint32_t code) {
+    const uint32_t signs = code | (static_cast<uint32_t>(popc8(code) & 1) << 7);
+    uint64_t m = 0;
+    for (int j = 0; j < 8; ++j)
+        if ((signs >> j) & 1u) m |= uint64_t{0xFF} << (8 * j);
+    return m;
+}
+
+// Types with dot_q8 (the q8 path); the others keep the f32 activation path.
+template <dtype T> constexpr bool has_q8_dot() {
+    return T == dtype::iq2_xxs || T == dtype::q2_k || T == dtype::q8_0;
+}
+
+// iq2_xxs unit u = q8 block u (32 consecutive elements). With m the sign mask of a run: a byte
+// g ^ 0xFF is -g - 1 as int8, so dp4a(g ^ m, x) - dp4a(m, x) = sum of +-g x (m bytes are -1 or 0).
+// Grid bytes are 8..43: positive as int8.
+__host__ __device__ __forceinline__ float iq2_xxs_dot_q8(const unit_dot<dtype::iq2_xxs> &w, const q8_blk *xb,
+                                                          const uint64_t *grid, const uint64_t *smask) {
+    const q8_blk &xq = xb[w.base >> 5];
+    int sp = 0, sn = 0;
+    FATHOM_UNROLL
+    for (int l = 0; l < 4; ++l) {
+        const uint64_t gv = grid[(w.a0 >> (8 * l)) & 0xFFu];
+        const uint64_t m = smask[(w.a1 >> (7 * l)) & 127u];
+        const int mlo = static_cast<int>(static_cast<uint32_t>(m)), mhi = static_cast<int>(static_cast<uint32_t>(m >> 32));
+        int u0, u1;
+        q8_pair(xq, 2 * l, u0, u1);
+        sp = dp4a(static_cast<int>(static_cast<uint32_t>(gv)) ^ mlo, u0, sp);
+        sp = dp4a(static_cast<int>(static_cast<uint32_t>(gv >> 32)) ^ mhi, u1, sp);
+        sn = dp4a(mlo, u0, sn);
+        sn = dp4a(mhi, u1, sn);
+    }
+    const float db = mul_rn(mul_rn(w.d, 0.5f + static_cast<float>(w.a1 >> 28)), 0.25f);
+    return db * xq.d * i2f_exact(sp - sn);  // |sp - sn| <= 32 * 43 * 127 < 2^22
+}
+
+// q2_k unit (half c, slice s) of block b: run j (elements base + 32 j + i, i < 8) lies in q8 block
+// (base >> 5) + j at words 2 s, 2 s + 1, and in the q2_k sub-block with scale byte 2j + (s >> 1).
+// Per run: dl * sum q x - ml * sum x = d * sc * dp4a(q, x) - dmin * m * dp4a(1, x), scaled by the
+// block's d8; d and dmin factor out of the unit.
+__host__ __device__ __forceinline__ float q2_k_dot_q8(const unit_dot<dtype::q2_k> &w, const q8_blk *xb) {
+    const q8_blk *xq = xb + (w.base >> 5);
+    const int wo = (w.base & 31) >> 2;  // 2 s
+    float accd = 0.0f, accm = 0.0f;
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t sc = byte_of(w.s0, w.s1, 2 * j + w.hi);
+        int u0, u1;
+        q8_pair(xq[j], wo, u0, u1);
+        const int q0 = static_cast<int>((w.q0 >> (2 * j)) & 0x03030303u), q1 = static_cast<int>((w.q1 >> (2 * j)) & 0x03030303u);
+        const int dot = dp4a(q0, u0, dp4a(q1, u1, 0));            // |dot| <= 3 * 8 * 127
+        const int sum = dp4a(0x01010101, u0, dp4a(0x01010101, u1, 0));  // |sum| <= 8 * 127
+        const float d8 = xq[j].d;
+        accd = fmaf(d8, i2f_exact(dot * static_cast<int>(sc & 0xFu)), accd);
+        accm = fmaf(d8, i2f_exact(sum * static_cast<int>(sc >> 4)), accm);
+    }
+    return w.d * accd - w.dmin * accm;
+}
+
+// q8_0 unit u = q8 block u: d * d8 * sum q x.
+__host__ __device__ __forceinline__ float q8_0_dot_q8(const unit_dot<dtype::q8_0> &w, const q8_blk *xb) {
+    const q8_blk &xq = xb[w.base >> 5];
+    int s = 0;
+    FATHOM_UNROLL
+    for (int h = 0; h < 4; ++h) {
+        int u0, u1;
+        q8_pair(xq, 2 * h, u0, u1);
+        s = dp4a(static_cast<int>(w.q[2 * h]), u0, s);
+        s = dp4a(static_cast<int>(w.q[2 * h + 1]), u1, s);
+    }
+    return w.d * xq.d * i2f_exact(s);  // |s| <= 32 * 128 * 127 < 2^22
+}
+
+// One dispatch point for the kernels: the q8 dot of a loaded unit of type T.
+template <dtype T>
+__host__ __device__ __forceinline__ float dot_q8(const unit_dot<T> &w, const q8_blk *xb, const uint64_t *grid,
+                                                 const uint64_t *smask) {
+    if constexpr (T == dtype::iq2_xxs) return iq2_xxs_dot_q8(w, xb, grid, smask);
+    else if constexpr (T == dtype::q2_k) return q2_k_dot_q8(w, xb);
+    else return q8_0_dot_q8(w, xb);
+}
 
 // Calls f.template operator()<T>() for the expert types above; false for any other type.
 template <class F>
