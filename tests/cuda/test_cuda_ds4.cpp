@@ -27,6 +27,7 @@
 #include "backend/cpu/iq_tables.h"
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
@@ -208,7 +209,8 @@ std::vector<double> q8_dequantised(const float *x, int64_t n) {
 
 // ds4q::dot_q8 (dp4a of the weight codes with the int8 activations, scales per run / unit) vs the dot
 // of the CPU-dequantised weights with the dequantised q8 activation in double: the same real number,
-// up to f32 rounding of the scale products and the few per-unit sums.
+// up to f32 rounding of the scale products and the few per-unit sums. dot_q8 reads the unit's x words
+// into registers (ds4q::x_q8, what the gate/up kernel reuses across rows) and calls dot_q8x.
 template <dtype T>
 void check_q8_unit_dots(int64_t K) {
     SCOPED_TRACE(std::string(dtype_name(T)));
@@ -222,14 +224,10 @@ void check_q8_unit_dots(int64_t K) {
     std::vector<double> xd(static_cast<size_t>(K));
     q8_reference(x.data(), K, xb.data(), xd.data());
     const auto grid = host_grid();
-    std::vector<uint64_t> masks(128);
-    for (int c = 0; c < 128; ++c)
-        for (int j = 0; j < 8; ++j)
-            if ((cpu::ksigns_iq2xs[c] >> j) & 1) masks[static_cast<size_t>(c)] |= uint64_t{0xFF} << (8 * j);
     for (int64_t u = 0; u < K / 32; ++u) {
         cuda::ds4q::unit_dot<T> ud;
         ud.load(q.data(), u);
-        const double got = cuda::ds4q::dot_q8<T>(ud, xb.data(), grid.data(), masks.data());
+        const double got = cuda::ds4q::dot_q8<T>(ud, u, xb.data(), grid.data());
         float tmp[32];
         int64_t base;
         int stride;
@@ -251,8 +249,10 @@ TEST(CudaDs4Host, Q8UnitDotsMatchDequantisedDot) {
     check_q8_unit_dots<dtype::q8_0>(4096);
 }
 
-// The header's q8 quantiser (the rule the device staging implements) and sign masks vs the test's.
-TEST(CudaDs4Host, Q8QuantiserAndSignMasks) {
+// The header's q8 quantiser (the rule the device staging implements) vs the test's, and the IQ2_XXS
+// sign application (computed from the 7-bit code, no table) vs ksigns_iq2xs: for every code and
+// several grid entries, the 8 int8 values are +-grid byte with the table's signs.
+TEST(CudaDs4Host, Q8QuantiserAndIq2Signs) {
     std::mt19937 rng(5);
     auto x = randn(256, rng, 3.0f);
     x[40] = 0.5f * x[41];  // not a tie in general; ties are checked below
@@ -270,9 +270,20 @@ TEST(CudaDs4Host, Q8QuantiserAndSignMasks) {
     EXPECT_EQ(tb.d, 1.0f);
     EXPECT_EQ(static_cast<uint32_t>(tb.qs[0]) & 0xFFFFFFu, 0xFD037Fu);  // 127, 3, -3
     for (uint32_t c = 0; c < 128; ++c) {
-        const uint64_t m = cuda::ds4q::iq2_sign_mask(c);
-        for (int j = 0; j < 8; ++j)
-            EXPECT_EQ((m >> (8 * j)) & 0xFF, ((cpu::ksigns_iq2xs[c] >> j) & 1) ? 0xFFu : 0u) << c << " " << j;
+        const uint32_t signs = cuda::ds4q::iq2_signs(c);
+        EXPECT_EQ(signs, static_cast<uint32_t>(cpu::ksigns_iq2xs[c])) << c;
+        for (int gi : {0, 1, 77, 140, 255}) {
+            const uint8_t *g = cpu::iq2xxs_grid[gi];
+            uint32_t glo, ghi;
+            std::memcpy(&glo, g, 4);
+            std::memcpy(&ghi, g + 4, 4);
+            const int lo = cuda::ds4q::iq2_signed4(glo, signs & 0xFu), hi = cuda::ds4q::iq2_signed4(ghi, signs >> 4);
+            for (int j = 0; j < 8; ++j) {
+                const int v = static_cast<int8_t>(static_cast<uint32_t>(j < 4 ? lo : hi) >> (8 * (j & 3)));
+                const int want_v = ((cpu::ksigns_iq2xs[c] >> j) & 1) ? -static_cast<int>(g[j]) : static_cast<int>(g[j]);
+                EXPECT_EQ(v, want_v) << "code " << c << " grid " << gi << " element " << j;
+            }
+        }
     }
 }
 
@@ -470,17 +481,21 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
     struct cfg {
         dtype gu, dn, sh;
         bool hash, q8;  // q8: every type has integer dots (activations quantised to q8 blocks)
+        int E, k;
     };
-    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true},
-                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true, true},
-                        {dtype::q2_k, dtype::q2_k, dtype::q8_0, false, true},
-                        {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false},
-                        {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true}};
+    // k = 24 of 32: 512 shared + 24 * 256 routed gate/up tasks, more than the resident warps, so
+    // warps run several grid-stride rounds (shared rows before the PDL wait, routed pairs after).
+    const cfg cfgs[] = {{dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 16, 6},
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true, true, 16, 6},
+                        {dtype::q2_k, dtype::q2_k, dtype::q8_0, false, true, 16, 6},
+                        {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false, 16, 6},
+                        {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true, 16, 6},
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24}};
     const int64_t D = 1024, F = 512;
-    const int E = 16, k = 6;
     for (const cfg &c : cfgs) {
+        const int E = c.E, k = c.k;
         SCOPED_TRACE(std::string(dtype_name(c.gu)) + "/" + std::string(dtype_name(c.dn)) + "/" + std::string(dtype_name(c.sh)) +
-                     (c.hash ? " hash" : " biased"));
+                     (c.hash ? " hash" : " biased") + " k=" + std::to_string(k));
         moe_fixture m;
         build(m, D, F, E, k, c.gu, c.dn, c.sh, c.hash);
         cd::moe_scratch sc;
@@ -523,7 +538,8 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
                 EXPECT_LE(e, 1e-5);
             }
             if (trial == 0)
-                std::printf("  moe ffn %s: rel L2 %.3g vs f32 reference, %.3g vs q8 CPU chain\n", dtype_name(c.gu).data(), e, eq);
+                std::printf("  moe ffn %s k=%d: rel L2 %.3g vs f32 reference, %.3g vs q8 CPU chain\n", dtype_name(c.gu).data(),
+                            k, e, eq);
         }
     }
 }
@@ -573,6 +589,43 @@ TEST_F(CudaDs4Moe, Q8GemvsMatchQuantisedCpu) {
         EXPECT_EQ(take_err(), 0u);
         std::printf("  q8 gemvs %s/%s/%s: gate/up rel L2 %.3g, down %.3g\n", dtype_name(c.gu).data(),
                     dtype_name(c.dn).data(), dtype_name(c.sh).data(), eh, ey);
+    }
+}
+
+// The q8 gate/up kernel's task tail and grid-stride rounds: F odd (the last routed task of each slot
+// is a single row), 40 routed slots (repeated experts; 40 * 167 tasks, more than the resident warps),
+// against the CPU doing the same q8 quantisation of x. The h row after the last slot must stay
+// untouched (poison kept).
+TEST_F(CudaDs4Moe, Q8GateUpOddRowsManyRounds) {
+    const int64_t D = 512, F = 333;
+    const int E = 5, n_slot = 40;
+    for (dtype t : {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0}) {
+        SCOPED_TRACE(std::string(dtype_name(t)));
+        const float sd = 1.0f / std::sqrt(static_cast<float>(D));
+        const auto g = quant_rows(t, D, F * E, rng_, sd), u = quant_rows(t, D, F * E, rng_, sd);
+        std::vector<int32_t> ids(static_cast<size_t>(n_slot));
+        for (auto &e : ids) e = static_cast<int32_t>(rng_() % E);
+        const auto wts = randn(static_cast<size_t>(n_slot), rng_, 0.5f);
+        const auto x = randn(static_cast<size_t>(D), rng_);
+        float *h_d = poisoned(static_cast<size_t>((n_slot + 1) * F));
+        cd::launch_moe_gate_up(dev_bank(t, g, F, D, E), dev_bank(t, u, F, D, E), up(ids), up(wts), n_slot, 0, up(x), 1.0f,
+                               h_d, err_, s_);
+        const auto h = down(h_d, static_cast<size_t>((n_slot + 1) * F));
+        EXPECT_EQ(take_err(), 0u);
+        const auto xd = q8_dequantised(x.data(), D);
+        std::vector<float> ref;
+        for (int s = 0; s < n_slot; ++s) {
+            const auto gv = ref_gemv(t, g, F, D, ids[static_cast<size_t>(s)], xd);
+            const auto uv = ref_gemv(t, u, F, D, ids[static_cast<size_t>(s)], xd);
+            std::vector<float> gf(gv.begin(), gv.end()), uf(uv.begin(), uv.end());
+            ds4::swiglu_clamped(gf.data(), uf.data(), F, 1.0f);
+            for (auto &v : gf) ref.push_back(v * wts[static_cast<size_t>(s)]);
+        }
+        const double eh = rel_l2(h.data(), ref.data(), ref.size());
+        EXPECT_LE(eh, 1e-5);
+        for (int64_t r = 0; r < F; ++r) ASSERT_TRUE(std::isnan(h[static_cast<size_t>(n_slot * F + r)])) << r;
+        std::printf("  q8 gate/up %s, F = %lld, %d slots: rel L2 %.3g\n", dtype_name(t).data(), static_cast<long long>(F),
+                    n_slot, eh);
     }
 }
 
@@ -907,6 +960,22 @@ TEST_F(CudaDs4, BenchMoeFfnPerToken) {
     std::printf("  launch_moe_ffn DS4-Flash q2 mix (f16 router, 6 x iq2_xxs/q2_k, q8_0 shared): %.2f MB/token, "
                 "%.2f us/token, %.1f GB/s, %.1f%% of copy bandwidth (%.1f GB/s)\n",
                 bytes / 1e6, us_tok, bw / 1e9, 100.0 * bw / copy_bw, copy_bw / 1e9);
+    // The serial front of the chain alone: router GEMV (the fast GEMV launch_moe_ffn uses for f16) +
+    // route, per token. In the whole chain the gate/up kernel overlaps the route (PDL).
+    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    const cd::gemv_weight rw = cd::gemv_prepare(dtype::f16, l.gate_inp, l.gate_inp_row_bytes, E, D, nullptr, s_);
+    for (int t = 0; t < T; ++t) {
+        cd::launch_gemv_fast(rw, x_d + static_cast<size_t>(t) * D, sc.logits, s_);
+        cd::launch_moe_route(sc.logits, E, l.exp_bias, nullptr, 0, tok, k, l.weights_scale, sc.ids, sc.weights, err_, s_);
+    }
+    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const float ms_front = time_graph(exec, s_, reps);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    CK(cudaStreamSynchronize(s_));
+    ASSERT_EQ(take_err(), 0u);
+    std::printf("  of which router GEMV f16 [256, 4096] + route alone: %.2f us/token\n", ms_front * 1e3 / T);
 }
 
 TEST_F(CudaDs4, BenchIndexerSelect128K) {

@@ -92,6 +92,9 @@ struct moe_scratch {
 // y [D] = MoE(xn [D]) for the token *token (device). xn 16-byte aligned. With the q2 mix (and any
 // all-iq2_xxs/q2_k/q8_0 experts) xn and h are q8-quantised as launch_moe_gate_up/_down describe; the
 // router GEMV stays f32.
+// Launch ordering: the router GEMV (f16/f32 router: ds4_gemv.h's fast GEMV), the q8 gate/up and the
+// down kernel use programmatic dependent launch (see ds4_gemv.h); the router weights must not be
+// written by the kernel enqueued just before this call.
 void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, const moe_scratch &sc, float *y,
                     uint32_t *err, cudaStream_t s);
 

@@ -3,18 +3,26 @@
 // order), the router (sqrt-softplus scores, hash or biased top-k, weight normalisation) and the
 // whole-FFN chain. Launchers: ds4_kernels.h; block decoding: ds4_quant.cuh.
 //
-// GEMV layout: one warp per output row, lanes stride over the row's 32-weight units (a warp reads a
-// contiguous stretch of the row); the activation vector (x, or the h rows) is staged in shared
-// memory once per block. Each lane first issues the loads of several units (gate + up: 4 units of
-// both rows; down: one unit of every slot and the shared expert), then computes their dots.
+// GEMV layout: lanes stride over a row's 32-weight units (lane l: units l + 32 k, so a warp reads a
+// contiguous stretch of the row); the activation vector (x, or the h rows) is staged in shared memory
+// once per block. Each lane first issues the loads of several units, then computes their dots.
 // Two activation paths, chosen per launch from the weight types:
 //   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix): the activation is quantised while staged, per block of
 //      32 as ggml's q8_1 (d = amax / 127, int8), and the dots are integer (__dp4a of the weight
-//      codes with the int8 activations, llama.cpp mmvq style; ds4q::dot_q8), scaled per run or unit
-//      in f32. The f32 path was instruction-bound (~6 instructions per weight). Results carry the
-//      activations' q8 rounding, as the CPU's quantised matmuls (vec_dot_type activations) do.
+//      codes with the int8 activations, llama.cpp mmvq style; ds4q::dot_q8x), scaled per run or unit
+//      in f32. Results carry the activations' q8 rounding, as the CPU's quantised matmuls
+//      (vec_dot_type activations) do.
+//      gate/up (moe_gate_up_q8_kernel): a warp task is 2 rows of a routed expert's gate and up (each
+//      x unit read from shared memory once for the 4 weight rows) or 1 row of the shared expert;
+//      IQ2_XXS signs are computed from their 7-bit codes. Reasoning from the previous version (85 us
+//      per layer): its limiter was the shared-memory pipe (one wavefront per cycle per SM), not
+//      HBM: every IQ2_XXS unit did 4 random grid and 4 random sign-table lookups (~3.3
+//      bank-conflicted wavefronts each) and read its x words once per matrix, ~61 wavefronts per
+//      warp-unit, ~23 us for the routed gate/up at the DS4 shape; now ~28.
+//      down (moe_down_kernel): a warp owns 2 rows and a lane issues the loads of one unit of all six
+//      routed experts and the shared expert together.
 //   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
-//      (ds4q::unit_dot::dot).
+//      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel).
 // Every block quantises the same inputs with the same exact operations, so all get the same bits;
 // sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (one
 // warp), gate/up of the routed + shared experts, down of the routed + shared experts. Expert ids
@@ -27,6 +35,7 @@
 #include <type_traits>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
@@ -127,19 +136,13 @@ bool use_q8_rt(dtype tr, dtype ts) {
     return q8;
 }
 
-// Lookup tables in shared memory (random 8-byte lookups): the IQ2_XXS grid when either type needs
-// it, and for the q8 path the IQ2_XXS sign masks (ds4q::iq2_sign_mask). No barrier here: the
-// caller's staging barrier covers it.
-struct tables {
-    const uint64_t *grid, *smask;
-};
-template <bool Grid, bool Mask>
-__device__ __forceinline__ tables stage_tables(uint64_t *sgrid, uint64_t *smask) {
+// The IQ2_XXS grid in shared memory (random 8-byte lookups) when either type needs it. No barrier
+// here: the caller's staging barrier covers it.
+template <bool Grid>
+__device__ __forceinline__ const uint64_t *stage_grid(uint64_t *sgrid) {
     if constexpr (Grid)
         for (int i = threadIdx.x; i < 256; i += blockDim.x) sgrid[i] = k_iq2xxs_grid[i];
-    if constexpr (Mask)
-        for (int i = threadIdx.x; i < 128; i += blockDim.x) smask[i] = ds4q::iq2_sign_mask(static_cast<uint32_t>(i));
-    return {sgrid, smask};
+    return sgrid;
 }
 
 // The activation vector lives in shared memory with 4 floats of padding after every 32: lane l
@@ -153,12 +156,20 @@ __device__ __forceinline__ int64_t pidx(int64_t e) {
 __host__ __device__ __forceinline__ int64_t staged_floats(int64_t units) {
     return 36 * units;
 }
+// 4 activation floats (16-byte aligned) by a plain coherent load, not the read-only path: h is
+// written by the previous kernel, which may still be running when a PDL-launched down kernel starts
+// (it reads h only after pdl_wait; the read-only path is defined only for data constant over the
+// kernel's lifetime). Volatile keeps the loads after the wait.
+__device__ __forceinline__ float4 ld_act4(const float *p) {
+    float4 v;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
 // xs[pidx(i)] = x[i] for i < K, 0 for K <= i < K_pad (K % 4 == 0, K_pad = 32 * units, x 16-byte
 // aligned): a float row's last partial unit meets zeros. Caller syncs.
-__device__ __forceinline__ void stage_vec(const float *__restrict__ x, int64_t K, int64_t K_pad, float *xs) {
+__device__ __forceinline__ void stage_vec(const float *x, int64_t K, int64_t K_pad, float *xs) {
     for (int64_t i = 4 * static_cast<int64_t>(threadIdx.x); i < K_pad; i += 4 * static_cast<int64_t>(blockDim.x))
-        *reinterpret_cast<float4 *>(xs + pidx(i)) =
-            i < K ? *reinterpret_cast<const float4 *>(x + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        *reinterpret_cast<float4 *>(xs + pidx(i)) = i < K ? ld_act4(x + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // x[e .. e+4) of a staged row (e % 4 == 0: the four stay inside one padded group of 32).
@@ -176,34 +187,44 @@ struct staged_q8 {
 // Quantise n_rows rows of nblk * 32 floats (row j starts at src + row_off(j), 16-byte aligned) into
 // dst[j * nblk + b] (ds4q::quantize_q8_block, bit for bit). 8 lanes per block of 32, a float4 each;
 // the amax is an xor-shuffle max over the 8 lanes (exact, so every block staging the same rows gets
-// the same bits). Every lane of a warp runs the same iterations (the shuffles need the whole warp);
-// unrolled so several loads are in flight. Caller syncs.
+// the same bits). Each pass first issues the loads of kStageBatch blocks per 8 lanes (one L2 round
+// trip per pass: the down kernel stages 7 x 2048 floats, 2 passes), then quantises them. The loop
+// bound is warp-uniform (the shuffles need the whole warp). 32-bit index math (n_rows * nblk is at
+// most 8 * 256). Caller syncs.
+constexpr int kStageBatch = 8;
 template <class RowOff>
-__device__ __forceinline__ void stage_q8(const float *__restrict__ src, RowOff row_off, int n_rows, int64_t nblk,
+__device__ __forceinline__ void stage_q8(const float *src, RowOff row_off, int n_rows, int nblk,
                                          ds4q::q8_blk *dst) {
     const int lane = threadIdx.x & 31, sub = lane & 7;
-    const int64_t total = static_cast<int64_t>(n_rows) * nblk, step = blockDim.x >> 3;
-#pragma unroll 4
-    for (int64_t g0 = (threadIdx.x >> 5) * 4; g0 < total; g0 += step) {
-        const int64_t g = g0 + (lane >> 3);
-        const bool ok = g < total;
-        const int j = ok ? static_cast<int>(g / nblk) : 0;
-        const int64_t b = ok ? g - j * nblk : 0;
-        const float4 v = ok ? *reinterpret_cast<const float4 *>(src + row_off(j) + 32 * b + 4 * sub)
-                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-        const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
-        const uint32_t q = ds4q::q8_round(v.x, id) | ds4q::q8_round(v.y, id) << 8 | ds4q::q8_round(v.z, id) << 16 |
-                           ds4q::q8_round(v.w, id) << 24;
-        if (ok) {
-            ds4q::q8_blk &o = dst[g];
-            o.qs[sub] = static_cast<int32_t>(q);
-            if (sub == 0) {
-                o.d = d;
-                o.pad = 0.0f;
+    const int total = n_rows * nblk, step = static_cast<int>(blockDim.x >> 3);
+    for (int gw = (threadIdx.x >> 5) * 4; gw < total; gw += kStageBatch * step) {
+        float4 v[kStageBatch];
+#pragma unroll
+        for (int i = 0; i < kStageBatch; ++i) {
+            const int g = gw + (lane >> 3) + i * step;
+            v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (g < total) {
+                const int j = g / nblk, b = g - j * nblk;
+                v[i] = ld_act4(src + row_off(j) + 32 * static_cast<int64_t>(b) + 4 * sub);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kStageBatch; ++i) {
+            const int g = gw + (lane >> 3) + i * step;
+            float amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+            const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
+            const uint32_t q = ds4q::q8_round(v[i].x, id) | ds4q::q8_round(v[i].y, id) << 8 |
+                               ds4q::q8_round(v[i].z, id) << 16 | ds4q::q8_round(v[i].w, id) << 24;
+            if (g < total) {
+                ds4q::q8_blk &o = dst[g];
+                o.qs[sub] = static_cast<int32_t>(q);
+                if (sub == 0) {
+                    o.d = d;
+                    o.pad = 0.0f;
+                }
             }
         }
     }
@@ -222,14 +243,15 @@ __device__ __forceinline__ act_t<Q8> staged_row(void *smem, int64_t units, int j
     else return staged_x{static_cast<const float *>(smem) + j * staged_floats(units)};
 }
 
-// sum w x of one loaded unit against either staged form.
+// sum w x of loaded unit u against either staged form.
 template <dtype T>
-__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, staged_x x, const tables &t) {
-    return w.dot(x, t.grid);
+__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, int64_t, staged_x x, const uint64_t *grid) {
+    return w.dot(x, grid);
 }
 template <dtype T>
-__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, staged_q8 x, const tables &t) {
-    return ds4q::dot_q8<T>(w, x.xb, t.grid, t.smask);
+__device__ __forceinline__ float unit_dot_act(const ds4q::unit_dot<T> &w, int64_t u, staged_q8 x,
+                                              const uint64_t *grid) {
+    return ds4q::dot_q8<T>(w, u, x.xb, grid);
 }
 
 // Hint: fetch the 128-byte line holding p into L2 (no register result, no fault on the address).
@@ -248,36 +270,27 @@ __device__ __forceinline__ float warp_sum(float a) {
     return a;
 }
 
+// PDL (programmatic dependent launch; launch_moe_ffn launches gate/up and down with it): wait for
+// the preceding kernel of the stream (its writes visible) / let the next one launch. No-ops when the
+// kernel was launched without the attribute (the public launchers), and before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 struct bank_dev {
     const uint8_t *data;  // null: no such bank (no shared expert)
     size_t row_bytes, expert_bytes;
     int64_t n_expert, rows, cols, units;  // units = ceil(cols / 32) (cols % 32 != 0 only for float rows)
 };
-
-// Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
-// lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
-template <dtype T, class Act>
-__device__ __forceinline__ void gate_up_row(const uint8_t *rg, const uint8_t *ru, int64_t units, int lane, Act x,
-                                            const tables &tb, float &ag, float &au) {
-    constexpr int N = units_in_flight<T>();
-    for (int64_t u0 = lane; u0 < units; u0 += 32 * N) {
-        ds4q::unit_dot<T> g[N], v[N];
-#pragma unroll
-        for (int c = 0; c < N; ++c) {
-            const int64_t u = u0 + 32 * c;
-            if (u < units) {
-                g[c].load(rg, u);
-                v[c].load(ru, u);
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < N; ++c) {
-            if (u0 + 32 * c < units) {
-                ag += unit_dot_act(g[c], x, tb);
-                au += unit_dot_act(v[c], x, tb);
-            }
-        }
-    }
+__device__ __forceinline__ const uint8_t *row_ptr(const bank_dev &b, int e, int64_t r) {
+    return b.data + static_cast<size_t>(e) * b.expert_bytes + static_cast<size_t>(r) * b.row_bytes;
 }
 
 struct gate_up_args {
@@ -292,16 +305,51 @@ struct gate_up_args {
     uint32_t *err;
 };
 
+// CPU: silu(min(g, c)) * clamp(v, -c, c) (deepseek4_moe.cpp swiglu_clamped); the caller applies the
+// routing weight.
+__device__ __forceinline__ float swiglu_clamped(float g, float v, float c) {
+    const float gc = fminf(g, c), vc = fminf(fmaxf(v, -c), c);
+    return gc / (1.0f + expf(-gc)) * vc;
+}
+
+// ---- gate/up, f32 activations (f32, f16, mxfp4 weights) ----------------------------------------------
+
+// Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
+// lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
+template <dtype T>
+__device__ __forceinline__ void gate_up_row_f32(const uint8_t *rg, const uint8_t *ru, int64_t units, int lane,
+                                                staged_x x, const uint64_t *grid, float &ag, float &au) {
+    constexpr int N = units_in_flight<T>();
+    for (int64_t u0 = lane; u0 < units; u0 += 32 * N) {
+        ds4q::unit_dot<T> g[N], v[N];
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int64_t u = u0 + 32 * c;
+            if (u < units) {
+                g[c].load(rg, u);
+                v[c].load(ru, u);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int64_t u = u0 + 32 * c;
+            if (u < units) {
+                ag += unit_dot_act(g[c], u, x, grid);
+                au += unit_dot_act(v[c], u, x, grid);
+            }
+        }
+    }
+}
+
 // Tasks t = (slot, row), slot-major over the routed slots then the shared expert's rows, spread over
-// a grid of as many resident blocks as fit (x is staged, and on the q8 path quantised, once per
-// block: every block computes the same bits); consecutive warps take consecutive rows of one expert.
+// a grid of as many resident blocks as fit (x is staged once per block); consecutive warps take
+// consecutive rows of one expert.
 template <dtype TR, dtype TS>
-__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_args a) {
-    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs, q8 = use_q8<TR, TS>();
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_f32_kernel(gate_up_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     extern __shared__ float4 dyn_smem[];
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
-    __shared__ uint64_t smask[need_grid && q8 ? 128 : 1];
-    const tables tb = stage_tables<need_grid, need_grid && q8>(sgrid, smask);
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t F = a.g.rows;
     const int64_t total = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * F;
@@ -312,18 +360,13 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_arg
         const int e = slot < a.n_slot ? (a.ids ? a.ids[slot] : 0) : 0;
         const bank_dev &g = slot < a.n_slot ? a.g : a.gs, &u = slot < a.n_slot ? a.up : a.us;
         if (e >= 0 && e < g.n_expert) {
-            prefetch_range_l2(g.data + static_cast<size_t>(e) * g.expert_bytes + static_cast<size_t>(r) * g.row_bytes,
-                              g.row_bytes, lane);
-            prefetch_range_l2(u.data + static_cast<size_t>(e) * u.expert_bytes + static_cast<size_t>(r) * u.row_bytes,
-                              u.row_bytes, lane);
+            prefetch_range_l2(row_ptr(g, e, r), g.row_bytes, lane);
+            prefetch_range_l2(row_ptr(u, e, r), u.row_bytes, lane);
         }
     }
-    if constexpr (q8)
-        stage_q8(a.x, [](int) { return int64_t{0}; }, 1, a.g.units, reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
-    else
-        stage_vec(a.x, a.g.cols, a.g.units * 32, reinterpret_cast<float *>(dyn_smem));
+    stage_vec(a.x, a.g.cols, a.g.units * 32, reinterpret_cast<float *>(dyn_smem));
     __syncthreads();
-    const act_t<q8> x = staged_row<q8>(dyn_smem, a.g.units, 0);
+    const staged_x x{reinterpret_cast<const float *>(dyn_smem)};
     for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < total;
          t += static_cast<int64_t>(gridDim.x) * kWarps) {
         const int slot = static_cast<int>(t / F);
@@ -335,26 +378,195 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_kernel(gate_up_arg
                 if (r == 0 && lane == 0) atomicOr(a.err, err_expert_id);
                 continue;
             }
-            const uint8_t *rg = a.g.data + static_cast<size_t>(e) * a.g.expert_bytes + static_cast<size_t>(r) * a.g.row_bytes;
-            const uint8_t *ru = a.up.data + static_cast<size_t>(e) * a.up.expert_bytes + static_cast<size_t>(r) * a.up.row_bytes;
-            gate_up_row<TR>(rg, ru, a.g.units, lane, x, tb, ag, au);
+            gate_up_row_f32<TR>(row_ptr(a.g, e, r), row_ptr(a.up, e, r), a.g.units, lane, x, grid, ag, au);
             c = a.clamp;
             if (a.wts) wmul = a.wts[slot];
         } else {
-            gate_up_row<TS>(a.gs.data + static_cast<size_t>(r) * a.gs.row_bytes,
-                            a.us.data + static_cast<size_t>(r) * a.us.row_bytes, a.gs.units, lane, x, tb, ag, au);
+            gate_up_row_f32<TS>(row_ptr(a.gs, 0, r), row_ptr(a.us, 0, r), a.gs.units, lane, x, grid, ag, au);
         }
         ag = warp_sum(ag);
         au = warp_sum(au);
         if (lane == 0) {
-            // CPU: silu(min(g, c)) * clamp(v, -c, c), then * w (deepseek4_moe.cpp swiglu_clamped).
-            const float gc = fminf(ag, c), vc = fminf(fmaxf(au, -c), c);
-            float hv = gc / (1.0f + expf(-gc)) * vc;
+            float hv = swiglu_clamped(ag, au, c);
             if (slot < a.n_slot && a.wts) hv *= wmul;
             a.h[static_cast<int64_t>(a.s0 + slot) * F + r] = hv;
         }
     }
 }
+
+// ---- gate/up, q8 activations (iq2_xxs, q2_k, q8_0 weights) -------------------------------------------
+// x is quantised once per block into shared memory (5 KB at D = 4096). A routed task is kRoutedRows
+// consecutive rows of one expert's gate and up (4 weight rows): each x unit is read from shared
+// memory once and dotted with all four. A shared-expert task is one row (gate + up): q8_0 rows are
+// ~4x the bytes of iq2_xxs rows, so both kinds cost about the same, and the host sizes the grid so
+// every warp gets the same number of tasks (at the DS4 shape, F = 2048 warps: one shared row and
+// three routed pairs each). A warp prefetches its next task's rows into L2 before computing the
+// current one, so the loads of the next task meet L2 rather than HBM latency.
+
+constexpr int kRoutedRows = 2;
+
+// Units per row whose loads a lane issues before any arithmetic, for tasks of R rows of type T: the
+// largest power of two (1, 2 or 4) whose raw loaded words fit in ~48 registers (iq2_xxs 4 per
+// unit: f16 d + the 3 words ld8_a2 reads; q2_k 8 with its unpacked fields; q8_0 10). With 64 the
+// kernel needed more than the 128 registers two blocks per SM allow and spilled. The rest of a
+// row's units are in L2 by then (the task's rows were prefetched).
+template <dtype T> constexpr int unit_regs() {
+    return T == dtype::iq2_xxs ? 4 : (T == dtype::q2_k ? 8 : 10);
+}
+template <dtype T, int R> constexpr int q8_units_in_flight() {
+    constexpr int n = 48 / (unit_regs<T>() * 2 * R);
+    return n >= 4 ? 4 : (n >= 2 ? 2 : 1);
+}
+
+// Lane-partial dots of R gate rows and R up rows (rg[r] null: row absent, skipped) with the staged q8
+// x: lane owns units lane + 32 k; a round issues the loads of N units of every row, then reads each
+// unit's x words once and dots them with all 2R rows.
+template <dtype T, int R>
+__device__ __forceinline__ void gate_up_rows_q8(const uint8_t *const (&rg)[R], const uint8_t *const (&ru)[R],
+                                                int units, int lane, const ds4q::q8_blk *xs, const uint64_t *grid,
+                                                float (&ag)[R], float (&au)[R]) {
+    constexpr int N = q8_units_in_flight<T, R>();
+    for (int u0 = lane; u0 < units; u0 += 32 * N) {
+        ds4q::unit_dot<T> g[R][N], v[R][N];
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int u = u0 + 32 * c;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (u < units && rg[r]) {
+                    g[r][c].load(rg[r], u);
+                    v[r][c].load(ru[r], u);
+                }
+        }
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int u = u0 + 32 * c;
+            if (u < units) {
+                ds4q::x_q8<T> x;
+                x.load(xs, u);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (rg[r]) {
+                        ag[r] += ds4q::dot_q8x<T>(g[r][c], x, grid);
+                        au[r] += ds4q::dot_q8x<T>(v[r][c], x, grid);
+                    }
+            }
+        }
+    }
+}
+
+// Task t of the q8 kernel: t < n_sh: row t of the shared expert (slot = n_slot, n = 1); otherwise
+// routed task t - n_sh = (slot, pair p): rows kRoutedRows p .. of expert ids[slot], n of them (fewer
+// at the end of an odd F; 0 when the expert id is out of range). Row pointers past n are null.
+struct gu_task {
+    int slot, r0, n;
+    const uint8_t *g[kRoutedRows], *u[kRoutedRows];
+};
+__device__ __forceinline__ gu_task gu_task_at(const gate_up_args &a, int t, int n_sh, int pairs) {
+    gu_task k;
+#pragma unroll
+    for (int i = 0; i < kRoutedRows; ++i) k.g[i] = k.u[i] = nullptr;
+    if (t < n_sh) {
+        k.slot = a.n_slot;
+        k.r0 = t;
+        k.n = 1;
+        k.g[0] = row_ptr(a.gs, 0, t);
+        k.u[0] = row_ptr(a.us, 0, t);
+        return k;
+    }
+    const int tr = t - n_sh;
+    k.slot = tr / pairs;
+    k.r0 = kRoutedRows * (tr - k.slot * pairs);
+    const int e = a.ids ? a.ids[k.slot] : 0;
+    k.n = (e < 0 || e >= a.g.n_expert) ? 0 : min(kRoutedRows, static_cast<int>(a.g.rows) - k.r0);
+#pragma unroll
+    for (int i = 0; i < kRoutedRows; ++i)
+        if (i < k.n) {
+            k.g[i] = row_ptr(a.g, e, k.r0 + i);
+            k.u[i] = row_ptr(a.up, e, k.r0 + i);
+        }
+    return k;
+}
+__device__ __forceinline__ void prefetch_task(const gu_task &k, const gate_up_args &a, int lane) {
+    const size_t rb = k.slot < a.n_slot ? a.g.row_bytes : a.gs.row_bytes;
+#pragma unroll
+    for (int i = 0; i < kRoutedRows; ++i)
+        if (i < k.n) {
+            prefetch_range_l2(k.g[i], rb, lane);
+            prefetch_range_l2(k.u[i], rb, lane);
+        }
+}
+
+// Tasks of the q8 kernel: n_sh shared rows, then the routed pairs.
+__host__ __device__ __forceinline__ int gu_q8_pairs(int64_t F) {
+    return static_cast<int>((F + kRoutedRows - 1) / kRoutedRows);
+}
+
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_q8_kernel(gate_up_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int F = static_cast<int>(a.g.rows), units = static_cast<int>(a.g.units);
+    const int n_sh = a.gs.data ? F : 0, pairs = gu_q8_pairs(F);
+    const int total = n_sh + a.n_slot * pairs, stride = static_cast<int>(gridDim.x) * kWarps;
+    int t = static_cast<int>(blockIdx.x) * kWarps + warp;
+    // the first task's rows start streaming into L2 while x is staged (before pdl_wait a routed
+    // task's expert id may be stale: a prefetch is only a hint, the task itself reads it again)
+    if (t < total) prefetch_task(gu_task_at(a, t, n_sh, pairs), a, lane);
+    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
+    stage_q8(a.x, [](int) { return int64_t{0}; }, 1, units, xs);
+    __syncthreads();
+    // PDL (launch_moe_ffn): the preceding kernel is the route kernel, which writes only ids and wts;
+    // everything before it has completed (it was launched without PDL), so x and the shared expert's
+    // rows are read, and shared tasks run, while routing is still in flight. pdl_wait comes before
+    // the first routed task (warp-uniform), and at the end for warps that had none.
+    bool waited = false;
+    for (; t < total; t += stride) {
+        if (!waited && t >= n_sh) {
+            pdl_wait();
+            pdl_launch_dependents();  // the down kernel may start prefetching its rows
+            waited = true;
+        }
+        const gu_task k = gu_task_at(a, t, n_sh, pairs);
+        if (t + stride < total) prefetch_task(gu_task_at(a, t + stride, n_sh, pairs), a, lane);
+        const bool routed = k.slot < a.n_slot;
+        if (routed && k.n == 0) {
+            if (k.r0 == 0 && lane == 0) atomicOr(a.err, err_expert_id);
+            continue;
+        }
+        float ag[kRoutedRows], au[kRoutedRows];
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) ag[i] = au[i] = 0.0f;
+        if (routed) {
+            gate_up_rows_q8<TR, kRoutedRows>(k.g, k.u, units, lane, xs, grid, ag, au);
+        } else {
+            const uint8_t *const g1[1] = {k.g[0]}, *const u1[1] = {k.u[0]};
+            float ag1[1] = {0.0f}, au1[1] = {0.0f};
+            gate_up_rows_q8<TS, 1>(g1, u1, units, lane, xs, grid, ag1, au1);
+            ag[0] = ag1[0];
+            au[0] = au1[0];
+        }
+        const float c = routed ? a.clamp : a.clamp_sh;
+        const float wmul = routed && a.wts ? a.wts[k.slot] : 1.0f;
+        float *hrow = a.h + static_cast<int64_t>(a.s0 + k.slot) * F + k.r0;
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) {
+            if (i >= k.n) break;  // warp-uniform
+            const float g = warp_sum(ag[i]), v = warp_sum(au[i]);
+            if (lane == i) {
+                float hv = swiglu_clamped(g, v, c);
+                if (routed && a.wts) hv *= wmul;
+                hrow[i] = hv;
+            }
+        }
+    }
+    if (!waited) pdl_wait();  // this kernel completes only after the route kernel
+}
+
+// ---- down --------------------------------------------------------------------------------------------
 
 struct down_args {
     bank_dev d;    // routed [D, F] stack
@@ -377,8 +589,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
     constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs, q8 = use_q8<TR, TS>();
     extern __shared__ float4 dyn_smem[];
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
-    __shared__ uint64_t smask[need_grid && q8 ? 128 : 1];
-    const tables tb = stage_tables<need_grid, need_grid && q8>(sgrid, smask);
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t F = a.d.cols, units = a.d.units;
     const bool shared = a.ds.data != nullptr;
@@ -392,15 +603,17 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
         for (int j = warp; j < n_rows; j += kWarps) {
             const int e = j < a.n_slot ? (a.ids ? a.ids[j] : 0) : 0;
             if (j < a.n_slot && (e < 0 || e >= a.d.n_expert)) continue;
-            const uint8_t *p = j < a.n_slot ? a.d.data + static_cast<size_t>(e) * a.d.expert_bytes + static_cast<size_t>(r0) * a.d.row_bytes
-                                            : a.ds.data + static_cast<size_t>(r0) * a.ds.row_bytes;
+            const uint8_t *p = j < a.n_slot ? row_ptr(a.d, e, r0) : row_ptr(a.ds, 0, r0);
             prefetch_range_l2(p, static_cast<size_t>(nr) * (j < a.n_slot ? a.d.row_bytes : a.ds.row_bytes), lane);
         }
     }
+    // PDL (launch_moe_ffn): everything above only prefetches (ids read before the wait may be stale:
+    // hints); h, y and the ids used below come after the gate/up kernel has completed.
+    pdl_wait();
     if constexpr (q8) {
         const int n_slot = a.n_slot, s0 = a.s0, s_sh = a.s_sh;
-        stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units,
-                 reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
+        stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows,
+                 static_cast<int>(units), reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
     } else {
         float *xs = reinterpret_cast<float *>(dyn_smem);
         const int64_t stride = staged_floats(units);
@@ -423,12 +636,10 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
             for (int j = 0; j < kDownSlots; ++j) {
                 const int s = sg + j;
                 const int e = s < a.n_slot ? (a.ids ? a.ids[s] : 0) : -1;
-                rows[j] = (e >= 0 && e < a.d.n_expert)
-                              ? a.d.data + static_cast<size_t>(e) * a.d.expert_bytes + static_cast<size_t>(r) * a.d.row_bytes
-                              : nullptr;
+                rows[j] = (e >= 0 && e < a.d.n_expert) ? row_ptr(a.d, e, r) : nullptr;
             }
             const bool with_sh = shared && sg == 0;
-            const uint8_t *rsh = with_sh ? a.ds.data + static_cast<size_t>(r) * a.ds.row_bytes : nullptr;
+            const uint8_t *rsh = with_sh ? row_ptr(a.ds, 0, r) : nullptr;
             for (int64_t u = lane; u < units; u += 32) {
                 ds4q::unit_dot<TR> w[kDownSlots];
                 ds4q::unit_dot<TS> wsh;
@@ -438,8 +649,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
                 if (with_sh) wsh.load(rsh, u);
 #pragma unroll
                 for (int j = 0; j < kDownSlots; ++j)
-                    if (rows[j]) acc += unit_dot_act(w[j], staged_row<q8>(dyn_smem, units, sg + j), tb);
-                if (with_sh) acc += unit_dot_act(wsh, staged_row<q8>(dyn_smem, units, a.n_slot), tb);
+                    if (rows[j]) acc += unit_dot_act(w[j], u, staged_row<q8>(dyn_smem, units, sg + j), grid);
+                if (with_sh) acc += unit_dot_act(wsh, u, staged_row<q8>(dyn_smem, units, a.n_slot), grid);
             }
         }
         const float total = warp_sum(acc);
@@ -467,6 +678,7 @@ __global__ void __launch_bounds__(32)
     __shared__ float score[kMaxExperts], biased[kMaxExperts];
     __shared__ unsigned char taken[kMaxExperts];
     __shared__ int chosen[kMaxUsed];
+    pdl_launch_dependents();  // a PDL-launched gate/up kernel starts its shared expert meanwhile
     const int lane = threadIdx.x;
     for (int e = lane; e < E; e += 32) {
         score[e] = sqrtf(softplus_ref(logits[e]));
@@ -595,6 +807,25 @@ void check_launch(const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
+// kernel<<<grid, 32 * kWarps, smem, s>>>(args), with programmatic stream serialisation when pdl (the
+// kernel may start while the previous kernel of the stream is finishing; it waits in pdl_wait()).
+template <class Args>
+void launch_kernel(void (*kernel)(Args), unsigned grid, size_t smem, bool pdl, cudaStream_t s, const Args &args,
+                   const char *what) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(32 * kWarps);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
+    if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+}
+
 struct nothing_fn {
     template <dtype T> void operator()() const {}
 };
@@ -616,24 +847,40 @@ bool dispatch_pair(dtype tr, dtype ts, Fn &&f) {
     return ok;
 }
 
+// Grid of the gate/up kernels: at most the resident blocks, and sized so every warp gets the same
+// number of grid-stride tasks (rounds = ceil(tasks / resident warps); the last round is not left
+// half empty).
+// pdl: only for the q8 kernel right after the route kernel (launch_moe_ffn; see the kernel).
 template <dtype TR, dtype TS>
-void run_gate_up(const gate_up_args &a, int64_t tasks, size_t smem, cudaStream_t s) {
+void run_gate_up(const gate_up_args &a, size_t smem, bool pdl, cudaStream_t s) {
+    constexpr bool q8 = use_q8<TR, TS>();
+    void (*kernel)(gate_up_args);
+    int64_t tasks;
+    if constexpr (q8) {
+        kernel = moe_gate_up_q8_kernel<TR, TS>;
+        tasks = (a.gs.data ? a.g.rows : 0) + static_cast<int64_t>(a.n_slot) * gu_q8_pairs(a.g.rows);
+    } else {
+        kernel = moe_gate_up_f32_kernel<TR, TS>;
+        tasks = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * a.g.rows;
+    }
+    if (tasks >= (int64_t{1} << 31)) throw error("cuda ds4 moe: too many gate/up rows for one launch");
     const device_info di = current_device();
     int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_gate_up_kernel<TR, TS>, 32 * kWarps, smem) !=
-            cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, smem) != cudaSuccess ||
         per_sm < 1)
         per_sm = 1;
-    const int64_t resident = static_cast<int64_t>(per_sm) * di.sms;
-    const unsigned grid = static_cast<unsigned>(std::min<int64_t>((tasks + kWarps - 1) / kWarps, resident));
-    moe_gate_up_kernel<TR, TS><<<grid, 32 * kWarps, smem, s>>>(a);
+    const int64_t resident_warps = static_cast<int64_t>(per_sm) * di.sms * kWarps;
+    const int64_t rounds = (tasks + resident_warps - 1) / resident_warps;
+    const unsigned grid = static_cast<unsigned>((tasks + kWarps * rounds - 1) / (kWarps * rounds));
+    launch_kernel(kernel, grid, smem, q8 && pdl, s, a, "moe gate/up");
 }
 
 // gate/up of n_slot routed experts (h rows s0 ..) and, with gs/us, the shared expert (h row
-// s0 + n_slot, clamp_sh, no routing weight).
+// s0 + n_slot, clamp_sh, no routing weight). pdl: the previous launch in the stream is the route
+// kernel (launch_moe_ffn), whose only outputs are ids and w.
 void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert_bank *gs, const expert_bank *us,
                     const int32_t *ids, const float *w, int n_slot, int s0, const float *x, float clamp,
-                    float clamp_sh, float *h, uint32_t *err, cudaStream_t s) {
+                    float clamp_sh, float *h, uint32_t *err, bool pdl, cudaStream_t s) {
     check_bank(gate, "moe gate");
     check_bank(up, "moe up");
     if (gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols || gate.n_expert != up.n_expert)
@@ -650,20 +897,17 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
     const size_t smem = staged_bytes(gate.cols, use_q8_rt(gate.type, gs ? gs->type : gate.type));
     gate_up_args a{to_dev(gate), to_dev(up), gs ? to_dev(*gs) : bank_dev{}, gs ? to_dev(*us) : bank_dev{}, ids, w,
                    n_slot, s0, x, clamp, clamp_sh, h, err};
-    const int64_t tasks = static_cast<int64_t>(n_slot + (gs ? 1 : 0)) * gate.rows;
     const bool fused = dispatch_pair(gate.type, gs ? gs->type : gate.type,
-                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, tasks, smem, s); });
+                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, smem, pdl, s); });
     if (!fused) {  // shared expert of another type: two launches
-        gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, s);
+        gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, false, s);
         gate_up_launch(*gs, *us, nullptr, nullptr, nullptr, nullptr, 1, s0 + n_slot, x, clamp_sh, clamp_sh, h, err,
-                       s);
-        return;
+                       false, s);
     }
-    check_launch("moe gate/up");
 }
 
 template <dtype TR, dtype TS>
-void run_down(const down_args &a, size_t smem, const device_info &di, cudaStream_t s) {
+void run_down(const down_args &a, size_t smem, const device_info &di, bool pdl, cudaStream_t s) {
     // opt in to more than 48 KB of dynamic shared memory, once per device (bit = device id)
     static std::atomic<uint64_t> raised{0};
     const uint64_t bit = uint64_t{1} << (di.id & 63);
@@ -675,14 +919,15 @@ void run_down(const down_args &a, size_t smem, const device_info &di, cudaStream
     }
     const int64_t per_block = kWarps * kDownRows;
     const unsigned grid = static_cast<unsigned>((a.d.rows + per_block - 1) / per_block);
-    moe_down_kernel<TR, TS><<<grid, 32 * kWarps, smem, s>>>(a);
+    launch_kernel(moe_down_kernel<TR, TS>, grid, smem, pdl, s, a, "moe down");
 }
 
 // y = (accumulate ? y : 0) + sum of the n_slot routed experts' down rows (h rows s0 ..) and, with
 // dsh, the shared expert's (h row s_sh). Slots whose staged h rows do not fit in shared memory
-// together go to further launches that accumulate.
+// together go to further launches that accumulate. pdl: launched with programmatic serialisation
+// (the kernel only prefetches before pdl_wait, so any predecessor is safe).
 void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t *ids, int n_slot, int s0, int s_sh,
-                 const float *h, bool accumulate, float *y, uint32_t *err, cudaStream_t s) {
+                 const float *h, bool accumulate, float *y, uint32_t *err, bool pdl, cudaStream_t s) {
     check_bank(down, "moe down");
     if (n_slot < 1 || s0 < 0 || s_sh < 0) throw error("cuda ds4 moe: bad slot count " + std::to_string(n_slot));
     if (reinterpret_cast<uintptr_t>(h) % 16 != 0) throw error("cuda ds4 moe: h must be 16-byte aligned");
@@ -698,7 +943,7 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
                    di.smem_optin / per_row(dsh->type) >= 2;
     if (dsh && !with_sh) {
         // shared expert alone first (as routed expert 0 of a one-expert bank), then accumulate
-        down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, s);
+        down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, pdl, s);
         accumulate = true;
     }
     for (int first = 0; first < n_slot;) {
@@ -709,8 +954,7 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
         down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
                     s_sh, h, accumulate, y, err};
         const size_t smem = row_bytes * static_cast<size_t>(n + (with_sh ? 1 : 0));
-        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, s); });
-        check_launch("moe down");
+        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, pdl, s); });
         accumulate = true;
         with_sh = false;
         first += n;
@@ -731,12 +975,12 @@ int expert_alignment(dtype t) {
 
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s) {
-    gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, s);
+    gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, false, s);
 }
 
 void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, int s0, const float *h,
                      bool accumulate, float *y, uint32_t *err, cudaStream_t s) {
-    down_launch(down, nullptr, ids, n_slot, s0, 0, h, accumulate, y, err, s);
+    down_launch(down, nullptr, ids, n_slot, s0, 0, h, accumulate, y, err, false, s);
 }
 
 void launch_moe_route(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
@@ -760,13 +1004,28 @@ void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, c
     const bool shared = l.gate_sh.data != nullptr;
     if (shared && (l.gate_sh.cols != D || l.gate_sh.rows != F || l.down_sh.rows != D || l.down_sh.cols != F))
         throw error("cuda ds4 moe: shared expert shape differs from the routed experts");
-    launch_gemv(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, D, l.n_expert, xn, D, 1, sc.logits, l.n_expert, s);
+    // Router logits: the fast GEMV (PDL: its weights stream while the previous kernel finishes) when
+    // it takes the type, else the generic one.
+    if (gemv_fast_supported(l.gate_inp_type, D) && l.gate_inp_row_bytes % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(l.gate_inp) % 16 == 0 && reinterpret_cast<uintptr_t>(xn) % 16 == 0 &&
+        (l.gate_inp_type == dtype::f16 || l.gate_inp_type == dtype::f32)) {
+        // f16 / f32 rows are used in place: gemv_prepare only describes them (no launch)
+        launch_gemv_fast(gemv_prepare(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, l.n_expert, D, nullptr, s), xn,
+                         sc.logits, s);
+    } else {
+        launch_gemv(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, D, l.n_expert, xn, D, 1, sc.logits, l.n_expert,
+                    s);
+    }
+    // The route kernel is launched normally (it starts after the router GEMV has completed, so all
+    // earlier work has too) and lets the gate/up kernel launch at once (PDL): the shared expert's
+    // gate/up runs while routing is in flight. Then the down kernel (PDL) prefetches its rows while
+    // gate/up finishes.
     launch_moe_route(sc.logits, l.n_expert, l.exp_bias, l.tid2eid, l.n_vocab, token, l.n_used, l.weights_scale,
                      sc.ids, sc.weights, err, s);
     // routed + shared gate/up in one launch, routed + shared down in one launch
     gate_up_launch(l.gate, l.up, shared ? &l.gate_sh : nullptr, shared ? &l.up_sh : nullptr, sc.ids, sc.weights,
-                   l.n_used, 0, xn, l.clamp, l.clamp_sh, sc.h, err, s);
-    down_launch(l.down, shared ? &l.down_sh : nullptr, sc.ids, l.n_used, 0, l.n_used, sc.h, false, y, err, s);
+                   l.n_used, 0, xn, l.clamp, l.clamp_sh, sc.h, err, true, s);
+    down_launch(l.down, shared ? &l.down_sh : nullptr, sc.ids, l.n_used, 0, l.n_used, sc.h, false, y, err, true, s);
 }
 
 void launch_fill_random(void *dst, size_t n, uint64_t seed, cudaStream_t s) {

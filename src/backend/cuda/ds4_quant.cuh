@@ -456,14 +456,24 @@ __host__ __device__ __forceinline__ void q8_pair(const q8_blk &b, int w, int &lo
     lo = v.x;
     hi = v.y;
 }
-// The IQ2_XXS sign masks: entry c (7-bit sign code) has byte j = 0xFF where element j of a run of 8
-// is negative (ksigns_iq2xs[c]: c plus an even-parity bit 7), else 0.
-__host__ __device__ __forceinline__ uint64_t iq2_sign_mask(uint32_t code) {
-    const uint32_t signs = code | (static_cast<uint32_t>(popc8(code) & 1) << 7);
-    uint64_t m = 0;
-    for (int j = 0; j < 8; ++j)
-        if ((signs >> j) & 1u) m |= uint64_t{0xFF} << (8 * j);
-    return m;
+// The 8 sign bits of an IQ2_XXS run from its 7-bit code: bit 7 makes the parity even
+// (= ksigns_iq2xs[code]).
+__host__ __device__ __forceinline__ uint32_t iq2_signs(uint32_t code) {
+    return code | (static_cast<uint32_t>(popc8(code) & 1) << 7);
+}
+// Bits 0..3 of n to bit 0 of bytes 0..3 (the four shifted copies of n in the product do not overlap,
+// so there are no carries).
+__host__ __device__ __forceinline__ uint32_t spread_nibble(uint32_t n) {
+    return (n * 0x00204081u) & 0x01010101u;
+}
+// Four grid magnitudes g (bytes, 8..43) with the signs of bits 0..3 of `nib` applied, as int8x4:
+// with b = 1 in the negated bytes, (g ^ 0xFF) + 1 = 256 - g is -g as int8, and each byte stays
+// <= 248, so no carry crosses a byte. Computed, not looked up: a 128-entry shared-memory sign table
+// costs ~3.3 bank-conflicted wavefronts per lookup (random indices), the shared-memory pipe was the
+// gate/up kernel's limiter.
+__host__ __device__ __forceinline__ int iq2_signed4(uint32_t g, uint32_t nib) {
+    const uint32_t b = spread_nibble(nib);
+    return static_cast<int>((g ^ (b * 0xFFu)) + b);
 }
 
 // Types with dot_q8 (the q8 path); the others keep the f32 activation path.
@@ -471,73 +481,94 @@ template <dtype T> constexpr bool has_q8_dot() {
     return T == dtype::iq2_xxs || T == dtype::q2_k || T == dtype::q8_0;
 }
 
-// iq2_xxs unit u = q8 block u (32 consecutive elements). With m the sign mask of a run: a byte
-// g ^ 0xFF is -g - 1 as int8, so dp4a(g ^ m, x) - dp4a(m, x) = sum of +-g x (m bytes are -1 or 0).
-// Grid bytes are 8..43: positive as int8.
-__host__ __device__ __forceinline__ float iq2_xxs_dot_q8(const unit_dot<dtype::iq2_xxs> &w, const q8_blk *xb,
-                                                          const uint64_t *grid, const uint64_t *smask) {
-    const q8_blk &xq = xb[w.base >> 5];
-    int sp = 0, sn = 0;
+// The q8 activation words one weight unit of type T is dotted with, in registers (x_q8<T>::load):
+// iq2_xxs / q8_0 unit u = q8 block u (8 words + d); q2_k unit (half c, slice s) of block b = run j
+// (elements base + 32 j .. + 8, base = 256 b + 128 c + 8 s) in q8 block (base >> 5) + j at words
+// 2 s, 2 s + 1. Loaded once per unit and reused by every weight row of a task (gate and up of
+// several rows read the same x unit).
+__host__ __device__ __forceinline__ int64_t q2_k_unit_base(int64_t u) {
+    return 256 * (u >> 3) + 128 * ((u >> 2) & 1) + 8 * (u & 3);
+}
+template <dtype T> struct x_q8 {
+    int q[8];
+    float d;
+    __host__ __device__ __forceinline__ void load(const q8_blk *xb, int64_t u) {
+        const q8_blk &b = xb[u];
+        FATHOM_UNROLL
+        for (int w = 0; w < 8; w += 2) q8_pair(b, w, q[w], q[w + 1]);
+        d = b.d;
+    }
+};
+template <> struct x_q8<dtype::q2_k> {
+    int q[8];    // run j: q[2 j], q[2 j + 1]
+    float d[4];  // run j's block scale
+    __host__ __device__ __forceinline__ void load(const q8_blk *xb, int64_t u) {
+        const int64_t base = q2_k_unit_base(u);
+        const q8_blk *xq = xb + (base >> 5);
+        const int wo = static_cast<int>((base & 31) >> 2);  // 2 s
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            q8_pair(xq[j], wo, q[2 * j], q[2 * j + 1]);
+            d[j] = xq[j].d;
+        }
+    }
+};
+
+// iq2_xxs unit u = q8 block u (32 consecutive elements): db * d8 * sum of the signed grid bytes times
+// the int8 activations (exact integer, dp4a). Grid bytes are 8..43.
+__host__ __device__ __forceinline__ float iq2_xxs_dot_x(const unit_dot<dtype::iq2_xxs> &w, const x_q8<dtype::iq2_xxs> &x,
+                                                         const uint64_t *grid) {
+    int s = 0;
     FATHOM_UNROLL
     for (int l = 0; l < 4; ++l) {
         const uint64_t gv = grid[(w.a0 >> (8 * l)) & 0xFFu];
-        const uint64_t m = smask[(w.a1 >> (7 * l)) & 127u];
-        const int mlo = static_cast<int>(static_cast<uint32_t>(m)), mhi = static_cast<int>(static_cast<uint32_t>(m >> 32));
-        int u0, u1;
-        q8_pair(xq, 2 * l, u0, u1);
-        sp = dp4a(static_cast<int>(static_cast<uint32_t>(gv)) ^ mlo, u0, sp);
-        sp = dp4a(static_cast<int>(static_cast<uint32_t>(gv >> 32)) ^ mhi, u1, sp);
-        sn = dp4a(mlo, u0, sn);
-        sn = dp4a(mhi, u1, sn);
+        const uint32_t signs = iq2_signs((w.a1 >> (7 * l)) & 127u);
+        s = dp4a(iq2_signed4(static_cast<uint32_t>(gv), signs & 0xFu), x.q[2 * l], s);
+        s = dp4a(iq2_signed4(static_cast<uint32_t>(gv >> 32), signs >> 4), x.q[2 * l + 1], s);
     }
     const float db = mul_rn(mul_rn(w.d, 0.5f + static_cast<float>(w.a1 >> 28)), 0.25f);
-    return db * xq.d * i2f_exact(sp - sn);  // |sp - sn| <= 32 * 43 * 127 < 2^22
+    return db * x.d * i2f_exact(s);  // |s| <= 32 * 43 * 127 < 2^22
 }
 
-// q2_k unit (half c, slice s) of block b: run j (elements base + 32 j + i, i < 8) lies in q8 block
-// (base >> 5) + j at words 2 s, 2 s + 1, and in the q2_k sub-block with scale byte 2j + (s >> 1).
-// Per run: dl * sum q x - ml * sum x = d * sc * dp4a(q, x) - dmin * m * dp4a(1, x), scaled by the
-// block's d8; d and dmin factor out of the unit.
-__host__ __device__ __forceinline__ float q2_k_dot_q8(const unit_dot<dtype::q2_k> &w, const q8_blk *xb) {
-    const q8_blk *xq = xb + (w.base >> 5);
-    const int wo = (w.base & 31) >> 2;  // 2 s
+// q2_k unit: per run j, dl * sum q x - ml * sum x = d * sc * dp4a(q, x) - dmin * m * dp4a(1, x),
+// scaled by the run's d8; d and dmin factor out of the unit (scale byte 2j + (s >> 1)).
+__host__ __device__ __forceinline__ float q2_k_dot_x(const unit_dot<dtype::q2_k> &w, const x_q8<dtype::q2_k> &x) {
     float accd = 0.0f, accm = 0.0f;
     FATHOM_UNROLL
     for (int j = 0; j < 4; ++j) {
         const uint32_t sc = byte_of(w.s0, w.s1, 2 * j + w.hi);
-        int u0, u1;
-        q8_pair(xq[j], wo, u0, u1);
         const int q0 = static_cast<int>((w.q0 >> (2 * j)) & 0x03030303u), q1 = static_cast<int>((w.q1 >> (2 * j)) & 0x03030303u);
-        const int dot = dp4a(q0, u0, dp4a(q1, u1, 0));            // |dot| <= 3 * 8 * 127
-        const int sum = dp4a(0x01010101, u0, dp4a(0x01010101, u1, 0));  // |sum| <= 8 * 127
-        const float d8 = xq[j].d;
-        accd = fmaf(d8, i2f_exact(dot * static_cast<int>(sc & 0xFu)), accd);
-        accm = fmaf(d8, i2f_exact(sum * static_cast<int>(sc >> 4)), accm);
+        const int dot = dp4a(q0, x.q[2 * j], dp4a(q1, x.q[2 * j + 1], 0));             // |dot| <= 3 * 8 * 127
+        const int sum = dp4a(0x01010101, x.q[2 * j], dp4a(0x01010101, x.q[2 * j + 1], 0));  // |sum| <= 8 * 127
+        accd = fmaf(x.d[j], i2f_exact(dot * static_cast<int>(sc & 0xFu)), accd);
+        accm = fmaf(x.d[j], i2f_exact(sum * static_cast<int>(sc >> 4)), accm);
     }
     return w.d * accd - w.dmin * accm;
 }
 
 // q8_0 unit u = q8 block u: d * d8 * sum q x.
-__host__ __device__ __forceinline__ float q8_0_dot_q8(const unit_dot<dtype::q8_0> &w, const q8_blk *xb) {
-    const q8_blk &xq = xb[w.base >> 5];
+__host__ __device__ __forceinline__ float q8_0_dot_x(const unit_dot<dtype::q8_0> &w, const x_q8<dtype::q8_0> &x) {
     int s = 0;
     FATHOM_UNROLL
-    for (int h = 0; h < 4; ++h) {
-        int u0, u1;
-        q8_pair(xq, 2 * h, u0, u1);
-        s = dp4a(static_cast<int>(w.q[2 * h]), u0, s);
-        s = dp4a(static_cast<int>(w.q[2 * h + 1]), u1, s);
-    }
-    return w.d * xq.d * i2f_exact(s);  // |s| <= 32 * 128 * 127 < 2^22
+    for (int i = 0; i < 8; ++i) s = dp4a(static_cast<int>(w.q[i]), x.q[i], s);
+    return w.d * x.d * i2f_exact(s);  // |s| <= 32 * 128 * 127 < 2^22
 }
 
-// One dispatch point for the kernels: the q8 dot of a loaded unit of type T.
+// The q8 dot of a loaded unit of type T with its activation words in registers.
 template <dtype T>
-__host__ __device__ __forceinline__ float dot_q8(const unit_dot<T> &w, const q8_blk *xb, const uint64_t *grid,
-                                                 const uint64_t *smask) {
-    if constexpr (T == dtype::iq2_xxs) return iq2_xxs_dot_q8(w, xb, grid, smask);
-    else if constexpr (T == dtype::q2_k) return q2_k_dot_q8(w, xb);
-    else return q8_0_dot_q8(w, xb);
+__host__ __device__ __forceinline__ float dot_q8x(const unit_dot<T> &w, const x_q8<T> &x, const uint64_t *grid) {
+    if constexpr (T == dtype::iq2_xxs) return iq2_xxs_dot_x(w, x, grid);
+    else if constexpr (T == dtype::q2_k) return q2_k_dot_x(w, x);
+    else return q8_0_dot_x(w, x);
+}
+// The same with the activation words read from the q8 row xb (unit u of the row; a unit's x words
+// depend only on u).
+template <dtype T>
+__host__ __device__ __forceinline__ float dot_q8(const unit_dot<T> &w, int64_t u, const q8_blk *xb,
+                                                 const uint64_t *grid) {
+    x_q8<T> x;
+    x.load(xb, u);
+    return dot_q8x<T>(w, x, grid);
 }
 
 // Calls f.template operator()<T>() for the expert types above; false for any other type.
