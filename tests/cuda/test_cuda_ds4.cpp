@@ -32,38 +32,16 @@
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
+#include "cuda_test_util.h"
 
 namespace fathom {
 namespace {
 
 namespace cd = cuda::ds4;
 
-#define CK(x)                                                                        \
-    do {                                                                             \
-        const cudaError_t e_ = (x);                                                  \
-        ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);          \
-    } while (0)
-
-double rel_l2(const float *a, const float *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; ++i) {
-        const double d = static_cast<double>(a[i]) - b[i];
-        num += d * d;
-        den += static_cast<double>(b[i]) * b[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-}
-double rel_l2(const std::vector<float> &a, const std::vector<float> &b) {
-    EXPECT_EQ(a.size(), b.size());
-    return rel_l2(a.data(), b.data(), std::min(a.size(), b.size()));
-}
-
-std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f) {
-    std::normal_distribution<float> nd(0.0f, sd);
-    std::vector<float> v(n);
-    for (auto &x : v) x = nd(rng);
-    return v;
-}
+using cuda_test::randn;
+using cuda_test::rel_l2;
+using cuda_test::time_graph;
 
 std::vector<uint64_t> host_grid() {
     std::vector<uint64_t> g(256);
@@ -249,6 +227,58 @@ TEST(CudaDs4Host, Q8UnitDotsMatchDequantisedDot) {
     check_q8_unit_dots<dtype::q8_0>(4096);
 }
 
+// ds4q::step_q8 / dot_step_q8 (the q8 down kernel's 64-column lane unit) vs the dot of the
+// CPU-dequantised weights with the dequantised q8 activation over the step's columns, in double.
+// The columns of step U are taken from the format description (q2_k: Q2_K block U / 4, half
+// (U / 2) % 2, elements 256 b + 128 c + 32 j + 16 (U % 2) + l; the others: 64 U .. 64 U + 64), and
+// every column must belong to exactly one step. K = 4096 + 32 for q8_0: an odd unit count (the last
+// step has one unit).
+template <dtype T>
+void check_q8_step_dots(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)));
+    std::mt19937 rng(static_cast<unsigned>(T) + 29);
+    const auto q = quant_rows(T, K, 1, rng, 1.0f);
+    std::vector<float> w(static_cast<size_t>(K));
+    cpu::dequantize_row(T, q.data(), w.data(), K);
+    auto x = randn(static_cast<size_t>(K), rng);
+    std::fill(x.begin() + 128, x.begin() + 160, 0.0f);  // an all-zero block: d = 0
+    const int units = static_cast<int>(K / 32), steps = (units + 1) / 2;
+    std::vector<cuda::ds4q::q8_blk> xb(static_cast<size_t>(units));
+    std::vector<double> xd(static_cast<size_t>(K));
+    q8_reference(x.data(), K, xb.data(), xd.data());
+    const auto grid = host_grid();
+    std::vector<int> hits(static_cast<size_t>(K), 0);
+    for (int U = 0; U < steps; ++U) {
+        std::vector<int64_t> cols;
+        if (T == dtype::q2_k) {
+            const int64_t b = U / 4, c = (U / 2) % 2, h = U % 2;
+            for (int64_t j = 0; j < 4; ++j)
+                for (int64_t l = 0; l < 16; ++l) cols.push_back(256 * b + 128 * c + 32 * j + 16 * h + l);
+        } else {
+            for (int64_t e = 64 * int64_t{U}; e < std::min<int64_t>(K, 64 * int64_t{U} + 64); ++e) cols.push_back(e);
+        }
+        double ref = 0, mag = 0;
+        for (int64_t e : cols) {
+            ++hits[static_cast<size_t>(e)];
+            ref += static_cast<double>(w[static_cast<size_t>(e)]) * xd[static_cast<size_t>(e)];
+            mag += std::fabs(static_cast<double>(w[static_cast<size_t>(e)]) * xd[static_cast<size_t>(e)]);
+        }
+        cuda::ds4q::step_q8<T> st;
+        st.load(q.data(), U, units);
+        cuda::ds4q::xs_q8<T> xs;
+        xs.load(xb.data(), U, units);
+        const double got = cuda::ds4q::dot_step_q8<T>(st, xs, grid.data());
+        ASSERT_LE(std::fabs(got - ref), 2e-6 * mag + 1e-30) << "step " << U << " got " << got << " ref " << ref;
+    }
+    for (int64_t e = 0; e < K; ++e) ASSERT_EQ(hits[static_cast<size_t>(e)], 1) << "column " << e;
+}
+
+TEST(CudaDs4Host, Q8StepDotsMatchDequantisedDot) {
+    check_q8_step_dots<dtype::q2_k>(4096);
+    check_q8_step_dots<dtype::iq2_xxs>(4096);
+    check_q8_step_dots<dtype::q8_0>(4096 + 32);
+}
+
 // The header's q8 quantiser (the rule the device staging implements) vs the test's, and the IQ2_XXS
 // sign application (computed from the 7-bit code, no table) vs ksigns_iq2xs: for every code and
 // several grid entries, the 8 int8 values are +-grid byte with the table's signs.
@@ -289,38 +319,13 @@ TEST(CudaDs4Host, Q8QuantiserAndIq2Signs) {
 
 // ---- device -------------------------------------------------------------------------------------------
 
-// Device buffers freed at the end of a test; every allocation carries 16 spare bytes (the block
-// decoders' funnel-shift loads may read up to 4 bytes past a tensor).
-class CudaDs4 : public ::testing::Test {
+// Device buffers of cuda_fixture (16 spare zero bytes each) plus the kernels' error word err_.
+class CudaDs4 : public cuda_test::cuda_fixture {
 protected:
     void SetUp() override {
-        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-        ASSERT_EQ(cudaStreamCreate(&s_), cudaSuccess);
+        cuda_fixture::SetUp();
+        if (IsSkipped() || HasFatalFailure()) return;
         err_ = dev<uint32_t>(1);
-    }
-    void TearDown() override {
-        for (void *p : bufs_) cudaFree(p);
-        if (s_) cudaStreamDestroy(s_);
-    }
-    void *raw(size_t bytes) {
-        void *p = nullptr;
-        if (cudaMalloc(&p, bytes + 16) != cudaSuccess) throw error("test: cudaMalloc failed");
-        cudaMemset(p, 0, bytes + 16);
-        bufs_.push_back(p);
-        return p;
-    }
-    template <class T> T *dev(size_t n) { return static_cast<T *>(raw(n * sizeof(T))); }
-    template <class T> T *up(const std::vector<T> &v) {
-        T *p = dev<T>(v.size());
-        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-        return p;
-    }
-    float *poisoned(size_t n) { return up(std::vector<float>(n, std::nanf(""))); }
-    template <class T> std::vector<T> down(const T *p, size_t n) {
-        std::vector<T> v(n);
-        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-        return v;
     }
     uint32_t take_err() {
         const uint32_t e = down(err_, 1)[0];
@@ -328,9 +333,7 @@ protected:
         return e;
     }
 
-    cudaStream_t s_ = nullptr;
     uint32_t *err_ = nullptr;
-    std::vector<void *> bufs_;
     std::mt19937 rng_{20261129};
 };
 
@@ -629,6 +632,53 @@ TEST_F(CudaDs4Moe, Q8GateUpOddRowsManyRounds) {
     }
 }
 
+// The q8 down kernel's edges: D = 333 rows (the last block's last warp has one row, the last block
+// some warps with none), F with more than 32 64-column steps per row (lanes loop twice) and, for
+// q8_0, an odd unit count (the last step has one unit); 7 routed slots (not a multiple of the slot
+// groups of 3 / 2 / 1, expert 1 repeated) accumulated onto a given y, then the shared expert as its
+// own launch (one slot: the other slots of its group absent). Against the CPU doing the same q8
+// quantisation of h; y[D] (past the last row) must keep its poison.
+TEST_F(CudaDs4Moe, Q8DownOddShapesAccumulate) {
+    const int64_t D = 333;
+    const int E = 5, n_slot = 7;
+    struct cfg {
+        dtype dn, sh;
+        int64_t F;
+    };
+    const cfg cfgs[] = {{dtype::q2_k, dtype::q8_0, 2304}, {dtype::iq2_xxs, dtype::q8_0, 2304},
+                        {dtype::q8_0, dtype::q8_0, 2144}};
+    for (const cfg &c : cfgs) {
+        const int64_t F = c.F;
+        SCOPED_TRACE(std::string(dtype_name(c.dn)) + " F " + std::to_string(F));
+        const float sd = 1.0f / std::sqrt(static_cast<float>(F));
+        const auto dn = quant_rows(c.dn, F, D * E, rng_, sd), dsh = quant_rows(c.sh, F, D, rng_, sd);
+        std::vector<int32_t> ids = {1, 3, 0, 1, 4, 2, 1};
+        auto h = randn(static_cast<size_t>((n_slot + 1) * F), rng_);
+        for (int s = 0; s <= n_slot; ++s) std::fill_n(h.begin() + s * F + 64 * s, 32, 0.0f);  // d = 0 blocks
+        auto y0 = randn(static_cast<size_t>(D), rng_);
+        std::vector<float> yin(y0);
+        yin.push_back(std::nanf(""));
+        float *y_d = up(yin), *h_d = up(h);
+        cd::launch_moe_down(dev_bank(c.dn, dn, D, F, E), up(ids), n_slot, 0, h_d, true, y_d, err_, s_);
+        cd::launch_moe_down(dev_bank(c.sh, dsh, D, F, 1), nullptr, 1, n_slot, h_d, true, y_d, err_, s_);
+        const auto y = down(y_d, static_cast<size_t>(D + 1));
+        EXPECT_EQ(take_err(), 0u);
+        std::vector<double> ref(y0.begin(), y0.end());
+        for (int s = 0; s <= n_slot; ++s) {
+            const auto hd = q8_dequantised(h.data() + s * F, F);
+            const auto part = s < n_slot ? ref_gemv(c.dn, dn, D, F, ids[static_cast<size_t>(s)], hd)
+                                         : ref_gemv(c.sh, dsh, D, F, 0, hd);
+            for (int64_t r = 0; r < D; ++r) ref[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+        }
+        const std::vector<float> reff(ref.begin(), ref.end());
+        const double ey = rel_l2(y.data(), reff.data(), static_cast<size_t>(D));
+        EXPECT_LE(ey, 1e-5);
+        EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
+        std::printf("  q8 down %s, D = %lld, F = %lld, %d slots + shared, accumulate: rel L2 %.3g\n",
+                    dtype_name(c.dn).data(), static_cast<long long>(D), static_cast<long long>(F), n_slot, ey);
+    }
+}
+
 // Router alone, fed the CPU's logits: identical ids (including ties, broken towards the lower id)
 // and weights.
 TEST_F(CudaDs4Moe, RouterIdsExactAndWeights) {
@@ -776,29 +826,6 @@ TEST_F(CudaDs4, IndexerSelectMatchesCpu) {
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// Median of `reps` replays of graph g, in milliseconds.
-float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    std::vector<float> ms;
-    cudaGraphLaunch(g, s);
-    cudaGraphLaunch(g, s);
-    for (int i = 0; i < reps; ++i) {
-        cudaEventRecord(a, s);
-        cudaGraphLaunch(g, s);
-        cudaEventRecord(b, s);
-        cudaEventSynchronize(b);
-        float t = 0;
-        cudaEventElapsedTime(&t, a, b);
-        ms.push_back(t);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 // DS4-Flash expert geometry (D 4096, F 2048, 256 experts, 6 routed + 1 shared) with random weight
 // bytes generated on the device. T tokens, each with its own random expert set, are captured into one

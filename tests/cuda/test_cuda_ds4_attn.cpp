@@ -30,36 +30,18 @@
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_qat.h"
+#include "cuda_test_util.h"
 
 namespace fathom {
 namespace {
 
 namespace cd = cuda::ds4;
 
-#define CK(x)                                                               \
-    do {                                                                    \
-        const cudaError_t e_ = (x);                                         \
-        ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_); \
-    } while (0)
-
 constexpr float kEps = 1e-6f;
 
-std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f, float mean = 0.0f) {
-    std::normal_distribution<float> nd(mean, sd);
-    std::vector<float> v(n);
-    for (auto &x : v) x = nd(rng);
-    return v;
-}
-
-double rel_l2(const float *a, const float *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; ++i) {
-        const double d = static_cast<double>(a[i]) - b[i];
-        num += d * d;
-        den += static_cast<double>(b[i]) * b[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-}
+using cuda_test::randn;
+using cuda_test::rel_l2;
+using cuda_test::time_graph;
 
 // Largest |got - ref| over n elements relative to max |ref| (NaN or inf in got: +inf), and how many
 // elements are bit-identical.
@@ -144,46 +126,14 @@ const char *qat_name(cd::qat_kind k) {
     return k == cd::qat_kind::none ? "none" : k == cd::qat_kind::fp8_nope ? "fp8" : "hadamard+fp4";
 }
 
-class CudaDs4Attn : public ::testing::Test {
+// cuda_fixture's stream and buffers plus the kernels' error word err_ and the device position pos_.
+class CudaDs4Attn : public cuda_test::cuda_fixture {
   protected:
     void SetUp() override {
-        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-        ASSERT_EQ(cudaStreamCreate(&s_), cudaSuccess);
+        cuda_fixture::SetUp();
+        if (IsSkipped() || HasFatalFailure()) return;
         err_ = dev<uint32_t>(1);
         pos_ = dev<int64_t>(1);
-    }
-    void TearDown() override {
-        for (void *p : bufs_) cudaFree(p);
-        if (s_) cudaStreamDestroy(s_);
-    }
-    void *raw(size_t bytes) {
-        void *p = nullptr;
-        if (cudaMalloc(&p, bytes + 16) != cudaSuccess) throw error("test: cudaMalloc failed");
-        cudaMemset(p, 0, bytes + 16);
-        bufs_.push_back(p);
-        return p;
-    }
-    template <class T>
-    T *dev(size_t n) {
-        return static_cast<T *>(raw(n * sizeof(T)));
-    }
-    template <class T>
-    T *up(const std::vector<T> &v) {
-        T *p = dev<T>(v.size());
-        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-        return p;
-    }
-    template <class T>
-    void put(T *p, const std::vector<T> &v) {
-        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-    }
-    float *poisoned(size_t n) { return up(std::vector<float>(n, std::nanf(""))); }
-    template <class T>
-    std::vector<T> down(const T *p, size_t n) {
-        std::vector<T> v(n);
-        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-        return v;
     }
     void set_pos(int64_t p) { cudaMemcpy(pos_, &p, sizeof(p), cudaMemcpyHostToDevice); }
     uint32_t take_err() {
@@ -198,10 +148,8 @@ class CudaDs4Attn : public ::testing::Test {
         return r;
     }
 
-    cudaStream_t s_ = nullptr;
     uint32_t *err_ = nullptr;
     int64_t *pos_ = nullptr;
-    std::vector<void *> bufs_;
     std::mt19937 rng_{20261129};
 };
 
@@ -780,29 +728,6 @@ TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// Median of `reps` replays of graph g, in milliseconds.
-float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    std::vector<float> ms;
-    cudaGraphLaunch(g, s);
-    cudaGraphLaunch(g, s);
-    for (int i = 0; i < reps; ++i) {
-        cudaEventRecord(a, s);
-        cudaGraphLaunch(g, s);
-        cudaEventRecord(b, s);
-        cudaEventSynchronize(b);
-        float t = 0;
-        cudaEventElapsedTime(&t, a, b);
-        ms.push_back(t);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 // The per-call cost of each attention-path kernel at DS4-Flash shapes: `calls` launches captured into one
 // graph (as the 43 layers are in the model's step graph, so the per-node cost is included), the position

@@ -18,6 +18,7 @@
 #include "dist/conversation_util.h"
 #include "ds4/golden_util.h"
 #include "fathom/engine.h"
+#include "cuda_test_util.h"
 
 namespace fathom {
 namespace {
@@ -26,12 +27,7 @@ using dist_test::conversation;
 using dist_test::poisoned;
 using dist_test::same_bits;
 
-class CudaDs4Devices : public ::testing::Test {
-  protected:
-    void SetUp() override {
-        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-    }
-};
+using CudaDs4Devices = cuda_test::cuda_device_test;
 
 std::unique_ptr<engine> load(const std::string &device, const std::string &devices, const std::string &qat,
                              kv_precision kv) {

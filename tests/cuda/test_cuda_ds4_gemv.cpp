@@ -26,34 +26,16 @@
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace fathom {
 namespace {
 
 namespace cd = cuda::ds4;
 
-#define CK(x)                                                                        \
-    do {                                                                             \
-        const cudaError_t e_ = (x);                                                  \
-        ASSERT_EQ(e_, cudaSuccess) << #x << ": " << cudaGetErrorString(e_);          \
-    } while (0)
-
-double rel_l2(const std::vector<float> &got, const std::vector<double> &ref) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-        const double d = static_cast<double>(got[i]) - ref[i];
-        num += d * d;
-        den += ref[i] * ref[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-}
-
-std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f) {
-    std::normal_distribution<float> nd(0.0f, sd);
-    std::vector<float> v(n);
-    for (auto &x : v) x = nd(rng);
-    return v;
-}
+using cuda_test::randn;
+using cuda_test::rel_l2;
+using cuda_test::time_graph;
 
 // A weight in GGUF form on the host: rows of dtype_row_bytes(t, cols) bytes placed `stride` bytes
 // apart (stride >= the row bytes; the gap bytes are random), and its dequantised values.
@@ -157,36 +139,9 @@ TEST(CudaDs4GemvHost, RejectsBadArguments) {
 
 // ---- device -------------------------------------------------------------------------------------------
 
-class CudaDs4Gemv : public ::testing::Test {
+// cuda_fixture's stream and buffers (16 spare bytes after every buffer; contents 0 unless uploaded).
+class CudaDs4Gemv : public cuda_test::cuda_fixture {
 protected:
-    void SetUp() override {
-        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
-        ASSERT_EQ(cudaStreamCreate(&s_), cudaSuccess);
-    }
-    void TearDown() override {
-        for (void *p : bufs_) cudaFree(p);
-        if (s_) cudaStreamDestroy(s_);
-    }
-    // 16 spare bytes after every buffer; contents 0 unless uploaded.
-    void *raw(size_t bytes) {
-        void *p = nullptr;
-        if (cudaMalloc(&p, bytes + 16) != cudaSuccess) throw error("test: cudaMalloc failed");
-        cudaMemset(p, 0, bytes + 16);
-        bufs_.push_back(p);
-        return p;
-    }
-    template <class T> T *up(const std::vector<T> &v) {
-        T *p = static_cast<T *>(raw(v.size() * sizeof(T)));
-        cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-        return p;
-    }
-    float *poisoned(size_t n) { return up(std::vector<float>(n, std::nanf(""))); }
-    template <class T> std::vector<T> down(const T *p, size_t n) {
-        std::vector<T> v(n);
-        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-        EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-        return v;
-    }
     // Uploads w's GGUF rows and prepares them (synchronised: see the PDL note in ds4_gemv.h).
     cd::gemv_weight prepare(const host_weight &w) {
         const void *src = up(w.bytes);
@@ -197,8 +152,6 @@ protected:
         return g;
     }
 
-    cudaStream_t s_ = nullptr;
-    std::vector<void *> bufs_;
     std::mt19937 rng_{20261129};
 };
 
@@ -247,6 +200,16 @@ TEST_F(CudaDs4Gemv, MatchesCpuReference) {
     shapes.push_back({dtype::f32, 65, 132, 0});
     shapes.push_back({dtype::f16, 64, 4096, 0});      // DS4 indexer projection
     shapes.push_back({dtype::f32, 3, 4, 16});
+    // Tall matrices with short rows get sub-warp groups (ds4_gemv.cu pick_group; on devices of up to
+    // ~300 SMs): G = 8 (4 rows per warp, like q_b [32768, 1024]) and G = 16, a partial last block.
+    shapes.push_back({dtype::q8_0, 40000, 1024, 0});
+    shapes.push_back({dtype::q8_0, 20001, 2048, 2});
+    shapes.push_back({dtype::f16, 40000, 256, 16});
+    shapes.push_back({dtype::f16, 40000, 260, 8});  // cols % 8 != 0: 8-byte register chunks, G = 16
+    shapes.push_back({dtype::f32, 20000, 128, 0});
+    // Long rows: several batches per thread (q8_0: staging slots refilled; 512-thread blocks stage 4).
+    shapes.push_back({dtype::q8_0, 3, 65536, 0});
+    shapes.push_back({dtype::f16, 3, 65536, 0});
     for (const shape &sh : shapes) {
         SCOPED_TRACE(std::string(dtype_name(sh.t)) + " [" + std::to_string(sh.rows) + ", " + std::to_string(sh.cols) +
                      "] pad " + std::to_string(sh.pad));
@@ -267,7 +230,8 @@ TEST_F(CudaDs4Gemv, MatchesCpuReference) {
 }
 
 // Grouped: DS4 output projection A (8 groups of 1024 q8_0 rows over 4096 inputs each) and small odd
-// group shapes for every type, including a last group with fewer rows.
+// group shapes for every type, including a last group with fewer rows, and a tall q8_0 one whose
+// 4-row warps (G = 8) straddle group boundaries.
 TEST_F(CudaDs4Gemv, GroupedMatchesCpuReference) {
     struct shape {
         dtype t;
@@ -275,6 +239,7 @@ TEST_F(CudaDs4Gemv, GroupedMatchesCpuReference) {
     };
     const shape shapes[] = {{dtype::q8_0, 8 * 1024, 1024, 4096},
                             {dtype::q8_0, 3 * 37, 37, 1024},
+                            {dtype::q8_0, 4 * 9999, 9999, 1024},  // sub-warp groups; warps straddle groups
                             {dtype::f16, 5 * 13 + 4, 13, 1024},
                             {dtype::f32, 4 * 3, 3, 4096}};
     for (const shape &sh : shapes) {
@@ -291,10 +256,11 @@ TEST_F(CudaDs4Gemv, GroupedMatchesCpuReference) {
     }
 }
 
-// Multi: the DS4 ratio-4 input projections (q8_0 and f16 segments, 7 of them) and an 8-segment mix
-// of all three types with odd row counts; each segment vs its own CPU reference, and a second launch
-// must give the same bits (the reduction order depends on the launch's group sizes, so the multi
-// result is compared with another multi launch, not with single-weight launches).
+// Multi: the DS4 ratio-4 input projections (q8_0 and f16 segments, 7 of them), an 8-segment mix
+// of all three types with odd row counts and an f16 / f32 set with cols % 8 != 0 (register and
+// staged chunks in one launch); each segment vs its own CPU reference, and a second launch must
+// give the same bits (the reduction order depends on the launch's group sizes, so the multi result
+// is compared with another multi launch, not with single-weight launches).
 TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
     struct seg_shape {
         dtype t;
@@ -304,13 +270,18 @@ TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
                                         {dtype::f16, 64},    {dtype::f16, 256},  {dtype::f16, 256}};
     const std::vector<seg_shape> mix = {{dtype::f32, 1},  {dtype::q8_0, 33}, {dtype::f16, 7},  {dtype::q8_0, 300},
                                         {dtype::f32, 65}, {dtype::f16, 1},   {dtype::q8_0, 1}, {dtype::f16, 513}};
-    for (const auto &[set, cols] : {std::pair{ds4, int64_t{4096}}, std::pair{mix, int64_t{1024}}}) {
+    // cols % 8 != 0: f16 rows loaded into registers next to staged f32 rows in one launch
+    const std::vector<seg_shape> odd = {{dtype::f16, 300}, {dtype::f32, 65}, {dtype::f16, 1}};
+    for (const auto &[set, cols] :
+         {std::pair{ds4, int64_t{4096}}, std::pair{mix, int64_t{1024}}, std::pair{odd, int64_t{516}}}) {
         SCOPED_TRACE(std::to_string(set.size()) + " segments, cols " + std::to_string(cols));
         const auto x = randn(static_cast<size_t>(cols), rng_);
         std::vector<host_weight> hw;
         std::vector<cd::gemv_segment> segs, segs2;
         for (const seg_shape &ss : set) {
-            hw.push_back(make_weight(ss.t, ss.rows, cols, 0, rng_));
+            // rows padded to 16 bytes (f16 at cols 516; the other sets' rows are whole 16 bytes: pad 0)
+            const size_t pad = (16 - dtype_row_bytes(ss.t, cols) % 16) % 16;
+            hw.push_back(make_weight(ss.t, ss.rows, cols, pad, rng_));
             const cd::gemv_weight g = prepare(hw.back());
             segs.push_back({g, poisoned(static_cast<size_t>(ss.rows))});
             segs2.push_back({g, poisoned(static_cast<size_t>(ss.rows))});
@@ -374,29 +345,6 @@ TEST_F(CudaDs4Gemv, ChainedLaunchesWaitForTheirInput) {
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// Median of `reps` replays of graph g, in milliseconds.
-float time_graph(cudaGraphExec_t g, cudaStream_t s, int reps) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    std::vector<float> ms;
-    cudaGraphLaunch(g, s);
-    cudaGraphLaunch(g, s);
-    for (int i = 0; i < reps; ++i) {
-        cudaEventRecord(a, s);
-        cudaGraphLaunch(g, s);
-        cudaEventRecord(b, s);
-        cudaEventSynchronize(b);
-        float t = 0;
-        cudaEventElapsedTime(&t, a, b);
-        ms.push_back(t);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 using CudaDs4GemvBench = CudaDs4Gemv;
 

@@ -19,14 +19,17 @@
 //      HBM: every IQ2_XXS unit did 4 random grid and 4 random sign-table lookups (~3.3
 //      bank-conflicted wavefronts each) and read its x words once per matrix, ~61 wavefronts per
 //      warp-unit, ~23 us for the routed gate/up at the DS4 shape; now ~28.
-//      down (moe_down_kernel): a warp owns 2 rows and a lane issues the loads of one unit of all six
-//      routed experts and the shared expert together.
+//      down (moe_down_q8_kernel): a warp computes 2 rows together in 64-column steps (ds4q::step_q8;
+//      q2_k runs of 16 scaled once), each step's activation words read once for both rows; a lane
+//      issues the loads of 3 routed experts x 2 rows before any arithmetic.
 //   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
-//      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel).
+//      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel), down
+//      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round.
 // Every block quantises the same inputs with the same exact operations, so all get the same bits;
-// sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (one
-// warp), gate/up of the routed + shared experts, down of the routed + shared experts. Expert ids
-// come from device memory.
+// sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (scores
+// by a block, top-k by one warp), gate/up of the routed + shared experts, down of the routed + shared
+// experts, each launched with PDL (each waits for its predecessor before reading its outputs).
+// Expert ids come from device memory.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -520,7 +523,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_q8_kernel(gate_up_
     stage_q8(a.x, [](int) { return int64_t{0}; }, 1, units, xs);
     __syncthreads();
     // PDL (launch_moe_ffn): the preceding kernel is the route kernel, which writes only ids and wts;
-    // everything before it has completed (it was launched without PDL), so x and the shared expert's
+    // everything before it has completed (it lets this kernel launch only after its own pdl_wait),
+    // so x and the shared expert's
     // rows are read, and shared tasks run, while routing is still in flight. pdl_wait comes before
     // the first routed task (warp-uniform), and at the end for warps that had none.
     bool waited = false;
@@ -579,14 +583,36 @@ struct down_args {
     uint32_t *err;
 };
 
-// A block owns kWarps * kDownRows rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all
-// routed slots, then the shared expert's) is staged once, side by side (q8 path: quantised, the same
-// bits in every block); a lane then issues the loads of one unit of up to kDownSlots experts (+ the
-// shared expert) before decoding any. Per-lane sums run over units, then slots in order, then the
-// shared expert; one warp tree at the end (deterministic: no atomics).
+// Start block `blk`'s weight rows streaming from HBM into L2 before staging h (staging reads only h,
+// from L2; without this the first weight loads are issued after it): rows [r0, r0 + kWarps *
+// kDownRows) of every selected expert and of the shared expert, contiguous per matrix, one matrix per
+// warp. Before pdl_wait the ids may be stale: prefetches are only hints.
+__device__ __forceinline__ void down_prefetch(const down_args &a, int n_rows, int warp, int lane) {
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows;
+    const int64_t nr = std::min<int64_t>(kWarps * kDownRows, a.d.rows - r0);
+    for (int j = warp; j < n_rows; j += kWarps) {
+        const int e = j < a.n_slot ? (a.ids ? a.ids[j] : 0) : 0;
+        if (j < a.n_slot && (e < 0 || e >= a.d.n_expert)) continue;
+        const uint8_t *p = j < a.n_slot ? row_ptr(a.d, e, r0) : row_ptr(a.ds, 0, r0);
+        prefetch_range_l2(p, static_cast<size_t>(nr) * (j < a.n_slot ? a.d.row_bytes : a.ds.row_bytes), lane);
+    }
+}
+// Block 0 flags routed ids out of range (their slots are skipped).
+__device__ __forceinline__ void down_check_ids(const down_args &a) {
+    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < a.n_slot) {
+        const int e = a.ids ? a.ids[threadIdx.x] : 0;
+        if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
+    }
+}
+
+// f32 activations (f32, f16, mxfp4 weights or a mix with them). A block owns kWarps * kDownRows
+// rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all routed slots, then the shared
+// expert's) is staged once, side by side, in padded f32; a lane then issues the loads of one unit of
+// up to kDownSlots experts (+ the shared expert) before decoding any. Per-lane sums run over units,
+// then slots in order, then the shared expert; one warp tree at the end (deterministic: no atomics).
 template <dtype TR, dtype TS>
-__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
-    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs, q8 = use_q8<TR, TS>();
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_f32_kernel(down_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     extern __shared__ float4 dyn_smem[];
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
     const uint64_t *grid = stage_grid<need_grid>(sgrid);
@@ -594,36 +620,16 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
     const int64_t F = a.d.cols, units = a.d.units;
     const bool shared = a.ds.data != nullptr;
     const int n_rows = a.n_slot + (shared ? 1 : 0);
-    // Start this block's weight rows streaming from HBM into L2 before staging h (staging reads only
-    // h, from L2; without this the first weight loads are issued after it): rows [r0, r0 + nr) of every
-    // selected expert and of the shared expert, contiguous per matrix, one matrix per warp.
-    {
-        const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows;
-        const int64_t nr = std::min<int64_t>(kWarps * kDownRows, a.d.rows - r0);
-        for (int j = warp; j < n_rows; j += kWarps) {
-            const int e = j < a.n_slot ? (a.ids ? a.ids[j] : 0) : 0;
-            if (j < a.n_slot && (e < 0 || e >= a.d.n_expert)) continue;
-            const uint8_t *p = j < a.n_slot ? row_ptr(a.d, e, r0) : row_ptr(a.ds, 0, r0);
-            prefetch_range_l2(p, static_cast<size_t>(nr) * (j < a.n_slot ? a.d.row_bytes : a.ds.row_bytes), lane);
-        }
-    }
-    // PDL (launch_moe_ffn): everything above only prefetches (ids read before the wait may be stale:
-    // hints); h, y and the ids used below come after the gate/up kernel has completed.
+    down_prefetch(a, n_rows, warp, lane);
+    // PDL: h, y and the ids used below come after the preceding kernel has completed.
     pdl_wait();
-    if constexpr (q8) {
-        const int n_slot = a.n_slot, s0 = a.s0, s_sh = a.s_sh;
-        stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows,
-                 static_cast<int>(units), reinterpret_cast<ds4q::q8_blk *>(dyn_smem));
-    } else {
+    {
         float *xs = reinterpret_cast<float *>(dyn_smem);
         const int64_t stride = staged_floats(units);
         for (int j = 0; j < n_rows; ++j)
             stage_vec(a.h + static_cast<int64_t>(j < a.n_slot ? a.s0 + j : a.s_sh) * F, F, 32 * units, xs + j * stride);
     }
-    if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < a.n_slot) {
-        const int e = a.ids ? a.ids[threadIdx.x] : 0;
-        if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
-    }
+    down_check_ids(a);
     __syncthreads();
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kWarps * kDownRows + warp;
     for (int q = 0; q < kDownRows; ++q) {
@@ -649,12 +655,112 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_kernel(down_args a) {
                 if (with_sh) wsh.load(rsh, u);
 #pragma unroll
                 for (int j = 0; j < kDownSlots; ++j)
-                    if (rows[j]) acc += unit_dot_act(w[j], u, staged_row<q8>(dyn_smem, units, sg + j), grid);
-                if (with_sh) acc += unit_dot_act(wsh, u, staged_row<q8>(dyn_smem, units, a.n_slot), grid);
+                    if (rows[j]) acc += unit_dot_act(w[j], u, staged_row<false>(dyn_smem, units, sg + j), grid);
+                if (with_sh) acc += unit_dot_act(wsh, u, staged_row<false>(dyn_smem, units, a.n_slot), grid);
             }
         }
         const float total = warp_sum(acc);
         if (lane == 0) a.y[r] = (a.accumulate ? a.y[r] : 0.0f) + total;
+    }
+}
+
+// q8 activations (iq2_xxs, q2_k, q8_0 weights: the DS4 q2 mix). Why it is shaped this way (round 3
+// measured 837 GB/s for the routed q2_k down, ~20 % of copy): the kernel was issue-bound, not
+// HBM-bound (each block's rows are prefetched into L2 before h is staged): ~100 instructions per
+// q2_k 32-weight unit (4 runs of 8, each scaled in f32) plus 8 shared-memory loads of its activation
+// words per row, and every warp did its 2 rows one after the other (4 dependent load rounds).
+// Now a lane's unit is a 64-column step (ds4q::step_q8: q2_k runs of 16 share one scaling, ~2/3 of
+// the instructions per weight), a warp owns kDownRows consecutive rows and computes them together
+// (each step's activation words are read from shared memory once, ds4q::xs_q8, and dotted with
+// every row), and a lane issues the loads of down_group routed slots x kDownRows rows (42 words for
+// q2_k) before any arithmetic: 3 load rounds per step for the DS4 shape (2 routed groups + the
+// shared expert) instead of 4 per row pair. 32-bit index math (rows, steps < 2^31). At the DS4 shape
+// (F = 2048: 32 steps) every lane does exactly one step per row pair. Per-lane sums run over steps,
+// then routed slots in order, then the shared expert; one warp tree per row (deterministic).
+// Routed slots per load round (x kDownRows rows), by type: q2_k 3 (42 loaded words; the DS4 mix with
+// the q8_0 shared expert fits 128 registers without spills), iq2_xxs 2, q8_0 1 (20 words per row).
+template <dtype T> constexpr int down_group() {
+    return T == dtype::q2_k ? 3 : (T == dtype::iq2_xxs ? 2 : 1);
+}
+
+// Lane-partial dots of n <= kDownRows rows (rows[i], consecutive rows of one matrix; n warp-uniform)
+// of one expert with its staged q8 activation row xb, at step U.
+template <dtype T, int N>
+__device__ __forceinline__ void down_step_rows(const uint8_t *const (&rows)[N][kDownRows], const bool (&ok)[N],
+                                               const ds4q::q8_blk *const (&xb)[N], int n, int U, int units,
+                                               const uint64_t *grid, float (&acc)[kDownRows]) {
+    ds4q::step_q8<T> w[N][kDownRows];
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int i = 0; i < kDownRows; ++i)
+            if (ok[j] && i < n) w[j][i].load(rows[j][i], U, units);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        if (!ok[j]) continue;
+        ds4q::xs_q8<T> x;
+        x.load(xb[j], U, units);
+#pragma unroll
+        for (int i = 0; i < kDownRows; ++i)
+            if (i < n) acc[i] += ds4q::dot_step_q8<T>(w[j][i], x, grid);
+    }
+}
+
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int F = static_cast<int>(a.d.cols), units = static_cast<int>(a.d.units), steps = (units + 1) >> 1;
+    const bool shared = a.ds.data != nullptr;
+    const int n_slot = a.n_slot, n_rows = n_slot + (shared ? 1 : 0);
+    down_prefetch(a, n_rows, warp, lane);
+    // PDL: h, y and the ids used below come after the preceding kernel has completed.
+    pdl_wait();
+    const int s0 = a.s0, s_sh = a.s_sh;
+    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
+    stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units, xs);
+    down_check_ids(a);
+    __syncthreads();
+    const int rb = static_cast<int>(blockIdx.x) * (kWarps * kDownRows) + kDownRows * warp;
+    const int n = min(kDownRows, static_cast<int>(a.d.rows) - rb);  // rows of this warp (warp-uniform)
+    if (n <= 0) return;
+    float acc[kDownRows];
+#pragma unroll
+    for (int i = 0; i < kDownRows; ++i) acc[i] = 0.0f;
+    for (int U = lane; U < steps; U += 32) {
+        constexpr int G = down_group<TR>();
+        for (int g0 = 0; g0 < n_slot; g0 += G) {
+            const uint8_t *rows[G][kDownRows];
+            const ds4q::q8_blk *xb[G];
+            bool ok[G];  // slot present and its id in range (warp-uniform)
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const int s = g0 + j;
+                const int e = s < n_slot ? (a.ids ? a.ids[s] : 0) : -1;
+                ok[j] = e >= 0 && e < a.d.n_expert;
+                xb[j] = xs + s * units;
+#pragma unroll
+                for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? row_ptr(a.d, e, rb + i) : nullptr;
+            }
+            down_step_rows<TR, G>(rows, ok, xb, n, U, units, grid, acc);
+        }
+        if (shared) {
+            const uint8_t *rows[1][kDownRows];
+#pragma unroll
+            for (int i = 0; i < kDownRows; ++i) rows[0][i] = row_ptr(a.ds, 0, rb + i);
+            const bool ok[1] = {true};
+            const ds4q::q8_blk *xb[1] = {xs + n_slot * units};
+            down_step_rows<TS, 1>(rows, ok, xb, n, U, units, grid, acc);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kDownRows; ++i) {
+        if (i >= n) break;  // warp-uniform
+        const float total = warp_sum(acc[i]);
+        if (lane == 0) a.y[rb + i] = (a.accumulate ? a.y[rb + i] : 0.0f) + total;
     }
 }
 
@@ -668,24 +774,33 @@ __device__ __forceinline__ float softplus_ref(float x) {
 
 constexpr int kMaxExperts = 1024, kMaxUsed = 32;
 
-// One warp (a 256-thread block spent ~2 barriers per chosen expert). Top-k by k rounds of a
-// warp-wide argmax (larger value, then lower id) over the experts not yet taken: the order of the
-// CPU's partial_sort.
-__global__ void __launch_bounds__(32)
+// Scores by the whole block of kRouteThreads (one expert per thread at E = 256: the logit and bias
+// loads and the double-precision softplus of all experts overlap; one warp doing 8 experts each in
+// turn spent ~8 dependent L2 round trips + softplus chains, ~3 us of the serial router front), one
+// barrier, then warp 0 alone: top-k by k rounds of a warp-wide argmax (larger value, then lower id)
+// over the experts not yet taken, the order of the CPU's partial_sort (a whole-block top-k spent ~2
+// barriers per chosen expert). PDL (launch_moe_ffn): logits are read after pdl_wait, and the
+// dependent gate/up kernel is let launch only after it (everything before this kernel has then
+// completed, which gate/up relies on).
+constexpr int kRouteThreads = 256;
+__global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float *__restrict__ logits, int E, const float *__restrict__ bias,
                      const int32_t *__restrict__ tid2eid, int64_t n_vocab, const int32_t *__restrict__ token, int k,
                      float scale, int32_t *ids, float *weights, uint32_t *err) {
     __shared__ float score[kMaxExperts], biased[kMaxExperts];
     __shared__ unsigned char taken[kMaxExperts];
     __shared__ int chosen[kMaxUsed];
+    pdl_wait();
     pdl_launch_dependents();  // a PDL-launched gate/up kernel starts its shared expert meanwhile
-    const int lane = threadIdx.x;
-    for (int e = lane; e < E; e += 32) {
-        score[e] = sqrtf(softplus_ref(logits[e]));
-        if (bias) biased[e] = score[e] + bias[e];
+    for (int e = static_cast<int>(threadIdx.x); e < E; e += static_cast<int>(blockDim.x)) {
+        const float sc = sqrtf(softplus_ref(logits[e]));
+        score[e] = sc;
+        if (bias) biased[e] = sc + bias[e];
         taken[e] = 0;
     }
-    __syncwarp();
+    __syncthreads();
+    if (threadIdx.x >= 32) return;  // warp 0 only from here: no further block barriers
+    const int lane = threadIdx.x;
     if (!bias) {
         if (lane == 0) {
             const int32_t t = *token;
@@ -908,18 +1023,23 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
 
 template <dtype TR, dtype TS>
 void run_down(const down_args &a, size_t smem, const device_info &di, bool pdl, cudaStream_t s) {
+    void (*kernel)(down_args);
+    if constexpr (use_q8<TR, TS>()) kernel = moe_down_q8_kernel<TR, TS>;
+    else kernel = moe_down_f32_kernel<TR, TS>;
     // opt in to more than 48 KB of dynamic shared memory, once per device (bit = device id)
     static std::atomic<uint64_t> raised{0};
     const uint64_t bit = uint64_t{1} << (di.id & 63);
     if (smem > 48 * 1024 && !(raised.load() & bit)) {
-        if (cudaFuncSetAttribute(moe_down_kernel<TR, TS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(di.smem_optin)) != cudaSuccess)
             throw error("cuda ds4 moe: cannot raise the down kernel's shared-memory limit");
         raised.fetch_or(bit);
     }
     const int64_t per_block = kWarps * kDownRows;
+    if (a.d.rows >= (int64_t{1} << 30) || a.d.cols >= (int64_t{1} << 30))
+        throw error("cuda ds4 moe: down matrix too large for 32-bit row indices");
     const unsigned grid = static_cast<unsigned>((a.d.rows + per_block - 1) / per_block);
-    launch_kernel(moe_down_kernel<TR, TS>, grid, smem, pdl, s, a, "moe down");
+    launch_kernel(kernel, grid, smem, pdl, s, a, "moe down");
 }
 
 // y = (accumulate ? y : 0) + sum of the n_slot routed experts' down rows (h rows s0 ..) and, with
@@ -961,6 +1081,31 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
     }
 }
 
+// moe_route_kernel on one block of kRouteThreads; pdl: programmatic stream serialisation (the
+// kernel waits for its predecessor before reading logits).
+void route_launch(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
+                  const int32_t *token, int k, float scale, int32_t *ids, float *weights, uint32_t *err, bool pdl,
+                  cudaStream_t s) {
+    if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxUsed || k > E)
+        throw error("cuda ds4 route: unsupported expert count " + std::to_string(E) + " / used " + std::to_string(k) +
+                    " (E <= 1024, used <= 32)");
+    if (!bias && (!tid2eid || !token || n_vocab < 1))
+        throw error("cuda ds4 route: hash routing needs tid2eid, n_vocab and the token id");
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(1);
+    cfg.blockDim = dim3(kRouteThreads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, moe_route_kernel, logits, E, bias, tid2eid, n_vocab, token, k,
+                                             scale, ids, weights, err);
+    if (e != cudaSuccess) throw error(std::string("cuda ds4 route: launch failed: ") + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 bool expert_type_supported(dtype t) {
@@ -986,14 +1131,7 @@ void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, in
 void launch_moe_route(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
                       const int32_t *token, int k, float scale, int32_t *ids, float *weights, uint32_t *err,
                       cudaStream_t s) {
-    if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxUsed || k > E)
-        throw error("cuda ds4 route: unsupported expert count " + std::to_string(E) + " / used " + std::to_string(k) +
-                    " (E <= 1024, used <= 32)");
-    if (!bias && (!tid2eid || !token || n_vocab < 1))
-        throw error("cuda ds4 route: hash routing needs tid2eid, n_vocab and the token id");
-    moe_route_kernel<<<1, 32, 0, s>>>(logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights,
-                                                  err);
-    check_launch("route");
+    route_launch(logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights, err, false, s);
 }
 
 void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, const moe_scratch &sc, float *y,
@@ -1016,12 +1154,12 @@ void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, c
         launch_gemv(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, D, l.n_expert, xn, D, 1, sc.logits, l.n_expert,
                     s);
     }
-    // The route kernel is launched normally (it starts after the router GEMV has completed, so all
-    // earlier work has too) and lets the gate/up kernel launch at once (PDL): the shared expert's
-    // gate/up runs while routing is in flight. Then the down kernel (PDL) prefetches its rows while
-    // gate/up finishes.
-    launch_moe_route(sc.logits, l.n_expert, l.exp_bias, l.tid2eid, l.n_vocab, token, l.n_used, l.weights_scale,
-                     sc.ids, sc.weights, err, s);
+    // The route kernel is launched with PDL (its launch overlaps the router GEMV's tail; it reads the
+    // logits after pdl_wait, when the GEMV, and so all earlier work, has completed) and lets the
+    // gate/up kernel launch right after that wait (PDL): the shared expert's gate/up runs while
+    // routing is in flight. Then the down kernel (PDL) prefetches its rows while gate/up finishes.
+    route_launch(sc.logits, l.n_expert, l.exp_bias, l.tid2eid, l.n_vocab, token, l.n_used, l.weights_scale, sc.ids,
+                 sc.weights, err, true, s);
     // routed + shared gate/up in one launch, routed + shared down in one launch
     gate_up_launch(l.gate, l.up, shared ? &l.gate_sh : nullptr, shared ? &l.up_sh : nullptr, sc.ids, sc.weights,
                    l.n_used, 0, xn, l.clamp, l.clamp_sh, sc.h, err, true, s);

@@ -571,6 +571,96 @@ __host__ __device__ __forceinline__ float dot_q8(const unit_dot<T> &w, int64_t u
     return dot_q8x<T>(w, x, grid);
 }
 
+// ---- 64-column steps (the down kernel's lane unit on the q8 path) --------------------------------
+// Step U of a row covers 64 of its columns (the steps U < ceil(units / 2) cover each column once).
+// A step's weights are loaded once (load) and dotted with the activation words of that step held in
+// registers (xs_q8::load), so a warp doing several rows reads each step's activation words from
+// shared memory once.
+//   iq2_xxs / q8_0: units 2 U and 2 U + 1 (columns 64 U .. 64 U + 64, q8 blocks 2 U and 2 U + 1; the
+//     second absent when the row has an odd number of 32-column units), as unit_dot / dot_q8x.
+//   q2_k: Q2_K block b = U >> 2, half c = (U >> 1) & 1, h = U & 1: the 16 bytes qs[32 c + 16 h ..]
+//     (byte 4 m + i, 2-bit field j -> element 256 b + 128 c + 32 j + 16 h + 4 m + i), so run j (16
+//     elements, one sub-block: scale byte 8 c + 2 j + h) lies in q8 block 8 b + 4 c + j, words
+//     4 h .. 4 h + 3. Per run: 4 dp4a for sum q x, 4 for m * sum x (m replicated in the 4 bytes),
+//     one f32 scale by the q8 block's d: 16 weights per scaling instead of 8 (q2_k unit_dot), and 7
+//     loaded words per 64 weights. Bounds: |sc * sum q x| <= 15 * 3 * 16 * 127 < 2^22.
+template <dtype T> struct step_q8 {
+    unit_dot<T> w[2];
+    bool two;
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int U, int units) {
+        w[0].load(row, 2 * U);
+        two = 2 * U + 1 < units;
+        if (two) w[1].load(row, 2 * U + 1);
+    }
+};
+template <> struct step_q8<dtype::q2_k> {
+    uint32_t q[4];    // qs[32 c + 16 h .. + 16)
+    uint32_t s0, s1;  // scales[8 c + h .. 8 c + 8) (shifted by h bytes): run j uses byte 2 j
+    uint32_t dm;      // f16 d (low half), f16 dmin (high half)
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int U, int) {
+        const uint8_t *blk = row + 84 * (U >> 2);
+        const int c = (U >> 1) & 1, h = U & 1;
+        const uint32_t *qw = reinterpret_cast<const uint32_t *>(blk + 16 + 32 * c + 16 * h);
+        FATHOM_UNROLL
+        for (int m = 0; m < 4; ++m) q[m] = qw[m];
+        ld8_a4(blk + 8 * c, s0, s1);
+        if (h) {
+            s0 = (s0 >> 8) | (s1 << 24);
+            s1 >>= 8;
+        }
+        dm = *reinterpret_cast<const uint32_t *>(blk + 80);
+    }
+};
+// The activation words of step U (what step_q8<T> is dotted with).
+template <dtype T> struct xs_q8 {
+    x_q8<T> x[2];
+    __host__ __device__ __forceinline__ void load(const q8_blk *xb, int U, int units) {
+        x[0].load(xb, 2 * U);
+        if (2 * U + 1 < units) x[1].load(xb, 2 * U + 1);
+    }
+};
+template <> struct xs_q8<dtype::q2_k> {
+    int q[4][4];  // run j: words 4 h .. 4 h + 3 of q8 block 8 b + 4 c + j
+    float d[4];
+    __host__ __device__ __forceinline__ void load(const q8_blk *xb, int U, int) {
+        const q8_blk *xq = xb + 8 * (U >> 2) + 4 * ((U >> 1) & 1);
+        const int wo = 4 * (U & 1);
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            q8_pair(xq[j], wo, q[j][0], q[j][1]);
+            q8_pair(xq[j], wo + 2, q[j][2], q[j][3]);
+            d[j] = xq[j].d;
+        }
+    }
+};
+__host__ __device__ __forceinline__ float f16_bits_f32(uint32_t b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b & 0xFFFFu)));
+}
+template <dtype T>
+__host__ __device__ __forceinline__ float dot_step_q8(const step_q8<T> &w, const xs_q8<T> &x, const uint64_t *grid) {
+    if constexpr (T == dtype::q2_k) {
+        float accd = 0.0f, accm = 0.0f;
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sc = byte_of(w.s0, w.s1, 2 * j);
+            int dot = 0, sum = 0;
+            const int mrep = static_cast<int>((sc >> 4) * 0x01010101u);
+            FATHOM_UNROLL
+            for (int m = 0; m < 4; ++m) {
+                dot = dp4a(static_cast<int>((w.q[m] >> (2 * j)) & 0x03030303u), x.q[j][m], dot);
+                sum = dp4a(mrep, x.q[j][m], sum);
+            }
+            accd = fmaf(x.d[j], i2f_exact(dot * static_cast<int>(sc & 0xFu)), accd);
+            accm = fmaf(x.d[j], i2f_exact(sum), accm);
+        }
+        return f16_bits_f32(w.dm) * accd - f16_bits_f32(w.dm >> 16) * accm;
+    } else {
+        float acc = dot_q8x<T>(w.w[0], x.x[0], grid);
+        if (w.two) acc += dot_q8x<T>(w.w[1], x.x[1], grid);
+        return acc;
+    }
+}
+
 // Calls f.template operator()<T>() for the expert types above; false for any other type.
 template <class F>
 bool dispatch_expert_type(dtype t, F &&f) {
