@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/ds4_gemv.h"
 #include "core/error.h"
 
@@ -56,18 +57,6 @@ __device__ __forceinline__ uint2 ld_stream8(const uint8_t *p) {
     uint2 v;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-}
-// PDL: wait for the preceding kernel of the stream (its writes visible) / let the next one launch.
-// No-ops when the kernel was launched without the attribute, and on targets before sm_90.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
 }
 
 // Byte j of w (w already XORed with 0x80808080, i.e. q + 128) as the float q, exactly:

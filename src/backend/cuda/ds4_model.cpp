@@ -574,16 +574,17 @@ void cuda_sequence::reset() {
     impl &p = *p_;
     ck(cudaSetDevice(p.w->device), "selecting the device");
     const hparams &hp = p.w->hp;
-    const float ninf = -std::numeric_limits<float>::infinity();
-    for (size_t il = 0; il < p.ls.size(); ++il) {
-        layer_state_dev &st = p.ls[il];
+    // Frontier scores start at -inf (empty slots): one host row of -inf, as long as the widest
+    // frontier, is the source of every copy; it outlives them (one synchronisation at the end).
+    size_t widest = 0;
+    for (const layer_state_dev &st : p.ls) widest = std::max({widest, st.comp_state_floats, st.ic_state_floats});
+    const std::vector<float> inf(widest, -std::numeric_limits<float>::infinity());
+    auto clear_frontier = [&](float *kv, float *score, size_t n) {
+        ck(cudaMemsetAsync(kv, 0, n * sizeof(float), p.s), "clearing");
+        ck(cudaMemcpyAsync(score, inf.data(), n * sizeof(float), cudaMemcpyHostToDevice, p.s), "clearing");
+    };
+    for (layer_state_dev &st : p.ls) {
         ck(cudaMemsetAsync(st.ring, 0, static_cast<size_t>(hp.window) * hp.head_dim * p.kv_elem, p.s), "clearing");
-        auto clear_frontier = [&](float *kv, float *score, size_t n) {
-            const std::vector<float> inf(n, ninf);
-            ck(cudaMemsetAsync(kv, 0, n * sizeof(float), p.s), "clearing");
-            ck(cudaMemcpyAsync(score, inf.data(), n * sizeof(float), cudaMemcpyHostToDevice, p.s), "clearing");
-            ck(cudaStreamSynchronize(p.s), "clearing");
-        };
         if (st.comp_kv) clear_frontier(st.comp_kv, st.comp_score, st.comp_state_floats);
         if (st.ic_kv) clear_frontier(st.ic_kv, st.ic_score, st.ic_state_floats);
     }
@@ -802,8 +803,9 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
         throw error("cuda ds4: stage state buffer of " + std::to_string(x.size()) + " floats, expected " +
                     std::to_string(n * S));
     if (!logits.empty() && (!w.head() || (logits.size() != V && logits.size() != n * V)))
-        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats for a stage " +
-                    (w.head() ? "(expected n_vocab or n * n_vocab)" : "without the output head"));
+        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats " +
+                    (w.head() ? "(expected n_vocab = " + std::to_string(V) + " or n * n_vocab = " + std::to_string(n * V) + ")"
+                              : "for a stage without the output head"));
     check_tokens(tokens);
     for (size_t i = 0; i < n; ++i) {
         float *out = nullptr;
@@ -816,21 +818,8 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
 }
 
 void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
-    const hparams &hp = p_->w->hp;
-    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab);
     if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
-    if (!logits.empty() && logits.size() != V && logits.size() != n * V)
-        throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
-                    std::to_string(V) + " or " + std::to_string(n * V));
-    check_tokens(tokens);
-    for (size_t i = 0; i < n; ++i) {
-        float *out = nullptr;
-        if (logits.size() == n * V)
-            out = logits.data() + i * V;
-        else if (!logits.empty() && i + 1 == n)
-            out = logits.data();
-        step(tokens[i], out, nullptr);
-    }
+    eval_stage(tokens, {}, logits);  // the whole model: no state enters or leaves through the host
 }
 
 void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {

@@ -37,6 +37,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -273,19 +274,6 @@ __device__ __forceinline__ float warp_sum(float a) {
     return a;
 }
 
-// PDL (programmatic dependent launch; launch_moe_ffn launches gate/up and down with it): wait for
-// the preceding kernel of the stream (its writes visible) / let the next one launch. No-ops when the
-// kernel was launched without the attribute (the public launchers), and before sm_90.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
 
 struct bank_dev {
     const uint8_t *data;  // null: no such bank (no shared expert)
