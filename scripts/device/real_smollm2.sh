@@ -26,12 +26,8 @@ run)
     [ "$got" = "${2:-}" ] || { echo "sha256 mismatch: $got"; exit 1; }
     echo "reassembled, sha256 ok"
     export LD_LIBRARY_PATH="$stage/carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-    for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
-        if ! ldd "$stage/carry/fathom" | grep "$lib" | grep -q "=> /"; then
-            d=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
-            [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):$LD_LIBRARY_PATH"
-        fi
-    done
+    . "$(dirname "${BASH_SOURCE[0]}")/cuda_libs.sh"
+    cuda_libs "$stage/carry/fathom"
     f="$stage/carry/fathom"
     python3 -c "import random; random.seed(5); print(' '.join(str(random.randrange(49152)) for _ in range(48)))" > "$stage/ids.txt"
     $f logits -m "$m" --tokens-file "$stage/ids.txt" --out "$stage/cpu_exact.f32" --exact 2>/dev/null

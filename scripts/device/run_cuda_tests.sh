@@ -24,12 +24,8 @@ filter="${1:-*}"
 export LD_LIBRARY_PATH="$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 export FATHOM_CUDA_VOCAB_DIR="$carry/vocab"
 # cuBLAS / cudart 13 may live only in a Python wheel (PyTorch's) on the device image.
-for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
-    if ! ldd "$carry/test_cuda" | grep "$lib" | grep -q "=> /"; then
-        d=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
-        [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):$LD_LIBRARY_PATH"
-    fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/cuda_libs.sh"
+cuda_libs "$carry/test_cuda"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
 if ldd "$carry/test_cuda" | grep -q "not found"; then
     echo "missing shared libraries:"; ldd "$carry/test_cuda" | grep "not found"

@@ -13,12 +13,8 @@ bench=1
 [ "${1:-}" = "--no-bench" ] && { bench=0; shift; }
 filter="${1:-CudaDs4*}"
 export LD_LIBRARY_PATH="$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
-    if ! ldd "$carry/test_cuda" | grep "$lib" | grep -q "=> /"; then
-        d=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
-        [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):$LD_LIBRARY_PATH"
-    fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/cuda_libs.sh"
+cuda_libs "$carry/test_cuda"
 # The tests read the golden at the build's FATHOM_SHARED_DIR (<repo>/../shared on the build machine).
 shared=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$carry/test_cuda" | head -1)
 if [ -n "$shared" ] && [ ! -e "$shared/golden/ds4-tiny/cases.jsonl" ]; then

@@ -12,12 +12,8 @@ mkdir -p "$out"
 bash "$here/scripts/device/run_x2.sh" >/dev/null 2>&1
 cat "$out/summary.txt"
 export LD_LIBRARY_PATH="$carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-for lib in libcublas.so.13 libcublasLt.so.13 libcudart.so.13; do
-    if ! ldd "$carry/fathom" | grep "$lib" | grep -q "=> /"; then
-        d=$(find /usr/local /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
-        [ -n "$d" ] && export LD_LIBRARY_PATH="$(dirname "$d"):$LD_LIBRARY_PATH"
-    fi
-done
+. "$(dirname "${BASH_SOURCE[0]}")/cuda_libs.sh"
+cuda_libs "$carry/fathom"
 log="$out/ds4_x2.log"
 m2=/tmp/ds4flash-q2.gguf m4=/tmp/ds4flash-mxfp4.gguf
 timeout 150 "$carry/fathom-gguf" synth "$m2" --preset flash --mix q2 --sparse -q 2>&1 | tee -a "$log"
