@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/types.h"
 
@@ -142,6 +143,13 @@ public:
     virtual bool supports_paged_kv() const { return false; }
     virtual void kv_store_paged(const tensor &k_src, const tensor &v_src, const kv_pages &kv, int64_t p0);
     virtual void attention_paged(const tensor &q, const kv_pages &kv, const attn_params &p, const tensor &out);
+    // Batched decode over paged sequences: row i of q [n, n_head*head_dim] is one token at position
+    // n_past[i] of the sequence with pages kv[i] (its K/V already stored); out row i is what
+    // attention_paged(q row i, kv[i], p with n_past = n_past[i]) writes, bit for bit. The default
+    // makes exactly those calls; a backend may run all rows in one pass (one thread-pool job).
+    virtual void attention_paged_rows(const tensor &q, std::span<const kv_pages> kv,
+                                      std::span<const int64_t> n_past, const attn_params &p,
+                                      const tensor &out);
     virtual void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) = 0;
     virtual void add(const tensor &a, const tensor &b, const tensor &out) = 0;
     virtual void scale(const tensor &x, float s) = 0;            // in place

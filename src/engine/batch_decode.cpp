@@ -89,6 +89,15 @@ void dense_batch_decoder::run(std::span<const dense_batch_seq> seqs) {
         if (any_swa) be_.rope_table(pos, 1, hp.rope_local, view_rows(rope_l, i, 1));
     }
 
+    // All sequences paged (the engine's pool): attention runs as one batched call per layer.
+    bool all_paged = true;
+    for (const dense_batch_seq &sq : seqs) all_paged = all_paged && sq.kv.pool;
+    if (all_paged) {
+        pages_.resize(seqs.size());
+        past_.resize(seqs.size());
+        for (size_t i = 0; i < seqs.size(); ++i) past_[i] = seqs[i].pos;
+    }
+
     attn_params ap;
     ap.n_head = hp.n_head;
     ap.n_head_kv = hp.n_head_kv;
@@ -119,8 +128,18 @@ void dense_batch_decoder::run(std::span<const dense_batch_seq> seqs) {
         be_.rope(k, hd, table, hp.rope.mode);
         if (hp.scale_q) be_.scale(q, hp.attn_scale);                        // gemma3: q scaled, scores not
         ap.window = swa ? hp.n_swa : 0;
-        // ---- per sequence: store K/V at its position, attend over its own cache ----
-        for (int64_t i = 0; i < n; ++i) {
+        if (all_paged) {  // store each sequence's K/V, then one attention call over all of them
+            for (size_t i = 0; i < seqs.size(); ++i) {
+                pages_[i] = seqs[i].kv.pool->pages(blocks_[i], il);
+                be_.kv_store_paged(view_rows(k, static_cast<int64_t>(i), 1),
+                                   view_rows(v, static_cast<int64_t>(i), 1), pages_[i], seqs[i].pos);
+            }
+            ap.n_ctx = 0;
+            be_.attention_paged_rows(q, std::span<const kv_pages>(pages_.data(), seqs.size()),
+                                     std::span<const int64_t>(past_.data(), seqs.size()), ap, attn);
+        }
+        // ---- otherwise per sequence: store K/V at its position, attend over its own cache ----
+        for (int64_t i = 0; i < n && !all_paged; ++i) {
             const dense_batch_seq &sq = seqs[static_cast<size_t>(i)];
             ap.n_past = sq.pos;
             if (sq.kv.cache) {

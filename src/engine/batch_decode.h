@@ -42,6 +42,8 @@ private:
     backend &be_;
     std::unique_ptr<dense_scratch> s_;  // activations for up to s_->n_batch sequences (grown on demand)
     std::vector<std::vector<uint8_t *>> blocks_;  // [B] paged sequences' block addresses (reused)
+    std::vector<kv_pages> pages_;                 // [B] one layer's pages of every sequence (all paged)
+    std::vector<int64_t> past_;                   // [B] every sequence's position
 };
 
 }  // namespace fathom

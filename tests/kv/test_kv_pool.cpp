@@ -319,6 +319,86 @@ TEST(KvPaged, AttentionOverScatteredTableIsBitIdentical) {
     }
 }
 
+// Batched decode attention (backend::attention_paged_rows): one token per sequence, each at its
+// own position in its own (interleaved, so scattered) table. Every row must equal a separate
+// attention_paged call bit for bit, in every numerics mode, and be close to the double reference.
+TEST(KvPaged, BatchedRowsEqualPerSequenceCalls) {
+    const int64_t past[] = {0, 7, 8, 45, 90, 31};  // block boundaries, first position, longer rows
+    const size_t n = std::size(past);
+    for (bool exact : {false, true})
+        for (bool inv : {true, false})
+            for (dtype type : {dtype::f16, dtype::f32})
+                for (auto [window, softcap] : {std::pair<int32_t, float>{0, 0.0f}, {20, 0.0f}, {0, 30.0f}}) {
+                    SCOPED_TRACE(::testing::Message()
+                                 << "exact " << exact << " invariant " << inv << " f16 "
+                                 << (type == dtype::f16) << " window " << window << " softcap " << softcap);
+                    auto be = cpu(exact, inv);
+                    kv_case c;
+                    c.n_layer = 1;
+                    c.type = type;
+                    const int64_t KV = int64_t(c.n_head_kv) * c.hd, Q = int64_t(c.n_head) * c.hd;
+                    kv_pool pool(*be, 1, c.n_head_kv, c.hd, type, c.block, 4, 0);
+                    std::vector<int> seq(n);
+                    for (size_t i = 0; i < n; ++i) seq[i] = pool.seq_open();
+                    for (int64_t p = c.block; p <= 91 + c.block;
+                         p += c.block)  // grow in turns: tables interleave
+                        for (size_t i = 0; i < n; ++i)
+                            ASSERT_TRUE(pool.reserve(seq[i], std::min(p, past[i] + 1)));
+                    std::vector<std::vector<uint8_t *>> addrs(n);
+                    std::vector<kv_pages> pages(n);
+                    std::vector<std::unique_ptr<kv_cache>> refs;
+                    for (size_t i = 0; i < n; ++i) {
+                        const int64_t n_pos = past[i] + 1;
+                        pool.block_addrs(seq[i], addrs[i]);
+                        pages[i] = pool.pages(addrs[i], 0);
+                        const std::vector<float> k = random_rows(n_pos, KV, 20 + uint32_t(i)),
+                                                 v = random_rows(n_pos, KV, 40 + uint32_t(i));
+                        const tensor kt = make_tensor(dtype::f32, KV, n_pos, const_cast<float *>(k.data()));
+                        const tensor vt = make_tensor(dtype::f32, KV, n_pos, const_cast<float *>(v.data()));
+                        be->kv_store_paged(kt, vt, pages[i], 0);
+                        refs.push_back(std::make_unique<kv_cache>(*be, 1, c.n_head_kv, c.hd, n_pos, type));
+                        be->kv_store(kt, refs.back()->k[0], c.n_head_kv, n_pos, 0);
+                        be->kv_store(vt, refs.back()->v[0], c.n_head_kv, n_pos, 0);
+                    }
+                    attn_params p;
+                    p.n_head = c.n_head;
+                    p.n_head_kv = c.n_head_kv;
+                    p.head_dim = c.hd;
+                    p.n_past = 12345;  // ignored: positions come per row
+                    p.scale = 1.0f / std::sqrt(float(c.hd));
+                    p.softcap = softcap;
+                    p.window = window;
+                    const std::vector<float> q = random_rows(int64_t(n), Q, 77);
+                    const tensor qt = make_tensor(dtype::f32, Q, int64_t(n), const_cast<float *>(q.data()));
+                    std::vector<float> got(n * size_t(Q), std::nanf("")),
+                        want(n * size_t(Q), -7.0f);  // poisoned
+                    be->attention_paged_rows(qt, pages, std::vector<int64_t>(past, past + n), p,
+                                             make_tensor(dtype::f32, Q, int64_t(n), got.data()));
+                    for (size_t i = 0; i < n; ++i) {
+                        attn_params pi = p;
+                        pi.n_past = past[i];
+                        be->attention_paged(view_rows(qt, int64_t(i), 1), pages[i], pi,
+                                            make_tensor(dtype::f32, Q, 1, want.data() + i * size_t(Q)));
+                        ASSERT_EQ(std::memcmp(got.data() + i * size_t(Q), want.data() + i * size_t(Q),
+                                              size_t(Q) * sizeof(float)),
+                                  0)
+                            << "row " << i << " (position " << past[i] << ")";
+                        pi.n_ctx = past[i] + 1;
+                        const std::vector<float> qi(q.begin() + std::ptrdiff_t(i) * Q,
+                                                    q.begin() + std::ptrdiff_t(i + 1) * Q);
+                        const std::vector<double> ref = reference_attention(qi, *refs[i], 0, pi, 1);
+                        const double tol = type == dtype::f32 && exact ? 1e-5 : 2e-2;
+                        for (int64_t e = 0; e < Q; ++e)
+                            ASSERT_NEAR(got[i * size_t(Q) + size_t(e)], ref[size_t(e)], tol) << "row " << i;
+                    }
+                    // Mismatched counts are rejected.
+                    EXPECT_THROW(be->attention_paged_rows(qt, std::span<const kv_pages>(pages.data(), n - 1),
+                                                          std::vector<int64_t>(past, past + n), p,
+                                                          make_tensor(dtype::f32, Q, int64_t(n), got.data())),
+                                 error);
+                }
+}
+
 // ---- the engine: one pool shared by its sessions ----------------------------------------------
 
 std::string smollm2() {

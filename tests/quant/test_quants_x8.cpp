@@ -13,6 +13,7 @@
 #include "backend/cpu/quants.h"
 #include "backend/cpu/quants_x8.h"
 #include "core/error.h"
+#include "isa_levels.h"
 
 using namespace fathom;
 using namespace fathom::cpu;
@@ -71,29 +72,31 @@ std::vector<uint8_t> random_weights(dtype t, int64_t N, int64_t K, std::mt19937 
     return w;
 }
 
-}  // namespace
-
-TEST(QuantX8, MatchesGgmlOrderBitExact) {
-    if (!x8_supported(dtype::q4_1)) GTEST_SKIP() << "no AVX2";
+// Every ISA level with x8 kernels (AVX2; AVX-512 VNNI, whose M >= 2 path pairs groups into 16-row
+// panels, so odd group ranges and ranges starting at an odd group are covered), activation row counts
+// of the decode (1), small-batch and serving-batch (16, 17) shapes, and group ranges that leave the
+// first / last group out. Poisoned outputs outside the range must stay untouched.
+void check_matches_ggml_order() {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (dtype t : {dtype::q4_1, dtype::q8_0, dtype::q5_0}) {
         for (int64_t K : {32, 96, 576}) {
-            const int64_t N = 27, G = N / 8;  // 3 groups and 3 rows the layout does not cover
+            const int64_t N = 43, G = N / 8;  // 5 groups and 3 rows the layout does not cover
             const std::vector<uint8_t> w = random_weights(t, N, K, rng);
             const size_t rb = dtype_row_bytes(t, K);
             std::vector<uint8_t> packed(x8_bytes(t, K, G));
             x8_pack(t, K, w.data(), rb, 0, G, packed.data());
             const dtype at = vec_dot_type(t);
             const size_t x_stride = dtype_row_bytes(at, K) + 4;  // padded: stride != row size
-            for (int64_t M : {1, 2, 5}) {
+            for (int64_t M : {1, 2, 5, 16, 17}) {
                 std::vector<uint8_t> X(x_stride * static_cast<size_t>(M));
                 for (int64_t m = 0; m < M; ++m) {
                     std::vector<float> xf(static_cast<size_t>(K));
                     for (auto &v : xf) v = nd(rng) * (m + 1);
                     quantize_row_act(at, xf.data(), X.data() + m * x_stride, K);
                 }
-                for (auto [g0, g1] : {std::pair<int64_t, int64_t>{0, G}, {1, 2}, {2, 2}}) {
+                for (auto [g0, g1] :
+                     {std::pair<int64_t, int64_t>{0, G}, {1, 2}, {2, 2}, {1, G}, {0, 4}, {1, 4}}) {
                     const int64_t ldy = N + 1;
                     std::vector<float> y(static_cast<size_t>(M * ldy), -7.0f), ref(y.size(), -7.0f);
                     x8_gemm(t, K, packed.data(), g0, g1, X.data(), x_stride, M, y.data(), ldy);
@@ -114,6 +117,20 @@ TEST(QuantX8, MatchesGgmlOrderBitExact) {
                 }
             }
         }
+    }
+}
+
+}  // namespace
+
+TEST(QuantX8, MatchesGgmlOrderBitExact) {
+    if (!x8_supported(dtype::q4_1)) GTEST_SKIP() << "no AVX2";
+    test::isa_guard guard;
+    for (isa level : test::isas()) {
+        if (level == isa::scalar) continue;
+        force_isa(level);
+        SCOPED_TRACE(isa_name(level));
+        check_matches_ggml_order();
+        if (::testing::Test::HasFatalFailure()) return;
     }
 }
 
@@ -141,5 +158,32 @@ TEST(QuantX8, SimdPackMatchesScalarPack) {
         x8_pack(t, K, w.data(), dtype_row_bytes(t, K), 0, G, scalar.data());
         force_isa(detected_isa());
         EXPECT_EQ(simd, scalar) << dtype_name(t);
+    }
+}
+
+// The activation conversions the x8 kernels consume (quantize_row_act q8_0 / q8_1): every ISA must
+// write the scalar definition's bytes, including the f16 block scales at the edges of the f16 range
+// (subnormal scales, scales that overflow to inf, all-zero blocks) and the q8_1 block sums.
+TEST(QuantX8, ActivationConversionAllIsasMatchScalar) {
+    test::isa_guard guard;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const int64_t K = 32 * 12;
+    std::vector<float> x(static_cast<size_t>(K));
+    const float mags[] = {1.0f, 1e-3f, 3e-6f, 1e-7f, 2e-9f, 1e5f, 7e6f, 1e30f, 0.0f, 65504.0f * 127.0f, 1e-30f, 40.0f};
+    for (int64_t b = 0; b < K / 32; ++b)
+        for (int e = 0; e < 32; ++e) x[static_cast<size_t>(32 * b + e)] = nd(rng) * mags[b];
+    for (dtype t : {dtype::q8_0, dtype::q8_1}) {
+        const size_t rb = dtype_row_bytes(t, K);
+        force_isa(isa::scalar);
+        std::vector<uint8_t> want(rb);
+        quantize_row_act(t, x.data(), want.data(), K);
+        for (isa level : test::isas()) {
+            force_isa(level);
+            std::vector<uint8_t> got(rb, 0xCD);
+            quantize_row_act(t, x.data(), got.data(), K);
+            for (size_t i = 0; i < rb; ++i)
+                ASSERT_EQ(got[i], want[i]) << dtype_name(t) << " [" << isa_name(level) << "] byte " << i;
+        }
     }
 }

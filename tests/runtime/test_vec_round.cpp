@@ -51,7 +51,7 @@ TEST(VecRound, KqvLanesMatchCellByCellAxpy) {
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::vector<const vec_kernels *> sets = {&vec_generic()};
     if (vec_avx2()) sets.push_back(vec_avx2());
-    for (int64_t hd : {64, 24}) {
+    for (int64_t hd : {64, 24, 32, 48, 128}) {  // every register-chunk variant and the generic path
         const int64_t n_cells = 45;
         std::vector<uint16_t> v(static_cast<size_t>(n_cells * hd));
         for (auto &x : v) x = f32_to_f16(nd(rng));
@@ -78,4 +78,37 @@ TEST(VecRound, KqvLanesMatchCellByCellAxpy) {
                             << "hd=" << hd << " nq=" << nq << " q=" << q << " j0=" << j0 << " j1=" << j1;
                 }
     }
+}
+
+// dot_f16_lanes_rows must give, row by row, dot_f16_lanes's bits on every kernel set: row counts
+// that use the 8- and 4-row blocks and the single-row tail, lengths with a scalar tail, and a row
+// stride larger than the row.
+TEST(VecRound, DotRowsMatchSingleRowDots) {
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<const vec_kernels *> sets = {&vec_generic()};
+    if (vec_avx2()) sets.push_back(vec_avx2());
+    for (int64_t n : {64, 40, 13})
+        for (int64_t nr : {1, 3, 4, 7, 8, 13, 21}) {
+            const int64_t stride = n + 5;
+            std::vector<uint16_t> a(static_cast<size_t>(nr * stride));
+            for (auto &x : a) x = f32_to_f16(nd(rng));
+            std::vector<float> b(static_cast<size_t>(n));
+            for (auto &x : b) x = nd(rng);
+            for (const vec_kernels *k : sets) {
+                std::vector<float> got(static_cast<size_t>(nr) + 1,
+                                       -7.0f);  // one poisoned element past the end
+                k->dot_f16_lanes_rows(n, a.data(), stride, nr, b.data(), got.data());
+                for (int64_t r = 0; r < nr; ++r) {
+                    const float want = k->dot_f16_lanes(n, a.data() + r * stride, b.data());
+                    ASSERT_EQ(std::memcmp(&got[size_t(r)], &want, 4), 0)
+                        << "n=" << n << " nr=" << nr << " r=" << r;
+                    double ref = 0;  // and close to the exact dot (independent of the kernels)
+                    for (int64_t i = 0; i < n; ++i)
+                        ref += double(f16_to_f32(a[size_t(r * stride + i)])) * b[size_t(i)];
+                    ASSERT_NEAR(got[size_t(r)], ref, 1e-4 * (1 + std::fabs(ref)));
+                }
+                ASSERT_EQ(got[size_t(nr)], -7.0f);
+            }
+        }
 }

@@ -71,6 +71,20 @@ void backend::kv_store_paged(const tensor &, const tensor &, const kv_pages &, i
 void backend::attention_paged(const tensor &, const kv_pages &, const attn_params &, const tensor &) {
     throw error(std::string("backend ") + name() + ": paged KV is not supported");
 }
+void backend::attention_paged_rows(const tensor &q, std::span<const kv_pages> kv,
+                                   std::span<const int64_t> n_past, const attn_params &p, const tensor &out) {
+    if (static_cast<int64_t>(kv.size()) != q.ne[1] || static_cast<int64_t>(n_past.size()) != q.ne[1] ||
+        out.ne[1] != q.ne[1])
+        throw error("attention_paged_rows: " + std::to_string(q.ne[1]) + " query rows, " +
+                    std::to_string(kv.size()) + " page tables, " + std::to_string(n_past.size()) +
+                    " positions, " + std::to_string(out.ne[1]) + " output rows");
+    attn_params pi = p;
+    for (size_t i = 0; i < kv.size(); ++i) {
+        pi.n_past = n_past[i];
+        attention_paged(view_rows(q, static_cast<int64_t>(i), 1), kv[i], pi,
+                        view_rows(out, static_cast<int64_t>(i), 1));
+    }
+}
 
 namespace cpu {
 namespace {
@@ -118,6 +132,9 @@ const uint16_t *gelu_f16_table() {
 
 // Work below this many elements runs on the calling thread: waking workers costs more.
 constexpr int64_t kParallelMin = 16384;
+// for_rows (norms, rope, residual adds, activation conversion, ...): split from 8192 elements, so the
+// [16 x 576] rows of a 16-sequence decode step run on every thread instead of the caller alone.
+constexpr int64_t kRowsParallelMin = 8192;
 
 struct scratch_buf {
     std::vector<uint8_t, std::allocator<uint8_t>> bytes;
@@ -206,6 +223,8 @@ public:
     bool supports_paged_kv() const override { return true; }
     void kv_store_paged(const tensor &k_src, const tensor &v_src, const kv_pages &kv, int64_t p0) override;
     void attention_paged(const tensor &q, const kv_pages &kv, const attn_params &p, const tensor &out) override;
+    void attention_paged_rows(const tensor &q, std::span<const kv_pages> kv, std::span<const int64_t> n_past,
+                              const attn_params &p, const tensor &out) override;
     void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
     void add(const tensor &a, const tensor &b, const tensor &out) override;
     void scale(const tensor &x, float s) override;
@@ -217,7 +236,7 @@ private:
     // Run fn(r0, r1) over rows [0, n) split across threads when the work (n*cost) is large enough.
     template <class F>
     void for_rows(int64_t n, int64_t cost, F &&fn) {
-        if (n <= 1 || n * cost < kParallelMin || pool_.size() == 1) {
+        if (n <= 1 || n * cost < kRowsParallelMin || pool_.size() == 1) {
             fn(int64_t{0}, n);
             return;
         }
@@ -357,11 +376,13 @@ void cpu_backend::mul_mat(const tensor &x, int n_pairs, const tensor *const *w, 
     }
 
     // 2. Split the concatenated output rows of all pairs across threads in dynamic blocks of rows
-    // (multiples of 16, so interleaved groups of 8 stay whole). Small M (decode): ~8 blocks per
-    // thread, so a thread that starts late (or runs slower) simply takes fewer. Large M (prefill):
-    // 32 rows, each block swept over M in chunks so its weights stay in cache while the
-    // activations stream.
-    const int64_t row_block = M <= 8 ? std::max<int64_t>(16, (total_rows / (8 * pool_.size()) + 15) / 16 * 16) : 32;
+    // (multiples of 16, so interleaved groups of 8 stay whole). Small M (decode, up to a serving
+    // batch of 32): ~8 blocks per thread, so a thread that starts late (or runs slower) simply takes
+    // fewer, and per-call set-up (activation scales, panel decode) is amortised over many groups.
+    // Large M (prefill): 32 rows, each block swept over M in chunks so its weights stay in cache
+    // while the activations stream.
+    const int64_t row_block =
+        M <= 32 ? std::max<int64_t>(16, (total_rows / (8 * pool_.size()) + 15) / 16 * 16) : 32;
     std::atomic<int64_t> next{0};
     auto do_rows = [&](int64_t a, int64_t b) {  // rows [a, b) of the concatenation
         int64_t off = 0;
@@ -854,99 +875,189 @@ void cpu_backend::attention_rows(const tensor &q, const kv_source &src, const at
 // tokens of one head share each K and V row conversion (the vec *_multi kernels give each query
 // the single-query bits), and (token block, head) items are handed out dynamically, longest rows
 // first, since causal rows grow with the position.
-void cpu_backend::attention_blocks(const tensor &q, const kv_source &src, const attn_params &p, const tensor &out) {
-    constexpr int kQ = 4;
+constexpr int kAttnQ = 4;  // tokens per attention_blocks item
+
+// Floats of per-thread scratch one attention_block_item needs for score rows of length S.
+int64_t attention_block_scratch(int64_t S, int64_t hd) {
+    return kAttnQ * S + kAttnQ * 9 * hd;
+}
+
+// One item of attention_blocks: tokens [t0, t0 + min(4, n_tok - t0)) of q (token i at position
+// p.n_past + i) and head h, over src; writes those tokens' head h of out. scratch: the calling
+// thread's attention_block_scratch(p.n_past + n_tok, head_dim) floats.
+void attention_block_item(const vec_kernels &vk, const tensor &q, const kv_source &src, const attn_params &p,
+                          const tensor &out, int64_t t0, int64_t h, float *scratch) {
+    constexpr int kQ = kAttnQ;
     const int64_t n_tok = q.ne[1], hd = p.head_dim, group = p.n_head / p.n_head_kv;
     const int64_t S = p.n_past + n_tok;  // score row length
-    grow_thread_scratch(kQ * S + kQ * 9 * hd);
+    float *scores = scratch;             // [kQ][S]
+    float *lanes = scores + kQ * S;      // [kQ][8][hd] KQV lane accumulators
+    float *q16 = lanes + kQ * 8 * hd;    // [kQ][hd] q rounded through f16
+    const int64_t hk = h / group;
+    const int nq = static_cast<int>(std::min<int64_t>(kQ, n_tok - t0));
+    int64_t pos[kQ] = {}, lo[kQ] = {};
+    float mx[kQ] = {};
+    const float *qp[kQ] = {};
+    for (int i = 0; i < nq; ++i) {
+        pos[i] = p.n_past + t0 + i;
+        lo[i] = p.window > 0 ? std::max<int64_t>(0, pos[i] - p.window + 1) : 0;
+        vk.round_f16(hd, row_ptr<const float>(q, t0 + i) + h * hd, 1.0f, q16 + i * hd);
+        qp[i] = q16 + i * hd;
+        mx[i] = -INFINITY;
+    }
+    // Queries that see cell j: lo[i] <= j <= pos[i], a contiguous run [a, b) (lo, pos grow with i).
+    auto active = [&](int64_t j, int &a, int &b) {
+        for (a = 0; a < nq && pos[a] < j; ++a) {
+        }
+        for (b = a; b < nq && lo[b] <= j; ++b) {
+        }
+    };
+    const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
+    if (nq == 1) {  // one token (decode): raw dots over each memory-contiguous run of keys at once
+        for (int64_t j0 = lo[0]; j0 <= pos[0];) {
+            const int64_t j1 = std::min(pos[0], kr.run_end(j0) - 1);
+            vk.dot_f16_lanes_rows(hd, kr.row<const uint16_t>(j0),
+                                  static_cast<int64_t>(kr.nb1 / sizeof(uint16_t)), j1 - j0 + 1, qp[0],
+                                  scores + j0);
+            j0 = j1 + 1;
+        }
+        for (int64_t j = lo[0]; j <= pos[0]; ++j) {  // then per cell what the loop below does
+            float x = scores[j] * p.scale;
+            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
+            scores[j] = x;
+            mx[0] = std::max(mx[0], x);
+        }
+    }
+    for (int64_t j = lo[0]; j <= pos[nq - 1] && nq > 1; ++j) {
+        int a, b;
+        active(j, a, b);
+        if (a == b) continue;
+        float s[kQ];
+        vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp + a, b - a, s);
+        for (int i = a; i < b; ++i) {
+            float x = s[i - a] * p.scale;
+            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
+            scores[i * S + j] = x;
+            mx[i] = std::max(mx[i], x);
+        }
+    }
+    for (int i = 0; i < nq; ++i) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
+        float *sc = scores + i * S;
+        std::fill(sc, sc + lo[i], -INFINITY);
+        const double sum = vk.softmax_exp(pos[i] + 1, sc, mx[i], sc);
+        vk.round_f16(pos[i] + 1 - lo[i], sc + lo[i], static_cast<float>(1.0 / sum), sc + lo[i]);
+        std::fill(lanes + i * 8 * hd, lanes + (i + 1) * 8 * hd, 0.0f);
+    }
+    // KQV: cells every query sees, [lo[nq-1], pos[0]], in one register-blocked pass per
+    // memory-contiguous run of V rows (a paged cache splits it at block boundaries: blocks
+    // start at multiples of 8 cells, so lanes and per-lane cell order are unchanged); the
+    // cells before and after them per cell. Each lane still takes its cells in increasing j.
+    const int64_t f0 = lo[nq - 1], f1 = pos[0];
+    for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
+        if (j == f0 && f0 <= f1) {
+            for (int64_t r0 = f0; r0 <= f1;) {
+                const int64_t base = vr.run_start(r0), r1 = std::min(f1, vr.run_end(r0) - 1);
+                const float *pq[kQ];
+                float *lq[kQ];
+                for (int i = 0; i < nq; ++i) {
+                    pq[i] = scores + i * S + base;  // indexed by cell - base, as the V rows
+                    lq[i] = lanes + i * 8 * hd;
+                }
+                vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base),
+                                 static_cast<int64_t>(vr.nb1 / 2), pq, nq, lq);
+                r0 = r1 + 1;
+            }
+            j = f1;
+            continue;
+        }
+        int a, b;
+        active(j, a, b);
+        if (a == b) continue;
+        float c[kQ];
+        float *y[kQ];
+        for (int i = a; i < b; ++i) {
+            c[i - a] = scores[i * S + j];
+            y[i - a] = lanes + (i * 8 + (j & 7)) * hd;
+        }
+        vk.axpy_f16_multi(hd, c, vr.row<const uint16_t>(j), y, b - a);
+    }
+    for (int i = 0; i < nq; ++i) {  // tinyBLAS's hsum tree over the 8 lanes
+        float *o = row_ptr<float>(out, t0 + i) + h * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+            const float *l = lanes + i * 8 * hd + d;
+            o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) +
+                   ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+        }
+    }
+}
+
+void cpu_backend::attention_blocks(const tensor &q, const kv_source &src, const attn_params &p,
+                                   const tensor &out) {
+    const int64_t n_tok = q.ne[1];
+    grow_thread_scratch(attention_block_scratch(p.n_past + n_tok, p.head_dim));
     const auto &vk = vec();
-    const int64_t n_blocks = (n_tok + kQ - 1) / kQ, n_items = n_blocks * p.n_head;
+    const int64_t n_blocks = (n_tok + kAttnQ - 1) / kAttnQ, n_items = n_blocks * p.n_head;
     std::atomic<int64_t> next{0};
     auto body = [&](int ith, int) {
-        float *scores = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());  // [kQ][S]
-        float *lanes = scores + kQ * S;    // [kQ][8][hd] KQV lane accumulators
-        float *q16 = lanes + kQ * 8 * hd;  // [kQ][hd] q rounded through f16
+        float *scratch = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
         for (;;) {
             const int64_t it = next.fetch_add(1, std::memory_order_relaxed);
             if (it >= n_items) break;
-            const int64_t t0 = (n_blocks - 1 - it / p.n_head) * kQ, h = it % p.n_head, hk = h / group;
-            const int nq = static_cast<int>(std::min<int64_t>(kQ, n_tok - t0));
-            int64_t pos[kQ] = {}, lo[kQ] = {};
-            float mx[kQ] = {};
-            const float *qp[kQ] = {};
-            for (int i = 0; i < nq; ++i) {
-                pos[i] = p.n_past + t0 + i;
-                lo[i] = p.window > 0 ? std::max<int64_t>(0, pos[i] - p.window + 1) : 0;
-                vk.round_f16(hd, row_ptr<const float>(q, t0 + i) + h * hd, 1.0f, q16 + i * hd);
-                qp[i] = q16 + i * hd;
-                mx[i] = -INFINITY;
-            }
-            // Queries that see cell j: lo[i] <= j <= pos[i], a contiguous run [a, b) (lo, pos grow with i).
-            auto active = [&](int64_t j, int &a, int &b) {
-                for (a = 0; a < nq && pos[a] < j; ++a) {}
-                for (b = a; b < nq && lo[b] <= j; ++b) {}
-            };
-            const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
-            for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
-                int a, b;
-                active(j, a, b);
-                if (a == b) continue;
-                float s[kQ];
-                vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp + a, b - a, s);
-                for (int i = a; i < b; ++i) {
-                    float x = s[i - a] * p.scale;
-                    if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
-                    scores[i * S + j] = x;
-                    mx[i] = std::max(mx[i], x);
-                }
-            }
-            for (int i = 0; i < nq; ++i) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
-                float *sc = scores + i * S;
-                std::fill(sc, sc + lo[i], -INFINITY);
-                const double sum = vk.softmax_exp(pos[i] + 1, sc, mx[i], sc);
-                vk.round_f16(pos[i] + 1 - lo[i], sc + lo[i], static_cast<float>(1.0 / sum), sc + lo[i]);
-                std::fill(lanes + i * 8 * hd, lanes + (i + 1) * 8 * hd, 0.0f);
-            }
-            // KQV: cells every query sees, [lo[nq-1], pos[0]], in one register-blocked pass per
-            // memory-contiguous run of V rows (a paged cache splits it at block boundaries: blocks
-            // start at multiples of 8 cells, so lanes and per-lane cell order are unchanged); the
-            // cells before and after them per cell. Each lane still takes its cells in increasing j.
-            const int64_t f0 = lo[nq - 1], f1 = pos[0];
-            for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
-                if (j == f0 && f0 <= f1) {
-                    for (int64_t r0 = f0; r0 <= f1;) {
-                        const int64_t base = vr.run_start(r0), r1 = std::min(f1, vr.run_end(r0) - 1);
-                        const float *pq[kQ];
-                        float *lq[kQ];
-                        for (int i = 0; i < nq; ++i) {
-                            pq[i] = scores + i * S + base;  // indexed by cell - base, as the V rows
-                            lq[i] = lanes + i * 8 * hd;
-                        }
-                        vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base),
-                                         static_cast<int64_t>(vr.nb1 / 2), pq, nq, lq);
-                        r0 = r1 + 1;
-                    }
-                    j = f1;
-                    continue;
-                }
-                int a, b;
-                active(j, a, b);
-                if (a == b) continue;
-                float c[kQ];
-                float *y[kQ];
-                for (int i = a; i < b; ++i) {
-                    c[i - a] = scores[i * S + j];
-                    y[i - a] = lanes + (i * 8 + (j & 7)) * hd;
-                }
-                vk.axpy_f16_multi(hd, c, vr.row<const uint16_t>(j), y, b - a);
-            }
-            for (int i = 0; i < nq; ++i) {  // tinyBLAS's hsum tree over the 8 lanes
-                float *o = row_ptr<float>(out, t0 + i) + h * hd;
-                for (int64_t d = 0; d < hd; ++d) {
-                    const float *l = lanes + i * 8 * hd + d;
-                    o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
-                }
-            }
+            attention_block_item(vk, q, src, p, out, (n_blocks - 1 - it / p.n_head) * kAttnQ, it % p.n_head,
+                                 scratch);
+        }
+    };
+    pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));
+}
+
+// One thread-pool job for all rows (items = (row, head), claimed dynamically) instead of one job per
+// row. Each item runs attention_block_item exactly as attention_paged -> attention_blocks runs it for
+// a one-token call, so every row's bits are those of its own call. Other numerics (exact, llama.cpp's
+// single-token order) and f32 caches take the per-row default.
+void cpu_backend::attention_paged_rows(const tensor &q, std::span<const kv_pages> kv,
+                                       std::span<const int64_t> n_past, const attn_params &p,
+                                       const tensor &out) {
+    const int64_t n = q.ne[1];
+    bool fast = !opts_.exact && opts_.batch_invariant && n > 1 && static_cast<int64_t>(kv.size()) == n &&
+                static_cast<int64_t>(n_past.size()) == n && out.ne[1] == n;
+    for (size_t i = 0; fast && i < kv.size(); ++i) fast = kv[i].type == dtype::f16;
+    if (!fast) {
+        backend::attention_paged_rows(q, kv, n_past, p, out);  // per-row calls, each fully checked
+        return;
+    }
+    check_f32(q, "attention_paged_rows", "q");
+    check_f32(out, "attention_paged_rows", "out");
+    check_same(q, out, "attention_paged_rows");
+    FATHOM_CHECK(p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && p.head_dim > 0,
+                 "attention_paged_rows", "bad head counts");
+    FATHOM_CHECK(q.ne[0] == static_cast<int64_t>(p.n_head) * p.head_dim, "attention_paged_rows",
+                 "q " + shape(q) + " is not heads x head_dim");
+    int64_t max_past = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const kv_pages &pg = kv[static_cast<size_t>(i)];
+        const int64_t np = n_past[static_cast<size_t>(i)];
+        check_pages(pg, "attention_paged_rows");
+        FATHOM_CHECK(pg.head_dim == p.head_dim && pg.n_head_kv == p.n_head_kv, "attention_paged_rows",
+                     "pages vs head layout");
+        FATHOM_CHECK(np >= 0 && np + 1 <= pg.n_blocks * pg.block_tokens, "attention_paged_rows",
+                     "positions beyond the block table");
+        max_past = std::max(max_past, np);
+    }
+    grow_thread_scratch(attention_block_scratch(max_past + 1, p.head_dim));
+    const auto &vk = vec();
+    const int64_t n_items = n * p.n_head;
+    std::atomic<int64_t> next{0};
+    auto body = [&](int ith, int) {
+        float *scratch = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
+        attn_params pi = p;
+        for (;;) {
+            const int64_t it = next.fetch_add(1, std::memory_order_relaxed);
+            if (it >= n_items) break;
+            const size_t i = static_cast<size_t>(it / p.n_head);
+            pi.n_past = n_past[i];
+            const kv_source src{nullptr, nullptr, 0, &kv[i], dtype::f16};
+            attention_block_item(vk, view_rows(q, static_cast<int64_t>(i), 1), src, pi,
+                                 view_rows(out, static_cast<int64_t>(i), 1), 0, it % p.n_head, scratch);
         }
     };
     pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));

@@ -1,5 +1,6 @@
 // Entry points of the row-interleaved q4_1 / q8_0 kernels (quants_x8.h): argument checks, the
-// (scalar, ISA-independent) packing, and dispatch to the AVX2 kernels in quants_x8_avx2.cpp.
+// (scalar, ISA-independent) packing, and dispatch to the AVX2 / AVX-512 kernels (quants_x8_avx2.cpp,
+// quants_x8_avx512.cpp).
 #include "backend/cpu/quants_x8.h"
 
 #include <cstring>
@@ -106,8 +107,18 @@ void x8_gemm(dtype t, int64_t K, const void *P, int64_t g0, int64_t g1, const vo
     if (g0 < 0 || g1 < g0 || M < 0 || (M > 1 && ldy < 8 * g1)) throw error("x8_gemm: bad tile");
     const auto *p = static_cast<const uint8_t *>(P);
     const auto *x = static_cast<const uint8_t *>(X);
-    if (t == dtype::q4_1) detail::x8_gemm_q4_1_avx2(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);
-    else detail::x8_gemm_q8_0_avx2(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);  // q8_0, and q5_0 as q8_0
+    const bool q4 = t == dtype::q4_1;  // otherwise q8_0, and q5_0 as q8_0
+    if (active_isa() == isa::avx512) {
+        if (q4)
+            detail::x8_gemm_q4_1_avx512(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);
+        else
+            detail::x8_gemm_q8_0_avx512(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);
+        return;
+    }
+    if (q4)
+        detail::x8_gemm_q4_1_avx2(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);
+    else
+        detail::x8_gemm_q8_0_avx2(K / kQk, p, g0, g1, x, x_stride, M, y, ldy);
 }
 
 }  // namespace fathom::cpu

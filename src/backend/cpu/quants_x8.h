@@ -52,4 +52,9 @@ void x8_gemm_q4_1_avx2(int64_t nb, const uint8_t *P, int64_t g0, int64_t g1, con
                        int64_t M, float *y, int64_t ldy);
 void x8_gemm_q8_0_avx2(int64_t nb, const uint8_t *P, int64_t g0, int64_t g1, const uint8_t *X, size_t x_stride,
                        int64_t M, float *y, int64_t ldy);
+// AVX-512 VNNI versions (quants_x8_avx512.cpp): same results, used when active_isa() is avx512.
+void x8_gemm_q4_1_avx512(int64_t nb, const uint8_t *P, int64_t g0, int64_t g1, const uint8_t *X,
+                         size_t x_stride, int64_t M, float *y, int64_t ldy);
+void x8_gemm_q8_0_avx512(int64_t nb, const uint8_t *P, int64_t g0, int64_t g1, const uint8_t *X,
+                         size_t x_stride, int64_t M, float *y, int64_t ldy);
 }  // namespace fathom::cpu::detail

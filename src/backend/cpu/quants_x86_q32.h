@@ -473,12 +473,17 @@ inline int quant32(const float *x, float id, int8_t *qs, bool away_from_zero) {
     return _mm_cvtsi128_si32(h);
 }
 
+// f32 -> f16 bits with F16C, round to nearest even: the same bits as the scalar f32_to_f16
+// (normals, subnormals, overflow to inf, NaN with its top payload bits and the quiet bit), inline
+// instead of a call per block scale.
+inline uint16_t f16_bits(float f) { return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+
 void quant_q8_0_avx2(const float *x, void *dst, int64_t n) {
     auto *y = static_cast<block_q8_0 *>(dst);
     for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
         const float d = absmax32(x) / 127;
         const float id = d != 0 ? 1.0f / d : 0.0f;
-        y[i].d = f32_to_f16(d);
+        y[i].d = f16_bits(d);
         quant32(x, id, y[i].qs, true);
     }
 }
@@ -489,8 +494,8 @@ void quant_q8_1_avx2(const float *x, void *dst, int64_t n) {
         const float d = absmax32(x) / 127;
         const float id = d != 0 ? 1.0f / d : 0.0f;
         const int sum = quant32(x, id, y[i].qs, true);
-        y[i].d = f32_to_f16(d);
-        y[i].s = f32_to_f16(static_cast<float>(sum) * d);
+        y[i].d = f16_bits(d);
+        y[i].s = f16_bits(static_cast<float>(sum) * d);
     }
 }
 
@@ -499,7 +504,7 @@ void quant_q8_0_act_avx2(const float *x, void *dst, int64_t n) {
     auto *y = static_cast<block_q8_0 *>(dst);
     for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
         const float amax = absmax32(x);
-        y[i].d = f32_to_f16(amax / 127.f);
+        y[i].d = f16_bits(amax / 127.f);
         quant32(x, amax != 0 ? 127.f / amax : 0.0f, y[i].qs, false);
     }
 }
@@ -509,8 +514,8 @@ void quant_q8_1_act_avx2(const float *x, void *dst, int64_t n) {
     for (int64_t i = 0; i < n / qk32; ++i, x += qk32) {
         const float amax = absmax32(x), d = amax / 127.f;
         const int sum = quant32(x, amax != 0 ? 127.f / amax : 0.0f, y[i].qs, false);
-        y[i].d = f32_to_f16(d);
-        y[i].s = f32_to_f16(static_cast<float>(sum) * d);
+        y[i].d = f16_bits(d);
+        y[i].s = f16_bits(static_cast<float>(sum) * d);
     }
 }
 

@@ -107,10 +107,16 @@ void kqv_lanes_f16_generic(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v
         for (int q = 0; q < nq; ++q) axpy_f16_generic(hd, p[q][j], v + j * v_stride, lanes[q] + (j & 7) * hd);
 }
 
-const vec_kernels kGeneric{dot_f32_generic, dot_f16_generic, axpy_f32_generic, axpy_f16_generic,
-                           f16_to_f32_row_generic, f32_to_f16_row_generic, dot_f16_lanes_generic, dot_f16_ggml_generic,
-                           softmax_exp_generic, swiglu_generic, round_f16_generic,
-                           dot_f16_lanes_multi_generic, axpy_f16_multi_generic, kqv_lanes_f16_generic};
+void dot_f16_lanes_rows_generic(int64_t n, const uint16_t *a, int64_t a_stride, int64_t nr, const float *b,
+                                float *out) {
+    for (int64_t r = 0; r < nr; ++r) out[r] = dot_f16_lanes_generic(n, a + r * a_stride, b);
+}
+
+const vec_kernels kGeneric{dot_f32_generic,        dot_f16_generic,        axpy_f32_generic,
+                           axpy_f16_generic,       f16_to_f32_row_generic, f32_to_f16_row_generic,
+                           dot_f16_lanes_generic,  dot_f16_ggml_generic,   softmax_exp_generic,
+                           swiglu_generic,         round_f16_generic,      dot_f16_lanes_multi_generic,
+                           axpy_f16_multi_generic, kqv_lanes_f16_generic,  dot_f16_lanes_rows_generic};
 
 const vec_kernels &choose() {
     if (const vec_kernels *k = vec_avx2()) return *k;

@@ -41,6 +41,10 @@ struct vec_kernels {
     // registers while a lane's cells stream past. Needs hd % 16 == 0 for the fast path.
     void (*kqv_lanes_f16)(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride,
                           const float *const *p, int nq, float *const *lanes);
+    // Several f16 rows (a + r * a_stride, r in [0, nr)) against one query, each result bit-identical
+    // to dot_f16_lanes(n, row, b): attention's KQ for one decode token over a run of cached keys.
+    void (*dot_f16_lanes_rows)(int64_t n, const uint16_t *a, int64_t a_stride, int64_t nr, const float *b,
+                               float *out);
 };
 
 const vec_kernels &vec();            // best kernels for this CPU

@@ -210,32 +210,30 @@ void axpy_f16_multi(int64_t n, const float *c, const uint16_t *x, float *const *
         for (int q = 0; q < nq; ++q) y[q][i] += c[q] * _cvtsh_ss(x[i]);
 }
 
-// Per (lane, 16-dim chunk): NQ x 2 accumulators loaded once, every cell of the lane folded in with
-// axpy_f16's fma(p, v, y), stored once.
-template <int NQ>
-void kqv_lanes_n(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride, const float *const *p,
-                 float *const *lanes) {
+// Per (lane, chunk of 8 * DC dims): NQ x DC accumulators loaded once, every cell of the lane folded
+// in with axpy_f16's fma(p, v, y), stored once. DC is chosen so NQ x DC >= 8 where hd allows: that
+// many independent FMA chains keep the FMA pipes busy (one query's two chains would wait on the FMA
+// latency at every cell). Each element still takes its cells in increasing j: same bits.
+template <int NQ, int DC>
+void kqv_lanes_n(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_t v_stride,
+                 const float *const *p, float *const *lanes) {
     for (int64_t l = 0; l < 8; ++l) {
         const int64_t first = j0 + ((l - j0) % 8 + 8) % 8;  // first cell >= j0 in lane l
         if (first > j1) continue;
-        for (int64_t d = 0; d < hd; d += 16) {
-            __m256 acc[NQ][2];
-            for (int q = 0; q < NQ; ++q) {
-                acc[q][0] = _mm256_loadu_ps(lanes[q] + l * hd + d);
-                acc[q][1] = _mm256_loadu_ps(lanes[q] + l * hd + d + 8);
-            }
+        for (int64_t d = 0; d < hd; d += 8 * DC) {
+            __m256 acc[NQ][DC];
+            for (int q = 0; q < NQ; ++q)
+                for (int c = 0; c < DC; ++c) acc[q][c] = _mm256_loadu_ps(lanes[q] + l * hd + d + 8 * c);
             for (int64_t j = first; j <= j1; j += 8) {
-                const __m256 v0 = load_f16(v + j * v_stride + d), v1 = load_f16(v + j * v_stride + d + 8);
+                __m256 vv[DC];
+                for (int c = 0; c < DC; ++c) vv[c] = load_f16(v + j * v_stride + d + 8 * c);
                 for (int q = 0; q < NQ; ++q) {
                     const __m256 pj = _mm256_set1_ps(p[q][j]);
-                    acc[q][0] = _mm256_fmadd_ps(pj, v0, acc[q][0]);
-                    acc[q][1] = _mm256_fmadd_ps(pj, v1, acc[q][1]);
+                    for (int c = 0; c < DC; ++c) acc[q][c] = _mm256_fmadd_ps(pj, vv[c], acc[q][c]);
                 }
             }
-            for (int q = 0; q < NQ; ++q) {
-                _mm256_storeu_ps(lanes[q] + l * hd + d, acc[q][0]);
-                _mm256_storeu_ps(lanes[q] + l * hd + d + 8, acc[q][1]);
-            }
+            for (int q = 0; q < NQ; ++q)
+                for (int c = 0; c < DC; ++c) _mm256_storeu_ps(lanes[q] + l * hd + d + 8 * c, acc[q][c]);
         }
     }
 }
@@ -248,16 +246,62 @@ void kqv_lanes_f16(int64_t hd, int64_t j0, int64_t j1, const uint16_t *v, int64_
         return;
     }
     switch (nq) {
-        case 1: kqv_lanes_n<1>(hd, j0, j1, v, v_stride, p, lanes); break;
-        case 2: kqv_lanes_n<2>(hd, j0, j1, v, v_stride, p, lanes); break;
-        case 3: kqv_lanes_n<3>(hd, j0, j1, v, v_stride, p, lanes); break;
-        default: kqv_lanes_n<4>(hd, j0, j1, v, v_stride, p, lanes); break;
+        case 1:
+            if (hd % 64 == 0)
+                kqv_lanes_n<1, 8>(hd, j0, j1, v, v_stride, p, lanes);
+            else if (hd % 32 == 0)
+                kqv_lanes_n<1, 4>(hd, j0, j1, v, v_stride, p, lanes);
+            else
+                kqv_lanes_n<1, 2>(hd, j0, j1, v, v_stride, p, lanes);
+            break;
+        case 2:
+            if (hd % 32 == 0)
+                kqv_lanes_n<2, 4>(hd, j0, j1, v, v_stride, p, lanes);
+            else
+                kqv_lanes_n<2, 2>(hd, j0, j1, v, v_stride, p, lanes);
+            break;
+        case 3:
+            kqv_lanes_n<3, 2>(hd, j0, j1, v, v_stride, p, lanes);
+            break;
+        default:
+            kqv_lanes_n<4, 2>(hd, j0, j1, v, v_stride, p, lanes);
+            break;
     }
 }
 
-const vec_kernels kAvx2{dot_f32, dot_f16, axpy_f32, axpy_f16, f16_to_f32_row, f32_to_f16_row,
-                        dot_f16_lanes, dot_f16_ggml, softmax_exp, swiglu, round_f16,
-                        dot_f16_lanes_multi, axpy_f16_multi, kqv_lanes_f16};
+// NR rows of a against one query: dot_f16_lanes per row (one 8-lane accumulator each, the same
+// FMAs in the same order, hsum), with the rows' chains interleaved so they overlap.
+template <int NR>
+void dot_rows_n(int64_t n, const uint16_t *a, int64_t a_stride, const float *b, float *out) {
+    __m256 s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 bv = _mm256_loadu_ps(b + i);
+        for (int r = 0; r < NR; ++r) s[r] = _mm256_fmadd_ps(load_f16(a + r * a_stride + i), bv, s[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+        float x = hsum(s[r]);
+        for (int64_t t = i; t < n; ++t) x += _cvtsh_ss(a[r * a_stride + t]) * b[t];
+        out[r] = x;
+    }
+}
+
+void dot_f16_lanes_rows(int64_t n, const uint16_t *a, int64_t a_stride, int64_t nr, const float *b,
+                        float *out) {
+    int64_t r = 0;
+    for (; r + 8 <= nr; r += 8) dot_rows_n<8>(n, a + r * a_stride, a_stride, b, out + r);
+    if (r + 4 <= nr) {
+        dot_rows_n<4>(n, a + r * a_stride, a_stride, b, out + r);
+        r += 4;
+    }
+    for (; r < nr; ++r) out[r] = dot_f16_lanes(n, a + r * a_stride, b);
+}
+
+const vec_kernels kAvx2{dot_f32,        dot_f16,        axpy_f32,          axpy_f16,
+                        f16_to_f32_row, f32_to_f16_row, dot_f16_lanes,     dot_f16_ggml,
+                        softmax_exp,    swiglu,         round_f16,         dot_f16_lanes_multi,
+                        axpy_f16_multi, kqv_lanes_f16,  dot_f16_lanes_rows};
 
 }  // namespace
 
