@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fathom/error.h"
+#include "fathom/sampling.h"
 
 namespace fathom {
 
@@ -33,7 +34,9 @@ struct engine_options {
     // serving), so greedy output never depends on cache state. false = mirror llama.cpp's CPU build,
     // whose attention sums differently for one token than for a batch (parity tests use this).
     bool batch_invariant = true;
-    int n_batch = 512;             // prefill chunk (tokens evaluated per forward call)
+    // Prefill chunk (tokens evaluated per forward call); 0 = the default: 512, or 4096 for DeepSeek V4
+    // on CUDA (its chunks run layer-major on the device; bigger chunks feed every expert more tokens).
+    int n_batch = 0;
     // "cpu" | "cuda" | "cuda:N" | "auto". cuda/cuda:N fail with a one-line error when the build has no
     // CUDA backend, no device is present or the weights + KV cache do not fit in free device memory;
     // auto uses cuda:0 when present and the CPU otherwise (model_info::device says which).
@@ -146,6 +149,12 @@ public:
     virtual void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) = 0;
     // Logits of the last evaluated token, n_vocab floats.
     virtual std::span<const float> logits() const = 0;
+    // The next token chosen by `smp` from the last evaluated token's logits (history: what the
+    // penalties look at): exactly smp.sample(logits(), history). The default does that; a session
+    // whose logits live on a device summarises them there instead (sampler::sample_top), so the
+    // vocabulary never crosses to the host; samples_on_device() says so (then logits() costs a copy).
+    virtual sample_result sample(sampler &smp, std::span<const int32_t> history) { return smp.sample(logits(), history); }
+    virtual bool samples_on_device() const { return false; }
     virtual int64_t n_past() const = 0;
     virtual const std::vector<int32_t> &tokens() const = 0;
     virtual void reset() = 0;  // holds nothing afterwards (paged KV: every block and the reservation freed)

@@ -2,7 +2,9 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace fathom {
@@ -33,6 +35,18 @@ struct sample_result {
     std::vector<token_logprob> top;        // n_logprobs best alternatives, descending
 };
 
+// What a device hands the sampler instead of every logit (sampler::sample_top): the best candidates
+// of the PENALISED logits (penalty_counts() applied with the sampler's penalty formula; any order,
+// ties at the cut resolved towards lower ids), and the softmax statistics of the whole penalised
+// distribution: max_logit and z = sum over all tokens of exp(l - max_logit) (f32 exp, f64 sum).
+struct logits_top {
+    std::vector<int32_t> ids;
+    std::vector<float> logits;  // logits[i] is token ids[i]'s
+    float max_logit = 0.0f;
+    double z = 0.0;
+    int64_t n_vocab = 0;
+};
+
 class sampler {
 public:
     explicit sampler(const sampling_params &p);
@@ -40,6 +54,20 @@ public:
     // Choose the next token from logits (n_vocab floats) given the history (for penalties).
     sample_result sample(std::span<const float> logits, std::span<const int32_t> history);
     void reset();  // re-seed
+    const sampling_params &params() const;
+
+    // Sampling from a device's summary of the logits (the device applies the penalties and keeps the
+    // best candidates, so n_vocab logits never cross to the host). top_candidates(): how many best
+    // candidates the summary should hold: max(top_k, n_logprobs, 1) with top-k on, otherwise 256.
+    size_t top_candidates() const;
+    // (token, count) of every distinct token in the penalty window of `history`, in first-seen order,
+    // or empty when no penalty applies; throws like sample() on a history token outside [0, n_vocab).
+    std::vector<std::pair<int32_t, int32_t>> penalty_counts(std::span<const int32_t> history, int64_t n_vocab) const;
+    // The result sample(all logits, history) would give, draws from the RNG included, when the summary
+    // determines it: greedy, top-k within the summary, or (top-k off) a min-p or top-p cut inside it.
+    // nullopt otherwise (the RNG untouched): the caller then passes every logit to sample().
+    // Equality with sample() holds up to the f64 rounding of z, which the device sums in another order.
+    std::optional<sample_result> sample_top(const logits_top &t);
 private:
     struct impl;
     std::unique_ptr<impl> p_;

@@ -44,6 +44,7 @@
 #include "tokenizer/tokenizer.h"
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_sample.h"
 #include "backend/cuda/ds4_model.h"
 #endif
 
@@ -61,7 +62,7 @@ ds4::qat_mode parse_qat(const std::string &s) {
 void check_options(const engine_options &o) {
     if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
     if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
-    if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
+    if (o.n_batch < 0) throw error("n_batch must be >= 0, got " + std::to_string(o.n_batch));
 }
 
 // engine_options::devices ("cpu,cuda:1,...") -> per entry -1 (the CPU) or a CUDA ordinal that
@@ -125,9 +126,9 @@ class ds4_session final : public session {
     explicit ds4_session(ds4_engine &e);
     void sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &on_progress) override;
     void eval(std::span<const int32_t> tokens, float *all_logits) override;
-    std::span<const float> logits() const override {
-        return have_logits_ ? std::span<const float>(logits_) : std::span<const float>();
-    }
+    std::span<const float> logits() const override;
+    sample_result sample(sampler &smp, std::span<const int32_t> history) override;
+    bool samples_on_device() const override { return on_gpu(); }
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override;
@@ -146,8 +147,11 @@ class ds4_session final : public session {
     std::unique_ptr<ds4::cuda_sequence> gpu_;  // device state when the engine runs on CUDA
 #endif
     std::vector<int32_t> tokens_;
-    std::vector<float> logits_;  // [n_vocab] of tokens_.back()
+    mutable std::vector<float> logits_;  // [n_vocab] of tokens_.back()
     bool have_logits_ = false;
+    // CUDA: the last token's logits are still only on the device (logits() downloads them; sample()
+    // summarises them there).
+    mutable bool logits_on_device_ = false;
 };
 
 class ds4_engine final : public engine {
@@ -173,7 +177,9 @@ class ds4_engine final : public engine {
             throw error(file_->path() + ": deepseek4.context_length = " + std::to_string(n_ctx_train_) + " out of range");
         const int64_t def_ctx = n_ctx_train_ > 0 ? std::min<int64_t>(n_ctx_train_, 8192) : 8192;
         n_ctx_ = o.n_ctx > 0 ? o.n_ctx : def_ctx;
-        n_batch_ = std::min<int64_t>(o.n_batch, n_ctx_);
+        // Default chunk: 512 on the CPU, 4096 on one CUDA device (ds4::default_prefill_chunk).
+        const bool on_cuda = o.devices.empty() && o.device != "cpu";
+        n_batch_ = std::min<int64_t>(o.n_batch > 0 ? o.n_batch : on_cuda ? 4096 : 512, n_ctx_);
         pool_ = std::make_unique<cpu::thread_pool>(o.n_threads > 0 ? o.n_threads : online_cores());
         exec_.pool = pool_.get();
         exec_.quantised = !o.exact;
@@ -233,7 +239,7 @@ class ds4_engine final : public engine {
     // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
     const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
     std::unique_ptr<ds4::cuda_sequence> new_gpu_sequence() const {
-        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs);
+        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_);
     }
 #endif
     double measure_copy_bandwidth() override {
@@ -261,7 +267,7 @@ class ds4_engine final : public engine {
         co.device = ordinal;
         co.qat = qat_;
         co.kv = opts_.kv;
-        const size_t seq = ds4::cuda_sequence_bytes(model_->hp, opts_.kv, n_ctx_);
+        const size_t seq = ds4::cuda_sequence_bytes(model_->hp, opts_.kv, n_ctx_, n_batch_);
         const cuda_device_memory mem = cuda_query_memory(ordinal);
         if (seq + file_->size() > mem.free_bytes)
             throw error("device 'cuda:" + std::to_string(ordinal) + "' (" + mem.name + "): the weights (" +
@@ -425,6 +431,7 @@ void ds4_session::reset() {
     if (!on_gpu() && !on_pipeline()) st_ = e_.fresh_state();
     tokens_.clear();
     have_logits_ = false;
+    logits_on_device_ = false;
 }
 
 void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out) {
@@ -468,11 +475,12 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         std::span<float> out;
         if (all_logits)
             out = std::span<float>(all_logits + done * n_vocab, static_cast<size_t>(n * n_vocab));
-        else if (last)
+        else if (last && !on_gpu())  // CUDA keeps them on the device until logits() / sample()
             out = std::span<float>(logits_);
         pos.resize(static_cast<size_t>(n));
         std::iota(pos.begin(), pos.end(), n_past());
         have_logits_ = false;
+        logits_on_device_ = false;
         // On a throw mid-chunk the state may be half-updated: the session is left empty, not torn.
         try {
             forward_chunk(toks.subspan(static_cast<size_t>(done), static_cast<size_t>(n)), pos, out);
@@ -485,10 +493,46 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         if (last) {
             if (all_logits)
                 std::memcpy(logits_.data(), all_logits + (total - 1) * n_vocab, static_cast<size_t>(n_vocab) * sizeof(float));
+            else
+                logits_on_device_ = on_gpu();
             have_logits_ = true;
         }
         if (on_progress && *on_progress) (*on_progress)(done, total);
     }
+}
+
+std::span<const float> ds4_session::logits() const {
+    if (!have_logits_) return {};
+#ifdef FATHOM_ENGINE_CUDA
+    if (logits_on_device_) {
+        gpu_->last_logits(logits_);
+        logits_on_device_ = false;
+    }
+#endif
+    return logits_;
+}
+
+sample_result ds4_session::sample(sampler &smp, std::span<const int32_t> history) {
+#ifdef FATHOM_ENGINE_CUDA
+    if (have_logits_ && logits_on_device_) {
+        const sampling_params &p = smp.params();
+        const int64_t V = e_.model().hp.n_vocab;
+        const auto pen = smp.penalty_counts(history, V);
+        const size_t k = std::min<size_t>(smp.top_candidates(), static_cast<size_t>(cuda::logits_top_max_k));
+        ds4::cuda_sequence::top_summary d =
+            gpu_->logits_top(static_cast<int>(k), pen, p.repeat_penalty, p.frequency_penalty, p.presence_penalty);
+        if (d.bad == 0) {  // NaN / +inf: sample() below reports them
+            logits_top t;
+            t.ids = std::move(d.ids);
+            t.logits = std::move(d.logits);
+            t.max_logit = d.max_logit;
+            t.z = d.z;
+            t.n_vocab = V;
+            if (auto r = smp.sample_top(t)) return *r;
+        }
+    }
+#endif
+    return smp.sample(logits(), history);
 }
 
 void ds4_session::eval(std::span<const int32_t> tokens, float *all_logits) {

@@ -198,10 +198,10 @@ public:
         const int cuda_ordinal = resolve_cuda_ordinal(o.device);  // throws for an unusable forced device
         if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
         if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
-        if (o.n_batch <= 0) throw error("n_batch must be positive, got " + std::to_string(o.n_batch));
+        if (o.n_batch < 0) throw error("n_batch must be >= 0, got " + std::to_string(o.n_batch));
         const dense_hparams hp = dense_load_hparams(*file_);  // arch check before anything heavy
         n_ctx_ = o.n_ctx > 0 ? o.n_ctx : std::min(hp.n_ctx_train, 8192);
-        n_batch_ = std::min<int64_t>(o.n_batch, n_ctx_);
+        n_batch_ = std::min<int64_t>(o.n_batch > 0 ? o.n_batch : 512, n_ctx_);
         const int64_t max_cols = std::max({int64_t{hp.n_embd}, int64_t{hp.n_head} * hp.head_dim, int64_t{hp.n_ff}});
         cpu_options co;
         co.n_threads = o.n_threads > 0 ? o.n_threads : default_threads();

@@ -19,6 +19,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -310,6 +311,99 @@ sampler::sampler(const sampling_params &p) {
 sampler::~sampler() = default;
 
 void sampler::reset() { p_->rng.seed(p_->params.seed); }
+
+const sampling_params &sampler::params() const { return p_->params; }
+
+size_t sampler::top_candidates() const {
+    const sampling_params &p = p_->params;
+    const size_t lp = static_cast<size_t>(std::max(p.n_logprobs, 1));
+    return p.top_k > 0 ? std::max(static_cast<size_t>(p.top_k), lp) : std::max<size_t>(256, lp);
+}
+
+std::vector<std::pair<int32_t, int32_t>> sampler::penalty_counts(std::span<const int32_t> history,
+                                                                int64_t n_vocab) const {
+    const sampling_params &p = p_->params;
+    std::vector<std::pair<int32_t, int32_t>> out;
+    if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return out;
+    if (p.repeat_last_n == 0 || history.empty()) return out;
+    size_t window = history.size();
+    if (p.repeat_last_n > 0) window = std::min(window, static_cast<size_t>(p.repeat_last_n));
+    std::unordered_map<int32_t, size_t> at;
+    for (int32_t t : history.subspan(history.size() - window)) {
+        if (t < 0 || t >= n_vocab)
+            throw error("sampler: history token " + std::to_string(t) + " outside vocabulary [0, " +
+                        std::to_string(n_vocab) + ")");
+        const auto [it, fresh] = at.emplace(t, out.size());
+        if (fresh) out.emplace_back(t, 0);
+        ++out[it->second].second;
+    }
+    return out;
+}
+
+// The stages of sample() on a best-first prefix of the candidates (see sampling.h). Every
+// stage keeps a prefix of the descending order, so when the summary holds the prefix a stage
+// keeps, its result is that of the full list; the candidate ORDER handed to draw() is also the
+// one sample() would have (sorted, except top-k off with no top-p: vocabulary order).
+std::optional<sample_result> sampler::sample_top(const logits_top &t) {
+    impl &s = *p_;
+    const sampling_params &p = s.params;
+    const size_t n = t.ids.size();
+    if (n == 0 || t.logits.size() != n || t.n_vocab <= 0 || static_cast<int64_t>(n) > t.n_vocab || !(t.z >= 1.0))
+        throw error("sampler: malformed logits summary");
+    if (!std::isfinite(t.max_logit)) throw error("sampler: every logit is -inf");
+    const bool whole = static_cast<int64_t>(n) == t.n_vocab;
+    s.cand.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (t.ids[i] < 0 || t.ids[i] >= t.n_vocab) throw error("sampler: malformed logits summary");
+        s.cand[i] = {t.ids[i], t.logits[i]};
+    }
+    std::sort(s.cand.begin(), s.cand.end(), better);
+    const size_t n_top = std::min(static_cast<size_t>(p.n_logprobs), static_cast<size_t>(t.n_vocab));
+    if (n_top > n) return std::nullopt;
+    std::vector<candidate> best(s.cand.begin(), s.cand.begin() + static_cast<std::ptrdiff_t>(n_top));
+    int32_t chosen;
+    float chosen_logit;
+    if (p.temperature == 0.0f) {
+        chosen = s.cand[0].token;
+        chosen_logit = s.cand[0].logit;
+    } else {
+        s.sorted = true;
+        const bool top_k = p.top_k > 0 && static_cast<int64_t>(p.top_k) < t.n_vocab;
+        float max_l = t.max_logit;  // softmax_stats() of the set top-p is defined on
+        double z = t.z;
+        if (top_k) {
+            if (static_cast<size_t>(p.top_k) > n) return std::nullopt;
+            s.cand.resize(static_cast<size_t>(p.top_k));
+            max_l = s.cand[0].logit;
+            z = 0.0;
+            for (const candidate &c : s.cand) z += std::exp(c.logit - max_l);
+        }
+        bool decided = whole || top_k;
+        const size_t before = s.cand.size();
+        s.apply_min_p();  // a sorted list stays sorted
+        decided = decided || s.cand.size() < before;
+        if (p.top_p < 1.0f && s.cand.size() > 1) {
+            const size_t m = s.cand.size();
+            s.apply_top_p(max_l, z);
+            if (!decided && s.cand.size() == m) return std::nullopt;  // the mass is not reached inside
+            decided = true;
+        } else if (!top_k && decided) {
+            // sample() draws from the survivors of min-p in vocabulary order when neither top-k nor
+            // top-p sorted them.
+            std::sort(s.cand.begin(), s.cand.end(), [](const candidate &a, const candidate &b) { return a.token < b.token; });
+        }
+        if (!decided) return std::nullopt;
+        chosen = s.draw();
+        chosen_logit = std::find_if(s.cand.begin(), s.cand.end(), [&](const candidate &c) { return c.token == chosen; })->logit;
+    }
+    sample_result out;
+    const double log_z = t.max_logit + std::log(t.z);
+    out.token = chosen;
+    out.logprob = static_cast<float>(chosen_logit - log_z);
+    out.top.resize(n_top);
+    for (size_t i = 0; i < n_top; ++i) out.top[i] = {best[i].token, static_cast<float>(best[i].logit - log_z)};
+    return out;
+}
 
 sample_result sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
     impl &s = *p_;

@@ -3,6 +3,7 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "sched/text_stream.h"
 
@@ -442,10 +443,36 @@ void scheduler::prefill_some(int budget) {
     }
 }
 
+// Greedy decoding without penalties or logprobs (the common serving case): the sampler would copy
+// the logits, normalise the whole distribution (one exp per vocabulary entry, run serially between
+// batched decode steps) for a logprob nobody reads, then take the argmax. One scan finds the same
+// token: the first maximum (the sampler's strict > keeps the lowest id among ties). Returns -1 when
+// the sampler must decide instead: a NaN or +inf logit, or nothing but -inf (it reports those).
+static int32_t greedy_token(const sampling_params &p, bool want_logprobs, std::span<const float> logits) {
+    if (p.temperature != 0.0f || want_logprobs || p.n_logprobs > 0 || p.repeat_penalty != 1.0f ||
+        p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f || logits.empty())
+        return -1;
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    size_t best = 0;
+    float best_v = -inf;
+    for (size_t i = 0; i < logits.size(); ++i) {
+        const float v = logits[i];
+        if (!(v < inf)) return -1;  // NaN or +inf
+        if (v > best_v) {
+            best_v = v;
+            best = i;
+        }
+    }
+    return best_v == -inf ? -1 : static_cast<int32_t>(best);
+}
+
 void scheduler::sample_and_emit(slot &s) {
     sample_result r;
     try {
-        r = s.smp->sample(s.sess->logits(), s.history);
+        // (a session sampling on its device needs no host scan: its summary is as cheap)
+        r.token = s.sess->samples_on_device() ? -1
+                                              : greedy_token(s.j->req_.sampling, s.j->req_.want_logprobs, s.sess->logits());
+        if (r.token < 0) r = s.sess->sample(*s.smp, s.history);
     } catch (const std::exception &e) {
         finish(s, finish_reason::error, e.what());
         return;

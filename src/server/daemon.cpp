@@ -113,7 +113,7 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     std::vector<int32_t> history = prompt, gen;
     std::string reason = "length";
     for (;;) {
-        const int32_t t = smp.sample(working_->logits(), history).token;
+        const int32_t t = working_->sample(smp, history).token;
         if (eng.is_end_of_generation(t)) {
             reason = "eog";
             break;

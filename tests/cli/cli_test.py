@@ -46,7 +46,8 @@ OPTIONS = {
              "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device"],
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
     "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
-    "bench": ["-m,--model", "-t,--threads", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json", "--device"],
+    "bench": ["-m,--model", "-t,--threads", "-b,--batch", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json",
+              "--device", "--depths"],
 }
 
 
@@ -259,6 +260,16 @@ def test_model(fathom, model, m, tmp, special, real):
         j = json.loads(out.decode())
         check(j["prefill"]["best_tok_s"] > 0 and j["decode"]["best_tok_s"] > 0, "bench reports positive tok/s")
         check(j["device"] == "cpu" and j["decode_weight_bytes"] > 0, "bench reports device and weight bytes per token")
+    # bench --depths: one row per context depth, interval rates between them.
+    rc, out, err = run(fathom, ["bench"] + m + ["--depths", "16,48", "-n", "4", "-b", "16", "--json"], timeout=300)
+    check(rc == 0, f"bench --depths exits 0 ({err.strip()[-200:]})")
+    if rc == 0:
+        rows = json.loads(out.decode())["depths"]
+        check([r["depth"] for r in rows] == [16, 48] and rows[1]["interval"] == [16, 48],
+              f"bench --depths rows and intervals ({rows!r})")
+        check(all(r["prefill_tok_s"] > 0 and r["interval_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows),
+              "bench --depths reports positive rates")
+    expect_error(fathom, ["bench"] + m + ["--depths", "48,16"], "bench --depths not ascending", needle="ascending")
 
     # --device: cuda fails with one line when this build or machine has no CUDA device (CI); auto
     # falls back to the CPU with a notice. A build and machine with a device run it instead (no check).

@@ -1,11 +1,15 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
+//                  [--prefill 2048,8192,32768] [--chunk 2048]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
 // 4-byte download per token). Also: an end-to-end prefill + decode from position 0 through eval()
 // (logits downloaded every token), the weight bytes a step reads, and the device copy bandwidth
 // measured in the same run, so every rate is also a fraction of the roofline.
+// --prefill a,b,c: a real prompt from position 0 through chunked prefill (eval of each interval
+// [0, a), [a, b), [b, c) as one call, last-token logits), the tok/s of every interval (an empty list
+// skips it); --chunk sets the chunk size (0: token-serial).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -48,12 +52,16 @@ int main(int argc, char **argv) try {
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false;
+    std::vector<int64_t> prefill = {2048, 8192, 32768};
+    int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "--depths" && i + 1 < argc) depths = parse_list(argv[++i]);
         else if (a == "--n" && i + 1 < argc) n_gen = std::atoi(argv[++i]);
         else if (a == "--kv" && i + 1 < argc) kv = argv[++i];
         else if (a == "--eager") eager = true;
+        else if (a == "--prefill" && i + 1 < argc) prefill = parse_list(argv[++i]);
+        else if (a == "--chunk" && i + 1 < argc) chunk = std::atoll(argv[++i]);
         else throw error("unknown argument " + a);
     }
     const double t_load = now_s();
@@ -69,8 +77,9 @@ int main(int argc, char **argv) try {
     std::printf("weights read per decoded token: %.3f GB; device copy bandwidth (1 GiB D2D, read + write): %.1f GB/s; "
                 "roofline %.1f tok/s\n",
                 bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
-    const int64_t max_depth = *std::max_element(depths.begin(), depths.end());
-    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager);
+    int64_t max_depth = depths.empty() ? 0 : *std::max_element(depths.begin(), depths.end());
+    if (!prefill.empty()) max_depth = std::max(max_depth, *std::max_element(prefill.begin(), prefill.end()));
+    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk);
     m.reset();  // the host mapping is no longer needed
 
     // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
@@ -91,8 +100,31 @@ int main(int argc, char **argv) try {
         }
         const double dc = n_gen / (now_s() - t0);
         std::printf("end to end from position 0 (eval, logits to the host every token): prefill 256 tokens %.1f tok/s "
-                    "(token-serial), decode %.1f tok/s = %.1f%% of roofline\n",
-                    pf, dc, 100.0 * dc * bytes / copy_bw);
+                    "(chunk %lld), decode %.1f tok/s = %.1f%% of roofline\n",
+                    pf, static_cast<long long>(chunk), dc, 100.0 * dc * bytes / copy_bw);
+    }
+    // Chunked prefill of a real prompt from position 0, interval by interval.
+    if (!prefill.empty()) {
+        std::sort(prefill.begin(), prefill.end());
+        std::vector<int32_t> prompt(static_cast<size_t>(prefill.back()));
+        for (size_t i = 0; i < prompt.size(); ++i)
+            prompt[i] = static_cast<int32_t>((i * 2654435761u + 17) % static_cast<size_t>(seq.hp().n_vocab - 200) + 100);
+        std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
+        seq.reset();
+        std::printf("chunked prefill from position 0 (chunk %lld tokens):\n%12s %12s %12s %12s\n",
+                    static_cast<long long>(chunk), "interval", "tokens", "seconds", "tok/s");
+        int64_t at = 0;
+        const double t_all = now_s();
+        for (int64_t end : prefill) {
+            const double t0 = now_s();
+            seq.eval(std::span(prompt).subspan(static_cast<size_t>(at), static_cast<size_t>(end - at)), logits);
+            const double dt = now_s() - t0;
+            std::printf("%5lld-%-6lld %12lld %12.3f %12.1f\n", static_cast<long long>(at), static_cast<long long>(end),
+                        static_cast<long long>(end - at), dt, static_cast<double>(end - at) / dt);
+            at = end;
+        }
+        std::printf("%12s %12lld %12.3f %12.1f\n", "total", static_cast<long long>(at), now_s() - t_all,
+                    static_cast<double>(at) / (now_s() - t_all));
     }
     std::vector<std::pair<int64_t, std::vector<std::pair<std::string, float>>>> phases;
     std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");

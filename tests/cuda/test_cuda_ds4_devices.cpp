@@ -7,7 +7,9 @@
 //    logits), since the HC state crosses stages as host f32;
 //  - a split CUDA engine and a mixed "cpu,cuda:0" engine meet the official golden logits (each range
 //    with its own device's numerics, so the golden tier rather than bits);
-//  - the layout names the devices.
+//  - the layout names the devices;
+//  - session::sample on one GPU (the device logits summary, sampler::sample_top) draws what the host
+//    sampler draws from the downloaded logits, penalties and logprobs included.
 // Skips without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -18,6 +20,7 @@
 #include "dist/conversation_util.h"
 #include "ds4/golden_util.h"
 #include "fathom/engine.h"
+#include "fathom/sampling.h"
 #include "cuda_test_util.h"
 
 namespace fathom {
@@ -72,6 +75,38 @@ TEST_F(CudaDs4Devices, SplitAndMixedMeetTheGolden) {
         EXPECT_TRUE(v.ok) << devices << ": " << v.why;
         std::printf("  %-14s %s: max e_p %.3g  median e_p %.3g\n", devices.c_str(), e->info().device.c_str(), v.max_e,
                     v.median_e);
+    }
+}
+
+TEST_F(CudaDs4Devices, DeviceSamplingEqualsHostSampling) {
+    auto e = load("cuda:0", "", "full", kv_precision::f16);
+    auto a = e->new_session(), b = e->new_session();
+    EXPECT_TRUE(a->samples_on_device());
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 90; ++i) prompt.push_back((i * 37 + 11) % e->info().n_vocab);
+    for (const float temp : {0.0f, 0.9f}) {
+        sampling_params p;
+        p.temperature = temp;
+        p.top_k = 30;
+        p.repeat_penalty = 1.2f;
+        p.frequency_penalty = 0.1f;
+        p.n_logprobs = 3;
+        p.seed = 5;
+        sampler sa(p), sb(p);
+        a->sync(prompt);
+        b->sync(prompt);
+        std::vector<int32_t> hist = prompt;
+        for (int step = 0; step < 40; ++step) {
+            const sample_result ra = a->sample(sa, hist);  // device summary
+            const sample_result rb = sb.sample(b->logits(), hist);  // host, every logit
+            ASSERT_EQ(ra.token, rb.token) << "temperature " << temp << " step " << step;
+            EXPECT_NEAR(ra.logprob, rb.logprob, 1e-5);
+            ASSERT_EQ(ra.top.size(), rb.top.size());
+            for (size_t i = 0; i < rb.top.size(); ++i) EXPECT_EQ(ra.top[i].token, rb.top[i].token);
+            a->eval(std::span<const int32_t>(&ra.token, 1));
+            b->eval(std::span<const int32_t>(&rb.token, 1));
+            hist.push_back(ra.token);
+        }
     }
 }
 

@@ -6,7 +6,9 @@
 //    over 300 positions: raw-ring wrap, ratio-4 and ratio-128 compressed rows, indexer top-k with
 //    more rows than k, in every QAT mode and both KV precisions: within the error of the CPU's own
 //    quantised path (the MoE runs q8 activations with integer dots);
-//  - graph replay against eager launches (bitwise), device argmax against the host argmax.
+//  - graph replay against eager launches (bitwise), device argmax against the host argmax;
+//  - chunked (layer-major) prefill: the goldens and the CPU reference through chunks of several
+//    sizes, and decoding after a chunked prefill against decoding after a token-serial one.
 // Skips without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -16,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <tuple>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_model.h"
@@ -35,10 +38,12 @@ const ds4::model &tiny_model() {
     return *m;
 }
 
-std::shared_ptr<const ds4::cuda_weights> upload(const ds4::model &m, ds4::qat_mode q, kv_precision kv) {
+std::shared_ptr<const ds4::cuda_weights> upload(const ds4::model &m, ds4::qat_mode q, kv_precision kv,
+                                                bool exact_indexer = false) {
     ds4::cuda_run_options o;
     o.qat = q;
     o.kv = kv;
+    o.exact_indexer = exact_indexer;
     return ds4::cuda_upload(m, o);
 }
 
@@ -49,13 +54,35 @@ TEST_F(CudaDs4Model, GoldenTinyDecodeThroughGraph) {
     const size_t V = static_cast<size_t>(m.hp.n_vocab);
     for (const auto &c : cases) {
         auto w = upload(m, c.qat, kv_precision::f32);
-        ds4::cuda_sequence seq(w, static_cast<int64_t>(c.tokens.size()) + 1);
+        ds4::cuda_sequence seq(w, static_cast<int64_t>(c.tokens.size()) + 1, true, 0);  // token-serial
         std::vector<float> logits(c.tokens.size() * V, std::nanf(""));
         seq.eval(c.tokens, logits);
         EXPECT_EQ(seq.graph_replays(), c.tokens.size());
         const auto v = ds4_test::compare(c, logits, m.hp.n_vocab);
         EXPECT_TRUE(v.ok) << c.name << ": " << v.why;
         std::printf("  %-20s max e_p %.3g  median e_p %.3g\n", c.name.c_str(), v.max_e, v.median_e);
+    }
+}
+
+// The same cases through chunked prefill (every token's logits from its chunk): chunks of 5 tokens
+// (ratio-4 boundaries inside chunks, compressor rows emitted mid-chunk, several chunks per case)
+// and one chunk for the whole prompt.
+TEST_F(CudaDs4Model, GoldenTinyChunkedPrefill) {
+    const auto cases = ds4_test::load_cases("cases.jsonl");
+    const ds4::model &m = tiny_model();
+    const size_t V = static_cast<size_t>(m.hp.n_vocab);
+    for (const int64_t chunk : {int64_t{5}, ds4::default_prefill_chunk}) {
+        for (const auto &c : cases) {
+            auto w = upload(m, c.qat, kv_precision::f32);
+            ds4::cuda_sequence seq(w, static_cast<int64_t>(c.tokens.size()) + 1, true, chunk);
+            std::vector<float> logits(c.tokens.size() * V, std::nanf(""));
+            seq.eval(c.tokens, logits);
+            EXPECT_EQ(seq.graph_replays(), c.tokens.size() > 1 ? 0u : 1u);
+            const auto v = ds4_test::compare(c, logits, m.hp.n_vocab);
+            EXPECT_TRUE(v.ok) << c.name << " (chunk " << chunk << "): " << v.why;
+            std::printf("  chunk %-5lld %-20s max e_p %.3g  median e_p %.3g\n", static_cast<long long>(chunk),
+                        c.name.c_str(), v.max_e, v.median_e);
+        }
     }
 }
 
@@ -129,20 +156,26 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
         ds4::qat_mode q;
         kv_precision kv;
         const char *name;
+        bool exact_indexer = false;
     };
     for (const mode_t md : {mode_t{ds4::qat_mode::full, kv_precision::f16, "qat full, f16 KV"},
+                            mode_t{ds4::qat_mode::full, kv_precision::f16, "(exact indexer)", true},
                             mode_t{ds4::qat_mode::fp4only, kv_precision::f32, "qat fp4only, f32 KV"},
                             mode_t{ds4::qat_mode::off, kv_precision::f32, "qat off, f32 KV"}}) {
         const auto ref = cpu_logits(*m, md.q, md.kv, toks);
         const auto cpuq = cpu_logits(*m, md.q, md.kv, toks, true);
-        auto w = upload(*m, md.q, md.kv);
-        ds4::cuda_sequence seq(w, static_cast<int64_t>(n));
+        auto w = upload(*m, md.q, md.kv, md.exact_indexer);
+        // Token-serial (decode steps) and chunked prefill (chunks of 64: ring wraps, compressor rows
+        // and indexer selections inside chunks).
+        for (const int64_t chunk : {int64_t{0}, int64_t{64}}) {
+        ds4::cuda_sequence seq(w, static_cast<int64_t>(n), true, chunk);
         std::vector<float> got(n * V, std::nanf(""));
         seq.eval(toks, got);
         const err_stats g = compare_logits(got, ref, n, V), c = compare_logits(cpuq, ref, n, V);
-        std::printf("  %-20s vs CPU reference: CUDA median %.3g worst %.3g (pos %zu) argmax %zu/%zu | CPU quantised "
-                    "path median %.3g worst %.3g argmax %zu/%zu\n",
-                    md.name, g.median, g.worst, g.worst_at, g.argmax_same, n, c.median, c.worst, c.argmax_same, n);
+        std::printf("  %-20s chunk %2lld vs CPU reference: CUDA median %.3g worst %.3g (pos %zu) argmax %zu/%zu | CPU "
+                    "quantised path median %.3g worst %.3g argmax %zu/%zu\n",
+                    md.name, static_cast<long long>(chunk), g.median, g.worst, g.worst_at, g.argmax_same, n, c.median,
+                    c.worst, c.argmax_same, n);
         // The criterion: quantised kernels within the CPU quantised path's own error. The
         // MoE quantises its activations to q8 (dp4a); the CPU's quantised path quantises them to its
         // vec_dot types. With QAT-1 an ulp of difference before the FP8 round trip moves a KV value by
@@ -153,33 +186,79 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
             EXPECT_LE(g.worst, 2.0 * c.worst + 1e-4) << md.name;
         }
         EXPECT_GE(g.argmax_same + 3, c.argmax_same) << md.name;
+        }
     }
 }
 
-TEST_F(CudaDs4Model, GraphReplayEqualsEagerAndDeviceArgmax) {
+// Decoding continues from the state a chunked prefill leaves (ring, compressor frontiers, compressed
+// and indexer rows): 230 prompt tokens as chunks of 37 over two calls (the second starting at position
+// 101: mid-block, mid-window), then 60 decode steps, every logit against the CPU reference forward of
+// the same 290 tokens, judged as QuantisedMatchesCpuReference judges the token-serial path (within
+// twice the CPU quantised path's own error). A wrong ring row, frontier slot or compressed row left by
+// the chunks would show as O(1) errors in the decode steps that read it.
+TEST_F(CudaDs4Model, ChunkedPrefillThenDecodeMatchesCpuReference) {
     auto m = ds4::load_model(quant_model_path());
-    const size_t n = 280, V = static_cast<size_t>(m->hp.n_vocab);
-    const auto toks = random_tokens(n, m->hp.n_vocab, 5);
-    auto w = upload(*m, ds4::qat_mode::full, kv_precision::f16);
-    ds4::cuda_sequence graph(w, static_cast<int64_t>(n)), eager(w, static_cast<int64_t>(n), false);
-    std::vector<float> a(V), b(V);
-    for (size_t i = 0; i < n; ++i) {
-        graph.eval(std::span(&toks[i], 1), a);
-        eager.eval(std::span(&toks[i], 1), b);
-        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), V * sizeof(float))) << "position " << i;
+    const size_t n = 230, n_dec = 60, N = n + n_dec, V = static_cast<size_t>(m->hp.n_vocab);
+    const auto toks = random_tokens(N, m->hp.n_vocab, 23);
+    for (const auto &md : {std::pair{ds4::qat_mode::full, kv_precision::f16}, std::pair{ds4::qat_mode::off, kv_precision::f32}}) {
+        const auto ref = cpu_logits(*m, md.first, md.second, toks);
+        const auto cpuq = cpu_logits(*m, md.first, md.second, toks, true);
+        auto w = upload(*m, md.first, md.second);
+        ds4::cuda_sequence seq(w, static_cast<int64_t>(N), true, 37);
+        std::vector<float> got(N * V, std::nanf(""));
+        seq.eval(std::span(toks).first(101), std::span(got).first(101 * V));
+        seq.eval(std::span(toks).subspan(101, n - 101), std::span(got).subspan(101 * V, (n - 101) * V));
+        EXPECT_EQ(seq.n_past(), static_cast<int64_t>(n));
+        for (size_t i = n; i < N; ++i) seq.eval(std::span(&toks[i], 1), std::span(got).subspan(i * V, V));
+        // prompt and decode parts separately, each against the CPU quantised path's error on the same part
+        auto part = [&](const std::vector<float> &v, size_t a, size_t b) {
+            return std::vector<float>(v.begin() + static_cast<std::ptrdiff_t>(a * V), v.begin() + static_cast<std::ptrdiff_t>(b * V));
+        };
+        for (const auto &[a, b, what] : {std::tuple{size_t{0}, n, "prompt"}, std::tuple{n, N, "decode"}}) {
+            const err_stats g = compare_logits(part(got, a, b), part(ref, a, b), b - a, V),
+                            c = compare_logits(part(cpuq, a, b), part(ref, a, b), b - a, V);
+            std::printf("  qat %d kv %s %-6s: CUDA median %.3g worst %.3g (pos %zu) argmax %zu/%zu | CPU quantised median "
+                        "%.3g worst %.3g argmax %zu/%zu\n",
+                        static_cast<int>(md.first), md.second == kv_precision::f16 ? "f16" : "f32", what, g.median,
+                        g.worst, a + g.worst_at, g.argmax_same, b - a, c.median, c.worst, c.argmax_same, b - a);
+            EXPECT_LE(g.median, 2.0 * c.median + 1e-4) << what;
+            if (md.first != ds4::qat_mode::full) {
+                EXPECT_LE(g.worst, 2.0 * c.worst + 1e-4) << what;
+            }
+            EXPECT_GE(g.argmax_same + 3, c.argmax_same) << what;
+        }
     }
-    EXPECT_EQ(graph.graph_replays(), n);
-    EXPECT_EQ(eager.graph_replays(), 0u);
-    // reset + greedy: the device argmax equals the host argmax of the same step's logits
-    graph.reset();
-    eager.reset();
-    int32_t t = toks[0];
-    for (int i = 0; i < 40; ++i) {
-        const int32_t g = graph.step_greedy(t);
-        eager.eval(std::span(&t, 1), b);
-        const int32_t h = static_cast<int32_t>(std::max_element(b.begin(), b.end()) - b.begin());
-        ASSERT_EQ(g, h) << "step " << i;
-        t = g;
+}
+
+// Logits left on the device: last_logits() equals the logits eval() downloads (decode step and
+// chunked prefill), logits_top() selects the host's best ids with the host's max, and both refuse
+// before anything is evaluated.
+TEST_F(CudaDs4Model, LogitsStayOnTheDeviceForSampling) {
+    auto m = ds4::load_model(quant_model_path());
+    const size_t V = static_cast<size_t>(m->hp.n_vocab);
+    const auto toks = random_tokens(40, m->hp.n_vocab, 31);
+    auto w = upload(*m, ds4::qat_mode::full, kv_precision::f16);
+    ds4::cuda_sequence a(w, 64, true, 16), b(w, 64, true, 16);
+    std::vector<float> la(V), lb(V, std::nanf(""));
+    EXPECT_THROW(b.last_logits(lb), error);
+    EXPECT_THROW(b.logits_top(4, {}, 1.0f, 0.0f, 0.0f), error);
+    for (size_t n : {size_t{37}, size_t{1}, size_t{1}}) {  // a chunked prefill, then two decode steps
+        const size_t at = static_cast<size_t>(a.n_past());
+        a.eval(std::span(toks).subspan(at, n), la);
+        b.eval(std::span(toks).subspan(at, n), {});
+        b.last_logits(lb);
+        ASSERT_EQ(0, std::memcmp(la.data(), lb.data(), V * sizeof(float))) << "after " << a.n_past() << " tokens";
+        const auto t = b.logits_top(5, {}, 1.0f, 0.0f, 0.0f);
+        std::vector<int32_t> order(V);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return la[x] > la[y]; });
+        std::vector<int32_t> got = t.ids;
+        std::sort(got.begin(), got.end());
+        std::vector<int32_t> want(order.begin(), order.begin() + 5);
+        std::sort(want.begin(), want.end());
+        EXPECT_EQ(got, want);
+        EXPECT_EQ(t.max_logit, la[static_cast<size_t>(order[0])]);
+        EXPECT_EQ(t.bad, 0u);
     }
 }
 
@@ -196,6 +275,10 @@ TEST_F(CudaDs4Model, BadInputIsRejectedAndSequenceSurvives) {
     const int32_t ok[] = {3, 4};
     seq.eval(ok, l);
     EXPECT_EQ(seq.n_past(), 2);
+    const int32_t bad_chunk[] = {3, 4, -1};  // chunked path: rejected before anything runs
+    EXPECT_THROW(seq.eval(bad_chunk, l), error);
+    EXPECT_EQ(seq.n_past(), 2);
+    EXPECT_THROW(ds4::cuda_sequence(w, 8, true, -1), error);
     EXPECT_TRUE(std::all_of(l.begin(), l.end(), [](float v) { return std::isfinite(v); }));
     EXPECT_THROW(ds4::cuda_sequence(w, int64_t{1} << 40), error);  // more memory than the device has
 }

@@ -196,8 +196,10 @@ TEST(ds4_engine, option_errors) {
     o.device = "tpu";
     EXPECT_THROW(engine::load(o), error);
     o.device = "cpu";
-    o.n_batch = 0;
+    o.n_batch = -1;
     EXPECT_THROW(engine::load(o), error);
+    o.n_batch = 0;  // the default chunk (512 on the CPU)
+    EXPECT_NO_THROW(engine::load(o));
 }
 
 }  // namespace

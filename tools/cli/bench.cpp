@@ -7,6 +7,10 @@
 // On a CUDA device (--device cuda) it also prints a roofline line: the weight bytes one decode step
 // reads, the bandwidth the median decode rate implies, and that as a percentage of the device's
 // copy bandwidth measured in the same run (1 GiB device-to-device copies, bytes read + written).
+// --depths a,b,..: instead of -p, for each depth d (ascending) the session is reset and a prompt of d
+// tokens prefilled (timed; the rate of each interval between depths follows from the cumulative
+// times, the prompts being prefixes of one sequence), then -n tokens decoded at that depth: decode
+// tok/s at context frontiers with the roofline line for each.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -31,6 +35,7 @@ struct bench_args {
     int32_t reps = 3;
     bool json = false;
     bool no_warmup = false;
+    std::vector<int64_t> depths;  // --depths: prefill + decode at each context depth
 };
 
 struct rates {
@@ -52,11 +57,99 @@ int32_t argmax(std::span<const float> logits) {
     return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
+// Greedy next token: on the device when the session samples there (no logits download), else the
+// host argmax of logits().
+int32_t greedy(session &s, sampler &smp) {
+    return s.samples_on_device() ? s.sample(smp, {}).token : argmax(s.logits());
+}
+
+sampling_params greedy_params() {
+    sampling_params p;
+    p.temperature = 0.0f;
+    return p;
+}
+
+// --depths: one row per depth (see the banner).
+void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &prompt) {
+    const model_info &info = eng.info();
+    auto sess = eng.new_session();
+    sampler smp(greedy_params());
+    const double copy_bw = info.device == "cpu" ? 0.0 : eng.measure_copy_bandwidth();
+    const double wbytes = static_cast<double>(info.decode_weight_bytes);
+    if (!a.no_warmup) {
+        sess->sync(std::span(prompt).first(std::min<size_t>(prompt.size(), 64)));
+        for (int i = 0; i < std::min(a.n_gen, 8); ++i) {
+            const int32_t tok = greedy(*sess, smp);
+            sess->eval(std::span<const int32_t>(&tok, 1));
+        }
+    }
+    nlohmann::json rows = nlohmann::json::array();
+    double prev_s = 0.0;
+    int64_t prev_d = 0;
+    for (int64_t d : a.depths) {
+        sess->reset();
+        const auto t0 = clock::now();
+        sess->sync(std::span(prompt).first(static_cast<size_t>(d)));
+        const double ps = seconds_since(t0);
+        double dec = 0.0;
+        if (a.n_gen > 0) {
+            const auto t1 = clock::now();
+            for (int i = 0; i < a.n_gen; ++i) {
+                const int32_t tok = greedy(*sess, smp);
+                sess->eval(std::span<const int32_t>(&tok, 1));
+            }
+            dec = a.n_gen / seconds_since(t1);
+        }
+        const double interval = ps > prev_s ? static_cast<double>(d - prev_d) / (ps - prev_s) : 0.0;
+        const double pct = copy_bw > 0 ? 100.0 * wbytes * dec / copy_bw : 0.0;
+        rows.push_back({{"depth", d}, {"prefill_tok_s", static_cast<double>(d) / ps},
+                        {"interval", {prev_d, d}}, {"interval_tok_s", interval}, {"decode_tok_s", dec},
+                        {"percent_of_copy", pct}});
+        if (!a.json) {
+            char line[320], roof[64] = "";
+            if (copy_bw > 0) std::snprintf(roof, sizeof roof, " = %.1f%% of copy bandwidth", pct);
+            std::snprintf(line, sizeof line,
+                          "depth %7lld: prefill %.1f tok/s (interval %lld-%lld: %.1f tok/s); decode %d tokens %.1f tok/s%s\n",
+                          static_cast<long long>(d), static_cast<double>(d) / ps, static_cast<long long>(prev_d),
+                          static_cast<long long>(d), interval, a.n_gen, dec, roof);
+            write_out(line);
+        }
+        prev_s = ps;
+        prev_d = d;
+    }
+    if (a.json) {
+        nlohmann::json j = {{"model", info.path}, {"arch", info.arch}, {"device", info.device},
+                            {"decode_weight_bytes", info.decode_weight_bytes}, {"depths", rows}};
+        if (copy_bw > 0) j["copy_bandwidth_bytes_s"] = copy_bw;
+        write_out(j.dump() + "\n");
+    } else if (copy_bw > 0) {
+        char line[200];
+        std::snprintf(line, sizeof line, "roofline (%s): %.1f MB of weights per decoded token, copy bandwidth %.0f GB/s\n",
+                      info.device.c_str(), wbytes / 1e6, copy_bw / 1e9);
+        write_out(line);
+    }
+}
+
 void bench_main(const bench_args &a) {
     if (a.n_prompt < 1) throw error("bench: -p must be >= 1");
     if (a.reps < 1) throw error("bench: --reps must be >= 1");
     auto eng = load_engine(a.model);
     const model_info &info = eng->info();
+    if (!a.depths.empty()) {
+        std::vector<int64_t> d = a.depths;
+        if (!std::is_sorted(d.begin(), d.end()) || d.front() < 1 || std::adjacent_find(d.begin(), d.end()) != d.end())
+            throw error("bench: --depths must be ascending positive token counts");
+        if (d.back() + a.n_gen > info.n_ctx)
+            throw error("bench: the deepest depth + -n = " + std::to_string(d.back() + a.n_gen) +
+                        " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
+        std::mt19937 rng(12345);
+        std::uniform_int_distribution<int32_t> pick(0, info.n_vocab - 1);
+        std::vector<int32_t> prompt(static_cast<size_t>(d.back()));
+        for (auto &t : prompt) t = pick(rng);
+        if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
+        bench_depths(a, *eng, prompt);
+        return;
+    }
     if (static_cast<int64_t>(a.n_prompt) + a.n_gen > info.n_ctx)
         throw error("bench: -p + -n = " + std::to_string(static_cast<int64_t>(a.n_prompt) + a.n_gen) +
                     " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
@@ -68,10 +161,11 @@ void bench_main(const bench_args &a) {
     if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
 
     auto sess = eng->new_session();
+    sampler smp(greedy_params());
     if (!a.no_warmup) {
         sess->sync(prompt);
         for (int i = 0; i < std::min(a.n_gen, 8); ++i) {
-            const int32_t tok = argmax(sess->logits());
+            const int32_t tok = greedy(*sess, smp);
             sess->eval(std::span<const int32_t>(&tok, 1));
         }
     }
@@ -85,7 +179,7 @@ void bench_main(const bench_args &a) {
             // Greedy continuation: realistic token ids at a negligible sampling cost.
             const auto t1 = clock::now();
             for (int i = 0; i < a.n_gen; ++i) {
-                const int32_t tok = argmax(sess->logits());
+                const int32_t tok = greedy(*sess, smp);
                 sess->eval(std::span<const int32_t>(&tok, 1));
             }
             decode.push_back(a.n_gen / seconds_since(t1));
@@ -148,6 +242,9 @@ void add_bench_command(CLI::App &app) {
         ->capture_default_str()
         ->check(at_least(1));
     cmd->add_flag("--json", a->json, "Print one JSON object instead of two text lines");
+    cmd->add_option("--depths", a->depths,
+                    "Comma-separated context depths: prefill a prompt to each (interval rates) and decode -n tokens there")
+        ->delimiter(',');
     cmd->callback([a]() { bench_main(*a); });
 }
 

@@ -51,6 +51,9 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
     cmd->add_option("--ctx", a.ctx, "Context size in tokens (0 = min(training context, 8192))")
         ->capture_default_str()
         ->check(at_least(0));
+    cmd->add_option("-b,--batch", a.batch, "Prefill chunk in tokens (0 = default: 512; 4096 for DeepSeek V4 on CUDA)")
+        ->capture_default_str()
+        ->check(at_least(0));
     cmd->add_option("--kv-type", a.kv_type, "KV cache precision: f16 or f32")
         ->capture_default_str()
         ->check(CLI::IsMember({"f16", "f32"}));
@@ -209,6 +212,7 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.model_path = resolve_model_path(a.model, a.models_dir);
     o.n_threads = a.threads;
     o.n_ctx = a.ctx;
+    o.n_batch = a.batch;
     o.kv = a.kv_type == "f32" ? kv_precision::f32 : kv_precision::f16;
     o.exact = a.exact || a.numerics == "exact";
     o.batch_invariant = a.numerics != "llamacpp";
@@ -306,7 +310,7 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
     fathom::utf8_stream text;  // holds back a partial UTF-8 character between tokens
     const auto t1 = clock::now();
     for (;;) {
-        const sample_result r = smp.sample(sess.logits(), sess.tokens());
+        const sample_result r = sess.sample(smp, sess.tokens());
         if (eng.is_end_of_generation(r.token)) {
             st.hit_eog = true;
             break;

@@ -27,6 +27,7 @@ struct model_args {
     std::string models_dir;         // "" = <exe_dir>/../models, <exe_dir>/../../models, ./models
     int threads = 0;                // 0 = all online cores
     int ctx = 0;                    // 0 = engine default
+    int batch = 0;                  // prefill chunk, 0 = engine default (engine_options::n_batch)
     std::string kv_type = "f16";
     bool exact = false;
     std::string numerics = "invariant";  // invariant | llamacpp | exact (--exact = exact)

@@ -3,7 +3,11 @@
 // ring, the KV compressors' frontier and row emission, sparse sink attention (split over rows,
 // flash-decoding partials + a combine that applies the sink and the inverse RoPE), the grouped
 // output GEMV and the logits argmax. Launchers: ds4_attn_kernels.h (the indexer top-k lives with the
-// indexer kernels in ds4_indexer.cu).
+// indexer kernels in ds4_indexer.cu). Chunked prefill (ds4_prefill.h): the query-head and KV-row
+// kernels take a token index (token t at *pos + t; decode is token 0 of 1), the ring gets a chunk's
+// last rows by launch_ring_store_tail, and the compressor over a chunk pools each emitted row in a
+// block of its own (compressor_chunk_rows_kernel, the step's pooling and finish code) and then writes
+// the frontier n_tok steps leave (compressor_chunk_state_kernel): all bit-identical to the steps.
 //
 // Position handling: every kernel reads the token's position from device memory and derives its
 // counts there (ring row, emitted row, visible rows); grids depend only on host-side capacities, so
@@ -31,349 +35,60 @@
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
 namespace fathom::cuda::ds4 {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
+using namespace attn_detail;
 
-void check_launch(const char *what) {
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess)
-        throw error(std::string("cuda ds4 attn ") + what + ": launch failed: " + cudaGetErrorString(e));
-}
-
-// ---- element-wise building blocks (block-cooperative on a shared-memory vector) ----------------------
-// Every helper below is called by all threads of the block (blockDim a multiple of 32) and ends with
-// __syncthreads(), so the vector is consistent on return.
-
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-    return v;
-}
-
-// Block-wide double sum; every thread gets the same value (warp totals added in warp order).
-__device__ double block_sum_d(double v, double *red) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    __syncthreads();  // red may still be read by a previous call
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    double t = 0;
-    for (int i = 0; i < nw; ++i) t += red[i];
-    return t;
-}
-
-// x = x / sqrt(mean(x^2) + eps) * w (w may be null), as ds4::rms_norm.
-__device__ void rms_norm_smem(float *x, int n, const float *__restrict__ w, float eps, double *red) {
-    double ss = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        ss += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-    ss = block_sum_d(ss, red);
-    const float r = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(n) + static_cast<double>(eps)));
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        x[i] = w ? __fmul_rn(w[i], __fmul_rn(x[i], r)) : __fmul_rn(x[i], r);
-    __syncthreads();
-}
-
-// Interleaved pairs (x[2i], x[2i+1]), i < n_rot / 2, rotated by +-float(pos) * freq[i] (ds4::rope_apply).
-__device__ void rope_smem(float *x, const float *__restrict__ freq, int n_rot, int64_t pos, bool inverse) {
-    const float fp = static_cast<float>(pos);
-    for (int i = threadIdx.x; i < n_rot / 2; i += blockDim.x) {
-        const float ang = __fmul_rn(fp, freq[i]);
-        const float c = static_cast<float>(cos(static_cast<double>(ang)));
-        float s = static_cast<float>(sin(static_cast<double>(ang)));
-        if (inverse) s = -s;
-        const float a = x[2 * i], b = x[2 * i + 1];
-        x[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        x[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    }
-    __syncthreads();
-}
-
-// ds4::fp8_e4m3_round / fp4_e2m1_round: |x| on the grid of step 2^(floor(log2|x|) - mbits), exponent
-// floored at emin, clamped at maxv, ties to even (rintf). Divisions by the power-of-two step are exact.
-__device__ __forceinline__ float round_minifloat(float x, int mbits, int emin, float maxv) {
-    float a = fabsf(x);
-    if (!(a > 0.0f)) return x;
-    a = fminf(a, maxv);
-    int e = 0;
-    frexpf(a, &e);
-    const int ex = max(e - 1, emin);
-    const float step = ldexpf(1.0f, ex - mbits);
-    const float r = fminf(__fmul_rn(rintf(__fdiv_rn(a, step)), step), maxv);
-    return copysignf(r, x);
-}
-
-// ds4::pow2_ceil: 2^ceil(log2 v), exact.
-__device__ __forceinline__ float pow2_ceil_dev(float v) {
-    int e = 0;
-    const float m = frexpf(v, &e);
-    return m == 0.5f ? ldexpf(1.0f, e - 1) : ldexpf(1.0f, e);
-}
-
-// Block round trip of x[0, n) in blocks of `block` (32 or 64), one warp per block (ds4 block_round_trip).
-__device__ void block_round_trip_smem(float *x, int n, int block, float fmt_max, float amax_floor, int mbits,
-                                      int emin) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, per = block / 32;
-    for (int b = warp; b * block < n; b += nw) {  // warp-uniform loop
-        float v[2] = {0.0f, 0.0f}, amax = 0.0f;
-        for (int k = 0; k < per; ++k) {
-            v[k] = x[b * block + lane + 32 * k];
-            amax = fmaxf(amax, fabsf(v[k]));
-        }
-        amax = fmaxf(warp_max(amax), amax_floor);
-        const float s = pow2_ceil_dev(__fdiv_rn(amax, fmt_max));
-        for (int k = 0; k < per; ++k) {
-            const float c = fminf(fmaxf(__fdiv_rn(v[k], s), -fmt_max), fmt_max);
-            x[b * block + lane + 32 * k] = __fmul_rn(s, round_minifloat(c, mbits, emin, fmt_max));
-        }
-    }
-    __syncthreads();
-}
-
-// Normalised Walsh-Hadamard transform (Sylvester order) of x[0, n), n a power of two
-// (ds4::hadamard_normalised).
-__device__ void hadamard_smem(float *x, int n) {
-    for (int h = 1; h < n; h *= 2) {
-        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
-            const int i = (p / h) * 2 * h + p % h;
-            const float a = x[i], b = x[i + h];
-            x[i] = __fadd_rn(a, b);
-            x[i + h] = __fsub_rn(a, b);
-        }
-        __syncthreads();
-    }
-    const float s = static_cast<float>(1.0 / sqrt(static_cast<double>(n)));
-    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = __fmul_rn(x[i], s);
-    __syncthreads();
-}
-
-// The QAT round trip of a row of n dims whose last n_rot are RoPE dims (spec 8).
-__device__ void qat_smem(float *x, int n, int n_rot, qat_kind k) {
-    if (k == qat_kind::fp8_nope) {
-        block_round_trip_smem(x, n - n_rot, 64, 448.0f, 1e-4f, 3, -6);
-    } else if (k == qat_kind::hadamard_fp4) {
-        hadamard_smem(x, n);
-        block_round_trip_smem(x, n, 32, 6.0f, ldexpf(6.0f, -126), 1, 0);
-    }
-}
-
-// ---- warp-per-row building blocks (a row of 64 * NP dims in one warp's registers) --------------------
-// Lane l owns the pairs (64 j + 2 l, 64 j + 2 l + 1), j < NP, as v[j][0..1]. So a RoPE pair is inside one
-// lane, a 64-dim FP8 block is one j over the whole warp, a 32-dim FP4 block one j over 16 lanes, and a
-// Hadamard stage of span h is an in-lane step (h = 1, or h >= 64 across j) or one shuffle (h = 2 .. 32,
-// lane bit log2(h) - 1). The arithmetic is that of the shared-memory helpers above, op for op; only the
-// RMSNorm double sum is a warp tree. No __syncthreads: single-warp work items have no block barrier.
-
-constexpr int kWarpRowMaxPairs = 8;  // rows of up to 512 dims
-
-__device__ __forceinline__ double warp_sum_d(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-    return v;
-}
-
-template <int NP>
-__device__ __forceinline__ void wrow_load(float (&v)[NP][2], const float *__restrict__ x) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-        v[j][0] = x[64 * j + 2 * lane];
-        v[j][1] = x[64 * j + 2 * lane + 1];
-    }
-}
-
-template <int NP>
-__device__ __forceinline__ void wrow_store(const float (&v)[NP][2], float *__restrict__ x) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-        x[64 * j + 2 * lane] = v[j][0];
-        x[64 * j + 2 * lane + 1] = v[j][1];
-    }
-}
-
-// A row store as f16 (round to nearest) or f32.
-template <int NP>
-__device__ __forceinline__ void wrow_store_row(const float (&v)[NP][2], uint8_t *dst, bool f16) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NP; ++j)
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int i = 64 * j + 2 * lane + k;
-            if (f16)
-                reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[j][k]);
-            else
-                reinterpret_cast<float *>(dst)[i] = v[j][k];
-        }
-}
-
-// x = x / sqrt(mean(x^2) + eps) * w (w may be null), as rms_norm_smem.
-template <int NP>
-__device__ __forceinline__ void wrow_rms_norm(float (&v)[NP][2], const float *__restrict__ w, float eps) {
-    const int lane = threadIdx.x & 31;
-    double ss = 0;
-#pragma unroll
-    for (int j = 0; j < NP; ++j)
-#pragma unroll
-        for (int k = 0; k < 2; ++k) ss += static_cast<double>(v[j][k]) * static_cast<double>(v[j][k]);
-    ss = warp_sum_d(ss);
-    const float r =
-        static_cast<float>(1.0 / sqrt(ss / static_cast<double>(64 * NP) + static_cast<double>(eps)));
-#pragma unroll
-    for (int j = 0; j < NP; ++j)
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-            v[j][k] = w ? __fmul_rn(w[64 * j + 2 * lane + k], __fmul_rn(v[j][k], r)) : __fmul_rn(v[j][k], r);
-}
-
-// RoPE of the last n_rot dims (pairs of pair index >= (64 NP - n_rot) / 2), as rope_smem: one pair per
-// lane and j, so the double cos/sin of all pairs are computed concurrently.
-template <int NP>
-__device__ __forceinline__ void wrow_rope(float (&v)[NP][2], const float *__restrict__ freq, int n_rot, int64_t pos,
-                                          bool inverse) {
-    const int lane = threadIdx.x & 31, p0 = (64 * NP - n_rot) / 2;
-    const float fp = static_cast<float>(pos);
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-        const int i = 32 * j + lane - p0;  // pair index within the RoPE dims
-        if (i < 0) continue;
-        const float ang = __fmul_rn(fp, freq[i]);
-        const float c = static_cast<float>(cos(static_cast<double>(ang)));
-        float s = static_cast<float>(sin(static_cast<double>(ang)));
-        if (inverse) s = -s;
-        const float a = v[j][0], b = v[j][1];
-        v[j][0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        v[j][1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    }
-}
-
-// Block round trip (block_round_trip_smem) of dims [0, n): FP8 blocks of 64 (one j each) or FP4
-// blocks of 32 (16 lanes of one j); n a multiple of the block.
-template <int NP>
-__device__ __forceinline__ void wrow_round_trip(float (&v)[NP][2], int n, int block, float fmt_max, float amax_floor,
-                                                int mbits, int emin) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-        // shuffles stay unconditional; a 32-block's lanes (xor < 16) never mix with the other block's
-        const bool in = 64 * j + (block == 64 ? 64 : 2 * (lane & 16) + 32) <= n;
-        float amax = fmaxf(fabsf(v[j][0]), fabsf(v[j][1]));
-        for (int o = block == 64 ? 16 : 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-        if (!in) continue;
-        amax = fmaxf(amax, amax_floor);
-        const float s = pow2_ceil_dev(__fdiv_rn(amax, fmt_max));
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float c = fminf(fmaxf(__fdiv_rn(v[j][k], s), -fmt_max), fmt_max);
-            v[j][k] = __fmul_rn(s, round_minifloat(c, mbits, emin, fmt_max));
-        }
-    }
-}
-
-// Normalised Walsh-Hadamard transform of the whole row (hadamard_smem).
-template <int NP>
-__device__ __forceinline__ void wrow_hadamard(float (&v)[NP][2]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {  // h = 1
-        const float a = v[j][0], b = v[j][1];
-        v[j][0] = __fadd_rn(a, b);
-        v[j][1] = __fsub_rn(a, b);
-    }
-#pragma unroll
-    for (int m = 0; m < 5; ++m) {  // h = 2 << m: partner lane l ^ (1 << m); the lower lane holds x[i]
-        const bool upper = (lane >> m) & 1;
-#pragma unroll
-        for (int j = 0; j < NP; ++j)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const float o = __shfl_xor_sync(kFull, v[j][k], 1 << m);
-                v[j][k] = upper ? __fsub_rn(o, v[j][k]) : __fadd_rn(v[j][k], o);
-            }
-    }
-#pragma unroll
-    for (int hj = 1; hj < NP; hj *= 2)  // h = 64 hj: across j
-#pragma unroll
-        for (int j = 0; j < NP; ++j)
-            if (!(j & hj))
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    const float a = v[j][k], b = v[j + hj][k];
-                    v[j][k] = __fadd_rn(a, b);
-                    v[j + hj][k] = __fsub_rn(a, b);
-                }
-    const float s = static_cast<float>(1.0 / sqrt(static_cast<double>(64 * NP)));
-#pragma unroll
-    for (int j = 0; j < NP; ++j)
-#pragma unroll
-        for (int k = 0; k < 2; ++k) v[j][k] = __fmul_rn(v[j][k], s);
-}
-
-template <int NP>
-__device__ __forceinline__ void wrow_qat(float (&v)[NP][2], int n_rot, qat_kind k) {
-    if (k == qat_kind::fp8_nope) {
-        wrow_round_trip(v, 64 * NP - n_rot, 64, 448.0f, 1e-4f, 3, -6);
-    } else if (k == qat_kind::hadamard_fp4) {
-        wrow_hadamard(v);
-        wrow_round_trip(v, 64 * NP, 32, 6.0f, ldexpf(6.0f, -126), 1, 0);
-    }
-}
-
-// Norm (optional), RoPE at pos, QAT: the finish every row kernel applies.
-template <int NP>
-__device__ __forceinline__ void wrow_finish(float (&v)[NP][2], bool norm, const float *__restrict__ norm_w, float eps,
-                                            const float *__restrict__ freq, int n_rot, int64_t pos, qat_kind qat) {
-    if (norm) wrow_rms_norm(v, norm_w, eps);
-    wrow_rope(v, freq, n_rot, pos, false);
-    wrow_qat(v, n_rot, qat);
-}
-
-// Whether a row of `dim` dims fits the warp-row layout.
-bool warp_row_fits(int dim) {
-    return dim % 64 == 0 && dim / 64 >= 1 && dim / 64 <= kWarpRowMaxPairs && ((dim / 64) & (dim / 64 - 1)) == 0;
-}
 
 // ---- query heads, KV row -----------------------------------------------------------------------------
 
 constexpr int kRowThreads = 128;
 
-// One block per head of x [n_head, hd].
+// One block per head of x [n_tok, n_head, hd] (decode: n_tok = 1); head blockIdx.x belongs to token
+// blockIdx.x / n_head, at position *pos + that token.
 __global__ void __launch_bounds__(kRowThreads)
-    head_norm_rope_kernel(float *x, int hd, bool norm, float eps, const float *__restrict__ freq, int n_rot,
-                          qat_kind qat, const int64_t *__restrict__ pos) {
+    head_norm_rope_kernel(float *x, int n_head, int hd, bool norm, float eps, const float *__restrict__ freq,
+                          int n_rot, qat_kind qat, const int64_t *__restrict__ pos) {
     extern __shared__ float sx[];  // [hd]
     __shared__ double red[32];
     float *xh = x + static_cast<size_t>(blockIdx.x) * hd;
+    const int64_t p = *pos + static_cast<int64_t>(blockIdx.x / n_head);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) sx[i] = xh[i];
     __syncthreads();
     if (norm) rms_norm_smem(sx, hd, nullptr, eps, red);
-    rope_smem(sx + hd - n_rot, freq, n_rot, *pos, false);
+    rope_smem(sx + hd - n_rot, freq, n_rot, p, false);
     qat_smem(sx, hd, n_rot, qat);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) xh[i] = sx[i];
 }
 
-// One block: kv [d] finished in place and stored into ring row *pos mod window.
+// Where a finished KV row goes: ring row (p mod window) when window > 0 (decode), else row t of the
+// chunk's rows (prefill), rows `stride` bytes apart.
+__device__ __forceinline__ uint8_t *kv_dst(uint8_t *rows, size_t stride, int window, int64_t p, int64_t t) {
+    return rows + static_cast<size_t>(window > 0 ? p % window : t) * stride;
+}
+
+// One block per token t = blockIdx.x: kv [n_tok, d] row t finished in place at position *pos + t and
+// stored (kv_dst).
 __global__ void __launch_bounds__(kRowThreads)
     kv_finish_store_kernel(float *kv, int d, const float *__restrict__ norm_w, float eps,
                            const float *__restrict__ freq, int n_rot, qat_kind qat, uint8_t *ring,
                            bool ring_f16, size_t ring_stride, int window, const int64_t *__restrict__ pos) {
     extern __shared__ float sx[];  // [d]
     __shared__ double red[32];
-    const int64_t p = *pos;
+    const int64_t t = blockIdx.x, p = *pos + t;
+    kv += static_cast<size_t>(t) * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) sx[i] = kv[i];
     __syncthreads();
     rms_norm_smem(sx, d, norm_w, eps, red);
     rope_smem(sx + d - n_rot, freq, n_rot, p, false);
     qat_smem(sx, d, n_rot, qat);
-    uint8_t *row = ring + static_cast<size_t>(p % window) * ring_stride;
+    uint8_t *row = kv_dst(ring, ring_stride, window, p, t);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         kv[i] = sx[i];
         if (ring_f16)
@@ -385,47 +100,144 @@ __global__ void __launch_bounds__(kRowThreads)
 
 
 // Warp-per-head variant (hd = 64 * NP, see warp_row_fits): kWarpRowThreads / 32 heads per block, no
-// block barrier, the double cos/sin of the RoPE pairs computed by different lanes concurrently.
+// block barrier, the double cos/sin of the RoPE pairs computed by different lanes concurrently. Head h
+// of the n_rows = n_tok * n_head heads of x [n_tok, n_head, hd] is at position *pos + h / n_head.
 constexpr int kWarpRowThreads = 128;
 
 template <int NP>
 __global__ void __launch_bounds__(kWarpRowThreads)
-    head_norm_rope_warp_kernel(float *x, int n_head, bool norm, float eps, const float *__restrict__ freq,
-                               int n_rot, qat_kind qat, const int64_t *__restrict__ pos) {
-    const int h = blockIdx.x * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
-    if (h >= n_head) return;  // warp-uniform
+    head_norm_rope_warp_kernel(float *x, int64_t n_rows, int n_head, bool norm, float eps,
+                               const float *__restrict__ freq, int n_rot, qat_kind qat,
+                               const int64_t *__restrict__ pos) {
+    const int64_t h = static_cast<int64_t>(blockIdx.x) * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
+    if (h >= n_rows) return;  // warp-uniform
     float *xh = x + static_cast<size_t>(h) * 64 * NP;
     float v[NP][2];
     wrow_load(v, xh);
-    wrow_finish(v, norm, nullptr, eps, freq, n_rot, *pos, qat);
+    wrow_finish(v, norm, nullptr, eps, freq, n_rot, *pos + h / n_head, qat);
     wrow_store(v, xh);
 }
 
-// One warp: kv [64 * NP] finished in place and stored into ring row *pos mod window.
+// One warp per token t (warp index over the grid; decode: one warp, t = 0): kv [n_tok, 64 * NP] row t
+// finished in place at position *pos + t and stored (kv_dst).
 template <int NP>
-__global__ void __launch_bounds__(32)
-    kv_finish_store_warp_kernel(float *kv, const float *__restrict__ norm_w, float eps,
+__global__ void __launch_bounds__(kWarpRowThreads)
+    kv_finish_store_warp_kernel(float *kv, int64_t n_tok, const float *__restrict__ norm_w, float eps,
                                 const float *__restrict__ freq, int n_rot, qat_kind qat, uint8_t *ring,
                                 bool ring_f16, size_t ring_stride, int window, const int64_t *__restrict__ pos) {
-    const int64_t p = *pos;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= n_tok) return;  // warp-uniform
+    const int64_t p = *pos + t;
+    kv += static_cast<size_t>(t) * 64 * NP;
     float v[NP][2];
     wrow_load(v, kv);
     wrow_finish(v, true, norm_w, eps, freq, n_rot, p, qat);
     wrow_store(v, kv);
-    wrow_store_row(v, ring + static_cast<size_t>(p % window) * ring_stride, ring_f16);
+    wrow_store_row(v, kv_dst(ring, ring_stride, window, p, t), ring_f16);
+}
+
+// Ring rows after a chunk: block k copies chunk row (n_tok - n_tail + k) (position *pos + that row) to
+// ring row (position mod window); E is the element type (2 or 4 bytes), d elements per row.
+template <class E>
+__global__ void ring_store_tail_kernel(const uint8_t *__restrict__ rows, size_t row_stride, int64_t n_tok,
+                                       int64_t n_tail, int d, uint8_t *__restrict__ ring, size_t ring_stride,
+                                       int window, const int64_t *__restrict__ pos) {
+    const int64_t t = n_tok - n_tail + blockIdx.x, p = *pos + t;
+    const E *src = reinterpret_cast<const E *>(rows + static_cast<size_t>(t) * row_stride);
+    E *dst = reinterpret_cast<E *>(ring + static_cast<size_t>(p % window) * ring_stride);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }
 
 // ---- compressor ----------------------------------------------------------------------------------------
 
 constexpr int kCompThreads = 512, kCompChunk = 16;
 
-// One block (dim <= kCompThreads). Every token: the frontier slot's columns written by all threads. On
-// an emitting token, pooling per channel j (thread j) in the CPU's order: max over the candidates, then
-// the exps e_t = exp(s_t - max) of kCompChunk candidates at a time computed by the whole block into
-// shared memory (each e_t once when all candidates fit one chunk, as for ratio 4; else once for the sum
-// and again for the weights), the f32 sum and the weighted sum taken by thread j in candidate order.
-// Thread j then shifts its columns j, dp + j (ratio 4). The pooled row is finished by warp 0 in
-// registers (NP > 0: dim = 64 NP) or block-wide in shared memory (NP = 0, any dim).
+// Pooling of one emitted row (compressor_push) by a block of kCompThreads threads (dp <= kCompThreads):
+// for channel j (thread j) in the CPU's order: max over the candidates, then the exps e_t = exp(s_t -
+// max) of kCompChunk candidates at a time computed by the whole block into shared memory (each e_t once
+// when all candidates fit one chunk, as for ratio 4; else once for the sum and again for the weights),
+// the f32 sum and the weighted sum taken by thread j in candidate order; row[j] = the pooled value.
+// score(t, c) / kv(t, c): candidate t of channel c. Called by all threads; every read of score
+// happens before the last barrier inside (callers may overwrite the sources after it); kv(t, j) is
+// read by thread j only, after it. No barrier at the end: row[j] is visible to thread j only.
+template <class Score, class Kv>
+__device__ __forceinline__ void comp_pool(int dp, int n_cand, const Score &score, const Kv &kv, float *row,
+                                          float *smx, float *ex) {
+    const int j = threadIdx.x;
+    if (j < dp) {
+        float mx = -INFINITY;
+        for (int t = 0; t < n_cand; ++t) mx = fmaxf(mx, score(t, j));
+        smx[j] = mx;
+    }
+    __syncthreads();
+    auto exps = [&](int c0, int nc) {  // ex[t - c0][c] = exp(s_t - max_c), t in [c0, c0 + nc)
+        for (int k = threadIdx.x; k < nc * dp; k += blockDim.x) {
+            const int t = k / dp, c = k - t * dp;
+            ex[k] = static_cast<float>(exp(static_cast<double>(__fsub_rn(score(c0 + t, c), smx[c]))));
+        }
+        __syncthreads();
+    };
+    const bool kept = n_cand <= kCompChunk;  // one chunk: the exps stay in ex for the weights
+    float sum = 0.0f, acc = 0.0f;
+    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
+        const int nc = min(kCompChunk, n_cand - c0);
+        exps(c0, nc);
+        if (j < dp)
+            for (int t = 0; t < nc; ++t) sum = __fadd_rn(sum, ex[t * dp + j]);
+        if (!kept) __syncthreads();  // ex is rewritten by the next chunk
+    }
+    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
+        const int nc = min(kCompChunk, n_cand - c0);
+        if (!kept) exps(c0, nc);
+        if (j < dp)
+            for (int t = 0; t < nc; ++t) {
+                const float wt = __fdiv_rn(ex[t * dp + j], sum);
+                if (wt != 0.0f) acc = __fadd_rn(acc, __fmul_rn(kv(c0 + t, j), wt));  // skips empty
+            }
+        if (!kept) __syncthreads();
+    }
+    if (j < dp) row[j] = acc;
+}
+
+// The pooled row (shared row [dp], complete: called after a barrier, by all threads) finished as
+// compressor_finish: RMSNorm(norm_w), RoPE at block_start, QAT; stored as row b of a.rows, or, when
+// b >= max_rows, not stored and err_comp_row set. Warp 0 in registers (NP > 0: dim = 64 NP) or the
+// block in shared memory (NP = 0, any dim).
+template <int NP>
+__device__ __forceinline__ void comp_finish_store(const compressor_args &a, float *row, int64_t block_start,
+                                                  int64_t b, uint32_t *err, double *red) {
+    const int dp = a.dim;
+    uint8_t *dst = static_cast<uint8_t *>(a.rows) + static_cast<size_t>(b) * a.row_stride;
+    if constexpr (NP > 0) {
+        if (threadIdx.x >= 32) return;  // warp 0 finishes the row
+        if (b >= a.max_rows) {
+            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
+            return;
+        }
+        float v[NP][2];
+        wrow_load(v, row);
+        wrow_finish(v, true, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, block_start, a.qat);
+        wrow_store_row(v, dst, a.rows_f16);
+    } else {
+        rms_norm_smem(row, dp, a.norm_w, a.eps, red);
+        rope_smem(row + dp - a.rope.n_rot, a.rope.freq, a.rope.n_rot, block_start, false);
+        qat_smem(row, dp, a.rope.n_rot, a.qat);
+        if (b >= a.max_rows) {
+            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
+            return;
+        }
+        for (int i = threadIdx.x; i < dp; i += blockDim.x) {
+            if (a.rows_f16)
+                reinterpret_cast<__half *>(dst)[i] = __float2half_rn(row[i]);
+            else
+                reinterpret_cast<float *>(dst)[i] = row[i];
+        }
+    }
+}
+
+// Decode step, one block (dim <= kCompThreads). Every token: the frontier slot's columns written by all
+// threads. On an emitting token: comp_pool over the frontier, then thread j shifts its columns j, dp + j
+// (ratio 4), then comp_finish_store.
 template <int NP>
 __global__ void __launch_bounds__(kCompThreads)
     compressor_step_kernel(compressor_args a, const float *__restrict__ ca, const float *__restrict__ cg,
@@ -450,77 +262,108 @@ __global__ void __launch_bounds__(kCompThreads)
     auto at = [&](int t, int c) {
         return static_cast<size_t>(t) * width + static_cast<size_t>(overlap && t >= R ? dp + c : c);
     };
-    if (j < dp) {
-        float mx = -INFINITY;
-        for (int t = 0; t < n_cand; ++t) mx = fmaxf(mx, a.state_score[at(t, j)]);
-        smx[j] = mx;
-    }
-    __syncthreads();
-    auto exps = [&](int c0, int nc) {  // ex[t - c0][c] = exp(s_t - max_c), t in [c0, c0 + nc)
-        for (int k = threadIdx.x; k < nc * dp; k += blockDim.x) {
-            const int t = k / dp, c = k - t * dp;
-            ex[k] = static_cast<float>(exp(static_cast<double>(__fsub_rn(a.state_score[at(c0 + t, c)], smx[c]))));
-        }
-        __syncthreads();
-    };
-    const bool kept = n_cand <= kCompChunk;  // one chunk: the exps stay in ex for the weights
-    float sum = 0.0f, acc = 0.0f;
-    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
-        const int nc = min(kCompChunk, n_cand - c0);
-        exps(c0, nc);
-        if (j < dp)
-            for (int t = 0; t < nc; ++t) sum = __fadd_rn(sum, ex[t * dp + j]);
-        if (!kept) __syncthreads();  // ex is rewritten by the next chunk
-    }
-    for (int c0 = 0; c0 < n_cand; c0 += kCompChunk) {
-        const int nc = min(kCompChunk, n_cand - c0);
-        if (!kept) exps(c0, nc);
-        if (j < dp)
-            for (int t = 0; t < nc; ++t) {
-                const float wt = __fdiv_rn(ex[t * dp + j], sum);
-                if (wt != 0.0f) acc = __fadd_rn(acc, __fmul_rn(a.state_kv[at(c0 + t, j)], wt));  // skips empty
+    comp_pool(
+        dp, n_cand, [&](int t, int c) { return a.state_score[at(t, c)]; },
+        [&](int t, int c) { return a.state_kv[at(t, c)]; }, row, smx, ex);
+    // every read of another thread's columns happened before the last barrier in comp_pool
+    if (j < dp && overlap)  // the current block (slots R..2R-1) becomes the previous one, columns j and dp + j
+        for (int t = 0; t < R; ++t)
+            for (int half = 0; half < 2; ++half) {
+                const int col = j + half * dp;
+                const size_t src = static_cast<size_t>(R + t) * width + col, dst = static_cast<size_t>(t) * width + col;
+                a.state_kv[dst] = a.state_kv[src];
+                a.state_score[dst] = a.state_score[src];
             }
-        if (!kept) __syncthreads();
-    }
-    // every read of another thread's columns happened before the last barrier of the exps
-    if (j < dp) {
-        row[j] = acc;
-        if (overlap)  // the current block (slots R..2R-1) becomes the previous one, columns j and dp + j
-            for (int t = 0; t < R; ++t)
-                for (int half = 0; half < 2; ++half) {
-                    const int col = j + half * dp;
-                    const size_t src = static_cast<size_t>(R + t) * width + col,
-                                 dst = static_cast<size_t>(t) * width + col;
-                    a.state_kv[dst] = a.state_kv[src];
-                    a.state_score[dst] = a.state_score[src];
-                }
-    }
     __syncthreads();
-    const int64_t b = (p + 1) / R - 1;
-    uint8_t *dst = static_cast<uint8_t *>(a.rows) + static_cast<size_t>(b) * a.row_stride;
-    if constexpr (NP > 0) {
-        if (threadIdx.x >= 32) return;  // warp 0 finishes the row
-        if (b >= a.max_rows) {
-            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
-            return;
+    comp_finish_store<NP>(a, row, p + 1 - R, (p + 1) / R - 1, err, red);
+}
+
+// ---- compressor over a chunk -----------------------------------------------------------------------------
+// Tokens at positions p0 .. p1 - 1 (p0 = *pos, p1 = p0 + n_tok); c0 = p0 - p0 mod R starts the block
+// holding p0. The value a step writes for position q (kv = ca row, score = cg row + ape[q mod R]) is:
+//   q >= p0       : chunk row q - p0 (computed from ca, cg, ape as the step does: same bits);
+//   c0 <= q < p0  : still in the frontier's current-block slot (overlap: R + q mod R, else q mod R);
+//   q < c0        : (overlap only, q >= c0 - R) the previous-block slot q mod R, where the shift put it.
+// Rows b = p0 / R .. p1 / R - 1 are emitted (block start B = b R); row b pools the candidates of
+// positions B - R .. B + R - 1 (overlap; columns 0..dp of the first R, dp..2dp of the rest) or
+// B .. B + R - 1. One block per row (rows kernel: reads only), then the state kernel writes the final
+// frontier (stream order: after every row has read it).
+
+// One block per emitted row (blockIdx.x = b - p0 / R; blocks past the last row exit).
+template <int NP>
+__global__ void __launch_bounds__(kCompThreads)
+    compressor_chunk_rows_kernel(compressor_args a, const float *__restrict__ ca, const float *__restrict__ cg,
+                                 int64_t n_tok, const int64_t *__restrict__ pos, uint32_t *err) {
+    extern __shared__ float sm[];
+    float *row = sm, *smx = sm + a.dim, *ex = sm + 2 * a.dim;  // [dim], [dim], [kCompChunk, dim]
+    __shared__ double red[32];
+    const int R = a.ratio, dp = a.dim;
+    const bool overlap = R == 4;
+    const int width = (overlap ? 2 : 1) * dp, n_cand = overlap ? 2 * R : R;
+    const int64_t p0 = *pos, c0 = p0 / R * R, b = p0 / R + blockIdx.x;
+    if (b >= (p0 + n_tok) / R) return;  // block-uniform
+    const int64_t q0 = b * R - (overlap ? R : 0);  // position of candidate 0
+    // element offset of candidate t, channel c: in the chunk (q >= p0) or in the frontier
+    auto col = [&](int t, int c) { return overlap && t >= R ? dp + c : c; };
+    auto score = [&](int t, int c) {
+        const int64_t q = q0 + t;
+        const int ph = t % R, cc = col(t, c);
+        if (q >= p0)
+            return __fadd_rn(cg[static_cast<size_t>(q - p0) * width + cc], a.ape[static_cast<size_t>(ph) * width + cc]);
+        const int slot = overlap && q >= c0 ? R + ph : ph;
+        return a.state_score[static_cast<size_t>(slot) * width + cc];
+    };
+    auto kv = [&](int t, int c) {
+        const int64_t q = q0 + t;
+        const int ph = t % R, cc = col(t, c);
+        if (q >= p0) return ca[static_cast<size_t>(q - p0) * width + cc];
+        const int slot = overlap && q >= c0 ? R + ph : ph;
+        return a.state_kv[static_cast<size_t>(slot) * width + cc];
+    };
+    comp_pool(dp, n_cand, score, kv, row, smx, ex);
+    __syncthreads();
+    comp_finish_store<NP>(a, row, b * R, b, err, red);
+}
+
+// The frontier after the chunk, one thread per (phase s, column i): the current-block slot (overlap:
+// R + s, else s) takes the last position <= p1 - 1 of phase s when it is in the chunk; overlap: the
+// previous-block slot s takes what the last shift in the chunk (emission at qe) moved there, the value
+// of position qe + 1 - R + s (the old current slot when before p0: read before this thread writes it;
+// no other thread touches these two slots of column i).
+__global__ void compressor_chunk_state_kernel(compressor_args a, const float *__restrict__ ca,
+                                              const float *__restrict__ cg, int64_t n_tok,
+                                              const int64_t *__restrict__ pos) {
+    const int R = a.ratio, dp = a.dim;
+    const bool overlap = R == 4;
+    const int width = (overlap ? 2 : 1) * dp;
+    const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (k >= static_cast<int64_t>(R) * width) return;
+    const int s = static_cast<int>(k / width), i = static_cast<int>(k % width);
+    const int64_t p0 = *pos, last = p0 + n_tok - 1;
+    const float ape = a.ape[static_cast<size_t>(s) * width + i];
+    const size_t cur = static_cast<size_t>(overlap ? R + s : s) * width + i;
+    const float old_kv = a.state_kv[cur], old_score = a.state_score[cur];
+    if (overlap) {
+        const int64_t qe = (last + 1) / R * R - 1;  // the last emission at or before `last`
+        if (qe >= p0) {
+            const int64_t q = qe + 1 - R + s;
+            const size_t prev = static_cast<size_t>(s) * width + i;
+            if (q >= p0) {
+                const size_t e = static_cast<size_t>(q - p0) * width + i;
+                a.state_kv[prev] = ca[e];
+                a.state_score[prev] = __fadd_rn(cg[e], ape);
+            } else {
+                a.state_kv[prev] = old_kv;
+                a.state_score[prev] = old_score;
+            }
         }
-        float v[NP][2];
-        wrow_load(v, row);
-        wrow_finish(v, true, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, p + 1 - R, a.qat);
-        wrow_store_row(v, dst, a.rows_f16);
-    } else {
-        rms_norm_smem(row, dp, a.norm_w, a.eps, red);
-        rope_smem(row + dp - a.rope.n_rot, a.rope.freq, a.rope.n_rot, p + 1 - R, false);
-        qat_smem(row, dp, a.rope.n_rot, a.qat);
-        if (b >= a.max_rows) {
-            if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
-            return;
-        }
-        for (int i = threadIdx.x; i < dp; i += blockDim.x) {
-            if (a.rows_f16)
-                reinterpret_cast<__half *>(dst)[i] = __float2half_rn(row[i]);
-            else
-                reinterpret_cast<float *>(dst)[i] = row[i];
+    }
+    if (last >= s) {
+        const int64_t q = last - (last - s) % R;  // the last position of phase s
+        if (q >= p0) {
+            const size_t e = static_cast<size_t>(q - p0) * width + i;
+            a.state_kv[cur] = ca[e];
+            a.state_score[cur] = __fadd_rn(cg[e], ape);
         }
     }
 }
@@ -908,54 +751,103 @@ void check_qat(qat_kind k, int dim, int n_rot, const char *what) {
 
 }  // namespace
 
-void launch_head_norm_rope(float *x, int n_head, int hd, bool norm, float eps, const rope_args &rope,
-                           qat_kind qat, const int64_t *pos, cudaStream_t s) {
-    if (n_head < 1 || hd < 1 || hd > 8192) throw error("cuda ds4 head_norm_rope: bad geometry");
+void launch_head_norm_rope_batch(float *x, int64_t n_tok, int n_head, int hd, bool norm, float eps,
+                                 const rope_args &rope, qat_kind qat, const int64_t *pos, cudaStream_t s) {
+    if (n_tok < 1 || n_head < 1 || hd < 1 || hd > 8192 || n_tok * n_head > 0x7fffffff)
+        throw error("cuda ds4 head_norm_rope: bad geometry");
     check_rope(rope, hd, "head_norm_rope");
     check_qat(qat, hd, rope.n_rot, "head_norm_rope");
+    const int64_t n_rows = n_tok * n_head;  // heads of all tokens, token-major
     if (warp_row_fits(hd)) {  // one warp per head
-        const unsigned grid = static_cast<unsigned>((n_head + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
+        const unsigned grid = static_cast<unsigned>((n_rows + kWarpRowThreads / 32 - 1) / (kWarpRowThreads / 32));
         switch (hd / 64) {
-            case 1: head_norm_rope_warp_kernel<1><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
-            case 2: head_norm_rope_warp_kernel<2><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
-            case 4: head_norm_rope_warp_kernel<4><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
-            default: head_norm_rope_warp_kernel<8><<<grid, kWarpRowThreads, 0, s>>>(x, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            case 1: head_norm_rope_warp_kernel<1><<<grid, kWarpRowThreads, 0, s>>>(x, n_rows, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            case 2: head_norm_rope_warp_kernel<2><<<grid, kWarpRowThreads, 0, s>>>(x, n_rows, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            case 4: head_norm_rope_warp_kernel<4><<<grid, kWarpRowThreads, 0, s>>>(x, n_rows, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
+            default: head_norm_rope_warp_kernel<8><<<grid, kWarpRowThreads, 0, s>>>(x, n_rows, n_head, norm, eps, rope.freq, rope.n_rot, qat, pos); break;
         }
     } else {  // any other width: one block per head in shared memory
-        head_norm_rope_kernel<<<static_cast<unsigned>(n_head), kRowThreads, sizeof(float) * hd, s>>>(
-            x, hd, norm, eps, rope.freq, rope.n_rot, qat, pos);
+        head_norm_rope_kernel<<<static_cast<unsigned>(n_rows), kRowThreads, sizeof(float) * hd, s>>>(
+            x, n_head, hd, norm, eps, rope.freq, rope.n_rot, qat, pos);
     }
     check_launch("head_norm_rope");
 }
 
-void launch_kv_finish_store(float *kv, int d, const float *norm_w, float eps, const rope_args &rope,
-                            qat_kind qat, void *ring, bool ring_f16, size_t ring_stride, int window,
-                            const int64_t *pos, cudaStream_t s) {
-    if (d < 1 || d > 8192 || window < 1 || !ring || !norm_w)
+void launch_head_norm_rope(float *x, int n_head, int hd, bool norm, float eps, const rope_args &rope,
+                           qat_kind qat, const int64_t *pos, cudaStream_t s) {
+    launch_head_norm_rope_batch(x, 1, n_head, hd, norm, eps, rope, qat, pos, s);
+}
+
+namespace {
+
+// KV rows of n_tok tokens: finished in place and stored to `dst` (window > 0: ring rows p mod window,
+// decode; window == 0: chunk row t).
+void kv_finish_tokens(float *kv, int64_t n_tok, int d, const float *norm_w, float eps, const rope_args &rope,
+                      qat_kind qat, void *dst, bool dst_f16, size_t dst_stride, int window, const int64_t *pos,
+                      cudaStream_t s) {
+    if (n_tok < 1 || n_tok > 0x7fffffff || d < 1 || d > 8192 || window < 0 || !dst || !norm_w)
         throw error("cuda ds4 kv_finish_store: bad arguments");
-    if (ring_stride < static_cast<size_t>(d) * (ring_f16 ? 2 : 4) || ring_stride % (ring_f16 ? 2 : 4) != 0)
-        throw error("cuda ds4 kv_finish_store: ring stride below the row size or misaligned");
+    if (dst_stride < static_cast<size_t>(d) * (dst_f16 ? 2 : 4) || dst_stride % (dst_f16 ? 2 : 4) != 0)
+        throw error("cuda ds4 kv_finish_store: row stride below the row size or misaligned");
     check_rope(rope, d, "kv_finish_store");
     check_qat(qat, d, rope.n_rot, "kv_finish_store");
-    uint8_t *rb = static_cast<uint8_t *>(ring);
-    if (warp_row_fits(d)) {  // one warp, no block barrier
+    uint8_t *rb = static_cast<uint8_t *>(dst);
+    if (warp_row_fits(d)) {  // one warp per token, no block barrier
+        const int per = kWarpRowThreads / 32;  // decode: a single warp
+        const unsigned grid = static_cast<unsigned>((n_tok + per - 1) / per);
+        const unsigned threads = n_tok == 1 ? 32u : static_cast<unsigned>(kWarpRowThreads);
         switch (d / 64) {
-            case 1: kv_finish_store_warp_kernel<1><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
-            case 2: kv_finish_store_warp_kernel<2><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
-            case 4: kv_finish_store_warp_kernel<4><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
-            default: kv_finish_store_warp_kernel<8><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, ring_f16, ring_stride, window, pos); break;
+            case 1: kv_finish_store_warp_kernel<1><<<grid, threads, 0, s>>>(kv, n_tok, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            case 2: kv_finish_store_warp_kernel<2><<<grid, threads, 0, s>>>(kv, n_tok, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            case 4: kv_finish_store_warp_kernel<4><<<grid, threads, 0, s>>>(kv, n_tok, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            default: kv_finish_store_warp_kernel<8><<<grid, threads, 0, s>>>(kv, n_tok, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
         }
-    } else {
-        kv_finish_store_kernel<<<1, kRowThreads, sizeof(float) * d, s>>>(kv, d, norm_w, eps, rope.freq, rope.n_rot,
-                                                                        qat, rb, ring_f16, ring_stride, window, pos);
+    } else {  // one block per token
+        kv_finish_store_kernel<<<static_cast<unsigned>(n_tok), kRowThreads, sizeof(float) * d, s>>>(
+            kv, d, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos);
     }
     check_launch("kv_finish_store");
 }
 
-void launch_compressor_step(const compressor_args &a, const float *ca, const float *cg, const int64_t *pos,
-                            uint32_t *err, cudaStream_t s) {
-    if (a.ratio < 1 || a.dim < 1 || a.dim > 512 || !a.ape || !a.norm_w || !a.state_kv || !a.state_score ||
-        !a.rows)
+}  // namespace
+
+void launch_kv_finish_store(float *kv, int d, const float *norm_w, float eps, const rope_args &rope,
+                            qat_kind qat, void *ring, bool ring_f16, size_t ring_stride, int window,
+                            const int64_t *pos, cudaStream_t s) {
+    if (window < 1) throw error("cuda ds4 kv_finish_store: window must be positive");
+    kv_finish_tokens(kv, 1, d, norm_w, eps, rope, qat, ring, ring_f16, ring_stride, window, pos, s);
+}
+
+void launch_kv_finish_batch(float *kv, int64_t n_tok, int d, const float *norm_w, float eps, const rope_args &rope,
+                            qat_kind qat, void *rows, bool rows_f16, size_t row_stride, const int64_t *pos,
+                            cudaStream_t s) {
+    kv_finish_tokens(kv, n_tok, d, norm_w, eps, rope, qat, rows, rows_f16, row_stride, 0, pos, s);
+}
+
+void launch_ring_store_tail(const void *rows, size_t row_stride, int64_t n_tok, int d, int elem, void *ring,
+                            size_t ring_stride, int window, const int64_t *pos, cudaStream_t s) {
+    if (n_tok < 1 || d < 1 || window < 1 || (elem != 2 && elem != 4) || !rows || !ring)
+        throw error("cuda ds4 ring_store_tail: bad arguments");
+    const size_t row_bytes = static_cast<size_t>(d) * elem;
+    if (row_stride < row_bytes || ring_stride < row_bytes || row_stride % elem != 0 || ring_stride % elem != 0 ||
+        reinterpret_cast<uintptr_t>(rows) % elem != 0 || reinterpret_cast<uintptr_t>(ring) % elem != 0)
+        throw error("cuda ds4 ring_store_tail: row strides below the row size or misaligned");
+    // the last min(n_tok, window) positions: distinct ring rows, the only ones n_tok steps leave changed
+    const int64_t n_tail = std::min<int64_t>(n_tok, window);
+    const auto *src = static_cast<const uint8_t *>(rows);
+    auto *dst = static_cast<uint8_t *>(ring);
+    if (elem == 2)
+        ring_store_tail_kernel<uint16_t><<<static_cast<unsigned>(n_tail), 128, 0, s>>>(src, row_stride, n_tok, n_tail, d, dst, ring_stride, window, pos);
+    else
+        ring_store_tail_kernel<uint32_t><<<static_cast<unsigned>(n_tail), 128, 0, s>>>(src, row_stride, n_tok, n_tail, d, dst, ring_stride, window, pos);
+    check_launch("ring_store_tail");
+}
+
+namespace {
+
+void check_compressor(const compressor_args &a) {
+    if (a.ratio < 1 || a.dim < 1 || a.dim > kCompThreads || !a.ape || !a.norm_w || !a.state_kv ||
+        !a.state_score || !a.rows)
         throw error("cuda ds4 compressor: bad arguments (ratio " + std::to_string(a.ratio) + ", dim " +
                     std::to_string(a.dim) + ", dim <= 512)");
     if (a.row_stride < static_cast<size_t>(a.dim) * (a.rows_f16 ? 2 : 4) ||
@@ -963,7 +855,19 @@ void launch_compressor_step(const compressor_args &a, const float *ca, const flo
         throw error("cuda ds4 compressor: row stride below the row size or misaligned");
     check_rope(a.rope, a.dim, "compressor");
     check_qat(a.qat, a.dim, a.rope.n_rot, "compressor");
-    const size_t smem = sizeof(float) * static_cast<size_t>(a.dim) * (2 + kCompChunk);  // row, max, exps
+}
+
+// Shared memory of a pooling block: row, max, exps.
+size_t comp_smem(const compressor_args &a) {
+    return sizeof(float) * static_cast<size_t>(a.dim) * (2 + kCompChunk);
+}
+
+}  // namespace
+
+void launch_compressor_step(const compressor_args &a, const float *ca, const float *cg, const int64_t *pos,
+                            uint32_t *err, cudaStream_t s) {
+    check_compressor(a);
+    const size_t smem = comp_smem(a);
     if (!warp_row_fits(a.dim)) {
         compressor_step_kernel<0><<<1, kCompThreads, smem, s>>>(a, ca, cg, pos, err);
     } else {
@@ -975,6 +879,30 @@ void launch_compressor_step(const compressor_args &a, const float *ca, const flo
         }
     }
     check_launch("compressor");
+}
+
+void launch_compressor_chunk(const compressor_args &a, const float *ca, const float *cg, int64_t n_tok,
+                             const int64_t *pos, uint32_t *err, cudaStream_t s) {
+    check_compressor(a);
+    if (n_tok < 1 || n_tok > 0x7fffffff) throw error("cuda ds4 compressor chunk: bad token count");
+    // rows emitted: floor(p1 / R) - floor(p0 / R) <= ceil(n_tok / R) for any p0
+    const unsigned rows = static_cast<unsigned>((n_tok + a.ratio - 1) / a.ratio);
+    const size_t smem = comp_smem(a);
+    if (!warp_row_fits(a.dim)) {
+        compressor_chunk_rows_kernel<0><<<rows, kCompThreads, smem, s>>>(a, ca, cg, n_tok, pos, err);
+    } else {
+        switch (a.dim / 64) {
+            case 1: compressor_chunk_rows_kernel<1><<<rows, kCompThreads, smem, s>>>(a, ca, cg, n_tok, pos, err); break;
+            case 2: compressor_chunk_rows_kernel<2><<<rows, kCompThreads, smem, s>>>(a, ca, cg, n_tok, pos, err); break;
+            case 4: compressor_chunk_rows_kernel<4><<<rows, kCompThreads, smem, s>>>(a, ca, cg, n_tok, pos, err); break;
+            default: compressor_chunk_rows_kernel<8><<<rows, kCompThreads, smem, s>>>(a, ca, cg, n_tok, pos, err); break;
+        }
+    }
+    check_launch("compressor chunk rows");
+    const int width = (a.ratio == 4 ? 2 : 1) * a.dim;
+    const int64_t n_state = static_cast<int64_t>(a.ratio) * width;  // (phase, column) pairs
+    compressor_chunk_state_kernel<<<static_cast<unsigned>((n_state + 255) / 256), 256, 0, s>>>(a, ca, cg, n_tok, pos);
+    check_launch("compressor chunk state");
 }
 
 size_t attn_part_floats(const sparse_attn_args &a) {

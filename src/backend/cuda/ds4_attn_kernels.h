@@ -78,10 +78,12 @@ void launch_compressor_step(const compressor_args &a, const float *ca, const flo
 // visible (n <= max_n); score_c = sum_h (w_h * w_scale) * max(0, q_h . rows_c); sel [topk] receives
 // the min(topk, n) best rows (ties: lower row) in ascending order and *n_sel their count. q [n_head,
 // dim], w [n_head] unscaled. Same score bits as the CPU's indexer_select (see ds4_indexer.cu).
-// score: scratch [max_n]. n_head <= 128, dim <= 256.
+// score: scratch [max_n]. n_head <= 128, dim <= 256. exact = false: tensor-core scores for the DS4
+// geometry (see launch_indexer_topk_batch in ds4_prefill.h): not the CPU's bits, near-ties may pick
+// the other row, several times faster at long context.
 void launch_indexer_topk(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16,
                          size_t row_stride, int ratio, int64_t max_n, int n_head, int dim, int topk,
-                         const int64_t *pos, float *score, int32_t *sel, int32_t *n_sel, cudaStream_t s);
+                         const int64_t *pos, float *score, int32_t *sel, int32_t *n_sel, cudaStream_t s, bool exact = true);
 
 // Sparse sink attention of the token at *pos (spec 4.6) over, in this order: the raw window rows
 // max(0, *pos - window + 1) .. *pos (ring row p mod window), then the compressed rows chosen by the

@@ -17,6 +17,12 @@
 // ordered compaction. Large row sets run on a cluster of kClusterBlocks blocks (sm_90: histograms
 // merged through distributed shared memory, in rank order); small ones (and pre-sm_90 devices) on
 // one block of the same kernel.
+//
+// Batches (launch_indexer_topk_batch, ds4_prefill.h): the same kernels with a token dimension (grid y):
+// token t of the chunk sees (*pos + t + 1) / ratio rows, takes its query and weights at offset t and
+// writes sel + t * topk, n_sel + t; block y of a launch uses score slot y (score + y * max_n). Every
+// score is computed by the same code in the same order, so each token's selection is the decode
+// launcher's, bit for bit; only the grid (blocks per token, cluster or single-block top-k) differs.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -29,6 +35,7 @@
 
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
 namespace fathom::cuda::ds4 {
@@ -48,11 +55,21 @@ struct row_count {
     const int64_t *pos = nullptr;
     int ratio = 1;
     int64_t max_n = 0;
-    __device__ __forceinline__ int64_t get() const {
+    // Rows seen by token t of a batch (t = 0: the decode token at *pos).
+    __device__ __forceinline__ int64_t get(int64_t t = 0) const {
         if (!pos) return n_fixed;
-        const int64_t n = (*pos + 1) / ratio;
+        const int64_t n = (*pos + t + 1) / ratio;
         return n < 0 ? 0 : (n < max_n ? n : max_n);
     }
+};
+
+// The token a block works for: token t0 + blockIdx.y of the batch (decode: t0 = 0, one grid row).
+// Query / weights / output offsets are per token, the score slot per grid row (score_stride floats).
+struct tok_off {
+    int64_t t0 = 0;
+    size_t score_stride = 0;
+    __device__ __forceinline__ int64_t tok() const { return t0 + static_cast<int64_t>(blockIdx.y); }
+    __device__ __forceinline__ size_t slot() const { return static_cast<size_t>(blockIdx.y) * score_stride; }
 };
 
 // One warp per row c (grid-stride); lane l owns heads l, l + 32, ... q is staged in shared memory
@@ -62,8 +79,12 @@ template <bool F16>
 __global__ void __launch_bounds__(32 * kScoreWarps)
     indexer_score_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
                          const void *__restrict__ rows, size_t row_stride, row_count rc, int topk, int n_head, int dim,
-                         float *__restrict__ score) {
-    const int64_t n = rc.get();
+                         float *__restrict__ score, tok_off to) {
+    const int64_t tok = to.tok();
+    const int64_t n = rc.get(tok);
+    q += static_cast<size_t>(tok) * n_head * dim;
+    w += static_cast<size_t>(tok) * n_head;
+    score += to.slot();
     if (n <= topk) return;  // every row is taken: no scores needed (block-uniform exit)
     extern __shared__ float smem[];
     const int qs_stride = dim + 1;
@@ -141,9 +162,13 @@ template <bool F16>
 __global__ void __launch_bounds__(256, 1)
     indexer_score64_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
                            const void *__restrict__ rows, size_t row_stride, row_count rc, int topk,
-                           float *__restrict__ score) {
+                           float *__restrict__ score, tok_off to) {
     static_assert(kFastRows == 32, "sum_tile maps 8 warps x 4 lanes to the tile's rows");
-    const int64_t n = rc.get();
+    const int64_t tok = to.tok();
+    const int64_t n = rc.get(tok);
+    q += static_cast<size_t>(tok) * kFastHeads * kFastDim;
+    w += static_cast<size_t>(tok) * kFastHeads;
+    score += to.slot();
     const int64_t first = static_cast<int64_t>(blockIdx.x) * kFastRows, step = static_cast<int64_t>(gridDim.x) * kFastRows;
     if (n <= topk || first >= n) return;  // no scores needed / no tile for this block (block-uniform exits)
     __shared__ __align__(16) double ks[kFastRows][kFastDim];  // the tile's rows as doubles, ks_index order
@@ -212,6 +237,118 @@ __global__ void __launch_bounds__(256, 1)
     if (prev >= 0) sum_tile(part[pb ^ 1], prev, n, score);
 }
 
+// ---- fast scores for prefill chunks (tensor cores) ------------------------------------------------
+// score_c = sum_h (w_h * w_scale) * relu(q_h . K_c) for the DS4 geometry (64 heads x 128 dims, f16
+// rows) with mma.m16n8k16: rows are exact in f16, each query is split into f16 hi + lo (x = hi + lo to
+// ~2^-22 relative), products accumulate in f32 in the tensor cores' order, and the head sum is a
+// shuffle / shared-memory tree. Not the CPU's bits (the exact kernel above is): relative error ~1e-6,
+// so a near-tie between two rows can select the other one. Used for prefill chunks only
+// (launch_indexer_topk_batch with exact = false), where the exact double kernel is ~15x slower.
+// Block: 8 warps, 2 tokens (warps 0-3 token 2 y, warps 4-7 token 2 y + 1), warp w owning heads
+// 16 (w % 4) .. + 15 of its token; each 64-row tile of K is staged once in shared memory for both tokens.
+constexpr int kMmaTok = 2, kMmaTile = 64, kMmaLd = kFastDim + 8;
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// f16 hi / lo halves of the pair (x0, x1) packed as mma operands (element 0 in the low half).
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t &hi, uint32_t &lo) {
+    const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+    const __half l0 = __float2half_rn(x0 - __half2float(h0)), l1 = __float2half_rn(x1 - __half2float(h1));
+    hi = static_cast<uint32_t>(__half_as_ushort(h0)) | (static_cast<uint32_t>(__half_as_ushort(h1)) << 16);
+    lo = static_cast<uint32_t>(__half_as_ushort(l0)) | (static_cast<uint32_t>(__half_as_ushort(l1)) << 16);
+}
+
+__global__ void __launch_bounds__(256)
+    indexer_score_mma_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
+                             const __half *__restrict__ rows, size_t row_stride_h, row_count rc, int topk,
+                             float *__restrict__ score, int64_t t0, int64_t g, size_t score_stride) {
+    __shared__ __align__(16) __half ks[kMmaTile * kMmaLd];
+    __shared__ float part[kMmaTok][4][kMmaTile];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const int tw = warp >> 2, h0 = 16 * (warp & 3);  // token of the warp within the block, first head
+    const int64_t ti = static_cast<int64_t>(blockIdx.y) * kMmaTok + tw;  // token index within the group
+    const bool live = ti < g;
+    const int64_t n_w = live ? rc.get(t0 + ti) : 0;  // rows the warp's token sees
+    int64_t n_blk = 0;  // the most rows either token sees (block-uniform)
+    for (int j = 0; j < kMmaTok; ++j) {
+        const int64_t tj = static_cast<int64_t>(blockIdx.y) * kMmaTok + j;
+        if (tj < g) n_blk = max(n_blk, rc.get(t0 + tj));
+    }
+    if (n_blk <= topk) return;  // no token of the block needs scores (block-uniform)
+    // A fragments of the warp's 16 heads x 128 dims, hi and lo: rows gq / gq + 8, k pairs 2 tq (+8).
+    uint32_t ah[8][4], al[8][4];
+    const float *qt = q + static_cast<size_t>(live ? t0 + ti : t0) * kFastHeads * kFastDim;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int head = h0 + gq + ((r & 1) ? 8 : 0), k = 16 * kk + 2 * tq + ((r & 2) ? 8 : 0);
+            const float2 x = live ? *reinterpret_cast<const float2 *>(qt + head * kFastDim + k) : make_float2(0.0f, 0.0f);
+            split_pair(x.x, x.y, ah[kk][r], al[kk][r]);
+        }
+    }
+    const float *wt = w + static_cast<size_t>(live ? t0 + ti : t0) * kFastHeads;
+    const float wg = live ? __fmul_rn(wt[h0 + gq], w_scale) : 0.0f, wg8 = live ? __fmul_rn(wt[h0 + gq + 8], w_scale) : 0.0f;
+    for (int64_t c0 = static_cast<int64_t>(blockIdx.x) * kMmaTile; c0 < n_blk;
+         c0 += static_cast<int64_t>(gridDim.x) * kMmaTile) {
+        __syncthreads();  // the previous tile's ks and part are consumed
+        // Stage rows c0 .. c0 + 63 (rows past n_blk: zeros): 64 x 16 chunks of 16 bytes.
+        for (int e = tid; e < kMmaTile * (kFastDim / 8); e += 256) {
+            const int r = e >> 4, c = e & 15;
+            const int64_t row = c0 + r;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (row < n_blk) v = *reinterpret_cast<const uint4 *>(rows + static_cast<size_t>(row) * row_stride_h + 8 * c);
+            *reinterpret_cast<uint4 *>(ks + r * kMmaLd + 8 * c) = v;
+        }
+        __syncthreads();
+        if (c0 < n_w) {  // warp-uniform: the warp's token needs this tile
+#pragma unroll 2
+            for (int j = 0; j < kMmaTile / 8; ++j) {
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                const __half *kr = ks + (8 * j + gq) * kMmaLd + 2 * tq;
+#pragma unroll
+                for (int kk = 0; kk < 8; ++kk) {
+                    const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk);
+                    const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk + 8);
+                    mma_f16(c, ah[kk], b0, b1);
+                    mma_f16(c, al[kk], b0, b1);
+                }
+                // heads gq (c0, c1) and gq + 8 (c2, c3); columns 8 j + 2 tq, + 1
+                float v0 = __fmul_rn(wg, fmaxf(0.0f, c[0])) + __fmul_rn(wg8, fmaxf(0.0f, c[2]));
+                float v1 = __fmul_rn(wg, fmaxf(0.0f, c[1])) + __fmul_rn(wg8, fmaxf(0.0f, c[3]));
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) {  // over gq: the warp's 16 heads
+                    v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+                    v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+                }
+                if (gq == 0) {
+                    part[tw][warp & 3][8 * j + 2 * tq] = v0;
+                    part[tw][warp & 3][8 * j + 2 * tq + 1] = v1;
+                }
+            }
+        }
+        __syncthreads();
+        // 256 threads: token tid / 128 (of the block), column tid % 64 ... two passes of 128 outputs
+        for (int e = tid; e < kMmaTok * kMmaTile; e += 256) {
+            const int tk = e / kMmaTile, col = e % kMmaTile;
+            const int64_t tj = static_cast<int64_t>(blockIdx.y) * kMmaTok + tk;
+            if (tj >= g) continue;
+            const int64_t row = c0 + col;
+            if (row < rc.get(t0 + tj))
+                score[static_cast<size_t>(tj) * score_stride + row] =
+                    (part[tk][0][col] + part[tk][1][col]) + (part[tk][2][col] + part[tk][3][col]);
+        }
+    }
+}
+
 // Order-preserving key: larger float -> larger key (-0 mapped with +0: equal scores tie).
 __device__ __forceinline__ uint32_t key_of(float f) {
     if (f == 0.0f) f = 0.0f;
@@ -268,13 +405,17 @@ struct cluster_ctx {
 // the first `need` equal ones in row order (counts before it from lower ranks), written at its offset.
 __global__ void __launch_bounds__(kSelectThreads)
     topk_select_kernel(const float *__restrict__ score, row_count rc, int k, int nb, int32_t *__restrict__ out,
-                       int32_t *__restrict__ n_out) {
+                       int32_t *__restrict__ n_out, tok_off to) {
     cluster_ctx cl;
     cl.nb = nb;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (nb > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
 #endif
-    const int64_t n = rc.get();
+    const int64_t tok = to.tok();
+    const int64_t n = rc.get(tok);
+    score += to.slot();
+    out += static_cast<size_t>(tok) * k;
+    if (n_out) n_out += tok;
     const int tid = threadIdx.x, lane = tid & 31;
     if (tid == 0 && cl.rank == 0 && n_out) *n_out = static_cast<int32_t>(n < k ? n : k);
     if (n <= k) {  // every row, ascending (uniform over the cluster: no block waits on another)
@@ -410,49 +551,67 @@ void check_launch(const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
-// Scores then top-k for the rows counted by rc (at most max_n); grids sized from max_n.
-void indexer_run(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16, size_t row_stride,
-                 const row_count &rc, int64_t max_n, int n_head, int dim, int topk, float *score, int32_t *out,
-                 int32_t *n_out, cudaStream_t s) {
-    if (n_head < 1 || n_head > kMaxIdxHeads || dim < 1 || dim > kMaxIdxDim || topk < 1)
-        throw error("cuda ds4 indexer: unsupported geometry: " + std::to_string(n_head) + " heads of " +
-                    std::to_string(dim) + " (<= 128 heads, dim <= 256), top-k " + std::to_string(topk));
-    if (max_n < 0 || max_n > 0x7fffffff)
-        throw error("cuda ds4 indexer: row count " + std::to_string(max_n) + " out of range");
-    int dev = 0, sms = 0, cc_major = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
-    sms = std::max(sms, 1);
-    if (max_n > topk && n_head == kFastHeads && dim == kFastDim) {  // the DS4 geometry, CPU-exact order
-        const unsigned grid = static_cast<unsigned>(std::min<int64_t>((max_n + kFastRows - 1) / kFastRows, sms));
+// One group of g tokens (t0 .. t0 + g - 1 of the batch; decode: t0 = 0, g = 1): scores into the
+// group's score slots (score_stride floats apart), then the top-k of each token. Grids sized from max_n.
+struct idx_group {
+    int64_t t0 = 0, g = 1;
+    size_t score_stride = 0;
+};
+
+void indexer_group(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16, size_t row_stride,
+                   const row_count &rc, int64_t max_n, int n_head, int dim, int topk, float *score, int32_t *out,
+                   int32_t *n_out, const idx_group &grp, int sms, int cc_major, bool exact, cudaStream_t s) {
+    tok_off to;
+    to.t0 = grp.t0;
+    to.score_stride = grp.score_stride;
+    const unsigned gy = static_cast<unsigned>(grp.g);
+    // Blocks per token: the decode grid for one token; for a batch enough to give ~4 blocks per SM in
+    // all (each block loops over its token's row tiles; per-score arithmetic does not depend on it).
+    auto per_tok = [&](int64_t tiles, int64_t one) {
+        const int64_t want = grp.g == 1 ? one : std::max<int64_t>(1, (4 * static_cast<int64_t>(sms) + grp.g - 1) / grp.g);
+        return static_cast<unsigned>(std::max<int64_t>(1, std::min(tiles, want)));
+    };
+    if (!exact && max_n > topk && n_head == kFastHeads && dim == kFastDim && rows_f16 && cc_major >= 8 &&
+        row_stride % 16 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0) {  // prefill: tensor cores
+        const unsigned gyy = static_cast<unsigned>((grp.g + kMmaTok - 1) / kMmaTok);
+        const int64_t tiles = (max_n + kMmaTile - 1) / kMmaTile;
+        const unsigned gx = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tiles, (4 * static_cast<int64_t>(sms) + gyy - 1) / gyy)));
+        indexer_score_mma_kernel<<<dim3(gx, gyy), 256, 0, s>>>(q, w, w_scale, static_cast<const __half *>(rows),
+                                                               row_stride / 2, rc, topk, score, grp.t0, grp.g,
+                                                               grp.score_stride);
+        check_launch("indexer score (tensor cores)");
+    } else if (max_n > topk && n_head == kFastHeads && dim == kFastDim) {  // the DS4 geometry, CPU-exact order
+        const dim3 grid(per_tok((max_n + kFastRows - 1) / kFastRows, sms), gy);
         if (rows_f16)
-            indexer_score64_kernel<true><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score);
+            indexer_score64_kernel<true><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score, to);
         else
-            indexer_score64_kernel<false><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score);
+            indexer_score64_kernel<false><<<grid, 256, 0, s>>>(q, w, w_scale, rows, row_stride, rc, topk, score, to);
         check_launch("indexer score");
     } else if (max_n > topk) {  // otherwise no call can need scores
         const size_t smem = sizeof(float) * (static_cast<size_t>(n_head) * (dim + 1) + kScoreWarps * dim +
                                              static_cast<size_t>(kScoreWarps) * n_head);
         if (smem > 48 * 1024)
             throw error("cuda ds4 indexer: query of " + std::to_string(smem) + " bytes exceeds 48 KB");
-        const int64_t want = (max_n + kScoreWarps - 1) / kScoreWarps;
-        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(want, 4 * static_cast<int64_t>(sms)));
+        const dim3 grid(per_tok((max_n + kScoreWarps - 1) / kScoreWarps, 4 * static_cast<int64_t>(sms)), gy);
         if (rows_f16)
             indexer_score_kernel<true><<<grid, 32 * kScoreWarps, smem, s>>>(q, w, w_scale, rows, row_stride, rc, topk,
-                                                                            n_head, dim, score);
+                                                                            n_head, dim, score, to);
         else
             indexer_score_kernel<false><<<grid, 32 * kScoreWarps, smem, s>>>(q, w, w_scale, rows, row_stride, rc,
-                                                                             topk, n_head, dim, score);
+                                                                             topk, n_head, dim, score, to);
         check_launch("indexer score");
     }
-    // Top-k: a cluster of kClusterBlocks when the row set can be large and the device has clusters.
-    const int nb = cc_major >= 9 && max_n > kClusterMinRows ? kClusterBlocks : 1;
+    // Top-k: a cluster of kClusterBlocks per token when the row set can be large, the device has
+    // clusters and the group is small enough for the clusters to run side by side (a large batch keeps
+    // every SM busy with one block per token instead).
+    const bool cluster = cc_major >= 9 && max_n > kClusterMinRows &&
+                         grp.g * kClusterBlocks <= 2 * static_cast<int64_t>(sms);
+    const int nb = cluster ? kClusterBlocks : 1;
     if (nb == 1) {
-        topk_select_kernel<<<1, kSelectThreads, 0, s>>>(score, rc, topk, 1, out, n_out);
+        topk_select_kernel<<<dim3(1, gy), kSelectThreads, 0, s>>>(score, rc, topk, 1, out, n_out, to);
     } else {
         cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(static_cast<unsigned>(nb));  // the grid is one cluster
+        cfg.gridDim = dim3(static_cast<unsigned>(nb), gy);  // grid row y is token t0 + y's cluster
         cfg.blockDim = dim3(kSelectThreads);
         cfg.stream = s;
         cudaLaunchAttribute attr[1];
@@ -462,11 +621,45 @@ void indexer_run(const float *q, const float *w, float w_scale, const void *rows
         attr[0].val.clusterDim.z = 1;
         cfg.attrs = attr;
         cfg.numAttrs = 1;
-        const cudaError_t e = cudaLaunchKernelEx(&cfg, topk_select_kernel, score, rc, topk, nb, out, n_out);
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, topk_select_kernel, score, rc, topk, nb, out, n_out, to);
         if (e != cudaSuccess)
             throw error(std::string("cuda ds4 indexer top-k: cluster launch failed: ") + cudaGetErrorString(e));
     }
     check_launch("indexer top-k");
+}
+
+// Scores then top-k for n_tok tokens (rows counted by rc, at most max_n each), in groups of as many
+// tokens as score_floats holds score rows (max_n floats each).
+void indexer_run(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16, size_t row_stride,
+                 const row_count &rc, int64_t max_n, int n_head, int dim, int topk, int64_t n_tok, float *score,
+                 size_t score_floats, int32_t *out, int32_t *n_out, cudaStream_t s, bool exact = true) {
+    if (n_head < 1 || n_head > kMaxIdxHeads || dim < 1 || dim > kMaxIdxDim || topk < 1)
+        throw error("cuda ds4 indexer: unsupported geometry: " + std::to_string(n_head) + " heads of " +
+                    std::to_string(dim) + " (<= 128 heads, dim <= 256), top-k " + std::to_string(topk));
+    if (max_n < 0 || max_n > 0x7fffffff)
+        throw error("cuda ds4 indexer: row count " + std::to_string(max_n) + " out of range");
+    if (n_tok < 1) return;
+    int64_t per_group = n_tok;  // tokens per group (score rows the scratch holds)
+    if (max_n > topk) {
+        if (score_floats < static_cast<size_t>(max_n))
+            throw error("cuda ds4 indexer: score scratch of " + std::to_string(score_floats) + " floats below " +
+                        std::to_string(max_n) + " rows");
+        per_group = std::min<int64_t>(n_tok, static_cast<int64_t>(score_floats / static_cast<size_t>(max_n)));
+    }
+    per_group = std::min<int64_t>(per_group, 65535);  // grid y
+    int dev = 0, sms = 0, cc_major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+    sms = std::max(sms, 1);
+    for (int64_t t0 = 0; t0 < n_tok; t0 += per_group) {
+        idx_group grp;
+        grp.t0 = t0;
+        grp.g = std::min(per_group, n_tok - t0);
+        grp.score_stride = static_cast<size_t>(max_n);
+        indexer_group(q, w, w_scale, rows, rows_f16, row_stride, rc, max_n, n_head, dim, topk, score, out, n_out, grp,
+                      sms, cc_major, exact, s);
+    }
 }
 
 }  // namespace
@@ -477,18 +670,34 @@ void launch_indexer_select(const float *q, const float *w, const void *rows, boo
     if (n == 0) return;
     row_count rc;
     rc.n_fixed = n;
-    indexer_run(q, w, 1.0f, rows, rows_f16, row_stride, rc, n, n_head, dim, topk, score, out, nullptr, s);
+    indexer_run(q, w, 1.0f, rows, rows_f16, row_stride, rc, n, n_head, dim, topk, 1, score, static_cast<size_t>(n),
+                out, nullptr, s);
 }
 
 void launch_indexer_topk(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16,
                          size_t row_stride, int ratio, int64_t max_n, int n_head, int dim, int topk,
-                         const int64_t *pos, float *score, int32_t *sel, int32_t *n_sel, cudaStream_t s) {
+                         const int64_t *pos, float *score, int32_t *sel, int32_t *n_sel, cudaStream_t s, bool exact) {
     if (ratio < 1) throw error("cuda ds4 indexer: ratio " + std::to_string(ratio) + " must be positive");
     row_count rc;
     rc.pos = pos;
     rc.ratio = ratio;
     rc.max_n = max_n;
-    indexer_run(q, w, w_scale, rows, rows_f16, row_stride, rc, max_n, n_head, dim, topk, score, sel, n_sel, s);
+    indexer_run(q, w, w_scale, rows, rows_f16, row_stride, rc, max_n, n_head, dim, topk, 1, score,
+                static_cast<size_t>(std::max<int64_t>(max_n, 0)), sel, n_sel, s, exact);
+}
+
+void launch_indexer_topk_batch(const float *q, const float *w, float w_scale, const void *rows, bool rows_f16,
+                               size_t row_stride, int ratio, int64_t max_n, int n_head, int dim, int topk,
+                               int64_t n_tok, const int64_t *pos, float *score, size_t score_floats, int32_t *sel,
+                               int32_t *n_sel, cudaStream_t s, bool exact) {
+    if (ratio < 1) throw error("cuda ds4 indexer: ratio " + std::to_string(ratio) + " must be positive");
+    if (n_tok < 0) throw error("cuda ds4 indexer: negative token count");
+    row_count rc;
+    rc.pos = pos;
+    rc.ratio = ratio;
+    rc.max_n = max_n;
+    indexer_run(q, w, w_scale, rows, rows_f16, row_stride, rc, max_n, n_head, dim, topk, n_tok, score, score_floats,
+                sel, n_sel, s, exact);
 }
 
 }  // namespace fathom::cuda::ds4

@@ -31,6 +31,8 @@
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
+#include "backend/cuda/cuda_sample.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4_impl.h"
@@ -232,6 +234,72 @@ void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, co
     }
     for (const auto &[m, y] : mats) gemv(*m, x, y, s);
 }
+// The prefill products' view of a weight (GGUF rows, or the repacked q8_0 of the fast form).
+cd::gemm_weight gw(const dmat &m) {
+    cd::gemm_weight g;
+    g.type = m.type;
+    g.p = m.p;
+    g.row_bytes = m.row_bytes;
+    g.fast = m.fast ? &m.fw : nullptr;
+    g.rows = m.rows;
+    g.cols = m.cols;
+    return g;
+}
+
+// Float weights (f32 / f16 / bf16) are multiplied in f32: rounding their activations to bf16 would be
+// the largest error of the model (~1e-2 relative, against ~1e-6 for an f32 file; the ds4-tiny golden
+// tier is f32's). Quantised weights carry their own larger rounding, so bf16 operands cost nothing
+// visible there (the CPU's quantised path rounds activations to q8 blocks likewise).
+bool float_weight(dtype t) {
+    return t == dtype::f32 || t == dtype::f16 || t == dtype::bf16;
+}
+
+// Products over a chunk: the prefill GEMM when it takes the weight's type and shape, else the decode
+// GEMV token by token (small geometries such as the ds4-tiny golden, whose widths are not multiples
+// of 32).
+void chunk_matmul(cd::gemm_runner &g, const dmat &m, const float *x, int64_t ldx, int64_t n, float *y, int64_t ldy,
+                  cudaStream_t s, cd::gemm_precision prec = cd::gemm_precision::bf16) {
+    if (float_weight(m.type)) prec = cd::gemm_precision::f32;
+    if (cd::gemm_runner::supported(gw(m))) {
+        g.matmul(gw(m), x, ldx, n, y, ldy, prec);
+        return;
+    }
+    for (int64_t t = 0; t < n; ++t) gemv(m, x + t * ldx, y + t * ldy, s);
+}
+void chunk_matmul_grouped(cd::gemm_runner &g, const dmat &m, int64_t rows_per_group, int groups, const float *x,
+                          int64_t ldx, int64_t n, float *y, int64_t ldy, cudaStream_t s) {
+    if (cd::gemm_runner::supported(gw(m)) && !float_weight(m.type)) {  // (the grouped GEMM is bf16 only)
+        g.matmul_grouped(gw(m), rows_per_group, x, ldx, n, y, ldy);
+        return;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        if (m.fast)
+            cd::launch_gemv_fast_grouped(m.fw, rows_per_group, x + t * ldx, y + t * ldy, s);
+        else
+            cd::launch_gemv_grouped(m.type, m.p, m.row_bytes, m.cols, rows_per_group, groups, x + t * ldx, y + t * ldy, s);
+    }
+}
+
+// Whether the chunked MoE (ds4_prefill.h moe_prefill, bf16 products) takes this model: widths multiples
+// of 32 and quantised expert types its dequantiser knows; otherwise (float experts: see float_weight)
+// chunks run the decode MoE token by token.
+bool chunk_moe_supported(const hparams &hp, const std::vector<dlayer> &layers) {
+    if (hp.n_embd % 32 != 0 || hp.n_ff_exp % 32 != 0 || hp.n_expert > 1024 || hp.n_expert_used > 32) return false;
+    for (const dlayer &l : layers)
+        for (const cd::expert_bank *b : {&l.moe.gate, &l.moe.up, &l.moe.down, &l.moe.gate_sh, &l.moe.up_sh, &l.moe.down_sh}) {
+            if (!b->data) continue;
+            if (float_weight(b->type)) return false;
+            cd::gemm_weight w;
+            w.type = b->type;
+            w.p = b->data;
+            w.row_bytes = b->row_bytes;
+            w.rows = b->rows;
+            w.cols = b->cols;
+            if (!cd::gemm_runner::supported(w)) return false;
+        }
+    return true;
+}
+
 double hc_bytes(const dhc &h) {
     return mat_bytes(h.fn);
 }
@@ -453,11 +521,64 @@ struct cuda_sequence::impl {
 
     void enqueue_attention(const dlayer &l, layer_state_dev &st);
     void enqueue_step();
+
+    // Prefill chunks (ds4_prefill.h): scratch for up to `chunk` tokens, all [chunk, ...] row-major.
+    struct chunk_state {
+        int64_t cap = 0;
+        int32_t *tokens = nullptr;
+        float *x[2] = {nullptr, nullptr};
+        float *xn, *mix, *post, *comb, *q_lat, *q, *kv, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y;
+        void *kv_rows = nullptr;  // the chunk's KV rows in the ring's precision (window source)
+        int32_t *sel = nullptr, *n_sel = nullptr;
+        size_t score_floats = 0;
+        std::unique_ptr<cd::gemm_runner> gemm;
+        std::unique_ptr<cd::moe_prefill> moe;
+    } cs;
+    // Sampling summary (logits_top): scratch allocated on first use.
+    struct sample_state {
+        float *work = nullptr, *vals = nullptr, *max = nullptr;
+        int32_t *ids = nullptr, *pen = nullptr;
+        double *z = nullptr;
+        uint32_t *bad = nullptr;
+        int pen_cap = 0;
+    } ss;
+    void alloc_chunk(int64_t cap);
+    void enqueue_chunk_attention(const dlayer &l, layer_state_dev &st, int64_t n);
+    // The chunk's n tokens (cs.tokens, position *pos) through this device's blocks; the state leaving
+    // them is in cs.x[0]. Synchronises once per layer (MoE expert counts).
+    void enqueue_chunk(int64_t n);
 };
 
-size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx) {
+namespace {
+
+// Score scratch of the chunk indexer: every token's visible rows when that is at most 64 Mi floats,
+// otherwise tokens are scored in groups (launch_indexer_topk_batch).
+size_t chunk_score_floats(int64_t chunk, int64_t max_idx) {
+    return std::max<size_t>(static_cast<size_t>(max_idx),
+                            std::min<size_t>(static_cast<size_t>(chunk) * static_cast<size_t>(max_idx), size_t{64} << 20));
+}
+
+// Bytes of prefill-chunk scratch for `chunk` tokens: activations, the bf16 copies the products make,
+// the product and MoE scratch (an estimate from above: their own buffers are sized inside them).
+size_t chunk_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t chunk) {
+    if (chunk <= 0) return 0;
+    const size_t D = static_cast<size_t>(hp.n_embd), d = static_cast<size_t>(hp.head_dim), Hd = static_cast<size_t>(hp.n_head) * d,
+                 Id = static_cast<size_t>(hp.idx_dim), IH = static_cast<size_t>(hp.idx_head), nh = static_cast<size_t>(hp.n_hc),
+                 F = static_cast<size_t>(hp.n_ff_exp), k = static_cast<size_t>(hp.n_expert_used) + 1;
+    const size_t floats = (2 * nh + 3) * D + static_cast<size_t>(hp.q_lora) + 2 * Hd + 6 * d + IH * Id + 4 * Id + IH +
+                          static_cast<size_t>(hp.o_groups * hp.o_rank) + static_cast<size_t>(hp.idx_topk) + 32 +
+                          (nh + 2) * nh;
+    const size_t per_tok = floats * 4 + d * (kv == kv_precision::f16 ? 2 : 4) + Hd * 2 /* bf16 x */ +
+                           k * (D + 3 * F) * 4 /* MoE slots */;
+    const size_t score = chunk_score_floats(chunk, n_ctx / 4 + 1) * 4;
+    return static_cast<size_t>(chunk) * per_tok + score + (size_t{640} << 20) /* weight tiles, partials, cuBLAS */;
+}
+
+}  // namespace
+
+size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t prefill_chunk) {
     const size_t e = kv == kv_precision::f16 ? 2 : 4;
-    size_t b = 0;
+    size_t b = chunk_bytes(hp, kv, n_ctx, std::min(prefill_chunk, n_ctx));
     for (int il = 0; il < hp.n_layer; ++il) {
         const int r = hp.compress_ratio[static_cast<size_t>(il)];
         b += static_cast<size_t>(hp.window) * hp.head_dim * e;
@@ -475,10 +596,11 @@ const hparams &cuda_sequence::hp() const {
     return p_->w->hp;
 }
 
-cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph)
-    : p_(std::make_unique<impl>()), n_ctx_(n_ctx) {
+cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph, int64_t prefill_chunk)
+    : p_(std::make_unique<impl>()), n_ctx_(n_ctx), chunk_(std::min(prefill_chunk, n_ctx)) {
     if (!w) throw error("cuda ds4: no weights");
     if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
+    if (prefill_chunk < 0) throw error("cuda ds4: prefill_chunk must be >= 0");
     impl &p = *p_;
     p.w = std::move(w);
     p.use_graph = use_graph;
@@ -486,7 +608,7 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     ck(cudaSetDevice(p.w->device), "selecting the device");
     size_t free_b = 0, total_b = 0;
     ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
-    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx);
+    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, chunk_);
     if (need > free_b)
         throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
                     " of device memory, " + gib(static_cast<double>(free_b)) + " free");
@@ -565,7 +687,65 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.moe.ids = p.dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
     p.moe.weights = p.dev<float>(static_cast<size_t>(hp.n_expert_used));
     p.moe.h = p.dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
+    if (chunk_ > 1) p.alloc_chunk(chunk_);
     reset();
+}
+
+void cuda_sequence::impl::alloc_chunk(int64_t T) {
+    const hparams &hp = w->hp;
+    const size_t n = static_cast<size_t>(T), D = static_cast<size_t>(hp.n_embd), d = static_cast<size_t>(hp.head_dim),
+                 Hd = static_cast<size_t>(hp.n_head) * d, Id = static_cast<size_t>(hp.idx_dim),
+                 IH = static_cast<size_t>(std::max(hp.idx_head, 1)), nh = static_cast<size_t>(hp.n_hc);
+    chunk_state &c = cs;
+    c.cap = T;
+    c.tokens = dev<int32_t>(n);
+    c.x[0] = dev<float>(n * nh * D);
+    c.x[1] = dev<float>(n * nh * D);
+    c.xn = dev<float>(n * D);
+    c.mix = dev<float>(n * ((2 + nh) * nh + 1));
+    c.post = dev<float>(n * nh);
+    c.comb = dev<float>(n * nh * nh);
+    c.q_lat = dev<float>(n * static_cast<size_t>(hp.q_lora));
+    c.q = dev<float>(n * Hd);
+    c.kv = dev<float>(n * d);
+    c.kv_rows = dev<uint8_t>(n * d * kv_elem);
+    c.ca = dev<float>(n * 2 * d);
+    c.cg = dev<float>(n * 2 * d);
+    c.iq = dev<float>(n * IH * Id);
+    c.iw = dev<float>(n * IH);
+    c.ica = dev<float>(n * 2 * Id);
+    c.icg = dev<float>(n * 2 * Id);
+    int64_t max_idx = 1;
+    for (const layer_state_dev &st : ls)
+        if (st.idx_rows) max_idx = std::max(max_idx, st.max_comp);
+    c.score_floats = chunk_score_floats(T, max_idx);
+    c.score = dev<float>(c.score_floats);
+    c.sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
+    c.n_sel = dev<int32_t>(n);
+    size_t part = 1;
+    for (size_t il = 0; il < w->layers.size(); ++il) {
+        cd::sparse_attn_args a;
+        a.n_head = hp.n_head;
+        a.d = hp.head_dim;
+        a.window = hp.window;
+        const int r = w->layers[il].ratio;
+        a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
+        a.ratio = r;
+        a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, ls[il].max_comp) : ls[il].max_comp;
+        // The partials' size is not monotone in the token count (small chunks split rows over
+        // blocks): the largest over every chunk length this sequence can launch.
+        for (int64_t m = 1; m <= T; ++m) part = std::max(part, cd::attn_batch_part_floats(a, m));
+    }
+    c.part = dev<float>(part);
+    c.o = dev<float>(n * Hd);
+    c.z = dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
+    c.y = dev<float>(n * D);
+    // The widest product input: the grouped output projection's [T, H * d] (q_b reads q_lora, out_b
+    // o_groups * o_rank, the rest D).
+    const size_t widest = std::max({Hd, D, static_cast<size_t>(hp.q_lora), static_cast<size_t>(hp.o_groups * hp.o_rank)});
+    c.gemm = std::make_unique<cd::gemm_runner>(s, n * widest);
+    if (chunk_moe_supported(hp, w->layers))
+        c.moe = std::make_unique<cd::moe_prefill>(*c.gemm, T, hp.n_embd, hp.n_ff_exp, hp.n_expert, hp.n_expert_used);
 }
 
 cuda_sequence::~cuda_sequence() = default;
@@ -591,6 +771,7 @@ void cuda_sequence::reset() {
     ck(cudaStreamSynchronize(p.s), "clearing");
     *p.err_h = 0;
     n_past_ = 0;
+    have_logits_ = false;
 }
 
 void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st) {
@@ -653,7 +834,8 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
         phase("indexer top-k");
         cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4, st.max_comp,
-                                hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, s);
+                                hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, s,
+                                w->opt.exact_indexer);
     }
     phase("sparse sink attention");
     cd::sparse_attn_args a;
@@ -730,6 +912,238 @@ void cuda_sequence::impl::enqueue_step() {
     phase("");
 }
 
+// ---- prefill chunks ------------------------------------------------------------------------------
+// The same sublayers as enqueue_attention / enqueue_step for n tokens at once (ds4_prefill.h): the
+// products of all n tokens are matrix-matrix (gemm_runner), the element-wise kernels take a token
+// dimension, and the chunk's KV rows feed its own attention window before the ring gets them.
+
+void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_dev &st, int64_t n) {
+    const hparams &hp = w->hp;
+    const qat_mode qat = w->opt.qat;
+    const int64_t D = hp.n_embd, d = hp.head_dim, H = hp.n_head, Id = hp.idx_dim, IH = hp.idx_head;
+    const bool f16 = kv_elem == 2;
+    const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
+    const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
+    cd::gemm_runner &g = *cs.gemm;
+    const int64_t cw = (l.ratio == 4 ? 2 : 1) * d;
+    // Projections of xn. The indexer's (query, head weights) stay f32: they decide which rows are
+    // attended, and bf16 rounding there would flip near-tied selections against the decode path.
+    chunk_matmul(g, l.q_a, cs.xn, D, n, cs.q_lat, hp.q_lora, s);
+    chunk_matmul(g, l.kv, cs.xn, D, n, cs.kv, d, s);
+    if (l.ratio > 0) {
+        chunk_matmul(g, l.comp.kv, cs.xn, D, n, cs.ca, cw, s);
+        chunk_matmul(g, l.comp.gate, cs.xn, D, n, cs.cg, cw, s);
+    }
+    if (l.ratio == 4) {
+        chunk_matmul(g, l.idx_proj, cs.xn, D, n, cs.iw, IH, s, cd::gemm_precision::f32);
+        chunk_matmul(g, l.idx_comp.kv, cs.xn, D, n, cs.ica, 2 * Id, s);
+        chunk_matmul(g, l.idx_comp.gate, cs.xn, D, n, cs.icg, 2 * Id, s);
+    }
+    cuda::launch_rms_norm(cs.q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, n, cs.q_lat, hp.q_lora, s);
+    chunk_matmul(g, l.q_b, cs.q_lat, hp.q_lora, n, cs.q, H * d, s);
+    if (l.ratio == 4) chunk_matmul(g, l.idx_q_b, cs.q_lat, hp.q_lora, n, cs.iq, IH * Id, s, cd::gemm_precision::f32);
+    cd::launch_head_norm_rope_batch(cs.q, n, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none,
+                                    pos, s);
+    const size_t row_stride = static_cast<size_t>(d) * kv_elem;
+    cd::launch_kv_finish_batch(cs.kv, n, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
+                               qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs.kv_rows, f16,
+                               row_stride, pos, s);
+    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
+                          const float *a, const float *gt) {
+        cd::compressor_args ca_;
+        ca_.ratio = c.ratio;
+        ca_.dim = c.dim;
+        ca_.ape = c.ape;
+        ca_.norm_w = c.norm;
+        ca_.eps = hp.rms_eps;
+        ca_.rope = yarn;
+        ca_.qat = qk;
+        ca_.state_kv = skv;
+        ca_.state_score = sscore;
+        ca_.rows = rows;
+        ca_.rows_f16 = f16;
+        ca_.row_stride = static_cast<size_t>(width) * kv_elem;
+        ca_.max_rows = st.max_comp;
+        cd::launch_compressor_chunk(ca_, a, gt, n, pos, err_d, s);
+    };
+    if (l.ratio > 0)
+        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
+                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs.ca, cs.cg);
+    if (l.ratio == 4) {
+        const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+        cd::launch_head_norm_rope_batch(cs.iq, n, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, cs.ica, cs.icg);
+        const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
+        cd::launch_indexer_topk_batch(cs.iq, cs.iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4,
+                                      st.max_comp, hp.idx_head, static_cast<int>(Id), hp.idx_topk, n, pos, cs.score,
+                                      cs.score_floats, cs.sel, cs.n_sel, s, w->opt.exact_indexer);
+    }
+    cd::sparse_attn_args a;
+    a.n_head = hp.n_head;
+    a.d = static_cast<int>(d);
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    a.sinks = l.sinks;
+    a.ring = st.ring;
+    a.ring_f16 = f16;
+    a.ring_stride = row_stride;
+    a.window = hp.window;
+    a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
+    a.comp = st.comp_rows;
+    a.comp_f16 = f16;
+    a.comp_stride = row_stride;
+    a.ratio = l.ratio;
+    a.sel = cs.sel;
+    a.n_sel = cs.n_sel;
+    a.max_comp = l.ratio == 4 ? std::min<int64_t>(hp.idx_topk, st.max_comp) : st.max_comp;
+    a.rope = rope;
+    cd::launch_sparse_sink_attention_batch(a, cs.kv_rows, row_stride, n, std::max(hp.idx_topk, 1), cs.q, pos, cs.part,
+                                           cs.o, s);
+    // Every token of the chunk has attended: the ring takes the chunk's last rows.
+    cd::launch_ring_store_tail(cs.kv_rows, row_stride, n, static_cast<int>(d), static_cast<int>(kv_elem), st.ring,
+                               row_stride, hp.window, pos, s);
+    chunk_matmul_grouped(g, l.out_a, hp.o_rank, hp.o_groups, cs.o, H * d, n, cs.z, hp.o_groups * hp.o_rank, s);
+    chunk_matmul(g, l.out_b, cs.z, hp.o_groups * hp.o_rank, n, cs.y, D, s);
+}
+
+void cuda_sequence::impl::enqueue_chunk(int64_t n) {
+    const hparams &hp = w->hp;
+    const int64_t D = hp.n_embd, S = hp.n_hc * D;
+    const int nh = hp.n_hc;
+    if (w->embed())  // otherwise cs.x[0] holds the state entering this stage
+        for (int k = 0; k < nh; ++k)
+            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, cs.tokens, n,
+                                  cs.x[0] + k * D, S, err_d, s);
+    const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
+    int cur = 0;
+    auto hc_pre = [&](const dhc &h, const float *norm) {
+        cd::launch_hc_pre_batch(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, cs.x[cur], n, cs.mix, cs.xn,
+                                cs.post, cs.comb, s);
+        cuda::launch_rms_norm(cs.xn, D, norm, hp.rms_eps, D, n, cs.xn, D, s);
+    };
+    auto hc_post = [&] {
+        cd::launch_hc_post_batch(nh, D, n, cs.y, cs.x[cur], cs.post, cs.comb, cs.x[1 - cur], s);
+        cur = 1 - cur;
+    };
+    for (size_t il = 0; il < w->layers.size(); ++il) {
+        const dlayer &l = w->layers[il];
+        hc_pre(l.hc_attn, l.attn_norm);
+        enqueue_chunk_attention(l, ls[il], n);
+        hc_post();
+        hc_pre(l.hc_ffn, l.ffn_norm);
+        if (cs.moe) {
+            cs.moe->forward(l.moe, cs.xn, cs.tokens, n, cs.y, err_d);
+        } else {
+            for (int64_t t = 0; t < n; ++t)
+                cd::launch_moe_ffn(l.moe, cs.xn + t * D, cs.tokens + t, moe, cs.y + t * D, err_d, s);
+        }
+        hc_post();
+    }
+}
+
+// Logits of token i of the chunk (its state in cs.x[0]): HC head, norm, output head, argmax.
+void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits,
+                               bool all_logits) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(D), V = static_cast<size_t>(hp.n_vocab);
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    *p.h_pos = n_past_;
+    ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
+    ck(cudaMemcpyAsync(p.cs.tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s),
+       "uploading tokens");
+    if (x_in) ck(cudaMemcpyAsync(p.cs.x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
+    p.enqueue_chunk(n);
+    if (x_out) ck(cudaMemcpyAsync(x_out, p.cs.x[0], n * S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
+    if (p.w->head()) {  // the last token's logits always (they stay on the device), others on request
+        const cd::hc_params hcp{hp.n_hc, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
+        const dhc &h = p.w->hc_head;
+        for (int64_t i = logits && all_logits ? 0 : n - 1; i < n; ++i) {
+            cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, p.cs.x[0] + i * S, p.mix, p.zh, p.s);
+            cuda::launch_rms_norm(p.zh, D, p.w->output_norm, hp.rms_eps, D, 1, p.zh, D, p.s);
+            gemv(p.w->output, p.zh, p.logits, p.s);
+            if (logits)
+                ck(cudaMemcpyAsync(logits + (all_logits ? static_cast<size_t>(i) * V : 0), p.logits, V * sizeof(float),
+                                   cudaMemcpyDeviceToHost, p.s),
+                   "downloading logits");
+        }
+    }
+    const cudaError_t e = cudaStreamSynchronize(p.s);
+    if (e != cudaSuccess || *p.err_h != 0) {
+        const uint32_t bits = *p.err_h;
+        reset();
+        if (e != cudaSuccess) throw error(std::string("cuda ds4: prefill chunk: ") + cudaGetErrorString(e));
+        char b[16];
+        std::snprintf(b, sizeof b, "%x", bits);
+        throw error("cuda ds4: device-side error 0x" + std::string(b) + " in the prefill chunk at position " +
+                    std::to_string(*p.h_pos) + " (bad token/expert id or a row index past its buffer); the sequence was reset");
+    }
+    n_past_ += n;
+    have_logits_ = p.w->head();
+}
+
+void cuda_sequence::last_logits(std::span<float> out) {
+    impl &p = *p_;
+    if (!have_logits_) throw error("cuda ds4: no logits (nothing evaluated since the reset, or a stage without the head)");
+    if (out.size() != static_cast<size_t>(p.w->hp.n_vocab)) throw error("cuda ds4: last_logits needs n_vocab floats");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    ck(cudaMemcpyAsync(out.data(), p.logits, out.size() * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading logits");
+    ck(cudaStreamSynchronize(p.s), "downloading logits");
+}
+
+cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std::pair<int32_t, int32_t>> penalties,
+                                                     float repeat, float frequency, float presence) {
+    impl &p = *p_;
+    if (!have_logits_) throw error("cuda ds4: no logits (nothing evaluated since the reset, or a stage without the head)");
+    const int64_t V = p.w->hp.n_vocab;
+    k = static_cast<int>(std::min<int64_t>(std::clamp(k, 1, cuda::logits_top_max_k), V));
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    impl::sample_state &ss = p.ss;
+    if (!ss.work) {
+        ss.work = p.dev<float>(static_cast<size_t>(V));
+        ss.vals = p.dev<float>(cuda::logits_top_max_k);
+        ss.ids = p.dev<int32_t>(cuda::logits_top_max_k);
+        ss.max = p.dev<float>(1);
+        ss.z = p.dev<double>(1);
+        ss.bad = p.dev<uint32_t>(1);
+    }
+    const int n_pen = static_cast<int>(penalties.size());
+    if (n_pen > ss.pen_cap) {
+        ss.pen = p.dev<int32_t>(2 * static_cast<size_t>(n_pen));  // the old buffer stays in allocs until the sequence dies
+        ss.pen_cap = n_pen;
+    }
+    std::vector<int32_t> pen(2 * static_cast<size_t>(n_pen));
+    for (int j = 0; j < n_pen; ++j) {
+        if (penalties[static_cast<size_t>(j)].first < 0 || penalties[static_cast<size_t>(j)].first >= V)
+            throw error("cuda ds4: penalty token outside the vocabulary");
+        pen[static_cast<size_t>(j)] = penalties[static_cast<size_t>(j)].first;
+        pen[static_cast<size_t>(n_pen + j)] = penalties[static_cast<size_t>(j)].second;
+    }
+    if (n_pen > 0)
+        ck(cudaMemcpyAsync(ss.pen, pen.data(), pen.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading penalties");
+    cuda::logits_top_args a;
+    a.logits = p.logits;
+    a.n = V;
+    a.pen_ids = ss.pen;
+    a.pen_counts = ss.pen ? ss.pen + n_pen : nullptr;
+    a.n_pen = n_pen;
+    a.repeat = repeat;
+    a.frequency = frequency;
+    a.presence = presence;
+    a.k = k;
+    cuda::launch_logits_top(a, {ss.ids, ss.vals, ss.max, ss.z, ss.bad, ss.work}, p.s);
+    top_summary r;
+    r.ids.resize(static_cast<size_t>(k));
+    r.logits.resize(static_cast<size_t>(k));
+    ck(cudaMemcpyAsync(r.ids.data(), ss.ids, r.ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaMemcpyAsync(r.logits.data(), ss.vals, r.logits.size() * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaMemcpyAsync(&r.max_logit, ss.max, sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaMemcpyAsync(&r.z, ss.z, sizeof(double), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaMemcpyAsync(&r.bad, ss.bad, sizeof(uint32_t), cudaMemcpyDeviceToHost, p.s), "downloading");
+    ck(cudaStreamSynchronize(p.s), "summarising logits");
+    return r;
+}
+
 void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
@@ -783,6 +1197,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     }
     if (argmax_host) *argmax_host = *p.h_amax;
     ++n_past_;
+    have_logits_ = p.w->head();
 }
 
 void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
@@ -807,6 +1222,17 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
                     (w.head() ? "(expected n_vocab = " + std::to_string(V) + " or n * n_vocab = " + std::to_string(n * V) + ")"
                               : "for a stage without the output head"));
     check_tokens(tokens);
+    if (n > 1 && chunk_ > 1) {  // layer-major chunks
+        const bool all = logits.size() == n * V && n > 0;
+        for (size_t c0 = 0; c0 < n; c0 += static_cast<size_t>(chunk_)) {
+            const size_t m = std::min(n - c0, static_cast<size_t>(chunk_));
+            const bool last = c0 + m == n;
+            float *lg = logits.empty() ? nullptr : all ? logits.data() + c0 * V : last ? logits.data() : nullptr;
+            eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S,
+                       w.head() ? nullptr : x.data() + c0 * S, lg, all);
+        }
+        return;
+    }
     for (size_t i = 0; i < n; ++i) {
         float *out = nullptr;
         if (logits.size() == n * V)

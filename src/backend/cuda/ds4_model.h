@@ -33,6 +33,10 @@ struct cuda_run_options {
     int device = 0;
     qat_mode qat = qat_mode::full;
     kv_precision kv = kv_precision::f16;  // raw ring, compressed and indexer rows
+    // The indexer's row scores: false (default) on tensor cores (f16 rows exact, queries split into f16
+    // hi + lo, f32 sums: ~1e-6 relative, so a near-tie may select the other row; ~4x less time at 128K);
+    // true in the CPU reference's exact order (double sums), so selections equal the CPU's.
+    bool exact_indexer = false;
     // Pipeline stages (src/dist): only blocks [first_layer, last_layer) live on this device (-1: all
     // of them); the embedding is uploaded only with block 0, the HC head and output head only with
     // the last block.
@@ -51,14 +55,24 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
 size_t cuda_weight_bytes(const cuda_weights &w);
 double cuda_bytes_per_token(const cuda_weights &w);
 
-// Device bytes a sequence of n_ctx tokens needs (KV rows, compressor frontiers, scratch).
-size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx);
+// Tokens per prefill chunk by default: eval() of n > 1 tokens runs them layer-major in chunks of
+// this many (every token of a chunk through a layer before the next layer).
+constexpr int64_t default_prefill_chunk = 4096;
+
+// Device bytes a sequence of n_ctx tokens needs (KV rows, compressor frontiers, decode scratch, and
+// the scratch of prefill chunks of prefill_chunk tokens).
+size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx,
+                           int64_t prefill_chunk = default_prefill_chunk);
 
 class cuda_sequence {
   public:
     // Allocates the state for up to n_ctx tokens (fathom::error when the device lacks the memory).
     // use_graph: replay the captured decode step (default) instead of launching it eagerly.
-    cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true);
+    // prefill_chunk: eval() / eval_stage() of more than one token run them as chunks of up to this
+    // many tokens, layer-major (ds4_prefill.h: batched matrix products, compressors, indexer and
+    // attention); 0 evaluates every token as a decode step (token-serial, the reference path).
+    cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true,
+                  int64_t prefill_chunk = default_prefill_chunk);
     ~cuda_sequence();
     cuda_sequence(const cuda_sequence &) = delete;
     cuda_sequence &operator=(const cuda_sequence &) = delete;
@@ -69,7 +83,9 @@ class cuda_sequence {
     // Forget every token (clears rings, frontiers and rows on the device).
     void reset();
     // Evaluate tokens at positions n_past, n_past + 1, ...; logits: empty, [n_vocab] (the last
-    // token's) or [n * n_vocab] (every token's). Throws on a token outside the vocabulary or past
+    // token's) or [n * n_vocab] (every token's). More than one token: chunked prefill (see the
+    // constructor's prefill_chunk), whose products are bf16 x bf16 -> f32 instead of the decode
+    // GEMVs' f32 activations: logits agree with token-serial evaluation to bf16 precision. Throws on a token outside the vocabulary or past
     // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
     void eval(std::span<const int32_t> tokens, std::span<float> logits);
     // A pipeline stage (weights uploaded for a block range): x [n, n_hc * D] is the HC state entering
@@ -79,6 +95,22 @@ class cuda_sequence {
     void eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits);
     // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
     int32_t step_greedy(int32_t token);
+    // The last evaluated token's logits stay on the device (eval() with empty logits downloads
+    // nothing): last_logits() downloads them; logits_top() summarises them for the host sampler
+    // (cuda_sample.h: penalties applied to the (token, count) pairs, softmax statistics, the k best)
+    // so that fathom::sampler::sample_top draws without the n_vocab logits crossing to the host.
+    // Both throw when no token has been evaluated since the last reset (or on a pipeline stage
+    // without the output head).
+    struct top_summary {
+        std::vector<int32_t> ids;
+        std::vector<float> logits;
+        float max_logit = 0;
+        double z = 0;
+        uint32_t bad = 0;  // NaN / +inf logits seen
+    };
+    void last_logits(std::span<float> out);
+    top_summary logits_top(int k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
+                           float frequency, float presence);
     // Benchmarks only: make the sequence look n tokens deep without evaluating them. The raw ring,
     // the n / R compressed rows and the n / 4 indexer rows of every layer are filled with seeded
     // N(0, 1) values (compressor frontiers stay empty) and n_past becomes n, so the next decode step
@@ -95,8 +127,10 @@ class cuda_sequence {
   private:
     struct impl;
     std::unique_ptr<impl> p_;
-    int64_t n_past_ = 0, n_ctx_ = 0;
+    int64_t n_past_ = 0, n_ctx_ = 0, chunk_ = 0;
+    bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
     uint64_t replays_ = 0;
+    void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits);
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
               float *x_out = nullptr);
     void check_tokens(std::span<const int32_t> tokens) const;

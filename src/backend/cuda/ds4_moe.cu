@@ -29,7 +29,8 @@
 // sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (scores
 // by a block, top-k by one warp), gate/up of the routed + shared experts, down of the routed + shared
 // experts, each launched with PDL (each waits for its predecessor before reading its outputs).
-// Expert ids come from device memory.
+// Expert ids come from device memory. The route kernel also serves prefill chunks
+// (launch_moe_route_batch, ds4_prefill.h: one block per token, the same code per block).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 
@@ -778,6 +780,13 @@ __global__ void __launch_bounds__(kRouteThreads)
     __shared__ float score[kMaxExperts], biased[kMaxExperts];
     __shared__ unsigned char taken[kMaxExperts];
     __shared__ int chosen[kMaxUsed];
+    // Block b routes token b of a chunk (launch_moe_route_batch: logits [n_tok, E], ids / weights
+    // [n_tok, k]); the decode launch is the one-block case (b = 0), unchanged.
+    const int64_t b = blockIdx.x;
+    logits += b * E;
+    token += b;
+    ids += b * k;
+    weights += b * k;
     pdl_wait();
     pdl_launch_dependents();  // a PDL-launched gate/up kernel starts its shared expert meanwhile
     for (int e = static_cast<int>(threadIdx.x); e < E; e += static_cast<int>(blockDim.x)) {
@@ -1069,18 +1078,19 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
     }
 }
 
-// moe_route_kernel on one block of kRouteThreads; pdl: programmatic stream serialisation (the
-// kernel waits for its predecessor before reading logits).
+// moe_route_kernel on n_tok blocks of kRouteThreads (one token each; decode: 1); pdl: programmatic
+// stream serialisation (the kernel waits for its predecessor before reading logits).
 void route_launch(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
                   const int32_t *token, int k, float scale, int32_t *ids, float *weights, uint32_t *err, bool pdl,
-                  cudaStream_t s) {
+                  cudaStream_t s, int64_t n_tok = 1) {
+    if (n_tok < 1 || n_tok > 0x7fffffff) throw error("cuda ds4 route: bad token count " + std::to_string(n_tok));
     if (E < 1 || E > kMaxExperts || k < 1 || k > kMaxUsed || k > E)
         throw error("cuda ds4 route: unsupported expert count " + std::to_string(E) + " / used " + std::to_string(k) +
                     " (E <= 1024, used <= 32)");
     if (!bias && (!tid2eid || !token || n_vocab < 1))
         throw error("cuda ds4 route: hash routing needs tid2eid, n_vocab and the token id");
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1);
+    cfg.gridDim = dim3(static_cast<unsigned>(n_tok));
     cfg.blockDim = dim3(kRouteThreads);
     cfg.dynamicSmemBytes = 0;
     cfg.stream = s;
@@ -1120,6 +1130,20 @@ void launch_moe_route(const float *logits, int E, const float *bias, const int32
                       const int32_t *token, int k, float scale, int32_t *ids, float *weights, uint32_t *err,
                       cudaStream_t s) {
     route_launch(logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights, err, false, s);
+}
+
+void launch_moe_route_batch(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
+                            const int32_t *tokens, int64_t n_tok, int k, float scale, int32_t *ids, float *weights,
+                            uint32_t *err, cudaStream_t s) {
+    if (n_tok == 0) return;
+    route_launch(logits, E, bias, tid2eid, n_vocab, tokens, k, scale, ids, weights, err, false, s, n_tok);
+}
+
+const uint64_t *iq2xxs_grid_device() {
+    void *p = nullptr;
+    if (cudaGetSymbolAddress(&p, k_iq2xxs_grid) != cudaSuccess || !p)
+        throw error("cuda ds4: cannot find the device IQ2_XXS grid");
+    return static_cast<const uint64_t *>(p);
 }
 
 void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, const moe_scratch &sc, float *y,
