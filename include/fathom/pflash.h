@@ -72,6 +72,9 @@ struct options {
     drafter_residency residency = drafter_residency::auto_select;
     uint64_t auto_keep_max_bytes = uint64_t{1} << 30;
     int n_threads = 0;                   // drafter threads, 0 = online cores
+    // Where the drafter runs: "cpu", or "cuda" / "cuda:N" in a CUDA build (weights, KV and the scoring
+    // attention on that GPU; loading fails with the device's reason when it cannot be used).
+    std::string drafter_device = "cpu";
 
     // Throws on the first invalid field (keep_ratio checked by validate_keep_ratio).
     void validate() const;

@@ -150,6 +150,15 @@ public:
     virtual void attention_paged_rows(const tensor &q, std::span<const kv_pages> kv,
                                       std::span<const int64_t> n_past, const attn_params &p,
                                       const tensor &out);
+    // PFlash scoring (src/pflash/drafter.cpp): for each query row t of q [n_q, n_head*head_dim] (f32)
+    // at position first_pos + t and each head h, p = softmax over keys j in [0, first_pos + t] of
+    // s_j = scale * (q_th . k_j), softcapped (cap * tanh(s / cap)) when softcap > 0, with k_j row
+    // (h / (n_head / n_head_kv)) * n_ctx + j of k [n_head_kv*n_ctx, head_dim] (f16); then
+    // agg[t, j] = max(agg[t, j], p_j) for agg [n_q, >= first_pos + n_q] f32 (other columns untouched).
+    // The default runs on host memory (the CPU backend's tensors); a device backend overrides it.
+    virtual void attention_prob_max(const tensor &q, const tensor &k, int32_t n_head, int32_t n_head_kv,
+                                    int64_t n_ctx, float scale, float softcap, int64_t first_pos,
+                                    const tensor &agg);
     virtual void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) = 0;
     virtual void add(const tensor &a, const tensor &b, const tensor &out) = 0;
     virtual void scale(const tensor &x, float s) = 0;            // in place

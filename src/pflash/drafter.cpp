@@ -15,6 +15,10 @@
 
 #include "backend/cpu/vec.h"
 #include "core/error.h"
+#include "engine/device.h"
+#ifdef FATHOM_ENGINE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace fathom::pflash {
 
@@ -31,7 +35,8 @@ int online_cores() {
 
 }  // namespace
 
-std::unique_ptr<drafter> drafter::load(const std::string &path, int n_threads, int32_t n_batch) {
+std::unique_ptr<drafter> drafter::load(const std::string &path, int n_threads, int32_t n_batch,
+                                       const std::string &device) {
     // Members are filled one by one inside a unique_ptr: if any step throws, the partial drafter is
     // destroyed (backend last), so a failed load leaves no weights, mappings or threads behind.
     std::unique_ptr<drafter> d(new drafter());
@@ -42,12 +47,21 @@ std::unique_ptr<drafter> drafter::load(const std::string &path, int n_threads, i
     const dense_hparams hp = dense_load_hparams(*d->file_);
     d->n_batch_ = n_batch;
     d->n_threads_ = n_threads > 0 ? n_threads : online_cores();
-    cpu_options co;
-    co.n_threads = d->n_threads_;
-    co.max_cols = std::max({int64_t{hp.n_embd}, int64_t{hp.n_head} * hp.head_dim, int64_t{hp.n_ff}});
-    co.max_rows = n_batch;
-    co.max_ctx = 4096;  // the attention scratch grows with the span
-    d->be_ = make_cpu_backend(co);
+    const int ordinal = resolve_cuda_ordinal(device);  // -1: the CPU; throws for an unusable device
+    if (ordinal >= 0) {
+#ifdef FATHOM_ENGINE_CUDA
+        cuda_options cu;
+        cu.device = ordinal;
+        d->be_ = make_cuda_backend(cu);
+#endif
+    } else {
+        cpu_options co;
+        co.n_threads = d->n_threads_;
+        co.max_cols = std::max({int64_t{hp.n_embd}, int64_t{hp.n_head} * hp.head_dim, int64_t{hp.n_ff}});
+        co.max_rows = n_batch;
+        co.max_ctx = 4096;  // the attention scratch grows with the span
+        d->be_ = make_cpu_backend(co);
+    }
     d->model_ = dense_load(*d->file_, *d->be_);
     d->tok_ = std::make_unique<tokenizer>(*d->file_);
     d->scratch_ = dense_scratch_create(d->model_->hp, *d->be_, n_batch);
@@ -80,8 +94,7 @@ void drafter::ensure_capacity(int64_t n) {
         kpre_.push_back(make_tensor(dtype::f16, hp.head_dim, rows, static_cast<uint8_t *>(kpre_mem_) + per * static_cast<size_t>(l)));
 }
 
-void drafter::forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window,
-                      std::vector<std::vector<float>> *q_out) {
+void drafter::forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window, const std::vector<tensor> *q_out) {
     const dense_model &m = *model_;
     const dense_hparams &hp = m.hp;
     backend &be = *be_;
@@ -126,10 +139,7 @@ void drafter::forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window,
         }
         // Pre-RoPE keys for every token, pre-RoPE queries for the scoring queries.
         be.kv_store(k, kpre_[static_cast<size_t>(il)], hp.n_head_kv, kv_->n_ctx, p0);
-        if (q_out) {
-            (*q_out)[static_cast<size_t>(il)].resize(static_cast<size_t>(n * qw));
-            be.download(q, (*q_out)[static_cast<size_t>(il)].data());
-        }
+        if (q_out) be.copy(q, (*q_out)[static_cast<size_t>(il)]);
         if (last) break;
         if (ly.bv.data) be.add(v, ly.bv, v);
         const tensor &table = swa ? rope_l : rope_g;
@@ -162,49 +172,6 @@ void drafter::forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window,
     kv_->n_used = std::max(kv_->n_used, p0 + n);
 }
 
-// agg[t * n + j] = max over layers and heads of query t's attention probability on key j.
-void drafter::attend_queries(const std::vector<std::vector<float>> &q_pre, int64_t n, int64_t n_q,
-                             std::vector<float> &agg) {
-    const dense_hparams &hp = model_->hp;
-    const int64_t hd = hp.head_dim, qw = int64_t{hp.n_head} * hd, group = hp.n_head / hp.n_head_kv;
-    const int64_t n_ctx = kv_->n_ctx;
-    agg.assign(static_cast<size_t>(n_q * n), 0.0f);
-    const auto &vk = cpu::vec();
-    const int nth = static_cast<int>(std::clamp<int64_t>(n_threads_, 1, n_q));
-    auto body = [&](int ith) {
-        std::vector<float> p(static_cast<size_t>(n));
-        for (int64_t t = ith; t < n_q; t += nth) {
-            const int64_t pos = n - n_q + t;  // keys [0, pos]
-            float *a = agg.data() + t * n;
-            for (int32_t l = 0; l < hp.n_layer; ++l) {
-                const tensor &kt = kpre_[static_cast<size_t>(l)];
-                for (int64_t h = 0; h < hp.n_head; ++h) {
-                    const float *qr = q_pre[static_cast<size_t>(l)].data() + t * qw + h * hd;
-                    const auto *kbase = static_cast<const uint16_t *>(kt.data) + (h / group) * n_ctx * hd;
-                    float mx = -INFINITY;
-                    for (int64_t j = 0; j <= pos; ++j) {
-                        float sc = vk.dot_f16(hd, kbase + j * hd, qr) * hp.attn_scale;
-                        if (hp.attn_softcap > 0) sc = hp.attn_softcap * std::tanh(sc / hp.attn_softcap);
-                        p[static_cast<size_t>(j)] = sc;
-                        mx = std::max(mx, sc);
-                    }
-                    double sum = 0;
-                    for (int64_t j = 0; j <= pos; ++j) {
-                        p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx);
-                        sum += p[static_cast<size_t>(j)];
-                    }
-                    const float inv = static_cast<float>(1.0 / sum);
-                    for (int64_t j = 0; j <= pos; ++j) a[j] = std::max(a[j], p[static_cast<size_t>(j)] * inv);
-                }
-            }
-        }
-    };
-    std::vector<std::thread> pool;
-    for (int i = 1; i < nth; ++i) pool.emplace_back(body, i);
-    body(0);
-    for (auto &th : pool) th.join();
-}
-
 std::vector<float> drafter::score(std::span<const int32_t> ids, const drafter_score_params &p, drafter_stats &st) {
     const int64_t n = static_cast<int64_t>(ids.size());
     if (n == 0) return {};
@@ -231,14 +198,33 @@ std::vector<float> drafter::score(std::span<const int32_t> ids, const drafter_sc
     }
     st.prefill_s = seconds(t0);
     t0 = std::chrono::steady_clock::now();
-    std::vector<std::vector<float>> q_pre(static_cast<size_t>(model_->hp.n_layer));
-    forward(ids.data() + n_pre, n_q, n_pre, /*window=*/0, &q_pre);
-    st.query_s = seconds(t0);
-    st.n_evaluated = n - keep;
-
-    t0 = std::chrono::steady_clock::now();
-    std::vector<float> agg;
-    attend_queries(q_pre, n, n_q, agg);
+    // The scoring queries' pre-RoPE rows, per layer, and agg [n_q, n] (zeroed by alloc) in backend memory.
+    const dense_hparams &hp = model_->hp;
+    const int64_t qw = int64_t{hp.n_head} * hp.head_dim;
+    const size_t q_bytes = static_cast<size_t>(n_q * qw) * sizeof(float), agg_bytes = static_cast<size_t>(n_q * n) * sizeof(float);
+    void *mem = be_->alloc(q_bytes * static_cast<size_t>(hp.n_layer) + agg_bytes);
+    std::vector<float> agg(static_cast<size_t>(n_q * n));
+    try {
+        std::vector<tensor> q_pre;
+        for (int32_t l = 0; l < hp.n_layer; ++l)
+            q_pre.push_back(make_tensor(dtype::f32, qw, n_q, static_cast<uint8_t *>(mem) + q_bytes * static_cast<size_t>(l)));
+        const tensor agg_t = make_tensor(dtype::f32, n, n_q, static_cast<uint8_t *>(mem) + q_bytes * static_cast<size_t>(hp.n_layer));
+        forward(ids.data() + n_pre, n_q, n_pre, /*window=*/0, &q_pre);
+        be_->synchronize();
+        st.query_s = seconds(t0);
+        st.n_evaluated = n - keep;
+        t0 = std::chrono::steady_clock::now();
+        // agg[t, j] = max over layers and heads of query t's attention probability on key j.
+        for (int32_t l = 0; l < hp.n_layer; ++l)
+            be_->attention_prob_max(q_pre[static_cast<size_t>(l)], kpre_[static_cast<size_t>(l)], hp.n_head, hp.n_head_kv,
+                                    kv_->n_ctx, hp.attn_scale, hp.attn_softcap, n_pre, agg_t);
+        be_->download(agg_t, agg.data());
+        be_->synchronize();
+    } catch (...) {
+        be_->release(mem);
+        throw;
+    }
+    be_->release(mem);
     std::vector<float> out(static_cast<size_t>(n), 0.0f);
     for (int64_t t = 0; t < n_q; ++t)
         for (int64_t j = 0; j < n; ++j) out[static_cast<size_t>(j)] += agg[static_cast<size_t>(t * n + j)];

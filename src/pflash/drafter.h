@@ -37,8 +37,11 @@ struct drafter_stats {
 
 class drafter {
 public:
-    // Loads weights and tokenizer. On failure nothing is left allocated (plain RAII members).
-    static std::unique_ptr<drafter> load(const std::string &path, int n_threads, int32_t n_batch);
+    // Loads weights and tokenizer on `device` ("cpu", or "cuda" / "cuda:N" in a CUDA build: weights,
+    // KV and the scoring attention on that GPU). On failure nothing is left allocated (plain RAII
+    // members).
+    static std::unique_ptr<drafter> load(const std::string &path, int n_threads, int32_t n_batch,
+                                         const std::string &device = "cpu");
     ~drafter();
 
     const tokenizer &tok() const { return *tok_; }
@@ -55,9 +58,9 @@ private:
     drafter() = default;
     void ensure_capacity(int64_t n);
     // Evaluate ids[0, n) at positions [p0, p0+n) with attention window `window` (0 = full); if q_out
-    // is set, the pre-RoPE queries of every layer go to q_out[l][n x n_head*head_dim].
-    void forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window, std::vector<std::vector<float>> *q_out);
-    void attend_queries(const std::vector<std::vector<float>> &q_pre, int64_t n, int64_t n_q, std::vector<float> &agg);
+    // is set, the pre-RoPE queries of every layer are copied to q_out[l] ([n, n_head*head_dim] f32
+    // backend tensors).
+    void forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window, const std::vector<tensor> *q_out);
 
     // Declaration order = reverse destruction order: the backend outlives everything it allocated.
     std::shared_ptr<const gguf::file> file_;

@@ -59,6 +59,8 @@ void options::validate() const {
                     std::to_string(anchor_budget_fraction));
     need(score_cache_max_entries >= 1, "score_cache_max_entries", ">= 1", score_cache_max_entries);
     need(n_threads >= 0, "n_threads", ">= 0", n_threads);
+    if (drafter_device != "cpu" && drafter_device != "cuda" && drafter_device.rfind("cuda:", 0) != 0)
+        throw error("pflash option drafter_device: must be cpu, cuda or cuda:N, got '" + drafter_device + "'");
 }
 
 namespace {
@@ -86,7 +88,8 @@ public:
 
     void load_drafter() override {
         if (drafter_) return;
-        drafter_ = drafter::load(opts_.drafter_path, opts_.n_threads, opts_.drafter_batch);  // all or nothing
+        drafter_ = drafter::load(opts_.drafter_path, opts_.n_threads, opts_.drafter_batch,
+                                 opts_.drafter_device);  // all or nothing
     }
     void release_drafter() override { drafter_.reset(); }
     bool drafter_loaded() const override { return drafter_ != nullptr; }

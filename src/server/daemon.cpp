@@ -168,11 +168,11 @@ void daemon::write_or_append_ids(const std::vector<int32_t> &ids, const std::str
     if (!o) throw error("cannot write '" + out_rel + "'");
 }
 
-// compress <ids-file> <keep-x1000> <drafter> [device=cpu] [residency=keep|release|auto] [nopark] [out=<file>]
+// compress <ids-file> <keep-x1000> <drafter> [device=cpu|cuda|cuda:N] [residency=keep|release|auto] [nopark] [out=<file>]
 // Reply: "ok <n_original> <n_effective>" followed by the kept ids (or written to out=<file>).
 std::string daemon::cmd_compress(const std::vector<std::string> &a) {
     static const char *usage =
-        "usage: compress <ids-file> <keep-x1000> <drafter|default> [device=cpu] [residency=keep|release|auto] "
+        "usage: compress <ids-file> <keep-x1000> <drafter|default> [device=cpu|cuda|cuda:N] [residency=keep|release|auto] "
         "[nopark] [out=<file>]";
     if (a.size() < 3) throw error(usage);
     confine_path(root_, a[0], true);
@@ -185,12 +185,12 @@ std::string daemon::cmd_compress(const std::vector<std::string> &a) {
         drafter = confine_path(root_, a[2], true).string();
     }
     pflash::drafter_residency residency = pflash::drafter_residency::auto_select;
-    std::string out_rel;
+    std::string out_rel, device = "cpu";
     for (size_t i = 3; i < a.size(); ++i) {
         const std::string &o = a[i];
         if (o == "nopark") continue;  // the target is never parked while scoring (docs/daemon-protocol.md)
         if (o.rfind("device=", 0) == 0) {
-            if (o != "device=cpu") throw error("'" + o + "': the drafter runs on the CPU in this build (device=cpu)");
+            device = o.substr(7);  // checked by pflash::options::validate, usable-or-not by the load
         } else if (o.rfind("residency=", 0) == 0) {
             residency = pflash::parse_residency(o.substr(10));
         } else if (o.rfind("out=", 0) == 0) {
@@ -202,12 +202,14 @@ std::string daemon::cmd_compress(const std::vector<std::string> &a) {
     }
     engine &eng = target("compress");
     const std::vector<int32_t> prompt = read_ids(a[0], eng);
-    if (!comp_ || comp_drafter_ != drafter || comp_->opts().residency != residency) {
-        comp_.reset();  // a different drafter or policy: release the old one first
+    if (!comp_ || comp_drafter_ != drafter || comp_->opts().residency != residency ||
+        comp_->opts().drafter_device != device) {
+        comp_.reset();  // a different drafter, policy or device: release the old one first
         pflash::options po;
         po.drafter_path = drafter;
         po.keep_ratio = keep;
         po.residency = residency;
+        po.drafter_device = device;
         po.verbatim_last_user = false;  // ids carry no chat structure the caller asked to keep
         comp_ = pflash::compressor::create(po);
         comp_drafter_ = drafter;

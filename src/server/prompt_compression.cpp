@@ -27,6 +27,8 @@ void compression_options::validate() const {
     pflash::validate_keep_ratio(keep_ratio, "--prefill-keep-ratio");
     if (threshold < 1) throw error("--prefill-threshold must be >= 1 (got " + std::to_string(threshold) + ")");
     if (n_threads < 0) throw error("drafter threads must be >= 0");
+    if (drafter_device != "cpu" && drafter_device != "cuda" && drafter_device.rfind("cuda:", 0) != 0)
+        throw error("--drafter-device must be cpu, cuda or cuda:N (got '" + drafter_device + "')");
     if (mode != compression_mode::off && drafter_path.empty())
         throw error(std::string("--prefill-compression ") + compression_mode_name(mode) +
                     " needs a drafter (--prefill-drafter PATH)");
@@ -71,6 +73,7 @@ compression_outcome prompt_compressor::apply(const engine &target, std::vector<i
             po.keep_ratio = ratio;
             po.residency = opts_.residency;
             po.n_threads = opts_.n_threads;
+            po.drafter_device = opts_.drafter_device;
             c_ = pflash::compressor::create(po);
         }
         c_->set_keep_ratio(ratio);

@@ -34,6 +34,7 @@ struct compression_options {
     std::string drafter_path;     // GGUF of the drafter; required unless mode is off and no request may enable it
     pflash::drafter_residency residency = pflash::drafter_residency::auto_select;
     int n_threads = 0;            // drafter threads (0 = online cores)
+    std::string drafter_device = "cpu";  // pflash::options::drafter_device
     // Throws fathom::error on an invalid field (keep ratio, threshold, a mode that needs a missing drafter).
     void validate() const;
 };

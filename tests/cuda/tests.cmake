@@ -13,3 +13,7 @@ target_compile_definitions(cuda_synth PRIVATE FATHOM_SHARED_DIR="${FATHOM_SHARED
 add_executable(bench_cuda_ds4 ${CMAKE_CURRENT_SOURCE_DIR}/cuda/bench_cuda_ds4.cpp)
 target_include_directories(bench_cuda_ds4 PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(bench_cuda_ds4 PRIVATE fathom_core)
+# bench_pflash_cuda: PFlash (GPU drafter) vs full prefill TTFT with a DS4 target on the device.
+add_executable(bench_pflash_cuda ${CMAKE_CURRENT_SOURCE_DIR}/cuda/bench_pflash_cuda.cpp)
+target_include_directories(bench_pflash_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+target_link_libraries(bench_pflash_cuda PRIVATE fathom_core)

@@ -87,7 +87,7 @@ TEST(Daemon, Protocol) {
     }
     EXPECT_EQ(d.handle("compress a b c").rfind("error: compress: 'a': ", 0), 0u);  // missing ids file
     EXPECT_EQ(d.handle("compress p.bin"), "error: compress: usage: compress <ids-file> <keep-x1000> <drafter|default> "
-                                          "[device=cpu] [residency=keep|release|auto] [nopark] [out=<file>]");
+                                          "[device=cpu|cuda|cuda:N] [residency=keep|release|auto] [nopark] [out=<file>]");
     EXPECT_EQ(d.handle("compress p.bin 1001 default"),
               "error: compress: keep-x1000 must be an integer in [0, 1000], got '1001'");
     EXPECT_EQ(d.handle("compress p.bin -1 default"), "error: compress: keep-x1000 must be an integer in [0, 1000], got '-1'");

@@ -26,6 +26,7 @@ struct run_args {
     double keep_ratio = 0.2;
     std::string drafter = "smollm2";
     std::string drafter_residency = "auto";
+    std::string drafter_device = "cpu";
     bool pflash_verbatim_user = false;
     int32_t drafter_window = 512;
 };
@@ -60,6 +61,7 @@ void run_main(const run_args &a) {
         po.keep_ratio = a.keep_ratio;
         po.residency = residency;
         po.drafter_window = a.drafter_window;
+        po.drafter_device = a.drafter_device;
         po.n_threads = a.model.threads;
         // `run` has one user message: by default it is the text to compress (its question sits in the
         // always-kept tail chunks); --pflash-verbatim-user keeps it whole instead.
@@ -106,6 +108,8 @@ void add_run_command(CLI::App &app) {
     cmd->add_option("--drafter", a->drafter, "PFlash: drafter model (path or short name)")->capture_default_str();
     cmd->add_option("--drafter-residency", a->drafter_residency,
                     "PFlash: keep | release-after-use | auto (drafter memory after use)")
+        ->capture_default_str();
+    cmd->add_option("--drafter-device", a->drafter_device, "PFlash: where the drafter runs: cpu | cuda | cuda:N")
         ->capture_default_str();
     cmd->add_option("--drafter-window", a->drafter_window,
                     "PFlash: sliding attention window of the drafter's prefill (0 = full attention)")

@@ -38,6 +38,7 @@ struct serve_args {
     double prefill_keep_ratio = 0.2;
     std::string prefill_drafter;           // path or short name; "" = none
     std::string drafter_residency = "auto";
+    std::string drafter_device = "cpu";
 };
 
 void serve_main(serve_args &a) {
@@ -49,6 +50,7 @@ void serve_main(serve_args &a) {
     co.threshold = a.prefill_threshold;
     co.keep_ratio = a.prefill_keep_ratio;
     co.residency = pflash::parse_residency(a.drafter_residency);
+    co.drafter_device = a.drafter_device;
     co.n_threads = a.model.threads;
     if (!a.prefill_drafter.empty()) co.drafter_path = resolve_model_path(a.prefill_drafter, a.model.models_dir);
     co.validate();  // before the (slow) model load: a bad flag fails at once
@@ -151,6 +153,8 @@ void add_serve_command(CLI::App &app) {
     cmd->add_option("--prefill-drafter", a->prefill_drafter, "PFlash drafter model (path or short name, e.g. smollm2)");
     cmd->add_option("--drafter-residency", a->drafter_residency,
                     "PFlash: keep | release-after-use | auto (drafter memory after each compression)")
+        ->capture_default_str();
+    cmd->add_option("--drafter-device", a->drafter_device, "PFlash: where the drafter runs: cpu | cuda | cuda:N")
         ->capture_default_str();
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -84,6 +85,58 @@ void backend::attention_paged_rows(const tensor &q, std::span<const kv_pages> kv
         attention_paged(view_rows(q, static_cast<int64_t>(i), 1), kv[i], pi,
                         view_rows(out, static_cast<int64_t>(i), 1));
     }
+}
+
+// Host-memory attention_prob_max, queries split over up to `threads` std::threads (each owns agg
+// rows: no two write the same element). Per (query, head) the exact loop the CPU drafter always ran:
+// f16 dots, scale, optional softcap, exp against the max, a double sum, max into agg.
+static void attention_prob_max_host(const tensor &q, const tensor &k, int32_t n_head, int32_t n_head_kv,
+                                    int64_t n_ctx, float scale, float softcap, int64_t first_pos, const tensor &agg,
+                                    int threads) {
+    const int64_t n_q = q.ne[1], hd = k.ne[0], qw = q.ne[0];
+    if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0 || qw != int64_t{n_head} * hd || k.type != dtype::f16 ||
+        q.type != dtype::f32 || agg.type != dtype::f32 || agg.ne[1] != n_q || agg.ne[0] < first_pos + n_q ||
+        k.ne[1] < int64_t{n_head_kv} * n_ctx || first_pos + n_q > n_ctx || first_pos < 0)
+        throw error("attention_prob_max: bad shapes");
+    const int64_t group = n_head / n_head_kv;
+    const auto &vk = cpu::vec();
+    const int nth = static_cast<int>(std::clamp<int64_t>(threads, 1, n_q));
+    auto body = [&](int ith) {
+        std::vector<float> p(static_cast<size_t>(first_pos + n_q));
+        for (int64_t t = ith; t < n_q; t += nth) {
+            const int64_t pos = first_pos + t;  // keys [0, pos]
+            const float *qt = reinterpret_cast<const float *>(static_cast<const uint8_t *>(q.data) + static_cast<size_t>(t) * q.nb1);
+            float *a = reinterpret_cast<float *>(static_cast<uint8_t *>(agg.data) + static_cast<size_t>(t) * agg.nb1);
+            for (int64_t h = 0; h < n_head; ++h) {
+                const float *qr = qt + h * hd;
+                const auto *kbase = reinterpret_cast<const uint16_t *>(static_cast<const uint8_t *>(k.data) +
+                                                                       static_cast<size_t>((h / group) * n_ctx) * k.nb1);
+                float mx = -INFINITY;
+                for (int64_t j = 0; j <= pos; ++j) {
+                    float sc = vk.dot_f16(static_cast<int>(hd), kbase + j * hd, qr) * scale;
+                    if (softcap > 0) sc = softcap * std::tanh(sc / softcap);
+                    p[static_cast<size_t>(j)] = sc;
+                    mx = std::max(mx, sc);
+                }
+                double sum = 0;
+                for (int64_t j = 0; j <= pos; ++j) {
+                    p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx);
+                    sum += p[static_cast<size_t>(j)];
+                }
+                const float inv = static_cast<float>(1.0 / sum);
+                for (int64_t j = 0; j <= pos; ++j) a[j] = std::max(a[j], p[static_cast<size_t>(j)] * inv);
+            }
+        }
+    };
+    std::vector<std::thread> pool;
+    for (int i = 1; i < nth; ++i) pool.emplace_back(body, i);
+    body(0);
+    for (auto &th : pool) th.join();
+}
+
+void backend::attention_prob_max(const tensor &q, const tensor &k, int32_t n_head, int32_t n_head_kv, int64_t n_ctx,
+                                 float scale, float softcap, int64_t first_pos, const tensor &agg) {
+    attention_prob_max_host(q, k, n_head, n_head_kv, n_ctx, scale, softcap, first_pos, agg, n_threads());
 }
 
 namespace cpu {

@@ -89,6 +89,20 @@ public:
     void kv_store(const tensor &src, const tensor &cache, int32_t n_head_kv, int64_t n_ctx, int64_t p0) override;
     void attention(const tensor &q, const tensor &k, const tensor &v, const attn_params &p,
                    const tensor &out) override;
+    void attention_prob_max(const tensor &q, const tensor &k, int32_t n_head, int32_t n_head_kv, int64_t n_ctx,
+                            float scale, float softcap, int64_t first_pos, const tensor &agg) override {
+        const int64_t n_q = q.ne[1], hd = k.ne[0];
+        if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0 || q.ne[0] != int64_t{n_head} * hd ||
+            k.type != dtype::f16 || q.type != dtype::f32 || agg.type != dtype::f32 || agg.ne[1] != n_q ||
+            agg.ne[0] < first_pos + n_q || k.ne[1] < int64_t{n_head_kv} * n_ctx || first_pos + n_q > n_ctx ||
+            first_pos < 0 || hd > 512 || hd % 8 != 0 || k.nb1 != static_cast<size_t>(hd) * 2)
+            throw error("attention_prob_max (cuda): bad shapes");
+        launch_attn_prob_max(static_cast<const float *>(q.data), static_cast<int64_t>(q.nb1 / 4),
+                             static_cast<const uint16_t *>(k.data), n_head, n_head / n_head_kv, n_ctx,
+                             static_cast<int>(hd), scale, softcap, first_pos, n_q, static_cast<float *>(agg.data),
+                             static_cast<int64_t>(agg.nb1 / 4), stream_);
+        launched("attention_prob_max");
+    }
     void glu(const tensor &gate, const tensor &up, glu_kind kind, const tensor &out) override;
     void add(const tensor &a, const tensor &b, const tensor &out) override;
     void scale(const tensor &x, float s) override;

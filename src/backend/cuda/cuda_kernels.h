@@ -73,6 +73,12 @@ enum class ew_op { add, add_bcast, scale, softcap, swiglu, geglu, copy_f32, copy
 void launch_elementwise(ew_op op, const float *a, int64_t lda, const float *b, int64_t ldb, void *out,
                         int64_t ldo, int64_t n, int64_t rows, float param, cudaStream_t s);
 void launch_softmax(float *x, int64_t ldx, int64_t n, int64_t rows, cudaStream_t s);
+// backend::attention_prob_max (PFlash scoring): query t (of n_q, rows ldq floats apart) at position
+// first_pos + t, head h against f16 key rows (h / group) * n_ctx + j, j <= first_pos + t (hd halves
+// each, contiguous): agg[t * ld_agg + j] = max(agg, softmax_j). hd <= 512, hd % 8 == 0.
+void launch_attn_prob_max(const float *q, int64_t ldq, const uint16_t *k, int n_head, int group, int64_t n_ctx,
+                          int hd, float scale, float softcap, int64_t first_pos, int64_t n_q, float *agg,
+                          int64_t ld_agg, cudaStream_t s);
 void launch_set_i64(int64_t *dst, int64_t v, cudaStream_t s);
 
 }  // namespace fathom::cuda

@@ -382,4 +382,76 @@ void launch_softmax(float *x, int64_t ldx, int64_t n, int64_t rows, cudaStream_t
 
 void launch_set_i64(int64_t *dst, int64_t v, cudaStream_t s) { set_i64_kernel<<<1, 1, 0, s>>>(dst, v); }
 
+namespace {
+
+// PFlash scoring (backend::attention_prob_max): one block per (query, head); three passes over the
+// query's keys (max, f64 sum of exp, then p into agg with an integer atomicMax: p >= 0, so the f32 bit
+// patterns order like the values and the result does not depend on the blocks' order).
+constexpr int kProbThreads = 256;
+
+__device__ __forceinline__ float prob_score(const float *qs, const uint16_t *krow, int hd, float scale, float cap) {
+    float acc = 0.0f;
+    for (int i = 0; i < hd; i += 8) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(krow + i);
+        const __half2 *h2 = reinterpret_cast<const __half2 *>(&raw);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const float2 f = __half22float2(h2[u]);
+            acc = fmaf(qs[i + 2 * u], f.x, acc);
+            acc = fmaf(qs[i + 2 * u + 1], f.y, acc);
+        }
+    }
+    float sc = acc * scale;
+    if (cap > 0.0f) sc = cap * tanhf(sc / cap);
+    return sc;
+}
+
+template <class T, class Op>
+__device__ T prob_block_reduce(T v, T *red, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    T r = red[0];
+    for (int w = 1; w < kProbThreads / 32; ++w) r = op(r, red[w]);
+    return r;
+}
+
+__global__ void __launch_bounds__(kProbThreads)
+    attn_prob_max_kernel(const float *__restrict__ q, int64_t ldq, const uint16_t *__restrict__ k, int n_head, int group,
+                         int64_t n_ctx, int hd, float scale, float cap, int64_t first_pos, float *agg, int64_t ld_agg) {
+    __shared__ float qs[512];
+    __shared__ float redf[kProbThreads / 32];
+    __shared__ double redd[kProbThreads / 32];
+    const int64_t t = blockIdx.x / n_head;
+    const int h = static_cast<int>(blockIdx.x % n_head);
+    const int64_t pos = first_pos + t;
+    for (int i = threadIdx.x; i < hd; i += kProbThreads) qs[i] = q[t * ldq + static_cast<int64_t>(h) * hd + i];
+    __syncthreads();
+    const uint16_t *kb = k + static_cast<int64_t>(h / group) * n_ctx * hd;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j <= pos; j += kProbThreads) mx = fmaxf(mx, prob_score(qs, kb + j * hd, hd, scale, cap));
+    mx = prob_block_reduce(mx, redf, [](float a, float b) { return fmaxf(a, b); });
+    double sum = 0.0;
+    for (int64_t j = threadIdx.x; j <= pos; j += kProbThreads) sum += expf(prob_score(qs, kb + j * hd, hd, scale, cap) - mx);
+    sum = prob_block_reduce(sum, redd, [](double a, double b) { return a + b; });
+    const float inv = static_cast<float>(1.0 / sum);
+    float *a = agg + t * ld_agg;
+    for (int64_t j = threadIdx.x; j <= pos; j += kProbThreads) {
+        const float p = expf(prob_score(qs, kb + j * hd, hd, scale, cap) - mx) * inv;
+        atomicMax(reinterpret_cast<int *>(a + j), __float_as_int(p));
+    }
+}
+
+}  // namespace
+
+void launch_attn_prob_max(const float *q, int64_t ldq, const uint16_t *k, int n_head, int group, int64_t n_ctx, int hd,
+                          float scale, float softcap, int64_t first_pos, int64_t n_q, float *agg, int64_t ld_agg,
+                          cudaStream_t s) {
+    if (n_q <= 0) return;
+    if (hd > 512 || hd % 8 != 0) throw error("cuda attention_prob_max: head_dim must be a multiple of 8 up to 512");
+    attn_prob_max_kernel<<<static_cast<unsigned>(n_q * n_head), kProbThreads, 0, s>>>(q, ldq, k, n_head, group, n_ctx, hd,
+                                                                                      scale, softcap, first_pos, agg, ld_agg);
+}
+
 }  // namespace fathom::cuda
