@@ -20,28 +20,15 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "bench_util.h"
 #include "backend/cuda/ds4_model.h"
 #include "core/error.h"
 #include "models/deepseek4.h"
 
 using namespace fathom;
 
-namespace {
-
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::vector<int64_t> parse_list(const std::string &s) {
-    std::vector<int64_t> v;
-    std::stringstream ss(s);
-    std::string item;
-    while (std::getline(ss, item, ','))
-        if (!item.empty()) v.push_back(std::stoll(item));
-    return v;
-}
-
-}  // namespace
+using bench_util::now_s;
+using bench_util::parse_list;
 
 int main(int argc, char **argv) try {
     if (argc < 2) {

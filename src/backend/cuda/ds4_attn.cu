@@ -386,7 +386,7 @@ __global__ void compressor_chunk_state_kernel(compressor_args a, const float *__
 // applies the inverse RoPE per dim pair and writes o.
 
 constexpr int kAttnWarps = 8, kAttnThreads = 32 * kAttnWarps, kHeadsPerWarp = 2;
-constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = 16, kMaxD = 512, kMaxP = kMaxD / 64;
+constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = kAttnTileRows, kMaxD = 512, kMaxP = kMaxD / 64;
 constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 128;
 
 struct attn_geom {
@@ -445,49 +445,6 @@ __device__ __forceinline__ const uint8_t *attn_row(const attn_geom &g, const att
     const int64_t r = g.mode == comp_mode::all ? c : static_cast<int64_t>(g.sel[c]);
     f16 = g.comp_f16;
     return g.comp + static_cast<size_t>(r) * g.comp_stride;
-}
-
-// Tile element pairs: f16 (both sources f16) or f32.
-__device__ __forceinline__ void tile_put(__half2 *t, int i, float a, float b) { t[i] = __floats2half2_rn(a, b); }
-__device__ __forceinline__ void tile_put(float2 *t, int i, float a, float b) { t[i] = make_float2(a, b); }
-__device__ __forceinline__ void tile_put(__half2 *t, int i, __half a, __half b) { t[i] = __halves2half2(a, b); }
-__device__ __forceinline__ void tile_put(float2 *t, int i, __half a, __half b) {
-    t[i] = make_float2(__half2float(a), __half2float(b));
-}
-__device__ __forceinline__ float2 tile_get(const __half2 *t, int i) { return __half22float2(t[i]); }
-__device__ __forceinline__ float2 tile_get(const float2 *t, int i) { return t[i]; }
-template <class T>
-struct tile_pair;
-template <>
-struct tile_pair<__half> {
-    using type = __half2;
-};
-template <>
-struct tile_pair<float> {
-    using type = float2;
-};
-
-// One stage of reduce_scatter16: lanes with bit O set keep rows [O, 2 O) of the 2 O live ones (moved to
-// v[0, O)), the others rows [0, O); each adds its partner's (lane ^ O) copy of the rows it keeps.
-template <int O>
-__device__ __forceinline__ void reduce_scatter_stage(float (&v)[kTileRows], int lane) {
-    const bool up = lane & O;
-#pragma unroll
-    for (int i = 0; i < O; ++i) {
-        const float lo = v[i], hi = v[i + O];
-        const float send = up ? lo : hi, keep = up ? hi : lo;
-        v[i] = keep + __shfl_xor_sync(kFull, send, O);
-    }
-}
-
-// Sum of v[r] over the 32 lanes for r < 16, scattered: returns row (lane & 15)'s total (lanes l and
-// l + 16 agree bit for bit), 16 shuffles in all.
-__device__ __forceinline__ float reduce_scatter16(float (&v)[kTileRows], int lane) {
-    reduce_scatter_stage<8>(v, lane);
-    reduce_scatter_stage<4>(v, lane);
-    reduce_scatter_stage<2>(v, lane);
-    reduce_scatter_stage<1>(v, lane);
-    return v[0] + __shfl_xor_sync(kFull, v[0], 16);
 }
 
 template <class T>

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <string>
 
+#include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
@@ -38,27 +39,16 @@
 namespace fathom::cuda::ds4 {
 namespace {
 
-// Own copies of the few warp helpers used here: ds4_attn_common.cuh defines non-inline __device__
-// functions, which clash at link time when a second .cu includes it (host stubs, multiple definition).
-constexpr unsigned kFull = 0xffffffffu;
+using namespace attn_detail;
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-    return v;
-}
-
-void check_launch(const char *what) {
+void batch_check_launch(const char *what) {
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         throw error(std::string("cuda ds4 attention batch ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kHeadsPerWarp = 2, kHeadsPerBlock = kWarps * kHeadsPerWarp;
-constexpr int kTileRows = 16, kMaxD = 512, kMaxP = kMaxD / 64;
+constexpr int kTileRows = kAttnTileRows, kMaxD = 512, kMaxP = kMaxD / 64;
 constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 128;
 constexpr int64_t kTargetBlocks = 512;  // fewer (token, head group) blocks than this: split the rows
 
@@ -129,48 +119,6 @@ __device__ __forceinline__ const uint8_t *row_at(const batch_geom &g, const batc
     const int64_t r = g.mode == comp_mode::all ? c : static_cast<int64_t>(sp.sel[c]);
     f16 = g.comp_f16;
     return g.comp + static_cast<size_t>(r) * g.comp_stride;
-}
-
-// Tile element pairs: f16 (every source f16) or f32.
-__device__ __forceinline__ void tile_put(__half2 *t, int i, float a, float b) { t[i] = __floats2half2_rn(a, b); }
-__device__ __forceinline__ void tile_put(float2 *t, int i, float a, float b) { t[i] = make_float2(a, b); }
-__device__ __forceinline__ void tile_put(__half2 *t, int i, __half a, __half b) { t[i] = __halves2half2(a, b); }
-__device__ __forceinline__ void tile_put(float2 *t, int i, __half a, __half b) {
-    t[i] = make_float2(__half2float(a), __half2float(b));
-}
-__device__ __forceinline__ float2 tile_get(const __half2 *t, int i) { return __half22float2(t[i]); }
-__device__ __forceinline__ float2 tile_get(const float2 *t, int i) { return t[i]; }
-template <class T>
-struct tile_pair;
-template <>
-struct tile_pair<__half> {
-    using type = __half2;
-};
-template <>
-struct tile_pair<float> {
-    using type = float2;
-};
-
-// One stage of reduce_scatter16: lanes with bit O set keep rows [O, 2 O) (moved to v[0, O)), the others
-// rows [0, O); each adds its partner's (lane ^ O) copy of the rows it keeps.
-template <int O>
-__device__ __forceinline__ void reduce_scatter_stage(float (&v)[kTileRows], int lane) {
-    const bool up = lane & O;
-#pragma unroll
-    for (int i = 0; i < O; ++i) {
-        const float lo = v[i], hi = v[i + O];
-        const float send = up ? lo : hi, keep = up ? hi : lo;
-        v[i] = keep + __shfl_xor_sync(kFull, send, O);
-    }
-}
-
-// Sum of v[r] over the 32 lanes for r < 16, scattered: row (lane & 15)'s total in lanes l and l + 16.
-__device__ __forceinline__ float reduce_scatter16(float (&v)[kTileRows], int lane) {
-    reduce_scatter_stage<8>(v, lane);
-    reduce_scatter_stage<4>(v, lane);
-    reduce_scatter_stage<2>(v, lane);
-    reduce_scatter_stage<1>(v, lane);
-    return v[0] + __shfl_xor_sync(kFull, v[0], 16);
 }
 
 // Stages candidate rows t0 .. t0 + nt - 1 into tile [kTileRows, d / 2] pairs (rows past nt: zeros, so
@@ -756,7 +704,7 @@ void launch_sparse_sink_attention_batch(const sparse_attn_args &a, const void *c
                            (a.mode == comp_mode::none || al16(a.comp, a.comp_stride));
         attn_batch_mma_kernel<<<dim3(static_cast<unsigned>(n_tok), static_cast<unsigned>(head_groups(a))),
                                 kMmaThreads, smem, s>>>(g, q, pos, a.sinks, a.rope, o, vec16);
-        check_launch("attention batch (tensor cores)");
+        batch_check_launch("attention batch (tensor cores)");
         return;
     }
     // rows staged as f16 when every row the call can read is f16 (half the shared-memory traffic)
@@ -766,11 +714,11 @@ void launch_sparse_sink_attention_batch(const sparse_attn_args &a, const void *c
     else
         attn_batch_kernel<float><<<grid, kThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, a.sinks, a.rope,
                                                                                          part, o);
-    check_launch("attention batch");
+    batch_check_launch("attention batch");
     if (g.n_split > 1) {
         attn_batch_combine_kernel<<<dim3(static_cast<unsigned>(n_tok), static_cast<unsigned>(a.n_head)),
                                     kCombineThreads, 0, s>>>(g, part, a.sinks, a.rope, pos, o);
-        check_launch("attention batch combine");
+        batch_check_launch("attention batch combine");
     }
 }
 

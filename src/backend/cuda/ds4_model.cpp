@@ -280,6 +280,27 @@ void chunk_matmul_grouped(cd::gemm_runner &g, const dmat &m, int64_t rows_per_gr
     }
 }
 
+// One compressor's launch arguments (decode step and chunk): its weights, the frontier state, the
+// rows it emits (row_stride bytes apart, f16 or f32) and their capacity.
+cd::compressor_args comp_args(const hparams &hp, const dcomp &c, const cd::rope_args &yarn, cd::qat_kind qk, float *skv,
+                              float *sscore, void *rows, bool f16, size_t row_stride, int64_t max_rows) {
+    cd::compressor_args a;
+    a.ratio = c.ratio;
+    a.dim = c.dim;
+    a.ape = c.ape;
+    a.norm_w = c.norm;
+    a.eps = hp.rms_eps;
+    a.rope = yarn;
+    a.qat = qk;
+    a.state_kv = skv;
+    a.state_score = sscore;
+    a.rows = rows;
+    a.rows_f16 = f16;
+    a.row_stride = row_stride;
+    a.max_rows = max_rows;
+    return a;
+}
+
 // Whether the chunked MoE (ds4_prefill.h moe_prefill, bf16 products) takes this model: widths multiples
 // of 32 and quantised expert types its dequantiser knows; otherwise (float experts: see float_weight)
 // chunks run the decode MoE token by token.
@@ -805,21 +826,8 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
                                static_cast<size_t>(d) * kv_elem, hp.window, pos, s);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
                           const float *a, const float *g) {
-        cd::compressor_args ca_;
-        ca_.ratio = c.ratio;
-        ca_.dim = c.dim;
-        ca_.ape = c.ape;
-        ca_.norm_w = c.norm;
-        ca_.eps = hp.rms_eps;
-        ca_.rope = yarn;
-        ca_.qat = qk;
-        ca_.state_kv = skv;
-        ca_.state_score = sscore;
-        ca_.rows = rows;
-        ca_.rows_f16 = f16;
-        ca_.row_stride = static_cast<size_t>(width) * kv_elem;
-        ca_.max_rows = st.max_comp;
-        cd::launch_compressor_step(ca_, a, g, pos, err_d, s);
+        cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a, g,
+                                   pos, err_d, s);
     };
     if (l.ratio > 0) {
         phase("attn compressor step");
@@ -950,21 +958,8 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
                                row_stride, pos, s);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
                           const float *a, const float *gt) {
-        cd::compressor_args ca_;
-        ca_.ratio = c.ratio;
-        ca_.dim = c.dim;
-        ca_.ape = c.ape;
-        ca_.norm_w = c.norm;
-        ca_.eps = hp.rms_eps;
-        ca_.rope = yarn;
-        ca_.qat = qk;
-        ca_.state_kv = skv;
-        ca_.state_score = sscore;
-        ca_.rows = rows;
-        ca_.rows_f16 = f16;
-        ca_.row_stride = static_cast<size_t>(width) * kv_elem;
-        ca_.max_rows = st.max_comp;
-        cd::launch_compressor_chunk(ca_, a, gt, n, pos, err_d, s);
+        cd::launch_compressor_chunk(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a,
+                                    gt, n, pos, err_d, s);
     };
     if (l.ratio > 0)
         compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
