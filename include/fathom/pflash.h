@@ -36,6 +36,9 @@ const char *residency_name(drafter_residency r);
 // Throws fathom::error unless r is finite and in [0, 1]. `what` names the surface in the message
 // (e.g. "--keep-ratio").
 void validate_keep_ratio(double r, const std::string &what = "keep_ratio");
+// Throws fathom::error unless d is "cpu", "cuda" or "cuda:N" (whether that device is usable is the
+// drafter load's check). `what` names the surface (e.g. "--drafter-device").
+void validate_drafter_device(const std::string &d, const std::string &what = "drafter_device");
 
 struct options {
     std::string drafter_path;   // GGUF of a dense drafter (llama / qwen3 / gemma3 family)

@@ -31,6 +31,11 @@ const char *residency_name(drafter_residency r) {
     return "?";
 }
 
+void validate_drafter_device(const std::string &d, const std::string &what) {
+    if (d != "cpu" && d != "cuda" && d.rfind("cuda:", 0) != 0)
+        throw error(what + ": must be cpu, cuda or cuda:N, got '" + d + "'");
+}
+
 void validate_keep_ratio(double r, const std::string &what) {
     if (!std::isfinite(r)) throw error(what + ": must be a finite number in [0, 1], got " + std::to_string(r));
     if (r < 0.0 || r > 1.0) throw error(what + ": must be in [0, 1], got " + std::to_string(r));
@@ -59,8 +64,7 @@ void options::validate() const {
                     std::to_string(anchor_budget_fraction));
     need(score_cache_max_entries >= 1, "score_cache_max_entries", ">= 1", score_cache_max_entries);
     need(n_threads >= 0, "n_threads", ">= 0", n_threads);
-    if (drafter_device != "cpu" && drafter_device != "cuda" && drafter_device.rfind("cuda:", 0) != 0)
-        throw error("pflash option drafter_device: must be cpu, cuda or cuda:N, got '" + drafter_device + "'");
+    validate_drafter_device(drafter_device, "pflash option drafter_device");
 }
 
 namespace {

@@ -140,13 +140,20 @@ void sampler::impl::prepare(std::span<const float> logits) {
 // llama.cpp semantics for the repeat penalty (a positive logit is divided by it, a negative one
 // multiplied, so the token always becomes less likely); OpenAI semantics for frequency
 // (count * penalty) and presence (penalty once if count > 0), both subtracted.
-void sampler::impl::apply_penalties(std::span<const int32_t> history) {
-    const sampling_params &p = params;
-    if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
-    if (p.repeat_last_n == 0 || history.empty()) return;
+// The history tokens the penalties look at: the last repeat_last_n (all with -1), or none when no
+// penalty is configured.
+static std::span<const int32_t> penalty_window(const sampling_params &p, std::span<const int32_t> history) {
+    if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return {};
+    if (p.repeat_last_n == 0) return {};
     size_t window = history.size();
     if (p.repeat_last_n > 0) window = std::min(window, static_cast<size_t>(p.repeat_last_n));
-    const auto recent = history.subspan(history.size() - window);
+    return history.subspan(history.size() - window);
+}
+
+void sampler::impl::apply_penalties(std::span<const int32_t> history) {
+    const auto recent = penalty_window(params, history);
+    if (recent.empty()) return;
+    const sampling_params &p = params;
     const int64_t n_vocab = static_cast<int64_t>(full.size());
     touched.clear();
     for (int32_t t : recent) {
@@ -322,14 +329,9 @@ size_t sampler::top_candidates() const {
 
 std::vector<std::pair<int32_t, int32_t>> sampler::penalty_counts(std::span<const int32_t> history,
                                                                 int64_t n_vocab) const {
-    const sampling_params &p = p_->params;
     std::vector<std::pair<int32_t, int32_t>> out;
-    if (p.repeat_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return out;
-    if (p.repeat_last_n == 0 || history.empty()) return out;
-    size_t window = history.size();
-    if (p.repeat_last_n > 0) window = std::min(window, static_cast<size_t>(p.repeat_last_n));
     std::unordered_map<int32_t, size_t> at;
-    for (int32_t t : history.subspan(history.size() - window)) {
+    for (int32_t t : penalty_window(p_->params, history)) {
         if (t < 0 || t >= n_vocab)
             throw error("sampler: history token " + std::to_string(t) + " outside vocabulary [0, " +
                         std::to_string(n_vocab) + ")");

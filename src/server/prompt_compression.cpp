@@ -27,8 +27,7 @@ void compression_options::validate() const {
     pflash::validate_keep_ratio(keep_ratio, "--prefill-keep-ratio");
     if (threshold < 1) throw error("--prefill-threshold must be >= 1 (got " + std::to_string(threshold) + ")");
     if (n_threads < 0) throw error("drafter threads must be >= 0");
-    if (drafter_device != "cpu" && drafter_device != "cuda" && drafter_device.rfind("cuda:", 0) != 0)
-        throw error("--drafter-device must be cpu, cuda or cuda:N (got '" + drafter_device + "')");
+    pflash::validate_drafter_device(drafter_device, "--drafter-device");
     if (mode != compression_mode::off && drafter_path.empty())
         throw error(std::string("--prefill-compression ") + compression_mode_name(mode) +
                     " needs a drafter (--prefill-drafter PATH)");

@@ -69,6 +69,16 @@ sampling_params greedy_params() {
     return p;
 }
 
+// The benchmark prompt: n pseudo-random ids (fixed seed, so runs compare across builds), BOS first.
+std::vector<int32_t> bench_prompt(const engine &eng, int64_t n) {
+    std::mt19937 rng(12345);
+    std::uniform_int_distribution<int32_t> pick(0, eng.info().n_vocab - 1);
+    std::vector<int32_t> prompt(static_cast<size_t>(n));
+    for (auto &t : prompt) t = pick(rng);
+    if (eng.bos_token() >= 0) prompt[0] = eng.bos_token();
+    return prompt;
+}
+
 // --depths: one row per depth (see the banner).
 void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &prompt) {
     const model_info &info = eng.info();
@@ -142,11 +152,7 @@ void bench_main(const bench_args &a) {
         if (d.back() + a.n_gen > info.n_ctx)
             throw error("bench: the deepest depth + -n = " + std::to_string(d.back() + a.n_gen) +
                         " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
-        std::mt19937 rng(12345);
-        std::uniform_int_distribution<int32_t> pick(0, info.n_vocab - 1);
-        std::vector<int32_t> prompt(static_cast<size_t>(d.back()));
-        for (auto &t : prompt) t = pick(rng);
-        if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
+        const std::vector<int32_t> prompt = bench_prompt(*eng, d.back());
         bench_depths(a, *eng, prompt);
         return;
     }
@@ -154,11 +160,7 @@ void bench_main(const bench_args &a) {
         throw error("bench: -p + -n = " + std::to_string(static_cast<int64_t>(a.n_prompt) + a.n_gen) +
                     " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
 
-    std::mt19937 rng(12345);
-    std::uniform_int_distribution<int32_t> pick(0, info.n_vocab - 1);
-    std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));
-    for (auto &t : prompt) t = pick(rng);
-    if (eng->bos_token() >= 0) prompt[0] = eng->bos_token();
+    const std::vector<int32_t> prompt = bench_prompt(*eng, a.n_prompt);
 
     auto sess = eng->new_session();
     sampler smp(greedy_params());

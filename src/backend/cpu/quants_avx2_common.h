@@ -30,6 +30,12 @@ inline uint16_t ld16(const uint8_t *p) {
 
 inline float ldf16(const uint8_t *p) { return _cvtsh_ss(ld16(p)); }
 
+inline int32_t ld32(const uint8_t *p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
 // 16 packed bytes -> 32 bytes: elements 0..15 = low nibbles, 16..31 = high nibbles (ggml order).
 inline __m256i nibbles32(const uint8_t *qs) {
     const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));

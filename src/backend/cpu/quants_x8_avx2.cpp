@@ -11,23 +11,15 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/quants_avx2_common.h"
 #include "backend/cpu/quants_x8.h"
 
 namespace fathom::cpu::detail {
 
 namespace {
 
-inline int32_t ld32(const uint8_t *p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
-
-inline float ldf16(const uint8_t *p) {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    return _cvtsh_ss(v);
-}
+using avx2::ld32;
+using avx2::ldf16;
 
 // Decode streams each weight once from memory: software prefetch this far ahead of the block being read.
 #ifndef FATHOM_X8_PREFETCH
