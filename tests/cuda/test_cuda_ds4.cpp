@@ -33,6 +33,7 @@
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
 #include "cuda_test_util.h"
+#include "ds4_host_util.h"
 
 namespace fathom {
 namespace {
@@ -347,16 +348,8 @@ struct moe_fixture {
     cd::moe_layer d;
 };
 
-ds4::matrix host_matrix(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols) {
-    return {t, b.data(), rows, cols, dtype_row_bytes(t, cols)};
-}
-ds4::expert_bank host_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
-    ds4::expert_bank e;
-    e.first = host_matrix(t, b, rows, cols);
-    e.n = n;
-    e.expert_bytes = e.first.row_bytes * static_cast<size_t>(rows);
-    return e;
-}
+using cuda_test::host_bank;
+using cuda_test::host_matrix;
 
 class CudaDs4Moe : public CudaDs4 {
 protected:

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "backend/cuda/ds4_attn_common.cuh"
+#include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
@@ -378,15 +379,6 @@ size_t mma_smem_bytes(int d) {
     return ks + qs + ps + sizeof(const uint8_t *) * kMmaRows + 2 * sizeof(float) * kMmaWarps * kMmaHeads;
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
 
 // A fragment of rows 0..15 (g, g + 8), columns k0 .. k0 + 15 of a [16, ld] f16 matrix.
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const __half *m, int ld, int k0, int g, int t) {
@@ -473,8 +465,8 @@ __global__ void __launch_bounds__(kMmaThreads)
                 const __half *kr = ks + (16 * warp + 8 * j + gq) * ld + k0 + 2 * tq;
                 const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 8);
-                mma16816(sc[j], ah, b0, b1);
-                mma16816(sc[j], al, b0, b1);
+                mma_m16n8k16_f16(sc[j], ah, b0, b1);
+                mma_m16n8k16_f16(sc[j], al, b0, b1);
             }
         }
         // tile max per head (rows past nt: -inf), merged over the warps
@@ -567,8 +559,8 @@ __global__ void __launch_bounds__(kMmaThreads)
                     const __half *v = v0 + 8 * j;
                     const uint32_t b0 = pack_halves(v[0], v[ld]);
                     const uint32_t b1 = pack_halves(v[8 * ld], v[9 * ld]);
-                    mma16816(acc[j], ah, b0, b1);
-                    mma16816(acc[j], al, b0, b1);
+                    mma_m16n8k16_f16(acc[j], ah, b0, b1);
+                    mma_m16n8k16_f16(acc[j], al, b0, b1);
                 }
         }
     }

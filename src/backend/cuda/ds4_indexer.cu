@@ -33,6 +33,7 @@
 #include <cooperative_groups.h>
 #endif
 
+#include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
@@ -248,15 +249,6 @@ __global__ void __launch_bounds__(256, 1)
 // 16 (w % 4) .. + 15 of its token; each 64-row tile of K is staged once in shared memory for both tokens.
 constexpr int kMmaTok = 2, kMmaTile = 64, kMmaLd = kFastDim + 8;
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
 
 // f16 hi / lo halves of the pair (x0, x1) packed as mma operands (element 0 in the low half).
 __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t &hi, uint32_t &lo) {
@@ -318,8 +310,8 @@ __global__ void __launch_bounds__(256)
                 for (int kk = 0; kk < 8; ++kk) {
                     const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk);
                     const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk + 8);
-                    mma_f16(c, ah[kk], b0, b1);
-                    mma_f16(c, al[kk], b0, b1);
+                    mma_m16n8k16_f16(c, ah[kk], b0, b1);
+                    mma_m16n8k16_f16(c, al[kk], b0, b1);
                 }
                 // heads gq (c0, c1) and gq + 8 (c2, c3); columns 8 j + 2 tq, + 1
                 float v0 = __fmul_rn(wg, fmaxf(0.0f, c[0])) + __fmul_rn(wg8, fmaxf(0.0f, c[2]));

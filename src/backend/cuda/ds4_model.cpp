@@ -493,6 +493,19 @@ struct layer_state_dev {
     size_t comp_state_floats = 0, ic_state_floats = 0;
 };
 
+// The attention arguments that size its scratch for a layer of compression ratio r with max_comp
+// compressed rows (pointers unset).
+cd::sparse_attn_args attn_shape(const hparams &hp, int r, int64_t max_comp) {
+    cd::sparse_attn_args a;
+    a.n_head = hp.n_head;
+    a.d = hp.head_dim;
+    a.window = hp.window;
+    a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
+    a.ratio = r;
+    a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, max_comp) : max_comp;
+    return a;
+}
+
 int64_t comp_capacity(int64_t n_ctx, int ratio) {
     return ratio > 0 ? n_ctx / ratio + 1 : 0;
 }
@@ -666,17 +679,8 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
         p.ls.push_back(st);
     }
     // attention partials: the largest over the layer kinds
-    for (size_t il = 0; il < p.w->layers.size(); ++il) {
-        cd::sparse_attn_args a;
-        a.n_head = hp.n_head;
-        a.d = hp.head_dim;
-        a.window = hp.window;
-        const int r = p.w->layers[il].ratio;
-        a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
-        a.ratio = r;
-        a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, p.ls[il].max_comp) : p.ls[il].max_comp;
-        part = std::max(part, cd::attn_part_floats(a));
-    }
+    for (size_t il = 0; il < p.w->layers.size(); ++il)
+        part = std::max(part, cd::attn_part_floats(attn_shape(hp, p.w->layers[il].ratio, p.ls[il].max_comp)));
     p.pos = p.dev<int64_t>(1);
     p.token = p.dev<int32_t>(1);
     p.x[0] = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
@@ -744,17 +748,15 @@ void cuda_sequence::impl::alloc_chunk(int64_t T) {
     c.sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
     c.n_sel = dev<int32_t>(n);
     size_t part = 1;
+    // The partials' size is not monotone in the token count (small chunks split rows over blocks):
+    // the largest over every chunk length this sequence can launch, once per layer kind (the
+    // compressed-row capacity depends only on the ratio).
+    std::vector<int> kinds;
     for (size_t il = 0; il < w->layers.size(); ++il) {
-        cd::sparse_attn_args a;
-        a.n_head = hp.n_head;
-        a.d = hp.head_dim;
-        a.window = hp.window;
         const int r = w->layers[il].ratio;
-        a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
-        a.ratio = r;
-        a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, ls[il].max_comp) : ls[il].max_comp;
-        // The partials' size is not monotone in the token count (small chunks split rows over
-        // blocks): the largest over every chunk length this sequence can launch.
+        if (std::find(kinds.begin(), kinds.end(), r) != kinds.end()) continue;
+        kinds.push_back(r);
+        const cd::sparse_attn_args a = attn_shape(hp, r, ls[il].max_comp);
         for (int64_t m = 1; m <= T; ++m) part = std::max(part, cd::attn_batch_part_floats(a, m));
     }
     c.part = dev<float>(part);
