@@ -61,12 +61,28 @@ struct attn_args {
     float scale, softcap;
     int32_t window;
 };
-// Key splits for n_tok queries of n_head heads over a cache of n_ctx rows (position-independent).
+// Key splits for n_tok queries of n_head heads over a cache of n_ctx rows (position-independent;
+// from kAttnMmaMinTokens tokens on, attention_mma_splits).
 int attention_splits(int64_t n_tok, int32_t n_head, int64_t n_ctx);
 // With n_split > 1, `part` holds n_tok*n_head*n_split*(head_dim+2) floats of scratch.
 void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k, const void *v, bool f16,
                       size_t kv_stride_bytes, const attn_args &a, const int64_t *pos_base, float *out, int64_t ldo,
                       uint32_t *err, float *part, int n_split, cudaStream_t s);
+
+// ---- cuda_attn_mma.cu: tensor-core flash attention (prefill) --------------------------------------
+// launch_attention takes it for f16 caches, n_tok >= kAttnMmaMinTokens and attention_mma_usable; same
+// contract as launch_attention (n_split > 1: partials in `part` for the caller's combine pass).
+// From 2 queries on: a block reads each K/V tile once for all its queries, where the scalar kernel
+// re-reads the whole span per (query, head) - PFlash's 8 scoring queries over a 128K prompt took
+// 18 ms per layer that way. Single-token decode keeps the scalar split kernel.
+constexpr int64_t kAttnMmaMinTokens = 2;
+// head_dim 64 / 128 / 256, 16-byte aligned K/V bases and row stride, sm_80+ with enough shared memory.
+bool attention_mma_usable(int32_t head_dim, const void *k, const void *v, size_t kv_stride_bytes);
+// Key splits of the tensor-core kernel (blocks of 64 queries x one head; position-independent).
+int attention_mma_splits(int64_t n_tok, int32_t n_head, int64_t n_ctx);
+void launch_attention_mma(const float *q, int64_t ldq, int64_t n_tok, const void *k, const void *v,
+                          size_t kv_stride_bytes, const attn_args &a, const int64_t *pos_base, float *out,
+                          int64_t ldo, uint32_t *err, float *part, int n_split, cudaStream_t s);
 
 enum class ew_op { add, add_bcast, scale, softcap, swiglu, geglu, copy_f32, copy_f16 };
 // Row-wise elementwise: out = op(a, b) over rows x n. Pointers/strides per operand (b may be null).

@@ -1,5 +1,6 @@
 // CUDA kernels for the non-matmul ops: rms_norm, rope table + rotation, KV-cache store, attention
-// (flash-decoding style: online softmax per warp, optional split over keys with a combine pass),
+// (flash-decoding style: online softmax per warp, optional split over keys with a combine pass; prefill
+// over f16 caches goes to the tensor-core kernel of cuda_attn_mma.cu),
 // row-wise elementwise ops and softmax. Positions for rope_table / kv_store / attention are read on
 // the device as *pos_base + offset so a captured CUDA graph replays at a new position.
 #include <cuda_fp16.h>
@@ -345,6 +346,9 @@ void launch_kv_store(const float *src, int64_t lds, int64_t n_tok, int32_t n_hea
 // Splits over keys only pay when there are few (token, head) items, i.e. decode; the split count
 // depends on n_tok, n_head and the cache capacity only, never on the position, so graphs stay valid.
 int attention_splits(int64_t n_tok, int32_t n_head, int64_t n_ctx) {
+    // Prefill-sized calls: the tensor-core kernel's blocks (64 queries x one head) set the count. The
+    // scalar kernel, which still serves those calls for f32 caches, takes any count.
+    if (n_tok >= kAttnMmaMinTokens) return attention_mma_splits(n_tok, n_head, n_ctx);
     const int64_t items = n_tok * n_head;
     int64_t splits = std::max<int64_t>(1, 264 / std::max<int64_t>(1, items));
     splits = std::min<int64_t>(splits, std::max<int64_t>(1, (n_ctx + 127) / 128));
@@ -359,7 +363,11 @@ void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k,
     const int64_t items = n_tok * a.n_head;
     const dim3 grid(grid_for(items, 1), static_cast<unsigned>(n_split));
     const auto *k8 = static_cast<const uint8_t *>(k), *v8 = static_cast<const uint8_t *>(v);
-    if (f16)
+    // Several queries over f16 caches: tensor cores (cuda_attn_mma.cu); single-token decode keeps the
+    // scalar split kernel (kAttnMmaMinTokens).
+    if (f16 && n_tok >= kAttnMmaMinTokens && attention_mma_usable(a.head_dim, k, v, kv_stride_bytes))
+        launch_attention_mma(q, ldq, n_tok, k, v, kv_stride_bytes, a, pos_base, out, ldo, err, part, n_split, s);
+    else if (f16)
         attn_kernel<true><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out,
                                                            ldo, part, err);
     else

@@ -5,11 +5,17 @@
 // tokens, the same kernels with a token grid dimension). Element-wise sums and products use round-to-nearest
 // intrinsics in the CPU's order (no FMA contraction), so they repeat the CPU's f32 arithmetic;
 // exp differs from glibc's by at most an ulp or two.
+// The decode step uses hc_fused_kernel (launch_hc_pre_fused / launch_hc_head_fused): the previous
+// sublayer's HCPost, the mixer, Sinkhorn, u and the RMSNorm in one launch, the same bits as the
+// separate kernels (see its section banner).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
@@ -314,6 +320,234 @@ __global__ void hc_post_kernel(int n, int64_t D, const float *__restrict__ y, co
     }
 }
 
+// ---- fused decode HC: [HCPost +] HCPre / HC head + RMSNorm in one launch ------------------------
+// Grid: one block per mixer output (n_mix + 1, kMixThreads threads), as hc_mix_kernel. Every block
+//   1. prefetches its fn row into L2 (weights only: the part allowed before the PDL wait), waits;
+//   2. builds the whole state v = x_new (HCPost of y, x_old, post, comb, hc_post_kernel's operations
+//      in its order: the same bits) or v = x in shared memory [n_hc * D], and writes its own slice
+//      of x_new (block b: elements [b * chunk, (b + 1) * chunk)) for the next sublayer;
+//   3. computes its mixer output from the shared v with hc_mix_kernel's units, fma chain and
+//      reduction tree (same bits), writes mix[b], fences, and arrives on the counter (atomicInc
+//      with wrap: the last of the G blocks reads G - 1 and the counter is back at zero, so graph
+//      replays need no reset and no host state);
+//   4. the last block to arrive (it has all of v in its own shared memory) does what the apply
+//      kernel and launch_rms_norm did: warp 0 the Sinkhorn split (post, comb; not for the head),
+//      warps 1..8 as rms_norm_kernel's 256 threads: u[i] = sum_s pre_s v[s D + i] (the apply
+//      kernels' order), the squares summed in double per thread over i = t, t + 256, ..., the warp
+//      butterfly and the fixed-order sum of the 8 warp totals, then out = (u * s) * w.
+// The post/comb read in 2 and rewritten in 4 are safe in place: every block has read them before it
+// arrives, and 4 runs after all arrivals.
+struct fused_args {
+    const uint8_t *fn;
+    size_t row_bytes;
+    const float *base, *scale;
+    const float *y, *x;  // y null: v = x
+    float *x_new, *post, *comb, *mix;
+    uint32_t *sync;
+    const float *norm;
+    float *out;
+    int64_t D;
+    int n_hc, n_mix, iters;
+    float hc_eps, rms_eps;
+    bool head, vec4;  // vec4: D % 4 == 0 and x, y, x_new 16-byte aligned
+};
+constexpr int kNormThreads = 256;  // rms_norm_kernel's block size (its reduction order)
+
+// Step 2 (sv: shared [n_hc * D]); the x_new slice [lo, hi) goes to global memory.
+__device__ __forceinline__ void fused_state(const fused_args &a, float *sv, int64_t lo, int64_t hi) {
+    __shared__ float pc[kMaxHc + kMaxHc * kMaxHc];  // post [n], comb [n, n]
+    const int N = a.n_hc, tid = threadIdx.x;
+    const int64_t D = a.D, n = N * D;
+    if (!a.y) {  // v = x
+        if (a.vec4)
+#pragma unroll 4
+            for (int64_t q = tid; q < n / 4; q += blockDim.x)
+                reinterpret_cast<float4 *>(sv)[q] = reinterpret_cast<const float4 *>(a.x)[q];
+        else
+            for (int64_t e = tid; e < n; e += blockDim.x) sv[e] = a.x[e];
+        return;
+    }
+    if (tid < N) pc[tid] = a.post[tid];
+    else if (tid < N + N * N) pc[tid] = a.comb[tid - N];
+    __syncthreads();
+    const float *post = pc, *comb = pc + N;
+    if (a.vec4) {  // thread: 4 positions i .. i + 3 of every stream
+        for (int64_t i = static_cast<int64_t>(tid) * 4; i < D; i += static_cast<int64_t>(blockDim.x) * 4) {
+            const float4 y4 = *reinterpret_cast<const float4 *>(a.y + i);
+            float4 xo[kMaxHc];
+#pragma unroll
+            for (int j = 0; j < kMaxHc; ++j)
+                xo[j] = j < N ? *reinterpret_cast<const float4 *>(a.x + j * D + i) : make_float4(0, 0, 0, 0);
+            for (int k = 0; k < N; ++k) {
+                float r[4];
+                const float yq[4] = {y4.x, y4.y, y4.z, y4.w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    float acc = __fmul_rn(post[k], yq[q]);
+#pragma unroll
+                    for (int j = 0; j < kMaxHc; ++j) {
+                        const float xq = q == 0 ? xo[j].x : q == 1 ? xo[j].y : q == 2 ? xo[j].z : xo[j].w;
+                        if (j < N) acc = __fadd_rn(acc, __fmul_rn(comb[j * N + k], xq));
+                    }
+                    r[q] = acc;
+                }
+                const int64_t e = k * D + i;
+                const float4 r4 = make_float4(r[0], r[1], r[2], r[3]);
+                *reinterpret_cast<float4 *>(sv + e) = r4;
+                if (e >= lo && e + 4 <= hi) *reinterpret_cast<float4 *>(a.x_new + e) = r4;  // lo, hi: multiples of 4
+            }
+        }
+    } else {
+        for (int64_t i = tid; i < D; i += blockDim.x) {
+            float xo[kMaxHc];
+#pragma unroll
+            for (int j = 0; j < kMaxHc; ++j) xo[j] = j < N ? a.x[j * D + i] : 0.0f;
+            const float yi = a.y[i];
+            for (int k = 0; k < N; ++k) {
+                float acc = __fmul_rn(post[k], yi);
+#pragma unroll
+                for (int j = 0; j < kMaxHc; ++j)
+                    if (j < N) acc = __fadd_rn(acc, __fmul_rn(comb[j * N + k], xo[j]));
+                const int64_t e = k * D + i;
+                sv[e] = acc;
+                if (e >= lo && e < hi) a.x_new[e] = acc;
+            }
+        }
+    }
+}
+
+// Step 3: this block's mixer output from the shared state (hc_mix_kernel's arithmetic, x from sv).
+template <bool F16, bool VEC>
+__device__ __forceinline__ double fused_mix_dot(const fused_args &a, const float *sv, const uint8_t *row, bool sq, double *red) {
+    const int tid = threadIdx.x;
+    const int64_t n = a.n_hc * a.D, units = n / 8;
+    double acc = 0;
+    constexpr int U = 2;
+    for (int64_t u0 = tid; u0 < units; u0 += static_cast<int64_t>(U) * kMixThreads) {
+        float w[U][8], xv[U][8];
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const int64_t u = u0 + static_cast<int64_t>(k) * kMixThreads;
+            if (u >= units) continue;
+            const float4 x0 = *reinterpret_cast<const float4 *>(sv + u * 8), x1 = *reinterpret_cast<const float4 *>(sv + u * 8 + 4);
+            xv[k][0] = x0.x, xv[k][1] = x0.y, xv[k][2] = x0.z, xv[k][3] = x0.w;
+            xv[k][4] = x1.x, xv[k][5] = x1.y, xv[k][6] = x1.z, xv[k][7] = x1.w;
+            if (sq) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) w[k][i] = xv[k][i];  // the r block: v . v
+            } else {
+                loadw8<F16, VEC>(row, u * 8, w[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            if (u0 + static_cast<int64_t>(k) * kMixThreads >= units) break;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = fma(static_cast<double>(w[k][i]), static_cast<double>(xv[k][i]), acc);
+        }
+    }
+    for (int64_t e = units * 8 + tid; e < n; e += kMixThreads) {
+        const float w = sq ? sv[e]
+                           : F16 ? __half2float(reinterpret_cast<const __half *>(row)[e])
+                                 : reinterpret_cast<const float *>(row)[e];
+        acc = fma(static_cast<double>(w), static_cast<double>(sv[e]), acc);
+    }
+    return block_sum_d(acc, red);
+}
+
+// u[i] of the last block (the apply kernels' sum, in their order).
+__device__ __forceinline__ float fused_u(const float *sv, const float *pre, int N, int64_t D, int64_t i) {
+    float acc = 0;
+#pragma unroll
+    for (int s = 0; s < kMaxHc; ++s)
+        if (s < N) acc = __fadd_rn(acc, __fmul_rn(pre[s], sv[s * D + i]));
+    return acc;
+}
+
+__device__ __forceinline__ void bar_norm() {  // named barrier 1 over the kNormThreads norm threads
+    asm volatile("bar.sync 1, %0;" ::"r"(kNormThreads) : "memory");
+}
+
+// Step 4 (last block): pre, the Sinkhorn split (warp 0) and out = RMSNorm(u) (warps 1 .. 8).
+__device__ __forceinline__ void fused_tail(const fused_args &a, const float *sv) {
+    __shared__ float smix[kMaxMix], pre[kMaxHc];
+    __shared__ double wsum[kNormThreads / 32];
+    const int tid = threadIdx.x, N = a.n_hc;
+    if (tid <= a.n_mix) smix[tid] = __ldcg(a.mix + tid);  // other blocks' outputs: from L2
+    __syncthreads();
+    if (tid < N) {
+        const float m = __fmul_rn(smix[tid], smix[a.n_mix]);
+        pre[tid] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(m, a.scale[0]), a.base[tid])), a.hc_eps);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        if (a.head) return;
+        switch (N) {
+        case 1: hc_sinkhorn_warp<1>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+        case 2: hc_sinkhorn_warp<2>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+        case 3: hc_sinkhorn_warp<3>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+        case 4: hc_sinkhorn_warp<4>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+        default: hc_sinkhorn_warp<5>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+        }
+        return;
+    }
+    if (tid >= 32 + kNormThreads) return;
+    const int t = tid - 32;  // rms_norm_kernel's threadIdx.x
+    const int64_t D = a.D;
+    double ss = 0;
+    for (int64_t i = t; i < D; i += kNormThreads) {
+        const float u = fused_u(sv, pre, N, D, i);
+        ss += static_cast<double>(__fmul_rn(u, u));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((t & 31) == 0) wsum[t >> 5] = ss;
+    bar_norm();
+    double tot = 0;
+    for (int w = 0; w < kNormThreads / 32; ++w) tot += wsum[w];
+    const float sc = 1.0f / sqrtf(static_cast<float>(tot / static_cast<double>(D)) + a.rms_eps);
+    for (int64_t i = t; i < D; i += kNormThreads) {
+        const float u = fused_u(sv, pre, N, D, i);
+        a.out[i] = a.norm ? __fmul_rn(__fmul_rn(u, sc), a.norm[i]) : __fmul_rn(u, sc);
+    }
+}
+
+template <bool F16, bool VEC>
+__global__ void __launch_bounds__(kMixThreads) hc_fused_kernel(fused_args a) {
+    extern __shared__ float4 fused_smem[];
+    float *sv = reinterpret_cast<float *>(fused_smem);  // [n_hc * D]
+    __shared__ double red[kMixThreads / 32];
+    __shared__ bool last;
+    const int tid = threadIdx.x, b = blockIdx.x;
+    const bool sq = b == a.n_mix;
+    const int64_t n = a.n_hc * a.D;
+    const uint8_t *row = a.fn + static_cast<size_t>(sq ? 0 : b) * a.row_bytes;
+    if (!sq) {  // 1. the row into L2 (one prefetch per 128-byte line) while the previous kernel ends
+        const size_t bytes = static_cast<size_t>(n) * (F16 ? 2 : 4);
+        for (size_t off = static_cast<size_t>(tid) * 128; off < bytes; off += static_cast<size_t>(kMixThreads) * 128)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+    // 2. the state; block b owns x_new [lo, hi) (chunks a multiple of 4: never splits a float4)
+    const int64_t chunk = ((n + gridDim.x - 1) / gridDim.x + 3) / 4 * 4, lo = b * chunk,
+                  hi = lo + chunk < n ? lo + chunk : n;
+    fused_state(a, sv, lo, hi);
+    __syncthreads();
+    // 3. mixer output b, then arrival
+    const double t = fused_mix_dot<F16, VEC>(a, sv, row, sq, red);
+    if (tid == 0)
+        a.mix[b] = !sq ? static_cast<float>(t)
+                       : static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(a.rms_eps)));
+    __threadfence();  // this thread's x_new / mix stores are device-visible before the arrival
+    __syncthreads();
+    if (tid == 0) last = atomicInc(a.sync, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    fused_tail(a, sv);  // 4.
+}
+
 __global__ void sleep_kernel(uint64_t ns) {
     const uint64_t t0 = globaltimer_ns();
     while (globaltimer_ns() - t0 < ns) __nanosleep(1000);
@@ -409,6 +643,71 @@ void hc_post_tokens(int n_hc, int64_t dim, int64_t n_tok, const float *y, const 
     check_launch("hc post");
 }
 
+// [HCPost +] HCPre / head + RMSNorm (hc_fused_kernel), or the unfused launches when one block's
+// shared memory cannot hold the n_hc * D state (the same results: the fused kernel repeats them).
+void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+              const float *scale, const hc_fused_io &io, bool head, cudaStream_t s) {
+    const std::string what = head ? "cuda ds4 hc head (fused)" : "cuda ds4 hc pre (fused)";
+    if (p.n_hc < 1 || p.n_hc > kMaxHc || p.dim < 1 || (!head && p.sinkhorn_iters < 1))
+        throw error(what + ": unsupported n_hc " + std::to_string(p.n_hc) + " (1..5), dim " + std::to_string(p.dim) +
+                    ", sinkhorn iterations " + std::to_string(p.sinkhorn_iters));
+    if (fn_type != dtype::f32 && fn_type != dtype::f16)
+        throw error(what + ": mixer weight type " + std::string(dtype_name(fn_type)) + " unsupported (f32 or f16)");
+    const int64_t n = static_cast<int64_t>(p.n_hc) * p.dim;
+    if (fn_row_bytes < dtype_row_bytes(fn_type, n) || fn_row_bytes % (fn_type == dtype::f32 ? 4 : 2) != 0)
+        throw error(what + ": mixer row stride too small or misaligned");
+    if (!fn || !base || !scale || !io.x || !io.mix || !io.sync || !io.out || (!head && (!io.post || !io.comb)) ||
+        (io.y && (!io.x_new || io.x_new == io.x || !io.post || !io.comb)))
+        throw error(what + ": a buffer is missing, or x_new aliases x");
+    const float *xin = io.y ? io.x_new : io.x;
+    int dev = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        throw error(what + ": cannot query the device");
+    const size_t smem = static_cast<size_t>(n) * sizeof(float);
+    if (smem + 4096 > static_cast<size_t>(optin)) {  // 4 KB: the kernel's static shared memory, with margin
+        if (io.y) hc_post_tokens(p.n_hc, p.dim, 1, io.y, io.x, io.post, io.comb, io.x_new, s);
+        if (head) launch_hc_head(p, fn_type, fn, fn_row_bytes, base, scale, xin, io.mix, io.out, s);
+        else hc_pre_tokens(p, fn_type, fn, fn_row_bytes, base, scale, xin, 1, false, io.mix, io.out, io.post, io.comb, s);
+        cuda::launch_rms_norm(io.out, p.dim, io.norm, p.rms_eps, p.dim, 1, io.out, p.dim, s);
+        check_launch("hc rms norm");
+        return;
+    }
+    auto al16 = [](const void *q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+    fused_args a{};
+    a.fn = static_cast<const uint8_t *>(fn);
+    a.row_bytes = fn_row_bytes;
+    a.base = base, a.scale = scale, a.y = io.y, a.x = io.x, a.x_new = io.x_new, a.post = io.post, a.comb = io.comb;
+    a.mix = io.mix, a.sync = io.sync, a.norm = io.norm, a.out = io.out;
+    a.D = p.dim, a.n_hc = p.n_hc, a.n_mix = head ? p.n_hc : (2 + p.n_hc) * p.n_hc, a.iters = p.sinkhorn_iters;
+    a.hc_eps = p.hc_eps, a.rms_eps = p.rms_eps, a.head = head;
+    a.vec4 = p.dim % 4 == 0 && al16(io.x) && (!io.y || (al16(io.y) && al16(io.x_new)));
+    const bool f16 = fn_type == dtype::f16, vec = al16(fn) && fn_row_bytes % 16 == 0;
+    void (*kernel)(fused_args) = f16 ? (vec ? hc_fused_kernel<true, true> : hc_fused_kernel<true, false>)
+                                     : (vec ? hc_fused_kernel<false, true> : hc_fused_kernel<false, false>);
+    // opt in to more than 48 KB of dynamic shared memory, once per kernel and device (bit = device id)
+    static std::atomic<uint64_t> raised[4];
+    std::atomic<uint64_t> &r = raised[(f16 ? 2 : 0) + (vec ? 1 : 0)];
+    const uint64_t bit = uint64_t{1} << (dev & 63);
+    if (smem > 48 * 1024 && !(r.load() & bit)) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - 4096) != cudaSuccess)
+            throw error(what + ": cannot raise the shared-memory limit");
+        r.fetch_or(bit);
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(a.n_mix + 1));
+    cfg.blockDim = dim3(kMixThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a);
+    if (e != cudaSuccess) throw error(what + ": launch failed: " + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 void launch_hc_pre(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
@@ -449,6 +748,16 @@ void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, c
 void launch_hc_post_batch(int n_hc, int64_t dim, int64_t n_tok, const float *y, const float *x_old, const float *post,
                           const float *comb, float *x_new, cudaStream_t s) {
     hc_post_tokens(n_hc, dim, n_tok, y, x_old, post, comb, x_new, s);
+}
+
+void launch_hc_pre_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                         const float *scale, const hc_fused_io &io, cudaStream_t s) {
+    hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, false, s);
+}
+
+void launch_hc_head_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                          const float *scale, const hc_fused_io &io, cudaStream_t s) {
+    hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, true, s);
 }
 
 void launch_gpu_sleep(uint64_t ns, cudaStream_t s) {

@@ -120,6 +120,31 @@ void launch_hc_head(const hc_params &p, dtype fn_type, const void *fn, size_t fn
 void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post,
                     const float *comb, float *x_new, cudaStream_t s);
 
+// Fused decode HC (one launch per sublayer instead of post + mixer + apply + RMSNorm): optionally the
+// previous sublayer's HCPost, then HCPre (or the HC head) and the RMSNorm of its output, bit for bit
+// what launch_hc_post, launch_hc_pre / launch_hc_head and launch_rms_norm(out, D, norm, rms_eps, D, 1,
+// out, D) give in sequence (same operations in the same order; tests/cuda/test_cuda_ds4_hc_fused.cpp).
+// The kernel is launched with programmatic dependent launch: before its griddepcontrol.wait it only
+// touches fn (prefetch), so fn must not be written by the kernel just before it; it lets the next
+// kernel start early (that kernel must wait before reading out / post / comb / x_new, as every
+// PDL kernel of this backend does). Falls back to the unfused launches when one block cannot hold
+// the n_hc * D state in shared memory.
+struct hc_fused_io {
+    const float *y = nullptr;  // [D] output of the sublayer to fold in (HCPost), or null: x is the state
+    const float *x = nullptr;  // [n_hc, D] the previous state (with y) or the state itself (16-byte aligned)
+    float *x_new = nullptr;    // [n_hc, D] the new state (with y; written, must not alias x), else unused
+    float *post = nullptr;     // [n_hc]        in: the split x was made with (with y); out: the new split
+    float *comb = nullptr;     // [n_hc, n_hc]  (sublayer form; the head only reads them, with y)
+    float *mix = nullptr;      // scratch [(2 + n_hc) * n_hc + 1] (head: n_hc + 1 suffice)
+    uint32_t *sync = nullptr;  // arrival counter: zero before the first launch, every launch leaves it zero
+    const float *norm = nullptr;  // [D] RMSNorm weight, or null (no weight)
+    float *out = nullptr;         // [D] RMSNorm(u) (sublayer) / RMSNorm(z) (head)
+};
+void launch_hc_pre_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                         const float *scale, const hc_fused_io &io, cudaStream_t s);
+void launch_hc_head_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                          const float *scale, const hc_fused_io &io, cudaStream_t s);
+
 // ---- indexer (ds4_indexer.cu) -----------------------------------------------------------------------
 // Indexer selection (spec 4.5) for one query: q [n_head, dim], w [n_head] (already scaled), rows
 // [n, dim] (f32 or f16, row_stride bytes apart). out [min(topk, n)] = the rows with the largest

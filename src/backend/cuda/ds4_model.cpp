@@ -11,7 +11,9 @@
 //     o = sink attention(q; window rows + compressed rows), inverse RoPE; y = W_ob (W_oa grouped o)
 //     X = HCPost(y, X)
 //   MoE half: HCPre, RMSNorm, router + routed experts + shared expert, HCPost
-// then HC head, RMSNorm, output head, device argmax.
+// then HC head, RMSNorm, output head, device argmax. The KV row + compressor and the indexer run on
+// two side streams beside the query path (event fork / join; parallel branches of the graph), unless
+// cuda_run_options::serial_step or profiling.
 #include "backend/cuda/ds4_model.h"
 
 #include <cuda_runtime.h>
@@ -534,6 +536,27 @@ struct cuda_sequence::impl {
     void phase(const char *name) {
         if (mark) mark(name);
     }
+    // Branches of the decode attention (enqueue_attention): side[0] runs the KV row and the main
+    // compressor, side[1] the indexer, beside the query path on s. ev_fork (recorded on s after the
+    // projections) starts both; ev_q (after the q_b GEMV) lets side[1] read the indexer query;
+    // ev_join[i] (recorded on side[i]) orders the attention after each branch. Events are reused
+    // layer after layer: a wait takes the record made before it, eagerly and under capture.
+    cudaStream_t side[2] = {nullptr, nullptr};
+    cudaEvent_t ev_fork = nullptr, ev_q = nullptr, ev_join[2] = {nullptr, nullptr};
+    // Branches on: neither opt.serial_step nor profiling (phase events time one stream).
+    bool branched() const { return !w->opt.serial_step && !mark; }
+    // Error paths: every side stream taking part rejoins s (a capture must end joined; eager work
+    // must not outlive the step). Errors are ignored: the caller is already failing.
+    void join_side() noexcept {
+        cudaStreamCaptureStatus main_st = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(s, &main_st);
+        for (int i = 0; i < 2; ++i) {
+            cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+            if (!side[i] || cudaStreamIsCapturing(side[i], &st) != cudaSuccess) continue;
+            if ((main_st == cudaStreamCaptureStatusNone) != (st == cudaStreamCaptureStatusNone)) continue;
+            if (cudaEventRecord(ev_join[i], side[i]) == cudaSuccess) cudaStreamWaitEvent(s, ev_join[i], 0);
+        }
+    }
 
     template <class T>
     T *dev(size_t n) {
@@ -550,6 +573,10 @@ struct cuda_sequence::impl {
         if (h_token) cudaFreeHost(h_token);
         if (h_amax) cudaFreeHost(h_amax);
         if (err_h) cudaFreeHost(err_h);
+        for (cudaEvent_t e : {ev_fork, ev_q, ev_join[0], ev_join[1]})
+            if (e) cudaEventDestroy(e);
+        for (cudaStream_t b : side)
+            if (b) cudaStreamDestroy(b);
         if (s) cudaStreamDestroy(s);
     }
 
@@ -647,6 +674,9 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
         throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
                     " of device memory, " + gib(static_cast<double>(free_b)) + " free");
     ck(cudaStreamCreateWithFlags(&p.s, cudaStreamNonBlocking), "creating a stream");
+    for (cudaStream_t &b : p.side) ck(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "creating a stream");
+    for (cudaEvent_t *e : {&p.ev_fork, &p.ev_q, &p.ev_join[0], &p.ev_join[1]})
+        ck(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "creating an event");
     ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_pos), sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
     ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_token), sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
     ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_amax), sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
@@ -686,7 +716,8 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.x[0] = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
     p.x[1] = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
     p.xn = p.dev<float>(static_cast<size_t>(D));
-    p.mix = p.dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 1));
+    // + 1 word: the fused HC kernels' arrival counter (enqueue_step).
+    p.mix = p.dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 2));
     p.post = p.dev<float>(static_cast<size_t>(hp.n_hc));
     p.comb = p.dev<float>(static_cast<size_t>(hp.n_hc * hp.n_hc));
     p.q_lat = p.dev<float>(static_cast<size_t>(hp.q_lora));
@@ -804,10 +835,27 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     const bool f16 = kv_elem == 2;
     const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
     const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
+    const bool idx = l.ratio == 4;
+    // Streams: sk runs the KV row and the main compressor, si the indexer, s the query path (all s
+    // when serial). What each reads and writes, per layer:
+    //   s : xn -> projections -> q_lat, kvrow, ca, cg [, iw, ica, icg]; q_lat -> q [, iq]; q in place
+    //   sk: kvrow in place -> st.ring row (pos mod window); ca, cg -> st.comp_kv / comp_score, comp_rows
+    //   si: ica, icg -> st.ic_kv / ic_score, idx_rows; after ev_q: iq in place; iq, iw, idx_rows ->
+    //       score, sel, n_sel
+    //   s after the join: q, st.ring, st.comp_rows, sel, n_sel -> part, o -> z -> y
+    // Between branches only pos (read-only) and err_d (atomicOr) are shared. Every scratch buffer a
+    // branch touches is next written by the next layer's projections (or, for iq, its q_b GEMV), on
+    // s after this layer's join, so the join also orders those writes after the branches' reads.
+    const bool par = branched();
+    const cudaStream_t sk = par ? side[0] : s, si = par ? side[1] : s;
+    auto pause = [&](cudaStream_t b, bool on_side) {
+        const int64_t ns = w->opt.branch_delay_ns;
+        if (par && ns != 0 && (ns > 0) == on_side) cd::launch_gpu_sleep(static_cast<uint64_t>(ns > 0 ? ns : -ns), b);
+    };
     // Every projection of the normed input xn in one launch (q_a, kv, compressor and indexer inputs),
     // then those of the query latent (q_b, indexer q_b).
     phase("projections of xn (q_a, kv, compressors, indexer weights)");
-    if (l.ratio == 4)
+    if (idx)
         gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}, {&l.comp.kv, ca}, {&l.comp.gate, cg}, {&l.idx_proj, iw},
                     {&l.idx_comp.kv, ica}, {&l.idx_comp.gate, icg}},
                    xn, s);
@@ -815,37 +863,63 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}, {&l.comp.kv, ca}, {&l.comp.gate, cg}}, xn, s);
     else
         gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}}, xn, s);
-    phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
-    cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
-    if (l.ratio == 4)
-        gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s);
-    else
-        gemv(l.q_b, q_lat, q, s);
-    cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
+    // Fork after the projections. The GEMVs are PDL launches (their programmatic edge is valid only
+    // to the previous kernel of the same stream): no PDL launch directly follows a wait on another
+    // stream's event here - each branch starts with, and the attention after the join is, a plain
+    // launch, which waits for the whole of its predecessors.
+    if (par) {
+        ck(cudaEventRecord(ev_fork, s), "forking the attention");
+        ck(cudaStreamWaitEvent(sk, ev_fork, 0), "forking the attention");
+        if (idx) ck(cudaStreamWaitEvent(si, ev_fork, 0), "forking the attention");
+        pause(sk, true);
+        if (idx) pause(si, true);
+        pause(s, false);
+    }
     phase("attn kv (norm, rope, fp8, ring)");
     cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
-                               static_cast<size_t>(d) * kv_elem, hp.window, pos, s);
+                               static_cast<size_t>(d) * kv_elem, hp.window, pos, sk);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
-                          const float *a, const float *g) {
+                          const float *a, const float *g, cudaStream_t on) {
         cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a, g,
-                                   pos, err_d, s);
+                                   pos, err_d, on);
     };
     if (l.ratio > 0) {
         phase("attn compressor step");
         compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
-                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg);
+                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg, sk);
     }
-    if (l.ratio == 4) {
-        const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
-        phase("indexer q rope+fp4, compressor step");
-        cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
-        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, ica, icg);
+    const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+    if (idx) {
+        phase("indexer compressor step");
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
+    }
+    phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
+    cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
+    if (idx)
+        gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s);
+    else
+        gemv(l.q_b, q_lat, q, s);
+    if (par && idx) {  // the indexer query is ready
+        ck(cudaEventRecord(ev_q, s), "forking the indexer query");
+        ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
+    }
+    cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
+    if (idx) {
+        phase("indexer q rope+fp4");
+        cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, iqk, pos, si);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
         phase("indexer top-k");
         cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4, st.max_comp,
-                                hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, s,
+                                hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, si,
                                 w->opt.exact_indexer);
+    }
+    // Join: the attention reads the ring row, the compressed rows and the selections.
+    if (par) {
+        for (int i = 0; i < (idx ? 2 : 1); ++i) {
+            ck(cudaEventRecord(ev_join[i], side[i]), "joining the attention");
+            ck(cudaStreamWaitEvent(s, ev_join[i], 0), "joining the attention");
+        }
     }
     phase("sparse sink attention");
     cd::sparse_attn_args a;
@@ -887,17 +961,31 @@ void cuda_sequence::impl::enqueue_step() {
             cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
                                   x[0] + k * D, D, err_d, s);
     const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
+    // HC: one fused launch per sublayer (ds4_kernels.h launch_hc_pre_fused): a sublayer's HCPost is
+    // deferred (pending) and folded into the next HCPre or the head; x[cur] is the state, or with a
+    // pending post the state it was made from (x[1 - cur] receives the new one). The fused kernels'
+    // arrival counter is the word after mix's (2 + n_hc) n_hc + 1 floats (allocated with mix),
+    // cleared once per step (the kernels leave it zero; the clear makes a step
+    // self-contained).
     int cur = 0;
+    bool post_pending = false;
+    uint32_t *hc_sync = reinterpret_cast<uint32_t *>(mix + (2 + nh) * nh + 1);
+    ck(cudaMemsetAsync(hc_sync, 0, sizeof(uint32_t), s), "clearing the hc counter");
+    auto hc_io = [&](const float *norm, float *out) {
+        cd::hc_fused_io io;
+        io.y = post_pending ? y : nullptr;
+        io.x = x[cur];
+        io.x_new = post_pending ? x[1 - cur] : nullptr;
+        io.post = post, io.comb = comb, io.mix = mix, io.sync = hc_sync, io.norm = norm, io.out = out;
+        if (post_pending) cur = 1 - cur;
+        post_pending = false;
+        return io;
+    };
     auto hc_pre = [&](const dhc &h, const float *norm) {
-        phase("hc pre + rmsnorm");
-        cd::launch_hc_pre(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, xn, post, comb, s);
-        cuda::launch_rms_norm(xn, D, norm, hp.rms_eps, D, 1, xn, D, s);
+        phase("hc post + pre + rmsnorm");
+        cd::launch_hc_pre_fused(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, hc_io(norm, xn), s);
     };
-    auto hc_post = [&] {
-        phase("hc post");
-        cd::launch_hc_post(nh, D, y, x[cur], post, comb, x[1 - cur], s);
-        cur = 1 - cur;
-    };
+    auto hc_post = [&] { post_pending = true; };
     for (size_t il = 0; il < w->layers.size(); ++il) {
         const dlayer &l = w->layers[il];
         hc_pre(l.hc_attn, l.attn_norm);
@@ -910,13 +998,14 @@ void cuda_sequence::impl::enqueue_step() {
     }
     // Two HCPosts per block: the state leaving the blocks is back in x[0] (a stage's output).
     if (!w->head()) {
+        phase("hc post");
+        if (post_pending) cd::launch_hc_post(nh, D, y, x[cur], post, comb, x[1 - cur], s);
         phase("");
         return;
     }
-    phase("head (hc head, norm, output, argmax)");
+    phase("head (hc post + head, norm, output, argmax)");
     const dhc &h = w->hc_head;
-    cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, x[cur], mix, zh, s);
-    cuda::launch_rms_norm(zh, D, w->output_norm, hp.rms_eps, D, 1, zh, D, s);
+    cd::launch_hc_head_fused(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, hc_io(w->output_norm, zh), s);
     gemv(w->output, zh, logits, s);
     cd::launch_argmax(logits, hp.n_vocab, amax, s);
     phase("");
@@ -1158,9 +1247,12 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
         if (!p.graph) {
             cudaGraph_t g = nullptr;
             ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
+            // Side streams join the capture through the fork events and rejoin s before its end
+            // (enqueue_attention), so the graph holds the branches as parallel paths.
             try {
                 p.enqueue_step();
             } catch (...) {
+                p.join_side();
                 cudaStreamEndCapture(p.s, &g);
                 if (g) cudaGraphDestroy(g);
                 throw;
@@ -1173,7 +1265,12 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
         ck(cudaGraphLaunch(p.graph, p.s), "launching the decode graph");
         ++replays_;
     } else {
-        p.enqueue_step();
+        try {
+            p.enqueue_step();
+        } catch (...) {
+            p.join_side();
+            throw;
+        }
     }
     if (logits_host)
         ck(cudaMemcpyAsync(logits_host, p.logits, static_cast<size_t>(hp.n_vocab) * sizeof(float),
@@ -1286,6 +1383,9 @@ void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
         if (r > 0 && n / r > 0) fill(ls.comp_rows, static_cast<size_t>(n / r) * d * p.kv_elem);
         if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
     }
+    // The copies ran on the legacy stream, which the sequence's non-blocking streams do not wait
+    // for (a device-to-device cudaMemcpy may return before it completes).
+    ck(cudaDeviceSynchronize(), "filling state");
     n_past_ = n;
 }
 

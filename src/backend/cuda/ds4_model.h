@@ -41,6 +41,15 @@ struct cuda_run_options {
     // of them); the embedding is uploaded only with block 0, the HC head and output head only with
     // the last block.
     int first_layer = 0, last_layer = -1;
+    // The decode step's attention runs its independent sub-chains on parallel branches (side streams
+    // forked and joined with events, captured into the step graph as parallel graph branches): the
+    // KV row + compressor, and the indexer, beside the query path. true: every launch on the one
+    // stream in issue order (tests compare the two bitwise; profile_step is always serial).
+    bool serial_step = false;
+    // Tests only: a device pause of this many ns at the start of each branch (> 0: on the side
+    // streams, exposing a missing join; < 0: on the main stream's query path, exposing a side branch
+    // that reads the query projections without waiting for them). Results do not change.
+    int64_t branch_delay_ns = 0;
 };
 
 class cuda_weights;

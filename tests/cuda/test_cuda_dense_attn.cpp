@@ -1,0 +1,324 @@
+// The dense families' CUDA prefill attention (tensor-core kernel of src/backend/cuda/cuda_attn_mma.cu,
+// reached through cuda_backend::attention for f16 caches and >= 16 query tokens) against the CPU
+// backend in exact mode (f32 dots against the f16 keys, f32 probabilities), on random caches:
+// head_dim 64 / 128 / 256, GQA 1 / 2 / 8, windows 0 / 1 / 7 / 512, softcap on / off, first chunks and
+// later chunks (n_past > 0, not tile-aligned), token counts around the 64-query tile (and below the
+// dispatch threshold, which must keep the scalar kernel), caches larger than the span, and key splits
+// (few query tiles over a long cache). Every GPU output is NaN-poisoned first, and cache rows that no
+// query may read (past the last query; before the first window) hold f16 NaNs, so an unwritten output
+// or a read outside the span fails.
+// Tolerance: relative L2 <= 1e-4 per (token, head) row. The kernel splits q and p into f16 hi + lo
+// pairs (~2^-22 relative each), so the expected error is ~1e-6 (the f32 reference's own rounding);
+// 1e-4 leaves a wide margin yet fails a plain-f16 P (~3e-4 per row) or any indexing error (O(1)).
+// CudaDenseAttn.Bench* times the kernel at the PFlash drafter's shapes (FATHOM_DENSE_BENCH=1).
+// Skipped without a CUDA device.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cpu/quants.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "cuda_test_util.h"
+
+namespace fathom {
+namespace {
+
+using cuda_test::randn;
+using cuda_test::rel_l2;
+
+struct attn_case {
+    int32_t hd, n_head, n_head_kv;
+    int64_t n_ctx, n_past, n_tok;
+    float softcap;
+    int32_t window;
+    bool f16 = true;
+};
+
+std::string name_of(const attn_case &c) {
+    return "hd=" + std::to_string(c.hd) + " H=" + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) +
+           " n_ctx=" + std::to_string(c.n_ctx) + " n_past=" + std::to_string(c.n_past) + " n_tok=" +
+           std::to_string(c.n_tok) + " cap=" + std::to_string(c.softcap) + " window=" + std::to_string(c.window) +
+           (c.f16 ? " f16" : " f32");
+}
+
+// A host tensor and its CUDA twin holding the same bytes.
+struct pair_t {
+    std::vector<uint8_t> host;
+    tensor h, d;
+};
+
+class CudaDenseAttn : public cuda_test::cuda_device_test {
+  protected:
+    void SetUp() override {
+        cuda_device_test::SetUp();
+        if (IsSkipped()) return;
+        exact_ = make_cpu_backend({.n_threads = 2, .exact = true});
+        gpu_ = make_cuda_backend({});
+    }
+    void TearDown() override {
+        if (gpu_)
+            for (void *p : dev_) gpu_->release(p);
+    }
+    pair_t make(dtype type, int64_t cols, int64_t rows, const void *bytes) {
+        pair_t p;
+        const size_t nb = dtype_row_bytes(type, cols) * static_cast<size_t>(rows);
+        p.host.assign(static_cast<const uint8_t *>(bytes), static_cast<const uint8_t *>(bytes) + nb);
+        p.h = make_tensor(type, cols, rows, p.host.data());
+        void *dp = gpu_->alloc(nb);
+        dev_.push_back(dp);
+        p.d = make_tensor(type, cols, rows, dp);
+        if (nb) gpu_->upload(p.d, bytes);
+        return p;
+    }
+    pair_t make_f32(int64_t cols, int64_t rows, const std::vector<float> &v) { return make(dtype::f32, cols, rows, v.data()); }
+    pair_t out_f32(int64_t cols, int64_t rows) {
+        return make_f32(cols, rows, std::vector<float>(static_cast<size_t>(cols * rows), std::nanf("")));
+    }
+    std::vector<float> down(const tensor &d) {
+        std::vector<float> v(static_cast<size_t>(d.ne[0] * d.ne[1]));
+        gpu_->download(d, v.data());
+        return v;
+    }
+    static std::vector<float> hostv(const pair_t &p) {
+        const float *f = reinterpret_cast<const float *>(p.host.data());
+        return std::vector<float>(f, f + p.h.ne[0] * p.h.ne[1]);
+    }
+    // A K or V cache [hd, n_head_kv * n_ctx] of random values; positions no query of c may read
+    // (>= n_past + n_tok; < n_past - window + 1 with a window) hold NaN.
+    pair_t cache(const attn_case &c) {
+        const int64_t rows = static_cast<int64_t>(c.n_head_kv) * c.n_ctx;
+        const auto vals = randn(static_cast<size_t>(rows * c.hd), rng_);
+        const int64_t lo = c.window > 0 ? c.n_past - c.window + 1 : 0, hi = c.n_past + c.n_tok;
+        auto unread = [&](int64_t r) {
+            const int64_t p = r % c.n_ctx;
+            return p >= hi || p < lo;
+        };
+        if (!c.f16) {
+            std::vector<float> f(vals);
+            for (int64_t r = 0; r < rows; ++r)
+                if (unread(r))
+                    for (int32_t d = 0; d < c.hd; ++d) f[static_cast<size_t>(r * c.hd + d)] = std::nanf("");
+            return make(dtype::f32, c.hd, rows, f.data());
+        }
+        std::vector<uint16_t> b(vals.size());
+        for (int64_t r = 0; r < rows; ++r)
+            for (int32_t d = 0; d < c.hd; ++d) {
+                const size_t i = static_cast<size_t>(r * c.hd + d);
+                b[i] = unread(r) ? uint16_t{0x7e00} : cpu::f32_to_f16(vals[i]);
+            }
+        return make(dtype::f16, c.hd, rows, b.data());
+    }
+    static attn_params params(const attn_case &c) {
+        attn_params p;
+        p.n_head = c.n_head;
+        p.n_head_kv = c.n_head_kv;
+        p.head_dim = c.hd;
+        p.n_ctx = c.n_ctx;
+        p.n_past = c.n_past;
+        p.scale = 1.0f / std::sqrt(static_cast<float>(c.hd));
+        p.softcap = c.softcap;
+        p.window = c.window;
+        return p;
+    }
+    // Largest per-(token, head) relative L2 error of got against ref, rows [0, n_tok) of n_head heads.
+    static double worst_row(const std::vector<float> &got, const std::vector<float> &ref, int64_t n_tok, int32_t n_head,
+                            int32_t hd) {
+        double worst = 0;
+        for (int64_t r = 0; r < n_tok * n_head; ++r) {
+            const double e = rel_l2(got.data() + r * hd, ref.data() + r * hd, static_cast<size_t>(hd));
+            if (std::isnan(e)) return e;  // an unwritten or NaN output
+            worst = std::max(worst, e);
+        }
+        return worst;
+    }
+    // Runs case c on both backends; returns the worst row error (NaN if any output is NaN).
+    double run(const attn_case &c, float q_sd = 2.0f) {
+        auto kc = cache(c), vc = cache(c);
+        const int64_t qw = static_cast<int64_t>(c.n_head) * c.hd;
+        auto q = make_f32(qw, c.n_tok, randn(static_cast<size_t>(qw * c.n_tok), rng_, q_sd));
+        auto o = out_f32(qw, c.n_tok);
+        const attn_params p = params(c);
+        exact_->attention(q.h, kc.h, vc.h, p, o.h);
+        gpu_->attention(q.d, kc.d, vc.d, p, o.d);
+        gpu_->synchronize();
+        return worst_row(down(o.d), hostv(o), c.n_tok, c.n_head, c.hd);
+    }
+
+    std::unique_ptr<backend> exact_;
+    std::unique_ptr<cuda_backend_api> gpu_;
+    std::vector<void *> dev_;
+    std::mt19937 rng_{4321};
+};
+
+constexpr double kTol = 1e-4;
+
+// Every head_dim x GQA x window; softcap on every third case (each window meets it); a later chunk
+// (n_past 37: not tile-aligned) of 100 tokens (one full and one partial query tile) in a cache larger
+// than the span (n_ctx 500: one key split, the block writes the output itself).
+TEST_F(CudaDenseAttn, GeometrySweep) {
+    int idx = 0;
+    double worst = 0;
+    for (int32_t hd : {64, 128, 256})
+        for (int32_t gqa : {1, 2, 8})
+            for (int32_t window : {0, 1, 7, 512}) {
+                const attn_case c{hd, 8, 8 / gqa, 500, 37, 100, (idx++ % 3 == 0) ? 5.0f : 0.0f, window};
+                SCOPED_TRACE(name_of(c));
+                EXPECT_EQ(cuda::attention_splits(c.n_tok, c.n_head, c.n_ctx), 1);
+                const double e = run(c);
+                EXPECT_LE(e, kTol);
+                worst = std::isnan(e) ? e : std::max(worst, e);
+            }
+    std::printf("[dense attn] GeometrySweep worst row rel L2 %.3e\n", worst);
+}
+
+// Enough query tiles for one split over a long cache (17 tiles x 16 heads = 272 blocks): the block
+// writes the output itself; later chunk, full causal and windowed.
+TEST_F(CudaDenseAttn, LargeBatchOneSplit) {
+    for (int32_t window : {0, 512}) {
+        const attn_case c{64, 16, 2, 2048, 500, 1060, 0.0f, window};
+        SCOPED_TRACE(name_of(c));
+        EXPECT_EQ(cuda::attention_splits(c.n_tok, c.n_head, c.n_ctx), 1);
+        EXPECT_LE(run(c), kTol);
+    }
+}
+
+// Token counts around the 64-query tile and the dispatch threshold (1: scalar kernel; 2 and up: tensor
+// cores, 8 = PFlash's scoring queries), for a first chunk and a second chunk, full causal and windowed.
+TEST_F(CudaDenseAttn, TokenCountsAndChunks) {
+    for (int64_t n_tok : {1, 2, 5, 8, 15, 16, 17, 63, 64, 65, 100, 300})
+        for (int64_t n_past : {0, 300})
+            for (int32_t window : {0, 512}) {
+                const attn_case c{128, 16, 8, 2048, n_past, n_tok, 0.0f, window};
+                SCOPED_TRACE(name_of(c));
+                EXPECT_LE(run(c), kTol);
+            }
+}
+
+// Softcap (Gemma) with large scores, so tanh saturates for some keys, on every head_dim.
+TEST_F(CudaDenseAttn, SoftcapSaturates) {
+    for (int32_t hd : {64, 128, 256}) {
+        const attn_case c{hd, 4, 1, 300, 20, 70, 3.0f, 0};
+        SCOPED_TRACE(name_of(c));
+        EXPECT_LE(run(c, 6.0f), kTol);
+    }
+}
+
+// Few query tiles over a long cache: the launch splits the keys (grid z) and the combine pass merges
+// the partials; with a window most splits hold no key (they must still write m = -inf). The f32 cache
+// takes the scalar kernel with the same split count.
+TEST_F(CudaDenseAttn, KeySplits) {
+    for (bool f16 : {true, false})
+        for (int64_t n_tok : {16, 17, 40, 130})
+            for (int32_t window : {0, 512}) {
+                attn_case c{128, 8, 2, 8192, 3000, n_tok, 0.0f, window};
+                c.f16 = f16;
+                SCOPED_TRACE(name_of(c) + " splits=" + std::to_string(cuda::attention_splits(n_tok, 8, 8192)));
+                EXPECT_GT(cuda::attention_splits(n_tok, 8, 8192), 1);
+                EXPECT_LE(run(c), kTol);
+            }
+}
+
+// Positions outside [0, n_ctx) (device positions, as in graph replay) set the error flag; rows with
+// positions inside the cache are still right, rows outside are not written (stay NaN). With and
+// without key splits (n_ctx 2048: 8 splits for 32 tokens of 4 heads), past the end and below 0.
+TEST_F(CudaDenseAttn, BadPositionSetsErrorFlag) {
+    struct bad {
+        int64_t n_ctx, step_pos;
+    };
+    for (const bad b : {bad{200, 190}, bad{2048, 2040}, bad{200, -5}, bad{2048, -70}}) {
+        SCOPED_TRACE("n_ctx=" + std::to_string(b.n_ctx) + " pos=" + std::to_string(b.step_pos));
+        const int64_t n_tok = 80;
+        const int64_t first = std::max<int64_t>(0, -b.step_pos);             // first row inside the cache
+        const int64_t last = std::min<int64_t>(n_tok, b.n_ctx - b.step_pos);  // one past the last
+        const attn_case c{64, 4, 2, b.n_ctx, 0, b.n_ctx, 0.0f, 0};              // cache fully readable
+        auto kc = cache(c), vc = cache(c);
+        const int64_t qw = 4 * 64;
+        auto q = make_f32(qw, n_tok, randn(static_cast<size_t>(qw * n_tok), rng_, 2.0f));
+        auto o = out_f32(qw, n_tok);
+        attn_params p = params(c);
+        p.n_past = 0;
+        gpu_->set_device_positions(true);
+        gpu_->set_step_pos(b.step_pos);
+        gpu_->attention(q.d, kc.d, vc.d, p, o.d);
+        gpu_->set_device_positions(false);
+        EXPECT_THROW(gpu_->synchronize(), error);
+        gpu_->synchronize();  // the error word was cleared
+        const std::vector<float> got = down(o.d);
+        // Reference for the valid rows [first, last): positions step_pos + first ...
+        auto oref = out_f32(qw, last - first);
+        p.n_past = b.step_pos + first;
+        exact_->attention(view_rows(q.h, first, last - first), kc.h, vc.h, p, oref.h);
+        const std::vector<float> ref = hostv(oref);
+        EXPECT_LE(worst_row(std::vector<float>(got.begin() + first * qw, got.begin() + last * qw), ref, last - first, 4,
+                            64),
+                  kTol);
+        size_t written = 0;
+        for (int64_t r = 0; r < n_tok; ++r)
+            if (r < first || r >= last)
+                for (int64_t i = 0; i < qw; ++i) written += !std::isnan(got[static_cast<size_t>(r * qw + i)]);
+        EXPECT_EQ(written, 0u) << "rows outside the cache were written";
+    }
+}
+
+// ---- benchmark (FATHOM_DENSE_BENCH=1) ------------------------------------------------------------
+// Kernel time of one attention call at the PFlash drafter's geometry (Qwen3-0.6B: 16 heads, 8 KV heads,
+// hd 128): a 4096-token chunk after a 4096-token prefix with window 512 (its windowed prefill), and a
+// full-causal 4096-token first chunk. TFLOP/s counts the attended (query, key) pairs only: 4 hd flops
+// each (QK^T and PV), not the masked work or the hi / lo doubling.
+TEST_F(CudaDenseAttn, BenchDrafterShapes) {
+    const char *env = std::getenv("FATHOM_DENSE_BENCH");
+    if (!env || std::string(env) != "1") GTEST_SKIP() << "set FATHOM_DENSE_BENCH=1";
+    struct shape {
+        const char *name;
+        int64_t n_past, n_tok;
+        int32_t window;
+    };
+    for (const shape sh : {shape{"drafter chunk (4096 after 4096, window 512)", 4096, 4096, 512},
+                           shape{"full causal 4096", 0, 4096, 0}}) {
+        const attn_case c{128, 16, 8, 8192, sh.n_past, sh.n_tok, 0.0f, sh.window};
+        auto kc = cache(c), vc = cache(c);
+        const int64_t qw = 16 * 128;
+        auto q = make_f32(qw, c.n_tok, randn(static_cast<size_t>(qw * c.n_tok), rng_, 2.0f));
+        auto o = out_f32(qw, c.n_tok);
+        const attn_params p = params(c);
+        auto s = static_cast<cudaStream_t>(gpu_->stream());
+        for (int i = 0; i < 3; ++i) gpu_->attention(q.d, kc.d, vc.d, p, o.d);  // warm-up
+        gpu_->synchronize();
+        cudaEvent_t a, b;
+        cudaEventCreate(&a);
+        cudaEventCreate(&b);
+        const int reps = 20;
+        cudaEventRecord(a, s);
+        for (int i = 0; i < reps; ++i) gpu_->attention(q.d, kc.d, vc.d, p, o.d);
+        cudaEventRecord(b, s);
+        cudaEventSynchronize(b);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, a, b);
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+        gpu_->synchronize();
+        double pairs = 0;
+        for (int64_t t = 0; t < c.n_tok; ++t) {
+            const int64_t pos = c.n_past + t;
+            pairs += static_cast<double>(c.window > 0 ? std::min<int64_t>(pos + 1, c.window) : pos + 1);
+        }
+        const double us = 1e3 * ms / reps, flops = pairs * 16 * 4 * 128;
+        std::printf("[dense attn] %-44s %9.1f us  %6.1f TFLOP/s (attended pairs)\n", sh.name, us, flops / (us * 1e6));
+        const std::vector<float> got = down(o.d);
+        size_t bad = 0;
+        for (float x : got) bad += !std::isfinite(x);
+        EXPECT_EQ(bad, 0u);
+    }
+}
+
+}  // namespace
+}  // namespace fathom
