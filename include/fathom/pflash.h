@@ -50,7 +50,10 @@ struct options {
     int32_t query_tokens = 8;   // Q: the last Q drafter tokens are the scoring queries
     int32_t smooth_kernel = 5;  // moving-average width over token scores (odd, 1 = none)
     int32_t drafter_window = 512;  // sliding window of the drafter's prefill (0 = full attention)
-    int32_t drafter_batch = 512;   // drafter tokens per forward call
+    // Drafter tokens per forward call; 0 = by device: 512 on the CPU, 4096 on a GPU (each GPU chunk
+    // re-dequantises the drafter's weights for its GEMMs and costs a host sync, so long chunks pay).
+    int32_t drafter_batch = 0;
+    int32_t effective_drafter_batch() const;
     // Anchor rule (the query's own words point at earlier text): the query is the last
     // anchor_tail_tokens drafter tokens of the last user message (of the whole prompt when no chat
     // turns are found; role markers and the assistant header never count). Each anchor_ngram-gram of the

@@ -272,7 +272,7 @@ std::vector<synth_tensor> plan_tensors(const dense_synth_options &o, int64_t n_v
         // q4_k needs rows of whole 256-blocks: other row lengths (real geometries such as K = 576)
         // get q8_0 instead, as llama.cpp's quantiser falls back. The presets never hit this.
         auto ty = [&o, il](const char *kind) {
-            const dtype t = dense_synth_weight_type(kind, il, o.float_weights);
+            const dtype t = o.weight_type ? *o.weight_type : dense_synth_weight_type(kind, il, o.float_weights);
             const int64_t k = std::string(kind) == "attn_output" ? int64_t{o.n_head} * o.head_dim
                               : std::string(kind) == "ffn_down"  ? o.n_ff
                                                                  : o.n_embd;

@@ -12,6 +12,7 @@
 // test confirm it regenerated exactly the file a golden was computed on.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/types.h"
@@ -38,6 +39,9 @@ struct dense_synth_options {
     // Only f32/f16 matrices (output f16; a tied embedding f16 too): no quantised activations anywhere, so a comparison with
     // llama.cpp is free of q8 rounding flips (see tests/models/test_dense_synth_llamacpp.cpp).
     bool float_weights = false;
+    // Every weight matrix in this one type (a real release's format, e.g. q8_0 for Qwen3-0.6B),
+    // overriding the test mix of dense_synth_weight_type; q4_k falls back to q8_0 as below.
+    std::optional<dtype> weight_type;
 };
 
 // The two geometries used by the tests and goldens (documented in dense_synth.cpp).

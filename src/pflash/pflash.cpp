@@ -41,6 +41,11 @@ void validate_keep_ratio(double r, const std::string &what) {
     if (r < 0.0 || r > 1.0) throw error(what + ": must be in [0, 1], got " + std::to_string(r));
 }
 
+int32_t options::effective_drafter_batch() const {
+    if (drafter_batch > 0) return drafter_batch;
+    return drafter_device == "cpu" ? 512 : 4096;
+}
+
 void options::validate() const {
     validate_keep_ratio(keep_ratio);
     auto need = [](bool ok, const char *field, const std::string &rule, int64_t v) {
@@ -51,8 +56,9 @@ void options::validate() const {
     need(min_chunks >= 0, "min_chunks", ">= 0", min_chunks);
     need(head_chunks >= 0, "head_chunks", ">= 0", head_chunks);
     need(tail_chunks >= 0, "tail_chunks", ">= 0", tail_chunks);
-    need(drafter_batch >= 1, "drafter_batch", ">= 1", drafter_batch);
-    need(query_tokens >= 1 && query_tokens <= drafter_batch, "query_tokens", "in [1, drafter_batch]", query_tokens);
+    need(drafter_batch >= 0, "drafter_batch", ">= 0 (0 = by device)", drafter_batch);
+    need(query_tokens >= 1 && query_tokens <= effective_drafter_batch(), "query_tokens", "in [1, drafter_batch]",
+         query_tokens);
     need(smooth_kernel >= 1 && smooth_kernel % 2 == 1, "smooth_kernel", "odd and >= 1", smooth_kernel);
     need(drafter_window >= 0, "drafter_window", ">= 0", drafter_window);
     need(anchor_ngram >= 0, "anchor_ngram", ">= 0", anchor_ngram);
@@ -92,7 +98,7 @@ public:
 
     void load_drafter() override {
         if (drafter_) return;
-        drafter_ = drafter::load(opts_.drafter_path, opts_.n_threads, opts_.drafter_batch,
+        drafter_ = drafter::load(opts_.drafter_path, opts_.n_threads, opts_.effective_drafter_batch(),
                                  opts_.drafter_device);  // all or nothing
     }
     void release_drafter() override { drafter_.reset(); }

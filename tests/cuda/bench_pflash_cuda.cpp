@@ -59,7 +59,7 @@ int main(int argc, char **argv) try {
     po.residency = pflash::drafter_residency::keep;
     po.drafter_window = window;
     po.verbatim_last_user = false;
-    po.drafter_batch = 4096;
+    // drafter_batch: the default (4096 tokens per drafter forward on a GPU)
     t0 = now_s();
     auto comp = pflash::compressor::create(po);
     std::printf("drafter %s on cuda, loaded in %.1f s; keep %.3f, window %d\n", argv[2], now_s() - t0, keep, window);

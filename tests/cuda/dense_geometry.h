@@ -11,6 +11,7 @@
 // Weight types follow dense_synth_weight_type (f32, f16, q8_0, q4_k mixed), not the real files'.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "models/dense_synth.h"
@@ -37,8 +38,10 @@ inline const family *find_family(const std::string &arch) {
 
 // Writes the family's synthetic model to `out`; n_layer / window > 0 override the real values.
 inline void write_family_model(const family &f, const std::string &vocab_dir, const std::string &out,
-                               int32_t n_layer = 0, int32_t window = -1) {
+                               int32_t n_layer = 0, int32_t window = -1,
+                               std::optional<dtype> weight_type = std::nullopt) {
     dense_synth_options o;
+    o.weight_type = weight_type;
     o.arch = f.arch;
     o.vocab_path = vocab_dir + "/" + f.vocab;
     o.seed = 7;
