@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_attn_common.cuh"
@@ -480,6 +481,36 @@ __global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128
     for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
         const int nt = static_cast<int>(r1 - t0 < kTileRows ? r1 - t0 : kTileRows);
         __syncthreads();  // the previous tile is consumed
+        if (std::is_same_v<T, __half> && g.pair_loads) {
+            // Every row f16 and pair-aligned (the decode case): all of this warp's row loads are issued
+            // before any shared store. The loads go through generic pointers, which the compiler must
+            // assume may alias the tile, so the row loop below waits for each load in turn: 23 us for a
+            // 32-row split (ncu), whatever the row count. Rows past nt: zeros (p = 0 must not meet NaN).
+            static_assert(kTileRows % kAttnWarps == 0, "whole rows per warp");
+            constexpr int kRowsPerWarp = kTileRows / kAttnWarps, kPairIt = kMaxD / 2 / 32;
+            __half2 v[kRowsPerWarp][kPairIt];
+#pragma unroll
+            for (int k = 0; k < kRowsPerWarp; ++k) {
+                const int r = warp + k * kAttnWarps;
+                bool f16 = true;
+                const __half2 *src =
+                    r < nt ? reinterpret_cast<const __half2 *>(attn_row(g, sp, t0 + r, f16)) : nullptr;
+#pragma unroll
+                for (int j = 0; j < kPairIt; ++j) {
+                    const int i = lane + 32 * j;
+                    v[k][j] = src && i < hp ? src[i] : __float2half2_rn(0.0f);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < kRowsPerWarp; ++k) {
+                P *dst = tile + (warp + k * kAttnWarps) * hp;
+#pragma unroll
+                for (int j = 0; j < kPairIt; ++j) {
+                    const int i = lane + 32 * j;
+                    if (i < hp) tile_put(dst, i, __low2half(v[k][j]), __high2half(v[k][j]));
+                }
+            }
+        } else
         for (int r = warp; r < kTileRows; r += kAttnWarps) {  // rows past nt: zeros (p = 0 must not meet NaN)
             P *dst = tile + r * hp;
             if (r >= nt) {
