@@ -3,6 +3,7 @@
 // and prints exact-match accuracy and time to first token side by side, as CSV rows per run and a
 // summary table. TTFT of a PFlash run = the drafter's scoring of that haystack (measured once per
 // trial, without cache) + span selection + the target's prefill of the kept tokens + the first token.
+// `--plot out.png` also draws the summary as a PNG chart (src/pflash/plot.h).
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
@@ -16,6 +17,7 @@
 #include "fathom/error.h"
 #include "fathom/pflash.h"
 #include "pflash/niah.h"
+#include "pflash/plot.h"
 
 namespace fathom::cli {
 
@@ -32,6 +34,7 @@ struct niah_args {
     uint64_t seed = 1;
     int32_t max_tokens = 64;
     std::string csv_path;
+    std::string plot_path;
     bool no_anchors = false;
     bool no_full = false;
 };
@@ -108,6 +111,7 @@ void niah_main(const niah_args &a) {
     const std::vector<double> ratios = parse_ratios(a.keep_ratios);
     const pflash::niah_filler filler = pflash::parse_niah_filler(a.filler);
     if (a.trials < 1) throw error("--trials: must be >= 1");
+    if (!a.plot_path.empty()) pflash::check_plot_path(a.plot_path);  // fail before the long runs
     model_args ma = a.model;
     if (ma.ctx == 0) ma.ctx = static_cast<int>(a.n_tokens + a.max_tokens + 256);
     auto eng = load_engine(ma);
@@ -133,7 +137,7 @@ void niah_main(const niah_args &a) {
          "prefill_cpu_s,anchor_chunks,answer");
     struct agg {
         int64_t correct = 0, total = 0, n_eff = 0, n_runs = 0;
-        double ttft = 0;
+        double ttft = 0, drafter = 0;  // drafter = the drafter scoring + selection part of ttft
     };
     std::map<double, agg> sums;  // keep ratio -> totals; -1 = full prefill
     for (int32_t trial = 0; trial < a.trials; ++trial) {
@@ -172,6 +176,7 @@ void niah_main(const niah_args &a) {
             emit(buf);
             agg &s = sums[ratio];
             s.correct += r.correct, s.total += static_cast<int64_t>(c.needles.size()), s.ttft += ttft;
+            s.drafter += score_s + pr.select_s;
             s.n_eff += pr.n_effective, ++s.n_runs;
         }
     }
@@ -182,6 +187,19 @@ void niah_main(const niah_args &a) {
         else std::snprintf(mode, sizeof mode, "pflash %.3f", ratio);
         std::fprintf(stderr, "%-14s %9.1f%% %12.0f %10.3f\n", mode, 100.0 * static_cast<double>(s.correct) / static_cast<double>(s.total),
                      static_cast<double>(s.n_eff) / static_cast<double>(s.n_runs), s.ttft / static_cast<double>(s.n_runs));
+    }
+    if (!a.plot_path.empty()) {
+        pflash::niah_plot_summary ps{a.n_tokens, a.n_needles, a.trials, a.filler, {}};
+        for (const auto &[ratio, s] : sums) {
+            char mode[32];
+            if (ratio < 0) std::snprintf(mode, sizeof mode, "full");
+            else std::snprintf(mode, sizeof mode, "keep %g", ratio);
+            const double runs = static_cast<double>(s.n_runs);
+            ps.rows.push_back({mode, 100.0 * static_cast<double>(s.correct) / static_cast<double>(s.total),
+                               s.ttft / runs, s.drafter / runs});
+        }
+        pflash::write_niah_plot(ps, a.plot_path);
+        std::fprintf(stderr, "plot: %s\n", a.plot_path.c_str());
     }
 }
 
@@ -203,6 +221,7 @@ void add_eval_command(CLI::App &app) {
     niah->add_option("--seed", a->seed, "Seed of the first haystack")->capture_default_str();
     niah->add_option("--max-tokens", a->max_tokens, "Generation limit per answer")->capture_default_str()->check(at_least(1));
     niah->add_option("--csv", a->csv_path, "Also write the CSV rows to this file");
+    niah->add_option("--plot", a->plot_path, "Also draw the summary (accuracy and TTFT per mode) as a PNG chart");
     niah->add_flag("--no-anchors", a->no_anchors, "Disable PFlash's n-gram anchor rule (scores alone choose spans)");
     niah->add_flag("--no-full", a->no_full, "Skip the full-prefill runs (PFlash rows only)");
     niah->callback([a]() { niah_main(*a); });
