@@ -50,6 +50,11 @@ struct engine_options {
     // (`device`, which must then stay "cpu"). Other architectures throw; so do bad entries, more
     // devices than blocks and CUDA entries in a build without CUDA.
     std::string devices;
+    // With `devices`: "pipeline" (above) or "tp": tensor + expert parallel, every device runs every block
+    // on its share of the heads, output groups, routed experts and shared-expert width, one all-reduce per
+    // sublayer (src/dist/tp.h; logits within f32 rounding of one device, not bit for bit). tp runs on CPU
+    // devices only so far; the device count must divide the heads and output groups.
+    std::string devices_layout = "pipeline";
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";

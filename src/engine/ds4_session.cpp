@@ -20,6 +20,8 @@
 // the engine's thread pool, which serves one caller at a time), and every chunk asks for logits so
 // the pipeline is idle again when forward returns. A pipeline that threw is torn down (its ranks'
 // states disagree) and the session starts afresh with a new one.
+// With engine_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
+// every block on its share of heads and experts, src/dist/tp.h); the same rules apply.
 #include "engine/ds4_session.h"
 
 #include <unistd.h>
@@ -38,6 +40,7 @@
 #include "core/error.h"
 #include "dist/pipeline.h"
 #include "dist/planner.h"
+#include "dist/tp.h"
 #include "engine/device.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
@@ -63,7 +66,29 @@ void check_options(const engine_options &o) {
     if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
     if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
     if (o.n_batch < 0) throw error("n_batch must be >= 0, got " + std::to_string(o.n_batch));
+    if (o.devices_layout != "pipeline" && o.devices_layout != "tp")
+        throw error("devices layout '" + o.devices_layout + "': expected pipeline or tp");
+    if (o.devices_layout != "pipeline" && o.devices.empty())
+        throw error("devices layout '" + o.devices_layout + "' needs several devices (devices, e.g. cpu,cpu)");
 }
+
+// Several devices: one session's ranks, a layer pipeline or a tensor-parallel group (one is set).
+struct device_ranks {
+    std::unique_ptr<dist::local_pipeline> pipeline;
+    std::unique_ptr<dist::local_tp> tp;
+    void forward(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> logits) {
+        if (pipeline)
+            pipeline->forward(toks, pos, logits);
+        else
+            tp->forward(toks, pos, logits);
+    }
+    void reset() {
+        if (pipeline)
+            pipeline->reset();
+        else
+            tp->reset();
+    }
+};
 
 // engine_options::devices ("cpu,cuda:1,...") -> per entry -1 (the CPU) or a CUDA ordinal that
 // resolve_cuda_ordinal accepted. Throws one line naming the list and the bad entry.
@@ -142,7 +167,7 @@ class ds4_session final : public session {
     ds4_engine &e_;
     ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
     // Several devices: this session's ranks (null after a failure until the next forward).
-    std::unique_ptr<dist::local_pipeline> pl_;
+    std::unique_ptr<device_ranks> pl_;
 #ifdef FATHOM_ENGINE_CUDA
     std::unique_ptr<ds4::cuda_sequence> gpu_;  // device state when the engine runs on CUDA
 #endif
@@ -230,10 +255,15 @@ class ds4_engine final : public engine {
     }
     std::mutex &forward_mutex() { return forward_mutex_; }
     // Several devices: a fresh pipeline (its ranks' threads, KV states and CUDA sequences).
-    bool pipelined() const { return !ranges_.empty(); }
-    std::unique_ptr<dist::local_pipeline> new_pipeline() const {
-        return std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
-                                                      pipeline_deadline);
+    bool pipelined() const { return !ranges_.empty() || tp_size_ > 0; }
+    std::unique_ptr<device_ranks> new_pipeline() const {
+        auto r = std::make_unique<device_ranks>();
+        if (tp_size_ > 0)
+            r->tp = std::make_unique<dist::local_tp>(*model_, tp_size_, qat_, opts_.kv, exec_, pipeline_deadline);
+        else
+            r->pipeline = std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
+                                                                 pipeline_deadline);
+        return r;
     }
 #ifdef FATHOM_ENGINE_CUDA
     // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
@@ -289,6 +319,10 @@ class ds4_engine final : public engine {
     // device, else an even split), each CUDA device's blocks uploaded once, info().device naming the
     // layout ("pipeline: cpu blocks 0-2 | cpu blocks 3-5").
     void make_pipeline(const std::vector<int> &ordinals) {
+        if (opts_.devices_layout == "tp") {
+            make_tp(ordinals);
+            return;
+        }
         const int P = static_cast<int>(ordinals.size()), L = model_->hp.n_layer;
         if (P > L)
             throw error("devices '" + opts_.devices + "': " + std::to_string(P) + " devices for a model of " +
@@ -331,6 +365,31 @@ class ds4_engine final : public engine {
             info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
             ordinal_ = ordinals[0];  // measure_copy_bandwidth: the first stage's device
         }
+    }
+
+    // engine_options::devices_layout "tp": every rank runs every block on its share (dist::tp_share);
+    // checked here (rank count divides heads / groups / shared width, quant-block-aligned column views)
+    // so a bad count fails at load. info().device names each rank's share ("tp: cpu heads 0-3
+    // experts 0-4 | cpu heads 4-7 experts 5-9"). CUDA ranks need a CUDA tp forward (not built).
+    void make_tp(const std::vector<int> &ordinals) {
+        const int P = static_cast<int>(ordinals.size());
+        if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
+            throw error("devices '" + opts_.devices + "': layout tp runs on CPU devices only so far (the CUDA "
+                        "tensor-parallel forward is not built; docs/dist.md); use the pipeline layout");
+        try {
+            dist::tp_check(*model_, P);
+        } catch (const std::exception &e) {
+            throw error("devices '" + opts_.devices + "': " + e.what());
+        }
+        std::string layout = "tp:";
+        for (int r = 0; r < P; ++r) {
+            const ds4::tp_slice s = dist::tp_share(model_->hp, r, P);
+            layout += std::string(r ? " |" : "") + " cpu heads " + std::to_string(s.head0) + "-" +
+                      std::to_string(s.head1 - 1) + " experts " + std::to_string(s.expert0) + "-" +
+                      std::to_string(s.expert1 - 1);
+        }
+        info_.device = layout;
+        tp_size_ = P;
     }
 
     // Every device a CUDA device: the placement planner's pipeline ranges from each device's free
@@ -390,6 +449,7 @@ class ds4_engine final : public engine {
     std::mutex forward_mutex_;
     std::vector<dist::layer_range> ranges_;   // several devices: [device] its blocks (empty: one device)
     std::vector<dist::stage_device> stages_;  // [device] where those blocks run (shared CUDA weights)
+    int tp_size_ = 0;                         // layout tp: the rank count (0: not tp)
 #ifdef FATHOM_ENGINE_CUDA
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif

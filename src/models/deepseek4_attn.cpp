@@ -148,8 +148,9 @@ std::vector<float> project(const matrix &w, const float *x, int64_t n) {
     return y;
 }
 
+// Queries of heads [s.head0, s.head1) only (p.q [n, (head1-head0)*d]); the rest in full.
 attn_proj project_attention(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
-                            const float *xn, std::span<const int64_t> pos) {
+                            const float *xn, std::span<const int64_t> pos, const tp_slice &s) {
     const int64_t n = static_cast<int64_t>(pos.size()), d = hp.head_dim, nr = hp.n_rot;
     const rope_table &rope = ropes.for_ratio(l.ratio);
     attn_proj p;
@@ -157,10 +158,11 @@ attn_proj project_attention(const hparams &hp, const rope_set &ropes, const laye
     for (int64_t i = 0; i < n; ++i)
         rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
                  &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
-    p.q = project(l.q_b, p.q_lat.data(), n);
+    const int Hs = s.head1 - s.head0;  // this rank's heads (all of them on one rank)
+    p.q = project(matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
     for (int64_t i = 0; i < n; ++i)
-        for (int h = 0; h < hp.n_head; ++h) {
-            float *qh = &p.q[static_cast<size_t>((i * hp.n_head + h) * d)];
+        for (int h = 0; h < Hs; ++h) {
+            float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
             rms_norm(qh, d, nullptr, hp.rms_eps, qh);
             rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
         }
@@ -198,22 +200,28 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
     p.icg = project(l.idx_comp.gate, xn, n);
 }
 
-// Grouped low-rank output projection (spec 4.7): o [H*d] -> y [D].
-void output_projection(const hparams &hp, const layer_weights &l, const float *o, float *y) {
-    const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim;
-    std::vector<float> z(static_cast<size_t>(hp.o_groups * hp.o_rank));
-    for (int g = 0; g < hp.o_groups; ++g)
-        matmul_rows(l.out_a, static_cast<int64_t>(g) * hp.o_rank, static_cast<int64_t>(g + 1) * hp.o_rank,
-                    o + g * gd, 1, z.data() + static_cast<size_t>(g) * static_cast<size_t>(hp.o_rank));
-    matmul(l.out_b, z.data(), 1, y);
+// Grouped low-rank output projection (spec 4.7) of groups [s.group0, s.group1): o [(heads of those
+// groups)*d] -> y [D] (a partial sum when the groups are not all of them: the column block of o_b).
+void output_projection(const hparams &hp, const layer_weights &l, const tp_slice &s, const float *o, float *y) {
+    const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim, r = hp.o_rank;
+    const int Gs = s.group1 - s.group0;
+    std::vector<float> z(static_cast<size_t>(Gs * r));  // [Gs, o_rank]
+    for (int g = 0; g < Gs; ++g) {
+        const int64_t ga = s.group0 + g;  // absolute group id: rows of o_a
+        matmul_rows(l.out_a, ga * r, (ga + 1) * r, o + g * gd, 1, z.data() + static_cast<size_t>(g * r));
+    }
+    matmul(matrix_cols(l.out_b, s.group0 * r, s.group1 * r, "attn_output_b"), z.data(), 1, y);
 }
 
 }  // namespace
 
 void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
-                     qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y) {
-    const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = hp.n_head, W = hp.window;
-    attn_proj p = project_attention(hp, ropes, l, qat, xn, positions);
+                     qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y,
+                     const tp_slice *slice) {
+    const tp_slice s = slice ? *slice : tp_whole(hp);
+    // H: the heads evaluated here (all of them, or one tensor-parallel rank's share).
+    const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = s.head1 - s.head0, W = hp.window;
+    attn_proj p = project_attention(hp, ropes, l, qat, xn, positions, s);
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
     const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
                  icw = static_cast<size_t>(2 * hp.idx_dim);
@@ -252,11 +260,12 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
         for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % W, &rows[static_cast<size_t>(r * d)]);
         for (int64_t c : sel) ls.comp_rows.get(c, &rows[static_cast<size_t>(r++ * d)]);
         // 3. sink attention, inverse RoPE on each head's output, grouped output projection.
-        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data(),
-                         hp.n_head, d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), o.data());
+        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data() + s.head0,
+                         static_cast<int>(H), d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+                         o.data());
         for (int64_t h = 0; h < H; ++h)
             rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
-        output_projection(hp, l, o.data(), y + i * hp.n_embd);
+        output_projection(hp, l, s, o.data(), y + i * hp.n_embd);
     }
 }
 

@@ -11,9 +11,42 @@
 
 namespace fathom::ds4 {
 
+// ---- tensor-parallel views -----------------------------------------------------------------------
+
+tp_slice tp_whole(const hparams &hp) {
+    return {0, hp.n_head, 0, hp.o_groups, 0, hp.n_expert, 0, hp.n_ff_exp};
+}
+
+matrix matrix_rows(const matrix &w, int64_t r0, int64_t r1) {
+    if (r0 < 0 || r1 < r0 || r1 > w.rows)
+        throw error("ds4: row block [" + std::to_string(r0) + ", " + std::to_string(r1) + ") outside " +
+                    std::to_string(w.rows) + " rows");
+    matrix v = w;
+    v.data = w.data + static_cast<size_t>(r0) * w.row_bytes;
+    v.rows = r1 - r0;
+    return v;
+}
+
+matrix matrix_cols(const matrix &w, int64_t c0, int64_t c1, const char *what) {
+    if (c0 == 0 && c1 == w.cols) return w;
+    const int64_t bs = dtype_info(w.type).block_size;
+    if (c0 < 0 || c1 <= c0 || c1 > w.cols)
+        throw error(std::string("ds4 tp: ") + what + ": column block [" + std::to_string(c0) + ", " +
+                    std::to_string(c1) + ") outside " + std::to_string(w.cols) + " columns");
+    // A quantised row is a sequence of whole blocks: a view can only start and end on a block boundary.
+    if (c0 % bs != 0 || (c1 - c0) % bs != 0)
+        throw error(std::string("ds4 tp: ") + what + " is " + std::string(dtype_info(w.type).name) + " (blocks of " +
+                    std::to_string(bs) + "): its column block [" + std::to_string(c0) + ", " + std::to_string(c1) +
+                    ") does not start and end on a block boundary; use fewer ranks");
+    matrix v = w;
+    v.data = w.data + dtype_row_bytes(w.type, c0);
+    v.cols = c1 - c0;
+    return v;
+}
+
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                    qat_mode qat, float *x, std::span<const int32_t> tokens,
-                   std::span<const int64_t> positions) {
+                   std::span<const int64_t> positions, const tp_block *tp) {
     const int64_t n = static_cast<int64_t>(positions.size()), D = hp.n_embd, S = hp.n_hc * D;
     const size_t nh = static_cast<size_t>(hp.n_hc);
     std::vector<float> u(static_cast<size_t>(n * D)), y(static_cast<size_t>(n * D));
@@ -27,7 +60,8 @@ void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights
                &comb[static_cast<size_t>(i) * nh * nh]);
         rms_norm(ui, D, l.attn_norm.data(), hp.rms_eps, ui);
     }
-    attention_layer(hp, ropes, l, ls, qat, u.data(), positions, y.data());
+    attention_layer(hp, ropes, l, ls, qat, u.data(), positions, y.data(), tp ? &tp->slice : nullptr);
+    if (tp) tp->reduce(y);  // partial [n, D] of this rank's heads -> the sum over all ranks
     for (int64_t i = 0; i < n; ++i) {
         std::copy(x + i * S, x + (i + 1) * S, x_old.begin());
         hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), &post[static_cast<size_t>(i) * nh],
@@ -41,7 +75,8 @@ void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights
                &comb[static_cast<size_t>(i) * nh * nh]);
         rms_norm(ui, D, l.ffn_norm.data(), hp.rms_eps, ui);
     }
-    moe_forward_batch(hp, l, u.data(), tokens, y.data());
+    moe_forward_batch(hp, l, u.data(), tokens, y.data(), tp ? &tp->slice : nullptr);
+    if (tp) tp->reduce(y);  // partial [n, D] of this rank's experts -> the sum over all ranks
     for (int64_t i = 0; i < n; ++i) {
         std::copy(x + i * S, x + (i + 1) * S, x_old.begin());
         hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), &post[static_cast<size_t>(i) * nh],
@@ -73,9 +108,10 @@ void embed_tokens(const model &m, std::span<const int32_t> tokens, std::span<flo
     }
 }
 
-void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
-                    int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
-                    std::span<float> x) {
+// Blocks [l0, l1) of every rank (tp null) or one tensor-parallel rank.
+static void run_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                       int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                       std::span<float> x, const tp_block *tp) {
     const size_t n = tokens.size(), S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
     if (l0 < 0 || l1 < l0 || l1 > static_cast<int>(m.layers.size()))
         throw error("ds4 forward_layers: range [" + std::to_string(l0) + ", " + std::to_string(l1) +
@@ -92,7 +128,19 @@ void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat,
     const rope_set ropes = make_rope_set(m.hp);
     for (int il = l0; il < l1; ++il)
         block_forward(m.hp, ropes, m.layers[static_cast<size_t>(il)], layers[static_cast<size_t>(il - l0)], qat,
-                      x.data(), tokens, positions);
+                      x.data(), tokens, positions, tp);
+}
+
+void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                    int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                    std::span<float> x) {
+    run_layers(m, layers, qat, exec, l0, l1, tokens, positions, x, nullptr);
+}
+
+void forward_layers_tp(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                       int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                       std::span<float> x, const tp_block &tp) {
+    run_layers(m, layers, qat, exec, l0, l1, tokens, positions, x, &tp);
 }
 
 void head_logits(const model &m, const exec_options &exec, std::span<const float> x, std::span<float> logits) {

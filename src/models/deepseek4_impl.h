@@ -2,6 +2,7 @@
 // (tests/ds4) and the MTP head. Shapes are in torch order: [rows, cols], row-major.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -9,6 +10,28 @@
 #include "models/deepseek4_ops.h"
 
 namespace fathom::ds4 {
+
+// ---- tensor-parallel shares (src/dist/tp.*) ------------------------------------------------------
+
+// The part of a block one tensor-parallel rank evaluates: query heads [head0, head1) (rows of q_b,
+// sinks), output groups [group0, group1) (rows of o_a, the matching column block of o_b; groups are
+// head-contiguous, so group0 * H/G == head0), routed experts [expert0, expert1), shared-expert width
+// [ff0, ff1) (rows of gate/up, the matching column block of down). The sublayer outputs are then this
+// rank's partial sums. tp_whole() is everything: the single-rank forward, bit for bit.
+struct tp_slice {
+    int head0 = 0, head1 = 0;
+    int group0 = 0, group1 = 0;
+    int expert0 = 0, expert1 = 0;
+    int64_t ff0 = 0, ff1 = 0;
+};
+tp_slice tp_whole(const hparams &hp);
+
+// Views into the same weights (no copy): rows [r0, r1) of w, and columns [c0, c1) of every row (w.data
+// then points inside the row; row_bytes is unchanged). A column block must start and end on the
+// type's quantisation blocks (32 for Q8_0, 256 for K-quants, 1 for F32/F16): throws fathom::error
+// naming `what` otherwise. The whole range returns w itself.
+matrix matrix_rows(const matrix &w, int64_t r0, int64_t r1);
+matrix matrix_cols(const matrix &w, int64_t c0, int64_t c1, const char *what);
 
 // ---- hyper-connections (deepseek4_moe.cpp) -------------------------------------------------------
 
@@ -41,8 +64,10 @@ void swiglu_clamped(float *g, const float *v, int64_t n, float clamp);
 void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y);
 // MoE FFN of a chunk, each expert's products batched over the tokens routed to it:
 // xn [n, D] -> y [n, D]; every token's result has the bits of moe_forward on it alone.
+// `slice` (null: the whole layer) restricts it to one tensor-parallel rank's routed experts and
+// shared-expert width: y is then that rank's partial sum (routing is still computed in full).
 void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *xn,
-                       std::span<const int32_t> tokens, float *y);
+                       std::span<const int32_t> tokens, float *y, const tp_slice *slice = nullptr);
 
 // ---- attention (deepseek4_attn.cpp) --------------------------------------------------------------
 
@@ -70,12 +95,28 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
 
 // Attention sublayer for a chunk of n consecutive tokens (state updated token by token):
 // xn [n, D] (normed attention input) -> y [n, D].
+// `slice` (null: all heads) restricts the queries, attention and output projection to one
+// tensor-parallel rank's heads and groups: y is then that rank's partial sum. KV, compressors and
+// the indexer are always computed in full (replicated: one shared K=V row per token, MQA).
 void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
-                     qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y);
+                     qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y,
+                     const tp_slice *slice = nullptr);
 
 // Full block (HC attention half + HC MoE half) for a chunk: x [n, n_hc, D] updated in place.
+// Tensor parallel (tp non-null): each sublayer computes tp->slice's partial y [n, D], then
+// tp->reduce(y) must replace it by the sum over all ranks (an all-reduce) before HCPost.
+struct tp_block {
+    tp_slice slice;
+    std::function<void(std::span<float> y)> reduce;
+};
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                    qat_mode qat, float *x, std::span<const int32_t> tokens,
-                   std::span<const int64_t> positions);
+                   std::span<const int64_t> positions, const tp_block *tp = nullptr);
+
+// forward_layers (deepseek4.h) for one tensor-parallel rank: blocks [l0, l1) with `tp`'s slice and
+// all-reduce. Every rank keeps the full HC state x [n, n_hc, D] and every layer's full KV state.
+void forward_layers_tp(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
+                       int l0, int l1, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                       std::span<float> x, const tp_block &tp);
 
 }  // namespace fathom::ds4

@@ -151,7 +151,8 @@ static void expert_rows(const matrix &w1, const matrix &w3, const matrix &w2, fl
 }
 
 void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *xn,
-                       std::span<const int32_t> tokens, float *y) {
+                       std::span<const int32_t> tokens, float *y, const tp_slice *slice) {
+    const tp_slice ts = slice ? *slice : tp_whole(hp);
     const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd, E = hp.n_expert;
     const int k = hp.n_expert_used, n_slot = k + (hp.n_expert_shared == 1 ? 1 : 0);
     std::vector<float> logits(static_cast<size_t>(n * E));
@@ -185,20 +186,32 @@ void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *x
             std::copy(o.begin() + u * D, o.begin() + (u + 1) * D, outs.begin() + (i * n_slot + slot) * D);
         }
     };
-    for (int64_t e = 0; e < E; ++e)
+    // Routed experts: only those of this rank (all of them on one rank).
+    for (int64_t e = ts.expert0; e < ts.expert1; ++e)
         if (!users[static_cast<size_t>(e)].empty())
             run(l.gate_exps.expert(e), l.up_exps.expert(e), l.down_exps.expert(e), l.clamp,
                 users[static_cast<size_t>(e)]);
-    if (n_slot > k) {
+    // Shared expert: width [ff0, ff1) = rows of gate/up and the matching column block of down, so
+    // its output is this rank's partial sum over the hidden units (exact on one rank: whole matrices).
+    const bool shared = n_slot > k && ts.ff1 > ts.ff0;
+    if (shared) {
         std::vector<std::pair<int64_t, int>> all;
         for (int64_t i = 0; i < n; ++i) all.emplace_back(i, k);
-        run(l.gate_sh, l.up_sh, l.down_sh, l.clamp_sh, all);
+        run(matrix_rows(l.gate_sh, ts.ff0, ts.ff1), matrix_rows(l.up_sh, ts.ff0, ts.ff1),
+            matrix_cols(l.down_sh, ts.ff0, ts.ff1, "ffn_down_shexp"), l.clamp_sh, all);
     }
+    // Slots this rank computed: its routed experts' slots, and the shared one.
+    std::vector<char> mine(static_cast<size_t>(n * n_slot), 0);
+    for (int64_t e = ts.expert0; e < ts.expert1; ++e)
+        for (const auto &[i, slot] : users[static_cast<size_t>(e)]) mine[static_cast<size_t>(i * n_slot + slot)] = 1;
+    if (shared)
+        for (int64_t i = 0; i < n; ++i) mine[static_cast<size_t>(i * n_slot + k)] = 1;
     // y = sum over slots in routing order, then the shared expert (the order of a lone token).
     for (int64_t i = 0; i < n; ++i) {
         float *yi = y + i * D;
         std::fill(yi, yi + D, 0.0f);
         for (int s = 0; s < n_slot; ++s) {
+            if (!mine[static_cast<size_t>(i * n_slot + s)]) continue;
             const float *os = &outs[static_cast<size_t>((i * n_slot + s) * D)];
             for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
         }

@@ -82,7 +82,7 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
                 return "";
             return "expected cpu, cuda, cuda:N or auto, got '" + v + "'";
         });
-    cmd->add_option("--devices", a.devices,
+    CLI::Option *devices = cmd->add_option("--devices", a.devices,
                     "DeepSeek V4: split the blocks over several devices of this process, e.g. cpu,cpu or "
                     "cuda:0,cuda:1 (one thread per device, each owning a contiguous block range; docs/dist.md)")
         ->excludes(device)
@@ -101,6 +101,13 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
                 pos = comma + 1;
             }
         });
+    cmd->add_option("--layout", a.layout,
+                    "With --devices: pipeline (each device a contiguous block range) or tp (tensor + expert "
+                    "parallel: every device runs every block on its share of heads and experts; CPU devices only "
+                    "for now; docs/dist.md)")
+        ->capture_default_str()
+        ->needs(devices)
+        ->check(CLI::IsMember({"pipeline", "tp"}));
     cmd->add_flag("--no-cuda-graph", a.no_cuda_graph,
                   "CUDA: launch every decode kernel eagerly instead of replaying a captured CUDA graph (for comparison)");
 }
@@ -220,6 +227,7 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.device = a.device;
     o.cuda_graphs = !a.no_cuda_graph;
     o.devices = a.devices;
+    o.devices_layout = a.layout;
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));

@@ -36,10 +36,11 @@ struct model_args {
     std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
     std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (engine_options::devices; DS4 only)
+    std::string layout = "pipeline";  // with --devices: pipeline | tp (engine_options::devices_layout)
 };
 
 // Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
-// --device, --no-cuda-graph, --devices (excludes --device).
+// --device, --no-cuda-graph, --devices (excludes --device), --layout (needs --devices).
 // `model_required`: -m must be given (no default model).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 
