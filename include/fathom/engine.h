@@ -96,6 +96,13 @@ struct chat_message {
 
 class session;
 
+// One session's share of engine::sync_step: the full token prefix it must hold afterwards.
+struct sync_item {
+    session *sess = nullptr;
+    std::span<const int32_t> prefix;  // as session::sync: the common prefix is reused, the rest evaluated
+    bool want_logits = true;          // false (an intermediate prompt chunk): logits() may be empty afterwards
+};
+
 class engine {
 public:
     static std::unique_ptr<engine> load(const engine_options &opts);
@@ -140,6 +147,18 @@ public:
     // logits must not depend on which other sessions share the step (the server's greedy outputs are
     // required to be independent of batch composition).
     virtual void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens);
+
+    // Batched step over distinct sessions of this engine (the server's scheduler calls it once per
+    // step with every running request: decodes, whose prefix is what the session holds plus the new
+    // token, and prompt chunks): afterwards items[i].sess holds items[i].prefix exactly as
+    // items[i].sess->sync(prefix) would leave it, and its logits() are those of prefix.back() when
+    // want_logits. The default runs the items that append one token through decode_step, then
+    // sync() of the others in order; the dense engine on the CPU evaluates every missing token of
+    // every item in one forward pass, logits only for the last row of items that want them. Like
+    // decode_step, a session's result must not depend on the other items (batch invariance). On
+    // an error some items may be done and others not; calling sync_step again with the same items
+    // (or each alone) completes or reports them (sync semantics make a repeat a no-op).
+    virtual void sync_step(std::span<const sync_item> items);
 };
 
 class session {
@@ -192,6 +211,26 @@ inline void engine::decode_step(std::span<session *const> sessions, std::span<co
         throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
                     std::to_string(tokens.size()) + " tokens");
     for (size_t i = 0; i < sessions.size(); ++i) sessions[i]->eval(tokens.subspan(i, 1));
+}
+
+inline void engine::sync_step(std::span<const sync_item> items) {
+    std::vector<session *> dec;  // items that append exactly one token and want its logits
+    std::vector<int32_t> toks;
+    std::vector<bool> is_dec(items.size(), false);
+    for (size_t i = 0; i < items.size(); ++i) {
+        const sync_item &it = items[i];
+        if (!it.sess) throw error("sync_step: item " + std::to_string(i) + " has no session");
+        const std::vector<int32_t> &held = it.sess->tokens();
+        if (it.want_logits && it.prefix.size() == held.size() + 1 &&
+            std::equal(held.begin(), held.end(), it.prefix.begin())) {
+            dec.push_back(it.sess);
+            toks.push_back(it.prefix.back());
+            is_dec[i] = true;
+        }
+    }
+    if (!dec.empty()) decode_step(dec, toks);
+    for (size_t i = 0; i < items.size(); ++i)
+        if (!is_dec[i]) items[i].sess->sync(items[i].prefix);
 }
 
 }  // namespace fathom

@@ -271,6 +271,9 @@ public:
     }
     // One forward for all sessions' tokens (src/engine/batch_decode.cpp); defined below session_impl.
     void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
+    // Paged (CPU): every item's missing tokens in one forward (batch_decode.cpp); otherwise (CUDA,
+    // whose GEMM numerics depend on the row count) engine::sync_step's decode_step + per-session sync.
+    void sync_step(std::span<const sync_item> items) override;
 
     // ---- for sessions ----
     const dense_model &model() const { return *model_; }
@@ -387,7 +390,19 @@ private:
     model_info info_;
     int64_t n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
-    std::unique_ptr<dense_batch_decoder> batch_;  // created on first decode_step (under forward_mutex_)
+    // A session's part of a fused sync_step: its new tokens prefix[keep, end) still to evaluate.
+    struct step_work {
+        session_impl *s = nullptr;
+        std::span<const int32_t> rest;  // not yet evaluated
+        bool want_logits = true;
+    };
+    std::vector<step_work> plan_sync_step(std::span<const sync_item> items);
+    void run_sync_step(std::vector<step_work> &work);
+    dense_batch_decoder &batch() {
+        if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
+        return *batch_;
+    }
+    std::unique_ptr<dense_batch_decoder> batch_;  // created on first batched step (under forward_mutex_)
     std::string device_name_ = "cpu";
     int cuda_ordinal_ = -1;
 #ifdef FATHOM_ENGINE_CUDA
@@ -548,18 +563,114 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
         if (std::find(ss.begin(), ss.begin() + static_cast<std::ptrdiff_t>(i), s) != ss.begin() + static_cast<std::ptrdiff_t>(i))
             throw error("decode_step: session " + std::to_string(i) + " appears twice");
         ss[i] = s;
-        seqs[i] = {s->kv_target(), s->n_past(), tokens[i], s->logits_.data()};
+        seqs[i] = {s->kv_target(), s->n_past(), tokens.subspan(i, 1), s->logits_.data()};
     }
     for (session_impl *s : ss) s->kv_cover(s->n_past() + 1);
     std::lock_guard<std::mutex> lock(forward_mutex_);
     bind_device();
     for (session_impl *s : ss) s->have_logits_ = false;
-    if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
-    batch_->run(seqs);
+    batch().run(seqs);
     for (size_t i = 0; i < ss.size(); ++i) {
         ss[i]->tokens_.push_back(tokens[i]);
         if (ss[i]->kv_) ss[i]->kv_->n_used = ss[i]->n_past();
         ss[i]->have_logits_ = true;
+    }
+}
+
+void engine_impl::sync_step(std::span<const sync_item> items) {
+    if (!pool_) {
+        engine::sync_step(items);
+        return;
+    }
+    std::vector<step_work> work = plan_sync_step(items);
+    if (!work.empty()) run_sync_step(work);
+}
+
+// Checks every item before any session changes (ownership, distinct sessions, context, vocabulary),
+// then brings each session to the longest common prefix of what it holds and its item's prefix
+// (session::sync's rule: when the whole prefix is held but its last token's logits are wanted and
+// not kept, that token is evaluated again) and covers the positions to evaluate with KV blocks.
+// Returns the items that have tokens to evaluate.
+std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const sync_item> items) {
+    constexpr size_t nothing = SIZE_MAX;  // keep[i]: the session already holds what item i asks for
+    std::vector<size_t> keep(items.size(), nothing);
+    for (size_t i = 0; i < items.size(); ++i) {
+        const sync_item &it = items[i];
+        auto *s = dynamic_cast<session_impl *>(it.sess);
+        const std::string who = "sync_step: item " + std::to_string(i);
+        if (!s || &s->e_ != this) throw error(who + ": session not created by this engine");
+        for (size_t j = 0; j < i; ++j)
+            if (items[j].sess == it.sess) throw error(who + ": session appears twice");
+        if (static_cast<int64_t>(it.prefix.size()) > n_ctx_)
+            throw error("prompt of " + std::to_string(it.prefix.size()) + " tokens exceeds n_ctx " + std::to_string(n_ctx_));
+        if (it.prefix.empty()) {  // sync of nothing: reset (below)
+            keep[i] = 0;
+            continue;
+        }
+        const std::vector<int32_t> &held = s->tokens_;
+        size_t k = 0;
+        while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
+        if (k == it.prefix.size()) {
+            const bool done = k == held.size() && (s->have_logits_ || !it.want_logits);
+            if (done) continue;
+            if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
+        }
+        for (size_t t = k; t < it.prefix.size(); ++t)
+            if (it.prefix[t] < 0 || it.prefix[t] >= model_->hp.n_vocab)
+                throw error("token id " + std::to_string(it.prefix[t]) + " outside the vocabulary [0, " +
+                            std::to_string(model_->hp.n_vocab) + ")");
+        keep[i] = k;
+    }
+    std::vector<step_work> work;
+    for (size_t i = 0; i < items.size(); ++i) {
+        if (keep[i] == nothing) continue;
+        auto *s = static_cast<session_impl *>(items[i].sess);
+        if (items[i].prefix.empty()) {  // sync of nothing: hold nothing
+            s->reset();
+            continue;
+        }
+        s->drop_after(keep[i]);
+        if (keep[i] == items[i].prefix.size()) continue;  // truncated; no logits wanted
+        s->kv_cover(static_cast<int64_t>(items[i].prefix.size()));
+        work.push_back({s, items[i].prefix.subspan(keep[i]), items[i].want_logits});
+    }
+    return work;
+}
+
+// Evaluates the planned tokens: every item's next piece (at most n_batch tokens, the split
+// eval_chunks makes) in one forward, until all are done; one forward normally. Rows per forward:
+// n_batch plus one per item, so a full prompt chunk and every decode of a step share it.
+void engine_impl::run_sync_step(std::vector<step_work> &work) {
+    std::lock_guard<std::mutex> lock(forward_mutex_);
+    bind_device();
+    for (step_work &w : work) w.s->have_logits_ = false;
+    const int64_t cap = n_batch_ + static_cast<int64_t>(work.size());
+    std::vector<dense_batch_seq> seqs;
+    std::vector<step_work *> in;
+    for (;;) {
+        seqs.clear();
+        in.clear();
+        int64_t rows = 0;
+        for (step_work &w : work) {
+            if (w.rest.empty()) continue;
+            const int64_t piece = std::min<int64_t>(n_batch_, static_cast<int64_t>(w.rest.size()));
+            if (rows > 0 && rows + piece > cap) continue;  // next forward
+            const bool last = piece == static_cast<int64_t>(w.rest.size());
+            seqs.push_back({w.s->kv_target(), w.s->n_past(), w.rest.first(static_cast<size_t>(piece)),
+                            last && w.want_logits ? w.s->logits_.data() : nullptr});
+            in.push_back(&w);
+            rows += piece;
+        }
+        if (seqs.empty()) break;
+        batch().run(seqs);
+        for (size_t i = 0; i < in.size(); ++i) {
+            step_work &w = *in[i];
+            const size_t piece = seqs[i].tokens.size();
+            w.s->tokens_.insert(w.s->tokens_.end(), w.rest.begin(), w.rest.begin() + static_cast<std::ptrdiff_t>(piece));
+            if (w.s->kv_) w.s->kv_->n_used = w.s->n_past();
+            w.rest = w.rest.subspan(piece);
+            if (w.rest.empty()) w.s->have_logits_ = w.want_logits;
+        }
     }
 }
 

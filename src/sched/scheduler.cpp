@@ -1,5 +1,6 @@
-// Scheduler worker: admission, chunked prefill under a token budget, batched decode, sampling,
-// stop strings, cancellation and the counters behind /metrics. See scheduler.h for the policy.
+// Scheduler worker: admission, chunked prefill under a token budget batched with the decodes
+// (one engine::sync_step per step), sampling, stop strings, cancellation and the counters behind
+// /metrics. See scheduler.h for the policy.
 #include "sched/scheduler.h"
 
 #include <algorithm>
@@ -74,9 +75,8 @@ struct scheduler::slot {
     size_t prefill_pos = 0;         // prompt tokens the session holds so far
     int64_t n_reused = 0;
     std::unique_ptr<sampler> smp;
-    std::vector<int32_t> history;   // prompt + generated, for penalties
+    std::vector<int32_t> history;   // prompt + generated (penalties; a decode syncs the session to it)
     std::unique_ptr<text_stream> ts;
-    int32_t pending = -1;           // sampled, not yet evaluated
     int32_t n_gen = 0;
     bool got_first = false;
     double ttft = 0.0;
@@ -264,7 +264,6 @@ void scheduler::admit_locked() {
         s.smp = std::make_unique<sampler>(j->req_.sampling);
         s.history = j->req_.prompt;
         s.ts = std::make_unique<text_stream>(j->req_.stop);
-        s.pending = -1;
         s.n_gen = 0;
         s.got_first = false;
         s.ttft = 0.0;
@@ -387,83 +386,132 @@ bool scheduler::run_step() {
         }
         if (s->ph == phase::decode) dec.push_back(s.get());
     }
-    if (!dec.empty()) decode_all(dec);
-    prefill_some(opts_.step_token_budget - int(dec.size()));
+    const std::vector<prefill_chunk> chunks = plan_prefill(opts_.step_token_budget - int(dec.size()));
+    // Round 0: every decode and every planned slot's first chunk, in one engine step (one forward on
+    // the dense CPU engine). A slot granted several chunks (a budget above the chunk size) evaluates
+    // its later ones in later rounds, one engine step each.
+    int n_rounds = 1;
+    for (const prefill_chunk &c : chunks) n_rounds = std::max(n_rounds, c.round + 1);
+    for (int r = 0; r < n_rounds; ++r) {
+        std::vector<step_entry> es;
+        if (r == 0)
+            for (slot *s : dec) es.push_back({s, s->history.size(), 0, true});
+        for (const prefill_chunk &c : chunks)
+            if (c.round == r && c.s->j && c.s->ph == phase::prefill) es.push_back({c.s, c.end, c.cost, false});
+        if (!es.empty()) evaluate(es);
+    }
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.steps;
     for (auto &s : slots_) s->n_tokens_published = int64_t(s->sess->tokens().size());
     return true;
 }
 
-void scheduler::decode_all(std::vector<slot *> &dec) {
-    std::vector<session *> sess;
-    std::vector<int32_t> toks;
-    for (slot *s : dec) {
-        sess.push_back(s->sess.get());
-        toks.push_back(s->pending);
-    }
-    try {
-        eng_.decode_step(std::span<session *const>(sess), std::span<const int32_t>(toks));
-    } catch (const std::exception &e) {
-        for (slot *s : dec) finish(*s, finish_reason::error, e.what());
-        return;
-    }
-    for (slot *s : dec) sample_and_emit(*s);
-}
-
-void scheduler::prefill_some(int budget) {
+// The prompt chunks of this step, oldest request first: each prefilling slot takes chunks while the
+// budget lasts (the oldest always gets one, so prefill never starves). A chunk ends at the next
+// multiple of prefill_chunk or at the prompt's end, so a prompt is split the same way whatever else
+// runs; round k is the slot's k-th chunk of the step.
+std::vector<scheduler::prefill_chunk> scheduler::plan_prefill(int budget) const {
     std::vector<slot *> pre;
     for (auto &s : slots_)
         if (s->j && s->ph == phase::prefill) pre.push_back(s.get());
     std::sort(pre.begin(), pre.end(), [](slot *a, slot *b) { return a->seq < b->seq; });
+    std::vector<prefill_chunk> plan;
     bool first = true;
     const size_t chunk = size_t(opts_.prefill_chunk);
     for (slot *s : pre) {
-        const auto &prompt = s->j->req_.prompt;
-        const size_t n = prompt.size();
-        while (s->ph == phase::prefill && (budget > 0 || first)) {
+        const size_t n = s->j->req_.prompt.size();
+        size_t pos = s->prefill_pos;
+        for (int round = 0; budget > 0 || first; ++round) {
             first = false;
-            size_t end = std::min(n, (s->prefill_pos / chunk + 1) * chunk);
-            if (s->prefill_pos >= n) end = n;  // whole prompt held: sync re-derives the last logits
-            const size_t cost = std::max<size_t>(end - std::min(s->prefill_pos, end), 1);
-            try {
-                s->sess->sync(std::span<const int32_t>(prompt.data(), end));
-            } catch (const std::exception &e) {
-                finish(*s, finish_reason::error, e.what());
-                break;
-            }
+            size_t end = std::min(n, (pos / chunk + 1) * chunk);
+            if (pos >= n) end = n;  // whole prompt held: the step re-derives the last logits
+            const size_t cost = std::max<size_t>(end - std::min(pos, end), 1);
+            plan.push_back({s, end, cost, round});
             budget -= int(cost);
-            {
-                std::lock_guard<std::mutex> lk(mu_);
-                stats_.prompt_tokens_evaluated += cost;
-            }
-            s->prefill_pos = end;
-            if (end == n) sample_and_emit(*s);
+            pos = end;
+            if (end == n) break;
         }
+    }
+    return plan;
+}
+
+// One engine step for the entries: a decode syncs the slot's session to its history (prompt and
+// generated tokens: exactly the pending token is new), a chunk to prompt[0, end). If the step fails,
+// each entry is tried alone (sync semantics make a repeat of a finished one a no-op), so only a
+// request whose own evaluation fails ends with an error. Then decodes and final chunks sample.
+void scheduler::evaluate(std::vector<step_entry> &es) {
+    std::vector<sync_item> items;
+    items.reserve(es.size());
+    for (const step_entry &e : es) {
+        const std::vector<int32_t> &toks = e.decode ? e.s->history : e.s->j->req_.prompt;
+        items.push_back({e.s->sess.get(), std::span<const int32_t>(toks.data(), e.end), e.decode || e.end == toks.size()});
+    }
+    std::vector<bool> failed(es.size(), false);
+    try {
+        eng_.sync_step(items);
+    } catch (const std::exception &) {
+        for (size_t i = 0; i < es.size(); ++i) {
+            try {
+                eng_.sync_step(std::span<const sync_item>(&items[i], 1));
+            } catch (const std::exception &e) {
+                failed[i] = true;
+                finish(*es[i].s, finish_reason::error, e.what());
+            }
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);  // counted before any event of the step is posted
+        for (size_t i = 0; i < es.size(); ++i)
+            if (!failed[i] && !es[i].decode) stats_.prompt_tokens_evaluated += es[i].cost;
+    }
+    for (size_t i = 0; i < es.size(); ++i) {
+        if (failed[i]) continue;
+        step_entry &e = es[i];
+        if (e.decode) {
+            sample_and_emit(*e.s);
+            continue;
+        }
+        e.s->prefill_pos = e.end;
+        if (e.end == e.s->j->req_.prompt.size()) sample_and_emit(*e.s);
     }
 }
 
 // Greedy decoding without penalties or logprobs (the common serving case): the sampler would copy
 // the logits, normalise the whole distribution (one exp per vocabulary entry, run serially between
-// batched decode steps) for a logprob nobody reads, then take the argmax. One scan finds the same
-// token: the first maximum (the sampler's strict > keeps the lowest id among ties). Returns -1 when
+// batched steps) for a logprob nobody reads, then take the argmax. Two scans find the same token:
+// the maximum of every block of 256 logits (no early exit and no index, so the compiler vectorises
+// it), then the first index holding the overall maximum inside the first block that reaches it,
+// i.e. the first maximum (the sampler's strict > keeps the lowest id among ties). Returns -1 when
 // the sampler must decide instead: a NaN or +inf logit, or nothing but -inf (it reports those).
 static int32_t greedy_token(const sampling_params &p, bool want_logprobs, std::span<const float> logits) {
     if (p.temperature != 0.0f || want_logprobs || p.n_logprobs > 0 || p.repeat_penalty != 1.0f ||
         p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f || logits.empty())
         return -1;
     constexpr float inf = std::numeric_limits<float>::infinity();
-    size_t best = 0;
+    constexpr size_t block = 256;
+    const float *l = logits.data();
+    const size_t n = logits.size();
     float best_v = -inf;
-    for (size_t i = 0; i < logits.size(); ++i) {
-        const float v = logits[i];
-        if (!(v < inf)) return -1;  // NaN or +inf
-        if (v > best_v) {
-            best_v = v;
-            best = i;
+    size_t best_b = 0;
+    int special = 0;  // any NaN or +inf
+    for (size_t b0 = 0; b0 < n; b0 += block) {
+        const size_t b1 = std::min(n, b0 + block);
+        float m = -inf;
+        int bad = 0;
+        for (size_t i = b0; i < b1; ++i) {
+            m = l[i] > m ? l[i] : m;
+            bad |= !(l[i] < inf);
+        }
+        special |= bad;
+        if (m > best_v) {  // strict: the first block reaching the maximum
+            best_v = m;
+            best_b = b0;
         }
     }
-    return best_v == -inf ? -1 : static_cast<int32_t>(best);
+    if (special || best_v == -inf) return -1;
+    for (size_t i = best_b; i < n; ++i)
+        if (l[i] == best_v) return static_cast<int32_t>(i);
+    return -1;  // unreachable: block best_b holds best_v
 }
 
 void scheduler::sample_and_emit(slot &s) {
@@ -513,10 +561,8 @@ void scheduler::sample_and_emit(slot &s) {
     else if (s.n_gen >= s.j->req_.max_tokens) finish(s, finish_reason::length);
     else if (s.sess->n_past() + 1 > std::min<int64_t>(n_ctx_, s.kv_limit))
         finish(s, finish_reason::length);  // no room to evaluate it (context or KV reservation full)
-    else {
-        s.pending = r.token;
-        s.ph = phase::decode;
-    }
+    else
+        s.ph = phase::decode;  // history.back() is sampled, not yet evaluated
 }
 
 void scheduler::finish(slot &s, finish_reason r, const std::string &err) {

@@ -1,12 +1,16 @@
 // Request scheduler: ONE worker thread owns every session of the engine. HTTP (or other) threads
 // only validate and submit() a request, then read its events from the returned job's channel.
 //
-// Slots: n_slots sessions, each serving at most one request. Each worker step evaluates
-//   1. one token for every decoding request, all together through engine::decode_step, then
-//   2. prefill chunks of admitted requests, oldest first, while the step's token budget lasts
-//      (the oldest prefilling request always gets at least one chunk, so prefill never starves).
+// Slots: n_slots sessions, each serving at most one request. Each worker step evaluates, in ONE
+// engine::sync_step (one forward pass on the dense CPU engine),
+//   1. one token for every decoding request, and
+//   2. a prefill chunk of admitted requests, oldest first, while the step's token budget lasts
+//      (the oldest prefilling request always gets at least one chunk, so prefill never starves);
+// logits are computed for decodes and final chunks only. A slot granted several chunks in one
+// step (a budget larger than the chunk) evaluates its later chunks in further engine steps.
 // Prefill chunks end at absolute positions that are multiples of prefill_chunk (or at the prompt's
-// end), so a prompt is split the same way whatever else is running.
+// end), so a prompt is split the same way whatever else is running; the engine keeps a session's
+// result independent of the other sessions in the step (batch invariance).
 // Admission: FIFO from a bounded queue; a request takes the idle slot whose session shares the
 // longest token prefix with its prompt (session::sync then reuses that prefix) provided that
 // prefix is at least half of what the slot holds; otherwise the least recently used idle slot, so
@@ -163,11 +167,23 @@ public:
 
 private:
     struct slot;
+    struct prefill_chunk {  // slot s evaluates prompt[0, end) this step (cost: new tokens, >= 1)
+        slot *s;
+        size_t end;
+        size_t cost;
+        int round;           // the slot's round-th chunk of the step
+    };
+    struct step_entry {      // one slot's share of an engine step
+        slot *s;
+        size_t end;          // decode: history.size(); chunk: prompt end
+        size_t cost;         // chunk: prompt tokens it evaluates
+        bool decode;
+    };
     void worker_loop();
     void admit_locked();
     bool run_step();
-    void prefill_some(int budget);
-    void decode_all(std::vector<slot *> &dec);
+    std::vector<prefill_chunk> plan_prefill(int budget) const;
+    void evaluate(std::vector<step_entry> &es);
     void sample_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);

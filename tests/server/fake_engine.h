@@ -111,8 +111,23 @@ public:
         ++sessions_created;
         return std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
     }
+    // Records the shape of the scheduler's engine steps, then runs the default (decode_step of the
+    // one-token appends, sync of the rest).
+    void sync_step(std::span<const sync_item> items) override {
+        ++sync_steps;
+        int n_dec = 0;
+        for (const sync_item &it : items)
+            n_dec += it.prefix.size() == it.sess->tokens().size() + 1 &&
+                     std::equal(it.sess->tokens().begin(), it.sess->tokens().end(), it.prefix.begin());
+        if (int(items.size()) > max_step_items) max_step_items = int(items.size());
+        if (n_dec > 0 && int(items.size()) > n_dec) ++mixed_steps;
+        engine::sync_step(items);
+    }
     std::atomic<int64_t> evaluated{0};   // tokens evaluated by all sessions
     std::atomic<int> sessions_created{0};
+    std::atomic<int> sync_steps{0};      // engine steps (worker thread writes; read after the jobs end)
+    std::atomic<int> max_step_items{0};  // most sessions in one engine step
+    std::atomic<int> mixed_steps{0};     // steps with decodes and prompt chunks together
 
 private:
     model_info info_;

@@ -156,3 +156,135 @@ TEST(BatchDecode, Validation) {
     const int32_t t[] = {7};
     EXPECT_THROW(e->decode_step(one, t), error);
 }
+
+// ---- engine::sync_step: prompt chunks of several sessions and running decodes in one forward ----
+
+namespace {
+
+std::vector<int32_t> synth_prompt(size_t n, int salt) {
+    std::vector<int32_t> p;
+    for (size_t i = 0; i < n; ++i) p.push_back(int32_t(300 + (i * 53 + size_t(salt) * 17) % 4000));
+    return p;
+}
+
+// Logits of `prefix` from a fresh single session (the reference path: session::sync).
+std::vector<float> reference_logits(engine &e, std::span<const int32_t> prefix) {
+    auto s = e.new_session();
+    s->sync(prefix);
+    return std::vector<float>(s->logits().begin(), s->logits().end());
+}
+
+void expect_same_bits(std::span<const float> got, const std::vector<float> &want, const std::string &what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    size_t n_diff = 0;
+    for (size_t t = 0; t < want.size(); ++t) n_diff += std::memcmp(&got[t], &want[t], sizeof(float)) != 0;
+    EXPECT_EQ(n_diff, 0u) << what << ": " << n_diff << " logits differ from the single-session path";
+}
+
+// One sync_step mixing: decodes of sessions at different positions, whole prompts of different
+// lengths (one longer than n_batch = 64, so it needs several pieces and forwards), an intermediate
+// chunk without logits, a prefix diverging from what the session holds, a prefix the session holds
+// with more after it, one it holds exactly, and an empty prefix. Every session must end holding its
+// prefix, with logits bit-identical to a fresh session synced to the same prefix.
+void check_sync_step(engine &e) {
+    const auto ps = prompts(e, 6);
+    const size_t n_vocab = size_t(e.info().n_vocab);
+    // Running decodes: four sessions past their prompts, each appending its greedy token.
+    std::vector<std::unique_ptr<session>> dec;
+    std::vector<std::vector<int32_t>> dec_prefix;
+    for (size_t i = 0; i < 4; ++i) {
+        dec.push_back(e.new_session());
+        dec.back()->sync(ps[i]);
+        dec_prefix.push_back(ps[i]);
+        dec_prefix.back().push_back(argmax(dec.back()->logits()));
+    }
+    const std::vector<int32_t> long_p = synth_prompt(150, 1), mid_p = synth_prompt(50, 2), div_p = synth_prompt(40, 3);
+    auto s_long = e.new_session(), s_short = e.new_session(), s_chunk = e.new_session(), s_div = e.new_session(),
+         s_more = e.new_session(), s_same = e.new_session(), s_empty = e.new_session();
+    std::vector<int32_t> div_held(div_p.begin(), div_p.begin() + 30);  // then 10 other tokens
+    for (int i = 0; i < 10; ++i) div_held.push_back(4000 + i);
+    s_div->sync(div_held);
+    std::vector<int32_t> more_held = ps[5];
+    more_held.push_back(11);
+    more_held.push_back(12);
+    s_more->sync(more_held);
+    s_same->sync(ps[4]);
+    s_empty->sync(ps[3]);
+    const std::span<const int32_t> chunk(mid_p.data(), 20);
+
+    std::vector<sync_item> items = {
+        {dec[0].get(), dec_prefix[0], true}, {s_long.get(), long_p, true},  {s_chunk.get(), chunk, false},
+        {dec[1].get(), dec_prefix[1], true}, {s_short.get(), ps[2], true},  {s_div.get(), div_p, true},
+        {dec[2].get(), dec_prefix[2], true}, {s_more.get(), ps[5], true},   {s_same.get(), ps[4], true},
+        {dec[3].get(), dec_prefix[3], true}, {s_empty.get(), std::span<const int32_t>(), true},
+    };
+    e.sync_step(items);
+    for (size_t i = 0; i < items.size(); ++i) {
+        const sync_item &it = items[i];
+        EXPECT_TRUE(std::equal(it.sess->tokens().begin(), it.sess->tokens().end(), it.prefix.begin(), it.prefix.end()))
+            << "item " << i << " holds other tokens than its prefix";
+        if (it.prefix.empty()) {
+            EXPECT_EQ(it.sess->n_past(), 0);
+        } else if (it.want_logits) {
+            ASSERT_EQ(it.sess->logits().size(), n_vocab);
+            expect_same_bits(it.sess->logits(), reference_logits(e, it.prefix), "item " + std::to_string(i));
+        } else {
+            EXPECT_TRUE(it.sess->logits().empty()) << "intermediate chunk: no logits computed";
+        }
+    }
+    // Step 2: the chunked prompt's final chunk with the decodes' next tokens.
+    std::vector<sync_item> items2;
+    for (size_t i = 0; i < 4; ++i) {
+        dec_prefix[i].push_back(argmax(dec[i]->logits()));
+        items2.push_back({dec[i].get(), dec_prefix[i], true});
+    }
+    items2.insert(items2.begin() + 2, sync_item{s_chunk.get(), mid_p, true});
+    e.sync_step(items2);
+    for (size_t i = 0; i < items2.size(); ++i) {
+        ASSERT_EQ(items2[i].sess->n_past(), int64_t(items2[i].prefix.size()));
+        expect_same_bits(items2[i].sess->logits(), reference_logits(e, items2[i].prefix), "step 2 item " + std::to_string(i));
+    }
+}
+
+}  // namespace
+
+TEST(BatchDecode, SyncStepSmolLM2PromptsAndDecodesBitIdenticalToSingleSession) {
+    if (!std::filesystem::exists(kSmol)) GTEST_SKIP() << "SmolLM2 not installed";
+    auto e = load(kSmol, 256);
+    check_sync_step(*e);
+}
+
+TEST(BatchDecode, SyncStepGemma3PromptsAndDecodesBitIdenticalToSingleSession) {
+    if (!std::filesystem::exists(kGemma)) GTEST_SKIP() << "gemma3 not installed";
+    auto e = load(kGemma, 256);
+    check_sync_step(*e);
+}
+
+TEST(BatchDecode, SyncStepValidationLeavesSessionsUntouched) {
+    if (!std::filesystem::exists(kSmol)) GTEST_SKIP() << "SmolLM2 not installed";
+    auto e = load(kSmol, 16);
+    auto a = e->new_session(), b = e->new_session();
+    const std::vector<int32_t> pa = {1, 2, 3}, pb = {4, 5};
+    a->sync(pa);
+    b->sync(pb);
+    const std::vector<int32_t> a_next = {1, 2, 3, 9}, b_next = {4, 5, 9};
+    const std::vector<int32_t> bad_tok = {4, 5, int32_t(e->info().n_vocab)}, too_long(17, 7);
+    auto other = load(kSmol, 16);
+    auto foreign = other->new_session();
+    const std::vector<std::vector<sync_item>> bad = {
+        {{a.get(), a_next, true}, {a.get(), a_next, true}},        // one session twice
+        {{a.get(), a_next, true}, {b.get(), bad_tok, true}},       // token outside the vocabulary
+        {{a.get(), a_next, true}, {b.get(), too_long, true}},      // beyond n_ctx
+        {{a.get(), a_next, true}, {foreign.get(), b_next, true}},  // another engine's session
+        {{a.get(), a_next, true}, {nullptr, b_next, true}},        // no session
+    };
+    for (const auto &items : bad) {
+        EXPECT_THROW(e->sync_step(items), error);
+        EXPECT_EQ(a->tokens(), pa);
+        EXPECT_EQ(b->tokens(), pb);
+    }
+    std::vector<sync_item> ok = {{a.get(), a_next, true}, {b.get(), b_next, true}};
+    e->sync_step(ok);
+    EXPECT_EQ(a->tokens(), a_next);
+    EXPECT_EQ(b->tokens(), b_next);
+}
