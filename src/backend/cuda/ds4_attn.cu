@@ -21,7 +21,9 @@
 // block-wide double sums differ in order from the CPU (a float-rounding flip there is ~2^-29
 // likely). Attention accumulates in f32 (scores: lane partials, then a reduce-scatter over the warp;
 // softmax online per split), so it matches the CPU's double-accumulated attend_with_sink to ~1e-6
-// relative.
+// relative; with f16 rows the split runs on tensor cores (q and p as f16 hi + lo pairs, f32
+// accumulation: ~1e-6 relative to the f32 kernel; sparse_attn_args::tensor_cores = false forces the f32
+// kernel).
 //
 // Latency: the per-token kernels are short chains, so rows of a power-of-two multiple of 64 dims (the
 // DS4-Flash query heads, KV row and compressed rows) are finished by one warp in registers with no block
@@ -31,11 +33,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <type_traits>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
@@ -383,12 +387,13 @@ __global__ void compressor_chunk_state_kernel(compressor_args a, const float *__
 // and a reduce-scatter (16 shuffles instead of 16 x 5) leaves row (lane & 15)'s full score in lanes l and
 // l + 16. Softmax is online per head (max m, denominator l, unnormalised output acc). Partials: acc at
 // part[(split * n_head + h) * d], (m, l) at part[n_split * n_head * d + (split * n_head + h) * 2].
-// Combine kernel: one block per head merges the busy splits with the sink logit in the denominator,
-// applies the inverse RoPE per dim pair and writes o.
+// Combine kernel: one warp per (head, 64 dims) merges the busy splits with the sink logit in the
+// denominator, applies the inverse RoPE per dim pair and writes o. Every row f16 (the decode case): the
+// tensor-core split kernel below replaces the split kernel (same partition and partials).
 
 constexpr int kAttnWarps = 8, kAttnThreads = 32 * kAttnWarps, kHeadsPerWarp = 2;
 constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = kAttnTileRows, kMaxD = 512, kMaxP = kMaxD / 64;
-constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 128;
+constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 32;
 
 struct attn_geom {
     int n_head, d;
@@ -613,9 +618,12 @@ __global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128
     }
 }
 
-// One block per head: o_h = sum_s e^(m_s - M) acc_s / (e^(sink - M) + sum_s e^(m_s - M) l_s) over the
-// busy splits s (each saw >= 1 row: m_s finite), M the largest of the sink and the m_s. Then the inverse
-// RoPE of the last n_rot dims at *pos, one dim pair per thread and step.
+// Block (head blockIdx.x, dim pairs kCombineThreads blockIdx.y .. + kCombineThreads - 1): o_h = sum_s
+// e^(m_s - M) acc_s / (e^(sink - M) + sum_s e^(m_s - M) l_s) over the busy splits s (each saw >= 1 row:
+// m_s finite), M the largest of the sink and the m_s (every block of the head computes the same weights).
+// Then the inverse RoPE of the last n_rot dims at *pos, one dim pair per thread. One warp per block and
+// d / 64 blocks per head: the partials (up to 64 x 128 KB at 64 heads of 512) are read by 512 warps with
+// the split loop unrolled, not by 64 blocks walking them in turn.
 __global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(attn_geom g, const float *__restrict__ part, const float *__restrict__ sinks,
                         const float *__restrict__ freq, int n_rot, const int64_t *__restrict__ pos,
@@ -654,8 +662,10 @@ __global__ void __launch_bounds__(kCombineThreads)
     __syncthreads();
     const float inv = s_inv, fp = static_cast<float>(p);
     const int rp0 = (d - n_rot) / 2;
-    for (int pi = threadIdx.x; pi < d / 2; pi += blockDim.x) {
+    const int pi = blockIdx.y * blockDim.x + threadIdx.x;  // this thread's dim pair
+    if (pi < d / 2) {
         float a = 0.0f, b = 0.0f;
+#pragma unroll 8
         for (int s = 0; s < busy; ++s) {
             const float *pp = part + (static_cast<size_t>(s) * n_head + h) * d + 2 * pi;
             a += ws[s] * pp[0];
@@ -682,6 +692,317 @@ int attn_splits(const sparse_attn_args &a) {
     const int64_t max_rows = a.window + (a.mode == comp_mode::none ? 0 : a.max_comp);
     int64_t n = (max_rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit;
     return static_cast<int>(std::min<int64_t>(std::max<int64_t>(n, 1), kMaxSplits));
+}
+
+// ---- sparse sink attention on tensor cores (decode, every row f16) -------------------------------------
+// The same row partition (attn_rps over attn_splits(a) splits), partial layout and combine as the f32
+// split kernel above, so attn_part_floats and attn_combine_kernel serve both paths; only the split
+// kernel differs. Why: the f32 kernel is latency-bound (~22 us whatever the row count: CUDA-core dots
+// of 16 rows x 2 heads per warp, 4 head-group blocks each reading every row); here a block takes ALL
+// 64 heads of the token as the MMA M dimension (4 m16 tiles), so each row is read from L2 once per
+// split and the dots run on tensor cores.
+//
+// Block (split blockIdx.x, heads 64 blockIdx.y .. + 63; heads past n_head get q = 0 and are not
+// written), 16 warps, rows in tiles of kMmaRows = 32 staged in shared memory as f16. f16 rows are exact
+// in f16, so only the f32 operands are split: q = q_hi + q_lo and p = p_hi + p_lo (f16 each, the pair
+// exact to ~2^-22 relative), each product pair accumulated in f32 by mma.m16n8k16, as the prefill
+// kernel (ds4_attn_prefill.cu): ~1e-6 relative to the f32 kernel. (Queries must be below the f16
+// range, 65504: true of the normed attention queries.) Per tile:
+//   stage   : rows t0 .. t0 + 31 -> ks [32, d + 8] f16 (rows past the split's end: zeros, since p = 0
+//             must not meet NaN) by cp.async (16-byte aligned rows; the first tile's copies overlap the
+//             q staging) or by pair loads issued before their shared stores.
+//   scores  : warp w: head tile w & 3 x the 32 rows x dims (w >> 2) d / 4 .. + d / 4 (a quarter of
+//             k): partial S [16, 32] f32 to sq[w >> 2]; the quarters are summed in a fixed order.
+//   softmax : thread tid: head tid / 8, rows 4 (tid % 8) .. + 3; online per head: (m, l) live in the
+//             registers of the head's 8 threads (butterfly reductions: identical in all 8); p (hi, lo)
+//             to ph / pl, the rescale factor exp(m_old - m_new) to corr.
+//   output  : warp w: head tile w & 3 x dims (w >> 2) d / 4 .. + d / 4 (d / 32 n8 tiles of f32
+//             accumulators in registers): acc = acc * corr + P V.
+// Fragments come from ldmatrix: A (q, p) row-major; B of S = K rows as [n, k] as they are; B of P V
+// = V rows [k, n] through .trans. Shared row strides (d + 8 halves, 40 halves, 40 floats) keep the 8
+// rows of an ldmatrix phase and the fragment stores on distinct banks. Shared memory at d = 512:
+// 213 KB (q hi + lo 130 KB, rows 32.5 KB, S quarters 40 KB, P 10 KB): one block per SM.
+constexpr int kMmaWarps = 16, kMmaThreads = 32 * kMmaWarps, kMmaHeads = 64, kMmaRows = 32;
+constexpr int kMmaPad = 8, kMmaSld = kMmaRows + 8;           // f16 row pad; S / P row stride
+constexpr int kMmaKParts = kMmaWarps / (kMmaHeads / 16);     // 4: the d quarters of the score warps
+static_assert(kMmaKParts == 4 && kMmaRows == 32, "the warp roles below assume 4 head tiles x 4 quarters");
+
+// Byte offsets of the tensor-core kernel's shared arrays (all 16-byte aligned: d % 64 == 0).
+struct mma_smem {
+    size_t qh, ql, ks, sq, ph, pl, corr, total;
+};
+__host__ __device__ __forceinline__ mma_smem mma_smem_layout(int d) {
+    const size_t ldk = static_cast<size_t>(d) + kMmaPad;
+    mma_smem m;
+    m.qh = 0;                                                // [64, ldk] f16: q hi
+    m.ql = m.qh + kMmaHeads * ldk * 2;                       // [64, ldk] f16: q lo
+    m.ks = m.ql + kMmaHeads * ldk * 2;                       // [32, ldk] f16: the row tile
+    m.sq = m.ks + kMmaRows * ldk * 2;                        // [4, 64, 40] f32: partial scores
+    m.ph = m.sq + static_cast<size_t>(kMmaKParts) * kMmaHeads * kMmaSld * 4;  // [64, 40] f16: p hi
+    m.pl = m.ph + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;               // [64, 40] f16: p lo
+    m.corr = m.pl + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;             // [64] f32
+    m.total = m.corr + kMmaHeads * 4;
+    return m;
+}
+
+// ldmatrix .x4 (.trans): lane l supplies the address of row l % 8 of 8x8 matrix l / 8 (16 bytes,
+// 16-byte aligned); r[i] = matrix i's pair (row lane / 4, cols 2 (lane % 4), + 1), or with .trans
+// (rows 2 (lane % 4), + 1 at col lane / 4). sm_80+ only, as the MMA (never launched before).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __half *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#else
+    r[0] = r[1] = r[2] = r[3] = 0u * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __half *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#else
+    r[0] = r[1] = r[2] = r[3] = 0u * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
+#endif
+}
+
+// (a, b) -> f16 hi pair at hi, f16 lo pair (a - hi(a), b - hi(b): exact in f32) at lo.
+__device__ __forceinline__ void put_hi_lo(__half *hi, __half *lo, float a, float b) {
+    const __half ah = __float2half_rn(a), bh = __float2half_rn(b);
+    *reinterpret_cast<__half2 *>(hi) = __halves2half2(ah, bh);
+    *reinterpret_cast<__half2 *>(lo) =
+        __halves2half2(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
+}
+
+// q hi / lo of heads h0 .. h0 + 63 (past n_head: zeros) into qh / ql [64, ldk]; q [n_head, d] 16-byte
+// aligned (host check). 8 float4 loads in flight per thread before their stores.
+__device__ __forceinline__ void mma_stage_q(const float *__restrict__ q, int n_head, int d, int h0, __half *qh,
+                                            __half *ql, int ldk) {
+    const int n4 = kMmaHeads * d / 4;  // float4s of the block's heads
+    const float4 *q4 = reinterpret_cast<const float4 *>(q + static_cast<size_t>(h0) * d);
+    for (int e0 = 0; e0 < n4; e0 += kMmaThreads * 8) {
+        float4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x);
+            v[k] = e < n4 && h0 + 4 * e / d < n_head ? q4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x);
+            if (e >= n4) continue;
+            const int hh = 4 * e / d, c = 4 * e - hh * d;
+            put_hi_lo(qh + hh * ldk + c, ql + hh * ldk + c, v[k].x, v[k].y);
+            put_hi_lo(qh + hh * ldk + c + 2, ql + hh * ldk + c + 2, v[k].z, v[k].w);
+        }
+    }
+}
+
+// 16 bytes global -> shared by cp.async (L2 only); src_bytes 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void mma_cp_async16(__half *dst, const void *src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+                 "l"(src), "r"(src_bytes));
+#endif
+}
+// Waits for all of this thread's cp.async copies (a no-op when none were issued).
+__device__ __forceinline__ void mma_cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Rows t0 .. t0 + kMmaRows - 1 of the candidate list into ks [kMmaRows, ldk] (rows >= nt: zeros), in
+// units of V. uint4 (8 halves, rows 16-byte aligned): cp.async, complete after mma_cp_async_wait_all
+// (so the first tile's copies fly while q is staged). uint32_t (a pair): loads to registers, 4 per
+// thread in flight, then shared stores.
+template <class V>
+__device__ __forceinline__ void mma_stage_rows(const attn_geom &g, const attn_span &sp, int64_t t0, int nt,
+                                               __half *ks, int ldk) {
+    constexpr int per = static_cast<int>(sizeof(V) / 2), kIt = 4;
+    const int cpr = g.d / per, total = kMmaRows * cpr;
+    if constexpr (sizeof(V) == 16) {
+        for (int e = threadIdx.x; e < total; e += kMmaThreads) {
+            const int r = e / cpr, c = e - r * cpr;
+            const void *src = g.ring;  // any valid address: nothing is read for rows >= nt
+            if (r < nt) {
+                bool f16 = true;
+                src = reinterpret_cast<const V *>(attn_row(g, sp, t0 + r, f16)) + c;
+            }
+            mma_cp_async16(ks + r * ldk + per * c, src, r < nt ? 16 : 0);
+        }
+    } else {
+        for (int e0 = 0; e0 < total; e0 += kMmaThreads * kIt) {
+            V v[kIt];
+#pragma unroll
+            for (int k = 0; k < kIt; ++k) {
+                const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x), r = e / cpr, c = e - r * cpr;
+                v[k] = V{};
+                if (e < total && r < nt) {
+                    bool f16 = true;
+                    v[k] = reinterpret_cast<const V *>(attn_row(g, sp, t0 + r, f16))[c];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < kIt; ++k) {
+                const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x), r = e / cpr, c = e - r * cpr;
+                if (e < total) *reinterpret_cast<V *>(ks + r * ldk + per * c) = v[k];
+            }
+        }
+    }
+}
+
+template <class V>
+__global__ void __launch_bounds__(kMmaThreads, 1)
+    attn_split_mma_kernel(attn_geom g, const float *__restrict__ q, const int64_t *__restrict__ pos,
+                          float *__restrict__ part) {
+    extern __shared__ __align__(16) unsigned char mma_raw[];
+    const int d = g.d, ldk = d + kMmaPad;
+    const mma_smem L = mma_smem_layout(d);
+    __half *qh = reinterpret_cast<__half *>(mma_raw + L.qh), *ql = reinterpret_cast<__half *>(mma_raw + L.ql);
+    __half *ks = reinterpret_cast<__half *>(mma_raw + L.ks);
+    float *sq = reinterpret_cast<float *>(mma_raw + L.sq), *corr_s = reinterpret_cast<float *>(mma_raw + L.corr);
+    __half *ph = reinterpret_cast<__half *>(mma_raw + L.ph), *pl = reinterpret_cast<__half *>(mma_raw + L.pl);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const int lr = lane & 7, li = lane >> 3;  // ldmatrix: row within matrix, matrix index
+    const int mt = warp & 3, quarter = warp >> 2, dq = d / kMmaKParts;  // head tile, d quarter
+    const int hs = tid >> 3, rq = tid & 7;                               // softmax: head, row quad
+    const int h0 = blockIdx.y * kMmaHeads;
+    const attn_span sp = attn_span_at(g, *pos);
+    const int64_t n_tot = sp.n_raw + sp.n_comp;
+    const int64_t rps = attn_rps(n_tot, g.n_split);
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rps;
+    if (r0 >= n_tot) return;  // block-uniform: an idle split (the combine does not read it)
+    const int64_t r1 = r0 + rps < n_tot ? r0 + rps : n_tot;
+    // the first tile's rows (in flight during the q staging on the cp.async path), then q
+    mma_stage_rows<V>(g, sp, r0, static_cast<int>(r1 - r0 < kMmaRows ? r1 - r0 : kMmaRows), ks, ldk);
+    mma_stage_q(q, g.n_head, d, h0, qh, ql, ldk);
+    const int nj = d / 32;  // n8 tiles of the warp's d / 4 output dims
+    float acc[kMaxD / 32][4];
+#pragma unroll
+    for (int j = 0; j < kMaxD / 32; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float m_run = -INFINITY, l_run = 0.0f;  // head hs (softmax role)
+    for (int64_t t0 = r0; t0 < r1; t0 += kMmaRows) {
+        const int nt = static_cast<int>(r1 - t0 < kMmaRows ? r1 - t0 : kMmaRows);
+        if (t0 != r0) {
+            __syncthreads();  // the previous tile's rows, P and corr are consumed
+            mma_stage_rows<V>(g, sp, t0, nt, ks, ldk);
+        }
+        mma_cp_async_wait_all();
+        __syncthreads();  // the tile (and, first time, q) visible to the block
+        {  // partial scores: head tile mt x rows 0..31 over the dims of `quarter`
+            float sc[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+            for (int k0 = quarter * dq; k0 < (quarter + 1) * dq; k0 += 16) {
+                uint32_t ah[4], al[4];
+                const int ao = (16 * mt + lr + 8 * (li & 1)) * ldk + k0 + 8 * (li >> 1);
+                ldsm_x4(ah, qh + ao);
+                ldsm_x4(al, ql + ao);
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {  // n8 tiles 2 np (b[0], b[1]) and 2 np + 1 (b[2], b[3])
+                    uint32_t b[4];
+                    ldsm_x4(b, ks + (16 * np + lr + 8 * (li >> 1)) * ldk + k0 + 8 * (li & 1));
+                    mma_m16n8k16_f16(sc[2 * np], ah, b[0], b[1]);
+                    mma_m16n8k16_f16(sc[2 * np], al, b[0], b[1]);
+                    mma_m16n8k16_f16(sc[2 * np + 1], ah, b[2], b[3]);
+                    mma_m16n8k16_f16(sc[2 * np + 1], al, b[2], b[3]);
+                }
+            }
+            float *s = sq + static_cast<size_t>(quarter) * kMmaHeads * kMmaSld;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // C: rows gq, gq + 8 (heads), cols 8 j + 2 tq, + 1 (rows)
+                *reinterpret_cast<float2 *>(s + (16 * mt + gq) * kMmaSld + 8 * j + 2 * tq) =
+                    make_float2(sc[j][0], sc[j][1]);
+                *reinterpret_cast<float2 *>(s + (16 * mt + gq + 8) * kMmaSld + 8 * j + 2 * tq) =
+                    make_float2(sc[j][2], sc[j][3]);
+            }
+        }
+        __syncthreads();
+        {  // online softmax of head hs over rows 4 rq .. + 3 (rows >= nt: -inf, p = 0)
+            float4 t = *reinterpret_cast<const float4 *>(sq + hs * kMmaSld + 4 * rq);
+#pragma unroll
+            for (int k = 1; k < kMmaKParts; ++k) {
+                const float4 u = *reinterpret_cast<const float4 *>(sq + (k * kMmaHeads + hs) * kMmaSld + 4 * rq);
+                t.x += u.x;
+                t.y += u.y;
+                t.z += u.z;
+                t.w += u.w;
+            }
+            float s[4] = {t.x, t.y, t.z, t.w};
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s[i] = 4 * rq + i < nt ? s[i] * g.scale : -INFINITY;
+                mx = fmaxf(mx, s[i]);
+            }
+            for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+            const float m_new = fmaxf(m_run, mx);  // finite: nt >= 1
+            const float corr = expf(m_run - m_new);  // 0 on the first tile (m_run = -inf)
+            float p[4], ps = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                p[i] = s[i] == -INFINITY ? 0.0f : expf(s[i] - m_new);
+                ps += p[i];
+            }
+            for (int o = 1; o < 8; o <<= 1) ps += __shfl_xor_sync(kFull, ps, o);
+            l_run = l_run * corr + ps;
+            m_run = m_new;
+            if (rq == 0) corr_s[hs] = corr;
+            put_hi_lo(ph + hs * kMmaSld + 4 * rq, pl + hs * kMmaSld + 4 * rq, p[0], p[1]);
+            put_hi_lo(ph + hs * kMmaSld + 4 * rq + 2, pl + hs * kMmaSld + 4 * rq + 2, p[2], p[3]);
+        }
+        __syncthreads();
+        {  // acc [head tile mt, dims of `quarter`] = acc * corr + P V
+            const float c_g = corr_s[16 * mt + gq], c_g8 = corr_s[16 * mt + gq + 8];
+#pragma unroll
+            for (int j = 0; j < kMaxD / 32; ++j) {
+                acc[j][0] *= c_g;
+                acc[j][1] *= c_g;
+                acc[j][2] *= c_g8;
+                acc[j][3] *= c_g8;
+            }
+            const int kk_end = (nt + 15) / 16;  // k16 steps holding valid rows (the rest have p = 0)
+            const int dw0 = quarter * dq;
+            for (int kk = 0; kk < kk_end; ++kk) {
+                uint32_t ah[4], al[4];
+                const int ao = (16 * mt + lr + 8 * (li & 1)) * kMmaSld + 16 * kk + 8 * (li >> 1);
+                ldsm_x4(ah, ph + ao);
+                ldsm_x4(al, pl + ao);
+                const __half *v0 = ks + (16 * kk + lr + 8 * (li & 1)) * ldk + dw0 + 8 * (li >> 1);
+#pragma unroll
+                for (int jp = 0; jp < kMaxD / 64; ++jp)  // n8 tiles 2 jp (b[0], b[1]), 2 jp + 1 (b[2], b[3])
+                    if (2 * jp < nj) {
+                        uint32_t b[4];
+                        ldsm_x4_trans(b, v0 + 16 * jp);
+                        mma_m16n8k16_f16(acc[2 * jp], ah, b[0], b[1]);
+                        mma_m16n8k16_f16(acc[2 * jp], al, b[0], b[1]);
+                        mma_m16n8k16_f16(acc[2 * jp + 1], ah, b[2], b[3]);
+                        mma_m16n8k16_f16(acc[2 * jp + 1], al, b[2], b[3]);
+                    }
+            }
+        }
+    }
+    // partials in the f32 kernel's layout: acc at part[(split * n_head + h) * d], (m, l) after them
+    const size_t ml0 = static_cast<size_t>(g.n_split) * g.n_head * d;
+#pragma unroll
+    for (int hk = 0; hk < 2; ++hk) {
+        const int h = h0 + 16 * mt + gq + 8 * hk;
+        if (h >= g.n_head) continue;
+        float *pp = part + (static_cast<size_t>(blockIdx.x) * g.n_head + h) * d + quarter * dq + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < kMaxD / 32; ++j)
+            if (j < nj) *reinterpret_cast<float2 *>(pp + 8 * j) = make_float2(acc[j][2 * hk], acc[j][2 * hk + 1]);
+    }
+    if (rq == 0 && h0 + hs < g.n_head) {
+        const size_t ph_i = static_cast<size_t>(blockIdx.x) * g.n_head + h0 + hs;
+        part[ml0 + 2 * ph_i] = m_run;
+        part[ml0 + 2 * ph_i + 1] = l_run;
+    }
 }
 
 // ---- argmax --------------------------------------------------------------------------------------------
@@ -735,6 +1056,35 @@ void check_qat(qat_kind k, int dim, int n_rot, const char *what) {
     if (k == qat_kind::hadamard_fp4 && (dim < 32 || (dim & (dim - 1)) != 0))
         throw error(std::string("cuda ds4 ") + what +
                     ": Hadamard/FP4 QAT needs a power-of-two dim >= 32, got " + std::to_string(dim));
+}
+
+// Whether the tensor-core split kernel can run: sm_80+ (mma.m16n8k16, ldmatrix), its shared memory
+// within the device's opt-in limit (both instances' limit raised to it once per device, bit = device
+// id, as ds4_moe.cu does), q 16-byte and part 8-byte aligned (vector loads / stores). The row checks
+// (all f16, pair-aligned) are the caller's.
+bool attn_mma_fits(int d, const float *q, const float *part) {
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(part) % 8 != 0) return false;
+    int dev = 0, major = 0, optin = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    if (major < 8 || mma_smem_layout(d).total > static_cast<size_t>(optin)) return false;
+    static std::atomic<uint64_t> raised{0};
+    const uint64_t bit = uint64_t{1} << (dev & 63);
+    if (!(raised.load() & bit)) {
+        if (cudaFuncSetAttribute(attn_split_mma_kernel<uint4>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) !=
+                cudaSuccess ||
+            cudaFuncSetAttribute(attn_split_mma_kernel<uint32_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 optin) != cudaSuccess) {
+            (void)cudaGetLastError();  // the f32 kernel runs instead
+            return false;
+        }
+        raised.fetch_or(bit);
+    }
+    return true;
 }
 
 }  // namespace
@@ -940,16 +1290,34 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
     };
     g.pair_loads = pair_aligned(a.ring, a.ring_stride, a.ring_f16) &&
                    (a.mode == comp_mode::none || pair_aligned(a.comp, a.comp_stride, a.comp_f16));
-    const dim3 grid(static_cast<unsigned>(g.n_split),
-                    static_cast<unsigned>((a.n_head + kHeadsPerBlock - 1) / kHeadsPerBlock));
-    // rows staged as f16 when every row the call can read is f16 (half the shared-memory traffic)
-    if (a.ring_f16 && (a.mode == comp_mode::none || a.comp_f16))
-        attn_split_kernel<__half><<<grid, kAttnThreads, sizeof(__half) * kTileRows * a.d, s>>>(g, q, pos, part);
-    else
-        attn_split_kernel<float><<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, part);
-    check_launch("attention split");
-    attn_combine_kernel<<<static_cast<unsigned>(a.n_head), kCombineThreads, 0, s>>>(g, part, a.sinks, a.rope.freq,
-                                                                                  a.rope.n_rot, pos, o);
+    const bool all_f16 = a.ring_f16 && (a.mode == comp_mode::none || a.comp_f16);
+    if (a.tensor_cores && all_f16 && g.pair_loads && attn_mma_fits(a.d, q, part)) {  // tensor cores
+        auto al16 = [](const void *base, size_t stride) {
+            return reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride % 16 == 0;
+        };
+        const bool vec16 =
+            al16(a.ring, a.ring_stride) && (a.mode == comp_mode::none || al16(a.comp, a.comp_stride));
+        const size_t smem = mma_smem_layout(a.d).total;
+        const dim3 grid(static_cast<unsigned>(g.n_split),
+                        static_cast<unsigned>((a.n_head + kMmaHeads - 1) / kMmaHeads));
+        if (vec16)
+            attn_split_mma_kernel<uint4><<<grid, kMmaThreads, smem, s>>>(g, q, pos, part);
+        else
+            attn_split_mma_kernel<uint32_t><<<grid, kMmaThreads, smem, s>>>(g, q, pos, part);
+        check_launch("attention split (tensor cores)");
+    } else {
+        const dim3 grid(static_cast<unsigned>(g.n_split),
+                        static_cast<unsigned>((a.n_head + kHeadsPerBlock - 1) / kHeadsPerBlock));
+        // rows staged as f16 when every row the call can read is f16 (half the shared-memory traffic)
+        if (all_f16)
+            attn_split_kernel<__half><<<grid, kAttnThreads, sizeof(__half) * kTileRows * a.d, s>>>(g, q, pos, part);
+        else
+            attn_split_kernel<float><<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, part);
+        check_launch("attention split");
+    }
+    const dim3 cgrid(static_cast<unsigned>(a.n_head),
+                     static_cast<unsigned>((a.d / 2 + kCombineThreads - 1) / kCombineThreads));
+    attn_combine_kernel<<<cgrid, kCombineThreads, 0, s>>>(g, part, a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
     check_launch("attention combine");
 }
 

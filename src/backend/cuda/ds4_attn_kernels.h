@@ -113,6 +113,10 @@ struct sparse_attn_args {
     const int32_t *n_sel = nullptr;  // comp_mode list
     int64_t max_comp = 0;            // the most compressed rows a call can see (grid sizing)
     rope_args rope;                  // inverse RoPE of outputs
+    // Tensor-core split kernel (ds4_attn.cu) when every row is f16 and aligned to a dim pair, q is
+    // 16-byte aligned, part 8-byte aligned and the device is sm_80+; ~1e-6 relative to the f32
+    // kernel. false forces the f32 split kernel (tests, benchmarks). Same `part` size either way.
+    bool tensor_cores = true;
 };
 size_t attn_part_floats(const sparse_attn_args &a);
 void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, const int64_t *pos, float *part, float *o,

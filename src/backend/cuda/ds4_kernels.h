@@ -53,6 +53,18 @@ struct expert_bank {
 // CPU's quantised matmuls). Other types (f32, f16, mxfp4) keep f32 activations. Deterministic.
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
+// Which kernels run the q8 expert GEMVs (launch_moe_gate_up / _down / _ffn with iq2_xxs, q2_k, q8_0
+// weights): 1 (default) weight rows staged through shared memory with cp.async (gate/up: slabs 2 or 3
+// stages deep; down: the block's routed rows at once), each falling back to the direct kernel unless
+// weight bases and strides are 16-byte multiples and the stages fit in shared memory; 2 / 3 the same
+// with the gate/up depth forced (tests); 0 the direct kernels (loads from global memory). Results are
+// bit-identical in every mode. Process-wide (default 1). A captured graph
+// keeps the kernels chosen at capture.
+void set_moe_staged(int mode);
+int moe_staged();
+// Staged gate/up and down kernel launches enqueued so far (process-wide; tests check the staged path
+// ran rather than fell back).
+uint64_t moe_staged_launches();
 // Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
 // summed in a fixed order (deterministic; not the CPU's slot order: f32 rounding differs), r < D.
 // ids == null: expert 0 for every slot. h rows are q8-quantised as above for iq2_xxs/q2_k/q8_0.

@@ -22,6 +22,9 @@
 //      down (moe_down_q8_kernel): a warp computes 2 rows together in 64-column steps (ds4q::step_q8;
 //      q2_k runs of 16 scaled once), each step's activation words read once for both rows; a lane
 //      issues the loads of 3 routed experts x 2 rows before any arithmetic.
+//   staged q8 (default, set_moe_staged): moe_gate_up_staged_kernel / moe_down_staged_kernel copy the
+//      weight rows into shared memory with cp.async first (many KB in flight per SM), then run the
+//      kernels above's per-row arithmetic on them: bit-identical results (see their comments).
 //   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
 //      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel), down
 //      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round.
@@ -35,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -560,6 +564,236 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_q8_kernel(gate_up_
     if (!waited) pdl_wait();  // this kernel completes only after the route kernel
 }
 
+// ---- gate/up, q8, weights staged through shared memory (cp.async) ------------------------------------
+// Why: moe_gate_up_q8_kernel reads its weight rows straight from global memory, a lane holding N units
+// per round: a few KB in flight per SM, ~24 % of HBM bandwidth at the DS4 shape (40 us per
+// layer-token for 44 MB). Here a block walks "slabs": up to kGuRoutedRows consecutive rows of one
+// routed expert's gate AND the same rows of its up (or a few rows of the shared expert's gate and
+// up), whose bytes are contiguous in global memory (rows of one expert are). All 256 threads copy a
+// slab into a shared-memory stage with 16-byte cp.async.cg, c.stages (2 or 3) stages deep, so while
+// one slab is computed the next one or two (~34 KB each, ~70-140 KB per SM) are in flight. The warps
+// then run EXACTLY the per-row arithmetic of the direct kernel on row pointers into the stage (the unit
+// decoders use generic loads, which reach shared memory): every h value is bit-identical to
+// moe_gate_up_q8_kernel's (same units per lane in the same order, same warp_sum, swiglu and weight).
+//   routed slab: rows r0 .. r0 + n (n <= c.rows_r) of expert ids[slot]; warp w: rows 2w, 2w + 1
+//     (gate_up_rows_q8<TR, 2>, as a direct-kernel task).
+//   shared slab: rows r0 .. r0 + n (n <= c.rows_s <= kWarps / 2) of the shared expert; warp w: matrix
+//     w & 1 (gate, up) of row w >> 1 (row_dot_q8: the direct kernel's per-row loop for one matrix),
+//     the two warp sums meet in shared memory for the swiglu.
+// Stage layout (c.stage_bytes, 16-byte multiple): gate rows at 0, up rows at c.half, 16 spare bytes at
+// the end (the unit loads may read up to 4 bytes past a row; those bytes never reach a result).
+// Slab order: the shared expert's slabs first (they need no expert ids: copied and computed before
+// pdl_wait while routing is in flight), then slot-major routed slabs. Block b takes slabs b + k * grid.
+// Sizes at the DS4 shape: routed slab 16 rows x 1056 B (iq2_xxs, D = 4096) per matrix, shared slab 4
+// rows x 4352 B (q8_0): ~34 KB per stage; 3 stages + x = 107 KB per block, 2 blocks per SM (228 KB).
+constexpr int kGuRoutedRows = 2 * kWarps;   // routed rows per slab at most (2 per warp)
+constexpr int kGuSharedRows = kWarps / 2;   // shared rows per slab at most (gate + up over 2 warps)
+constexpr size_t kGuHalfBytes = 17920;      // target bytes of one matrix's rows in a stage (17.5 KB)
+
+struct gu_stage_cfg {
+    int rows_r, rows_s;      // rows per routed / shared slab
+    int sh_slabs, per_slot;  // shared slabs (0: no shared expert), routed slabs per slot
+    int total, stages;       // slabs; pipeline depth (2 or 3)
+    int half, stage_bytes;   // up rows' offset in a stage; bytes per stage
+    int xs_bytes;            // staged q8 x (16-byte multiple), before the stages
+};
+struct gu_staged_args {
+    gate_up_args a;
+    gu_stage_cfg c;
+};
+
+// 16 bytes global -> shared, asynchronous (sm_80+; a plain copy before), and its group handling.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+#else
+    *static_cast<uint4 *>(dst) = *static_cast<const uint4 *>(src);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// The dot of one weight row (in place or staged) with the staged q8 x: gate_up_rows_q8's loop for
+// one matrix (lane owns units lane + 32 k, ascending; the same loads and dot_q8x), so the lane
+// partials equal that function's ag / au for the same row bit for bit.
+template <dtype T>
+__device__ __forceinline__ float row_dot_q8(const uint8_t *row, int units, int lane, const ds4q::q8_blk *xs,
+                                            const uint64_t *grid) {
+    constexpr int N = q8_units_in_flight<T, 1>();
+    float acc = 0.0f;
+    for (int u0 = lane; u0 < units; u0 += 32 * N) {
+        ds4q::unit_dot<T> w[N];
+#pragma unroll
+        for (int c = 0; c < N; ++c)
+            if (u0 + 32 * c < units) w[c].load(row, u0 + 32 * c);
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int u = u0 + 32 * c;
+            if (u < units) {
+                ds4q::x_q8<T> x;
+                x.load(xs, u);
+                acc += ds4q::dot_q8x<T>(w[c], x, grid);
+            }
+        }
+    }
+    return acc;
+}
+
+// Slab i: shared (slot == n_slot, e = 0) or routed; n rows from r0 (0 for a routed id out of range).
+// Routed slabs read ids: only after pdl_wait.
+struct gu_slab {
+    int slot, r0, n, e;
+};
+__device__ __forceinline__ gu_slab gu_slab_at(const gate_up_args &a, const gu_stage_cfg &c, int i) {
+    const int F = static_cast<int>(a.g.rows);
+    gu_slab k;
+    if (i < c.sh_slabs) {
+        k.slot = a.n_slot;
+        k.r0 = i * c.rows_s;
+        k.n = min(c.rows_s, F - k.r0);
+        k.e = 0;
+        return k;
+    }
+    const int j = i - c.sh_slabs;
+    k.slot = j / c.per_slot;
+    k.r0 = (j - k.slot * c.per_slot) * c.rows_r;
+    k.e = a.ids ? a.ids[k.slot] : 0;
+    k.n = (k.e < 0 || k.e >= a.g.n_expert) ? 0 : min(c.rows_r, F - k.r0);
+    return k;
+}
+
+// All threads: cp.async of slab k's gate rows to stage[0, n * rb) and up rows to stage[half, ..).
+// Sources and row_bytes are 16-byte multiples (checked at launch).
+__device__ __forceinline__ void gu_issue(const gate_up_args &a, const gu_stage_cfg &c, const gu_slab &k,
+                                         uint8_t *stage) {
+    if (k.n <= 0) return;
+    const bool routed = k.slot < a.n_slot;
+    const bank_dev &g = routed ? a.g : a.gs, &u = routed ? a.up : a.us;
+    const uint8_t *sg = row_ptr(g, k.e, k.r0), *su = row_ptr(u, k.e, k.r0);
+    const int chunks = k.n * static_cast<int>(g.row_bytes / 16);  // per matrix
+    for (int q = static_cast<int>(threadIdx.x); q < 2 * chunks; q += static_cast<int>(blockDim.x)) {
+        const bool up = q >= chunks;
+        const int off = 16 * (up ? q - chunks : q);
+        cp_async16(stage + (up ? c.half : 0) + off, (up ? su : sg) + off);
+    }
+}
+
+// One staged slab computed by the block (block-uniform control flow: it may __syncthreads).
+template <dtype TR, dtype TS>
+__device__ __forceinline__ void gu_compute(const gate_up_args &a, const gu_stage_cfg &c, const gu_slab &k,
+                                           const uint8_t *stage, const ds4q::q8_blk *xs, const uint64_t *grid,
+                                           float *red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int F = static_cast<int>(a.g.rows), units = static_cast<int>(a.g.units);
+    if (k.slot < a.n_slot) {
+        if (k.n == 0) {  // expert id out of range: flag once per slot, leave its h rows
+            if (k.r0 == 0 && threadIdx.x == 0) atomicOr(a.err, err_expert_id);
+            return;
+        }
+        const int nw = min(kRoutedRows, k.n - kRoutedRows * warp);  // this warp's rows (warp-uniform)
+        if (nw <= 0) return;
+        const size_t rb = a.g.row_bytes;
+        const uint8_t *rg[kRoutedRows], *ru[kRoutedRows];
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) {
+            const uint8_t *p = stage + static_cast<size_t>(kRoutedRows * warp + i) * rb;
+            rg[i] = i < nw ? p : nullptr;
+            ru[i] = i < nw ? p + c.half : nullptr;
+        }
+        float ag[kRoutedRows], au[kRoutedRows];
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) ag[i] = au[i] = 0.0f;
+        gate_up_rows_q8<TR, kRoutedRows>(rg, ru, units, lane, xs, grid, ag, au);
+        const float wmul = a.wts ? a.wts[k.slot] : 1.0f;
+        float *hrow = a.h + static_cast<int64_t>(a.s0 + k.slot) * F + k.r0 + kRoutedRows * warp;
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) {
+            if (i >= nw) break;  // warp-uniform
+            const float g = warp_sum(ag[i]), v = warp_sum(au[i]);
+            if (lane == i) {
+                float hv = swiglu_clamped(g, v, a.clamp);
+                if (a.wts) hv *= wmul;
+                hrow[i] = hv;
+            }
+        }
+        return;
+    }
+    const int j = warp >> 1, m = warp & 1;  // row j, matrix m (0 gate, 1 up)
+    if (j < k.n) {
+        const float s = warp_sum(row_dot_q8<TS>(stage + m * c.half + static_cast<size_t>(j) * a.gs.row_bytes, units,
+                                                lane, xs, grid));
+        if (lane == 0) red[warp] = s;
+    }
+    __syncthreads();  // red complete (the next writes to red follow the next slab's barrier)
+    if (static_cast<int>(threadIdx.x) < k.n)
+        a.h[static_cast<int64_t>(a.s0 + a.n_slot) * F + k.r0 + threadIdx.x] =
+            swiglu_clamped(red[2 * threadIdx.x], red[2 * threadIdx.x + 1], a.clamp_sh);
+}
+
+// Pipeline: the prologue issues the block's first stages - 1 slabs, x is quantised meanwhile; each
+// iteration then waits for its slab (cp.async.wait_group + one barrier, which also frees the stage
+// computed in the previous iteration), issues the slab stages - 1 ahead into that freed stage,
+// computes. One commit group per slab position (empty ones too), so wait_group counts stay aligned.
+// PDL as the direct kernel: shared slabs before pdl_wait; pdl_wait (+ launch_dependents) right
+// before the first routed slab is issued - after computing the current slab, so shared compute
+// overlaps routing; at the end for blocks that had no routed slab.
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_staged_kernel(gu_staged_args p) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    __shared__ float red[kWarps];
+    const gate_up_args &a = p.a;
+    const gu_stage_cfg &c = p.c;
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
+    uint8_t *stages = reinterpret_cast<uint8_t *>(dyn_smem) + c.xs_bytes;
+    const int G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+    bool waited = false;
+    // slab index -> issue into stage `st` (after pdl_wait when routed)
+    auto issue = [&](int i, int st) {
+        if (i >= c.total) return;
+        if (i >= c.sh_slabs && !waited) {
+            pdl_wait();
+            pdl_launch_dependents();  // the down kernel may start prefetching its rows
+            waited = true;
+        }
+        gu_issue(a, c, gu_slab_at(a, c, i), stages + static_cast<size_t>(st) * c.stage_bytes);
+    };
+    for (int q = 0; q < c.stages - 1; ++q) {
+        issue(b + q * G, q);
+        cp_async_commit();
+    }
+    stage_q8(a.x, [](int) { return int64_t{0}; }, 1, static_cast<int>(a.g.units), xs);
+    for (int it = 0;; ++it) {
+        const int i = b + it * G;
+        if (i >= c.total) break;
+        if (c.stages == 3) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // slab i (all threads' copies), x and the grid visible; stage (it - 1) free
+        const int nxt = i + (c.stages - 1) * G, st = (it + c.stages - 1) % c.stages;
+        const bool defer = nxt < c.total && nxt >= c.sh_slabs && !waited;
+        if (!defer) issue(nxt, st);
+        gu_compute<TR, TS>(a, c, gu_slab_at(a, c, i), stages + static_cast<size_t>(it % c.stages) * c.stage_bytes, xs,
+                           grid, red);
+        if (defer) issue(nxt, st);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    if (!waited) pdl_wait();  // this kernel completes only after the route kernel
+}
+
 // ---- down --------------------------------------------------------------------------------------------
 
 struct down_args {
@@ -734,6 +968,98 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a
                 xb[j] = xs + s * units;
 #pragma unroll
                 for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? row_ptr(a.d, e, rb + i) : nullptr;
+            }
+            down_step_rows<TR, G>(rows, ok, xb, n, U, units, grid, acc);
+        }
+        if (shared) {
+            const uint8_t *rows[1][kDownRows];
+#pragma unroll
+            for (int i = 0; i < kDownRows; ++i) rows[0][i] = row_ptr(a.ds, 0, rb + i);
+            const bool ok[1] = {true};
+            const ds4q::q8_blk *xb[1] = {xs + n_slot * units};
+            down_step_rows<TS, 1>(rows, ok, xb, n, U, units, grid, acc);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kDownRows; ++i) {
+        if (i >= n) break;  // warp-uniform
+        const float total = warp_sum(acc[i]);
+        if (lane == 0) a.y[rb + i] = (a.accumulate ? a.y[rb + i] : 0.0f) + total;
+    }
+}
+
+// ---- down, q8, routed rows staged through shared memory (cp.async) -----------------------------------
+// moe_down_q8_kernel prefetches its block's rows into L2 (hints: before pdl_wait the ids may be
+// stale), then each lane loads a few words per round. Here, after pdl_wait (ids final), all threads
+// copy the block's kWarps * kDownRows consecutive rows of every routed slot (contiguous per expert)
+// into shared memory with 16-byte cp.async.cg, all in flight at once (~64 KB per block at the DS4
+// shape) while h is quantised, then compute exactly as moe_down_q8_kernel with the routed row pointers
+// into shared memory: y is bit-identical (same steps per lane, slot order, warp_sum). The shared
+// expert's rows (q8_0: 34 KB per block) stay in global memory (prefetched into L2): staging them too
+// would leave room for one block per SM. Layout after the staged h rows (xs_bytes, 16-byte multiple):
+// slot s's rows at s * kWarps * kDownRows * row_bytes, then 16 spare bytes (loads read up to 4 bytes
+// past a row). Slots with an id out of range are neither copied nor computed (as the direct kernel).
+struct down_staged_args {
+    down_args a;
+    int xs_bytes;
+};
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_staged_kernel(down_staged_args p) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    constexpr int kBlockRows = kWarps * kDownRows;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const down_args &a = p.a;
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int F = static_cast<int>(a.d.cols), units = static_cast<int>(a.d.units), steps = (units + 1) >> 1;
+    const bool shared = a.ds.data != nullptr;
+    const int n_slot = a.n_slot, n_rows = n_slot + (shared ? 1 : 0);
+    down_prefetch(a, n_rows, warp, lane);
+    // PDL: h, y and the ids used below come after the preceding kernel has completed.
+    pdl_wait();
+    const int r0 = static_cast<int>(blockIdx.x) * kBlockRows;
+    const int rbytes = static_cast<int>(a.d.row_bytes);
+    uint8_t *wst = reinterpret_cast<uint8_t *>(dyn_smem) + p.xs_bytes;
+    {
+        const int chunks = min(kBlockRows, static_cast<int>(a.d.rows) - r0) * (rbytes / 16);  // per slot
+        for (int s = 0; s < n_slot; ++s) {
+            const int e = a.ids ? a.ids[s] : 0;
+            if (e < 0 || e >= a.d.n_expert) continue;  // block-uniform
+            const uint8_t *src = row_ptr(a.d, e, r0);
+            uint8_t *dst = wst + static_cast<size_t>(s) * kBlockRows * rbytes;
+            for (int q = static_cast<int>(threadIdx.x); q < chunks; q += static_cast<int>(blockDim.x))
+                cp_async16(dst + 16 * q, src + 16 * q);
+        }
+        cp_async_commit();
+    }
+    const int s0 = a.s0, s_sh = a.s_sh;
+    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
+    stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units, xs);
+    down_check_ids(a);
+    cp_async_wait<0>();
+    __syncthreads();  // staged rows (every thread's copies) and h visible
+    const int wr = kDownRows * warp, rb = r0 + wr;
+    const int n = min(kDownRows, static_cast<int>(a.d.rows) - rb);  // rows of this warp (warp-uniform)
+    if (n <= 0) return;
+    float acc[kDownRows];
+#pragma unroll
+    for (int i = 0; i < kDownRows; ++i) acc[i] = 0.0f;
+    for (int U = lane; U < steps; U += 32) {
+        constexpr int G = down_group<TR>();
+        for (int g0 = 0; g0 < n_slot; g0 += G) {
+            const uint8_t *rows[G][kDownRows];
+            const ds4q::q8_blk *xb[G];
+            bool ok[G];  // slot present and its id in range (warp-uniform)
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                const int s = g0 + j;
+                const int e = s < n_slot ? (a.ids ? a.ids[s] : 0) : -1;
+                ok[j] = e >= 0 && e < a.d.n_expert;
+                xb[j] = xs + s * units;
+                const uint8_t *base = wst + static_cast<size_t>(s * kBlockRows + wr) * rbytes;
+#pragma unroll
+                for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? base + i * rbytes : nullptr;
             }
             down_step_rows<TR, G>(rows, ok, xb, n, U, units, grid, acc);
         }
@@ -959,6 +1285,93 @@ bool dispatch_pair(dtype tr, dtype ts, Fn &&f) {
     return ok;
 }
 
+// Process-wide mode of the q8 gate/up (set_moe_staged): 0 direct kernel, 1 staged (depth chosen
+// here, the default), 2 / 3 staged with that depth (tests and benchmarks switch it).
+// Staged launches made (moe_staged_launches: tests check the staged path really ran).
+std::atomic<uint64_t> g_staged_launches{0};
+
+std::atomic<int> &staged_flag() {
+    static std::atomic<int> f{1};
+    return f;
+}
+
+// The staged q8 gate/up launch (moe_gate_up_staged_kernel) when it applies: weight bases, row and
+// expert strides 16-byte multiples (cp.async 16) and at least one block of >= 2 stages resident.
+// Depth: 3 stages when 2 blocks per SM still fit, else 2. Grid sized as run_gate_up's (equal rounds
+// of slabs per block). false: the caller launches the direct kernel.
+template <dtype TR, dtype TS>
+bool try_gate_up_staged(const gate_up_args &a, bool pdl, cudaStream_t s) {
+    const bool sh = a.gs.data != nullptr;
+    auto al16 = [](const bank_dev &b, bool stack) {
+        return reinterpret_cast<uintptr_t>(b.data) % 16 == 0 && b.row_bytes % 16 == 0 &&
+               (!stack || b.expert_bytes % 16 == 0);
+    };
+    if (!al16(a.g, true) || !al16(a.up, true) || (sh && (!al16(a.gs, false) || !al16(a.us, false)))) return false;
+    const int64_t F = a.g.rows;
+    const size_t rb_r = a.g.row_bytes, rb_s = sh ? a.gs.row_bytes : 16;
+    gu_stage_cfg c{};
+    c.rows_r = static_cast<int>(std::clamp<size_t>(kGuHalfBytes / rb_r & ~size_t{1}, 2, kGuRoutedRows));
+    c.rows_s = static_cast<int>(std::clamp<size_t>(kGuHalfBytes / rb_s, 1, kGuSharedRows));
+    const int64_t per_slot = (F + c.rows_r - 1) / c.rows_r, sh_slabs = sh ? (F + c.rows_s - 1) / c.rows_s : 0;
+    const int64_t total = sh_slabs + per_slot * a.n_slot;
+    const size_t half = std::max(c.rows_r * rb_r, sh ? c.rows_s * rb_s : 0);
+    const size_t stage_bytes = 2 * half + 16, xs_bytes = (staged_row_bytes(a.g.units, true) + 15) / 16 * 16;
+    if (total >= (int64_t{1} << 31) || stage_bytes >= (size_t{1} << 30)) return false;
+    c.per_slot = static_cast<int>(per_slot);
+    c.sh_slabs = static_cast<int>(sh_slabs);
+    c.total = static_cast<int>(total);
+    c.half = static_cast<int>(half);
+    c.stage_bytes = static_cast<int>(stage_bytes);
+    c.xs_bytes = static_cast<int>(xs_bytes);
+    void (*kernel)(gu_staged_args) = moe_gate_up_staged_kernel<TR, TS>;
+    device_info di = current_device();
+    // The opt-in limit covers static + dynamic shared memory: the kernel's static grid table (2 KB)
+    // comes off what its dynamic part may take (asking for the whole limit fails).
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes >= di.smem_optin) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    di.smem_optin -= fa.sharedSizeBytes;
+    // opt in to the device's dynamic shared-memory limit, once per device (bit = device id)
+    static std::atomic<uint64_t> raised{0};
+    const uint64_t bit = uint64_t{1} << (di.id & 63);
+    if (!(raised.load() & bit)) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(di.smem_optin)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        raised.fetch_or(bit);
+    }
+    int best_stages = 0, best_per_sm = 0;
+    const int forced = staged_flag().load();  // 2 / 3: that depth only
+    for (int st : {3, 2}) {
+        if (forced >= 2 && st != forced) continue;
+        const size_t smem = xs_bytes + static_cast<size_t>(st) * stage_bytes;
+        int per_sm = 0;
+        if (smem > di.smem_optin ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, smem) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        if (per_sm > best_per_sm) {  // 3 stages unless 2 stages fit more blocks
+            best_per_sm = per_sm;
+            best_stages = st;
+        }
+    }
+    if (best_per_sm < 1) return false;
+    c.stages = best_stages;
+    const size_t smem = xs_bytes + static_cast<size_t>(c.stages) * stage_bytes;
+    const int64_t resident = static_cast<int64_t>(best_per_sm) * di.sms;
+    const int64_t rounds = (total + resident - 1) / resident;
+    const unsigned grid = static_cast<unsigned>((total + rounds - 1) / rounds);
+    launch_kernel(kernel, grid, smem, pdl, s, gu_staged_args{a, c}, "moe gate/up (staged)");
+    g_staged_launches.fetch_add(1);
+    return true;
+}
+
+
 // Grid of the gate/up kernels: at most the resident blocks, and sized so every warp gets the same
 // number of grid-stride tasks (rounds = ceil(tasks / resident warps); the last round is not left
 // half empty).
@@ -966,6 +1379,8 @@ bool dispatch_pair(dtype tr, dtype ts, Fn &&f) {
 template <dtype TR, dtype TS>
 void run_gate_up(const gate_up_args &a, size_t smem, bool pdl, cudaStream_t s) {
     constexpr bool q8 = use_q8<TR, TS>();
+    if constexpr (q8)
+        if (staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
     void (*kernel)(gate_up_args);
     int64_t tasks;
     if constexpr (q8) {
@@ -1018,8 +1433,44 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
     }
 }
 
+// The staged q8 down launch (moe_down_staged_kernel) when it applies: routed weight base and strides
+// 16-byte multiples and the block's routed rows fitting next to the staged h rows (smem_h bytes).
+// false: the caller launches the direct kernel.
+template <dtype TR, dtype TS>
+bool try_down_staged(const down_args &a, size_t smem_h, const device_info &di, bool pdl, cudaStream_t s) {
+    if (reinterpret_cast<uintptr_t>(a.d.data) % 16 != 0 || a.d.row_bytes % 16 != 0 || a.d.expert_bytes % 16 != 0 ||
+        a.d.rows >= (int64_t{1} << 30) || a.d.cols >= (int64_t{1} << 30))
+        return false;
+    const size_t xs_bytes = (smem_h + 15) / 16 * 16;
+    const size_t smem = xs_bytes + static_cast<size_t>(a.n_slot) * kWarps * kDownRows * a.d.row_bytes + 16;
+    void (*kernel)(down_staged_args) = moe_down_staged_kernel<TR, TS>;
+    cudaFuncAttributes fa{};  // the opt-in limit covers static + dynamic shared memory
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes >= di.smem_optin) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    if (smem > di.smem_optin - fa.sharedSizeBytes) return false;
+    static std::atomic<uint64_t> raised{0};  // opted in to the device's limit (bit = device id)
+    const uint64_t bit = uint64_t{1} << (di.id & 63);
+    if (smem > 48 * 1024 && !(raised.load() & bit)) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(di.smem_optin - fa.sharedSizeBytes)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;
+        }
+        raised.fetch_or(bit);
+    }
+    const int64_t per_block = kWarps * kDownRows;
+    const unsigned grid = static_cast<unsigned>((a.d.rows + per_block - 1) / per_block);
+    launch_kernel(kernel, grid, smem, pdl, s, down_staged_args{a, static_cast<int>(xs_bytes)}, "moe down (staged)");
+    g_staged_launches.fetch_add(1);
+    return true;
+}
+
 template <dtype TR, dtype TS>
 void run_down(const down_args &a, size_t smem, const device_info &di, bool pdl, cudaStream_t s) {
+    if constexpr (use_q8<TR, TS>())
+        if (staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, di, pdl, s)) return;
     void (*kernel)(down_args);
     if constexpr (use_q8<TR, TS>()) kernel = moe_down_q8_kernel<TR, TS>;
     else kernel = moe_down_f32_kernel<TR, TS>;
@@ -1108,6 +1559,17 @@ void route_launch(const float *logits, int E, const float *bias, const int32_t *
 
 bool expert_type_supported(dtype t) {
     return ds4q::dispatch_expert_type(t, nothing_fn{});
+}
+
+void set_moe_staged(int mode) {
+    if (mode < 0 || mode > 3) throw error("cuda ds4 moe: staged mode must be 0..3, not " + std::to_string(mode));
+    staged_flag().store(mode);
+}
+int moe_staged() {
+    return staged_flag().load();
+}
+uint64_t moe_staged_launches() {
+    return g_staged_launches.load();
 }
 
 int expert_alignment(dtype t) {

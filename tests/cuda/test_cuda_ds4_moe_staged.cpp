@@ -1,0 +1,552 @@
+// The staged q8 gate/up kernel (ds4_moe.cu moe_gate_up_staged_kernel: weight slabs copied into shared
+// memory by cp.async, set_moe_staged modes 1 / 2 / 3) against the direct kernel (mode 0), BIT FOR
+// BIT: both run the same per-row arithmetic, so every h value (and the down kernel's y fed by it)
+// must have identical bits. Outputs are NaN-poisoned first (an unwritten element keeps its poison,
+// a row written by one kernel only differs in bits). Shapes: the DS4-Flash layer (D 4096, F 2048,
+// 256 experts, 6 used + the q8_0 shared expert) and odd ones that hit the slab edges: F not a
+// multiple of the slab rows (routed slabs of 16, 8 or 2 rows; a shared slab of 3 rows with a partial
+// last slab), repeated ids, ids out of range (error flag, rows left), no ids / no weights, an h row
+// offset. A captured launch_moe_ffn graph is replayed with ids changing between replays.
+//   CudaDs4MoeStaged.*       correctness (needs a device)
+//   CudaDs4MoeStaged.Bench*  direct vs staged time per layer-token with a cold-ish L2 (8 layers'
+//                            distinct banks rotated); only with FATHOM_DS4_BENCH=1
+// Weights: random bytes with every block's f16 scales overwritten by finite values of about
+// 1 / sqrt(D) per weight (any bit pattern is a valid code otherwise), so outputs are finite.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/cpu/quants.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_kernels.h"
+#include "core/error.h"
+#include "cuda_test_util.h"
+
+namespace fathom {
+namespace {
+
+namespace cd = cuda::ds4;
+
+using cuda_test::randn;
+using cuda_test::time_graph;
+
+// rows x cols weights of type t (iq2_xxs, q2_k or q8_0) as random bytes with sane block scales.
+std::vector<uint8_t> rand_rows(dtype t, int64_t cols, int64_t rows, uint64_t seed) {
+    const size_t bytes = dtype_row_bytes(t, cols) * static_cast<size_t>(rows);
+    std::vector<uint8_t> q((bytes + 7) / 8 * 8);
+    uint64_t z = seed;
+    for (size_t i = 0; i < q.size(); i += 8) {  // splitmix64
+        z += 0x9E3779B97F4A7C15ull;
+        uint64_t v = z;
+        v = (v ^ (v >> 30)) * 0xBF58476D1CE4E5B9ull;
+        v = (v ^ (v >> 27)) * 0x94D049BB133111EBull;
+        v ^= v >> 31;
+        std::memcpy(&q[i], &v, 8);
+    }
+    q.resize(bytes);
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(cols));
+    auto put16 = [&](size_t off, float f) {
+        const uint16_t h = cpu::f32_to_f16(f);
+        std::memcpy(&q[off], &h, 2);
+    };
+    if (t == dtype::iq2_xxs) {
+        for (size_t off = 0; off < bytes; off += 66) put16(off, ud(rng) * inv / 12.0f);
+    } else if (t == dtype::q2_k) {
+        for (size_t off = 0; off < bytes; off += 84) {
+            put16(off + 80, ud(rng) * inv / 15.0f);
+            put16(off + 82, ud(rng) * inv / 30.0f);
+        }
+    } else if (t == dtype::q8_0) {
+        for (size_t off = 0; off < bytes; off += 34) put16(off, ud(rng) * inv / 74.0f);
+    } else {
+        throw error("test: rand_rows handles iq2_xxs, q2_k and q8_0");
+    }
+    return q;
+}
+
+// Index of the first element whose bits differ, or -1.
+int64_t first_diff(const std::vector<float> &a, const std::vector<float> &b) {
+    if (a.size() != b.size()) return 0;
+    for (size_t i = 0; i < a.size(); ++i)
+        if (std::memcmp(&a[i], &b[i], 4) != 0) return static_cast<int64_t>(i);
+    return -1;
+}
+
+class CudaDs4MoeStaged : public cuda_test::cuda_fixture {
+  protected:
+    void SetUp() override {
+        cuda_fixture::SetUp();
+        if (IsSkipped() || HasFatalFailure()) return;
+        err_ = dev<uint32_t>(1);
+        mode0_ = cd::moe_staged();
+    }
+    void TearDown() override {
+        if (!IsSkipped()) cd::set_moe_staged(mode0_);
+        cuda_fixture::TearDown();
+    }
+    uint32_t take_err() {
+        const uint32_t e = down(err_, 1)[0];
+        cudaMemset(err_, 0, 4);
+        return e;
+    }
+    cd::expert_bank bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
+        cd::expert_bank e;
+        e.type = t;
+        e.data = up(b);
+        e.row_bytes = dtype_row_bytes(t, cols);
+        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
+        e.n_expert = n;
+        e.rows = rows;
+        e.cols = cols;
+        return e;
+    }
+
+    uint32_t *err_ = nullptr;
+    int mode0_ = 1;
+    std::mt19937 rng_{20261201};
+};
+
+// ---- routed gate/up (launch_moe_gate_up) -----------------------------------------------------------
+
+struct gu_case {
+    dtype t;
+    int64_t D, F;
+    int E, n_slot, s0;
+    bool with_ids, with_wts;
+    std::vector<int32_t> ids;  // empty: random in [0, E)
+};
+
+// h of case c in `mode` (h has s0 + n_slot + 1 rows of F: rows before s0 and the last must keep
+// their poison), with the error word.
+std::vector<float> run_gate_up(CudaDs4MoeStaged &f, int mode, const cd::expert_bank &g, const cd::expert_bank &u,
+                               const int32_t *ids, const float *wts, const gu_case &c, const float *x, uint32_t *err,
+                               uint32_t &err_out) {
+    cd::set_moe_staged(mode);
+    const size_t n = static_cast<size_t>((c.s0 + c.n_slot + 1) * c.F);
+    float *h = f.poisoned(n);
+    cd::launch_moe_gate_up(g, u, ids, wts, c.n_slot, c.s0, x, 1.0f, h, err, f.s_);
+    auto out = f.down(h, n);
+    err_out = f.down(err, 1)[0];
+    cudaMemset(err, 0, 4);
+    return out;
+}
+
+TEST_F(CudaDs4MoeStaged, GateUpRoutedBitExact) {
+    const std::vector<gu_case> cases = {
+        // the DS4-Flash routed gate/up: 16-row slabs, F = 128 slabs per slot
+        {dtype::iq2_xxs, 4096, 2048, 256, 6, 0, true, true, {}},
+        // F = 333: the last 16-row slab has 13 rows (warp 6 one row, warp 7 none); ids repeated
+        {dtype::iq2_xxs, 2048, 333, 5, 9, 1, true, true, {3, 3, 0, 4, 3, 1, 1, 2, 0}},
+        // q2_k 16-row slabs, F = 37 (last slab 5 rows), no routing weights
+        {dtype::q2_k, 1024, 37, 3, 4, 0, true, false, {}},
+        // q8_0 at D = 4352: 4624-byte rows, 2-row slabs (warp 0 only), 136 units per row; no ids
+        {dtype::q8_0, 4352, 45, 2, 3, 2, false, true, {}},
+        // q8_0 at D = 2048: 8-row slabs, F = 1001, many slots (several slabs per block)
+        {dtype::q8_0, 2048, 1001, 7, 40, 0, true, true, {}},
+    };
+    for (const auto &c : cases) {
+        SCOPED_TRACE(std::string(dtype_name(c.t)) + " D " + std::to_string(c.D) + " F " + std::to_string(c.F));
+        const auto g = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+        const auto u = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+        std::vector<int32_t> ids = c.ids;
+        if (ids.empty()) {
+            std::vector<int32_t> p(static_cast<size_t>(c.E));
+            std::iota(p.begin(), p.end(), 0);
+            std::shuffle(p.begin(), p.end(), rng_);
+            for (int s = 0; s < c.n_slot; ++s) ids.push_back(p[static_cast<size_t>(s % c.E)]);
+        }
+        const int32_t *ids_d = c.with_ids ? up(ids) : nullptr;
+        const float *wts_d = c.with_wts ? up(randn(static_cast<size_t>(c.n_slot), rng_, 0.5f)) : nullptr;
+        const float *x = up(randn(static_cast<size_t>(c.D), rng_));
+        uint32_t e0 = 0;
+        const auto ref = run_gate_up(*this, 0, g, u, ids_d, wts_d, c, x, err_, e0);
+        EXPECT_EQ(e0, 0u);
+        const size_t F = static_cast<size_t>(c.F), lo = static_cast<size_t>(c.s0) * F,
+                     hi = lo + static_cast<size_t>(c.n_slot) * F;
+        for (size_t i = 0; i < ref.size(); ++i)
+            ASSERT_EQ(std::isnan(ref[i]), i < lo || i >= hi) << "direct kernel, element " << i;
+        for (int mode : {1, 2, 3}) {
+            SCOPED_TRACE("mode " + std::to_string(mode));
+            uint32_t e = 0;
+            const uint64_t n0 = cd::moe_staged_launches();
+            const auto got = run_gate_up(*this, mode, g, u, ids_d, wts_d, c, x, err_, e);
+            EXPECT_EQ(cd::moe_staged_launches() - n0, 1u) << "the staged kernel did not run";
+            EXPECT_EQ(e, 0u);
+            const int64_t d = first_diff(got, ref);
+            EXPECT_EQ(d, -1) << "first differing element " << d << ": " << (d >= 0 ? got[d] : 0.0f) << " vs "
+                             << (d >= 0 ? ref[d] : 0.0f);
+        }
+    }
+}
+
+// Ids out of range (E and -1) set err_expert_id and leave those slots' rows poisoned, exactly as
+// the direct kernel; the other slots are computed.
+TEST_F(CudaDs4MoeStaged, GateUpBadIdsFlagged) {
+    const gu_case c{dtype::iq2_xxs, 2048, 100, 4, 5, 0, true, true, {}};
+    const auto g = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+    const auto u = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+    const std::vector<int32_t> ids = {1, 4, 2, -1, 1};
+    const int32_t *ids_d = up(ids);
+    const float *wts_d = up(randn(5, rng_, 0.5f));
+    const float *x = up(randn(static_cast<size_t>(c.D), rng_));
+    uint32_t e0 = 0, e1 = 0;
+    const uint64_t n0 = cd::moe_staged_launches();
+    const auto ref = run_gate_up(*this, 0, g, u, ids_d, wts_d, c, x, err_, e0);
+    EXPECT_EQ(cd::moe_staged_launches(), n0);
+    const auto got = run_gate_up(*this, 1, g, u, ids_d, wts_d, c, x, err_, e1);
+    EXPECT_EQ(cd::moe_staged_launches() - n0, 1u);
+    EXPECT_EQ(e0, static_cast<uint32_t>(cd::err_expert_id));
+    EXPECT_EQ(e1, static_cast<uint32_t>(cd::err_expert_id));
+    EXPECT_EQ(first_diff(got, ref), -1);
+    for (int s = 0; s < 5; ++s)
+        for (int64_t r = 0; r < c.F; ++r)
+            ASSERT_EQ(std::isnan(got[static_cast<size_t>(s * c.F + r)]), s == 1 || s == 3) << s << " " << r;
+}
+
+// ---- routed down (launch_moe_down) ------------------------------------------------------------------
+
+// The staged down kernel (modes 1-3) vs the direct one (mode 0): rows not a multiple of the block's
+// 16 (last block partial, a warp with one row), an id out of range (flagged, slot skipped), a
+// repeated id, accumulation onto a given y, an h row offset, no ids, lanes looping over steps.
+TEST_F(CudaDs4MoeStaged, DownRoutedBitExact) {
+    struct dn_case {
+        dtype t;
+        int64_t rows, F;
+        int E;
+        std::vector<int32_t> ids;  // empty: ids = null (expert 0), n_slot 5
+        int s0;
+        bool accumulate;
+    };
+    const std::vector<dn_case> cases = {
+        {dtype::q2_k, 333, 1024, 4, {0, 1, 3, 1, 2, 4, 0}, 1, true},
+        {dtype::q8_0, 77, 768, 3, {}, 0, false},
+        {dtype::iq2_xxs, 50, 2048, 2, {1, 0, 1}, 2, true},
+        // F = 4352: 68 steps per row, lanes loop 3 times; 148 KB of staged rows (1 block per SM)
+        {dtype::q8_0, 40, 4352, 2, {1, 1}, 0, true},
+    };
+    for (const auto &c : cases) {
+        SCOPED_TRACE(std::string(dtype_name(c.t)) + " rows " + std::to_string(c.rows));
+        const int n_slot = c.ids.empty() ? 5 : static_cast<int>(c.ids.size());
+        const auto d = bank(c.t, rand_rows(c.t, c.F, c.rows * c.E, rng_()), c.rows, c.F, c.E);
+        const int32_t *ids_d = c.ids.empty() ? nullptr : up(c.ids);
+        const float *h = up(randn(static_cast<size_t>((c.s0 + n_slot) * c.F), rng_));
+        const auto y0 = randn(static_cast<size_t>(c.rows), rng_);
+        float *y = dev<float>(static_cast<size_t>(c.rows + 1));
+        std::vector<float> ref;
+        uint32_t e_ref = 0;
+        for (int mode : {0, 1, 2, 3}) {
+            SCOPED_TRACE("mode " + std::to_string(mode));
+            cd::set_moe_staged(mode);
+            auto init = y0;
+            init.push_back(std::nanf(""));  // y[rows] must keep its poison
+            if (!c.accumulate)
+                for (size_t i = 0; i < y0.size(); ++i) init[i] = std::nanf("");
+            put(y, init);
+            const uint64_t n0 = cd::moe_staged_launches();
+            cd::launch_moe_down(d, ids_d, n_slot, c.s0, h, c.accumulate, y, err_, s_);
+            EXPECT_EQ(cd::moe_staged_launches() - n0, mode == 0 ? 0u : 1u);
+            const auto got = down(y, static_cast<size_t>(c.rows + 1));
+            const uint32_t e = take_err();
+            ASSERT_TRUE(std::isnan(got.back()));
+            if (mode == 0) {
+                ref = got;
+                e_ref = e;
+                for (int64_t r = 0; r < c.rows; ++r) ASSERT_FALSE(std::isnan(got[static_cast<size_t>(r)])) << r;
+                const bool bad = std::find(c.ids.begin(), c.ids.end(), c.E) != c.ids.end();
+                EXPECT_EQ(e, bad ? static_cast<uint32_t>(cd::err_expert_id) : 0u);
+                continue;
+            }
+            EXPECT_EQ(e, e_ref);
+            EXPECT_EQ(first_diff(got, ref), -1);
+        }
+    }
+}
+
+// ---- whole chain (launch_moe_ffn: routed + shared gate/up fused, then down) --------------------------
+
+// A device MoE layer with random router, hash table (tokens 0 .. n_vocab) and bias.
+struct ffn_layer {
+    cd::moe_layer l;
+    int64_t D = 0, F = 0;
+};
+ffn_layer make_layer(CudaDs4MoeStaged &f, std::mt19937 &rng, int64_t D, int64_t F, int E, int k, dtype tgu,
+                     dtype tdn, dtype tsh, bool hash, const std::vector<int32_t> &tid2eid, int n_vocab) {
+    ffn_layer m;
+    m.D = D;
+    m.F = F;
+    auto &l = m.l;
+    auto mk = [&](dtype t, int64_t rows, int64_t cols, int64_t n) {
+        cd::expert_bank b;
+        b.type = t;
+        b.data = f.up(rand_rows(t, cols, rows * n, rng()));
+        b.row_bytes = dtype_row_bytes(t, cols);
+        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
+        b.n_expert = n;
+        b.rows = rows;
+        b.cols = cols;
+        return b;
+    };
+    l.gate_inp_type = dtype::f32;
+    l.gate_inp = f.up(randn(static_cast<size_t>(E * D), rng, 2.0f / std::sqrt(static_cast<float>(D))));
+    l.gate_inp_row_bytes = static_cast<size_t>(D) * 4;
+    l.exp_bias = hash ? nullptr : f.up(randn(static_cast<size_t>(E), rng, 0.3f));
+    l.tid2eid = hash ? f.up(tid2eid) : nullptr;
+    l.n_vocab = hash ? n_vocab : 0;
+    l.n_expert = E;
+    l.n_used = k;
+    l.weights_scale = 1.5f;
+    l.clamp = 1.0f;  // small clamps: both SwiGLU clamps are hit
+    l.clamp_sh = 1.25f;
+    l.gate = mk(tgu, F, D, E);
+    l.up = mk(tgu, F, D, E);
+    l.down = mk(tdn, D, F, E);
+    l.gate_sh = mk(tsh, F, D, 1);
+    l.up_sh = mk(tsh, F, D, 1);
+    l.down_sh = mk(tsh, D, F, 1);
+    return m;
+}
+
+struct ffn_out {
+    std::vector<float> h, y;
+    uint32_t err = 0;
+};
+// One launch_moe_ffn of token *tok_d in `mode` (h and y poisoned first).
+ffn_out run_ffn(CudaDs4MoeStaged &f, int mode, const ffn_layer &m, const float *x, const int32_t *tok_d,
+                const cd::moe_scratch &sc, float *y, uint32_t *err) {
+    cd::set_moe_staged(mode);
+    const size_t nh = static_cast<size_t>((m.l.n_used + 1) * m.F), ny = static_cast<size_t>(m.D);
+    f.poison(sc.h, nh);
+    f.poison(y, ny);
+    cd::launch_moe_ffn(m.l, x, tok_d, sc, y, err, f.s_);
+    ffn_out o;
+    o.h = f.down(sc.h, nh);
+    o.y = f.down(y, ny);
+    o.err = f.down(err, 1)[0];
+    cudaMemset(err, 0, 4);
+    return o;
+}
+
+TEST_F(CudaDs4MoeStaged, FfnBitExact) {
+    struct ffn_case {
+        int64_t D, F;
+        int E, k;
+        dtype tgu, tdn, tsh;
+        bool hash;
+    };
+    const std::vector<ffn_case> cases = {
+        // DS4-Flash: iq2_xxs gate/up, q2_k down, q8_0 shared (4-row shared slabs), learned routing
+        {4096, 2048, 256, 6, dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false},
+        // q8_0 everywhere at D = 4352: 3-row shared slabs, F = 224 leaves a 2-row last one (warps 4-7
+        // idle there), 2-row routed slabs; hash routing
+        {4352, 224, 4, 3, dtype::q8_0, dtype::q8_0, dtype::q8_0, true},
+        // q2_k gate/up with the q8_0 shared expert, D = 1024
+        {1024, 256, 8, 2, dtype::q2_k, dtype::q2_k, dtype::q8_0, false},
+        // all iq2_xxs (shared of the routed type), D = 2048
+        {2048, 512, 16, 4, dtype::iq2_xxs, dtype::iq2_xxs, dtype::iq2_xxs, true},
+    };
+    for (const auto &c : cases) {
+        SCOPED_TRACE(std::string(dtype_name(c.tgu)) + " D " + std::to_string(c.D) + " F " + std::to_string(c.F));
+        const int n_vocab = 5;
+        std::vector<int32_t> tid2eid(static_cast<size_t>(n_vocab * c.k));
+        for (auto &e : tid2eid) e = static_cast<int32_t>(rng_() % c.E);
+        const auto m = make_layer(*this, rng_, c.D, c.F, c.E, c.k, c.tgu, c.tdn, c.tsh, c.hash, tid2eid, n_vocab);
+        cd::moe_scratch sc;
+        sc.logits = dev<float>(static_cast<size_t>(c.E));
+        sc.ids = dev<int32_t>(static_cast<size_t>(c.k));
+        sc.weights = dev<float>(static_cast<size_t>(c.k));
+        sc.h = dev<float>(static_cast<size_t>((c.k + 1) * c.F));
+        float *y = dev<float>(static_cast<size_t>(c.D));
+        const float *x = up(randn(static_cast<size_t>(c.D), rng_));
+        const int32_t *tok = up(std::vector<int32_t>{3});
+        const auto ref = run_ffn(*this, 0, m, x, tok, sc, y, err_);
+        ASSERT_EQ(ref.err, 0u);
+        for (float v : ref.h) ASSERT_FALSE(std::isnan(v));
+        for (float v : ref.y) ASSERT_FALSE(std::isnan(v));
+        for (int mode : {1, 2, 3}) {
+            SCOPED_TRACE("mode " + std::to_string(mode));
+            const uint64_t n0 = cd::moe_staged_launches();
+            const auto got = run_ffn(*this, mode, m, x, tok, sc, y, err_);
+            EXPECT_GE(cd::moe_staged_launches() - n0, 1u) << "no staged kernel ran";
+            EXPECT_EQ(got.err, 0u);
+            EXPECT_EQ(first_diff(got.h, ref.h), -1);
+            EXPECT_EQ(first_diff(got.y, ref.y), -1);
+        }
+    }
+}
+
+// launch_moe_ffn captured once with the staged kernel (hash routing: the token read from device
+// memory picks the ids), replayed with the token changed between replays: every replay must equal
+// the direct kernel's eager run for that token, bit for bit, including a token whose ids repeat one
+// expert and one whose table row holds an id out of range (route flags it, every slot is skipped).
+TEST_F(CudaDs4MoeStaged, GraphReplayIdsChange) {
+    const int64_t D = 4096, F = 512;
+    const int E = 32, k = 6, n_vocab = 4;
+    std::vector<int32_t> tid2eid(static_cast<size_t>(n_vocab * k));
+    for (auto &e : tid2eid) e = static_cast<int32_t>(rng_() % E);
+    for (int j = 0; j < k; ++j) tid2eid[static_cast<size_t>(k + j)] = 7;  // token 1: expert 7 six times
+    tid2eid[static_cast<size_t>(3 * k + 2)] = E;                          // token 3: an id out of range
+    const auto m = make_layer(*this, rng_, D, F, E, k, dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true, tid2eid,
+                              n_vocab);
+    cd::moe_scratch sc;
+    sc.logits = dev<float>(E);
+    sc.ids = dev<int32_t>(k);
+    sc.weights = dev<float>(k);
+    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    float *y = dev<float>(static_cast<size_t>(D));
+    const float *x = up(randn(static_cast<size_t>(D), rng_));
+    int32_t *tok = dev<int32_t>(1);
+    const std::vector<int> order = {0, 1, 2, 3, 0, 2, 1};
+    std::vector<ffn_out> ref(static_cast<size_t>(n_vocab));
+    for (int t = 0; t < n_vocab; ++t) {
+        put(tok, std::vector<int32_t>{t});
+        ref[static_cast<size_t>(t)] = run_ffn(*this, 0, m, x, tok, sc, y, err_);
+    }
+    EXPECT_EQ(ref[0].err, 0u);
+    EXPECT_NE(ref[3].err, 0u);
+    cd::set_moe_staged(1);
+    CK(cudaStreamSynchronize(s_));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    cd::launch_moe_ffn(m.l, x, tok, sc, y, err_, s_);
+    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const size_t nh = static_cast<size_t>((k + 1) * F);
+    for (int t : order) {
+        SCOPED_TRACE("token " + std::to_string(t));
+        put(tok, std::vector<int32_t>{t});
+        poison(sc.h, nh);
+        poison(y, static_cast<size_t>(D));
+        CK(cudaGraphLaunch(exec, s_));
+        const auto h = down(sc.h, nh), yv = down(y, static_cast<size_t>(D));
+        const uint32_t e = down(err_, 1)[0];
+        cudaMemset(err_, 0, 4);
+        const auto &r = ref[static_cast<size_t>(t)];
+        EXPECT_EQ(e, r.err);
+        EXPECT_EQ(first_diff(h, r.h), -1);
+        EXPECT_EQ(first_diff(yv, r.y), -1);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+}
+
+// ---- bench ---------------------------------------------------------------------------------------------
+
+// Direct (mode 0) vs staged (mode 1) per layer-token at the DS4-Flash shape, in graphs of T tokens
+// rotating over L = 8 layers with distinct banks (8 x 44 MB of gate/up weights touched per rotation:
+// the 60 MB L2 cannot keep a layer's experts between its tokens). Reported: the whole launch_moe_ffn
+// chain (learned routing, f16 router), and the routed-only gate/up (launch_moe_gate_up, ids fixed per
+// token, 6 distinct experts) with its HBM rate.
+TEST_F(CudaDs4MoeStaged, BenchStagedGateUp) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    const int64_t D = 4096, F = 2048;
+    const int E = 256, k = 6, L = 8, T = 64, reps = 9;
+    auto bank_of = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
+        cd::expert_bank b;
+        b.type = t;
+        b.row_bytes = dtype_row_bytes(t, cols);
+        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
+        b.n_expert = n;
+        b.rows = rows;
+        b.cols = cols;
+        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
+        void *p = raw(bytes);
+        cd::launch_fill_random(p, bytes, seed, s_);  // timing only: scales may be NaN
+        b.data = p;
+        return b;
+    };
+    std::vector<cd::moe_layer> layers(L);
+    for (int i = 0; i < L; ++i) {
+        auto &l = layers[static_cast<size_t>(i)];
+        std::vector<uint16_t> router(static_cast<size_t>(E * D));
+        for (auto &v : router) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.03f)(rng_));
+        l.gate_inp_type = dtype::f16;
+        l.gate_inp = up(router);
+        l.gate_inp_row_bytes = static_cast<size_t>(D) * 2;
+        l.exp_bias = up(randn(static_cast<size_t>(E), rng_, 0.1f));
+        l.n_expert = E;
+        l.n_used = k;
+        l.weights_scale = 1.5f;
+        l.clamp = 10.0f;
+        l.clamp_sh = 10.0f;
+        const uint64_t sd = 100 + 10 * static_cast<uint64_t>(i);
+        l.gate = bank_of(dtype::iq2_xxs, F, D, E, sd + 1);
+        l.up = bank_of(dtype::iq2_xxs, F, D, E, sd + 2);
+        l.down = bank_of(dtype::q2_k, D, F, E, sd + 3);
+        l.gate_sh = bank_of(dtype::q8_0, F, D, 1, sd + 4);
+        l.up_sh = bank_of(dtype::q8_0, F, D, 1, sd + 5);
+        l.down_sh = bank_of(dtype::q8_0, D, F, 1, sd + 6);
+    }
+    cd::moe_scratch sc;
+    sc.logits = dev<float>(E);
+    sc.ids = dev<int32_t>(k);
+    sc.weights = dev<float>(k);
+    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    float *x_d = up(randn(static_cast<size_t>(T * D), rng_));
+    float *y_d = dev<float>(static_cast<size_t>(T * D));
+    int32_t *tok = dev<int32_t>(1);
+    std::vector<int32_t> ids(static_cast<size_t>(T * k));
+    for (int t = 0; t < T; ++t) {
+        std::vector<int32_t> p(static_cast<size_t>(E));
+        std::iota(p.begin(), p.end(), 0);
+        std::shuffle(p.begin(), p.end(), rng_);
+        std::copy(p.begin(), p.begin() + k, ids.begin() + t * k);
+    }
+    const int32_t *ids_d = up(ids);
+    const float *w_d = up(randn(static_cast<size_t>(T * k), rng_, 0.3f));
+    CK(cudaStreamSynchronize(s_));
+    // us per token of a graph of T captured calls of fn(t) in `mode`
+    auto time_us = [&](int mode, auto &&fn) {
+        cd::set_moe_staged(mode);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        float ms = -1.0f;
+        if (cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1.0;
+        for (int t = 0; t < T; ++t) fn(t);
+        if (cudaStreamEndCapture(s_, &graph) != cudaSuccess) return -1.0;
+        if (cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+            ms = time_graph(exec, s_, reps);
+            cudaGraphExecDestroy(exec);
+        }
+        cudaGraphDestroy(graph);
+        cudaStreamSynchronize(s_);
+        return static_cast<double>(ms) * 1e3 / T;
+    };
+    auto ffn = [&](int t) {
+        cd::launch_moe_ffn(layers[static_cast<size_t>(t % L)], x_d + static_cast<size_t>(t) * D, tok, sc,
+                           y_d + static_cast<size_t>(t) * D, err_, s_);
+    };
+    auto gate_up = [&](int t) {
+        const auto &l = layers[static_cast<size_t>(t % L)];
+        cd::launch_moe_gate_up(l.gate, l.up, ids_d + t * k, w_d + t * k, k, 0, x_d + static_cast<size_t>(t) * D,
+                               l.clamp, sc.h, err_, s_);
+    };
+    const double f0 = time_us(0, ffn), f1 = time_us(1, ffn);
+    const double g0 = time_us(0, gate_up), g1 = time_us(1, gate_up);
+    ASSERT_GT(f0, 0.0);
+    ASSERT_GT(f1, 0.0);
+    ASSERT_GT(g0, 0.0);
+    ASSERT_GT(g1, 0.0);
+    ASSERT_EQ(take_err(), 0u);
+    const double routed_bytes = 2.0 * static_cast<double>(layers[0].gate.expert_bytes) * k;
+    std::printf("  launch_moe_ffn DS4-Flash (%d layers rotated): direct %.2f us/token, staged %.2f us/token\n", L, f0,
+                f1);
+    std::printf("  routed gate/up only (6 x iq2_xxs gate+up, %.1f MB): direct %.2f us (%.0f GB/s), staged %.2f us "
+                "(%.0f GB/s)\n",
+                routed_bytes / 1e6, g0, routed_bytes / (g0 * 1e3), g1, routed_bytes / (g1 * 1e3));
+}
+
+}  // namespace
+}  // namespace fathom
