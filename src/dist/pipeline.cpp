@@ -3,9 +3,8 @@
 // returns the logits to rank 0.
 #include "dist/pipeline.h"
 
-#include <thread>
-
 #include "core/error.h"
+#include "dist/local_group.h"
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/ds4_model.h"
 #endif
@@ -233,12 +232,8 @@ void pipeline_rank::serve() {
 
 // ---- local_pipeline --------------------------------------------------------------------------------
 
-struct local_pipeline::impl {
-    std::unique_ptr<inprocess_hub> hub;
-    std::vector<std::unique_ptr<transport>> ends;
-    std::vector<std::unique_ptr<pipeline_rank>> ranks;
-    std::vector<std::thread> threads;
-    std::vector<std::string> errors;  // [rank] what serve() threw ("" = none)
+struct local_pipeline::impl : local_group<pipeline_rank> {
+    using local_group<pipeline_rank>::local_group;
 };
 
 local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat,
@@ -247,57 +242,30 @@ local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ran
 
 local_pipeline::local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat,
                                kv_precision kv, ds4::exec_options exec, std::vector<stage_device> devices,
-                               std::chrono::milliseconds timeout)
-    : p_(std::make_unique<impl>()) {
+                               std::chrono::milliseconds timeout) {
     const int n = static_cast<int>(ranges.size());
     if (devices.size() != ranges.size())
         throw error("dist: " + std::to_string(devices.size()) + " stage devices for " + std::to_string(n) +
                     " layer ranges");
-    p_->hub = std::make_unique<inprocess_hub>(n, timeout);
-    for (int r = 0; r < n; ++r) {
-        p_->ends.push_back(p_->hub->endpoint(r));
-        p_->ranks.push_back(std::make_unique<pipeline_rank>(m, ranges, *p_->ends.back(), qat, kv, exec,
-                                                            devices[static_cast<size_t>(r)]));
-    }
-    p_->errors.resize(static_cast<size_t>(n));
-    try {
-        for (int r = 1; r < n; ++r)
-            p_->threads.emplace_back([this, r] {
-                try {
-                    p_->ranks[static_cast<size_t>(r)]->serve();
-                } catch (const std::exception &e) {
-                    p_->errors[static_cast<size_t>(r)] = e.what();
-                }
-            });
-    } catch (const std::exception &e) {
-        // No thread for a rank (system limit): wake the started ones and join them before rethrowing.
-        p_->ends[0]->abort(std::string("starting the pipeline: ") + e.what());
-        for (auto &t : p_->threads) t.join();
-        throw;
-    }
+    const auto make = [&](int r, transport &t) {
+        return std::make_unique<pipeline_rank>(m, ranges, t, qat, kv, exec, devices[static_cast<size_t>(r)]);
+    };
+    p_ = std::make_unique<impl>(n, timeout, make, "starting the pipeline");
 }
 
-local_pipeline::~local_pipeline() {
-    try {
-        p_->ranks[0]->stop();
-    } catch (const std::exception &e) {
-        // A rank already failed: abort rank 0 too so every thread's recv returns at once.
-        p_->ends[0]->abort(std::string("stopping: ") + e.what());
-    }
-    for (auto &t : p_->threads) t.join();
-}
+local_pipeline::~local_pipeline() = default;  // ~local_group stops rank 0's peers and joins their threads
 
 void local_pipeline::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
                              std::span<float> logits) {
-    p_->ranks[0]->forward(tokens, positions, logits);
+    p_->driver().forward(tokens, positions, logits);
 }
 
 void local_pipeline::reset() {
-    p_->ranks[0]->reset();
+    p_->driver().reset();
 }
 
 int64_t local_pipeline::n_past() const {
-    return p_->ranks[0]->n_past();
+    return p_->driver().n_past();
 }
 
 }  // namespace fathom::dist

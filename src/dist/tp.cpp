@@ -2,10 +2,9 @@
 // every rank runs ds4::forward_layers_tp with its slice and all_reduce_sum between the sublayers.
 #include "dist/tp.h"
 
-#include <thread>
-
 #include "core/error.h"
 #include "dist/collective.h"
+#include "dist/local_group.h"
 
 namespace fathom::dist {
 
@@ -202,74 +201,46 @@ void tp_rank::serve() {
 
 // ---- local_tp --------------------------------------------------------------------------------------
 
-struct local_tp::impl {
-    std::unique_ptr<inprocess_hub> hub;
-    std::vector<std::unique_ptr<transport>> ends;
-    std::vector<std::unique_ptr<tp_rank>> ranks;
-    std::vector<std::thread> threads;
-    std::vector<std::string> errors;  // [rank] what serve() threw ("" = none)
+struct local_tp::impl : local_group<tp_rank> {
+    using local_group<tp_rank>::local_group;
 };
 
 local_tp::local_tp(const ds4::model &m, int size, ds4::qat_mode qat, kv_precision kv, ds4::exec_options exec,
-                   std::chrono::milliseconds timeout)
-    : p_(std::make_unique<impl>()) {
+                   std::chrono::milliseconds timeout) {
     tp_check(m, size);
-    p_->hub = std::make_unique<inprocess_hub>(size, timeout);
-    for (int r = 0; r < size; ++r) {
-        p_->ends.push_back(p_->hub->endpoint(r));
+    const auto make = [&](int r, transport &t) {
         ds4::exec_options ex = exec;
         if (r > 0) ex.pool = nullptr;  // ranks run concurrently: a pool is not shared
-        p_->ranks.push_back(std::make_unique<tp_rank>(m, *p_->ends.back(), qat, kv, ex));
-    }
-    p_->errors.resize(static_cast<size_t>(size));
-    try {
-        for (int r = 1; r < size; ++r)
-            p_->threads.emplace_back([this, r] {
-                try {
-                    p_->ranks[static_cast<size_t>(r)]->serve();
-                } catch (const std::exception &e) {
-                    p_->errors[static_cast<size_t>(r)] = e.what();
-                }
-            });
-    } catch (const std::exception &e) {
-        p_->ends[0]->abort(std::string("starting the tp ranks: ") + e.what());
-        for (auto &t : p_->threads) t.join();
-        throw;
-    }
+        return std::make_unique<tp_rank>(m, t, qat, kv, ex);
+    };
+    p_ = std::make_unique<impl>(size, timeout, make, "starting the tp ranks");
 }
 
-local_tp::~local_tp() {
-    try {
-        p_->ranks[0]->stop();
-    } catch (const std::exception &e) {
-        p_->ends[0]->abort(std::string("stopping: ") + e.what());
-    }
-    for (auto &t : p_->threads) t.join();
-}
+local_tp::~local_tp() = default;  // ~local_group stops rank 0's peers and joins their threads
 
 void local_tp::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
                        std::span<float> logits) {
-    p_->ranks[0]->forward(tokens, positions, logits);
+    p_->driver().forward(tokens, positions, logits);
 }
 
 void local_tp::reset() {
-    p_->ranks[0]->reset();
+    p_->driver().reset();
 }
 
 int64_t local_tp::n_past() const {
-    return p_->ranks[0]->n_past();
+    return p_->driver().n_past();
 }
 
 int local_tp::size() const {
-    return static_cast<int>(p_->ranks.size());
+    return p_->size();
 }
 
 std::vector<std::vector<float>> local_tp::hc_states() {
-    return p_->ranks[0]->hc_states();
+    return p_->driver().hc_states();
 }
 
 const ds4::tp_slice &local_tp::slice(int rank) const {
-    return p_->ranks.at(static_cast<size_t>(rank))->slice();
+    return p_->rank(rank).slice();
 }
 
 }  // namespace fathom::dist

@@ -6,20 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <span>
 #include <vector>
 
+#include "dist/dist_test_util.h"  // same_bits
 #include "fathom/engine.h"
 
 namespace dist_test {
 
 using namespace fathom;
-
-inline bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // NaN-filled buffer: a logit the engine fails to write cannot pass a comparison.
 inline std::vector<float> poisoned(size_t n) { return std::vector<float>(n, std::numeric_limits<float>::quiet_NaN()); }

@@ -11,26 +11,19 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "dist/dist_test_util.h"
 #include "dist/liveness.h"
 
 namespace {
 
 using namespace fathom;
+using dist_test::error_of;
 using namespace std::chrono_literals;
 using clk = std::chrono::steady_clock;
 using dist::liveness;
 using dist::liveness_listener;
 
 const std::string tok = "t0k3n";
-
-std::string error_of(const std::function<void()> &f) {
-    try {
-        f();
-    } catch (const error &e) {
-        return e.what();
-    }
-    return "";
-}
 
 std::string host_name() {
     char b[256] = {};

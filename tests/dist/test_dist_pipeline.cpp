@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "dist/dist_test_util.h"
 #include "dist/pipeline.h"
 #include "ds4/golden_util.h"
 #include "models/deepseek4_synth.h"
@@ -19,6 +20,10 @@ namespace {
 
 using namespace fathom;
 using dist::layer_range;
+using dist_test::reference;
+using dist_test::run_chunks;
+using dist_test::same_bits;
+using dist_test::test_tokens;
 
 // Reduced DS4 geometry (synth "tiny": 6 layers SWA,SWA,CSA,HCA,CSA,HCA; D 128; window 32; indexer
 // top-k 16, engaged from position 67 on), seeded random weights, written once per test binary.
@@ -37,47 +42,13 @@ const ds4::model &synth_model() {
     return *m;
 }
 
-std::vector<int32_t> test_tokens(size_t n, int vocab) {
-    std::vector<int32_t> t(n);
-    for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<size_t>(vocab));
-    return t;
-}
-
-// Logits [n, V] of `tokens` evaluated in the given chunk sizes (the last size repeats), through
-// `fwd(tokens, positions, logits)`.
-template <class F>
-std::vector<float> run_chunks(F &&fwd, const std::vector<int32_t> &tokens, std::vector<size_t> chunks, size_t V) {
-    const size_t n = tokens.size();
-    std::vector<float> logits(n * V);
-    std::vector<int64_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    size_t b = 0, k = 0;
-    while (b < n) {
-        const size_t len = std::min(n - b, chunks[std::min(k++, chunks.size() - 1)]);
-        fwd(std::span(tokens).subspan(b, len), std::span(pos).subspan(b, len), std::span(logits).subspan(b * V, len * V));
-        b += len;
-    }
-    return logits;
-}
-
-std::vector<float> reference(const ds4::model &m, const std::vector<int32_t> &tokens, std::vector<size_t> chunks,
-                             ds4::qat_mode qat) {
-    ds4::state st = ds4::new_state(m, qat, kv_precision::f32);
-    return run_chunks([&](auto t, auto p, auto l) { ds4::forward(m, st, t, p, {l, {}}); }, tokens, std::move(chunks),
-                      static_cast<size_t>(m.hp.n_vocab));
-}
-
 std::vector<float> piped(const ds4::model &m, const std::vector<layer_range> &ranges,
                          const std::vector<int32_t> &tokens, std::vector<size_t> chunks, ds4::qat_mode qat) {
     dist::local_pipeline pl(m, ranges, qat, kv_precision::f32);
-    auto out = run_chunks([&](auto t, auto p, auto l) { pl.forward(t, p, l); }, tokens, std::move(chunks),
+    auto out = run_chunks([&](auto t, auto p, auto l) { pl.forward(t, p, l); }, tokens, chunks,
                           static_cast<size_t>(m.hp.n_vocab));
     EXPECT_EQ(pl.n_past(), static_cast<int64_t>(tokens.size()));
     return out;
-}
-
-bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 TEST(dist_pipeline, synthetic_split_equals_unsplit_bit_for_bit) {

@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "dist/collective.h"
+#include "dist/dist_test_util.h"
 #include "dist/planner.h"
 #include "dist/tp.h"
 #include "ds4/golden_util.h"
@@ -26,6 +27,11 @@
 namespace {
 
 using namespace fathom;
+using dist_test::error_of;
+using dist_test::reference;
+using dist_test::run_chunks;
+using dist_test::same_bits;
+using dist_test::test_tokens;
 
 // The synth "tiny" geometry widened so that 4 ranks can split it: 8 heads in 4 output groups (o_b
 // columns 128 = 4 x 32, Q8_0), 10 routed experts (dealt 3,3,2,2 over 4 ranks), 3 used, shared width 128
@@ -53,42 +59,6 @@ const ds4::model &tp_model() {
     return *m;
 }
 
-std::vector<int32_t> test_tokens(size_t n, int vocab) {
-    std::vector<int32_t> t(n);
-    for (size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>((i * 37 + 11) % static_cast<size_t>(vocab));
-    return t;
-}
-
-// Logits [n, V] of `tokens` in the given chunk sizes (the last size repeats) through fwd(t, p, l);
-// after_chunk() runs after every chunk.
-template <class F, class A>
-std::vector<float> run_chunks(F &&fwd, A &&after_chunk, const std::vector<int32_t> &tokens,
-                              const std::vector<size_t> &chunks, size_t V) {
-    const size_t n = tokens.size();
-    std::vector<float> logits(n * V);
-    std::vector<int64_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    size_t b = 0, k = 0;
-    while (b < n) {
-        const size_t len = std::min(n - b, chunks[std::min(k++, chunks.size() - 1)]);
-        fwd(std::span(tokens).subspan(b, len), std::span(pos).subspan(b, len),
-            std::span(logits).subspan(b * V, len * V));
-        after_chunk();
-        b += len;
-    }
-    return logits;
-}
-
-std::vector<float> reference(const ds4::model &m, const std::vector<int32_t> &tokens,
-                             const std::vector<size_t> &chunks, ds4::qat_mode qat) {
-    ds4::state st = ds4::new_state(m, qat, kv_precision::f32);
-    return run_chunks(
-        [&](auto t, auto p, auto l) {
-            ds4::forward(m, st, t, p, {l, {}});
-        },
-        [] {}, tokens, chunks, static_cast<size_t>(m.hp.n_vocab));
-}
-
 // Logits through P in-process tp ranks; every rank's HC state is compared bit for bit after every chunk.
 std::vector<float> tp_run(const ds4::model &m, int P, const std::vector<int32_t> &tokens,
                           const std::vector<size_t> &chunks, ds4::qat_mode qat,
@@ -107,15 +77,11 @@ std::vector<float> tp_run(const ds4::model &m, int P, const std::vector<int32_t>
         }
         ++checks;
     };
-    auto out = run_chunks([&](auto t, auto p, auto l) { tp.forward(t, p, l); }, check_replicas, tokens,
-                          chunks, static_cast<size_t>(m.hp.n_vocab));
+    auto out = run_chunks([&](auto t, auto p, auto l) { tp.forward(t, p, l); }, tokens, chunks,
+                          static_cast<size_t>(m.hp.n_vocab), check_replicas);
     EXPECT_EQ(tp.n_past(), static_cast<int64_t>(tokens.size()));
     if (replica_checks) *replica_checks = checks;
     return out;
-}
-
-bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Largest per-token relative L2 distance of `got` to `want` ([n, V] each), and whether every token's
@@ -278,17 +244,6 @@ TEST(dist_tp, shares_follow_the_planner_and_cover_everything) {
     const auto s = dist::tp_share(m.hp, 3, 4);  // 10 experts over 4 ranks: 3, 3, 2, 2
     EXPECT_EQ(s.expert0, 8);
     EXPECT_EQ(s.expert1, 10);
-}
-
-// The message of the fathom::error that fn throws ("" if none).
-template <class F>
-std::string error_of(F &&fn) {
-    try {
-        fn();
-    } catch (const error &e) {
-        return e.what();
-    }
-    return "";
 }
 
 TEST(dist_tp, bad_rank_counts_are_refused) {

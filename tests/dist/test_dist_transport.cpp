@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "dist/dist_test_util.h"
 #include "dist/pipeline.h"
 #include "dist/transport.h"
 #include "models/deepseek4_synth.h"
@@ -17,17 +18,9 @@
 namespace {
 
 using namespace fathom;
+using dist_test::error_of;
 using namespace std::chrono_literals;
 using clk = std::chrono::steady_clock;
-
-std::string error_of(const std::function<void()> &f) {
-    try {
-        f();
-    } catch (const error &e) {
-        return e.what();
-    }
-    return "";
-}
 
 TEST(dist_transport, ordered_delivery_and_size_check) {
     dist::inprocess_hub hub(3, 1000ms);

@@ -5,12 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <filesystem>
 #include <thread>
 
-#include "fathom/engine.h"
-#include "fathom/sampling.h"
 #include "sched/scheduler.h"
+#include "server/smol_util.h"
 
 namespace fathom {
 namespace {
@@ -18,46 +16,16 @@ namespace {
 using namespace std::chrono_literals;
 using sched::event;
 using sched::finish_reason;
-
-std::string smollm2() {
-    const std::string p = std::string(FATHOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    return std::filesystem::exists(p) ? p : std::string();
-}
-
-std::unique_ptr<engine> load(const std::string &path) {
-    engine_options o;
-    o.model_path = path;
-    o.n_threads = 2;
-    o.n_ctx = 256;
-    o.n_batch = 64;
-    return engine::load(o);
-}
-
-std::vector<int32_t> prompt_of(int n, int salt) {
-    std::vector<int32_t> p;
-    for (int i = 0; i < n; ++i) p.push_back(int32_t(300 + (i * 53 + salt * 17) % 4000));
-    return p;
-}
-
-// Collects the tokens of a job until its final event.
-event run_to_end(sched::job &j, std::vector<int32_t> &tokens) {
-    event ev;
-    for (;;) {
-        if (!j.next(ev, 60000ms)) {
-            ADD_FAILURE() << "timed out";
-            return ev;
-        }
-        for (const auto &t : ev.tokens) tokens.push_back(t.id);
-        if (ev.final) return ev;
-    }
-}
+using test::greedy_alone;
+using test::load_smol;
+using test::prompt_of;
+using test::run_to_end;
 
 int64_t blocks_for(int64_t tokens) { return (tokens + 15) / 16; }
 
 TEST(KvScheduler, EnginePoolIsTheRecord) {
-    const std::string path = smollm2();
-    if (path.empty()) GTEST_SKIP() << "models/SmolLM2-135M-Instruct.Q4_1.gguf not installed";
-    auto eng = load(path);
+    auto eng = load_smol();
+    if (!eng) GTEST_SKIP() << "models/SmolLM2-135M-Instruct.Q4_1.gguf not installed";
     sched::scheduler_options o;
     o.n_slots = 2;
     o.kv_blocks = 12;  // 192 positions
@@ -74,7 +42,7 @@ TEST(KvScheduler, EnginePoolIsTheRecord) {
     a.sampling.temperature = 0.0f;
     a.max_tokens = 8;
     std::vector<int32_t> got;
-    const event fa = run_to_end(*s.submit(a), got);
+    const event fa = run_to_end(*s.submit(a), got, 60000ms);
     ASSERT_TRUE(fa.reason == finish_reason::length || fa.reason == finish_reason::eog) << sched::to_string(fa.reason);
     auto st = s.stats();
     int64_t held = 0, want_blocks = 0;
@@ -88,21 +56,7 @@ TEST(KvScheduler, EnginePoolIsTheRecord) {
     EXPECT_EQ(st.kv_blocks_cached, st.kv_blocks_used);
 
     // The same greedy generation with a plain session on another engine.
-    {
-        auto ref_eng = load(path);
-        auto sess = ref_eng->new_session();
-        sampler smp(a.sampling);
-        std::vector<int32_t> hist = a.prompt, want;
-        sess->sync(a.prompt);
-        for (int i = 0; i < a.max_tokens; ++i) {
-            const int32_t t = smp.sample(sess->logits(), hist).token;
-            if (ref_eng->is_end_of_generation(t)) break;
-            want.push_back(t);
-            hist.push_back(t);
-            if (i + 1 < a.max_tokens) sess->eval(std::span<const int32_t>(&t, 1));
-        }
-        EXPECT_EQ(got, want);
-    }
+    EXPECT_EQ(got, greedy_alone(*load_smol(), a.prompt, a.max_tokens));
 
     // B needs the whole pool (50 + 150 positions, capped at 192 = 12 blocks): A's cached prefix is
     // evicted to make room. Cancelled mid-generation, B's reservation goes back.
@@ -120,7 +74,7 @@ TEST(KvScheduler, EnginePoolIsTheRecord) {
     EXPECT_GE(st.kv_evictions, 1u);
     jb->cancel();
     std::vector<int32_t> rest;
-    const event fb = ev.final ? ev : run_to_end(*jb, rest);
+    const event fb = ev.final ? ev : run_to_end(*jb, rest, 60000ms);
     EXPECT_EQ(fb.reason, finish_reason::cancelled);
     st = s.stats();
     EXPECT_EQ(st.kv_blocks_used, eng->kv_pool().n_used);

@@ -6,62 +6,17 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <filesystem>
 
-#include "fathom/engine.h"
-#include "fathom/sampling.h"
 #include "sched/scheduler.h"
+#include "server/smol_util.h"
 
 namespace fathom {
 namespace {
 
 using namespace std::chrono_literals;
-
-std::unique_ptr<engine> load_smol() {
-    const std::string p = std::string(FATHOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    if (!std::filesystem::exists(p)) return nullptr;
-    engine_options o;
-    o.model_path = p;
-    o.n_threads = 2;
-    o.n_ctx = 256;
-    o.n_batch = 64;
-    return engine::load(o);
-}
-
-std::vector<int32_t> prompt_of(size_t n, int salt) {
-    std::vector<int32_t> p;
-    for (size_t i = 0; i < n; ++i) p.push_back(int32_t(300 + (i * 53 + size_t(salt) * 17) % 4000));
-    return p;
-}
-
-std::vector<int32_t> greedy_alone(engine &e, const std::vector<int32_t> &prompt, int max_tokens) {
-    auto sess = e.new_session();
-    sampling_params sp;
-    sp.temperature = 0.0f;
-    sampler smp(sp);
-    std::vector<int32_t> hist = prompt, out;
-    sess->sync(prompt);
-    for (int i = 0; i < max_tokens; ++i) {
-        const int32_t t = smp.sample(sess->logits(), hist).token;
-        if (e.is_end_of_generation(t)) break;
-        out.push_back(t);
-        hist.push_back(t);
-        if (i + 1 < max_tokens) sess->eval(std::span<const int32_t>(&t, 1));
-    }
-    return out;
-}
-
-std::vector<int32_t> tokens_until_final(sched::job &j, sched::event &final) {
-    std::vector<int32_t> out;
-    for (;;) {
-        if (!j.next(final, 120000ms)) {
-            ADD_FAILURE() << "timed out";
-            return out;
-        }
-        for (const auto &t : final.tokens) out.push_back(t.id);
-        if (final.final) return out;
-    }
-}
+using test::greedy_alone;
+using test::load_smol;
+using test::prompt_of;
 
 // (suite BatchDecode: scripts/asan_server.sh skips the real-model tests; its load test covers the path)
 TEST(BatchDecode, SchedulerPromptsWithRunningDecodesMatchAlone) {
@@ -92,8 +47,8 @@ TEST(BatchDecode, SchedulerPromptsWithRunningDecodesMatchAlone) {
     for (size_t i = 3; i < 6; ++i) jobs.push_back(submit(i));
     uint64_t prompt_tokens = 0;
     for (size_t i = 0; i < jobs.size(); ++i) {
-        sched::event fin;
-        std::vector<int32_t> got = tokens_until_final(*jobs[i], fin);
+        std::vector<int32_t> got;
+        const sched::event fin = test::run_to_end(*jobs[i], got, 120000ms);
         if (i == 0)
             for (auto it = first.tokens.rbegin(); it != first.tokens.rend(); ++it) got.insert(got.begin(), it->id);
         EXPECT_TRUE(fin.reason == sched::finish_reason::length || fin.reason == sched::finish_reason::eog)
