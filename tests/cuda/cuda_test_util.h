@@ -1,7 +1,8 @@
-// Shared scaffolding of the DS4 CUDA suites (test_cuda_ds4*.cpp): the CK assertion macro, the fixture
-// bases (skip without a device; stream + device buffers freed at the end of a test) and the free
-// helpers randn (normal random vectors), rel_l2 (relative L2 error against a reference) and time_graph
-// (median graph replay time).
+// Shared scaffolding of the CUDA suites (test_cuda_ds4*.cpp and the backend-level ones): the CK
+// assertion macro, the fixture bases (skip without a device; stream + device buffers freed at the end of
+// a test; CUDA backend vs CPU backend tensor pairs), DS4 expert banks and a random DS4-Flash-shaped MoE
+// layer on the device, and the free helpers randn (normal random vectors), rel_l2 (relative L2 error
+// against a reference) and time_graph (median graph replay time).
 // Suites derive their fixtures from these and keep only their own extras (error word, position, RNG).
 #pragma once
 #include <cuda_runtime_api.h>
@@ -10,10 +11,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "backend/backend.h"
+#include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_kernels.h"
 #include "core/error.h"
 
 // ASSERT that a CUDA runtime call returned cudaSuccess, naming the call and the error.
@@ -80,10 +86,120 @@ class cuda_fixture : public cuda_device_test {
         EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
         return v;
     }
+    // A DS4 expert bank of n experts of rows x cols of type t (packed rows, experts back to back)
+    // uploaded from the host bytes b.
+    cuda::ds4::expert_bank dev_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
+        cuda::ds4::expert_bank e;
+        e.type = t;
+        e.data = up(b);
+        e.row_bytes = dtype_row_bytes(t, cols);
+        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
+        e.n_expert = n;
+        e.rows = rows;
+        e.cols = cols;
+        return e;
+    }
+    // The same shape over fresh device bytes of random words (launch_fill_random on s_ with seed, the
+    // size rounded up to 8 bytes): timing only, block scales may be NaN or Inf.
+    cuda::ds4::expert_bank random_bank(dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
+        cuda::ds4::expert_bank b;
+        b.type = t;
+        b.row_bytes = dtype_row_bytes(t, cols);
+        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
+        b.n_expert = n;
+        b.rows = rows;
+        b.cols = cols;
+        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
+        void *p = raw(bytes);
+        cuda::ds4::launch_fill_random(p, bytes, seed, s_);
+        b.data = p;
+        return b;
+    }
+    // launch_moe_ffn's scratch for E experts of F rows, k used (zeroed device buffers).
+    cuda::ds4::moe_scratch dev_moe_scratch(int E, int k, int64_t F) {
+        cuda::ds4::moe_scratch sc;
+        sc.logits = dev<float>(static_cast<size_t>(E));
+        sc.ids = dev<int32_t>(static_cast<size_t>(k));
+        sc.weights = dev<float>(static_cast<size_t>(k));
+        sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+        return sc;
+    }
 
     cudaStream_t s_ = nullptr;
     std::vector<void *> bufs_;
 };
+
+// A host tensor and its CUDA twin holding the same bytes.
+struct tensor_pair {
+    std::vector<uint8_t> host;
+    tensor h, d;
+};
+
+// CUDA backend (gpu_) against the CPU backend in exact mode (exact_) on tensors made in pairs; the
+// device buffers are released at the end of a test.
+class cuda_backend_pair_test : public cuda_device_test {
+  protected:
+    void SetUp() override {
+        cuda_device_test::SetUp();
+        if (IsSkipped()) return;
+        exact_ = make_cpu_backend({.n_threads = 2, .exact = true});
+        gpu_ = make_cuda_backend({});
+    }
+    void TearDown() override {
+        if (gpu_)
+            for (void *p : dev_) gpu_->release(p);
+    }
+    // A tensor of `type` [rows x cols] holding the given raw bytes on both backends.
+    tensor_pair make(dtype type, int64_t cols, int64_t rows, const void *bytes) {
+        tensor_pair p;
+        const size_t nb = dtype_row_bytes(type, cols) * static_cast<size_t>(rows);
+        p.host.assign(static_cast<const uint8_t *>(bytes), static_cast<const uint8_t *>(bytes) + nb);
+        p.h = make_tensor(type, cols, rows, p.host.data());
+        void *dp = gpu_->alloc(nb);
+        dev_.push_back(dp);
+        p.d = make_tensor(type, cols, rows, dp);
+        if (nb) gpu_->upload(p.d, bytes);
+        return p;
+    }
+    tensor_pair make_f32(int64_t cols, int64_t rows, const std::vector<float> &v) {
+        return make(dtype::f32, cols, rows, v.data());
+    }
+    // A NaN-poisoned f32 output pair: an element a kernel fails to write stays NaN.
+    tensor_pair out_f32(int64_t cols, int64_t rows) {
+        return make_f32(cols, rows, std::vector<float>(static_cast<size_t>(cols * rows), std::nanf("")));
+    }
+    // The device tensor's f32 contents.
+    std::vector<float> down(const tensor &d) {
+        std::vector<float> v(static_cast<size_t>(d.ne[0] * d.ne[1]));
+        gpu_->download(d, v.data());
+        return v;
+    }
+    // The host tensor's f32 contents.
+    static std::vector<float> hostv(const tensor_pair &p) {
+        const float *f = reinterpret_cast<const float *>(p.host.data());
+        return std::vector<float>(f, f + p.h.ne[0] * p.h.ne[1]);
+    }
+
+    std::unique_ptr<backend> exact_;
+    std::unique_ptr<cuda_backend_api> gpu_;
+    std::vector<void *> dev_;
+};
+
+// The attention parameters of a dense attention test case c (fields n_head, n_head_kv, hd, n_ctx,
+// n_past, softcap, window), scale 1 / sqrt(hd).
+template <class Case>
+attn_params attn_params_of(const Case &c) {
+    attn_params p;
+    p.n_head = c.n_head;
+    p.n_head_kv = c.n_head_kv;
+    p.head_dim = c.hd;
+    p.n_ctx = c.n_ctx;
+    p.n_past = c.n_past;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(c.hd));
+    p.softcap = c.softcap;
+    p.window = c.window;
+    return p;
+}
 
 // n draws of N(mean, sd^2) from rng.
 inline std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f, float mean = 0.0f) {
@@ -117,6 +233,33 @@ inline double rel_l2(const std::vector<float> &got, const std::vector<double> &r
         den += ref[i] * ref[i];
     }
     return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// A DS4-Flash-shaped MoE layer for timing on f's device: f16 router [E, D] (N(0, 0.03^2)) and expert
+// biases (N(0, 0.1^2)) drawn from rng, k of E experts used, weights scale 1.5, clamps 10, and the q2
+// mix of random banks (random_bank: iq2_xxs gate / up [F, D], q2_k down [D, F], q8_0 shared expert)
+// from seeds seed + 1 .. seed + 6.
+inline cuda::ds4::moe_layer random_q2_moe_layer(cuda_fixture &f, std::mt19937 &rng, int64_t D, int64_t F, int E, int k,
+                                                uint64_t seed) {
+    cuda::ds4::moe_layer l;
+    std::vector<uint16_t> router(static_cast<size_t>(E * D));
+    for (auto &v : router) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.03f)(rng));
+    l.gate_inp_type = dtype::f16;
+    l.gate_inp = f.up(router);
+    l.gate_inp_row_bytes = static_cast<size_t>(D) * 2;
+    l.exp_bias = f.up(randn(static_cast<size_t>(E), rng, 0.1f));
+    l.n_expert = E;
+    l.n_used = k;
+    l.weights_scale = 1.5f;
+    l.clamp = 10.0f;
+    l.clamp_sh = 10.0f;
+    l.gate = f.random_bank(dtype::iq2_xxs, F, D, E, seed + 1);
+    l.up = f.random_bank(dtype::iq2_xxs, F, D, E, seed + 2);
+    l.down = f.random_bank(dtype::q2_k, D, F, E, seed + 3);
+    l.gate_sh = f.random_bank(dtype::q8_0, F, D, 1, seed + 4);
+    l.up_sh = f.random_bank(dtype::q8_0, F, D, 1, seed + 5);
+    l.down_sh = f.random_bank(dtype::q8_0, D, F, 1, seed + 6);
+    return l;
 }
 
 // Median of `reps` replays of graph g on stream s (after two warm-up replays), in milliseconds.

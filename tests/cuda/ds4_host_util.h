@@ -1,11 +1,15 @@
-// Host-side views of DS4 weights for the CUDA suites' CPU references (test_cuda_ds4.cpp,
-// test_cuda_ds4_prefill_mm.cpp): a ds4::matrix / ds4::expert_bank over bytes the test owns.
+// Host-side DS4 helpers of the CUDA suites: views of weights for the CPU references
+// (test_cuda_ds4.cpp, test_cuda_ds4_prefill_mm.cpp; a ds4::matrix / ds4::expert_bank over bytes the
+// test owns) and the quantised synthetic model file (test_cuda_ds4_model.cpp, test_cuda_ds4_branches.cpp).
 #pragma once
 #include <cstdint>
+#include <filesystem>
+#include <string>
 #include <vector>
 
 #include "core/types.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_synth.h"
 
 namespace fathom::cuda_test {
 
@@ -20,6 +24,23 @@ inline ds4::expert_bank host_bank(dtype t, const std::vector<uint8_t> &b, int64_
     e.n = n;
     e.expert_bytes = e.first.row_bytes * static_cast<size_t>(rows);
     return e;
+}
+
+// Writes a quantised synthetic model with the ds4-tiny layout but 256-wide rows (IQ2_XXS / Q2_K
+// blocks: the q2 mix, seed 7; 5 layers of compression ratios 0, 0, 4, 128, 4) to the temp directory as
+// file_name and returns its path. Suites that may run in parallel pass their own file names.
+inline std::string write_quant_tiny_model(const std::string &file_name) {
+    ds4::hparams hp = ds4::synth_preset("tiny");
+    hp.n_embd = 256;
+    hp.n_ff_exp = 256;
+    hp.n_layer = 5;  // ratios 0, 0, 4, 128, 4
+    ds4::synth_fix_layers(hp, 1.5f);
+    ds4::synth_options o;
+    o.mix = "q2";
+    o.seed = 7;
+    const std::string p = (std::filesystem::temp_directory_path() / file_name).string();
+    ds4::synth_write(p, hp, o);
+    return p;
 }
 
 }  // namespace fathom::cuda_test

@@ -50,48 +50,10 @@ std::string name_of(const attn_case &c) {
            (c.f16 ? " f16" : " f32");
 }
 
-// A host tensor and its CUDA twin holding the same bytes.
-struct pair_t {
-    std::vector<uint8_t> host;
-    tensor h, d;
-};
+using pair_t = cuda_test::tensor_pair;
 
-class CudaDenseAttn : public cuda_test::cuda_device_test {
+class CudaDenseAttn : public cuda_test::cuda_backend_pair_test {
   protected:
-    void SetUp() override {
-        cuda_device_test::SetUp();
-        if (IsSkipped()) return;
-        exact_ = make_cpu_backend({.n_threads = 2, .exact = true});
-        gpu_ = make_cuda_backend({});
-    }
-    void TearDown() override {
-        if (gpu_)
-            for (void *p : dev_) gpu_->release(p);
-    }
-    pair_t make(dtype type, int64_t cols, int64_t rows, const void *bytes) {
-        pair_t p;
-        const size_t nb = dtype_row_bytes(type, cols) * static_cast<size_t>(rows);
-        p.host.assign(static_cast<const uint8_t *>(bytes), static_cast<const uint8_t *>(bytes) + nb);
-        p.h = make_tensor(type, cols, rows, p.host.data());
-        void *dp = gpu_->alloc(nb);
-        dev_.push_back(dp);
-        p.d = make_tensor(type, cols, rows, dp);
-        if (nb) gpu_->upload(p.d, bytes);
-        return p;
-    }
-    pair_t make_f32(int64_t cols, int64_t rows, const std::vector<float> &v) { return make(dtype::f32, cols, rows, v.data()); }
-    pair_t out_f32(int64_t cols, int64_t rows) {
-        return make_f32(cols, rows, std::vector<float>(static_cast<size_t>(cols * rows), std::nanf("")));
-    }
-    std::vector<float> down(const tensor &d) {
-        std::vector<float> v(static_cast<size_t>(d.ne[0] * d.ne[1]));
-        gpu_->download(d, v.data());
-        return v;
-    }
-    static std::vector<float> hostv(const pair_t &p) {
-        const float *f = reinterpret_cast<const float *>(p.host.data());
-        return std::vector<float>(f, f + p.h.ne[0] * p.h.ne[1]);
-    }
     // A K or V cache [hd, n_head_kv * n_ctx] of random values; positions no query of c may read
     // (>= n_past + n_tok; < n_past - window + 1 with a window) hold NaN.
     pair_t cache(const attn_case &c) {
@@ -117,18 +79,7 @@ class CudaDenseAttn : public cuda_test::cuda_device_test {
             }
         return make(dtype::f16, c.hd, rows, b.data());
     }
-    static attn_params params(const attn_case &c) {
-        attn_params p;
-        p.n_head = c.n_head;
-        p.n_head_kv = c.n_head_kv;
-        p.head_dim = c.hd;
-        p.n_ctx = c.n_ctx;
-        p.n_past = c.n_past;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(c.hd));
-        p.softcap = c.softcap;
-        p.window = c.window;
-        return p;
-    }
+    static attn_params params(const attn_case &c) { return cuda_test::attn_params_of(c); }
     // Largest per-(token, head) relative L2 error of got against ref, rows [0, n_tok) of n_head heads.
     static double worst_row(const std::vector<float> &got, const std::vector<float> &ref, int64_t n_tok, int32_t n_head,
                             int32_t hd) {
@@ -153,9 +104,6 @@ class CudaDenseAttn : public cuda_test::cuda_device_test {
         return worst_row(down(o.d), hostv(o), c.n_tok, c.n_head, c.hd);
     }
 
-    std::unique_ptr<backend> exact_;
-    std::unique_ptr<cuda_backend_api> gpu_;
-    std::vector<void *> dev_;
     std::mt19937 rng_{4321};
 };
 

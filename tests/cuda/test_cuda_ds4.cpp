@@ -353,17 +353,6 @@ using cuda_test::host_matrix;
 
 class CudaDs4Moe : public CudaDs4 {
 protected:
-    cd::expert_bank dev_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
-        cd::expert_bank e;
-        e.type = t;
-        e.data = up(b);
-        e.row_bytes = dtype_row_bytes(t, cols);
-        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
-        e.n_expert = n;
-        e.rows = rows;
-        e.cols = cols;
-        return e;
-    }
     // D x F experts (E of them, k used), gate/up of type tgu, down tdn, shared expert tsh.
     void build(moe_fixture &m, int64_t D, int64_t F, int E, int k, dtype tgu, dtype tdn, dtype tsh, bool hash) {
         auto &hp = m.hp;
@@ -851,25 +840,13 @@ TEST_F(CudaDs4, BenchExpertGemvBandwidth) {
     float *x_d = up(randn(static_cast<size_t>(D), rng_));
     float *h_d = dev<float>(static_cast<size_t>(T * (k + 1) * F));
     float *y_d = dev<float>(static_cast<size_t>(T * D));
-    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
-        cd::expert_bank b;
-        b.type = t;
-        b.row_bytes = dtype_row_bytes(t, cols);
-        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
-        b.n_expert = n;
-        b.rows = rows;
-        b.cols = cols;
-        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
-        void *p = raw(bytes);
-        cd::launch_fill_random(p, bytes, seed, s_);
-        b.data = p;
-        return b;
-    };
     std::printf("  %-46s %10s %10s %9s %7s | %s\n", "mix", "MB/token", "us/token", "GB/s", "%copy",
                 "gate+up routed / down routed (GB/s)");
     for (const mix_t &mx : mixes) {
-        const auto g = bank(mx.gu, F, D, E, 1), u = bank(mx.gu, F, D, E, 2), dn = bank(mx.dn, D, F, E, 3);
-        const auto gs = bank(mx.sh, F, D, 1, 4), us = bank(mx.sh, F, D, 1, 5), ds = bank(mx.sh, D, F, 1, 6);
+        const auto g = random_bank(mx.gu, F, D, E, 1), u = random_bank(mx.gu, F, D, E, 2),
+                   dn = random_bank(mx.dn, D, F, E, 3);
+        const auto gs = random_bank(mx.sh, F, D, 1, 4), us = random_bank(mx.sh, F, D, 1, 5),
+                   ds = random_bank(mx.sh, D, F, 1, 6);
         CK(cudaStreamSynchronize(s_));
         // part 0: whole MoE expert work; 1: routed gate/up only; 2: routed down only
         float ms[3];
@@ -920,43 +897,8 @@ TEST_F(CudaDs4, BenchMoeFfnPerToken) {
     int dev_id = 0;
     cudaGetDevice(&dev_id);
     const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
-    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
-        cd::expert_bank b;
-        b.type = t;
-        b.row_bytes = dtype_row_bytes(t, cols);
-        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
-        b.n_expert = n;
-        b.rows = rows;
-        b.cols = cols;
-        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
-        void *p = raw(bytes);
-        cd::launch_fill_random(p, bytes, seed, s_);
-        b.data = p;
-        return b;
-    };
-    cd::moe_layer l;
-    std::vector<uint16_t> router(static_cast<size_t>(E * D));
-    for (auto &v : router) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.03f)(rng_));
-    l.gate_inp_type = dtype::f16;
-    l.gate_inp = up(router);
-    l.gate_inp_row_bytes = static_cast<size_t>(D) * 2;
-    l.exp_bias = up(randn(static_cast<size_t>(E), rng_, 0.1f));
-    l.n_expert = E;
-    l.n_used = k;
-    l.weights_scale = 1.5f;
-    l.clamp = 10.0f;
-    l.clamp_sh = 10.0f;
-    l.gate = bank(dtype::iq2_xxs, F, D, E, 11);
-    l.up = bank(dtype::iq2_xxs, F, D, E, 12);
-    l.down = bank(dtype::q2_k, D, F, E, 13);
-    l.gate_sh = bank(dtype::q8_0, F, D, 1, 14);
-    l.up_sh = bank(dtype::q8_0, F, D, 1, 15);
-    l.down_sh = bank(dtype::q8_0, D, F, 1, 16);
-    cd::moe_scratch sc;
-    sc.logits = dev<float>(E);
-    sc.ids = dev<int32_t>(k);
-    sc.weights = dev<float>(k);
-    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    const cd::moe_layer l = cuda_test::random_q2_moe_layer(*this, rng_, D, F, E, k, 10);
+    const cd::moe_scratch sc = dev_moe_scratch(E, k, F);
     float *x_d = up(randn(static_cast<size_t>(T * D), rng_));
     float *y_d = dev<float>(static_cast<size_t>(T * D));
     int32_t *tok = dev<int32_t>(1);

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
@@ -27,8 +26,8 @@
 
 #include "backend/cuda/ds4_model.h"
 #include "models/deepseek4.h"
-#include "models/deepseek4_synth.h"
 #include "cuda_test_util.h"
+#include "ds4_host_util.h"
 
 namespace fathom {
 namespace {
@@ -37,19 +36,7 @@ using CudaDs4Branches = cuda_test::cuda_device_test;
 
 // The layout of test_cuda_ds4_model.cpp's quantised model (its own file: suites may run in parallel).
 const std::string &branch_model_path() {
-    static const std::string path = [] {
-        ds4::hparams hp = ds4::synth_preset("tiny");
-        hp.n_embd = 256;
-        hp.n_ff_exp = 256;
-        hp.n_layer = 5;  // ratios 0, 0, 4, 128, 4
-        ds4::synth_fix_layers(hp, 1.5f);
-        ds4::synth_options o;
-        o.mix = "q2";
-        o.seed = 7;
-        const std::string p = (std::filesystem::temp_directory_path() / "fathom_cuda_ds4_branches_q2.gguf").string();
-        ds4::synth_write(p, hp, o);
-        return p;
-    }();
+    static const std::string path = cuda_test::write_quant_tiny_model("fathom_cuda_ds4_branches_q2.gguf");
     return path;
 }
 

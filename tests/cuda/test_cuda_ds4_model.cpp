@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <numeric>
 #include <tuple>
 
@@ -24,8 +23,8 @@
 #include "backend/cuda/ds4_model.h"
 #include "ds4/golden_util.h"
 #include "models/deepseek4.h"
-#include "models/deepseek4_synth.h"
 #include "cuda_test_util.h"
+#include "ds4_host_util.h"
 
 namespace fathom {
 namespace {
@@ -88,19 +87,7 @@ TEST_F(CudaDs4Model, GoldenTinyChunkedPrefill) {
 
 // A quantised synthetic model with the ds4-tiny layout but 256-wide rows (IQ2_XXS / Q2_K blocks).
 const std::string &quant_model_path() {
-    static const std::string path = [] {
-        ds4::hparams hp = ds4::synth_preset("tiny");
-        hp.n_embd = 256;
-        hp.n_ff_exp = 256;
-        hp.n_layer = 5;  // ratios 0, 0, 4, 128, 4
-        ds4::synth_fix_layers(hp, 1.5f);
-        ds4::synth_options o;
-        o.mix = "q2";
-        o.seed = 7;
-        const std::string p = (std::filesystem::temp_directory_path() / "fathom_cuda_ds4_q2.gguf").string();
-        ds4::synth_write(p, hp, o);
-        return p;
-    }();
+    static const std::string path = cuda_test::write_quant_tiny_model("fathom_cuda_ds4_q2.gguf");
     return path;
 }
 

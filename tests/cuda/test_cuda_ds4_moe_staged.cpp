@@ -101,17 +101,6 @@ class CudaDs4MoeStaged : public cuda_test::cuda_fixture {
         cudaMemset(err_, 0, 4);
         return e;
     }
-    cd::expert_bank bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
-        cd::expert_bank e;
-        e.type = t;
-        e.data = up(b);
-        e.row_bytes = dtype_row_bytes(t, cols);
-        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
-        e.n_expert = n;
-        e.rows = rows;
-        e.cols = cols;
-        return e;
-    }
 
     uint32_t *err_ = nullptr;
     int mode0_ = 1;
@@ -158,8 +147,8 @@ TEST_F(CudaDs4MoeStaged, GateUpRoutedBitExact) {
     };
     for (const auto &c : cases) {
         SCOPED_TRACE(std::string(dtype_name(c.t)) + " D " + std::to_string(c.D) + " F " + std::to_string(c.F));
-        const auto g = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
-        const auto u = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+        const auto g = dev_bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+        const auto u = dev_bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
         std::vector<int32_t> ids = c.ids;
         if (ids.empty()) {
             std::vector<int32_t> p(static_cast<size_t>(c.E));
@@ -195,8 +184,8 @@ TEST_F(CudaDs4MoeStaged, GateUpRoutedBitExact) {
 // the direct kernel; the other slots are computed.
 TEST_F(CudaDs4MoeStaged, GateUpBadIdsFlagged) {
     const gu_case c{dtype::iq2_xxs, 2048, 100, 4, 5, 0, true, true, {}};
-    const auto g = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
-    const auto u = bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+    const auto g = dev_bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
+    const auto u = dev_bank(c.t, rand_rows(c.t, c.D, c.F * c.E, rng_()), c.F, c.D, c.E);
     const std::vector<int32_t> ids = {1, 4, 2, -1, 1};
     const int32_t *ids_d = up(ids);
     const float *wts_d = up(randn(5, rng_, 0.5f));
@@ -239,7 +228,7 @@ TEST_F(CudaDs4MoeStaged, DownRoutedBitExact) {
     for (const auto &c : cases) {
         SCOPED_TRACE(std::string(dtype_name(c.t)) + " rows " + std::to_string(c.rows));
         const int n_slot = c.ids.empty() ? 5 : static_cast<int>(c.ids.size());
-        const auto d = bank(c.t, rand_rows(c.t, c.F, c.rows * c.E, rng_()), c.rows, c.F, c.E);
+        const auto d = dev_bank(c.t, rand_rows(c.t, c.F, c.rows * c.E, rng_()), c.rows, c.F, c.E);
         const int32_t *ids_d = c.ids.empty() ? nullptr : up(c.ids);
         const float *h = up(randn(static_cast<size_t>((c.s0 + n_slot) * c.F), rng_));
         const auto y0 = randn(static_cast<size_t>(c.rows), rng_);
@@ -288,15 +277,7 @@ ffn_layer make_layer(CudaDs4MoeStaged &f, std::mt19937 &rng, int64_t D, int64_t 
     m.F = F;
     auto &l = m.l;
     auto mk = [&](dtype t, int64_t rows, int64_t cols, int64_t n) {
-        cd::expert_bank b;
-        b.type = t;
-        b.data = f.up(rand_rows(t, cols, rows * n, rng()));
-        b.row_bytes = dtype_row_bytes(t, cols);
-        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
-        b.n_expert = n;
-        b.rows = rows;
-        b.cols = cols;
-        return b;
+        return f.dev_bank(t, rand_rows(t, cols, rows * n, rng()), rows, cols, n);
     };
     l.gate_inp_type = dtype::f32;
     l.gate_inp = f.up(randn(static_cast<size_t>(E * D), rng, 2.0f / std::sqrt(static_cast<float>(D))));
@@ -362,11 +343,7 @@ TEST_F(CudaDs4MoeStaged, FfnBitExact) {
         std::vector<int32_t> tid2eid(static_cast<size_t>(n_vocab * c.k));
         for (auto &e : tid2eid) e = static_cast<int32_t>(rng_() % c.E);
         const auto m = make_layer(*this, rng_, c.D, c.F, c.E, c.k, c.tgu, c.tdn, c.tsh, c.hash, tid2eid, n_vocab);
-        cd::moe_scratch sc;
-        sc.logits = dev<float>(static_cast<size_t>(c.E));
-        sc.ids = dev<int32_t>(static_cast<size_t>(c.k));
-        sc.weights = dev<float>(static_cast<size_t>(c.k));
-        sc.h = dev<float>(static_cast<size_t>((c.k + 1) * c.F));
+        const cd::moe_scratch sc = dev_moe_scratch(c.E, c.k, c.F);
         float *y = dev<float>(static_cast<size_t>(c.D));
         const float *x = up(randn(static_cast<size_t>(c.D), rng_));
         const int32_t *tok = up(std::vector<int32_t>{3});
@@ -399,11 +376,7 @@ TEST_F(CudaDs4MoeStaged, GraphReplayIdsChange) {
     tid2eid[static_cast<size_t>(3 * k + 2)] = E;                          // token 3: an id out of range
     const auto m = make_layer(*this, rng_, D, F, E, k, dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, true, tid2eid,
                               n_vocab);
-    cd::moe_scratch sc;
-    sc.logits = dev<float>(E);
-    sc.ids = dev<int32_t>(k);
-    sc.weights = dev<float>(k);
-    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    const cd::moe_scratch sc = dev_moe_scratch(E, k, F);
     float *y = dev<float>(static_cast<size_t>(D));
     const float *x = up(randn(static_cast<size_t>(D), rng_));
     int32_t *tok = dev<int32_t>(1);
@@ -453,47 +426,10 @@ TEST_F(CudaDs4MoeStaged, BenchStagedGateUp) {
     if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
     const int64_t D = 4096, F = 2048;
     const int E = 256, k = 6, L = 8, T = 64, reps = 9;
-    auto bank_of = [&](dtype t, int64_t rows, int64_t cols, int64_t n, uint64_t seed) {
-        cd::expert_bank b;
-        b.type = t;
-        b.row_bytes = dtype_row_bytes(t, cols);
-        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
-        b.n_expert = n;
-        b.rows = rows;
-        b.cols = cols;
-        const size_t bytes = (b.expert_bytes * static_cast<size_t>(n) + 7) / 8 * 8;
-        void *p = raw(bytes);
-        cd::launch_fill_random(p, bytes, seed, s_);  // timing only: scales may be NaN
-        b.data = p;
-        return b;
-    };
-    std::vector<cd::moe_layer> layers(L);
-    for (int i = 0; i < L; ++i) {
-        auto &l = layers[static_cast<size_t>(i)];
-        std::vector<uint16_t> router(static_cast<size_t>(E * D));
-        for (auto &v : router) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.03f)(rng_));
-        l.gate_inp_type = dtype::f16;
-        l.gate_inp = up(router);
-        l.gate_inp_row_bytes = static_cast<size_t>(D) * 2;
-        l.exp_bias = up(randn(static_cast<size_t>(E), rng_, 0.1f));
-        l.n_expert = E;
-        l.n_used = k;
-        l.weights_scale = 1.5f;
-        l.clamp = 10.0f;
-        l.clamp_sh = 10.0f;
-        const uint64_t sd = 100 + 10 * static_cast<uint64_t>(i);
-        l.gate = bank_of(dtype::iq2_xxs, F, D, E, sd + 1);
-        l.up = bank_of(dtype::iq2_xxs, F, D, E, sd + 2);
-        l.down = bank_of(dtype::q2_k, D, F, E, sd + 3);
-        l.gate_sh = bank_of(dtype::q8_0, F, D, 1, sd + 4);
-        l.up_sh = bank_of(dtype::q8_0, F, D, 1, sd + 5);
-        l.down_sh = bank_of(dtype::q8_0, D, F, 1, sd + 6);
-    }
-    cd::moe_scratch sc;
-    sc.logits = dev<float>(E);
-    sc.ids = dev<int32_t>(k);
-    sc.weights = dev<float>(k);
-    sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+    std::vector<cd::moe_layer> layers;  // banks of random words (timing only: scales may be NaN)
+    for (int i = 0; i < L; ++i)
+        layers.push_back(cuda_test::random_q2_moe_layer(*this, rng_, D, F, E, k, 100 + 10 * static_cast<uint64_t>(i)));
+    const cd::moe_scratch sc = dev_moe_scratch(E, k, F);
     float *x_d = up(randn(static_cast<size_t>(T * D), rng_));
     float *y_d = dev<float>(static_cast<size_t>(T * D));
     int32_t *tok = dev<int32_t>(1);

@@ -184,17 +184,6 @@ class CudaDs4PrefillMm : public cuda_test::cuda_fixture {
         d.w.fast = &d.fast;
     }
     std::vector<float> filled(size_t n, float v) { return std::vector<float>(n, v); }
-    cd::expert_bank dev_bank(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols, int64_t n) {
-        cd::expert_bank e;
-        e.type = t;
-        e.data = up(b);
-        e.row_bytes = dtype_row_bytes(t, cols);
-        e.expert_bytes = e.row_bytes * static_cast<size_t>(rows);
-        e.n_expert = n;
-        e.rows = rows;
-        e.cols = cols;
-        return e;
-    }
     void build(moe_model &m, const moe_case &c) {
         const int64_t D = c.D, F = c.F;
         const int E = c.E, k = c.k;
@@ -260,11 +249,7 @@ class CudaDs4PrefillMm : public cuda_test::cuda_fixture {
     std::vector<float> decode_chain(const moe_model &m, const float *xd, const int32_t *tok_d, int64_t n_tok) {
         const int64_t D = m.hp.n_embd, F = m.hp.n_ff_exp;
         const int E = m.hp.n_expert, k = m.hp.n_expert_used;
-        cd::moe_scratch sc;
-        sc.logits = dev<float>(static_cast<size_t>(E));
-        sc.ids = dev<int32_t>(static_cast<size_t>(k));
-        sc.weights = dev<float>(static_cast<size_t>(k));
-        sc.h = dev<float>(static_cast<size_t>((k + 1) * F));
+        const cd::moe_scratch sc = dev_moe_scratch(E, k, F);
         float *y = poisoned(static_cast<size_t>(n_tok * D));
         for (int64_t t = 0; t < n_tok; ++t) cd::launch_moe_ffn(m.d, xd + t * D, tok_d + t, sc, y + t * D, err_, s_);
         return down(y, static_cast<size_t>(n_tok * D));
@@ -585,20 +570,7 @@ TEST_F(CudaDs4PrefillMm, BenchMoeFlashChunk) {
     const int64_t D = 4096, F = 2048;
     const int E = 256, k = 6;
     uint64_t seed = 1;
-    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n) {
-        cd::expert_bank b;
-        b.type = t;
-        b.row_bytes = dtype_row_bytes(t, cols);
-        b.expert_bytes = b.row_bytes * static_cast<size_t>(rows);
-        b.n_expert = n;
-        b.rows = rows;
-        b.cols = cols;
-        const size_t bytes = b.expert_bytes * static_cast<size_t>(n);
-        void *p = raw(bytes);
-        cd::launch_fill_random(p, bytes / 8 * 8, seed++, s_);
-        b.data = p;
-        return b;
-    };
+    auto bank = [&](dtype t, int64_t rows, int64_t cols, int64_t n) { return random_bank(t, rows, cols, n, seed++); };
     cd::moe_layer l;
     const auto router = randn(static_cast<size_t>(E * D), rng_, 2.0f / std::sqrt(static_cast<float>(D)));
     l.gate_inp_type = dtype::f32;

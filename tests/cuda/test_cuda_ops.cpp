@@ -15,71 +15,22 @@
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "cuda_test_util.h"
 
 namespace fathom {
 namespace {
 
-double rel_l2(const std::vector<float> &a, const std::vector<float> &b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        const double d = static_cast<double>(a[i]) - b[i];
-        num += d * d;
-        den += static_cast<double>(b[i]) * b[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-30));
-}
+using cuda_test::randn;
+using cuda_test::rel_l2;
+using pair_t = cuda_test::tensor_pair;
 
-std::vector<float> randn(size_t n, std::mt19937 &rng, float sd = 1.0f) {
-    std::normal_distribution<float> nd(0.0f, sd);
-    std::vector<float> v(n);
-    for (auto &x : v) x = nd(rng);
-    return v;
-}
-
-// A host buffer and its CUDA twin, both holding the same tensor.
-struct pair_t {
-    std::vector<uint8_t> host;
-    tensor h, d;
-};
-
-class CudaOps : public ::testing::Test {
+// The exact-mode pair fixture plus the CPU backend's default mode (cpu_) and an RNG.
+class CudaOps : public cuda_test::cuda_backend_pair_test {
 protected:
     void SetUp() override {
-        if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+        cuda_backend_pair_test::SetUp();
+        if (IsSkipped()) return;
         cpu_ = make_cpu_backend({.n_threads = 2});
-        exact_ = make_cpu_backend({.n_threads = 2, .exact = true});
-        gpu_ = make_cuda_backend({});
-    }
-    void TearDown() override {
-        if (gpu_)
-            for (void *p : dev_) gpu_->release(p);
-    }
-    // Tensor of `type` [rows x cols] with the given raw bytes on both backends.
-    pair_t make(dtype type, int64_t cols, int64_t rows, const void *bytes) {
-        pair_t p;
-        const size_t nb = dtype_row_bytes(type, cols) * static_cast<size_t>(rows);
-        p.host.assign(static_cast<const uint8_t *>(bytes), static_cast<const uint8_t *>(bytes) + nb);
-        p.h = make_tensor(type, cols, rows, p.host.data());
-        void *dp = gpu_->alloc(nb);
-        dev_.push_back(dp);
-        p.d = make_tensor(type, cols, rows, dp);
-        if (nb) gpu_->upload(p.d, bytes);
-        return p;
-    }
-    pair_t make_f32(int64_t cols, int64_t rows, const std::vector<float> &v) { return make(dtype::f32, cols, rows, v.data()); }
-    // A poisoned f32 output pair.
-    pair_t out_f32(int64_t cols, int64_t rows) {
-        std::vector<float> nan(static_cast<size_t>(cols * rows), std::nanf(""));
-        return make_f32(cols, rows, nan);
-    }
-    std::vector<float> down(const tensor &d) {
-        std::vector<float> v(static_cast<size_t>(d.ne[0] * d.ne[1]));
-        gpu_->download(d, v.data());
-        return v;
-    }
-    static std::vector<float> hostv(const pair_t &p) {
-        const float *f = reinterpret_cast<const float *>(p.host.data());
-        return std::vector<float>(f, f + p.h.ne[0] * p.h.ne[1]);
     }
     // Quantise random weights [rows x cols] to `type` with the reference quantiser.
     std::vector<uint8_t> quant(dtype type, int64_t cols, int64_t rows, std::mt19937 &rng) {
@@ -90,9 +41,7 @@ protected:
         return q;
     }
 
-    std::unique_ptr<backend> cpu_, exact_;
-    std::unique_ptr<cuda_backend_api> gpu_;
-    std::vector<void *> dev_;
+    std::unique_ptr<backend> cpu_;
     std::mt19937 rng_{1234};
 };
 
@@ -285,15 +234,7 @@ TEST_F(CudaOps, KvStoreAndAttention) {
             std::vector<uint8_t> kdev(kc.host.size());
             gpu_->download(kc.d, kdev.data());
             EXPECT_EQ(std::memcmp(kdev.data(), kc.host.data(), kdev.size()), 0);
-            attn_params p;
-            p.n_head = c.n_head;
-            p.n_head_kv = c.n_head_kv;
-            p.head_dim = c.hd;
-            p.n_ctx = c.n_ctx;
-            p.n_past = c.n_past;
-            p.scale = 1.0f / std::sqrt(static_cast<float>(c.hd));
-            p.softcap = c.softcap;
-            p.window = c.window;
+            const attn_params p = cuda_test::attn_params_of(c);
             const int64_t qw = static_cast<int64_t>(c.n_head) * c.hd;
             auto q = make_f32(qw, c.n_tok, randn(static_cast<size_t>(qw * c.n_tok), rng_, 2.0f));
             auto o = out_f32(qw, c.n_tok);

@@ -40,13 +40,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_mma.cuh"
+#include "backend/cuda/cuda_smem.cuh"
 #include "core/error.h"
 
 namespace fathom::cuda {
@@ -86,22 +86,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }
-// Four 8x8 f16 matrices; lane l gives the address of row l % 8 of matrix l / 8; register i = matrix i
-// (lane l holds row l / 4, columns 2 (l % 4), + 1; with .trans the transposed matrix's).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __half *p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-#endif
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __half *p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-#endif
-}
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<const uint32_t *>(&h); }
 // (a, b) -> f16 pairs hi = (f16(a), f16(b)) and lo = the rounding residuals; a in the low half.
 __device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint32_t &lo) {
@@ -138,10 +122,7 @@ __device__ __forceinline__ void tile_step(const __half *sqh, const __half *sql, 
         for (int np = 0; np < kK / 16; ++np) {
             uint32_t b[4];
             ldsm_x4(b, kp + 16 * np * LD + 16 * kk);
-            mma_m16n8k16_f16(s[2 * np], ah, b[0], b[1]);
-            mma_m16n8k16_f16(s[2 * np], al, b[0], b[1]);
-            mma_m16n8k16_f16(s[2 * np + 1], ah, b[2], b[3]);
-            mma_m16n8k16_f16(s[2 * np + 1], al, b[2], b[3]);
+            mma_hi_lo_x2(s[2 * np], s[2 * np + 1], ah, al, b);
         }
     }
     float mx[2] = {-INFINITY, -INFINITY};
@@ -177,13 +158,7 @@ __device__ __forceinline__ void tile_step(const __half *sqh, const __half *sql, 
         }
     l[0] = l[0] * corr[0] + ps[0];  // this lane's columns; the quad's lanes are summed at the end
     l[1] = l[1] * corr[1] + ps[1];
-#pragma unroll
-    for (int jd = 0; jd < HD / 8; ++jd) {
-        acc[jd][0] *= corr[0];
-        acc[jd][1] *= corr[0];
-        acc[jd][2] *= corr[1];
-        acc[jd][3] *= corr[1];
-    }
+    mma_scale_rows(acc, corr[0], corr[1]);
     // P as the A operand: k16 step kk = S tiles 2 kk (a0: row g, a1: row g + 8) and 2 kk + 1 (a2, a3).
     // V (rows = keys) through ldmatrix.trans: matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15) ->
     // b0, b1 of dim tile 2 dp, b0, b1 of dim tile 2 dp + 1.
@@ -199,10 +174,7 @@ __device__ __forceinline__ void tile_step(const __half *sqh, const __half *sql, 
         for (int dp = 0; dp < HD / 16; ++dp) {
             uint32_t b[4];
             ldsm_x4_trans(b, vp + 16 * kk * LD + 16 * dp);
-            mma_m16n8k16_f16(acc[2 * dp], ph, b[0], b[1]);
-            mma_m16n8k16_f16(acc[2 * dp], pl, b[0], b[1]);
-            mma_m16n8k16_f16(acc[2 * dp + 1], ph, b[2], b[3]);
-            mma_m16n8k16_f16(acc[2 * dp + 1], pl, b[2], b[3]);
+            mma_hi_lo_x2(acc[2 * dp], acc[2 * dp + 1], ph, pl, b);
         }
     }
 }
@@ -349,25 +321,16 @@ void launch_hd(const float *q, int64_t ldq, int64_t n_tok, const void *k, const 
                const attn_args &a, const int64_t *pos_base, float *out, int64_t ldo, uint32_t *err, float *part,
                int n_split, cudaStream_t s) {
     const size_t smem = smem_bytes(HD);
-    // The shared-memory opt-in once per device (devices 0..31; others every call): a launch inside a
-    // graph capture then issues no attribute call.
-    static std::atomic<uint32_t> opted_in{0};
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    const uint32_t bit = e == cudaSuccess && dev >= 0 && dev < 32 ? 1u << dev : 0u;
-    if (!bit || !(opted_in.load() & bit)) {
-        e = cudaFuncSetAttribute(attn_mma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
-        if (e != cudaSuccess)
-            throw error(std::string("cuda attention (tensor cores): shared memory: ") + cudaGetErrorString(e));
-        opted_in.fetch_or(bit);
-    }
+    // the opt-in once per device (cuda_smem.cuh): a launch inside a graph capture issues no attribute call
+    if (!smem_opt_in<attn_mma_kernel<HD>>(smem))
+        throw error("cuda attention (tensor cores): " + std::to_string(smem) +
+                    " bytes of shared memory exceed the device's limit");
     const dim3 grid(static_cast<unsigned>(a.n_head), static_cast<unsigned>((n_tok + kQ - 1) / kQ),
                     static_cast<unsigned>(n_split));
     attn_mma_kernel<HD><<<grid, kThreads, smem, s>>>(q, ldq, n_tok, static_cast<const uint8_t *>(k),
                                                      static_cast<const uint8_t *>(v), kvs, a, pos_base, out, ldo,
                                                      part, err);
-    e = cudaGetLastError();
+    const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) throw error(std::string("cuda attention (tensor cores): launch failed: ") + cudaGetErrorString(e));
 }
 

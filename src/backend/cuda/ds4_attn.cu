@@ -33,13 +33,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <string>
 #include <type_traits>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_mma.cuh"
+#include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
@@ -440,6 +440,18 @@ __host__ __device__ __forceinline__ int64_t attn_rps(int64_t n, int n_split) {
     return (rps + kTileRows - 1) / kTileRows * kTileRows;
 }
 
+// This block's split (blockIdx.x) of the token's rows sp: rows [r0, r1); r0 >= r1 for an idle split
+// (the caller returns: block-uniform, and the combine does not read it).
+struct attn_split_rows {
+    int64_t r0, r1;
+};
+__device__ __forceinline__ attn_split_rows attn_split_at(const attn_span &sp, int n_split) {
+    const int64_t n_tot = sp.n_raw + sp.n_comp;
+    const int64_t rps = attn_rps(n_tot, n_split);
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rps;
+    return {r0, r0 + rps < n_tot ? r0 + rps : n_tot};
+}
+
 // Row t of the candidate list: its bytes and whether it is f16.
 __device__ __forceinline__ const uint8_t *attn_row(const attn_geom &g, const attn_span &sp, int64_t t,
                                                    bool &f16) {
@@ -464,11 +476,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128
     const int d = g.d, np = d / 64, hp = d / 2;
     const int h0 = blockIdx.y * kHeadsPerBlock;
     const attn_span sp = attn_span_at(g, *pos);
-    const int64_t n_tot = sp.n_raw + sp.n_comp;
-    const int64_t rps = attn_rps(n_tot, g.n_split);
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rps;
-    if (r0 >= n_tot) return;  // block-uniform: an idle split (the combine does not read it)
-    const int64_t r1 = r0 + rps < n_tot ? r0 + rps : n_tot;
+    const auto [r0, r1] = attn_split_at(sp, g.n_split);
+    if (r0 >= r1) return;  // block-uniform: an idle split (the combine does not read it)
     float qr[kHeadsPerWarp][kMaxP][2], acc[kHeadsPerWarp][kMaxP][2], m[kHeadsPerWarp], l[kHeadsPerWarp];
 #pragma unroll
     for (int hh = 0; hh < kHeadsPerWarp; ++hh) {
@@ -745,30 +754,6 @@ __host__ __device__ __forceinline__ mma_smem mma_smem_layout(int d) {
     return m;
 }
 
-// ldmatrix .x4 (.trans): lane l supplies the address of row l % 8 of 8x8 matrix l / 8 (16 bytes,
-// 16-byte aligned); r[i] = matrix i's pair (row lane / 4, cols 2 (lane % 4), + 1), or with .trans
-// (rows 2 (lane % 4), + 1 at col lane / 4). sm_80+ only, as the MMA (never launched before).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __half *p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-#else
-    r[0] = r[1] = r[2] = r[3] = 0u * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
-#endif
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const __half *p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-#else
-    r[0] = r[1] = r[2] = r[3] = 0u * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
-#endif
-}
-
 // (a, b) -> f16 hi pair at hi, f16 lo pair (a - hi(a), b - hi(b): exact in f32) at lo.
 __device__ __forceinline__ void put_hi_lo(__half *hi, __half *lo, float a, float b) {
     const __half ah = __float2half_rn(a), bh = __float2half_rn(b);
@@ -873,11 +858,8 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     const int hs = tid >> 3, rq = tid & 7;                               // softmax: head, row quad
     const int h0 = blockIdx.y * kMmaHeads;
     const attn_span sp = attn_span_at(g, *pos);
-    const int64_t n_tot = sp.n_raw + sp.n_comp;
-    const int64_t rps = attn_rps(n_tot, g.n_split);
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rps;
-    if (r0 >= n_tot) return;  // block-uniform: an idle split (the combine does not read it)
-    const int64_t r1 = r0 + rps < n_tot ? r0 + rps : n_tot;
+    const auto [r0, r1] = attn_split_at(sp, g.n_split);
+    if (r0 >= r1) return;  // block-uniform: an idle split (the combine does not read it)
     // the first tile's rows (in flight during the q staging on the cp.async path), then q
     mma_stage_rows<V>(g, sp, r0, static_cast<int>(r1 - r0 < kMmaRows ? r1 - r0 : kMmaRows), ks, ldk);
     mma_stage_q(q, g.n_head, d, h0, qh, ql, ldk);
@@ -907,10 +889,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
                 for (int np = 0; np < 2; ++np) {  // n8 tiles 2 np (b[0], b[1]) and 2 np + 1 (b[2], b[3])
                     uint32_t b[4];
                     ldsm_x4(b, ks + (16 * np + lr + 8 * (li >> 1)) * ldk + k0 + 8 * (li & 1));
-                    mma_m16n8k16_f16(sc[2 * np], ah, b[0], b[1]);
-                    mma_m16n8k16_f16(sc[2 * np], al, b[0], b[1]);
-                    mma_m16n8k16_f16(sc[2 * np + 1], ah, b[2], b[3]);
-                    mma_m16n8k16_f16(sc[2 * np + 1], al, b[2], b[3]);
+                    mma_hi_lo_x2(sc[2 * np], sc[2 * np + 1], ah, al, b);
                 }
             }
             float *s = sq + static_cast<size_t>(quarter) * kMmaHeads * kMmaSld;
@@ -958,14 +937,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
         }
         __syncthreads();
         {  // acc [head tile mt, dims of `quarter`] = acc * corr + P V
-            const float c_g = corr_s[16 * mt + gq], c_g8 = corr_s[16 * mt + gq + 8];
-#pragma unroll
-            for (int j = 0; j < kMaxD / 32; ++j) {
-                acc[j][0] *= c_g;
-                acc[j][1] *= c_g;
-                acc[j][2] *= c_g8;
-                acc[j][3] *= c_g8;
-            }
+            mma_scale_rows(acc, corr_s[16 * mt + gq], corr_s[16 * mt + gq + 8]);
             const int kk_end = (nt + 15) / 16;  // k16 steps holding valid rows (the rest have p = 0)
             const int dw0 = quarter * dq;
             for (int kk = 0; kk < kk_end; ++kk) {
@@ -979,10 +951,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
                     if (2 * jp < nj) {
                         uint32_t b[4];
                         ldsm_x4_trans(b, v0 + 16 * jp);
-                        mma_m16n8k16_f16(acc[2 * jp], ah, b[0], b[1]);
-                        mma_m16n8k16_f16(acc[2 * jp], al, b[0], b[1]);
-                        mma_m16n8k16_f16(acc[2 * jp + 1], ah, b[2], b[3]);
-                        mma_m16n8k16_f16(acc[2 * jp + 1], al, b[2], b[3]);
+                        mma_hi_lo_x2(acc[2 * jp], acc[2 * jp + 1], ah, al, b);
                     }
             }
         }
@@ -1059,32 +1028,20 @@ void check_qat(qat_kind k, int dim, int n_rot, const char *what) {
 }
 
 // Whether the tensor-core split kernel can run: sm_80+ (mma.m16n8k16, ldmatrix), its shared memory
-// within the device's opt-in limit (both instances' limit raised to it once per device, bit = device
-// id, as ds4_moe.cu does), q 16-byte and part 8-byte aligned (vector loads / stores). The row checks
+// within both instances' dynamic limit (opt-in limit less static shared memory; raised once per
+// device, cuda_smem.cuh), q 16-byte and part 8-byte aligned (vector loads / stores). The row checks
 // (all f16, pair-aligned) are the caller's.
 bool attn_mma_fits(int d, const float *q, const float *part) {
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(part) % 8 != 0) return false;
-    int dev = 0, major = 0, optin = 0;
+    int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
     }
-    if (major < 8 || mma_smem_layout(d).total > static_cast<size_t>(optin)) return false;
-    static std::atomic<uint64_t> raised{0};
-    const uint64_t bit = uint64_t{1} << (dev & 63);
-    if (!(raised.load() & bit)) {
-        if (cudaFuncSetAttribute(attn_split_mma_kernel<uint4>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) !=
-                cudaSuccess ||
-            cudaFuncSetAttribute(attn_split_mma_kernel<uint32_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 optin) != cudaSuccess) {
-            (void)cudaGetLastError();  // the f32 kernel runs instead
-            return false;
-        }
-        raised.fetch_or(bit);
-    }
-    return true;
+    const size_t smem = mma_smem_layout(d).total;  // else the f32 kernel runs instead
+    return major >= 8 && smem_opt_in<attn_split_mma_kernel<uint4>>(smem) &&
+           smem_opt_in<attn_split_mma_kernel<uint32_t>>(smem);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 
 #include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/cuda_mma.cuh"
+#include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
@@ -465,8 +466,7 @@ __global__ void __launch_bounds__(kMmaThreads)
                 const __half *kr = ks + (16 * warp + 8 * j + gq) * ld + k0 + 2 * tq;
                 const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr);
                 const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 8);
-                mma_m16n8k16_f16(sc[j], ah, b0, b1);
-                mma_m16n8k16_f16(sc[j], al, b0, b1);
+                mma_hi_lo(sc[j], ah, al, b0, b1);
             }
         }
         // tile max per head (rows past nt: -inf), merged over the warps
@@ -540,13 +540,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         m_g = mn_g;
         m_g8 = mn_g8;
         // O [16 heads, the warp's dims] = O * corr + P V over the tile's rows
-#pragma unroll
-        for (int j = 0; j < kMaxD / 32; ++j) {
-            acc[j][0] *= corr_g;
-            acc[j][1] *= corr_g;
-            acc[j][2] *= corr_g8;
-            acc[j][3] *= corr_g8;
-        }
+        mma_scale_rows(acc, corr_g, corr_g8);
         const int kk_end = (nt + 15) / 16;  // k16 steps holding valid rows (the rest have p = 0)
         for (int kk = 0; kk < kk_end; ++kk) {
             uint32_t ah[4], al[4];
@@ -559,8 +553,7 @@ __global__ void __launch_bounds__(kMmaThreads)
                     const __half *v = v0 + 8 * j;
                     const uint32_t b0 = pack_halves(v[0], v[ld]);
                     const uint32_t b1 = pack_halves(v[8 * ld], v[9 * ld]);
-                    mma_m16n8k16_f16(acc[j], ah, b0, b1);
-                    mma_m16n8k16_f16(acc[j], al, b0, b1);
+                    mma_hi_lo(acc[j], ah, al, b0, b1);
                 }
         }
     }
@@ -684,11 +677,9 @@ void launch_sparse_sink_attention_batch(const sparse_attn_args &a, const void *c
     if (g.n_split == 1 && all_f16 && mma_supported()) {  // tensor cores (see the path's banner)
         const size_t smem = mma_smem_bytes(a.d);
         static_assert(kMmaHeads == kHeadsPerBlock, "the two paths share the head-group grid");
-        const cudaError_t e =
-            cudaFuncSetAttribute(attn_batch_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
-        if (e != cudaSuccess)
-            throw error(std::string("cuda ds4 attention batch: shared memory: ") + cudaGetErrorString(e));
+        if (!smem_opt_in<attn_batch_mma_kernel>(smem))
+            throw error("cuda ds4 attention batch: " + std::to_string(smem) +
+                        " bytes of shared memory exceed the device's limit");
         auto al16 = [](const void *p, size_t stride) {
             return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 16 == 0;
         };

@@ -310,17 +310,8 @@ int pick_group(int64_t chunks, int64_t rows, int max_loads, double target) {
 
 template <int U>
 void launch_table(const seg_table &t, unsigned blocks, int block, const float *x, cudaStream_t s) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(static_cast<unsigned>(block));
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, gemv_seg_kernel<U>, t, x);
+    const cudaError_t e =
+        launch_pdl(gemv_seg_kernel<U>, dim3(blocks), dim3(static_cast<unsigned>(block)), 0, s, true, t, x);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 gemv: launch failed: ") + cudaGetErrorString(e));
 }
 

@@ -11,11 +11,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_pdl.cuh"
+#include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
@@ -660,12 +660,21 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
         (io.y && (!io.x_new || io.x_new == io.x || !io.post || !io.comb)))
         throw error(what + ": a buffer is missing, or x_new aliases x");
     const float *xin = io.y ? io.x_new : io.x;
-    int dev = 0, optin = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-        throw error(what + ": cannot query the device");
+    auto al16 = [](const void *q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+    const bool f16 = fn_type == dtype::f16, vec = al16(fn) && fn_row_bytes % 16 == 0;
+    // the kernel instance and the dynamic shared memory it may take (opt-in limit less its static part)
+    void (*kernel)(fused_args) = nullptr;
+    size_t limit = 0;
+    auto pick = [&]<bool F16, bool Vec>() {
+        kernel = hc_fused_kernel<F16, Vec>;
+        limit = smem_dynamic_limit<hc_fused_kernel<F16, Vec>>();
+    };
+    if (f16 && vec) pick.template operator()<true, true>();
+    else if (f16) pick.template operator()<true, false>();
+    else if (vec) pick.template operator()<false, true>();
+    else pick.template operator()<false, false>();
     const size_t smem = static_cast<size_t>(n) * sizeof(float);
-    if (smem + 4096 > static_cast<size_t>(optin)) {  // 4 KB: the kernel's static shared memory, with margin
+    if (smem > limit) {  // the n_hc * D state does not fit one block (or the limit could not be raised)
         if (io.y) hc_post_tokens(p.n_hc, p.dim, 1, io.y, io.x, io.post, io.comb, io.x_new, s);
         if (head) launch_hc_head(p, fn_type, fn, fn_row_bytes, base, scale, xin, io.mix, io.out, s);
         else hc_pre_tokens(p, fn_type, fn, fn_row_bytes, base, scale, xin, 1, false, io.mix, io.out, io.post, io.comb, s);
@@ -673,7 +682,6 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
         check_launch("hc rms norm");
         return;
     }
-    auto al16 = [](const void *q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
     fused_args a{};
     a.fn = static_cast<const uint8_t *>(fn);
     a.row_bytes = fn_row_bytes;
@@ -682,29 +690,8 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
     a.D = p.dim, a.n_hc = p.n_hc, a.n_mix = head ? p.n_hc : (2 + p.n_hc) * p.n_hc, a.iters = p.sinkhorn_iters;
     a.hc_eps = p.hc_eps, a.rms_eps = p.rms_eps, a.head = head;
     a.vec4 = p.dim % 4 == 0 && al16(io.x) && (!io.y || (al16(io.y) && al16(io.x_new)));
-    const bool f16 = fn_type == dtype::f16, vec = al16(fn) && fn_row_bytes % 16 == 0;
-    void (*kernel)(fused_args) = f16 ? (vec ? hc_fused_kernel<true, true> : hc_fused_kernel<true, false>)
-                                     : (vec ? hc_fused_kernel<false, true> : hc_fused_kernel<false, false>);
-    // opt in to more than 48 KB of dynamic shared memory, once per kernel and device (bit = device id)
-    static std::atomic<uint64_t> raised[4];
-    std::atomic<uint64_t> &r = raised[(f16 ? 2 : 0) + (vec ? 1 : 0)];
-    const uint64_t bit = uint64_t{1} << (dev & 63);
-    if (smem > 48 * 1024 && !(r.load() & bit)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - 4096) != cudaSuccess)
-            throw error(what + ": cannot raise the shared-memory limit");
-        r.fetch_or(bit);
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(a.n_mix + 1));
-    cfg.blockDim = dim3(kMixThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a);
+    const cudaError_t e =
+        launch_pdl(kernel, dim3(static_cast<unsigned>(a.n_mix + 1)), dim3(kMixThreads), smem, s, true, a);
     if (e != cudaSuccess) throw error(what + ": launch failed: " + cudaGetErrorString(e));
 }
 

@@ -310,8 +310,7 @@ __global__ void __launch_bounds__(256)
                 for (int kk = 0; kk < 8; ++kk) {
                     const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk);
                     const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 16 * kk + 8);
-                    mma_m16n8k16_f16(c, ah[kk], b0, b1);
-                    mma_m16n8k16_f16(c, al[kk], b0, b1);
+                    mma_hi_lo(c, ah[kk], al[kk], b0, b1);
                 }
                 // heads gq (c0, c1) and gq + 8 (c2, c3); columns 8 j + 2 tq, + 1
                 float v0 = __fmul_rn(wg, fmaxf(0.0f, c[0])) + __fmul_rn(wg8, fmaxf(0.0f, c[2]));

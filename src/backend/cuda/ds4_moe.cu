@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "backend/cuda/cuda_pdl.cuh"
+#include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -930,25 +931,18 @@ __device__ __forceinline__ void down_step_rows(const uint8_t *const (&rows)[N][k
     }
 }
 
-template <dtype TR, dtype TS>
-__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a) {
-    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
-    extern __shared__ float4 dyn_smem[];
-    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
-    const uint64_t *grid = stage_grid<need_grid>(sgrid);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int F = static_cast<int>(a.d.cols), units = static_cast<int>(a.d.units), steps = (units + 1) >> 1;
+// The q8 down kernels' part after staging (moe_down_q8_kernel, moe_down_staged_kernel): the warp's
+// rows rb .. rb + n - 1 (n <= kDownRows, warp-uniform; none: return) dotted with every routed slot's
+// staged q8 h row (xs + slot * units) and the shared expert's (xs + n_slot * units; its rows in
+// global memory); y[rb + i] = (accumulate ? y : 0) + warp_sum. routed_row(s, e, i): row rb + i of
+// slot s's expert e (id in range). Per-lane sums run over steps, then routed slot groups in order,
+// then the shared expert, so both kernels produce the same bits.
+template <dtype TR, dtype TS, class RoutedRow>
+__device__ __forceinline__ void down_rows_q8(const down_args &a, const ds4q::q8_blk *xs, int rb, int lane,
+                                             const uint64_t *grid, RoutedRow routed_row) {
+    const int units = static_cast<int>(a.d.units), steps = (units + 1) >> 1;
     const bool shared = a.ds.data != nullptr;
-    const int n_slot = a.n_slot, n_rows = n_slot + (shared ? 1 : 0);
-    down_prefetch(a, n_rows, warp, lane);
-    // PDL: h, y and the ids used below come after the preceding kernel has completed.
-    pdl_wait();
-    const int s0 = a.s0, s_sh = a.s_sh;
-    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
-    stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units, xs);
-    down_check_ids(a);
-    __syncthreads();
-    const int rb = static_cast<int>(blockIdx.x) * (kWarps * kDownRows) + kDownRows * warp;
+    const int n_slot = a.n_slot;
     const int n = min(kDownRows, static_cast<int>(a.d.rows) - rb);  // rows of this warp (warp-uniform)
     if (n <= 0) return;
     float acc[kDownRows];
@@ -967,7 +961,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a
                 ok[j] = e >= 0 && e < a.d.n_expert;
                 xb[j] = xs + s * units;
 #pragma unroll
-                for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? row_ptr(a.d, e, rb + i) : nullptr;
+                for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? routed_row(s, e, i) : nullptr;
             }
             down_step_rows<TR, G>(rows, ok, xb, n, U, units, grid, acc);
         }
@@ -986,6 +980,33 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a
         const float total = warp_sum(acc[i]);
         if (lane == 0) a.y[rb + i] = (a.accumulate ? a.y[rb + i] : 0.0f) + total;
     }
+}
+
+// The q8 down kernels' h staging: rows s0 .. s0 + n_slot - 1 and, with a shared expert, s_sh of h
+// quantised into xs (n_rows x units q8 blocks), then the ids checked. The caller syncs.
+__device__ __forceinline__ void down_stage_h(const down_args &a, ds4q::q8_blk *xs) {
+    const int F = static_cast<int>(a.d.cols), units = static_cast<int>(a.d.units);
+    const int n_slot = a.n_slot, n_rows = n_slot + (a.ds.data != nullptr ? 1 : 0);
+    const int s0 = a.s0, s_sh = a.s_sh;
+    stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units, xs);
+    down_check_ids(a);
+}
+
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_q8_kernel(down_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    down_prefetch(a, a.n_slot + (a.ds.data != nullptr ? 1 : 0), warp, lane);
+    // PDL: h, y and the ids used below come after the preceding kernel has completed.
+    pdl_wait();
+    ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
+    down_stage_h(a, xs);
+    __syncthreads();
+    const int rb = static_cast<int>(blockIdx.x) * (kWarps * kDownRows) + kDownRows * warp;
+    down_rows_q8<TR, TS>(a, xs, rb, lane, grid, [&](int, int e, int i) { return row_ptr(a.d, e, rb + i); });
 }
 
 // ---- down, q8, routed rows staged through shared memory (cp.async) -----------------------------------
@@ -1012,10 +1033,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_staged_kernel(down_st
     const down_args &a = p.a;
     const uint64_t *grid = stage_grid<need_grid>(sgrid);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int F = static_cast<int>(a.d.cols), units = static_cast<int>(a.d.units), steps = (units + 1) >> 1;
-    const bool shared = a.ds.data != nullptr;
-    const int n_slot = a.n_slot, n_rows = n_slot + (shared ? 1 : 0);
-    down_prefetch(a, n_rows, warp, lane);
+    const int n_slot = a.n_slot;
+    down_prefetch(a, n_slot + (a.ds.data != nullptr ? 1 : 0), warp, lane);
     // PDL: h, y and the ids used below come after the preceding kernel has completed.
     pdl_wait();
     const int r0 = static_cast<int>(blockIdx.x) * kBlockRows;
@@ -1033,51 +1052,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_staged_kernel(down_st
         }
         cp_async_commit();
     }
-    const int s0 = a.s0, s_sh = a.s_sh;
     ds4q::q8_blk *xs = reinterpret_cast<ds4q::q8_blk *>(dyn_smem);
-    stage_q8(a.h, [=](int j) { return static_cast<int64_t>(j < n_slot ? s0 + j : s_sh) * F; }, n_rows, units, xs);
-    down_check_ids(a);
+    down_stage_h(a, xs);
     cp_async_wait<0>();
     __syncthreads();  // staged rows (every thread's copies) and h visible
     const int wr = kDownRows * warp, rb = r0 + wr;
-    const int n = min(kDownRows, static_cast<int>(a.d.rows) - rb);  // rows of this warp (warp-uniform)
-    if (n <= 0) return;
-    float acc[kDownRows];
-#pragma unroll
-    for (int i = 0; i < kDownRows; ++i) acc[i] = 0.0f;
-    for (int U = lane; U < steps; U += 32) {
-        constexpr int G = down_group<TR>();
-        for (int g0 = 0; g0 < n_slot; g0 += G) {
-            const uint8_t *rows[G][kDownRows];
-            const ds4q::q8_blk *xb[G];
-            bool ok[G];  // slot present and its id in range (warp-uniform)
-#pragma unroll
-            for (int j = 0; j < G; ++j) {
-                const int s = g0 + j;
-                const int e = s < n_slot ? (a.ids ? a.ids[s] : 0) : -1;
-                ok[j] = e >= 0 && e < a.d.n_expert;
-                xb[j] = xs + s * units;
-                const uint8_t *base = wst + static_cast<size_t>(s * kBlockRows + wr) * rbytes;
-#pragma unroll
-                for (int i = 0; i < kDownRows; ++i) rows[j][i] = ok[j] ? base + i * rbytes : nullptr;
-            }
-            down_step_rows<TR, G>(rows, ok, xb, n, U, units, grid, acc);
-        }
-        if (shared) {
-            const uint8_t *rows[1][kDownRows];
-#pragma unroll
-            for (int i = 0; i < kDownRows; ++i) rows[0][i] = row_ptr(a.ds, 0, rb + i);
-            const bool ok[1] = {true};
-            const ds4q::q8_blk *xb[1] = {xs + n_slot * units};
-            down_step_rows<TS, 1>(rows, ok, xb, n, U, units, grid, acc);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < kDownRows; ++i) {
-        if (i >= n) break;  // warp-uniform
-        const float total = warp_sum(acc[i]);
-        if (lane == 0) a.y[rb + i] = (a.accumulate ? a.y[rb + i] : 0.0f) + total;
-    }
+    down_rows_q8<TR, TS>(a, xs, rb, lane, grid, [=](int s, int, int i) {
+        const uint8_t *base = wst + static_cast<size_t>(s * kBlockRows + wr) * rbytes;
+        return base + i * rbytes;
+    });
 }
 
 // softplus as the CPU computes it in float (log1pf(expf(x)), torch threshold 20), each step
@@ -1250,17 +1233,7 @@ void check_launch(const char *what) {
 template <class Args>
 void launch_kernel(void (*kernel)(Args), unsigned grid, size_t smem, bool pdl, cudaStream_t s, const Args &args,
                    const char *what) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(32 * kWarps);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args);
+    const cudaError_t e = launch_pdl(kernel, dim3(grid), dim3(32 * kWarps), smem, s, pdl, args);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
@@ -1324,33 +1297,17 @@ bool try_gate_up_staged(const gate_up_args &a, bool pdl, cudaStream_t s) {
     c.stage_bytes = static_cast<int>(stage_bytes);
     c.xs_bytes = static_cast<int>(xs_bytes);
     void (*kernel)(gu_staged_args) = moe_gate_up_staged_kernel<TR, TS>;
-    device_info di = current_device();
-    // The opt-in limit covers static + dynamic shared memory: the kernel's static grid table (2 KB)
-    // comes off what its dynamic part may take (asking for the whole limit fails).
-    cudaFuncAttributes fa{};
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes >= di.smem_optin) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    di.smem_optin -= fa.sharedSizeBytes;
-    // opt in to the device's dynamic shared-memory limit, once per device (bit = device id)
-    static std::atomic<uint64_t> raised{0};
-    const uint64_t bit = uint64_t{1} << (di.id & 63);
-    if (!(raised.load() & bit)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(di.smem_optin)) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        raised.fetch_or(bit);
-    }
+    const device_info di = current_device();
+    // dynamic shared memory the kernel may take: the opt-in limit less its static grid table (2 KB)
+    const size_t limit = smem_dynamic_limit<moe_gate_up_staged_kernel<TR, TS>>();
+    if (limit == 0) return false;
     int best_stages = 0, best_per_sm = 0;
     const int forced = staged_flag().load();  // 2 / 3: that depth only
     for (int st : {3, 2}) {
         if (forced >= 2 && st != forced) continue;
         const size_t smem = xs_bytes + static_cast<size_t>(st) * stage_bytes;
         int per_sm = 0;
-        if (smem > di.smem_optin ||
+        if (smem > limit ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, smem) != cudaSuccess) {
             (void)cudaGetLastError();
             continue;
@@ -1437,29 +1394,14 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
 // 16-byte multiples and the block's routed rows fitting next to the staged h rows (smem_h bytes).
 // false: the caller launches the direct kernel.
 template <dtype TR, dtype TS>
-bool try_down_staged(const down_args &a, size_t smem_h, const device_info &di, bool pdl, cudaStream_t s) {
+bool try_down_staged(const down_args &a, size_t smem_h, bool pdl, cudaStream_t s) {
     if (reinterpret_cast<uintptr_t>(a.d.data) % 16 != 0 || a.d.row_bytes % 16 != 0 || a.d.expert_bytes % 16 != 0 ||
         a.d.rows >= (int64_t{1} << 30) || a.d.cols >= (int64_t{1} << 30))
         return false;
     const size_t xs_bytes = (smem_h + 15) / 16 * 16;
     const size_t smem = xs_bytes + static_cast<size_t>(a.n_slot) * kWarps * kDownRows * a.d.row_bytes + 16;
-    void (*kernel)(down_staged_args) = moe_down_staged_kernel<TR, TS>;
-    cudaFuncAttributes fa{};  // the opt-in limit covers static + dynamic shared memory
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes >= di.smem_optin) {
-        (void)cudaGetLastError();
-        return false;
-    }
-    if (smem > di.smem_optin - fa.sharedSizeBytes) return false;
-    static std::atomic<uint64_t> raised{0};  // opted in to the device's limit (bit = device id)
-    const uint64_t bit = uint64_t{1} << (di.id & 63);
-    if (smem > 48 * 1024 && !(raised.load() & bit)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(di.smem_optin - fa.sharedSizeBytes)) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return false;
-        }
-        raised.fetch_or(bit);
-    }
+    constexpr void (*kernel)(down_staged_args) = moe_down_staged_kernel<TR, TS>;
+    if (!smem_opt_in<kernel>(smem)) return false;  // the opt-in limit less the static grid table
     const int64_t per_block = kWarps * kDownRows;
     const unsigned grid = static_cast<unsigned>((a.d.rows + per_block - 1) / per_block);
     launch_kernel(kernel, grid, smem, pdl, s, down_staged_args{a, static_cast<int>(xs_bytes)}, "moe down (staged)");
@@ -1467,22 +1409,21 @@ bool try_down_staged(const down_args &a, size_t smem_h, const device_info &di, b
     return true;
 }
 
+// The direct down kernel for the type pair: q8 activations or f32.
 template <dtype TR, dtype TS>
-void run_down(const down_args &a, size_t smem, const device_info &di, bool pdl, cudaStream_t s) {
+constexpr void (*down_kernel())(down_args) {
+    if constexpr (use_q8<TR, TS>()) return moe_down_q8_kernel<TR, TS>;
+    else return moe_down_f32_kernel<TR, TS>;
+}
+
+template <dtype TR, dtype TS>
+void run_down(const down_args &a, size_t smem, bool pdl, cudaStream_t s) {
     if constexpr (use_q8<TR, TS>())
-        if (staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, di, pdl, s)) return;
-    void (*kernel)(down_args);
-    if constexpr (use_q8<TR, TS>()) kernel = moe_down_q8_kernel<TR, TS>;
-    else kernel = moe_down_f32_kernel<TR, TS>;
-    // opt in to more than 48 KB of dynamic shared memory, once per device (bit = device id)
-    static std::atomic<uint64_t> raised{0};
-    const uint64_t bit = uint64_t{1} << (di.id & 63);
-    if (smem > 48 * 1024 && !(raised.load() & bit)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(di.smem_optin)) != cudaSuccess)
-            throw error("cuda ds4 moe: cannot raise the down kernel's shared-memory limit");
-        raised.fetch_or(bit);
-    }
+        if (staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
+    constexpr void (*kernel)(down_args) = down_kernel<TR, TS>();
+    if (!smem_opt_in<kernel>(smem))
+        throw error("cuda ds4 moe: the down kernel's " + std::to_string(smem) +
+                    " bytes of shared memory exceed the device's limit");
     const int64_t per_block = kWarps * kDownRows;
     if (a.d.rows >= (int64_t{1} << 30) || a.d.cols >= (int64_t{1} << 30))
         throw error("cuda ds4 moe: down matrix too large for 32-bit row indices");
@@ -1522,7 +1463,7 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
         down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
                     s_sh, h, accumulate, y, err};
         const size_t smem = row_bytes * static_cast<size_t>(n + (with_sh ? 1 : 0));
-        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, di, pdl, s); });
+        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, pdl, s); });
         accumulate = true;
         with_sh = false;
         first += n;
@@ -1540,18 +1481,8 @@ void route_launch(const float *logits, int E, const float *bias, const int32_t *
                     " (E <= 1024, used <= 32)");
     if (!bias && (!tid2eid || !token || n_vocab < 1))
         throw error("cuda ds4 route: hash routing needs tid2eid, n_vocab and the token id");
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(n_tok));
-    cfg.blockDim = dim3(kRouteThreads);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, moe_route_kernel, logits, E, bias, tid2eid, n_vocab, token, k,
-                                             scale, ids, weights, err);
+    const cudaError_t e = launch_pdl(moe_route_kernel, dim3(static_cast<unsigned>(n_tok)), dim3(kRouteThreads), 0, s,
+                                     pdl, logits, E, bias, tid2eid, n_vocab, token, k, scale, ids, weights, err);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 route: launch failed: ") + cudaGetErrorString(e));
 }
 
