@@ -4,7 +4,7 @@
 Headless Chromium (the Debian package `chromium`, at /usr/bin/chromium) driven by Playwright
 (`pip install playwright`; no browser download: executable_path is the system Chromium). The test
   1. opens the page and waits for the model list;
-  2. sets greedy sampling (temperature 0) and 24 max tokens, types a message and presses Send;
+  2. sets greedy sampling (temperature 0) and 160 max tokens, types a message and presses Send;
   3. watches the assistant bubble with a MutationObserver: the reply must arrive in several
      pieces (streamed), the meta line must report the generated tokens, no error bubble;
   4. checks the shown reply equals what the API returns for the same greedy request (so the page
@@ -71,7 +71,7 @@ def main():
             page.goto(url + "/")
             page.wait_for_function("document.querySelectorAll('#model option').length > 0", timeout=30000)
             page.fill("#temperature", "0")
-            page.fill("#max_tokens", "24")
+            page.fill("#max_tokens", "160")  # long enough that a CPU-starved browser still sees several reads
             page.fill("#system", "")
             # Record every text the assistant bubble shows while the reply streams in.
             page.evaluate("""() => {
@@ -100,7 +100,7 @@ def main():
                 failures.append("streamed pieces are not prefixes of the final reply")
             if "generated tokens" not in meta:
                 failures.append("meta line lacks usage: %r" % meta)
-            expected = api_chat(url, QUESTION, 24)
+            expected = api_chat(url, QUESTION, 160)
             if reply != expected:
                 failures.append("page shows %r but the API returns %r for the same greedy request" % (reply, expected))
 
