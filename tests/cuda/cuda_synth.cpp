@@ -23,8 +23,7 @@ int main(int argc, char **argv) {
         std::fprintf(stderr, "cuda_synth: unknown arch '%s' (llama, qwen3, gemma3)\n", argv[1]);
         return 2;
     }
-    const char *vd = std::getenv("FATHOM_CUDA_VOCAB_DIR");
-    const std::string vocab_dir = vd ? vd : std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests";
+    const std::string vocab_dir = fathom::cuda_test::vocab_dir();
     try {
         std::optional<fathom::dtype> wt;
         if (argc == 5) {

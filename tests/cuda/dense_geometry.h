@@ -11,6 +11,7 @@
 // Weight types follow dense_synth_weight_type (f32, f16, q8_0, q4_k mixed), not the real files'.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -34,6 +35,13 @@ inline const family *find_family(const std::string &arch) {
     for (const family &f : kFamilies)
         if (arch == f.arch) return &f;
     return nullptr;
+}
+
+// Where the vocab GGUFs the synthetic models copy their tokenizers from live: $FATHOM_CUDA_VOCAB_DIR
+// (the device machine, where ../shared is not at the build's path), else FATHOM_SHARED_DIR/tokenizer-tests.
+inline std::string vocab_dir() {
+    if (const char *d = std::getenv("FATHOM_CUDA_VOCAB_DIR")) return d;
+    return std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests";
 }
 
 // Writes the family's synthetic model to `out`; n_layer / window > 0 override the real values.

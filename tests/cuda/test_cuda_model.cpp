@@ -31,10 +31,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string vocab_dir() {
-    if (const char *d = std::getenv("FATHOM_CUDA_VOCAB_DIR")) return d;
-    return std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests";
-}
+using cuda_test::vocab_dir;
 
 using cuda_test::family;
 

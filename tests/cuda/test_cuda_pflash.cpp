@@ -28,10 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string vocab_dir() {
-    if (const char *d = std::getenv("FATHOM_CUDA_VOCAB_DIR")) return d;
-    return std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests";
-}
+using cuda_test::vocab_dir;
 
 const std::string &drafter_model() {
     static const std::string path = [] {
