@@ -623,7 +623,8 @@ TEST_F(CudaDs4Attn, RejectsUnsupportedGeometry) {
 // One decode step of a ratio-4 layer whose attention uses every compressed row (query finish, KV
 // finish + ring store, compressor, sparse attention) captured once and replayed at positions 0..99
 // (the 16-row ring wraps, 24 compressed rows are emitted), against the same launches made eagerly
-// on a second set of buffers: identical outputs and state at every step.
+// on a second set of buffers: identical outputs and state at every step. The graph's attention takes
+// the fused-combine path (sparse_attn_args::fused_combine), the eager one the two launches.
 TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
     const int H = 16, d = 512, nr = 64, W = 16, R = 4, width = 2 * d;
     const int64_t max_comp = 32, n_pos = 100;
@@ -680,6 +681,10 @@ TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
         return b;
     };
     step_bufs eager = make(), graph = make();
+    // the graph's attention folds the combine into its split kernel (one PDL launch right after the
+    // compressor, which writes the rows it reads): the same bits as the eager two launches
+    graph.attn.fused_combine = true;
+    CK(cudaMemset(graph.part, 0, cd::attn_part_sync_bytes()));  // its counters start at zero
     const float *norm_d = up(norm_w);
     auto enqueue = [&](const step_bufs &b) {
         cd::launch_head_norm_rope(b.q, H, d, true, kEps, rope, cd::qat_kind::none, b.pos, s_);

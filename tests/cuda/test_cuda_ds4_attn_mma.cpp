@@ -11,7 +11,12 @@
 // 192 / 512, rows 16-byte aligned (vector staging), 4-byte aligned (pair staging) and 2-byte aligned
 // (the f32 kernel runs: both paths agree trivially). Then a captured graph replayed at many positions
 // (list mode, the selection changing) against eager launches, and determinism (graph == eager new
-// kernel, bit for bit). CudaDs4AttnMmaBench (FATHOM_DS4_BENCH=1) times both kernels at the shapes of
+// kernel, bit for bit). The folded combine (sparse_attn_args::fused_combine: one launch whose busy blocks
+// meet at a barrier and combine among themselves) must give the tensor-core two-launch path's bits in
+// every case (1 busy split at short context, several, all n_split busy at full window / 512 selected
+// rows, partial and multiple head groups), leave its counters zero after every call, and replay in a
+// graph of three launches sharing one partial buffer (CudaDs4AttnMmaGraph). CudaDs4AttnMma.BenchOldVsNew
+// (FATHOM_DS4_BENCH=1) times the f32, two-launch and fused paths at the shapes of
 // CudaDs4AttnBench.SparseSinkAttention.
 //
 // Tolerances: relative L2 <= 1e-5 per head against the f32 kernel and over all heads against the CPU
@@ -179,16 +184,46 @@ class CudaDs4AttnMma : public cuda_test::cuda_fixture {
         return u;
     }
 
-    // One launch at c.pos with the tensor-core flag `tc` into a fresh poisoned output (partials
-    // poisoned too); returns o [n_head, d].
-    std::vector<float> launch(const mma_setup &u, int64_t pos, bool tc) {
+    // Which launch: the f32 split kernel + combine, the tensor-core split kernel + the separate combine
+    // kernel (two launches), or the tensor-core kernel with the combine folded in (one PDL launch).
+    enum class path { f32, tc, fused };
+    static void set_path(cd::sparse_attn_args &a, path k) {
+        a.tensor_cores = k != path::f32;
+        a.fused_combine = k == path::fused;
+    }
+
+    // n_floats of partials: NaN-poisoned, the fused combine's counters (the first attn_part_sync_bytes) zero.
+    float *fresh_part(size_t n_floats) {
+        float *part = poisoned(n_floats);
+        EXPECT_EQ(cudaMemset(part, 0, cd::attn_part_sync_bytes()), cudaSuccess);
+        return part;
+    }
+    // Whether the counters are back at zero after the calls on part (every call must leave them so).
+    bool sync_zero(const float *part) {
+        const auto w = down(reinterpret_cast<const uint32_t *>(part), cd::attn_part_sync_bytes() / 4);
+        return std::all_of(w.begin(), w.end(), [](uint32_t x) { return x == 0; });
+    }
+
+    // One launch at pos on `k` into a fresh poisoned output (partials poisoned too); returns o [n_head, d].
+    std::vector<float> launch(const mma_setup &u, int64_t pos, path k) {
         cd::sparse_attn_args a = u.a;
-        a.tensor_cores = tc;
+        set_path(a, k);
         const size_t n = static_cast<size_t>(a.n_head) * a.d;
-        float *part = poisoned(cd::attn_part_floats(a)), *o = poisoned(n);
+        float *part = fresh_part(cd::attn_part_floats(a)), *o = poisoned(n);
         set_pos(pos);
         cd::launch_sparse_sink_attention(a, u.q, pos_, part, o, s_);
-        return down(o, n);
+        auto out = down(o, n);
+        EXPECT_TRUE(sync_zero(part)) << "the fused combine's counters are not back at zero";
+        return out;
+    }
+
+    // Busy splits of a call with n candidate rows (ds4_attn.cu attn_splits / attn_rps), for the log.
+    static int64_t busy_splits(const cd::sparse_attn_args &a, int64_t n) {
+        const int64_t cap = a.window + (a.mode == cd::comp_mode::none ? 0 : a.max_comp);
+        const int64_t n_split = std::min<int64_t>(std::max<int64_t>((cap + 31) / 32, 1), 64);
+        int64_t rps = std::max<int64_t>((n + n_split - 1) / n_split, 32);
+        rps = (rps + 15) / 16 * 16;
+        return (n + rps - 1) / rps;
     }
 
     // Largest per-head relative L2 of got against ref (NaN: +inf).
@@ -205,8 +240,9 @@ class CudaDs4AttnMma : public cuda_test::cuda_fixture {
     void run(const mma_case &c) {
         SCOPED_TRACE(std::string(c.what) + " pos " + std::to_string(c.pos));
         const mma_setup u = build(c);
-        const auto o_new = launch(u, c.pos, true), o_old = launch(u, c.pos, false);
-        const auto o_again = launch(u, c.pos, true);
+        const auto o_new = launch(u, c.pos, path::tc), o_old = launch(u, c.pos, path::f32);
+        const auto o_again = launch(u, c.pos, path::tc);
+        const auto o_fused = launch(u, c.pos, path::fused), o_fused2 = launch(u, c.pos, path::fused);
         for (float v : o_new) ASSERT_TRUE(std::isfinite(v)) << "non-finite output";
         const double vs_old = worst_head(o_new, o_old, c.n_head, c.d);
         const double vs_cpu = rel_l2(o_new.data(), u.ref.data(), o_new.size());
@@ -214,10 +250,15 @@ class CudaDs4AttnMma : public cuda_test::cuda_fixture {
         EXPECT_LE(vs_old, 1e-5);
         EXPECT_LE(vs_cpu, 1e-5);
         EXPECT_EQ(std::memcmp(o_new.data(), o_again.data(), o_new.size() * 4), 0) << "not deterministic";
+        // the folded combine runs the combine kernel's code on the same partials: the same bits (NaN
+        // included: a missed item stays poisoned and differs)
+        EXPECT_EQ(std::memcmp(o_fused.data(), o_new.data(), o_new.size() * 4), 0) << "fused combine differs";
+        EXPECT_EQ(std::memcmp(o_fused2.data(), o_new.data(), o_new.size() * 4), 0) << "fused combine, 2nd call";
         worst_ = std::max(worst_, vs_old);
-        std::printf("  %-34s pos %8lld: %5lld rows, per-head vs f32 kernel %.3g, vs CPU %.3g (f32 kernel %.3g)\n",
-                    c.what, static_cast<long long>(c.pos), static_cast<long long>(u.n_rows), vs_old, vs_cpu,
-                    old_cpu);
+        std::printf("  %-34s pos %8lld: %5lld rows (%2lld busy splits), per-head vs f32 kernel %.3g, vs CPU %.3g "
+                    "(f32 kernel %.3g)\n",
+                    c.what, static_cast<long long>(c.pos), static_cast<long long>(u.n_rows),
+                    static_cast<long long>(busy_splits(u.a, u.n_rows)), vs_old, vs_cpu, old_cpu);
     }
 
     int64_t *pos_ = nullptr;
@@ -332,8 +373,16 @@ TEST_F(CudaDs4AttnMma, OtherHeadCountsAndDimsMatch) {
 // The tensor-core launch captured once (list mode, 64 heads) and replayed at positions before and after
 // the ring wraps with a new selection (0 .. 512 rows) each time, against eager f32-kernel launches of
 // the same inputs (per head <= 1e-5) and eager tensor-core launches (bit-identical); outputs poisoned
-// before every replay.
-TEST_F(CudaDs4AttnMma, GraphReplayAtManyPositions) {
+// before every replay. The graph holds three launches sharing one partial buffer, as the model's layers
+// do: the fused path (one PDL launch each) in list mode, window-only (another split count: the counters
+// sit at a fixed offset), list mode again; or the two-launch path (fused = false). Each launch must
+// leave the counters zero for the next one and for the next replay.
+class CudaDs4AttnMmaGraph : public CudaDs4AttnMma {
+  protected:
+    void replay(bool fused);
+};
+
+void CudaDs4AttnMmaGraph::replay(bool fused) {
     const int H = 64, d = 512, W = kWindow;
     const int64_t n_comp_rows = 4096, max_comp = 512;
     mma_case c{"graph"};
@@ -350,12 +399,25 @@ TEST_F(CudaDs4AttnMma, GraphReplayAtManyPositions) {
     CK(cudaMemcpy(const_cast<void *>(u.a.comp),
                   pack_f16(f16_rounded(randn(static_cast<size_t>(n_comp_rows) * d, rng_)), d, u.a.comp_stride).data(),
                   static_cast<size_t>(n_comp_rows) * u.a.comp_stride, cudaMemcpyHostToDevice));
+    mma_setup uw = u;  // the same ring and q, window rows only
+    uw.a.mode = cd::comp_mode::none;
+    uw.a.comp = nullptr;
+    uw.a.sel = nullptr;
+    uw.a.n_sel = nullptr;
+    uw.a.max_comp = 0;
+    cd::sparse_attn_args al = u.a, aw = uw.a;
+    set_path(al, fused ? path::fused : path::tc);
+    set_path(aw, fused ? path::fused : path::tc);
     const size_t n = static_cast<size_t>(H) * d;
-    float *part = poisoned(cd::attn_part_floats(u.a)), *o = poisoned(n);
+    const size_t n_part = std::max(cd::attn_part_floats(al), cd::attn_part_floats(aw));
+    float *part = fresh_part(n_part);
+    float *o[3] = {poisoned(n), poisoned(n), poisoned(n)};
     cudaGraph_t g = nullptr;
     cudaGraphExec_t exec = nullptr;
     CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-    cd::launch_sparse_sink_attention(u.a, u.q, pos_, part, o, s_);
+    cd::launch_sparse_sink_attention(al, u.q, pos_, part, o[0], s_);
+    cd::launch_sparse_sink_attention(aw, u.q, pos_, part, o[1], s_);
+    cd::launch_sparse_sink_attention(al, u.q, pos_, part, o[2], s_);
     CK(cudaStreamEndCapture(s_, &g));
     CK(cudaGraphInstantiate(&exec, g, 0));
     double worst = 0;
@@ -368,29 +430,35 @@ TEST_F(CudaDs4AttnMma, GraphReplayAtManyPositions) {
         std::copy(sel.begin(), sel.end(), buf.begin());
         put(u.sel, buf);
         put(u.n_sel, std::vector<int32_t>{static_cast<int32_t>(sel.size())});
-        poison(o, n);
-        poison(part, cd::attn_part_floats(u.a));
+        for (float *x : o) poison(x, n);
+        poison(part + cd::attn_part_sync_bytes() / 4, n_part - cd::attn_part_sync_bytes() / 4);  // not the counters
         set_pos(p);
         CK(cudaGraphLaunch(exec, s_));
-        const auto og = down(o, n);
-        const auto oe = launch(u, p, true), oo = launch(u, p, false);
-        for (float v : og) ASSERT_TRUE(std::isfinite(v)) << "pos " << p;
-        ASSERT_EQ(std::memcmp(og.data(), oe.data(), n * 4), 0) << "graph differs from eager at pos " << p;
-        const double e = worst_head(og, oo, H, d);
+        std::vector<float> og[3] = {down(o[0], n), down(o[1], n), down(o[2], n)};
+        EXPECT_TRUE(sync_zero(part)) << "counters not back at zero after replay at pos " << p;
+        const auto oe = launch(u, p, path::tc), oo = launch(u, p, path::f32), ow = launch(uw, p, path::tc);
+        for (float v : og[0]) ASSERT_TRUE(std::isfinite(v)) << "pos " << p;
+        ASSERT_EQ(std::memcmp(og[0].data(), oe.data(), n * 4), 0) << "graph launch 1 differs from eager at pos " << p;
+        ASSERT_EQ(std::memcmp(og[1].data(), ow.data(), n * 4), 0) << "graph launch 2 differs from eager at pos " << p;
+        ASSERT_EQ(std::memcmp(og[2].data(), oe.data(), n * 4), 0) << "graph launch 3 differs from eager at pos " << p;
+        const double e = worst_head(og[0], oo, H, d);
         EXPECT_LE(e, 1e-5) << "pos " << p << " n_sel " << sel.size();
         worst = std::max(worst, e);
         ++replays;
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
-    std::printf("  graph replay at %d positions: identical to eager, per-head vs f32 kernel <= %.3g\n", replays,
-                worst);
+    std::printf("  graph (%s) replay at %d positions: identical to eager, per-head vs f32 kernel <= %.3g\n",
+                fused ? "fused combine" : "two launches", replays, worst);
 }
+TEST_F(CudaDs4AttnMmaGraph, TwoLaunchesAtManyPositions) { replay(false); }
+TEST_F(CudaDs4AttnMmaGraph, FusedCombineAtManyPositions) { replay(true); }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) ---------------------------------------------------------------------
 
-// f32 kernel vs tensor cores at the shapes of CudaDs4AttnBench.SparseSinkAttention: 16 launches captured
-// in one graph (buffer sets cycled at 1M so rows come from HBM), microseconds per call.
+// f32 kernel vs tensor cores (split + separate combine: the old two launches; fused: one PDL launch) at
+// the shapes of CudaDs4AttnBench.SparseSinkAttention (128, 128 + 512, 128 + 64, 128 + 8192 rows): 16
+// launches captured in one graph (buffer sets cycled at 1M so rows come from HBM), microseconds per call.
 TEST_F(CudaDs4AttnMma, BenchOldVsNew) {
     if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
     const int H = 64, d = 512, W = kWindow, calls = 16;
@@ -434,27 +502,29 @@ TEST_F(CudaDs4AttnMma, BenchOldVsNew) {
             parts.push_back(dev<float>(cd::attn_part_floats(a)));
         }
         set_pos(c.pos);
-        float us[2] = {0, 0};
-        for (int tc = 0; tc < 2; ++tc) {
+        float us[3] = {0, 0, 0};
+        for (int k = 0; k < 3; ++k) {  // path::f32, path::tc, path::fused
             cudaGraph_t graph = nullptr;
             cudaGraphExec_t exec = nullptr;
             CK(cudaStreamSynchronize(s_));
             CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-            for (int k = 0; k < calls; ++k) {
-                cd::sparse_attn_args a = as[static_cast<size_t>(k % c.sets)];
-                a.tensor_cores = tc == 1;
-                cd::launch_sparse_sink_attention(a, q, pos_, parts[static_cast<size_t>(k % c.sets)], o, s_);
+            for (int i = 0; i < calls; ++i) {
+                cd::sparse_attn_args a = as[static_cast<size_t>(i % c.sets)];
+                set_path(a, static_cast<path>(k));
+                cd::launch_sparse_sink_attention(a, q, pos_, parts[static_cast<size_t>(i % c.sets)], o, s_);
             }
             CK(cudaStreamEndCapture(s_, &graph));
             CK(cudaGraphInstantiate(&exec, graph, 0));
-            us[tc] = time_graph(exec, s_, 21) * 1e3f / calls;
+            us[k] = time_graph(exec, s_, 21) * 1e3f / calls;
             CK(cudaStreamSynchronize(s_));
             CK(cudaGetLastError());
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(graph);
         }
-        std::printf("  attention %-36s f32 kernel %7.2f us/call, tensor cores %7.2f us/call\n", c.what, us[0],
-                    us[1]);
+        std::printf("  attention %-34s f32 kernel %7.2f us/call, tensor cores: split + combine (old) %7.2f, "
+                    "fused (new) %7.2f us/call\n",
+                    c.what, us[0], us[1], us[2]);
+        for (float *part : parts) EXPECT_TRUE(sync_zero(part));
     }
 }
 

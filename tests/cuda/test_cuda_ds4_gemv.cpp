@@ -25,6 +25,7 @@
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 #include "cuda_test_util.h"
 
@@ -66,6 +67,32 @@ std::vector<double> reference(const host_weight &w, const std::vector<float> &x,
         const float *a = w.deq.data() + r * w.cols, *b = x.data() + (r / rpg) * w.cols;
         double s = 0;
         for (int64_t k = 0; k < w.cols; ++k) s += static_cast<double>(a[k]) * b[k];
+        y[static_cast<size_t>(r)] = s;
+    }
+    return y;
+}
+
+// The int8-activation result: x group by group in 32-element q8 blocks (ds4q::quantize_q8_block, the
+// rounding the kernel and the MoE staging use), then deq_w . q_x * d_x per block in double (deq_w =
+// d_w * q_w is exact in f32, so this is d_w * d_x * the integer sum, exactly). f16 / f32 weights keep
+// f32 x (reference()).
+std::vector<double> reference_q8x(const host_weight &w, const std::vector<float> &x, int64_t rpg) {
+    if (w.t != dtype::q8_0) return reference(w, x, rpg);
+    const int64_t nb = w.cols / 32, groups = static_cast<int64_t>(x.size()) / w.cols;
+    std::vector<cuda::ds4q::q8_blk> xb(static_cast<size_t>(groups * nb));
+    for (int64_t b = 0; b < groups * nb; ++b) cuda::ds4q::quantize_q8_block(x.data() + 32 * b, xb[static_cast<size_t>(b)]);
+    std::vector<double> y(static_cast<size_t>(w.rows));
+    for (int64_t r = 0; r < w.rows; ++r) {
+        const float *a = w.deq.data() + r * w.cols;
+        const cuda::ds4q::q8_blk *xg = xb.data() + (r / rpg) * nb;
+        double s = 0;
+        for (int64_t b = 0; b < nb; ++b) {
+            double t = 0;
+            for (int j = 0; j < 32; ++j)
+                t += static_cast<double>(a[32 * b + j]) *
+                     static_cast<int8_t>(static_cast<uint32_t>(xg[b].qs[j / 4]) >> (8 * (j % 4)));
+            s += t * static_cast<double>(xg[b].d);
+        }
         y[static_cast<size_t>(r)] = s;
     }
     return y;
@@ -152,6 +179,18 @@ protected:
         return g;
     }
 
+    // The reference for a one-weight launch (rpg rows per x group): int8 activations when the launch
+    // takes that kernel (under the current set_gemv_q8_activations switch).
+    static std::vector<double> expected(const host_weight &w, const cd::gemv_weight &g, const std::vector<float> &x,
+                                        int64_t rpg) {
+        const cd::gemv_segment seg{g, nullptr};
+        return cd::gemv_q8_activations_used(&seg, &rpg, 1) ? reference_q8x(w, x, rpg) : reference(w, x, rpg);
+    }
+    void TearDown() override {
+        cd::set_gemv_q8_activations(true);
+        cuda_fixture::TearDown();
+    }
+
     std::mt19937 rng_{20261129};
 };
 
@@ -215,17 +254,21 @@ TEST_F(CudaDs4Gemv, MatchesCpuReference) {
                      "] pad " + std::to_string(sh.pad));
         const host_weight w = make_weight(sh.t, sh.rows, sh.cols, sh.pad, rng_);
         const auto x = randn(static_cast<size_t>(sh.cols), rng_);
-        const auto ref = reference(w, x, sh.rows);
         const cd::gemv_weight g = prepare(w);
         const float *xd = up(x);
-        float *y = poisoned(static_cast<size_t>(sh.rows));
-        cd::launch_gemv_fast(g, xd, y, s_);
-        const auto got = down(y, static_cast<size_t>(sh.rows));
-        EXPECT_LE(rel_l2(got, ref), 1e-5);
-        float *y2 = poisoned(static_cast<size_t>(sh.rows));
-        cd::launch_gemv_fast(g, xd, y2, s_);
-        const auto got2 = down(y2, static_cast<size_t>(sh.rows));
-        EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+        for (bool q8x : {true, false}) {  // both kernels (f32-activation when off or not eligible)
+            SCOPED_TRACE(q8x ? "int8 activations allowed" : "f32 activations");
+            cd::set_gemv_q8_activations(q8x);
+            const auto ref = expected(w, g, x, sh.rows);
+            float *y = poisoned(static_cast<size_t>(sh.rows));
+            cd::launch_gemv_fast(g, xd, y, s_);
+            const auto got = down(y, static_cast<size_t>(sh.rows));
+            EXPECT_LE(rel_l2(got, ref), 1e-5);
+            float *y2 = poisoned(static_cast<size_t>(sh.rows));
+            cd::launch_gemv_fast(g, xd, y2, s_);
+            const auto got2 = down(y2, static_cast<size_t>(sh.rows));
+            EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+        }
     }
 }
 
@@ -248,11 +291,15 @@ TEST_F(CudaDs4Gemv, GroupedMatchesCpuReference) {
         const host_weight w = make_weight(sh.t, sh.rows, sh.cols, 0, rng_);
         const int64_t groups = (sh.rows + sh.rpg - 1) / sh.rpg;
         const auto x = randn(static_cast<size_t>(groups * sh.cols), rng_);
-        const auto ref = reference(w, x, sh.rpg);
         const cd::gemv_weight g = prepare(w);
-        float *y = poisoned(static_cast<size_t>(sh.rows));
-        cd::launch_gemv_fast_grouped(g, sh.rpg, up(x), y, s_);
-        EXPECT_LE(rel_l2(down(y, static_cast<size_t>(sh.rows)), ref), 1e-5);
+        const float *xd = up(x);
+        for (bool q8x : {true, false}) {
+            SCOPED_TRACE(q8x ? "int8 activations allowed" : "f32 activations");
+            cd::set_gemv_q8_activations(q8x);
+            float *y = poisoned(static_cast<size_t>(sh.rows));
+            cd::launch_gemv_fast_grouped(g, sh.rpg, xd, y, s_);
+            EXPECT_LE(rel_l2(down(y, static_cast<size_t>(sh.rows)), expected(w, g, x, sh.rpg)), 1e-5);
+        }
     }
 }
 
@@ -287,15 +334,30 @@ TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
             segs2.push_back({g, poisoned(static_cast<size_t>(ss.rows))});
         }
         const float *xd = up(x);
-        cd::launch_gemv_multi(segs.data(), static_cast<int>(segs.size()), xd, s_);
-        cd::launch_gemv_multi(segs2.data(), static_cast<int>(segs2.size()), xd, s_);
-        for (size_t i = 0; i < segs.size(); ++i) {
-            SCOPED_TRACE("segment " + std::to_string(i) + " " + std::string(dtype_name(hw[i].t)) + " rows " +
-                         std::to_string(hw[i].rows));
-            const auto got = down(segs[i].y, static_cast<size_t>(hw[i].rows));
-            const auto got2 = down(segs2[i].y, static_cast<size_t>(hw[i].rows));
-            EXPECT_LE(rel_l2(got, reference(hw[i], x, hw[i].rows)), 1e-5);
-            EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+        std::vector<int64_t> rpg;
+        for (const auto &h : hw) rpg.push_back(h.rows);
+        for (bool q8x : {true, false}) {
+            SCOPED_TRACE(q8x ? "int8 activations allowed" : "f32 activations");
+            cd::set_gemv_q8_activations(q8x);
+            const int n = static_cast<int>(segs.size());
+            const bool used = cd::gemv_q8_activations_used(segs.data(), rpg.data(), n);
+            // the DS4 set (q8_0 + f16, cols 4096) must take the int8 kernel when allowed
+            if (q8x && set.size() == 7) {
+                EXPECT_TRUE(used);
+            }
+            for (auto *ss : {&segs, &segs2})
+                for (auto &sg : *ss) CK(cudaMemsetAsync(sg.y, 0xff, static_cast<size_t>(sg.w.rows) * 4, s_));
+            cd::launch_gemv_multi(segs.data(), n, xd, s_);
+            cd::launch_gemv_multi(segs2.data(), n, xd, s_);
+            for (size_t i = 0; i < segs.size(); ++i) {
+                SCOPED_TRACE("segment " + std::to_string(i) + " " + std::string(dtype_name(hw[i].t)) + " rows " +
+                             std::to_string(hw[i].rows));
+                const auto got = down(segs[i].y, static_cast<size_t>(hw[i].rows));
+                const auto got2 = down(segs2[i].y, static_cast<size_t>(hw[i].rows));
+                const auto ref = used ? reference_q8x(hw[i], x, hw[i].rows) : reference(hw[i], x, hw[i].rows);
+                EXPECT_LE(rel_l2(got, ref), 1e-5);
+                EXPECT_EQ(std::memcmp(got.data(), got2.data(), got.size() * 4), 0) << "not reproducible";
+            }
         }
     }
 }
@@ -304,44 +366,51 @@ TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
 // memset in the stream) must see the finished values, in the stream and replayed from a graph.
 // x0 [1024] -> y1 = A x0 [4096] -> y2 = B y1 [1024] (grouped: 4 groups of 256 over y1) -> y3 = C y2.
 TEST_F(CudaDs4Gemv, ChainedLaunchesWaitForTheirInput) {
-    const host_weight a = make_weight(dtype::q8_0, 4096, 1024, 0, rng_);
-    const host_weight b = make_weight(dtype::f16, 1024, 1024, 0, rng_);
-    const host_weight c = make_weight(dtype::q8_0, 2048, 1024, 0, rng_);
-    const auto x0 = randn(1024, rng_);
-    const auto r1 = reference(a, x0, 4096);
-    const std::vector<float> y1f(r1.begin(), r1.end());
-    const auto r2 = reference(b, y1f, 256);
-    const std::vector<float> y2f(r2.begin(), r2.end());
-    const auto r3 = reference(c, y2f, 2048);
-    const cd::gemv_weight ga = prepare(a), gb = prepare(b), gc = prepare(c);
-    const float *x0d = up(x0);
-    float *y1 = poisoned(4096), *y2 = poisoned(1024), *y3 = poisoned(2048);
-    auto enqueue = [&] {
-        cudaMemsetAsync(y1, 0xff, 4096 * 4, s_);  // NaN
-        cudaMemsetAsync(y2, 0xff, 1024 * 4, s_);
-        cudaMemsetAsync(y3, 0xff, 2048 * 4, s_);
-        cd::launch_gemv_fast(ga, x0d, y1, s_);
-        cd::launch_gemv_fast_grouped(gb, 256, y1, y2, s_);
-        cd::launch_gemv_fast(gc, y2, y3, s_);
-    };
-    // Relative error of y3 compounds the rounding of y1 and y2 (three f32 GEMVs vs double).
-    for (int i = 0; i < 3; ++i) {
+    for (bool q8x : {false, true}) {
+        SCOPED_TRACE(q8x ? "int8 activations" : "f32 activations");
+        cd::set_gemv_q8_activations(q8x);
+        // f32 activations: three f32 GEMVs vs double. int8 activations: each stage's x rounding (~1 %
+        // relative) compounds; the point here is ordering (a NaN-poisoned input fails at any tolerance).
+        const double tol = q8x ? 3e-2 : 1e-5;
+        const host_weight a = make_weight(dtype::q8_0, 4096, 1024, 0, rng_);
+        const host_weight b = make_weight(dtype::f16, 1024, 1024, 0, rng_);
+        const host_weight c = make_weight(dtype::q8_0, 2048, 1024, 0, rng_);
+        const auto x0 = randn(1024, rng_);
+        const auto r1 = reference(a, x0, 4096);
+        const std::vector<float> y1f(r1.begin(), r1.end());
+        const auto r2 = reference(b, y1f, 256);
+        const std::vector<float> y2f(r2.begin(), r2.end());
+        const auto r3 = reference(c, y2f, 2048);
+        const cd::gemv_weight ga = prepare(a), gb = prepare(b), gc = prepare(c);
+        const float *x0d = up(x0);
+        float *y1 = poisoned(4096), *y2 = poisoned(1024), *y3 = poisoned(2048);
+        auto enqueue = [&] {
+            cudaMemsetAsync(y1, 0xff, 4096 * 4, s_);  // NaN
+            cudaMemsetAsync(y2, 0xff, 1024 * 4, s_);
+            cudaMemsetAsync(y3, 0xff, 2048 * 4, s_);
+            cd::launch_gemv_fast(ga, x0d, y1, s_);
+            cd::launch_gemv_fast_grouped(gb, 256, y1, y2, s_);
+            cd::launch_gemv_fast(gc, y2, y3, s_);
+        };
+        // Relative error of y3 compounds the rounding of y1 and y2 (three f32 GEMVs vs double).
+        for (int i = 0; i < 3; ++i) {
+            enqueue();
+            EXPECT_LE(rel_l2(down(y3, 2048), r3), tol);
+        }
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
         enqueue();
-        EXPECT_LE(rel_l2(down(y3, 2048), r3), 1e-5);
+        CK(cudaStreamEndCapture(s_, &graph));
+        CK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 5; ++i) {
+            CK(cudaGraphLaunch(exec, s_));
+            EXPECT_LE(rel_l2(down(y3, 2048), r3), tol);
+            EXPECT_LE(rel_l2(down(y1, 4096), r1), tol);
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
     }
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-    enqueue();
-    CK(cudaStreamEndCapture(s_, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 5; ++i) {
-        CK(cudaGraphLaunch(exec, s_));
-        EXPECT_LE(rel_l2(down(y3, 2048), r3), 1e-5);
-        EXPECT_LE(rel_l2(down(y1, 4096), r1), 1e-5);
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
@@ -382,7 +451,8 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
           {dtype::f16, 256}, {dtype::f16, 256}}},
     };
     const int reps = 15;
-    std::printf("  %-36s %9s %10s %9s %7s | %s\n", "shape", "MB", "us/call", "GB/s", "%copy", "launch_gemv us, GB/s");
+    std::printf("  %-36s %9s %10s %9s %7s | %s | %s\n", "shape", "MB", "us/call", "GB/s", "%copy",
+                "f32-activation kernel", "launch_gemv us, GB/s");
     for (const bench_case &bc : cases) {
         double bytes = 0;
         for (const mat &m : bc.segs) bytes += static_cast<double>(dtype_row_bytes(m.t, bc.cols)) * m.rows;
@@ -437,9 +507,13 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
             cudaGraphDestroy(graph);
             return ms * 1e3 / calls;  // us per call
         };
-        const double us = timed(true);
+        const double us = timed(true);  // int8 activations where eligible
         const double bw = bytes / (us * 1e-6);
         std::printf("  %-36s %9.2f %10.2f %9.1f %6.1f%%", bc.name, bytes / 1e6, us, bw / 1e9, 100.0 * bw / copy_bw);
+        cd::set_gemv_q8_activations(false);
+        const double us_f32 = timed(true);
+        cd::set_gemv_q8_activations(true);
+        std::printf(" | f32-x %.2f us %5.1f%%", us_f32, 100.0 * bytes / (us_f32 * 1e-6) / copy_bw);
         const double us_old = timed(false);
         std::printf(" | %.2f us, %.1f GB/s\n", us_old, bytes / (us_old * 1e-6) / 1e9);
         CK(cudaStreamSynchronize(s_));

@@ -1,14 +1,25 @@
-// Fused decode hyper-connections (ds4_kernels.h launch_hc_pre_fused / launch_hc_head_fused,
-// ds4_hc.cu hc_fused_kernel) against the unfused launches they replace in the decode step
-// (launch_hc_post, launch_hc_pre / launch_hc_head, launch_rms_norm), BIT FOR BIT: the fused kernel
-// repeats their operations in their order, so every output (normalised u / z, post, comb, the mix,
-// the new state) must have the same bits. Those unfused kernels are checked against the CPU
-// reference in test_cuda_ds4.cpp (HcPreAndPostMatchCpu).
+// Fused decode hyper-connections (ds4_kernels.h launch_hc_pre_fused / launch_hc_head_fused) against
+// the unfused launches they replace in the decode step (launch_hc_post, launch_hc_pre /
+// launch_hc_head, launch_rms_norm). Two kernels:
+//   hc_fused_kernel (io.part null, one block per mixer row): BIT FOR BIT, it repeats the unfused
+//     operations in their order, so every output (normalised u / z, post, comb, mix, new state)
+//     must have the same bits;
+//   hc_split_kernel (io.part set, column blocks): the new state BIT FOR BIT (hc_post_kernel's
+//     element operations); the mixer's double sums are added in another order, so mix may differ
+//     where a double sum rounds to another float (essentially never), and out / post / comb
+//     through it: those are checked to relative error <= 1e-6 (mix element-wise, the others by
+//     relative L2), and any bit difference is printed. Replays of the split kernel must repeat
+//     its own bits exactly (its reduction order does not depend on the blocks' arrival order).
+// Those unfused kernels are checked against the CPU reference in test_cuda_ds4.cpp
+// (HcPreAndPostMatchCpu).
 //   CudaDs4HcFused.*       chains of sublayers reusing one arrival counter (it must come back to
-//                          zero), the head, graph replay, odd sizes (scalar / tail paths), the
-//                          shared-memory fallback; fused outputs NaN-poisoned before every launch
-//   CudaDs4HcFused.Bench*  86 sublayers (one DS4-Flash token) fused vs unfused in a captured graph;
-//                          only with FATHOM_DS4_BENCH=1 in the environment
+//                          zero), the head, graph replay, odd sizes (scalar / tail paths, a last
+//                          column block narrower than the others), n_hc 1..5, f16 / f32 mixers,
+//                          block counts 1..128, the shared-memory fallback; fused outputs NaN-poisoned
+//                          before every launch (the split kernel's partial scratch too)
+//   CudaDs4HcFused.Bench*  86 sublayers (one DS4-Flash token): unfused vs row-block fused vs split
+//                          fused (block count sweep) in captured graphs; only with
+//                          FATHOM_DS4_BENCH=1 in the environment
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -35,18 +46,23 @@ using cuda_test::randn;
 using cuda_test::time_graph;
 
 // A test geometry: n_hc streams of D, mixer rows of type ft padded by pad bytes (pad % 16 != 0 takes
-// the scalar weight loads), with or without an RMSNorm weight.
+// the scalar weight loads), with or without an RMSNorm weight; blocks: the split kernel's
+// part_blocks (0: its default).
 struct geom {
     int n_hc;
     int64_t D;
     dtype ft;
     size_t pad;
     bool norm;
+    int blocks = 0;
 };
 std::string name(const geom &g) {
     return "n_hc " + std::to_string(g.n_hc) + " D " + std::to_string(g.D) + " " + std::string(dtype_name(g.ft)) + " pad " +
-           std::to_string(g.pad) + (g.norm ? "" : " no-norm");
+           std::to_string(g.pad) + (g.norm ? "" : " no-norm") + " blocks " + std::to_string(g.blocks);
 }
+
+// Which fused kernel a test drives: hc_fused_kernel (no partial scratch) or hc_split_kernel.
+enum class kern { rows, split };
 
 // One HC's weights on the device: fn [rows, n_hc * D] (rows row_bytes apart), base [rows], scale [3],
 // norm [D] (or null).
@@ -57,7 +73,7 @@ struct hc_dev {
 };
 
 class CudaDs4HcFused : public cuda_test::cuda_fixture {
-  protected:
+  public:  // the run_* helpers below drive it
     hc_dev make_hc(const geom &g, int rows) {
         const int64_t S = g.n_hc * g.D;
         const auto f = randn(static_cast<size_t>(rows * S), rng_, 4.0f / std::sqrt(static_cast<float>(S)));
@@ -85,6 +101,45 @@ class CudaDs4HcFused : public cuda_test::cuda_fixture {
         expect_bits(a.data(), b.data(), n, what);
     }
     void expect_counter_zero(const uint32_t *sync) { EXPECT_EQ(down(sync, 1)[0], 0u) << "arrival counter not reset"; }
+    // Split-kernel outputs reached through the mix: relative L2 error <= 1e-6 (per element for the
+    // mix, elem true); bit differences are allowed but printed (expected: none).
+    void expect_close(const float *got_d, const float *ref_d, size_t n, const char *what, bool elem = false) {
+        const auto a = down(got_d, n), b = down(ref_d, n);
+        size_t bits = 0, bad = 0, first = n;
+        for (size_t i = 0; i < n; ++i) {
+            if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) ++bits;
+            const bool ok = std::fabs(static_cast<double>(a[i]) - b[i]) <= 1e-6 * std::fabs(static_cast<double>(b[i]));
+            if (elem && !ok && bad++ == 0) first = i;
+        }
+        if (elem)
+            EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " beyond 1e-6 relative, first at " << first
+                               << " (split " << (first < n ? a[first] : 0.0f) << ", unfused "
+                               << (first < n ? b[first] : 0.0f) << ")";
+        else
+            EXPECT_LE(cuda_test::rel_l2(a, b), 1e-6) << what;
+        if (bits) std::printf("  note: %s: %zu of %zu floats differ in bits from the unfused chain\n", what, bits, n);
+    }
+    // out / post / comb / mix of the kernel under test against the unfused chain's.
+    void expect_outputs(kern k, const float *got, const float *ref, size_t n, const char *what, bool elem = false) {
+        if (k == kern::rows) expect_same(got, ref, n, what);
+        else expect_close(got, ref, n, what, elem);
+    }
+    // The split kernel's partial scratch for n_hc streams (null for the row kernel), NaN-poisoned.
+    double *part_for(kern k, int n_hc) {
+        if (k == kern::rows) return nullptr;
+        const size_t cnt = cd::hc_fused_part_count(n_hc);
+        double *p = dev<double>(cnt);
+        put(p, std::vector<double>(cnt, std::nan("")));
+        return p;
+    }
+    // After a launch that must have taken the split kernel: its partial of row 0, block 0 was
+    // written (then poisoned again for the next launch).
+    void expect_split_ran(double *part, int n_hc) {
+        if (!part) return;
+        const double v = down(part, 1)[0];
+        EXPECT_TRUE(std::isfinite(v)) << "the split kernel did not run (partial scratch untouched)";
+        put(part, std::vector<double>(cd::hc_fused_part_count(n_hc), std::nan("")));
+    }
 
     std::mt19937 rng_{20261201};
 };
@@ -100,130 +155,192 @@ const geom kGeoms[] = {
     {2, 300, dtype::f32, 0, true},     // D < the norm's 256 threads x 2
 };
 
+// The split kernel's geometries: C = columns per block (a multiple of 4), B blocks, cj = the last
+// block's columns (C = ceil(ceil(D / blocks) / 4) * 4 with blocks 0 = 128).
+const geom kSplitGeoms[] = {
+    {4, 4096, dtype::f32, 0, true},        // DS4-Flash: C 32, B 128
+    {4, 4096, dtype::f16, 0, true},        // f16 mixers
+    {4, 4096, dtype::f32, 0, true, 64},    // C 64, B 64
+    {4, 4096, dtype::f16, 2, true, 100},   // C 44, B 94, cj 4; unaligned f16 rows
+    {4, 4096, dtype::f32, 0, true, 16},    // C 256, B 16
+    {4, 6144, dtype::f32, 16, true},       // C 48, B 128
+    {4, 1003, dtype::f16, 2, true},        // odd D: C 8, B 126, cj 3; scalar (non-float4) state copy
+    {3, 1027, dtype::f32, 4, false},       // n_hc 3, no norm weight: C 12, B 86, cj 7
+    {5, 2052, dtype::f32, 16, true},       // n_hc 5: 36 sums (two row passes per lane), C 20, B 103, cj 12
+    {5, 4100, dtype::f16, 0, true},        // n_hc 5, f16: C 36, B 114, cj 32
+    {2, 4100, dtype::f32, 0, true},        // n_hc 2: C 36, B 114, cj 32
+    {1, 8, dtype::f16, 0, true},           // n_hc 1: C 4, B 2
+    {2, 5, dtype::f16, 0, true},           // D 5: C 4, B 2, cj 1
+    {2, 300, dtype::f32, 0, true},         // C 4, B 75
+    {3, 200, dtype::f32, 0, true, 1},      // one block: C 200 (it arrives last and runs the tail)
+    {3, 200, dtype::f16, 6, true, 128},    // C 4, B 50 (fewer blocks than asked)
+};
+
 // Sublayer chains: step 0 has no HCPost (the step's first HCPre), steps 1.. fold in the previous
 // sublayer's output y; the weights alternate between two HCs (attention / FFN). After every step the
-// fused and unfused normalised u, post, comb, mix and state are compared bitwise and the counter must
-// be zero again.
+// fused and unfused normalised u, post, comb, mix and state are compared (kern k's rule: see the file
+// banner) and the counter must be zero again. The fused chain keeps its own state; its post / comb
+// are reset to the unfused ones after each comparison.
+void run_chain(CudaDs4HcFused &t, const geom &g, kern k) {
+    const int n = g.n_hc, n_mix = (2 + n) * n;
+    const int64_t D = g.D, S = n * D;
+    const cd::hc_params p = t.params(g);
+    const hc_dev hc[2] = {t.make_hc(g, n_mix), t.make_hc(g, n_mix)};
+    const auto x0 = randn(static_cast<size_t>(S), t.rng_);
+    float *xu[2] = {t.up(x0), t.poisoned(S)}, *xf[2] = {t.up(x0), t.poisoned(S)};
+    float *post_u = t.poisoned(n), *comb_u = t.poisoned(n * n), *post_f = t.poisoned(n), *comb_f = t.poisoned(n * n);
+    float *mix_u = t.poisoned(n_mix + 1), *mix_f = t.poisoned(n_mix + 1), *xn_u = t.poisoned(D), *xn_f = t.poisoned(D);
+    float *y = t.dev<float>(D);
+    uint32_t *sync = t.dev<uint32_t>(1);
+    double *part = t.part_for(k, n);
+    int cu = 0, cf = 0;
+    for (int step = 0; step < 5; ++step) {
+        SCOPED_TRACE("step " + std::to_string(step));
+        const hc_dev &h = hc[step % 2];
+        const bool with_post = step > 0;
+        if (with_post) t.put(y, randn(static_cast<size_t>(D), t.rng_));
+        // unfused: post, pre, norm
+        if (with_post) {
+            cd::launch_hc_post(n, D, y, xu[cu], post_u, comb_u, xu[1 - cu], t.s_);
+            cu = 1 - cu;
+        }
+        cd::launch_hc_pre(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, xu[cu], mix_u, xn_u, post_u, comb_u, t.s_);
+        cuda::launch_rms_norm(xn_u, D, h.norm, p.rms_eps, D, 1, xn_u, D, t.s_);
+        // fused, every output poisoned first
+        t.poison(xn_f, D);
+        t.poison(mix_f, n_mix + 1);
+        if (with_post) t.poison(xf[1 - cf], S);
+        cd::hc_fused_io io;
+        io.y = with_post ? y : nullptr;
+        io.x = xf[cf];
+        io.x_new = with_post ? xf[1 - cf] : nullptr;
+        io.post = post_f, io.comb = comb_f, io.mix = mix_f, io.sync = sync, io.norm = h.norm, io.out = xn_f;
+        io.part = part, io.part_blocks = g.blocks;
+        cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, t.s_);
+        if (with_post) cf = 1 - cf;
+        ASSERT_EQ(cudaStreamSynchronize(t.s_), cudaSuccess);
+        ASSERT_EQ(cu, cf);
+        t.expect_same(xf[cf], xu[cu], S, "state");  // both kernels: bit for bit
+        t.expect_outputs(k, xn_f, xn_u, D, "normalised u");
+        t.expect_outputs(k, post_f, post_u, n, "post");
+        t.expect_outputs(k, comb_f, comb_u, n * n, "comb");
+        t.expect_outputs(k, mix_f, mix_u, n_mix + 1, "mix", true);
+        t.expect_counter_zero(sync);
+        t.expect_split_ran(part, n);
+        if (t.HasFailure()) return;
+        // the next step's HCPost from the unfused split (a no-op for the row kernel; for the split
+        // kernel it keeps the next state's bit-for-bit check independent of a rare mix rounding)
+        CK(cudaMemcpy(post_f, post_u, sizeof(float) * n, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(comb_f, comb_u, sizeof(float) * n * n, cudaMemcpyDeviceToDevice));
+    }
+}
+
 TEST_F(CudaDs4HcFused, SublayerChainMatchesUnfusedBitwise) {
     for (const geom &g : kGeoms) {
         SCOPED_TRACE(name(g));
-        const int n = g.n_hc, n_mix = (2 + n) * n;
-        const int64_t D = g.D, S = n * D;
-        const cd::hc_params p = params(g);
-        const hc_dev hc[2] = {make_hc(g, n_mix), make_hc(g, n_mix)};
-        const auto x0 = randn(static_cast<size_t>(S), rng_);
-        float *xu[2] = {up(x0), poisoned(S)}, *xf[2] = {up(x0), poisoned(S)};
-        float *post_u = poisoned(n), *comb_u = poisoned(n * n), *post_f = poisoned(n), *comb_f = poisoned(n * n);
-        float *mix_u = poisoned(n_mix + 1), *mix_f = poisoned(n_mix + 1), *xn_u = poisoned(D), *xn_f = poisoned(D);
-        float *y = dev<float>(D);
-        uint32_t *sync = dev<uint32_t>(1);
-        int cu = 0, cf = 0;
-        for (int step = 0; step < 5; ++step) {
-            SCOPED_TRACE("step " + std::to_string(step));
-            const hc_dev &h = hc[step % 2];
-            const bool with_post = step > 0;
-            if (with_post) put(y, randn(static_cast<size_t>(D), rng_));
-            // unfused: post, pre, norm
-            if (with_post) {
-                cd::launch_hc_post(n, D, y, xu[cu], post_u, comb_u, xu[1 - cu], s_);
-                cu = 1 - cu;
-            }
-            cd::launch_hc_pre(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, xu[cu], mix_u, xn_u, post_u, comb_u, s_);
-            cuda::launch_rms_norm(xn_u, D, h.norm, p.rms_eps, D, 1, xn_u, D, s_);
-            // fused, every output poisoned first
-            poison(xn_f, D);
-            poison(mix_f, n_mix + 1);
-            if (with_post) poison(xf[1 - cf], S);
-            cd::hc_fused_io io;
-            io.y = with_post ? y : nullptr;
-            io.x = xf[cf];
-            io.x_new = with_post ? xf[1 - cf] : nullptr;
-            io.post = post_f, io.comb = comb_f, io.mix = mix_f, io.sync = sync, io.norm = h.norm, io.out = xn_f;
-            cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
-            if (with_post) cf = 1 - cf;
-            ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-            ASSERT_EQ(cu, cf);
-            expect_same(xf[cf], xu[cu], S, "state");
-            expect_same(xn_f, xn_u, D, "normalised u");
-            expect_same(post_f, post_u, n, "post");
-            expect_same(comb_f, comb_u, n * n, "comb");
-            expect_same(mix_f, mix_u, n_mix + 1, "mix");
-            expect_counter_zero(sync);
-            if (HasFailure()) return;
-        }
+        run_chain(*this, g, kern::rows);
+        if (HasFailure()) return;
+    }
+}
+
+TEST_F(CudaDs4HcFused, SplitSublayerChainMatchesUnfused) {
+    for (const geom &g : kSplitGeoms) {
+        SCOPED_TRACE(name(g));
+        run_chain(*this, g, kern::split);
+        if (HasFailure()) return;
     }
 }
 
 // The head (n_hc mixer rows, no Sinkhorn), with and without the last sublayer's HCPost folded in;
 // post and comb are only read.
+void run_head(CudaDs4HcFused &t, const geom &g, kern k) {
+    const int n = g.n_hc;
+    const int64_t D = g.D, S = n * D;
+    const cd::hc_params p = t.params(g);
+    const hc_dev h = t.make_hc(g, n);
+    const auto x0 = randn(static_cast<size_t>(S), t.rng_);
+    std::vector<float> post(static_cast<size_t>(n)), comb(static_cast<size_t>(n * n));
+    std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+    for (auto &v : post) v = 2.0f * ud(t.rng_);
+    for (auto &v : comb) v = ud(t.rng_) / static_cast<float>(n);
+    float *x = t.up(x0), *post_d = t.up(post), *comb_d = t.up(comb), *y = t.up(randn(static_cast<size_t>(D), t.rng_));
+    float *xn_u = t.poisoned(S), *mix_u = t.poisoned(n + 1), *z_u = t.poisoned(D);
+    float *xn_f = t.poisoned(S), *mix_f = t.poisoned(n + 1), *z_f = t.poisoned(D);
+    uint32_t *sync = t.dev<uint32_t>(1);
+    double *part = t.part_for(k, n);
+    for (const bool with_post : {false, true, true}) {
+        SCOPED_TRACE(with_post ? "with post" : "no post");
+        const float *xin_u = x;
+        if (with_post) {
+            cd::launch_hc_post(n, D, y, x, post_d, comb_d, xn_u, t.s_);
+            xin_u = xn_u;
+        }
+        cd::launch_hc_head(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, xin_u, mix_u, z_u, t.s_);
+        cuda::launch_rms_norm(z_u, D, h.norm, p.rms_eps, D, 1, z_u, D, t.s_);
+        t.poison(z_f, D);
+        t.poison(mix_f, n + 1);
+        t.poison(xn_f, S);
+        cd::hc_fused_io io;
+        io.y = with_post ? y : nullptr;
+        io.x = x;
+        io.x_new = with_post ? xn_f : nullptr;
+        io.post = post_d, io.comb = comb_d, io.mix = mix_f, io.sync = sync, io.norm = h.norm, io.out = z_f;
+        io.part = part, io.part_blocks = g.blocks;
+        cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, t.s_);
+        ASSERT_EQ(cudaStreamSynchronize(t.s_), cudaSuccess);
+        t.expect_outputs(k, z_f, z_u, D, "normalised z");
+        t.expect_outputs(k, mix_f, mix_u, n + 1, "mix", true);
+        if (with_post) t.expect_same(xn_f, xn_u, S, "state");
+        const auto pd = t.down(post_d, n), cdd = t.down(comb_d, n * n);
+        t.expect_bits(pd.data(), post.data(), n, "post (read only)");
+        t.expect_bits(cdd.data(), comb.data(), n * n, "comb (read only)");
+        t.expect_counter_zero(sync);
+        t.expect_split_ran(part, n);
+        if (t.HasFailure()) return;
+    }
+}
+
 TEST_F(CudaDs4HcFused, HeadMatchesUnfusedBitwise) {
     for (const geom &g : kGeoms) {
         SCOPED_TRACE(name(g));
-        const int n = g.n_hc;
-        const int64_t D = g.D, S = n * D;
-        const cd::hc_params p = params(g);
-        const hc_dev h = make_hc(g, n);
-        const auto x0 = randn(static_cast<size_t>(S), rng_);
-        std::vector<float> post(static_cast<size_t>(n)), comb(static_cast<size_t>(n * n));
-        std::uniform_real_distribution<float> ud(0.0f, 1.0f);
-        for (auto &v : post) v = 2.0f * ud(rng_);
-        for (auto &v : comb) v = ud(rng_) / static_cast<float>(n);
-        float *x = up(x0), *post_d = up(post), *comb_d = up(comb), *y = up(randn(static_cast<size_t>(D), rng_));
-        float *xn_u = poisoned(S), *mix_u = poisoned(n + 1), *z_u = poisoned(D);
-        float *xn_f = poisoned(S), *mix_f = poisoned(n + 1), *z_f = poisoned(D);
-        uint32_t *sync = dev<uint32_t>(1);
-        for (const bool with_post : {false, true, true}) {
-            SCOPED_TRACE(with_post ? "with post" : "no post");
-            const float *xin_u = x;
-            if (with_post) {
-                cd::launch_hc_post(n, D, y, x, post_d, comb_d, xn_u, s_);
-                xin_u = xn_u;
-            }
-            cd::launch_hc_head(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, xin_u, mix_u, z_u, s_);
-            cuda::launch_rms_norm(z_u, D, h.norm, p.rms_eps, D, 1, z_u, D, s_);
-            poison(z_f, D);
-            poison(mix_f, n + 1);
-            poison(xn_f, S);
-            cd::hc_fused_io io;
-            io.y = with_post ? y : nullptr;
-            io.x = x;
-            io.x_new = with_post ? xn_f : nullptr;
-            io.post = post_d, io.comb = comb_d, io.mix = mix_f, io.sync = sync, io.norm = h.norm, io.out = z_f;
-            cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
-            ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-            expect_same(z_f, z_u, D, "normalised z");
-            expect_same(mix_f, mix_u, n + 1, "mix");
-            if (with_post) expect_same(xn_f, xn_u, S, "state");
-            const auto pd = down(post_d, n), cdd = down(comb_d, n * n);
-            expect_bits(pd.data(), post.data(), n, "post (read only)");
-            expect_bits(cdd.data(), comb.data(), n * n, "comb (read only)");
-            expect_counter_zero(sync);
-            if (HasFailure()) return;
-        }
+        run_head(*this, g, kern::rows);
+        if (HasFailure()) return;
+    }
+}
+
+TEST_F(CudaDs4HcFused, SplitHeadMatchesUnfused) {
+    for (const geom &g : kSplitGeoms) {
+        SCOPED_TRACE(name(g));
+        run_head(*this, g, kern::split);
+        if (HasFailure()) return;
     }
 }
 
 // A captured graph (first HCPre, a sublayer with HCPost, the head with HCPost: the programmatic
 // launches and the shared counter inside one graph) replayed several times gives the eager bits.
-TEST_F(CudaDs4HcFused, GraphReplayMatchesEager) {
+// split[i]: launch i takes the split kernel (the kernels share the counter when mixed). The split
+// kernel's replays must repeat its eager bits too: its reductions do not depend on arrival order.
+void run_graph(CudaDs4HcFused &t, const bool (&split)[3], int reps) {
     const geom g{4, 4096, dtype::f16, 0, true};
     const int n = g.n_hc, n_mix = (2 + n) * n;
     const int64_t D = g.D, S = n * D;
-    const cd::hc_params p = params(g);
-    const hc_dev a = make_hc(g, n_mix), b = make_hc(g, n_mix), head = make_hc(g, n);
-    float *xa = up(randn(static_cast<size_t>(S), rng_)), *xb = poisoned(S), *xc = poisoned(S);
-    float *y1 = up(randn(static_cast<size_t>(D), rng_)), *y2 = up(randn(static_cast<size_t>(D), rng_));
-    float *post = poisoned(n), *comb = poisoned(n * n), *mix = poisoned(n_mix + 1);
-    float *o1 = poisoned(D), *o2 = poisoned(D), *z = poisoned(D);
-    uint32_t *sync = dev<uint32_t>(1);
+    const cd::hc_params p = t.params(g);
+    const hc_dev a = t.make_hc(g, n_mix), b = t.make_hc(g, n_mix), head = t.make_hc(g, n);
+    float *xa = t.up(randn(static_cast<size_t>(S), t.rng_)), *xb = t.poisoned(S), *xc = t.poisoned(S);
+    float *y1 = t.up(randn(static_cast<size_t>(D), t.rng_)), *y2 = t.up(randn(static_cast<size_t>(D), t.rng_));
+    float *post = t.poisoned(n), *comb = t.poisoned(n * n), *mix = t.poisoned(n_mix + 1);
+    float *o1 = t.poisoned(D), *o2 = t.poisoned(D), *z = t.poisoned(D);
+    uint32_t *sync = t.dev<uint32_t>(1);
+    double *part = t.part_for(kern::split, n);
     auto enqueue = [&] {
         cd::hc_fused_io io;
         io.x = xa, io.post = post, io.comb = comb, io.mix = mix, io.sync = sync, io.norm = a.norm, io.out = o1;
-        cd::launch_hc_pre_fused(p, g.ft, a.fn, a.row_bytes, a.base, a.scale, io, s_);
-        io.y = y1, io.x_new = xb, io.norm = b.norm, io.out = o2;
-        cd::launch_hc_pre_fused(p, g.ft, b.fn, b.row_bytes, b.base, b.scale, io, s_);
-        io.y = y2, io.x = xb, io.x_new = xc, io.norm = head.norm, io.out = z;
-        cd::launch_hc_head_fused(p, g.ft, head.fn, head.row_bytes, head.base, head.scale, io, s_);
+        io.part = split[0] ? part : nullptr;
+        cd::launch_hc_pre_fused(p, g.ft, a.fn, a.row_bytes, a.base, a.scale, io, t.s_);
+        io.y = y1, io.x_new = xb, io.norm = b.norm, io.out = o2, io.part = split[1] ? part : nullptr;
+        cd::launch_hc_pre_fused(p, g.ft, b.fn, b.row_bytes, b.base, b.scale, io, t.s_);
+        io.y = y2, io.x = xb, io.x_new = xc, io.norm = head.norm, io.out = z, io.part = split[2] ? part : nullptr;
+        cd::launch_hc_head_fused(p, g.ft, head.fn, head.row_bytes, head.base, head.scale, io, t.s_);
     };
     enqueue();
     float *outs[] = {o1, o2, z, xb, xc, post, comb};
@@ -231,31 +348,85 @@ TEST_F(CudaDs4HcFused, GraphReplayMatchesEager) {
                             static_cast<size_t>(S), static_cast<size_t>(S), static_cast<size_t>(n),
                             static_cast<size_t>(n * n)};
     std::vector<std::vector<float>> eager;
-    for (int i = 0; i < 7; ++i) eager.push_back(down(outs[i], sizes[i]));
+    for (int i = 0; i < 7; ++i) eager.push_back(t.down(outs[i], sizes[i]));
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
+    CK(cudaStreamBeginCapture(t.s_, cudaStreamCaptureModeThreadLocal));
     enqueue();
-    CK(cudaStreamEndCapture(s_, &graph));
+    CK(cudaStreamEndCapture(t.s_, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int rep = 0; rep < 3; ++rep) {
+    for (int rep = 0; rep < reps; ++rep) {
         SCOPED_TRACE("replay " + std::to_string(rep));
-        for (int i = 0; i < 7; ++i) poison(outs[i], sizes[i]);
-        CK(cudaGraphLaunch(exec, s_));
-        ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        for (int i = 0; i < 7; ++i) t.poison(outs[i], sizes[i]);
+        CK(cudaGraphLaunch(exec, t.s_));
+        ASSERT_EQ(cudaStreamSynchronize(t.s_), cudaSuccess);
         const char *what[] = {"o1", "o2", "z", "xb", "xc", "post", "comb"};
         for (int i = 0; i < 7; ++i) {
-            const auto got = down(outs[i], sizes[i]);
-            expect_bits(got.data(), eager[static_cast<size_t>(i)].data(), sizes[i], what[i]);
+            const auto got = t.down(outs[i], sizes[i]);
+            t.expect_bits(got.data(), eager[static_cast<size_t>(i)].data(), sizes[i], what[i]);
         }
-        expect_counter_zero(sync);
+        t.expect_counter_zero(sync);
+        if (t.HasFailure()) break;
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
 }
 
+TEST_F(CudaDs4HcFused, GraphReplayMatchesEager) {
+    run_graph(*this, {false, false, false}, 3);
+}
+
+TEST_F(CudaDs4HcFused, SplitGraphReplayMatchesEager) {
+    run_graph(*this, {true, true, true}, 20);
+}
+
+// Row and split kernels alternating on one counter (a model that mixes them must keep working).
+TEST_F(CudaDs4HcFused, MixedKernelsShareTheCounter) {
+    run_graph(*this, {false, true, false}, 3);
+    if (HasFailure()) return;
+    run_graph(*this, {true, false, true}, 3);
+}
+
+// The split kernel against itself: 50 eager launches of one DS4-Flash sublayer (f32 mixers, with
+// HCPost) give the same bits every time, whatever order the 128 blocks arrive in.
+TEST_F(CudaDs4HcFused, SplitIsDeterministic) {
+    const geom g{4, 4096, dtype::f32, 0, true};
+    const int n = g.n_hc, n_mix = (2 + n) * n;
+    const int64_t D = g.D, S = n * D;
+    const cd::hc_params p = params(g);
+    const hc_dev h = make_hc(g, n_mix);
+    std::vector<float> post0(static_cast<size_t>(n), 0.7f), comb0(static_cast<size_t>(n * n), 0.25f);
+    float *x = up(randn(static_cast<size_t>(S), rng_)), *y = up(randn(static_cast<size_t>(D), rng_));
+    float *post = poisoned(n), *comb = poisoned(n * n), *mix = poisoned(n_mix + 1), *out = poisoned(D);
+    float *xn = poisoned(S);
+    uint32_t *sync = dev<uint32_t>(1);
+    double *part = part_for(kern::split, n);
+    std::vector<float> first[5];
+    for (int it = 0; it < 50; ++it) {
+        put(post, post0);  // the kernel rewrites post / comb in place
+        put(comb, comb0);
+        poison(out, D);
+        poison(mix, n_mix + 1);
+        poison(xn, S);
+        cd::hc_fused_io io;
+        io.y = y, io.x = x, io.x_new = xn, io.post = post, io.comb = comb, io.mix = mix, io.sync = sync;
+        io.norm = h.norm, io.out = out, io.part = part;
+        cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
+        const std::vector<float> got[5] = {down(out, D), down(mix, n_mix + 1), down(post, n), down(comb, n * n),
+                                           down(xn, S)};
+        const char *what[] = {"out", "mix", "post", "comb", "state"};
+        for (int i = 0; i < 5; ++i) {
+            if (it == 0) first[i] = got[i];
+            else expect_bits(got[i].data(), first[i].data(), got[i].size(), what[i]);
+        }
+        expect_counter_zero(sync);
+        if (HasFailure()) return;
+    }
+}
+
 // Beyond one block's shared memory (n_hc 5 x D 12000 floats = 240 KB) the launcher falls back to the
-// unfused kernels: the same bits, the counter untouched.
+// unfused kernels, with or without the split kernel's scratch (left untouched): the same bits, the
+// counter untouched.
 TEST_F(CudaDs4HcFused, LargeStateFallsBackToUnfused) {
     const geom g{5, 12000, dtype::f16, 0, true};
     const int n = g.n_hc, n_mix = (2 + n) * n;
@@ -268,19 +439,29 @@ TEST_F(CudaDs4HcFused, LargeStateFallsBackToUnfused) {
     float *xn_u = poisoned(S), *mix_u = poisoned(n_mix + 1), *o_u = poisoned(D);
     float *xn_f = poisoned(S), *mix_f = poisoned(n_mix + 1), *o_f = poisoned(D);
     uint32_t *sync = dev<uint32_t>(1);
+    double *part = part_for(kern::split, n);
     cd::launch_hc_post(n, D, y, x, pu, cu, xn_u, s_);
     cd::launch_hc_pre(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, xn_u, mix_u, o_u, pu, cu, s_);
     cuda::launch_rms_norm(o_u, D, h.norm, p.rms_eps, D, 1, o_u, D, s_);
     cd::hc_fused_io io;
     io.y = y, io.x = x, io.x_new = xn_f, io.post = pf, io.comb = cf, io.mix = mix_f, io.sync = sync;
     io.norm = h.norm, io.out = o_f;
-    cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
-    ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
-    expect_same(o_f, o_u, D, "normalised u");
-    expect_same(xn_f, xn_u, S, "state");
-    expect_same(pf, pu, n, "post");
-    expect_same(cf, cu, n * n, "comb");
-    expect_counter_zero(sync);
+    for (double *pt : {static_cast<double *>(nullptr), part}) {
+        SCOPED_TRACE(pt ? "with the split scratch" : "without the split scratch");
+        put(pf, post);  // in place: back to the unfused chain's input split
+        put(cf, comb);
+        poison(o_f, D);
+        poison(xn_f, S);
+        io.part = pt;
+        cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
+        ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        expect_same(o_f, o_u, D, "normalised u");
+        expect_same(xn_f, xn_u, S, "state");
+        expect_same(pf, pu, n, "post");
+        expect_same(cf, cu, n * n, "comb");
+        expect_counter_zero(sync);
+        EXPECT_TRUE(std::isnan(down(part, 1)[0])) << "the split kernel ran beyond its shared memory";
+    }
 }
 
 TEST_F(CudaDs4HcFused, BadArgumentsAreRejected) {
@@ -304,15 +485,24 @@ TEST_F(CudaDs4HcFused, BadArgumentsAreRejected) {
     bad.n_hc = 6;
     EXPECT_THROW(cd::launch_hc_head_fused(bad, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
     EXPECT_THROW(cd::launch_hc_pre_fused(p, dtype::q8_0, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
+    double *part = dev<double>(cd::hc_fused_part_count(n) + 1);
+    io.part = reinterpret_cast<double *>(reinterpret_cast<char *>(part) + 4);  // not 8-byte aligned
+    EXPECT_THROW(cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
+    io.part = part;
+    io.part_blocks = cd::kHcFusedMaxBlocks + 1;
+    EXPECT_THROW(cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
+    io.part_blocks = -1;
+    EXPECT_THROW(cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
 
 // One DS4-Flash token's 86 HC sublayers (43 layers x attention / FFN; n_hc 4, D 4096, f32 and f16
 // mixers, 86 distinct weight sets so they stream from HBM) captured into a graph: unfused
-// (post + pre (mixer, apply) + rms_norm: 4 launches, 3 for the first) vs fused (1 launch). HC only:
-// in the real step other kernels sit between them (PDL then also overlaps the fused kernel's weight
-// prefetch with the previous kernel's tail).
+// (post + pre (mixer, apply) + rms_norm: 4 launches, 3 for the first) vs fused (1 launch): the
+// row-block kernel (hc_fused_kernel, no partial scratch) and the split kernel at several block
+// counts (hc_split_kernel; 0 = its default, 128). HC only: in the real step other kernels sit between
+// them (PDL then also overlaps the fused kernels' weight loads with the previous kernel's tail).
 TEST_F(CudaDs4HcFused, BenchSublayersFusedVsUnfused) {
     if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
     const int n = 4, n_mix = (2 + n) * n, L = 86, reps = 21;
@@ -332,19 +522,22 @@ TEST_F(CudaDs4HcFused, BenchSublayersFusedVsUnfused) {
         float *x[2] = {up(x0), dev<float>(S)}, *y = up(randn(static_cast<size_t>(D), rng_, 0.1f));
         float *post = dev<float>(n), *comb = dev<float>(n * n), *mix = dev<float>(n_mix + 1), *xn = dev<float>(D);
         uint32_t *sync = dev<uint32_t>(1);
-        auto capture = [&](bool fused) {
+        double *part = dev<double>(cd::hc_fused_part_count(n));
+        // mode 0: unfused; 1: row-block fused; 2: split fused with part_blocks = blocks
+        auto capture = [&](int mode, int blocks) {
             cudaGraph_t graph = nullptr;
             cudaGraphExec_t exec = nullptr;
             EXPECT_EQ(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
             int cur = 0;
             for (int i = 0; i < L; ++i) {
                 const hc_dev &h = hs[static_cast<size_t>(i)];
-                if (fused) {
+                if (mode > 0) {
                     cd::hc_fused_io io;
                     io.y = i > 0 ? y : nullptr;
                     io.x = x[cur];
                     io.x_new = i > 0 ? x[1 - cur] : nullptr;
                     io.post = post, io.comb = comb, io.mix = mix, io.sync = sync, io.norm = h.norm, io.out = xn;
+                    io.part = mode == 2 ? part : nullptr, io.part_blocks = blocks;
                     cd::launch_hc_pre_fused(p, ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
                 } else {
                     if (i > 0) cd::launch_hc_post(n, D, y, x[cur], post, comb, x[1 - cur], s_);
@@ -359,16 +552,25 @@ TEST_F(CudaDs4HcFused, BenchSublayersFusedVsUnfused) {
             cudaGraphDestroy(graph);
             return exec;
         };
-        cudaGraphExec_t eu = capture(false), ef = capture(true);
-        put(x[0], x0);
-        const float tu = time_graph(eu, s_, reps);
-        put(x[0], x0);
-        const float tf = time_graph(ef, s_, reps);
-        std::printf("  hc %s, %d sublayers per token: unfused %.3f ms (%.1f us/sublayer), fused %.3f ms (%.1f us/sublayer), %.2fx\n",
-                    std::string(dtype_name(ft)).c_str(), L, tu, 1e3 * tu / L, tf, 1e3 * tf / L, tu / tf);
-        EXPECT_EQ(down(sync, 1)[0], 0u);
-        cudaGraphExecDestroy(eu);
-        cudaGraphExecDestroy(ef);
+        auto timed = [&](int mode, int blocks) {
+            cudaGraphExec_t e = capture(mode, blocks);
+            put(x[0], x0);
+            const float ms = time_graph(e, s_, reps);
+            cudaGraphExecDestroy(e);
+            EXPECT_EQ(down(sync, 1)[0], 0u);
+            return ms;
+        };
+        const std::string t = std::string(dtype_name(ft));
+        const float tu = timed(0, 0), tf = timed(1, 0);
+        std::printf("  hc %s, %d sublayers per token: unfused %.3f ms (%.2f us/sublayer), row-block fused %.3f ms "
+                    "(%.2f us/sublayer, %.2fx)\n",
+                    t.c_str(), L, tu, 1e3 * tu / L, tf, 1e3 * tf / L, tu / tf);
+        for (int blocks : {0, 32, 64, 96, 112}) {
+            const float ts = timed(2, blocks);
+            std::printf("  hc %s: split fused, part_blocks %3d: %.3f ms (%.2f us/sublayer), %.2fx the row-block "
+                        "fused\n",
+                        t.c_str(), blocks, ts, 1e3 * ts / L, tf / ts);
+        }
     }
 }
 

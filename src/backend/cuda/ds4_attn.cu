@@ -1,8 +1,9 @@
 // DS4 attention sublayer on CUDA for one decoded token (spec ../shared/reference/ds4-architecture.md
 // sections 4 and 8): per-head query norm + RoPE (+ QAT), the KV row's norm/RoPE/FP8 into the raw
 // ring, the KV compressors' frontier and row emission, sparse sink attention (split over rows,
-// flash-decoding partials + a combine that applies the sink and the inverse RoPE), the grouped
-// output GEMV and the logits argmax. Launchers: ds4_attn_kernels.h (the indexer top-k lives with the
+// flash-decoding partials + a combine that applies the sink and the inverse RoPE, on the tensor-core
+// path optionally folded into the split kernel), the grouped output GEMV and the logits argmax.
+// Launchers: ds4_attn_kernels.h (the indexer top-k lives with the
 // indexer kernels in ds4_indexer.cu). Chunked prefill (ds4_prefill.h): the query-head and KV-row
 // kernels take a token index (token t at *pos + t; decode is token 0 of 1), the ring gets a chunk's
 // last rows by launch_ring_store_tail, and the compressor over a chunk pools each emitted row in a
@@ -39,6 +40,7 @@
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_mma.cuh"
+#include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/ds4_attn_common.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
@@ -627,72 +629,116 @@ __global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128
     }
 }
 
-// Block (head blockIdx.x, dim pairs kCombineThreads blockIdx.y .. + kCombineThreads - 1): o_h = sum_s
-// e^(m_s - M) acc_s / (e^(sink - M) + sum_s e^(m_s - M) l_s) over the busy splits s (each saw >= 1 row:
-// m_s finite), M the largest of the sink and the m_s (every block of the head computes the same weights).
-// Then the inverse RoPE of the last n_rot dims at *pos, one dim pair per thread. One warp per block and
-// d / 64 blocks per head: the partials (up to 64 x 128 KB at 64 heads of 512) are read by 512 warps with
-// the split loop unrolled, not by 64 blocks walking them in turn.
-__global__ void __launch_bounds__(kCombineThreads)
-    attn_combine_kernel(attn_geom g, const float *__restrict__ part, const float *__restrict__ sinks,
-                        const float *__restrict__ freq, int n_rot, const int64_t *__restrict__ pos,
-                        float *__restrict__ o) {
-    __shared__ float ws[kMaxSplits];
-    __shared__ float s_inv;
-    const int h = blockIdx.x, d = g.d, n_head = g.n_head;
-    const int64_t p = *pos;
+// Busy splits of the token at p: the first ceil(n / rps) (each saw >= 1 row).
+__device__ __forceinline__ int attn_busy_splits(const attn_geom &g, int64_t p) {
     const attn_span sp = attn_span_at(g, p);
     const int64_t n_tot = sp.n_raw + sp.n_comp, rps = attn_rps(n_tot, g.n_split);
-    const int busy = static_cast<int>((n_tot + rps - 1) / rps);
+    return static_cast<int>((n_tot + rps - 1) / rps);
+}
+
+// One warp, all 32 lanes: head h, dim pairs 32 y .. 32 y + 31 for the NJ chunks y = y0 .. y0 + NJ - 1
+// below cpp = d / 64 (lane l: pairs 32 y + l). o_h = sum_s e^(m_s - M) acc_s / (e^(sink - M) + sum_s
+// e^(m_s - M) l_s) over the busy splits s (each saw >= 1 row: m_s finite), M the largest of the sink and
+// the m_s (every warp of the head computes the same weights; the warp butterflies leave M, den and so
+// inv bit-identical in every lane). Then the inverse RoPE of the last n_rot dims at p, one dim pair per
+// lane and chunk. Every pair gets the same operations in the same order whatever NJ and U (U: the split
+// loop's unroll, NJ: chunks sharing one weight computation and keeping 2 NJ U loads in flight), so the
+// separate combine kernel (NJ = 1) and the fused tail (NJ up to 8) give the same bits. ws: this warp's
+// shared [kMaxSplits] (the split weights). part is read through L2 (__ldcg): in the fused kernel other
+// blocks wrote it during this launch.
+template <int NJ, int U>
+__device__ __forceinline__ void attn_combine_warp(const attn_geom &g, const float *part, const float *sinks,
+                                                  const float *freq, int n_rot, int64_t p, int busy, int h, int y0,
+                                                  float *ws, float *o) {
+    const int lane = threadIdx.x & 31, d = g.d, n_head = g.n_head, cpp = d / 64;
     const size_t ml0 = static_cast<size_t>(g.n_split) * n_head * d;
-    if (threadIdx.x < 32) {  // warp 0: splits lane and lane + 32
-        const int lane = threadIdx.x;
-        const float sink = sinks[h];
-        float ms[2], ls[2];
+    const float sink = sinks[h];
+    float ms[2], ls[2];
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int s = lane + 32 * k;
-            const size_t ph = static_cast<size_t>(s) * n_head + h;
-            ms[k] = s < busy ? part[ml0 + 2 * ph] : -INFINITY;
-            ls[k] = s < busy ? part[ml0 + 2 * ph + 1] : 0.0f;
-        }
-        const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
-        float den = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int s = lane + 32 * k;
-            const float w = s < busy ? expf(ms[k] - M) : 0.0f;
-            if (s < kMaxSplits) ws[s] = w;
-            den += w * ls[k];
-        }
-        den = warp_sum(den);
-        if (lane == 0) s_inv = 1.0f / (expf(sink - M) + den);
+    for (int k = 0; k < 2; ++k) {  // splits lane and lane + 32 (past busy: split busy - 1 read, unused)
+        const int s = lane + 32 * k;
+        const size_t ph = static_cast<size_t>(min(s, busy - 1)) * n_head + h;
+        const float mv = __ldcg(part + ml0 + 2 * ph), lv = __ldcg(part + ml0 + 2 * ph + 1);
+        ms[k] = s < busy ? mv : -INFINITY;
+        ls[k] = s < busy ? lv : 0.0f;
     }
-    __syncthreads();
-    const float inv = s_inv, fp = static_cast<float>(p);
+    const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
+    float den = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int s = lane + 32 * k;
+        const float w = s < busy ? expf(ms[k] - M) : 0.0f;
+        if (s < kMaxSplits) ws[s] = w;
+        den += w * ls[k];
+    }
+    den = warp_sum(den);
+    const float inv = 1.0f / (expf(sink - M) + den);
+    __syncwarp();  // ws visible to the whole warp
+    const float fp = static_cast<float>(p);
     const int rp0 = (d - n_rot) / 2;
-    const int pi = blockIdx.y * blockDim.x + threadIdx.x;  // this thread's dim pair
-    if (pi < d / 2) {
-        float a = 0.0f, b = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < busy; ++s) {
-            const float *pp = part + (static_cast<size_t>(s) * n_head + h) * d + 2 * pi;
-            a += ws[s] * pp[0];
-            b += ws[s] * pp[1];
+    float a[NJ], b[NJ];
+    const float *pj[NJ];  // chunk j's pairs of split 0; past the head's chunks: its last (read, unused)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        a[j] = b[j] = 0.0f;
+        pj[j] = part + static_cast<size_t>(h) * d + 2 * lane + 64 * min(y0 + j, cpp - 1);
+    }
+    const size_t sstride = static_cast<size_t>(n_head) * d;  // floats from one split's acc to the next
+    // U splits at a time: the 2 NJ U loads (__ldcg is volatile asm: issued in program order, so all of
+    // them first; splits past busy read split busy - 1) before the FMAs, which run in split order.
+    for (int s0 = 0; s0 < busy; s0 += U) {
+        float x[U][NJ][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const size_t off = static_cast<size_t>(min(s0 + u, busy - 1)) * sstride;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                x[u][j][0] = __ldcg(pj[j] + off);
+                x[u][j][1] = __ldcg(pj[j] + off + 1);
+            }
         }
-        a *= inv;
-        b *= inv;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (s0 + u < busy) {
+                const float w = ws[s0 + u];
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    a[j] += w * x[u][j][0];
+                    b[j] += w * x[u][j][1];
+                }
+            }
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int pi = 32 * (y0 + j) + lane;  // this lane's dim pair
+        if (y0 + j >= cpp) continue;
+        float x0 = a[j] * inv, x1 = b[j] * inv;
         if (pi >= rp0) {  // inverse RoPE of the pair, as rope_smem
             const float ang = __fmul_rn(fp, freq[pi - rp0]);
             const float c = static_cast<float>(cos(static_cast<double>(ang)));
             const float sn = -static_cast<float>(sin(static_cast<double>(ang)));
-            const float x0 = a, x1 = b;
-            a = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-            b = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+            const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+            const float r1 = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+            x0 = r0;
+            x1 = r1;
         }
-        o[static_cast<size_t>(h) * d + 2 * pi] = a;
-        o[static_cast<size_t>(h) * d + 2 * pi + 1] = b;
+        o[static_cast<size_t>(h) * d + 2 * pi] = x0;
+        o[static_cast<size_t>(h) * d + 2 * pi + 1] = x1;
     }
+    __syncwarp();  // every lane has read ws before the warp's next item rewrites it
+}
+
+// Block (head blockIdx.x, dim pairs 32 blockIdx.y .. + 31), one warp: attn_combine_warp. One warp per
+// block and d / 64 blocks per head: the partials (up to 64 x 128 KB at 64 heads of 512) are read by 512
+// warps with the split loop unrolled, not by 64 blocks walking them in turn.
+__global__ void __launch_bounds__(kCombineThreads)
+    attn_combine_kernel(attn_geom g, const float *__restrict__ part, const float *__restrict__ sinks,
+                        const float *__restrict__ freq, int n_rot, const int64_t *__restrict__ pos,
+                        float *__restrict__ o) {
+    static_assert(kCombineThreads == 32, "one warp per (head, 32 dim pairs)");
+    __shared__ float ws[kMaxSplits];
+    const int64_t p = *pos;
+    attn_combine_warp<1, 8>(g, part, sinks, freq, n_rot, p, attn_busy_splits(g, p), blockIdx.x, blockIdx.y, ws, o);
 }
 
 // Split count from the capacity (window + max_comp rows): at most kMaxSplits, a function of the
@@ -709,7 +755,9 @@ int attn_splits(const sparse_attn_args &a) {
 // kernel differs. Why: the f32 kernel is latency-bound (~22 us whatever the row count: CUDA-core dots
 // of 16 rows x 2 heads per warp, 4 head-group blocks each reading every row); here a block takes ALL
 // 64 heads of the token as the MMA M dimension (4 m16 tiles), so each row is read from L2 once per
-// split and the dots run on tensor cores.
+// split and the dots run on tensor cores. With sparse_attn_args::fused_combine the kernel is a PDL
+// launch (it waits for the preceding kernel before reading pos, q and the rows) and its busy blocks
+// then do the combine themselves (attn_fused_combine below): one launch per call instead of two.
 //
 // Block (split blockIdx.x, heads 64 blockIdx.y .. + 63; heads past n_head get q = 0 and are not
 // written), 16 warps, rows in tiles of kMmaRows = 32 staged in shared memory as f16. f16 rows are exact
@@ -762,27 +810,32 @@ __device__ __forceinline__ void put_hi_lo(__half *hi, __half *lo, float a, float
         __halves2half2(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
 }
 
-// q hi / lo of heads h0 .. h0 + 63 (past n_head: zeros) into qh / ql [64, ldk]; q [n_head, d] 16-byte
-// aligned (host check). 8 float4 loads in flight per thread before their stores.
-__device__ __forceinline__ void mma_stage_q(const float *__restrict__ q, int n_head, int d, int h0, __half *qh,
-                                            __half *ql, int ldk) {
+// q of heads h0 .. h0 + 63 (past n_head: zeros) in one round trip: the block's 64 x d floats (<= 128 KB)
+// are kQIt float4 loads per thread, all issued before any is used (q [n_head, d] 16-byte aligned: host
+// check). Then the hi / lo split into qh / ql [64, ldk] (mma_store_q). The kernel issues the loads before
+// it forms the first tile's row addresses (the selected-row list read, the cp.async), so both round trips
+// overlap.
+constexpr int kQIt = 16;
+static_assert(kMmaHeads * kMaxD / 4 <= kMmaThreads * kQIt, "q in one batch of loads");
+__device__ __forceinline__ void mma_load_q(const float *__restrict__ q, int n_head, int d, int h0,
+                                           float4 (&v)[kQIt]) {
     const int n4 = kMmaHeads * d / 4;  // float4s of the block's heads
     const float4 *q4 = reinterpret_cast<const float4 *>(q + static_cast<size_t>(h0) * d);
-    for (int e0 = 0; e0 < n4; e0 += kMmaThreads * 8) {
-        float4 v[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x);
-            v[k] = e < n4 && h0 + 4 * e / d < n_head ? q4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
+    for (int k = 0; k < kQIt; ++k) {
+        const int e = k * kMmaThreads + static_cast<int>(threadIdx.x);
+        v[k] = e < n4 && h0 + 4 * e / d < n_head ? q4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+__device__ __forceinline__ void mma_store_q(const float4 (&v)[kQIt], int d, __half *qh, __half *ql, int ldk) {
+    const int n4 = kMmaHeads * d / 4;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const int e = e0 + k * kMmaThreads + static_cast<int>(threadIdx.x);
-            if (e >= n4) continue;
-            const int hh = 4 * e / d, c = 4 * e - hh * d;
-            put_hi_lo(qh + hh * ldk + c, ql + hh * ldk + c, v[k].x, v[k].y);
-            put_hi_lo(qh + hh * ldk + c + 2, ql + hh * ldk + c + 2, v[k].z, v[k].w);
-        }
+    for (int k = 0; k < kQIt; ++k) {
+        const int e = k * kMmaThreads + static_cast<int>(threadIdx.x);
+        if (e >= n4) continue;
+        const int hh = 4 * e / d, c = 4 * e - hh * d;
+        put_hi_lo(qh + hh * ldk + c, ql + hh * ldk + c, v[k].x, v[k].y);
+        put_hi_lo(qh + hh * ldk + c + 2, ql + hh * ldk + c + 2, v[k].z, v[k].w);
     }
 }
 
@@ -841,10 +894,97 @@ __device__ __forceinline__ void mma_stage_rows(const attn_geom &g, const attn_sp
     }
 }
 
+// ---- fused combine (sparse_attn_args::fused_combine) ------------------------------------------------------
+// The tensor-core split kernel may finish the call itself instead of the separate combine launch. The
+// combine of the ~128 KB of partials per busy split is spread over the busy blocks of each head group
+// (one block alone would read busy x 128 KB through one SM's L2 port: ~1 us per split), so they meet
+// at a grid barrier per head group first: every busy block publishes its partials (fence), arrives on
+// the group's counter and waits until all `busy` have arrived; then warp w of busy block x takes the
+// combine items x * 16 + w, + busy * 16, ... (attn_combine_warp: the separate combine kernel's code and
+// per-pair operation order, so the same bits). The wait needs every busy block resident at once: the
+// launcher fuses only when the occupancy calculator fits the whole grid on the device, and the kernel
+// lets its dependents launch (PDL) only after the barrier, so no waiting block can hold an SM a busy
+// block needs. A bounded wait (about a second) turns a broken assumption into wrong outputs, not a hang.
+//
+// Counters: two words per head group at the head of `part` (kAttnSyncFloats, attn_part_floats counts
+// them): arrivals, then departures. The last block to depart (all busy blocks are past the wait) zeroes
+// both, so every call leaves them zero and a captured graph replays with no reset; they must be zero
+// before the first fused call (ds4_attn_kernels.h).
+constexpr int kAttnSyncFloats = 64;  // 256 bytes: keeps the partials' alignment; 32 head groups
+constexpr uint32_t kFuseSpinLimit = 1u << 21;  // polls of ~0.5 us: about a second, vs microseconds of real waits
+
+struct attn_fuse {
+    const float *sinks, *freq;
+    int n_rot;
+    float *o;
+    uint32_t *sync;  // [2 * head groups] or null: partials only (the separate combine kernel follows)
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return *reinterpret_cast<const volatile uint32_t *>(p);
+#endif
+}
+
+// Called by every thread of a busy block of the tensor-core split kernel after its partial stores;
+// heads h0 .. h0 + kMmaHeads - 1 (< n_head) are this head group's. ws: kMmaWarps x kMaxSplits floats of
+// shared memory no longer in use.
+__device__ __forceinline__ void attn_fused_combine(const attn_geom &g, const float *part, const attn_fuse &f,
+                                                   int64_t p, int busy, int h0, int n_heads_blk, float *ws) {
+    __shared__ int s_ok;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    uint32_t *arrive = f.sync + 2 * blockIdx.y, *depart = arrive + 1;
+    __threadfence();  // this thread's partial stores are device-visible before the block arrives
+    __syncthreads();
+    if (tid == 0) {
+        const uint32_t need = static_cast<uint32_t>(busy);
+        atomicAdd(arrive, 1u);
+        uint32_t n = ld_acquire_gpu(arrive);
+        for (uint32_t spin = 0; n < need && spin < kFuseSpinLimit; ++spin) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+            __nanosleep(32);
+#endif
+            n = ld_acquire_gpu(arrive);
+        }
+        s_ok = n >= need;
+        // the last to depart resets the pair: every busy block is past its wait by then
+        if (n >= need && atomicAdd(depart, 1u) == need - 1) {
+            atomicExch(arrive, 0u);
+            atomicExch(depart, 0u);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    if (!s_ok) return;  // a busy block never arrived: leave the outputs unwritten rather than hang
+    pdl_launch_dependents();  // every busy block has read its inputs (q, rows, pos)
+    // Items: (head, nj chunks of 32 dim pairs), nj the smallest power of two up to 8 (and to the cpp
+    // chunks of a head) that leaves no more items than the busy * 16 warps: few busy splits -> whole
+    // heads per warp (one weight computation, 2 nj U loads in flight), many -> one chunk per warp.
+    const int cpp = g.d / 64, n_warps = busy * kMmaWarps;
+    int nj = 1;
+    while (nj < 8 && nj < cpp && n_heads_blk * ((cpp + nj - 1) / nj) > n_warps) nj *= 2;
+    const int gph = (cpp + nj - 1) / nj;  // items per head
+    const int n_items = n_heads_blk * gph;
+    float *wsw = ws + warp * kMaxSplits;
+    for (int it = static_cast<int>(blockIdx.x) * kMmaWarps + warp; it < n_items; it += n_warps) {
+        const int hl = it / gph, y0 = (it - hl * gph) * nj;
+        switch (nj) {  // warp-uniform
+            case 1: attn_combine_warp<1, 16>(g, part, f.sinks, f.freq, f.n_rot, p, busy, h0 + hl, y0, wsw, f.o); break;
+            case 2: attn_combine_warp<2, 8>(g, part, f.sinks, f.freq, f.n_rot, p, busy, h0 + hl, y0, wsw, f.o); break;
+            case 4: attn_combine_warp<4, 4>(g, part, f.sinks, f.freq, f.n_rot, p, busy, h0 + hl, y0, wsw, f.o); break;
+            default: attn_combine_warp<8, 2>(g, part, f.sinks, f.freq, f.n_rot, p, busy, h0 + hl, y0, wsw, f.o); break;
+        }
+    }
+}
+
 template <class V>
 __global__ void __launch_bounds__(kMmaThreads, 1)
     attn_split_mma_kernel(attn_geom g, const float *__restrict__ q, const int64_t *__restrict__ pos,
-                          float *__restrict__ part) {
+                          float *__restrict__ part, attn_fuse f) {
     extern __shared__ __align__(16) unsigned char mma_raw[];
     const int d = g.d, ldk = d + kMmaPad;
     const mma_smem L = mma_smem_layout(d);
@@ -857,12 +997,18 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     const int mt = warp & 3, quarter = warp >> 2, dq = d / kMmaKParts;  // head tile, d quarter
     const int hs = tid >> 3, rq = tid & 7;                               // softmax: head, row quad
     const int h0 = blockIdx.y * kMmaHeads;
-    const attn_span sp = attn_span_at(g, *pos);
+    pdl_wait();  // q, the rows and pos come from the preceding kernels (a no-op without PDL)
+    const int64_t p = *pos;
+    const attn_span sp = attn_span_at(g, p);
     const auto [r0, r1] = attn_split_at(sp, g.n_split);
     if (r0 >= r1) return;  // block-uniform: an idle split (the combine does not read it)
-    // the first tile's rows (in flight during the q staging on the cp.async path), then q
-    mma_stage_rows<V>(g, sp, r0, static_cast<int>(r1 - r0 < kMmaRows ? r1 - r0 : kMmaRows), ks, ldk);
-    mma_stage_q(q, g.n_head, d, h0, qh, ql, ldk);
+    // q's loads, the first tile's rows (cp.async: in flight until the wait below), then q hi / lo
+    {
+        float4 qv[kQIt];
+        mma_load_q(q, g.n_head, d, h0, qv);
+        mma_stage_rows<V>(g, sp, r0, static_cast<int>(r1 - r0 < kMmaRows ? r1 - r0 : kMmaRows), ks, ldk);
+        mma_store_q(qv, d, qh, ql, ldk);
+    }
     const int nj = d / 32;  // n8 tiles of the warp's d / 4 output dims
     float acc[kMaxD / 32][4];
 #pragma unroll
@@ -972,6 +1118,11 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
         part[ml0 + 2 * ph_i] = m_run;
         part[ml0 + 2 * ph_i + 1] = l_run;
     }
+    if (!f.sync) return;
+    // fused combine; sq is free: its last reads (the last tile's softmax) precede a barrier
+    const int64_t n_tot = sp.n_raw + sp.n_comp, rps = attn_rps(n_tot, g.n_split);
+    attn_fused_combine(g, part, f, p, static_cast<int>((n_tot + rps - 1) / rps), h0,
+                       min(kMmaHeads, g.n_head - h0), sq);
 }
 
 // ---- argmax --------------------------------------------------------------------------------------------
@@ -1042,6 +1193,21 @@ bool attn_mma_fits(int d, const float *q, const float *part) {
     const size_t smem = mma_smem_layout(d).total;  // else the f32 kernel runs instead
     return major >= 8 && smem_opt_in<attn_split_mma_kernel<uint4>>(smem) &&
            smem_opt_in<attn_split_mma_kernel<uint32_t>>(smem);
+}
+
+// Whether a grid of n_blocks blocks of the tensor-core split kernel (smem bytes each) fits the device
+// all at once (the occupancy calculator's blocks per SM x SMs): the fused combine's barrier needs every
+// busy block resident together.
+template <class Kernel>
+bool attn_grid_resident(Kernel kernel, unsigned n_blocks, size_t smem) {
+    int dev = 0, n_sm = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+    }
+    return static_cast<int64_t>(per_sm) * n_sm >= static_cast<int64_t>(n_blocks);
 }
 
 }  // namespace
@@ -1200,10 +1366,15 @@ void launch_compressor_chunk(const compressor_args &a, const float *ca, const fl
     check_launch("compressor chunk state");
 }
 
+// [kAttnSyncFloats] fused-combine counters (uint32), then the partials: acc [n_split, n_head, d], (m, l)
+// [n_split, n_head, 2]. The counters sit at a fixed offset so every layer kind sharing one buffer uses
+// the same words (each call leaves them zero).
 size_t attn_part_floats(const sparse_attn_args &a) {
-    return static_cast<size_t>(attn_splits(a)) * static_cast<size_t>(a.n_head) *
-           (static_cast<size_t>(a.d) + 2);
+    return kAttnSyncFloats + static_cast<size_t>(attn_splits(a)) * static_cast<size_t>(a.n_head) *
+                                 (static_cast<size_t>(a.d) + 2);
 }
+
+size_t attn_part_sync_bytes() { return sizeof(float) * kAttnSyncFloats; }
 
 void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, const int64_t *pos, float *part,
                                   float *o, cudaStream_t s) {
@@ -1248,6 +1419,7 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
     g.pair_loads = pair_aligned(a.ring, a.ring_stride, a.ring_f16) &&
                    (a.mode == comp_mode::none || pair_aligned(a.comp, a.comp_stride, a.comp_f16));
     const bool all_f16 = a.ring_f16 && (a.mode == comp_mode::none || a.comp_f16);
+    float *partials = part + kAttnSyncFloats;  // past the fused-combine counters
     if (a.tensor_cores && all_f16 && g.pair_loads && attn_mma_fits(a.d, q, part)) {  // tensor cores
         auto al16 = [](const void *base, size_t stride) {
             return reinterpret_cast<uintptr_t>(base) % 16 == 0 && stride % 16 == 0;
@@ -1257,24 +1429,33 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
         const size_t smem = mma_smem_layout(a.d).total;
         const dim3 grid(static_cast<unsigned>(g.n_split),
                         static_cast<unsigned>((a.n_head + kMmaHeads - 1) / kMmaHeads));
-        if (vec16)
-            attn_split_mma_kernel<uint4><<<grid, kMmaThreads, smem, s>>>(g, q, pos, part);
-        else
-            attn_split_mma_kernel<uint32_t><<<grid, kMmaThreads, smem, s>>>(g, q, pos, part);
+        auto kernel = vec16 ? attn_split_mma_kernel<uint4> : attn_split_mma_kernel<uint32_t>;
+        attn_fuse f{a.sinks, a.rope.freq, a.rope.n_rot, o, nullptr};
+        if (a.fused_combine && 2 * grid.y <= static_cast<unsigned>(kAttnSyncFloats) &&
+            attn_grid_resident(kernel, grid.x * grid.y, smem)) {
+            // one launch (PDL: may start while the previous kernel drains), the combine folded in
+            f.sync = reinterpret_cast<uint32_t *>(part);
+            const cudaError_t e = launch_pdl(kernel, grid, dim3(kMmaThreads), smem, s, true, g, q, pos, partials, f);
+            if (e != cudaSuccess)
+                throw error(std::string("cuda ds4 attn attention (fused): launch failed: ") + cudaGetErrorString(e));
+            check_launch("attention (tensor cores, fused combine)");
+            return;
+        }
+        kernel<<<grid, kMmaThreads, smem, s>>>(g, q, pos, partials, f);
         check_launch("attention split (tensor cores)");
     } else {
         const dim3 grid(static_cast<unsigned>(g.n_split),
                         static_cast<unsigned>((a.n_head + kHeadsPerBlock - 1) / kHeadsPerBlock));
         // rows staged as f16 when every row the call can read is f16 (half the shared-memory traffic)
         if (all_f16)
-            attn_split_kernel<__half><<<grid, kAttnThreads, sizeof(__half) * kTileRows * a.d, s>>>(g, q, pos, part);
+            attn_split_kernel<__half><<<grid, kAttnThreads, sizeof(__half) * kTileRows * a.d, s>>>(g, q, pos, partials);
         else
-            attn_split_kernel<float><<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, part);
+            attn_split_kernel<float><<<grid, kAttnThreads, sizeof(float) * kTileRows * a.d, s>>>(g, q, pos, partials);
         check_launch("attention split");
     }
     const dim3 cgrid(static_cast<unsigned>(a.n_head),
                      static_cast<unsigned>((a.d / 2 + kCombineThreads - 1) / kCombineThreads));
-    attn_combine_kernel<<<cgrid, kCombineThreads, 0, s>>>(g, part, a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
+    attn_combine_kernel<<<cgrid, kCombineThreads, 0, s>>>(g, partials, a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
     check_launch("attention combine");
 }
 

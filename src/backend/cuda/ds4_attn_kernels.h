@@ -117,8 +117,18 @@ struct sparse_attn_args {
     // 16-byte aligned, part 8-byte aligned and the device is sm_80+; ~1e-6 relative to the f32
     // kernel. false forces the f32 split kernel (tests, benchmarks). Same `part` size either way.
     bool tensor_cores = true;
+    // Tensor-core path only: one launch instead of split + combine (the split kernel's busy blocks meet
+    // at a barrier per head group and combine among themselves; same bits as the two launches; a PDL
+    // launch). Needs the first attn_part_sync_bytes() of `part` zero before the first such call (every
+    // call leaves them zero, so a memset at allocation or once per step suffices; buffers shared by
+    // layers of different capacities share these words). Falls back to the two launches when the
+    // grid cannot be resident all at once.
+    bool fused_combine = false;
 };
+// Floats of `part` for a call: its first attn_part_sync_bytes() bytes are the fused combine's
+// counters, at that fixed offset whatever the arguments.
 size_t attn_part_floats(const sparse_attn_args &a);
+size_t attn_part_sync_bytes();
 void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, const int64_t *pos, float *part, float *o,
                                   cudaStream_t s);
 

@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 
 namespace fathom::cuda::ds4 {
@@ -228,6 +229,281 @@ __global__ void __launch_bounds__(kMaxGroup, 2) gemv_seg_kernel(const __grid_con
     }
 }
 
+// ---- persistent GEMV with int8 activations (q8x) ----------------------------------------------------
+// The decode default for tables of q8_0 and f16 weights. Why: the kernel above converts every q8_0
+// weight byte to float and multiplies it by an f32 activation read from L1 (~4 instructions and 4
+// bytes of L1 traffic per weight), and each block owns 1-16 rows, so blocks turn over every few
+// microseconds with nothing in flight in between: 52-61 % of the copy rate. Here
+//   * each block owns a contiguous range of rows of ONE segment (blocks per segment in proportion to
+//     its bytes, about one resident wave in all), so it streams for the whole kernel;
+//   * a block quantises the x group(s) its rows read ONCE into shared memory, as the MoE kernels do
+//     (ds4q::q8_scale / q8_inv / q8_round: ggml's q8_1 reference rounding, d kept in f32): int8 words in
+//     element order and the 16 block scales of every 512-element tile in the repacked weight order, so
+//     lane l's float4 at 16 t + 4 (l / 8) holds the scales of its four runs (blocks 4 k + l / 8);
+//   * q8_0 products are exact integer dp4a sums per 4-element run, scaled by d_w * d_x: per 16 weight
+//     bytes 4 dp4a, 4 shared loads of x words and one of scales, 4 FMA (the CPU's quantised matmul and
+//     llama.cpp do the same: the activations are vec_dot_type q8 blocks);
+//   * one warp per row; each lane walks its row's 16-byte chunks c = lane + 32 j (q8_0: chunk = 16
+//     weights; f16: chunk = 8 weights, x as 2 float4 from L1) in batches of kQ8xU slots that may span
+//     rows (short rows like q_b's 1024 columns still keep kQ8xU loads in flight), double-buffered: the
+//     next batch's loads are issued before the current batch's arithmetic.
+// Numerics: q8_0 rows get the int8-activation result (|error| vs exact f32 x ~ 1e-3 relative, the CPU
+// quantised path's own error); f16 rows keep f32 activations and the f32 kernel's per-lane f32
+// accumulation. Per row: lane partials in chunk order, then a warp xor tree: deterministic.
+constexpr int kQ8xWarps = 8, kQ8xThreads = 32 * kQ8xWarps;
+// U = 2 slots per batch (4 in flight per lane with the double buffer) at 64 registers: 4 blocks, 32
+// warps per SM. Measured against (U, blocks per SM) = (4, 2), (8, 1), (4, 3), (2, 3) on the DS4
+// shapes, this was fastest on every large one (CudaDs4GemvBench, docs/PERF.md): warps in flight
+// matter more than loads per warp.
+constexpr int kQ8xU = 2, kQ8xMinBlocks = 4;
+constexpr int64_t kQ8xMaxCols = 16384;   // shared memory per x group: cols + cols / 8 bytes
+
+struct q8x_seg {
+    const uint8_t *q, *scales;
+    float *y;
+    size_t q_stride, s_stride;
+    int64_t rows, rows_per_group, rows_per_block;
+    int32_t f16;          // 1: f16 rows (f32 x), 0: repacked q8_0 rows (int8 x)
+    int32_t chunks;         // 16-byte chunks per row
+    int32_t warps_per_row;  // W: 1, 2, 4 or 8 (few rows: several warps share one, parts summed at the end)
+    uint32_t block_begin;
+};
+struct q8x_table {
+    q8x_seg s[gemv_max_segments];
+    int32_t n;
+    int32_t x_slots;  // x groups quantised per block (1 or 2; 0 when no segment is q8_0)
+    int64_t cols;
+};
+
+// x group g (cols floats at x + g * cols) -> int8 words xq [cols] and scales ds [cols / 32] (tile
+// order above). 8 threads per 32-element block, a float4 each; loads of kQ8xBatch blocks per 8 threads
+// issued before any arithmetic (one L2 round trip per batch).
+constexpr int kQ8xBatch = 4;
+__device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds) {
+    const int sub = threadIdx.x & 7, nblk = static_cast<int>(cols >> 5);
+    constexpr int per_pass = kQ8xThreads / 8;  // blocks per pass; a warp takes 4 consecutive ones
+    // The loop bound is warp-uniform (the warp's first block), so the shuffles see the whole warp.
+    for (int wb = static_cast<int>(threadIdx.x >> 5) * 4; wb < nblk; wb += kQ8xBatch * per_pass) {
+        const int b0 = wb + static_cast<int>((threadIdx.x >> 3) & 3);
+        float4 v[kQ8xBatch];
+#pragma unroll
+        for (int i = 0; i < kQ8xBatch; ++i) {
+            const int b = b0 + i * per_pass;
+            v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int i = 0; i < kQ8xBatch; ++i) {
+            const int b = b0 + i * per_pass;  // the 8 threads of a block agree on b: the shuffles stay within them
+            float amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+            const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
+            if (b < nblk) {
+                xq[8 * b + sub] = ds4q::q8_round(v[i].x, id) | ds4q::q8_round(v[i].y, id) << 8 |
+                                  ds4q::q8_round(v[i].z, id) << 16 | ds4q::q8_round(v[i].w, id) << 24;
+                const int bi = b & 15;  // block within its tile -> position 4 (bi % 4) + bi / 4
+                if (sub == 0) ds[(b & ~15) + 4 * (bi & 3) + (bi >> 2)] = d;
+            }
+        }
+    }
+}
+
+// A warp's place in its block: W = warps_per_row warps share a row (sub = 0 .. W - 1 takes the
+// row's tiles sub, sub + W, ...), P = 8 / W rows are in flight per block pass; the warp's rows are
+// r0 + grp + P * ri. A lane's chunk for step j of a row: c = lane + 32 (sub + W j) (tile sub + W j,
+// whose 32 chunks the 32 lanes read contiguously), cpl steps per row.
+struct q8x_warp {
+    int64_t r0, r1, g0;
+    int lane, grp, sub, W, P, cpl;
+};
+
+template <int U>
+struct q8x_batch {
+    uint4 v[U];
+    uint2 d[U];
+};
+
+// A walk over the warp's (row, step) slots: row r (r0 + grp + P ri), step j; the row's weight and
+// scale pointers advance with it, so a slot costs no index arithmetic beyond the chunk offset.
+struct q8x_cursor {
+    int64_t r;
+    int j;
+    const uint8_t *q, *sc;
+};
+__device__ __forceinline__ q8x_cursor q8x_start(const q8x_seg &sg, const q8x_warp &w) {
+    const int64_t r = w.r0 + w.grp;
+    return {r, 0, sg.q + static_cast<size_t>(r) * sg.q_stride, sg.scales + static_cast<size_t>(r) * sg.s_stride};
+}
+__device__ __forceinline__ bool q8x_next(const q8x_seg &sg, const q8x_warp &w, q8x_cursor &k) {
+    if (++k.j < w.cpl) return false;
+    k.j = 0;
+    k.r += w.P;
+    k.q += static_cast<size_t>(w.P) * sg.q_stride;
+    k.sc += static_cast<size_t>(w.P) * sg.s_stride;
+    return true;  // a new row
+}
+
+// Issues the loads of the next U slots.
+template <bool F16, int U>
+__device__ __forceinline__ void q8x_load(const q8x_seg &sg, const q8x_warp &w, q8x_cursor &k, q8x_batch<U> &b) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
+        if (k.r < w.r1 && c < sg.chunks) {
+            b.v[u] = ld_stream16(k.q + 16 * c);
+            if (!F16) b.d[u] = __ldg(reinterpret_cast<const uint2 *>(k.sc + 32 * tile + 8 * (w.lane >> 3)));
+        }
+        q8x_next(sg, w, k);
+    }
+}
+
+// Where row r's activations are: f16 rows: its x group in global memory; q8_0 rows: its shared slot.
+struct q8x_xrow {
+    const float *xf;
+    const uint32_t *xw;
+    const float *dx;
+};
+__device__ __forceinline__ q8x_xrow q8x_x_of(const q8x_seg &sg, const q8x_warp &w, const float *x, int64_t cols,
+                                             const uint8_t *smem, int64_t r) {
+    const int64_t g = static_cast<int64_t>(static_cast<uint64_t>(r) / static_cast<uint64_t>(sg.rows_per_group));
+    const uint8_t *xs = smem + (g == w.g0 ? 0 : static_cast<size_t>(cols + cols / 8));
+    return {x + g * cols, reinterpret_cast<const uint32_t *>(xs) + w.lane,
+            reinterpret_cast<const float *>(xs + cols) + 4 * (w.lane >> 3)};
+}
+
+// Arithmetic of one batch. A row's last slot ends the warp's part of it: warp xor sum, then lane 0
+// stores it to part[(r - r0) W + sub] (summed over sub at the end of the block), or to y when W = 1.
+template <bool F16, int U>
+__device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w, const float *x, int64_t cols,
+                                            const uint8_t *smem, float *part, q8x_cursor &k, q8x_xrow &xr,
+                                            const q8x_batch<U> &b, float &acc) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (k.r >= w.r1) return;  // warp-uniform: the warp's rows are done
+        const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
+        if (c < sg.chunks) {
+            if (F16) {
+                const float4 xa = ldx4(xr.xf + 8 * c), xb = ldx4(xr.xf + 8 * c + 4);
+                const uint32_t hw[4] = {b.v[u].x, b.v[u].y, b.v[u].z, b.v[u].w};
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw[i]));
+                    acc = fmaf(f.x, xv[2 * i], acc);
+                    acc = fmaf(f.y, xv[2 * i + 1], acc);
+                }
+            } else {
+                const uint32_t *xw = xr.xw + 128 * tile;
+                const float4 dx = *reinterpret_cast<const float4 *>(xr.dx + 16 * tile);
+                const float2 d01 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].x));
+                const float2 d23 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].y));
+                const int s0 = ds4q::dp4a(static_cast<int>(b.v[u].x), static_cast<int>(xw[0]), 0);
+                const int s1 = ds4q::dp4a(static_cast<int>(b.v[u].y), static_cast<int>(xw[32]), 0);
+                const int s2 = ds4q::dp4a(static_cast<int>(b.v[u].z), static_cast<int>(xw[64]), 0);
+                const int s3 = ds4q::dp4a(static_cast<int>(b.v[u].w), static_cast<int>(xw[96]), 0);
+                acc = fmaf(d01.x * dx.x, ds4q::i2f_exact(s0), acc);
+                acc = fmaf(d01.y * dx.y, ds4q::i2f_exact(s1), acc);
+                acc = fmaf(d23.x * dx.z, ds4q::i2f_exact(s2), acc);
+                acc = fmaf(d23.y * dx.w, ds4q::i2f_exact(s3), acc);
+            }
+        }
+        const int64_t r = k.r;
+        if (q8x_next(sg, w, k)) {  // warp-uniform: the warp's part of row r is complete
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (w.lane == 0) {
+                if (w.W == 1)
+                    sg.y[r] = acc;
+                else
+                    part[(r - w.r0) * w.W + w.sub] = acc;
+            }
+            acc = 0.0f;
+            if (k.r < w.r1) xr = q8x_x_of(sg, w, x, cols, smem, k.r);
+        }
+    }
+}
+
+constexpr int kQ8xMaxParts = 1024;  // rows per block x warps per row
+
+template <bool F16, int U>
+__device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, const float *x, const uint8_t *smem,
+                                         float *part, int64_t r0, int64_t r1) {
+    const int warp = static_cast<int>(threadIdx.x >> 5);
+    q8x_warp w;
+    w.r0 = r0;
+    w.r1 = r1;
+    w.g0 = r0 / sg.rows_per_group;
+    w.lane = static_cast<int>(threadIdx.x & 31);
+    w.W = sg.warps_per_row;
+    w.P = kQ8xWarps / w.W;
+    w.grp = warp / w.W;
+    w.sub = warp % w.W;
+    w.cpl = (sg.chunks + 32 * w.W - 1) / (32 * w.W);
+    const int64_t cols = t.cols;
+    q8x_cursor lk = q8x_start(sg, w), ck = lk;  // load / compute cursors
+    q8x_batch<U> A, B;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {  // the block's first rows into L2 (one bulk prefetch) while the previous kernel ends
+        constexpr size_t kQ8xPrefetch = 32 * 1024;
+        const size_t bytes = static_cast<size_t>(r1 - r0) * sg.q_stride;
+        const uint32_t n = static_cast<uint32_t>((bytes < kQ8xPrefetch ? bytes : kQ8xPrefetch) & ~size_t{15});
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(sg.q + static_cast<size_t>(r0) * sg.q_stride), "r"(n));
+    }
+#endif
+    // the first batch's loads: weights only, so they may overlap the previous kernel
+    q8x_load<F16, U>(sg, w, lk, A);
+    pdl_wait();
+    if (!F16) {  // block-uniform: quantise the x group(s) of the block's rows (at most two)
+        uint8_t *s = const_cast<uint8_t *>(smem);
+        const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
+        const int64_t last = (r1 - 1) / sg.rows_per_group;
+        quantise_x(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s), reinterpret_cast<float *>(s + cols));
+        if (last != w.g0)
+            quantise_x(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
+                       reinterpret_cast<float *>(s + slot_bytes + cols));
+        __syncthreads();
+    }
+    float acc = 0.0f;
+    q8x_xrow xr = q8x_x_of(sg, w, x, cols, smem, ck.r);
+    for (;;) {
+        const bool more_b = lk.r < r1;
+        if (more_b) q8x_load<F16, U>(sg, w, lk, B);
+        q8x_compute<F16, U>(sg, w, x, cols, smem, part, ck, xr, A, acc);
+        if (!more_b) break;
+        const bool more_a = lk.r < r1;
+        if (more_a) q8x_load<F16, U>(sg, w, lk, A);
+        q8x_compute<F16, U>(sg, w, x, cols, smem, part, ck, xr, B, acc);
+        if (!more_a) break;
+    }
+    if (w.W > 1) {  // block-uniform: the rows' warp parts, summed in sub order
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < r1 - r0; i += blockDim.x) {
+            float v = part[i * w.W];
+            for (int k = 1; k < w.W; ++k) v += part[i * w.W + k];
+            sg.y[r0 + i] = v;
+        }
+    }
+}
+
+// Grid: the segments' blocks end to end; block b of segment i owns rows [b rpb, (b + 1) rpb).
+template <int U, int MINB>
+__global__ void __launch_bounds__(kQ8xThreads, MINB) gemv_q8x_kernel(const __grid_constant__ q8x_table t, const float *x) {
+    extern __shared__ __align__(16) uint8_t q8x_smem[];
+    __shared__ float part[kQ8xMaxParts];
+    pdl_launch_dependents();
+    int si = 0;
+    for (int i = 1; i < t.n; ++i)
+        if (blockIdx.x >= t.s[i].block_begin) si = i;
+    const q8x_seg &sg = t.s[si];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x - sg.block_begin) * sg.rows_per_block;
+    const int64_t r1 = r0 + sg.rows_per_block < sg.rows ? r0 + sg.rows_per_block : sg.rows;
+    if (sg.f16)
+        q8x_rows<true, U>(sg, t, x, q8x_smem, part, r0, r1);
+    else
+        q8x_rows<false, U>(sg, t, x, q8x_smem, part, r0, r1);
+}
+
 // Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
 // per 16-byte output chunk (row r, tile t, lane l); lanes l < 16 also write scale position l.
 __global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_stride, int64_t rows, int64_t cols,
@@ -315,6 +591,9 @@ void launch_table(const seg_table &t, unsigned blocks, int block, const float *x
     if (e != cudaSuccess) throw error(std::string("cuda ds4 gemv: launch failed: ") + cudaGetErrorString(e));
 }
 
+bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
+                cudaStream_t s);
+
 // Fills the segment table (group sizes, block ranges) and launches. rpg[i] = rows per x group.
 void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
                      cudaStream_t s) {
@@ -330,6 +609,7 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
         if (!segs[i].y) throw error(std::string("cuda ds4 ") + what + ": null output");
         total_bytes += static_cast<double>(row_bytes_of(segs[i].w.type, t.cols)) * static_cast<double>(segs[i].w.rows);
     }
+    if (launch_q8x(segs, rpg, n, x, what, s)) return;
     // One device-full of resident threads (about 1024 per SM at the register use here), shared
     // between segments in proportion to their bytes.
     const double device_threads = 1024.0 * sm_count();
@@ -376,7 +656,112 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
         launch_table<8>(t, nb, block, x, s);
 }
 
+// ---- q8x host side ----
+
+bool g_q8x = true;  // set_gemv_q8_activations
+
+// Resident blocks of gemv_q8x_kernel per SM at `smem` bytes (queried once per device and size).
+int q8x_blocks_per_sm(size_t smem) {
+    struct entry {
+        int dev = -1;
+        size_t smem = 0;
+        int n = 0;
+    };
+    static thread_local entry cache[4];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) throw error("cuda ds4 gemv: no current device");
+    for (const entry &e : cache)
+        if (e.dev == dev && e.smem == smem) return e.n;
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks>, kQ8xThreads, smem) != cudaSuccess ||
+        n < 1)
+        throw error("cuda ds4 gemv: cannot query the occupancy of the q8x kernel");
+    static thread_local int next = 0;
+    cache[next] = {dev, smem, n};
+    next = (next + 1) % 4;
+    return n;
+}
+
+// The q8x kernel takes the table when every segment is q8_0 or f16 (cols % 8 == 0), cols fits its
+// shared memory, and every block's rows read at most two x groups (rows per block <= rows per group).
+// Returns false (the caller uses the kernel above) otherwise.
+bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem, int64_t &blocks) {
+    const int64_t cols = segs[0].w.cols;
+    if (!g_q8x || cols > kQ8xMaxCols) return false;
+    bool any_q8 = false, grouped = false;
+    double total_bytes = 0;
+    for (int i = 0; i < n; ++i) {
+        const dtype t = segs[i].w.type;
+        if (t != dtype::q8_0 && !(t == dtype::f16 && cols % 8 == 0)) return false;
+        any_q8 = any_q8 || t == dtype::q8_0;
+        grouped = grouped || rpg[i] < segs[i].w.rows;
+        total_bytes += static_cast<double>(row_bytes_of(t, cols)) * static_cast<double>(segs[i].w.rows);
+    }
+    t = {};
+    t.n = n;
+    t.cols = cols;
+    t.x_slots = any_q8 ? (grouped ? 2 : 1) : 0;
+    smem = static_cast<size_t>(t.x_slots) * static_cast<size_t>(cols + cols / 8);
+    const double resident = static_cast<double>(q8x_blocks_per_sm(smem)) * sm_count();
+    blocks = 0;
+    for (int i = 0; i < n; ++i) {
+        const gemv_weight &w = segs[i].w;
+        const double share = static_cast<double>(row_bytes_of(w.type, cols)) * static_cast<double>(w.rows) / total_bytes;
+        // about one resident wave in all, split by bytes; a block's 8 warps share its rows, several
+        // warps per row when the rows are fewer than the warps (and each warp keeps >= 1 tile per row)
+        const int64_t chunks = w.type == dtype::q8_0 ? cols / 16 : cols / 8;
+        int64_t nb = std::min<int64_t>(w.rows, std::max<int64_t>(1, std::llround(resident * share)));
+        int64_t rpb = (w.rows + nb - 1) / nb;
+        int W = 1;
+        while (W < kQ8xWarps && W * rpb < kQ8xWarps && 2 * W * 32 <= chunks) W *= 2;
+        if (rpb * W > kQ8xMaxParts) rpb = kQ8xMaxParts / W;
+        if (rpb > rpg[i] && rpg[i] < w.rows) return false;  // would read three or more x groups
+        nb = (w.rows + rpb - 1) / rpb;
+        q8x_seg &d = t.s[i];
+        d.q = static_cast<const uint8_t *>(w.q);
+        d.scales = static_cast<const uint8_t *>(w.scales);
+        d.y = segs[i].y;
+        d.q_stride = w.q_stride;
+        d.s_stride = w.s_stride;
+        d.rows = w.rows;
+        d.rows_per_group = rpg[i];
+        d.rows_per_block = rpb;
+        d.f16 = w.type == dtype::f16;
+        d.chunks = static_cast<int32_t>(chunks);
+        d.warps_per_row = W;
+        d.block_begin = static_cast<uint32_t>(blocks);
+        blocks += nb;
+    }
+    return true;
+}
+
+bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
+                cudaStream_t s) {
+    q8x_table t;
+    size_t smem = 0;
+    int64_t blocks = 0;
+    if (!plan_q8x(segs, rpg, n, t, smem, blocks)) return false;
+    if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
+    const cudaError_t e = launch_pdl(gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
+                                     true, t, x);
+    if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+    return true;
+}
+
 }  // namespace
+
+void set_gemv_q8_activations(bool on) {
+    g_q8x = on;
+}
+
+
+bool gemv_q8_activations_used(const gemv_segment *segs, const int64_t *rows_per_group, int n_segs) {
+    if (n_segs < 1 || n_segs > gemv_max_segments) return false;
+    q8x_table t;
+    size_t smem = 0;
+    int64_t blocks = 0;
+    return plan_q8x(segs, rows_per_group, n_segs, t, smem, blocks);
+}
 
 bool gemv_fast_supported(dtype t, int64_t cols) {
     if (cols < 4 || cols > (int64_t{1} << 28)) return false;

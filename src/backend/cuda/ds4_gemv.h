@@ -17,7 +17,12 @@
 // Requirements (gemv_fast_supported): q8_0 cols % 512 == 0; f16 / f32 cols % 4 == 0 with 16-byte
 // aligned rows (pointer and stride); x 16-byte aligned, cols floats per group.
 //
-// Numerics: each thread accumulates in f32 (q8_0: d_block * sum_j q_j x_j per 4-element run), then
+// Kernels: tables of q8_0 and f16 weights (cols <= 16384; grouped only when a block's rows span at
+// most two groups) run the persistent int8-activation kernel (gemv_q8x_kernel): x is quantised per
+// 32-element block as the MoE kernels stage it (ggml q8_1 reference rounding, f32 scale) and q8_0
+// rows are dotted with dp4a, d_w * d_x per 4-element run; f16 rows keep f32 x. Other tables (f32
+// segments, or set_gemv_q8_activations(false)) run the f32-activation kernel.
+// Numerics (f32-activation kernel): each thread accumulates in f32 (q8_0: d_block * sum_j q_j x_j per 4-element run), then
 // a warp xor-shuffle tree and, for rows split over several warps, a fixed-order sum of the warp
 // partials: no atomics, so the same inputs give the same bits on every run.
 //
@@ -74,5 +79,12 @@ struct gemv_segment {
 };
 constexpr int gemv_max_segments = 8;
 void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s);
+
+// Process-wide switch of the q8_0 int8-activation path (default on); off: every table takes the
+// f32-activation kernel (tests and A/B benchmarks).
+void set_gemv_q8_activations(bool on);
+// True when a launch over these segments (rows_per_group[i]: rows per x group of segment i; the
+// plain and multi forms pass each weight's rows) takes the int8-activation kernel (tests).
+bool gemv_q8_activations_used(const gemv_segment *segs, const int64_t *rows_per_group, int n_segs);
 
 }  // namespace fathom::cuda::ds4

@@ -5,12 +5,14 @@
 // tokens, the same kernels with a token grid dimension). Element-wise sums and products use round-to-nearest
 // intrinsics in the CPU's order (no FMA contraction), so they repeat the CPU's f32 arithmetic;
 // exp differs from glibc's by at most an ulp or two.
-// The decode step uses hc_fused_kernel (launch_hc_pre_fused / launch_hc_head_fused): the previous
-// sublayer's HCPost, the mixer, Sinkhorn, u and the RMSNorm in one launch, the same bits as the
-// separate kernels (see its section banner).
+// The decode step uses hc_split_kernel, or without a partial-sum scratch hc_fused_kernel
+// (launch_hc_pre_fused / launch_hc_head_fused): the previous sublayer's HCPost, the mixer, Sinkhorn,
+// u and the RMSNorm in one launch, the separate kernels' bits (the split kernel: up to the mixer's
+// double summation order; see the section banners).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "backend/cuda/cuda_kernels.h"
@@ -350,6 +352,8 @@ struct fused_args {
     int n_hc, n_mix, iters;
     float hc_eps, rms_eps;
     bool head, vec4;  // vec4: D % 4 == 0 and x, y, x_new 16-byte aligned
+    double *part;     // hc_split_kernel only: partial sums [n_mix + 1, gridDim.x]
+    int64_t cols;     // hc_split_kernel only: columns per block (a multiple of 4, <= its block size)
 };
 constexpr int kNormThreads = 256;  // rms_norm_kernel's block size (its reduction order)
 
@@ -548,6 +552,266 @@ __global__ void __launch_bounds__(kMixThreads) hc_fused_kernel(fused_args a) {
     fused_tail(a, sv);  // 4.
 }
 
+// ---- column-split fused decode HC: hc_split_kernel (hc_fused_io.part set) ---------------------------
+// The same outputs as hc_fused_kernel with the work spread over the D columns instead of the mixer rows.
+// Grid: B blocks of kSplitThreads; block j owns columns [j C, j C + C) of every stream (C a multiple of
+// 4, the last block may have fewer, cj). Every block
+//   1. loads its weight slice ws [n_mix, S] (row r, local element k C + c = fn[r][k D + j C + c],
+//      zero past cj; f16 widened) BEFORE the PDL wait (weights only), then waits;
+//   2. issues its state loads, stores the weights into shared memory, builds its state slice
+//      vs [n_hc, C] (HCPost with hc_post_kernel's operations in its order: the same bits, or v = x)
+//      and writes its x_new columns;
+//   3. computes the partial double dots of all n_mix rows and of v . v over its slice: warp w, lane l
+//      takes rows l (and l + 32) over the 4-element groups w, w + 32, ... (exact f32 products summed
+//      in double), the 32 warp sums are added by a lane butterfly; part[r][j] = the block's sum;
+//   4. arrives (syncthreads, thread 0 fences and atomicInc's with wrap: the counter is back at zero
+//      after the last of the B arrivals, as in hc_fused_kernel). The last block: lane l of warp w sums
+//      part[r][l + 32 q] (q = 0..3, in order) and the lane butterfly gives row r = w (+32): a fixed
+//      order whatever the arrival order (deterministic). Then warp 0 runs the Sinkhorn split while
+//      warps 1..31 copy the whole state (L2, cp.async) into shared memory and do the RMSNorm. The
+//      copy is issued before the mix reduction, and the norm never waits on the Sinkhorn warp (named
+//      barriers 1 and 2 leave warp 0 out); post / comb are first read by the next sublayer's kernel.
+// Bits: the state is the unfused chain's; post and comb are too given the same mix. The mix sums
+// (and the norm's sum of squares) run in another order than hc_mix_kernel's (rms_norm_kernel's), so
+// a mix value (the norm scale) differs only where the double sums round to different floats (a
+// relative 1e-16 perturbation of the sum: practically never); tests allow 1e-6 relative.
+constexpr int kSplitThreads = 1024, kSplitWarps = kSplitThreads / 32, kCopyThreads = kSplitThreads - 32;
+static_assert(kHcFusedMaxBlocks <= 4 * 32, "the tail reduces at most 4 partials per lane");
+
+__device__ __forceinline__ void cp_async16_cg(float *dst, const float *src) {  // 16 bytes, bypassing L1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+    *reinterpret_cast<float4 *>(dst) = __ldcg(reinterpret_cast<const float4 *>(src));
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void bar_named(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Step 1: ws[r S + k C + c] for r < n_mix, k < n_hc, c < C (zero for c >= cj), element idx =
+// r n_hc C + k C + c. Thread t loads the batch idx = b0 + q kSplitThreads (q < kStageK, b0 = t + m
+// kStageK kSplitThreads) with coalesced loads into registers; the first batch (all of a DS4 slice:
+// 24 x 128 < 4096) is loaded before the PDL wait and stored after the state loads are issued, so
+// both memory round trips overlap the previous kernel and each other.
+constexpr int kStageK = 4;
+template <bool F16>
+__device__ __forceinline__ void split_stage_load(const fused_args &a, int b0, int64_t lo, int cj, float (&w)[kStageK]) {
+    const int C = static_cast<int>(a.cols), NC = a.n_hc * C, total = a.n_mix * NC;
+#pragma unroll
+    for (int q = 0; q < kStageK; ++q) {
+        const int idx = b0 + q * kSplitThreads, r = idx / NC, le = idx - r * NC, k = le / C, c = le - k * C;
+        w[q] = 0.0f;
+        if (idx < total && c < cj) {
+            const uint8_t *row = a.fn + static_cast<size_t>(r) * a.row_bytes;
+            const int64_t e = k * a.D + lo + c;
+            w[q] = F16 ? __half2float(__ldg(reinterpret_cast<const __half *>(row) + e))
+                       : __ldg(reinterpret_cast<const float *>(row) + e);
+        }
+    }
+}
+__device__ __forceinline__ void split_stage_store(const fused_args &a, float *ws, int b0, int S,
+                                                  const float (&w)[kStageK]) {
+    const int NC = a.n_hc * static_cast<int>(a.cols), total = a.n_mix * NC;
+#pragma unroll
+    for (int q = 0; q < kStageK; ++q) {
+        const int idx = b0 + q * kSplitThreads, r = idx / NC;
+        if (idx < total) ws[r * S + (idx - r * NC)] = w[q];
+    }
+}
+
+// Step 2a: thread c < cj loads column lo + c of x (every stream) and y; the last warp loads post /
+// comb into pc (shared [n + n n]) beside them. No shared store waits on them yet.
+__device__ __forceinline__ void split_state_load(const fused_args &a, int64_t lo, int cj, float (&xo)[kMaxHc],
+                                                 float &yi, float *pc) {
+    const int N = a.n_hc, tid = threadIdx.x;
+    const int64_t D = a.D, i = lo + tid;
+    const bool live = tid < cj;
+#pragma unroll
+    for (int j = 0; j < kMaxHc; ++j) xo[j] = live && j < N ? a.x[j * D + i] : 0.0f;
+    yi = live && a.y ? a.y[i] : 0.0f;
+    const int p = tid - (kSplitThreads - 32);
+    if (a.y && p >= 0 && p < N + N * N) pc[p] = p < N ? a.post[p] : a.comb[p - N];
+}
+
+// Step 2b (after a barrier: pc complete): vs[k C + c] (zero for c >= cj) and x_new[k D + lo + c];
+// thread c < C owns column c (C <= kSplitThreads).
+__device__ __forceinline__ void split_state_store(const fused_args &a, float *vs, int64_t lo, int cj,
+                                                  const float (&xo)[kMaxHc], float yi, const float *pc) {
+    const int N = a.n_hc, tid = threadIdx.x, C = static_cast<int>(a.cols);
+    const int64_t D = a.D, i = lo + tid;
+    const bool live = tid < cj;
+    if (tid >= C) return;
+    const float *post = pc, *comb = pc + N;
+    for (int k = 0; k < N; ++k) {
+        float v = xo[0];
+#pragma unroll
+        for (int j = 1; j < kMaxHc; ++j)
+            if (j == k) v = xo[j];
+        if (live && a.y) {  // hc_post_kernel's operations in its order
+            v = __fmul_rn(post[k], yi);
+#pragma unroll
+            for (int j = 0; j < kMaxHc; ++j)
+                if (j < N) v = __fadd_rn(v, __fmul_rn(comb[j * N + k], xo[j]));
+            a.x_new[k * D + i] = v;
+        }
+        vs[k * C + tid] = live ? v : 0.0f;
+    }
+}
+
+// Step 3: part[r B + blockIdx.x] for r <= n_mix (red: shared [kSplitWarps][kMaxMix]).
+__device__ __forceinline__ void split_dots(const fused_args &a, const float *ws, const float *vs, int S,
+                                           double (*red)[kMaxMix]) {
+    const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, R = a.n_mix + 1;
+    const int G = a.n_hc * static_cast<int>(a.cols) / 4;  // 4-element groups of the slice
+    for (int r = l; r < R; r += 32) {
+        const float *wr = r == a.n_mix ? vs : ws + r * S;  // the r row: v . v
+        double acc = 0;
+        for (int g = w; g < G; g += kSplitWarps) {
+            const float4 w4 = *reinterpret_cast<const float4 *>(wr + 4 * g);
+            const float4 v4 = *reinterpret_cast<const float4 *>(vs + 4 * g);
+            acc = fma(static_cast<double>(w4.x), static_cast<double>(v4.x), acc);
+            acc = fma(static_cast<double>(w4.y), static_cast<double>(v4.y), acc);
+            acc = fma(static_cast<double>(w4.z), static_cast<double>(v4.z), acc);
+            acc = fma(static_cast<double>(w4.w), static_cast<double>(v4.w), acc);
+        }
+        red[w][r] = acc;
+    }
+    __syncthreads();
+    for (int r = w; r < R; r += kSplitWarps) {
+        double t = red[l][r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (l == 0) a.part[static_cast<size_t>(r) * gridDim.x + blockIdx.x] = t;
+    }
+}
+
+// The Sinkhorn split of the tail (warp 0; smix: the mix in shared memory).
+__device__ __forceinline__ void fused_sinkhorn(const fused_args &a, const float *smix) {
+    switch (a.n_hc) {
+    case 1: hc_sinkhorn_warp<1>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 2: hc_sinkhorn_warp<2>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 3: hc_sinkhorn_warp<3>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 4: hc_sinkhorn_warp<4>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    default: hc_sinkhorn_warp<5>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    }
+}
+
+// out = RMSNorm(u) by the kCopyThreads threads t of warps 1..31: u[i] (the apply kernels' sum, in
+// their order), u^2 summed in double per thread over i = t, t + kCopyThreads, ..., the lane
+// butterfly, then a butterfly over the 31 warp totals that every warp repeats (the same bits in
+// every lane). rms_norm_kernel sums in another order (256 threads), so the scale can differ only
+// where the double sums round to different floats; out = (u * scale) * w as rms_norm_kernel.
+__device__ __forceinline__ void split_norm(const fused_args &a, const float *st, const float *smix, int t) {
+    __shared__ double wsum[32];
+    const int N = a.n_hc, lane = t & 31;
+    const int64_t D = a.D;
+    float pre[kMaxHc];
+#pragma unroll
+    for (int s = 0; s < kMaxHc; ++s) {
+        pre[s] = 0.0f;
+        if (s < N) {
+            const float m = __fmul_rn(smix[s], smix[a.n_mix]);
+            pre[s] = __fadd_rn(sigmoid_f(__fadd_rn(__fmul_rn(m, a.scale[0]), a.base[s])), a.hc_eps);
+        }
+    }
+    double ss = 0;
+    for (int64_t i = t; i < D; i += kCopyThreads) {
+        const float u = fused_u(st, pre, N, D, i);
+        ss += static_cast<double>(__fmul_rn(u, u));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) wsum[t >> 5] = ss;
+    bar_named(2, kCopyThreads);
+    double tot = lane < kCopyThreads / 32 ? wsum[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+    const float sc = 1.0f / sqrtf(static_cast<float>(tot / static_cast<double>(D)) + a.rms_eps);
+    for (int64_t i = t; i < D; i += kCopyThreads) {
+        const float u = fused_u(st, pre, N, D, i);
+        a.out[i] = a.norm ? __fmul_rn(__fmul_rn(u, sc), a.norm[i]) : __fmul_rn(u, sc);
+    }
+}
+
+// Step 4 (the last block; st: shared [n_hc, D], over the no longer needed ws / vs).
+__device__ __forceinline__ void split_tail(const fused_args &a, float *st) {
+    __shared__ float smix[kMaxMix];
+    const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, R = a.n_mix + 1, B = gridDim.x;
+    const int64_t n = a.n_hc * a.D;
+    const float *src = a.y ? a.x_new : a.x;  // x_new: the other blocks' writes, read from L2 only
+    if (w > 0 && a.vec4)
+        for (int64_t q = tid - 32; q < n / 4; q += kCopyThreads) cp_async16_cg(st + 4 * q, src + 4 * q);
+    for (int r = w; r < R; r += kSplitWarps) {
+        const double *pr = a.part + static_cast<size_t>(r) * B;
+        double p[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[q] = l + 32 * q < B ? __ldcg(pr + l + 32 * q) : 0.0;
+        double t = ((p[0] + p[1]) + p[2]) + p[3];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        if (l == 0) {
+            const float m = r < a.n_mix ? static_cast<float>(t)
+                                        : static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) +
+                                                                        static_cast<double>(a.rms_eps)));
+            smix[r] = m;
+            a.mix[r] = m;
+        }
+    }
+    __syncthreads();
+    if (w == 0) {
+        if (!a.head) fused_sinkhorn(a, smix);
+        return;
+    }
+    if (a.vec4) cp_async_wait_all();
+    else
+        for (int64_t e = tid - 32; e < n; e += kCopyThreads) st[e] = __ldcg(src + e);
+    bar_named(1, kCopyThreads);  // the state of all copying threads is in st
+    split_norm(a, st, smix, tid - 32);
+}
+
+template <bool F16>
+__global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
+    extern __shared__ float4 split_smem[];
+    __shared__ double red[kSplitWarps][kMaxMix];
+    __shared__ bool last;
+    const int C = static_cast<int>(a.cols), NC = a.n_hc * C, S = NC + (36 - NC % 32) % 32;  // S % 32 == 4
+    const int64_t lo = static_cast<int64_t>(blockIdx.x) * C;
+    const int cj = static_cast<int>(a.D - lo < C ? a.D - lo : C);
+    __shared__ float pc[kMaxHc + kMaxHc * kMaxHc];  // post [n], comb [n, n]
+    float *ws = reinterpret_cast<float *>(split_smem), *vs = ws + a.n_mix * S;  // [n_mix, S], [n_hc, C]
+    float w[kStageK], xo[kMaxHc], yi;
+    const int tid = threadIdx.x, total = a.n_mix * NC;
+    split_stage_load<F16>(a, tid, lo, cj, w);  // 1. (first batch)
+    pdl_launch_dependents();
+    pdl_wait();
+    split_state_load(a, lo, cj, xo, yi, pc);  // 2.
+    split_stage_store(a, ws, tid, S, w);
+    for (int b0 = tid + kStageK * kSplitThreads; b0 < total; b0 += kStageK * kSplitThreads) {
+        split_stage_load<F16>(a, b0, lo, cj, w);
+        split_stage_store(a, ws, b0, S, w);
+    }
+    __syncthreads();
+    split_state_store(a, vs, lo, cj, xo, yi, pc);
+    __syncthreads();
+    split_dots(a, ws, vs, S, red);  // 3.
+    __syncthreads();                // 4. every thread's x_new / part stores happen before thread 0's fence
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const bool l = atomicInc(a.sync, gridDim.x - 1) == gridDim.x - 1;
+        if (l) __threadfence();
+        last = l;
+    }
+    __syncthreads();
+    if (last) split_tail(a, reinterpret_cast<float *>(split_smem));
+}
+
 __global__ void sleep_kernel(uint64_t ns) {
     const uint64_t t0 = globaltimer_ns();
     while (globaltimer_ns() - t0 < ns) __nanosleep(1000);
@@ -643,8 +907,9 @@ void hc_post_tokens(int n_hc, int64_t dim, int64_t n_tok, const float *y, const 
     check_launch("hc post");
 }
 
-// [HCPost +] HCPre / head + RMSNorm (hc_fused_kernel), or the unfused launches when one block's
-// shared memory cannot hold the n_hc * D state (the same results: the fused kernel repeats them).
+// [HCPost +] HCPre / head + RMSNorm: hc_split_kernel when io.part is set (and its shared memory fits),
+// else hc_fused_kernel, or the unfused launches when one block's shared memory cannot hold the
+// n_hc * D state (the same results: the fused kernels repeat them; the split kernel's mix order aside).
 void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
               const float *scale, const hc_fused_io &io, bool head, cudaStream_t s) {
     const std::string what = head ? "cuda ds4 hc head (fused)" : "cuda ds4 hc pre (fused)";
@@ -659,9 +924,37 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
     if (!fn || !base || !scale || !io.x || !io.mix || !io.sync || !io.out || (!head && (!io.post || !io.comb)) ||
         (io.y && (!io.x_new || io.x_new == io.x || !io.post || !io.comb)))
         throw error(what + ": a buffer is missing, or x_new aliases x");
+    if (io.part && (reinterpret_cast<uintptr_t>(io.part) % 8 != 0 || io.part_blocks < 0 ||
+                    io.part_blocks > kHcFusedMaxBlocks))
+        throw error(what + ": part scratch not 8-byte aligned, or part_blocks outside [0, " +
+                    std::to_string(kHcFusedMaxBlocks) + "]");
     const float *xin = io.y ? io.x_new : io.x;
     auto al16 = [](const void *q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
     const bool f16 = fn_type == dtype::f16, vec = al16(fn) && fn_row_bytes % 16 == 0;
+    fused_args a{};
+    a.fn = static_cast<const uint8_t *>(fn);
+    a.row_bytes = fn_row_bytes;
+    a.base = base, a.scale = scale, a.y = io.y, a.x = io.x, a.x_new = io.x_new, a.post = io.post, a.comb = io.comb;
+    a.mix = io.mix, a.sync = io.sync, a.norm = io.norm, a.out = io.out;
+    a.D = p.dim, a.n_hc = p.n_hc, a.n_mix = head ? p.n_hc : (2 + p.n_hc) * p.n_hc, a.iters = p.sinkhorn_iters;
+    a.hc_eps = p.hc_eps, a.rms_eps = p.rms_eps, a.head = head;
+    a.vec4 = p.dim % 4 == 0 && al16(io.x) && (!io.y || (al16(io.y) && al16(io.x_new)));
+    if (io.part) {  // the column-split kernel: C columns per block (a multiple of 4), B blocks
+        const int64_t want = io.part_blocks > 0 ? io.part_blocks : kHcFusedMaxBlocks;
+        const int64_t C = ((p.dim + want - 1) / want + 3) / 4 * 4, B = (p.dim + C - 1) / C;
+        const int64_t NC = p.n_hc * C, S = NC + (36 - NC % 32) % 32;  // hc_split_kernel's row stride
+        const size_t smem = static_cast<size_t>(std::max(a.n_mix * S + NC, n)) * sizeof(float);
+        void (*kernel)(fused_args) = f16 ? hc_split_kernel<true> : hc_split_kernel<false>;
+        const size_t limit =
+            f16 ? smem_dynamic_limit<hc_split_kernel<true>>() : smem_dynamic_limit<hc_split_kernel<false>>();
+        if (C <= kSplitThreads && smem <= limit) {
+            a.part = io.part, a.cols = C;
+            const cudaError_t e =
+                launch_pdl(kernel, dim3(static_cast<unsigned>(B)), dim3(kSplitThreads), smem, s, true, a);
+            if (e != cudaSuccess) throw error(what + ": launch failed: " + cudaGetErrorString(e));
+            return;
+        }
+    }
     // the kernel instance and the dynamic shared memory it may take (opt-in limit less its static part)
     void (*kernel)(fused_args) = nullptr;
     size_t limit = 0;
@@ -682,14 +975,6 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
         check_launch("hc rms norm");
         return;
     }
-    fused_args a{};
-    a.fn = static_cast<const uint8_t *>(fn);
-    a.row_bytes = fn_row_bytes;
-    a.base = base, a.scale = scale, a.y = io.y, a.x = io.x, a.x_new = io.x_new, a.post = io.post, a.comb = io.comb;
-    a.mix = io.mix, a.sync = io.sync, a.norm = io.norm, a.out = io.out;
-    a.D = p.dim, a.n_hc = p.n_hc, a.n_mix = head ? p.n_hc : (2 + p.n_hc) * p.n_hc, a.iters = p.sinkhorn_iters;
-    a.hc_eps = p.hc_eps, a.rms_eps = p.rms_eps, a.head = head;
-    a.vec4 = p.dim % 4 == 0 && al16(io.x) && (!io.y || (al16(io.y) && al16(io.x_new)));
     const cudaError_t e =
         launch_pdl(kernel, dim3(static_cast<unsigned>(a.n_mix + 1)), dim3(kMixThreads), smem, s, true, a);
     if (e != cudaSuccess) throw error(what + ": launch failed: " + cudaGetErrorString(e));

@@ -137,10 +137,19 @@ void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, c
 // what launch_hc_post, launch_hc_pre / launch_hc_head and launch_rms_norm(out, D, norm, rms_eps, D, 1,
 // out, D) give in sequence (same operations in the same order; tests/cuda/test_cuda_ds4_hc_fused.cpp).
 // The kernel is launched with programmatic dependent launch: before its griddepcontrol.wait it only
-// touches fn (prefetch), so fn must not be written by the kernel just before it; it lets the next
-// kernel start early (that kernel must wait before reading out / post / comb / x_new, as every
-// PDL kernel of this backend does). Falls back to the unfused launches when one block cannot hold
-// the n_hc * D state in shared memory.
+// touches fn (prefetch, or the split kernel's staging), so fn must not be written by the kernel just
+// before it; it lets the next kernel start early (that kernel must wait before reading out / post /
+// comb / x_new, as every PDL kernel of this backend does). Falls back to the unfused launches when
+// one block cannot hold the n_hc * D state in shared memory.
+// With part set, the column-split kernel runs instead (ds4_hc.cu, hc_split_kernel: up to
+// kHcFusedMaxBlocks blocks, each a slice of the D columns): the same state bits, and the mixer sums
+// in double in another order, so mix (and through it out, post, comb) can differ from the unfused
+// chain only where that double sum rounds to a different float (tested: relative error <= 1e-6).
+constexpr int kHcFusedMaxBlocks = 128;
+// Doubles the split kernel's part scratch must hold for n_hc streams.
+constexpr size_t hc_fused_part_count(int n_hc) {
+    return static_cast<size_t>(kHcFusedMaxBlocks) * static_cast<size_t>((2 + n_hc) * n_hc + 1);
+}
 struct hc_fused_io {
     const float *y = nullptr;  // [D] output of the sublayer to fold in (HCPost), or null: x is the state
     const float *x = nullptr;  // [n_hc, D] the previous state (with y) or the state itself (16-byte aligned)
@@ -151,6 +160,9 @@ struct hc_fused_io {
     uint32_t *sync = nullptr;  // arrival counter: zero before the first launch, every launch leaves it zero
     const float *norm = nullptr;  // [D] RMSNorm weight, or null (no weight)
     float *out = nullptr;         // [D] RMSNorm(u) (sublayer) / RMSNorm(z) (head)
+    double *part = nullptr;  // scratch [hc_fused_part_count(n_hc)] (8-byte aligned): the column-split
+                             // kernel's per-block partial sums; null: the one-block-per-row kernel
+    int part_blocks = 0;     // split kernel's block count (0: kHcFusedMaxBlocks; benchmarks sweep it)
 };
 void launch_hc_pre_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
                          const float *scale, const hc_fused_io &io, cudaStream_t s);

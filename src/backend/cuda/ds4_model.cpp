@@ -526,6 +526,7 @@ struct cuda_sequence::impl {
     float *xn, *mix, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y,
         *zh, *logits;
     int32_t *sel, *n_sel, *amax;
+    double *hc_part = nullptr;  // the column-split HC kernel's partial dots (cd::hc_fused_part_count)
     cd::moe_scratch moe;
     int64_t *h_pos = nullptr;  // pinned
     int32_t *h_token = nullptr, *h_amax = nullptr;
@@ -718,6 +719,7 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.xn = p.dev<float>(static_cast<size_t>(D));
     // + 1 word: the fused HC kernels' arrival counter (enqueue_step).
     p.mix = p.dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 2));
+    p.hc_part = p.dev<double>(cd::hc_fused_part_count(hp.n_hc));
     p.post = p.dev<float>(static_cast<size_t>(hp.n_hc));
     p.comb = p.dev<float>(static_cast<size_t>(hp.n_hc * hp.n_hc));
     p.q_lat = p.dev<float>(static_cast<size_t>(hp.q_lora));
@@ -940,6 +942,8 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     a.n_sel = n_sel;
     a.max_comp = l.ratio == 4 ? std::min<int64_t>(hp.idx_topk, st.max_comp) : st.max_comp;
     a.rope = rope;
+    // fused_combine stays off: one launch with a grid barrier measured slower than split + combine on
+    // the H200 (CudaDs4AttnMma.BenchOldVsNew, 20.2 vs 18.2 us at 128 rows; step 1.22 vs 1.05 ms).
     cd::launch_sparse_sink_attention(a, q, pos, part, o, s);
     phase("attn output (grouped A, B)");
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d;
@@ -977,6 +981,7 @@ void cuda_sequence::impl::enqueue_step() {
         io.x = x[cur];
         io.x_new = post_pending ? x[1 - cur] : nullptr;
         io.post = post, io.comb = comb, io.mix = mix, io.sync = hc_sync, io.norm = norm, io.out = out;
+        io.part = hc_part;
         if (post_pending) cur = 1 - cur;
         post_pending = false;
         return io;
