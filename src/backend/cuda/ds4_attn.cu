@@ -737,6 +737,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                         float *__restrict__ o) {
     static_assert(kCombineThreads == 32, "one warp per (head, 32 dim pairs)");
     __shared__ float ws[kMaxSplits];
+    pdl_wait();  // the split kernel's partials (a no-op without PDL)
+    pdl_launch_dependents();
     const int64_t p = *pos;
     attn_combine_warp<1, 8>(g, part, sinks, freq, n_rot, p, attn_busy_splits(g, p), blockIdx.x, blockIdx.y, ws, o);
 }
@@ -998,6 +1000,9 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     const int hs = tid >> 3, rq = tid & 7;                               // softmax: head, row quad
     const int h0 = blockIdx.y * kMmaHeads;
     pdl_wait();  // q, the rows and pos come from the preceding kernels (a no-op without PDL)
+    // Two launches: the combine may be scheduled now (it waits for this grid in its pdl_wait); the
+    // fused form triggers only after its barrier, so no dependent takes the SMs its grid needs.
+    if (!f.sync) pdl_launch_dependents();
     const int64_t p = *pos;
     const attn_span sp = attn_span_at(g, p);
     const auto [r0, r1] = attn_split_at(sp, g.n_split);
@@ -1441,7 +1446,9 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
             check_launch("attention (tensor cores, fused combine)");
             return;
         }
-        kernel<<<grid, kMmaThreads, smem, s>>>(g, q, pos, partials, f);
+        const cudaError_t e = launch_pdl(kernel, grid, dim3(kMmaThreads), smem, s, true, g, q, pos, partials, f);
+        if (e != cudaSuccess)
+            throw error(std::string("cuda ds4 attn attention split: launch failed: ") + cudaGetErrorString(e));
         check_launch("attention split (tensor cores)");
     } else {
         const dim3 grid(static_cast<unsigned>(g.n_split),
@@ -1455,7 +1462,11 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
     }
     const dim3 cgrid(static_cast<unsigned>(a.n_head),
                      static_cast<unsigned>((a.d / 2 + kCombineThreads - 1) / kCombineThreads));
-    attn_combine_kernel<<<cgrid, kCombineThreads, 0, s>>>(g, partials, a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
+    // PDL: scheduled while the split kernel runs, waiting for it in pdl_wait (the f32 split kernel
+    // never triggers early, so there the launch simply follows it)
+    const cudaError_t ce = launch_pdl(attn_combine_kernel, cgrid, dim3(kCombineThreads), 0, s, true, g,
+                                      static_cast<const float *>(partials), a.sinks, a.rope.freq, a.rope.n_rot, pos, o);
+    if (ce != cudaSuccess) throw error(std::string("cuda ds4 attn combine: launch failed: ") + cudaGetErrorString(ce));
     check_launch("attention combine");
 }
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_quant.cuh"
@@ -272,6 +273,13 @@ struct q8x_table {
     q8x_seg s[gemv_max_segments];
     int32_t n;
     int32_t x_slots;  // x groups quantised per block (1 or 2; 0 when no segment is q8_0)
+    // RMSNorm prologue (launch_gemv_multi_normed; one x group): x' = (x * r) * norm_w, r = 1 /
+    // sqrt(mean(x^2) + eps) as cuda::launch_rms_norm computes it; f16 rows then read x' from shared
+    // memory at byte xf_off.
+    const float *norm_w;
+    float norm_eps;
+    int32_t norm;
+    uint32_t xf_off;
     int64_t cols;
 };
 
@@ -279,7 +287,8 @@ struct q8x_table {
 // order above). 8 threads per 32-element block, a float4 each; loads of kQ8xBatch blocks per 8 threads
 // issued before any arithmetic (one L2 round trip per batch).
 constexpr int kQ8xBatch = 4;
-__device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds) {
+__device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds,
+                                           const float *norm_w = nullptr, float r = 1.0f) {
     const int sub = threadIdx.x & 7, nblk = static_cast<int>(cols >> 5);
     constexpr int per_pass = kQ8xThreads / 8;  // blocks per pass; a warp takes 4 consecutive ones
     // The loop bound is warp-uniform (the warp's first block), so the shuffles see the whole warp.
@@ -290,6 +299,11 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
         for (int i = 0; i < kQ8xBatch; ++i) {
             const int b = b0 + i * per_pass;
             v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (norm_w && b < nblk) {  // rms_norm_kernel's (x * r) * w
+                const float4 wv = *reinterpret_cast<const float4 *>(norm_w + 32 * static_cast<int64_t>(b) + 4 * sub);
+                v[i] = make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
+                                   __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
+            }
         }
 #pragma unroll
         for (int i = 0; i < kQ8xBatch; ++i) {
@@ -307,6 +321,25 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
             }
         }
     }
+}
+
+// r = 1 / sqrt(mean(x^2) + eps) over cols floats with cuda_ops.cu rms_norm_kernel's arithmetic and
+// reduction tree (256 threads: strided double partials of float squares, warp xor sums, the 8 warp
+// sums in order), so the normed activations have the separate kernel's bits.
+__device__ __forceinline__ float q8x_norm_r(const float *x, int64_t cols, float eps, double *sh) {
+    static_assert(kQ8xThreads == 256, "rms_norm_kernel's block size");
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < cols; i += kQ8xThreads) {
+        const float v = x[i];
+        ss += static_cast<double>(__fmul_rn(v, v));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double t = 0;
+    for (int i = 0; i < kQ8xWarps; ++i) t += sh[i];
+    return 1.0f / sqrtf(static_cast<float>(t / static_cast<double>(cols)) + eps);
 }
 
 // A warp's place in its block: W = warps_per_row warps share a row (sub = 0 .. W - 1 takes the
@@ -371,10 +404,18 @@ __device__ __forceinline__ q8x_xrow q8x_x_of(const q8x_seg &sg, const q8x_warp &
     return {x + g * cols, reinterpret_cast<const uint32_t *>(xs) + w.lane,
             reinterpret_cast<const float *>(xs + cols) + 4 * (w.lane >> 3)};
 }
+// f16 rows' x: global (ldx4: coherent, after the PDL wait) or the normed copy in shared memory.
+template <bool XS>
+__device__ __forceinline__ float4 q8x_ldx(const float *p) {
+    if constexpr (XS)
+        return *reinterpret_cast<const float4 *>(p);
+    else
+        return ldx4(p);
+}
 
 // Arithmetic of one batch. A row's last slot ends the warp's part of it: warp xor sum, then lane 0
 // stores it to part[(r - r0) W + sub] (summed over sub at the end of the block), or to y when W = 1.
-template <bool F16, int U>
+template <bool F16, int U, bool XS>
 __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w, const float *x, int64_t cols,
                                             const uint8_t *smem, float *part, q8x_cursor &k, q8x_xrow &xr,
                                             const q8x_batch<U> &b, float &acc) {
@@ -384,7 +425,7 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
         const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
         if (c < sg.chunks) {
             if (F16) {
-                const float4 xa = ldx4(xr.xf + 8 * c), xb = ldx4(xr.xf + 8 * c + 4);
+                const float4 xa = q8x_ldx<XS>(xr.xf + 8 * c), xb = q8x_ldx<XS>(xr.xf + 8 * c + 4);
                 const uint32_t hw[4] = {b.v[u].x, b.v[u].y, b.v[u].z, b.v[u].w};
                 const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
@@ -426,7 +467,7 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
 
 constexpr int kQ8xMaxParts = 1024;  // rows per block x warps per row
 
-template <bool F16, int U>
+template <bool F16, int U, bool XS, bool NORM>
 __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, const float *x, const uint8_t *smem,
                                          float *part, int64_t r0, int64_t r1) {
     const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -454,26 +495,39 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
     // the first batch's loads: weights only, so they may overlap the previous kernel
     q8x_load<F16, U>(sg, w, lk, A);
     pdl_wait();
+    float nr = 1.0f;
+    if constexpr (NORM) {
+        __shared__ double norm_sh[kQ8xWarps];
+        nr = q8x_norm_r(x, cols, t.norm_eps, norm_sh);
+    }
+    if constexpr (XS) {  // f16 rows of a normed table: x' into shared memory (one group)
+        float *xf = reinterpret_cast<float *>(const_cast<uint8_t *>(smem) + t.xf_off);
+        for (int64_t i = threadIdx.x; i < cols; i += kQ8xThreads)
+            xf[i] = __fmul_rn(__fmul_rn(x[i], nr), t.norm_w[i]);
+        __syncthreads();
+    }
     if (!F16) {  // block-uniform: quantise the x group(s) of the block's rows (at most two)
         uint8_t *s = const_cast<uint8_t *>(smem);
         const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
         const int64_t last = (r1 - 1) / sg.rows_per_group;
-        quantise_x(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s), reinterpret_cast<float *>(s + cols));
+        quantise_x(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s), reinterpret_cast<float *>(s + cols),
+                   NORM ? t.norm_w : nullptr, nr);
         if (last != w.g0)
             quantise_x(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
                        reinterpret_cast<float *>(s + slot_bytes + cols));
         __syncthreads();
     }
     float acc = 0.0f;
-    q8x_xrow xr = q8x_x_of(sg, w, x, cols, smem, ck.r);
+    const float *xg = XS ? reinterpret_cast<const float *>(smem + t.xf_off) : x;  // f16 rows' x
+    q8x_xrow xr = q8x_x_of(sg, w, xg, cols, smem, ck.r);
     for (;;) {
         const bool more_b = lk.r < r1;
         if (more_b) q8x_load<F16, U>(sg, w, lk, B);
-        q8x_compute<F16, U>(sg, w, x, cols, smem, part, ck, xr, A, acc);
+        q8x_compute<F16, U, XS>(sg, w, xg, cols, smem, part, ck, xr, A, acc);
         if (!more_b) break;
         const bool more_a = lk.r < r1;
         if (more_a) q8x_load<F16, U>(sg, w, lk, A);
-        q8x_compute<F16, U>(sg, w, x, cols, smem, part, ck, xr, B, acc);
+        q8x_compute<F16, U, XS>(sg, w, xg, cols, smem, part, ck, xr, B, acc);
         if (!more_a) break;
     }
     if (w.W > 1) {  // block-uniform: the rows' warp parts, summed in sub order
@@ -487,7 +541,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
 }
 
 // Grid: the segments' blocks end to end; block b of segment i owns rows [b rpb, (b + 1) rpb).
-template <int U, int MINB>
+template <int U, int MINB, bool NORM>
 __global__ void __launch_bounds__(kQ8xThreads, MINB) gemv_q8x_kernel(const __grid_constant__ q8x_table t, const float *x) {
     extern __shared__ __align__(16) uint8_t q8x_smem[];
     __shared__ float part[kQ8xMaxParts];
@@ -498,10 +552,10 @@ __global__ void __launch_bounds__(kQ8xThreads, MINB) gemv_q8x_kernel(const __gri
     const q8x_seg &sg = t.s[si];
     const int64_t r0 = static_cast<int64_t>(blockIdx.x - sg.block_begin) * sg.rows_per_block;
     const int64_t r1 = r0 + sg.rows_per_block < sg.rows ? r0 + sg.rows_per_block : sg.rows;
-    if (sg.f16)
-        q8x_rows<true, U>(sg, t, x, q8x_smem, part, r0, r1);
+    if (!sg.f16)
+        q8x_rows<false, U, false, NORM>(sg, t, x, q8x_smem, part, r0, r1);
     else
-        q8x_rows<false, U>(sg, t, x, q8x_smem, part, r0, r1);
+        q8x_rows<true, U, NORM, NORM>(sg, t, x, q8x_smem, part, r0, r1);
 }
 
 // Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
@@ -592,7 +646,7 @@ void launch_table(const seg_table &t, unsigned blocks, int block, const float *x
 }
 
 bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
-                cudaStream_t s);
+                cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f);
 
 // Fills the segment table (group sizes, block ranges) and launches. rpg[i] = rows per x group.
 void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
@@ -673,7 +727,7 @@ int q8x_blocks_per_sm(size_t smem) {
     for (const entry &e : cache)
         if (e.dev == dev && e.smem == smem) return e.n;
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks>, kQ8xThreads, smem) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, kQ8xThreads, smem) != cudaSuccess ||
         n < 1)
         throw error("cuda ds4 gemv: cannot query the occupancy of the q8x kernel");
     static thread_local int next = 0;
@@ -685,15 +739,18 @@ int q8x_blocks_per_sm(size_t smem) {
 // The q8x kernel takes the table when every segment is q8_0 or f16 (cols % 8 == 0), cols fits its
 // shared memory, and every block's rows read at most two x groups (rows per block <= rows per group).
 // Returns false (the caller uses the kernel above) otherwise.
-bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem, int64_t &blocks) {
+bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem, int64_t &blocks,
+              const float *norm_w = nullptr, float norm_eps = 0.0f) {
     const int64_t cols = segs[0].w.cols;
     if (!g_q8x || cols > kQ8xMaxCols) return false;
-    bool any_q8 = false, grouped = false;
+    if (norm_w && reinterpret_cast<uintptr_t>(norm_w) % 16 != 0) return false;
+    bool any_q8 = false, any_f16 = false, grouped = false;
     double total_bytes = 0;
     for (int i = 0; i < n; ++i) {
         const dtype t = segs[i].w.type;
         if (t != dtype::q8_0 && !(t == dtype::f16 && cols % 8 == 0)) return false;
         any_q8 = any_q8 || t == dtype::q8_0;
+        any_f16 = any_f16 || t == dtype::f16;
         grouped = grouped || rpg[i] < segs[i].w.rows;
         total_bytes += static_cast<double>(row_bytes_of(t, cols)) * static_cast<double>(segs[i].w.rows);
     }
@@ -702,6 +759,14 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
     t.cols = cols;
     t.x_slots = any_q8 ? (grouped ? 2 : 1) : 0;
     smem = static_cast<size_t>(t.x_slots) * static_cast<size_t>(cols + cols / 8);
+    if (norm_w) {  // the normed prologue reads one x group
+        if (grouped) return false;
+        t.norm = 1;
+        t.norm_w = norm_w;
+        t.norm_eps = norm_eps;
+        t.xf_off = static_cast<uint32_t>(smem);
+        if (any_f16) smem += static_cast<size_t>(cols) * sizeof(float);
+    }
     const double resident = static_cast<double>(q8x_blocks_per_sm(smem)) * sm_count();
     blocks = 0;
     for (int i = 0; i < n; ++i) {
@@ -736,13 +801,13 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
 }
 
 bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
-                cudaStream_t s) {
+                cudaStream_t s, const float *norm_w, float norm_eps) {
     q8x_table t;
     size_t smem = 0;
     int64_t blocks = 0;
-    if (!plan_q8x(segs, rpg, n, t, smem, blocks)) return false;
+    if (!plan_q8x(segs, rpg, n, t, smem, blocks, norm_w, norm_eps)) return false;
     if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
-    const cudaError_t e = launch_pdl(gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
+    const cudaError_t e = launch_pdl(t.norm ? gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, true> : gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
                                      true, t, x);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
     return true;
@@ -822,6 +887,24 @@ void launch_gemv_fast_grouped(const gemv_weight &w, int64_t rows_per_group, cons
     if (rows_per_group < 1) throw error("cuda ds4 grouped gemv: rows_per_group must be >= 1");
     const gemv_segment seg{w, y};
     launch_segments(&seg, &rows_per_group, 1, x, "grouped gemv", s);
+}
+
+void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, const float *norm_w, float eps,
+                              cudaStream_t s) {
+    if (n_segs < 1 || n_segs > gemv_max_segments) throw error("cuda ds4 multi gemv: 1..8 segments");
+    if (!norm_w) throw error("cuda ds4 normed gemv: null norm weight");
+    int64_t rpg[gemv_max_segments];
+    for (int i = 0; i < n_segs; ++i) {
+        check_weight(segs[i].w, "normed gemv");
+        if (segs[i].w.cols != segs[0].w.cols) throw error("cuda ds4 normed gemv: segments differ in cols");
+        if (!segs[i].y) throw error("cuda ds4 normed gemv: null output");
+        rpg[i] = segs[i].w.rows;
+    }
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error("cuda ds4 normed gemv: x must be 16-byte aligned");
+    if (launch_q8x(segs, rpg, n_segs, x, "normed gemv", s, norm_w, eps)) return;
+    // otherwise: the separate norm in place, then the plain launch
+    cuda::launch_rms_norm(x, segs[0].w.cols, norm_w, eps, segs[0].w.cols, 1, x, segs[0].w.cols, s);
+    launch_gemv_multi(segs, n_segs, x, s);
 }
 
 void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s) {

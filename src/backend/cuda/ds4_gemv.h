@@ -79,6 +79,13 @@ struct gemv_segment {
 };
 constexpr int gemv_max_segments = 8;
 void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s);
+// The same with an RMSNorm of x first: y_i = W_i . ((x * r) * norm_w), r = 1 / sqrt(mean(x^2) + eps),
+// with cuda::launch_rms_norm's arithmetic (same bits). The int8-activation kernel folds the norm into
+// its x staging (no separate launch, x unchanged); tables it does not take get launch_rms_norm in
+// place on x, then the plain launch. So x's contents after the call are unspecified (x or the normed
+// x). norm_w [cols], 16-byte aligned for the folded form.
+void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, const float *norm_w, float eps,
+                              cudaStream_t s);
 
 // Process-wide switch of the q8_0 int8-activation path (default on); off: every table takes the
 // f32-activation kernel (tests and A/B benchmarks).

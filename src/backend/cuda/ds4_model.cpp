@@ -236,6 +236,23 @@ void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, co
     }
     for (const auto &[m, y] : mats) gemv(*m, x, y, s);
 }
+// gemv_multi of RMSNorm(x) (norm weight w): folded into the int8 GEMV's x staging when every weight
+// has the fast form (ds4_gemv.h launch_gemv_multi_normed), else the norm in place first. x's contents
+// afterwards: x or its normed values.
+void gemv_multi_normed(std::initializer_list<std::pair<const dmat *, float *>> mats, float *x, const float *w, float eps,
+                       int64_t n, cudaStream_t s) {
+    cd::gemv_segment seg[cd::gemv_max_segments];
+    int k = 0;
+    bool all_fast = mats.size() <= static_cast<size_t>(cd::gemv_max_segments);
+    for (const auto &[m, y] : mats) all_fast = all_fast && m->fast;
+    if (all_fast) {
+        for (const auto &[m, y] : mats) seg[k++] = {m->fw, y};
+        cd::launch_gemv_multi_normed(seg, k, x, w, eps, s);
+        return;
+    }
+    cuda::launch_rms_norm(x, n, w, eps, n, 1, x, n, s);
+    for (const auto &[m, y] : mats) gemv(*m, x, y, s);
+}
 // The prefill products' view of a weight (GGUF rows, or the repacked q8_0 of the fast form).
 cd::gemm_weight gw(const dmat &m) {
     cd::gemm_weight g;
@@ -897,11 +914,11 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
     }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
-    cuda::launch_rms_norm(q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, 1, q_lat, hp.q_lora, s);
+    // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again)
     if (idx)
-        gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s);
+        gemv_multi_normed({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, l.q_a_norm, hp.rms_eps, hp.q_lora, s);
     else
-        gemv(l.q_b, q_lat, q, s);
+        gemv_multi_normed({{&l.q_b, q}}, q_lat, l.q_a_norm, hp.rms_eps, hp.q_lora, s);
     if (par && idx) {  // the indexer query is ready
         ck(cudaEventRecord(ev_q, s), "forking the indexer query");
         ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
