@@ -28,6 +28,7 @@ int main(int argc, char **argv) {
         fathom::cli::add_daemon_command(app);
         fathom::cli::add_eval_command(app);
         fathom::cli::add_plan_command(app);
+        fathom::cli::add_rank_command(app);
         app.parse(argc, argv);  // the selected subcommand's callback runs inside parse()
     } catch (const CLI::Success &e) {
         return app.exit(e);  // --help / --version

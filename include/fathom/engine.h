@@ -55,6 +55,21 @@ struct engine_options {
     // sublayer (src/dist/tp.h; logits within f32 rounding of one device, not bit for bit). tp runs on CPU
     // devices only so far; the device count must divide the heads and output groups.
     std::string devices_layout = "pipeline";
+    // With `devices` (CPU entries only so far): ranks 1.. run as child processes of this one instead of
+    // threads (`--procs`; docs/dist.md "Several processes"): the engine spawns `rank_command(r, P, id)`
+    // for each, joins them over TCP (src/dist/socket_transport.h) and supervises them. The logits equal
+    // the in-process ranks' bit for bit. A rank process that exits fails the in-flight and every later
+    // forward with "dist: rank R (pid N) exited: <status>", the other ranks are stopped, and
+    // on_rank_failure (if set) is called once with that line (from a supervisor thread).
+    bool rank_procs = false;
+    std::string rank_procs_host = "127.0.0.1";  // rank 0's listening address (another host: its address there)
+    // Ranks 1..rank_procs_local-1 are spawned; the others (another host) are started by hand with the join
+    // id printed on stderr. 0 = spawn every rank.
+    int rank_procs_local = 0;
+    // argv of rank `rank` of `world` joining `join_id` (argv[0] = the executable; the CLI gives
+    // `fathom rank ...` with this engine's options).
+    std::function<std::vector<std::string>(int rank, int world, const std::string &join_id)> rank_command;
+    std::function<void(const std::string &line)> on_rank_failure;
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";

@@ -15,123 +15,23 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "dist/net_util.h"
 
 namespace fathom::dist {
 
 namespace {
 
-using clk = std::chrono::steady_clock;
+using net::clk;
+using net::errno_text;
+using net::ms_left;
+using net::one_line;
+using net::set_keepalive;
+using net::this_host;
+using net::write_all;
 constexpr const char *hello_magic = "fathom-live";
 constexpr size_t max_line = 4096;  // hello lines and abort reasons are one short line
 
-std::string errno_text(int e) { return std::strerror(e); }
-
-// Milliseconds left until `deadline` (0 when passed; rounded up, so a poll() never ends early), as poll()
-// wants them.
-int ms_left(clk::time_point deadline) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clk::now()).count();
-    return left <= 0 ? 0 : static_cast<int>(std::min<long long>(left, 1 << 30));
-}
-
-std::string one_line(std::string s) {
-    for (char &c : s)
-        if (c == '\n' || c == '\r') c = ' ';
-    return s;
-}
-
-std::string this_host() {
-    char b[256] = {};
-    if (::gethostname(b, sizeof b - 1) != 0 || b[0] == 0) return "unknown";
-    std::string h(b);
-    for (char &c : h)
-        if (c == ' ' || c == '\t') c = '_';
-    return h;
-}
-
-// "host:port" or "[v6]:port" -> (host, port). Throws on anything else.
-std::pair<std::string, std::string> split_address(const std::string &a) {
-    const size_t colon = a.rfind(':');
-    const auto bad = [&] { return error("dist: liveness address '" + a + "' is not host:port"); };
-    if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) throw bad();
-    std::string host = a.substr(0, colon), port = a.substr(colon + 1);
-    if (port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 || std::stoi(port) == 0 ||
-        std::stoi(port) > 65535)
-        throw bad();
-    if (host.front() == '[') {
-        if (host.size() < 3 || host.back() != ']') throw bad();
-        host = host.substr(1, host.size() - 2);
-    } else if (host.find(':') != std::string::npos) {
-        throw bad();  // an IPv6 literal needs brackets
-    }
-    return {host, port};
-}
-
-struct addrinfo_list {
-    addrinfo *head = nullptr;
-    ~addrinfo_list() {
-        if (head) ::freeaddrinfo(head);
-    }
-};
-
-void resolve(const std::string &host, const std::string &port, bool passive, addrinfo_list &out) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-    const int r = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &out.head);
-    if (r != 0) throw error("dist: liveness: cannot resolve '" + host + "': " + ::gai_strerror(r));
-}
-
-// Keep-alive so a peer host that vanishes without a FIN is noticed (~10 s idle + 4 probes 5 s apart).
-void set_keepalive(int fd) {
-    int on = 1, idle = 10, intvl = 5, cnt = 4;
-    ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
-}
-
-// Write all of `s` to the non-blocking socket `fd` before `deadline`; false on error or timeout.
-bool write_all(int fd, const std::string &s, clk::time_point deadline) {
-    size_t off = 0;
-    while (off < s.size()) {
-        const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n > 0) {
-            off += static_cast<size_t>(n);
-            continue;
-        }
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            pollfd p{fd, POLLOUT, 0};
-            if (::poll(&p, 1, ms_left(deadline)) <= 0) return false;
-            continue;
-        }
-        return false;
-    }
-    return true;
-}
-
-// Read one '\n'-terminated line (byte by byte: nothing after it may be consumed) before `deadline`.
-// nullopt on EOF, error, timeout or an over-long line.
-std::optional<std::string> read_line(int fd, clk::time_point deadline) {
-    std::string line;
-    for (;;) {
-        char c;
-        const ssize_t n = ::recv(fd, &c, 1, MSG_DONTWAIT);
-        if (n == 1) {
-            if (c == '\n') return line;
-            if (line.size() >= max_line) return std::nullopt;
-            line += c;
-            continue;
-        }
-        if (n == 0) return std::nullopt;
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) return std::nullopt;
-        pollfd p{fd, POLLIN, 0};
-        if (::poll(&p, 1, ms_left(deadline)) <= 0) return std::nullopt;
-    }
-}
+std::optional<std::string> read_line(int fd, clk::time_point deadline) { return net::read_line(fd, deadline, max_line); }
 
 struct hello {
     std::string token;
@@ -158,44 +58,14 @@ void check_token(const std::string &token) {
         throw error("dist: liveness token must be one non-empty word");
 }
 
-// Non-blocking connect to one resolved address before `deadline`; the socket, or -1 with `err` set.
-int connect_one(const addrinfo *ai, clk::time_point deadline, std::string &err) {
-    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-    if (fd < 0) {
-        err = errno_text(errno);
-        return -1;
-    }
-    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) return fd;
-    if (errno != EINPROGRESS) {
-        err = errno_text(errno);
-        ::close(fd);
-        return -1;
-    }
-    pollfd p{fd, POLLOUT, 0};
-    int r;
-    while ((r = ::poll(&p, 1, ms_left(deadline))) < 0 && errno == EINTR) {
-    }
-    int soerr = 0;
-    socklen_t len = sizeof soerr;
-    if (r == 0) {
-        err = "timed out";
-    } else if (r < 0 || ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 || soerr != 0) {
-        err = errno_text(soerr ? soerr : errno);
-    } else {
-        return fd;
-    }
-    ::close(fd);
-    return -1;
-}
-
 }  // namespace
 
 // ---- liveness_listener -------------------------------------------------------------------------------
 
 liveness_listener::liveness_listener(const std::string &host) {
     if (host.empty()) throw error("dist: liveness host is empty");
-    addrinfo_list ai;
-    resolve(host, "0", true, ai);
+    net::addrinfo_list ai;
+    net::resolve(host, "0", true, ai, "liveness");
     std::string err = "no address";
     for (const addrinfo *a = ai.head; a; a = a->ai_next) {
         const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
@@ -221,7 +91,7 @@ liveness_listener::liveness_listener(const std::string &host) {
         break;
     }
     if (fd_ < 0) throw error("dist: liveness: cannot listen on '" + host + "': " + err);
-    address_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port_);
+    address_ = net::join_address(host, port_);
 }
 
 liveness_listener::~liveness_listener() {
@@ -299,15 +169,9 @@ std::unique_ptr<liveness> liveness::connect_root(const std::string &address, con
     if (rank < 1 || rank >= size)
         throw error("dist: liveness: rank " + std::to_string(rank) + " of " + std::to_string(size) +
                     " cannot connect to rank 0 (ranks 1.." + std::to_string(size - 1) + " do)");
-    const auto [host, port] = split_address(address);
     const auto deadline = clk::now() + timeout;
-    addrinfo_list ai;
-    resolve(host, port, false, ai);
-    std::string err = "no address";
-    int fd = -1;
-    for (const addrinfo *a = ai.head; a && fd < 0; a = a->ai_next) fd = connect_one(a, deadline, err);
     const std::string me = "dist: rank " + std::to_string(rank) + ": liveness: ";
-    if (fd < 0) throw error(me + "cannot connect to rank 0 at " + address + ": " + err);
+    const int fd = net::connect_address(address, deadline, me, "rank 0", "liveness");
     const auto line = write_all(fd, hello_text(token, rank, size), deadline) ? read_line(fd, deadline) : std::nullopt;
     const auto h = line ? parse_hello(*line) : std::nullopt;
     if (!h || h->token != token || h->rank != 0 || h->size != size) {

@@ -185,19 +185,23 @@ void pipeline_rank::stop() {
 }
 
 void pipeline_rank::serve() {
+    while (serve_one()) {
+    }
+}
+
+bool pipeline_rank::serve_one() {
     if (rank_ == 0) throw error("dist: serve() is for ranks > 0");
     const int prev = rank_ - 1, last = t_.size() - 1;
     const size_t S = static_cast<size_t>(m_.hp.n_hc) * static_cast<size_t>(m_.hp.n_embd);
     const size_t V = static_cast<size_t>(m_.hp.n_vocab);
     try {
-        for (;;) {
+        {
             int64_t hdr[header_len];
             t_.recv_idle(prev, hdr, sizeof(hdr));  // idle between requests is normal
             if (hdr[0] == op_stop || hdr[0] == op_reset) {
                 if (hdr[0] == op_reset) fresh_state();
                 if (rank_ < last) send_on(hdr, {}, {}, {});
-                if (hdr[0] == op_stop) return;
-                continue;
+                return hdr[0] != op_stop;
             }
             const int64_t n = hdr[1];
             if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[2] < logits_none ||
@@ -224,6 +228,7 @@ void pipeline_rank::serve() {
                 t_.send(0, logits.data(), logits.size() * sizeof(float));
             }
         }
+        return true;
     } catch (const std::exception &e) {
         t_.abort(e.what());
         throw;

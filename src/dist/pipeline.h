@@ -75,6 +75,10 @@ class pipeline_rank {
     // Ranks > 0: handle messages from the previous rank until stop. On any error the rank aborts its
     // transport (so its peers fail fast instead of waiting) and rethrows.
     void serve();
+    // Ranks > 0: handle exactly one message of rank 0's (forward, reset or stop; false after stop), with
+    // serve()'s error handling. A rank process serving several sessions runs one step per session
+    // turn (src/dist/rank_procs.h).
+    bool serve_one();
 
     int rank() const { return rank_; }
     int64_t n_past() const { return n_past_; }

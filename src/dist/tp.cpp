@@ -165,21 +165,26 @@ std::vector<std::vector<float>> tp_rank::hc_states() {
 }
 
 void tp_rank::serve() {
+    while (serve_one()) {
+    }
+}
+
+bool tp_rank::serve_one() {
     if (rank_ == 0) throw error("dist: tp serve() is for ranks > 0");
     try {
-        for (;;) {
+        {
             int64_t hdr[header_len];
             t_.recv_idle(0, hdr, sizeof(hdr));  // idle between requests is normal
-            if (hdr[0] == op_stop) return;
+            if (hdr[0] == op_stop) return false;
             if (hdr[0] == op_reset) {
                 fresh_state();
-                continue;
+                return true;
             }
             if (hdr[0] == op_state) {
                 const int64_t count = static_cast<int64_t>(x_.size());
                 t_.send(0, &count, sizeof(count));
                 t_.send(0, x_.data(), x_.size() * sizeof(float));
-                continue;
+                return true;
             }
             const int64_t n = hdr[1];
             if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[3] != n_past_)
@@ -193,6 +198,7 @@ void tp_rank::serve() {
             t_.recv(0, positions.data(), positions.size() * sizeof(int64_t));
             run(tokens, positions);
         }
+        return true;
     } catch (const std::exception &e) {
         t_.abort(e.what());
         throw;

@@ -60,6 +60,7 @@ class tp_rank {
     void reset();  // rank 0: fresh KV state on every rank
     void stop();   // rank 0: every other rank leaves serve()
     void serve();  // ranks > 0: handle rank 0's messages until stop; aborts the transport on any error
+    bool serve_one();  // ranks > 0: exactly one of rank 0's messages (false after stop), as serve()
     // Rank 0: [rank] that rank's HC state [n, n_hc, D] after the last forward (empty before any).
     std::vector<std::vector<float>> hc_states();
 

@@ -22,12 +22,18 @@
 // states disagree) and the session starts afresh with a new one.
 // With engine_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
 // every block on its share of heads and experts, src/dist/tp.h); the same rules apply.
+// With engine_options::rank_procs, ranks 1.. are child processes shared by all sessions
+// (dist::rank_procs, spawned at load): a session owns only its rank-0 object (pipeline_rank / tp_rank
+// over the engine's socket link) and a session id; each child keeps that session's rank state and
+// steps it once per operation (src/dist/rank_procs.h). A failure there is final for the engine (a
+// rank process is gone or its states disagree): every later forward throws the same line.
 #include "engine/ds4_session.h"
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -40,6 +46,7 @@
 #include "core/error.h"
 #include "dist/pipeline.h"
 #include "dist/planner.h"
+#include "dist/rank_procs.h"
 #include "dist/tp.h"
 #include "engine/device.h"
 #include "gguf/gguf.h"
@@ -70,20 +77,45 @@ void check_options(const engine_options &o) {
         throw error("devices layout '" + o.devices_layout + "': expected pipeline or tp");
     if (o.devices_layout != "pipeline" && o.devices.empty())
         throw error("devices layout '" + o.devices_layout + "' needs several devices (devices, e.g. cpu,cpu)");
+    if (o.rank_procs && o.devices.empty())
+        throw error("rank processes (--procs) need several devices (devices, e.g. cpu,cpu)");
+    if (o.rank_procs && !o.rank_command) throw error("rank processes (--procs): no rank command was given");
+    if (o.rank_procs_local < 0)
+        throw error("rank_procs_local must be >= 0, got " + std::to_string(o.rank_procs_local));
 }
 
-// Several devices: one session's ranks, a layer pipeline or a tensor-parallel group (one is set).
+// Several devices: one session's ranks, a layer pipeline or a tensor-parallel group (one is set), or
+// with rank processes this session's rank-0 object (pipe0 or tp0) and its id in the shared processes.
 struct device_ranks {
     std::unique_ptr<dist::local_pipeline> pipeline;
     std::unique_ptr<dist::local_tp> tp;
+    dist::rank_procs *procs = nullptr;  // the engine's (outlives its sessions)
+    uint64_t sid = 0;
+    std::unique_ptr<dist::pipeline_rank> pipe0;
+    std::unique_ptr<dist::tp_rank> tp0;
+
+    device_ranks() = default;
+    device_ranks(const device_ranks &) = delete;
+    device_ranks &operator=(const device_ranks &) = delete;
+    ~device_ranks() {
+        if (procs) procs->free_session(sid);  // the children drop this session's state
+    }
     void forward(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> logits) {
-        if (pipeline)
+        if (procs) {
+            // Nothing to send for no tokens (rank 0's forward returns early, so the children must not be
+            // told to expect a step).
+            if (!toks.empty())
+                procs->with_session(sid, [&] { pipe0 ? pipe0->forward(toks, pos, logits) : tp0->forward(toks, pos, logits); });
+        }
+        else if (pipeline)
             pipeline->forward(toks, pos, logits);
         else
             tp->forward(toks, pos, logits);
     }
     void reset() {
-        if (pipeline)
+        if (procs)
+            procs->with_session(sid, [&] { pipe0 ? pipe0->reset() : tp0->reset(); });
+        else if (pipeline)
             pipeline->reset();
         else
             tp->reset();
@@ -258,7 +290,16 @@ class ds4_engine final : public engine {
     bool pipelined() const { return !ranges_.empty() || tp_size_ > 0; }
     std::unique_ptr<device_ranks> new_pipeline() const {
         auto r = std::make_unique<device_ranks>();
-        if (tp_size_ > 0)
+        if (procs_) {
+            // Only rank 0's share lives here; the children create theirs on the session's first use.
+            r->procs = procs_.get();
+            r->sid = procs_->new_session_id();
+            if (tp_size_ > 0)
+                r->tp0 = std::make_unique<dist::tp_rank>(*model_, procs_->link(), qat_, opts_.kv, exec_);
+            else
+                r->pipe0 = std::make_unique<dist::pipeline_rank>(*model_, ranges_, procs_->link(), qat_, opts_.kv,
+                                                                 exec_, stages_[0]);
+        } else if (tp_size_ > 0)
             r->tp = std::make_unique<dist::local_tp>(*model_, tp_size_, qat_, opts_.kv, exec_, pipeline_deadline);
         else
             r->pipeline = std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
@@ -324,6 +365,10 @@ class ds4_engine final : public engine {
             return;
         }
         const int P = static_cast<int>(ordinals.size()), L = model_->hp.n_layer;
+        if (opts_.rank_procs && std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) !=
+                                    ordinals.end())
+            throw error("devices '" + opts_.devices + "': rank processes (--procs) run CPU devices only so far "
+                        "(CUDA ranks: in-process --devices, or the NCCL ranks; docs/dist.md)");
         if (P > L)
             throw error("devices '" + opts_.devices + "': " + std::to_string(P) + " devices for a model of " +
                         std::to_string(L) + " blocks (each device needs at least one block)");
@@ -365,6 +410,32 @@ class ds4_engine final : public engine {
             info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
             ordinal_ = ordinals[0];  // measure_copy_bandwidth: the first stage's device
         }
+        if (opts_.rank_procs) start_rank_procs(P);
+    }
+
+    // engine_options::rank_procs: spawn and join ranks 1..P-1 (rank_command), or wait for those started
+    // by hand; info().device gains their pids.
+    void start_rank_procs(int P) {
+        dist::rank_procs_options po;
+        po.host = opts_.rank_procs_host;
+        po.command = [cmd = opts_.rank_command, P](int r, const std::string &id) { return cmd(r, P, id); };
+        po.spawn = opts_.rank_procs_local > 0 ? opts_.rank_procs_local : -1;
+        const int spawn = std::min(po.spawn < 0 ? P : po.spawn, P);
+        po.on_listening = [&](const std::string &id) {
+            for (int r = std::max(spawn, 1); r < P; ++r) {  // ranks started by hand (another host)
+                std::string line;
+                for (const auto &a : opts_.rank_command(r, P, id)) line += (line.empty() ? "" : " ") + a;
+                std::fprintf(stderr, "dist: waiting for rank %d: start it with: %s\n", r, line.c_str());
+            }
+        };
+        po.on_failure = opts_.on_rank_failure;
+        procs_ = std::make_unique<dist::rank_procs>(P, po);
+        std::string pids;
+        const std::vector<long> v = procs_->pids();
+        for (size_t i = 0; i < v.size(); ++i)
+            pids += (i ? ", " : " ") + std::string("rank ") + std::to_string(i + 1) +
+                    (v[i] ? " pid " + std::to_string(v[i]) : std::string(" joined"));
+        info_.device += "; processes:" + pids;
     }
 
     // engine_options::devices_layout "tp": every rank runs every block on its share (dist::tp_share);
@@ -390,6 +461,7 @@ class ds4_engine final : public engine {
         }
         info_.device = layout;
         tp_size_ = P;
+        if (opts_.rank_procs) start_rank_procs(P);
     }
 
     // Every device a CUDA device: the placement planner's pipeline ranges from each device's free
@@ -454,6 +526,8 @@ class ds4_engine final : public engine {
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
+    // rank_procs: the rank processes (destroyed first: stops them while the model is still here).
+    std::unique_ptr<dist::rank_procs> procs_;
 };
 
 ds4_session::ds4_session(ds4_engine &e) : e_(e) {
@@ -622,6 +696,72 @@ void ds4_session::sync(std::span<const int32_t> prefix, const std::function<void
 
 std::unique_ptr<engine> make_ds4_engine(const engine_options &opts, std::shared_ptr<const gguf::file> file) {
     return std::make_unique<ds4_engine>(opts, std::move(file));
+}
+
+namespace {
+
+// A rank process's state for one engine session: its pipeline_rank / tp_rank (KV of its share).
+class pipeline_session final : public dist::session_rank {
+  public:
+    template <class... A>
+    explicit pipeline_session(A &&...a) : r_(std::forward<A>(a)...) {}
+    void step() override {
+        if (!r_.serve_one()) throw error("dist: rank " + std::to_string(r_.rank()) + ": a session's pipeline stopped");
+    }
+
+  private:
+    dist::pipeline_rank r_;
+};
+
+class tp_session final : public dist::session_rank {
+  public:
+    template <class... A>
+    explicit tp_session(A &&...a) : r_(std::forward<A>(a)...) {}
+    void step() override {
+        if (!r_.serve_one()) throw error("dist: tp rank " + std::to_string(r_.rank()) + ": a session's ranks stopped");
+    }
+
+  private:
+    dist::tp_rank r_;
+};
+
+}  // namespace
+
+void serve_ds4_rank(const engine_options &o, int rank, int world, const std::string &join_id) {
+    check_options(o);
+    if (o.devices.empty()) throw error("rank: devices (--devices) are required, as given to rank 0");
+    const std::vector<int> ordinals = parse_device_list(o.devices);
+    const int P = static_cast<int>(ordinals.size());
+    if (P != world)
+        throw error("rank: world " + std::to_string(world) + " but devices '" + o.devices + "' has " +
+                    std::to_string(P) + " entries");
+    if (rank < 1 || rank >= P)
+        throw error("rank: rank " + std::to_string(rank) + " outside 1.." + std::to_string(P - 1));
+    if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
+        throw error("devices '" + o.devices + "': rank processes run CPU devices only so far");
+    const ds4::qat_mode qat = parse_qat(o.ds4_qat);
+    std::shared_ptr<const gguf::file> file = gguf::file::open(o.model_path);
+    if (file->get_string("general.architecture", "") != "deepseek4")
+        throw error(o.model_path + ": rank processes serve DeepSeek V4 (deepseek4) models only");
+    const std::unique_ptr<ds4::model> m = ds4::load_model(file);
+    // The same split as rank 0's engine (make_pipeline / make_tp with CPU entries).
+    std::vector<dist::layer_range> ranges;
+    if (o.devices_layout == "tp")
+        dist::tp_check(*m, P);
+    else
+        ranges = dist::even_ranges(m->hp.n_layer, P);
+    cpu::thread_pool pool(o.n_threads > 0 ? o.n_threads : online_cores());
+    ds4::exec_options exec;
+    exec.pool = &pool;
+    exec.quantised = !o.exact;
+    dist::socket_options so;
+    so.timeout = pipeline_deadline;
+    so.join_timeout = std::chrono::minutes(10);
+    const std::unique_ptr<dist::socket_transport> t = dist::make_socket_transport(rank, P, join_id, so);
+    dist::serve_sessions(*t, [&]() -> std::unique_ptr<dist::session_rank> {
+        if (o.devices_layout == "tp") return std::make_unique<tp_session>(*m, *t, qat, o.kv, exec);
+        return std::make_unique<pipeline_session>(*m, ranges, *t, qat, o.kv, exec, dist::stage_device{});
+    });
 }
 
 }  // namespace fathom

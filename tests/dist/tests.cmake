@@ -14,6 +14,14 @@ if(Python3_Interpreter_FOUND AND TARGET fathom)
                      --shared ${FATHOM_SHARED_DIR} --dense ${PROJECT_SOURCE_DIR}/tests/models/data/tiny_qwen3.gguf
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(dist_devices_cli PROPERTIES LABELS dist TIMEOUT 120)
+    # `--procs` (ranks as child processes over the socket transport; tests/dist/check_procs_cli.py): run /
+    # logits bit-identical to the in-process ranks, serve answers identically, a killed rank ends serve
+    # with one line, no rank process is left behind.
+    add_test(NAME dist_procs_cli
+             COMMAND Python3::Interpreter ${dir}/check_procs_cli.py --fathom $<TARGET_FILE:fathom>
+                     --shared ${FATHOM_SHARED_DIR}
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(dist_procs_cli PROPERTIES LABELS dist TIMEOUT 180)
 endif()
 
 # NCCL transport (src/dist/nccl_transport.cc; the .cc extension keeps it out of fathom_core's *.cpp

@@ -15,5 +15,6 @@ void add_serve_command(CLI::App &app);     // serve.cpp: HTTP API server (server
 void add_daemon_command(CLI::App &app);    // daemon.cpp: stdin/stdout line protocol (server engineer)
 void add_eval_command(CLI::App &app);      // eval.cpp: quality evaluations (`eval niah`, PFlash)
 void add_plan_command(CLI::App &app);      // plan.cpp: multi-device placement of a DS4 model (src/dist)
+void add_rank_command(CLI::App &app);      // rank.cpp: one rank process of --procs (hidden)
 
 }  // namespace fathom::cli

@@ -108,6 +108,20 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->needs(devices)
         ->check(CLI::IsMember({"pipeline", "tp"}));
+    CLI::Option *procs = cmd->add_flag("--procs", a.procs,
+                  "With --devices (CPU entries): run ranks 1.. as child processes joined over TCP instead of "
+                  "threads; a rank that dies ends the command with one line (docs/dist.md)")
+        ->needs(devices);
+    cmd->add_option("--procs-host", a.procs_host,
+                    "With --procs: rank 0's listening address (loopback by default; for ranks on another host, "
+                    "an address of this host they reach)")
+        ->capture_default_str()
+        ->needs(procs);
+    cmd->add_option("--procs-local", a.procs_local,
+                    "With --procs: spawn only ranks 1..N-1 here; the others are started by hand on another host "
+                    "(the command is printed on stderr). 0 = spawn every rank")
+        ->check(at_least(0))
+        ->needs(procs);
     cmd->add_flag("--no-cuda-graph", a.no_cuda_graph,
                   "CUDA: launch every decode kernel eagerly instead of replaying a captured CUDA graph (for comparison)");
 }
@@ -214,7 +228,7 @@ std::string resolve_model_path(const std::string &model, const std::string &mode
     return matches.front().string();
 }
 
-std::unique_ptr<engine> load_engine(const model_args &a) {
+engine_options engine_options_of(const model_args &a) {
     engine_options o;
     o.model_path = resolve_model_path(a.model, a.models_dir);
     o.n_threads = a.threads;
@@ -228,6 +242,33 @@ std::unique_ptr<engine> load_engine(const model_args &a) {
     o.cuda_graphs = !a.no_cuda_graph;
     o.devices = a.devices;
     o.devices_layout = a.layout;
+    o.rank_procs = a.procs;
+    o.rank_procs_host = a.procs_host;
+    o.rank_procs_local = a.procs_local;
+    if (a.procs) {
+        std::error_code ec;
+        const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+        const std::string self = ec ? std::string("/proc/self/exe") : exe.string();
+        const std::string model = fs::absolute(o.model_path, ec).string();
+        o.rank_command = [a, self, model](int rank, int world, const std::string &id) {
+            std::vector<std::string> v = {self, "rank", "--rank", std::to_string(rank), "--world",
+                                          std::to_string(world), "--join", id, "-m", model,
+                                          "--numerics", a.exact ? "exact" : a.numerics, "--qat", a.qat,
+                                          "--kv-type", a.kv_type, "--devices", a.devices, "--layout", a.layout};
+            // A spawned child dies with this process; a rank started by hand (another host) has another parent.
+            if (a.procs_local == 0 || rank < a.procs_local)
+                v.insert(v.end(), {"--parent-pid", std::to_string(static_cast<long>(::getpid()))});
+            if (a.threads > 0) v.insert(v.end(), {"-t", std::to_string(a.threads)});
+            if (a.ctx > 0) v.insert(v.end(), {"--ctx", std::to_string(a.ctx)});
+            return v;
+        };
+    }
+    return o;
+}
+
+std::unique_ptr<engine> load_engine(const model_args &a, std::function<void(const std::string &line)> on_rank_failure) {
+    engine_options o = engine_options_of(a);
+    o.on_rank_failure = std::move(on_rank_failure);
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));

@@ -37,10 +37,14 @@ struct model_args {
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
     std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (engine_options::devices; DS4 only)
     std::string layout = "pipeline";  // with --devices: pipeline | tp (engine_options::devices_layout)
+    bool procs = false;                // with --devices: ranks 1.. as processes (engine_options::rank_procs)
+    std::string procs_host = "127.0.0.1";  // engine_options::rank_procs_host
+    int procs_local = 0;                   // engine_options::rank_procs_local (0 = spawn every rank)
 };
 
 // Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
-// --device, --no-cuda-graph, --devices (excludes --device), --layout (needs --devices).
+// --device, --no-cuda-graph, --devices (excludes --device), --layout, --procs, --procs-host, --procs-local
+// (need --devices).
 // `model_required`: -m must be given (no default model).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 
@@ -54,7 +58,13 @@ std::string resolve_model_path(const std::string &model, const std::string &mode
 // Resolves the model, builds engine_options and loads, with a progress bar when enabled. With
 // --device auto on a machine (or build) without CUDA, prints a one-line notice and uses the CPU.
 // With --devices, prints the layout (each device's block range) on stderr.
-std::unique_ptr<engine> load_engine(const model_args &a);
+// on_rank_failure: engine_options::on_rank_failure (with --procs: a rank process died).
+std::unique_ptr<engine> load_engine(const model_args &a,
+                                    std::function<void(const std::string &line)> on_rank_failure = {});
+
+// The engine_options of `a` (model path resolved; no progress callback). With --procs, rank_command gives
+// `<this executable> rank --rank R --world P --join ID --parent-pid <this pid> <a's options>`.
+engine_options engine_options_of(const model_args &a);
 
 // Integer-range checks whose error reads "--opt: must be >= 0, got -3".
 CLI::Validator at_least(long long min);

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 
 #include "cli/commands.h"
@@ -61,7 +63,17 @@ void serve_main(serve_args &a) {
     sigaddset(&stop_set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
 
-    std::unique_ptr<engine> eng = load_engine(a.model);
+    // --procs: a rank process that dies ends the server (docs/dist.md): the supervisor stores the line
+    // and raises SIGTERM, which the waiter below turns into a stop; serve then exits 1 with the line.
+    std::mutex rank_mu;
+    std::string rank_failure;
+    std::unique_ptr<engine> eng = load_engine(a.model, [&rank_mu, &rank_failure](const std::string &line) {
+        {
+            std::lock_guard<std::mutex> lock(rank_mu);
+            rank_failure = line;
+        }
+        ::kill(::getpid(), SIGTERM);
+    });
     sched::scheduler_options so;
     so.n_slots = a.parallel;
     so.max_queue = a.queue;
@@ -104,6 +116,8 @@ void serve_main(serve_args &a) {
     pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the waiter if listen ended on its own
     waiter.join();
     sch.stop();
+    std::lock_guard<std::mutex> lock(rank_mu);
+    if (!rank_failure.empty()) throw error(rank_failure);  // "error: dist: rank R (pid N) exited: ...", exit 1
     std::fprintf(stderr, "fathom serve: stopped\n");
 }
 
