@@ -55,6 +55,11 @@ struct engine_options {
     // sublayer (src/dist/tp.h; logits within f32 rounding of one device, not bit for bit). tp runs on CPU
     // devices only so far; the device count must divide the heads and output groups.
     std::string devices_layout = "pipeline";
+    // With `devices` and the pipeline layout: evaluations of more than this many tokens (a prompt chunk)
+    // go down the pipeline as micro-batches of this size, back to back, so the devices work at once
+    // (rank r on micro-batch k while rank r + 1 is on k - 1); the logits are unchanged (bit for bit).
+    // 0 = off (each chunk crosses whole: one device busy at a time).
+    int64_t micro_batch = 0;
     // With `devices` (CPU entries only so far): ranks 1.. run as child processes of this one instead of
     // threads (`--procs`; docs/dist.md "Several processes"): the engine spawns `rank_command(r, P, id)`
     // for each, joins them over TCP (src/dist/socket_transport.h) and supervises them. The logits equal

@@ -3,6 +3,8 @@
 // returns the logits to rank 0.
 #include "dist/pipeline.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "dist/local_group.h"
 #ifdef FATHOM_ENGINE_CUDA
@@ -148,9 +150,31 @@ void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int
     if (mode == logits_all && logits.size() != n * V)
         throw error("dist: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
                     std::to_string(n * V) + " or " + std::to_string(V));
+    const int last = t_.size() - 1;
+    if (forward_messages(n, logits.size()) > 1) {  // micro-batches, back to back; logits from the last one
+        const size_t mb = static_cast<size_t>(micro_batch_);
+        std::vector<float> x(mb * S);
+        for (size_t i0 = 0; i0 < n; i0 += mb) {
+            const size_t k = std::min(mb, n - i0);
+            const bool final_mb = i0 + k == n;
+            const auto tk = tokens.subspan(i0, k);
+            const auto ps = positions.subspan(i0, k);
+            const std::span<float> xk(x.data(), k * S);
+            const int64_t past = n_past_;
+            if (dev_.cuda_device >= 0) {
+                gpu_layers(tk, ps, xk, {});
+            } else {
+                ds4::embed_tokens(m_, tk, xk);
+                run_layers(tk, ps, xk);
+            }
+            const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(k), final_mb ? mode : logits_none, past};
+            send_on(hdr, tk, ps, xk);
+        }
+        if (mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
+        return;
+    }
     std::vector<float> x(n * S);
     const int64_t past = n_past_;
-    const int last = t_.size() - 1;
     if (dev_.cuda_device >= 0) {
         gpu_layers(tokens, positions, x, last == 0 ? logits : std::span<float>());
         if (last == 0) return;
@@ -165,6 +189,18 @@ void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int
     const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(n), mode, past};
     send_on(hdr, tokens, positions, x);
     if (mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
+}
+
+void pipeline_rank::set_micro_batch(int64_t tokens) {
+    if (tokens < 0) throw error("dist: micro-batch size must be >= 0, got " + std::to_string(tokens));
+    micro_batch_ = tokens;
+}
+
+int64_t pipeline_rank::forward_messages(size_t n, size_t logits_floats) const {
+    const size_t V = static_cast<size_t>(m_.hp.n_vocab);
+    const bool all = logits_floats != 0 && logits_floats != V;  // every token's logits: not split
+    if (t_.size() < 2 || micro_batch_ <= 0 || all || n <= static_cast<size_t>(micro_batch_)) return 1;
+    return static_cast<int64_t>((n + static_cast<size_t>(micro_batch_) - 1) / static_cast<size_t>(micro_batch_));
 }
 
 void pipeline_rank::reset() {
@@ -267,6 +303,10 @@ void local_pipeline::forward(std::span<const int32_t> tokens, std::span<const in
 
 void local_pipeline::reset() {
     p_->driver().reset();
+}
+
+void local_pipeline::set_micro_batch(int64_t tokens) {
+    p_->driver().set_micro_batch(tokens);
 }
 
 int64_t local_pipeline::n_past() const {

@@ -68,6 +68,15 @@ class pipeline_rank {
     // Rank 0: evaluate `tokens` at `positions` (n_past, n_past+1, ...) through every rank. `logits`
     // is empty (no logits), [n_vocab] (last token) or [n, n_vocab] (every token).
     void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    // Rank 0: split forward()s of more than `tokens` tokens (0 = never) into micro-batches of `tokens`
+    // sent down the pipeline back to back, so the stages overlap: rank r works on micro-batch k while
+    // rank r + 1 works on k - 1. Only the last micro-batch asks for logits; a forward that wants every
+    // token's logits is not split. The logits are the unsplit forward's bit for bit (the blocks are
+    // chunk-size invariant).
+    void set_micro_batch(int64_t tokens);
+    // Rank 0: forward messages (pipeline protocol steps of every other rank) that forward(n tokens,
+    // logits of logits_floats floats) sends: 1, or the micro-batch count.
+    int64_t forward_messages(size_t n, size_t logits_floats) const;
     // Rank 0: forget the sequence on every rank (fresh KV state, n_past 0).
     void reset();
     // Rank 0: tell every other rank to leave serve().
@@ -99,6 +108,7 @@ class pipeline_rank {
     ds4::exec_options exec_;
     std::vector<ds4::layer_state> layers_;  // states of this rank's blocks only (CPU)
     int64_t n_past_ = 0;
+    int64_t micro_batch_ = 0;  // rank 0: set_micro_batch
     stage_device dev_;
     struct gpu_stage;
     std::unique_ptr<gpu_stage> gpu_;  // CUDA stage (dev_.cuda_device >= 0)
@@ -134,6 +144,7 @@ class local_pipeline {
     // As pipeline_rank::forward / reset on rank 0; an error on any rank surfaces here.
     void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
     void reset();
+    void set_micro_batch(int64_t tokens);  // pipeline_rank::set_micro_batch on rank 0
     int64_t n_past() const;
 
     struct impl;

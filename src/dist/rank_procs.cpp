@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -160,8 +161,8 @@ struct rank_procs::impl {
         signal_all(SIGKILL);
     }
 
-    void send_control(int64_t op, uint64_t sid) {
-        const int64_t c[ctl_len] = {op, static_cast<int64_t>(sid), 0};
+    void send_control(int64_t op, uint64_t sid, int64_t arg = 0) {
+        const int64_t c[ctl_len] = {op, static_cast<int64_t>(sid), arg};
         for (int r = 1; r < world; ++r) t->send(r, c, sizeof c);
     }
 
@@ -249,12 +250,13 @@ uint64_t rank_procs::new_session_id() {
     return p_->next_sid++;
 }
 
-void rank_procs::with_session(uint64_t sid, const std::function<void()> &fn) {
+void rank_procs::with_session(uint64_t sid, const std::function<void()> &fn, int64_t steps) {
     impl &p = *p_;
+    if (steps < 1 || steps > (int64_t{1} << 24)) throw error("dist: rank processes: bad step count " + std::to_string(steps));
     std::lock_guard<std::mutex> op(p.op_mu);
     if (auto f = p.failure()) throw error(*f);
     try {
-        p.send_control(ctl_use, sid);
+        p.send_control(ctl_use, sid, steps);
         fn();
     } catch (const std::exception &e) {
         std::string line = e.what();
@@ -312,9 +314,12 @@ void serve_sessions(transport &t, const std::function<std::unique_ptr<session_ra
             int64_t c[ctl_len];
             t.recv_idle(0, c, sizeof c);  // idle between requests is normal
             if (c[0] == ctl_use) {
+                if (c[2] < 0 || c[2] > (int64_t{1} << 24))
+                    throw error("dist: rank " + std::to_string(t.rank()) + " received a bad step count " +
+                                std::to_string(c[2]));
                 auto &s = sessions[c[1]];
                 if (!s) s = make();
-                s->step();
+                for (int64_t k = 0; k < std::max<int64_t>(c[2], 1); ++k) s->step();
             } else if (c[0] == ctl_free) {
                 sessions.erase(c[1]);
             } else if (c[0] == ctl_stop) {

@@ -7,9 +7,10 @@
 // truncated, see src/engine/ds4_session.cpp), but the child processes are shared by all sessions. So a
 // child keeps one rank object (pipeline_rank / tp_rank: its blocks' KV state) per session id, and before
 // each rank operation of a session rank 0 tells every child which session it is for:
-//   control int64[3] = {op, session id, 0}   rank 0 -> every rank r > 0
-//   op 21 use:  run exactly one step of that session's rank (created on first use): the pipeline's or the
-//               tp protocol's next message (forward, reset) follows, from rank r-1 or rank 0;
+//   control int64[3] = {op, session id, steps}   rank 0 -> every rank r > 0
+//   op 21 use:  run `steps` steps (0 is read as 1) of that session's rank (created on first use): the
+//               pipeline's or the tp protocol's next messages (forward, reset; a micro-batched pipeline
+//               forward is one message per micro-batch) follow, from rank r-1 or rank 0;
 //   op 22 free: drop the session's rank state;   op 23 stop: leave (exit 0).
 // Sessions take turns: a whole operation (control + the rank protocol's messages) runs under one mutex,
 // so the ranks see the operations of different sessions one after another, never interleaved.
@@ -64,7 +65,7 @@ class rank_procs {
     // Run `fn` (rank 0's side of one rank operation over link()) for session `sid`, after telling every
     // rank to step that session's rank once. Exclusive. Any failure fails the whole group for good and
     // throws its one-line reason (the child's exit status when a child died).
-    void with_session(uint64_t sid, const std::function<void()> &fn);
+    void with_session(uint64_t sid, const std::function<void()> &fn, int64_t steps = 1);
     void free_session(uint64_t sid) noexcept;  // nothing when the group has failed
     transport &link();                         // rank 0's endpoint (use only inside with_session)
     std::optional<std::string> failure() const;

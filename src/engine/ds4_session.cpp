@@ -105,7 +105,9 @@ struct device_ranks {
             // Nothing to send for no tokens (rank 0's forward returns early, so the children must not be
             // told to expect a step).
             if (!toks.empty())
-                procs->with_session(sid, [&] { pipe0 ? pipe0->forward(toks, pos, logits) : tp0->forward(toks, pos, logits); });
+                procs->with_session(
+                    sid, [&] { pipe0 ? pipe0->forward(toks, pos, logits) : tp0->forward(toks, pos, logits); },
+                    pipe0 ? pipe0->forward_messages(toks.size(), logits.size()) : 1);
         }
         else if (pipeline)
             pipeline->forward(toks, pos, logits);
@@ -296,14 +298,18 @@ class ds4_engine final : public engine {
             r->sid = procs_->new_session_id();
             if (tp_size_ > 0)
                 r->tp0 = std::make_unique<dist::tp_rank>(*model_, procs_->link(), qat_, opts_.kv, exec_);
-            else
+            else {
                 r->pipe0 = std::make_unique<dist::pipeline_rank>(*model_, ranges_, procs_->link(), qat_, opts_.kv,
                                                                  exec_, stages_[0]);
+                r->pipe0->set_micro_batch(opts_.micro_batch);
+            }
         } else if (tp_size_ > 0)
             r->tp = std::make_unique<dist::local_tp>(*model_, tp_size_, qat_, opts_.kv, exec_, pipeline_deadline);
-        else
+        else {
             r->pipeline = std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
                                                                  pipeline_deadline);
+            r->pipeline->set_micro_batch(opts_.micro_batch);
+        }
         return r;
     }
 #ifdef FATHOM_ENGINE_CUDA

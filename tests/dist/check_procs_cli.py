@@ -14,6 +14,7 @@ through the `fathom` binary (tests/dist/tests.cmake, ctest dist_procs_cli), on t
   * SIGKILLing the server leaves no rank process (PR_SET_PDEATHSIG);
   * `--procs-local 2` with three ranks prints the command for rank 2, which joins when run by hand (the
     two-host launch, on one host) and the text is the same;
+  * `--micro-batch 2` (prompt micro-batches down the pipeline, in-process and --procs) prints the same text;
   * no `fathom rank` process survives any of the runs above; --procs without --devices is refused."""
 import argparse
 import json
@@ -106,6 +107,14 @@ def check_run(a, model):
             sys.exit(f"FAIL: run {' '.join(extra)} --procs: stderr does not name the rank processes:\n{r.stderr}")
         no_rank_left(pids, f"run {' '.join(extra)} --procs")
     print("ok: fathom run --procs (pipeline 2 and 3 ranks, tp 2 ranks) prints the in-process and one-device text")
+
+    # Micro-batches (--micro-batch 2: the prompt goes down the pipeline 2 tokens at a time, back to back;
+    # over the rank processes one control message announces all of them): the same text.
+    for extra in (["--devices", "cpu,cpu,cpu", "--micro-batch", "2"], ["--devices", "cpu,cpu,cpu", "--micro-batch", "2", "--procs"]):
+        r = run(base + extra)
+        if r.stdout != want:
+            sys.exit(f"FAIL: run {' '.join(extra)} printed {r.stdout!r}, one device {want!r}")
+    print("ok: fathom run --micro-batch 2 (in-process and --procs, 3 ranks) prints the one-device text")
 
     # The two-host launch on one host: rank 2 is not spawned; rank 0 prints its command and waits for it.
     proc = subprocess.Popen(base + ["--devices", "cpu,cpu,cpu", "--procs", "--procs-local", "2"],

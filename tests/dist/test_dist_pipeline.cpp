@@ -99,6 +99,48 @@ TEST(dist_pipeline, last_token_logits_and_reset) {
     EXPECT_THROW(pl.forward(std::span(tokens).first(3), std::span(pos).first(3), {}), error);
 }
 
+// Micro-batches (set_micro_batch): a 75-token prompt (ring wrap, compressed rows, indexer top-k) sent as
+// micro-batches of 1, 5 and 16 tokens, last-token logits, then decode steps, gives the unsplit forward's
+// logits bit for bit on 2 and 3 ranks; a forward asking every token's logits is not split; the message
+// count rank 0 reports matches (rank processes use it).
+TEST(dist_pipeline, micro_batches_equal_whole_chunks_bit_for_bit) {
+    const auto &m = synth_model();
+    const size_t V = static_cast<size_t>(m.hp.n_vocab);
+    const auto tokens = test_tokens(80, m.hp.n_vocab);
+    const auto want = reference(m, tokens, {75, 1}, ds4::qat_mode::full);  // every position's logits
+    for (const auto &split : std::vector<std::vector<layer_range>>{{{0, 3}, {3, 6}}, {{0, 2}, {2, 4}, {4, 6}}}) {
+        for (int64_t mb : {1, 5, 16}) {
+            SCOPED_TRACE(std::to_string(split.size()) + " ranks, micro-batch " + std::to_string(mb));
+            dist::local_pipeline pl(m, split, ds4::qat_mode::full, kv_precision::f32);
+            pl.set_micro_batch(mb);
+            std::vector<int64_t> pos(80);
+            std::iota(pos.begin(), pos.end(), 0);
+            std::vector<float> last(V);
+            pl.forward(std::span(tokens).first(75), std::span(pos).first(75), last);  // micro-batched prompt
+            EXPECT_EQ(0, std::memcmp(last.data(), &want[74 * V], V * sizeof(float)));
+            EXPECT_EQ(pl.n_past(), 75);
+            for (size_t i = 75; i < 78; ++i) {  // decode steps after it: the ranks' states are whole
+                pl.forward(std::span(tokens).subspan(i, 1), std::span(pos).subspan(i, 1), last);
+                EXPECT_EQ(0, std::memcmp(last.data(), &want[i * V], V * sizeof(float))) << "position " << i;
+            }
+            std::vector<float> all(2 * V);  // every token's logits: one message, still exact
+            pl.forward(std::span(tokens).subspan(78, 2), std::span(pos).subspan(78, 2), all);
+            EXPECT_EQ(0, std::memcmp(all.data(), &want[78 * V], 2 * V * sizeof(float)));
+        }
+    }
+    // message counts (rank 0 of a 2-rank pipeline over an in-process hub; nothing is sent)
+    dist::inprocess_hub hub(2, std::chrono::milliseconds(1000));
+    auto t0 = hub.endpoint(0);
+    dist::pipeline_rank r0(m, {{0, 3}, {3, 6}}, *t0, ds4::qat_mode::full, kv_precision::f32);
+    EXPECT_EQ(r0.forward_messages(75, V), 1);  // off by default
+    r0.set_micro_batch(16);
+    EXPECT_EQ(r0.forward_messages(75, V), 5);
+    EXPECT_EQ(r0.forward_messages(75, 0), 5);
+    EXPECT_EQ(r0.forward_messages(16, V), 1);
+    EXPECT_EQ(r0.forward_messages(75, 75 * V), 1);  // every token's logits: not split
+    EXPECT_THROW(r0.set_micro_batch(-1), error);
+}
+
 TEST(dist_pipeline, ds4_tiny_golden_split_in_two) {
     const auto m = ds4::load_model(ds4_test::golden_dir() + "/ds4-tiny-a.gguf");
     const auto cases = ds4_test::load_cases("cases.jsonl");

@@ -31,3 +31,30 @@ TEST(ThreadPool, EveryCallOnceAcrossManyJobs) {
         }
     }
 }
+
+// Several threads calling run() at once (the stages of a micro-batched layer pipeline share the
+// engine's pool): each caller's job still runs every ith exactly once with its own nth, and no job sees
+// another's tasks. Without the pool's caller lock the shared job word mixes the callers' jobs.
+TEST(ThreadPool, ConcurrentCallersTakeTurns) {
+    thread_pool pool(3);
+    constexpr int kCallers = 3, kJobs = 3000;
+    std::atomic<int> bad{0};
+    std::vector<std::thread> callers;
+    for (int c = 0; c < kCallers; ++c) {
+        callers.emplace_back([&, c] {
+            std::vector<std::atomic<int>> hits(4);
+            for (int iter = 0; iter < kJobs; ++iter) {
+                const int n_max = 2 + (iter + c) % 2;  // 2 or 3 tasks
+                for (auto &h : hits) h.store(0);
+                pool.run([&](int ith, int nth) {
+                    if (nth != n_max) bad.fetch_add(1);
+                    hits[static_cast<size_t>(ith)].fetch_add(1);
+                }, n_max);
+                for (int i = 0; i < 4; ++i)
+                    if (hits[static_cast<size_t>(i)].load() != (i < n_max ? 1 : 0)) bad.fetch_add(1);
+            }
+        });
+    }
+    for (auto &t : callers) t.join();
+    EXPECT_EQ(bad.load(), 0);
+}

@@ -108,6 +108,12 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->needs(devices)
         ->check(CLI::IsMember({"pipeline", "tp"}));
+    cmd->add_option("--micro-batch", a.micro_batch,
+                    "With --devices and the pipeline layout: send prompt chunks longer than N tokens down the "
+                    "pipeline as micro-batches of N, back to back, so the devices overlap (0 = off; same logits)")
+        ->capture_default_str()
+        ->check(at_least(0))
+        ->needs(devices);
     CLI::Option *procs = cmd->add_flag("--procs", a.procs,
                   "With --devices (CPU entries): run ranks 1.. as child processes joined over TCP instead of "
                   "threads; a rank that dies ends the command with one line (docs/dist.md)")
@@ -242,6 +248,7 @@ engine_options engine_options_of(const model_args &a) {
     o.cuda_graphs = !a.no_cuda_graph;
     o.devices = a.devices;
     o.devices_layout = a.layout;
+    o.micro_batch = a.micro_batch;
     o.rank_procs = a.procs;
     o.rank_procs_host = a.procs_host;
     o.rank_procs_local = a.procs_local;

@@ -37,6 +37,7 @@ struct model_args {
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
     std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (engine_options::devices; DS4 only)
     std::string layout = "pipeline";  // with --devices: pipeline | tp (engine_options::devices_layout)
+    int64_t micro_batch = 0;           // with --devices: engine_options::micro_batch (0 = off)
     bool procs = false;                // with --devices: ranks 1.. as processes (engine_options::rank_procs)
     std::string procs_host = "127.0.0.1";  // engine_options::rank_procs_host
     int procs_local = 0;                   // engine_options::rank_procs_local (0 = spawn every rank)

@@ -38,6 +38,7 @@ void thread_pool::dispatch(task_ref t, int n_max) {
         t(0, 1);
         return;
     }
+    std::lock_guard<std::mutex> caller(caller_mu_);
     // The previous job is complete (done_ reached its nth before it returned), so nobody can be
     // inside a call or hold a claimable word of it.
     done_.store(0, std::memory_order_relaxed);

@@ -4,10 +4,13 @@
 // busy machine) the caller runs its share instead of waiting for it to wake up. So ith is a task
 // index, not a thread id (per-ith scratch stays exclusive: each ith runs once, on one thread).
 // Workers spin briefly on the job counter (ops arrive microseconds apart during decode) and then
-// sleep on it, so an idle engine costs no CPU. No allocation per run().
+// sleep on it, so an idle engine costs no CPU. No allocation per run(). Several threads may call run()
+// at once (the stages of a micro-batched layer pipeline share the engine's pool): callers take turns,
+// one job at a time (a mutex around the job; a task must not call run() itself).
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -46,6 +49,7 @@ private:
 
     int n_;
     std::vector<std::thread> threads_;
+    std::mutex caller_mu_;  // one job at a time when several threads call run()
     alignas(64) std::atomic<uint64_t> generation_{0};  // bumped per job: wakes spinning / sleeping workers
     // The current job's claim word: job number (32 bits) | nth (16) | next unclaimed ith (16). A
     // claim is a CAS on the whole word, so it succeeds only while that job is still unfinished; the
