@@ -1044,6 +1044,65 @@ void attention_block_item(const vec_kernels &vk, const tensor &q, const kv_sourc
     }
 }
 
+// One decode token (row 0 of q, at position p.n_past) and nh <= kAttnQ query heads h0 .. h0 + nh - 1
+// of one KV head: attention_block_item's one-token operations for each head, but every K and V row is
+// converted from f16 once for all nh heads (dot_f16_lanes_multi / kqv_lanes_f16 with nq = nh give each
+// query the single-query bits), so every head's output has attention_block_item's bits. scratch: as
+// attention_block_item's (kAttnQ score rows, lanes and q copies).
+void attention_heads_item(const vec_kernels &vk, const tensor &q, const kv_source &src, const attn_params &p,
+                          const tensor &out, int64_t h0, int nh, float *scratch) {
+    const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv, S = p.n_past + 1;
+    float *scores = scratch;                 // [kAttnQ][S]
+    float *lanes = scores + kAttnQ * S;      // [kAttnQ][8][hd]
+    float *q16 = lanes + kAttnQ * 8 * hd;    // [kAttnQ][hd]
+    const int64_t hk = h0 / group, pos = p.n_past;
+    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+    const float *qp[kAttnQ] = {};
+    float mx[kAttnQ];
+    for (int g = 0; g < nh; ++g) {
+        vk.round_f16(hd, row_ptr<const float>(q, 0) + (h0 + g) * hd, 1.0f, q16 + g * hd);
+        qp[g] = q16 + g * hd;
+        mx[g] = -INFINITY;
+    }
+    const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
+    for (int64_t j = lo; j <= pos; ++j) {  // KQ: one conversion of key row j for the nh queries
+        float sc[kAttnQ];
+        vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp, nh, sc);
+        for (int g = 0; g < nh; ++g) {
+            float x = sc[g] * p.scale;
+            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
+            scores[g * S + j] = x;
+            mx[g] = std::max(mx[g], x);
+        }
+    }
+    for (int g = 0; g < nh; ++g) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
+        float *sc = scores + g * S;
+        std::fill(sc, sc + lo, -INFINITY);
+        const double sum = vk.softmax_exp(pos + 1, sc, mx[g], sc);
+        vk.round_f16(pos + 1 - lo, sc + lo, static_cast<float>(1.0 / sum), sc + lo);
+        std::fill(lanes + g * 8 * hd, lanes + (g + 1) * 8 * hd, 0.0f);
+    }
+    for (int64_t r0 = lo; r0 <= pos;) {  // KQV per memory-contiguous run of V rows, all nh queries
+        const int64_t base = vr.run_start(r0), r1 = std::min(pos, vr.run_end(r0) - 1);
+        const float *pq[kAttnQ];
+        float *lq[kAttnQ];
+        for (int g = 0; g < nh; ++g) {
+            pq[g] = scores + g * S + base;
+            lq[g] = lanes + g * 8 * hd;
+        }
+        vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base), static_cast<int64_t>(vr.nb1 / 2), pq,
+                         nh, lq);
+        r0 = r1 + 1;
+    }
+    for (int g = 0; g < nh; ++g) {  // tinyBLAS's hsum tree over the 8 lanes
+        float *o = row_ptr<float>(out, 0) + (h0 + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+            const float *l = lanes + g * 8 * hd + d;
+            o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+        }
+    }
+}
+
 void cpu_backend::attention_blocks(const tensor &q, const kv_source &src, const attn_params &p,
                                    const tensor &out) {
     const int64_t n_tok = q.ne[1];
@@ -1098,7 +1157,10 @@ void cpu_backend::attention_paged_rows(const tensor &q, std::span<const kv_pages
     }
     grow_thread_scratch(attention_block_scratch(max_past + 1, p.head_dim));
     const auto &vk = vec();
-    const int64_t n_items = n * p.n_head;
+    // Items: (row, up to kAttnQ query heads of one KV head), so a GQA group's heads share each K / V row
+    // conversion (attention_heads_item: the same bits as one item per head).
+    const int64_t group = p.n_head / p.n_head_kv, chunks = (group + kAttnQ - 1) / kAttnQ;
+    const int64_t per_row = p.n_head_kv * chunks, n_items = n * per_row;
     std::atomic<int64_t> next{0};
     auto body = [&](int ith, int) {
         float *scratch = reinterpret_cast<float *>(thread_f32_[static_cast<size_t>(ith)].bytes.data());
@@ -1106,11 +1168,14 @@ void cpu_backend::attention_paged_rows(const tensor &q, std::span<const kv_pages
         for (;;) {
             const int64_t it = next.fetch_add(1, std::memory_order_relaxed);
             if (it >= n_items) break;
-            const size_t i = static_cast<size_t>(it / p.n_head);
+            const size_t i = static_cast<size_t>(it / per_row);
+            const int64_t k = it % per_row, hk = k / chunks, c = k % chunks;
+            const int64_t h0 = hk * group + c * kAttnQ;
+            const int nh = static_cast<int>(std::min<int64_t>(kAttnQ, group - c * kAttnQ));
             pi.n_past = n_past[i];
             const kv_source src{nullptr, nullptr, 0, &kv[i], dtype::f16};
-            attention_block_item(vk, view_rows(q, static_cast<int64_t>(i), 1), src, pi,
-                                 view_rows(out, static_cast<int64_t>(i), 1), 0, it % p.n_head, scratch);
+            attention_heads_item(vk, view_rows(q, static_cast<int64_t>(i), 1), src, pi,
+                                 view_rows(out, static_cast<int64_t>(i), 1), h0, nh, scratch);
         }
     };
     pool_.run(body, static_cast<int>(std::min<int64_t>(n_items, pool_.size())));
