@@ -114,6 +114,11 @@ public:
     // Records the shape of the scheduler's engine steps, then runs the default (decode_step of the
     // one-token appends, sync of the rest).
     void sync_step(std::span<const sync_item> items) override {
+        if (hold) {  // a test holds the worker here (its items already chosen) while it submits jobs
+            ++held;
+            while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            --held;
+        }
         ++sync_steps;
         int n_dec = 0;
         for (const sync_item &it : items)
@@ -128,6 +133,8 @@ public:
     std::atomic<int> sync_steps{0};      // engine steps (worker thread writes; read after the jobs end)
     std::atomic<int> max_step_items{0};  // most sessions in one engine step
     std::atomic<int> mixed_steps{0};     // steps with decodes and prompt chunks together
+    std::atomic<bool> hold{false};       // set: the next sync_step waits at its start until cleared
+    std::atomic<int> held{0};            // sync_steps waiting on hold
 
 private:
     model_info info_;

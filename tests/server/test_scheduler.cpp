@@ -180,9 +180,10 @@ TEST(Scheduler, ConcurrentJobsGetTheirOwnOutput) {
 }
 
 TEST(Scheduler, DecodesAndPromptChunksShareOneEngineStep) {
-    // Each evaluation sleeps 30 ms. Once the first request streams (it is decoding), three more are
-    // submitted: they are admitted together, and the next step carries the first one's decode and
-    // the three prompts in one engine call.
+    // Each evaluation sleeps 30 ms. Once the first request streams (it is decoding), the worker is held
+    // at its next engine step and three more are submitted meanwhile (so no timing decides it): they are
+    // admitted together, and the step after carries the first one's decode and the three prompts in one
+    // engine call.
     test::fake_engine eng(512, 30000);
     scheduler_options o;
     o.n_slots = 4;
@@ -193,7 +194,11 @@ TEST(Scheduler, DecodesAndPromptChunksShareOneEngineStep) {
     event first;
     ASSERT_TRUE(jobs[0]->next(first, 5000ms));
     ASSERT_FALSE(first.final);
+    eng.hold = true;
+    for (int i = 0; i < 2500 && eng.held.load() == 0; ++i) std::this_thread::sleep_for(2ms);
+    ASSERT_EQ(eng.held.load(), 1) << "the worker never reached its next engine step";
     for (size_t i = 1; i < words.size(); ++i) jobs.push_back(s.submit(greedy(chat_prompt(eng, words[i]))));
+    eng.hold = false;
     EXPECT_EQ(first.text + collect(*jobs[0]).text, words[0]);
     for (size_t i = 1; i < words.size(); ++i) EXPECT_EQ(collect(*jobs[i]).text, words[i]);
     // The step counter moves after the step's last event is posted: wait for it to catch up.
