@@ -706,29 +706,19 @@ std::unique_ptr<engine> make_ds4_engine(const engine_options &opts, std::shared_
 
 namespace {
 
-// A rank process's state for one engine session: its pipeline_rank / tp_rank (KV of its share).
-class pipeline_session final : public dist::session_rank {
+// A rank process's state for one engine session: its pipeline_rank or tp_rank (KV of its share).
+template <class Rank>
+class rank_session final : public dist::session_rank {
   public:
     template <class... A>
-    explicit pipeline_session(A &&...a) : r_(std::forward<A>(a)...) {}
+    explicit rank_session(A &&...a) : r_(std::forward<A>(a)...) {}
     void step() override {
-        if (!r_.serve_one()) throw error("dist: rank " + std::to_string(r_.rank()) + ": a session's pipeline stopped");
+        if (!r_.serve_one())
+            throw error("dist: rank " + std::to_string(r_.rank()) + ": a session's ranks stopped");
     }
 
   private:
-    dist::pipeline_rank r_;
-};
-
-class tp_session final : public dist::session_rank {
-  public:
-    template <class... A>
-    explicit tp_session(A &&...a) : r_(std::forward<A>(a)...) {}
-    void step() override {
-        if (!r_.serve_one()) throw error("dist: tp rank " + std::to_string(r_.rank()) + ": a session's ranks stopped");
-    }
-
-  private:
-    dist::tp_rank r_;
+    Rank r_;
 };
 
 }  // namespace
@@ -765,8 +755,9 @@ void serve_ds4_rank(const engine_options &o, int rank, int world, const std::str
     so.join_timeout = std::chrono::minutes(10);
     const std::unique_ptr<dist::socket_transport> t = dist::make_socket_transport(rank, P, join_id, so);
     dist::serve_sessions(*t, [&]() -> std::unique_ptr<dist::session_rank> {
-        if (o.devices_layout == "tp") return std::make_unique<tp_session>(*m, *t, qat, o.kv, exec);
-        return std::make_unique<pipeline_session>(*m, ranges, *t, qat, o.kv, exec, dist::stage_device{});
+        if (o.devices_layout == "tp") return std::make_unique<rank_session<dist::tp_rank>>(*m, *t, qat, o.kv, exec);
+        return std::make_unique<rank_session<dist::pipeline_rank>>(*m, ranges, *t, qat, o.kv, exec,
+                                                                   dist::stage_device{});
     });
 }
 
