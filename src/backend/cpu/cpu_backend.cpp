@@ -935,6 +935,79 @@ int64_t attention_block_scratch(int64_t S, int64_t hd) {
     return kAttnQ * S + kAttnQ * 9 * hd;
 }
 
+// tinyBLAS's hsum tree over the 8 KQV lanes [8][hd] of one (token, head) into o [hd].
+void lanes_hsum(const float *lanes, int64_t hd, float *o) {
+    for (int64_t d = 0; d < hd; ++d) {
+        const float *l = lanes + d;
+        o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
+    }
+}
+
+// One decode token (row 0 of q, at position p.n_past) and nh <= kAttnQ query heads h0 .. h0 + nh - 1
+// of one KV head: the batch-order operations of one token and head (attention_block_item's one-token
+// case, which is this with nh = 1), but with nh > 1 every K and V row is converted from f16 once for all
+// nh heads (dot_f16_lanes_multi / kqv_lanes_f16 with nq = nh give each
+// query the single-query bits), so every head's output has attention_block_item's bits. scratch: as
+// attention_block_item's (kAttnQ score rows, lanes and q copies).
+void attention_heads_item(const vec_kernels &vk, const tensor &q, const kv_source &src, const attn_params &p,
+                          const tensor &out, int64_t h0, int nh, float *scratch) {
+    const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv, S = p.n_past + 1;
+    float *scores = scratch;                 // [kAttnQ][S]
+    float *lanes = scores + kAttnQ * S;      // [kAttnQ][8][hd]
+    float *q16 = lanes + kAttnQ * 8 * hd;    // [kAttnQ][hd]
+    const int64_t hk = h0 / group, pos = p.n_past;
+    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+    const float *qp[kAttnQ] = {};
+    float mx[kAttnQ];
+    for (int g = 0; g < nh; ++g) {
+        vk.round_f16(hd, row_ptr<const float>(q, 0) + (h0 + g) * hd, 1.0f, q16 + g * hd);
+        qp[g] = q16 + g * hd;
+        mx[g] = -INFINITY;
+    }
+    const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
+    if (nh == 1) {  // one query: raw dots over each memory-contiguous run of keys at once
+        for (int64_t j0 = lo; j0 <= pos;) {
+            const int64_t j1 = std::min(pos, kr.run_end(j0) - 1);
+            vk.dot_f16_lanes_rows(hd, kr.row<const uint16_t>(j0), static_cast<int64_t>(kr.nb1 / sizeof(uint16_t)),
+                                  j1 - j0 + 1, qp[0], scores + j0);
+            j0 = j1 + 1;
+        }
+    }
+    for (int64_t j = lo; j <= pos; ++j) {  // KQ: (several queries) one conversion of key row j for all
+        float sc[kAttnQ];
+        if (nh == 1)
+            sc[0] = scores[j];
+        else
+            vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp, nh, sc);
+        for (int g = 0; g < nh; ++g) {
+            float x = sc[g] * p.scale;
+            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
+            scores[g * S + j] = x;
+            mx[g] = std::max(mx[g], x);
+        }
+    }
+    for (int g = 0; g < nh; ++g) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
+        float *sc = scores + g * S;
+        std::fill(sc, sc + lo, -INFINITY);
+        const double sum = vk.softmax_exp(pos + 1, sc, mx[g], sc);
+        vk.round_f16(pos + 1 - lo, sc + lo, static_cast<float>(1.0 / sum), sc + lo);
+        std::fill(lanes + g * 8 * hd, lanes + (g + 1) * 8 * hd, 0.0f);
+    }
+    for (int64_t r0 = lo; r0 <= pos;) {  // KQV per memory-contiguous run of V rows, all nh queries
+        const int64_t base = vr.run_start(r0), r1 = std::min(pos, vr.run_end(r0) - 1);
+        const float *pq[kAttnQ];
+        float *lq[kAttnQ];
+        for (int g = 0; g < nh; ++g) {
+            pq[g] = scores + g * S + base;
+            lq[g] = lanes + g * 8 * hd;
+        }
+        vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base), static_cast<int64_t>(vr.nb1 / 2), pq,
+                         nh, lq);
+        r0 = r1 + 1;
+    }
+    for (int g = 0; g < nh; ++g) lanes_hsum(lanes + g * 8 * hd, hd, row_ptr<float>(out, 0) + (h0 + g) * hd);
+}
+
 // One item of attention_blocks: tokens [t0, t0 + min(4, n_tok - t0)) of q (token i at position
 // p.n_past + i) and head h, over src; writes those tokens' head h of out. scratch: the calling
 // thread's attention_block_scratch(p.n_past + n_tok, head_dim) floats.
@@ -942,6 +1015,12 @@ void attention_block_item(const vec_kernels &vk, const tensor &q, const kv_sourc
                           const tensor &out, int64_t t0, int64_t h, float *scratch) {
     constexpr int kQ = kAttnQ;
     const int64_t n_tok = q.ne[1], hd = p.head_dim, group = p.n_head / p.n_head_kv;
+    if (n_tok - t0 == 1) {  // one token (decode): the one-query item
+        attn_params pi = p;
+        pi.n_past = p.n_past + t0;
+        attention_heads_item(vk, view_rows(q, t0, 1), src, pi, view_rows(out, t0, 1), h, 1, scratch);
+        return;
+    }
     const int64_t S = p.n_past + n_tok;  // score row length
     float *scores = scratch;             // [kQ][S]
     float *lanes = scores + kQ * S;      // [kQ][8][hd] KQV lane accumulators
@@ -966,22 +1045,7 @@ void attention_block_item(const vec_kernels &vk, const tensor &q, const kv_sourc
         }
     };
     const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
-    if (nq == 1) {  // one token (decode): raw dots over each memory-contiguous run of keys at once
-        for (int64_t j0 = lo[0]; j0 <= pos[0];) {
-            const int64_t j1 = std::min(pos[0], kr.run_end(j0) - 1);
-            vk.dot_f16_lanes_rows(hd, kr.row<const uint16_t>(j0),
-                                  static_cast<int64_t>(kr.nb1 / sizeof(uint16_t)), j1 - j0 + 1, qp[0],
-                                  scores + j0);
-            j0 = j1 + 1;
-        }
-        for (int64_t j = lo[0]; j <= pos[0]; ++j) {  // then per cell what the loop below does
-            float x = scores[j] * p.scale;
-            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
-            scores[j] = x;
-            mx[0] = std::max(mx[0], x);
-        }
-    }
-    for (int64_t j = lo[0]; j <= pos[nq - 1] && nq > 1; ++j) {
+    for (int64_t j = lo[0]; j <= pos[nq - 1]; ++j) {
         int a, b;
         active(j, a, b);
         if (a == b) continue;
@@ -1034,73 +1098,7 @@ void attention_block_item(const vec_kernels &vk, const tensor &q, const kv_sourc
         }
         vk.axpy_f16_multi(hd, c, vr.row<const uint16_t>(j), y, b - a);
     }
-    for (int i = 0; i < nq; ++i) {  // tinyBLAS's hsum tree over the 8 lanes
-        float *o = row_ptr<float>(out, t0 + i) + h * hd;
-        for (int64_t d = 0; d < hd; ++d) {
-            const float *l = lanes + i * 8 * hd + d;
-            o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) +
-                   ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
-        }
-    }
-}
-
-// One decode token (row 0 of q, at position p.n_past) and nh <= kAttnQ query heads h0 .. h0 + nh - 1
-// of one KV head: attention_block_item's one-token operations for each head, but every K and V row is
-// converted from f16 once for all nh heads (dot_f16_lanes_multi / kqv_lanes_f16 with nq = nh give each
-// query the single-query bits), so every head's output has attention_block_item's bits. scratch: as
-// attention_block_item's (kAttnQ score rows, lanes and q copies).
-void attention_heads_item(const vec_kernels &vk, const tensor &q, const kv_source &src, const attn_params &p,
-                          const tensor &out, int64_t h0, int nh, float *scratch) {
-    const int64_t hd = p.head_dim, group = p.n_head / p.n_head_kv, S = p.n_past + 1;
-    float *scores = scratch;                 // [kAttnQ][S]
-    float *lanes = scores + kAttnQ * S;      // [kAttnQ][8][hd]
-    float *q16 = lanes + kAttnQ * 8 * hd;    // [kAttnQ][hd]
-    const int64_t hk = h0 / group, pos = p.n_past;
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
-    const float *qp[kAttnQ] = {};
-    float mx[kAttnQ];
-    for (int g = 0; g < nh; ++g) {
-        vk.round_f16(hd, row_ptr<const float>(q, 0) + (h0 + g) * hd, 1.0f, q16 + g * hd);
-        qp[g] = q16 + g * hd;
-        mx[g] = -INFINITY;
-    }
-    const kv_rows kr = src.rows(hk, false), vr = src.rows(hk, true);
-    for (int64_t j = lo; j <= pos; ++j) {  // KQ: one conversion of key row j for the nh queries
-        float sc[kAttnQ];
-        vk.dot_f16_lanes_multi(hd, kr.row<const uint16_t>(j), qp, nh, sc);
-        for (int g = 0; g < nh; ++g) {
-            float x = sc[g] * p.scale;
-            if (p.softcap > 0) x = p.softcap * std::tanh(x / p.softcap);
-            scores[g * S + j] = x;
-            mx[g] = std::max(mx[g], x);
-        }
-    }
-    for (int g = 0; g < nh; ++g) {  // softmax over cells [0, pos] (masked cells exact zeros), P -> f16
-        float *sc = scores + g * S;
-        std::fill(sc, sc + lo, -INFINITY);
-        const double sum = vk.softmax_exp(pos + 1, sc, mx[g], sc);
-        vk.round_f16(pos + 1 - lo, sc + lo, static_cast<float>(1.0 / sum), sc + lo);
-        std::fill(lanes + g * 8 * hd, lanes + (g + 1) * 8 * hd, 0.0f);
-    }
-    for (int64_t r0 = lo; r0 <= pos;) {  // KQV per memory-contiguous run of V rows, all nh queries
-        const int64_t base = vr.run_start(r0), r1 = std::min(pos, vr.run_end(r0) - 1);
-        const float *pq[kAttnQ];
-        float *lq[kAttnQ];
-        for (int g = 0; g < nh; ++g) {
-            pq[g] = scores + g * S + base;
-            lq[g] = lanes + g * 8 * hd;
-        }
-        vk.kqv_lanes_f16(hd, r0 - base, r1 - base, vr.row<const uint16_t>(base), static_cast<int64_t>(vr.nb1 / 2), pq,
-                         nh, lq);
-        r0 = r1 + 1;
-    }
-    for (int g = 0; g < nh; ++g) {  // tinyBLAS's hsum tree over the 8 lanes
-        float *o = row_ptr<float>(out, 0) + (h0 + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) {
-            const float *l = lanes + g * 8 * hd + d;
-            o[d] = ((l[0] + l[4 * hd]) + (l[2 * hd] + l[6 * hd])) + ((l[hd] + l[5 * hd]) + (l[3 * hd] + l[7 * hd]));
-        }
-    }
+    for (int i = 0; i < nq; ++i) lanes_hsum(lanes + i * 8 * hd, hd, row_ptr<float>(out, t0 + i) + h * hd);
 }
 
 void cpu_backend::attention_blocks(const tensor &q, const kv_source &src, const attn_params &p,
