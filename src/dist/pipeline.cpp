@@ -151,44 +151,29 @@ void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int
         throw error("dist: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
                     std::to_string(n * V) + " or " + std::to_string(V));
     const int last = t_.size() - 1;
-    if (forward_messages(n, logits.size()) > 1) {  // micro-batches, back to back; logits from the last one
-        const size_t mb = static_cast<size_t>(micro_batch_);
-        std::vector<float> x(mb * S);
-        for (size_t i0 = 0; i0 < n; i0 += mb) {
-            const size_t k = std::min(mb, n - i0);
-            const bool final_mb = i0 + k == n;
-            const auto tk = tokens.subspan(i0, k);
-            const auto ps = positions.subspan(i0, k);
-            const std::span<float> xk(x.data(), k * S);
-            const int64_t past = n_past_;
-            if (dev_.cuda_device >= 0) {
-                gpu_layers(tk, ps, xk, {});
-            } else {
-                ds4::embed_tokens(m_, tk, xk);
-                run_layers(tk, ps, xk);
-            }
-            const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(k), final_mb ? mode : logits_none, past};
-            send_on(hdr, tk, ps, xk);
+    // Pieces of at most mb tokens (one, unless micro-batched), sent back to back; only the final piece
+    // asks for logits. One rank: the piece is the whole chunk and rank 0 runs the heads itself.
+    const size_t mb = forward_messages(n, logits.size()) > 1 ? static_cast<size_t>(micro_batch_) : n;
+    std::vector<float> x(mb * S);
+    for (size_t i0 = 0; i0 < n; i0 += mb) {
+        const size_t k = std::min(mb, n - i0);
+        const int64_t piece_mode = i0 + k == n ? mode : logits_none;
+        const auto tk = tokens.subspan(i0, k);
+        const auto ps = positions.subspan(i0, k);
+        const std::span<float> xk(x.data(), k * S);
+        const int64_t past = n_past_;
+        if (dev_.cuda_device >= 0) {
+            gpu_layers(tk, ps, xk, last == 0 ? logits : std::span<float>());
+        } else {
+            ds4::embed_tokens(m_, tk, xk);
+            run_layers(tk, ps, xk);
+            if (last == 0 && piece_mode != logits_none) ds4::head_logits(m_, exec_, xk, logits);
         }
-        if (mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
-        return;
+        if (last == 0) continue;
+        const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(k), piece_mode, past};
+        send_on(hdr, tk, ps, xk);
     }
-    std::vector<float> x(n * S);
-    const int64_t past = n_past_;
-    if (dev_.cuda_device >= 0) {
-        gpu_layers(tokens, positions, x, last == 0 ? logits : std::span<float>());
-        if (last == 0) return;
-    } else {
-        ds4::embed_tokens(m_, tokens, x);
-        run_layers(tokens, positions, x);
-        if (last == 0) {
-            if (mode != logits_none) ds4::head_logits(m_, exec_, x, logits);
-            return;
-        }
-    }
-    const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(n), mode, past};
-    send_on(hdr, tokens, positions, x);
-    if (mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
+    if (last > 0 && mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
 }
 
 void pipeline_rank::set_micro_batch(int64_t tokens) {
