@@ -272,13 +272,11 @@ struct q8x_seg {
 struct q8x_table {
     q8x_seg s[gemv_max_segments];
     int32_t n;
-    int32_t x_slots;  // x groups quantised per block (1 or 2; 0 when no segment is q8_0)
-    // RMSNorm prologue (launch_gemv_multi_normed; one x group): x' = (x * r) * norm_w, r = 1 /
-    // sqrt(mean(x^2) + eps) as cuda::launch_rms_norm computes it; f16 rows then read x' from shared
+    // RMSNorm prologue (launch_gemv_multi_normed, one x group; null: none): x' = (x * r) * norm_w, r =
+    // 1 / sqrt(mean(x^2) + eps) as cuda::launch_rms_norm computes it; f16 rows then read x' from shared
     // memory at byte xf_off.
     const float *norm_w;
     float norm_eps;
-    int32_t norm;
     uint32_t xf_off;
     int64_t cols;
 };
@@ -649,20 +647,27 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
                 cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f);
 
 // Fills the segment table (group sizes, block ranges) and launches. rpg[i] = rows per x group.
-void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
-                     cudaStream_t s) {
+// The checks every launch makes: 1..8 segments of supported, aligned weights with the same cols and an
+// output each, x 16-byte aligned. Returns the segments' weight bytes.
+double check_segments(const gemv_segment *segs, int n, const float *x, const char *what) {
     if (n < 1 || n > gemv_max_segments) throw error(std::string("cuda ds4 ") + what + ": 1..8 segments");
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error(std::string("cuda ds4 ") + what + ": x must be 16-byte aligned");
-    seg_table t = {};
-    t.n = n;
-    t.cols = segs[0].w.cols;
     double total_bytes = 0;
     for (int i = 0; i < n; ++i) {
         check_weight(segs[i].w, what);
-        if (segs[i].w.cols != t.cols) throw error(std::string("cuda ds4 ") + what + ": segments differ in cols");
+        if (segs[i].w.cols != segs[0].w.cols) throw error(std::string("cuda ds4 ") + what + ": segments differ in cols");
         if (!segs[i].y) throw error(std::string("cuda ds4 ") + what + ": null output");
-        total_bytes += static_cast<double>(row_bytes_of(segs[i].w.type, t.cols)) * static_cast<double>(segs[i].w.rows);
+        total_bytes += static_cast<double>(row_bytes_of(segs[i].w.type, segs[0].w.cols)) * static_cast<double>(segs[i].w.rows);
     }
+    return total_bytes;
+}
+
+void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
+                     cudaStream_t s) {
+    const double total_bytes = check_segments(segs, n, x, what);
+    seg_table t = {};
+    t.n = n;
+    t.cols = segs[0].w.cols;
     if (launch_q8x(segs, rpg, n, x, what, s)) return;
     // One device-full of resident threads (about 1024 per SM at the register use here), shared
     // between segments in proportion to their bytes.
@@ -757,11 +762,10 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
     t = {};
     t.n = n;
     t.cols = cols;
-    t.x_slots = any_q8 ? (grouped ? 2 : 1) : 0;
-    smem = static_cast<size_t>(t.x_slots) * static_cast<size_t>(cols + cols / 8);
+    const int x_slots = any_q8 ? (grouped ? 2 : 1) : 0;  // x groups a block quantises (at most two)
+    smem = static_cast<size_t>(x_slots) * static_cast<size_t>(cols + cols / 8);
     if (norm_w) {  // the normed prologue reads one x group
         if (grouped) return false;
-        t.norm = 1;
         t.norm_w = norm_w;
         t.norm_eps = norm_eps;
         t.xf_off = static_cast<uint32_t>(smem);
@@ -807,7 +811,7 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
     int64_t blocks = 0;
     if (!plan_q8x(segs, rpg, n, t, smem, blocks, norm_w, norm_eps)) return false;
     if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
-    const cudaError_t e = launch_pdl(t.norm ? gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, true> : gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
+    const cudaError_t e = launch_pdl(t.norm_w ? gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, true> : gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
                                      true, t, x);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
     return true;
@@ -891,16 +895,10 @@ void launch_gemv_fast_grouped(const gemv_weight &w, int64_t rows_per_group, cons
 
 void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, const float *norm_w, float eps,
                               cudaStream_t s) {
-    if (n_segs < 1 || n_segs > gemv_max_segments) throw error("cuda ds4 multi gemv: 1..8 segments");
     if (!norm_w) throw error("cuda ds4 normed gemv: null norm weight");
+    check_segments(segs, n_segs, x, "normed gemv");
     int64_t rpg[gemv_max_segments];
-    for (int i = 0; i < n_segs; ++i) {
-        check_weight(segs[i].w, "normed gemv");
-        if (segs[i].w.cols != segs[0].w.cols) throw error("cuda ds4 normed gemv: segments differ in cols");
-        if (!segs[i].y) throw error("cuda ds4 normed gemv: null output");
-        rpg[i] = segs[i].w.rows;
-    }
-    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error("cuda ds4 normed gemv: x must be 16-byte aligned");
+    for (int i = 0; i < n_segs; ++i) rpg[i] = segs[i].w.rows;
     if (launch_q8x(segs, rpg, n_segs, x, "normed gemv", s, norm_w, eps)) return;
     // otherwise: the separate norm in place, then the plain launch
     cuda::launch_rms_norm(x, segs[0].w.cols, norm_w, eps, segs[0].w.cols, 1, x, segs[0].w.cols, s);

@@ -223,34 +223,25 @@ void gemv(const dmat &m, const float *x, float *y, cudaStream_t s) {
         cuda::launch_gemv(m.type, m.p, m.row_bytes, m.cols, m.rows, x, m.cols, 1, y, m.rows, s);
 }
 
-// Several weights reading the same x: one launch when every one has the fast form.
-void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, const float *x, cudaStream_t s) {
-    cd::gemv_segment seg[cd::gemv_max_segments];
-    int n = 0;
-    bool all_fast = mats.size() <= static_cast<size_t>(cd::gemv_max_segments);
-    for (const auto &[m, y] : mats) all_fast = all_fast && m->fast;
-    if (all_fast) {
-        for (const auto &[m, y] : mats) seg[n++] = {m->fw, y};
-        cd::launch_gemv_multi(seg, n, x, s);
-        return;
-    }
-    for (const auto &[m, y] : mats) gemv(*m, x, y, s);
-}
-// gemv_multi of RMSNorm(x) (norm weight w): folded into the int8 GEMV's x staging when every weight
-// has the fast form (ds4_gemv.h launch_gemv_multi_normed), else the norm in place first. x's contents
-// afterwards: x or its normed values.
-void gemv_multi_normed(std::initializer_list<std::pair<const dmat *, float *>> mats, float *x, const float *w, float eps,
-                       int64_t n, cudaStream_t s) {
+// Several weights reading the same x: one launch when every one has the fast form. With norm_w, of
+// RMSNorm(x) (n floats, eps): folded into the int8 GEMV's x staging when every weight has the fast form
+// (ds4_gemv.h launch_gemv_multi_normed), else the norm in place first; x's contents afterwards: x or
+// its normed values.
+void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, float *x, cudaStream_t s,
+                const float *norm_w = nullptr, float eps = 0.0f, int64_t n = 0) {
     cd::gemv_segment seg[cd::gemv_max_segments];
     int k = 0;
     bool all_fast = mats.size() <= static_cast<size_t>(cd::gemv_max_segments);
     for (const auto &[m, y] : mats) all_fast = all_fast && m->fast;
     if (all_fast) {
         for (const auto &[m, y] : mats) seg[k++] = {m->fw, y};
-        cd::launch_gemv_multi_normed(seg, k, x, w, eps, s);
+        if (norm_w)
+            cd::launch_gemv_multi_normed(seg, k, x, norm_w, eps, s);
+        else
+            cd::launch_gemv_multi(seg, k, x, s);
         return;
     }
-    cuda::launch_rms_norm(x, n, w, eps, n, 1, x, n, s);
+    if (norm_w) cuda::launch_rms_norm(x, n, norm_w, eps, n, 1, x, n, s);
     for (const auto &[m, y] : mats) gemv(*m, x, y, s);
 }
 // The prefill products' view of a weight (GGUF rows, or the repacked q8_0 of the fast form).
@@ -916,9 +907,9 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
     // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again)
     if (idx)
-        gemv_multi_normed({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, l.q_a_norm, hp.rms_eps, hp.q_lora, s);
+        gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
     else
-        gemv_multi_normed({{&l.q_b, q}}, q_lat, l.q_a_norm, hp.rms_eps, hp.q_lora, s);
+        gemv_multi({{&l.q_b, q}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
     if (par && idx) {  // the indexer query is ready
         ck(cudaEventRecord(ev_q, s), "forking the indexer query");
         ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
