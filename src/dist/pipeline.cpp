@@ -216,38 +216,36 @@ bool pipeline_rank::serve_one() {
     const size_t S = static_cast<size_t>(m_.hp.n_hc) * static_cast<size_t>(m_.hp.n_embd);
     const size_t V = static_cast<size_t>(m_.hp.n_vocab);
     try {
-        {
-            int64_t hdr[header_len];
-            t_.recv_idle(prev, hdr, sizeof(hdr));  // idle between requests is normal
-            if (hdr[0] == op_stop || hdr[0] == op_reset) {
-                if (hdr[0] == op_reset) fresh_state();
-                if (rank_ < last) send_on(hdr, {}, {}, {});
-                return hdr[0] != op_stop;
-            }
-            const int64_t n = hdr[1];
-            if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[2] < logits_none ||
-                hdr[2] > logits_all || hdr[3] != n_past_)
-                throw error("dist: rank " + std::to_string(rank_) + " received a bad header {" +
-                            std::to_string(hdr[0]) + ", " + std::to_string(hdr[1]) + ", " + std::to_string(hdr[2]) +
-                            ", " + std::to_string(hdr[3]) + "} at n_past " + std::to_string(n_past_));
-            const size_t un = static_cast<size_t>(n);
-            std::vector<int32_t> tokens(un);
-            std::vector<int64_t> positions(un);
-            std::vector<float> x(un * S);
-            t_.recv(prev, tokens.data(), tokens.size() * sizeof(int32_t));
-            t_.recv(prev, positions.data(), positions.size() * sizeof(int64_t));
-            t_.recv(prev, x.data(), x.size() * sizeof(float));
-            std::vector<float> logits(rank_ == last && hdr[2] != logits_none ? (hdr[2] == logits_all ? un * V : V) : 0);
-            if (dev_.cuda_device >= 0)
-                gpu_layers(tokens, positions, x, logits);  // the last CUDA stage runs the heads itself
-            else
-                run_layers(tokens, positions, x);
-            if (rank_ < last) {
-                send_on(hdr, tokens, positions, x);
-            } else if (hdr[2] != logits_none) {
-                if (dev_.cuda_device < 0) ds4::head_logits(m_, exec_, x, logits);
-                t_.send(0, logits.data(), logits.size() * sizeof(float));
-            }
+        int64_t hdr[header_len];
+        t_.recv_idle(prev, hdr, sizeof(hdr));  // idle between requests is normal
+        if (hdr[0] == op_stop || hdr[0] == op_reset) {
+            if (hdr[0] == op_reset) fresh_state();
+            if (rank_ < last) send_on(hdr, {}, {}, {});
+            return hdr[0] != op_stop;
+        }
+        const int64_t n = hdr[1];
+        if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[2] < logits_none ||
+            hdr[2] > logits_all || hdr[3] != n_past_)
+            throw error("dist: rank " + std::to_string(rank_) + " received a bad header {" +
+                        std::to_string(hdr[0]) + ", " + std::to_string(hdr[1]) + ", " + std::to_string(hdr[2]) +
+                        ", " + std::to_string(hdr[3]) + "} at n_past " + std::to_string(n_past_));
+        const size_t un = static_cast<size_t>(n);
+        std::vector<int32_t> tokens(un);
+        std::vector<int64_t> positions(un);
+        std::vector<float> x(un * S);
+        t_.recv(prev, tokens.data(), tokens.size() * sizeof(int32_t));
+        t_.recv(prev, positions.data(), positions.size() * sizeof(int64_t));
+        t_.recv(prev, x.data(), x.size() * sizeof(float));
+        std::vector<float> logits(rank_ == last && hdr[2] != logits_none ? (hdr[2] == logits_all ? un * V : V) : 0);
+        if (dev_.cuda_device >= 0)
+            gpu_layers(tokens, positions, x, logits);  // the last CUDA stage runs the heads itself
+        else
+            run_layers(tokens, positions, x);
+        if (rank_ < last) {
+            send_on(hdr, tokens, positions, x);
+        } else if (hdr[2] != logits_none) {
+            if (dev_.cuda_device < 0) ds4::head_logits(m_, exec_, x, logits);
+            t_.send(0, logits.data(), logits.size() * sizeof(float));
         }
         return true;
     } catch (const std::exception &e) {
