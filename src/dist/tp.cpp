@@ -172,32 +172,30 @@ void tp_rank::serve() {
 bool tp_rank::serve_one() {
     if (rank_ == 0) throw error("dist: tp serve() is for ranks > 0");
     try {
-        {
-            int64_t hdr[header_len];
-            t_.recv_idle(0, hdr, sizeof(hdr));  // idle between requests is normal
-            if (hdr[0] == op_stop) return false;
-            if (hdr[0] == op_reset) {
-                fresh_state();
-                return true;
-            }
-            if (hdr[0] == op_state) {
-                const int64_t count = static_cast<int64_t>(x_.size());
-                t_.send(0, &count, sizeof(count));
-                t_.send(0, x_.data(), x_.size() * sizeof(float));
-                return true;
-            }
-            const int64_t n = hdr[1];
-            if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[3] != n_past_)
-                throw error("dist: " + rank_text(rank_, t_.size()) + " received a bad header {" +
-                            std::to_string(hdr[0]) + ", " + std::to_string(hdr[1]) + ", " +
-                            std::to_string(hdr[2]) + ", " + std::to_string(hdr[3]) + "} at n_past " +
-                            std::to_string(n_past_));
-            std::vector<int32_t> tokens(static_cast<size_t>(n));
-            std::vector<int64_t> positions(static_cast<size_t>(n));
-            t_.recv(0, tokens.data(), tokens.size() * sizeof(int32_t));
-            t_.recv(0, positions.data(), positions.size() * sizeof(int64_t));
-            run(tokens, positions);
+        int64_t hdr[header_len];
+        t_.recv_idle(0, hdr, sizeof(hdr));  // idle between requests is normal
+        if (hdr[0] == op_stop) return false;
+        if (hdr[0] == op_reset) {
+            fresh_state();
+            return true;
         }
+        if (hdr[0] == op_state) {
+            const int64_t count = static_cast<int64_t>(x_.size());
+            t_.send(0, &count, sizeof(count));
+            t_.send(0, x_.data(), x_.size() * sizeof(float));
+            return true;
+        }
+        const int64_t n = hdr[1];
+        if (hdr[0] != op_forward || n <= 0 || n > (int64_t{1} << 24) || hdr[3] != n_past_)
+            throw error("dist: " + rank_text(rank_, t_.size()) + " received a bad header {" +
+                        std::to_string(hdr[0]) + ", " + std::to_string(hdr[1]) + ", " +
+                        std::to_string(hdr[2]) + ", " + std::to_string(hdr[3]) + "} at n_past " +
+                        std::to_string(n_past_));
+        std::vector<int32_t> tokens(static_cast<size_t>(n));
+        std::vector<int64_t> positions(static_cast<size_t>(n));
+        t_.recv(0, tokens.data(), tokens.size() * sizeof(int32_t));
+        t_.recv(0, positions.data(), positions.size() * sizeof(int64_t));
+        run(tokens, positions);
         return true;
     } catch (const std::exception &e) {
         t_.abort(e.what());
