@@ -22,15 +22,18 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_qat.h"
 #include "cuda_test_util.h"
+#include "test_cuda_ds4_attn_bench.h"
 
 namespace fathom {
 namespace {
@@ -41,7 +44,6 @@ constexpr float kEps = 1e-6f;
 
 using cuda_test::randn;
 using cuda_test::rel_l2;
-using cuda_test::time_graph;
 
 // Largest |got - ref| over n elements relative to max |ref| (NaN or inf in got: +inf), and how many
 // elements are bit-identical.
@@ -618,6 +620,37 @@ TEST_F(CudaDs4Attn, RejectsUnsupportedGeometry) {
     EXPECT_THROW(cd::launch_compressor_step(c, nullptr, nullptr, pos_, err_, s_), error);
 }
 
+// The attention launchers pick their kernels from current_device_caps (cuda_device.h): its cached values
+// must be the device's own attributes, the same entry for every call and thread on the device, and no
+// CUDA error may be left behind.
+TEST_F(CudaDs4Attn, DeviceCapsMatchDirectQueries) {
+    int dev = -1;
+    CK(cudaGetDevice(&dev));
+    const cuda::device_caps *c = cuda::current_device_caps();
+    ASSERT_NE(c, nullptr);
+    int sms = 0, major = 0, minor = 0, optin = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    EXPECT_EQ(c->ordinal, dev);
+    EXPECT_EQ(c->sm_count, sms);
+    EXPECT_EQ(c->cc_major, major);
+    EXPECT_EQ(c->cc_minor, minor);
+    EXPECT_EQ(c->smem_optin, optin);
+    EXPECT_GT(c->sm_count, 0);
+    EXPECT_EQ(cuda::current_device_caps(), c);  // cached: the same entry
+    const cuda::device_caps *seen[4] = {};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 4; ++t)
+        ts.emplace_back([&seen, t, dev] {
+            if (cudaSetDevice(dev) == cudaSuccess) seen[t] = cuda::current_device_caps();
+        });
+    for (std::thread &t : ts) t.join();
+    for (int t = 0; t < 4; ++t) EXPECT_EQ(seen[t], c) << "thread " << t;
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // ---- CUDA graph replay -----------------------------------------------------------------------------------
 
 // One decode step of a ratio-4 layer whose attention uses every compressed row (query finish, KV
@@ -751,18 +784,9 @@ class CudaDs4AttnBench : public CudaDs4Attn {
     template <class F>
     void time_calls(const char *what, int calls, int64_t pos, double bytes, double target_us, F enqueue) {
         set_pos(pos);
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t exec = nullptr;
-        CK(cudaStreamSynchronize(s_));
-        CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-        for (int c = 0; c < calls; ++c) enqueue(c);
-        CK(cudaStreamEndCapture(s_, &graph));
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        const float ms = time_graph(exec, s_, 21);
-        CK(cudaStreamSynchronize(s_));
-        CK(cudaGetLastError());
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
+        float ms = 0;
+        cuda_test::attn_bench_time(s_, calls, enqueue, ms);
+        if (HasFatalFailure()) return;
         const double us = ms * 1e3 / calls, bw = bytes / (us * 1e-6);
         std::printf("  %-58s %7.2f us/call (target <= %4.1f)  %7.3f MB  %7.1f GB/s (%4.1f%% of copy %.0f GB/s)\n",
                     what, us, target_us, bytes / 1e6, bw / 1e9, 100.0 * bw / copy_bw_, copy_bw_ / 1e9);
@@ -833,65 +857,21 @@ TEST_F(CudaDs4AttnBench, CompressorStep) {
     EXPECT_EQ(take_err(), 0u);
 }
 
-// 64 heads x 512, f16 rows, window 128: ratio-0 (128 rows), ratio-4 (128 + 512 selected of 2048),
-// ratio-128 at 8K (128 + 64) and at 1M (128 + 8192; 16 buffer sets cycled, 136 MB: past the L2 as the
-// layers' rows are in the model). Bytes: the rows read, q, o.
+// The shapes of cuda_test::kAttnBenchCases (test_cuda_ds4_attn_bench.h). Bytes: the rows read, q, o.
 TEST_F(CudaDs4AttnBench, SparseSinkAttention) {
-    const int H = 64, d = 512, W = 128, nr = 64, calls = 16;
-    struct cfg {
-        const char *what;
-        cd::comp_mode mode;
-        int ratio;
-        int64_t n_comp_rows, max_comp, pos;
-        int sets;
-        double target;
-    };
-    const cfg cfgs[] = {{"attention ratio 0: 128 rows", cd::comp_mode::none, 0, 0, 0, 8191, 1, 10.0},
-                        {"attention ratio 4: 128 + 512 selected rows", cd::comp_mode::list, 4, 2048, 512, 8191, 1, 10.0},
-                        {"attention ratio 128 at 8K: 128 + 64 rows", cd::comp_mode::all, 128, 8192, 8192, 8191, 1, 10.0},
-                        {"attention ratio 128 at 1M: 128 + 8192 rows", cd::comp_mode::all, 128, 8192, 8192, 1048575,
-                         16, 15.0}};
-    const float *q = up(randn(static_cast<size_t>(H * d), rng_)), *sinks = up(randn(H, rng_));
-    float *o = dev<float>(static_cast<size_t>(H * d));
-    std::vector<int32_t> sel(512);
-    for (int i = 0; i < 512; ++i) sel[static_cast<size_t>(i)] = 4 * i + 1;  // sorted, spread over 2048 rows
-    const int32_t *sel_d = up(sel), *n_sel = up(std::vector<int32_t>{512});
-    const auto ring_h = pack_rows(randn(static_cast<size_t>(W * d), rng_), d, true, static_cast<size_t>(d) * 2);
-    for (const cfg &c : cfgs) {
-        std::vector<cd::sparse_attn_args> as(static_cast<size_t>(c.sets));
-        std::vector<float *> parts;
-        for (cd::sparse_attn_args &a : as) {
-            a.n_head = H;
-            a.d = d;
-            a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-            a.sinks = sinks;
-            a.ring = up(ring_h);
-            a.ring_f16 = true;
-            a.ring_stride = static_cast<size_t>(d) * 2;
-            a.window = W;
-            a.mode = c.mode;
-            if (c.mode != cd::comp_mode::none) {
-                a.comp = up(pack_rows(randn(static_cast<size_t>(c.n_comp_rows * d), rng_), d, true,
-                                      static_cast<size_t>(d) * 2));
-                a.comp_f16 = true;
-                a.comp_stride = static_cast<size_t>(d) * 2;
-                a.ratio = c.ratio;
-                a.max_comp = c.max_comp;
-                a.sel = sel_d;
-                a.n_sel = n_sel;
-            }
-            a.rope = dev_rope(yarn_table(nr), nr);
-            parts.push_back(dev<float>(cd::attn_part_floats(a)));
-        }
-        const int64_t n_comp = c.mode == cd::comp_mode::none ? 0
-                               : c.mode == cd::comp_mode::list ? 512
-                                                               : std::min<int64_t>((c.pos + 1) / c.ratio, c.max_comp);
-        const double bytes = static_cast<double>(W + n_comp) * d * 2 + 2.0 * H * d * 4;
-        time_calls(c.what, calls, c.pos, bytes, c.target, [&](int k) {
+    const int H = cuda_test::kAttnBenchHeads, d = cuda_test::kAttnBenchDim, W = cuda_test::kAttnBenchWindow;
+    const int nr = 64, calls = 16;
+    const cuda_test::attn_bench_inputs in = cuda_test::attn_bench_make_inputs(*this, rng_);
+    const cd::rope_args rope = dev_rope(yarn_table(nr), nr);
+    for (const cuda_test::attn_bench_case &c : cuda_test::kAttnBenchCases) {
+        const cuda_test::attn_bench_sets sets = cuda_test::attn_bench_make_sets(*this, rng_, c, in, rope);
+        const double bytes = static_cast<double>(W + cuda_test::attn_bench_comp_rows(c)) * d * 2 + 2.0 * H * d * 4;
+        const std::string what = std::string("attention ") + c.what;
+        time_calls(what.c_str(), calls, c.pos, bytes, c.target_us, [&](int k) {
             const size_t i = static_cast<size_t>(k % c.sets);
-            cd::launch_sparse_sink_attention(as[i], q, pos_, parts[i], o, s_);
+            cd::launch_sparse_sink_attention(sets.args[i], in.q, pos_, sets.parts[i], in.o, s_);
         });
-        const auto out = down(o, static_cast<size_t>(H * d));
+        const auto out = down(in.o, static_cast<size_t>(H * d));
         for (float v : out) ASSERT_TRUE(std::isfinite(v)) << c.what;
     }
 }

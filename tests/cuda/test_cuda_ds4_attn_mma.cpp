@@ -41,6 +41,7 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_ops.h"
 #include "cuda_test_util.h"
+#include "test_cuda_ds4_attn_bench.h"
 
 namespace fathom {
 namespace {
@@ -48,7 +49,6 @@ namespace {
 namespace cd = cuda::ds4;
 using cuda_test::randn;
 using cuda_test::rel_l2;
-using cuda_test::time_graph;
 
 // Rows [n, width] as f16 bits, stride bytes apart (padding bytes 0xFF).
 std::vector<uint8_t> pack_f16(const std::vector<float> &v, int64_t width, size_t stride) {
@@ -457,74 +457,30 @@ TEST_F(CudaDs4AttnMmaGraph, FusedCombineAtManyPositions) { replay(true); }
 // ---- benchmark (FATHOM_DS4_BENCH=1) ---------------------------------------------------------------------
 
 // f32 kernel vs tensor cores (split + separate combine: the old two launches; fused: one PDL launch) at
-// the shapes of CudaDs4AttnBench.SparseSinkAttention (128, 128 + 512, 128 + 64, 128 + 8192 rows): 16
-// launches captured in one graph (buffer sets cycled at 1M so rows come from HBM), microseconds per call.
+// the shapes of cuda_test::kAttnBenchCases (as CudaDs4AttnBench.SparseSinkAttention): 16 launches
+// captured in one graph (buffer sets cycled at 1M so rows come from HBM), microseconds per call.
 TEST_F(CudaDs4AttnMma, BenchOldVsNew) {
     if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-    const int H = 64, d = 512, W = kWindow, calls = 16;
-    const struct {
-        const char *what;
-        cd::comp_mode mode;
-        int ratio;
-        int64_t n_comp_rows, max_comp, pos;
-        int sets;
-    } cfgs[] = {{"ratio 0: 128 rows", cd::comp_mode::none, 0, 0, 0, 8191, 1},
-                {"ratio 4: 128 + 512 selected rows", cd::comp_mode::list, 4, 2048, 512, 8191, 1},
-                {"ratio 128 at 8K: 128 + 64 rows", cd::comp_mode::all, 128, 8192, 8192, 8191, 1},
-                {"ratio 128 at 1M: 128 + 8192 rows", cd::comp_mode::all, 128, 8192, 8192, 1048575, 16}};
-    const float *q = up(randn(static_cast<size_t>(H) * d, rng_)), *sinks = up(randn(H, rng_));
-    float *o = dev<float>(static_cast<size_t>(H) * d);
-    std::vector<int32_t> sel(512);
-    for (int i = 0; i < 512; ++i) sel[static_cast<size_t>(i)] = 4 * i + 1;
-    const int32_t *sel_d = up(sel), *n_sel = up(std::vector<int32_t>{512});
-    const auto ring_h = pack_f16(randn(static_cast<size_t>(W) * d, rng_), d, static_cast<size_t>(d) * 2);
-    for (const auto &c : cfgs) {
-        std::vector<cd::sparse_attn_args> as(static_cast<size_t>(c.sets));
-        std::vector<float *> parts;
-        for (cd::sparse_attn_args &a : as) {
-            a.n_head = H;
-            a.d = d;
-            a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-            a.sinks = sinks;
-            a.ring = up(ring_h);
-            a.ring_stride = static_cast<size_t>(d) * 2;
-            a.window = W;
-            a.mode = c.mode;
-            if (c.mode != cd::comp_mode::none) {
-                a.comp = up(pack_f16(randn(static_cast<size_t>(c.n_comp_rows) * d, rng_), d, static_cast<size_t>(d) * 2));
-                a.comp_stride = static_cast<size_t>(d) * 2;
-                a.ratio = c.ratio;
-                a.max_comp = c.max_comp;
-                a.sel = sel_d;
-                a.n_sel = n_sel;
-            }
-            a.rope = rope_;
-            parts.push_back(dev<float>(cd::attn_part_floats(a)));
-        }
+    const int calls = 16;
+    const cuda_test::attn_bench_inputs in = cuda_test::attn_bench_make_inputs(*this, rng_);
+    for (const cuda_test::attn_bench_case &c : cuda_test::kAttnBenchCases) {
+        const cuda_test::attn_bench_sets sets = cuda_test::attn_bench_make_sets(*this, rng_, c, in, rope_);
         set_pos(c.pos);
         float us[3] = {0, 0, 0};
         for (int k = 0; k < 3; ++k) {  // path::f32, path::tc, path::fused
-            cudaGraph_t graph = nullptr;
-            cudaGraphExec_t exec = nullptr;
-            CK(cudaStreamSynchronize(s_));
-            CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-            for (int i = 0; i < calls; ++i) {
-                cd::sparse_attn_args a = as[static_cast<size_t>(i % c.sets)];
+            float ms = 0;
+            cuda_test::attn_bench_time(s_, calls, [&](int i) {
+                cd::sparse_attn_args a = sets.args[static_cast<size_t>(i % c.sets)];
                 set_path(a, static_cast<path>(k));
-                cd::launch_sparse_sink_attention(a, q, pos_, parts[static_cast<size_t>(i % c.sets)], o, s_);
-            }
-            CK(cudaStreamEndCapture(s_, &graph));
-            CK(cudaGraphInstantiate(&exec, graph, 0));
-            us[k] = time_graph(exec, s_, 21) * 1e3f / calls;
-            CK(cudaStreamSynchronize(s_));
-            CK(cudaGetLastError());
-            cudaGraphExecDestroy(exec);
-            cudaGraphDestroy(graph);
+                cd::launch_sparse_sink_attention(a, in.q, pos_, sets.parts[static_cast<size_t>(i % c.sets)], in.o, s_);
+            }, ms);
+            if (HasFatalFailure()) return;
+            us[k] = ms * 1e3f / calls;
         }
         std::printf("  attention %-34s f32 kernel %7.2f us/call, tensor cores: split + combine (old) %7.2f, "
                     "fused (new) %7.2f us/call\n",
                     c.what, us[0], us[1], us[2]);
-        for (float *part : parts) EXPECT_TRUE(sync_zero(part));
+        for (float *part : sets.parts) EXPECT_TRUE(sync_zero(part));
     }
 }
 

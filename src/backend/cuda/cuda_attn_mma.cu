@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <string>
 
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/cuda_smem.cuh"
@@ -341,11 +342,8 @@ bool attention_mma_usable(int32_t head_dim, const void *k, const void *v, size_t
     const auto al16 = [](const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     if (!al16(k) || !al16(v) || kv_stride_bytes % 16 != 0 || kv_stride_bytes < static_cast<size_t>(head_dim) * 2)
         return false;
-    int dev = 0, major = 0, optin = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    return major >= 8 && static_cast<size_t>(optin) >= smem_bytes(head_dim);
+    const device_caps *caps = current_device_caps();
+    return caps && caps->cc_major >= 8 && static_cast<size_t>(caps->smem_optin) >= smem_bytes(head_dim);
 }
 
 // Enough splits to bring the blocks near kTargetBlocks, each with >= 4 tiles of cache capacity.

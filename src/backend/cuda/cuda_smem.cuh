@@ -15,18 +15,18 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/cuda_device.h"
+
 namespace fathom::cuda {
 
 namespace smem_detail {
 
-// Raises kernel's dynamic shared-memory limit on device dev to the opt-in limit less the kernel's
-// static shared memory; returns that many bytes, or 0 when a query or the attribute call fails (the
-// error is cleared so later launches do not report it).
-inline size_t raise_dynamic_limit(const void *kernel, int dev) {
-    int optin = 0;
+// Raises kernel's dynamic shared-memory limit on the current device (opt-in limit optin bytes) to
+// optin less the kernel's static shared memory; returns that many bytes, or 0 when the query or the
+// attribute call fails (the error is cleared so later launches do not report it).
+inline size_t raise_dynamic_limit(const void *kernel, int optin) {
     cudaFuncAttributes fa{};
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || optin <= 0 ||
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || optin <= 0 ||
         fa.sharedSizeBytes >= static_cast<size_t>(optin)) {
         (void)cudaGetLastError();
         return 0;
@@ -50,17 +50,15 @@ inline size_t raise_dynamic_limit(const void *kernel, int dev) {
 template <auto Kernel>
 size_t smem_dynamic_limit() {
     static std::atomic<uint32_t> cached[64];  // per device: limit + 1; 0 = not raised yet
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
+    const device_caps *caps = current_device_caps();  // error already cleared when null
+    if (!caps) return 0;
+    const int dev = caps->ordinal;
     const bool cacheable = dev >= 0 && dev < 64;
     if (cacheable) {
         const uint32_t c = cached[dev].load(std::memory_order_relaxed);
         if (c != 0) return c - 1;
     }
-    const size_t limit = smem_detail::raise_dynamic_limit(reinterpret_cast<const void *>(Kernel), dev);
+    const size_t limit = smem_detail::raise_dynamic_limit(reinterpret_cast<const void *>(Kernel), caps->smem_optin);
     if (limit != 0 && cacheable) cached[dev].store(static_cast<uint32_t>(limit + 1), std::memory_order_relaxed);
     return limit;
 }

@@ -38,6 +38,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/cuda_pdl.cuh"
@@ -396,6 +397,7 @@ __global__ void compressor_chunk_state_kernel(compressor_args a, const float *__
 constexpr int kAttnWarps = 8, kAttnThreads = 32 * kAttnWarps, kHeadsPerWarp = 2;
 constexpr int kHeadsPerBlock = kAttnWarps * kHeadsPerWarp, kTileRows = kAttnTileRows, kMaxD = 512, kMaxP = kMaxD / 64;
 constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 32;
+static_assert(kMaxSplits == 64, "combine_split_weights: splits lane and lane + 32 of one warp, ws [64]");
 
 struct attn_geom {
     int n_head, d;
@@ -662,17 +664,7 @@ __device__ __forceinline__ void attn_combine_warp(const attn_geom &g, const floa
         ms[k] = s < busy ? mv : -INFINITY;
         ls[k] = s < busy ? lv : 0.0f;
     }
-    const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
-    float den = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int s = lane + 32 * k;
-        const float w = s < busy ? expf(ms[k] - M) : 0.0f;
-        if (s < kMaxSplits) ws[s] = w;
-        den += w * ls[k];
-    }
-    den = warp_sum(den);
-    const float inv = 1.0f / (expf(sink - M) + den);
+    const float inv = combine_split_weights(ms, ls, sink, busy, lane, ws);
     __syncwarp();  // ws visible to the whole warp
     const float fp = static_cast<float>(p);
     const int rp0 = (d - n_rot) / 2;
@@ -1189,14 +1181,10 @@ void check_qat(qat_kind k, int dim, int n_rot, const char *what) {
 // (all f16, pair-aligned) are the caller's.
 bool attn_mma_fits(int d, const float *q, const float *part) {
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0 || reinterpret_cast<uintptr_t>(part) % 8 != 0) return false;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return false;
-    }
+    const device_caps *caps = current_device_caps();  // null: error cleared, the f32 kernel runs
+    if (!caps) return false;
     const size_t smem = mma_smem_layout(d).total;  // else the f32 kernel runs instead
-    return major >= 8 && smem_opt_in<attn_split_mma_kernel<uint4>>(smem) &&
+    return caps->cc_major >= 8 && smem_opt_in<attn_split_mma_kernel<uint4>>(smem) &&
            smem_opt_in<attn_split_mma_kernel<uint32_t>>(smem);
 }
 
@@ -1205,14 +1193,13 @@ bool attn_mma_fits(int d, const float *q, const float *part) {
 // busy block resident together.
 template <class Kernel>
 bool attn_grid_resident(Kernel kernel, unsigned n_blocks, size_t smem) {
-    int dev = 0, n_sm = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem) != cudaSuccess) {
+    const device_caps *caps = current_device_caps();  // null: error cleared
+    int per_sm = 0;
+    if (!caps || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem) != cudaSuccess) {
         (void)cudaGetLastError();
         return false;
     }
-    return static_cast<int64_t>(per_sm) * n_sm >= static_cast<int64_t>(n_blocks);
+    return static_cast<int64_t>(per_sm) * caps->sm_count >= static_cast<int64_t>(n_blocks);
 }
 
 }  // namespace

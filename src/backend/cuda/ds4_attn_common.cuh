@@ -319,6 +319,27 @@ inline bool warp_row_fits(int dim) {
     return dim % 64 == 0 && dim / 64 >= 1 && dim / 64 <= kWarpRowMaxPairs && ((dim / 64) & (dim / 64 - 1)) == 0;
 }
 
+// ---- split combine (decode ds4_attn.cu and chunk ds4_attn_prefill.cu combines) ----------------------
+// Split weights of one head's combine, one whole warp (lane: this thread's lane, 0..31): ms / ls hold
+// (m, l) of splits lane and lane + 32 (m = -inf, l = 0 past the busy ones; each busy split saw >= 1
+// row: m finite). M is the largest of the sink and the m_s; ws[s] = e^(m_s - M) (0 past busy; ws: [64] floats, this warp's), and the
+// return value is inv = 1 / (e^(sink - M) + sum_s ws[s] l_s). The warp butterflies leave M, the sum
+// and so inv bit-identical in every lane. The caller syncs before reading ws across lanes.
+__device__ __forceinline__ float combine_split_weights(const float (&ms)[2], const float (&ls)[2], float sink,
+                                                       int busy, int lane, float *ws) {
+    const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
+    float den = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int s = lane + 32 * k;
+        const float w = s < busy ? expf(ms[k] - M) : 0.0f;
+        ws[s] = w;
+        den += w * ls[k];
+    }
+    den = warp_sum(den);
+    return 1.0f / (expf(sink - M) + den);
+}
+
 // ---- attention row tiles (decode ds4_attn.cu and chunk ds4_attn_prefill.cu kernels) ----
 // Rows per tile of the f32 attention kernels.
 constexpr int kAttnTileRows = 16;

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "backend/cuda/ds4_attn_common.cuh"
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
@@ -52,6 +53,7 @@ void batch_check_launch(const char *what) {
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kHeadsPerWarp = 2, kHeadsPerBlock = kWarps * kHeadsPerWarp;
 constexpr int kTileRows = kAttnTileRows, kMaxD = 512, kMaxP = kMaxD / 64;
 constexpr int kMaxSplits = 64, kMinRowsPerSplit = 32, kCombineThreads = 128;
+static_assert(kMaxSplits == 64, "combine_split_weights: splits lane and lane + 32 of one warp, ws [64]");
 constexpr int64_t kTargetBlocks = 512;  // fewer (token, head group) blocks than this: split the rows
 
 struct batch_geom {
@@ -331,17 +333,8 @@ __global__ void __launch_bounds__(kCombineThreads)
             ms[k] = s < busy ? part[ml0 + 2 * ph] : -INFINITY;
             ls[k] = s < busy ? part[ml0 + 2 * ph + 1] : 0.0f;
         }
-        const float M = fmaxf(sink, warp_max(fmaxf(ms[0], ms[1])));
-        float den = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int s = lane + 32 * k;
-            const float w = s < busy ? expf(ms[k] - M) : 0.0f;
-            if (s < kMaxSplits) ws[s] = w;
-            den += w * ls[k];
-        }
-        den = warp_sum(den);
-        if (lane == 0) s_inv = 1.0f / (expf(sink - M) + den);
+        const float inv = combine_split_weights(ms, ls, sink, busy, lane, ws);
+        if (lane == 0) s_inv = inv;
     }
     __syncthreads();
     const float inv = s_inv, fp = static_cast<float>(p0 + t);
@@ -596,10 +589,8 @@ int batch_splits(const sparse_attn_args &a, int64_t n_tok) {
 
 // Tensor-core path available: compute capability >= 8.0 (mma.m16n8k16 with f16 inputs).
 bool mma_supported() {
-    int dev = 0, major = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 8;
+    const device_caps *caps = current_device_caps();
+    return caps && caps->cc_major >= 8;
 }
 
 bool pair_aligned(const void *base, size_t stride, bool f16) {

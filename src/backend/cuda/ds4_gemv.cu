@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/ds4_gemv.h"
@@ -590,11 +591,9 @@ void check_launch(const char *what) {
 }
 
 int sm_count() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        n < 1)
-        throw error("cuda ds4 gemv: cannot query the multiprocessor count");
-    return n;
+    const device_caps *caps = current_device_caps();
+    if (!caps || caps->sm_count < 1) throw error("cuda ds4 gemv: cannot query the multiprocessor count");
+    return caps->sm_count;
 }
 
 int32_t kind_of(dtype t) {

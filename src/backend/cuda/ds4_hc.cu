@@ -296,6 +296,19 @@ __global__ void __launch_bounds__(kApplyThreads)
     z[i] = acc;
 }
 
+// HCPost of one position and stream k: post[k] y + sum_{j < n} comb[j n + k] x_old[j], the CPU's
+// order (the product, then the n terms added in j order; round-to-nearest intrinsics, no FMA). xo:
+// x_old[j] at this position (entries j >= n unused). hc_post_kernel and both fused decode kernels
+// build their state through this one function, so they agree bit for bit.
+__device__ __forceinline__ float hc_post_elem(const float *post, const float *comb, int n, int k, float y,
+                                              const float (&xo)[kMaxHc]) {
+    float acc = __fmul_rn(post[k], y);
+#pragma unroll
+    for (int j = 0; j < kMaxHc; ++j)
+        if (j < n) acc = __fadd_rn(acc, __fmul_rn(comb[j * n + k], xo[j]));
+    return acc;
+}
+
 // Thread i of token blockIdx.y: x_new[k D + i] for every stream k, from the n values x_old[j D + i]
 // (read once, kept in registers) and y[i]. y [n_tok, D], x_old / x_new [n_tok, n, D], post [n_tok, n],
 // comb [n_tok, n, n].
@@ -313,13 +326,7 @@ __global__ void hc_post_kernel(int n, int64_t D, const float *__restrict__ y, co
 #pragma unroll
     for (int j = 0; j < kMaxHc; ++j) xo[j] = j < n ? x_old[j * D + i] : 0.0f;
     const float yi = y[i];
-    for (int k = 0; k < n; ++k) {
-        float acc = __fmul_rn(post[k], yi);
-#pragma unroll
-        for (int j = 0; j < kMaxHc; ++j)
-            if (j < n) acc = __fadd_rn(acc, __fmul_rn(comb[j * n + k], xo[j]));
-        x_new[k * D + i] = acc;
-    }
+    for (int k = 0; k < n; ++k) x_new[k * D + i] = hc_post_elem(post, comb, n, k, yi, xo);
 }
 
 // ---- fused decode HC: [HCPost +] HCPre / HC head + RMSNorm in one launch ------------------------
@@ -387,13 +394,11 @@ __device__ __forceinline__ void fused_state(const fused_args &a, float *sv, int6
                 const float yq[4] = {y4.x, y4.y, y4.z, y4.w};
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    float acc = __fmul_rn(post[k], yq[q]);
+                    float xq[kMaxHc];  // lane q of every stream's float4
 #pragma unroll
-                    for (int j = 0; j < kMaxHc; ++j) {
-                        const float xq = q == 0 ? xo[j].x : q == 1 ? xo[j].y : q == 2 ? xo[j].z : xo[j].w;
-                        if (j < N) acc = __fadd_rn(acc, __fmul_rn(comb[j * N + k], xq));
-                    }
-                    r[q] = acc;
+                    for (int j = 0; j < kMaxHc; ++j)
+                        xq[j] = q == 0 ? xo[j].x : q == 1 ? xo[j].y : q == 2 ? xo[j].z : xo[j].w;
+                    r[q] = hc_post_elem(post, comb, N, k, yq[q], xq);
                 }
                 const int64_t e = k * D + i;
                 const float4 r4 = make_float4(r[0], r[1], r[2], r[3]);
@@ -408,10 +413,7 @@ __device__ __forceinline__ void fused_state(const fused_args &a, float *sv, int6
             for (int j = 0; j < kMaxHc; ++j) xo[j] = j < N ? a.x[j * D + i] : 0.0f;
             const float yi = a.y[i];
             for (int k = 0; k < N; ++k) {
-                float acc = __fmul_rn(post[k], yi);
-#pragma unroll
-                for (int j = 0; j < kMaxHc; ++j)
-                    if (j < N) acc = __fadd_rn(acc, __fmul_rn(comb[j * N + k], xo[j]));
+                const float acc = hc_post_elem(post, comb, N, k, yi, xo);
                 const int64_t e = k * D + i;
                 sv[e] = acc;
                 if (e >= lo && e < hi) a.x_new[e] = acc;
@@ -655,10 +657,7 @@ __device__ __forceinline__ void split_state_store(const fused_args &a, float *vs
         for (int j = 1; j < kMaxHc; ++j)
             if (j == k) v = xo[j];
         if (live && a.y) {  // hc_post_kernel's operations in its order
-            v = __fmul_rn(post[k], yi);
-#pragma unroll
-            for (int j = 0; j < kMaxHc; ++j)
-                if (j < N) v = __fadd_rn(v, __fmul_rn(comb[j * N + k], xo[j]));
+            v = hc_post_elem(post, comb, N, k, yi, xo);
             a.x_new[k * D + i] = v;
         }
         vs[k * C + tid] = live ? v : 0.0f;

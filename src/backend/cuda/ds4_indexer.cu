@@ -33,6 +33,7 @@
 #include <cooperative_groups.h>
 #endif
 
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_mma.cuh"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -638,11 +639,8 @@ void indexer_run(const float *q, const float *w, float w_scale, const void *rows
         per_group = std::min<int64_t>(n_tok, static_cast<int64_t>(score_floats / static_cast<size_t>(max_n)));
     }
     per_group = std::min<int64_t>(per_group, 65535);  // grid y
-    int dev = 0, sms = 0, cc_major = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev);
-    sms = std::max(sms, 1);
+    const device_caps *caps = current_device_caps();  // null (query failed): 1 SM, no tensor cores
+    const int sms = std::max(caps ? caps->sm_count : 0, 1), cc_major = caps ? caps->cc_major : 0;
     for (int64_t t0 = 0; t0 < n_tok; t0 += per_group) {
         idx_group grp;
         grp.t0 = t0;
