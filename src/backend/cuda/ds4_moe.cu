@@ -24,7 +24,9 @@
 //      issues the loads of 3 routed experts x 2 rows before any arithmetic.
 //   staged q8 (default, set_moe_staged): moe_gate_up_staged_kernel / moe_down_staged_kernel copy the
 //      weight rows into shared memory with cp.async first (many KB in flight per SM), then run the
-//      kernels above's per-row arithmetic on them: bit-identical results (see their comments).
+//      kernels above's per-row arithmetic on them: bit-identical results (see their comments). The
+//      routed iq2_xxs rows read their slab with 32-bit shared addresses at lane-constant offsets
+//      (gate_up_iq2_staged: 13 % fewer instructions than the generic loads, gate/up 29.4 -> 26.4 us).
 //   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
 //      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel), down
 //      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round.
@@ -42,6 +44,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/cuda_smem.cuh"
 #include "backend/cuda/cuda_kernels.h"
@@ -675,7 +678,8 @@ __device__ __forceinline__ gu_slab gu_slab_at(const gate_up_args &a, const gu_st
 }
 
 // All threads: cp.async of slab k's gate rows to stage[0, n * rb) and up rows to stage[half, ..).
-// Sources and row_bytes are 16-byte multiples (checked at launch).
+// Sources and row_bytes are 16-byte multiples (checked at launch). One loop over the chunks of both
+// matrices (the same offset in each), so the index math is paid once per two copies.
 __device__ __forceinline__ void gu_issue(const gate_up_args &a, const gu_stage_cfg &c, const gu_slab &k,
                                          uint8_t *stage) {
     if (k.n <= 0) return;
@@ -683,10 +687,63 @@ __device__ __forceinline__ void gu_issue(const gate_up_args &a, const gu_stage_c
     const bank_dev &g = routed ? a.g : a.gs, &u = routed ? a.up : a.us;
     const uint8_t *sg = row_ptr(g, k.e, k.r0), *su = row_ptr(u, k.e, k.r0);
     const int chunks = k.n * static_cast<int>(g.row_bytes / 16);  // per matrix
-    for (int q = static_cast<int>(threadIdx.x); q < 2 * chunks; q += static_cast<int>(blockDim.x)) {
-        const bool up = q >= chunks;
-        const int off = 16 * (up ? q - chunks : q);
-        cp_async16(stage + (up ? c.half : 0) + off, (up ? su : sg) + off);
+    for (int q = static_cast<int>(threadIdx.x); q < chunks; q += static_cast<int>(blockDim.x)) {
+        cp_async16(stage + 16 * q, sg + 16 * q);
+        cp_async16(stage + c.half + 16 * q, su + 16 * q);
+    }
+}
+
+// 32-bit shared-memory loads (address from smem_addr): the staged kernels' fast paths read their
+// slabs this way, so the per-unit index math stays 32-bit and the loads are LDS, not generic 64-bit
+// loads. Volatile with a memory clobber: they stay after the cp.async wait and barrier that make the
+// slab visible.
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t lds_u32(uint32_t a) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ float lds_f16(uint32_t a) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a) : "memory");
+    return __half2float(__ushort_as_half(v));
+}
+
+// gu_compute's routed iq2_xxs fast path (the warp has both its rows, whole rounds of 32 units): rows
+// 2w and 2w + 1 of the slab, gate at g0 and g0 + rb, up at + half (shared addresses). Lane l's units
+// l + 32 k lie in block (l >> 3) + 4 k, group l & 7 of a row: bytes 66 (l >> 3) + 2 + 8 (l & 7) + 264 k,
+// so the offsets and the 2- or 4-byte alignment (the funnel shift of ld8_a2) are the lane's, fixed for
+// the loop. Same units per lane in the same order, same x_q8 loads and dot_q8x as gate_up_rows_q8<
+// iq2_xxs, 2>: bit-identical. Reads up to 4 bytes past a row (the stage's spare bytes cover the last).
+__device__ __forceinline__ void gate_up_iq2_staged(uint32_t g0, uint32_t rb, uint32_t half, int units, int lane,
+                                                   const ds4q::q8_blk *xs, const uint64_t *grid,
+                                                   float (&ag)[kRoutedRows], float (&au)[kRoutedRows]) {
+    static_assert(kRoutedRows == 2, "rows 2w, 2w + 1");
+    const uint32_t boff = 66u * static_cast<uint32_t>(lane >> 3);
+    const uint32_t goff = boff + 2u + 8u * static_cast<uint32_t>(lane & 7);
+    const uint32_t aoff = goff & ~3u, sh = (goff & 2u) * 8u;  // sh: 0 or 16
+    const uint32_t row[4] = {g0, g0 + half, g0 + rb, g0 + rb + half};  // gate 0, up 0, gate 1, up 1
+#pragma unroll 2
+    for (int u = lane; u < units; u += 32) {
+        const uint32_t o = 264u * static_cast<uint32_t>(u >> 5);
+        ds4q::unit_dot<dtype::iq2_xxs> w[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const uint32_t p = row[r] + aoff + o;
+            const uint32_t w0 = lds_u32(p), w1 = lds_u32(p + 4), w2 = lds_u32(p + 8);
+            w[r].d = lds_f16(row[r] + boff + o);
+            w[r].a0 = __funnelshift_r(w0, w1, sh);
+            w[r].a1 = __funnelshift_r(w1, w2, sh);
+            w[r].base = 32 * u;
+        }
+        ds4q::x_q8<dtype::iq2_xxs> x;
+        x.load(xs, u);
+        ag[0] += ds4q::dot_q8x<dtype::iq2_xxs>(w[0], x, grid);
+        au[0] += ds4q::dot_q8x<dtype::iq2_xxs>(w[1], x, grid);
+        ag[1] += ds4q::dot_q8x<dtype::iq2_xxs>(w[2], x, grid);
+        au[1] += ds4q::dot_q8x<dtype::iq2_xxs>(w[3], x, grid);
     }
 }
 
@@ -715,7 +772,14 @@ __device__ __forceinline__ void gu_compute(const gate_up_args &a, const gu_stage
         float ag[kRoutedRows], au[kRoutedRows];
 #pragma unroll
         for (int i = 0; i < kRoutedRows; ++i) ag[i] = au[i] = 0.0f;
-        gate_up_rows_q8<TR, kRoutedRows>(rg, ru, units, lane, xs, grid, ag, au);
+        bool fast = false;
+        if constexpr (TR == dtype::iq2_xxs)
+            if (nw == kRoutedRows && units % 32 == 0) {  // warp-uniform
+                gate_up_iq2_staged(smem_addr(rg[0]), static_cast<uint32_t>(rb), static_cast<uint32_t>(c.half), units,
+                                   lane, xs, grid, ag, au);
+                fast = true;
+            }
+        if (!fast) gate_up_rows_q8<TR, kRoutedRows>(rg, ru, units, lane, xs, grid, ag, au);
         const float wmul = a.wts ? a.wts[k.slot] : 1.0f;
         float *hrow = a.h + static_cast<int64_t>(a.s0 + k.slot) * F + k.r0 + kRoutedRows * warp;
 #pragma unroll
@@ -1213,14 +1277,9 @@ struct device_info {
     size_t smem_optin = 0;  // dynamic shared memory one block may opt in to
 };
 device_info current_device() {
-    device_info d;
-    int smem = 0;
-    if (cudaGetDevice(&d.id) != cudaSuccess ||
-        cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.id) != cudaSuccess ||
-        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, d.id) != cudaSuccess || d.sms < 1)
-        throw error("cuda ds4 moe: cannot query the device");
-    d.smem_optin = static_cast<size_t>(smem);
-    return d;
+    const device_caps *caps = current_device_caps();  // queried once per device
+    if (!caps || caps->sm_count < 1) throw error("cuda ds4 moe: cannot query the device");
+    return {caps->ordinal, caps->sm_count, static_cast<size_t>(caps->smem_optin)};
 }
 
 void check_launch(const char *what) {
