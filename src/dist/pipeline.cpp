@@ -140,12 +140,22 @@ void pipeline_rank::send_on(const int64_t *hdr, std::span<const int32_t> tokens,
 
 void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
                             std::span<float> logits) {
+    begin_forward(tokens, positions, logits);
+    finish_forward();
+}
+
+void pipeline_rank::begin_forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                                  std::span<float> logits) {
     if (rank_ != 0) throw error("dist: forward() is for rank 0, called on rank " + std::to_string(rank_));
+    if (pending_) throw error("dist: a forward is already outstanding on this pipeline (finish it first)");
     const size_t n = tokens.size(), V = static_cast<size_t>(m_.hp.n_vocab);
     const size_t S = static_cast<size_t>(m_.hp.n_hc) * static_cast<size_t>(m_.hp.n_embd);
     if (positions.size() != n)
         throw error("dist: " + std::to_string(n) + " tokens but " + std::to_string(positions.size()) + " positions");
-    if (n == 0) return;
+    if (n == 0) {
+        pending_ = std::span<float>();  // nothing was sent: nothing comes back
+        return;
+    }
     const int64_t mode = logits.empty() ? logits_none : logits.size() == V ? logits_last : logits_all;
     if (mode == logits_all && logits.size() != n * V)
         throw error("dist: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
@@ -173,7 +183,16 @@ void pipeline_rank::forward(std::span<const int32_t> tokens, std::span<const int
         const int64_t hdr[header_len] = {op_forward, static_cast<int64_t>(k), piece_mode, past};
         send_on(hdr, tk, ps, xk);
     }
-    if (last > 0 && mode != logits_none) t_.recv(last, logits.data(), logits.size_bytes());
+    // Only the last rank's reply is left to wait for (one rank: the logits are written already).
+    pending_ = last > 0 && mode != logits_none ? logits : std::span<float>();
+}
+
+void pipeline_rank::finish_forward() {
+    if (rank_ != 0) throw error("dist: forward() is for rank 0, called on rank " + std::to_string(rank_));
+    if (!pending_) throw error("dist: no forward outstanding on this pipeline to finish");
+    const std::span<float> out = *pending_;
+    pending_.reset();  // a failed receive below also ends the forward (the pipeline is torn down then)
+    if (!out.empty()) t_.recv(t_.size() - 1, out.data(), out.size_bytes());
 }
 
 void pipeline_rank::set_micro_batch(int64_t tokens) {
@@ -190,6 +209,9 @@ int64_t pipeline_rank::forward_messages(size_t n, size_t logits_floats) const {
 
 void pipeline_rank::reset() {
     if (rank_ != 0) throw error("dist: reset() is for rank 0, called on rank " + std::to_string(rank_));
+    // The outstanding forward's logits would still arrive after the reset and be taken for a later one's.
+    if (pending_)
+        throw error("dist: reset() while a forward is outstanding on this pipeline (finish it first)");
     fresh_state();
     if (t_.size() > 1) {
         const int64_t hdr[header_len] = {op_reset, 0, 0, 0};
@@ -281,7 +303,17 @@ local_pipeline::~local_pipeline() = default;  // ~local_group stops rank 0's pee
 
 void local_pipeline::forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
                              std::span<float> logits) {
-    p_->driver().forward(tokens, positions, logits);
+    submit(tokens, positions, logits);
+    collect();
+}
+
+void local_pipeline::submit(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                            std::span<float> logits) {
+    p_->driver().begin_forward(tokens, positions, logits);
+}
+
+void local_pipeline::collect() {
+    p_->driver().finish_forward();
 }
 
 void local_pipeline::reset() {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -67,7 +68,20 @@ class pipeline_rank {
 
     // Rank 0: evaluate `tokens` at `positions` (n_past, n_past+1, ...) through every rank. `logits`
     // is empty (no logits), [n_vocab] (last token) or [n, n_vocab] (every token).
+    // forward() = begin_forward() + finish_forward().
     void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    // Rank 0, the two halves of forward(), so that one thread can keep several pipelines busy (the
+    // DS4 engine's in-flight batches): begin_forward checks the request, runs rank 0's blocks on the
+    // calling thread and sends the state on (every micro-batch of it), returning while the later
+    // ranks still compute; finish_forward waits for the last rank's logits into the `logits` given to
+    // begin_forward, which must stay valid until then (one rank: written by begin_forward already).
+    // At most one forward is outstanding: begin_forward or reset() before finish_forward throws,
+    // changing nothing, and so does finish_forward without an outstanding forward. A failure of any
+    // rank surfaces in one of the two; the pipeline must then be torn down (see the banner).
+    void begin_forward(std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                       std::span<float> logits);
+    void finish_forward();
+    bool forward_outstanding() const { return pending_.has_value(); }
     // Rank 0: split forward()s of more than `tokens` tokens (0 = never) into micro-batches of `tokens`
     // sent down the pipeline back to back, so the stages overlap: rank r works on micro-batch k while
     // rank r + 1 works on k - 1. Only the last micro-batch asks for logits; a forward that wants every
@@ -109,6 +123,9 @@ class pipeline_rank {
     std::vector<ds4::layer_state> layers_;  // states of this rank's blocks only (CPU)
     int64_t n_past_ = 0;
     int64_t micro_batch_ = 0;  // rank 0: set_micro_batch
+    // Rank 0, between begin_forward and finish_forward: where the last rank's logits go (empty: nothing
+    // comes back, i.e. no logits asked, no tokens, or one rank that computed them itself).
+    std::optional<std::span<float>> pending_;
     stage_device dev_;
     struct gpu_stage;
     std::unique_ptr<gpu_stage> gpu_;  // CUDA stage (dev_.cuda_device >= 0)
@@ -132,9 +149,9 @@ class local_pipeline {
                    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
     // Rank r evaluates on devices[r] (devices.size() == ranges.size()); CPU ranks use `exec`. The
     // ranks are built on the calling thread (a CUDA stage allocates its sequence there); a rank that
-    // cannot be built throws here, before any thread starts. `exec.pool` may be shared by the ranks:
-    // they run one at a time as long as the caller waits for each forward's logits (a forward without
-    // logits returns once rank 0 has sent its state on, while the later ranks still compute).
+    // cannot be built throws here, before any thread starts. `exec.pool` may be shared by the ranks
+    // (and by other pipelines): its callers take turns, one job at a time. A forward without logits,
+    // or a submit, returns once rank 0 has sent its state on, while the later ranks still compute.
     local_pipeline(const ds4::model &m, std::vector<layer_range> ranges, ds4::qat_mode qat, kv_precision kv,
                    ds4::exec_options exec, std::vector<stage_device> devices,
                    std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
@@ -143,6 +160,13 @@ class local_pipeline {
     local_pipeline &operator=(const local_pipeline &) = delete;
     // As pipeline_rank::forward / reset on rank 0; an error on any rank surfaces here.
     void forward(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    // As pipeline_rank::begin_forward / finish_forward on rank 0 (forward() is submit + collect): submit
+    // returns once rank 0 has sent its state on, so the caller can submit to other pipelines (other
+    // sequences) while this one's later ranks compute; collect waits for the logits. One outstanding
+    // submit per pipeline; `logits` must stay valid until collect. Destroying the pipeline with a
+    // submit outstanding is safe (its logits are dropped).
+    void submit(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> logits);
+    void collect();
     void reset();
     void set_micro_batch(int64_t tokens);  // pipeline_rank::set_micro_batch on rank 0
     int64_t n_past() const;

@@ -20,6 +20,9 @@
 // the engine's thread pool, which serves one caller at a time), and every chunk asks for logits so
 // the pipeline is idle again when forward returns. A pipeline that threw is torn down (its ranks'
 // states disagree) and the session starts afresh with a new one.
+// In-flight batches: the engine's sync_step / decode_step (the server's scheduler step) submit every
+// item that is a one-chunk append on its session's pipeline before collecting any (run_inflight), so
+// the stages work on different sequences at once; the other items go through sync / eval afterwards.
 // With engine_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
 // every block on its share of heads and experts, src/dist/tp.h); the same rules apply.
 // With engine_options::rank_procs, ranks 1.. are child processes shared by all sessions
@@ -35,6 +38,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -114,6 +118,15 @@ struct device_ranks {
         else
             tp->forward(toks, pos, logits);
     }
+    // In-process pipeline only (ds4_engine::inflight): forward() split in two (local_pipeline::submit).
+    void submit(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> logits) {
+        if (!pipeline) throw error("dist: in-flight forwards need an in-process pipeline");
+        pipeline->submit(toks, pos, logits);
+    }
+    void collect() {
+        if (!pipeline) throw error("dist: in-flight forwards need an in-process pipeline");
+        pipeline->collect();
+    }
     void reset() {
         if (procs)
             procs->with_session(sid, [&] { pipe0 ? pipe0->reset() : tp0->reset(); });
@@ -191,6 +204,19 @@ class ds4_session final : public session {
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override;
+
+    // ---- in-flight batches (ds4_engine::run_inflight, engine in-process pipelines only) ----
+    const ds4_engine &owner() const { return e_; }
+    // True when eval(toks) would be one pipeline forward that cannot fail its checks: 1..n_batch tokens
+    // inside the vocabulary and the context. Anything else takes eval / sync (which report the error).
+    bool appends_in_one_forward(std::span<const int32_t> toks) const;
+    // eval(toks) in two halves, the caller holding the engine's forward mutex across both:
+    // submit_append starts the pipeline forward (last-token logits into logits_) and returns while
+    // the later ranks compute; collect_append waits for it and appends toks (which must stay valid;
+    // the same span) to the held tokens. A failure in either tears the pipeline down and leaves the
+    // session empty, as eval does, and rethrows.
+    void submit_append(std::span<const int32_t> toks);
+    void collect_append(std::span<const int32_t> toks);
 
   private:
     bool on_gpu() const;
@@ -331,7 +357,26 @@ class ds4_engine final : public engine {
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_batch() const { return n_batch_; }
 
+    // In-process pipelines: the one-forward appends of a step are kept in flight together
+    // (run_inflight), then the other items run through session::sync / eval. Every other engine kind
+    // (one device, tp, rank processes) takes engine::decode_step / engine::sync_step's defaults.
+    void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
+    void sync_step(std::span<const sync_item> items) override;
+
   private:
+    // Several devices as in-process pipeline ranks (threads): not tp (its ranks all-reduce inside
+    // every block, so a rank cannot run ahead on another sequence) and not rank processes (one shared
+    // link whose children step one session per control message).
+    bool inflight() const { return !ranges_.empty() && tp_size_ == 0 && !procs_; }
+    // One session's share of an in-flight batch: `toks` appended in one pipeline forward.
+    struct append_work {
+        ds4_session *s = nullptr;
+        std::span<const int32_t> toks;
+    };
+    ds4_session &step_session(session *p, size_t i, const char *what,
+                              std::vector<const session *> &seen) const;
+    void run_inflight(const std::vector<append_work> &work);
+
     const tokenizer &tok() const {
         if (!tok_) throw error(opts_.model_path + ": the file has no tokenizer (tokenizer.ggml.model)");
         return *tok_;
@@ -696,6 +741,130 @@ void ds4_session::sync(std::span<const int32_t> prefix, const std::function<void
         return;
     }
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
+}
+
+bool ds4_session::appends_in_one_forward(std::span<const int32_t> toks) const {
+    const int64_t n = static_cast<int64_t>(toks.size()), n_vocab = e_.model().hp.n_vocab;
+    // eval_chunks' checks (context, vocabulary) and its chunking (one chunk: at most n_batch tokens).
+    if (!on_pipeline() || n < 1 || n > e_.n_batch() || n_past() + n > e_.n_ctx()) return false;
+    return std::all_of(toks.begin(), toks.end(), [&](int32_t t) { return t >= 0 && t < n_vocab; });
+}
+
+void ds4_session::submit_append(std::span<const int32_t> toks) {
+    std::vector<int64_t> pos(toks.size());  // sent by submit (copied): need not outlive it
+    std::iota(pos.begin(), pos.end(), n_past());
+    have_logits_ = false;
+    logits_on_device_ = false;
+    try {
+        if (!pl_) pl_ = e_.new_pipeline();
+        pl_->submit(toks, pos, logits_);  // the last token's logits land in logits_ at collect
+    } catch (...) {
+        pl_.reset();  // as forward_chunk / eval_chunks: the ranks' states disagree; hold nothing
+        reset();
+        throw;
+    }
+}
+
+void ds4_session::collect_append(std::span<const int32_t> toks) {
+    try {
+        if (!pl_) throw error("ds4: collect without a submitted forward");
+        pl_->collect();
+    } catch (...) {
+        pl_.reset();
+        reset();
+        throw;
+    }
+    tokens_.insert(tokens_.end(), toks.begin(), toks.end());
+    have_logits_ = true;
+}
+
+// ---- in-flight batches ------------------------------------------------------------------------------
+// Per session, what eval / sync would do, but the forwards of all sessions are submitted before any is
+// collected: on the calling thread rank 0 of session B's pipeline runs its blocks while rank 1 of A's
+// (its own thread) runs A's, and so on down the stages, so with one device per stage every stage can
+// be busy with a different sequence. Each pipeline holds only its own session's state, so the logits
+// are those of the session alone bit for bit (batch invariance). The forward mutex is held across the
+// batch (CPU ranks share the thread pool; no rank computes once it is released).
+
+ds4_session &ds4_engine::step_session(session *p, size_t i, const char *what,
+                                      std::vector<const session *> &seen) const {
+    const std::string who = std::string(what) + ": item " + std::to_string(i);
+    if (!p) throw error(who + " has no session");
+    auto *s = dynamic_cast<ds4_session *>(p);
+    if (!s || &s->owner() != this) throw error(who + ": session not created by this engine");
+    if (std::find(seen.begin(), seen.end(), p) != seen.end()) throw error(who + ": session appears twice");
+    seen.push_back(p);
+    return *s;
+}
+
+void ds4_engine::run_inflight(const std::vector<append_work> &work) {
+    if (work.empty()) return;
+    std::exception_ptr first;  // the first failure, rethrown once every submitted forward is collected
+    std::vector<bool> submitted(work.size(), false);
+    std::lock_guard<std::mutex> lock(forward_mutex_);
+    for (size_t k = 0; k < work.size(); ++k) {
+        try {
+            work[k].s->submit_append(work[k].toks);
+            submitted[k] = true;
+        } catch (...) {
+            if (!first) first = std::current_exception();
+        }
+    }
+    for (size_t k = 0; k < work.size(); ++k) {
+        if (!submitted[k]) continue;
+        try {
+            work[k].s->collect_append(work[k].toks);
+        } catch (...) {
+            if (!first) first = std::current_exception();
+        }
+    }
+    if (first) std::rethrow_exception(first);
+}
+
+void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
+    if (!inflight()) {
+        engine::decode_step(sessions, tokens);
+        return;
+    }
+    if (sessions.size() != tokens.size())
+        throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
+                    std::to_string(tokens.size()) + " tokens");
+    std::vector<append_work> fast;
+    std::vector<size_t> slow;  // through session::eval (which reports what it refuses), after the batch
+    std::vector<const session *> seen;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+        ds4_session &s = step_session(sessions[i], i, "decode_step", seen);
+        if (s.appends_in_one_forward(tokens.subspan(i, 1)))
+            fast.push_back({&s, tokens.subspan(i, 1)});
+        else
+            slow.push_back(i);
+    }
+    run_inflight(fast);
+    for (size_t i : slow) sessions[i]->eval(tokens.subspan(i, 1));
+}
+
+void ds4_engine::sync_step(std::span<const sync_item> items) {
+    if (!inflight()) {
+        engine::sync_step(items);
+        return;
+    }
+    std::vector<append_work> fast;
+    std::vector<size_t> slow;  // through session::sync (reuse, truncation, long prompts), after the batch
+    std::vector<const session *> seen;
+    for (size_t i = 0; i < items.size(); ++i) {
+        ds4_session &s = step_session(items[i].sess, i, "sync_step", seen);
+        // A pure append (what the session holds is a proper prefix of the item's prefix) of one chunk:
+        // sync would evaluate exactly prefix[held, end) with eval, whatever want_logits says.
+        const std::vector<int32_t> &held = s.tokens();
+        const std::span<const int32_t> p = items[i].prefix;
+        const bool appends = p.size() > held.size() && std::equal(held.begin(), held.end(), p.begin());
+        if (appends && s.appends_in_one_forward(p.subspan(held.size())))
+            fast.push_back({&s, p.subspan(held.size())});
+        else
+            slow.push_back(i);
+    }
+    run_inflight(fast);
+    for (size_t i : slow) items[i].sess->sync(items[i].prefix);
 }
 
 }  // namespace
