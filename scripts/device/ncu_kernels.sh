@@ -4,16 +4,7 @@
 # stall samples) of the first matching launches to $OUT. Unpacks .cuda-pack/carry.tgz like the other scripts.
 # Usage (device): bash scripts/device/ncu_kernels.sh 'gtest filter' 'kernel regex' [launch count] [launch skip]
 set -u
-here=$(cd "$(dirname "$0")/../.." && pwd)
-out="${OUT:-$here/cuda-out}"
-mkdir -p "$out"
-[ -d "$here/.cuda-carry" ] || tar -C "$here" -xzf "$here/.cuda-pack/carry.tgz"
-c="$here/.cuda-carry"
-export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-. "$here/scripts/device/cuda_libs.sh"
-cuda_libs "$c/test_cuda"
-ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-[ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
+. "$(dirname "$0")/ncu_env.sh"
 FATHOM_DS4_BENCH=1 timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none -k "regex:$2" \
     --launch-count "${3:-2}" --launch-skip "${4:-0}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

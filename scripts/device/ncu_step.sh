@@ -8,15 +8,7 @@
 # $OUT/step.csv (one row per kernel: name, duration) for an offline breakdown.
 # Usage (device): bash scripts/device/ncu_step.sh [depth] [launch skip] [launch count]   (NCU_BENCH_ARGS: more bench flags)
 set -u
-here=$(cd "$(dirname "$0")/../.." && pwd)
-out="${OUT:-$here/cuda-out}"
-mkdir -p "$out"
-[ -d "$here/.cuda-carry" ] || tar -C "$here" -xzf "$here/.cuda-pack/carry.tgz"
-c="$here/.cuda-carry"
-export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-. "$here/scripts/device/cuda_libs.sh"
-cuda_libs "$c/test_cuda"
-ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+. "$(dirname "$0")/ncu_env.sh"
 m=/tmp/ds4flash-q2.gguf
 [ -f "$m" ] || timeout 240 "$c/fathom-gguf" synth "$m" --preset flash --mix q2 --sparse -q
 timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \

@@ -3,10 +3,13 @@
 // with the unsplit single-rank forward as the reference every split (pipeline, tp) is compared with.
 #pragma once
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <span>
 #include <string>
@@ -14,10 +17,24 @@
 
 #include "core/error.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_synth.h"
 
 namespace dist_test {
 
 using namespace fathom;
+
+// A synthetic DS4 model of geometry hp with seeded weights: written to a per-process temporary file
+// named after `tag` (ctest runs tests in parallel processes), loaded, and unlinked once mapped.
+inline std::unique_ptr<ds4::model> load_synth(const ds4::hparams &hp, uint64_t seed, const std::string &tag) {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / (tag + "_" + std::to_string(::getpid()) + ".gguf")).string();
+    ds4::synth_options o;
+    o.seed = seed;
+    ds4::synth_write(path, hp, o);
+    auto m = ds4::load_model(path);
+    std::filesystem::remove(path);
+    return m;
+}
 
 // The message of the fathom::error that f throws ("" if it returns; any other exception propagates).
 inline std::string error_of(const std::function<void()> &f) {

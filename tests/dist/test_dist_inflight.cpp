@@ -44,17 +44,7 @@ using dist_test::same_bits;
 // Synthetic tiny geometry (6 layers SWA,SWA,CSA,HCA,CSA,HCA; window 32; indexer top-k engaged from
 // position 67), seeded weights; a per-process file (ctest runs tests in parallel), unlinked once mapped.
 const ds4::model &synth_model() {
-    static std::unique_ptr<ds4::model> m = [] {
-        const std::string path = (std::filesystem::temp_directory_path() /
-                                  ("dist_inflight_synth_" + std::to_string(::getpid()) + ".gguf"))
-                                     .string();
-        ds4::synth_options o;
-        o.seed = 11;
-        ds4::synth_write(path, ds4::synth_preset("tiny"), o);
-        auto m = ds4::load_model(path);
-        std::filesystem::remove(path);
-        return m;
-    }();
+    static std::unique_ptr<ds4::model> m = dist_test::load_synth(ds4::synth_preset("tiny"), 11, "dist_inflight_synth");
     return *m;
 }
 

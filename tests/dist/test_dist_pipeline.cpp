@@ -28,17 +28,7 @@ using dist_test::test_tokens;
 // Reduced DS4 geometry (synth "tiny": 6 layers SWA,SWA,CSA,HCA,CSA,HCA; D 128; window 32; indexer
 // top-k 16, engaged from position 67 on), seeded random weights, written once per test binary.
 const ds4::model &synth_model() {
-    static std::unique_ptr<ds4::model> m = [] {
-        // Per-process file (ctest runs tests in parallel processes), unlinked once mapped.
-        const std::string path = (std::filesystem::temp_directory_path() /
-                                  ("dist_pipeline_synth_" + std::to_string(::getpid()) + ".gguf")).string();
-        ds4::synth_options o;
-        o.seed = 7;
-        ds4::synth_write(path, ds4::synth_preset("tiny"), o);
-        auto m = ds4::load_model(path);
-        std::filesystem::remove(path);
-        return m;
-    }();
+    static std::unique_ptr<ds4::model> m = dist_test::load_synth(ds4::synth_preset("tiny"), 7, "dist_pipeline_synth");
     return *m;
 }
 

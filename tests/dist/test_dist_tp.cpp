@@ -42,16 +42,7 @@ std::unique_ptr<ds4::model> make_model(int64_t ff, int n_layer) {
     hp.n_ff_exp = static_cast<int>(ff);
     hp.n_layer = n_layer;
     ds4::synth_fix_layers(hp, 1.5f);
-    const std::string path =
-        (std::filesystem::temp_directory_path() /
-         ("dist_tp_synth_" + std::to_string(::getpid()) + "_" + std::to_string(ff) + ".gguf"))
-            .string();
-    ds4::synth_options o;
-    o.seed = 11;
-    ds4::synth_write(path, hp, o);
-    auto m = ds4::load_model(path);
-    std::filesystem::remove(path);
-    return m;
+    return dist_test::load_synth(hp, 11, "dist_tp_synth_" + std::to_string(ff));
 }
 
 const ds4::model &tp_model() {
