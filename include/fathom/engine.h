@@ -60,12 +60,14 @@ struct engine_options {
     // (rank r on micro-batch k while rank r + 1 is on k - 1); the logits are unchanged (bit for bit).
     // 0 = off (each chunk crosses whole: one device busy at a time).
     int64_t micro_batch = 0;
-    // With `devices` (CPU entries only so far): ranks 1.. run as child processes of this one instead of
-    // threads (`--procs`; docs/dist.md "Several processes"): the engine spawns `rank_command(r, P, id)`
-    // for each, joins them over TCP (src/dist/socket_transport.h) and supervises them. The logits equal
-    // the in-process ranks' bit for bit. A rank process that exits fails the in-flight and every later
-    // forward with "dist: rank R (pid N) exited: <status>", the other ranks are stopped, and
-    // on_rank_failure (if set) is called once with that line (from a supervisor thread).
+    // With `devices` (CPU and CUDA entries; layout tp: CPU only): ranks 1.. run as child processes of this
+    // one instead of threads (`--procs`; docs/dist.md "Several processes"): the engine spawns
+    // `rank_command(r, P, id)` + `--rank-layers <its block ranges> --ctx <its n_ctx>` for each (so every
+    // rank uses rank 0's split and sequence capacity), joins them over TCP (src/dist/socket_transport.h)
+    // and supervises them. Each process uploads only its own CUDA blocks. The logits equal the in-process
+    // ranks' bit for bit. A rank process that exits fails the in-flight and every later forward with
+    // "dist: rank R (pid N) exited: <status>", the other ranks are stopped, and on_rank_failure (if set)
+    // is called once with that line (from a supervisor thread).
     bool rank_procs = false;
     std::string rank_procs_host = "127.0.0.1";  // rank 0's listening address (another host: its address there)
     // Ranks 1..rank_procs_local-1 are spawned; the others (another host) are started by hand with the join
@@ -75,6 +77,10 @@ struct engine_options {
     // `fathom rank ...` with this engine's options).
     std::function<std::vector<std::string>(int rank, int world, const std::string &join_id)> rank_command;
     std::function<void(const std::string &line)> on_rank_failure;
+    // A rank process only (serve_ds4_rank, `fathom rank --rank-layers`): the pipeline's block ranges as
+    // rank 0 chose them, "0-2,3-5" (inclusive block numbers, one range per device); "" = the even split
+    // (CPU entries only). The DS4 engine (rank 0) refuses it; other architectures ignore it.
+    std::string rank_layers;
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";

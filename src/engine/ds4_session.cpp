@@ -29,7 +29,9 @@
 // (dist::rank_procs, spawned at load): a session owns only its rank-0 object (pipeline_rank / tp_rank
 // over the engine's socket link) and a session id; each child keeps that session's rank state and
 // steps it once per operation (src/dist/rank_procs.h). A failure there is final for the engine (a
-// rank process is gone or its states disagree): every later forward throws the same line.
+// rank process is gone or its states disagree): every later forward throws the same line. Rank 0 hands
+// the children its block ranges and n_ctx (start_rank_procs) and uploads only stage 0's CUDA blocks; a
+// CUDA rank process uploads its own range once and shares it between its sessions (serve_ds4_rank).
 #include "engine/ds4_session.h"
 
 #include <unistd.h>
@@ -174,6 +176,41 @@ int online_cores() {
     return n > 0 ? static_cast<int>(n) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// engine_options::n_ctx = 0: the training context (deepseek4.context_length; 0 = unknown), at most 8192.
+// One definition for the engine and its rank processes (a CUDA stage's sequence capacity).
+int64_t default_n_ctx(int64_t n_ctx_train) {
+    return n_ctx_train > 0 ? std::min<int64_t>(n_ctx_train, 8192) : 8192;
+}
+
+// Block ranges -> "0-2,3-5" (inclusive block numbers: dist::parse_layer_ranges' format), the
+// `--rank-layers` that rank 0 hands its rank processes.
+std::string ranges_text(const std::vector<dist::layer_range> &ranges) {
+    std::string out;
+    for (const dist::layer_range &r : ranges) {
+        if (!out.empty()) out += ',';
+        out += std::to_string(r.first);
+        out += '-';
+        out += std::to_string(r.last - 1);
+    }
+    return out;
+}
+
+#ifdef FATHOM_ENGINE_CUDA
+// Upload blocks [lr.first, lr.last) of `m` to CUDA device `ordinal` (a pipeline stage's share: the
+// embedding comes with block 0, the output head with the last block). `progress` may be empty.
+std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int ordinal, dist::layer_range lr,
+                                                      ds4::qat_mode qat, kv_precision kv,
+                                                      const std::function<void(uint64_t, uint64_t)> &progress) {
+    ds4::cuda_run_options co;
+    co.device = ordinal;
+    co.qat = qat;
+    co.kv = kv;
+    co.first_layer = lr.first;
+    co.last_layer = lr.last;
+    return ds4::cuda_upload(m, co, progress);
+}
+#endif
+
 // DeepSeek V4 chat format (src/chat/ds4_chat.h, the official encoder) in chat mode ("</think>"
 // after the Assistant marker), used when the file carries no tokenizer.chat_template. The encoder
 // always ends a conversation whose last turn is the user's with the generation prefix; the engine
@@ -247,6 +284,8 @@ class ds4_engine final : public engine {
         const int ordinal = resolve_cuda_ordinal(o.device);  // -1: CPU; throws for an unusable forced device
         if (!o.devices.empty() && o.device != "cpu")
             throw error("devices '" + o.devices + "' and device '" + o.device + "': give one or the other");
+        if (!o.rank_layers.empty())
+            throw error("rank_layers '" + o.rank_layers + "' is for rank processes (fathom rank) only");
         const std::vector<int> stage_ordinals = o.devices.empty() ? std::vector<int>() : parse_device_list(o.devices);
         const bool any_cpu = o.devices.empty() ? ordinal < 0
                                                : std::find(stage_ordinals.begin(), stage_ordinals.end(), -1) !=
@@ -260,8 +299,7 @@ class ds4_engine final : public engine {
         n_ctx_train_ = file_->get_int("deepseek4.context_length", 0);
         if (n_ctx_train_ < 0 || n_ctx_train_ > INT32_MAX)
             throw error(file_->path() + ": deepseek4.context_length = " + std::to_string(n_ctx_train_) + " out of range");
-        const int64_t def_ctx = n_ctx_train_ > 0 ? std::min<int64_t>(n_ctx_train_, 8192) : 8192;
-        n_ctx_ = o.n_ctx > 0 ? o.n_ctx : def_ctx;
+        n_ctx_ = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(n_ctx_train_);
         // Default chunk: 512 on the CPU, 4096 on one CUDA device (ds4::default_prefill_chunk).
         const bool on_cuda = o.devices.empty() && o.device != "cpu";
         n_batch_ = std::min<int64_t>(o.n_batch > 0 ? o.n_batch : on_cuda ? 4096 : 512, n_ctx_);
@@ -409,17 +447,15 @@ class ds4_engine final : public engine {
 
     // engine_options::devices: one block range per device (the planner's when every device is a CUDA
     // device, else an even split), each CUDA device's blocks uploaded once, info().device naming the
-    // layout ("pipeline: cpu blocks 0-2 | cpu blocks 3-5").
+    // layout ("pipeline: cpu blocks 0-2 | cuda:0 (NVIDIA H200) blocks 3-5"). With rank processes only
+    // stage 0 lives in this process: the later stages' CUDA blocks are uploaded by their rank processes
+    // (which get these ranges from start_rank_procs), so their stages_ entries stay without weights.
     void make_pipeline(const std::vector<int> &ordinals) {
         if (opts_.devices_layout == "tp") {
             make_tp(ordinals);
             return;
         }
         const int P = static_cast<int>(ordinals.size()), L = model_->hp.n_layer;
-        if (opts_.rank_procs && std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) !=
-                                    ordinals.end())
-            throw error("devices '" + opts_.devices + "': rank processes (--procs) run CPU devices only so far "
-                        "(CUDA ranks: in-process --devices, or the NCCL ranks; docs/dist.md)");
         if (P > L)
             throw error("devices '" + opts_.devices + "': " + std::to_string(P) + " devices for a model of " +
                         std::to_string(L) + " blocks (each device needs at least one block)");
@@ -437,19 +473,16 @@ class ds4_engine final : public engine {
             std::string name = "cpu";
             if (st.cuda_device >= 0) {
 #ifdef FATHOM_ENGINE_CUDA
-                ds4::cuda_run_options co;
-                co.device = st.cuda_device;
-                co.qat = qat_;
-                co.kv = opts_.kv;
-                co.first_layer = lr.first;
-                co.last_layer = lr.last;
-                const double fsz = static_cast<double>(file_->size());
-                st.weights = ds4::cuda_upload(*model_, co, [&](uint64_t done, uint64_t total) {
-                    if (!opts_.on_load_progress || total == 0) return;
-                    const double part = (r + static_cast<double>(done) / static_cast<double>(total)) / P;
-                    opts_.on_load_progress(static_cast<uint64_t>(part * fsz), file_->size());
-                });
-                step_bytes += ds4::cuda_bytes_per_token(*st.weights);
+                if (!opts_.rank_procs || r == 0) {
+                    const double fsz = static_cast<double>(file_->size());
+                    st.weights = upload_stage(*model_, st.cuda_device, lr, qat_, opts_.kv,
+                                              [&](uint64_t done, uint64_t total) {
+                        if (!opts_.on_load_progress || total == 0) return;
+                        const double part = (r + static_cast<double>(done) / static_cast<double>(total)) / P;
+                        opts_.on_load_progress(static_cast<uint64_t>(part * fsz), file_->size());
+                    });
+                    step_bytes += ds4::cuda_bytes_per_token(*st.weights);
+                }
                 name = "cuda:" + std::to_string(st.cuda_device) + " (" + cuda_query_memory(st.cuda_device).name + ")";
 #endif
             }
@@ -458,24 +491,36 @@ class ds4_engine final : public engine {
         }
         info_.device = layout;
         if (all_cuda) {
-            info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
+            // With rank processes the later stages' weights are not here: the bytes stay unknown (0).
+            if (!opts_.rank_procs) info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
             ordinal_ = ordinals[0];  // measure_copy_bandwidth: the first stage's device
         }
         if (opts_.rank_procs) start_rank_procs(P);
     }
 
     // engine_options::rank_procs: spawn and join ranks 1..P-1 (rank_command), or wait for those started
-    // by hand; info().device gains their pids.
+    // by hand; info().device gains their pids. Each rank's argv gets what only this engine knows and the
+    // rank must share: the pipeline's block ranges (`--rank-layers`; the planner's choice reads this
+    // process's free device memory, which a rank process would see differently) and the context
+    // (`--ctx`: a CUDA stage's sequence capacity). The printed commands (ranks started by hand) too.
     void start_rank_procs(int P) {
+        const std::string layers = ranges_text(ranges_);  // "" for tp (every rank runs every block)
+        const auto command = [base = opts_.rank_command, layers, n_ctx = n_ctx_](int r, int world,
+                                                                                const std::string &id) {
+            std::vector<std::string> v = base(r, world, id);
+            if (!layers.empty()) v.insert(v.end(), {"--rank-layers", layers});
+            v.insert(v.end(), {"--ctx", std::to_string(n_ctx)});
+            return v;
+        };
         dist::rank_procs_options po;
         po.host = opts_.rank_procs_host;
-        po.command = [cmd = opts_.rank_command, P](int r, const std::string &id) { return cmd(r, P, id); };
+        po.command = [command, P](int r, const std::string &id) { return command(r, P, id); };
         po.spawn = opts_.rank_procs_local > 0 ? opts_.rank_procs_local : -1;
         const int spawn = std::min(po.spawn < 0 ? P : po.spawn, P);
         po.on_listening = [&](const std::string &id) {
             for (int r = std::max(spawn, 1); r < P; ++r) {  // ranks started by hand (another host)
                 std::string line;
-                for (const auto &a : opts_.rank_command(r, P, id)) line += (line.empty() ? "" : " ") + a;
+                for (const auto &a : command(r, P, id)) line += (line.empty() ? "" : " ") + a;
                 std::fprintf(stderr, "dist: waiting for rank %d: start it with: %s\n", r, line.c_str());
             }
         };
@@ -890,31 +935,76 @@ class rank_session final : public dist::session_rank {
     Rank r_;
 };
 
+// A rank process's block ranges (pipeline layout): rank 0's (`--rank-layers`, engine_options::rank_layers),
+// checked to be one range per device tiling the model; without them the even split, which is rank 0's
+// only for lists of CPU entries (with a CUDA entry rank 0 may have used the planner).
+std::vector<dist::layer_range> rank_ranges(const engine_options &o, const std::vector<int> &ordinals, int n_layer) {
+    const int P = static_cast<int>(ordinals.size());
+    if (o.rank_layers.empty()) {
+        if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
+            throw error("rank: devices '" + o.devices + "' have CUDA entries: the block ranges (--rank-layers, "
+                        "given by rank 0) are required");
+        return dist::even_ranges(n_layer, P);
+    }
+    std::vector<dist::layer_range> ranges;
+    try {
+        ranges = dist::parse_layer_ranges(o.rank_layers);
+        if (static_cast<int>(ranges.size()) != P)
+            throw error(std::to_string(ranges.size()) + " ranges for the " + std::to_string(P) + " devices '" +
+                        o.devices + "'");
+        dist::check_ranges(ranges, n_layer);
+    } catch (const std::exception &e) {
+        std::string why = e.what();  // without the "plan: " / "dist: " of the parser / check_ranges
+        if (why.rfind("plan: ", 0) == 0 || why.rfind("dist: ", 0) == 0) why.erase(0, 6);
+        throw error("rank: --rank-layers '" + o.rank_layers + "': " + why);
+    }
+    return ranges;
+}
+
 }  // namespace
 
 void serve_ds4_rank(const engine_options &o, int rank, int world, const std::string &join_id) {
     check_options(o);
     if (o.devices.empty()) throw error("rank: devices (--devices) are required, as given to rank 0");
-    const std::vector<int> ordinals = parse_device_list(o.devices);
+    const std::vector<int> ordinals = parse_device_list(o.devices);  // throws for CUDA entries without CUDA
     const int P = static_cast<int>(ordinals.size());
     if (P != world)
         throw error("rank: world " + std::to_string(world) + " but devices '" + o.devices + "' has " +
                     std::to_string(P) + " entries");
     if (rank < 1 || rank >= P)
         throw error("rank: rank " + std::to_string(rank) + " outside 1.." + std::to_string(P - 1));
-    if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
-        throw error("devices '" + o.devices + "': rank processes run CPU devices only so far");
+    const bool tp = o.devices_layout == "tp";
+    if (tp && std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
+        throw error("devices '" + o.devices + "': layout tp runs on CPU devices only so far (the CUDA "
+                    "tensor-parallel forward is not built; docs/dist.md); use the pipeline layout");
+    if (tp && !o.rank_layers.empty())
+        throw error("rank: --rank-layers '" + o.rank_layers + "' is for the pipeline layout, not tp");
     const ds4::qat_mode qat = parse_qat(o.ds4_qat);
     std::shared_ptr<const gguf::file> file = gguf::file::open(o.model_path);
     if (file->get_string("general.architecture", "") != "deepseek4")
         throw error(o.model_path + ": rank processes serve DeepSeek V4 (deepseek4) models only");
     const std::unique_ptr<ds4::model> m = ds4::load_model(file);
-    // The same split as rank 0's engine (make_pipeline / make_tp with CPU entries).
+    // The same split as rank 0's engine (make_pipeline / make_tp).
     std::vector<dist::layer_range> ranges;
-    if (o.devices_layout == "tp")
+    if (tp)
         dist::tp_check(*m, P);
     else
-        ranges = dist::even_ranges(m->hp.n_layer, P);
+        ranges = rank_ranges(o, ordinals, m->hp.n_layer);
+    // A CUDA stage (pipeline layout): this rank's blocks uploaded once for the process, shared by every
+    // session's pipeline_rank (a session costs only its KV state), as make_pipeline does for stage r.
+    // Uploaded before the join, so a failure here ends the load of rank 0 with this process's status.
+    dist::stage_device dev;
+    dev.cuda_device = ordinals[static_cast<size_t>(rank)];
+    if (dev.cuda_device >= 0) {
+#ifdef FATHOM_ENGINE_CUDA
+        // Rank 0 passes its n_ctx (--ctx); without it, the engine's default for this file.
+        dev.n_ctx = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(file->get_int("deepseek4.context_length", 0));
+        dev.cuda_graphs = o.cuda_graphs;
+        dev.weights = upload_stage(*m, dev.cuda_device, ranges[static_cast<size_t>(rank)], qat, o.kv, {});
+#else
+        throw error("devices '" + o.devices + "': CUDA entries need a build with CUDA (-DFATHOM_CUDA=ON)");
+#endif
+    }
     cpu::thread_pool pool(o.n_threads > 0 ? o.n_threads : online_cores());
     ds4::exec_options exec;
     exec.pool = &pool;
@@ -924,9 +1014,8 @@ void serve_ds4_rank(const engine_options &o, int rank, int world, const std::str
     so.join_timeout = std::chrono::minutes(10);
     const std::unique_ptr<dist::socket_transport> t = dist::make_socket_transport(rank, P, join_id, so);
     dist::serve_sessions(*t, [&]() -> std::unique_ptr<dist::session_rank> {
-        if (o.devices_layout == "tp") return std::make_unique<rank_session<dist::tp_rank>>(*m, *t, qat, o.kv, exec);
-        return std::make_unique<rank_session<dist::pipeline_rank>>(*m, ranges, *t, qat, o.kv, exec,
-                                                                   dist::stage_device{});
+        if (tp) return std::make_unique<rank_session<dist::tp_rank>>(*m, *t, qat, o.kv, exec);
+        return std::make_unique<rank_session<dist::pipeline_rank>>(*m, ranges, *t, qat, o.kv, exec, dev);
     });
 }
 

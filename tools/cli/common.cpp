@@ -115,8 +115,8 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->check(at_least(0))
         ->needs(devices);
     CLI::Option *procs = cmd->add_flag("--procs", a.procs,
-                  "With --devices (CPU entries): run ranks 1.. as child processes joined over TCP instead of "
-                  "threads; a rank that dies ends the command with one line (docs/dist.md)")
+                  "With --devices: run ranks 1.. as child processes joined over TCP instead of threads (each "
+                  "uploads its own CUDA blocks); a rank that dies ends the command with one line (docs/dist.md)")
         ->needs(devices);
     cmd->add_option("--procs-host", a.procs_host,
                     "With --procs: rank 0's listening address (loopback by default; for ranks on another host, "
@@ -266,7 +266,8 @@ engine_options engine_options_of(const model_args &a) {
             if (a.procs_local == 0 || rank < a.procs_local)
                 v.insert(v.end(), {"--parent-pid", std::to_string(static_cast<long>(::getpid()))});
             if (a.threads > 0) v.insert(v.end(), {"-t", std::to_string(a.threads)});
-            if (a.ctx > 0) v.insert(v.end(), {"--ctx", std::to_string(a.ctx)});
+            if (a.no_cuda_graph) v.push_back("--no-cuda-graph");
+            // The engine appends --rank-layers (its block ranges) and --ctx (its context) itself.
             return v;
         };
     }

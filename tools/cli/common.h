@@ -64,7 +64,8 @@ std::unique_ptr<engine> load_engine(const model_args &a,
                                     std::function<void(const std::string &line)> on_rank_failure = {});
 
 // The engine_options of `a` (model path resolved; no progress callback). With --procs, rank_command gives
-// `<this executable> rank --rank R --world P --join ID --parent-pid <this pid> <a's options>`.
+// `<this executable> rank --rank R --world P --join ID --parent-pid <this pid> <a's options>` (the engine
+// appends `--rank-layers` and `--ctx`).
 engine_options engine_options_of(const model_args &a);
 
 // Integer-range checks whose error reads "--opt: must be >= 0, got -3".
