@@ -236,6 +236,8 @@ TEST_F(CudaDs4PrefillRows, HeadNormRopeBatchMatchesDecode) {
 // Chunk rows (and the in-place kv) against the ring rows n_tok decode steps write: the reference ring
 // is large enough (window >= first + n_tok) that ring row p is position p. f16 and f32 rows with a
 // padded stride (padding must stay 0xFF), QAT none / fp8_nope, warp path (512) and block path (192).
+// At d = 512 the decode stores run the split kernel (one 64-dim slice per warp) and the batch of 6 or 45
+// the one-warp-per-token kernel: the two must agree bit for bit.
 TEST_F(CudaDs4PrefillRows, KvFinishBatchMatchesDecodeRing) {
     const int nr = 64;
     const cd::rope_args r = rope(nr, true);

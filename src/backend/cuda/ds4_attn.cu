@@ -144,6 +144,33 @@ __global__ void __launch_bounds__(kWarpRowThreads)
     wrow_store_row(v, kv_dst(ring, ring_stride, window, p, t), ring_f16);
 }
 
+// The decode step's one KV row over NP warps (srow_finish: slice j = warp j; bit-identical to
+// kv_finish_store_warp_kernel's single warp): the step's KV branch (this, then the compressor) ran
+// longer than the query path, and one warp's serial chain (RMSNorm, double cos/sin, FP8 per slice) was
+// most of this kernel's 11 us. kv [64 NP] finished in place at *pos and stored (kv_dst, token 0).
+template <int NP>
+__global__ void __launch_bounds__(32 * NP)
+    kv_finish_store_split_kernel(float *kv, const float *__restrict__ norm_w, float eps,
+                                 const float *__restrict__ freq, int n_rot, qat_kind qat, uint8_t *ring,
+                                 bool ring_f16, size_t ring_stride, int window, const int64_t *__restrict__ pos) {
+    __shared__ float2 sv[NP][32];
+    const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t p = *pos;
+    float v[2] = {kv[64 * j + 2 * lane], kv[64 * j + 2 * lane + 1]};
+    srow_finish<NP>(v, sv, norm_w, eps, freq, n_rot, p, qat);
+    kv[64 * j + 2 * lane] = v[0];
+    kv[64 * j + 2 * lane + 1] = v[1];
+    uint8_t *dst = kv_dst(ring, ring_stride, window, p, 0);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int i = 64 * j + 2 * lane + k;
+        if (ring_f16)
+            reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[k]);
+        else
+            reinterpret_cast<float *>(dst)[i] = v[k];
+    }
+}
+
 // Ring rows after a chunk: block k copies chunk row (n_tok - n_tail + k) (position *pos + that row) to
 // ring row (position mod window); E is the element type (2 or 4 bytes), d elements per row.
 template <class E>
@@ -1245,7 +1272,15 @@ void kv_finish_tokens(float *kv, int64_t n_tok, int d, const float *norm_w, floa
     check_rope(rope, d, "kv_finish_store");
     check_qat(qat, d, rope.n_rot, "kv_finish_store");
     uint8_t *rb = static_cast<uint8_t *>(dst);
-    if (warp_row_fits(d)) {  // one warp per token, no block barrier
+    if (n_tok == 1 && warp_row_fits(d) && (qat == qat_kind::none || qat == qat_kind::fp8_nope)) {
+        // the decode step's row: one block of d / 64 warps, a 64-dim slice each (same bits)
+        switch (d / 64) {
+            case 1: kv_finish_store_split_kernel<1><<<1, 32, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            case 2: kv_finish_store_split_kernel<2><<<1, 64, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            case 4: kv_finish_store_split_kernel<4><<<1, 128, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+            default: kv_finish_store_split_kernel<8><<<1, 256, 0, s>>>(kv, norm_w, eps, rope.freq, rope.n_rot, qat, rb, dst_f16, dst_stride, window, pos); break;
+        }
+    } else if (warp_row_fits(d)) {  // one warp per token, no block barrier
         const int per = kWarpRowThreads / 32;  // decode: a single warp
         const unsigned grid = static_cast<unsigned>((n_tok + per - 1) / per);
         const unsigned threads = n_tok == 1 ? 32u : static_cast<unsigned>(kWarpRowThreads);

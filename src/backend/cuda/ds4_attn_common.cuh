@@ -212,16 +212,17 @@ __device__ __forceinline__ void wrow_rms_norm(float (&v)[NP][2], const float *__
             v[j][k] = w ? __fmul_rn(w[64 * j + 2 * lane + k], __fmul_rn(v[j][k], r)) : __fmul_rn(v[j][k], r);
 }
 
-// RoPE of the last n_rot dims (pairs of pair index >= (64 NP - n_rot) / 2), as rope_smem: one pair per
-// lane and j, so the double cos/sin of all pairs are computed concurrently.
+// RoPE of the last n_rot dims (pairs of pair index >= (dim - n_rot) / 2), as rope_smem: one pair per
+// lane and j, so the double cos/sin of all pairs are computed concurrently. v holds the 64-dim slices
+// j0 .. j0 + NP - 1 of a row of `dim` dims (default: the whole row).
 template <int NP>
 __device__ __forceinline__ void wrow_rope(float (&v)[NP][2], const float *__restrict__ freq, int n_rot, int64_t pos,
-                                          bool inverse) {
-    const int lane = threadIdx.x & 31, p0 = (64 * NP - n_rot) / 2;
+                                          bool inverse, int dim = 64 * NP, int j0 = 0) {
+    const int lane = threadIdx.x & 31, p0 = (dim - n_rot) / 2;
     const float fp = static_cast<float>(pos);
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
-        const int i = 32 * j + lane - p0;  // pair index within the RoPE dims
+        const int i = 32 * (j0 + j) + lane - p0;  // pair index within the RoPE dims
         if (i < 0) continue;
         const float ang = __fmul_rn(fp, freq[i]);
         const float c = static_cast<float>(cos(static_cast<double>(ang)));
@@ -234,15 +235,15 @@ __device__ __forceinline__ void wrow_rope(float (&v)[NP][2], const float *__rest
 }
 
 // Block round trip (block_round_trip_smem) of dims [0, n): FP8 blocks of 64 (one j each) or FP4
-// blocks of 32 (16 lanes of one j); n a multiple of the block.
+// blocks of 32 (16 lanes of one j); n a multiple of the block. v: slices j0 .. of the row (wrow_rope).
 template <int NP>
 __device__ __forceinline__ void wrow_round_trip(float (&v)[NP][2], int n, int block, float fmt_max, float amax_floor,
-                                                int mbits, int emin) {
+                                                int mbits, int emin, int j0 = 0) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
         // shuffles stay unconditional; a 32-block's lanes (xor < 16) never mix with the other block's
-        const bool in = 64 * j + (block == 64 ? 64 : 2 * (lane & 16) + 32) <= n;
+        const bool in = 64 * (j0 + j) + (block == 64 ? 64 : 2 * (lane & 16) + 32) <= n;
         float amax = fmaxf(fabsf(v[j][0]), fabsf(v[j][1]));
         for (int o = block == 64 ? 16 : 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
         if (!in) continue;
@@ -312,6 +313,38 @@ __device__ __forceinline__ void wrow_finish(float (&v)[NP][2], bool norm, const 
     if (norm) wrow_rms_norm(v, norm_w, eps);
     wrow_rope(v, freq, n_rot, pos, false);
     wrow_qat(v, n_rot, qat);
+}
+
+// ---- split rows: a row of 64 NP dims over NP warps of one block, warp j holding slice j ----------------
+// The same values as wrow_finish on one warp, bit for bit: the RMSNorm sum of squares is formed from the
+// row in shared memory in wrow_rms_norm's order (lane l: its 2 NP values in (j, k) order, then the warp
+// tree) by every warp, and the RoPE and the FP8 round trip work per 64-dim slice anyway. Used where one
+// row is all the work (the decode step's KV row), so its serial chain is 1/NP as long. QAT none or
+// fp8_nope only (the Hadamard transform mixes the whole row).
+template <int NP>
+__device__ __forceinline__ void srow_finish(float (&v)[2], float2 (*sv)[32], const float *__restrict__ norm_w,
+                                            float eps, const float *__restrict__ freq, int n_rot, int64_t pos,
+                                            qat_kind qat) {
+    const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    sv[j][lane] = make_float2(v[0], v[1]);
+    __syncthreads();
+    double ss = 0;
+#pragma unroll
+    for (int jj = 0; jj < NP; ++jj) {
+        const float2 e = sv[jj][lane];
+        ss += static_cast<double>(e.x) * static_cast<double>(e.x);
+        ss += static_cast<double>(e.y) * static_cast<double>(e.y);
+    }
+    ss = warp_sum_d(ss);
+    const float r = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(64 * NP) + static_cast<double>(eps)));
+    float w[1][2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+        w[0][k] = norm_w ? __fmul_rn(norm_w[64 * j + 2 * lane + k], __fmul_rn(v[k], r)) : __fmul_rn(v[k], r);
+    wrow_rope(w, freq, n_rot, pos, false, 64 * NP, j);
+    if (qat == qat_kind::fp8_nope) wrow_round_trip(w, 64 * NP - n_rot, 64, 448.0f, 1e-4f, 3, -6, j);
+    v[0] = w[0][0];
+    v[1] = w[0][1];
 }
 
 // Whether a row of `dim` dims fits the warp-row layout.
