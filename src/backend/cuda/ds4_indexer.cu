@@ -348,6 +348,24 @@ __device__ __forceinline__ uint32_t key_of(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Of the block's 32 warp totals warp_tot[0 .. 32) (blockDim.x == kSelectThreads): the sum over the
+// warps before this thread's, and `total` of all. Each lane loads one total and the warp scans them
+// with shuffles (integer sums: exact in any order), instead of every thread adding 32 loads: the
+// select kernel runs on one SM, bound by its instruction count.
+__device__ __forceinline__ int warps_before(const int *warp_tot, int &total) {
+    static_assert(kSelectThreads / 32 == 32, "one warp total per lane");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int v = warp_tot[lane];
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    total = __shfl_sync(0xffffffffu, incl, 31);
+    return __shfl_sync(0xffffffffu, incl - v, warp);
+}
+
 // Exclusive prefix of a 0/1 flag over the block of kSelectThreads (in thread order) and the block total.
 __device__ __forceinline__ int block_scan01(bool flag, int *warp_tot, int &total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -356,15 +374,7 @@ __device__ __forceinline__ int block_scan01(bool flag, int *warp_tot, int &total
     __syncthreads();  // warp_tot free to reuse
     if (lane == 0) warp_tot[warp] = __popc(b);
     __syncthreads();
-    int before = 0;
-    total = 0;
-#pragma unroll
-    for (int i = 0; i < kSelectThreads / 32; ++i) {  // (blockDim.x == kSelectThreads) loads pipelined
-        const int t = warp_tot[i];
-        before += i < warp ? t : 0;
-        total += t;
-    }
-    return before + in_warp;
+    return warps_before(warp_tot, total) + in_warp;
 }
 
 // The cluster the block belongs to (nb blocks; nb == 1: the block alone, no cluster instructions).
@@ -475,10 +485,8 @@ __global__ void __launch_bounds__(kSelectThreads)
             }
             if (lane == 31) warp_tot[tid >> 5] = incl;
             __syncthreads();
-            int before = 0;
-#pragma unroll
-            for (int wi = 0; wi < kSelectThreads / 32; ++wi) before += wi < (tid >> 5) ? warp_tot[wi] : 0;
-            incl += before;
+            int all = 0;
+            incl += warps_before(warp_tot, all);
             const int excl = incl - v;
             if (excl < need && need <= excl + hi) {
                 s_bin = 2 * t + 1;
