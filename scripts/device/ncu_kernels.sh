@@ -4,7 +4,9 @@
 # stall samples) of the first matching launches to $OUT. Unpacks .cuda-pack/carry.tgz like the other scripts.
 # Usage (device): bash scripts/device/ncu_kernels.sh 'gtest filter' 'kernel regex' [launch count] [launch skip]
 set -u
-. "$(dirname "$0")/ncu_env.sh"
+. "$(dirname "$0")/carry_env.sh"
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
 FATHOM_DS4_BENCH=1 timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none -k "regex:$2" \
     --launch-count "${3:-2}" --launch-skip "${4:-0}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -8,7 +8,9 @@
 # $OUT/step.csv (one row per kernel: name, duration) for an offline breakdown.
 # Usage (device): bash scripts/device/ncu_step.sh [depth] [launch skip] [launch count]   (NCU_BENCH_ARGS: more bench flags)
 set -u
-. "$(dirname "$0")/ncu_env.sh"
+. "$(dirname "$0")/carry_env.sh"
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
 m=/tmp/ds4flash-q2.gguf
 [ -f "$m" ] || timeout 240 "$c/fathom-gguf" synth "$m" --preset flash --mix q2 --sparse -q
 timeout "${NCU_TIMEOUT:-300}" "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \

@@ -10,15 +10,9 @@
 # .cuda-carry/shared/golden/ds4-tiny), or .cuda-pack/carry.tgz, and python3 (no numpy).
 # Usage (device): bash scripts/device/run_procs_cuda.sh [cuda:N]   (log: $OUT/procs_cuda.log)
 set -u
-here=$(cd "$(dirname "$0")/../.." && pwd)
-out="${OUT:-$here/cuda-out}"
-mkdir -p "$out"
 gpu="${1:-cuda:0}"
-[ -d "$here/.cuda-carry" ] || tar -C "$here" -xzf "$here/.cuda-pack/carry.tgz"
-c="$here/.cuda-carry"
-export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-. "$here/scripts/device/cuda_libs.sh"
-cuda_libs "$c/fathom"
+carry_bin=fathom
+. "$(dirname "$0")/carry_env.sh"
 for f in "$c/fathom" "$c/shared/golden/ds4-tiny/ds4-tiny-a.gguf" "$c/shared/golden/ds4-tiny/cases.jsonl"; do
     [ -e "$f" ] || { echo "FAIL: $f missing (scripts/device/pack_cuda.sh)"; exit 1; }
 done
