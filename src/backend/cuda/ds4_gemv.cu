@@ -590,6 +590,20 @@ void check_launch(const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
+// The fields both kernels' segment records (seg_dev, q8x_seg) take from a segment: the weight's
+// pointers, strides and rows, the output, and the rows per x group.
+template <class Seg>
+void set_weight(Seg &d, const gemv_segment &seg, int64_t rows_per_group) {
+    const gemv_weight &w = seg.w;
+    d.q = static_cast<const uint8_t *>(w.q);
+    d.scales = static_cast<const uint8_t *>(w.scales);
+    d.y = seg.y;
+    d.q_stride = w.q_stride;
+    d.s_stride = w.s_stride;
+    d.rows = w.rows;
+    d.rows_per_group = rows_per_group;
+}
+
 int sm_count() {
     const device_caps *caps = current_device_caps();
     if (!caps || caps->sm_count < 1) throw error("cuda ds4 gemv: cannot query the multiprocessor count");
@@ -681,13 +695,7 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
         max_group = std::max(max_group, g);
         max_loads = std::max<int64_t>(max_loads, (chunks + g - 1) / g);
         seg_dev &d = t.s[i];
-        d.q = static_cast<const uint8_t *>(w.q);
-        d.scales = static_cast<const uint8_t *>(w.scales);
-        d.y = segs[i].y;
-        d.q_stride = w.q_stride;
-        d.s_stride = w.s_stride;
-        d.rows = w.rows;
-        d.rows_per_group = rpg[i];
+        set_weight(d, segs[i], rpg[i]);
         d.kind = kind_of(w.type);
         d.group = g;
         d.chunks = static_cast<int32_t>(chunks);
@@ -786,13 +794,7 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
         if (rpb > rpg[i] && rpg[i] < w.rows) return false;  // would read three or more x groups
         nb = (w.rows + rpb - 1) / rpb;
         q8x_seg &d = t.s[i];
-        d.q = static_cast<const uint8_t *>(w.q);
-        d.scales = static_cast<const uint8_t *>(w.scales);
-        d.y = segs[i].y;
-        d.q_stride = w.q_stride;
-        d.s_stride = w.s_stride;
-        d.rows = w.rows;
-        d.rows_per_group = rpg[i];
+        set_weight(d, segs[i], rpg[i]);
         d.rows_per_block = rpb;
         d.f16 = w.type == dtype::f16;
         d.chunks = static_cast<int32_t>(chunks);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/cuda/cuda_async.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/cuda_smem.cuh"
@@ -474,6 +475,17 @@ __device__ __forceinline__ void bar_norm() {  // named barrier 1 over the kNormT
     asm volatile("bar.sync 1, %0;" ::"r"(kNormThreads) : "memory");
 }
 
+// The Sinkhorn split of the tail (warp 0; smix: the mix in shared memory).
+__device__ __forceinline__ void fused_sinkhorn(const fused_args &a, const float *smix) {
+    switch (a.n_hc) {
+    case 1: hc_sinkhorn_warp<1>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 2: hc_sinkhorn_warp<2>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 3: hc_sinkhorn_warp<3>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    case 4: hc_sinkhorn_warp<4>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    default: hc_sinkhorn_warp<5>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
+    }
+}
+
 // Step 4 (last block): pre, the Sinkhorn split (warp 0) and out = RMSNorm(u) (warps 1 .. 8).
 __device__ __forceinline__ void fused_tail(const fused_args &a, const float *sv) {
     __shared__ float smix[kMaxMix], pre[kMaxHc];
@@ -487,14 +499,7 @@ __device__ __forceinline__ void fused_tail(const fused_args &a, const float *sv)
     }
     __syncthreads();
     if (tid < 32) {
-        if (a.head) return;
-        switch (N) {
-        case 1: hc_sinkhorn_warp<1>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-        case 2: hc_sinkhorn_warp<2>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-        case 3: hc_sinkhorn_warp<3>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-        case 4: hc_sinkhorn_warp<4>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-        default: hc_sinkhorn_warp<5>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-        }
+        if (!a.head) fused_sinkhorn(a, smix);
         return;
     }
     if (tid >= 32 + kNormThreads) return;
@@ -580,19 +585,6 @@ __global__ void __launch_bounds__(kMixThreads) hc_fused_kernel(fused_args a) {
 constexpr int kSplitThreads = 1024, kSplitWarps = kSplitThreads / 32, kCopyThreads = kSplitThreads - 32;
 static_assert(kHcFusedMaxBlocks <= 4 * 32, "the tail reduces at most 4 partials per lane");
 
-__device__ __forceinline__ void cp_async16_cg(float *dst, const float *src) {  // 16 bytes, bypassing L1
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-#else
-    *reinterpret_cast<float4 *>(dst) = __ldcg(reinterpret_cast<const float4 *>(src));
-#endif
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
 __device__ __forceinline__ void bar_named(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -691,17 +683,6 @@ __device__ __forceinline__ void split_dots(const fused_args &a, const float *ws,
     }
 }
 
-// The Sinkhorn split of the tail (warp 0; smix: the mix in shared memory).
-__device__ __forceinline__ void fused_sinkhorn(const fused_args &a, const float *smix) {
-    switch (a.n_hc) {
-    case 1: hc_sinkhorn_warp<1>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-    case 2: hc_sinkhorn_warp<2>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-    case 3: hc_sinkhorn_warp<3>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-    case 4: hc_sinkhorn_warp<4>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-    default: hc_sinkhorn_warp<5>(a.iters, a.hc_eps, smix, a.base, a.scale, a.post, a.comb); break;
-    }
-}
-
 // out = RMSNorm(u) by the kCopyThreads threads t of warps 1..31: u[i] (the apply kernels' sum, in
 // their order), u^2 summed in double per thread over i = t, t + kCopyThreads, ..., the lane
 // butterfly, then a butterfly over the 31 warp totals that every warp repeats (the same bits in
@@ -746,7 +727,7 @@ __device__ __forceinline__ void split_tail(const fused_args &a, float *st) {
     const int64_t n = a.n_hc * a.D;
     const float *src = a.y ? a.x_new : a.x;  // x_new: the other blocks' writes, read from L2 only
     if (w > 0 && a.vec4)
-        for (int64_t q = tid - 32; q < n / 4; q += kCopyThreads) cp_async16_cg(st + 4 * q, src + 4 * q);
+        for (int64_t q = tid - 32; q < n / 4; q += kCopyThreads) cp_async16(st + 4 * q, src + 4 * q);
     for (int r = w; r < R; r += kSplitWarps) {
         const double *pr = a.part + static_cast<size_t>(r) * B;
         double p[4];

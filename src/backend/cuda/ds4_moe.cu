@@ -44,6 +44,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/cuda/cuda_async.cuh"
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_pdl.cuh"
 #include "backend/cuda/cuda_smem.cuh"
@@ -605,28 +606,6 @@ struct gu_staged_args {
     gate_up_args a;
     gu_stage_cfg c;
 };
-
-// 16 bytes global -> shared, asynchronous (sm_80+; a plain copy before), and its group handling.
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-#else
-    *static_cast<uint4 *>(dst) = *static_cast<const uint4 *>(src);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-// Wait until at most N of this thread's committed groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
 
 // The dot of one weight row (in place or staged) with the staged q8 x: gate_up_rows_q8's loop for
 // one matrix (lane owns units lane + 32 k, ascending; the same loads and dot_q8x), so the lane
