@@ -1,10 +1,10 @@
 # Sourced by the device scripts: $here (repo root), $out ($OUT or cuda-out, created), the carried
-# binaries unpacked into $c (.cuda-carry, from .cuda-pack/carry.tgz when not there yet) with their
+# binaries unpacked into $c (.cuda-carry, from .cuda-pack/carry.tzst or carry.tgz when not there yet) with their
 # libraries on LD_LIBRARY_PATH (cuda_libs on the binary named by $carry_bin, default test_cuda).
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out="${OUT:-$here/cuda-out}"
 mkdir -p "$out"
-[ -d "$here/.cuda-carry" ] || tar -C "$here" -xzf "$here/.cuda-pack/carry.tgz"
+. "$here/scripts/device/unpack.sh"
 c="$here/.cuda-carry"
 export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 . "$here/scripts/device/cuda_libs.sh"

@@ -24,3 +24,13 @@ for f in ds4-tiny-a.gguf cases.jsonl; do cp "$root/../shared/golden/ds4-tiny/$f"
 # Only for the dense-family runs (the DS4 run removes them to stay under the 64 MiB carry limit).
 for v in gpt-2 qwen2 llama-bpe; do cp "$root/../shared/tokenizer-tests/ggml-vocab-$v.gguf" "$root/.cuda-carry/vocab/"; done
 du -sh "$root/.cuda-carry"
+# The carry: zstd with a long window (several builds of the same binaries share most of their bytes;
+# ~2.5x smaller than gzip), with this machine's zstd for a device image without one (unpack.sh).
+mkdir -p "$root/.cuda-pack" /tmp/fathom-zs
+grep -qx '/.cuda-pack/' "$root/.git/info/exclude" 2>/dev/null || echo '/.cuda-pack/' >> "$root/.git/info/exclude"
+rm -rf /tmp/fathom-zs/zs && mkdir -p /tmp/fathom-zs/zs && cp "$(command -v zstd)" /tmp/fathom-zs/zs/
+ldd "$(command -v zstd)" | awk '/=> \// {print $3}' | grep -Ev '/(libc|libm|ld-linux|libpthread)\.' | xargs -r -I{} cp -L {} /tmp/fathom-zs/zs/
+tar -C /tmp/fathom-zs -czf "$root/.cuda-pack/zstd.tgz" zs
+rm -f "$root/.cuda-pack/carry.tgz"
+tar -C "$root" -I 'zstd -12 --long=28 -T2' -cf "$root/.cuda-pack/carry.tzst" .cuda-carry
+ls -la "$root/.cuda-pack"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DS4 chunked prefill + device sampling in ONE device call: unpacks .cuda-pack/carry.tgz (pack_cuda.sh's
+# DS4 chunked prefill + device sampling in ONE device call: unpacks .cuda-pack/carry.tzst (pack_cuda.sh's
 # .cuda-carry, tarred to fit the carry limit), runs the DS4 / sampling CUDA suites while the full
 # DS4-Flash sparse synthetic file is generated, then bench_cuda_ds4 (chunked prefill per interval,
 # decode at the given depths). Logs go to $OUT.
@@ -15,7 +15,7 @@ mkdir -p "$out"
 filter="${1:-CudaDs4*:CudaSample*}"
 prefill="${2:-2048,8192,32768}"
 depths="${3:-8192}"
-[ -d "$here/.cuda-carry" ] || tar -C "$here" -xzf "$here/.cuda-pack/carry.tgz"
+. "$here/scripts/device/unpack.sh"
 c="$here/.cuda-carry"
 export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 . "$here/scripts/device/cuda_libs.sh"

@@ -236,19 +236,40 @@ __device__ __forceinline__ void comp_pool(int dp, int n_cand, const Score &score
 
 // The pooled row (shared row [dp], complete: called after a barrier, by all threads) finished as
 // compressor_finish: RMSNorm(norm_w), RoPE at block_start, QAT; stored as row b of a.rows, or, when
-// b >= max_rows, not stored and err_comp_row set. Warp 0 in registers (NP > 0: dim = 64 NP) or the
-// block in shared memory (NP = 0, any dim).
+// b >= max_rows, not stored and err_comp_row set. NP > 0 (dim = 64 NP): warps 0 .. NP - 1 a 64-dim
+// slice each (srow_finish; the Hadamard QAT, which mixes the whole row: warp 0 alone), in registers;
+// NP = 0 (any dim): the block in shared memory.
 template <int NP>
 __device__ __forceinline__ void comp_finish_store(const compressor_args &a, float *row, int64_t block_start,
                                                   int64_t b, uint32_t *err, double *red) {
     const int dp = a.dim;
     uint8_t *dst = static_cast<uint8_t *>(a.rows) + static_cast<size_t>(b) * a.row_stride;
     if constexpr (NP > 0) {
-        if (threadIdx.x >= 32) return;  // warp 0 finishes the row
-        if (b >= a.max_rows) {
+        if (b >= a.max_rows) {  // block-uniform
             if (threadIdx.x == 0 && err) atomicOr(err, err_comp_row);
             return;
         }
+        if (a.qat != qat_kind::hadamard_fp4) {  // warp j < NP finishes slice j (srow_finish: the same bits)
+            __shared__ float2 sv[NP][32];
+            const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+            float v[2] = {0.0f, 0.0f};
+            if (w < NP) {
+                v[0] = row[64 * w + 2 * lane];
+                v[1] = row[64 * w + 2 * lane + 1];
+            }
+            srow_finish<NP>(v, sv, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, block_start, a.qat, w < NP);
+            if (w < NP)
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int i = 64 * w + 2 * lane + k;
+                    if (a.rows_f16)
+                        reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[k]);
+                    else
+                        reinterpret_cast<float *>(dst)[i] = v[k];
+                }
+            return;
+        }
+        if (threadIdx.x >= 32) return;  // warp 0 finishes the row (the Hadamard transform mixes it whole)
         float v[NP][2];
         wrow_load(v, row);
         wrow_finish(v, true, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, block_start, a.qat);
@@ -774,14 +795,19 @@ int attn_splits(const sparse_attn_args &a) {
 // The same row partition (attn_rps over attn_splits(a) splits), partial layout and combine as the f32
 // split kernel above, so attn_part_floats and attn_combine_kernel serve both paths; only the split
 // kernel differs. Why: the f32 kernel is latency-bound (~22 us whatever the row count: CUDA-core dots
-// of 16 rows x 2 heads per warp, 4 head-group blocks each reading every row); here a block takes ALL
-// 64 heads of the token as the MMA M dimension (4 m16 tiles), so each row is read from L2 once per
-// split and the dots run on tensor cores. With sparse_attn_args::fused_combine the kernel is a PDL
+// of 16 rows x 2 heads per warp, 4 head-group blocks each reading every row); here a block takes 32
+// heads of the token as the MMA M dimension (2 m16 tiles), so each row is read from L2 twice per
+// split and the dots run on tensor cores. Why 32 heads: a block's fixed traffic is its q (heads x d f32)
+// in and its partial (the same size) out, which one SM moves at its own L2 port's rate; with all 64
+// heads per block (128 KB each way) that dominated the few-tile splits of decode, and half of it doubles
+// the blocks at half the bytes each (measured on the H200 at 8K context, each in one call with the
+// others: 64 heads 128.5, 32 heads 131.3, 16 heads 130.9 tok/s; at 1M context 42.7 / 41.4 / 48.9 us per
+// ratio-128 call, where 16 heads read every row four times). With sparse_attn_args::fused_combine the kernel is a PDL
 // launch (it waits for the preceding kernel before reading pos, q and the rows) and its busy blocks
 // then do the combine themselves (attn_fused_combine below): one launch per call instead of two.
 //
-// Block (split blockIdx.x, heads 64 blockIdx.y .. + 63; heads past n_head get q = 0 and are not
-// written), 16 warps, rows in tiles of kMmaRows = 32 staged in shared memory as f16. f16 rows are exact
+// Block (split blockIdx.x, heads 32 blockIdx.y .. + 31; heads past n_head get q = 0 and are not
+// written), 8 warps, rows in tiles of kMmaRows = 32 staged in shared memory as f16. f16 rows are exact
 // in f16, so only the f32 operands are split: q = q_hi + q_lo and p = p_hi + p_lo (f16 each, the pair
 // exact to ~2^-22 relative), each product pair accumulated in f32 by mma.m16n8k16, as the prefill
 // kernel (ds4_attn_prefill.cu): ~1e-6 relative to the f32 kernel. (Queries must be below the f16
@@ -789,21 +815,23 @@ int attn_splits(const sparse_attn_args &a) {
 //   stage   : rows t0 .. t0 + 31 -> ks [32, d + 8] f16 (rows past the split's end: zeros, since p = 0
 //             must not meet NaN) by cp.async (16-byte aligned rows; the first tile's copies overlap the
 //             q staging) or by pair loads issued before their shared stores.
-//   scores  : warp w: head tile w & 3 x the 32 rows x dims (w >> 2) d / 4 .. + d / 4 (a quarter of
-//             k): partial S [16, 32] f32 to sq[w >> 2]; the quarters are summed in a fixed order.
+//   scores  : warp w: head tile w % 2 x the 32 rows x dims (w / 2) d / 4 .. + d / 4 (a quarter of
+//             k): partial S [16, 32] f32 to sq[w / 2]; the quarters are summed in a fixed order.
 //   softmax : thread tid: head tid / 8, rows 4 (tid % 8) .. + 3; online per head: (m, l) live in the
 //             registers of the head's 8 threads (butterfly reductions: identical in all 8); p (hi, lo)
 //             to ph / pl, the rescale factor exp(m_old - m_new) to corr.
-//   output  : warp w: head tile w & 3 x dims (w >> 2) d / 4 .. + d / 4 (d / 32 n8 tiles of f32
+//   output  : warp w: head tile w % 2 x dims (w / 2) d / 4 .. + d / 4 (d / 32 n8 tiles of f32
 //             accumulators in registers): acc = acc * corr + P V.
 // Fragments come from ldmatrix: A (q, p) row-major; B of S = K rows as [n, k] as they are; B of P V
 // = V rows [k, n] through .trans. Shared row strides (d + 8 halves, 40 halves, 40 floats) keep the 8
 // rows of an ldmatrix phase and the fragment stores on distinct banks. Shared memory at d = 512:
-// 213 KB (q hi + lo 130 KB, rows 32.5 KB, S quarters 40 KB, P 10 KB): one block per SM.
-constexpr int kMmaWarps = 16, kMmaThreads = 32 * kMmaWarps, kMmaHeads = 64, kMmaRows = 32;
+// 125 KB (q hi + lo 66.5 KB, rows 33 KB, S quarters 20 KB, P 5 KB): one block per SM.
+constexpr int kMmaHeads = 32, kMmaTiles = kMmaHeads / 16;  // heads per block, m16 tiles
+constexpr int kMmaWarps = 4 * kMmaTiles, kMmaThreads = 32 * kMmaWarps, kMmaRows = 32;
 constexpr int kMmaPad = 8, kMmaSld = kMmaRows + 8;           // f16 row pad; S / P row stride
-constexpr int kMmaKParts = kMmaWarps / (kMmaHeads / 16);     // 4: the d quarters of the score warps
-static_assert(kMmaKParts == 4 && kMmaRows == 32, "the warp roles below assume 4 head tiles x 4 quarters");
+constexpr int kMmaKParts = kMmaWarps / kMmaTiles;            // 4: the d quarters of the score warps
+static_assert(kMmaKParts == 4 && kMmaRows == 32 && kMmaThreads / 8 == kMmaHeads,
+              "the warp roles below: head tiles x 4 quarters, 8 softmax threads per head");
 
 // Byte offsets of the tensor-core kernel's shared arrays (all 16-byte aligned: d % 64 == 0).
 struct mma_smem {
@@ -812,13 +840,13 @@ struct mma_smem {
 __host__ __device__ __forceinline__ mma_smem mma_smem_layout(int d) {
     const size_t ldk = static_cast<size_t>(d) + kMmaPad;
     mma_smem m;
-    m.qh = 0;                                                // [64, ldk] f16: q hi
-    m.ql = m.qh + kMmaHeads * ldk * 2;                       // [64, ldk] f16: q lo
+    m.qh = 0;                                                // [heads, ldk] f16: q hi
+    m.ql = m.qh + kMmaHeads * ldk * 2;                       // [heads, ldk] f16: q lo
     m.ks = m.ql + kMmaHeads * ldk * 2;                       // [32, ldk] f16: the row tile
-    m.sq = m.ks + kMmaRows * ldk * 2;                        // [4, 64, 40] f32: partial scores
-    m.ph = m.sq + static_cast<size_t>(kMmaKParts) * kMmaHeads * kMmaSld * 4;  // [64, 40] f16: p hi
-    m.pl = m.ph + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;               // [64, 40] f16: p lo
-    m.corr = m.pl + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;             // [64] f32
+    m.sq = m.ks + kMmaRows * ldk * 2;                        // [4, heads, 40] f32: partial scores
+    m.ph = m.sq + static_cast<size_t>(kMmaKParts) * kMmaHeads * kMmaSld * 4;  // [heads, 40] f16: p hi
+    m.pl = m.ph + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;               // [heads, 40] f16: p lo
+    m.corr = m.pl + static_cast<size_t>(kMmaHeads) * kMmaSld * 2;             // [heads] f32
     m.total = m.corr + kMmaHeads * 4;
     return m;
 }
@@ -831,9 +859,9 @@ __device__ __forceinline__ void put_hi_lo(__half *hi, __half *lo, float a, float
         __halves2half2(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
 }
 
-// q of heads h0 .. h0 + 63 (past n_head: zeros) in one round trip: the block's 64 x d floats (<= 128 KB)
+// q of heads h0 .. h0 + kMmaHeads - 1 (past n_head: zeros) in one round trip: the block's kMmaHeads x d floats
 // are kQIt float4 loads per thread, all issued before any is used (q [n_head, d] 16-byte aligned: host
-// check). Then the hi / lo split into qh / ql [64, ldk] (mma_store_q). The kernel issues the loads before
+// check). Then the hi / lo split into qh / ql [kMmaHeads, ldk] (mma_store_q). The kernel issues the loads before
 // it forms the first tile's row addresses (the selected-row list read, the cp.async), so both round trips
 // overlap.
 constexpr int kQIt = 16;
@@ -1015,7 +1043,7 @@ __global__ void __launch_bounds__(kMmaThreads, 1)
     __half *ph = reinterpret_cast<__half *>(mma_raw + L.ph), *pl = reinterpret_cast<__half *>(mma_raw + L.pl);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int lr = lane & 7, li = lane >> 3;  // ldmatrix: row within matrix, matrix index
-    const int mt = warp & 3, quarter = warp >> 2, dq = d / kMmaKParts;  // head tile, d quarter
+    const int mt = warp % kMmaTiles, quarter = warp / kMmaTiles, dq = d / kMmaKParts;  // head tile, d quarter
     const int hs = tid >> 3, rq = tid & 7;                               // softmax: head, row quad
     const int h0 = blockIdx.y * kMmaHeads;
     pdl_wait();  // q, the rows and pos come from the preceding kernels (a no-op without PDL)

@@ -319,15 +319,19 @@ __device__ __forceinline__ void wrow_finish(float (&v)[NP][2], bool norm, const 
 // The same values as wrow_finish on one warp, bit for bit: the RMSNorm sum of squares is formed from the
 // row in shared memory in wrow_rms_norm's order (lane l: its 2 NP values in (j, k) order, then the warp
 // tree) by every warp, and the RoPE and the FP8 round trip work per 64-dim slice anyway. Used where one
-// row is all the work (the decode step's KV row), so its serial chain is 1/NP as long. QAT none or
+// row is all the work (the decode step's KV row, a compressor's emitted row), so its serial chain is 1/NP
+// as long. QAT none or
 // fp8_nope only (the Hadamard transform mixes the whole row).
+// Called by every thread of the block (it holds a barrier); with live = false (warps >= NP of a larger
+// block) a thread only takes part in the barrier.
 template <int NP>
 __device__ __forceinline__ void srow_finish(float (&v)[2], float2 (*sv)[32], const float *__restrict__ norm_w,
                                             float eps, const float *__restrict__ freq, int n_rot, int64_t pos,
-                                            qat_kind qat) {
+                                            qat_kind qat, bool live = true) {
     const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    sv[j][lane] = make_float2(v[0], v[1]);
+    if (live) sv[j][lane] = make_float2(v[0], v[1]);
     __syncthreads();
+    if (!live) return;
     double ss = 0;
 #pragma unroll
     for (int jj = 0; jj < NP; ++jj) {
