@@ -4,7 +4,7 @@
 # with TESTS=1, test_cuda) against it as .cuda-carry/bench_NAME (test_NAME), so one device call can
 # alternate several builds (scripts/device/run_ab.sh). Then re-pack the carry:
 #   tar -C <repo> -I 'zstd -12 --long=28 -T2' -cf .cuda-pack/carry.tzst .cuda-carry
-# Usage: scripts/device/variant.sh NAME "-DSOME_MACRO=1 ..." src/backend/cuda/file.cu [...]
+# Usage: scripts/device/variant.sh NAME "-DSOME_MACRO=1 ..." src/backend/cuda/file.cu|.cpp [...]
 # Build dir: $FATHOM_CUDA_BUILD (default <repo>/build-cuda, built by pack_cuda.sh first).
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -14,8 +14,12 @@ v=$(mktemp -d /tmp/fathom-variant-$name.XXXX)
 cp "$b/src/libfathom_cuda.a" "$v/lib.a"
 for f in "$@"; do
     o=$(basename "$f").o  # the archive member of the same name is replaced
-    /usr/local/cuda/bin/nvcc -DFATHOM_HAVE_CUDA=1 -I"$root/include" -I"$root/src" -O3 -DNDEBUG -Xcompiler=-fPIC \
-        -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -std=c++20 $defs -x cu -c "$root/$f" -o "$v/$o"
+    case "$f" in
+    *.cu) /usr/local/cuda/bin/nvcc -DFATHOM_HAVE_CUDA=1 -I"$root/include" -I"$root/src" -O3 -DNDEBUG -Xcompiler=-fPIC \
+              -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -std=c++20 $defs -x cu -c "$root/$f" -o "$v/$o" ;;
+    *) c++ -DFATHOM_HAVE_CUDA=1 -I"$root/include" -I"$root/src" -isystem /usr/local/cuda/include -O3 -DNDEBUG -fPIC \
+           -std=c++20 $defs -c "$root/$f" -o "$v/$o" ;;
+    esac
     (cd "$v" && ar r lib.a "$o")
 done
 link() {  # link target $1 (tests/bench_cuda_ds4) as $2
