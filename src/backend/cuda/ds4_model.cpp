@@ -900,17 +900,24 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
                    qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg, sk);
     }
     const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+    // cuda_run_options::indexer_q_apart: the indexer query's own GEMV on the indexer branch (q_lat is
+    // complete at the fork; a PDL launch after the compressor step's plain one on the same stream).
+    const bool iq_apart = idx && w->opt.indexer_q_apart;
     if (idx) {
         phase("indexer compressor step");
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
+        if (iq_apart) {
+            phase("indexer q_b");
+            gemv_multi({{&l.idx_q_b, iq}}, q_lat, si, l.q_a_norm, hp.rms_eps, hp.q_lora);
+        }
     }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
     // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again)
-    if (idx)
+    if (idx && !iq_apart)
         gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
     else
         gemv_multi({{&l.q_b, q}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
-    if (par && idx) {  // the indexer query is ready
+    if (par && idx && !iq_apart) {  // the indexer query is ready
         ck(cudaEventRecord(ev_q, s), "forking the indexer query");
         ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
     }
