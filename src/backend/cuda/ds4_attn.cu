@@ -802,9 +802,10 @@ int attn_splits(const sparse_attn_args &a) {
 // heads per block (128 KB each way) that dominated the few-tile splits of decode, and half of it doubles
 // the blocks at half the bytes each (measured on the H200 at 8K context, each in one call with the
 // others: 64 heads 128.5, 32 heads 131.3, 16 heads 130.9 tok/s; at 1M context 42.7 / 41.4 / 48.9 us per
-// ratio-128 call, where 16 heads read every row four times). With sparse_attn_args::fused_combine the kernel is a PDL
-// launch (it waits for the preceding kernel before reading pos, q and the rows) and its busy blocks
-// then do the combine themselves (attn_fused_combine below): one launch per call instead of two.
+// ratio-128 call, where 16 heads read every row four times). With sparse_attn_args::fused_combine the
+// kernel is a PDL launch (it waits for the preceding kernel before reading pos, q and the rows) and its
+// busy blocks then do the combine themselves (attn_fused_combine below): one launch per call instead
+// of two.
 //
 // Block (split blockIdx.x, heads 32 blockIdx.y .. + 31; heads past n_head get q = 0 and are not
 // written), 8 warps, rows in tiles of kMmaRows = 32 staged in shared memory as f16. f16 rows are exact
@@ -859,11 +860,11 @@ __device__ __forceinline__ void put_hi_lo(__half *hi, __half *lo, float a, float
         __halves2half2(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
 }
 
-// q of heads h0 .. h0 + kMmaHeads - 1 (past n_head: zeros) in one round trip: the block's kMmaHeads x d floats
-// are kQIt float4 loads per thread, all issued before any is used (q [n_head, d] 16-byte aligned: host
-// check). Then the hi / lo split into qh / ql [kMmaHeads, ldk] (mma_store_q). The kernel issues the loads before
-// it forms the first tile's row addresses (the selected-row list read, the cp.async), so both round trips
-// overlap.
+// q of heads h0 .. h0 + kMmaHeads - 1 (past n_head: zeros) in one round trip: the block's kMmaHeads x d
+// floats are kQIt float4 loads per thread, all issued before any is used (q [n_head, d] 16-byte aligned:
+// host check). Then the hi / lo split into qh / ql [kMmaHeads, ldk] (mma_store_q). The kernel issues the
+// loads before it forms the first tile's row addresses (the selected-row list read, the cp.async), so
+// both round trips overlap.
 constexpr int kQIt = 16;
 static_assert(kMmaHeads * kMaxD / 4 <= kMmaThreads * kQIt, "q in one batch of loads");
 __device__ __forceinline__ void mma_load_q(const float *__restrict__ q, int n_head, int d, int h0,

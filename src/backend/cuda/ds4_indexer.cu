@@ -406,7 +406,9 @@ __device__ __forceinline__ uint32_t warp_sum_u32(uint32_t v) {
 // Per-chunk counts of a flag: 16-bit fields (chunk 2 h + f in field f of word h; <= 1024 per field).
 struct chunk_counts {
     uint32_t w[kRegKeys / 2];
-    __device__ __forceinline__ int at(int j) const { return static_cast<int>((w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu); }
+    __device__ __forceinline__ int at(int j) const {
+        return static_cast<int>((w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
+    }
 };
 // Exclusive prefix over the block's warps of the packed per-warp counts wt[warp][h] (stored, after a
 // barrier), and the block totals.
@@ -430,7 +432,8 @@ __device__ __forceinline__ void warp_prefix(const uint32_t (*wt)[kRegKeys / 2], 
 // Top-k of score[0 .. n) (k < n <= kRegKeys * kSelectThreads) into out, ascending rows. Every thread of
 // the block calls it.
 __device__ void topk_small(const float *__restrict__ score, int64_t n, int k, int32_t *__restrict__ out) {
-    static_assert(kSelectThreads == 1024 && kRegKeys % 2 == 0 && kRegKeys <= 8, "32 warps; 10-bit warp fields");
+    static_assert(kSelectThreads == 1024 && kRegKeys % 2 == 0 && kRegKeys <= 8,
+                  "32 warps; 10-bit warp fields");
     __shared__ uint32_t wsum[2][32];
     __shared__ uint32_t wt[2][32][kRegKeys / 2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -448,7 +451,8 @@ __device__ void topk_small(const float *__restrict__ score, int64_t n, int k, in
         uint32_t packed = 0;
 #pragma unroll
         for (int j = 0; j < kRegKeys; ++j)
-            packed += (key[j] >= t1 ? 1u : 0u) + (key[j] >= t2 ? (1u << 10) : 0u) + (key[j] >= t3 ? (1u << 20) : 0u);
+            packed += (key[j] >= t1 ? 1u : 0u) + (key[j] >= t2 ? (1u << 10) : 0u) +
+                      (key[j] >= t3 ? (1u << 20) : 0u);
         packed = warp_sum_u32(packed);
         if (lane == 0) wsum[step & 1][warp] = packed;
         __syncthreads();
