@@ -100,6 +100,7 @@ struct rank_procs::impl {
             std::lock_guard<std::mutex> lock(mu);
             kids[i].pid = pid;
             kids[i].started = true;
+            cv.notify_all();  // the constructor waits for every spawned child's pid (pids())
         }
         // Wait without reaping (the pid stays ours, so kill() under mu cannot hit a reused pid) ...
         siginfo_t si{};
@@ -197,7 +198,16 @@ rank_procs::rank_procs(int world, rank_procs_options o) : p_(std::make_unique<im
                 std::thread([&p, r, argv = std::move(argv)]() mutable { p.run_child(static_cast<size_t>(r - 1), std::move(argv)); });
         }
         auto t = make_socket_transport(std::move(root), world, so);
-        std::lock_guard<std::mutex> lock(p.mu);
+        std::unique_lock<std::mutex> lock(p.mu);
+        // A child can join before its waiter thread, descheduled after posix_spawn returned, records its
+        // pid: wait for those records (moments), so pids() and the stop below see every spawned child.
+        p.cv.wait(lock, [&p, spawn] {
+            for (int r = 1; r < spawn; ++r) {
+                const auto &k = p.kids[static_cast<size_t>(r - 1)];
+                if (!k.started && !k.exited) return false;
+            }
+            return true;
+        });
         if (p.failed) throw error(*p.failed);  // a child died right after joining
         p.t = std::move(t);
         p.joined = true;
