@@ -900,15 +900,20 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
                    qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg, sk);
     }
     const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
-    // cuda_run_options::indexer_q_apart: the indexer query's own GEMV on the indexer branch (q_lat is
-    // complete at the fork; a PDL launch after the compressor step's plain one on the same stream).
-    const bool iq_apart = idx && w->opt.indexer_q_apart;
     if (idx) {
         phase("indexer compressor step");
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
-        if (iq_apart) {
-            phase("indexer q_b");
-            gemv_multi({{&l.idx_q_b, iq}}, q_lat, si, l.q_a_norm, hp.rms_eps, hp.q_lora);
+    }
+    // cuda_run_options::indexer_q_apart: the indexer query's GEMV as its own launch ahead of q_b on the
+    // query path (not beside it on the branch: a GEMV grid fills the device, so the two would only
+    // queue), and the branch forked right after it.
+    const bool iq_apart = idx && w->opt.indexer_q_apart;
+    if (iq_apart) {
+        phase("indexer q_b");
+        gemv_multi({{&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
+        if (par) {
+            ck(cudaEventRecord(ev_q, s), "forking the indexer query");
+            ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
         }
     }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
