@@ -3,11 +3,13 @@
 # .cuda-carry/bench_NAME runs in turn (NAME from the list; "cuda_ds4" is the packed build), ROUNDS
 # times over, at the given depths, on the synthetic DS4-Flash file (generated here if missing).
 # Alternating the binaries spreads clock and thermal drift over all of them.
-# Usage (device): bash scripts/device/run_ab.sh "base new ..." [depths] [rounds] [n]
+# Usage (device): bash scripts/device/run_ab.sh "base new new+--indexer-q-apart ..." [depths] [rounds] [n]
+# (an entry NAME+--flag runs bench_NAME with --flag; several flags: NAME+--a+--b).
 # Optional: TESTS="NAME:gtest filter;NAME:filter" runs .cuda-carry/test_NAME with that filter first
 # (while the model file is generated); KBENCH="NAME:filter;..." runs kernel benchmarks afterwards.
 set -u
-carry_bin=${CARRY_BIN:-bench_$(echo $1 | awk '{print $1}')}
+first=$(echo "$1" | awk '{print $1}')
+carry_bin=${CARRY_BIN:-bench_${first%%+*}}
 . "$(dirname "$0")/carry_env.sh"
 export FATHOM_CUDA_VOCAB_DIR="$c/vocab"
 shared=$(cat "$c"/test_* 2>/dev/null | grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' | head -1)
@@ -25,10 +27,13 @@ for t in "${tests[@]}"; do
 done
 wait
 for r in $(seq 1 "${3:-3}"); do
-    for b in $1; do
-        printf "round %s %-10s " "$r" "$b"
-        timeout "${BENCH_TIMEOUT:-120}" "$c/bench_$b" "$m" --depths "${2:-8192}" --n "${4:-32}" --prefill "" 2>&1 |
-            tee -a "$out/bench-$b.log" | awk '/^ +[0-9]+ +[0-9.]+ +[0-9.]+/ {printf "%s: %s tok/s  ", $1, $2} END {print ""}'
+    for b in $1; do  # NAME, or NAME+--flag+... (bench_NAME with those flags, e.g. new+--indexer-q-apart)
+        bin=${b%%+*}; flags=""
+        [ "$bin" != "$b" ] && flags=$(echo "${b#*+}" | tr '+' ' ')
+        printf "round %s %-24s " "$r" "$b"
+        timeout "${BENCH_TIMEOUT:-120}" "$c/bench_$bin" "$m" --depths "${2:-8192}" --n "${4:-32}" --prefill "" $flags 2>&1 |
+            tee -a "$out/bench-$(echo "$b" | tr -c '[:alnum:]_\n-' '_').log" |
+            awk '/^ +[0-9]+ +[0-9.]+ +[0-9.]+/ {printf "%s: %s tok/s  ", $1, $2} END {print ""}'
     done
 done
 IFS=';' read -ra kb <<< "${KBENCH:-}"
