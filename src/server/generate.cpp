@@ -307,6 +307,7 @@ parsed_output split_calls(server_context &ctx, const prepared &p, const std::str
     parsed_output out = ctx.fmt->parse(text, p.r.tool_names);
     if (p.r.kind == api_kind::anthropic_messages)
         for (auto &c : out.calls) c.id = random_id("toolu_");
+    ctx.fmt->remember_turn(out, text);  // exact replay when the client sends the turn back
     return out;
 }
 

@@ -169,6 +169,68 @@ public:
 
 }  // namespace
 
+// ---- exact replay -----------------------------------------------------------------------------------
+
+call_replay::call_replay(size_t max_entries, size_t max_bytes) : max_entries_(max_entries), max_bytes_(max_bytes) {}
+
+std::string call_replay::key_of(const std::vector<tool_call> &calls) {
+    std::string k;  // length-prefixed ids: no two id lists share a key whatever bytes an id holds
+    for (const auto &c : calls) {
+        if (c.id.empty()) return {};
+        k += std::to_string(c.id.size());
+        k += ':';
+        k += c.id;
+    }
+    return k;
+}
+
+void call_replay::remember(const std::vector<tool_call> &calls, std::string_view content, std::string generated) {
+    std::string key = key_of(calls);
+    if (key.empty()) return;
+    entry e{std::string(trim(content)), std::move(generated)};
+    const size_t sz = key.size() + e.content.size() + e.generated.size();
+    if (sz > max_bytes_) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = by_key_.find(key); it != by_key_.end()) {  // a repeated id list: the newest turn wins
+        bytes_ -= it->first.size() + it->second.content.size() + it->second.generated.size();
+        by_key_.erase(it);
+        order_.erase(std::find(order_.begin(), order_.end(), key));
+    }
+    while (!order_.empty() && (by_key_.size() + 1 > max_entries_ || bytes_ + sz > max_bytes_)) {
+        auto it = by_key_.find(order_.front());
+        bytes_ -= it->first.size() + it->second.content.size() + it->second.generated.size();
+        by_key_.erase(it);
+        order_.pop_front();
+    }
+    bytes_ += sz;
+    order_.push_back(key);
+    by_key_.emplace(std::move(key), std::move(e));
+}
+
+std::optional<std::string> call_replay::lookup(const std::vector<tool_call> &calls, std::string_view content) const {
+    const std::string key = key_of(calls);
+    if (key.empty()) return std::nullopt;
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = by_key_.find(key);
+    if (it == by_key_.end() || it->second.content != trim(content)) return std::nullopt;
+    return it->second.generated;
+}
+
+size_t call_replay::size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return by_key_.size();
+}
+
+std::string tool_format::render_assistant(const std::string &content, const std::vector<tool_call> &calls) const {
+    if (calls.empty()) return content;
+    if (auto g = replay_.lookup(calls, content)) return *g;
+    return content + (content.empty() ? "" : "\n") + render_calls(calls);
+}
+
+void tool_format::remember_turn(const parsed_output &out, std::string generated) const {
+    replay_.remember(out.calls, out.content, std::move(generated));
+}
+
 std::unique_ptr<tool_format> make_tool_format(std::string_view arch) {
     if (arch == "deepseek4") return make_dsml_tool_format();  // DSML, defined in chat/dsml.cpp
     return std::make_unique<hermes_format>();

@@ -189,3 +189,43 @@ TEST(Api, Anthropic) {
     auto f = make_tool_format("llama");
     EXPECT_NO_THROW(parse_anthropic({{"model", "m"}, {"messages", user_msgs("x")}}, defaults(), *f, true));
 }
+
+// A turn the server generated and parsed comes back in the next request's history as its generated
+// bytes (exact replay), in both APIs; a turn the server did not generate is rendered canonically.
+TEST(Api, GeneratedToolTurnIsReplayedExactly) {
+    auto f = make_tool_format("llama");
+    const std::vector<std::string> known = {"get_weather"};
+    const std::string gen = "On it.\n\n<tool_call>\n{\"name\": \"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>";
+    const auto p = f->parse(gen, known);
+    ASSERT_EQ(p.calls.size(), 1u);
+    f->remember_turn(p, gen);
+    json tools = json::array({{{"type", "function"}, {"function", {{"name", "get_weather"}}}}});
+    auto history = [&](const std::string &id) {
+        return json::array({{{"role", "user"}, {"content", "weather?"}},
+                            {{"role", "assistant"}, {"content", "On it."},
+                             {"tool_calls", json::array({{{"id", id}, {"type", "function"},
+                                                          {"function", {{"name", "get_weather"},
+                                                                        {"arguments", p.calls[0].arguments}}}}})}},
+                            {{"role", "tool"}, {"tool_call_id", id}, {"content", "sunny"}}});
+    };
+    auto r = parse_openai_chat({{"messages", history(p.calls[0].id)}, {"tools", tools}}, defaults(), *f);
+    ASSERT_GE(r.messages.size(), 3u);
+    EXPECT_EQ(r.messages[r.messages.size() - 2].content, gen);
+    r = parse_openai_chat({{"messages", history("call_unknown")}, {"tools", tools}}, defaults(), *f);
+    EXPECT_EQ(r.messages[r.messages.size() - 2].content, "On it.\n" + f->render_calls(p.calls));
+
+    // Anthropic: ids are renamed (toolu_) before they are remembered, as the server does
+    auto pa = f->parse(gen, known);
+    pa.calls[0].id = "toolu_abc";
+    f->remember_turn(pa, gen);
+    json am = json::array(
+        {{{"role", "user"}, {"content", "weather?"}},
+         {{"role", "assistant"},
+          {"content", json::array({{{"type", "text"}, {"text", "On it."}},
+                                   {{"type", "tool_use"}, {"id", "toolu_abc"}, {"name", "get_weather"},
+                                    {"input", {{"city", "Paris"}}}}})}},
+         {{"role", "user"}, {"content", json::array({{{"type", "tool_result"}, {"tool_use_id", "toolu_abc"}, {"content", "sunny"}}})}}});
+    auto ra = parse_anthropic({{"model", "m"}, {"max_tokens", 8}, {"messages", am}, {"tools", json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}}})}}, defaults(), *f, false);
+    ASSERT_GE(ra.messages.size(), 3u);
+    EXPECT_EQ(ra.messages[ra.messages.size() - 2].content, gen);
+}
