@@ -184,22 +184,27 @@ std::string call_replay::key_of(const std::vector<tool_call> &calls) {
     return k;
 }
 
+size_t call_replay::bytes_of(const std::string &key, const entry &e) {
+    return key.size() + e.content.size() + e.generated.size();
+}
+
 void call_replay::remember(const std::vector<tool_call> &calls, std::string_view content, std::string generated) {
     std::string key = key_of(calls);
     if (key.empty()) return;
     entry e{std::string(trim(content)), std::move(generated)};
-    const size_t sz = key.size() + e.content.size() + e.generated.size();
+    const size_t sz = bytes_of(key, e);
     if (sz > max_bytes_) return;
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = by_key_.find(key); it != by_key_.end()) {  // a repeated id list: the newest turn wins
-        bytes_ -= it->first.size() + it->second.content.size() + it->second.generated.size();
+    auto drop = [this](std::map<std::string, entry>::iterator it) {
+        bytes_ -= bytes_of(it->first, it->second);
         by_key_.erase(it);
+    };
+    if (auto it = by_key_.find(key); it != by_key_.end()) {  // a repeated id list: the newest turn wins
+        drop(it);
         order_.erase(std::find(order_.begin(), order_.end(), key));
     }
     while (!order_.empty() && (by_key_.size() + 1 > max_entries_ || bytes_ + sz > max_bytes_)) {
-        auto it = by_key_.find(order_.front());
-        bytes_ -= it->first.size() + it->second.content.size() + it->second.generated.size();
-        by_key_.erase(it);
+        drop(by_key_.find(order_.front()));
         order_.pop_front();
     }
     bytes_ += sz;

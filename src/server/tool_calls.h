@@ -61,6 +61,7 @@ private:
         std::string content, generated;
     };
     static std::string key_of(const std::vector<tool_call> &calls);
+    static size_t bytes_of(const std::string &key, const entry &e);  // what an entry counts against max_bytes
     size_t max_entries_, max_bytes_, bytes_ = 0;
     mutable std::mutex mu_;
     std::map<std::string, entry> by_key_;

@@ -160,15 +160,7 @@ __global__ void __launch_bounds__(32 * NP)
     srow_finish<NP>(v, sv, norm_w, eps, freq, n_rot, p, qat);
     kv[64 * j + 2 * lane] = v[0];
     kv[64 * j + 2 * lane + 1] = v[1];
-    uint8_t *dst = kv_dst(ring, ring_stride, window, p, 0);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int i = 64 * j + 2 * lane + k;
-        if (ring_f16)
-            reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[k]);
-        else
-            reinterpret_cast<float *>(dst)[i] = v[k];
-    }
+    srow_store(v, kv_dst(ring, ring_stride, window, p, 0), ring_f16);
 }
 
 // Ring rows after a chunk: block k copies chunk row (n_tok - n_tail + k) (position *pos + that row) to
@@ -258,15 +250,7 @@ __device__ __forceinline__ void comp_finish_store(const compressor_args &a, floa
                 v[1] = row[64 * w + 2 * lane + 1];
             }
             srow_finish<NP>(v, sv, a.norm_w, a.eps, a.rope.freq, a.rope.n_rot, block_start, a.qat, w < NP);
-            if (w < NP)
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    const int i = 64 * w + 2 * lane + k;
-                    if (a.rows_f16)
-                        reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[k]);
-                    else
-                        reinterpret_cast<float *>(dst)[i] = v[k];
-                }
+            if (w < NP) srow_store(v, dst, a.rows_f16);
             return;
         }
         if (threadIdx.x >= 32) return;  // warp 0 finishes the row (the Hadamard transform mixes it whole)

@@ -351,6 +351,19 @@ __device__ __forceinline__ void srow_finish(float (&v)[2], float2 (*sv)[32], con
     v[1] = w[0][1];
 }
 
+// Slice j = warp j of a split row (srow_finish's v) stored as f16 (round to nearest) or f32 at dst.
+__device__ __forceinline__ void srow_store(const float (&v)[2], uint8_t *dst, bool f16) {
+    const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int i = 64 * j + 2 * lane + k;
+        if (f16)
+            reinterpret_cast<__half *>(dst)[i] = __float2half_rn(v[k]);
+        else
+            reinterpret_cast<float *>(dst)[i] = v[k];
+    }
+}
+
 // Whether a row of `dim` dims fits the warp-row layout.
 inline bool warp_row_fits(int dim) {
     return dim % 64 == 0 && dim / 64 >= 1 && dim / 64 <= kWarpRowMaxPairs && ((dim / 64) & (dim / 64 - 1)) == 0;

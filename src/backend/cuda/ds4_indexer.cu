@@ -410,22 +410,15 @@ struct chunk_counts {
         return static_cast<int>((w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
     }
 };
-// Exclusive prefix over the block's warps of the packed per-warp counts wt[warp][h] (stored, after a
-// barrier), and the block totals.
-__device__ __forceinline__ void warp_prefix(const uint32_t (*wt)[kRegKeys / 2], chunk_counts &before,
-                                            chunk_counts &total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Exclusive prefix over the block's warps of the packed per-warp counts wt[h][warp] (stored, after a
+// barrier), and the block totals: warps_before per word (the packed fields add without carries: a word
+// stays below 2^27, so its int sums are the unsigned ones).
+__device__ __forceinline__ void warp_prefix(const uint32_t (*wt)[32], chunk_counts &before, chunk_counts &total) {
 #pragma unroll
     for (int h = 0; h < kRegKeys / 2; ++h) {
-        const uint32_t v = wt[lane][h];
-        uint32_t incl = v;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        total.w[h] = __shfl_sync(0xffffffffu, incl, 31);
-        before.w[h] = __shfl_sync(0xffffffffu, incl - v, warp);
+        int tot = 0;
+        before.w[h] = static_cast<uint32_t>(warps_before(reinterpret_cast<const int *>(wt[h]), tot));
+        total.w[h] = static_cast<uint32_t>(tot);
     }
 }
 
@@ -435,7 +428,7 @@ __device__ void topk_small(const float *__restrict__ score, int64_t n, int k, in
     static_assert(kSelectThreads == 1024 && kRegKeys % 2 == 0 && kRegKeys <= 8,
                   "32 warps; 10-bit warp fields");
     __shared__ uint32_t wsum[2][32];
-    __shared__ uint32_t wt[2][32][kRegKeys / 2];
+    __shared__ uint32_t wt[2][kRegKeys / 2][32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint32_t key[kRegKeys];
 #pragma unroll
@@ -479,8 +472,8 @@ __device__ void topk_small(const float *__restrict__ score, int64_t n, int k, in
     if (lane == 0)
 #pragma unroll
         for (int h = 0; h < kRegKeys / 2; ++h) {
-            wt[0][warp][h] = pe[h];
-            wt[1][warp][h] = pg[h];
+            wt[0][h][warp] = pe[h];
+            wt[1][h][warp] = pg[h];
         }
     __syncthreads();
     chunk_counts eb, et, gb, gtot;
@@ -505,7 +498,7 @@ __device__ void topk_small(const float *__restrict__ score, int64_t n, int k, in
     __syncthreads();  // every warp has read wt[0] above before it is overwritten
     if (lane == 0)
 #pragma unroll
-        for (int h = 0; h < kRegKeys / 2; ++h) wt[0][warp][h] = pt[h];
+        for (int h = 0; h < kRegKeys / 2; ++h) wt[0][h][warp] = pt[h];
     __syncthreads();
     chunk_counts tb, tt;
     warp_prefix(wt[0], tb, tt);

@@ -908,13 +908,15 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     // query path (not beside it on the branch: a GEMV grid fills the device, so the two would only
     // queue), and the branch forked right after it.
     const bool iq_apart = idx && w->opt.indexer_q_apart;
+    auto fork_indexer_query = [&] {  // the indexer branch may read iq from here on
+        if (!par) return;
+        ck(cudaEventRecord(ev_q, s), "forking the indexer query");
+        ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
+    };
     if (iq_apart) {
         phase("indexer q_b");
         gemv_multi({{&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
-        if (par) {
-            ck(cudaEventRecord(ev_q, s), "forking the indexer query");
-            ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
-        }
+        fork_indexer_query();
     }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
     // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again)
@@ -922,10 +924,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
     else
         gemv_multi({{&l.q_b, q}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
-    if (par && idx && !iq_apart) {  // the indexer query is ready
-        ck(cudaEventRecord(ev_q, s), "forking the indexer query");
-        ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
-    }
+    if (idx && !iq_apart) fork_indexer_query();  // the indexer query came with q_b
     cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
     if (idx) {
         phase("indexer q rope+fp4");
