@@ -8,9 +8,10 @@
 // reads, the bandwidth the median decode rate implies, and that as a percentage of the device's
 // copy bandwidth measured in the same run (1 GiB device-to-device copies, bytes read + written).
 // --depths a,b,..: instead of -p, for each depth d (ascending) the session is reset and a prompt of d
-// tokens prefilled (timed; the rate of each interval between depths follows from the cumulative
-// times, the prompts being prefixes of one sequence), then -n tokens decoded at that depth: decode
-// tok/s at context frontiers with the roofline line for each.
+// tokens prefilled in two timed parts, to the previous depth and then the interval up to d (the prompts
+// are prefixes of one sequence; the interval's rate is its own time, not a difference of two runs,
+// which timing noise could make negative at small depths), then -n tokens decoded at that depth:
+// decode tok/s at context frontiers with the roofline line for each.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -94,13 +95,15 @@ void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &
         }
     }
     nlohmann::json rows = nlohmann::json::array();
-    double prev_s = 0.0;
     int64_t prev_d = 0;
     for (int64_t d : a.depths) {
         sess->reset();
         const auto t0 = clock::now();
-        sess->sync(std::span(prompt).first(static_cast<size_t>(d)));
-        const double ps = seconds_since(t0);
+        if (prev_d > 0) sess->sync(std::span(prompt).first(static_cast<size_t>(prev_d)));
+        const double before_s = seconds_since(t0);
+        const auto ti = clock::now();
+        sess->sync(std::span(prompt).first(static_cast<size_t>(d)));  // keeps the first prev_d tokens
+        const double interval_s = seconds_since(ti), ps = before_s + interval_s;
         double dec = 0.0;
         if (a.n_gen > 0) {
             const auto t1 = clock::now();
@@ -110,7 +113,7 @@ void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &
             }
             dec = a.n_gen / seconds_since(t1);
         }
-        const double interval = ps > prev_s ? static_cast<double>(d - prev_d) / (ps - prev_s) : 0.0;
+        const double interval = static_cast<double>(d - prev_d) / interval_s;
         const double pct = copy_bw > 0 ? 100.0 * wbytes * dec / copy_bw : 0.0;
         rows.push_back({{"depth", d}, {"prefill_tok_s", static_cast<double>(d) / ps},
                         {"interval", {prev_d, d}}, {"interval_tok_s", interval}, {"decode_tok_s", dec},
@@ -124,7 +127,6 @@ void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &
                           static_cast<long long>(d), interval, a.n_gen, dec, roof);
             write_out(line);
         }
-        prev_s = ps;
         prev_d = d;
     }
     if (a.json) {
