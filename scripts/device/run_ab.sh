@@ -3,7 +3,7 @@
 # .cuda-carry/bench_NAME runs in turn (NAME from the list; "cuda_ds4" is the packed build), ROUNDS
 # times over, at the given depths, on the synthetic DS4-Flash file (generated here if missing).
 # Alternating the binaries spreads clock and thermal drift over all of them.
-# Usage (device): bash scripts/device/run_ab.sh "base new new+--indexer-q-apart ..." [depths] [rounds] [n]
+# Usage (device): bash scripts/device/run_ab.sh "base new new+--serial-step ..." [depths] [rounds] [n]
 # (an entry NAME+--flag runs bench_NAME with --flag; several flags: NAME+--a+--b).
 # Optional: TESTS="NAME:gtest filter;NAME:filter" runs .cuda-carry/test_NAME with that filter first
 # (while the model file is generated); KBENCH="NAME:filter;..." runs kernel benchmarks afterwards.
@@ -27,7 +27,7 @@ for t in "${tests[@]}"; do
 done
 wait
 for r in $(seq 1 "${3:-3}"); do
-    for b in $1; do  # NAME, or NAME+--flag+... (bench_NAME with those flags, e.g. new+--indexer-q-apart)
+    for b in $1; do  # NAME, or NAME+--flag+... (bench_NAME with those flags, e.g. new+--serial-step)
         bin=${b%%+*}; flags=""
         [ "$bin" != "$b" ] && flags=$(echo "${b#*+}" | tr '+' ' ')
         printf "round %s %-24s " "$r" "$b"

@@ -1,6 +1,6 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
-//                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step] [--indexer-q-apart]
+//                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
@@ -11,7 +11,6 @@
 // [0, a), [a, b), [b, c) as one call, last-token logits), the tok/s of every interval (an empty list
 // skips it); --chunk sets the chunk size (0: token-serial). --serial-step: the decode step on one
 // stream (cuda_run_options::serial_step; default: the attention's parallel branches).
-// --indexer-q-apart: cuda_run_options::indexer_q_apart (the indexer query GEMV on the indexer branch).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -42,7 +41,7 @@ int main(int argc, char **argv) try {
     std::string path = argv[1], kv = "f16";
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
-    bool eager = false, serial_step = false, iq_apart = false;
+    bool eager = false, serial_step = false;
     std::vector<int64_t> prefill = {2048, 8192, 32768};
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
@@ -52,7 +51,6 @@ int main(int argc, char **argv) try {
         else if (a == "--kv" && i + 1 < argc) kv = argv[++i];
         else if (a == "--eager") eager = true;
         else if (a == "--serial-step") serial_step = true;
-        else if (a == "--indexer-q-apart") iq_apart = true;
         else if (a == "--prefill" && i + 1 < argc) prefill = parse_list(argv[++i]);
         else if (a == "--chunk" && i + 1 < argc) chunk = std::atoll(argv[++i]);
         else throw error("unknown argument " + a);
@@ -62,7 +60,6 @@ int main(int argc, char **argv) try {
     ds4::cuda_run_options o;
     o.kv = kv == "f32" ? kv_precision::f32 : kv_precision::f16;
     o.serial_step = serial_step;
-    o.indexer_q_apart = iq_apart;
     auto w = ds4::cuda_upload(*m, o);
     const double bytes = ds4::cuda_bytes_per_token(*w);
     std::printf("model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f s\n",

@@ -13,8 +13,6 @@
 // ring wraps, ratio-4 and ratio-128 rows emitted, more indexer rows than its top-k 16), and steps
 // after fill_synthetic at 5116..5125 (ratio-4 rows at 5119 / 5123, a ratio-128 row at 5119, 1279
 // indexer rows to score), the first of them through profile_step (always serial) on every variant.
-// Both with the indexer query GEMV in the q_b launch (default) and on the indexer branch
-// (cuda_run_options::indexer_q_apart).
 // Skips without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -138,18 +136,12 @@ TEST_F(CudaDs4Branches, BranchedDecodeMatchesSerialBitwiseFromPositionZero) {
     off.kv = kv_precision::f32;
     off.exact_indexer = true;
     expect_variants_identical(*m, off, toks, 0, "qat off");
-    ds4::cuda_run_options apart;  // the indexer query GEMV on the indexer branch
-    apart.indexer_q_apart = true;
-    expect_variants_identical(*m, apart, toks, 0, "iq apart");
 }
 
 TEST_F(CudaDs4Branches, BranchedDecodeMatchesSerialBitwiseDeep) {
     auto m = ds4::load_model(branch_model_path());
     const auto toks = tokens_of(10, m->hp.n_vocab, 9);
     expect_variants_identical(*m, ds4::cuda_run_options{}, toks, 5116, "deep");
-    ds4::cuda_run_options apart;
-    apart.indexer_q_apart = true;
-    expect_variants_identical(*m, apart, toks, 5116, "deep apart");
 }
 
 }  // namespace

@@ -904,27 +904,18 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         phase("indexer compressor step");
         compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
     }
-    // cuda_run_options::indexer_q_apart: the indexer query's GEMV as its own launch ahead of q_b on the
-    // query path (not beside it on the branch: a GEMV grid fills the device, so the two would only
-    // queue), and the branch forked right after it.
-    const bool iq_apart = idx && w->opt.indexer_q_apart;
-    auto fork_indexer_query = [&] {  // the indexer branch may read iq from here on
-        if (!par) return;
-        ck(cudaEventRecord(ev_q, s), "forking the indexer query");
-        ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
-    };
-    if (iq_apart) {
-        phase("indexer q_b");
-        gemv_multi({{&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
-        fork_indexer_query();
-    }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
-    // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again)
-    if (idx && !iq_apart)
+    // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again).
+    // The indexer query's GEMV shares q_b's launch (as its own launch ahead of q_b, with the indexer
+    // branch forked right after it, the step was slower: 131.4 vs 131.9 tok/s at 8K, docs/PERF.md).
+    if (idx)
         gemv_multi({{&l.q_b, q}, {&l.idx_q_b, iq}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
     else
         gemv_multi({{&l.q_b, q}}, q_lat, s, l.q_a_norm, hp.rms_eps, hp.q_lora);
-    if (idx && !iq_apart) fork_indexer_query();  // the indexer query came with q_b
+    if (idx && par) {  // the indexer branch may read iq from here on
+        ck(cudaEventRecord(ev_q, s), "forking the indexer query");
+        ck(cudaStreamWaitEvent(si, ev_q, 0), "forking the indexer query");
+    }
     cd::launch_head_norm_rope(q, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none, pos, s);
     if (idx) {
         phase("indexer q rope+fp4");

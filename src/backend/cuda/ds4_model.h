@@ -46,12 +46,6 @@ struct cuda_run_options {
     // KV row + compressor, and the indexer, beside the query path. true: every launch on the one
     // stream in issue order (tests compare the two bitwise; profile_step is always serial).
     bool serial_step = false;
-    // Ratio-4 blocks: the indexer's query GEMV (idx_q_b) runs as its own launch ahead of q_b instead of
-    // sharing q_b's launch, and the indexer branch starts right after it, so the indexer chain (query
-    // rope + FP4, scores, top-k), which the attention waits for, runs while q_b streams. Default off
-    // until measured on the device (an A/B with bench_cuda_ds4 --indexer-q-apart; CudaDs4Branches
-    // compares branched and serial bit for bit with it on as well).
-    bool indexer_q_apart = false;
     // Tests only: a device pause of this many ns at the start of each branch (> 0: on the side
     // streams, exposing a missing join; < 0: on the main stream's query path, exposing a side branch
     // that reads the query projections without waiting for them). Results do not change.

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs one carried gtest binary (.cuda-carry/test_NAME; default test_cuda) with a filter on the device,
+# the carry unpacked and its libraries on the path. FATHOM_DS4_BENCH passes through (benchmarks).
+# Usage (device): bash scripts/device/gtest.sh 'gtest filter' [NAME]
+set -u
+carry_bin=test_${2:-cuda}
+. "$(dirname "$0")/carry_env.sh"
+export FATHOM_CUDA_VOCAB_DIR="$c/vocab"
+timeout "${TEST_TIMEOUT:-300}" "$c/$carry_bin" --gtest_color=no --gtest_filter="$1"
