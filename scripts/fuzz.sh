@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Fuzz the GGUF reader: builds fuzz_gguf with clang (libFuzzer + ASan + UBSan; the reader sources are
-# instrumented too, see fuzz/CMakeLists.txt) in build-fuzz, writes a seed corpus with the Fathom writer (gguf_seeds) into a temp dir, and runs
-# the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
-#   scripts/fuzz.sh [SECONDS=60]
+# Fuzz a parser: builds fuzz_<TARGET> with clang (libFuzzer + ASan + UBSan; the parser sources are
+# instrumented too, see fuzz/CMakeLists.txt) in build-fuzz, writes a seed corpus with Fathom's own writer
+# into a temp dir, and runs the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
+#   scripts/fuzz.sh [SECONDS=60] [TARGET=gguf]
+# TARGET: gguf (the GGUF reader; seeds from gguf_seeds) or prompt_cache (the prompt-cache entry decoder,
+# src/cache/entry.h; seeds from prompt_cache_seeds).
 # Needs: clang and libclang-rt-14-dev (the libFuzzer/ASan runtimes; Debian bookworm's clang-14 gets them
 # from that package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-60}"
+target="${2:-gguf}"
+case "$target" in
+    gguf|prompt_cache) ;;
+    *) echo "fuzz.sh: unknown target '$target' (gguf or prompt_cache)" >&2; exit 2 ;;
+esac
 build=build-fuzz
 
 if ! command -v clang++ >/dev/null; then
@@ -17,33 +24,37 @@ fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
       -DFATHOM_FUZZ=ON -DFATHOM_TESTS=OFF >/dev/null
-cmake --build "$build" --target fuzz_gguf gguf_seeds -j2
+cmake --build "$build" --target "fuzz_$target" "${target}_seeds" -j2
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/corpus" "$work/artifacts"
-"$build/fuzz/gguf_seeds" "$work/corpus"
+"$build/fuzz/${target}_seeds" "$work/corpus"
 # A few hand-made edge seeds: empty, bare magic, header only.
 printf '' >"$work/corpus/empty"
-printf 'GGUF' >"$work/corpus/magic"
-printf 'GGUF\x03\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' >"$work/corpus/header"
-echo "fuzz.sh: $(ls "$work/corpus" | wc -l) seeds, running fuzz_gguf for ${seconds}s"
+if [ "$target" = gguf ]; then
+    printf 'GGUF' >"$work/corpus/magic"
+    printf 'GGUF\x03\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' >"$work/corpus/header"
+else
+    printf 'FATHOMPC\x01\x00\x00\x00\x03\x00\x00\x00' >"$work/corpus/magic"
+fi
+echo "fuzz.sh: $(ls "$work/corpus" | wc -l) seeds, running fuzz_$target for ${seconds}s"
 
 # -max_len: the largest seed is a few KiB; room to grow. The fuzzer exits non-zero on a crash and
 # writes the input to artifacts/ (printed below for reproduction).
 set +e
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    "$build/fuzz/fuzz_gguf" "$work/corpus" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
+    "$build/fuzz/fuzz_$target" "$work/corpus" -max_total_time="$seconds" -max_len=16384 -timeout=10 \
     -rss_limit_mb=2048 -artifact_prefix="$work/artifacts/" -print_final_stats=1 2>"$work/log"
 rc=$?
 set -e
 tail -n 25 "$work/log"
 if [ $rc -ne 0 ]; then
-    echo "fuzz.sh: fuzz_gguf FAILED (exit $rc); crashing inputs:" >&2
+    echo "fuzz.sh: fuzz_$target FAILED (exit $rc); crashing inputs:" >&2
     for f in "$work"/artifacts/*; do
         [ -e "$f" ] || continue
         mkdir -p "$build/crashes" && cp "$f" "$build/crashes/"
-        echo "  $build/crashes/$(basename "$f")  (reproduce: $build/fuzz/fuzz_gguf $build/crashes/$(basename "$f"))" >&2
+        echo "  $build/crashes/$(basename "$f")  (reproduce: $build/fuzz/fuzz_$target $build/crashes/$(basename "$f"))" >&2
     done
     exit 1
 fi

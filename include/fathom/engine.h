@@ -122,6 +122,23 @@ struct chat_message {
 
 class session;
 
+// A session's state as a byte stream (session::save_state / load_state; the on-disk prompt cache,
+// src/cache and docs/prompt-cache.md, frames, checksums and stores it). A writer takes the bytes in
+// order; a reader hands them back in the same order and never reads past the end of the stream.
+// Both throw fathom::error on failure (I/O, a stream that ends early).
+class state_writer {
+public:
+    virtual ~state_writer() = default;
+    virtual void write(const void *data, size_t n) = 0;
+};
+
+class state_reader {
+public:
+    virtual ~state_reader() = default;
+    virtual void read(void *data, size_t n) = 0;  // throws when fewer than n bytes remain
+    virtual uint64_t remaining() const = 0;       // bytes of the stream not yet read
+};
+
 // One session's share of engine::sync_step: the full token prefix it must hold afterwards.
 struct sync_item {
     session *sess = nullptr;
@@ -149,6 +166,13 @@ public:
                                             bool add_generation_prompt) const = 0;
 
     virtual std::unique_ptr<session> new_session() = 0;
+
+    // Identity of the states this engine's sessions save (session::save_state): the model file (its
+    // size and a hash of its GGUF header and of sampled tensor data) and every option that changes the
+    // saved bytes or the logits that follow a load (KV precision, numerics, DS4 QAT). A state loads
+    // only into a session of an engine with the same identity. "" when the sessions cannot save states
+    // (the default; CUDA, several devices).
+    virtual std::string state_identity() const { return {}; }
 
     // Paged KV. kv_pool(): the pool's state (block_tokens == 0: no pool). kv_pool_configure():
     // set the block size (a power of two >= 8) and the cap in blocks (0 = none); only while no
@@ -223,6 +247,35 @@ public:
         return true;
     }
     virtual int64_t kv_blocks() const { return 0; }  // blocks in the session's table (0 without a pool)
+
+    // ---- saved states (the on-disk prompt cache, docs/prompt-cache.md) ----
+    // save_state writes what the session holds: the held token count, the KV state (DS4: raw rings,
+    // compressor frontiers, compressed and indexer rows) and the last token's logits, so that a fresh
+    // session of an engine with the same state_identity() that load_state()s it continues bit for bit
+    // as this one would. Returns false, writing nothing, when the session cannot (the default). The
+    // caller keeps the session unchanged (no sync, eval, truncate, reset) while it runs; evaluations of
+    // other sessions of the engine may run meanwhile, on other threads.
+    virtual bool save_state(state_writer &w) const {
+        (void)w;
+        return false;
+    }
+    // load_state replaces what the session holds with a state save_state wrote while its session held
+    // exactly `tokens` (the caller stores them; the stream records their count), keeping the first
+    // n_keep of them (1 <= n_keep <= tokens.size()); logits() are the saved ones when n_keep ==
+    // tokens.size(), else empty (a later sync re-derives them). n_keep < tokens.size() needs
+    // loads_state_prefix(). Reads the whole stream. Returns false, reading nothing, when the session
+    // cannot load states (the default). Throws fathom::error naming the mismatch (another geometry,
+    // token count, precision; a malformed stream) and then holds nothing. Paged KV: the positions come
+    // from the session's reservation (kv_reserve), or from the pool (throws when it is full).
+    virtual bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) {
+        (void)r;
+        (void)tokens;
+        (void)n_keep;
+        return false;
+    }
+    // True when load_state accepts n_keep < tokens.size() (KV stored per position: the dense family);
+    // a DS4 state cannot drop positions (see ds4_session.cpp), so it loads whole or not at all.
+    virtual bool loads_state_prefix() const { return false; }
 };
 
 inline void session::truncate(int64_t n_keep) {

@@ -47,9 +47,11 @@
 #include <thread>
 
 #include "backend/cpu/thread_pool.h"
+#include "cache/identity.h"
 #include "chat/chat_template.h"
 #include "chat/ds4_chat.h"
 #include "core/error.h"
+#include "core/state_io.h"
 #include "dist/pipeline.h"
 #include "dist/planner.h"
 #include "dist/rank_procs.h"
@@ -241,6 +243,11 @@ class ds4_session final : public session {
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override;
+    // Saved states: one device, the CPU (ds4::state) or one GPU (ds4::cuda_sequence, the same stream
+    // from the device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
+    // banner), so it loads whole: n_keep == tokens.size().
+    bool save_state(state_writer &w) const override;
+    bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
 
     // ---- in-flight batches (ds4_engine::run_inflight, engine in-process pipelines only) ----
     const ds4_engine &owner() const { return e_; }
@@ -343,6 +350,22 @@ class ds4_engine final : public engine {
     }
 
     std::unique_ptr<session> new_session() override { return std::make_unique<ds4_session>(*this); }
+
+    // One device: the CPU (sessions' states in ds4::state) or one GPU (a ds4::cuda_sequence each);
+    // not a pipeline. qat and kv change the saved rows; the backend and its numerics options everything
+    // after a load (a CUDA state continues bit for bit only on CUDA, with the same indexer scoring).
+    std::string state_identity() const override {
+        if (pipelined()) return {};
+        std::string backend;
+#ifdef FATHOM_ENGINE_CUDA
+        if (gpu_) backend = std::string(" backend=cuda indexer=") + (opts_.exact ? "exact" : "tensor-core");
+#endif
+        if (backend.empty() && ordinal_ >= 0) return {};
+        if (backend.empty()) backend = std::string(" numerics=") + (opts_.exact ? "exact" : "quantised");
+        std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
+        return "deepseek4 file=" + file_identity_ + " kv=" + (opts_.kv == kv_precision::f32 ? "f32" : "f16") +
+               " qat=" + opts_.ds4_qat + backend;
+    }
 
     // ---- for sessions ----
     const ds4::model &model() const { return *model_; }
@@ -622,6 +645,8 @@ class ds4_engine final : public engine {
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
+    mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
+    mutable std::string file_identity_;
     // rank_procs: the rank processes (destroyed first: stops them while the model is still here).
     std::unique_ptr<dist::rank_procs> procs_;
 };
@@ -729,6 +754,62 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         }
         if (on_progress && *on_progress) (*on_progress)(done, total);
     }
+}
+
+// ---- saved states -----------------------------------------------------------------------------------
+// Stream: ds4::write_state's (deepseek4_state.cpp), then u64 has_logits and, when set, the last token's
+// logits [n_vocab] f32.
+
+bool ds4_session::save_state(state_writer &w) const {
+    if (on_pipeline()) return false;
+#ifdef FATHOM_ENGINE_CUDA
+    if (on_gpu())
+        gpu_->save_state(w);
+    else
+#endif
+        ds4::write_state(e_.model(), st_, w);
+    state_io::put<uint64_t>(w, have_logits_ ? 1 : 0);
+    if (have_logits_) {
+        const std::span<const float> lg = logits();  // downloads them when they are on the device
+        w.write(lg.data(), lg.size() * sizeof(float));
+    }
+    return true;
+}
+
+bool ds4_session::load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) {
+    if (on_pipeline()) return false;
+    const int64_t n = static_cast<int64_t>(tokens.size()), n_vocab = e_.model().hp.n_vocab;
+    if (n < 1 || n > e_.n_ctx())
+        throw error("saved state: " + std::to_string(n) + " tokens do not fit the context");
+    if (n_keep != n)
+        throw error("saved state: a DeepSeek V4 state loads whole (keep " + std::to_string(n_keep) + " of " +
+                    std::to_string(n) + ")");
+    for (int32_t t : tokens)
+        if (t < 0 || t >= n_vocab)
+            throw error("saved state: token id " + std::to_string(t) + " outside the vocabulary");
+    reset();
+    try {
+#ifdef FATHOM_ENGINE_CUDA
+        if (on_gpu())
+            gpu_->load_state(r, n);
+        else
+#endif
+            ds4::read_state(e_.model(), st_, r, n);
+        const uint64_t has_logits = state_io::get<uint64_t>(r);
+        if (has_logits > 1) throw error("saved state: bad logits flag");
+        if (has_logits) r.read(logits_.data(), logits_.size() * sizeof(float));
+#ifdef FATHOM_ENGINE_CUDA
+        if (on_gpu() && has_logits) gpu_->restore_logits(logits_);  // sample() reads them on the device
+#endif
+        if (r.remaining() != 0)
+            throw error("saved state: " + std::to_string(r.remaining()) + " bytes past its end");
+        tokens_.assign(tokens.begin(), tokens.end());
+        have_logits_ = has_logits == 1;
+    } catch (...) {
+        reset();  // a half-read state is torn
+        throw;
+    }
+    return true;
 }
 
 std::span<const float> ds4_session::logits() const {

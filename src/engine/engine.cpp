@@ -18,10 +18,12 @@
 #include <thread>
 
 #include "backend/backend.h"
+#include "cache/identity.h"
 #include "chat/chat_template.h"
 #include "engine/batch_decode.h"
 #include "engine/ds4_session.h"
 #include "core/error.h"
+#include "core/state_io.h"
 #include "fathom/engine.h"
 #include "gguf/gguf.h"
 #include "kv/kv_cache.h"
@@ -153,6 +155,10 @@ public:
     void truncate(int64_t n_keep) override;
     bool kv_reserve(int64_t n_tokens) override;
     int64_t kv_blocks() const override { return seq_ >= 0 ? pool_->held(seq_) : 0; }
+    // Saved states: CPU sessions (paged KV) only; the CUDA session's device cache is not saved.
+    bool save_state(state_writer &w) const override;
+    bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
+    bool loads_state_prefix() const override { return seq_ >= 0; }
 
 private:
     friend class engine_impl;  // decode_step (batched) reads and advances kv_/tokens_/logits_
@@ -163,6 +169,11 @@ private:
     void drop_after(size_t keep);
     // Paged: make the table cover positions [0, end) or throw (the pool's cap is reached).
     void kv_cover(int64_t end);
+    // save_state / load_state: the geometry preamble, and the K/V rows of positions [0, n) of every
+    // layer, K then V, head by head (`visit(row_ptr, n_rows)` per run of rows inside one block).
+    void state_geometry(state_writer &w, int64_t n_tokens, bool has_logits) const;
+    template <class F>
+    void state_rows(int64_t n, F &&visit) const;
     dense_kv kv_target() {
         dense_kv d;
         if (seq_ >= 0) {
@@ -255,6 +266,14 @@ public:
     }
 
     std::unique_ptr<session> new_session() override { return std::make_unique<session_impl>(*this); }
+    // CPU (paged KV) only. kv changes the saved rows; the numerics change every value after a load.
+    std::string state_identity() const override {
+        if (!pool_) return {};
+        std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
+        const char *numerics = opts_.exact ? "exact" : opts_.batch_invariant ? "invariant" : "llamacpp";
+        return "dense arch=" + model_->hp.arch + " file=" + file_identity_ +
+               " kv=" + (kv_type() == dtype::f32 ? "f32" : "f16") + " numerics=" + numerics;
+    }
     kv_pool_info kv_pool() const override {
         kv_pool_info i;
         if (!pool_) return i;
@@ -390,6 +409,8 @@ private:
     model_info info_;
     int64_t n_ctx_ = 0, n_batch_ = 0;
     std::mutex forward_mutex_;
+    mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
+    mutable std::string file_identity_;
     // A session's part of a fused sync_step: its new tokens prefix[keep, end) still to evaluate.
     struct step_work {
         session_impl *s = nullptr;
@@ -543,6 +564,100 @@ void session_impl::kv_cover(int64_t end) {
         throw error("KV pool full: " + std::to_string(pool_->blocks_for(end) - pool_->held(seq_)) + " more blocks of " +
                     std::to_string(pool_->block_tokens()) + " tokens needed, " + std::to_string(pool_->n_available()) +
                     " available (cap " + std::to_string(pool_->max_blocks()) + ")");
+}
+
+// ---- saved states ------------------------------------------------------------------------------
+// Stream (little-endian; docs/prompt-cache.md "Dense state"): u32 magic "DNS1", u32 version 1, u64
+// n_layer, n_head_kv, head_dim, KV dtype (0 f16, 1 f32), n_vocab, n_tokens, has_logits; then the KV
+// rows [n_layer][K, V][n_head_kv][n_tokens][head_dim] (position-major, so independent of the pool's
+// block size); then, when has_logits, the last token's logits [n_vocab] f32.
+
+constexpr uint32_t dense_state_magic = 0x31534e44;  // "DNS1"
+
+void session_impl::state_geometry(state_writer &w, int64_t n_tokens, bool has_logits) const {
+    const dense_hparams &hp = e_.model().hp;
+    state_io::put<uint32_t>(w, dense_state_magic);
+    state_io::put<uint32_t>(w, 1);
+    for (const int64_t v : {int64_t{hp.n_layer}, int64_t{hp.n_head_kv}, int64_t{hp.head_dim},
+                            int64_t{e_.kv_type() == dtype::f32 ? 1 : 0}, int64_t{hp.n_vocab}, n_tokens,
+                            int64_t{has_logits ? 1 : 0}})
+        state_io::put<uint64_t>(w, static_cast<uint64_t>(v));
+}
+
+template <class F>
+void session_impl::state_rows(int64_t n, F &&visit) const {
+    std::vector<uint8_t *> addrs;
+    pool_->block_addrs(seq_, addrs);
+    const int64_t bt = pool_->block_tokens(), n_addr = static_cast<int64_t>(addrs.size());
+    const size_t row = dtype_row_bytes(pool_->type(), pool_->head_dim());
+    for (int32_t il = 0; il < pool_->n_layer(); ++il) {
+        const kv_pages pg = pool_->pages(addrs, il);
+        for (const size_t off : {pg.k_offset, pg.v_offset})
+            for (int32_t h = 0; h < pool_->n_head_kv(); ++h)
+                for (int64_t p0 = 0; p0 < n; p0 += bt) {
+                    uint8_t *base = p0 / bt < n_addr ? addrs[static_cast<size_t>(p0 / bt)] + off +
+                                                           static_cast<size_t>(h * bt) * row
+                                                     : nullptr;
+                    visit(base, p0, std::min(bt, n - p0), row);
+                }
+    }
+}
+
+bool session_impl::save_state(state_writer &w) const {
+    if (seq_ < 0) return false;  // CUDA: the device cache is not saved
+    state_geometry(w, n_past(), have_logits_);
+    state_rows(n_past(), [&](const uint8_t *p, int64_t, int64_t rows, size_t row) {
+        if (!p) throw error("saved state: the block table does not cover the held tokens");
+        w.write(p, static_cast<size_t>(rows) * row);
+    });
+    if (have_logits_) w.write(logits_.data(), logits_.size() * sizeof(float));
+    return true;
+}
+
+bool session_impl::load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) {
+    if (seq_ < 0) return false;
+    const dense_hparams &hp = e_.model().hp;
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (n < 1 || n > e_.n_ctx())
+        throw error("saved state: " + std::to_string(n) + " tokens do not fit the context");
+    if (n_keep < 1 || n_keep > n)
+        throw error("saved state: keep " + std::to_string(n_keep) + " of " + std::to_string(n));
+    for (int32_t t : tokens)
+        if (t < 0 || t >= hp.n_vocab)
+            throw error("saved state: token id " + std::to_string(t) + " outside the vocabulary");
+    drop_after(0);  // holds nothing; the reservation (kv_reserve) stays
+    have_logits_ = false;
+    try {
+        if (state_io::get<uint32_t>(r) != dense_state_magic)
+            throw error("saved state: not a dense-model state");
+        if (state_io::get<uint32_t>(r) != 1) throw error("saved state: unknown dense state version");
+        state_io::expect(r, static_cast<uint64_t>(hp.n_layer), "layer count");
+        state_io::expect(r, static_cast<uint64_t>(hp.n_head_kv), "KV head count");
+        state_io::expect(r, static_cast<uint64_t>(hp.head_dim), "head dim");
+        state_io::expect(r, e_.kv_type() == dtype::f32 ? 1 : 0, "KV precision (0 f16, 1 f32)");
+        state_io::expect(r, static_cast<uint64_t>(hp.n_vocab), "vocabulary size");
+        state_io::expect(r, static_cast<uint64_t>(n), "token count");
+        const uint64_t has_logits = state_io::get<uint64_t>(r);
+        if (has_logits > 1) throw error("saved state: bad logits flag");
+        kv_cover(n_keep);
+        // Rows of positions >= n_keep are read and dropped (a run straddling n_keep keeps its head).
+        state_rows(n, [&](uint8_t *p, int64_t p0, int64_t rows, size_t row) {
+            const int64_t kept = std::clamp<int64_t>(n_keep - p0, 0, rows);
+            if (kept > 0) r.read(p, static_cast<size_t>(kept) * row);  // p != null: kv_cover(n_keep)
+            state_io::skip(r, static_cast<uint64_t>(rows - kept) * row);
+        });
+        if (has_logits) r.read(logits_.data(), logits_.size() * sizeof(float));
+        if (r.remaining() != 0)
+            throw error("saved state: " + std::to_string(r.remaining()) + " bytes past its end");
+        tokens_.assign(tokens.begin(), tokens.begin() + n_keep);
+        have_logits_ = has_logits && n_keep == n;
+    } catch (...) {
+        tokens_.clear();
+        have_logits_ = false;
+        drop_after(0);
+        throw;
+    }
+    return true;
 }
 
 void engine_impl::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {

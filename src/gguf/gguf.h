@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,8 @@ public:
     size_t alignment() const { return alignment_; }
     size_t size() const { return size_; }
     size_t data_offset() const { return data_offset_; }  // start of the tensor data section
+    // The whole file as mapped (or the caller's buffer): [size()] bytes.
+    std::span<const uint8_t> bytes() const { return {base_, size_}; }
 
     // Metadata, in file order.
     const std::vector<kv> &metadata() const { return kvs_; }

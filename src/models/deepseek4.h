@@ -174,6 +174,10 @@ class row_store {
     void set(int64_t r, const float *src);  // rounds through f16 when stored as f16
     void push(const float *src);
     void get(int64_t r, float *dst) const;
+    kv_precision precision() const { return prec_; }
+    // The stored rows as bytes ([size() x width()] f32 or f16 values): saved states (deepseek4_state.cpp).
+    std::span<const uint8_t> bytes() const;
+    std::span<uint8_t> bytes();
 
   private:
     int64_t width_ = 0;
@@ -240,6 +244,14 @@ struct forward_out {
 // Evaluate `tokens` at `positions` (must be n_past, n_past+1, ...), updating `st`.
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out);
+
+// ---- saved states (session::save_state / load_state; deepseek4_state.cpp) ---------------------------
+// The whole of `st` that later evaluations read: n_past, and per layer the raw ring, the compressor
+// frontiers and the compressed and indexer rows (layout: docs/prompt-cache.md "DS4 state"). Every
+// length read_state accepts follows from the model's geometry and n_past, which must equal `n_past`
+// (the caller's token count); st keeps its exec / qat / kv settings, which must match the saved ones.
+void write_state(const model &m, const state &st, state_writer &w);
+void read_state(const model &m, state &st, state_reader &r, int64_t n_past);
 
 // ---- layer ranges (pipeline stages, src/dist) ---------------------------------------------------
 // forward() is embed_tokens -> forward_layers(0, n_layer) -> head_logits; a pipeline runs the same

@@ -393,6 +393,18 @@ void row_store::get(int64_t r, float *dst) const {
         for (int64_t i = 0; i < width_; ++i) dst[i] = cpu::f16_to_f32(f16_[o + static_cast<size_t>(i)]);
 }
 
+std::span<const uint8_t> row_store::bytes() const {
+    if (prec_ == kv_precision::f32)
+        return {reinterpret_cast<const uint8_t *>(f32_.data()), f32_.size() * sizeof(float)};
+    return {reinterpret_cast<const uint8_t *>(f16_.data()), f16_.size() * sizeof(uint16_t)};
+}
+
+std::span<uint8_t> row_store::bytes() {
+    if (prec_ == kv_precision::f32)
+        return {reinterpret_cast<uint8_t *>(f32_.data()), f32_.size() * sizeof(float)};
+    return {reinterpret_cast<uint8_t *>(f16_.data()), f16_.size() * sizeof(uint16_t)};
+}
+
 double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx) {
     if (n_ctx <= 0) throw error("kv_bytes_per_token: n_ctx must be positive, got " + std::to_string(n_ctx));
     const double elt = kv == kv_precision::f16 ? 2.0 : 4.0;

@@ -4,6 +4,7 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 
 #include "sched/text_stream.h"
@@ -57,7 +58,9 @@ void histogram::observe(double v) {
 
 scheduler_stats::scheduler_stats()
     : ttft_s({0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
-      token_latency_s({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}) {}
+      token_latency_s({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}),
+      disk_load_s({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}),
+      disk_save_s({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}) {}
 
 // ---------------------------------------------------------------------------------------------
 // slots
@@ -83,6 +86,11 @@ struct scheduler::slot {
     clock::time_point t_last;
     int64_t n_tokens_published = 0; // session size as seen by stats() (under mu_)
     int64_t kv_limit = 0;           // positions reserved in the pool for the running request
+    // Disk prompt cache: set (by the worker, under mu_) while the I/O thread owns sess, cleared by the
+    // I/O thread under mu_ once it is done with it; the worker leaves sess alone meanwhile.
+    std::atomic<bool> io_busy{false};
+    std::optional<cache::prompt_cache::match> pending_load;  // the entry to load (with io_busy)
+    bool prompt_saved = false;  // the running request's prompt was queued for saving (whole-state sessions)
 };
 
 static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
@@ -119,6 +127,17 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     stats_.kv_tokens_capacity = std::min(int64_t(opts_.n_slots) * n_ctx_, n_blocks * opts_.kv_block_tokens);
     stats_.kv_blocks_total = n_blocks;
     stats_.kv_block_tokens = opts_.kv_block_tokens;
+    if (!opts_.prompt_cache.dir.empty()) {
+        const std::string id = eng_.state_identity();
+        if (id.empty())
+            throw error(
+                "prompt cache: this engine's sessions cannot save their state (the dense families on the "
+                "CPU and DeepSeek V4 on the CPU or one GPU can; not several devices)");
+        cache_ = std::make_unique<cache::prompt_cache>(opts_.prompt_cache, id);
+        disk_prefix_loads_ = slots_[0]->sess->loads_state_prefix();
+        stats_.prompt_cache = true;
+        io_ = std::thread([this] { io_loop(); });
+    }
     worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -131,6 +150,12 @@ void scheduler::stop() {
     }
     cv_.notify_all();
     if (worker_.joinable()) worker_.join();
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        io_stop_ = true;  // pending saves still run (the I/O thread drains its queue); loads are dropped
+    }
+    io_cv_.notify_all();
+    if (io_.joinable()) io_.join();
 }
 
 std::shared_ptr<job> scheduler::submit(request req) {
@@ -165,6 +190,7 @@ std::shared_ptr<job> scheduler::submit(request req) {
                              std::to_string(opts_.max_queue) + ")");
         }
         j->id_ = next_id_++;
+        admit_blocked_ = false;
         ++stats_.requests_submitted;
         stats_.prompt_tokens += j->req_.prompt.size();
         queue_.push_back(j);
@@ -180,6 +206,7 @@ scheduler_stats scheduler::stats() const {
     s.slots_busy = 0;
     s.kv_tokens_used = 0;
     s.kv_blocks_cached = 0;
+    if (cache_) s.disk = cache_->get_stats();
     for (auto &sl : slots_) {
         s.slots_busy += sl->j ? 1 : 0;
         s.kv_tokens_used += sl->n_tokens_published;
@@ -211,6 +238,7 @@ void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r) {
 }
 
 void scheduler::admit_locked() {
+    admit_blocked_ = false;
     // Drop requests cancelled while waiting.
     for (auto it = queue_.begin(); it != queue_.end();) {
         if ((*it)->cancelled()) {
@@ -225,6 +253,8 @@ void scheduler::admit_locked() {
         // Prefer the idle slot sharing the longest prefix, if that reuses at least half of what the
         // slot holds; otherwise take the least recently used idle slot (empty ones first), so a
         // short accidental match (e.g. the template's opening tokens) does not evict a conversation.
+        // A slot whose session is being saved (io_busy) is not available; when it is the best match
+        // the request waits for it (its tokens do not change meanwhile: the saver only reads them).
         slot *best = nullptr, *lru = nullptr;
         size_t best_lcp = 0;
         for (auto &s : slots_) {
@@ -235,10 +265,16 @@ void scheduler::admit_locked() {
                 best = s.get();
                 best_lcp = l;
             }
-            if (!lru || s->last_used < lru->last_used) lru = s.get();
+            if (!s->io_busy && (!lru || s->last_used < lru->last_used)) lru = s.get();
         }
-        if (!lru) break;  // every slot busy: the request keeps waiting
-        if (!best) {
+        if (!lru || (best && best->io_busy)) break;  // every slot busy, or the best one saving: wait
+        // A disk entry that beats the RAM prefix goes into the least recently used slot.
+        std::optional<cache::prompt_cache::match> disk;
+        if (cache_) disk = disk_candidate_locked(j->req_, best_lcp);
+        if (disk) {
+            best = lru;
+            best_lcp = 0;
+        } else if (!best) {
             best = lru;
             best_lcp = common_prefix(best->sess->tokens(), j->req_.prompt);
         }
@@ -267,7 +303,26 @@ void scheduler::admit_locked() {
         s.n_gen = 0;
         s.got_first = false;
         s.ttft = 0.0;
+        s.prompt_saved = false;
+        if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
+            s.pending_load = std::move(disk);
+            s.io_busy = true;
+            io_queue_.push_back({&s, true});
+            io_cv_.notify_one();
+        } else if (cache_ && best_lcp + 1 < n) {
+            ++stats_.disk_misses;  // evaluates prompt tokens the disk did not supply
+        }
     }
+    admit_blocked_ = !queue_.empty();
+}
+
+// The disk entry for r's prompt when it leaves the session holding at least min_tokens more prompt
+// tokens than the best idle slot's prefix (reading an entry costs time too).
+std::optional<cache::prompt_cache::match> scheduler::disk_candidate_locked(const request &r,
+                                                                           size_t best_lcp) {
+    std::optional<cache::prompt_cache::match> m = cache_->lookup(r.prompt, disk_prefix_loads_);
+    if (!m || m->n_keep < int64_t(best_lcp) + cache_->opts().min_tokens) return std::nullopt;
+    return m;
 }
 
 // Positions a request may occupy: prompt + max_tokens, capped by the context and by the whole pool.
@@ -326,7 +381,7 @@ bool scheduler::kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_t
     std::vector<slot *> idle;
     int64_t evictable = 0;
     for (auto &o : slots_)
-        if (o.get() != &s && !o->j && kv_held(*o) > 0) {
+        if (o.get() != &s && !o->j && !o->io_busy && kv_held(*o) > 0) {
             idle.push_back(o.get());
             evictable += kv_held(*o);
         }
@@ -342,25 +397,33 @@ bool scheduler::kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_t
     return true;
 }
 
+// Under mu_: a slot can be evaluated, or the queue head may be admissible.
+bool scheduler::has_work_locked() const {
+    if (stop_ || (!queue_.empty() && !admit_blocked_)) return true;
+    for (auto &s : slots_)
+        if (s->j && !s->io_busy) return true;
+    return false;
+}
+
 void scheduler::worker_loop() {
     for (;;) {
         {
             std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [&] {
-                if (stop_ || !queue_.empty()) return true;
-                for (auto &s : slots_)
-                    if (s->j) return true;
-                return false;
-            });
+            // A blocked queue head is retried when a request ends, one is submitted or the I/O thread
+            // releases a slot; the timeout also drops jobs cancelled while they wait.
+            cv_.wait_for(lk, std::chrono::milliseconds(100), [&] { return has_work_locked(); });
             if (stop_) break;
             admit_locked();
+            bool runnable = false;
+            for (auto &s : slots_) runnable = runnable || (s->j && !s->io_busy);
+            if (!runnable) continue;
         }
         try {
             run_step();
         } catch (const std::exception &e) {
             // Unexpected failure outside a single job's evaluation: fail every active job.
             for (auto &s : slots_)
-                if (s->j) finish(*s, finish_reason::error, e.what());
+                if (s->j && !s->io_busy) finish(*s, finish_reason::error, e.what());
         }
     }
     std::lock_guard<std::mutex> lk(mu_);
@@ -379,7 +442,7 @@ void scheduler::worker_loop() {
 bool scheduler::run_step() {
     std::vector<slot *> dec;
     for (auto &s : slots_) {
-        if (!s->j) continue;
+        if (!s->j || s->io_busy) continue;  // an I/O task owns the session until it is done
         if (s->j->cancelled()) {
             finish(*s, finish_reason::cancelled);
             continue;
@@ -397,12 +460,14 @@ bool scheduler::run_step() {
         if (r == 0)
             for (slot *s : dec) es.push_back({s, s->history.size(), 0, true});
         for (const prefill_chunk &c : chunks)
-            if (c.round == r && c.s->j && c.s->ph == phase::prefill) es.push_back({c.s, c.end, c.cost, false});
+            if (c.round == r && c.s->j && c.s->ph == phase::prefill && !c.s->io_busy)
+                es.push_back({c.s, c.end, c.cost, false});
         if (!es.empty()) evaluate(es);
     }
     std::lock_guard<std::mutex> lk(mu_);
     ++stats_.steps;
-    for (auto &s : slots_) s->n_tokens_published = int64_t(s->sess->tokens().size());
+    for (auto &s : slots_)
+        if (!s->io_busy) s->n_tokens_published = int64_t(s->sess->tokens().size());
     return true;
 }
 
@@ -413,7 +478,7 @@ bool scheduler::run_step() {
 std::vector<scheduler::prefill_chunk> scheduler::plan_prefill(int budget) const {
     std::vector<slot *> pre;
     for (auto &s : slots_)
-        if (s->j && s->ph == phase::prefill) pre.push_back(s.get());
+        if (s->j && s->ph == phase::prefill && !s->io_busy) pre.push_back(s.get());
     std::sort(pre.begin(), pre.end(), [](slot *a, slot *b) { return a->seq < b->seq; });
     std::vector<prefill_chunk> plan;
     bool first = true;
@@ -472,7 +537,16 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
             continue;
         }
         e.s->prefill_pos = e.end;
-        if (e.end == e.s->j->req_.prompt.size()) sample_and_emit(*e.s);
+        if (e.end != e.s->j->req_.prompt.size()) continue;
+        sample_and_emit(*e.s);
+        // Sessions that load only whole states (DS4) could not reuse the prompt + generated entry
+        // saved at the end for the same prompt again: save the prompt alone now (the next decode of
+        // this slot waits for it). Dense sessions keep a prefix of any entry.
+        if (cache_ && !disk_prefix_loads_ && e.s->j && e.s->ph == phase::decode && !e.s->prompt_saved) {
+            std::lock_guard<std::mutex> lk(mu_);
+            e.s->prompt_saved = true;
+            save_async_locked(*e.s);
+        }
     }
 }
 
@@ -595,8 +669,92 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
         s.n_tokens_published = int64_t(s.sess->tokens().size());
         kv_settle(s);  // keep blocks only for the cached prefix
         s.kv_limit = 0;
+        admit_blocked_ = false;
+        if (r != finish_reason::error) save_async_locked(s);  // prompt + generated tokens, off the worker
     }
     j->post(std::move(ev));
+}
+
+// ---------------------------------------------------------------------------------------------
+// disk prompt cache: the I/O thread
+// ---------------------------------------------------------------------------------------------
+
+void scheduler::save_async_locked(slot &s) {
+    if (!cache_ || s.io_busy || int64_t(s.sess->tokens().size()) < cache_->opts().min_tokens) return;
+    s.io_busy = true;  // save() marks an existing entry recently used, or writes a new one
+    io_queue_.push_back({&s, false});
+    io_cv_.notify_one();
+}
+
+void scheduler::io_loop() {
+    for (;;) {
+        io_task t;
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            io_cv_.wait(lk, [&] { return io_stop_ || !io_queue_.empty(); });
+            if (io_queue_.empty()) return;  // stopping, every save done
+            // Loads first: a request's first token waits for its load, only slot reuse for a save.
+            auto it =
+                std::find_if(io_queue_.begin(), io_queue_.end(), [](const io_task &x) { return x.load; });
+            if (it == io_queue_.end()) it = io_queue_.begin();
+            t = *it;
+            io_queue_.erase(it);
+        }
+        if (t.load)
+            io_load(*t.s);
+        else
+            io_save(*t.s);
+    }
+}
+
+void scheduler::io_load(slot &s) {
+    const auto t0 = clock::now();
+    std::string why;
+    bool ok = false;
+    bool stopping;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stopping = io_stop_;  // the worker is gone: the job was cancelled
+    }
+    if (!stopping) {
+        ok = cache_->load(*s.pending_load, *s.sess, why);
+        if (!ok)
+            std::fprintf(stderr, "fathom: prompt cache: %s; evaluating the prompt instead\n", why.c_str());
+    }
+    const double dt = secs(clock::now() - t0);
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (ok) {
+            ++stats_.disk_hits;
+            stats_.disk_load_s.observe(dt);
+            s.prefill_pos = size_t(s.pending_load->n_keep);
+            if (s.j)
+                s.n_reused = std::min<int64_t>(s.pending_load->n_keep, int64_t(s.j->req_.prompt.size()) - 1);
+        } else {
+            ++stats_.disk_misses;
+        }
+        s.pending_load.reset();
+        s.io_busy = false;
+        admit_blocked_ = false;
+    }
+    cv_.notify_all();
+}
+
+void scheduler::io_save(slot &s) {
+    const auto t0 = clock::now();
+    std::string why;
+    const cache::prompt_cache::save_result r = cache_->save(*s.sess, why);
+    const double dt = secs(clock::now() - t0);
+    if (r == cache::prompt_cache::save_result::failed)
+        std::fprintf(stderr, "fathom: prompt cache: saving %zu tokens failed: %s\n", s.sess->tokens().size(),
+                     why.c_str());
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (r == cache::prompt_cache::save_result::saved) stats_.disk_save_s.observe(dt);
+        s.io_busy = false;
+        admit_blocked_ = false;
+    }
+    cv_.notify_all();
 }
 
 }  // namespace fathom::sched

@@ -27,6 +27,16 @@
 // enough the request waits at the head of the queue until running ones end. A request whose
 // prompt alone exceeds the pool gets queue_full (503). When a request ends, its slot keeps only
 // the blocks covering the tokens its session still holds (prefix reuse).
+// Disk prompt cache (scheduler_options::prompt_cache, src/cache, docs/prompt-cache.md): at admission,
+// when an entry on disk leaves the session holding at least min_tokens more of the prompt than the
+// best idle slot, the request takes the least recently used idle slot and an I/O thread loads the
+// entry into its session; only the rest of the prompt is evaluated. When a request ends, the I/O
+// thread saves what its session holds (prompt + generated tokens); for sessions that load only whole
+// states (DS4) it also saves the prompt alone once its prefill is done. While the I/O thread reads or
+// writes a slot's session the slot is io_busy: the worker neither evaluates, admits to, evicts nor
+// inspects it (a saving slot's decode waits; a request whose best slot is saving waits for it).
+// Every idle slot's state is on disk already (saved when its request ended), so an eviction from RAM
+// needs no save.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -35,10 +45,12 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cache/prompt_cache.h"
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
 #include "kv/paged_pool.h"
@@ -131,6 +143,13 @@ struct scheduler_stats {
     uint64_t kv_evictions = 0;                           // idle caches dropped to make room
     uint64_t kv_waits = 0;                               // admissions deferred for lack of blocks
     histogram ttft_s, token_latency_s;
+    // Disk prompt cache (when enabled): hits (entries loaded), misses (admissions that evaluate prompt
+    // tokens no disk entry supplied, failed loads included; a prompt a RAM slot covers is neither), the
+    // directory's figures and the I/O times.
+    bool prompt_cache = false;
+    uint64_t disk_hits = 0, disk_misses = 0;
+    cache::stats disk;
+    histogram disk_load_s, disk_save_s;
     scheduler_stats();
 };
 
@@ -141,6 +160,8 @@ struct scheduler_options {
     int step_token_budget = 512;   // tokens per step (decodes count one each)
     int64_t kv_blocks = 0;         // KV pool size in blocks; 0 = every slot can hold a full context
     int kv_block_tokens = 16;      // token positions per block
+    cache::options prompt_cache;   // disk prompt cache; dir "" = off (the constructor throws when the
+                                   // engine's sessions cannot save states)
 };
 
 struct slot_info {
@@ -180,6 +201,7 @@ private:
         bool decode;
     };
     void worker_loop();
+    bool has_work_locked() const;
     void admit_locked();
     bool run_step();
     std::vector<prefill_chunk> plan_prefill(int budget) const;
@@ -196,6 +218,17 @@ private:
     bool kv_prepare(slot &s, int64_t keep_tokens, int64_t need_tokens);  // keep a prefix, reserve; all or nothing
     void kv_settle(slot &s);                      // keep only the blocks of the tokens s's session holds
     void kv_evict(slot &s);                       // drop s's cache and all its blocks
+    // Disk prompt cache (I/O thread). A task owns its slot's session until it clears the slot's io_busy.
+    struct io_task {
+        slot *s = nullptr;
+        bool load = false;  // load s->pending_load into s's session, else save what it holds
+    };
+    void io_loop();
+    void io_load(slot &s);
+    void io_save(slot &s);
+    // Under mu_: the disk entry for prompt r when it beats the RAM prefix best_lcp by min_tokens.
+    std::optional<cache::prompt_cache::match> disk_candidate_locked(const request &r, size_t best_lcp);
+    void save_async_locked(slot &s);  // under mu_: queue a save of what s's session holds, if worth it
 
     engine &eng_;
     scheduler_options opts_;
@@ -212,6 +245,13 @@ private:
     bool stop_ = false;
     uint64_t next_id_ = 1;
     uint64_t admit_seq_ = 0;  // worker only
+    bool admit_blocked_ = false;  // the queue head waits (slots, KV, a saving slot) until something ends
+    std::unique_ptr<cache::prompt_cache> cache_;  // null: no disk cache
+    bool disk_prefix_loads_ = false;              // the sessions' loads_state_prefix()
+    std::deque<io_task> io_queue_;                // guarded by mu_
+    std::condition_variable io_cv_;
+    bool io_stop_ = false;
+    std::thread io_;
     std::thread worker_;
 };
 

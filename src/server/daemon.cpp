@@ -1,6 +1,7 @@
 // `fathom daemon` line protocol (see daemon.h, docs/daemon-protocol.md) and --root confinement.
 #include "server/daemon.h"
 
+#include <cstdio>
 #include <fstream>
 #include <istream>
 #include <ostream>
@@ -48,12 +49,31 @@ fs::path confine_path(const fs::path &root, const std::string &rel, bool must_ex
     return target;
 }
 
-daemon::daemon(loader load, const fs::path &root, std::string default_drafter)
+daemon::daemon(loader load, const fs::path &root, std::string default_drafter, cache::options prompt_cache)
     : load_(std::move(load)), root_(root), default_drafter_(std::move(default_drafter)) {
     std::error_code ec;
     if (!fs::is_directory(root_, ec)) throw error("daemon: --root '" + root_.string() + "' is not a directory");
     eng_ = load_();
     working_ = eng_->new_session();
+    if (!prompt_cache.dir.empty()) {
+        const std::string id = eng_->state_identity();
+        if (id.empty()) throw error("daemon: prompt cache: this engine's sessions cannot save their state");
+        cache_ = std::make_unique<cache::prompt_cache>(std::move(prompt_cache), id);
+    }
+}
+
+void daemon::sync_working(const std::vector<int32_t> &prompt) {
+    if (cache_) {
+        const std::vector<int32_t> &held = working_->tokens();
+        size_t lcp = 0;
+        while (lcp < held.size() && lcp < prompt.size() && held[lcp] == prompt[lcp]) ++lcp;
+        const auto m = cache_->lookup(prompt, working_->loads_state_prefix());
+        std::string why;
+        if (m && m->n_keep >= int64_t(lcp) + cache_->opts().min_tokens && !cache_->load(*m, *working_, why))
+            std::fprintf(stderr, "fathom daemon: prompt cache: %s; evaluating the prompt instead\n",
+                         why.c_str());
+    }
+    working_->sync(prompt);
 }
 
 daemon::~daemon() { drop_sessions(); }
@@ -71,7 +91,7 @@ engine &daemon::target(const char *cmd) {
     if (!eng_) throw error(std::string(cmd) + ": the target model is parked (send 'unpark target')");
     if (!working_) {  // first use after unpark: rebuild the working session's state
         working_ = eng_->new_session();
-        if (!working_tokens_.empty()) working_->sync(working_tokens_);
+        if (!working_tokens_.empty()) sync_working(working_tokens_);
     }
     return *eng_;
 }
@@ -106,7 +126,7 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     const int64_t n_ctx = eng.info().n_ctx;
     if (int64_t(prompt.size()) >= n_ctx)
         throw error("prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " + std::to_string(n_ctx));
-    working_->sync(prompt);
+    sync_working(prompt);
     sampling_params sp;
     sp.temperature = 0.0f;  // greedy
     sampler smp(sp);
@@ -129,6 +149,11 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     }
     std::string reply = "ok " + std::to_string(gen.size()) + " " + reason;
     write_or_append_ids(gen, a.size() == 3 ? a[2] : std::string(), reply);
+    if (cache_) {  // prompt + generated tokens (all but the last, never evaluated) for later prompts
+        std::string why;
+        if (cache_->save(*working_, why) == cache::prompt_cache::save_result::failed)
+            std::fprintf(stderr, "fathom daemon: prompt cache: %s\n", why.c_str());
+    }
     return reply;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cache/prompt_cache.h"
 #include "fathom/engine.h"
 #include "fathom/pflash.h"
 
@@ -26,7 +27,11 @@ public:
     using loader = std::function<std::unique_ptr<engine>()>;
     // `load` is called now and again on "unpark"; root must be an existing directory.
     // default_drafter: the drafter `compress ... default` uses ("" = none; others are paths in root).
-    daemon(loader load, const std::filesystem::path &root, std::string default_drafter = {});
+    // prompt_cache: the disk prompt cache (docs/prompt-cache.md; dir "" = none): `generate` loads the
+    // entry sharing the longest prefix with its prompt when it beats what the working session holds by
+    // min_tokens, and saves the working session afterwards.
+    daemon(loader load, const std::filesystem::path &root, std::string default_drafter = {},
+           cache::options prompt_cache = {});
     ~daemon();
 
     // Handles one command line and returns the reply line (no trailing newline). Blank lines -> "".
@@ -50,6 +55,8 @@ private:
     std::string cmd_list() const;
     engine &target(const char *cmd);
     void drop_sessions();
+    // working_->sync(prompt), first loading a disk entry when one beats what the session holds.
+    void sync_working(const std::vector<int32_t> &prompt);
 
     loader load_;
     std::filesystem::path root_;
@@ -60,6 +67,7 @@ private:
     std::string default_drafter_;
     std::unique_ptr<pflash::compressor> comp_;  // PFlash drafter state (created by the first compress)
     std::string comp_drafter_;                  // its drafter path
+    std::unique_ptr<cache::prompt_cache> cache_;  // the disk prompt cache (null: none)
     bool done_ = false;
 };
 

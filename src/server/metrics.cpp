@@ -60,6 +60,30 @@ std::string render_metrics(const sched::scheduler_stats &s,
            double(s.kv_evictions));
     metric(o, "fathom_kv_admission_waits_total", "counter", "Admissions deferred because the KV pool was full.",
            double(s.kv_waits));
+    if (s.prompt_cache) {
+        metric(o, "fathom_prompt_cache_disk_hits_total", "counter",
+               "Requests whose prompt prefix was loaded from the disk prompt cache.", double(s.disk_hits));
+        metric(o, "fathom_prompt_cache_disk_misses_total", "counter",
+               "Requests admitted without a usable disk entry (failed loads included).",
+               double(s.disk_misses));
+        metric(o, "fathom_prompt_cache_disk_rejected_total", "counter",
+               "Damaged disk entries found (and deleted).", double(s.disk.rejected));
+        metric(o, "fathom_prompt_cache_disk_saves_total", "counter",
+               "Entries written to the disk prompt cache.", double(s.disk.saves));
+        metric(o, "fathom_prompt_cache_disk_save_failures_total", "counter",
+               "Saves that failed (I/O errors).", double(s.disk.save_failures));
+        metric(o, "fathom_prompt_cache_disk_evictions_total", "counter",
+               "Entries deleted to keep the directory under --prompt-cache-max-gib.",
+               double(s.disk.evictions));
+        metric(o, "fathom_prompt_cache_disk_bytes", "gauge", "Bytes of the entries in the cache directory.",
+               double(s.disk.bytes));
+        metric(o, "fathom_prompt_cache_disk_entries", "gauge", "Entries in the cache directory.",
+               double(s.disk.entries));
+        hist(o, "fathom_prompt_cache_disk_load_seconds", "Time to load a disk entry into a session.",
+             s.disk_load_s);
+        hist(o, "fathom_prompt_cache_disk_save_seconds", "Time to write a session's state as a disk entry.",
+             s.disk_save_s);
+    }
     hist(o, "fathom_time_to_first_token_seconds", "Submit to first generated token.", s.ttft_s);
     hist(o, "fathom_token_latency_seconds", "Time between consecutive generated tokens of a request.",
          s.token_latency_s);

@@ -1,6 +1,7 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
 //                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
+//                  [--state-file PATH]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
@@ -11,6 +12,9 @@
 // [0, a), [a, b), [b, c) as one call, last-token logits), the tok/s of every interval (an empty list
 // skips it); --chunk sets the chunk size (0: token-serial). --serial-step: the decode step on one
 // stream (cuda_run_options::serial_step; default: the attention's parallel branches).
+// --state-file PATH: after the chunked prefill, the sequence's saved state (save_state, the disk prompt
+// cache's DS4 stream) written to PATH (fsync'd) and loaded into a second sequence, both timed; the
+// next decode step of both must agree bit for bit.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +25,8 @@
 #include <vector>
 
 #include <cuda_profiler_api.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "backend/cuda/cuda_backend.h"
 #include "bench_util.h"
@@ -33,12 +39,87 @@ using namespace fathom;
 using bench_util::now_s;
 using bench_util::parse_list;
 
+namespace {
+
+// A state stream to / from a file descriptor (the bench's stand-in for the prompt cache's entry file,
+// which adds a header and checksums).
+struct fd_writer final : state_writer {
+    int fd;
+    uint64_t n = 0;
+    void write(const void *data, size_t k) override {
+        const auto *p = static_cast<const char *>(data);
+        while (k > 0) {
+            const ssize_t r = ::write(fd, p, k);
+            if (r <= 0) throw error("state file: write failed");
+            p += r, k -= static_cast<size_t>(r), n += static_cast<uint64_t>(r);
+        }
+    }
+};
+struct fd_reader final : state_reader {
+    int fd;
+    uint64_t left;
+    void read(void *data, size_t k) override {
+        if (k > left) throw error("state file: ends early");
+        auto *p = static_cast<char *>(data);
+        while (k > 0) {
+            const ssize_t r = ::read(fd, p, k);
+            if (r <= 0) throw error("state file: read failed");
+            p += r, k -= static_cast<size_t>(r), left -= static_cast<uint64_t>(r);
+        }
+    }
+    uint64_t remaining() const override { return left; }
+};
+
+// Saves seq's state to path (fsync'd), loads it into a second sequence, and checks that the next
+// greedy step of both gives the same logits: the time a prompt-cache hit costs instead of the prefill.
+void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::cuda_weights> &w,
+                      const std::string &path, const std::vector<int32_t> &prompt, double t_prefill) {
+    const size_t V = static_cast<size_t>(seq.hp().n_vocab);
+    std::vector<float> lg(V);
+    seq.last_logits(lg);
+    double t0 = now_s();
+    fd_writer fw;
+    fw.fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+    if (fw.fd < 0) throw error("cannot create " + path);
+    seq.save_state(fw);
+    fw.write(lg.data(), V * sizeof(float));
+    ::fsync(fw.fd);
+    ::close(fw.fd);
+    const double t_save = now_s() - t0;
+    ds4::cuda_sequence b(w, seq.n_ctx(), true, ds4::default_prefill_chunk);
+    t0 = now_s();
+    fd_reader fr;
+    fr.fd = ::open(path.c_str(), O_RDONLY);
+    if (fr.fd < 0) throw error("cannot open " + path);
+    fr.left = fw.n;
+    b.load_state(fr, seq.n_past());
+    std::vector<float> lb(V);
+    fr.read(lb.data(), V * sizeof(float));
+    b.restore_logits(lb);
+    ::close(fr.fd);
+    const double t_load = now_s() - t0;  // from the page cache (just written)
+    const int32_t t = static_cast<int32_t>((prompt.back() + 1) % static_cast<int32_t>(V));
+    std::vector<float> la(V), l2(V);
+    seq.eval(std::span(&t, 1), la);
+    b.eval(std::span(&t, 1), l2);
+    const bool same = std::memcmp(la.data(), l2.data(), V * sizeof(float)) == 0;
+    std::printf("saved state after %lld tokens: %.1f MB; save + fsync %.3f s (%.2f GB/s), load %.3f s (%.2f GB/s) "
+                "vs prefill %.3f s; next step after the load: %s\n",
+                static_cast<long long>(seq.n_past() - 1), static_cast<double>(fw.n) / 1e6, t_save,
+                static_cast<double>(fw.n) / t_save / 1e9, t_load, static_cast<double>(fw.n) / t_load / 1e9, t_prefill,
+                same ? "bitwise identical" : "DIFFERENT");
+    if (!same) throw error("the loaded state diverged");
+    ::unlink(path.c_str());
+}
+
+}  // namespace
+
 int main(int argc, char **argv) try {
     if (argc < 2) {
         std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n", argv[0]);
         return 2;
     }
-    std::string path = argv[1], kv = "f16";
+    std::string path = argv[1], kv = "f16", state_file;
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false;
@@ -51,6 +132,7 @@ int main(int argc, char **argv) try {
         else if (a == "--kv" && i + 1 < argc) kv = argv[++i];
         else if (a == "--eager") eager = true;
         else if (a == "--serial-step") serial_step = true;
+        else if (a == "--state-file" && i + 1 < argc) state_file = argv[++i];
         else if (a == "--prefill" && i + 1 < argc) prefill = parse_list(argv[++i]);
         else if (a == "--chunk" && i + 1 < argc) chunk = std::atoll(argv[++i]);
         else throw error("unknown argument " + a);
@@ -115,8 +197,10 @@ int main(int argc, char **argv) try {
                         static_cast<long long>(end - at), dt, static_cast<double>(end - at) / dt);
             at = end;
         }
-        std::printf("%12s %12lld %12.3f %12.1f\n", "total", static_cast<long long>(at), now_s() - t_all,
-                    static_cast<double>(at) / (now_s() - t_all));
+        const double t_prefill = now_s() - t_all;
+        std::printf("%12s %12lld %12.3f %12.1f\n", "total", static_cast<long long>(at), t_prefill,
+                    static_cast<double>(at) / t_prefill);
+        if (!state_file.empty()) state_round_trip(seq, w, state_file, prompt, t_prefill);
     }
     std::vector<std::pair<int64_t, std::vector<std::pair<std::string, float>>>> phases;
     std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");

@@ -7,9 +7,13 @@
 //     - after the \x02 marker (chat): the last user message is echoed byte by byte, then EOG;
 //       a user message starting with "LOOP" makes it emit 'x' forever;
 //     - otherwise (completion): 'a' + (number of tokens held % 26), forever.
+//   saved states (the prompt cache): "FAKE", the token count, then `state_pad` filler bytes (to give
+//   entries a size); a state loads any prefix (loads_state_prefix), the logits re-derived from the
+//   tokens. Identity "fake-model" unless a test sets another.
 #pragma once
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "fathom/engine.h"
@@ -47,6 +51,34 @@ public:
     int64_t n_past() const override { return int64_t(toks_.size()); }
     const std::vector<int32_t> &tokens() const override { return toks_; }
     void reset() override { toks_.clear(); }
+    bool save_state(state_writer &w) const override {
+        const uint64_t n = toks_.size();
+        w.write("FAKE", 4);
+        w.write(&n, sizeof n);
+        const std::vector<char> pad(state_pad, 'p');
+        w.write(pad.data(), pad.size());
+        return true;
+    }
+    bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override {
+        char magic[4];
+        uint64_t n = 0;
+        r.read(magic, 4);
+        r.read(&n, sizeof n);
+        toks_.clear();
+        if (std::memcmp(magic, "FAKE", 4) != 0 || n != tokens.size() || n_keep < 1 || n_keep > int64_t(n) ||
+            r.remaining() != state_pad)
+            throw error("fake: bad state");
+        std::vector<char> pad(state_pad);
+        r.read(pad.data(), pad.size());
+        toks_.assign(tokens.begin(), tokens.begin() + n_keep);
+        std::fill(logits_.begin(), logits_.end(), 0.0f);
+        logits_[next_token()] = 10.0f;
+        ++states_loaded;
+        return true;
+    }
+    bool loads_state_prefix() const override { return true; }
+    size_t state_pad = 1000;
+    std::atomic<int> states_loaded{0};
 
     int32_t next_token() const {
         size_t marker = toks_.size();
@@ -109,8 +141,13 @@ public:
     }
     std::unique_ptr<session> new_session() override {
         ++sessions_created;
-        return std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
+        auto s = std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
+        s->state_pad = state_pad;
+        return s;
     }
+    std::string state_identity() const override { return identity; }
+    std::string identity = "fake-model";
+    size_t state_pad = 1000;  // filler bytes of each saved state
     // Records the shape of the scheduler's engine steps, then runs the default (decode_step of the
     // one-token appends, sync of the rest).
     void sync_step(std::span<const sync_item> items) override {

@@ -139,3 +139,33 @@ TEST(Daemon, RunLoopOneLinePerCommand) {
               "error: unknown command 'nope' (generate, compress, park, unpark, snapshot, restore, free, list, quit)\n"
               "ok bye\n");
 }
+
+// --prompt-cache: a second daemon on the same directory (a restart) loads the first one's working
+// session for the same prompt instead of evaluating it, and generates the same ids.
+TEST(Daemon, PromptCacheAcrossRestarts) {
+    temp_root r;
+    std::vector<int32_t> prompt = {test::k_bos};
+    for (int i = 0; i < 40; ++i) prompt.push_back('a' + i % 26);
+    r.write_ids("p.bin", prompt);
+    cache::options pc;
+    pc.dir = (r.dir / "cache").string();
+    pc.min_tokens = 8;
+    std::string first;
+    {
+        server::daemon d([] { return std::make_unique<test::fake_engine>(256); }, r.dir, "", pc);
+        first = d.handle("generate p.bin 5");
+        EXPECT_EQ(first.rfind("ok 5 length", 0), 0u) << first;
+    }
+    test::fake_engine *eng = nullptr;
+    server::daemon d(
+        [&] {
+            auto e = std::make_unique<test::fake_engine>(256);
+            eng = e.get();
+            return e;
+        },
+        r.dir, "", pc);
+    EXPECT_EQ(d.handle("generate p.bin 5"), first);
+    // Loaded 41 of the prompt's 41 tokens from the entry (prompt + 4 generated): only the prompt's last
+    // token (its logits) and 4 generated tokens were evaluated.
+    EXPECT_EQ(eng->evaluated.load(), 1 + 4);
+}

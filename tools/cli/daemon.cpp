@@ -13,6 +13,9 @@ void add_daemon_command(CLI::App &app) {
         model_args model;
         std::string root;
         std::string drafter;  // PFlash drafter for `compress ... default`
+        std::string prompt_cache;  // disk prompt cache directory ("" = none)
+        double prompt_cache_max_gib = 8;
+        int64_t prompt_cache_min_tokens = 32;
     };
     auto a = std::make_shared<daemon_args>();
     auto *cmd = app.add_subcommand("daemon", "Drive the engine with newline-delimited commands on stdin "
@@ -21,9 +24,25 @@ void add_daemon_command(CLI::App &app) {
     cmd->add_option("--root", a->root, "Directory that every file argument is confined to")->required();
     cmd->add_option("--drafter", a->drafter,
                     "PFlash drafter used by 'compress ... default' (path or short name; other drafters must lie in --root)");
+    cmd->add_option(
+        "--prompt-cache", a->prompt_cache,
+        "Disk prompt cache directory: 'generate' loads the saved state sharing the longest prefix with "
+        "its prompt and saves the working session after it (docs/prompt-cache.md; CPU only)");
+    cmd->add_option("--prompt-cache-max-gib", a->prompt_cache_max_gib,
+                    "Cap on the prompt cache directory's size")
+        ->capture_default_str()
+        ->check(CLI::Range(1e-6, 1e6));
+    cmd->add_option("--prompt-cache-min-tokens", a->prompt_cache_min_tokens,
+                    "Shortest token sequence saved, and the least gain over the working session for a load")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
     cmd->callback([a]() {
         const std::string drafter = a->drafter.empty() ? "" : resolve_model_path(a->drafter, a->model.models_dir);
-        server::daemon d([a] { return load_engine(a->model); }, a->root, drafter);
+        cache::options pc;
+        pc.dir = a->prompt_cache;
+        pc.max_bytes = uint64_t(a->prompt_cache_max_gib * 1073741824.0);
+        pc.min_tokens = a->prompt_cache_min_tokens;
+        server::daemon d([a] { return load_engine(a->model); }, a->root, drafter, pc);
         std::cout << "ok ready" << std::endl;
         d.run(std::cin, std::cout);
     });

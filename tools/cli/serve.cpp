@@ -41,6 +41,11 @@ struct serve_args {
     std::string prefill_drafter;           // path or short name; "" = none
     std::string drafter_residency = "auto";
     std::string drafter_device = "cpu";
+    // Disk prompt cache (docs/prompt-cache.md).
+    std::string prompt_cache_dir;  // "" = off
+    double prompt_cache_max_gib = 8;
+    int64_t prompt_cache_min_tokens = 32;
+    int prompt_cache_zstd = 0;
 };
 
 void serve_main(serve_args &a) {
@@ -80,6 +85,10 @@ void serve_main(serve_args &a) {
     so.prefill_chunk = a.prefill_chunk;
     so.step_token_budget = a.prefill_chunk;
     so.kv_block_tokens = a.kv_block;
+    so.prompt_cache.dir = a.prompt_cache_dir;
+    so.prompt_cache.max_bytes = uint64_t(a.prompt_cache_max_gib * 1073741824.0);
+    so.prompt_cache.min_tokens = a.prompt_cache_min_tokens;
+    so.prompt_cache.zstd_level = a.prompt_cache_zstd;
     if (a.kv_mem_mib > 0) {
         const double block_bytes = double(eng->info().kv_bytes_per_token) * a.kv_block;
         if (block_bytes <= 0) throw error("--kv-mem: the model reports no KV size per token");
@@ -104,6 +113,10 @@ void serve_main(serve_args &a) {
                  a.host.c_str(), port, srv.model_ids().front().c_str(), sch.n_ctx(), a.parallel,
                  static_cast<long long>(st0.kv_blocks_total), static_cast<long long>(st0.kv_block_tokens),
                  a.api_key.empty() ? "" : "  (API key required)");
+    if (st0.prompt_cache)
+        std::fprintf(stderr, "fathom serve: prompt cache %s: %llu entries, %.3f GiB (cap %.3f GiB)\n",
+                     a.prompt_cache_dir.c_str(), static_cast<unsigned long long>(st0.disk.entries),
+                     double(st0.disk.bytes) / 1073741824.0, a.prompt_cache_max_gib);
     if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" && a.api_key.empty())
         std::fprintf(stderr, "fathom serve: warning: listening on %s without --api-key\n", a.host.c_str());
 
@@ -170,6 +183,25 @@ void add_serve_command(CLI::App &app) {
         ->capture_default_str();
     cmd->add_option("--drafter-device", a->drafter_device, "PFlash: where the drafter runs: cpu | cuda | cuda:N")
         ->capture_default_str();
+    cmd->add_option(
+        "--prompt-cache", a->prompt_cache_dir,
+        "Directory of the disk prompt cache: prompts' KV state is saved there when requests end and "
+        "loaded for later prompts sharing a prefix, across restarts (docs/prompt-cache.md; CPU only)");
+    cmd->add_option(
+           "--prompt-cache-max-gib", a->prompt_cache_max_gib,
+           "Cap on the prompt cache directory's size; least recently used entries are deleted beyond it")
+        ->capture_default_str()
+        ->check(CLI::Range(1e-6, 1e6));
+    cmd->add_option(
+           "--prompt-cache-min-tokens", a->prompt_cache_min_tokens,
+           "Shortest token sequence saved, and the least gain over a RAM prefix for which an entry is loaded")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+    cmd->add_option(
+           "--prompt-cache-zstd", a->prompt_cache_zstd,
+           "zstd level for the saved KV state (0 = stored raw, the default: see docs/prompt-cache.md)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 19));
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });
 }

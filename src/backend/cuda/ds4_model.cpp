@@ -36,6 +36,7 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "backend/cuda/cuda_sample.h"
 #include "core/error.h"
+#include "core/state_io.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4_impl.h"
 
@@ -1181,6 +1182,116 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
     }
     n_past_ += n;
     have_logits_ = p.w->head();
+}
+
+// ---- saved states -------------------------------------------------------------------------------------
+// The stream is ds4::write_state's (deepseek4_state.cpp, docs/prompt-cache.md "DS4 state"): u32 magic
+// "DS41", u32 version 1, u64 n_layer, n_past, KV precision (0 f16, 1 f32), QAT (0 full, 1 fp4only,
+// 2 off), window, head_dim, idx_dim, then per layer u64 ratio, the raw ring, and (ratio > 0) the
+// compressor frontier kv / score (f32) and n_past / ratio compressed rows, (ratio 4) the indexer
+// frontier and n_past / 4 indexer rows. The device buffers hold exactly these layouts.
+namespace {
+constexpr uint32_t kStateMagic = 0x31345344;  // "DS41"
+uint64_t qat_state_code(qat_mode q) {
+    return q == qat_mode::full ? 0 : q == qat_mode::fp4only ? 1 : 2;
+}
+}  // namespace
+
+void cuda_sequence::save_state(state_writer &w) const {
+    const impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: a pipeline stage's state cannot be saved");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    ck(cudaStreamSynchronize(p.s), "saving the state");
+    state_io::put<uint32_t>(w, kStateMagic);
+    state_io::put<uint32_t>(w, 1);
+    for (const uint64_t v : {static_cast<uint64_t>(hp.n_layer), static_cast<uint64_t>(n_past_),
+                             uint64_t{p.kv_elem == 4 ? 1u : 0u}, qat_state_code(p.w->opt.qat),
+                             static_cast<uint64_t>(hp.window), static_cast<uint64_t>(hp.head_dim),
+                             static_cast<uint64_t>(hp.idx_dim)})
+        state_io::put<uint64_t>(w, v);
+    std::vector<uint8_t> host;
+    auto out = [&](const void *dev, size_t bytes) {  // device bytes to the stream
+        host.resize(bytes);
+        if (bytes) ck(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost), "saving the state");
+        w.write(host.data(), bytes);
+    };
+    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
+    for (size_t il = 0; il < p.ls.size(); ++il) {
+        const layer_state_dev &st = p.ls[il];
+        const int ratio = p.w->layers[il].ratio;
+        state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
+        out(st.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
+        if (ratio > 0) {
+            out(st.comp_kv, st.comp_state_floats * sizeof(float));
+            out(st.comp_score, st.comp_state_floats * sizeof(float));
+            out(st.comp_rows, static_cast<size_t>(n_past_ / ratio) * d * p.kv_elem);
+        }
+        if (ratio == 4) {
+            out(st.ic_kv, st.ic_state_floats * sizeof(float));
+            out(st.ic_score, st.ic_state_floats * sizeof(float));
+            out(st.idx_rows, static_cast<size_t>(n_past_ / 4) * Id * p.kv_elem);
+        }
+    }
+}
+
+void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: a pipeline stage cannot load a state");
+    if (n_past < 0 || n_past >= n_ctx_)
+        throw error("saved state: " + std::to_string(n_past) + " tokens do not fit this sequence's " +
+                    std::to_string(n_ctx_) + "-token context");
+    reset();  // also on failure below: a half-loaded state must not be used
+    try {
+        if (state_io::get<uint32_t>(r) != kStateMagic) throw error("saved state: not a DeepSeek V4 state");
+        if (state_io::get<uint32_t>(r) != 1) throw error("saved state: unknown DeepSeek V4 state version");
+        state_io::expect(r, static_cast<uint64_t>(hp.n_layer), "layer count");
+        state_io::expect(r, static_cast<uint64_t>(n_past), "token count");
+        state_io::expect(r, p.kv_elem == 4 ? 1 : 0, "KV precision (0 f16, 1 f32)");
+        state_io::expect(r, qat_state_code(p.w->opt.qat), "QAT mode (0 full, 1 fp4only, 2 off)");
+        state_io::expect(r, static_cast<uint64_t>(hp.window), "raw window");
+        state_io::expect(r, static_cast<uint64_t>(hp.head_dim), "head dim");
+        state_io::expect(r, static_cast<uint64_t>(hp.idx_dim), "indexer dim");
+        ck(cudaSetDevice(p.w->device), "selecting the device");
+        std::vector<uint8_t> host;
+        auto in = [&](void *dev, size_t bytes) {  // stream bytes to the device (sizes from the geometry)
+            host.resize(bytes);
+            r.read(host.data(), bytes);
+            if (bytes) ck(cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice), "loading the state");
+        };
+        const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
+        for (size_t il = 0; il < p.ls.size(); ++il) {
+            layer_state_dev &st = p.ls[il];
+            const int ratio = p.w->layers[il].ratio;
+            state_io::expect(r, static_cast<uint64_t>(ratio), ("compression ratio of layer " + std::to_string(il)).c_str());
+            in(st.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
+            if (ratio > 0) {
+                in(st.comp_kv, st.comp_state_floats * sizeof(float));
+                in(st.comp_score, st.comp_state_floats * sizeof(float));
+                in(st.comp_rows, static_cast<size_t>(n_past / ratio) * d * p.kv_elem);
+            }
+            if (ratio == 4) {
+                in(st.ic_kv, st.ic_state_floats * sizeof(float));
+                in(st.ic_score, st.ic_state_floats * sizeof(float));
+                in(st.idx_rows, static_cast<size_t>(n_past / 4) * Id * p.kv_elem);
+            }
+        }
+    } catch (...) {
+        reset();
+        throw;
+    }
+    n_past_ = n_past;
+    have_logits_ = false;
+}
+
+void cuda_sequence::restore_logits(std::span<const float> logits) {
+    impl &p = *p_;
+    if (!p.w->head()) throw error("cuda ds4: a stage without the head has no logits");
+    if (logits.size() != static_cast<size_t>(p.w->hp.n_vocab)) throw error("cuda ds4: restore_logits needs n_vocab floats");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    ck(cudaMemcpy(p.logits, logits.data(), logits.size() * sizeof(float), cudaMemcpyHostToDevice), "restoring logits");
+    have_logits_ = true;
 }
 
 void cuda_sequence::last_logits(std::span<float> out) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/types.h"
+#include "fathom/engine.h"
 #include "models/deepseek4.h"
 
 namespace fathom::ds4 {
@@ -132,6 +133,18 @@ class cuda_sequence {
     std::vector<std::pair<std::string, float>> profile_step(int32_t token);
     // Number of decode steps replayed from the captured graph (tests check graphs are really used).
     uint64_t graph_replays() const { return replays_; }
+    // Saved states (the on-disk prompt cache, docs/prompt-cache.md "DS4 state"): the stream of
+    // ds4::write_state (deepseek4_state.cpp) from the device - raw rings, compressor frontiers,
+    // compressed and indexer rows, bits as stored - so a sequence that load_state()s it continues bit
+    // for bit as this one would. Whole-model sequences only (not a pipeline stage; throws). The last
+    // logits are not part of it: last_logits() / restore_logits().
+    void save_state(state_writer &w) const;
+    // Replaces the sequence's state with a saved one of n_past tokens (n_past < n_ctx). Throws
+    // fathom::error on any mismatch (geometry, token count, KV precision, QAT mode, a short stream);
+    // the sequence is then reset. No logits afterwards until restore_logits() or an evaluation.
+    void load_state(state_reader &r, int64_t n_past);
+    // Uploads n_vocab logits as the last evaluated token's (a loaded state's saved logits).
+    void restore_logits(std::span<const float> logits);
 
   private:
     struct impl;

@@ -1,0 +1,152 @@
+// The disk prompt cache through the scheduler on real engines: a request, a "restart" (a new engine and
+// scheduler on the same cache directory), the same request again: its prompt comes from disk (reported
+// as reused tokens) and the greedy output equals the first run's and a plain session's. A follow-up turn
+// extending the first conversation reuses prompt + generated tokens. SmolLM2 (skipped when models/ lacks
+// it) and ds4-tiny (whose sessions load whole states only, so the scheduler also saves the prompt alone).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "cache_test_util.h"
+#include "fathom/engine.h"
+#include "sched/scheduler.h"
+
+namespace {
+
+using namespace fathom;
+using namespace std::chrono_literals;
+
+std::unique_ptr<engine> load(const std::string &path, int n_ctx, int n_batch) {
+    engine_options o;
+    o.model_path = path;
+    o.n_threads = 2;
+    o.n_ctx = n_ctx;
+    o.n_batch = n_batch;
+    o.kv = kv_precision::f32;
+    o.ds4_qat = "off";
+    return engine::load(o);
+}
+
+std::vector<int32_t> greedy_alone(engine &e, const std::vector<int32_t> &prompt, int max_tokens) {
+    auto sess = e.new_session();
+    sampling_params sp;
+    sp.temperature = 0.0f;
+    sampler smp(sp);
+    std::vector<int32_t> hist = prompt, out;
+    sess->sync(prompt);
+    for (int i = 0; i < max_tokens; ++i) {
+        const int32_t t = smp.sample(sess->logits(), hist).token;
+        if (e.is_end_of_generation(t)) break;
+        out.push_back(t);
+        hist.push_back(t);
+        if (i + 1 < max_tokens) sess->eval(std::span<const int32_t>(&t, 1));
+    }
+    return out;
+}
+
+struct run_result {
+    std::vector<int32_t> tokens;
+    sched::event final;
+};
+
+run_result run(sched::scheduler &s, const std::vector<int32_t> &prompt, int max_tokens) {
+    sched::request r;
+    r.prompt = prompt;
+    r.sampling.temperature = 0.0f;
+    r.max_tokens = max_tokens;
+    auto j = s.submit(r);
+    run_result out;
+    for (;;) {
+        sched::event ev;
+        if (!j->next(ev, 120s)) {
+            ADD_FAILURE() << "timed out";
+            return out;
+        }
+        for (const auto &t : ev.tokens) out.tokens.push_back(t.id);
+        if (ev.final) {
+            out.final = ev;
+            return out;
+        }
+    }
+}
+
+sched::scheduler_options sched_opts(const std::string &dir) {
+    sched::scheduler_options o;
+    o.n_slots = 2;
+    o.prefill_chunk = 64;
+    o.step_token_budget = 64;
+    o.prompt_cache.dir = dir;
+    o.prompt_cache.min_tokens = 16;
+    return o;
+}
+
+std::vector<int32_t> prompt_tokens(size_t n, int salt, int32_t cap) {
+    std::vector<int32_t> p;
+    for (size_t i = 0; i < n; ++i)
+        p.push_back(int32_t(300 % cap + (i * 53 + size_t(salt) * 17) % size_t(cap - 300 % cap)));
+    return p;
+}
+
+// The restart scenario of the banner on the model at `path`.
+void restart_scenario(const std::string &path, int32_t vocab_cap) {
+    cache_test::temp_dir d;
+    const std::vector<int32_t> prompt = prompt_tokens(150, 1, vocab_cap);
+    const int max_tokens = 8;
+    run_result first;
+    {
+        auto e = load(path, 512, 64);
+        sched::scheduler s(*e, sched_opts(d.path));
+        first = run(s, prompt, max_tokens);
+        EXPECT_EQ(first.final.n_reused, 0);
+        EXPECT_EQ(first.tokens, greedy_alone(*e, prompt, max_tokens));
+        s.stop();  // drains the saves
+        EXPECT_GE(s.stats().disk.saves, 1u);
+        EXPECT_EQ(s.stats().disk_misses, 1u);
+    }
+    run_result again, next;
+    std::vector<int32_t> turn2;
+    {
+        auto e = load(path, 512, 64);
+        sched::scheduler s(*e, sched_opts(d.path));
+        again = run(s, prompt, max_tokens);
+        EXPECT_EQ(again.final.n_reused, int64_t(prompt.size()) - 1);
+        EXPECT_EQ(again.tokens, first.tokens);
+        EXPECT_EQ(s.stats().disk_hits, 1u);
+        EXPECT_EQ(s.stats().disk_load_s.count, 1u);
+        s.stop();
+    }
+    {
+        // A follow-up turn: the first conversation (prompt + generated) plus new tokens, in a third
+        // server. The entry holds the prompt and the generated tokens but the last (never evaluated).
+        auto e = load(path, 512, 64);
+        sched::scheduler s(*e, sched_opts(d.path));
+        turn2 = prompt;
+        turn2.insert(turn2.end(), first.tokens.begin(), first.tokens.end());
+        const std::vector<int32_t> more = prompt_tokens(40, 2, vocab_cap);
+        turn2.insert(turn2.end(), more.begin(), more.end());
+        next = run(s, turn2, max_tokens);
+        EXPECT_GE(next.final.n_reused, int64_t(prompt.size() + first.tokens.size()) - 1);
+        EXPECT_EQ(next.tokens, greedy_alone(*e, turn2, max_tokens));
+        EXPECT_EQ(s.stats().disk_hits, 1u);
+    }
+}
+
+TEST(CacheSched, SmolLM2RestartReusesTheDiskEntry) {
+    const std::string p = std::string(FATHOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (!std::filesystem::exists(p)) GTEST_SKIP() << p << " not installed";
+    restart_scenario(p, 4000);
+}
+
+TEST(CacheSched, Ds4TinyRestartReusesTheSavedPrompt) {
+    restart_scenario(std::string(FATHOM_SHARED_DIR) + "/golden/ds4-tiny/ds4-tiny-a.gguf", 500);
+}
+
+// A cache directory that cannot be created fails the scheduler's construction (the server's start).
+TEST(CacheSched, BadDirectoryFailsAtConstruction) {
+    const std::string p = std::string(FATHOM_SHARED_DIR) + "/golden/ds4-tiny/ds4-tiny-a.gguf";
+    auto e = load(p, 256, 64);
+    sched::scheduler_options o = sched_opts("/proc/fathom-no-such-dir/cache");
+    EXPECT_THROW(sched::scheduler(*e, o), error);
+}
+
+}  // namespace
