@@ -483,15 +483,9 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
     const int64_t cols = t.cols;
     q8x_cursor lk = q8x_start(sg, w), ck = lk;  // load / compute cursors
     q8x_batch<U> A, B;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {  // the block's first rows into L2 (one bulk prefetch) while the previous kernel ends
-        constexpr size_t kQ8xPrefetch = 32 * 1024;
-        const size_t bytes = static_cast<size_t>(r1 - r0) * sg.q_stride;
-        const uint32_t n = static_cast<uint32_t>((bytes < kQ8xPrefetch ? bytes : kQ8xPrefetch) & ~size_t{15});
-        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(sg.q + static_cast<size_t>(r0) * sg.q_stride), "r"(n));
-    }
-#endif
-    // the first batch's loads: weights only, so they may overlap the previous kernel
+    // the first batch's loads: weights only, so they may overlap the previous kernel. (A 32 KB bulk L2
+    // prefetch of the block's rows here, before the wait, once paid; with today's step it costs 2-3 %:
+    // 8K decode 132.4-132.8 -> 134.7-136.0 tok/s, 128K 124.5 -> 127.1-127.6 without it, docs/PERF.md.)
     q8x_load<F16, U>(sg, w, lk, A);
     pdl_wait();
     float nr = 1.0f;
