@@ -178,6 +178,7 @@ http_server::http_server(engine &eng, sched::scheduler &sch, server_options opts
         if (!mi.name.empty() && mi.name != o.model_ids.front()) o.model_ids.push_back(mi.name);
     }
     p_->ctx.fmt = make_tool_format(eng.info().arch);
+    if (!o.tool_turns_path.empty()) p_->ctx.fmt->persist_replay(o.tool_turns_path);
     p_->ctx.compressor = std::make_unique<prompt_compressor>(o.compression);
     setup_routes(*p_);
 }

@@ -24,6 +24,8 @@ struct server_options {
     sampling_params defaults;           // used for fields a request leaves out
     std::vector<std::string> model_ids; // accepted "model" values; [0] is reported; empty = derive from the file
     compression_options compression;    // PFlash (docs/pflash.md "Server and daemon"); off by default
+    std::string tool_turns_path;        // journal of replayed tool-call turns ("" = memory only; serve
+                                        // puts it in the --prompt-cache directory: tool-turns.log)
 };
 
 class http_server {

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -106,6 +107,8 @@ void serve_main(serve_args &a) {
     o.defaults = a.sampling;
     o.model_ids = a.aliases;
     o.compression = co;
+    if (!a.prompt_cache_dir.empty())  // the replayed tool-call turns beside the cached states
+        o.tool_turns_path = (std::filesystem::path(a.prompt_cache_dir) / "tool-turns.log").string();
     server::http_server srv(*eng, sch, o);
     const int port = srv.bind();
     const auto st0 = sch.stats();
