@@ -441,6 +441,13 @@ void state_section_reader::finish() {
     if (XXH64_digest(hash_.get()) != s_.hash) damaged("checksum mismatch");
 }
 
+void state_section_reader::verify_stored() {
+    while (stored_read_ < s_.stored) fill_input();
+    buf_pos_ = buf_len_;  // nothing more to decode from this reader
+    raw_left_ = 0;
+    if (XXH64_digest(hash_.get()) != s_.hash) damaged("checksum mismatch");
+}
+
 entry_header check_entry(const byte_source &src) {
     const entry_header h = read_header(src);
     const std::string id = read_identity(src, h);

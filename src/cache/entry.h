@@ -166,6 +166,11 @@ class state_section_reader final : public state_reader {
     void read(void *dst, size_t n) override;
     uint64_t remaining() const override { return raw_left_; }
     void finish();
+    // Reads and hashes the stored bytes not read yet, without decoding them, and throws (damaged) unless
+    // the checksum matches: whether the bytes on disk are intact after the session refused the stream.
+    // Costs at most the file's size, where finish() would decode up to the promised raw length (a few
+    // MiB of zstd can promise a terabyte). The reader is spent afterwards.
+    void verify_stored();
 
   private:
     void fill_input();  // the next chunk of stored bytes into buf_ (hashed)

@@ -45,6 +45,16 @@ int64_t now_ns() {
     return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// When this process started (this file's static initialisation, close enough). A temporary file named
+// with our own pid but last written before then belongs to an earlier process that had the same pid: a
+// server in a container runs as pid 1 again after it died halfway through a save. The coarse clock is
+// the one file times are taken from: the precise one can be a few ms ahead of a file written after it.
+const int64_t process_start_ns = [] {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME_COARSE, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}();
+
 struct fd_guard {
     int fd = -1;
     ~fd_guard() {
@@ -60,6 +70,25 @@ void fsync_dir(const std::string &dir) {
     fd_guard d{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
     if (d.fd < 0) throw error(errno_text(dir));
     if (::fsync(d.fd) != 0) throw error(errno_text("fsync " + dir));
+}
+
+// Whether `path` still names the file open as fd: entries are replaced by rename, never modified, so
+// a damaged file found through fd may meanwhile have been replaced by a good one under the same name,
+// which must not be deleted with it.
+bool still_named(int fd, const std::string &path) {
+    struct stat opened, now;
+    return ::fstat(fd, &opened) == 0 && ::stat(path.c_str(), &now) == 0 && opened.st_dev == now.st_dev &&
+           opened.st_ino == now.st_ino;
+}
+
+// After a failed load: the session holds nothing (a paged session keeps its reservation, which
+// truncate leaves and reset would drop). A session that cannot even do that is left as it is: its
+// tokens still describe what it holds, and the caller's next sync works from them.
+void hold_nothing(session &s) {
+    try {
+        s.truncate(0);
+    } catch (const std::exception &) {
+    }
 }
 
 std::string random_hex() {
@@ -95,8 +124,9 @@ prompt_cache::prompt_cache(options o, std::string identity)
 
 prompt_cache::~prompt_cache() = default;
 
-// Temporary files of writers that died (their pid is gone, or the file is over an hour old: a pid
-// reused by another process, a writer on another host sharing the directory).
+// Temporary files of writers that died (their pid is gone, or is ours but the file predates this
+// process, or the file is over an hour old: a pid reused by another process, a writer on another host
+// sharing the directory).
 void prompt_cache::remove_stale_temps() {
     DIR *d = ::opendir(opts_.dir.c_str());
     if (!d) throw error(errno_text("prompt cache: " + opts_.dir));
@@ -109,7 +139,8 @@ void prompt_cache::remove_stale_temps() {
         struct stat st;
         if (::stat(path_of(n).c_str(), &st) != 0) continue;
         const bool dead = pid > 0 && ::kill(pid_t(pid), 0) != 0 && errno == ESRCH;
-        if (dead || now - mtime_ns(st) > stale_temp_ns) stale.push_back(n);
+        const bool earlier_self = pid == long(::getpid()) && mtime_ns(st) < process_start_ns;
+        if (dead || earlier_self || now - mtime_ns(st) > stale_temp_ns) stale.push_back(n);
     }
     ::closedir(d);
     for (const std::string &n : stale) ::unlink(path_of(n).c_str());
@@ -172,7 +203,7 @@ void prompt_cache::index_file_locked(const std::string &name) {
     } catch (const entry_error &e) {
         if (e.kind == entry_error::kind_t::damaged) {
             std::fprintf(stderr, "fathom: prompt cache: %s; deleted\n", e.what());
-            ::unlink(path.c_str());
+            if (still_named(f.fd, path)) ::unlink(path.c_str());
             ++stats_.rejected;
             return;
         }
@@ -242,9 +273,18 @@ bool prompt_cache::contains(std::span<const int32_t> tokens) {
 bool prompt_cache::load(const match &m, session &s, std::string &why) {
     why.clear();
     const std::string path = path_of(m.name);
+    if (!m.tokens || m.n_keep < 1 || m.n_keep > int64_t(m.tokens->size()) ||
+        (m.n_keep < int64_t(m.tokens->size()) && !s.loads_state_prefix())) {
+        // The caller's request, not the entry, is wrong (a whole-state session asked for a prefix): the
+        // session would refuse it, and a refusal deletes the entry as unusable.
+        why = path + ": cannot keep " + std::to_string(m.n_keep) + " tokens of this entry in this session";
+        hold_nothing(s);
+        return false;
+    }
     fd_guard f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
     if (f.fd < 0) {
         why = errno_text(path);
+        hold_nothing(s);
         std::lock_guard<std::mutex> lk(mu_);
         remove_locked(m.name, false);  // evicted by another process
         return false;
@@ -256,7 +296,7 @@ bool prompt_cache::load(const match &m, session &s, std::string &why) {
         if (read_identity(src, h) != identity_)
             throw entry_error(entry_error::kind_t::damaged, path + ": identity differs from its index entry");
         const std::vector<int32_t> toks = read_tokens(src, h);
-        if (!m.tokens || toks != *m.tokens)
+        if (toks != *m.tokens)
             throw entry_error(entry_error::kind_t::damaged, path + ": tokens differ from its index entry");
         state_section_reader r(src, h.sections[2]);
         bool loaded = false;
@@ -266,27 +306,30 @@ bool prompt_cache::load(const match &m, session &s, std::string &why) {
             throw;
         } catch (const error &e) {
             // The session refused the stream: damaged if the checksum says so, else a state this engine
-            // cannot use despite the same identity (useless here too).
-            r.finish();
+            // cannot use despite the same identity (useless here too). Only the stored bytes are checked:
+            // decoding the rest (finish) could mean decoding whatever length a hostile table promises.
+            r.verify_stored();
             throw entry_error(entry_error::kind_t::damaged, path + ": " + e.what());
         }
         if (!loaded) {
             why = "the session cannot load saved states";
-            return false;
+        } else {
+            r.finish();
+            failed = false;
         }
-        r.finish();
-        failed = false;
     } catch (const entry_error &e) {
         why = e.what();
         damaged = e.kind == entry_error::kind_t::damaged;
-    } catch (const error &e) {
-        why = e.what();  // I/O: the file stays
+    } catch (const std::exception &e) {
+        // I/O, or the session out of memory: the file stays. Anything else must not escape either: the
+        // caller is the scheduler's I/O thread, which a stray exception would take down with the process.
+        why = path + ": " + e.what();
     }
-    if (failed) s.truncate(0);  // holds nothing (a paged session keeps its reservation)
+    if (failed) hold_nothing(s);
     std::lock_guard<std::mutex> lk(mu_);
     if (failed) {
         if (damaged) {
-            remove_locked(m.name, true);
+            remove_locked(m.name, still_named(f.fd, path));  // a replacement is re-indexed on refresh
             ++stats_.rejected;
         }
         return false;

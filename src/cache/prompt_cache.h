@@ -71,8 +71,9 @@ class prompt_cache {
     bool contains(std::span<const int32_t> tokens);
 
     // Loads m into s (session::load_state with m.n_keep). On failure s holds nothing, `why` says what
-    // went wrong, and a damaged entry is deleted (counted in stats::rejected). A hit marks the entry
-    // recently used.
+    // went wrong, and a damaged entry is deleted (counted in stats::rejected) unless another writer has
+    // replaced the file meanwhile. Any exception (the session's too) is a failure, never thrown: the
+    // scheduler's I/O thread calls this. A hit marks the entry recently used.
     bool load(const match &m, session &s, std::string &why);
     // Saves what s holds (s.tokens()) as an entry; the caller keeps s unchanged meanwhile. saved: a new
     // entry (then evicts down to the cap); exists: an entry for the same tokens, now marked recently

@@ -618,10 +618,12 @@ bool session_impl::load_state(state_reader &r, std::span<const int32_t> tokens, 
     if (seq_ < 0) return false;
     const dense_hparams &hp = e_.model().hp;
     const int64_t n = static_cast<int64_t>(tokens.size());
-    if (n < 1 || n > e_.n_ctx())
-        throw error("saved state: " + std::to_string(n) + " tokens do not fit the context");
     if (n_keep < 1 || n_keep > n)
         throw error("saved state: keep " + std::to_string(n_keep) + " of " + std::to_string(n));
+    // Only the kept positions must fit: the rows of later ones are read and dropped, so a prefix of an
+    // entry saved with a longer context (the identity leaves the context out) loads too.
+    if (n_keep > e_.n_ctx())
+        throw error("saved state: " + std::to_string(n_keep) + " tokens do not fit the context");
     for (int32_t t : tokens)
         if (t < 0 || t >= hp.n_vocab)
             throw error("saved state: token id " + std::to_string(t) + " outside the vocabulary");

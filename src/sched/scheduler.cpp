@@ -717,7 +717,14 @@ void scheduler::io_load(slot &s) {
         stopping = io_stop_;  // the worker is gone: the job was cancelled
     }
     if (!stopping) {
-        ok = cache_->load(*s.pending_load, *s.sess, why);
+        // Nothing may escape this thread (std::terminate), and io_busy must be cleared whatever
+        // happens, or the slot's request would wait forever; prompt_cache::load throws nothing itself.
+        try {
+            ok = cache_->load(*s.pending_load, *s.sess, why);
+        } catch (const std::exception &e) {
+            ok = false;
+            why = e.what();
+        }
         if (!ok)
             std::fprintf(stderr, "fathom: prompt cache: %s; evaluating the prompt instead\n", why.c_str());
     }
@@ -743,7 +750,12 @@ void scheduler::io_load(slot &s) {
 void scheduler::io_save(slot &s) {
     const auto t0 = clock::now();
     std::string why;
-    const cache::prompt_cache::save_result r = cache_->save(*s.sess, why);
+    cache::prompt_cache::save_result r = cache::prompt_cache::save_result::failed;
+    try {  // as io_load: nothing escapes, io_busy is cleared below
+        r = cache_->save(*s.sess, why);
+    } catch (const std::exception &e) {
+        why = e.what();
+    }
     const double dt = secs(clock::now() - t0);
     if (r == cache::prompt_cache::save_result::failed)
         std::fprintf(stderr, "fathom: prompt cache: saving %zu tokens failed: %s\n", s.sess->tokens().size(),

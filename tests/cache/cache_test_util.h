@@ -3,9 +3,12 @@
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -90,6 +93,8 @@ class pattern_session final : public session {
     }
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override {
         toks_.clear();
+        if (on_load) on_load();
+        if (load_throws_std) throw std::bad_alloc();  // not a fathom::error
         if (r.remaining() != state_bytes_)
             throw error("pattern: state of " + std::to_string(r.remaining()) + " bytes");
         std::vector<uint8_t> buf(4096);
@@ -109,6 +114,8 @@ class pattern_session final : public session {
     uint64_t piece = 1024;
     int sleep_us = 0;
     bool prefix_loads = true;
+    bool load_throws_std = false;   // load_state throws std::bad_alloc (memory, not the stream)
+    std::function<void()> on_load;  // called as load_state starts (another process acting meanwhile)
 
   private:
     uint64_t state_bytes_;
@@ -129,6 +136,49 @@ inline std::vector<uint8_t> make_entry(const std::string &identity, const std::v
     cache::memory_sink sink;
     cache::write_entry(sink, identity, tokens, zstd_level, [&](state_writer &w) { return s.save_state(w); });
     return sink.bytes;
+}
+
+// An entry assembled byte by byte from docs/prompt-cache.md ("Entry file (format version 1)"), not
+// through write_entry, so the documented layout and the code are held to each other. state: the state
+// section's stored bytes; codec 0 raw, 1 zstd; raw: its decoded length.
+inline std::vector<uint8_t> doc_entry(const std::string &identity, const std::vector<int32_t> &tokens,
+                                      const std::vector<uint8_t> &state, uint32_t codec, uint64_t raw) {
+    const auto put = [](std::vector<uint8_t> &b, size_t at, auto v) { std::memcpy(&b[at], &v, sizeof v); };
+    const uint64_t table = 64, id_at = table + 3 * 48, tok_at = id_at + identity.size(),
+                   st_at = tok_at + 4 * tokens.size();
+    std::vector<uint8_t> b(st_at + state.size(), 0);
+    std::memcpy(&b[id_at], identity.data(), identity.size());
+    std::memcpy(&b[tok_at], tokens.data(), 4 * tokens.size());
+    std::memcpy(&b[st_at], state.data(), state.size());
+    std::memcpy(&b[0], "FATHOMPC", 8);
+    put(b, 8, uint32_t{1});
+    put(b, 12, uint32_t{3});
+    put(b, 16, uint64_t(b.size()));
+    put(b, 24, uint64_t(tokens.size()));
+    put(b, 32, uint64_t(XXH64(identity.data(), identity.size(), 0)));
+    // The key: XXH64 of the identity followed by the tokens (little-endian int32), i.e. of bytes the
+    // file holds back to back.
+    put(b, 40, uint64_t(XXH64(&b[id_at], identity.size() + 4 * tokens.size(), 0)));
+    const struct {
+        uint64_t at, stored, raw;
+        uint32_t codec;
+    } secs[3] = {{id_at, identity.size(), identity.size(), 0},
+                 {tok_at, 4 * tokens.size(), 4 * tokens.size(), 0},
+                 {st_at, state.size(), raw, codec}};
+    for (uint32_t i = 0; i < 3; ++i) {
+        const size_t t = table + 48 * i;
+        put(b, t, i + 1);
+        put(b, t + 4, secs[i].codec);
+        put(b, t + 8, secs[i].at);
+        put(b, t + 16, secs[i].stored);
+        put(b, t + 24, secs[i].raw);
+        put(b, t + 32, uint64_t(XXH64(&b[secs[i].at], secs[i].stored, 0)));
+    }
+    // Header checksum: XXH64 of bytes 0..55 followed by the section table.
+    std::vector<uint8_t> h(b.begin(), b.begin() + 56);
+    h.insert(h.end(), b.begin() + table, b.begin() + id_at);
+    put(b, 56, uint64_t(XXH64(h.data(), h.size(), 0)));
+    return b;
 }
 
 }  // namespace fathom::cache_test

@@ -170,6 +170,95 @@ TEST(CacheDir, SessionRefusalAndRenamedFile) {
     EXPECT_EQ(d.files().size(), 0u);
 }
 
+// A session failing with something other than fathom::error (here std::bad_alloc) is neither a damaged
+// entry nor a reason to throw out of load(): the caller's thread (the scheduler's I/O thread) would die.
+// load returns false, the session holds nothing, the entry stays and loads into the next session.
+TEST(CacheDir, SessionThrowingAnotherExceptionFailsCleanly) {
+    temp_dir d;
+    const std::vector<int32_t> a = tokens_of(32, 21);
+    prompt_cache c(opts_of(d), k_id);
+    save_tokens(c, a);
+    auto m = c.lookup(a, true);
+    ASSERT_TRUE(m);
+    pattern_session s;
+    s.sync(tokens_of(9, 1), {});
+    s.load_throws_std = true;
+    std::string why;
+    bool ok = true;
+    EXPECT_NO_THROW(ok = c.load(*m, s, why));
+    EXPECT_FALSE(ok);
+    EXPECT_FALSE(why.empty());
+    EXPECT_TRUE(s.tokens().empty());
+    EXPECT_TRUE(std::filesystem::exists(entry_path(d, a)));
+    EXPECT_EQ(c.get_stats().rejected, 0u);
+    pattern_session t;
+    EXPECT_TRUE(c.load(*m, t, why)) << why;
+    EXPECT_EQ(t.tokens(), a);
+}
+
+// A zstd state section whose table promises 1 TiB decoded, stored as a few MiB of RLE blocks (valid
+// checksums: anyone can compute XXH64). The session refuses it at once (wrong size); load() used to
+// decode all of the promised terabyte to check the checksum (minutes on the one I/O thread, stalling
+// every load and save behind it). The checksum covers the stored bytes: verifying them is enough.
+TEST(CacheDir, RefusedZstdStateIsNotDecodedToItsPromisedLength) {
+    temp_dir d;
+    const std::vector<int32_t> a = tokens_of(40, 22);
+    const uint64_t block = 128 << 10, n_blocks = uint64_t{1} << 23;  // 1 TiB decoded
+    // Frame: magic, header descriptor 0 (no content size, checksum or dictionary), window 2^17; then
+    // RLE blocks of 128 KiB of zeros (3-byte block header: last flag, type 1, size; then the byte).
+    std::vector<uint8_t> z = {0x28, 0xb5, 0x2f, 0xfd, 0x00, 0x38};
+    z.reserve(z.size() + 4 * n_blocks);
+    for (uint64_t i = 0; i < n_blocks; ++i) {
+        const uint32_t h = uint32_t(block << 3) | (1u << 1) | (i + 1 == n_blocks ? 1u : 0u);
+        z.insert(z.end(), {uint8_t(h), uint8_t(h >> 8), uint8_t(h >> 16), 0});
+    }
+    write_file(entry_path(d, a), doc_entry(k_id, a, z, 1, block * n_blocks));
+    prompt_cache c(opts_of(d), k_id);
+    auto m = c.lookup(a, true);
+    ASSERT_TRUE(m);
+    pattern_session s(4096);
+    std::string why;
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(c.load(*m, s, why));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(secs, 10.0) << "decoded the promised length";
+    EXPECT_NE(why.find("pattern: state of 1099511627776 bytes"), std::string::npos) << why;
+    EXPECT_FALSE(std::filesystem::exists(entry_path(d, a)));  // intact bytes the session refuses: deleted
+    EXPECT_EQ(c.get_stats().rejected, 1u);
+}
+
+// Damage found while loading deletes the file only if its name still refers to the file that was read:
+// meanwhile another process (or thread) may have saved the same key again, renaming a good entry over
+// it, and that one must survive.
+TEST(CacheDir, DamagedLoadKeepsAnEntryRenamedOverItMeanwhile) {
+    temp_dir d;
+    const std::vector<int32_t> a = tokens_of(48, 23);
+    prompt_cache c(opts_of(d), k_id);
+    save_tokens(c, a, 20000);
+    const std::string path = entry_path(d, a);
+    const std::vector<uint8_t> good = read_file(path);
+    std::vector<uint8_t> bad = good;
+    bad[bad.size() - 10] ^= 0x40;  // a state byte: found only while loading
+    write_file(path, bad);
+    auto m = c.lookup(a, true);
+    ASSERT_TRUE(m);
+    pattern_session s(20000);
+    s.on_load = [&] {  // another writer's atomic rename of a good copy, while this load reads the old one
+        write_file(path + ".new", good);
+        std::filesystem::rename(path + ".new", path);
+    };
+    std::string why;
+    EXPECT_FALSE(c.load(*m, s, why));
+    EXPECT_NE(why.find("checksum mismatch"), std::string::npos) << why;
+    ASSERT_TRUE(std::filesystem::exists(path));
+    EXPECT_EQ(read_file(path), good);
+    pattern_session t(20000);
+    c.refresh();
+    m = c.lookup(a, true);
+    ASSERT_TRUE(m);
+    EXPECT_TRUE(c.load(*m, t, why)) << why;
+}
+
 TEST(CacheDir, ForeignIdentityAndVersionAreKeptButNotUsed) {
     temp_dir d;
     const std::vector<int32_t> a = tokens_of(40, 7);
@@ -334,6 +423,21 @@ TEST(CacheDir, LiveWritersTemporaryFileIsKept) {
     prompt_cache c(opts_of(d), k_id);
     EXPECT_TRUE(std::filesystem::exists(tmp));
     EXPECT_EQ(c.get_stats().entries, 0u);
+}
+
+// A temporary file named with this process's pid but written before it started is an earlier
+// incarnation's (a container's server is pid 1 every time it restarts): removed, not kept for an hour.
+TEST(CacheDir, EarlierProcessWithOurPidLeavesAStaleTemporaryFile) {
+    temp_dir d;
+    const std::string tmp = d.path + "/.tmp-" + std::to_string(::getpid()) + "-fedcba9876543210.fpc";
+    write_file(tmp, {1, 2, 3});
+    struct timespec ts[2];
+    clock_gettime(CLOCK_REALTIME, &ts[0]);
+    ts[0].tv_sec -= 600;  // ten minutes ago: before this test binary started, within the hour
+    ts[1] = ts[0];
+    ASSERT_EQ(::utimensat(AT_FDCWD, tmp.c_str(), ts, 0), 0);
+    prompt_cache c(opts_of(d), k_id);
+    EXPECT_FALSE(std::filesystem::exists(tmp));
 }
 
 TEST(CacheDir, RejectsBadOptions) {

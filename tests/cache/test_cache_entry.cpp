@@ -6,6 +6,7 @@
 // replays a deterministic mutation corpus through the same checks as fuzz/fuzz_prompt_cache.cpp.
 #include <gtest/gtest.h>
 #include <xxhash.h>
+#include <zstd.h>
 
 #include <cstring>
 #include <random>
@@ -80,6 +81,30 @@ TEST(CacheEntry, RoundTripRawAndZstd) {
         }
     }
     EXPECT_EQ(entry_file_name(0x0123456789abcdefull), "0123456789abcdef.fpc");
+}
+
+// The entry layout of docs/prompt-cache.md, assembled by hand (cache_test::doc_entry), is byte for
+// byte what write_entry produces for a raw state, and the decoder accepts it raw and zstd-compressed.
+TEST(CacheEntry, DocumentedLayoutIsWhatTheCodeWritesAndReads) {
+    const std::vector<int32_t> toks = tokens_of(77, 9);
+    fathom::cache_test::pattern_session s(5000);
+    s.sync(toks, {});
+    fathom::cache_test::vector_writer w;
+    ASSERT_TRUE(s.save_state(w));
+    const std::vector<uint8_t> doc = fathom::cache_test::doc_entry(k_id, toks, w.bytes, 0, w.bytes.size());
+    EXPECT_EQ(doc, make_entry(k_id, toks, 5000));
+    EXPECT_EQ(check_entry(memory_source(doc, "doc")).n_tokens, 77u);
+    std::vector<uint8_t> z(ZSTD_compressBound(w.bytes.size()));
+    z.resize(ZSTD_compress(z.data(), z.size(), w.bytes.data(), w.bytes.size(), 3));
+    const std::vector<uint8_t> docz = fathom::cache_test::doc_entry(k_id, toks, z, 1, w.bytes.size());
+    const memory_source src(docz, "docz");
+    const entry_header h = check_entry(src);
+    EXPECT_EQ(h.sections[2].enc, codec::zstd);
+    fathom::cache_test::pattern_session r(5000);
+    state_section_reader sr(src, h.sections[2]);
+    ASSERT_TRUE(r.load_state(sr, toks, 77));
+    sr.finish();
+    EXPECT_EQ(r.tokens(), toks);
 }
 
 TEST(CacheEntry, TruncatedAtEverySectionBoundaryAndRandomOffsets) {

@@ -10,6 +10,7 @@
 #include "cache_test_util.h"
 #include "fathom/engine.h"
 #include "sched/scheduler.h"
+#include "server/fake_engine.h"
 
 namespace {
 
@@ -147,6 +148,41 @@ TEST(CacheSched, BadDirectoryFailsAtConstruction) {
     auto e = load(p, 256, 64);
     sched::scheduler_options o = sched_opts("/proc/fathom-no-such-dir/cache");
     EXPECT_THROW(sched::scheduler(*e, o), error);
+}
+
+// A session whose load_state throws something other than fathom::error (std::bad_alloc: a large state
+// on a machine short of memory). The I/O thread used to let it escape (std::terminate: the whole server
+// gone) and the slot stayed io_busy; now the load is a miss, the slot's request evaluates its prompt
+// and the entry, intact, stays on disk.
+TEST(CacheSched, LoadThrowingAnyExceptionFallsBackToPrefill) {
+    cache_test::temp_dir d;
+    test::fake_engine eng(4096);
+    sched::scheduler_options o = sched_opts(d.path);
+    o.n_slots = 1;
+    o.prompt_cache.min_tokens = 8;
+    std::vector<int32_t> prompt(40, 'q');
+    prompt[0] = test::k_bos;
+    run_result first;
+    {
+        sched::scheduler s(eng, o);
+        first = run(s, prompt, 3);
+        s.stop();  // drains the save
+        ASSERT_EQ(s.stats().disk.saves, 1u);
+    }
+    const auto entries = d.files();
+    ASSERT_EQ(entries.size(), 1u);
+    eng.load_throws = true;
+    sched::scheduler s(eng, o);
+    const run_result again = run(s, prompt, 3);
+    EXPECT_EQ(again.final.reason, sched::finish_reason::length);
+    EXPECT_EQ(again.tokens, first.tokens);
+    EXPECT_EQ(again.final.n_reused, 0);
+    EXPECT_EQ(eng.state_loads_tried.load(), 1);  // the disk entry was chosen, and its load failed
+    s.stop();
+    EXPECT_EQ(s.stats().disk_hits, 0u);
+    EXPECT_EQ(s.stats().disk_misses, 1u);
+    EXPECT_EQ(s.stats().disk.rejected, 0u);  // memory, not the file: it is kept
+    EXPECT_EQ(d.files(), entries);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <set>
 
 #include "cache/prompt_cache.h"
 #include "cache_test_util.h"
@@ -253,6 +254,113 @@ TEST(CacheSessions, Ds4RefusesPrefixLoads) {
     vector_reader r(w.bytes);
     EXPECT_THROW(b->load_state(r, p, 40), error);
     EXPECT_EQ(b->n_past(), 0);
+}
+
+// A dense session keeps a prefix of an entry longer than its own context: the entry was saved by a server
+// with a larger --ctx (the identity leaves the context out, and the directory may be shared), and the
+// prompt fits. The session used to refuse the whole entry ("do not fit the context"), and the cache then
+// deleted the intact entry as damaged.
+TEST(CacheSessions, DensePrefixOfAnEntryLongerThanTheContextLoads) {
+    const std::string path = synth("qwen3");
+    auto big = load(path, 512, 32), small = load(path, 128, 32);
+    ASSERT_EQ(big->state_identity(), small->state_identity());
+    temp_dir d;
+    const auto prompt = prompt_tokens(200, 31, 30000);
+    std::string why;
+    {
+        prompt_cache c(cache_opts(d), big->state_identity());
+        auto a = big->new_session();
+        a->sync(prompt);
+        ASSERT_EQ(c.save(*a, why), prompt_cache::save_result::saved) << why;
+    }
+    prompt_cache c(cache_opts(d), small->state_identity());
+    std::vector<int32_t> p2(prompt.begin(), prompt.begin() + 90);
+    const auto tail = prompt_tokens(10, 32, 30000);
+    p2.insert(p2.end(), tail.begin(), tail.end());
+    const auto m = c.lookup(p2, true);
+    ASSERT_TRUE(m);
+    ASSERT_EQ(m->n_keep, 90);
+    auto b = small->new_session();
+    EXPECT_TRUE(c.load(*m, *b, why)) << why;
+    EXPECT_EQ(b->n_past(), 90);
+    EXPECT_EQ(c.get_stats().rejected, 0u);
+    EXPECT_EQ(d.files().size(), 1u);  // the entry stays for the server that can use all of it
+    b->sync(p2);
+    auto ref = small->new_session();
+    ref->sync(p2);
+    EXPECT_TRUE(same_bits(ref->logits(), b->logits()));
+}
+
+uint64_t u64_at(const std::vector<uint8_t> &b, size_t at) {
+    uint64_t v = 0;
+    std::memcpy(&v, &b[at], 8);
+    return v;
+}
+
+uint32_t u32_at(const std::vector<uint8_t> &b, size_t at) {
+    uint32_t v = 0;
+    std::memcpy(&v, &b[at], 4);
+    return v;
+}
+
+// The state streams parsed by the tables of docs/prompt-cache.md ("Dense state stream", "DeepSeek V4
+// state stream"): every field at its documented offset, every length as documented, ending exactly at
+// the stream's end with the session's logits.
+TEST(CacheSessions, StreamsMatchTheDocumentedLayout) {
+    const auto check_logits = [](const std::vector<uint8_t> &b, size_t at, session &s) {
+        ASSERT_EQ(b.size() - at, s.logits().size_bytes());
+        EXPECT_EQ(std::memcmp(&b[at], s.logits().data(), s.logits().size_bytes()), 0);
+    };
+    {
+        auto e = load(synth("qwen3"), 256, 32, kv_precision::f16);
+        const auto p = prompt_tokens(45, 33, 30000);
+        auto a = e->new_session();
+        a->sync(p);
+        vector_writer w;
+        ASSERT_TRUE(a->save_state(w));
+        const std::vector<uint8_t> &b = w.bytes;
+        ASSERT_GE(b.size(), 64u);
+        EXPECT_EQ(std::memcmp(b.data(), "DNS1", 4), 0);
+        EXPECT_EQ(u32_at(b, 4), 1u);
+        const uint64_t n_layer = u64_at(b, 8), n_head_kv = u64_at(b, 16), head_dim = u64_at(b, 24);
+        EXPECT_EQ(u64_at(b, 32), 0u);  // f16
+        EXPECT_EQ(u64_at(b, 40), uint64_t(e->info().n_vocab));
+        EXPECT_EQ(u64_at(b, 48), p.size());
+        EXPECT_EQ(u64_at(b, 56), 1u);
+        check_logits(b, 64 + n_layer * 2 * n_head_kv * p.size() * head_dim * 2, *a);
+    }
+    for (const kv_precision kv : {kv_precision::f32, kv_precision::f16}) {
+        auto e = load(k_ds4, 512, 64, kv, "fp4only");
+        const auto p = prompt_tokens(137, 34, 500);
+        auto a = e->new_session();
+        a->sync(p);
+        vector_writer w;
+        ASSERT_TRUE(a->save_state(w));
+        const std::vector<uint8_t> &b = w.bytes;
+        ASSERT_GE(b.size(), 64u);
+        EXPECT_EQ(std::memcmp(b.data(), "DS41", 4), 0);
+        EXPECT_EQ(u32_at(b, 4), 1u);
+        const uint64_t n_layer = u64_at(b, 8), n = u64_at(b, 16), elt = u64_at(b, 24) == 1 ? 4 : 2;
+        EXPECT_EQ(n, p.size());
+        EXPECT_EQ(elt, kv == kv_precision::f32 ? 4u : 2u);
+        EXPECT_EQ(u64_at(b, 32), 1u);  // fp4only
+        const uint64_t window = u64_at(b, 40), head_dim = u64_at(b, 48), idx_dim = u64_at(b, 56);
+        size_t at = 64;
+        std::set<uint64_t> ratios;
+        for (uint64_t l = 0; l < n_layer; ++l) {
+            ASSERT_LE(at + 8, b.size());
+            const uint64_t r = u64_at(b, at);
+            ratios.insert(r);
+            at += 8 + window * head_dim * elt;
+            const uint64_t slots = r == 4 ? 8 : r, c = r == 4 ? 2 : 1;
+            if (r > 0) at += 2 * slots * c * head_dim * 4 + (n / r) * head_dim * elt;
+            if (r == 4) at += 2 * slots * 2 * idx_dim * 4 + (n / 4) * idx_dim * elt;
+        }
+        EXPECT_EQ(ratios, (std::set<uint64_t>{0, 4, 128})) << "ds4-tiny has layers of each kind";
+        ASSERT_LE(at + 8, b.size());
+        EXPECT_EQ(u64_at(b, at), 1u);
+        check_logits(b, at + 8, *a);
+    }
 }
 
 }  // namespace

@@ -160,7 +160,7 @@ TEST_F(CudaDs4State, DamagedStreamsAreRefusedAndTheSequenceSurvives) {
     refused(std::span(sw.bytes).first(sw.bytes.size() / 2), static_cast<int64_t>(n), "ends early");
     refused(std::span(sw.bytes).first(sw.bytes.size() - 1), static_cast<int64_t>(n), "ends early");
     refused(sw.bytes, static_cast<int64_t>(n) - 1, "token count");
-    refused(sw.bytes, 400, "do not fit");
+    refused(sw.bytes, 401, "do not fit");
     std::vector<uint8_t> foreign = sw.bytes;
     foreign[0] ^= 0xff;
     refused(foreign, static_cast<int64_t>(n), "not a DeepSeek V4 state");

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "fathom/engine.h"
@@ -65,6 +66,8 @@ public:
         r.read(magic, 4);
         r.read(&n, sizeof n);
         toks_.clear();
+        if (loads_tried) ++*loads_tried;
+        if (load_throws) throw std::bad_alloc();  // not a fathom::error: out of memory, say
         if (std::memcmp(magic, "FAKE", 4) != 0 || n != tokens.size() || n_keep < 1 || n_keep > int64_t(n) ||
             r.remaining() != state_pad)
             throw error("fake: bad state");
@@ -78,6 +81,8 @@ public:
     }
     bool loads_state_prefix() const override { return true; }
     size_t state_pad = 1000;
+    bool load_throws = false;  // load_state throws std::bad_alloc after reading the stream's head
+    std::atomic<int> *loads_tried = nullptr;  // counts load_state calls that got past the stream's head
     std::atomic<int> states_loaded{0};
 
     int32_t next_token() const {
@@ -143,11 +148,15 @@ public:
         ++sessions_created;
         auto s = std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
         s->state_pad = state_pad;
+        s->load_throws = load_throws;
+        s->loads_tried = &state_loads_tried;
         return s;
     }
     std::string state_identity() const override { return identity; }
     std::string identity = "fake-model";
     size_t state_pad = 1000;  // filler bytes of each saved state
+    bool load_throws = false;               // new sessions' load_state throws std::bad_alloc
+    std::atomic<int> state_loads_tried{0};  // their load_state calls
     // Records the shape of the scheduler's engine steps, then runs the default (decode_step of the
     // one-token appends, sync of the rest).
     void sync_step(std::span<const sync_item> items) override {

@@ -1239,7 +1239,7 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: a pipeline stage cannot load a state");
-    if (n_past < 0 || n_past >= n_ctx_)
+    if (n_past < 0 || n_past > n_ctx_)
         throw error("saved state: " + std::to_string(n_past) + " tokens do not fit this sequence's " +
                     std::to_string(n_ctx_) + "-token context");
     reset();  // also on failure below: a half-loaded state must not be used

@@ -139,7 +139,7 @@ class cuda_sequence {
     // for bit as this one would. Whole-model sequences only (not a pipeline stage; throws). The last
     // logits are not part of it: last_logits() / restore_logits().
     void save_state(state_writer &w) const;
-    // Replaces the sequence's state with a saved one of n_past tokens (n_past < n_ctx). Throws
+    // Replaces the sequence's state with a saved one of n_past tokens (n_past <= n_ctx). Throws
     // fathom::error on any mismatch (geometry, token count, KV precision, QAT mode, a short stream);
     // the sequence is then reset. No logits afterwards until restore_logits() or an evaluation.
     void load_state(state_reader &r, int64_t n_past);
