@@ -338,7 +338,31 @@ bool prompt_cache::load(const match &m, session &s, std::string &why) {
     return true;
 }
 
-prompt_cache::save_result prompt_cache::save(const session &s, std::string &why) {
+namespace {
+// The session's state in memory (prompt_cache::save copies it before it writes the file).
+struct memory_writer final : state_writer {
+    std::vector<uint8_t> bytes;
+    void write(const void *data, size_t n) override {
+        const auto *p = static_cast<const uint8_t *>(data);
+        bytes.insert(bytes.end(), p, p + n);
+    }
+};
+// Calls f once: explicitly, or at the end of the scope (every early return and exception).
+struct release_once {
+    const std::function<void()> &f;
+    bool done = false;
+    void operator()() {
+        if (done) return;
+        done = true;
+        if (f) f();
+    }
+    ~release_once() { (*this)(); }
+};
+}  // namespace
+
+prompt_cache::save_result prompt_cache::save(const session &s, std::string &why,
+                                             const std::function<void()> &released) {
+    release_once release{released};
     const std::vector<int32_t> toks = s.tokens();
     if (int64_t(toks.size()) < opts_.min_tokens) return save_result::too_short;
     const uint64_t key = entry_key(identity_, toks);
@@ -351,6 +375,16 @@ prompt_cache::save_result prompt_cache::save(const session &s, std::string &why)
             return save_result::exists;
         }
     }
+    memory_writer state;  // the session is read here only
+    try {
+        if (!s.save_state(state)) return save_result::unsupported;
+    } catch (const std::exception &e) {
+        why = e.what();
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.save_failures;
+        return save_result::failed;
+    }
+    release();
     const std::string tmp =
         path_of(std::string(temp_prefix) + std::to_string(::getpid()) + "-" + random_hex() + ".fpc");
     fd_guard f{::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
@@ -358,8 +392,10 @@ prompt_cache::save_result prompt_cache::save(const session &s, std::string &why)
     try {
         if (f.fd < 0) throw error(errno_text(tmp));
         fd_sink sink(f.fd, tmp);
-        bytes = write_entry(sink, identity_, toks, opts_.zstd_level,
-                            [&](state_writer &w) { return s.save_state(w); });
+        bytes = write_entry(sink, identity_, toks, opts_.zstd_level, [&](state_writer &w) {
+            w.write(state.bytes.data(), state.bytes.size());
+            return true;
+        });
         if (bytes > opts_.max_bytes) {
             ::unlink(tmp.c_str());
             return save_result::too_large;

@@ -19,6 +19,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -75,13 +76,16 @@ class prompt_cache {
     // replaced the file meanwhile. Any exception (the session's too) is a failure, never thrown: the
     // scheduler's I/O thread calls this. A hit marks the entry recently used.
     bool load(const match &m, session &s, std::string &why);
-    // Saves what s holds (s.tokens()) as an entry; the caller keeps s unchanged meanwhile. saved: a new
+    // Saves what s holds (s.tokens()) as an entry. The state is first copied into memory; then
+    // `released` (if set) is called, exactly once on every path, and the caller may change s again while
+    // the entry is written, fsync'd and renamed (so a session is held for a memory copy, not for the
+    // disk). The caller keeps s unchanged until then. saved: a new
     // entry (then evicts down to the cap); exists: an entry for the same tokens, now marked recently
     // used; too_short: fewer than min_tokens; too_large: the entry alone would exceed the cap (not
     // kept); unsupported: the session cannot save; failed: an I/O error (`why`; counted in
     // save_failures). Only `saved` leaves a new file, and no outcome leaves a temporary one.
     enum class save_result { saved, exists, too_short, too_large, unsupported, failed };
-    save_result save(const session &s, std::string &why);
+    save_result save(const session &s, std::string &why, const std::function<void()> &released = {});
 
     // Re-reads the directory now (entries of other processes appear, deleted ones go).
     void refresh();

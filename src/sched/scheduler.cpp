@@ -749,24 +749,35 @@ void scheduler::io_load(slot &s) {
 
 void scheduler::io_save(slot &s) {
     const auto t0 = clock::now();
+    const size_t n_tokens = s.sess->tokens().size();  // s is the worker's again once released
     std::string why;
     cache::prompt_cache::save_result r = cache::prompt_cache::save_result::failed;
-    try {  // as io_load: nothing escapes, io_busy is cleared below
-        r = cache_->save(*s.sess, why);
+    // The slot is released as soon as its state is copied into memory (prompt_cache::save calls this
+    // exactly once, on every path): the file's write and fsync no longer hold the slot, so a DS4
+    // request's first decode step waits for a memory copy, not for the disk.
+    bool released = false;
+    auto release = [&] {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            s.io_busy = false;
+            admit_blocked_ = false;
+        }
+        released = true;
+        cv_.notify_all();
+    };
+    try {  // as io_load: nothing escapes
+        r = cache_->save(*s.sess, why, release);
     } catch (const std::exception &e) {
         why = e.what();
     }
+    if (!released) release();  // save() threw before its guard existed
     const double dt = secs(clock::now() - t0);
     if (r == cache::prompt_cache::save_result::failed)
-        std::fprintf(stderr, "fathom: prompt cache: saving %zu tokens failed: %s\n", s.sess->tokens().size(),
-                     why.c_str());
-    {
+        std::fprintf(stderr, "fathom: prompt cache: saving %zu tokens failed: %s\n", n_tokens, why.c_str());
+    if (r == cache::prompt_cache::save_result::saved) {
         std::lock_guard<std::mutex> lk(mu_);
-        if (r == cache::prompt_cache::save_result::saved) stats_.disk_save_s.observe(dt);
-        s.io_busy = false;
-        admit_blocked_ = false;
+        stats_.disk_save_s.observe(dt);
     }
-    cv_.notify_all();
 }
 
 }  // namespace fathom::sched

@@ -108,6 +108,40 @@ TEST(CacheDir, SaveLookupLoad) {
     EXPECT_EQ(m->tokens->size(), 80u);  // both keep 70: the smaller entry
 }
 
+// save() copies the state into memory and then releases the session (its callback, exactly once,
+// before the entry file exists): a session changed right after the release is saved as it was.
+TEST(CacheDir, SaveReleasesTheSessionBeforeTheFileIsWritten) {
+    temp_dir d;
+    prompt_cache c(opts_of(d), k_id);
+    const std::vector<int32_t> a = tokens_of(100, 4);
+    pattern_session s(1 << 20);
+    s.sync(a, {});
+    int calls = 0;
+    bool file_there = true;
+    std::string why;
+    const auto r = c.save(s, why, [&] {
+        ++calls;
+        file_there = std::filesystem::exists(entry_path(d, a));
+        s.eval(std::vector<int32_t>{1, 2, 3}, nullptr);  // the session is the caller's again
+    });
+    EXPECT_EQ(r, save_result::saved) << why;
+    EXPECT_EQ(calls, 1);
+    EXPECT_FALSE(file_there) << "released only after the entry was written";
+    pattern_session back(1 << 20);
+    auto m = c.lookup(a, false);
+    ASSERT_TRUE(m);
+    ASSERT_TRUE(c.load(*m, back, why)) << why;  // checks every state byte against a's pattern
+    EXPECT_EQ(back.tokens(), a);
+    // every other outcome releases exactly once too
+    calls = 0;
+    EXPECT_EQ(c.save(s, why, [&] { ++calls; }), save_result::saved);  // a + 1, 2, 3
+    EXPECT_EQ(c.save(s, why, [&] { ++calls; }), save_result::exists);
+    pattern_session tiny;
+    tiny.sync(tokens_of(3, 1), {});
+    EXPECT_EQ(c.save(tiny, why, [&] { ++calls; }), save_result::too_short);
+    EXPECT_EQ(calls, 3);
+}
+
 TEST(CacheDir, DamagedEntriesAreRejectedAndDeleted) {
     temp_dir d;
     const std::vector<int32_t> a = tokens_of(64, 3), b = tokens_of(64, 4);
