@@ -11,6 +11,7 @@
 // indexer), deepseek4_moe.cpp (hyper-connections, MoE), deepseek4_forward.cpp (layer builder),
 // deepseek4_mtp.cpp (multi-token-prediction head).
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -252,6 +253,17 @@ void forward(const model &m, state &st, std::span<const int32_t> tokens, std::sp
 // (the caller's token count); st keeps its exec / qat / kv settings, which must match the saved ones.
 void write_state(const model &m, const state &st, state_writer &w);
 void read_state(const model &m, state &st, state_reader &r, int64_t n_past);
+// The stream's head, shared with the CUDA sequence's save / load (backend/cuda/ds4_model.cpp): u32
+// magic "DS41", u32 version, then these u64 fields in order (with the names load errors use).
+struct state_header_field {
+    uint64_t value;
+    const char *name;
+};
+constexpr uint32_t state_magic = 0x31345344, state_version = 1;
+std::array<state_header_field, 7> state_header(const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat);
+// Writes magic, version and the fields; reads and checks them (fathom::error naming a mismatch).
+void put_state_header(state_writer &w, const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat);
+void check_state_header(state_reader &r, const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat);
 
 // ---- layer ranges (pipeline stages, src/dist) ---------------------------------------------------
 // forward() is embed_tokens -> forward_layers(0, n_layer) -> head_logits; a pipeline runs the same

@@ -20,8 +20,6 @@ namespace fathom::ds4 {
 
 namespace {
 
-constexpr uint32_t state_magic = 0x31345344;  // "DS41"
-
 uint64_t qat_code(qat_mode q) {
     return q == qat_mode::full ? 0 : q == qat_mode::fp4only ? 1 : 2;
 }
@@ -43,16 +41,32 @@ void get_rows(state_reader &r, row_store &rows, int64_t n_rows) {
 
 }  // namespace
 
+std::array<state_header_field, 7> state_header(const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat) {
+    return {{{static_cast<uint64_t>(hp.n_layer), "layer count"},
+             {static_cast<uint64_t>(n_past), "token count"},
+             {kv == kv_precision::f32 ? 1u : 0u, "KV precision (0 f16, 1 f32)"},
+             {qat_code(qat), "QAT mode (0 full, 1 fp4only, 2 off)"},
+             {static_cast<uint64_t>(hp.window), "raw window"},
+             {static_cast<uint64_t>(hp.head_dim), "head dim"},
+             {static_cast<uint64_t>(hp.idx_dim), "indexer dim"}}};
+}
+
+void put_state_header(state_writer &w, const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat) {
+    state_io::put<uint32_t>(w, state_magic);
+    state_io::put<uint32_t>(w, state_version);
+    for (const state_header_field &f : state_header(hp, n_past, kv, qat)) state_io::put<uint64_t>(w, f.value);
+}
+
+void check_state_header(state_reader &r, const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat) {
+    if (state_io::get<uint32_t>(r) != state_magic) throw error("saved state: not a DeepSeek V4 state");
+    if (state_io::get<uint32_t>(r) != state_version) throw error("saved state: unknown DeepSeek V4 state version");
+    for (const state_header_field &f : state_header(hp, n_past, kv, qat)) state_io::expect(r, f.value, f.name);
+}
+
 void write_state(const model &m, const state &st, state_writer &w) {
     const hparams &hp = m.hp;
     if (st.layers.size() != m.layers.size()) throw error("ds4 state: does not belong to this model");
-    state_io::put<uint32_t>(w, state_magic);
-    state_io::put<uint32_t>(w, 1);
-    for (const uint64_t v :
-         {static_cast<uint64_t>(hp.n_layer), static_cast<uint64_t>(st.n_past),
-          uint64_t{st.kv == kv_precision::f32 ? 1u : 0u}, qat_code(st.qat), static_cast<uint64_t>(hp.window),
-          static_cast<uint64_t>(hp.head_dim), static_cast<uint64_t>(hp.idx_dim)})
-        state_io::put<uint64_t>(w, v);
+    put_state_header(w, hp, st.n_past, st.kv, st.qat);
     for (size_t il = 0; il < st.layers.size(); ++il) {
         const layer_state &ls = st.layers[il];
         const int ratio = m.layers[il].ratio;
@@ -78,15 +92,7 @@ void read_state(const model &m, state &st, state_reader &r, int64_t n_past) {
     const hparams &hp = m.hp;
     if (st.layers.size() != m.layers.size()) throw error("ds4 state: does not belong to this model");
     if (n_past < 0) throw error("saved state: negative token count");
-    if (state_io::get<uint32_t>(r) != state_magic) throw error("saved state: not a DeepSeek V4 state");
-    if (state_io::get<uint32_t>(r) != 1) throw error("saved state: unknown DeepSeek V4 state version");
-    state_io::expect(r, static_cast<uint64_t>(hp.n_layer), "layer count");
-    state_io::expect(r, static_cast<uint64_t>(n_past), "token count");
-    state_io::expect(r, st.kv == kv_precision::f32 ? 1 : 0, "KV precision (0 f16, 1 f32)");
-    state_io::expect(r, qat_code(st.qat), "QAT mode (0 full, 1 fp4only, 2 off)");
-    state_io::expect(r, static_cast<uint64_t>(hp.window), "raw window");
-    state_io::expect(r, static_cast<uint64_t>(hp.head_dim), "head dim");
-    state_io::expect(r, static_cast<uint64_t>(hp.idx_dim), "indexer dim");
+    check_state_header(r, hp, n_past, st.kv, st.qat);
     for (size_t il = 0; il < st.layers.size(); ++il) {
         // A fresh layer state has the frontier sizes of this layer's compressors; only the row
         // counts depend on n_past.

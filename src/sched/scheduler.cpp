@@ -755,22 +755,19 @@ void scheduler::io_save(slot &s) {
     // The slot is released as soon as its state is copied into memory (prompt_cache::save calls this
     // exactly once, on every path): the file's write and fsync no longer hold the slot, so a DS4
     // request's first decode step waits for a memory copy, not for the disk.
-    bool released = false;
     auto release = [&] {
         {
             std::lock_guard<std::mutex> lk(mu_);
             s.io_busy = false;
             admit_blocked_ = false;
         }
-        released = true;
         cv_.notify_all();
     };
-    try {  // as io_load: nothing escapes
+    try {  // as io_load: nothing escapes (save releases the slot on every path, exceptions included)
         r = cache_->save(*s.sess, why, release);
     } catch (const std::exception &e) {
         why = e.what();
     }
-    if (!released) release();  // save() threw before its guard existed
     const double dt = secs(clock::now() - t0);
     if (r == cache::prompt_cache::save_result::failed)
         std::fprintf(stderr, "fathom: prompt cache: saving %zu tokens failed: %s\n", n_tokens, why.c_str());

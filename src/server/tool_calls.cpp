@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <random>
 
+#include "cache/entry.h"
 #include "core/error.h"
 
 namespace fathom::server {
@@ -247,15 +248,13 @@ std::string turn_record(const std::string &key, const std::string &content, cons
     return r;
 }
 
-bool write_all(int fd, const std::string &b) {
-    size_t at = 0;
-    while (at < b.size()) {
-        const ssize_t n = ::write(fd, b.data() + at, b.size() - at);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return false;
-        at += static_cast<size_t>(n);
+bool write_all(int fd, const std::string &b) {  // the prompt cache's file sink (EINTR-safe write loop)
+    try {
+        cache::fd_sink(fd, "tool-turn journal").append(b.data(), b.size());
+        return true;
+    } catch (const error &) {
+        return false;
     }
-    return true;
 }
 }  // namespace
 

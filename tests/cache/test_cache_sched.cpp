@@ -11,6 +11,7 @@
 #include "fathom/engine.h"
 #include "sched/scheduler.h"
 #include "server/fake_engine.h"
+#include "server/smol_util.h"
 
 namespace {
 
@@ -28,22 +29,7 @@ std::unique_ptr<engine> load(const std::string &path, int n_ctx, int n_batch) {
     return engine::load(o);
 }
 
-std::vector<int32_t> greedy_alone(engine &e, const std::vector<int32_t> &prompt, int max_tokens) {
-    auto sess = e.new_session();
-    sampling_params sp;
-    sp.temperature = 0.0f;
-    sampler smp(sp);
-    std::vector<int32_t> hist = prompt, out;
-    sess->sync(prompt);
-    for (int i = 0; i < max_tokens; ++i) {
-        const int32_t t = smp.sample(sess->logits(), hist).token;
-        if (e.is_end_of_generation(t)) break;
-        out.push_back(t);
-        hist.push_back(t);
-        if (i + 1 < max_tokens) sess->eval(std::span<const int32_t>(&t, 1));
-    }
-    return out;
-}
+using test::greedy_alone;
 
 struct run_result {
     std::vector<int32_t> tokens;

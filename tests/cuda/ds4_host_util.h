@@ -26,6 +26,16 @@ inline ds4::expert_bank host_bank(dtype t, const std::vector<uint8_t> &b, int64_
     return e;
 }
 
+// n token ids in [0, vocab), a fixed LCG stream per seed (test_cuda_ds4_branches.cpp, test_cuda_ds4_state.cpp).
+inline std::vector<int32_t> tokens_of(size_t n, int vocab, uint64_t seed) {
+    std::vector<int32_t> t(n);
+    for (auto &x : t) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        x = static_cast<int32_t>((seed >> 33) % static_cast<uint64_t>(vocab));
+    }
+    return t;
+}
+
 // Writes a quantised synthetic model with the ds4-tiny layout but 256-wide rows (IQ2_XXS / Q2_K
 // blocks: the q2 mix, seed 7; 5 layers of compression ratios 0, 0, 4, 128, 4) to the temp directory as
 // file_name and returns its path. Suites that may run in parallel pass their own file names.

@@ -32,21 +32,14 @@
 namespace fathom {
 namespace {
 
+using cuda_test::tokens_of;
+
 using CudaDs4Branches = cuda_test::cuda_device_test;
 
 // The layout of test_cuda_ds4_model.cpp's quantised model (its own file: suites may run in parallel).
 const std::string &branch_model_path() {
     static const std::string path = cuda_test::write_quant_tiny_model("fathom_cuda_ds4_branches_q2.gguf");
     return path;
-}
-
-std::vector<int32_t> tokens_of(size_t n, int vocab, uint64_t seed) {
-    std::vector<int32_t> t(n);
-    for (auto &x : t) {
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        x = static_cast<int32_t>((seed >> 33) % static_cast<uint64_t>(vocab));
-    }
-    return t;
 }
 
 struct variant {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/cuda/ds4_model.h"
+#include "cache/cache_test_util.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "ds4/golden_util.h"
@@ -32,40 +33,17 @@
 namespace fathom {
 namespace {
 
+using cuda_test::tokens_of;
+
 using CudaDs4State = cuda_test::cuda_device_test;
 using cuda_test::rel_l2;
 
-struct mem_writer final : state_writer {
-    std::vector<uint8_t> bytes;
-    void write(const void *data, size_t n) override {
-        const auto *p = static_cast<const uint8_t *>(data);
-        bytes.insert(bytes.end(), p, p + n);
-    }
-};
-struct mem_reader final : state_reader {
-    std::span<const uint8_t> bytes;
-    size_t at = 0;
-    explicit mem_reader(std::span<const uint8_t> b) : bytes(b) {}
-    void read(void *data, size_t n) override {
-        if (n > bytes.size() - at) throw error("state stream: ends early");
-        std::memcpy(data, bytes.data() + at, n);
-        at += n;
-    }
-    uint64_t remaining() const override { return bytes.size() - at; }
-};
+using cache_test::vector_reader;
+using cache_test::vector_writer;
 
 const std::string &model_path() {
     static const std::string path = cuda_test::write_quant_tiny_model("fathom_cuda_ds4_state_q2.gguf");
     return path;
-}
-
-std::vector<int32_t> tokens_of(size_t n, int vocab, uint64_t seed) {
-    std::vector<int32_t> t(n);
-    for (auto &x : t) {
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        x = static_cast<int32_t>((seed >> 33) % static_cast<uint64_t>(vocab));
-    }
-    return t;
 }
 
 // Decodes toks one by one from the sequence's position, returning every step's logits.
@@ -91,7 +69,7 @@ TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
         ref.eval(prompt, {});
         const auto want = decode(ref, tail, V);
         // the same prompt, saved with its last logits
-        mem_writer sw;
+        vector_writer sw;
         std::vector<float> last(V);
         {
             ds4::cuda_sequence a(w, static_cast<int64_t>(N) + 1, true, 37);
@@ -101,7 +79,7 @@ TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
         }
         // loaded into a fresh sequence (another capacity: the stream does not depend on it)
         ds4::cuda_sequence b(w, static_cast<int64_t>(N) + 40, true, 64);
-        mem_reader r(sw.bytes);
+        vector_reader r(sw.bytes);
         b.load_state(r, static_cast<int64_t>(n));
         EXPECT_EQ(r.remaining(), 0u);
         EXPECT_EQ(b.n_past(), static_cast<int64_t>(n));
@@ -118,7 +96,7 @@ TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
         // The stream is the CPU's format: read_state takes it, and the CPU continuing from it stays as
         // near the CPU continuing from its own prompt as the CUDA logits are.
         ds4::state cs = ds4::new_state(*m, q, kv);
-        mem_reader cr(sw.bytes);
+        vector_reader cr(sw.bytes);
         ds4::read_state(*m, cs, cr, static_cast<int64_t>(n));
         EXPECT_EQ(cr.remaining(), 0u);
         ds4::state own = ds4::new_state(*m, q, kv);
@@ -144,11 +122,11 @@ TEST_F(CudaDs4State, DamagedStreamsAreRefusedAndTheSequenceSurvives) {
     auto w = ds4::cuda_upload(*m, ds4::cuda_run_options{});
     ds4::cuda_sequence a(w, 400, true, 37);
     a.eval(std::span(toks).first(n), {});
-    mem_writer sw;
+    vector_writer sw;
     a.save_state(sw);
     ds4::cuda_sequence b(w, 400, true, 37);
-    auto refused = [&](std::span<const uint8_t> bytes, int64_t n_past, const char *needle) {
-        mem_reader r(bytes);
+    auto refused = [&](const std::vector<uint8_t> &bytes, int64_t n_past, const char *needle) {
+        vector_reader r(bytes);
         try {
             b.load_state(r, n_past);
             ADD_FAILURE() << "accepted: " << needle;
@@ -157,8 +135,9 @@ TEST_F(CudaDs4State, DamagedStreamsAreRefusedAndTheSequenceSurvives) {
         }
         EXPECT_EQ(b.n_past(), 0);
     };
-    refused(std::span(sw.bytes).first(sw.bytes.size() / 2), static_cast<int64_t>(n), "ends early");
-    refused(std::span(sw.bytes).first(sw.bytes.size() - 1), static_cast<int64_t>(n), "ends early");
+    auto first = [&](size_t k) { return std::vector<uint8_t>(sw.bytes.begin(), sw.bytes.begin() + static_cast<std::ptrdiff_t>(k)); };
+    refused(first(sw.bytes.size() / 2), static_cast<int64_t>(n), "ends early");
+    refused(first(sw.bytes.size() - 1), static_cast<int64_t>(n), "ends early");
     refused(sw.bytes, static_cast<int64_t>(n) - 1, "token count");
     refused(sw.bytes, 401, "do not fit");
     std::vector<uint8_t> foreign = sw.bytes;
@@ -168,10 +147,10 @@ TEST_F(CudaDs4State, DamagedStreamsAreRefusedAndTheSequenceSurvives) {
     ds4::cuda_run_options o32;
     o32.kv = kv_precision::f32;
     ds4::cuda_sequence c(ds4::cuda_upload(*m, o32), 400, true, 37);
-    mem_reader r(sw.bytes);
+    vector_reader r(sw.bytes);
     EXPECT_THROW(c.load_state(r, static_cast<int64_t>(n)), error);
     // still usable: the whole stream loads, and evaluation goes on from it
-    mem_reader ok(sw.bytes);
+    vector_reader ok(sw.bytes);
     b.load_state(ok, static_cast<int64_t>(n));
     std::vector<float> lg(V);
     b.eval(std::span(toks).subspan(n, 1), lg);
@@ -192,10 +171,10 @@ TEST_F(CudaDs4State, EngineSessionsOnOneGpuSaveAndLoad) {
     const std::span<const int32_t> prompt(toks.data(), 290);
     auto a = e->new_session();
     a->sync(prompt);
-    mem_writer sw;
+    vector_writer sw;
     ASSERT_TRUE(a->save_state(sw));
     auto b = e->new_session();
-    mem_reader r(sw.bytes);
+    vector_reader r(sw.bytes);
     ASSERT_TRUE(b->load_state(r, prompt, static_cast<int64_t>(prompt.size())));
     EXPECT_EQ(b->n_past(), a->n_past());
     const auto la = a->logits(), lb = b->logits();

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "cache/cache_test_util.h"
 #include "fake_engine.h"
 #include "server/http_server.h"
 
@@ -19,17 +20,8 @@ using json = nlohmann::json;
 
 namespace {
 
-struct cache_dir {
-    std::string path;
-    cache_dir() {
-        std::string t = ::testing::TempDir() + "/fathom_http_cache_XXXXXX";
-        if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp");
-        path = t;
-    }
-    ~cache_dir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path, ec);
-    }
+// A fresh directory (cache_test::temp_dir) and its entry files.
+struct cache_dir : cache_test::temp_dir {
     std::vector<std::filesystem::path> entries() const {
         std::vector<std::filesystem::path> out;
         for (const auto &e : std::filesystem::directory_iterator(path))

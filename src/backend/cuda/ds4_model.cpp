@@ -1191,9 +1191,27 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
 // compressor frontier kv / score (f32) and n_past / ratio compressed rows, (ratio 4) the indexer
 // frontier and n_past / 4 indexer rows. The device buffers hold exactly these layouts.
 namespace {
-constexpr uint32_t kStateMagic = 0x31345344;  // "DS41"
-uint64_t qat_state_code(qat_mode q) {
-    return q == qat_mode::full ? 0 : q == qat_mode::fp4only ? 1 : 2;
+// A layer's device buffers in stream order after its u64 ratio: (device address, bytes), every size
+// from the geometry and n_past.
+struct state_region {
+    void *dev;
+    size_t bytes;
+};
+std::vector<state_region> layer_regions(const hparams &hp, const layer_state_dev &st, int ratio, int64_t n_past,
+                                        size_t kv_elem) {
+    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
+    std::vector<state_region> r{{st.ring, static_cast<size_t>(hp.window) * d * kv_elem}};
+    if (ratio > 0) {
+        r.push_back({st.comp_kv, st.comp_state_floats * sizeof(float)});
+        r.push_back({st.comp_score, st.comp_state_floats * sizeof(float)});
+        r.push_back({st.comp_rows, static_cast<size_t>(n_past / ratio) * d * kv_elem});
+    }
+    if (ratio == 4) {
+        r.push_back({st.ic_kv, st.ic_state_floats * sizeof(float)});
+        r.push_back({st.ic_score, st.ic_state_floats * sizeof(float)});
+        r.push_back({st.idx_rows, static_cast<size_t>(n_past / 4) * Id * kv_elem});
+    }
+    return r;
 }
 }  // namespace
 
@@ -1203,34 +1221,15 @@ void cuda_sequence::save_state(state_writer &w) const {
     if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: a pipeline stage's state cannot be saved");
     ck(cudaSetDevice(p.w->device), "selecting the device");
     ck(cudaStreamSynchronize(p.s), "saving the state");
-    state_io::put<uint32_t>(w, kStateMagic);
-    state_io::put<uint32_t>(w, 1);
-    for (const uint64_t v : {static_cast<uint64_t>(hp.n_layer), static_cast<uint64_t>(n_past_),
-                             uint64_t{p.kv_elem == 4 ? 1u : 0u}, qat_state_code(p.w->opt.qat),
-                             static_cast<uint64_t>(hp.window), static_cast<uint64_t>(hp.head_dim),
-                             static_cast<uint64_t>(hp.idx_dim)})
-        state_io::put<uint64_t>(w, v);
+    put_state_header(w, hp, n_past_, p.w->opt.kv, p.w->opt.qat);
     std::vector<uint8_t> host;
-    auto out = [&](const void *dev, size_t bytes) {  // device bytes to the stream
-        host.resize(bytes);
-        if (bytes) ck(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost), "saving the state");
-        w.write(host.data(), bytes);
-    };
-    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
     for (size_t il = 0; il < p.ls.size(); ++il) {
-        const layer_state_dev &st = p.ls[il];
         const int ratio = p.w->layers[il].ratio;
         state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
-        out(st.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
-        if (ratio > 0) {
-            out(st.comp_kv, st.comp_state_floats * sizeof(float));
-            out(st.comp_score, st.comp_state_floats * sizeof(float));
-            out(st.comp_rows, static_cast<size_t>(n_past_ / ratio) * d * p.kv_elem);
-        }
-        if (ratio == 4) {
-            out(st.ic_kv, st.ic_state_floats * sizeof(float));
-            out(st.ic_score, st.ic_state_floats * sizeof(float));
-            out(st.idx_rows, static_cast<size_t>(n_past_ / 4) * Id * p.kv_elem);
+        for (const state_region &g : layer_regions(hp, p.ls[il], ratio, n_past_, p.kv_elem)) {
+            host.resize(g.bytes);
+            if (g.bytes) ck(cudaMemcpy(host.data(), g.dev, g.bytes, cudaMemcpyDeviceToHost), "saving the state");
+            w.write(host.data(), g.bytes);
         }
     }
 }
@@ -1244,37 +1243,16 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
                     std::to_string(n_ctx_) + "-token context");
     reset();  // also on failure below: a half-loaded state must not be used
     try {
-        if (state_io::get<uint32_t>(r) != kStateMagic) throw error("saved state: not a DeepSeek V4 state");
-        if (state_io::get<uint32_t>(r) != 1) throw error("saved state: unknown DeepSeek V4 state version");
-        state_io::expect(r, static_cast<uint64_t>(hp.n_layer), "layer count");
-        state_io::expect(r, static_cast<uint64_t>(n_past), "token count");
-        state_io::expect(r, p.kv_elem == 4 ? 1 : 0, "KV precision (0 f16, 1 f32)");
-        state_io::expect(r, qat_state_code(p.w->opt.qat), "QAT mode (0 full, 1 fp4only, 2 off)");
-        state_io::expect(r, static_cast<uint64_t>(hp.window), "raw window");
-        state_io::expect(r, static_cast<uint64_t>(hp.head_dim), "head dim");
-        state_io::expect(r, static_cast<uint64_t>(hp.idx_dim), "indexer dim");
+        check_state_header(r, hp, n_past, p.w->opt.kv, p.w->opt.qat);
         ck(cudaSetDevice(p.w->device), "selecting the device");
         std::vector<uint8_t> host;
-        auto in = [&](void *dev, size_t bytes) {  // stream bytes to the device (sizes from the geometry)
-            host.resize(bytes);
-            r.read(host.data(), bytes);
-            if (bytes) ck(cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice), "loading the state");
-        };
-        const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
         for (size_t il = 0; il < p.ls.size(); ++il) {
-            layer_state_dev &st = p.ls[il];
             const int ratio = p.w->layers[il].ratio;
             state_io::expect(r, static_cast<uint64_t>(ratio), ("compression ratio of layer " + std::to_string(il)).c_str());
-            in(st.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
-            if (ratio > 0) {
-                in(st.comp_kv, st.comp_state_floats * sizeof(float));
-                in(st.comp_score, st.comp_state_floats * sizeof(float));
-                in(st.comp_rows, static_cast<size_t>(n_past / ratio) * d * p.kv_elem);
-            }
-            if (ratio == 4) {
-                in(st.ic_kv, st.ic_state_floats * sizeof(float));
-                in(st.ic_score, st.ic_state_floats * sizeof(float));
-                in(st.idx_rows, static_cast<size_t>(n_past / 4) * Id * p.kv_elem);
+            for (const state_region &g : layer_regions(hp, p.ls[il], ratio, n_past, p.kv_elem)) {
+                host.resize(g.bytes);
+                r.read(host.data(), g.bytes);
+                if (g.bytes) ck(cudaMemcpy(g.dev, host.data(), g.bytes, cudaMemcpyHostToDevice), "loading the state");
             }
         }
     } catch (...) {
