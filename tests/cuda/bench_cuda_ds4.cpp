@@ -1,7 +1,7 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
 //                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
-//                  [--state-file PATH]
+//                  [--state-file PATH] [--gemv-trace FILE]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
@@ -15,6 +15,13 @@
 // --state-file PATH: after the chunked prefill, the sequence's saved state (save_state, the disk prompt
 // cache's DS4 stream) written to PATH (fsync'd) and loaded into a second sequence, both timed; the
 // next decode step of both must agree bit for bit.
+// --gemv-trace FILE (a FATHOM_Q8X_TRACE build): the per-block timeline of every q8x GEMV launch in the
+// captured decode step (ds4_gemv.h set_gemv_trace), from the last timed replay at the first depth, as
+// CSV lines "launch,block,start,waited,x_ready,end,sm" (ns); scripts/device/gemv_trace.py reads it.
+#include <cuda_profiler_api.h>
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,13 +31,10 @@
 #include <string>
 #include <vector>
 
-#include <cuda_profiler_api.h>
-#include <fcntl.h>
-#include <unistd.h>
-
 #include "backend/cuda/cuda_backend.h"
-#include "bench_util.h"
+#include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_model.h"
+#include "bench_util.h"
 #include "core/error.h"
 #include "models/deepseek4.h"
 
@@ -103,11 +107,12 @@ void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::
     seq.eval(std::span(&t, 1), la);
     b.eval(std::span(&t, 1), l2);
     const bool same = std::memcmp(la.data(), l2.data(), V * sizeof(float)) == 0;
-    std::printf("saved state after %lld tokens: %.1f MB; save + fsync %.3f s (%.2f GB/s), load %.3f s (%.2f GB/s) "
-                "vs prefill %.3f s; next step after the load: %s\n",
-                static_cast<long long>(seq.n_past() - 1), static_cast<double>(fw.n) / 1e6, t_save,
-                static_cast<double>(fw.n) / t_save / 1e9, t_load, static_cast<double>(fw.n) / t_load / 1e9, t_prefill,
-                same ? "bitwise identical" : "DIFFERENT");
+    std::printf(
+        "saved state after %lld tokens: %.1f MB; save + fsync %.3f s (%.2f GB/s), load %.3f s (%.2f GB/s) "
+        "vs prefill %.3f s; next step after the load: %s\n",
+        static_cast<long long>(seq.n_past() - 1), static_cast<double>(fw.n) / 1e6, t_save,
+        static_cast<double>(fw.n) / t_save / 1e9, t_load, static_cast<double>(fw.n) / t_load / 1e9, t_prefill,
+        same ? "bitwise identical" : "DIFFERENT");
     if (!same) throw error("the loaded state diverged");
     ::unlink(path.c_str());
 }
@@ -116,10 +121,11 @@ void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::
 
 int main(int argc, char **argv) try {
     if (argc < 2) {
-        std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n",
+                     argv[0]);
         return 2;
     }
-    std::string path = argv[1], kv = "f16", state_file;
+    std::string path = argv[1], kv = "f16", state_file, trace_file;
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false;
@@ -127,15 +133,26 @@ int main(int argc, char **argv) try {
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
-        if (a == "--depths" && i + 1 < argc) depths = parse_list(argv[++i]);
-        else if (a == "--n" && i + 1 < argc) n_gen = std::atoi(argv[++i]);
-        else if (a == "--kv" && i + 1 < argc) kv = argv[++i];
-        else if (a == "--eager") eager = true;
-        else if (a == "--serial-step") serial_step = true;
-        else if (a == "--state-file" && i + 1 < argc) state_file = argv[++i];
-        else if (a == "--prefill" && i + 1 < argc) prefill = parse_list(argv[++i]);
-        else if (a == "--chunk" && i + 1 < argc) chunk = std::atoll(argv[++i]);
-        else throw error("unknown argument " + a);
+        if (a == "--depths" && i + 1 < argc)
+            depths = parse_list(argv[++i]);
+        else if (a == "--n" && i + 1 < argc)
+            n_gen = std::atoi(argv[++i]);
+        else if (a == "--kv" && i + 1 < argc)
+            kv = argv[++i];
+        else if (a == "--eager")
+            eager = true;
+        else if (a == "--serial-step")
+            serial_step = true;
+        else if (a == "--state-file" && i + 1 < argc)
+            state_file = argv[++i];
+        else if (a == "--gemv-trace" && i + 1 < argc)
+            trace_file = argv[++i];
+        else if (a == "--prefill" && i + 1 < argc)
+            prefill = parse_list(argv[++i]);
+        else if (a == "--chunk" && i + 1 < argc)
+            chunk = std::atoll(argv[++i]);
+        else
+            throw error("unknown argument " + a);
     }
     const double t_load = now_s();
     auto m = ds4::load_model(path);
@@ -144,23 +161,39 @@ int main(int argc, char **argv) try {
     o.serial_step = serial_step;
     auto w = ds4::cuda_upload(*m, o);
     const double bytes = ds4::cuda_bytes_per_token(*w);
-    std::printf("model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f s\n",
-                path.c_str(), m->hp.n_layer, m->hp.n_embd, m->hp.n_expert, m->hp.n_expert_used, m->hp.n_vocab,
-                static_cast<double>(ds4::cuda_weight_bytes(*w)) / 1e9, now_s() - t_load);
+    std::printf(
+        "model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f "
+        "s\n",
+        path.c_str(), m->hp.n_layer, m->hp.n_embd, m->hp.n_expert, m->hp.n_expert_used, m->hp.n_vocab,
+        static_cast<double>(ds4::cuda_weight_bytes(*w)) / 1e9, now_s() - t_load);
     const double copy_bw = cuda_measure_copy_bandwidth(o.device);
-    std::printf("weights read per decoded token: %.3f GB; device copy bandwidth (1 GiB D2D, read + write): %.1f GB/s; "
-                "roofline %.1f tok/s\n",
-                bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
+    std::printf(
+        "weights read per decoded token: %.3f GB; device copy bandwidth (1 GiB D2D, read + write): %.1f "
+        "GB/s; "
+        "roofline %.1f tok/s\n",
+        bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
     int64_t max_depth = depths.empty() ? 0 : *std::max_element(depths.begin(), depths.end());
     if (!prefill.empty()) max_depth = std::max(max_depth, *std::max_element(prefill.begin(), prefill.end()));
     ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk);
+    std::vector<int> trace_launches;
+    uint64_t *trace_buf = nullptr;
     m.reset();  // the host mapping is no longer needed
 
     // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
     {
         std::vector<int32_t> prompt(256);
-        for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % 1000 + 100);
+        for (size_t i = 0; i < prompt.size(); ++i)
+            prompt[i] = static_cast<int32_t>((i * 7919 + 13) % 1000 + 100);
         std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
+        uint64_t *trace = nullptr;
+        const size_t trace_blocks = 1 << 18;
+        if (!trace_file.empty()) {
+            if (cudaMalloc(reinterpret_cast<void **>(&trace), trace_blocks * 6 * sizeof(uint64_t)) !=
+                cudaSuccess)
+                throw error("trace buffer");
+            cudaMemset(trace, 0, trace_blocks * 6 * sizeof(uint64_t));
+            cuda::ds4::set_gemv_trace(trace, trace_blocks);
+        }
         seq.eval(std::span(prompt).first(8), logits);  // warm-up + graph capture
         seq.reset();
         double t0 = now_s();
@@ -173,16 +206,25 @@ int main(int argc, char **argv) try {
             t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
         }
         const double dc = n_gen / (now_s() - t0);
-        std::printf("end to end from position 0 (eval, logits to the host every token): prefill 256 tokens %.1f tok/s "
-                    "(chunk %lld), decode %.1f tok/s = %.1f%% of roofline\n",
-                    pf, static_cast<long long>(chunk), dc, 100.0 * dc * bytes / copy_bw);
+        std::printf(
+            "end to end from position 0 (eval, logits to the host every token): prefill 256 tokens %.1f "
+            "tok/s "
+            "(chunk %lld), decode %.1f tok/s = %.1f%% of roofline\n",
+            pf, static_cast<long long>(chunk), dc, 100.0 * dc * bytes / copy_bw);
+        if (trace) {  // the decode graph was captured by the first one-token eval above
+            trace_launches = cuda::ds4::gemv_trace_launches();
+            trace_buf = trace;
+            cuda::ds4::set_gemv_trace(nullptr, 0);
+            std::printf("gemv trace: %zu q8x launches captured\n", trace_launches.size());
+        }
     }
     // Chunked prefill of a real prompt from position 0, interval by interval.
     if (!prefill.empty()) {
         std::sort(prefill.begin(), prefill.end());
         std::vector<int32_t> prompt(static_cast<size_t>(prefill.back()));
         for (size_t i = 0; i < prompt.size(); ++i)
-            prompt[i] = static_cast<int32_t>((i * 2654435761u + 17) % static_cast<size_t>(seq.hp().n_vocab - 200) + 100);
+            prompt[i] = static_cast<int32_t>(
+                (i * 2654435761u + 17) % static_cast<size_t>(seq.hp().n_vocab - 200) + 100);
         std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
         seq.reset();
         std::printf("chunked prefill from position 0 (chunk %lld tokens):\n%12s %12s %12s %12s\n",
@@ -191,10 +233,12 @@ int main(int argc, char **argv) try {
         const double t_all = now_s();
         for (int64_t end : prefill) {
             const double t0 = now_s();
-            seq.eval(std::span(prompt).subspan(static_cast<size_t>(at), static_cast<size_t>(end - at)), logits);
+            seq.eval(std::span(prompt).subspan(static_cast<size_t>(at), static_cast<size_t>(end - at)),
+                     logits);
             const double dt = now_s() - t0;
-            std::printf("%5lld-%-6lld %12lld %12.3f %12.1f\n", static_cast<long long>(at), static_cast<long long>(end),
-                        static_cast<long long>(end - at), dt, static_cast<double>(end - at) / dt);
+            std::printf("%5lld-%-6lld %12lld %12.3f %12.1f\n", static_cast<long long>(at),
+                        static_cast<long long>(end), static_cast<long long>(end - at), dt,
+                        static_cast<double>(end - at) / dt);
             at = end;
         }
         const double t_prefill = now_s() - t_all;
@@ -215,8 +259,26 @@ int main(int argc, char **argv) try {
         for (int i = 0; i < n_gen; ++i) t = seq.step_greedy(t);
         cudaProfilerStop();
         const double dt = (now_s() - t0) / n_gen;
-        std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt, dt * 1e3,
-                    bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+        std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt,
+                    dt * 1e3, bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+        if (trace_buf && !trace_launches.empty()) {  // the last replay's per-block stamps
+            size_t n = 0;
+            for (int b : trace_launches) n += static_cast<size_t>(b);
+            std::vector<uint64_t> h(n * 6);
+            cudaMemcpy(h.data(), trace_buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost);
+            FILE *f = std::fopen(trace_file.c_str(), "w");
+            if (!f) throw error("cannot write " + trace_file);
+            size_t at = 0;
+            for (size_t l = 0; l < trace_launches.size(); ++l)
+                for (int b = 0; b < trace_launches[l]; ++b, ++at)
+                    std::fprintf(f, "%zu,%d,%llu,%llu,%llu,%llu,%llu\n", l, b, (unsigned long long)h[6 * at],
+                                 (unsigned long long)h[6 * at + 1], (unsigned long long)h[6 * at + 2],
+                                 (unsigned long long)h[6 * at + 3], (unsigned long long)h[6 * at + 4]);
+            std::fclose(f);
+            std::printf("gemv trace of depth %lld written to %s\n", static_cast<long long>(depth),
+                        trace_file.c_str());
+            trace_launches.clear();
+        }
         phases.emplace_back(depth, seq.profile_step(t));
     }
     // Where a step's time goes (eager launches queued behind a device pause; events between phases).
@@ -224,7 +286,8 @@ int main(int argc, char **argv) try {
         float total = 0;
         for (const auto &x : ph) total += x.second;
         std::printf("phases at depth %lld (eager step, %.3f ms):\n", static_cast<long long>(depth), total);
-        for (const auto &x : ph) std::printf("  %-44s %8.3f ms %5.1f%%\n", x.first.c_str(), x.second, 100.0 * x.second / total);
+        for (const auto &x : ph)
+            std::printf("  %-44s %8.3f ms %5.1f%%\n", x.first.c_str(), x.second, 100.0 * x.second / total);
     }
     return 0;
 } catch (const std::exception &e) {

@@ -6,6 +6,7 @@
 //                       blocks, plain / grouped / multi GEMVs vs the CPU (rel L2 <= 1e-5), bit
 //                       reproducibility, PDL ordering in a stream and in a captured graph
 //   CudaDs4GemvBench.*  DS4-Flash shapes, GB/s vs the device copy rate; only with FATHOM_DS4_BENCH=1
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,11 +14,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
@@ -80,7 +80,8 @@ std::vector<double> reference_q8x(const host_weight &w, const std::vector<float>
     if (w.t != dtype::q8_0) return reference(w, x, rpg);
     const int64_t nb = w.cols / 32, groups = static_cast<int64_t>(x.size()) / w.cols;
     std::vector<cuda::ds4q::q8_blk> xb(static_cast<size_t>(groups * nb));
-    for (int64_t b = 0; b < groups * nb; ++b) cuda::ds4q::quantize_q8_block(x.data() + 32 * b, xb[static_cast<size_t>(b)]);
+    for (int64_t b = 0; b < groups * nb; ++b)
+        cuda::ds4q::quantize_q8_block(x.data() + 32 * b, xb[static_cast<size_t>(b)]);
     std::vector<double> y(static_cast<size_t>(w.rows));
     for (int64_t r = 0; r < w.rows; ++r) {
         const float *a = w.deq.data() + r * w.cols;
@@ -156,19 +157,23 @@ TEST(CudaDs4GemvHost, RejectsBadArguments) {
     segs[1].w.cols = 2048;
     segs[1].w.q_stride = 4096;
     expect_rejected([&] { cd::launch_gemv_multi(segs.data(), 2, x, nullptr); }, "differ in cols");
-    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1000, p, nullptr); }, "unsupported weight");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1000, p, nullptr); },
+                    "unsupported weight");
     expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 31, 4, 1024, p, nullptr); }, "whole");
-    expect_rejected([&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1024, static_cast<char *>(p) + 8, nullptr); },
-                    "dst must be 16-byte aligned");
-    expect_rejected([&] { cd::gemv_prepare(dtype::f32, p, 4 * 1024 + 4, 4, 1024, nullptr, nullptr); }, "16-byte aligned");
-    expect_rejected([&] { cd::gemv_prepare(dtype::q2_k, p, 84 * 4, 4, 1024, p, nullptr); }, "unsupported weight");
+    expect_rejected(
+        [&] { cd::gemv_prepare(dtype::q8_0, p, 34 * 32, 4, 1024, static_cast<char *>(p) + 8, nullptr); },
+        "dst must be 16-byte aligned");
+    expect_rejected([&] { cd::gemv_prepare(dtype::f32, p, 4 * 1024 + 4, 4, 1024, nullptr, nullptr); },
+                    "16-byte aligned");
+    expect_rejected([&] { cd::gemv_prepare(dtype::q2_k, p, 84 * 4, 4, 1024, p, nullptr); },
+                    "unsupported weight");
 }
 
 // ---- device -------------------------------------------------------------------------------------------
 
 // cuda_fixture's stream and buffers (16 spare bytes after every buffer; contents 0 unless uploaded).
 class CudaDs4Gemv : public cuda_test::cuda_fixture {
-protected:
+  protected:
     // Uploads w's GGUF rows and prepares them (synchronised: see the PDL note in ds4_gemv.h).
     cd::gemv_weight prepare(const host_weight &w) {
         const void *src = up(w.bytes);
@@ -181,8 +186,8 @@ protected:
 
     // The reference for a one-weight launch (rpg rows per x group): int8 activations when the launch
     // takes that kernel (under the current set_gemv_q8_activations switch).
-    static std::vector<double> expected(const host_weight &w, const cd::gemv_weight &g, const std::vector<float> &x,
-                                        int64_t rpg) {
+    static std::vector<double> expected(const host_weight &w, const cd::gemv_weight &g,
+                                        const std::vector<float> &x, int64_t rpg) {
         const cd::gemv_segment seg{g, nullptr};
         return cd::gemv_q8_activations_used(&seg, &rpg, 1) ? reference_q8x(w, x, rpg) : reference(w, x, rpg);
     }
@@ -232,12 +237,13 @@ TEST_F(CudaDs4Gemv, MatchesCpuReference) {
     std::vector<shape> shapes;
     for (dtype t : {dtype::q8_0, dtype::f16, dtype::f32})
         for (int64_t cols : {1024, 4096, 8192})
-            for (int64_t rows : {1, 7, 33, 257, 1000}) shapes.push_back({t, rows, cols, t == dtype::q8_0 ? size_t{2} : 16});
+            for (int64_t rows : {1, 7, 33, 257, 1000})
+                shapes.push_back({t, rows, cols, t == dtype::q8_0 ? size_t{2} : 16});
     shapes.push_back({dtype::q8_0, 2, 512, 0});
-    shapes.push_back({dtype::q8_0, 4099, 1024, 0});   // many 8-row blocks plus a partial one
-    shapes.push_back({dtype::f16, 3, 516, 8});        // cols not a multiple of 128: partial warps
+    shapes.push_back({dtype::q8_0, 4099, 1024, 0});  // many 8-row blocks plus a partial one
+    shapes.push_back({dtype::f16, 3, 516, 8});       // cols not a multiple of 128: partial warps
     shapes.push_back({dtype::f32, 65, 132, 0});
-    shapes.push_back({dtype::f16, 64, 4096, 0});      // DS4 indexer projection
+    shapes.push_back({dtype::f16, 64, 4096, 0});  // DS4 indexer projection
     shapes.push_back({dtype::f32, 3, 4, 16});
     // Tall matrices with short rows get sub-warp groups (ds4_gemv.cu pick_group; on devices of up to
     // ~300 SMs): G = 8 (4 rows per warp, like q_b [32768, 1024]) and G = 16, a partial last block.
@@ -250,8 +256,8 @@ TEST_F(CudaDs4Gemv, MatchesCpuReference) {
     shapes.push_back({dtype::q8_0, 3, 65536, 0});
     shapes.push_back({dtype::f16, 3, 65536, 0});
     for (const shape &sh : shapes) {
-        SCOPED_TRACE(std::string(dtype_name(sh.t)) + " [" + std::to_string(sh.rows) + ", " + std::to_string(sh.cols) +
-                     "] pad " + std::to_string(sh.pad));
+        SCOPED_TRACE(std::string(dtype_name(sh.t)) + " [" + std::to_string(sh.rows) + ", " +
+                     std::to_string(sh.cols) + "] pad " + std::to_string(sh.pad));
         const host_weight w = make_weight(sh.t, sh.rows, sh.cols, sh.pad, rng_);
         const auto x = randn(static_cast<size_t>(sh.cols), rng_);
         const cd::gemv_weight g = prepare(w);
@@ -313,10 +319,12 @@ TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
         dtype t;
         int64_t rows;
     };
-    const std::vector<seg_shape> ds4 = {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024}, {dtype::f16, 1024},
-                                        {dtype::f16, 64},    {dtype::f16, 256},  {dtype::f16, 256}};
-    const std::vector<seg_shape> mix = {{dtype::f32, 1},  {dtype::q8_0, 33}, {dtype::f16, 7},  {dtype::q8_0, 300},
-                                        {dtype::f32, 65}, {dtype::f16, 1},   {dtype::q8_0, 1}, {dtype::f16, 513}};
+    const std::vector<seg_shape> ds4 = {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024},
+                                        {dtype::f16, 1024},  {dtype::f16, 64},   {dtype::f16, 256},
+                                        {dtype::f16, 256}};
+    const std::vector<seg_shape> mix = {{dtype::f32, 1},    {dtype::q8_0, 33}, {dtype::f16, 7},
+                                        {dtype::q8_0, 300}, {dtype::f32, 65},  {dtype::f16, 1},
+                                        {dtype::q8_0, 1},   {dtype::f16, 513}};
     // cols % 8 != 0: f16 rows loaded into registers next to staged f32 rows in one launch
     const std::vector<seg_shape> odd = {{dtype::f16, 300}, {dtype::f32, 65}, {dtype::f16, 1}};
     for (const auto &[set, cols] :
@@ -350,8 +358,8 @@ TEST_F(CudaDs4Gemv, MultiMatchesCpuReference) {
             cd::launch_gemv_multi(segs.data(), n, xd, s_);
             cd::launch_gemv_multi(segs2.data(), n, xd, s_);
             for (size_t i = 0; i < segs.size(); ++i) {
-                SCOPED_TRACE("segment " + std::to_string(i) + " " + std::string(dtype_name(hw[i].t)) + " rows " +
-                             std::to_string(hw[i].rows));
+                SCOPED_TRACE("segment " + std::to_string(i) + " " + std::string(dtype_name(hw[i].t)) +
+                             " rows " + std::to_string(hw[i].rows));
                 const auto got = down(segs[i].y, static_cast<size_t>(hw[i].rows));
                 const auto got2 = down(segs2[i].y, static_cast<size_t>(hw[i].rows));
                 const auto ref = used ? reference_q8x(hw[i], x, hw[i].rows) : reference(hw[i], x, hw[i].rows);
@@ -371,15 +379,16 @@ TEST_F(CudaDs4Gemv, NormedMultiMatchesSeparateNorm) {
         dtype t;
         int64_t rows;
     };
-    const std::vector<std::vector<seg_shape>> sets = {
-        {{dtype::q8_0, 32768}}, {{dtype::q8_0, 32768}, {dtype::f16, 8192}}, {{dtype::q8_0, 7}, {dtype::f16, 33}},
-        {{dtype::f16, 300}}};
+    const std::vector<std::vector<seg_shape>> sets = {{{dtype::q8_0, 32768}},
+                                                      {{dtype::q8_0, 32768}, {dtype::f16, 8192}},
+                                                      {{dtype::q8_0, 7}, {dtype::f16, 33}},
+                                                      {{dtype::f16, 300}}};
     const int64_t cols = 1024;
     for (bool q8x : {true, false}) {
         cd::set_gemv_q8_activations(q8x);
         for (const auto &set : sets) {
-            SCOPED_TRACE(std::string(q8x ? "int8 allowed, " : "f32 activations, ") + std::to_string(set.size()) +
-                         " segments, first rows " + std::to_string(set[0].rows));
+            SCOPED_TRACE(std::string(q8x ? "int8 allowed, " : "f32 activations, ") +
+                         std::to_string(set.size()) + " segments, first rows " + std::to_string(set[0].rows));
             auto x = randn(static_cast<size_t>(cols), rng_);
             for (auto &v : x) v *= 3.0f;  // a scale the norm must undo
             const auto wn = randn(static_cast<size_t>(cols), rng_);
@@ -408,8 +417,10 @@ TEST_F(CudaDs4Gemv, NormedMultiMatchesSeparateNorm) {
             const bool used = cd::gemv_q8_activations_used(fused.data(), rpg.data(), n);
             for (int i = 0; i < n; ++i) {
                 const size_t rows = static_cast<size_t>(hw[static_cast<size_t>(i)].rows);
-                const auto a = down(fused[static_cast<size_t>(i)].y, rows), b = down(sep[static_cast<size_t>(i)].y, rows);
-                EXPECT_EQ(std::memcmp(a.data(), b.data(), rows * 4), 0) << "segment " << i << ": not the separate norm's bits";
+                const auto a = down(fused[static_cast<size_t>(i)].y, rows),
+                           b = down(sep[static_cast<size_t>(i)].y, rows);
+                EXPECT_EQ(std::memcmp(a.data(), b.data(), rows * 4), 0)
+                    << "segment " << i << ": not the separate norm's bits";
                 const auto &h = hw[static_cast<size_t>(i)];
                 const auto ref = used ? reference_q8x(h, xn, h.rows) : reference(h, xn, h.rows);
                 // x' may differ from the device's in the last bit (r's double sum order), which can move
@@ -505,8 +516,13 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
         {"multi ratio-4 set (7 weights)",
          4096,
          0,
-         {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024}, {dtype::f16, 1024}, {dtype::f16, 64},
-          {dtype::f16, 256}, {dtype::f16, 256}}},
+         {{dtype::q8_0, 1024},
+          {dtype::q8_0, 512},
+          {dtype::f16, 1024},
+          {dtype::f16, 1024},
+          {dtype::f16, 64},
+          {dtype::f16, 256},
+          {dtype::f16, 256}}},
     };
     const int reps = 15;
     std::printf("  %-36s %9s %10s %9s %7s | %s | %s\n", "shape", "MB", "us/call", "GB/s", "%copy",
@@ -524,11 +540,13 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
             for (const mat &m : bc.segs) {
                 const size_t rb = dtype_row_bytes(m.t, bc.cols), n = rb * static_cast<size_t>(m.rows);
                 void *src = raw((n + 7) / 8 * 8);
-                cd::launch_fill_random(src, (n + 7) / 8 * 8, static_cast<uint64_t>(c * 16 + gguf[c].size() + 1), s_);
+                cd::launch_fill_random(src, (n + 7) / 8 * 8,
+                                       static_cast<uint64_t>(c * 16 + gguf[c].size() + 1), s_);
                 const size_t pb = cd::gemv_prepared_bytes(m.t, m.rows, bc.cols);
                 void *dst = pb ? raw(pb) : nullptr;
                 const cd::gemv_weight g = cd::gemv_prepare(m.t, src, rb, m.rows, bc.cols, dst, s_);
-                sets[static_cast<size_t>(c)].push_back({g, static_cast<float *>(raw(static_cast<size_t>(m.rows) * 4))});
+                sets[static_cast<size_t>(c)].push_back(
+                    {g, static_cast<float *>(raw(static_cast<size_t>(m.rows) * 4))});
                 gguf[static_cast<size_t>(c)].push_back(src);
             }
         }
@@ -545,10 +563,11 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
                         const mat &m = bc.segs[j];
                         const size_t rb = dtype_row_bytes(m.t, bc.cols);
                         if (bc.rpg)
-                            cd::launch_gemv_grouped(m.t, src[j], rb, bc.cols, bc.rpg, static_cast<int>(m.rows / bc.rpg),
-                                                    x, set[j].y, s_);
+                            cd::launch_gemv_grouped(m.t, src[j], rb, bc.cols, bc.rpg,
+                                                    static_cast<int>(m.rows / bc.rpg), x, set[j].y, s_);
                         else
-                            cuda::launch_gemv(m.t, src[j], rb, bc.cols, m.rows, x, bc.cols, 1, set[j].y, m.rows, s_);
+                            cuda::launch_gemv(m.t, src[j], rb, bc.cols, m.rows, x, bc.cols, 1, set[j].y,
+                                              m.rows, s_);
                     }
                 } else if (set.size() > 1) {
                     cd::launch_gemv_multi(set.data(), static_cast<int>(set.size()), x, s_);
@@ -567,7 +586,8 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
         };
         const double us = timed(true);  // int8 activations where eligible
         const double bw = bytes / (us * 1e-6);
-        std::printf("  %-36s %9.2f %10.2f %9.1f %6.1f%%", bc.name, bytes / 1e6, us, bw / 1e9, 100.0 * bw / copy_bw);
+        std::printf("  %-36s %9.2f %10.2f %9.1f %6.1f%%", bc.name, bytes / 1e6, us, bw / 1e9,
+                    100.0 * bw / copy_bw);
         cd::set_gemv_q8_activations(false);
         const double us_f32 = timed(true);
         cd::set_gemv_q8_activations(true);
@@ -577,6 +597,157 @@ TEST_F(CudaDs4GemvBench, DenseGemvBandwidth) {
         CK(cudaStreamSynchronize(s_));
         for (void *p : bufs_) cudaFree(p);
         bufs_.clear();
+    }
+}
+
+}  // namespace
+}  // namespace fathom
+
+namespace fathom {
+namespace {
+
+// What one launch that only streams bytes reaches (launch_read_probe), at the DS4 GEMV sizes, in the
+// same back-to-back graph form as DenseGemvBandwidth: the ceiling the GEMVs' us/call compare with.
+TEST_F(CudaDs4GemvBench, StreamCeiling) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    int dev_id = 0, sms = 0;
+    cudaGetDevice(&dev_id);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev_id);
+    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
+    std::printf("  device copy bandwidth (D2D 1 GiB, read + write): %.1f GB/s, %d SMs\n", copy_bw / 1e9, sms);
+    auto *sink = static_cast<uint32_t *>(raw(16));
+    struct cfg {
+        const char *name;
+        int blocks_per_sm, threads, unroll;
+        bool contig, pdl;
+        int blocks_abs;  // > 0: that many blocks (16 KB per block per pass)
+    };
+    const cfg cfgs[] = {
+        {"4x256 U2 contiguous pdl (GEMV-like)", 4, 256, 2, true, true, 0},
+        {"4x256 U4 contiguous pdl", 4, 256, 4, true, true, 0},
+        {"4x256 U8 contiguous pdl", 4, 256, 8, true, true, 0},
+        {"8x256 U4 contiguous pdl", 8, 256, 4, true, true, 0},
+        {"8x256 U4 grid-stride pdl", 8, 256, 4, false, true, 0},
+        {"8x256 U4 grid-stride no pdl", 8, 256, 4, false, false, 0},
+        {"2x1024 U4 grid-stride pdl", 2, 1024, 4, false, true, 0},
+        {"4x256 U2 grid-stride pdl", 4, 256, 2, false, true, 0},
+        {"16 KB blocks of 256 U4 pdl", 0, 256, 4, true, true, -1},
+    };
+    for (const double mb : {35.65, 4.46, 17.8}) {
+        const size_t bytes = static_cast<size_t>(mb * 1e6) / 16 * 16;
+        const int copies = std::max(2, static_cast<int>(std::ceil(256e6 / static_cast<double>(bytes))));
+        std::vector<void *> bufs;
+        for (int c = 0; c < copies; ++c) {
+            bufs.push_back(raw(bytes));
+            cd::launch_fill_random(bufs.back(), bytes, static_cast<uint64_t>(c + 1), s_);
+        }
+        CK(cudaStreamSynchronize(s_));
+        const int calls = std::max(copies, 24);
+        for (const cfg &c : cfgs) {
+            const int blocks =
+                c.blocks_abs < 0 ? static_cast<int>((bytes + 16383) / 16384) : c.blocks_per_sm * sms;
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            EXPECT_EQ(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+            for (int i = 0; i < calls; ++i)
+                cd::launch_read_probe(bufs[static_cast<size_t>(i % copies)], bytes, blocks, c.threads,
+                                      c.unroll, c.contig, c.pdl, sink, s_);
+            EXPECT_EQ(cudaStreamEndCapture(s_, &graph), cudaSuccess);
+            EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+            const double us = time_graph(exec, s_, 15) * 1e3 / calls;
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(graph);
+            const double bw = static_cast<double>(bytes) / (us * 1e-6);
+            std::printf("  %6.2f MB  %-38s %8.2f us %8.1f GB/s %6.1f%% copy\n", mb, c.name, us, bw / 1e9,
+                        100.0 * bw / copy_bw);
+        }
+        for (void *p : bufs) cudaFree(p);
+        bufs_.erase(
+            std::remove_if(bufs_.begin(), bufs_.end(),
+                           [&](void *p) { return std::find(bufs.begin(), bufs.end(), p) != bufs.end(); }),
+            bufs_.end());
+    }
+}
+
+// Per-block timeline of one q8x GEMV launch behind another (q_b behind out_b, out_b behind q_b, q_a
+// behind out_b) in a replayed graph, from a FATHOM_Q8X_TRACE build (others: skipped): when blocks
+// start, have x ready, and end, relative to the launch's first block start.
+TEST_F(CudaDs4GemvBench, BlockTrace) {
+    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
+    const size_t max_blocks = 8192;
+    auto *trace = static_cast<uint64_t *>(raw(max_blocks * 6 * sizeof(uint64_t)));
+    auto make = [&](int64_t rows, int64_t cols, uint64_t seed) -> cd::gemv_weight {
+        const size_t rb = dtype_row_bytes(dtype::q8_0, cols), n = rb * static_cast<size_t>(rows);
+        void *src = raw((n + 7) / 8 * 8);
+        cd::launch_fill_random(src, (n + 7) / 8 * 8, seed, s_);
+        void *dst = raw(cd::gemv_prepared_bytes(dtype::q8_0, rows, cols));
+        const cd::gemv_weight g = cd::gemv_prepare(dtype::q8_0, src, rb, rows, cols, dst, s_);
+        EXPECT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+        return g;
+    };
+    const cd::gemv_weight qb = make(32768, 1024, 1), ob = make(4096, 8192, 2), qa = make(1024, 4096, 3);
+    float *x = up(randn(32768, rng_)), *y = static_cast<float *>(raw(32768 * 4));
+    struct pair {
+        const char *name;
+        const cd::gemv_weight *before, *traced;
+    };
+    for (const pair &p : {pair{"q_b after out_b", &ob, &qb}, pair{"out_b after q_b", &qb, &ob},
+                          pair{"q_a after out_b", &ob, &qa}}) {
+        CK(cudaMemsetAsync(trace, 0, max_blocks * 6 * sizeof(uint64_t), s_));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        cd::set_gemv_trace(trace, max_blocks);
+        EXPECT_EQ(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        cd::launch_gemv_fast(*p.before, x, y, s_);
+        cd::launch_gemv_fast(*p.traced, x, y, s_);
+        EXPECT_EQ(cudaStreamEndCapture(s_, &graph), cudaSuccess);
+        const std::vector<int> launches = cd::gemv_trace_launches();
+        cd::set_gemv_trace(nullptr, 0);
+        EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s_));
+        CK(cudaStreamSynchronize(s_));
+        std::vector<uint64_t> all(max_blocks * 6);
+        CK(cudaMemcpy(all.data(), trace, all.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        ASSERT_EQ(launches.size(), 2u);
+        if (all[0] == 0) GTEST_SKIP() << "not a FATHOM_Q8X_TRACE build";
+        const size_t nb = static_cast<size_t>(launches[1]);
+        const std::vector<uint64_t> t(all.begin() + 6 * launches[0],
+                                      all.begin() + 6 * (launches[0] + launches[1]));
+        uint64_t t0 = UINT64_MAX;
+        for (size_t b = 0; b < nb; ++b) t0 = std::min(t0, t[6 * b]);
+        std::vector<double> st, wt, xr, en;
+        std::map<uint64_t, std::pair<double, double>> sm;  // SM: first start, last end
+        for (size_t b = 0; b < nb; ++b) {
+            st.push_back((t[6 * b] - t0) * 1e-3);
+            wt.push_back((t[6 * b + 1] - t0) * 1e-3);
+            xr.push_back((t[6 * b + 2] - t0) * 1e-3);
+            en.push_back((t[6 * b + 3] - t0) * 1e-3);
+            auto it = sm.find(t[6 * b + 4]);
+            if (it == sm.end())
+                sm[t[6 * b + 4]] = {st.back(), en.back()};
+            else
+                it->second = {std::min(it->second.first, st.back()), std::max(it->second.second, en.back())};
+        }
+        auto pct = [](std::vector<double> v, double q) {
+            std::sort(v.begin(), v.end());
+            return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+        };
+        std::vector<double> sm_end;
+        for (auto &kv : sm) sm_end.push_back(kv.second.second);
+        std::printf("  %-16s %zu blocks on %zu SMs (us from the first block's start)\n", p.name, nb,
+                    sm.size());
+        std::printf("    start   p0 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n", pct(st, 0), pct(st, .5),
+                    pct(st, .9), pct(st, 1));
+        std::printf("    waited  p0 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n", pct(wt, 0), pct(wt, .5),
+                    pct(wt, .9), pct(wt, 1));
+        std::printf("    x ready p0 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n", pct(xr, 0), pct(xr, .5),
+                    pct(xr, .9), pct(xr, 1));
+        std::printf("    end     p0 %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n", pct(en, 0), pct(en, .1),
+                    pct(en, .5), pct(en, .9), pct(en, 1));
+        std::printf("    SM last end p0 %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n", pct(sm_end, 0),
+                    pct(sm_end, .1), pct(sm_end, .5), pct(sm_end, .9), pct(sm_end, 1));
     }
 }
 

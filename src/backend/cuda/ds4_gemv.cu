@@ -24,9 +24,9 @@
 namespace fathom::cuda::ds4 {
 namespace {
 
-constexpr int kMaxGroup = 512;   // threads per row at most (and the block size limit)
-constexpr int kMinBlock = 256;   // threads per block at least
-constexpr int kTile = 512;       // q8_0 repack tile (elements)
+constexpr int kMaxGroup = 512;  // threads per row at most (and the block size limit)
+constexpr int kMinBlock = 256;  // threads per block at least
+constexpr int kTile = 512;      // q8_0 repack tile (elements)
 
 enum seg_kind : int32_t { kind_q8 = 0, kind_f16 = 1, kind_f32 = 2 };
 
@@ -81,7 +81,9 @@ __device__ __forceinline__ float dot4_i8(uint32_t w, const float4 x) {
 // after griddepcontrol.wait.
 __device__ __forceinline__ float4 ldx4(const float *p) {
     float4 v;
-    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
     return v;
 }
 
@@ -191,8 +193,8 @@ __device__ __forceinline__ float row_f32(const seg_dev &sg, int64_t r, const flo
 // step) is taken by the whole block.
 // At most 64 registers (2 blocks of 512 per SM): 1024 resident threads per SM.
 template <int U>
-__global__ void __launch_bounds__(kMaxGroup, 2) gemv_seg_kernel(const __grid_constant__ seg_table t,
-                                                             const float *x) {
+__global__ void __launch_bounds__(kMaxGroup, 2)
+    gemv_seg_kernel(const __grid_constant__ seg_table t, const float *x) {
     __shared__ float part[kMaxGroup / 32];
     pdl_launch_dependents();  // the next kernel may start its weight loads (it waits for us itself)
     int si = 0;
@@ -252,22 +254,38 @@ __global__ void __launch_bounds__(kMaxGroup, 2) gemv_seg_kernel(const __grid_con
 // Numerics: q8_0 rows get the int8-activation result (|error| vs exact f32 x ~ 1e-3 relative, the CPU
 // quantised path's own error); f16 rows keep f32 activations and the f32 kernel's per-lane f32
 // accumulation. Per row: lane partials in chunk order, then a warp xor tree: deterministic.
-constexpr int kQ8xWarps = 8, kQ8xThreads = 32 * kQ8xWarps;
-// U = 2 slots per batch (4 in flight per lane with the double buffer) at 64 registers: 4 blocks, 32
-// warps per SM. Measured against (U, blocks per SM) = (4, 2), (8, 1), (4, 3), (2, 3) on the DS4
-// shapes, this was fastest on every large one (CudaDs4GemvBench, docs/PERF.md): warps in flight
-// matter more than loads per warp.
-constexpr int kQ8xU = 2, kQ8xMinBlocks = 4;
-constexpr int64_t kQ8xMaxCols = 16384;   // shared memory per x group: cols + cols / 8 bytes
+// Warps per block (the kernel's WARPS, chosen by plan_q8x), 32 warps per SM either way at 64 registers:
+//   16 (2 blocks per SM) when every segment has >= kQ8xWideMinRows rows: after the PDL wait every
+//      block reads x from L2 (all blocks the same lines) and quantises it before its first dot, and
+//      that prologue is on the step's critical path; half the blocks, half the reads, and a 16-warp
+//      block quantises 8192 columns in one load round (out_b: 3.9 -> 2.3 us from the wait to x ready,
+//      decode 135.3-136.5 -> 138.0 tok/s at 8K, docs/PERF.md);
+//   8 (4 per SM) otherwise: tables with small segments (the ratio-4 projection set has 64-row
+//      weights) balance better on the finer grain (11.3 vs 14.0 us for that set with 16).
+// The x read itself costs more than its bytes: ~1-2 us after the release even for 1024 columns,
+// behind the first weight batch every block issued before the wait.
+constexpr int kQ8xWarps = 8, kQ8xWarpsWide = 16;
+#ifndef FATHOM_Q8X_WIDE_MIN_ROWS
+#define FATHOM_Q8X_WIDE_MIN_ROWS 1024  // (a variant build's macro: the A/B of the choice)
+#endif
+constexpr int64_t kQ8xWideMinRows = FATHOM_Q8X_WIDE_MIN_ROWS;
+// U = 2 slots per batch (4 in flight per lane with the double buffer) at 64 registers. Measured
+// against (U, blocks per SM) = (4, 2), (8, 1), (4, 3), (2, 3) on the DS4 shapes, this was fastest on
+// every large one (CudaDs4GemvBench, docs/PERF.md): warps in flight matter more than loads per warp;
+// so did more bytes in flight through a per-lane cp.async ring in shared memory (2-8 batches, the
+// whole ring requested before the wait): 129.7-135.5 vs 136.1-136.5 tok/s.
+constexpr int kQ8xU = 2;
+constexpr int64_t kQ8xMaxCols = 16384;  // shared memory per x group: cols + cols / 8 bytes
 
 struct q8x_seg {
     const uint8_t *q, *scales;
     float *y;
     size_t q_stride, s_stride;
     int64_t rows, rows_per_group, rows_per_block;
-    int32_t f16;          // 1: f16 rows (f32 x), 0: repacked q8_0 rows (int8 x)
-    int32_t chunks;         // 16-byte chunks per row
-    int32_t warps_per_row;  // W: 1, 2, 4 or 8 (few rows: several warps share one, parts summed at the end)
+    int32_t f16;     // 1: f16 rows (f32 x), 0: repacked q8_0 rows (int8 x)
+    int32_t chunks;  // 16-byte chunks per row
+    int32_t
+        warps_per_row;  // W: 1, 2, 4, 8 or 16 (few rows: several warps share one, parts summed at the end)
     uint32_t block_begin;
 };
 struct q8x_table {
@@ -279,6 +297,8 @@ struct q8x_table {
     const float *norm_w;
     float norm_eps;
     uint32_t xf_off;
+    int32_t warps;    // the kernel's WARPS (host side: which instance to launch)
+    uint64_t *trace;  // FATHOM_Q8X_TRACE builds: 6 u64 per block (set_gemv_trace)
     int64_t cols;
 };
 
@@ -286,10 +306,11 @@ struct q8x_table {
 // order above). 8 threads per 32-element block, a float4 each; loads of kQ8xBatch blocks per 8 threads
 // issued before any arithmetic (one L2 round trip per batch).
 constexpr int kQ8xBatch = 4;
+template <int THREADS>
 __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds,
                                            const float *norm_w = nullptr, float r = 1.0f) {
     const int sub = threadIdx.x & 7, nblk = static_cast<int>(cols >> 5);
-    constexpr int per_pass = kQ8xThreads / 8;  // blocks per pass; a warp takes 4 consecutive ones
+    constexpr int per_pass = THREADS / 8;  // blocks per pass; a warp takes 4 consecutive ones
     // The loop bound is warp-uniform (the warp's first block), so the shuffles see the whole warp.
     for (int wb = static_cast<int>(threadIdx.x >> 5) * 4; wb < nblk; wb += kQ8xBatch * per_pass) {
         const int b0 = wb + static_cast<int>((threadIdx.x >> 3) & 3);
@@ -297,16 +318,20 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
 #pragma unroll
         for (int i = 0; i < kQ8xBatch; ++i) {
             const int b = b0 + i * per_pass;
-            v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub)
+                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (norm_w && b < nblk) {  // rms_norm_kernel's (x * r) * w
-                const float4 wv = *reinterpret_cast<const float4 *>(norm_w + 32 * static_cast<int64_t>(b) + 4 * sub);
-                v[i] = make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
-                                   __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
+                const float4 wv =
+                    *reinterpret_cast<const float4 *>(norm_w + 32 * static_cast<int64_t>(b) + 4 * sub);
+                v[i] =
+                    make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
+                                __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
             }
         }
 #pragma unroll
         for (int i = 0; i < kQ8xBatch; ++i) {
-            const int b = b0 + i * per_pass;  // the 8 threads of a block agree on b: the shuffles stay within them
+            const int b =
+                b0 + i * per_pass;  // the 8 threads of a block agree on b: the shuffles stay within them
             float amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
@@ -326,18 +351,20 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
 // reduction tree (256 threads: strided double partials of float squares, warp xor sums, the 8 warp
 // sums in order), so the normed activations have the separate kernel's bits.
 __device__ __forceinline__ float q8x_norm_r(const float *x, int64_t cols, float eps, double *sh) {
-    static_assert(kQ8xThreads == 256, "rms_norm_kernel's block size");
+    constexpr int kNorm = 256;  // rms_norm_kernel's block size: threads t < 256 form its partials
     double ss = 0;
-    for (int64_t i = threadIdx.x; i < cols; i += kQ8xThreads) {
-        const float v = x[i];
-        ss += static_cast<double>(__fmul_rn(v, v));
-    }
+    if (threadIdx.x < kNorm)  // unrolled: the loads of 4 steps are issued before their squares are summed
+#pragma unroll 4
+        for (int64_t i = threadIdx.x; i < cols; i += kNorm) {
+            const float v = x[i];
+            ss += static_cast<double>(__fmul_rn(v, v));
+        }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = ss;
+    if ((threadIdx.x & 31) == 0 && threadIdx.x < kNorm) sh[threadIdx.x >> 5] = ss;
     __syncthreads();
     double t = 0;
-    for (int i = 0; i < kQ8xWarps; ++i) t += sh[i];
+    for (int i = 0; i < kNorm / 32; ++i) t += sh[i];
     return 1.0f / sqrtf(static_cast<float>(t / static_cast<double>(cols)) + eps);
 }
 
@@ -365,7 +392,8 @@ struct q8x_cursor {
 };
 __device__ __forceinline__ q8x_cursor q8x_start(const q8x_seg &sg, const q8x_warp &w) {
     const int64_t r = w.r0 + w.grp;
-    return {r, 0, sg.q + static_cast<size_t>(r) * sg.q_stride, sg.scales + static_cast<size_t>(r) * sg.s_stride};
+    return {r, 0, sg.q + static_cast<size_t>(r) * sg.q_stride,
+            sg.scales + static_cast<size_t>(r) * sg.s_stride};
 }
 __device__ __forceinline__ bool q8x_next(const q8x_seg &sg, const q8x_warp &w, q8x_cursor &k) {
     if (++k.j < w.cpl) return false;
@@ -378,7 +406,8 @@ __device__ __forceinline__ bool q8x_next(const q8x_seg &sg, const q8x_warp &w, q
 
 // Issues the loads of the next U slots.
 template <bool F16, int U>
-__device__ __forceinline__ void q8x_load(const q8x_seg &sg, const q8x_warp &w, q8x_cursor &k, q8x_batch<U> &b) {
+__device__ __forceinline__ void q8x_load(const q8x_seg &sg, const q8x_warp &w, q8x_cursor &k,
+                                         q8x_batch<U> &b) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
@@ -396,9 +425,10 @@ struct q8x_xrow {
     const uint32_t *xw;
     const float *dx;
 };
-__device__ __forceinline__ q8x_xrow q8x_x_of(const q8x_seg &sg, const q8x_warp &w, const float *x, int64_t cols,
-                                             const uint8_t *smem, int64_t r) {
-    const int64_t g = static_cast<int64_t>(static_cast<uint64_t>(r) / static_cast<uint64_t>(sg.rows_per_group));
+__device__ __forceinline__ q8x_xrow q8x_x_of(const q8x_seg &sg, const q8x_warp &w, const float *x,
+                                             int64_t cols, const uint8_t *smem, int64_t r) {
+    const int64_t g =
+        static_cast<int64_t>(static_cast<uint64_t>(r) / static_cast<uint64_t>(sg.rows_per_group));
     const uint8_t *xs = smem + (g == w.g0 ? 0 : static_cast<size_t>(cols + cols / 8));
     return {x + g * cols, reinterpret_cast<const uint32_t *>(xs) + w.lane,
             reinterpret_cast<const float *>(xs + cols) + 4 * (w.lane >> 3)};
@@ -415,9 +445,9 @@ __device__ __forceinline__ float4 q8x_ldx(const float *p) {
 // Arithmetic of one batch. A row's last slot ends the warp's part of it: warp xor sum, then lane 0
 // stores it to part[(r - r0) W + sub] (summed over sub at the end of the block), or to y when W = 1.
 template <bool F16, int U, bool XS>
-__device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w, const float *x, int64_t cols,
-                                            const uint8_t *smem, float *part, q8x_cursor &k, q8x_xrow &xr,
-                                            const q8x_batch<U> &b, float &acc) {
+__device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w, const float *x,
+                                            int64_t cols, const uint8_t *smem, float *part, q8x_cursor &k,
+                                            q8x_xrow &xr, const q8x_batch<U> &b, float &acc) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         if (k.r >= w.r1) return;  // warp-uniform: the warp's rows are done
@@ -466,9 +496,9 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
 
 constexpr int kQ8xMaxParts = 1024;  // rows per block x warps per row
 
-template <bool F16, int U, bool XS, bool NORM>
-__device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, const float *x, const uint8_t *smem,
-                                         float *part, int64_t r0, int64_t r1) {
+template <int WARPS, bool F16, int U, bool XS, bool NORM>
+__device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, const float *x,
+                                         const uint8_t *smem, float *part, int64_t r0, int64_t r1) {
     const int warp = static_cast<int>(threadIdx.x >> 5);
     q8x_warp w;
     w.r0 = r0;
@@ -476,7 +506,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
     w.g0 = r0 / sg.rows_per_group;
     w.lane = static_cast<int>(threadIdx.x & 31);
     w.W = sg.warps_per_row;
-    w.P = kQ8xWarps / w.W;
+    w.P = WARPS / w.W;
     w.grp = warp / w.W;
     w.sub = warp % w.W;
     w.cpl = (sg.chunks + 32 * w.W - 1) / (32 * w.W);
@@ -488,14 +518,21 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
     // 8K decode 132.4-132.8 -> 134.7-136.0 tok/s, 128K 124.5 -> 127.1-127.6 without it, docs/PERF.md.)
     q8x_load<F16, U>(sg, w, lk, A);
     pdl_wait();
+#ifdef FATHOM_Q8X_TRACE
+    if (t.trace && threadIdx.x == 0) {
+        uint64_t ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        t.trace[6 * blockIdx.x + 1] = ns;
+    }
+#endif
     float nr = 1.0f;
     if constexpr (NORM) {
-        __shared__ double norm_sh[kQ8xWarps];
+        __shared__ double norm_sh[8];
         nr = q8x_norm_r(x, cols, t.norm_eps, norm_sh);
     }
     if constexpr (XS) {  // f16 rows of a normed table: x' into shared memory (one group)
         float *xf = reinterpret_cast<float *>(const_cast<uint8_t *>(smem) + t.xf_off);
-        for (int64_t i = threadIdx.x; i < cols; i += kQ8xThreads)
+        for (int64_t i = threadIdx.x; i < cols; i += 32 * WARPS)
             xf[i] = __fmul_rn(__fmul_rn(x[i], nr), t.norm_w[i]);
         __syncthreads();
     }
@@ -503,13 +540,20 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
         uint8_t *s = const_cast<uint8_t *>(smem);
         const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
         const int64_t last = (r1 - 1) / sg.rows_per_group;
-        quantise_x(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s), reinterpret_cast<float *>(s + cols),
-                   NORM ? t.norm_w : nullptr, nr);
+        quantise_x<32 * WARPS>(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s),
+                               reinterpret_cast<float *>(s + cols), NORM ? t.norm_w : nullptr, nr);
         if (last != w.g0)
-            quantise_x(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
-                       reinterpret_cast<float *>(s + slot_bytes + cols));
+            quantise_x<32 * WARPS>(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
+                                   reinterpret_cast<float *>(s + slot_bytes + cols));
         __syncthreads();
     }
+#ifdef FATHOM_Q8X_TRACE
+    if (t.trace && threadIdx.x == 0) {
+        uint64_t ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        t.trace[6 * blockIdx.x + 2] = ns;
+    }
+#endif
     float acc = 0.0f;
     const float *xg = XS ? reinterpret_cast<const float *>(smem + t.xf_off) : x;  // f16 rows' x
     q8x_xrow xr = q8x_x_of(sg, w, xg, cols, smem, ck.r);
@@ -534,10 +578,21 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
 }
 
 // Grid: the segments' blocks end to end; block b of segment i owns rows [b rpb, (b + 1) rpb).
-template <int U, int MINB, bool NORM>
-__global__ void __launch_bounds__(kQ8xThreads, MINB) gemv_q8x_kernel(const __grid_constant__ q8x_table t, const float *x) {
+template <int WARPS, int U, bool NORM>
+__global__ void __launch_bounds__(32 * WARPS, 32 / WARPS)
+    gemv_q8x_kernel(const __grid_constant__ q8x_table t, const float *x) {
     extern __shared__ __align__(16) uint8_t q8x_smem[];
     __shared__ float part[kQ8xMaxParts];
+#ifdef FATHOM_Q8X_TRACE
+    if (t.trace && threadIdx.x == 0) {
+        uint64_t ns;
+        uint32_t sm;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        t.trace[6 * blockIdx.x] = ns;
+        t.trace[6 * blockIdx.x + 4] = sm;
+    }
+#endif
     pdl_launch_dependents();
     int si = 0;
     for (int i = 1; i < t.n; ++i)
@@ -546,15 +601,23 @@ __global__ void __launch_bounds__(kQ8xThreads, MINB) gemv_q8x_kernel(const __gri
     const int64_t r0 = static_cast<int64_t>(blockIdx.x - sg.block_begin) * sg.rows_per_block;
     const int64_t r1 = r0 + sg.rows_per_block < sg.rows ? r0 + sg.rows_per_block : sg.rows;
     if (!sg.f16)
-        q8x_rows<false, U, false, NORM>(sg, t, x, q8x_smem, part, r0, r1);
+        q8x_rows<WARPS, false, U, false, NORM>(sg, t, x, q8x_smem, part, r0, r1);
     else
-        q8x_rows<true, U, NORM, NORM>(sg, t, x, q8x_smem, part, r0, r1);
+        q8x_rows<WARPS, true, U, NORM, NORM>(sg, t, x, q8x_smem, part, r0, r1);
+#ifdef FATHOM_Q8X_TRACE
+    __syncthreads();
+    if (t.trace && threadIdx.x == 0) {
+        uint64_t ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        t.trace[6 * blockIdx.x + 3] = ns;
+    }
+#endif
 }
 
 // Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
 // per 16-byte output chunk (row r, tile t, lane l); lanes l < 16 also write scale position l.
-__global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_stride, int64_t rows, int64_t cols,
-                                 uint8_t *__restrict__ q, uint8_t *__restrict__ sc) {
+__global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_stride, int64_t rows,
+                                 int64_t cols, uint8_t *__restrict__ q, uint8_t *__restrict__ sc) {
     const int64_t tiles = cols / kTile;
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= rows * tiles * 32) return;
@@ -581,7 +644,8 @@ __global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_str
 
 void check_launch(const char *what) {
     const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+    if (e != cudaSuccess)
+        throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
 // The fields both kernels' segment records (seg_dev, q8x_seg) take from a segment: the weight's
@@ -617,8 +681,9 @@ int64_t row_bytes_of(dtype t, int64_t cols) {
 
 void check_weight(const gemv_weight &w, const char *what) {
     if (!gemv_fast_supported(w.type, w.cols) || w.rows < 1 || !w.q)
-        throw error(std::string("cuda ds4 ") + what + ": unsupported weight (" + std::string(dtype_name(w.type)) + ", " +
-                    std::to_string(w.rows) + " x " + std::to_string(w.cols) + ")");
+        throw error(std::string("cuda ds4 ") + what + ": unsupported weight (" +
+                    std::string(dtype_name(w.type)) + ", " + std::to_string(w.rows) + " x " +
+                    std::to_string(w.cols) + ")");
     const bool q8 = w.type == dtype::q8_0;
     if (reinterpret_cast<uintptr_t>(w.q) % 16 != 0 || w.q_stride % 16 != 0 ||
         w.q_stride < static_cast<size_t>(q8 ? w.cols : row_bytes_of(w.type, w.cols)) ||
@@ -658,13 +723,16 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
 // output each, x 16-byte aligned. Returns the segments' weight bytes.
 double check_segments(const gemv_segment *segs, int n, const float *x, const char *what) {
     if (n < 1 || n > gemv_max_segments) throw error(std::string("cuda ds4 ") + what + ": 1..8 segments");
-    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) throw error(std::string("cuda ds4 ") + what + ": x must be 16-byte aligned");
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0)
+        throw error(std::string("cuda ds4 ") + what + ": x must be 16-byte aligned");
     double total_bytes = 0;
     for (int i = 0; i < n; ++i) {
         check_weight(segs[i].w, what);
-        if (segs[i].w.cols != segs[0].w.cols) throw error(std::string("cuda ds4 ") + what + ": segments differ in cols");
+        if (segs[i].w.cols != segs[0].w.cols)
+            throw error(std::string("cuda ds4 ") + what + ": segments differ in cols");
         if (!segs[i].y) throw error(std::string("cuda ds4 ") + what + ": null output");
-        total_bytes += static_cast<double>(row_bytes_of(segs[i].w.type, segs[0].w.cols)) * static_cast<double>(segs[i].w.rows);
+        total_bytes += static_cast<double>(row_bytes_of(segs[i].w.type, segs[0].w.cols)) *
+                       static_cast<double>(segs[i].w.rows);
     }
     return total_bytes;
 }
@@ -684,7 +752,8 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
     for (int i = 0; i < n; ++i) {
         const gemv_weight &w = segs[i].w;
         const int64_t chunks = chunks_of(w.type, t.cols);
-        const double share = static_cast<double>(row_bytes_of(w.type, t.cols)) * static_cast<double>(w.rows) / total_bytes;
+        const double share =
+            static_cast<double>(row_bytes_of(w.type, t.cols)) * static_cast<double>(w.rows) / total_bytes;
         const int g = pick_group(chunks, w.rows, max_loads_of(w.type), device_threads * share);
         max_group = std::max(max_group, g);
         max_loads = std::max<int64_t>(max_loads, (chunks + g - 1) / g);
@@ -718,35 +787,42 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
 
 // ---- q8x host side ----
 
-bool g_q8x = true;  // set_gemv_q8_activations
+bool g_q8x = true;            // set_gemv_q8_activations
+uint64_t *g_trace = nullptr;  // set_gemv_trace: buffer, capacity in blocks, blocks taken, launches
+size_t g_trace_cap = 0, g_trace_used = 0;
+std::vector<int> g_trace_launches;
 
 // Resident blocks of gemv_q8x_kernel per SM at `smem` bytes (queried once per device and size).
-int q8x_blocks_per_sm(size_t smem) {
+int q8x_blocks_per_sm(size_t smem, int warps) {
     struct entry {
-        int dev = -1;
+        int dev = -1, warps = 0;
         size_t smem = 0;
         int n = 0;
     };
-    static thread_local entry cache[4];
+    static thread_local entry cache[8];
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess) throw error("cuda ds4 gemv: no current device");
     for (const entry &e : cache)
-        if (e.dev == dev && e.smem == smem) return e.n;
+        if (e.dev == dev && e.smem == smem && e.warps == warps) return e.n;
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, kQ8xThreads, smem) != cudaSuccess ||
-        n < 1)
-        throw error("cuda ds4 gemv: cannot query the occupancy of the q8x kernel");
+    const cudaError_t e =
+        warps == kQ8xWarpsWide
+            ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>,
+                                                            32 * kQ8xWarpsWide, smem)
+            : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>,
+                                                            32 * kQ8xWarps, smem);
+    if (e != cudaSuccess || n < 1) throw error("cuda ds4 gemv: cannot query the occupancy of the q8x kernel");
     static thread_local int next = 0;
-    cache[next] = {dev, smem, n};
-    next = (next + 1) % 4;
+    cache[next] = {dev, warps, smem, n};
+    next = (next + 1) % 8;
     return n;
 }
 
 // The q8x kernel takes the table when every segment is q8_0 or f16 (cols % 8 == 0), cols fits its
 // shared memory, and every block's rows read at most two x groups (rows per block <= rows per group).
 // Returns false (the caller uses the kernel above) otherwise.
-bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem, int64_t &blocks,
-              const float *norm_w = nullptr, float norm_eps = 0.0f) {
+bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem,
+              int64_t &blocks, const float *norm_w = nullptr, float norm_eps = 0.0f) {
     const int64_t cols = segs[0].w.cols;
     if (!g_q8x || cols > kQ8xMaxCols) return false;
     if (norm_w && reinterpret_cast<uintptr_t>(norm_w) % 16 != 0) return false;
@@ -772,18 +848,25 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
         t.xf_off = static_cast<uint32_t>(smem);
         if (any_f16) smem += static_cast<size_t>(cols) * sizeof(float);
     }
-    const double resident = static_cast<double>(q8x_blocks_per_sm(smem)) * sm_count();
+    // 16-warp blocks (2 per SM) when every segment is large: half the blocks read and quantise x
+    // (the prologue after the PDL wait: x from L2 by every block, ~2-4 us at 8 warps for 8192 columns);
+    // tables with small segments keep 8-warp blocks, whose finer grain balances them.
+    int64_t min_rows = segs[0].w.rows;
+    for (int i = 1; i < n; ++i) min_rows = std::min(min_rows, segs[i].w.rows);
+    t.warps = min_rows >= kQ8xWideMinRows ? kQ8xWarpsWide : kQ8xWarps;
+    const double resident = static_cast<double>(q8x_blocks_per_sm(smem, t.warps)) * sm_count();
     blocks = 0;
     for (int i = 0; i < n; ++i) {
         const gemv_weight &w = segs[i].w;
-        const double share = static_cast<double>(row_bytes_of(w.type, cols)) * static_cast<double>(w.rows) / total_bytes;
+        const double share =
+            static_cast<double>(row_bytes_of(w.type, cols)) * static_cast<double>(w.rows) / total_bytes;
         // about one resident wave in all, split by bytes; a block's 8 warps share its rows, several
         // warps per row when the rows are fewer than the warps (and each warp keeps >= 1 tile per row)
         const int64_t chunks = w.type == dtype::q8_0 ? cols / 16 : cols / 8;
         int64_t nb = std::min<int64_t>(w.rows, std::max<int64_t>(1, std::llround(resident * share)));
         int64_t rpb = (w.rows + nb - 1) / nb;
         int W = 1;
-        while (W < kQ8xWarps && W * rpb < kQ8xWarps && 2 * W * 32 <= chunks) W *= 2;
+        while (W < t.warps && W * rpb < t.warps && 2 * W * 32 <= chunks) W *= 2;
         if (rpb * W > kQ8xMaxParts) rpb = kQ8xMaxParts / W;
         if (rpb > rpg[i] && rpg[i] < w.rows) return false;  // would read three or more x groups
         nb = (w.rows + rpb - 1) / rpb;
@@ -806,9 +889,22 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
     int64_t blocks = 0;
     if (!plan_q8x(segs, rpg, n, t, smem, blocks, norm_w, norm_eps)) return false;
     if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
-    const cudaError_t e = launch_pdl(t.norm_w ? gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, true> : gemv_q8x_kernel<kQ8xU, kQ8xMinBlocks, false>, dim3(static_cast<unsigned>(blocks)), dim3(kQ8xThreads), smem, s,
-                                     true, t, x);
-    if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (g_trace && cudaStreamIsCapturing(s, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive &&
+        g_trace_used + static_cast<size_t>(blocks) <= g_trace_cap) {
+        t.trace = g_trace + 6 * g_trace_used;
+        g_trace_used += static_cast<size_t>(blocks);
+        g_trace_launches.push_back(static_cast<int>(blocks));
+    }
+    void (*kernel)(const q8x_table, const float *) =
+        t.warps == kQ8xWarpsWide
+            ? (t.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true>
+                        : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
+            : (t.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
+    const cudaError_t e =
+        launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem, s, true, t, x);
+    if (e != cudaSuccess)
+        throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
     return true;
 }
 
@@ -818,6 +914,82 @@ void set_gemv_q8_activations(bool on) {
     g_q8x = on;
 }
 
+void set_gemv_trace(uint64_t *buf, size_t max_blocks) {
+    g_trace = buf;
+    g_trace_cap = buf ? max_blocks : 0;
+    g_trace_used = 0;
+    g_trace_launches.clear();
+}
+
+std::vector<int> gemv_trace_launches() {
+    return g_trace_launches;
+}
+
+namespace {
+template <int U, bool Contig>
+__global__ void read_probe_kernel(const uint4 *src, size_t n16, uint32_t *sink) {
+    pdl_launch_dependents();
+    pdl_wait();
+    uint32_t acc = 0;
+    size_t i, step, end;
+    if constexpr (Contig) {  // block b: [b n16 / B, (b + 1) n16 / B)
+        const size_t per = (n16 + gridDim.x - 1) / gridDim.x;
+        i = blockIdx.x * per + threadIdx.x;
+        end = min(n16, (blockIdx.x + 1) * per);
+        step = blockDim.x;
+    } else {
+        i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+        end = n16;
+        step = static_cast<size_t>(gridDim.x) * blockDim.x;
+    }
+    for (; i < end; i += U * step) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i + u * step < end)
+                v[u] = ld_stream16(reinterpret_cast<const uint8_t *>(src + i + u * step));
+            else
+                v[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (acc == 0x9e3779b9u) *sink = acc;  // practically never: keeps the loads
+}
+template <int U>
+void read_probe_u(const void *src, size_t bytes, int blocks, int threads, bool contiguous, bool pdl,
+                  uint32_t *sink, cudaStream_t s) {
+    const uint4 *p = static_cast<const uint4 *>(src);
+    const size_t n16 = bytes / 16;
+    const cudaError_t e =
+        contiguous
+            ? launch_pdl(read_probe_kernel<U, true>, dim3(blocks), dim3(threads), 0, s, pdl, p, n16, sink)
+            : launch_pdl(read_probe_kernel<U, false>, dim3(blocks), dim3(threads), 0, s, pdl, p, n16, sink);
+    if (e != cudaSuccess)
+        throw error(std::string("cuda ds4 read probe: launch failed: ") + cudaGetErrorString(e));
+}
+}  // namespace
+
+void launch_read_probe(const void *src, size_t bytes, int blocks, int threads, int unroll, bool contiguous,
+                       bool pdl, uint32_t *sink, cudaStream_t s) {
+    if (bytes % 16 != 0 || blocks < 1 || threads < 32 || threads > 1024)
+        throw error("cuda ds4 read probe: bytes % 16, blocks >= 1, threads in [32, 1024]");
+    switch (unroll) {
+        case 1:
+            read_probe_u<1>(src, bytes, blocks, threads, contiguous, pdl, sink, s);
+            break;
+        case 2:
+            read_probe_u<2>(src, bytes, blocks, threads, contiguous, pdl, sink, s);
+            break;
+        case 4:
+            read_probe_u<4>(src, bytes, blocks, threads, contiguous, pdl, sink, s);
+            break;
+        case 8:
+            read_probe_u<8>(src, bytes, blocks, threads, contiguous, pdl, sink, s);
+            break;
+        default:
+            throw error("cuda ds4 read probe: unroll 1, 2, 4 or 8");
+    }
+}
 
 bool gemv_q8_activations_used(const gemv_segment *segs, const int64_t *rows_per_group, int n_segs) {
     if (n_segs < 1 || n_segs > gemv_max_segments) return false;
@@ -830,15 +1002,19 @@ bool gemv_q8_activations_used(const gemv_segment *segs, const int64_t *rows_per_
 bool gemv_fast_supported(dtype t, int64_t cols) {
     if (cols < 4 || cols > (int64_t{1} << 28)) return false;
     switch (t) {
-    case dtype::q8_0: return cols % kTile == 0;
-    case dtype::f16:
-    case dtype::f32: return cols % 4 == 0;
-    default: return false;
+        case dtype::q8_0:
+            return cols % kTile == 0;
+        case dtype::f16:
+        case dtype::f32:
+            return cols % 4 == 0;
+        default:
+            return false;
     }
 }
 
 size_t gemv_prepared_bytes(dtype t, int64_t rows, int64_t cols) {
-    if (!gemv_fast_supported(t, cols) || rows < 0) throw error("cuda ds4 gemv: unsupported weight " + std::string(dtype_name(t)));
+    if (!gemv_fast_supported(t, cols) || rows < 0)
+        throw error("cuda ds4 gemv: unsupported weight " + std::string(dtype_name(t)));
     return t == dtype::q8_0 ? static_cast<size_t>(rows) * static_cast<size_t>(cols) * 17 / 16 : 0;
 }
 
@@ -857,16 +1033,19 @@ gemv_weight gemv_prepare(dtype t, const void *src, size_t src_stride, int64_t ro
         check_weight(w, "gemv prepare");
         return w;
     }
-    if (src_stride < static_cast<size_t>(cols / 32 * 34) || src_stride % 2 != 0 || reinterpret_cast<uintptr_t>(src) % 2 != 0)
+    if (src_stride < static_cast<size_t>(cols / 32 * 34) || src_stride % 2 != 0 ||
+        reinterpret_cast<uintptr_t>(src) % 2 != 0)
         throw error("cuda ds4 gemv prepare: q8_0 source rows must be 2-byte aligned and whole");
-    if (!dst || reinterpret_cast<uintptr_t>(dst) % 16 != 0) throw error("cuda ds4 gemv prepare: dst must be 16-byte aligned");
+    if (!dst || reinterpret_cast<uintptr_t>(dst) % 16 != 0)
+        throw error("cuda ds4 gemv prepare: dst must be 16-byte aligned");
     auto *q = static_cast<uint8_t *>(dst);
-    uint8_t *sc = q + static_cast<size_t>(rows) * static_cast<size_t>(cols);  // 16-byte aligned: cols % 512 == 0
+    uint8_t *sc =
+        q + static_cast<size_t>(rows) * static_cast<size_t>(cols);  // 16-byte aligned: cols % 512 == 0
     const int64_t threads = rows * (cols / kTile) * 32;
     const int64_t grid = (threads + 255) / 256;
     if (grid > 0x7fffffff) throw error("cuda ds4 gemv prepare: weight too large");
-    repack_q8_kernel<<<static_cast<unsigned>(grid), 256, 0, s>>>(static_cast<const uint8_t *>(src), src_stride, rows,
-                                                                 cols, q, sc);
+    repack_q8_kernel<<<static_cast<unsigned>(grid), 256, 0, s>>>(static_cast<const uint8_t *>(src),
+                                                                 src_stride, rows, cols, q, sc);
     check_launch("gemv prepare");
     w.q = q;
     w.scales = sc;
