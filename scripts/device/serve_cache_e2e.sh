@@ -4,7 +4,8 @@
 # (greedy), the server stopped (SIGTERM) and started again on the same --prompt-cache directory, the
 # same request: the second reply must report cached_tokens > 0, carry the same text, and the
 # fathom_prompt_cache_disk_hits_total counter must be 1. Prints both replies' usage and wall times.
-# Usage (device): bash scripts/device/serve_cache_e2e.sh     (MODEL=path to use another DS4 file)
+# Usage (device): bash scripts/device/serve_cache_e2e.sh   (MODEL=another GGUF, e.g. a dense one; CTX=context,
+# default 16384; DEVICE=cuda:N or cpu)
 set -u
 carry_bin=fathom
 . "$(dirname "$0")/carry_env.sh"
@@ -25,7 +26,7 @@ sys.stdout.write(urllib.request.urlopen(req, timeout=600).read().decode())
 PY
 }
 serve_once() {  # $1: run number
-    "$c/fathom" serve -m "$m" --device ${DEVICE:-cuda} --port $port --ctx 16384 --prompt-cache "$dir" > "$out/serve-$1.log" 2>&1 &
+    "$c/fathom" serve -m "$m" --device ${DEVICE:-cuda} --port $port --ctx ${CTX:-16384} --prompt-cache "$dir" > "$out/serve-$1.log" 2>&1 &
     local pid=$! i
     for i in $(seq 1 240); do http GET /health > /dev/null 2>&1 && break; sleep 0.5; done
     local t0 t1

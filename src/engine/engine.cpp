@@ -155,10 +155,11 @@ public:
     void truncate(int64_t n_keep) override;
     bool kv_reserve(int64_t n_tokens) override;
     int64_t kv_blocks() const override { return seq_ >= 0 ? pool_->held(seq_) : 0; }
-    // Saved states: CPU sessions (paged KV) only; the CUDA session's device cache is not saved.
+    // Saved states: CPU sessions (paged KV) and CUDA sessions (the contiguous device cache, copied
+    // through the host head by head): the same DNS1 stream.
     bool save_state(state_writer &w) const override;
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
-    bool loads_state_prefix() const override { return seq_ >= 0; }
+    bool loads_state_prefix() const override { return true; }
 
 private:
     friend class engine_impl;  // decode_step (batched) reads and advances kv_/tokens_/logits_
@@ -174,6 +175,10 @@ private:
     void state_geometry(state_writer &w, int64_t n_tokens, bool has_logits) const;
     template <class F>
     void state_rows(int64_t n, F &&visit) const;
+    // The contiguous cache's part of the stream: visit(view of positions [0, n) of one head, row bytes)
+    // for every layer, K then V, head by head (the cache is head-major: row h * n_ctx + pos).
+    template <class F>
+    void cache_heads(int64_t n, F &&visit) const;
     dense_kv kv_target() {
         dense_kv d;
         if (seq_ >= 0) {
@@ -268,11 +273,13 @@ public:
     std::unique_ptr<session> new_session() override { return std::make_unique<session_impl>(*this); }
     // CPU (paged KV) only. kv changes the saved rows; the numerics change every value after a load.
     std::string state_identity() const override {
-        if (!pool_) return {};
+        if (!pool_ && cuda_ordinal_ < 0) return {};
         std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
         const char *numerics = opts_.exact ? "exact" : opts_.batch_invariant ? "invariant" : "llamacpp";
+        // A CUDA state is offered only to CUDA engines: the backends' logits differ in the last bits.
         return "dense arch=" + model_->hp.arch + " file=" + file_identity_ +
-               " kv=" + (kv_type() == dtype::f32 ? "f32" : "f16") + " numerics=" + numerics;
+               " kv=" + (kv_type() == dtype::f32 ? "f32" : "f16") + " numerics=" + numerics +
+               (cuda_ordinal_ >= 0 ? " backend=cuda" : "");
     }
     kv_pool_info kv_pool() const override {
         kv_pool_info i;
@@ -603,19 +610,44 @@ void session_impl::state_rows(int64_t n, F &&visit) const {
     }
 }
 
+template <class F>
+void session_impl::cache_heads(int64_t n, F &&visit) const {
+    const size_t row = dtype_row_bytes(kv_->type, kv_->head_dim);
+    for (int32_t il = 0; il < kv_->n_layer; ++il)
+        for (const tensor *t : {&kv_->k[static_cast<size_t>(il)], &kv_->v[static_cast<size_t>(il)]})
+            for (int32_t h = 0; h < kv_->n_head_kv; ++h)
+                visit(make_tensor(kv_->type, kv_->head_dim, n,
+                                  static_cast<uint8_t *>(t->data) + static_cast<size_t>(h) *
+                                                                         static_cast<size_t>(kv_->n_ctx) * row),
+                      row);
+}
+
 bool session_impl::save_state(state_writer &w) const {
-    if (seq_ < 0) return false;  // CUDA: the device cache is not saved
+    if (seq_ < 0 && !kv_) return false;
     state_geometry(w, n_past(), have_logits_);
-    state_rows(n_past(), [&](const uint8_t *p, int64_t, int64_t rows, size_t row) {
-        if (!p) throw error("saved state: the block table does not cover the held tokens");
-        w.write(p, static_cast<size_t>(rows) * row);
-    });
+    if (seq_ >= 0) {
+        state_rows(n_past(), [&](const uint8_t *p, int64_t, int64_t rows, size_t row) {
+            if (!p) throw error("saved state: the block table does not cover the held tokens");
+            w.write(p, static_cast<size_t>(rows) * row);
+        });
+    } else if (n_past() > 0) {  // the device cache, one head's rows at a time through the host
+        std::vector<uint8_t> buf;  // (the forward lock only around each copy: w may be a slow file)
+        cache_heads(n_past(), [&](const tensor &view, size_t) {
+            buf.resize(view.nbytes());
+            {
+                std::lock_guard<std::mutex> lock(e_.forward_mutex());
+                e_.bind_device();
+                e_.be().download(view, buf.data());
+            }
+            w.write(buf.data(), buf.size());
+        });
+    }
     if (have_logits_) w.write(logits_.data(), logits_.size() * sizeof(float));
     return true;
 }
 
 bool session_impl::load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) {
-    if (seq_ < 0) return false;
+    if (seq_ < 0 && !kv_) return false;
     const dense_hparams &hp = e_.model().hp;
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n_keep < 1 || n_keep > n)
@@ -641,13 +673,26 @@ bool session_impl::load_state(state_reader &r, std::span<const int32_t> tokens, 
         state_io::expect(r, static_cast<uint64_t>(n), "token count");
         const uint64_t has_logits = state_io::get<uint64_t>(r);
         if (has_logits > 1) throw error("saved state: bad logits flag");
-        kv_cover(n_keep);
-        // Rows of positions >= n_keep are read and dropped (a run straddling n_keep keeps its head).
-        state_rows(n, [&](uint8_t *p, int64_t p0, int64_t rows, size_t row) {
-            const int64_t kept = std::clamp<int64_t>(n_keep - p0, 0, rows);
-            if (kept > 0) r.read(p, static_cast<size_t>(kept) * row);  // p != null: kv_cover(n_keep)
-            state_io::skip(r, static_cast<uint64_t>(rows - kept) * row);
-        });
+        if (seq_ >= 0) {
+            kv_cover(n_keep);
+            // Rows of positions >= n_keep are read and dropped (a run straddling n_keep keeps its head).
+            state_rows(n, [&](uint8_t *p, int64_t p0, int64_t rows, size_t row) {
+                const int64_t kept = std::clamp<int64_t>(n_keep - p0, 0, rows);
+                if (kept > 0) r.read(p, static_cast<size_t>(kept) * row);  // p != null: kv_cover(n_keep)
+                state_io::skip(r, static_cast<uint64_t>(rows - kept) * row);
+            });
+        } else {  // the device cache: each head's kept rows through the host, the rest skipped
+            std::vector<uint8_t> buf;  // (the forward lock only around each copy: r may be a slow file)
+            cache_heads(n_keep, [&](const tensor &view, size_t row) {
+                buf.resize(view.nbytes());
+                r.read(buf.data(), buf.size());
+                state_io::skip(r, static_cast<uint64_t>(n - n_keep) * row);
+                std::lock_guard<std::mutex> lock(e_.forward_mutex());
+                e_.bind_device();
+                e_.be().upload(view, buf.data());  // synchronous: buf is reused for the next head
+            });
+            kv_->n_used = n_keep;
+        }
         if (has_logits) r.read(logits_.data(), logits_.size() * sizeof(float));
         if (r.remaining() != 0)
             throw error("saved state: " + std::to_string(r.remaining()) + " bytes past its end");

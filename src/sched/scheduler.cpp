@@ -131,8 +131,8 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
         const std::string id = eng_.state_identity();
         if (id.empty())
             throw error(
-                "prompt cache: this engine's sessions cannot save their state (the dense families on the "
-                "CPU and DeepSeek V4 on the CPU or one GPU can; not several devices)");
+                "prompt cache: this engine's sessions cannot save their state (the dense families and "
+                "DeepSeek V4 on the CPU or one GPU can; not several devices)");
         cache_ = std::make_unique<cache::prompt_cache>(opts_.prompt_cache, id);
         disk_prefix_loads_ = slots_[0]->sess->loads_state_prefix();
         stats_.prompt_cache = true;

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -23,6 +24,8 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "cache/cache_test_util.h"
+#include "core/error.h"
 #include "fathom/engine.h"
 #include "dense_geometry.h"
 
@@ -254,6 +257,71 @@ TEST(CudaEngine, DeviceErrorsAreOneLine) {
     o.device = "auto";
     o.n_ctx = 64;
     EXPECT_EQ(engine::load(o)->info().device.rfind("cuda:0", 0), 0u);
+}
+
+// Dense CUDA sessions save and load their device KV as the CPU sessions do (the DNS1 stream of
+// docs/prompt-cache.md, copied through the host head by head), for the three families: a session
+// loaded from another's state has its logits and continues bit for bit (eager steps, then graph
+// replays); a prefix load (n_keep < n) continues exactly like a session that evaluated the whole
+// prompt in one call and truncated it to the same prefix; a stream cut short is refused and leaves the session empty and usable; the identity
+// names the backend (a CPU state is never offered to a CUDA engine, nor the reverse).
+TEST(CudaEngine, DenseSessionsSaveAndLoadTheirState) {
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+    using cache_test::vector_reader;
+    using cache_test::vector_writer;
+    auto same = [](std::span<const float> x, std::span<const float> y) {
+        return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+    };
+    for (const test_family &t : kTests) {
+        if (!fs::exists(vocab_dir() + "/" + t.f->vocab)) GTEST_SKIP() << "vocab file missing in " << vocab_dir();
+        SCOPED_TRACE(t.f->arch);
+        auto e = load(model_path(t), "cuda", false);
+        const std::string id = e->state_identity();
+        EXPECT_NE(id.find("backend=cuda"), std::string::npos) << id;
+        EXPECT_NE(load(model_path(t), "cpu", false)->state_identity(), id);
+        const auto toks = prompt_tokens(static_cast<int32_t>(e->info().n_vocab), 60);
+        const std::span<const int32_t> prompt(toks.data(), 40);
+        auto a = e->new_session();
+        a->eval(prompt);
+        vector_writer w;
+        ASSERT_TRUE(a->save_state(w));
+        EXPECT_TRUE(a->loads_state_prefix());
+        auto b = e->new_session();
+        vector_reader r(w.bytes);
+        ASSERT_TRUE(b->load_state(r, prompt, 40));
+        EXPECT_EQ(b->n_past(), 40);
+        EXPECT_TRUE(same(a->logits(), b->logits())) << "logits after the load";
+        for (size_t i = 40; i < toks.size(); ++i) {  // the first steps eager, then graph replays
+            a->eval(std::span(&toks[i], 1));
+            b->eval(std::span(&toks[i], 1));
+            ASSERT_TRUE(same(a->logits(), b->logits())) << "diverged at position " << i;
+        }
+        // prefix: 25 of the 40 positions from the state, against a session that evaluated the 40 in one
+        // call (as the saved one did: the CUDA GEMMs' bits depend on the chunk's row count) and kept 25
+        auto c = e->new_session(), d = e->new_session();
+        vector_reader r2(w.bytes);
+        ASSERT_TRUE(c->load_state(r2, prompt, 25));
+        EXPECT_EQ(c->n_past(), 25);
+        d->eval(prompt);
+        d->truncate(25);
+        c->eval(std::span(toks.data() + 25, 15));
+        d->eval(std::span(toks.data() + 25, 15));
+        EXPECT_TRUE(same(c->logits(), d->logits())) << "after the prefix load and the rest of the prompt";
+        for (size_t i = 40; i < 46; ++i) {
+            c->eval(std::span(&toks[i], 1));
+            d->eval(std::span(&toks[i], 1));
+            ASSERT_TRUE(same(c->logits(), d->logits())) << "prefix load: diverged at position " << i;
+        }
+        // a cut stream: refused, the session empty and still usable
+        const std::vector<uint8_t> cut(w.bytes.begin(), w.bytes.end() - 100);
+        auto f = e->new_session(), g = e->new_session();
+        vector_reader r3(cut);
+        EXPECT_THROW(f->load_state(r3, prompt, 40), error);
+        EXPECT_EQ(f->n_past(), 0);
+        f->eval(prompt);
+        g->eval(prompt);
+        EXPECT_TRUE(same(f->logits(), g->logits())) << "a session after a refused load";
+    }
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ void add_daemon_command(CLI::App &app) {
     cmd->add_option(
         "--prompt-cache", a->prompt_cache,
         "Disk prompt cache directory: 'generate' loads the saved state sharing the longest prefix with "
-        "its prompt and saves the working session after it (docs/prompt-cache.md; CPU only)");
+        "its prompt and saves the working session after it (docs/prompt-cache.md; the CPU or one GPU)");
     cmd->add_option("--prompt-cache-max-gib", a->prompt_cache_max_gib,
                     "Cap on the prompt cache directory's size")
         ->capture_default_str()

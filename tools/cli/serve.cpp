@@ -189,7 +189,7 @@ void add_serve_command(CLI::App &app) {
     cmd->add_option(
         "--prompt-cache", a->prompt_cache_dir,
         "Directory of the disk prompt cache: prompts' KV state is saved there when requests end and "
-        "loaded for later prompts sharing a prefix, across restarts (docs/prompt-cache.md; CPU only)");
+        "loaded for later prompts sharing a prefix, across restarts (docs/prompt-cache.md; the CPU or one GPU)");
     cmd->add_option(
            "--prompt-cache-max-gib", a->prompt_cache_max_gib,
            "Cap on the prompt cache directory's size; least recently used entries are deleted beyond it")
