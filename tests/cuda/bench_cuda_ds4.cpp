@@ -1,7 +1,7 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
 //                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
-//                  [--state-file PATH] [--gemv-trace FILE]
+//                  [--state-file PATH] [--gemv-trace FILE] [--ktrace FILE]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
@@ -18,6 +18,9 @@
 // --gemv-trace FILE (a FATHOM_Q8X_TRACE build): the per-block timeline of every q8x GEMV launch in the
 // captured decode step (ds4_gemv.h set_gemv_trace), from the last timed replay at the first depth, as
 // CSV lines "launch,block,start,waited,x_ready,end,sm" (ns); scripts/device/gemv_trace.py reads it.
+// --ktrace FILE (a FATHOM_KTRACE build, backend/cuda/ktrace.h): every instrumented kernel's blocks in one
+// replayed step after the first depth's timed steps, as CSV lines "kernel,block,start,end,sm" (ns);
+// scripts/device/ktrace.py turns them into launches and the step's timeline.
 #include <cuda_profiler_api.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -33,6 +36,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ktrace.h"
 #include "backend/cuda/ds4_model.h"
 #include "bench_util.h"
 #include "core/error.h"
@@ -125,7 +129,7 @@ int main(int argc, char **argv) try {
                      argv[0]);
         return 2;
     }
-    std::string path = argv[1], kv = "f16", state_file, trace_file;
+    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file;
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false;
@@ -278,6 +282,39 @@ int main(int argc, char **argv) try {
             std::printf("gemv trace of depth %lld written to %s\n", static_cast<long long>(depth),
                         trace_file.c_str());
             trace_launches.clear();
+        }
+        if (!ktrace_file.empty()) {  // one more replayed step, every instrumented block recorded
+            namespace kt = cuda::ktrace;
+            const uint32_t cap = 1u << 19;
+            kt::record *buf = nullptr;
+            uint32_t *n = nullptr;
+            if (cudaMalloc(reinterpret_cast<void **>(&buf), cap * sizeof(kt::record)) != cudaSuccess ||
+                cudaMalloc(reinterpret_cast<void **>(&n), sizeof(uint32_t)) != cudaSuccess ||
+                cudaMemset(n, 0, sizeof(uint32_t)) != cudaSuccess)
+                throw error("ktrace buffers");
+            if (!kt::bind_all(buf, n, cap)) {
+                std::printf("ktrace: not a FATHOM_KTRACE build, nothing recorded\n");
+            } else {
+                t = seq.step_greedy(t);
+                cudaDeviceSynchronize();
+                uint32_t count = 0;
+                cudaMemcpy(&count, n, sizeof count, cudaMemcpyDeviceToHost);
+                kt::bind_all(nullptr, nullptr, 0);
+                std::vector<kt::record> h(std::min(count, cap));
+                cudaMemcpy(h.data(), buf, h.size() * sizeof(kt::record), cudaMemcpyDeviceToHost);
+                FILE *f = std::fopen(ktrace_file.c_str(), "w");
+                if (!f) throw error("cannot write " + ktrace_file);
+                for (const kt::record &r : h)
+                    std::fprintf(f, "%s,%u,%llu,%llu,%u\n", kt::name(r.kernel), r.block, (unsigned long long)r.start,
+                                 (unsigned long long)r.end, r.sm);
+                std::fclose(f);
+                std::printf("ktrace of one step at depth %lld: %u block records%s, written to %s\n",
+                            static_cast<long long>(depth), count, count > cap ? " (buffer full: cut)" : "",
+                            ktrace_file.c_str());
+            }
+            cudaFree(buf);
+            cudaFree(n);
+            ktrace_file.clear();
         }
         phases.emplace_back(depth, seq.profile_step(t));
     }

@@ -26,6 +26,7 @@
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_quant.cuh"
+#include "backend/cuda/ktrace.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
 
@@ -480,6 +481,46 @@ TEST_F(CudaDs4Gemv, ChainedLaunchesWaitForTheirInput) {
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
     }
+}
+
+// The kernel flight recorder (ktrace.h) in a FATHOM_KTRACE build (others: skipped): one q8x GEMV
+// launch records each of its blocks once (ids 0 .. blocks - 1), with start <= end, its kernel id and
+// an SM id in range; unbound, nothing more is recorded.
+TEST_F(CudaDs4Gemv, KtraceRecordsEveryBlockOnce) {
+    namespace kt = cuda::ktrace;
+    const uint32_t cap = 1 << 16;
+    auto *buf = static_cast<kt::record *>(raw(cap * sizeof(kt::record)));
+    auto *n = static_cast<uint32_t *>(raw(sizeof(uint32_t)));
+    CK(cudaMemset(n, 0, sizeof(uint32_t)));
+    if (!kt::bind_all(buf, n, cap)) GTEST_SKIP() << "not a FATHOM_KTRACE build";
+    const host_weight hw = make_weight(dtype::q8_0, 4096, 1024, 0, rng_);
+    const cd::gemv_weight g = prepare(hw);
+    const float *x = up(randn(1024, rng_));
+    float *y = poisoned(4096);
+    cd::launch_gemv_fast(g, x, y, s_);
+    CK(cudaStreamSynchronize(s_));
+    kt::bind_all(nullptr, nullptr, 0);
+    cd::launch_gemv_fast(g, x, y, s_);  // unbound: not recorded
+    CK(cudaStreamSynchronize(s_));
+    uint32_t count = 0;
+    CK(cudaMemcpy(&count, n, sizeof count, cudaMemcpyDeviceToHost));
+    ASSERT_GT(count, 0u);
+    ASSERT_LE(count, cap);
+    std::vector<kt::record> r(count);
+    CK(cudaMemcpy(r.data(), buf, count * sizeof(kt::record), cudaMemcpyDeviceToHost));
+    std::vector<int> seen(count, 0);
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    for (const kt::record &e : r) {
+        EXPECT_EQ(e.kernel, static_cast<uint32_t>(kt::k_gemv_q8x));
+        EXPECT_STREQ(kt::name(e.kernel), "gemv_q8x");
+        EXPECT_LE(e.start, e.end);
+        EXPECT_LT(e.sm, static_cast<uint32_t>(sms));
+        ASSERT_LT(e.block, count);
+        ++seen[e.block];
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<long>(count)) << "a block recorded twice or not at all";
 }
 
 // ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------

@@ -48,6 +48,10 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
+#include "backend/cuda/ktrace.h"
+
+FATHOM_KTRACE_TU(ds4_attn)
+
 namespace fathom::cuda::ds4 {
 namespace {
 
@@ -117,6 +121,7 @@ __global__ void __launch_bounds__(kWarpRowThreads)
     head_norm_rope_warp_kernel(float *x, int64_t n_rows, int n_head, bool norm, float eps,
                                const float *__restrict__ freq, int n_rot, qat_kind qat,
                                const int64_t *__restrict__ pos) {
+    FATHOM_KTRACE_SCOPE(k_head_norm_rope);
     const int64_t h = static_cast<int64_t>(blockIdx.x) * (kWarpRowThreads / 32) + (threadIdx.x >> 5);
     if (h >= n_rows) return;  // warp-uniform
     float *xh = x + static_cast<size_t>(h) * 64 * NP;
@@ -153,6 +158,7 @@ __global__ void __launch_bounds__(32 * NP)
     kv_finish_store_split_kernel(float *kv, const float *__restrict__ norm_w, float eps,
                                  const float *__restrict__ freq, int n_rot, qat_kind qat, uint8_t *ring,
                                  bool ring_f16, size_t ring_stride, int window, const int64_t *__restrict__ pos) {
+    FATHOM_KTRACE_SCOPE(k_kv_finish);
     __shared__ float2 sv[NP][32];
     const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t p = *pos;
@@ -282,6 +288,7 @@ template <int NP>
 __global__ void __launch_bounds__(kCompThreads)
     compressor_step_kernel(compressor_args a, const float *__restrict__ ca, const float *__restrict__ cg,
                            const int64_t *__restrict__ pos, uint32_t *err) {
+    FATHOM_KTRACE_SCOPE(k_compressor_step);
     extern __shared__ float sm[];
     float *row = sm, *smx = sm + a.dim, *ex = sm + 2 * a.dim;  // [dim], [dim], [kCompChunk, dim]
     __shared__ double red[32];
@@ -505,6 +512,7 @@ template <class T>
 __global__ void __launch_bounds__(kAttnThreads, 2)  // two blocks per SM: <= 128 registers
     attn_split_kernel(attn_geom g, const float *__restrict__ q, const int64_t *__restrict__ pos,
                       float *__restrict__ part) {
+    FATHOM_KTRACE_SCOPE(k_attn_split);
     using P = typename tile_pair<T>::type;
     extern __shared__ __align__(16) unsigned char tile_raw[];
     P *tile = reinterpret_cast<P *>(tile_raw);  // [kTileRows, d / 2] pairs
@@ -759,6 +767,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(attn_geom g, const float *__restrict__ part, const float *__restrict__ sinks,
                         const float *__restrict__ freq, int n_rot, const int64_t *__restrict__ pos,
                         float *__restrict__ o) {
+    FATHOM_KTRACE_SCOPE(k_attn_combine);
     static_assert(kCombineThreads == 32, "one warp per (head, 32 dim pairs)");
     __shared__ float ws[kMaxSplits];
     pdl_wait();  // the split kernel's partials (a no-op without PDL)
@@ -1019,6 +1028,7 @@ template <class V>
 __global__ void __launch_bounds__(kMmaThreads, 1)
     attn_split_mma_kernel(attn_geom g, const float *__restrict__ q, const int64_t *__restrict__ pos,
                           float *__restrict__ part, attn_fuse f) {
+    FATHOM_KTRACE_SCOPE(k_attn_split_mma);
     extern __shared__ __align__(16) unsigned char mma_raw[];
     const int d = g.d, ldk = d + kMmaPad;
     const mma_smem L = mma_smem_layout(d);
@@ -1176,6 +1186,7 @@ __device__ __forceinline__ void argmax_merge(float &v, int64_t &i, float v2, int
 
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float *__restrict__ x, int64_t n, int32_t *out) {
+    FATHOM_KTRACE_SCOPE(k_argmax);
     __shared__ float sv[kArgmaxThreads / 32];
     __shared__ int64_t si[kArgmaxThreads / 32];
     float v = -INFINITY;

@@ -21,6 +21,10 @@
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 
+#include "backend/cuda/ktrace.h"
+
+FATHOM_KTRACE_TU(ds4_gemv)
+
 namespace fathom::cuda::ds4 {
 namespace {
 
@@ -581,6 +585,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
 template <int WARPS, int U, bool NORM>
 __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS)
     gemv_q8x_kernel(const __grid_constant__ q8x_table t, const float *x) {
+    FATHOM_KTRACE_SCOPE(k_gemv_q8x);
     extern __shared__ __align__(16) uint8_t q8x_smem[];
     __shared__ float part[kQ8xMaxParts];
 #ifdef FATHOM_Q8X_TRACE

@@ -23,6 +23,10 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
+#include "backend/cuda/ktrace.h"
+
+FATHOM_KTRACE_TU(ds4_hc)
+
 namespace fathom::cuda::ds4 {
 namespace {
 
@@ -758,6 +762,7 @@ __device__ __forceinline__ void split_tail(const fused_args &a, float *st) {
 
 template <bool F16>
 __global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
+    FATHOM_KTRACE_SCOPE(k_hc_split);
     extern __shared__ float4 split_smem[];
     __shared__ double red[kSplitWarps][kMaxMix];
     __shared__ bool last;

@@ -41,6 +41,10 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
+#include "backend/cuda/ktrace.h"
+
+FATHOM_KTRACE_TU(ds4_indexer)
+
 namespace fathom::cuda::ds4 {
 namespace {
 
@@ -83,6 +87,7 @@ __global__ void __launch_bounds__(32 * kScoreWarps)
     indexer_score_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
                          const void *__restrict__ rows, size_t row_stride, row_count rc, int topk, int n_head, int dim,
                          float *__restrict__ score, tok_off to) {
+    FATHOM_KTRACE_SCOPE(k_indexer_score);
     const int64_t tok = to.tok();
     const int64_t n = rc.get(tok);
     q += static_cast<size_t>(tok) * n_head * dim;
@@ -166,6 +171,7 @@ __global__ void __launch_bounds__(256, 1)
     indexer_score64_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
                            const void *__restrict__ rows, size_t row_stride, row_count rc, int topk,
                            float *__restrict__ score, tok_off to) {
+    FATHOM_KTRACE_SCOPE(k_indexer_score);
     static_assert(kFastRows == 32, "sum_tile maps 8 warps x 4 lanes to the tile's rows");
     const int64_t tok = to.tok();
     const int64_t n = rc.get(tok);
@@ -264,6 +270,7 @@ __global__ void __launch_bounds__(256)
     indexer_score_mma_kernel(const float *__restrict__ q, const float *__restrict__ w, float w_scale,
                              const __half *__restrict__ rows, size_t row_stride_h, row_count rc, int topk,
                              float *__restrict__ score, int64_t t0, int64_t g, size_t score_stride) {
+    FATHOM_KTRACE_SCOPE(k_indexer_score);
     __shared__ __align__(16) __half ks[kMmaTile * kMmaLd];
     __shared__ float part[kMmaTok][4][kMmaTile];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
@@ -541,6 +548,7 @@ struct cluster_ctx {
 __global__ void __launch_bounds__(kSelectThreads)
     topk_select_kernel(const float *__restrict__ score, row_count rc, int k, int nb, int32_t *__restrict__ out,
                        int32_t *__restrict__ n_out, tok_off to) {
+    FATHOM_KTRACE_SCOPE(k_topk_select);
     cluster_ctx cl;
     cl.nb = nb;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -55,6 +55,10 @@
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 
+#include "backend/cuda/ktrace.h"
+
+FATHOM_KTRACE_TU(ds4_moe)
+
 namespace fathom::cuda::ds4 {
 namespace {
 
@@ -794,6 +798,7 @@ __device__ __forceinline__ void gu_compute(const gate_up_args &a, const gu_stage
 // overlaps routing; at the end for blocks that had no routed slab.
 template <dtype TR, dtype TS>
 __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_staged_kernel(gu_staged_args p) {
+    FATHOM_KTRACE_SCOPE(k_moe_gate_up);
     constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     extern __shared__ float4 dyn_smem[];
     __shared__ uint64_t sgrid[need_grid ? 256 : 1];
@@ -1069,6 +1074,7 @@ struct down_staged_args {
 };
 template <dtype TR, dtype TS>
 __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_staged_kernel(down_staged_args p) {
+    FATHOM_KTRACE_SCOPE(k_moe_down);
     constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
     constexpr int kBlockRows = kWarps * kDownRows;
     extern __shared__ float4 dyn_smem[];
@@ -1129,6 +1135,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     moe_route_kernel(const float *__restrict__ logits, int E, const float *__restrict__ bias,
                      const int32_t *__restrict__ tid2eid, int64_t n_vocab, const int32_t *__restrict__ token, int k,
                      float scale, int32_t *ids, float *weights, uint32_t *err) {
+    FATHOM_KTRACE_SCOPE(k_moe_route);
     __shared__ float score[kMaxExperts], biased[kMaxExperts];
     __shared__ unsigned char taken[kMaxExperts];
     __shared__ int chosen[kMaxUsed];
