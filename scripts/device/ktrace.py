@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """One decode step's kernel timeline from bench_cuda_ds4 --ktrace (a FATHOM_KTRACE build,
-src/backend/cuda/ktrace.h). Input lines "kernel,block,start,end,sm" (ns, %globaltimer), one per block
-of every instrumented kernel, in completion order.
+src/backend/cuda/ktrace.h). Input lines "kernel,block,start,end,sm,grid" (ns, %globaltimer; grid: the
+launch's %gridid), one per block of every instrumented kernel, in completion order.
 
-Launches: a kernel's records sorted by start; a block index seen again starts a new launch (every
-launch numbers its blocks from 0). For each launch: first block start, last block end (us from the
+Launches: the records of one (kernel, grid) pair (launches of one kernel may run at once on the
+step's parallel branches). For each launch: first block start, last block end (us from the
 step's first record). Printed: the launches in start order (name, blocks, start, end, span, the gap
 since the previous launch's end in start order); per kernel: launches, summed spans, mean span; the
 step's length and the time no instrumented kernel ran (idle: launch latency, uninstrumented kernels).
@@ -14,34 +14,21 @@ from collections import defaultdict
 
 
 def launches(rows):
-    by_kernel = defaultdict(list)
-    for name, block, start, end, sm in rows:
-        by_kernel[name].append((start, end, block))
-    out = []
-    for name, recs in by_kernel.items():
-        recs.sort()
-        seen, cur = set(), None
-        for start, end, block in recs:
-            if cur is None or block in seen:
-                if cur:
-                    out.append(cur)
-                cur = [name, 0, start, end]
-                seen = set()
-            seen.add(block)
-            cur[1] += 1
-            cur[2] = min(cur[2], start)
-            cur[3] = max(cur[3], end)
-        out.append(cur)
-    out.sort(key=lambda l: l[2])
-    return out
+    by_launch = {}
+    for name, block, start, end, sm, grid in rows:
+        l = by_launch.setdefault((name, grid), [name, 0, start, end])
+        l[1] += 1
+        l[2] = min(l[2], start)
+        l[3] = max(l[3], end)
+    return sorted(by_launch.values(), key=lambda l: l[2])
 
 
 def main():
     rows = []
     with open(sys.argv[1]) as f:
         for line in f:
-            n, b, s, e, sm = line.strip().split(",")
-            rows.append((n, int(b), int(s), int(e), int(sm)))
+            n, b, s, e, sm, g = line.strip().split(",")
+            rows.append((n, int(b), int(s), int(e), int(sm), int(g)))
     if not rows:
         print("no records")
         return

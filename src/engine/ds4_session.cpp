@@ -358,7 +358,9 @@ class ds4_engine final : public engine {
         if (pipelined()) return {};
         std::string backend;
 #ifdef FATHOM_ENGINE_CUDA
-        if (gpu_) backend = std::string(" backend=cuda indexer=") + (opts_.exact ? "exact" : "tensor-core");
+        // the GPU's name too: the kernels' launch geometry (and so a few sums' order) follows its SM count
+        if (gpu_)
+            backend = std::string(" backend=cuda gpu=\"") + gpu_name_ + "\" indexer=" + (opts_.exact ? "exact" : "tensor-core");
 #endif
         if (backend.empty() && ordinal_ >= 0) return {};
         if (backend.empty()) backend = std::string(" numerics=") + (opts_.exact ? "exact" : "quantised");
@@ -462,6 +464,7 @@ class ds4_engine final : public engine {
         });
         ordinal_ = ordinal;
         info_.device = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
+        gpu_name_ = mem.name;
         info_.decode_weight_bytes = static_cast<uint64_t>(ds4::cuda_bytes_per_token(*gpu_));
 #else
         (void)ordinal;
@@ -645,6 +648,7 @@ class ds4_engine final : public engine {
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
+    std::string gpu_name_;  // the CUDA device's name (state_identity)
     mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
     mutable std::string file_identity_;
     // rank_procs: the rank processes (destroyed first: stops them while the model is still here).

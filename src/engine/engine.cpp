@@ -175,10 +175,9 @@ private:
     void state_geometry(state_writer &w, int64_t n_tokens, bool has_logits) const;
     template <class F>
     void state_rows(int64_t n, F &&visit) const;
-    // The contiguous cache's part of the stream: visit(view of positions [0, n) of one head, row bytes)
-    // for every layer, K then V, head by head (the cache is head-major: row h * n_ctx + pos).
-    template <class F>
-    void cache_heads(int64_t n, F &&visit) const;
+    // The contiguous cache's views of layer il in the stream's order: K then V, head by head, each the
+    // rows of positions [0, n) (the cache is head-major: row h * n_ctx + pos).
+    std::vector<tensor> layer_views(int32_t il, int64_t n) const;
     dense_kv kv_target() {
         dense_kv d;
         if (seq_ >= 0) {
@@ -279,7 +278,7 @@ public:
         // A CUDA state is offered only to CUDA engines: the backends' logits differ in the last bits.
         return "dense arch=" + model_->hp.arch + " file=" + file_identity_ +
                " kv=" + (kv_type() == dtype::f32 ? "f32" : "f16") + " numerics=" + numerics +
-               (cuda_ordinal_ >= 0 ? " backend=cuda" : "");
+               (cuda_ordinal_ >= 0 ? " backend=cuda gpu=\"" + gpu_name_ + "\"" : std::string());
     }
     kv_pool_info kv_pool() const override {
         kv_pool_info i;
@@ -362,6 +361,7 @@ private:
                         " + scratch " + gib(scratch) + ") but only " + gib(mem.free_bytes) +
                         " is free (lower --ctx or use --device cpu)");
         device_name_ = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
+        gpu_name_ = mem.name;
         cuda_ordinal_ = ordinal;
         gpu_ = gpu.get();
         be_ = std::move(gpu);
@@ -432,6 +432,7 @@ private:
     }
     std::unique_ptr<dense_batch_decoder> batch_;  // created on first batched step (under forward_mutex_)
     std::string device_name_ = "cpu";
+    std::string gpu_name_;  // the CUDA device's name (state_identity: the GEMMs' launch shapes follow it)
     int cuda_ordinal_ = -1;
 #ifdef FATHOM_ENGINE_CUDA
     cuda_backend_api *gpu_ = nullptr;  // be_ when it is the CUDA backend
@@ -610,16 +611,15 @@ void session_impl::state_rows(int64_t n, F &&visit) const {
     }
 }
 
-template <class F>
-void session_impl::cache_heads(int64_t n, F &&visit) const {
+std::vector<tensor> session_impl::layer_views(int32_t il, int64_t n) const {
     const size_t row = dtype_row_bytes(kv_->type, kv_->head_dim);
-    for (int32_t il = 0; il < kv_->n_layer; ++il)
-        for (const tensor *t : {&kv_->k[static_cast<size_t>(il)], &kv_->v[static_cast<size_t>(il)]})
-            for (int32_t h = 0; h < kv_->n_head_kv; ++h)
-                visit(make_tensor(kv_->type, kv_->head_dim, n,
-                                  static_cast<uint8_t *>(t->data) + static_cast<size_t>(h) *
-                                                                         static_cast<size_t>(kv_->n_ctx) * row),
-                      row);
+    std::vector<tensor> v;
+    for (const tensor *t : {&kv_->k[static_cast<size_t>(il)], &kv_->v[static_cast<size_t>(il)]})
+        for (int32_t h = 0; h < kv_->n_head_kv; ++h)
+            v.push_back(make_tensor(kv_->type, kv_->head_dim, n,
+                                    static_cast<uint8_t *>(t->data) +
+                                        static_cast<size_t>(h) * static_cast<size_t>(kv_->n_ctx) * row));
+    return v;
 }
 
 bool session_impl::save_state(state_writer &w) const {
@@ -630,17 +630,18 @@ bool session_impl::save_state(state_writer &w) const {
             if (!p) throw error("saved state: the block table does not cover the held tokens");
             w.write(p, static_cast<size_t>(rows) * row);
         });
-    } else if (n_past() > 0) {  // the device cache, one head's rows at a time through the host
-        std::vector<uint8_t> buf;  // (the forward lock only around each copy: w may be a slow file)
-        cache_heads(n_past(), [&](const tensor &view, size_t) {
-            buf.resize(view.nbytes());
+    } else if (n_past() > 0) {  // the device cache through the host, a layer at a time: the forward
+        std::vector<uint8_t> buf;  // lock (other slots' steps wait) is held once per layer, not per head
+        for (int32_t il = 0; il < kv_->n_layer; ++il) {
+            const std::vector<tensor> views = layer_views(il, n_past());
+            buf.resize(views.size() * views[0].nbytes());
             {
                 std::lock_guard<std::mutex> lock(e_.forward_mutex());
                 e_.bind_device();
-                e_.be().download(view, buf.data());
+                for (size_t i = 0; i < views.size(); ++i) e_.be().download(views[i], buf.data() + i * views[i].nbytes());
             }
             w.write(buf.data(), buf.size());
-        });
+        }
     }
     if (have_logits_) w.write(logits_.data(), logits_.size() * sizeof(float));
     return true;
@@ -681,16 +682,21 @@ bool session_impl::load_state(state_reader &r, std::span<const int32_t> tokens, 
                 if (kept > 0) r.read(p, static_cast<size_t>(kept) * row);  // p != null: kv_cover(n_keep)
                 state_io::skip(r, static_cast<uint64_t>(rows - kept) * row);
             });
-        } else {  // the device cache: each head's kept rows through the host, the rest skipped
-            std::vector<uint8_t> buf;  // (the forward lock only around each copy: r may be a slow file)
-            cache_heads(n_keep, [&](const tensor &view, size_t row) {
-                buf.resize(view.nbytes());
-                r.read(buf.data(), buf.size());
-                state_io::skip(r, static_cast<uint64_t>(n - n_keep) * row);
+        } else {  // the device cache: a layer's kept rows read (the rest skipped) outside the forward
+            std::vector<uint8_t> buf;  // lock, then uploaded under it (once per layer)
+            const size_t row = dtype_row_bytes(kv_->type, kv_->head_dim);
+            for (int32_t il = 0; il < kv_->n_layer; ++il) {
+                const std::vector<tensor> views = layer_views(il, n_keep);
+                buf.resize(views.size() * views[0].nbytes());
+                for (size_t i = 0; i < views.size(); ++i) {
+                    r.read(buf.data() + i * views[i].nbytes(), views[i].nbytes());
+                    state_io::skip(r, static_cast<uint64_t>(n - n_keep) * row);
+                }
                 std::lock_guard<std::mutex> lock(e_.forward_mutex());
                 e_.bind_device();
-                e_.be().upload(view, buf.data());  // synchronous: buf is reused for the next head
-            });
+                for (size_t i = 0; i < views.size(); ++i)  // synchronous copies: buf is refilled next layer
+                    e_.be().upload(views[i], buf.data() + i * views[i].nbytes());
+            }
             kv_->n_used = n_keep;
         }
         if (has_logits) r.read(logits_.data(), logits_.size() * sizeof(float));

@@ -19,7 +19,8 @@
 // captured decode step (ds4_gemv.h set_gemv_trace), from the last timed replay at the first depth, as
 // CSV lines "launch,block,start,waited,x_ready,end,sm" (ns); scripts/device/gemv_trace.py reads it.
 // --ktrace FILE (a FATHOM_KTRACE build, backend/cuda/ktrace.h): every instrumented kernel's blocks in one
-// replayed step after the first depth's timed steps, as CSV lines "kernel,block,start,end,sm" (ns);
+// replayed step after the first depth's timed steps, as CSV lines "kernel,block,start,end,sm,grid" (ns;
+// grid: the launch's %gridid, low 32 bits);
 // scripts/device/ktrace.py turns them into launches and the step's timeline.
 #include <cuda_profiler_api.h>
 #include <fcntl.h>
@@ -151,6 +152,8 @@ int main(int argc, char **argv) try {
             state_file = argv[++i];
         else if (a == "--gemv-trace" && i + 1 < argc)
             trace_file = argv[++i];
+        else if (a == "--ktrace" && i + 1 < argc)
+            ktrace_file = argv[++i];
         else if (a == "--prefill" && i + 1 < argc)
             prefill = parse_list(argv[++i]);
         else if (a == "--chunk" && i + 1 < argc)
@@ -305,8 +308,8 @@ int main(int argc, char **argv) try {
                 FILE *f = std::fopen(ktrace_file.c_str(), "w");
                 if (!f) throw error("cannot write " + ktrace_file);
                 for (const kt::record &r : h)
-                    std::fprintf(f, "%s,%u,%llu,%llu,%u\n", kt::name(r.kernel), r.block, (unsigned long long)r.start,
-                                 (unsigned long long)r.end, r.sm);
+                    std::fprintf(f, "%s,%u,%llu,%llu,%u,%u\n", kt::name(r.kernel), r.block, (unsigned long long)r.start,
+                                 (unsigned long long)r.end, r.sm, r.grid);
                 std::fclose(f);
                 std::printf("ktrace of one step at depth %lld: %u block records%s, written to %s\n",
                             static_cast<long long>(depth), count, count > cap ? " (buffer full: cut)" : "",

@@ -517,6 +517,7 @@ TEST_F(CudaDs4Gemv, KtraceRecordsEveryBlockOnce) {
         EXPECT_STREQ(kt::name(e.kernel), "gemv_q8x");
         EXPECT_LE(e.start, e.end);
         EXPECT_LT(e.sm, static_cast<uint32_t>(sms));
+        EXPECT_EQ(e.grid, r[0].grid) << "one launch, one grid id";
         ASSERT_LT(e.block, count);
         ++seen[e.block];
     }

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cache/cache_test_util.h"
 #include "core/error.h"
@@ -312,8 +313,30 @@ TEST(CudaEngine, DenseSessionsSaveAndLoadTheirState) {
             d->eval(std::span(&toks[i], 1));
             ASSERT_TRUE(same(c->logits(), d->logits())) << "prefix load: diverged at position " << i;
         }
-        // a cut stream: refused, the session empty and still usable
-        const std::vector<uint8_t> cut(w.bytes.begin(), w.bytes.end() - 100);
+        // the layout is the CPU engine's: the same header, and the KV section (f16, [layer][K, V][head]
+        // [pos][dim]) within the backends' difference (a swapped K / V or head order would be O(1) off)
+        {
+            auto cpu = load(model_path(t), "cpu", false);
+            auto cs = cpu->new_session();
+            cs->eval(prompt);
+            vector_writer cw;
+            ASSERT_TRUE(cs->save_state(cw));
+            ASSERT_EQ(cw.bytes.size(), w.bytes.size());
+            EXPECT_EQ(std::memcmp(cw.bytes.data(), w.bytes.data(), 64), 0) << "stream header";
+            const size_t kv_bytes = w.bytes.size() - 64 - static_cast<size_t>(e->info().n_vocab) * sizeof(float);
+            double num = 0, den = 0;
+            for (size_t i = 64; i + 2 <= 64 + kv_bytes; i += 2) {
+                uint16_t a16, c16;
+                std::memcpy(&a16, w.bytes.data() + i, 2);
+                std::memcpy(&c16, cw.bytes.data() + i, 2);
+                const double va = cpu::f16_to_f32(a16), vc = cpu::f16_to_f32(c16);
+                num += (va - vc) * (va - vc);
+                den += vc * vc;
+            }
+            EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 0.02) << "KV rows differ from the CPU engine's";
+        }
+        // a stream cut in the middle of its KV rows: refused, the session empty and still usable
+        const std::vector<uint8_t> cut(w.bytes.begin(), w.bytes.begin() + 64 + (w.bytes.size() - 64) / 2);
         auto f = e->new_session(), g = e->new_session();
         vector_reader r3(cut);
         EXPECT_THROW(f->load_state(r3, prompt, 40), error);

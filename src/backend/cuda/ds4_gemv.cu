@@ -373,7 +373,7 @@ __device__ __forceinline__ float q8x_norm_r(const float *x, int64_t cols, float 
 }
 
 // A warp's place in its block: W = warps_per_row warps share a row (sub = 0 .. W - 1 takes the
-// row's tiles sub, sub + W, ...), P = 8 / W rows are in flight per block pass; the warp's rows are
+// row's tiles sub, sub + W, ...), P = WARPS / W rows are in flight per block pass; the warp's rows are
 // r0 + grp + P * ri. A lane's chunk for step j of a row: c = lane + 32 (sub + W j) (tile sub + W j,
 // whose 32 chunks the 32 lanes read contiguously), cpl steps per row.
 struct q8x_warp {
@@ -827,7 +827,7 @@ int q8x_blocks_per_sm(size_t smem, int warps) {
 // shared memory, and every block's rows read at most two x groups (rows per block <= rows per group).
 // Returns false (the caller uses the kernel above) otherwise.
 bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t, size_t &smem,
-              int64_t &blocks, const float *norm_w = nullptr, float norm_eps = 0.0f) {
+              int64_t &blocks, const float *norm_w = nullptr, float norm_eps = 0.0f, bool narrow = false) {
     const int64_t cols = segs[0].w.cols;
     if (!g_q8x || cols > kQ8xMaxCols) return false;
     if (norm_w && reinterpret_cast<uintptr_t>(norm_w) % 16 != 0) return false;
@@ -858,14 +858,14 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
     // tables with small segments keep 8-warp blocks, whose finer grain balances them.
     int64_t min_rows = segs[0].w.rows;
     for (int i = 1; i < n; ++i) min_rows = std::min(min_rows, segs[i].w.rows);
-    t.warps = min_rows >= kQ8xWideMinRows ? kQ8xWarpsWide : kQ8xWarps;
+    t.warps = !narrow && min_rows >= kQ8xWideMinRows ? kQ8xWarpsWide : kQ8xWarps;
     const double resident = static_cast<double>(q8x_blocks_per_sm(smem, t.warps)) * sm_count();
     blocks = 0;
     for (int i = 0; i < n; ++i) {
         const gemv_weight &w = segs[i].w;
         const double share =
             static_cast<double>(row_bytes_of(w.type, cols)) * static_cast<double>(w.rows) / total_bytes;
-        // about one resident wave in all, split by bytes; a block's 8 warps share its rows, several
+        // about one resident wave in all, split by bytes; a block's warps (8 or 16) share its rows, several
         // warps per row when the rows are fewer than the warps (and each warp keeps >= 1 tile per row)
         const int64_t chunks = w.type == dtype::q8_0 ? cols / 16 : cols / 8;
         int64_t nb = std::min<int64_t>(w.rows, std::max<int64_t>(1, std::llround(resident * share)));
@@ -873,7 +873,8 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
         int W = 1;
         while (W < t.warps && W * rpb < t.warps && 2 * W * 32 <= chunks) W *= 2;
         if (rpb * W > kQ8xMaxParts) rpb = kQ8xMaxParts / W;
-        if (rpb > rpg[i] && rpg[i] < w.rows) return false;  // would read three or more x groups
+        if (rpb > rpg[i] && rpg[i] < w.rows)  // would read three or more x groups: finer blocks, or the other kernel
+            return t.warps == kQ8xWarpsWide && plan_q8x(segs, rpg, n, t, smem, blocks, norm_w, norm_eps, true);
         nb = (w.rows + rpb - 1) / rpb;
         q8x_seg &d = t.s[i];
         set_weight(d, segs[i], rpg[i]);
@@ -976,8 +977,9 @@ void read_probe_u(const void *src, size_t bytes, int blocks, int threads, bool c
 
 void launch_read_probe(const void *src, size_t bytes, int blocks, int threads, int unroll, bool contiguous,
                        bool pdl, uint32_t *sink, cudaStream_t s) {
-    if (bytes % 16 != 0 || blocks < 1 || threads < 32 || threads > 1024)
-        throw error("cuda ds4 read probe: bytes % 16, blocks >= 1, threads in [32, 1024]");
+    if (bytes % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0 || !sink || blocks < 1 || threads < 32 ||
+        threads > 1024)
+        throw error("cuda ds4 read probe: src 16-byte aligned, bytes % 16, a sink, blocks >= 1, threads in [32, 1024]");
     switch (unroll) {
         case 1:
             read_probe_u<1>(src, bytes, blocks, threads, contiguous, pdl, sink, s);

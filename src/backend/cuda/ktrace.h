@@ -9,7 +9,7 @@
 //
 // Each instrumented .cu file: FATHOM_KTRACE_TU(file) once at global scope (after its includes), and
 // FATHOM_KTRACE_SCOPE(k_...) as a kernel's first statement (thread 0 writes the record when it leaves
-// the kernel).
+// the kernel: a block's "end" is thread 0's exit, earlier than the block's where warp 0 returns early).
 #pragma once
 
 #include <cstdint>
@@ -17,8 +17,9 @@
 namespace fathom::cuda::ktrace {
 
 struct record {
-    uint64_t start, end;  // ns (%globaltimer)
-    uint32_t kernel, block, sm, pad;
+    uint64_t start, end;  // ns (%globaltimer): the block's start, and when its thread 0 left the kernel
+    uint32_t kernel, block, sm;
+    uint32_t grid;  // %gridid (low 32 bits): which launch (launches of one kernel may run concurrently)
 };
 static_assert(sizeof(record) == 32, "ktrace record layout");
 
@@ -51,6 +52,11 @@ __device__ __forceinline__ uint64_t now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+__device__ __forceinline__ uint32_t gridid() {
+    uint64_t g;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    return static_cast<uint32_t>(g);
+}
 __device__ __forceinline__ uint32_t smid() {
     uint32_t s;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
@@ -65,6 +71,7 @@ __device__ __forceinline__ uint32_t smid() {
     static __device__ ::fathom::cuda::ktrace::record *fathom_ktrace_buf_ = nullptr;                               \
     static __device__ uint32_t *fathom_ktrace_n_ = nullptr;                                                        \
     static __device__ uint32_t fathom_ktrace_cap_ = 0;                                                             \
+    namespace {                                                                                                    \
     struct fathom_ktrace_scope_ {                                                                                  \
         uint64_t t0;                                                                                               \
         uint32_t k;                                                                                                \
@@ -74,9 +81,10 @@ __device__ __forceinline__ uint32_t smid() {
             const uint32_t i = atomicAdd(fathom_ktrace_n_, 1u);                                                    \
             if (i < fathom_ktrace_cap_)                                                                            \
                 fathom_ktrace_buf_[i] = {t0, ::fathom::cuda::ktrace::now(), k, blockIdx.x + gridDim.x * blockIdx.y, \
-                                         ::fathom::cuda::ktrace::smid(), 0u};                                      \
+                                         ::fathom::cuda::ktrace::smid(), ::fathom::cuda::ktrace::gridid()};        \
         }                                                                                                          \
     };                                                                                                             \
+    }                                                                                                              \
     bool fathom_ktrace_bind_##file(::fathom::cuda::ktrace::record *b, uint32_t *n, uint32_t cap) {                 \
         return cudaMemcpyToSymbol(fathom_ktrace_buf_, &b, sizeof b) == cudaSuccess &&                              \
                cudaMemcpyToSymbol(fathom_ktrace_n_, &n, sizeof n) == cudaSuccess &&                                \
