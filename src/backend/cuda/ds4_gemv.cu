@@ -498,6 +498,18 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
     }
 }
 
+// FATHOM_Q8X_TRACE builds (set_gemv_trace): thread 0 stamps field f of its block's 6 u64 (0 start, also
+// the SM id in field 4; 1 after the PDL wait; 2 x ready; 3 end) with %globaltimer. Nothing otherwise.
+__device__ __forceinline__ void q8x_stamp(const q8x_table &t, int f) {
+#ifdef FATHOM_Q8X_TRACE
+    if (!t.trace || threadIdx.x != 0) return;
+    t.trace[6 * blockIdx.x + f] = ktrace::now();
+    if (f == 0) t.trace[6 * blockIdx.x + 4] = ktrace::smid();
+#else
+    (void)t, (void)f;
+#endif
+}
+
 constexpr int kQ8xMaxParts = 1024;  // rows per block x warps per row
 
 template <int WARPS, bool F16, int U, bool XS, bool NORM>
@@ -522,13 +534,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
     // 8K decode 132.4-132.8 -> 134.7-136.0 tok/s, 128K 124.5 -> 127.1-127.6 without it, docs/PERF.md.)
     q8x_load<F16, U>(sg, w, lk, A);
     pdl_wait();
-#ifdef FATHOM_Q8X_TRACE
-    if (t.trace && threadIdx.x == 0) {
-        uint64_t ns;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        t.trace[6 * blockIdx.x + 1] = ns;
-    }
-#endif
+    q8x_stamp(t, 1);
     float nr = 1.0f;
     if constexpr (NORM) {
         __shared__ double norm_sh[8];
@@ -551,13 +557,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
                                    reinterpret_cast<float *>(s + slot_bytes + cols));
         __syncthreads();
     }
-#ifdef FATHOM_Q8X_TRACE
-    if (t.trace && threadIdx.x == 0) {
-        uint64_t ns;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        t.trace[6 * blockIdx.x + 2] = ns;
-    }
-#endif
+    q8x_stamp(t, 2);
     float acc = 0.0f;
     const float *xg = XS ? reinterpret_cast<const float *>(smem + t.xf_off) : x;  // f16 rows' x
     q8x_xrow xr = q8x_x_of(sg, w, xg, cols, smem, ck.r);
@@ -588,16 +588,7 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS)
     FATHOM_KTRACE_SCOPE(k_gemv_q8x);
     extern __shared__ __align__(16) uint8_t q8x_smem[];
     __shared__ float part[kQ8xMaxParts];
-#ifdef FATHOM_Q8X_TRACE
-    if (t.trace && threadIdx.x == 0) {
-        uint64_t ns;
-        uint32_t sm;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        t.trace[6 * blockIdx.x] = ns;
-        t.trace[6 * blockIdx.x + 4] = sm;
-    }
-#endif
+    q8x_stamp(t, 0);
     pdl_launch_dependents();
     int si = 0;
     for (int i = 1; i < t.n; ++i)
@@ -610,13 +601,9 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS)
     else
         q8x_rows<WARPS, true, U, NORM, NORM>(sg, t, x, q8x_smem, part, r0, r1);
 #ifdef FATHOM_Q8X_TRACE
-    __syncthreads();
-    if (t.trace && threadIdx.x == 0) {
-        uint64_t ns;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-        t.trace[6 * blockIdx.x + 3] = ns;
-    }
+    __syncthreads();  // the block's end: every warp done
 #endif
+    q8x_stamp(t, 3);
 }
 
 // Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
