@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -56,8 +57,9 @@ struct rank_procs::impl {
     bool joined = false;      // on_failure is for failures after the join
     std::optional<std::string> failed;
     std::unique_ptr<socket_transport> t;
-    std::mutex op_mu;  // one rank operation at a time
-    uint64_t next_sid = 1;
+    std::mutex op_mu;  // one rank operation (or in-flight batch, with_sessions) at a time
+    std::atomic<std::thread::id> holder{};  // the thread holding op_mu in with_sessions
+    std::atomic<uint64_t> next_sid{1};
 
     // posix_spawn child i, then wait for its exit (this thread is the child's parent thread, which is
     // what PR_SET_PDEATHSIG follows, so it lives as long as the child).
@@ -256,17 +258,43 @@ rank_procs::~rank_procs() {
 }
 
 uint64_t rank_procs::new_session_id() {
-    std::lock_guard<std::mutex> op(p_->op_mu);
-    return p_->next_sid++;
+    return p_->next_sid.fetch_add(1);
+}
+
+bool rank_procs::held_here() const {
+    return p_->holder.load() == std::this_thread::get_id();
+}
+
+void rank_procs::use(uint64_t sid, int64_t steps) {
+    impl &p = *p_;
+    if (!held_here()) throw error("dist: rank processes: use() outside with_sessions");
+    if (steps < 1 || steps > (int64_t{1} << 24)) throw error("dist: rank processes: bad step count " + std::to_string(steps));
+    if (auto f = p.failure()) throw error(*f);
+    p.send_control(ctl_use, sid, steps);
 }
 
 void rank_procs::with_session(uint64_t sid, const std::function<void()> &fn, int64_t steps) {
-    impl &p = *p_;
     if (steps < 1 || steps > (int64_t{1} << 24)) throw error("dist: rank processes: bad step count " + std::to_string(steps));
+    with_sessions([&] {
+        use(sid, steps);
+        fn();
+    });
+}
+
+void rank_procs::with_sessions(const std::function<void()> &fn) {
+    impl &p = *p_;
+    if (held_here()) {  // nested: the outer call holds the ranks and handles failures
+        fn();
+        return;
+    }
     std::lock_guard<std::mutex> op(p.op_mu);
+    struct holding {
+        std::atomic<std::thread::id> &h;
+        explicit holding(std::atomic<std::thread::id> &x) : h(x) { h.store(std::this_thread::get_id()); }
+        ~holding() { h.store(std::thread::id{}); }
+    } hold(p.holder);
     if (auto f = p.failure()) throw error(*f);
     try {
-        p.send_control(ctl_use, sid, steps);
         fn();
     } catch (const std::exception &e) {
         std::string line = e.what();
@@ -292,7 +320,9 @@ void rank_procs::with_session(uint64_t sid, const std::function<void()> &fn, int
 void rank_procs::free_session(uint64_t sid) noexcept {
     impl &p = *p_;
     try {
-        std::lock_guard<std::mutex> op(p.op_mu);
+        // Inside with_sessions on this thread (a session dropped in an in-flight batch): the hold is ours.
+        std::unique_lock<std::mutex> op(p.op_mu, std::defer_lock);
+        if (!held_here()) op.lock();
         if (p.failure()) return;
         p.send_control(ctl_free, sid);
     } catch (const std::exception &e) {

@@ -14,6 +14,14 @@
 //   op 22 free: drop the session's rank state;   op 23 stop: leave (exit 0).
 // Sessions take turns: a whole operation (control + the rank protocol's messages) runs under one mutex,
 // so the ranks see the operations of different sessions one after another, never interleaved.
+// In-flight batches (with_sessions): one hold of that mutex covers several sessions' operations, begun
+// in order (control, then rank 0's sends) before any is finished. Every link is ordered per (sender,
+// receiver), every child reads rank 0's controls in order and steps one session at a time, so rank r
+// receives session A's messages from rank r-1 before B's, and the last rank's answers reach rank 0 in
+// the order the operations were begun: rank 0 finishes them in that order. While a child computes A,
+// rank 0 computes B's first stage (and with 3+ ranks every stage can hold another session), which is
+// the pipeline's throughput across sequences. A send blocked on a full socket reads incoming frames
+// meanwhile (socket_transport.h), so rank 0 sending B while the last rank answers A cannot deadlock.
 //
 // Supervision: one thread per child spawns it (posix_spawn; the child's PR_SET_PDEATHSIG is tied to that
 // thread, which lives until the child is reaped) and waits for its exit. An exit before stop() is a
@@ -61,11 +69,19 @@ class rank_procs {
     rank_procs(const rank_procs &) = delete;
     rank_procs &operator=(const rank_procs &) = delete;
 
-    uint64_t new_session_id();
+    uint64_t new_session_id();  // never blocks (safe inside with_sessions)
     // Run `fn` (rank 0's side of one rank operation over link()) for session `sid`, after telling every
-    // rank to step that session's rank once. Exclusive. Any failure fails the whole group for good and
-    // throws its one-line reason (the child's exit status when a child died).
+    // rank to step that session's rank `steps` times. Exclusive. Any failure fails the whole group for
+    // good and throws its one-line reason (the child's exit status when a child died).
+    // = with_sessions([&] { use(sid, steps); fn(); }).
     void with_session(uint64_t sid, const std::function<void()> &fn, int64_t steps = 1);
+    // Run `fn` under one exclusive hold of the ranks: inside, use(sid, steps) before each session's
+    // rank-0 operation tells every rank to step that session (see the banner for the order rule).
+    // Nested calls from the holding thread (with_session, with_sessions, free_session) join the hold.
+    // Failures as with_session.
+    void with_sessions(const std::function<void()> &fn);
+    void use(uint64_t sid, int64_t steps);  // inside with_sessions only (throws elsewhere)
+    bool held_here() const;                 // the calling thread is inside with_sessions
     void free_session(uint64_t sid) noexcept;  // nothing when the group has failed
     transport &link();                         // rank 0's endpoint (use only inside with_session)
     std::optional<std::string> failure() const;

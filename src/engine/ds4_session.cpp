@@ -23,6 +23,7 @@
 // In-flight batches: the engine's sync_step / decode_step (the server's scheduler step) submit every
 // item that is a one-chunk append on its session's pipeline before collecting any (run_inflight), so
 // the stages work on different sequences at once; the other items go through sync / eval afterwards.
+// With rank processes the batch runs under one hold of their shared link (rank_procs::with_sessions).
 // With engine_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
 // every block on its share of heads and experts, src/dist/tp.h); the same rules apply.
 // With engine_options::rank_procs, ranks 1.. are child processes shared by all sessions
@@ -122,13 +123,28 @@ struct device_ranks {
         else
             tp->forward(toks, pos, logits);
     }
-    // In-process pipeline only (ds4_engine::inflight): forward() split in two (local_pipeline::submit).
+    // Pipeline layout only (ds4_engine::inflight): forward() split in two (local_pipeline::submit, or
+    // with rank processes pipeline_rank::begin_forward / finish_forward on rank 0's object). With rank
+    // processes both must run inside one procs->with_sessions hold (the caller's), collects in the
+    // order of the submits (rank_procs.h): another session's operation between them would take this
+    // one's answer.
     void submit(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> logits) {
-        if (!pipeline) throw error("dist: in-flight forwards need an in-process pipeline");
+        if (procs && pipe0 && !toks.empty()) {
+            if (!procs->held_here()) throw error("dist: in-flight forwards over rank processes need a batch hold");
+            procs->use(sid, pipe0->forward_messages(toks.size(), logits.size()));
+            pipe0->begin_forward(toks, pos, logits);
+            return;
+        }
+        if (!pipeline) throw error("dist: in-flight forwards need a pipeline layout");
         pipeline->submit(toks, pos, logits);
     }
     void collect() {
-        if (!pipeline) throw error("dist: in-flight forwards need an in-process pipeline");
+        if (procs && pipe0) {
+            if (!procs->held_here()) throw error("dist: in-flight forwards over rank processes need a batch hold");
+            if (pipe0->forward_outstanding()) pipe0->finish_forward();
+            return;
+        }
+        if (!pipeline) throw error("dist: in-flight forwards need a pipeline layout");
         pipeline->collect();
     }
     void reset() {
@@ -249,7 +265,7 @@ class ds4_session final : public session {
     bool save_state(state_writer &w) const override;
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
 
-    // ---- in-flight batches (ds4_engine::run_inflight, engine in-process pipelines only) ----
+    // ---- in-flight batches (ds4_engine::run_inflight, pipeline layouts only) ----
     const ds4_engine &owner() const { return e_; }
     // True when eval(toks) would be one pipeline forward that cannot fail its checks: 1..n_batch tokens
     // inside the vocabulary and the context. Anything else takes eval / sync (which report the error).
@@ -420,17 +436,17 @@ class ds4_engine final : public engine {
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_batch() const { return n_batch_; }
 
-    // In-process pipelines: the one-forward appends of a step are kept in flight together
-    // (run_inflight), then the other items run through session::sync / eval. Every other engine kind
-    // (one device, tp, rank processes) takes engine::decode_step / engine::sync_step's defaults.
+    // Pipelines (in-process ranks or rank processes): the one-forward appends of a step are kept in
+    // flight together (run_inflight), then the other items run through session::sync / eval. Every
+    // other engine kind (one device, tp) takes engine::decode_step / engine::sync_step's defaults.
     void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
     void sync_step(std::span<const sync_item> items) override;
 
   private:
-    // Several devices as in-process pipeline ranks (threads): not tp (its ranks all-reduce inside
-    // every block, so a rank cannot run ahead on another sequence) and not rank processes (one shared
-    // link whose children step one session per control message).
-    bool inflight() const { return !ranges_.empty() && tp_size_ == 0 && !procs_; }
+    // Several devices in the pipeline layout, as threads or as rank processes; not tp (its ranks
+    // all-reduce inside every block, so a rank cannot run ahead on another sequence). Rank processes:
+    // the batch runs under one hold of the shared link (rank_procs::with_sessions), see run_inflight.
+    bool inflight() const { return !ranges_.empty() && tp_size_ == 0; }
     // One session's share of an in-flight batch: `toks` appended in one pipeline forward.
     struct append_work {
         ds4_session *s = nullptr;
@@ -932,21 +948,34 @@ void ds4_engine::run_inflight(const std::vector<append_work> &work) {
     std::exception_ptr first;  // the first failure, rethrown once every submitted forward is collected
     std::vector<bool> submitted(work.size(), false);
     std::lock_guard<std::mutex> lock(forward_mutex_);
-    for (size_t k = 0; k < work.size(); ++k) {
+    // With rank processes the whole batch is one hold of the shared link, collected in submit order
+    // (rank_procs.h); a failure there fails the group for good (every later item throws its line).
+    const auto batch = [&] {
+        for (size_t k = 0; k < work.size(); ++k) {
+            try {
+                work[k].s->submit_append(work[k].toks);
+                submitted[k] = true;
+            } catch (...) {
+                if (!first) first = std::current_exception();
+            }
+        }
+        for (size_t k = 0; k < work.size(); ++k) {
+            if (!submitted[k]) continue;
+            try {
+                work[k].s->collect_append(work[k].toks);
+            } catch (...) {
+                if (!first) first = std::current_exception();
+            }
+        }
+    };
+    if (procs_) {
         try {
-            work[k].s->submit_append(work[k].toks);
-            submitted[k] = true;
+            procs_->with_sessions(batch);
         } catch (...) {
             if (!first) first = std::current_exception();
         }
-    }
-    for (size_t k = 0; k < work.size(); ++k) {
-        if (!submitted[k]) continue;
-        try {
-            work[k].s->collect_append(work[k].toks);
-        } catch (...) {
-            if (!first) first = std::current_exception();
-        }
+    } else {
+        batch();
     }
     if (first) std::rethrow_exception(first);
 }

@@ -425,8 +425,10 @@ TEST(CacheDir, WriterKilledMidWriteLeavesNoEntry) {
     std::string tmp;
     for (int i = 0; i < 500 && tmp.empty(); ++i) {
         for (const auto &f : d.files())
-            if (f.rfind(".tmp-", 0) == 0 && std::filesystem::file_size(d.path + "/" + f) > (1u << 20))
-                tmp = f;
+            if (f.rfind(".tmp-", 0) == 0) {
+                std::error_code ec;  // the writer may have renamed it since the listing
+                if (std::filesystem::file_size(d.path + "/" + f, ec) > (1u << 20) && !ec) tmp = f;
+            }
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     ::kill(pid, SIGKILL);

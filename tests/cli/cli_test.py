@@ -47,7 +47,7 @@ OPTIONS = {
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
     "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
     "bench": ["-m,--model", "-t,--threads", "-b,--batch", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json",
-              "--device", "--depths"],
+              "--device", "--depths", "--sessions"],
 }
 
 
@@ -270,6 +270,18 @@ def test_model(fathom, model, m, tmp, special, real):
         check(all(r["prefill_tok_s"] > 0 and r["interval_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows),
               "bench --depths reports positive rates")
     expect_error(fathom, ["bench"] + m + ["--depths", "48,16"], "bench --depths not ascending", needle="ascending")
+    # bench --sessions: S sessions through sync_step / decode_step, aggregate rates.
+    rc, out, err = run(fathom, ["bench"] + m + ["--sessions", "3", "-p", "16", "-n", "4", "--reps", "1", "--json"],
+                       timeout=300)
+    check(rc == 0, f"bench --sessions exits 0 ({err.strip()[-200:]})")
+    if rc == 0:
+        j = json.loads(out.decode())
+        check(j["sessions"] == 3 and j["prefill"]["n_tokens_per_session"] == 16 and
+              j["decode"]["n_tokens_per_session"] == 4, f"bench --sessions fields ({j!r})")
+        check(j["prefill"]["median_tok_s"] > 0 and j["decode"]["median_tok_s"] > 0 and
+              j["decode"]["median_round_ms"] > 0, "bench --sessions reports positive rates")
+    expect_error(fathom, ["bench"] + m + ["--sessions", "2", "--depths", "16"], "bench --sessions with --depths",
+                 needle="cannot be combined")
 
     # --device: cuda fails with one line when this build or machine has no CUDA device (CI); auto
     # falls back to the CPU with a notice. A build and machine with a device run it instead (no check).

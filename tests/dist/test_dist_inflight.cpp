@@ -10,6 +10,7 @@
 // prompts, a truncation, a divergence, a no-op, a decode_step) give logits bit-identical to each
 // session run alone on the one-device engine and to the same sessions synced one by one on the split
 // engine; an item the engine must refuse fails alone and leaves the other sessions right and usable.
+// Both also with ranks 1.. as `fathom rank` processes (--procs): the batch under one hold of their link.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -207,7 +208,9 @@ std::string tiny_path() {
     return ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
 }
 
-std::unique_ptr<engine> load(const std::string &devices, int64_t micro_batch, int n_ctx = 1024) {
+// procs: ranks 1.. as `fathom rank` child processes (the CLI's --procs; FATHOM_CLI is the built binary),
+// with the options below as the CLI would pass them.
+std::unique_ptr<engine> load(const std::string &devices, int64_t micro_batch, int n_ctx = 1024, bool procs = false) {
     engine_options o;
     o.model_path = tiny_path();
     o.n_threads = 2;
@@ -216,6 +219,17 @@ std::unique_ptr<engine> load(const std::string &devices, int64_t micro_batch, in
     o.ds4_qat = "full";
     o.devices = devices;
     o.micro_batch = micro_batch;
+    if (procs) {
+        o.rank_procs = true;
+        const std::string model = std::filesystem::absolute(o.model_path).string();
+        o.rank_command = [devices, model](int rank, int world, const std::string &id) {
+            return std::vector<std::string>{FATHOM_CLI, "rank", "--rank", std::to_string(rank), "--world",
+                                            std::to_string(world), "--join", id, "-m", model, "--numerics",
+                                            "invariant", "--qat", "full", "--kv-type", "f16", "--devices", devices,
+                                            "--layout", "pipeline", "--parent-pid",
+                                            std::to_string(static_cast<long>(::getpid())), "-t", "2"};
+        };
+    }
     return engine::load(o);
 }
 
@@ -337,11 +351,14 @@ void expect_same(const step_results &want, const step_results &got, const std::s
         EXPECT_TRUE(same_bits(want.logits[i], got.logits[i])) << what << ": item " << i << " (script order)";
 }
 
-class dist_inflight_engine : public ::testing::TestWithParam<std::tuple<std::string, int64_t>> {};
+// (devices, micro-batch, ranks 1.. as processes)
+class dist_inflight_engine : public ::testing::TestWithParam<std::tuple<std::string, int64_t, bool>> {};
 
 // Batched steps on the split engine == each session alone on one device == one by one on the split engine.
+// With rank processes the batch is one hold of the shared link (rank_procs::with_sessions): the children
+// step the sessions in the order rank 0 begun them, and every answer reaches its own session.
 TEST_P(dist_inflight_engine, batched_steps_equal_sessions_alone) {
-    const auto &[devices, mb] = GetParam();
+    const auto &[devices, mb, procs] = GetParam();
     const int V = load("", 0)->info().n_vocab;
     const auto steps = script(V);
     const step_results alone = run_one_by_one(*load("", 0), steps, true);
@@ -353,22 +370,25 @@ TEST_P(dist_inflight_engine, batched_steps_equal_sessions_alone) {
         for (float v : l) ASSERT_TRUE(std::isfinite(v));
     }
     EXPECT_GE(wanted, 30u);
-    const std::string what = devices + ", micro-batch " + std::to_string(mb);
-    expect_same(alone, run_one_by_one(*load(devices, mb), steps, false), what + ", one by one");
-    expect_same(alone, run_batched(*load(devices, mb), steps), what + ", batched");
+    const std::string what = devices + ", micro-batch " + std::to_string(mb) + (procs ? ", processes" : "");
+    expect_same(alone, run_one_by_one(*load(devices, mb, 1024, procs), steps, false), what + ", one by one");
+    expect_same(alone, run_batched(*load(devices, mb, 1024, procs), steps), what + ", batched");
 }
 
 INSTANTIATE_TEST_SUITE_P(dist, dist_inflight_engine,
-                         ::testing::Values(std::make_tuple("cpu,cpu", 0), std::make_tuple("cpu,cpu,cpu", 0),
-                                           std::make_tuple("cpu,cpu", 3), std::make_tuple("cpu,cpu,cpu", 5),
-                                           std::make_tuple("cpu", 0)));
+                         ::testing::Values(std::make_tuple("cpu,cpu", 0, false), std::make_tuple("cpu,cpu,cpu", 0, false),
+                                           std::make_tuple("cpu,cpu", 3, false), std::make_tuple("cpu,cpu,cpu", 5, false),
+                                           std::make_tuple("cpu", 0, false), std::make_tuple("cpu,cpu", 0, true),
+                                           std::make_tuple("cpu,cpu,cpu", 5, true)));
 
 // An item the engine must refuse (a token outside the vocabulary; a prompt past n_ctx) fails with its
 // one-line error while the step's other items complete (the in-flight appends run before the refused
 // item's sync reports it); the refused session keeps what it held; repeating the step with the good
 // items is a no-op for them; all sessions go on to give the one-device logits.
-TEST(dist_inflight, refused_item_fails_alone) {
-    auto split = load("cpu,cpu", 0, 64);
+class dist_inflight_refusal : public ::testing::TestWithParam<bool> {};  // ranks 1.. as processes
+
+TEST_P(dist_inflight_refusal, refused_item_fails_alone) {
+    auto split = load("cpu,cpu", 0, 64, GetParam());
     auto one = load("", 0, 64);
     const int V = split->info().n_vocab;
     const auto t0 = dist_test::stream(64, V, 21), t1 = dist_test::stream(64, V, 22),
@@ -432,5 +452,7 @@ TEST(dist_inflight, refused_item_fails_alone) {
               }).find("has no session"),
               std::string::npos);
 }
+
+INSTANTIATE_TEST_SUITE_P(dist, dist_inflight_refusal, ::testing::Values(false, true));
 
 }  // namespace

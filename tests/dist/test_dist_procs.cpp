@@ -166,6 +166,60 @@ TEST(dist_procs, sessions_keep_their_own_state_and_a_clean_stop_reaps_everyone) 
     EXPECT_TRUE(f.lines.empty());
 }
 
+// In-flight batch: one hold, both sessions' operations begun (control + sends) before either answer is
+// read; the answers come back per rank in the order begun, each from its own session's state. Nested
+// calls from the holder (with_session, free_session) join the hold instead of deadlocking; use() outside
+// a hold is refused.
+TEST(dist_procs, with_sessions_begins_several_operations_before_finishing_any) {
+    failures f;
+    dist::rank_procs g(3, toy_options(f));
+    const uint64_t s1 = g.new_session_id(), s2 = g.new_session_id();
+    EXPECT_EQ(add(g, s1, 1), (std::vector<int64_t>{2, 3}));
+    EXPECT_FALSE(g.held_here());
+    EXPECT_EQ(error_of([&] { g.use(s1, 1); }), "dist: rank processes: use() outside with_sessions");
+    std::vector<int64_t> a, b, c;
+    g.with_sessions([&] {
+        EXPECT_TRUE(g.held_here());
+        for (const auto &[sid, value] : {std::pair<uint64_t, int64_t>{s1, 5}, {s2, 100}}) {
+            g.use(sid, 1);
+            const int64_t cmd[2] = {cmd_add, value};
+            for (int r = 1; r < 3; ++r) g.link().send(r, cmd, sizeof cmd);
+        }
+        for (auto *out : {&a, &b})
+            for (int r = 1; r < 3; ++r) {
+                int64_t v = -1;
+                g.link().recv(r, &v, sizeof v);
+                out->push_back(v);
+            }
+        c = add(g, s1, 1);  // nested with_session
+        g.free_session(s2);  // nested free
+    });
+    EXPECT_FALSE(g.held_here());
+    EXPECT_EQ(a, (std::vector<int64_t>{12, 18}));  // s1: 1 + 5 per unit
+    EXPECT_EQ(b, (std::vector<int64_t>{200, 300}));
+    EXPECT_EQ(c, (std::vector<int64_t>{14, 21}));
+    EXPECT_EQ(add(g, s2, 1), (std::vector<int64_t>{2, 3}));  // freed inside the batch: fresh
+    EXPECT_FALSE(g.failure());
+    // A failure inside the batch fails the group with the rank's line, as with_session does: its reason,
+    // or its exit status when the supervisor saw the exit first.
+    const long pid1 = g.pids()[0];
+    const std::string e = error_of([&] {
+                  g.with_sessions([&] {
+                      g.use(s1, 1);
+                      const int64_t bad[2] = {cmd_fail, 0}, ok[2] = {cmd_add, 1};
+                      g.link().send(1, bad, sizeof bad);
+                      g.link().send(2, ok, sizeof ok);
+                      int64_t v;
+                      g.link().recv(1, &v, sizeof v);
+                  });
+              });
+    EXPECT_TRUE(e == "dist: rank 1 failed: toy rank 1 refuses" ||
+                e == "dist: rank 1 (pid " + std::to_string(pid1) + ") exited: status 1")
+        << e;
+    EXPECT_EQ(g.failure(), e);
+    EXPECT_FALSE(g.held_here());
+}
+
 TEST(dist_procs, killed_rank_fails_the_in_flight_and_later_operations_with_its_status) {
     failures f;
     dist::rank_procs g(3, toy_options(f));

@@ -23,6 +23,11 @@ if(Python3_Interpreter_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(dist_procs_cli PROPERTIES LABELS dist TIMEOUT 180)
 endif()
+# test_dist spawns `fathom rank` processes (the engine's --procs in flight, test_dist_inflight.cpp).
+if(TARGET fathom AND TARGET test_dist)
+    target_compile_definitions(test_dist PRIVATE FATHOM_CLI="$<TARGET_FILE:fathom>")
+    add_dependencies(test_dist fathom)
+endif()
 
 # NCCL transport (src/dist/nccl_transport.cc; the .cc extension keeps it out of fathom_core's *.cpp
 # glob, which has no NCCL) and its two-process smoke test, built only with -DFATHOM_CUDA=ON where

@@ -12,6 +12,11 @@
 // are prefixes of one sequence; the interval's rate is its own time, not a difference of two runs,
 // which timing noise could make negative at small depths), then -n tokens decoded at that depth:
 // decode tok/s at context frontiers with the roofline line for each.
+// --sessions S (S >= 2): S sessions at once, as the server's scheduler drives them: each rep resets them,
+// prefills their prompts (-p tokens, a different pseudo-random sequence per session) in one
+// engine::sync_step, then runs -n engine::decode_step rounds over all S (one greedy token per session per
+// round). Reported: aggregate prefill and decode tok/s (S x tokens / wall time) and the mean round time;
+// in-flight pipelines (--devices, pipeline layout) keep every stage busy with a different session.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -37,6 +42,7 @@ struct bench_args {
     bool json = false;
     bool no_warmup = false;
     std::vector<int64_t> depths;  // --depths: prefill + decode at each context depth
+    int32_t sessions = 1;         // --sessions: concurrent sessions through sync_step / decode_step
 };
 
 struct rates {
@@ -71,8 +77,8 @@ sampling_params greedy_params() {
 }
 
 // The benchmark prompt: n pseudo-random ids (fixed seed, so runs compare across builds), BOS first.
-std::vector<int32_t> bench_prompt(const engine &eng, int64_t n) {
-    std::mt19937 rng(12345);
+std::vector<int32_t> bench_prompt(const engine &eng, int64_t n, uint32_t seed = 12345) {
+    std::mt19937 rng(seed);
     std::uniform_int_distribution<int32_t> pick(0, eng.info().n_vocab - 1);
     std::vector<int32_t> prompt(static_cast<size_t>(n));
     for (auto &t : prompt) t = pick(rng);
@@ -142,11 +148,86 @@ void bench_depths(const bench_args &a, engine &eng, const std::vector<int32_t> &
     }
 }
 
+// --sessions: S sessions stepped together (see the banner).
+void bench_sessions(const bench_args &a, engine &eng) {
+    const model_info &info = eng.info();
+    const size_t S = static_cast<size_t>(a.sessions);
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<std::unique_ptr<session>> ss;
+    std::vector<session *> sp;
+    for (size_t i = 0; i < S; ++i) {
+        prompts.push_back(bench_prompt(eng, a.n_prompt, 12345 + static_cast<uint32_t>(i)));
+        ss.push_back(eng.new_session());
+        sp.push_back(ss.back().get());
+    }
+    sampler smp(greedy_params());
+    std::vector<int32_t> toks(S);
+    // One rep: reset, prefill all (one sync_step), `n` decode rounds; returns {prefill s, decode s}.
+    const auto rep = [&](int n) {
+        for (auto &s : ss) s->reset();
+        std::vector<sync_item> items;
+        for (size_t i = 0; i < S; ++i) items.push_back({sp[i], prompts[i], true});
+        const auto t0 = clock::now();
+        eng.sync_step(items);
+        const double pre = seconds_since(t0);
+        const auto t1 = clock::now();
+        for (int k = 0; k < n; ++k) {
+            for (size_t i = 0; i < S; ++i) toks[i] = greedy(*sp[i], smp);
+            eng.decode_step(sp, toks);
+        }
+        return std::pair<double, double>{pre, seconds_since(t1)};
+    };
+    if (!a.no_warmup) rep(std::min(a.n_gen, 8));
+    std::vector<double> prefill, decode, round_ms;
+    for (int r = 0; r < a.reps; ++r) {
+        const auto [pre, dec] = rep(a.n_gen);
+        prefill.push_back(static_cast<double>(S) * a.n_prompt / pre);
+        if (a.n_gen > 0) {
+            decode.push_back(static_cast<double>(S) * a.n_gen / dec);
+            round_ms.push_back(1e3 * dec / a.n_gen);
+        }
+        if (!a.json) std::fprintf(stderr, "rep %d/%d done\n", r + 1, a.reps);
+    }
+    const rates p = summarise(prefill), d = summarise(decode), rm = summarise(round_ms);
+    if (a.json) {
+        nlohmann::json j = {
+            {"model", info.path}, {"arch", info.arch}, {"device", info.device}, {"threads", a.model.threads},
+            {"sessions", a.sessions}, {"reps", a.reps},
+            {"prefill", {{"n_tokens_per_session", a.n_prompt}, {"best_tok_s", p.best}, {"median_tok_s", p.median}}},
+            {"decode", {{"n_tokens_per_session", a.n_gen}, {"best_tok_s", d.best}, {"median_tok_s", d.median},
+                        {"median_round_ms", rm.median}}},
+        };
+        write_out(j.dump() + "\n");
+        return;
+    }
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "%d sessions, prefill %d tokens each: aggregate best %.1f tok/s, median %.1f tok/s (%d reps)\n",
+                  a.sessions, a.n_prompt, p.best, p.median, a.reps);
+    write_out(line);
+    if (a.n_gen > 0)
+        std::snprintf(line, sizeof line,
+                      "%d sessions, decode %d tokens each: aggregate best %.1f tok/s, median %.1f tok/s; "
+                      "median round %.2f ms (%d reps)\n",
+                      a.sessions, a.n_gen, d.best, d.median, rm.median, a.reps);
+    else
+        std::snprintf(line, sizeof line, "decode: skipped (-n 0)\n");
+    write_out(line);
+}
+
 void bench_main(const bench_args &a) {
     if (a.n_prompt < 1) throw error("bench: -p must be >= 1");
     if (a.reps < 1) throw error("bench: --reps must be >= 1");
+    if (a.sessions > 1 && !a.depths.empty()) throw error("bench: --sessions and --depths cannot be combined");
     auto eng = load_engine(a.model);
     const model_info &info = eng->info();
+    if (a.sessions > 1) {
+        if (static_cast<int64_t>(a.n_prompt) + a.n_gen > info.n_ctx)
+            throw error("bench: -p + -n = " + std::to_string(static_cast<int64_t>(a.n_prompt) + a.n_gen) +
+                        " exceeds the context of " + std::to_string(info.n_ctx) + " (raise --ctx)");
+        bench_sessions(a, *eng);
+        return;
+    }
     if (!a.depths.empty()) {
         std::vector<int64_t> d = a.depths;
         if (!std::is_sorted(d.begin(), d.end()) || d.front() < 1 || std::adjacent_find(d.begin(), d.end()) != d.end())
@@ -249,6 +330,11 @@ void add_bench_command(CLI::App &app) {
     cmd->add_option("--depths", a->depths,
                     "Comma-separated context depths: prefill a prompt to each (interval rates) and decode -n tokens there")
         ->delimiter(',');
+    cmd->add_option("--sessions", a->sessions,
+                    "Concurrent sessions stepped together as the server does (engine sync_step / decode_step); "
+                    "aggregate tok/s over all of them")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1024));
     cmd->callback([a]() { bench_main(*a); });
 }
 
