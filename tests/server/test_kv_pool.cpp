@@ -81,7 +81,9 @@ TEST(KvPool, SchedulerReservesAndFreesBlocks) {
     EXPECT_EQ(s.stats().kv_blocks_used, 5);
     // A second request needing 5 blocks cannot fit beside it (3 free): it waits, it is not refused.
     auto b = s.submit(completion(30, 50));
-    std::this_thread::sleep_for(30ms);
+    // a runs for >= 120 ms (40 steps of 3 ms): poll until the scheduler has seen b wait (a fixed sleep
+    // flakes on a loaded sanitizer run).
+    for (int i = 0; i < 100 && s.stats().kv_waits == 0; ++i) std::this_thread::sleep_for(1ms);
     auto st = s.stats();
     EXPECT_EQ(st.slots_busy, 1);
     EXPECT_EQ(st.queue_depth, 1);
