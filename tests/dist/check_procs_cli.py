@@ -10,7 +10,8 @@ CPU (default; tests/dist/tests.cmake, ctest dist_procs_cli):
   * `fathom logits` (prefill and decode modes) with --procs: bit-identical to the in-process ranks (pipeline
     2 and 3 ranks; tp 2 ranks) and, for the pipeline, to one device;
   * `fathom serve --devices cpu,cpu --procs` answers a chat completion identically to the in-process
-    server; two sessions (--parallel 2) interleaved give the single-session answers; then the child rank is
+    server; two sessions (--parallel 2) interleaved, and both requests at once (the sessions in flight over
+    the processes), give the single-session answers; then the child rank is
     SIGKILLed: the server exits non-zero within 5 s with the one line
     `error: dist: rank 1 (pid N) exited: killed by signal 9 (Killed)`, and no rank process is left; with
     three ranks, killing the middle one gives that line for it (not for its neighbour, which also stops);
@@ -35,6 +36,7 @@ two or three processes share it): the same shape with the device lists switched:
     and no `--rank-layers` fails with one line."""
 import argparse
 import array
+import concurrent.futures
 import json
 import os
 import re
@@ -289,6 +291,13 @@ class Checks:
             got += [chat(srv.url, p) for p in reversed(prompts)]  # the slots' sessions take turns in the children
             if got != want + list(reversed(want)):
                 fail(f"serve --devices {devices} --procs answered {got!r}, the in-process server {want!r}")
+            # Both at once: the scheduler steps the two slots together, their forwards in flight over the
+            # processes (rank_procs::with_sessions); each answer is still its own.
+            for _ in range(2):
+                with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+                    both = list(ex.map(lambda p: chat(srv.url, p), prompts))
+                if both != want:
+                    fail(f"serve --devices {devices} --procs, concurrent requests answered {both!r}, want {want!r}")
             os.kill(pids[0], signal.SIGKILL)
             t0 = time.time()
             try:
