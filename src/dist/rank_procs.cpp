@@ -173,6 +173,26 @@ struct rank_procs::impl {
         std::lock_guard<std::mutex> lock(mu);
         return failed;
     }
+
+    // An operation threw `line`: fail the group, with the supervisor's line when it knows the cause
+    // better, and return the group's line. A peer failed: a child's exit status arrives a moment after its
+    // socket's EOF, and a neighbour's abort reason -- "peer rank 1 exited" -- can arrive before that EOF.
+    // A spawned child seen dead: wait for its status (at most 2 s behind, see run_child); another peer
+    // failure: 0.5 s for an exit report.
+    std::string fail_after(std::string line) {
+        {
+            std::unique_lock<std::mutex> lock(mu);
+            const int dead = t->dead_peer();
+            const bool spawned_dead =
+                dead > 0 && dead <= static_cast<int>(kids.size()) && kids[static_cast<size_t>(dead - 1)].started;
+            if (spawned_dead || t->peer_failed())
+                cv.wait_for(lock, spawned_dead ? std::chrono::milliseconds(3000) : std::chrono::milliseconds(500),
+                            [&] { return failed.has_value(); });
+            if (failed) line = *failed;
+        }
+        fail(line);
+        return *failure();
+    }
 };
 
 rank_procs::rank_procs(int world, rank_procs_options o) : p_(std::make_unique<impl>()) {
@@ -283,8 +303,16 @@ void rank_procs::with_session(uint64_t sid, const std::function<void()> &fn, int
 
 void rank_procs::with_sessions(const std::function<void()> &fn) {
     impl &p = *p_;
-    if (held_here()) {  // nested: the outer call holds the ranks and handles failures
-        fn();
+    if (held_here()) {
+        // Nested: the outer call holds the ranks. A failure here fails the group at once, as the outer
+        // call would, even when the caller catches it and goes on (the engine's in-flight batch does, for
+        // its other sessions): the ranks may be waiting for this operation's messages or have answers
+        // queued for it, so nothing else may use the link, not even a free_session in the caller's cleanup.
+        try {
+            fn();
+        } catch (const std::exception &e) {
+            throw error(p.fail_after(e.what()));
+        }
         return;
     }
     std::lock_guard<std::mutex> op(p.op_mu);
@@ -297,23 +325,7 @@ void rank_procs::with_sessions(const std::function<void()> &fn) {
     try {
         fn();
     } catch (const std::exception &e) {
-        std::string line = e.what();
-        {
-            // A peer failed: the supervisor may know the cause better (a child's exit status arrives a
-            // moment after its socket's EOF, and a neighbour's abort reason -- "peer rank 1 exited" -- can
-            // arrive before that EOF). A spawned child seen dead: wait for its status (at most 2 s behind,
-            // see run_child); another peer failure: 0.5 s for an exit report.
-            std::unique_lock<std::mutex> lock(p.mu);
-            const int dead = p.t->dead_peer();
-            const bool spawned_dead =
-                dead > 0 && dead <= static_cast<int>(p.kids.size()) && p.kids[static_cast<size_t>(dead - 1)].started;
-            if (spawned_dead || p.t->peer_failed())
-                p.cv.wait_for(lock, spawned_dead ? std::chrono::milliseconds(3000) : std::chrono::milliseconds(500),
-                              [&] { return p.failed.has_value(); });
-            if (p.failed) line = *p.failed;
-        }
-        p.fail(line);
-        throw error(*p.failure());
+        throw error(p.fail_after(e.what()));
     }
 }
 
@@ -326,7 +338,7 @@ void rank_procs::free_session(uint64_t sid) noexcept {
         if (p.failure()) return;
         p.send_control(ctl_free, sid);
     } catch (const std::exception &e) {
-        p.fail(e.what());
+        p.fail_after(e.what());
     }
 }
 

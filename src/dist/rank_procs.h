@@ -78,7 +78,8 @@ class rank_procs {
     // Run `fn` under one exclusive hold of the ranks: inside, use(sid, steps) before each session's
     // rank-0 operation tells every rank to step that session (see the banner for the order rule).
     // Nested calls from the holding thread (with_session, with_sessions, free_session) join the hold.
-    // Failures as with_session.
+    // Failures as with_session; one inside a nested call fails the group at once, even when the caller
+    // catches it (the ranks may wait for messages of that operation or hold answers queued for it).
     void with_sessions(const std::function<void()> &fn);
     void use(uint64_t sid, int64_t steps);  // inside with_sessions only (throws elsewhere)
     bool held_here() const;                 // the calling thread is inside with_sessions

@@ -127,12 +127,16 @@ struct device_ranks {
     // with rank processes pipeline_rank::begin_forward / finish_forward on rank 0's object). With rank
     // processes both must run inside one procs->with_sessions hold (the caller's), collects in the
     // order of the submits (rank_procs.h): another session's operation between them would take this
-    // one's answer.
+    // one's answer. Each half is a nested with_sessions, so that a failure in it (even one on rank 0
+    // alone, after the children were told to step this session) fails the group before the caller's
+    // cleanup (free_session) or the batch's next session could use the link.
     void submit(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> logits) {
         if (procs && pipe0 && !toks.empty()) {
             if (!procs->held_here()) throw error("dist: in-flight forwards over rank processes need a batch hold");
-            procs->use(sid, pipe0->forward_messages(toks.size(), logits.size()));
-            pipe0->begin_forward(toks, pos, logits);
+            procs->with_sessions([&] {
+                procs->use(sid, pipe0->forward_messages(toks.size(), logits.size()));
+                pipe0->begin_forward(toks, pos, logits);
+            });
             return;
         }
         if (!pipeline) throw error("dist: in-flight forwards need a pipeline layout");
@@ -141,7 +145,7 @@ struct device_ranks {
     void collect() {
         if (procs && pipe0) {
             if (!procs->held_here()) throw error("dist: in-flight forwards over rank processes need a batch hold");
-            if (pipe0->forward_outstanding()) pipe0->finish_forward();
+            if (pipe0->forward_outstanding()) procs->with_sessions([&] { pipe0->finish_forward(); });
             return;
         }
         if (!pipeline) throw error("dist: in-flight forwards need a pipeline layout");

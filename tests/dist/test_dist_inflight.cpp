@@ -12,6 +12,7 @@
 // engine; an item the engine must refuse fails alone and leaves the other sessions right and usable.
 // Both also with ranks 1.. as `fathom rank` processes (--procs): the batch under one hold of their link.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -454,5 +455,34 @@ TEST_P(dist_inflight_refusal, refused_item_fails_alone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(dist, dist_inflight_refusal, ::testing::Values(false, true));
+
+// A rank process killed between two steps: the next step's in-flight batch (several sessions begun on the
+// shared link) fails with the group's one line, the killed rank's exit status -- not a socket's view of it
+// ("peer rank 1 ... exited"), which a session's cleanup inside the batch (free_session) used to make the
+// group's line -- and every later step fails with the same line.
+TEST(dist_inflight_procs, killed_rank_fails_the_batch_with_its_status) {
+    auto split = load("cpu,cpu,cpu", 0, 1024, true);
+    const int V = split->info().n_vocab;
+    const std::string dev = split->info().device;
+    const size_t at = dev.find("rank 1 pid ");
+    ASSERT_NE(at, std::string::npos) << dev;
+    const long pid1 = std::stol(dev.substr(at + 11));
+    std::vector<std::unique_ptr<session>> ss;
+    std::vector<session *> sp;
+    for (int i = 0; i < 3; ++i) {
+        ss.push_back(split->new_session());
+        sp.push_back(ss.back().get());
+    }
+    const std::vector<int32_t> p0 = dist_test::stream(8, V, 31), p1 = dist_test::stream(9, V, 32),
+                               p2 = dist_test::stream(10, V, 33);
+    split->sync_step(std::vector<sync_item>{{sp[0], p0}, {sp[1], p1}, {sp[2], p2}});
+    const std::vector<int32_t> toks = {1, 2, 3};
+    split->decode_step(sp, toks);
+    ASSERT_EQ(::kill(static_cast<pid_t>(pid1), SIGKILL), 0);
+    const std::string want = "dist: rank 1 (pid " + std::to_string(pid1) + ") exited: killed by signal 9 (Killed)";
+    EXPECT_EQ(error_of([&] { split->decode_step(sp, toks); }), want);
+    EXPECT_EQ(error_of([&] { split->decode_step(sp, toks); }), want);
+    EXPECT_EQ(error_of([&] { ss[0]->eval(toks); }), want);
+}
 
 }  // namespace

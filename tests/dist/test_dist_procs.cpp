@@ -220,6 +220,34 @@ TEST(dist_procs, with_sessions_begins_several_operations_before_finishing_any) {
     EXPECT_FALSE(g.held_here());
 }
 
+// A failure inside a nested call fails the group at once, even when the batch's caller catches it and goes
+// on (the engine's run_inflight keeps every session's failure and goes on to the next): here the children
+// were told to step s1 and wait for its command, so s2's control or a free_session of s1 would be taken for
+// that command. Before the fix the group stayed healthy and use(s2) went out on the desynchronised link.
+TEST(dist_procs, with_sessions_failure_in_a_nested_call_fails_the_group_even_when_caught) {
+    failures f;
+    dist::rank_procs g(3, toy_options(f));
+    const uint64_t s1 = g.new_session_id(), s2 = g.new_session_id();
+    EXPECT_EQ(add(g, s1, 1), (std::vector<int64_t>{2, 3}));
+    const std::string why = "rank 0: s1's forward failed here";
+    std::string first, then;
+    g.with_sessions([&] {
+        first = error_of([&] { g.with_session(s1, [&] { throw error(why); }); });
+        then = error_of([&] { g.use(s2, 1); });
+        g.free_session(s1);  // the session's cleanup: nothing to send once the group failed
+    });
+    EXPECT_EQ(first, why);
+    EXPECT_EQ(then, why);
+    EXPECT_EQ(g.failure(), why);
+    EXPECT_EQ(error_of([&] { add(g, s2, 1); }), why);
+    for (auto t1 = clk::now(); clk::now() - t1 < 3s; std::this_thread::sleep_for(10ms)) {
+        std::lock_guard<std::mutex> lock(f.mu);
+        if (!f.lines.empty()) break;
+    }
+    std::lock_guard<std::mutex> lock(f.mu);
+    EXPECT_EQ(f.lines, std::vector<std::string>{why});
+}
+
 TEST(dist_procs, killed_rank_fails_the_in_flight_and_later_operations_with_its_status) {
     failures f;
     dist::rank_procs g(3, toy_options(f));
