@@ -237,6 +237,10 @@ public:
     // empty or those of the last kept token (the default goes through sync(), which re-derives
     // them); a later sync() of a longer prefix evaluates only what is missing.
     virtual void truncate(int64_t n_keep);
+    // True when truncate() only forgets positions (no re-evaluation), so a speculative step can drop
+    // its rejected drafts for nothing (include/fathom/speculative.h). The dense sessions: true; DS4:
+    // false (its state cannot drop positions).
+    virtual bool rolls_back() const { return false; }
     // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
     // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
     // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,

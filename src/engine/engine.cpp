@@ -153,6 +153,7 @@ public:
         if (seq_ >= 0) pool_->seq_close(seq_);
     }
     void truncate(int64_t n_keep) override;
+    bool rolls_back() const override { return true; }  // truncate drops positions (drop_after)
     bool kv_reserve(int64_t n_tokens) override;
     int64_t kv_blocks() const override { return seq_ >= 0 ? pool_->held(seq_) : 0; }
     // Saved states: CPU sessions (paged KV) and CUDA sessions (the contiguous device cache, copied

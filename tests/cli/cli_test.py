@@ -41,9 +41,10 @@ OPTIONS = {
     "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--numerics", "--progress",
             "--device", "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
             "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
-            "--presence-penalty", "--seed"],
+            "--presence-penalty", "--seed", "--spec", "--draft-max", "--ngram-min", "--ngram-max"],
     "chat": ["-m,--model", "--models-dir", "--system", "-n,--n-predict", "--stats", "--temp", "--top-k",
-             "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device"],
+             "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device",
+             "--spec", "--draft-max"],
     "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
     "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
     "bench": ["-m,--model", "-t,--threads", "-b,--batch", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json",
@@ -282,6 +283,17 @@ def test_model(fathom, model, m, tmp, special, real):
               j["decode"]["median_round_ms"] > 0, "bench --sessions reports positive rates")
     expect_error(fathom, ["bench"] + m + ["--sessions", "2", "--depths", "16"], "bench --sessions with --depths",
                  needle="cannot be combined")
+
+    # --spec ngram: the same text as plain decoding (greedy, and sampled with a seed), a spec stats line.
+    for extra in (["--temp", "0"], ["--temp", "0.8", "--seed", "5"]):
+        args = ["run"] + m + ["-p", "one two three one two three one two three", "-n", "24"] + extra
+        rc, plain_out, _ = run(fathom, args, timeout=300)
+        rc2, spec_out, spec_err = run(fathom, args + ["--spec", "ngram", "--draft-max", "4"], timeout=300)
+        check(rc == 0 and rc2 == 0 and plain_out == spec_out,
+              f"run --spec ngram {' '.join(extra)} prints the plain decoding text ({plain_out!r} vs {spec_out!r})")
+        check("spec: " in spec_err and "drafted" in spec_err, "run --spec ngram reports its drafts")
+    expect_error(fathom, ["run"] + m + ["-p", "hi", "--spec", "ngram", "--ngram-min", "5"],
+                 "run --ngram-min above --ngram-max", needle="ngram_min")
 
     # --device: cuda fails with one line when this build or machine has no CUDA device (CI); auto
     # falls back to the CPU with a notice. A build and machine with a device run it instead (no check).

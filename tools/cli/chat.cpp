@@ -19,10 +19,12 @@ struct chat_args {
     std::string system;
     int32_t n_predict = 1024;
     bool stats = false;
+    spec_args spec;
 };
 
 void chat_main(const chat_args &a) {
     a.sampling.validate();
+    a.spec.ngram.validate();
     auto eng = load_engine(a.model);
     auto sess = eng->new_session();
     sampler smp(a.sampling);
@@ -63,7 +65,8 @@ void chat_main(const chat_args &a) {
                           [&reply](std::string_view s) {
                               reply += s;
                               write_out(s);
-                          });
+                          },
+                          nullptr, &a.spec);
         } catch (const error &e) {
             history.pop_back();  // keep the conversation as it was before the failed turn
             if (!interactive) throw;
@@ -91,6 +94,7 @@ void add_chat_command(CLI::App &app) {
         ->check(at_least(0));
     cmd->add_flag("--stats", a->stats, "Print prefill/decode speed after each reply (stderr)");
     add_sampling_options(cmd, a->sampling);
+    add_spec_options(cmd, a->spec);
     cmd->callback([a]() { chat_main(*a); });
 }
 

@@ -343,7 +343,8 @@ std::vector<int32_t> tokenize_prompt(const engine &eng, const std::string &text)
 
 generation_stats generate(engine &eng, session &sess, sampler &smp, const std::vector<int32_t> &prompt,
                           int32_t max_tokens, bool show_progress,
-                          const std::function<void(std::string_view)> &on_text, std::vector<int32_t> *out) {
+                          const std::function<void(std::string_view)> &on_text, std::vector<int32_t> *out,
+                          const spec_args *spec) {
     const int64_t n_ctx = eng.info().n_ctx;
     generation_stats st;
     st.n_prompt = static_cast<int64_t>(prompt.size());
@@ -366,6 +367,25 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
 
     fathom::utf8_stream text;  // holds back a partial UTF-8 character between tokens
     const auto t1 = clock::now();
+    if (spec && spec->enabled()) {
+        // The loop below, with drafts: the callback is its body between the sample and the eval.
+        st.speculative = true;
+        st.spec = spec::generate_ngram(sess, smp, n_ctx, spec->ngram, [&](int32_t tok) {
+            if (eng.is_end_of_generation(tok)) {
+                st.hit_eog = true;
+                return spec::token_verdict::stop;
+            }
+            ++st.n_generated;
+            if (out) out->push_back(tok);
+            on_text(text.push(eng.token_to_piece(tok)));
+            return max_tokens > 0 && st.n_generated >= max_tokens ? spec::token_verdict::keep_and_stop
+                                                                  : spec::token_verdict::keep;
+        });
+        st.hit_ctx = st.spec.hit_ctx;
+        on_text(text.flush());
+        st.decode_s = seconds_since(t1);
+        return st;
+    }
     for (;;) {
         const sample_result r = sess.sample(smp, sess.tokens());
         if (eng.is_end_of_generation(r.token)) {
@@ -387,17 +407,42 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
     return st;
 }
 
+void add_spec_options(CLI::App *cmd, spec_args &a) {
+    cmd->add_option("--spec", a.mode,
+                    "Speculative decoding: none, or ngram (drafts from n-grams already in the prompt and output; "
+                    "same tokens, fewer forwards; dense models)")
+        ->check(CLI::IsMember({"none", "ngram"}))
+        ->capture_default_str();
+    cmd->add_option("--draft-max", a.ngram.draft_max, "--spec ngram: most tokens drafted per step")
+        ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    cmd->add_option("--ngram-min", a.ngram.ngram_min, "--spec ngram: shortest n-gram looked up")
+        ->check(CLI::Range(1, 16))
+        ->capture_default_str();
+    cmd->add_option("--ngram-max", a.ngram.ngram_max, "--spec ngram: longest n-gram looked up")
+        ->check(CLI::Range(1, 16))
+        ->capture_default_str();
+}
+
 std::string format_stats(const generation_stats &s) {
     auto rate = [](int64_t n, double sec) { return sec > 0.0 ? static_cast<double>(n) / sec : 0.0; };
     char reused[64] = "";
     if (s.n_prompt > s.n_prefilled)
         std::snprintf(reused, sizeof reused, " (+%lld reused)", static_cast<long long>(s.n_prompt - s.n_prefilled));
-    char buf[256];
+    char buf[384];
     std::snprintf(buf, sizeof buf,
                   "prefill: %lld tokens%s in %.3f s (%.1f tok/s) | decode: %lld tokens in %.3f s (%.1f tok/s)",
                   static_cast<long long>(s.n_prefilled), reused, s.prefill_s, rate(s.n_prefilled, s.prefill_s),
                   static_cast<long long>(s.n_generated), s.decode_s, rate(s.n_generated, s.decode_s));
-    return buf;
+    std::string out = buf;
+    if (s.speculative) {
+        std::snprintf(buf, sizeof buf, " | spec: %lld forwards, %lld drafted, %lld accepted (%.1f%%)",
+                      static_cast<long long>(s.spec.steps), static_cast<long long>(s.spec.drafted),
+                      static_cast<long long>(s.spec.accepted),
+                      s.spec.drafted > 0 ? 100.0 * static_cast<double>(s.spec.accepted) / static_cast<double>(s.spec.drafted) : 0.0);
+        out += buf;
+    }
+    return out;
 }
 
 }  // namespace fathom::cli

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fathom/engine.h"
+#include "fathom/speculative.h"
 #include "fathom/sampling.h"
 
 namespace fathom::cli {
@@ -79,6 +80,15 @@ CLI::Validator at_least(long long min);
 // --presence-penalty, --seed. Values are checked later by sampling_params::validate().
 void add_sampling_options(CLI::App *cmd, sampling_params &p);
 
+// Speculative decoding (include/fathom/speculative.h): --spec none|ngram, --draft-max, --ngram-min,
+// --ngram-max. spec_args::enabled() when --spec ngram.
+struct spec_args {
+    std::string mode = "none";
+    spec::ngram_options ngram;
+    bool enabled() const { return mode == "ngram"; }
+};
+void add_spec_options(CLI::App *cmd, spec_args &a);
+
 // ---------------------------------------------------------------------------------------------
 // Terminal helpers
 // ---------------------------------------------------------------------------------------------
@@ -120,15 +130,19 @@ struct generation_stats {
     double decode_s = 0.0;
     bool hit_eog = false;
     bool hit_ctx = false;
+    bool speculative = false;  // decoded with n-gram drafts (the counts below)
+    spec::spec_stats spec;
 };
 
 // Syncs the session to `prompt` (prefill), then samples up to max_tokens (0 = until EOG or the
 // context is full), streaming text through on_text. Returns the generated token ids in `out`.
 // Throws fathom::error if the prompt does not fit the context.
+// With `spec` (enabled), the decode loop drafts with n-grams (spec::generate_ngram): the same tokens
+// (CPU default numerics), fewer forwards.
 generation_stats generate(engine &eng, session &sess, sampler &smp, const std::vector<int32_t> &prompt,
                           int32_t max_tokens, bool show_progress,
                           const std::function<void(std::string_view)> &on_text,
-                          std::vector<int32_t> *out = nullptr);
+                          std::vector<int32_t> *out = nullptr, const spec_args *spec = nullptr);
 
 // "prefill: 12 tokens (+30 reused) in 0.050 s (240.0 tok/s) | decode: 64 tokens in 1.200 s (53.3 tok/s)"
 // ("(+N reused)" only when the session already held part of the prompt.)

@@ -29,6 +29,7 @@ struct run_args {
     std::string drafter_device = "cpu";
     bool pflash_verbatim_user = false;
     int32_t drafter_window = 512;
+    spec_args spec;
 };
 
 std::string read_file(const std::string &path) {
@@ -41,6 +42,7 @@ std::string read_file(const std::string &path) {
 
 void run_main(const run_args &a) {
     a.sampling.validate();  // before the (slow) load, so a bad --temp fails at once
+    a.spec.ngram.validate();
     pflash::validate_keep_ratio(a.keep_ratio, "--keep-ratio");
     const pflash::drafter_residency residency = pflash::parse_residency(a.drafter_residency);
     const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
@@ -80,7 +82,8 @@ void run_main(const run_args &a) {
     sampler smp(a.sampling);
     const bool progress = a.model.progress || (stderr_is_tty() && tokens.size() > 512);
     const generation_stats st =
-        generate(*eng, *sess, smp, tokens, a.n_predict, progress, [](std::string_view s) { write_out(s); });
+        generate(*eng, *sess, smp, tokens, a.n_predict, progress, [](std::string_view s) { write_out(s); }, nullptr,
+                 &a.spec);
     write_out("\n");
     if (st.hit_ctx) std::fprintf(stderr, "note: stopped at the end of the context (%d tokens)\n", eng->info().n_ctx);
     std::fprintf(stderr, "%s\n", format_stats(st).c_str());
@@ -102,6 +105,7 @@ void add_run_command(CLI::App &app) {
     cmd->add_option("--system", a->system, "System message (chat mode only)");
     cmd->add_flag("--no-chat", a->no_chat,
                   "Feed the prompt as raw text instead of wrapping it in the model's chat template");
+    add_spec_options(cmd, a->spec);
     cmd->add_flag("--pflash", a->pflash, "Compress the prompt with PFlash before prefill (docs/pflash.md)");
     cmd->add_option("--keep-ratio", a->keep_ratio, "PFlash: fraction of prompt chunks kept, in [0, 1]")
         ->capture_default_str();

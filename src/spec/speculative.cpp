@@ -1,0 +1,124 @@
+// N-gram speculative decoding (include/fathom/speculative.h, docs/speculative.md).
+#include "fathom/speculative.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace fathom::spec {
+
+void ngram_options::validate() const {
+    if (draft_max < 1 || draft_max > 64) throw error("speculative: draft_max must be in [1, 64], got " + std::to_string(draft_max));
+    if (ngram_max < 1 || ngram_max > 16) throw error("speculative: ngram_max must be in [1, 16], got " + std::to_string(ngram_max));
+    if (ngram_min < 1 || ngram_min > ngram_max)
+        throw error("speculative: ngram_min must be in [1, ngram_max = " + std::to_string(ngram_max) + "], got " +
+                    std::to_string(ngram_min));
+}
+
+std::vector<int32_t> ngram_draft(std::span<const int32_t> h, const ngram_options &o, int32_t max) {
+    const size_t n = h.size();
+    if (max <= 0) return {};
+    for (size_t len = std::min<size_t>(static_cast<size_t>(o.ngram_max), n > 0 ? n - 1 : 0);
+         len >= static_cast<size_t>(o.ngram_min) && len > 0; --len) {
+        const int32_t *suffix = h.data() + (n - len);
+        // Most recent earlier occurrence: start positions i < n - len, scanned from the end. An occurrence
+        // overlapping the suffix is fine (a periodic history drafts its period).
+        for (size_t i = n - len; i-- > 0;) {
+            if (!std::equal(suffix, suffix + len, h.data() + i)) continue;
+            const size_t from = i + len;  // < n: what followed that occurrence
+            const size_t take = std::min<size_t>(static_cast<size_t>(max), n - from);
+            return {h.begin() + static_cast<std::ptrdiff_t>(from), h.begin() + static_cast<std::ptrdiff_t>(from + take)};
+        }
+    }
+    return {};
+}
+
+spec_stats generate_ngram(session &s, sampler &smp, int64_t n_ctx, const ngram_options &o,
+                          const std::function<token_verdict(int32_t)> &on_token) {
+    o.validate();
+    return generate(s, smp, n_ctx, o.draft_max, o.adaptive,
+                    [&o](std::span<const int32_t> h, int32_t max) { return ngram_draft(h, o, max); }, on_token);
+}
+
+spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, bool adaptive, const drafter &draft,
+                    const std::function<token_verdict(int32_t)> &on_token) {
+    if (draft_max < 1 || draft_max > 64)
+        throw error("speculative: draft_max must be in [1, 64], got " + std::to_string(draft_max));
+    if (!s.rolls_back())
+        throw error("speculative decoding needs a session that can drop rejected positions; this engine's "
+                    "sessions cannot (DeepSeek V4: its state has no cheap rollback yet)");
+    spec_stats st;
+    std::vector<int32_t> hist = s.tokens();  // what the session holds (+ the kept tokens as they come)
+    std::vector<float> rows;                 // [1 + k, n_vocab] logits of the step's forward
+    std::span<const float> logits = s.logits();
+    if (hist.empty() || logits.empty()) throw error("speculative decoding: the session holds no prompt logits");
+    const size_t V = logits.size();
+    std::vector<float> first(logits.begin(), logits.end());  // the session's buffer changes with eval
+    std::span<const float> cur(first);
+    int32_t k_next = draft_max;
+    bool pending = false;  // `tok` was sampled (from the last step's logits) and not yet judged
+    int32_t tok = -1;
+    for (;;) {
+        if (!pending) tok = smp.sample(cur, hist).token;
+        pending = false;
+        const token_verdict v = on_token(tok);
+        if (v == token_verdict::stop) break;
+        ++st.emitted;
+        if (v == token_verdict::keep_and_stop) break;
+        if (static_cast<int64_t>(hist.size()) >= n_ctx) {
+            st.hit_ctx = true;
+            break;
+        }
+        hist.push_back(tok);
+        // Drafts that fit: the forward appends 1 + k tokens.
+        const int64_t room = n_ctx - static_cast<int64_t>(hist.size());
+        const int32_t k_max = static_cast<int32_t>(std::min<int64_t>(adaptive ? k_next : draft_max, room));
+        std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
+        if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
+        std::vector<int32_t> batch;
+        batch.reserve(1 + drafts.size());
+        batch.push_back(tok);
+        batch.insert(batch.end(), drafts.begin(), drafts.end());
+        rows.resize(batch.size() * V);
+        s.eval(batch, rows.data());
+        ++st.steps;
+        st.drafted += static_cast<int64_t>(drafts.size());
+        // Position j (after batch[0..j]): sample as plain decoding would; keep drafts[j] while it matches.
+        size_t j = 0;
+        bool stop = false;
+        for (;;) {
+            cur = std::span<const float>(rows.data() + j * V, V);
+            const int32_t y = smp.sample(cur, hist).token;
+            if (j < drafts.size() && y == drafts[j]) {
+                const token_verdict w = on_token(y);
+                if (w == token_verdict::stop) {
+                    stop = true;
+                    break;
+                }
+                ++st.emitted;
+                ++st.accepted;
+                if (w == token_verdict::keep_and_stop || static_cast<int64_t>(hist.size()) >= n_ctx) {
+                    st.hit_ctx = w == token_verdict::keep;
+                    stop = true;
+                    break;
+                }
+                hist.push_back(y);
+                ++j;
+                continue;
+            }
+            tok = y;  // the next position's token, sampled from its logits: judged at the loop's top
+            pending = true;
+            break;
+        }
+        s.truncate(static_cast<int64_t>(hist.size()));  // drop the drafts after the kept ones
+        if (adaptive) {
+            if (!drafts.empty() && j == drafts.size()) k_next = std::min(draft_max, std::max(1, k_next * 2));
+            else if (!drafts.empty() && j == 0) k_next = std::max(1, k_next / 2);
+        }
+        if (stop) break;
+    }
+    return st;
+}
+
+}  // namespace fathom::spec

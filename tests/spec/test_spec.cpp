@@ -1,0 +1,323 @@
+// N-gram speculative decoding (include/fathom/speculative.h).
+//
+// ngram_draft on hand-worked histories. generate_ngram against the plain decoding loop (the loop the
+// header defines, written out here with session::sample / eval): the same tokens, greedy and sampled with
+// a seed, on the real SmolLM2 and Gemma3 models when installed and on a tiny synthetic Qwen3 always;
+// the session afterwards holds what the plain loop's session holds; token limits and a full context stop
+// it where they stop the plain loop, also in the middle of a step's drafts; drafts were accepted (the
+// test exercises acceptance, not only rejection). A session without cheap rollback (DeepSeek V4) is refused.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "ds4/golden_util.h"
+#include "fathom/engine.h"
+#include "fathom/speculative.h"
+#include "models/dense_synth.h"
+
+using namespace fathom;
+
+namespace {
+
+std::vector<int32_t> draft(const std::vector<int32_t> &h, int32_t max, int nmin = 2, int nmax = 4) {
+    spec::ngram_options o;
+    o.ngram_min = nmin;
+    o.ngram_max = nmax;
+    return spec::ngram_draft(h, o, max);
+}
+
+TEST(SpecNgram, DraftsWhatFollowedTheLongestRecurringSuffix) {
+    // suffix [3 4] occurs at 2..3, followed by 5 6 7 3 4
+    EXPECT_EQ(draft({1, 2, 3, 4, 5, 6, 7, 3, 4}, 3), (std::vector<int32_t>{5, 6, 7}));
+    EXPECT_EQ(draft({1, 2, 3, 4, 5, 6, 7, 3, 4}, 10), (std::vector<int32_t>{5, 6, 7, 3, 4}));  // up to the end
+    // The longest suffix wins: [9 3 4] occurs at 5..7 (followed by 8), [3 4] alone most recently at 6..7 too,
+    // but [2 3 4] ... here: history 2 3 4 1 | 9 3 4 8 | 9 3 4 -> suffix [9 3 4] at 4..6 -> 8 9 3 4.
+    EXPECT_EQ(draft({2, 3, 4, 1, 9, 3, 4, 8, 9, 3, 4}, 2, 2, 3), (std::vector<int32_t>{8, 9}));
+    // The most recent earlier occurrence: [5 6] at 0..1 (-> 1) and at 3..4 (-> 2): 2.
+    EXPECT_EQ(draft({5, 6, 1, 5, 6, 2, 5, 6}, 1), (std::vector<int32_t>{2}));
+    // A periodic history drafts its period (an occurrence overlapping the suffix).
+    EXPECT_EQ(draft({7, 7, 7, 7}, 4, 2, 2), (std::vector<int32_t>{7}));
+    EXPECT_EQ(draft({1, 2, 1, 2, 1, 2}, 4, 2, 2), (std::vector<int32_t>{1, 2}));
+    // No recurring suffix of >= ngram_min tokens: nothing; with ngram_min 1 the last token alone.
+    EXPECT_TRUE(draft({1, 2, 3, 4, 2}, 4).empty());
+    EXPECT_EQ(draft({1, 2, 3, 4, 2}, 4, 1, 4), (std::vector<int32_t>{3, 4, 2}));
+    EXPECT_TRUE(draft({}, 4).empty());
+    EXPECT_TRUE(draft({5}, 4, 1, 1).empty());
+    EXPECT_TRUE(draft({1, 2, 1, 2}, 0).empty());
+}
+
+TEST(SpecNgram, OptionsAreValidated) {
+    const auto msg = [](spec::ngram_options o) {
+        try {
+            o.validate();
+        } catch (const error &e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    spec::ngram_options o;
+    EXPECT_EQ(msg(o), "");
+    o.draft_max = 0;
+    EXPECT_NE(msg(o).find("draft_max"), std::string::npos);
+    o = {};
+    o.ngram_min = 5;  // > ngram_max 4
+    EXPECT_NE(msg(o).find("ngram_min"), std::string::npos);
+    o = {};
+    o.ngram_max = 17;
+    EXPECT_NE(msg(o).find("ngram_max"), std::string::npos);
+}
+
+const std::string kSmol = std::string(FATHOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const std::string kGemma = std::string(FATHOM_SOURCE_DIR) + "/models/gemma-3-270m-q4_k_m.gguf";
+
+// A synthetic Qwen3 (src/models/dense_synth.h: seeded random weights, the Qwen2 tokenizer of the shared
+// tokenizer tests), written once per process.
+const std::string &tiny_qwen() {
+    static const std::string path = [] {
+        const std::string vocab = std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests/ggml-vocab-qwen2.gguf";
+        const std::string p = ::testing::TempDir() + "/fathom_spec_qwen3_" + std::to_string(::getpid()) + ".gguf";
+        dense_synth_write(dense_synth_preset("qwen3", vocab, 5), p);
+        return p;
+    }();
+    return path;
+}
+
+bool exists(const std::string &p) {
+    return std::ifstream(p).good();
+}
+
+std::unique_ptr<engine> load(const std::string &path, int n_ctx = 1024) {
+    engine_options o;
+    o.model_path = path;
+    o.n_ctx = n_ctx;
+    o.n_threads = 2;
+    return engine::load(o);  // default numerics: batch-invariant
+}
+
+struct outcome {
+    std::vector<int32_t> tokens;  // kept tokens
+    std::vector<int32_t> held;    // what the session holds afterwards
+    bool hit_eog = false, hit_ctx = false;
+    spec::spec_stats st;
+};
+
+// The plain loop of speculative.h's contract.
+outcome plain(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens) {
+    auto s = e.new_session();
+    s->sync(prompt);
+    sampler smp(p);
+    outcome o;
+    const int64_t n_ctx = e.info().n_ctx;
+    for (;;) {
+        const int32_t t = s->sample(smp, s->tokens()).token;
+        if (e.is_end_of_generation(t)) {
+            o.hit_eog = true;
+            break;
+        }
+        o.tokens.push_back(t);
+        if (static_cast<int>(o.tokens.size()) >= max_tokens) break;
+        if (s->n_past() >= n_ctx) {
+            o.hit_ctx = true;
+            break;
+        }
+        s->eval(std::span<const int32_t>(&t, 1));
+    }
+    o.held = s->tokens();
+    return o;
+}
+
+outcome speculative(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
+                    spec::ngram_options so = {}) {
+    auto s = e.new_session();
+    s->sync(prompt);
+    sampler smp(p);
+    outcome o;
+    o.st = spec::generate_ngram(*s, smp, e.info().n_ctx, so, [&](int32_t t) {
+        if (e.is_end_of_generation(t)) {
+            o.hit_eog = true;
+            return spec::token_verdict::stop;
+        }
+        o.tokens.push_back(t);
+        return static_cast<int>(o.tokens.size()) >= max_tokens ? spec::token_verdict::keep_and_stop
+                                                               : spec::token_verdict::keep;
+    });
+    o.hit_ctx = o.st.hit_ctx;
+    o.held = s->tokens();
+    return o;
+}
+
+void expect_same(const outcome &want, const outcome &got, const std::string &what) {
+    EXPECT_EQ(want.tokens, got.tokens) << what;
+    EXPECT_EQ(want.held, got.held) << what;
+    EXPECT_EQ(want.hit_eog, got.hit_eog) << what;
+    EXPECT_EQ(want.hit_ctx, got.hit_ctx) << what;
+    EXPECT_EQ(got.st.emitted, static_cast<int64_t>(got.tokens.size())) << what;
+    EXPECT_LE(got.st.accepted, got.st.drafted) << what;
+}
+
+std::vector<int32_t> chat_prompt(engine &e, const std::string &text) {
+    return e.tokenize(e.apply_chat_template({{"user", text}}, true), true, true);
+}
+
+const char *kRepeat =
+    "Repeat the following paragraph exactly, word for word: The quick brown fox jumps over the lazy dog. The "
+    "lazy dog sleeps in the warm sun while the quick brown fox runs across the green field toward the old "
+    "wooden fence near the river.";
+const char *kCode =
+    "Write a Python function that prints the numbers from 1 to 20, one per line, then write the same function "
+    "again but named print_numbers_again.";
+
+sampling_params greedy() {
+    sampling_params p;
+    p.temperature = 0.0f;
+    return p;
+}
+sampling_params sampled(uint64_t seed) {
+    sampling_params p;
+    p.temperature = 0.8f;
+    p.seed = seed;
+    p.repeat_penalty = 1.1f;  // penalties read the history: it must be the plain loop's at every position
+    return p;
+}
+
+// Real models: greedy and sampled outputs equal plain decoding; drafts are accepted.
+void real_model_case(const std::string &path, int n_greedy, int n_sampled, std::vector<uint64_t> seeds) {
+    if (!exists(path)) GTEST_SKIP() << path << " not installed (scripts/install-models.sh)";
+    auto e = load(path);
+    int64_t accepted = 0;
+    for (const char *text : {kRepeat, kCode}) {
+        const auto prompt = chat_prompt(*e, text);
+        const outcome a = plain(*e, prompt, greedy(), n_greedy), b = speculative(*e, prompt, greedy(), n_greedy);
+        expect_same(a, b, std::string("greedy: ") + text);
+        accepted += b.st.accepted;
+        for (uint64_t seed : seeds) {
+            const outcome c = plain(*e, prompt, sampled(seed), n_sampled),
+                          d = speculative(*e, prompt, sampled(seed), n_sampled);
+            expect_same(c, d, "sampled seed " + std::to_string(seed) + ": " + text);
+            accepted += d.st.accepted;
+        }
+    }
+    EXPECT_GT(accepted, 20) << "drafts were hardly ever accepted: the comparison did not exercise acceptance";
+}
+
+TEST(SpecGenerate, SmolLM2SameTokensAsPlainDecoding) {
+    real_model_case(kSmol, 160, 120, {1, 7});
+}
+
+TEST(SpecGenerate, Gemma3SameTokensAsPlainDecoding) {
+    real_model_case(kGemma, 100, 60, {1});
+}
+
+// Drafts from a known continuation: the plain loop's own output (`ref`), every `wrong`-th drafted token
+// replaced by another id (0: none), so steps accept all, some or none of their drafts.
+spec::drafter oracle(const std::vector<int32_t> &prompt, const std::vector<int32_t> &ref, int wrong, int n_vocab) {
+    return [&prompt, &ref, wrong, n_vocab, count = 0](std::span<const int32_t> h, int32_t max) mutable {
+        std::vector<int32_t> d;
+        for (size_t i = h.size() - prompt.size(); i < ref.size() && static_cast<int32_t>(d.size()) < max; ++i) {
+            int32_t t = ref[i];
+            if (wrong > 0 && ++count % wrong == 0) t = (t + 1) % n_vocab;
+            d.push_back(t);
+        }
+        return d;
+    };
+}
+
+outcome with_drafter(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
+                     int draft_max, bool adaptive, const spec::drafter &d) {
+    auto s = e.new_session();
+    s->sync(prompt);
+    sampler smp(p);
+    outcome o;
+    o.st = spec::generate(*s, smp, e.info().n_ctx, draft_max, adaptive, d, [&](int32_t t) {
+        if (e.is_end_of_generation(t)) {
+            o.hit_eog = true;
+            return spec::token_verdict::stop;
+        }
+        o.tokens.push_back(t);
+        return static_cast<int>(o.tokens.size()) >= max_tokens ? spec::token_verdict::keep_and_stop
+                                                               : spec::token_verdict::keep;
+    });
+    o.hit_ctx = o.st.hit_ctx;
+    o.held = s->tokens();
+    return o;
+}
+
+// A tiny synthetic Qwen3 (always available). Its random weights rarely repeat themselves, so besides the
+// n-gram drafter (identity, little acceptance) the loop runs with drafts from the plain output itself
+// (every draft right, every 2nd or 3rd wrong): steps that keep all, some and none of their drafts; a
+// token limit at every position 1..40 (stops in the middle of a step's drafts); a context that fills
+// mid-step; greedy and sampled.
+TEST(SpecGenerate, TinyQwen3DraftsKeptOrDroppedMatchPlainDecoding) {
+    auto e = load(tiny_qwen(), 256);
+    const int V = e->info().n_vocab;
+    const std::vector<int32_t> prompt = e->tokenize("one two three one two three one two three four five", true, false);
+    for (const sampling_params &p : {greedy(), sampled(3)}) {
+        const std::string what = p.temperature == 0 ? "greedy" : "sampled seed " + std::to_string(p.seed);
+        const outcome ref = plain(*e, prompt, p, 60);
+        ASSERT_EQ(ref.tokens.size(), 60u) << what;
+        for (int k : {1, 8, 64})
+            for (bool adaptive : {true, false}) {
+                spec::ngram_options so;
+                so.draft_max = k;
+                so.adaptive = adaptive;
+                so.ngram_min = 1;
+                const std::string w = what + ", draft_max " + std::to_string(k) + (adaptive ? " adaptive" : " fixed");
+                expect_same(ref, speculative(*e, prompt, p, 60, so), w + ", n-gram");
+                for (int wrong : {0, 2, 3}) {
+                    const outcome got = with_drafter(*e, prompt, p, 60, k, adaptive, oracle(prompt, ref.tokens, wrong, V));
+                    expect_same(ref, got, w + ", oracle wrong every " + std::to_string(wrong));
+                    if (wrong == 0) {
+                        EXPECT_EQ(got.st.accepted, got.st.drafted) << w;
+                    }
+                    if (wrong == 0 && k > 1) {
+                        EXPECT_GT(got.st.accepted, 30) << w;
+                    }
+                    if (wrong == 2 && k > 1) {
+                        EXPECT_LT(got.st.accepted, got.st.drafted) << w;
+                    }
+                }
+            }
+        for (int m = 1; m <= 24; ++m) {
+            const outcome want = plain(*e, prompt, p, m);
+            expect_same(want, with_drafter(*e, prompt, p, m, 8, false, oracle(prompt, ref.tokens, 0, V)),
+                        what + ", max_tokens " + std::to_string(m));
+            expect_same(want, with_drafter(*e, prompt, p, m, 8, true, oracle(prompt, ref.tokens, 3, V)),
+                        what + ", max_tokens " + std::to_string(m) + ", some wrong");
+        }
+    }
+    // A context of prompt + 23 tokens: it fills in the middle of a step.
+    auto small = load(tiny_qwen(), static_cast<int>(prompt.size()) + 23);
+    const outcome a = plain(*small, prompt, greedy(), 1000);
+    EXPECT_TRUE(a.hit_ctx);
+    const outcome ref = plain(*e, prompt, greedy(), 60);
+    for (int wrong : {0, 3})
+        expect_same(a, with_drafter(*small, prompt, greedy(), 1000, 8, false, oracle(prompt, ref.tokens, wrong, V)),
+                    "full context, wrong every " + std::to_string(wrong));
+    expect_same(a, speculative(*small, prompt, greedy(), 1000), "full context, n-gram");
+}
+
+TEST(SpecGenerate, SessionWithoutRollbackIsRefused) {
+    engine_options o;
+    o.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
+    o.n_ctx = 64;
+    o.n_threads = 2;
+    auto e = engine::load(o);
+    auto s = e->new_session();
+    s->sync(std::vector<int32_t>{1, 2, 3});
+    EXPECT_FALSE(s->rolls_back());
+    sampler smp(greedy());
+    try {
+        spec::generate_ngram(*s, smp, 64, {}, [](int32_t) { return spec::token_verdict::keep; });
+        ADD_FAILURE() << "accepted";
+    } catch (const error &e) {
+        EXPECT_NE(std::string(e.what()).find("needs a session that can drop rejected positions"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(s->n_past(), 3);
+}
+
+}  // namespace
