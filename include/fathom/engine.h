@@ -144,7 +144,17 @@ struct sync_item {
     session *sess = nullptr;
     std::span<const int32_t> prefix;  // as session::sync: the common prefix is reused, the rest evaluated
     bool want_logits = true;          // false (an intermediate prompt chunk): logits() may be empty afterwards
+    // n_rows > 0 (a speculative step's verification, include/fathom/speculative.h): the last n_rows
+    // tokens of the prefix are evaluated afresh and every one's logits written to rows [n_rows, n_vocab];
+    // the session first keeps prefix[0, size - n_rows) without re-deriving its logits (sync_with_rows).
+    int32_t n_rows = 0;
+    float *rows = nullptr;
 };
+
+// sync_step's handling of an item with n_rows > 0: truncate the session to prefix[0, m) (m = size -
+// n_rows) when it holds a longer match, else sync it there, then eval the last n_rows with every row's
+// logits.
+void sync_with_rows(const sync_item &it);
 
 class engine {
 public:
@@ -296,6 +306,21 @@ inline void engine::decode_step(std::span<session *const> sessions, std::span<co
     for (size_t i = 0; i < sessions.size(); ++i) sessions[i]->eval(tokens.subspan(i, 1));
 }
 
+inline void sync_with_rows(const sync_item &it) {
+    const size_t n = it.prefix.size(), r = static_cast<size_t>(it.n_rows);
+    if (it.n_rows < 1 || r > n || !it.rows)
+        throw error("sync_step: " + std::to_string(it.n_rows) + " logit rows asked of a prefix of " + std::to_string(n) +
+                    " tokens");
+    const size_t m = n - r;
+    const std::vector<int32_t> &held = it.sess->tokens();
+    if (m == 0) it.sess->reset();
+    else if (held.size() >= m && std::equal(it.prefix.begin(), it.prefix.begin() + static_cast<std::ptrdiff_t>(m), held.begin()))
+        it.sess->truncate(static_cast<int64_t>(m));
+    else
+        it.sess->sync(it.prefix.first(m));
+    it.sess->eval(it.prefix.subspan(m), it.rows);
+}
+
 inline void engine::sync_step(std::span<const sync_item> items) {
     std::vector<session *> dec;  // items that append exactly one token and want its logits
     std::vector<int32_t> toks;
@@ -303,6 +328,7 @@ inline void engine::sync_step(std::span<const sync_item> items) {
     for (size_t i = 0; i < items.size(); ++i) {
         const sync_item &it = items[i];
         if (!it.sess) throw error("sync_step: item " + std::to_string(i) + " has no session");
+        if (it.n_rows > 0) continue;  // below
         const std::vector<int32_t> &held = it.sess->tokens();
         if (it.want_logits && it.prefix.size() == held.size() + 1 &&
             std::equal(held.begin(), held.end(), it.prefix.begin())) {
@@ -312,8 +338,11 @@ inline void engine::sync_step(std::span<const sync_item> items) {
         }
     }
     if (!dec.empty()) decode_step(dec, toks);
-    for (size_t i = 0; i < items.size(); ++i)
-        if (!is_dec[i]) items[i].sess->sync(items[i].prefix);
+    for (size_t i = 0; i < items.size(); ++i) {
+        if (is_dec[i]) continue;
+        if (items[i].n_rows > 0) sync_with_rows(items[i]);
+        else items[i].sess->sync(items[i].prefix);
+    }
 }
 
 }  // namespace fathom

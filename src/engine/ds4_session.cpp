@@ -1020,14 +1020,17 @@ void ds4_engine::sync_step(std::span<const sync_item> items) {
         // sync would evaluate exactly prefix[held, end) with eval, whatever want_logits says.
         const std::vector<int32_t> &held = s.tokens();
         const std::span<const int32_t> p = items[i].prefix;
-        const bool appends = p.size() > held.size() && std::equal(held.begin(), held.end(), p.begin());
+        const bool appends = items[i].n_rows == 0 && p.size() > held.size() && std::equal(held.begin(), held.end(), p.begin());
         if (appends && s.appends_in_one_forward(p.subspan(held.size())))
             fast.push_back({&s, p.subspan(held.size())});
         else
             slow.push_back(i);
     }
     run_inflight(fast);
-    for (size_t i : slow) items[i].sess->sync(items[i].prefix);
+    for (size_t i : slow) {
+        if (items[i].n_rows > 0) sync_with_rows(items[i]);
+        else items[i].sess->sync(items[i].prefix);
+    }
 }
 
 }  // namespace

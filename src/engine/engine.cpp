@@ -751,8 +751,21 @@ void engine_impl::sync_step(std::span<const sync_item> items) {
         engine::sync_step(items);
         return;
     }
-    std::vector<step_work> work = plan_sync_step(items);
+    // Items asking for several rows' logits (speculative verification) run on their own after the
+    // fused forward of the others (the batched forward keeps one logits row per sequence).
+    std::vector<sync_item> fused, rows;
+    for (const sync_item &it : items) (it.n_rows > 0 ? rows : fused).push_back(it);
+    if (!rows.empty()) {
+        for (size_t i = 0; i < items.size(); ++i) {
+            auto *s = dynamic_cast<session_impl *>(items[i].sess);
+            if (!s || &s->e_ != this) throw error("sync_step: item " + std::to_string(i) + ": session not created by this engine");
+            for (size_t j = 0; j < i; ++j)
+                if (items[j].sess == items[i].sess) throw error("sync_step: item " + std::to_string(i) + ": session appears twice");
+        }
+    }
+    std::vector<step_work> work = plan_sync_step(fused);
     if (!work.empty()) run_sync_step(work);
+    for (const sync_item &it : rows) sync_with_rows(it);
 }
 
 // Checks every item before any session changes (ownership, distinct sessions, context, vocabulary),

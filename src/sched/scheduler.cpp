@@ -91,6 +91,11 @@ struct scheduler::slot {
     std::atomic<bool> io_busy{false};
     std::optional<cache::prompt_cache::match> pending_load;  // the entry to load (with io_busy)
     bool prompt_saved = false;  // the running request's prompt was queued for saving (whole-state sessions)
+    // Speculative decoding (scheduler_options::spec): this step's drafts after the pending token.
+    std::vector<int32_t> spec_prefix;  // history + drafts: the decode's sync prefix
+    std::vector<float> spec_rows;      // [1 + n_drafts, n_vocab] logits of the verification
+    size_t n_drafts = 0;               // 0: a plain decode
+    int32_t k_next = 0;                // adaptive draft length (reset per request)
 };
 
 static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
@@ -105,6 +110,7 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     if (opts_.max_queue < 0) throw error("scheduler: queue size must be >= 0");
     if (opts_.prefill_chunk < 1) throw error("scheduler: prefill chunk must be >= 1");
     opts_.step_token_budget = std::max(opts_.step_token_budget, 1);
+    if (opts_.spec) opts_.spec_ngram.validate();
     n_ctx_ = eng_.info().n_ctx;
     if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
     if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
@@ -304,6 +310,8 @@ void scheduler::admit_locked() {
         s.got_first = false;
         s.ttft = 0.0;
         s.prompt_saved = false;
+        s.n_drafts = 0;
+        s.k_next = 0;  // the first decode drafts up to draft_max
         if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
             s.pending_load = std::move(disk);
             s.io_busy = true;
@@ -458,7 +466,10 @@ bool scheduler::run_step() {
     for (int r = 0; r < n_rounds; ++r) {
         std::vector<step_entry> es;
         if (r == 0)
-            for (slot *s : dec) es.push_back({s, s->history.size(), 0, true});
+            for (slot *s : dec) {
+                plan_drafts(*s);
+                es.push_back({s, s->history.size(), 0, true});
+            }
         for (const prefill_chunk &c : chunks)
             if (c.round == r && c.s->j && c.s->ph == phase::prefill && !c.s->io_busy)
                 es.push_back({c.s, c.end, c.cost, false});
@@ -508,6 +519,11 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
     std::vector<sync_item> items;
     items.reserve(es.size());
     for (const step_entry &e : es) {
+        if (e.decode && e.s->n_drafts > 0) {  // the pending token and the drafts, every row's logits
+            items.push_back({e.s->sess.get(), e.s->spec_prefix, true, static_cast<int32_t>(1 + e.s->n_drafts),
+                             e.s->spec_rows.data()});
+            continue;
+        }
         const std::vector<int32_t> &toks = e.decode ? e.s->history : e.s->j->req_.prompt;
         items.push_back({e.s->sess.get(), std::span<const int32_t>(toks.data(), e.end), e.decode || e.end == toks.size()});
     }
@@ -533,7 +549,8 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
         if (failed[i]) continue;
         step_entry &e = es[i];
         if (e.decode) {
-            sample_and_emit(*e.s);
+            if (e.s->n_drafts > 0) verify_and_emit(*e.s);
+            else sample_and_emit(*e.s);
             continue;
         }
         e.s->prefill_pos = e.end;
@@ -590,15 +607,93 @@ static int32_t greedy_token(const sampling_params &p, bool want_logprobs, std::s
 
 void scheduler::sample_and_emit(slot &s) {
     sample_result r;
+    if (sample_slot(s, {}, s.history, r)) emit(s, std::move(r));
+}
+
+// The next token of slot s from `row` (a verification row) or, when empty, the session's last logits,
+// with `history` for the penalties. false (the slot finished with the error) when sampling throws.
+bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r) {
     try {
+        const sampling_params &p = s.j->req_.sampling;
+        if (!row.empty()) {
+            r.token = greedy_token(p, s.j->req_.want_logprobs, row);
+            if (r.token < 0) r = s.smp->sample(row, history);
+            return true;
+        }
         // (a session sampling on its device needs no host scan: its summary is as cheap)
-        r.token = s.sess->samples_on_device() ? -1
-                                              : greedy_token(s.j->req_.sampling, s.j->req_.want_logprobs, s.sess->logits());
-        if (r.token < 0) r = s.sess->sample(*s.smp, s.history);
+        r.token = s.sess->samples_on_device() ? -1 : greedy_token(p, s.j->req_.want_logprobs, s.sess->logits());
+        if (r.token < 0) r = s.sess->sample(*s.smp, history);
+    } catch (const std::exception &e) {
+        finish(s, finish_reason::error, e.what());
+        return false;
+    }
+    return true;
+}
+
+// Drafts for slot s's next decode (its pending token is history.back()): none unless speculation is on
+// and the session rolls back. At most draft_max (adapted), and only what can matter: the tokens the
+// request may still emit after the pending one, and positions that leave the session below its
+// context / KV reservation by one, so emit's room check passes for every kept draft as in plain decoding.
+void scheduler::plan_drafts(slot &s) {
+    s.n_drafts = 0;
+    if (!opts_.spec || !s.sess->rolls_back()) return;
+    if (s.k_next < 1) s.k_next = opts_.spec_ngram.draft_max;
+    const int64_t limit = std::min<int64_t>(n_ctx_, s.kv_limit);
+    int64_t room = limit - static_cast<int64_t>(s.history.size()) - 1;
+    room = std::min<int64_t>(room, int64_t(s.j->req_.max_tokens) - s.n_gen - 1);
+    room = std::min<int64_t>(room, opts_.spec_ngram.adaptive ? s.k_next : opts_.spec_ngram.draft_max);
+    if (room < 1) return;
+    const std::vector<int32_t> d = spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
+    if (d.empty()) return;
+    s.spec_prefix = s.history;
+    s.spec_prefix.insert(s.spec_prefix.end(), d.begin(), d.end());
+    s.n_drafts = d.size();
+    s.spec_rows.resize((1 + d.size()) * static_cast<size_t>(eng_.info().n_vocab));
+}
+
+// After a decode with drafts: sample every position from its own row, in order, as plain decoding would
+// (the history grows with each kept token); a draft is kept while it equals its position's sample. The
+// session drops the rejected drafts before anything is emitted (emitting may finish the slot and hand
+// the session to the prompt cache's I/O thread), then the samples are emitted in order: the kept drafts
+// and the first sample that differed (the new pending token), unless the request finishes first.
+void scheduler::verify_and_emit(slot &s) {
+    const size_t k = s.n_drafts, V = static_cast<size_t>(eng_.info().n_vocab);
+    s.n_drafts = 0;
+    const size_t base = s.history.size();  // the pending token is history[base - 1], now evaluated
+    std::vector<int32_t> hist = s.history;
+    std::vector<sample_result> out;
+    for (size_t j = 0; j <= k; ++j) {
+        sample_result r;
+        if (!sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r)) return;
+        const bool keep = j < k && r.token == s.spec_prefix[base + j] && !eng_.is_end_of_generation(r.token);
+        if (keep) hist.push_back(r.token);
+        out.push_back(std::move(r));
+        if (!keep) break;
+    }
+    const size_t kept = out.size() - 1;
+    try {
+        s.sess->truncate(static_cast<int64_t>(base + kept));
     } catch (const std::exception &e) {
         finish(s, finish_reason::error, e.what());
         return;
     }
+    if (opts_.spec_ngram.adaptive) {
+        if (kept == k) s.k_next = std::min(opts_.spec_ngram.draft_max, std::max(1, s.k_next * 2));
+        else if (kept == 0) s.k_next = std::max(1, s.k_next / 2);
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.spec_steps;
+        stats_.spec_drafted += k;
+        stats_.spec_accepted += kept;
+    }
+    for (sample_result &r : out) {
+        emit(s, std::move(r));
+        if (!s.j || s.ph != phase::decode) break;  // finished
+    }
+}
+
+void scheduler::emit(slot &s, sample_result r) {
     const auto now = clock::now();
     {
         std::lock_guard<std::mutex> lk(mu_);

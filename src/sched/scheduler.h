@@ -52,6 +52,7 @@
 
 #include "cache/prompt_cache.h"
 #include "fathom/engine.h"
+#include "fathom/speculative.h"
 #include "fathom/sampling.h"
 #include "kv/paged_pool.h"
 
@@ -143,6 +144,7 @@ struct scheduler_stats {
     uint64_t kv_evictions = 0;                           // idle caches dropped to make room
     uint64_t kv_waits = 0;                               // admissions deferred for lack of blocks
     histogram ttft_s, token_latency_s;
+    uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;  // speculative decode steps and drafts
     // Disk prompt cache (when enabled): hits (entries loaded), misses (admissions that evaluate prompt
     // tokens no disk entry supplied, failed loads included; a prompt a RAM slot covers is neither), the
     // directory's figures and the I/O times.
@@ -162,6 +164,11 @@ struct scheduler_options {
     int kv_block_tokens = 16;      // token positions per block
     cache::options prompt_cache;   // disk prompt cache; dir "" = off (the constructor throws when the
                                    // engine's sessions cannot save states)
+    // N-gram speculative decoding for every request on sessions that roll back (the dense families;
+    // include/fathom/speculative.h): a decode step evaluates the pending token and up to draft_max
+    // drafts of its slot in one forward and keeps the drafts its own samples confirm. Same tokens.
+    bool spec = false;
+    spec::ngram_options spec_ngram;
 };
 
 struct slot_info {
@@ -207,6 +214,10 @@ private:
     std::vector<prefill_chunk> plan_prefill(int budget) const;
     void evaluate(std::vector<step_entry> &es);
     void sample_and_emit(slot &s);
+    bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
+    void emit(slot &s, sample_result r);
+    void plan_drafts(slot &s);
+    void verify_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
     int64_t kv_need_tokens(const request &r) const;

@@ -39,9 +39,15 @@ public:
     }
     void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) override {
         if (int64_t(toks_.size() + tokens.size()) > n_ctx_) throw error("fake: context full");
-        for (int32_t t : tokens) {
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            const int32_t t = tokens[i];
             if (t < 0 || t >= k_vocab) throw error("fake: bad token");
             toks_.push_back(t);
+            if (all_logits) {  // row i: the logits after tokens[0..i]
+                float *row = all_logits + i * k_vocab;
+                std::fill(row, row + k_vocab, 0.0f);
+                row[next_token()] = 10.0f;
+            }
         }
         evaluated_ += int64_t(tokens.size());
         if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
@@ -49,6 +55,14 @@ public:
         logits_[next_token()] = 10.0f;
     }
     std::span<const float> logits() const override { return logits_; }
+    // Dropping positions is free (speculative decoding's rollback); the logits follow the kept tokens.
+    void truncate(int64_t n_keep) override {
+        if (n_keep >= int64_t(toks_.size())) return;
+        toks_.resize(size_t(std::max<int64_t>(n_keep, 0)));
+        std::fill(logits_.begin(), logits_.end(), 0.0f);
+        if (!toks_.empty()) logits_[next_token()] = 10.0f;
+    }
+    bool rolls_back() const override { return true; }
     int64_t n_past() const override { return int64_t(toks_.size()); }
     const std::vector<int32_t> &tokens() const override { return toks_; }
     void reset() override { toks_.clear(); }

@@ -47,6 +47,7 @@ struct serve_args {
     double prompt_cache_max_gib = 8;
     int64_t prompt_cache_min_tokens = 32;
     int prompt_cache_zstd = 0;
+    spec_args spec;  // --spec ngram: speculative decoding for every request (dense models)
 };
 
 void serve_main(serve_args &a) {
@@ -90,6 +91,8 @@ void serve_main(serve_args &a) {
     so.prompt_cache.max_bytes = uint64_t(a.prompt_cache_max_gib * 1073741824.0);
     so.prompt_cache.min_tokens = a.prompt_cache_min_tokens;
     so.prompt_cache.zstd_level = a.prompt_cache_zstd;
+    so.spec = a.spec.enabled();
+    so.spec_ngram = a.spec.ngram;
     if (a.kv_mem_mib > 0) {
         const double block_bytes = double(eng->info().kv_bytes_per_token) * a.kv_block;
         if (block_bytes <= 0) throw error("--kv-mem: the model reports no KV size per token");
@@ -148,6 +151,7 @@ void add_serve_command(CLI::App &app) {
     cmd->add_option("--api-key", a->api_key,
                     "Require 'Authorization: Bearer KEY' (or x-api-key) on /v1/*, /metrics, /props "
                     "(default: $FATHOM_API_KEY)");
+    add_spec_options(cmd, a->spec);
     cmd->add_option("--parallel,--np", a->parallel, "Requests generated at once (slots, one session each)")
         ->capture_default_str()
         ->check(CLI::Range(1, 256));
