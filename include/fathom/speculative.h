@@ -27,8 +27,7 @@ struct ngram_options {
     int32_t draft_max = 8;   // most tokens drafted per step (1..64)
     int32_t ngram_min = 2;   // shortest suffix of the history looked up (1..ngram_max)
     int32_t ngram_max = 4;   // longest suffix looked up (<= 16)
-    // Adapt the draft length: after a step that kept every draft the next may draft twice as many (up to
-    // draft_max), after one that kept none, half as many (at least 1). false: always draft_max.
+    // Adapt the draft length (draft_budget below). false: always draft_max.
     bool adaptive = true;
     void validate() const;  // throws fathom::error naming the option
 };
@@ -37,6 +36,43 @@ struct ngram_options {
 // occurs earlier in it; the tokens that followed its most recent earlier occurrence, at most `max`
 // (fewer when the history ends first). Empty when no suffix recurs.
 std::vector<int32_t> ngram_draft(std::span<const int32_t> history, const ngram_options &o, int32_t max);
+
+// How many tokens to draft each step (shared by generate and the server's scheduler). Adaptive: after a
+// step that kept every draft the next may draft twice as many (up to max), after one that kept none half
+// as many; a step at one draft that keeps none also pauses drafting for 1, 3, 7, ... 31 steps (the pause
+// grows while drafts keep failing, resets on any kept draft), so text that does not repeat pays almost
+// nothing for the drafts' extra rows. Not adaptive: always max.
+class draft_budget {
+  public:
+    draft_budget(int32_t max, bool adaptive) : max_(max), k_(max), adaptive_(adaptive) {}
+    int32_t next() {  // drafts to ask for this step; 0 = none (paused)
+        if (skip_ > 0) {
+            --skip_;
+            return 0;
+        }
+        return adaptive_ ? k_ : max_;
+    }
+    void update(size_t drafted, size_t kept) {
+        if (!adaptive_ || drafted == 0) return;
+        if (kept == drafted) {
+            k_ = k_ * 2 > max_ ? max_ : k_ * 2;
+            pause_ = 0;
+        } else if (kept == 0) {
+            if (k_ == 1) {
+                pause_ = pause_ * 2 + 1 > 31 ? 31 : pause_ * 2 + 1;
+                skip_ = pause_;
+            }
+            k_ = k_ / 2 < 1 ? 1 : k_ / 2;
+        } else {
+            pause_ = 0;
+        }
+    }
+
+  private:
+    int32_t max_, k_;
+    bool adaptive_;
+    int32_t skip_ = 0, pause_ = 0;
+};
 
 struct spec_stats {
     int64_t steps = 0;     // forwards of the decode loop

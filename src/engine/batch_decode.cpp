@@ -210,24 +210,31 @@ void dense_batch_decoder::attend(std::span<const dense_batch_seq> seqs, int32_t 
     }
 }
 
-// Final norm of the last row of every sequence that wants logits, packed into xn rows [0, n_out)
+// Final norm of the rows whose logits are wanted (a sequence's last row, or its last n_rows for a
+// speculative verification), packed into xn rows [0, n_out)
 // (consecutive source rows normed in one call), then the output head a chunk of rows at a time,
 // each row downloaded to its sequence.
 void dense_batch_decoder::output(std::span<const dense_batch_seq> seqs) {
     const dense_hparams &hp = m_.hp;
     dense_scratch &s = *s_;
-    // Sequences wanting logits, in row order (their last rows ascend).
-    std::vector<size_t> want;
-    for (size_t i = 0; i < seqs.size(); ++i)
-        if (seqs[i].logits) want.push_back(i);
-    auto last_row = [&](size_t i) { return row0_[i] + static_cast<int64_t>(seqs[i].tokens.size()) - 1; };
-    std::sort(want.begin(), want.end(), [&](size_t a, size_t b) { return last_row(a) < last_row(b); });
+    const size_t V = static_cast<size_t>(hp.n_vocab);
+    // Rows whose logits are wanted (a sequence's last row, or its last n_rows rows), in row order, each
+    // with where its logits go.
+    std::vector<std::pair<int64_t, float *>> want;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const int64_t last = row0_[i] + static_cast<int64_t>(seqs[i].tokens.size()) - 1;
+        if (seqs[i].rows)
+            for (int64_t r = 0; r < seqs[i].n_rows; ++r)
+                want.push_back({last - seqs[i].n_rows + 1 + r, seqs[i].rows + static_cast<size_t>(r) * V});
+        else if (seqs[i].logits)
+            want.push_back({last, seqs[i].logits});
+    }
+    std::sort(want.begin(), want.end(), [](const auto &a, const auto &b) { return a.first < b.first; });
     const int64_t n_out = static_cast<int64_t>(want.size());
     for (int64_t j = 0; j < n_out;) {
         int64_t len = 1;  // a run of consecutive source rows
-        while (j + len < n_out && last_row(want[static_cast<size_t>(j + len)]) == last_row(want[static_cast<size_t>(j)]) + len)
-            ++len;
-        be_.rms_norm(view_rows(s.x, last_row(want[static_cast<size_t>(j)]), len), &m_.output_norm, hp.rms_eps,
+        while (j + len < n_out && want[static_cast<size_t>(j + len)].first == want[static_cast<size_t>(j)].first + len) ++len;
+        be_.rms_norm(view_rows(s.x, want[static_cast<size_t>(j)].first, len), &m_.output_norm, hp.rms_eps,
                      view_rows(s.xn, j, len));
         j += len;
     }
@@ -236,7 +243,7 @@ void dense_batch_decoder::output(std::span<const dense_batch_seq> seqs) {
         const tensor lg = view_rows(s.logits, 0, nr);                        // [nr, n_vocab]
         linear(be_, view_rows(s.xn, r0, nr), m_.output, lg, tensor{});
         if (hp.final_softcap > 0) be_.softcap(lg, hp.final_softcap);
-        for (int64_t j = 0; j < nr; ++j) be_.download(view_rows(lg, j, 1), seqs[want[static_cast<size_t>(r0 + j)]].logits);
+        for (int64_t j = 0; j < nr; ++j) be_.download(view_rows(lg, j, 1), want[static_cast<size_t>(r0 + j)].second);
     }
 }
 

@@ -26,6 +26,10 @@ struct dense_batch_seq {
     int64_t pos = 0;                   // position of tokens[0]
     std::span<const int32_t> tokens;   // [n_i >= 1] new tokens, at positions [pos, pos + n_i)
     float *logits = nullptr;           // out: [n_vocab] logits of tokens.back() (host); null: not wanted
+    // out: [n_rows, n_vocab] logits of the last n_rows tokens (a speculative verification); null: none.
+    // Not together with `logits` (rows' last row is tokens.back()'s).
+    float *rows = nullptr;
+    int64_t n_rows = 0;
 };
 
 class dense_batch_decoder {

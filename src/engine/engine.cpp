@@ -424,6 +424,8 @@ private:
         session_impl *s = nullptr;
         std::span<const int32_t> rest;  // not yet evaluated
         bool want_logits = true;
+        int32_t n_rows = 0;      // sync_item::n_rows: the last n_rows of rest (one piece) with every row's logits
+        float *rows = nullptr;
     };
     std::vector<step_work> plan_sync_step(std::span<const sync_item> items);
     void run_sync_step(std::vector<step_work> &work);
@@ -751,10 +753,24 @@ void engine_impl::sync_step(std::span<const sync_item> items) {
         engine::sync_step(items);
         return;
     }
-    // Items asking for several rows' logits (speculative verification) run on their own after the
-    // fused forward of the others (the batched forward keeps one logits row per sequence).
+    // Items asking for several rows' logits (speculative verification) join the fused forward when
+    // their new tokens fit one piece (n_batch); longer ones (a session that lost its prefix) run on
+    // their own after it.
     std::vector<sync_item> fused, rows;
-    for (const sync_item &it : items) (it.n_rows > 0 ? rows : fused).push_back(it);
+    for (const sync_item &it : items) {
+        bool alone = false;
+        if (it.n_rows > 0) {
+            alone = !it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size();  // sync_with_rows reports it
+            if (!alone && it.sess) {
+                const std::vector<int32_t> &held = it.sess->tokens();
+                size_t k = 0;
+                while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
+                k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
+                alone = static_cast<int64_t>(it.prefix.size() - k) > n_batch_;  // more than one piece
+            }
+        }
+        (alone ? rows : fused).push_back(it);
+    }
     if (!rows.empty()) {
         for (size_t i = 0; i < items.size(); ++i) {
             auto *s = dynamic_cast<session_impl *>(items[i].sess);
@@ -792,7 +808,11 @@ std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const 
         const std::vector<int32_t> &held = s->tokens_;
         size_t k = 0;
         while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
-        if (k == it.prefix.size()) {
+        if (it.n_rows > 0) {
+            // The last n_rows are evaluated afresh (their logits are wanted); the rest of the prefix is
+            // kept as held, its logits not re-derived (sync_step sends longer pieces to sync_with_rows).
+            k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
+        } else if (k == it.prefix.size()) {
             const bool done = k == held.size() && (s->have_logits_ || !it.want_logits);
             if (done) continue;
             if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
@@ -814,7 +834,7 @@ std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const 
         s->drop_after(keep[i]);
         if (keep[i] == items[i].prefix.size()) continue;  // truncated; no logits wanted
         s->kv_cover(static_cast<int64_t>(items[i].prefix.size()));
-        work.push_back({s, items[i].prefix.subspan(keep[i]), items[i].want_logits});
+        work.push_back({s, items[i].prefix.subspan(keep[i]), items[i].want_logits, items[i].n_rows, items[i].rows});
     }
     return work;
 }
@@ -839,7 +859,8 @@ void engine_impl::run_sync_step(std::vector<step_work> &work) {
             if (rows > 0 && rows + piece > cap) continue;  // next forward
             const bool last = piece == static_cast<int64_t>(w.rest.size());
             seqs.push_back({w.s->kv_target(), w.s->n_past(), w.rest.first(static_cast<size_t>(piece)),
-                            last && w.want_logits ? w.s->logits_.data() : nullptr});
+                            last && w.want_logits && w.n_rows == 0 ? w.s->logits_.data() : nullptr,
+                            last && w.n_rows > 0 ? w.rows : nullptr, last ? w.n_rows : 0});
             in.push_back(&w);
             rows += piece;
         }
@@ -851,7 +872,13 @@ void engine_impl::run_sync_step(std::vector<step_work> &work) {
             w.s->tokens_.insert(w.s->tokens_.end(), w.rest.begin(), w.rest.begin() + static_cast<std::ptrdiff_t>(piece));
             if (w.s->kv_) w.s->kv_->n_used = w.s->n_past();
             w.rest = w.rest.subspan(piece);
-            if (w.rest.empty()) w.s->have_logits_ = w.want_logits;
+            if (w.rest.empty() && w.n_rows > 0) {  // the session's logits are the last row's
+                std::memcpy(w.s->logits_.data(), w.rows + static_cast<size_t>(w.n_rows - 1) * w.s->logits_.size(),
+                            w.s->logits_.size() * sizeof(float));
+                w.s->have_logits_ = true;
+            } else if (w.rest.empty()) {
+                w.s->have_logits_ = w.want_logits;
+            }
         }
     }
 }

@@ -95,7 +95,7 @@ struct scheduler::slot {
     std::vector<int32_t> spec_prefix;  // history + drafts: the decode's sync prefix
     std::vector<float> spec_rows;      // [1 + n_drafts, n_vocab] logits of the verification
     size_t n_drafts = 0;               // 0: a plain decode
-    int32_t k_next = 0;                // adaptive draft length (reset per request)
+    std::optional<spec::draft_budget> budget;  // draft lengths (reset per request)
 };
 
 static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
@@ -311,7 +311,7 @@ void scheduler::admit_locked() {
         s.ttft = 0.0;
         s.prompt_saved = false;
         s.n_drafts = 0;
-        s.k_next = 0;  // the first decode drafts up to draft_max
+        s.budget.reset();  // the first decode drafts up to draft_max
         if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
             s.pending_load = std::move(disk);
             s.io_busy = true;
@@ -637,11 +637,12 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
 void scheduler::plan_drafts(slot &s) {
     s.n_drafts = 0;
     if (!opts_.spec || !s.sess->rolls_back()) return;
-    if (s.k_next < 1) s.k_next = opts_.spec_ngram.draft_max;
+    if (!s.budget) s.budget.emplace(opts_.spec_ngram.draft_max, opts_.spec_ngram.adaptive);
     const int64_t limit = std::min<int64_t>(n_ctx_, s.kv_limit);
     int64_t room = limit - static_cast<int64_t>(s.history.size()) - 1;
     room = std::min<int64_t>(room, int64_t(s.j->req_.max_tokens) - s.n_gen - 1);
-    room = std::min<int64_t>(room, opts_.spec_ngram.adaptive ? s.k_next : opts_.spec_ngram.draft_max);
+    if (room < 1) return;
+    room = std::min<int64_t>(room, s.budget->next());
     if (room < 1) return;
     const std::vector<int32_t> d = spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
     if (d.empty()) return;
@@ -677,10 +678,7 @@ void scheduler::verify_and_emit(slot &s) {
         finish(s, finish_reason::error, e.what());
         return;
     }
-    if (opts_.spec_ngram.adaptive) {
-        if (kept == k) s.k_next = std::min(opts_.spec_ngram.draft_max, std::max(1, s.k_next * 2));
-        else if (kept == 0) s.k_next = std::max(1, s.k_next / 2);
-    }
+    if (s.budget) s.budget->update(k, kept);
     {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.spec_steps;

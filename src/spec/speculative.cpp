@@ -56,7 +56,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
     const size_t V = logits.size();
     std::vector<float> first(logits.begin(), logits.end());  // the session's buffer changes with eval
     std::span<const float> cur(first);
-    int32_t k_next = draft_max;
+    draft_budget budget(draft_max, adaptive);
     bool pending = false;  // `tok` was sampled (from the last step's logits) and not yet judged
     int32_t tok = -1;
     for (;;) {
@@ -73,7 +73,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
         hist.push_back(tok);
         // Drafts that fit: the forward appends 1 + k tokens.
         const int64_t room = n_ctx - static_cast<int64_t>(hist.size());
-        const int32_t k_max = static_cast<int32_t>(std::min<int64_t>(adaptive ? k_next : draft_max, room));
+        const int32_t k_max = static_cast<int32_t>(std::min<int64_t>(budget.next(), room));
         std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
         if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
         std::vector<int32_t> batch;
@@ -112,10 +112,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
             break;
         }
         s.truncate(static_cast<int64_t>(hist.size()));  // drop the drafts after the kept ones
-        if (adaptive) {
-            if (!drafts.empty() && j == drafts.size()) k_next = std::min(draft_max, std::max(1, k_next * 2));
-            else if (!drafts.empty() && j == 0) k_next = std::max(1, k_next / 2);
-        }
+        budget.update(drafts.size(), j);
         if (stop) break;
     }
     return st;

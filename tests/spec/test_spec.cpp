@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -187,7 +188,9 @@ sampling_params sampled(uint64_t seed) {
 
 // Real models: greedy and sampled outputs equal plain decoding; drafts are accepted.
 void real_model_case(const std::string &path, int n_greedy, int n_sampled, std::vector<uint64_t> seeds) {
-    if (!exists(path)) GTEST_SKIP() << path << " not installed (scripts/install-models.sh)";
+    if (!exists(path)) {
+        GTEST_SKIP() << path << " not installed (scripts/install-models.sh)";
+    }
     auto e = load(path);
     int64_t accepted = 0;
     for (const char *text : {kRepeat, kCode}) {
@@ -318,6 +321,63 @@ TEST(SpecGenerate, SessionWithoutRollbackIsRefused) {
         EXPECT_NE(std::string(e.what()).find("needs a session that can drop rejected positions"), std::string::npos) << e.what();
     }
     EXPECT_EQ(s->n_past(), 3);
+}
+
+}  // namespace
+
+namespace {
+
+// The dense engine's batched step with verification rows (sync_item::n_rows, the server's speculative
+// decode): rows fused into one forward with a plain decode and a prompt chunk give, bit for bit, the
+// logits a lone session's eval(all_logits) gives for the same tokens; the session then holds the prefix
+// and its logits() are the last row's. Without the paged pool (engine::sync_step's default) too.
+void rows_case(bool pool) {
+    if (!exists(kSmol)) {
+        GTEST_SKIP() << kSmol << " not installed";
+    }
+    auto e = load(kSmol);
+    if (pool) {
+        ASSERT_TRUE(e->kv_pool_configure(16, 256));
+    }
+    const size_t V = static_cast<size_t>(e->info().n_vocab);
+    const auto p0 = chat_prompt(*e, kRepeat), p1 = chat_prompt(*e, kCode);
+    auto a = e->new_session(), b = e->new_session(), c = e->new_session(), ref = e->new_session();
+    a->sync(p0);
+    b->sync(p1);
+    // a: pending + 4 drafts (with rows); b: one decode; c: a whole prompt.
+    std::vector<int32_t> pa = p0;
+    for (int32_t t : {11, 22, 33, 44, 55}) pa.push_back(t);
+    std::vector<int32_t> pb = p1;
+    pb.push_back(77);
+    std::vector<float> rows(5 * V, -1.0f);
+    std::vector<sync_item> items = {{a.get(), pa, true, 5, rows.data()}, {b.get(), pb, true}, {c.get(), p0, true}};
+    e->sync_step(items);
+    ref->sync(p0);
+    std::vector<float> want(5 * V);
+    ref->eval(std::span<const int32_t>(pa).subspan(p0.size()), want.data());
+    EXPECT_EQ(0, std::memcmp(rows.data(), want.data(), rows.size() * sizeof(float))) << "pool " << pool;
+    EXPECT_EQ(a->tokens(), pa);
+    const auto la = a->logits();
+    EXPECT_EQ(0, std::memcmp(la.data(), want.data() + 4 * V, V * sizeof(float)));
+    // A second verification after a rollback (truncate to the pending token + 1 kept draft).
+    a->truncate(static_cast<int64_t>(p0.size() + 2));
+    std::vector<int32_t> pa2(pa.begin(), pa.begin() + static_cast<std::ptrdiff_t>(p0.size() + 2));
+    for (int32_t t : {66, 88}) pa2.push_back(t);
+    std::vector<float> rows2(2 * V);
+    std::vector<sync_item> items2 = {{b.get(), pb, true}, {a.get(), pa2, true, 2, rows2.data()}};
+    e->sync_step(items2);
+    ref->truncate(static_cast<int64_t>(p0.size() + 2));
+    std::vector<float> want2(2 * V);
+    ref->eval(std::span<const int32_t>(pa2).subspan(p0.size() + 2), want2.data());
+    EXPECT_EQ(0, std::memcmp(rows2.data(), want2.data(), rows2.size() * sizeof(float))) << "pool " << pool;
+    EXPECT_EQ(a->tokens(), pa2);
+}
+
+TEST(SpecRows, FusedVerificationRowsEqualALoneEvalWithPool) {
+    rows_case(true);
+}
+TEST(SpecRows, VerificationRowsEqualALoneEvalWithoutPool) {
+    rows_case(false);
 }
 
 }  // namespace
