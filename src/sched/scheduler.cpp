@@ -744,6 +744,17 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
     ev.n_generated = s.n_gen;
     ev.ttft_s = s.ttft;
     ev.total_s = secs(clock::now() - s.j->t_submit_);
+    // Speculative decoding: a finish at an earlier sample of a verified step (a stop string) leaves the
+    // kept drafts after it evaluated; hold what plain decoding would: history minus its unevaluated last
+    // token (end of generation: the EOG token was never pushed, the whole history is evaluated).
+    if (opts_.spec && s.ph == phase::decode && r != finish_reason::error && !s.io_busy && s.sess->rolls_back()) {
+        const int64_t want = int64_t(s.history.size()) - (r == finish_reason::eog ? 0 : 1);
+        try {
+            if (want >= 0 && s.sess->n_past() > want) s.sess->truncate(want);
+        } catch (const std::exception &) {
+            // keeping extra evaluated tokens is harmless (they are real tokens with valid KV)
+        }
+    }
     auto j = s.j;
     if (r == finish_reason::error) {
         try {

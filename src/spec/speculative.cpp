@@ -2,6 +2,7 @@
 #include "fathom/speculative.h"
 
 #include <algorithm>
+#include <exception>
 #include <string>
 
 #include "core/error.h"
@@ -85,8 +86,22 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
         ++st.steps;
         st.drafted += static_cast<int64_t>(drafts.size());
         // Position j (after batch[0..j]): sample as plain decoding would; keep drafts[j] while it matches.
+        // A throw (the sampler, on_token) leaves the session holding only the kept tokens.
         size_t j = 0;
         bool stop = false;
+        struct trim_on_throw {
+            session &s;
+            const std::vector<int32_t> &hist;
+            int n = std::uncaught_exceptions();
+            ~trim_on_throw() {
+                if (std::uncaught_exceptions() > n) {
+                    try {
+                        s.truncate(static_cast<int64_t>(hist.size()));
+                    } catch (...) {
+                    }
+                }
+            }
+        } guard{s, hist};
         for (;;) {
             cur = std::span<const float>(rows.data() + j * V, V);
             const int32_t y = smp.sample(cur, hist).token;

@@ -2,7 +2,9 @@
 // echo the last user message (so n-gram drafts from the prompt are right): every request's text, finish
 // reason, token count and stop string equal the scheduler without speculation, for token limits at every
 // length (stops inside a step's drafts), stop strings, a context that fills, sampled requests, several
-// slots at once and the KV pool's reservations; drafts were kept and the engine took fewer steps.
+// slots at once with and without a KV block budget (the counting pool: the fake engine has no paged pool);
+// drafts were kept and the engine took fewer steps. (Its one-hot logits make sampled requests nearly greedy:
+// tests/spec/test_spec.cpp SpecScheduler covers sampling on a real model.)
 #include <gtest/gtest.h>
 
 #include <string>
@@ -120,11 +122,11 @@ TEST(SchedSpec, StopStringsSampledRequestsAndFullContext) {
     }
 }
 
-TEST(SchedSpec, SeveralSlotsAndAPagedPool) {
+TEST(SchedSpec, SeveralSlotsAndABlockBudget) {
     for (int64_t blocks : {0, 40}) {
         test::fake_engine pe(256), se(256);
         scheduler_options po = opts(false, 3), so = opts(true, 3);
-        po.kv_blocks = so.kv_blocks = blocks;  // 40 blocks of 16: reservations bound the drafts
+        po.kv_blocks = so.kv_blocks = blocks;  // 40 blocks of 16: admission against a block budget
         scheduler plain(pe, po), spec(se, so);
         const std::vector<std::string> texts = {kText, "one two one two one two one two", "xyz xyz xyz xyz xyz xyz"};
         std::vector<result> want;

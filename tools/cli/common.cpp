@@ -353,6 +353,9 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
         throw error("prompt is " + std::to_string(st.n_prompt) + " tokens but the context holds " +
                     std::to_string(n_ctx) + " (leave room to generate, or raise --ctx)");
 
+    if (spec && spec->enabled() && !sess.rolls_back())  // before the prefill, not after it
+        throw error("--spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4: no cheap "
+                    "rollback yet); run without --spec");
     // Prefill: the session reuses what it already holds of the prompt (chat turns).
     const auto &held = sess.tokens();
     size_t common = 0;

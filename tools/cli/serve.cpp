@@ -93,6 +93,11 @@ void serve_main(serve_args &a) {
     so.prompt_cache.zstd_level = a.prompt_cache_zstd;
     so.spec = a.spec.enabled();
     so.spec_ngram = a.spec.ngram;
+    if (so.spec && !eng->new_session()->rolls_back()) {
+        std::fprintf(stderr, "note: --spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4: "
+                             "no cheap rollback yet); serving without speculative decoding\n");
+        so.spec = false;
+    }
     if (a.kv_mem_mib > 0) {
         const double block_bytes = double(eng->info().kv_bytes_per_token) * a.kv_block;
         if (block_bytes <= 0) throw error("--kv-mem: the model reports no KV size per token");
