@@ -15,6 +15,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -104,5 +105,20 @@ spec_stats generate_ngram(session &s, sampler &smp, int64_t n_ctx, const ngram_o
 using drafter = std::function<std::vector<int32_t>(std::span<const int32_t> history, int32_t max)>;
 spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, bool adaptive, const drafter &draft,
                     const std::function<token_verdict(int32_t token)> &on_token);
+
+// Draft-model speculation: a smaller model with the same vocabulary proposes the drafts. Each call syncs
+// the draft session to the history (it keeps the longest common prefix, so it evaluates only what the
+// target kept since the last call) and decodes up to `max` tokens greedily (argmax, lowest id on ties).
+// A history longer than the draft engine's context gets no drafts. Use as the `drafter` of generate().
+class model_drafter {
+  public:
+    // Throws fathom::error when the vocabularies differ (size, or any token's bytes).
+    model_drafter(engine &draft, const engine &target);
+    std::vector<int32_t> operator()(std::span<const int32_t> history, int32_t max);
+
+  private:
+    engine &e_;
+    std::unique_ptr<session> s_;
+};
 
 }  // namespace fathom::spec

@@ -133,4 +133,32 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
     return st;
 }
 
+model_drafter::model_drafter(engine &draft, const engine &target) : e_(draft) {
+    const int32_t n = target.info().n_vocab;
+    if (draft.info().n_vocab != n)
+        throw error("draft model: vocabulary of " + std::to_string(draft.info().n_vocab) + " tokens, the target's has " +
+                    std::to_string(n) + " (draft-model speculation needs the same tokenizer)");
+    for (int32_t t = 0; t < n; ++t)
+        if (draft.token_to_piece(t) != target.token_to_piece(t))
+            throw error("draft model: token " + std::to_string(t) + " differs from the target's (draft-model "
+                        "speculation needs the same tokenizer)");
+    s_ = draft.new_session();
+}
+
+std::vector<int32_t> model_drafter::operator()(std::span<const int32_t> history, int32_t max) {
+    std::vector<int32_t> out;
+    const int64_t n_ctx = e_.info().n_ctx;
+    if (max <= 0 || history.empty() || static_cast<int64_t>(history.size()) + max > n_ctx) return out;
+    s_->sync(history);
+    for (int32_t i = 0; i < max; ++i) {
+        const std::span<const float> l = s_->logits();
+        int32_t best = 0;
+        for (size_t v = 1; v < l.size(); ++v)
+            if (l[v] > l[static_cast<size_t>(best)]) best = static_cast<int32_t>(v);
+        out.push_back(best);
+        if (i + 1 < max) s_->eval(std::span<const int32_t>(&out.back(), 1));
+    }
+    return out;
+}
+
 }  // namespace fathom::spec

@@ -41,7 +41,7 @@ OPTIONS = {
     "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--numerics", "--progress",
             "--device", "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
             "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
-            "--presence-penalty", "--seed", "--spec", "--draft-max", "--ngram-min", "--ngram-max"],
+            "--presence-penalty", "--seed", "--spec", "--draft-max", "--ngram-min", "--ngram-max", "--draft-model"],
     "chat": ["-m,--model", "--models-dir", "--system", "-n,--n-predict", "--stats", "--temp", "--top-k",
              "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device",
              "--spec", "--draft-max"],
@@ -294,6 +294,14 @@ def test_model(fathom, model, m, tmp, special, real):
         check("spec: " in spec_err and "drafted" in spec_err, "run --spec ngram reports its drafts")
     expect_error(fathom, ["run"] + m + ["-p", "hi", "--spec", "ngram", "--ngram-min", "5"],
                  "run --ngram-min above --ngram-max", needle="ngram_min")
+    # --spec draft with the model as its own drafter: the plain text, nearly every draft kept.
+    args = ["run"] + m + ["-p", "one two three one two three one two three", "-n", "16", "--temp", "0"]
+    rc, plain_out, _ = run(fathom, args, timeout=300)
+    rc2, spec_out, spec_err = run(fathom, args + ["--spec", "draft", "--draft-model", model], timeout=300)
+    check(rc == 0 and rc2 == 0 and plain_out == spec_out,
+          f"run --spec draft prints the plain decoding text ({plain_out!r} vs {spec_out!r}; {spec_err[-200:]!r})")
+    expect_error(fathom, ["run"] + m + ["-p", "hi", "--spec", "draft"], "run --spec draft without --draft-model",
+                 needle="--draft-model")
 
     # --device: cuda fails with one line when this build or machine has no CUDA device (CI); auto
     # falls back to the CPU with a notice. A build and machine with a device run it instead (no check).

@@ -78,14 +78,16 @@ const std::string kSmol = std::string(FATHOM_SOURCE_DIR) + "/models/SmolLM2-135M
 const std::string kGemma = std::string(FATHOM_SOURCE_DIR) + "/models/gemma-3-270m-q4_k_m.gguf";
 
 // A synthetic Qwen3 (src/models/dense_synth.h: seeded random weights, the Qwen2 tokenizer of the shared
-// tokenizer tests), written once per process.
+// tokenizer tests), written once per process per seed.
+std::string synth_qwen(uint64_t seed) {
+    const std::string vocab = std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests/ggml-vocab-qwen2.gguf";
+    const std::string p = ::testing::TempDir() + "/fathom_spec_qwen3_" + std::to_string(::getpid()) + "_" +
+                          std::to_string(seed) + ".gguf";
+    if (!std::ifstream(p).good()) dense_synth_write(dense_synth_preset("qwen3", vocab, seed), p);
+    return p;
+}
 const std::string &tiny_qwen() {
-    static const std::string path = [] {
-        const std::string vocab = std::string(FATHOM_SHARED_DIR) + "/tokenizer-tests/ggml-vocab-qwen2.gguf";
-        const std::string p = ::testing::TempDir() + "/fathom_spec_qwen3_" + std::to_string(::getpid()) + ".gguf";
-        dense_synth_write(dense_synth_preset("qwen3", vocab, 5), p);
-        return p;
-    }();
+    static const std::string path = synth_qwen(5);
     return path;
 }
 
@@ -458,6 +460,47 @@ TEST(SpecScheduler, SameTokensTextAndLogprobsAsPlainDecoding) {
         EXPECT_FALSE(got[0][i].ids.empty());
     }
     EXPECT_GT(accepted, 10u);
+}
+
+}  // namespace
+
+namespace {
+
+// Draft-model speculation (spec::model_drafter): the target's plain output whatever the drafter; the same
+// model as its own drafter keeps nearly every draft, another model (same tokenizer, other weights) few;
+// a drafter with another vocabulary is refused.
+TEST(SpecDraftModel, SameTokensAsPlainDecodingWithAnyDraftModel) {
+    auto target = load(tiny_qwen(), 256);
+    const std::vector<int32_t> prompt = target->tokenize("one two three one two three four", true, false);
+    for (uint64_t draft_seed : {5u, 6u}) {
+        auto draft = load(synth_qwen(draft_seed), 256);
+        spec::model_drafter d(*draft, *target);
+        for (const sampling_params &p : {greedy(), sampled(9)}) {
+            const outcome want = plain(*target, prompt, p, 50);
+            const outcome got = with_drafter(*target, prompt, p, 50, 6, true,
+                                             [&d](std::span<const int32_t> h, int32_t max) { return d(h, max); });
+            const std::string what =
+                "draft seed " + std::to_string(draft_seed) + (p.temperature == 0 ? ", greedy" : ", sampled");
+            expect_same(want, got, what);
+            if (draft_seed == 5 && p.temperature == 0) {
+                EXPECT_GT(got.st.accepted, 40) << what;  // its own drafts: kept
+            }
+        }
+    }
+}
+
+TEST(SpecDraftModel, AnotherVocabularyIsRefused) {
+    if (!exists(kSmol)) {
+        GTEST_SKIP() << kSmol << " not installed";
+    }
+    auto target = load(tiny_qwen(), 256);
+    auto draft = load(kSmol, 256);
+    try {
+        spec::model_drafter d(*draft, *target);
+        ADD_FAILURE() << "accepted";
+    } catch (const error &e) {
+        EXPECT_NE(std::string(e.what()).find("needs the same tokenizer"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace

@@ -26,6 +26,8 @@ void chat_main(const chat_args &a) {
     a.sampling.validate();
     a.spec.ngram.validate();
     auto eng = load_engine(a.model);
+    spec_args spec = a.spec;
+    prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();
     sampler smp(a.sampling);
     const bool interactive = stdin_is_tty();
@@ -66,7 +68,7 @@ void chat_main(const chat_args &a) {
                               reply += s;
                               write_out(s);
                           },
-                          nullptr, &a.spec);
+                          nullptr, &spec);
         } catch (const error &e) {
             history.pop_back();  // keep the conversation as it was before the failed turn
             if (!interactive) throw;

@@ -373,7 +373,7 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
     if (spec && spec->enabled()) {
         // The loop below, with drafts: the callback is its body between the sample and the eval.
         st.speculative = true;
-        st.spec = spec::generate_ngram(sess, smp, n_ctx, spec->ngram, [&](int32_t tok) {
+        const auto on_token = [&](int32_t tok) {
             if (eng.is_end_of_generation(tok)) {
                 st.hit_eog = true;
                 return spec::token_verdict::stop;
@@ -383,7 +383,15 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
             on_text(text.push(eng.token_to_piece(tok)));
             return max_tokens > 0 && st.n_generated >= max_tokens ? spec::token_verdict::keep_and_stop
                                                                   : spec::token_verdict::keep;
-        });
+        };
+        if (spec->mode == "draft") {
+            if (!spec->drafter) throw error("--spec draft: no draft model prepared");
+            spec::model_drafter &d = *spec->drafter;
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+                                     [&d](std::span<const int32_t> h, int32_t max) { return d(h, max); }, on_token);
+        } else {
+            st.spec = spec::generate_ngram(sess, smp, n_ctx, spec->ngram, on_token);
+        }
         st.hit_ctx = st.spec.hit_ctx;
         on_text(text.flush());
         st.decode_s = seconds_since(t1);
@@ -412,10 +420,12 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
 
 void add_spec_options(CLI::App *cmd, spec_args &a) {
     cmd->add_option("--spec", a.mode,
-                    "Speculative decoding: none, or ngram (drafts from n-grams already in the prompt and output; "
-                    "same tokens, fewer forwards; dense models)")
-        ->check(CLI::IsMember({"none", "ngram"}))
+                    "Speculative decoding: none; ngram (drafts from n-grams already in the prompt and output); draft "
+                    "(a smaller model with the same tokenizer drafts, --draft-model). Same tokens, fewer forwards; "
+                    "dense models")
+        ->check(CLI::IsMember({"none", "ngram", "draft"}))
         ->capture_default_str();
+    cmd->add_option("--draft-model", a.draft_model, "--spec draft: the drafting model (path or short name)");
     cmd->add_option("--draft-max", a.ngram.draft_max, "--spec ngram: most tokens drafted per step")
         ->check(CLI::Range(1, 64))
         ->capture_default_str();
@@ -425,6 +435,22 @@ void add_spec_options(CLI::App *cmd, spec_args &a) {
     cmd->add_option("--ngram-max", a.ngram.ngram_max, "--spec ngram: longest n-gram looked up")
         ->check(CLI::Range(1, 16))
         ->capture_default_str();
+}
+
+void prepare_spec(spec_args &a, const model_args &m, const engine &target) {
+    if (a.mode != "draft") {
+        if (!a.draft_model.empty()) throw error("--draft-model needs --spec draft");
+        return;
+    }
+    if (a.draft_model.empty()) throw error("--spec draft needs --draft-model");
+    model_args dm = m;
+    dm.model = a.draft_model;
+    dm.devices.clear();
+    dm.procs = false;
+    engine_options o = engine_options_of(dm);
+    o.n_ctx = target.info().n_ctx;  // the drafts follow the target's whole history
+    a.draft_engine = engine::load(o);
+    a.drafter = std::make_shared<spec::model_drafter>(*a.draft_engine, target);
 }
 
 std::string format_stats(const generation_stats &s) {

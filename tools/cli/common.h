@@ -80,14 +80,19 @@ CLI::Validator at_least(long long min);
 // --presence-penalty, --seed. Values are checked later by sampling_params::validate().
 void add_sampling_options(CLI::App *cmd, sampling_params &p);
 
-// Speculative decoding (include/fathom/speculative.h): --spec none|ngram, --draft-max, --ngram-min,
-// --ngram-max. spec_args::enabled() when --spec ngram.
+// Speculative decoding (include/fathom/speculative.h): --spec none|ngram|draft, --draft-max, --ngram-min,
+// --ngram-max, --draft-model. spec_args::enabled() when --spec is not none; with --spec draft,
+// prepare_spec loads the draft model (after the target) and makes the drafter.
 struct spec_args {
     std::string mode = "none";
     spec::ngram_options ngram;
-    bool enabled() const { return mode == "ngram"; }
+    std::string draft_model;  // --spec draft: path or short name
+    std::shared_ptr<engine> draft_engine;
+    std::shared_ptr<spec::model_drafter> drafter;
+    bool enabled() const { return mode != "none"; }
 };
 void add_spec_options(CLI::App *cmd, spec_args &a);
+void prepare_spec(spec_args &a, const model_args &m, const engine &target);
 
 // ---------------------------------------------------------------------------------------------
 // Terminal helpers

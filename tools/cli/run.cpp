@@ -78,12 +78,14 @@ void run_main(const run_args &a) {
         tokens = r.tokens;
     }
 
+    spec_args spec = a.spec;
+    prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();
     sampler smp(a.sampling);
     const bool progress = a.model.progress || (stderr_is_tty() && tokens.size() > 512);
     const generation_stats st =
         generate(*eng, *sess, smp, tokens, a.n_predict, progress, [](std::string_view s) { write_out(s); }, nullptr,
-                 &a.spec);
+                 &spec);
     write_out("\n");
     if (st.hit_ctx) std::fprintf(stderr, "note: stopped at the end of the context (%d tokens)\n", eng->info().n_ctx);
     std::fprintf(stderr, "%s\n", format_stats(st).c_str());
