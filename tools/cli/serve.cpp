@@ -51,6 +51,8 @@ struct serve_args {
 };
 
 void serve_main(serve_args &a) {
+    if (a.spec.mode == "draft")  // before the (slow) load
+        throw error("--spec draft: serve drafts with n-grams only so far (--spec ngram); draft models work in run and chat");
     if (a.api_key.empty())
         if (const char *k = std::getenv("FATHOM_API_KEY")) a.api_key = k;
     a.sampling.validate();
