@@ -382,6 +382,32 @@ TEST(SpecRows, FusedVerificationRowsEqualALoneEval) {
     rows_case(true);
 }
 
+// A verification item whose new tokens exceed one piece (n_batch 8; a fresh session asked for a long
+// prefix) runs alone after the fused forward (sync_with_rows): the same rows as a lone eval.
+TEST(SpecRows, LongVerificationItemRunsAlone) {
+    engine_options o;
+    o.model_path = tiny_qwen();
+    o.n_ctx = 256;
+    o.n_batch = 8;
+    o.n_threads = 2;
+    auto e = engine::load(o);
+    ASSERT_TRUE(e->kv_pool_configure(16, 64));
+    const size_t V = static_cast<size_t>(e->info().n_vocab);
+    const std::vector<int32_t> prefix = e->tokenize("one two three four five six seven eight nine ten eleven twelve thirteen fourteen", true, false);
+    ASSERT_GT(prefix.size(), 12u);
+    auto a = e->new_session(), b = e->new_session(), ref = e->new_session();
+    b->sync(std::vector<int32_t>(prefix.begin(), prefix.begin() + 5));
+    std::vector<int32_t> pb(prefix.begin(), prefix.begin() + 6);
+    std::vector<float> rows(3 * V, -1.0f);
+    e->sync_step(std::vector<sync_item>{{a.get(), prefix, true, 3, rows.data()}, {b.get(), pb, true}});
+    ref->sync(std::vector<int32_t>(prefix.begin(), prefix.end() - 3));
+    std::vector<float> want(3 * V);
+    ref->eval(std::span<const int32_t>(prefix).last(3), want.data());
+    EXPECT_EQ(0, std::memcmp(rows.data(), want.data(), rows.size() * sizeof(float)));
+    EXPECT_EQ(a->tokens(), prefix);
+    EXPECT_EQ(b->tokens(), pb);
+}
+
 }  // namespace
 
 namespace {
