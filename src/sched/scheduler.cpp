@@ -755,6 +755,11 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
             // keeping extra evaluated tokens is harmless (they are real tokens with valid KV)
         }
     }
+    if (!s.spec_rows.empty()) {  // up to (1 + draft_max) x n_vocab floats: not kept by an idle slot
+        s.spec_rows = {};
+        s.spec_prefix = {};
+        s.n_drafts = 0;
+    }
     auto j = s.j;
     if (r == finish_reason::error) {
         try {
