@@ -427,7 +427,7 @@ private:
         int32_t n_rows = 0;      // sync_item::n_rows: the last n_rows of rest (one piece) with every row's logits
         float *rows = nullptr;
     };
-    std::vector<step_work> plan_sync_step(std::span<const sync_item> items);
+    std::vector<step_work> plan_sync_step(std::span<const sync_item> items, std::vector<size_t> &alone);
     void run_sync_step(std::vector<step_work> &work);
     dense_batch_decoder &batch() {
         if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
@@ -753,35 +753,11 @@ void engine_impl::sync_step(std::span<const sync_item> items) {
         engine::sync_step(items);
         return;
     }
-    // Items asking for several rows' logits (speculative verification) join the fused forward when
-    // their new tokens fit one piece (n_batch); longer ones (a session that lost its prefix) run on
-    // their own after it.
-    std::vector<sync_item> fused, rows;
-    for (const sync_item &it : items) {
-        bool alone = false;
-        if (it.n_rows > 0) {
-            alone = !it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size();  // sync_with_rows reports it
-            if (!alone && it.sess) {
-                const std::vector<int32_t> &held = it.sess->tokens();
-                size_t k = 0;
-                while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
-                k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
-                alone = static_cast<int64_t>(it.prefix.size() - k) > n_batch_;  // more than one piece
-            }
-        }
-        (alone ? rows : fused).push_back(it);
-    }
-    if (!rows.empty()) {
-        for (size_t i = 0; i < items.size(); ++i) {
-            auto *s = dynamic_cast<session_impl *>(items[i].sess);
-            if (!s || &s->e_ != this) throw error("sync_step: item " + std::to_string(i) + ": session not created by this engine");
-            for (size_t j = 0; j < i; ++j)
-                if (items[j].sess == items[i].sess) throw error("sync_step: item " + std::to_string(i) + ": session appears twice");
-        }
-    }
-    std::vector<step_work> work = plan_sync_step(fused);
+    // Verification items (n_rows > 0) whose new tokens exceed one piece run alone after the fused forward.
+    std::vector<size_t> alone;
+    std::vector<step_work> work = plan_sync_step(items, alone);
     if (!work.empty()) run_sync_step(work);
-    for (const sync_item &it : rows) sync_with_rows(it);
+    for (size_t i : alone) sync_with_rows(items[i]);
 }
 
 // Checks every item before any session changes (ownership, distinct sessions, context, vocabulary),
@@ -789,7 +765,8 @@ void engine_impl::sync_step(std::span<const sync_item> items) {
 // (session::sync's rule: when the whole prefix is held but its last token's logits are wanted and
 // not kept, that token is evaluated again) and covers the positions to evaluate with KV blocks.
 // Returns the items that have tokens to evaluate.
-std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const sync_item> items) {
+std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const sync_item> items,
+                                                                std::vector<size_t> &alone) {
     constexpr size_t nothing = SIZE_MAX;  // keep[i]: the session already holds what item i asks for
     std::vector<size_t> keep(items.size(), nothing);
     for (size_t i = 0; i < items.size(); ++i) {
@@ -801,6 +778,10 @@ std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const 
             if (items[j].sess == it.sess) throw error(who + ": session appears twice");
         if (static_cast<int64_t>(it.prefix.size()) > n_ctx_)
             throw error("prompt of " + std::to_string(it.prefix.size()) + " tokens exceeds n_ctx " + std::to_string(n_ctx_));
+        if (it.n_rows > 0 && (!it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size())) {
+            alone.push_back(i);  // malformed: sync_with_rows reports it
+            continue;
+        }
         if (it.prefix.empty()) {  // sync of nothing: reset (below)
             keep[i] = 0;
             continue;
@@ -810,8 +791,13 @@ std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const 
         while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
         if (it.n_rows > 0) {
             // The last n_rows are evaluated afresh (their logits are wanted); the rest of the prefix is
-            // kept as held, its logits not re-derived (sync_step sends longer pieces to sync_with_rows).
+            // kept as held, its logits not re-derived. More than one piece to evaluate: `alone`, for
+            // sync_with_rows after the fused forward.
             k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
+            if (static_cast<int64_t>(it.prefix.size() - k) > n_batch_) {
+                alone.push_back(i);
+                continue;
+            }
         } else if (k == it.prefix.size()) {
             const bool done = k == held.size() && (s->have_logits_ || !it.want_logits);
             if (done) continue;

@@ -140,6 +140,29 @@ std::vector<int64_t> add(dist::rank_procs &g, uint64_t sid, int64_t value) {
     return out;
 }
 
+// One toy operation of session sid in which rank `bad` refuses (throws; its process exits 1) while rank
+// `ok` adds; rank 0 waits for bad's answer. in_batch: inside with_sessions with use(), else with_session.
+// The error line.
+std::string refuse(dist::rank_procs &g, uint64_t sid, int bad, int ok, bool in_batch) {
+    const auto op = [&] {
+        const int64_t no[2] = {cmd_fail, 0}, yes[2] = {cmd_add, 1};
+        g.link().send(bad, no, sizeof no);
+        g.link().send(ok, yes, sizeof yes);
+        int64_t v;
+        g.link().recv(bad, &v, sizeof v);
+    };
+    return error_of([&] {
+        if (in_batch) {
+            g.with_sessions([&] {
+                g.use(sid, 1);
+                op();
+            });
+        } else {
+            g.with_session(sid, op);
+        }
+    });
+}
+
 bool gone(long pid) {
     for (auto t0 = clk::now(); clk::now() - t0 < 3s; std::this_thread::sleep_for(20ms))
         if (::kill(static_cast<pid_t>(pid), 0) != 0) return true;  // reaped by the supervisor
@@ -203,16 +226,7 @@ TEST(dist_procs, with_sessions_begins_several_operations_before_finishing_any) {
     // A failure inside the batch fails the group with the rank's line, as with_session does: its reason,
     // or its exit status when the supervisor saw the exit first.
     const long pid1 = g.pids()[0];
-    const std::string e = error_of([&] {
-                  g.with_sessions([&] {
-                      g.use(s1, 1);
-                      const int64_t bad[2] = {cmd_fail, 0}, ok[2] = {cmd_add, 1};
-                      g.link().send(1, bad, sizeof bad);
-                      g.link().send(2, ok, sizeof ok);
-                      int64_t v;
-                      g.link().recv(1, &v, sizeof v);
-                  });
-              });
+    const std::string e = refuse(g, s1, 1, 2, true);
     EXPECT_TRUE(e == "dist: rank 1 failed: toy rank 1 refuses" ||
                 e == "dist: rank 1 (pid " + std::to_string(pid1) + ") exited: status 1")
         << e;
@@ -288,15 +302,7 @@ TEST(dist_procs, failing_rank_gives_its_reason_and_an_exiting_one_its_status) {
         // Rank 2 fails with a reason and exits 1; rank 1 (answering normally) then stops because of it.
         // The line names rank 2: its reason, or its exit status when the supervisor saw the exit first.
         const auto pids = g.pids();
-        const std::string e = error_of([&] {
-            g.with_session(1, [&] {
-                const int64_t bad[2] = {cmd_fail, 0}, ok[2] = {cmd_add, 1};
-                g.link().send(2, bad, sizeof bad);
-                g.link().send(1, ok, sizeof ok);
-                int64_t v;
-                g.link().recv(2, &v, sizeof v);
-            });
-        });
+        const std::string e = refuse(g, 1, 2, 1, false);
         EXPECT_TRUE(e == "dist: rank 2 failed: toy rank 2 refuses" ||
                     e == "dist: rank 2 (pid " + std::to_string(pids[1]) + ") exited: status 1")
             << e;

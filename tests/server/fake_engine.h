@@ -201,4 +201,9 @@ private:
     int delay_us_;
 };
 
+// The tokens of one user message rendered with the fake's chat template plus the generation prompt.
+inline std::vector<int32_t> chat_prompt(const fake_engine &e, const std::string &user) {
+    return e.tokenize(e.apply_chat_template({{"user", user}}, true), true, true);
+}
+
 }  // namespace fathom::test

@@ -20,9 +20,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::vector<int32_t> chat_prompt(const test::fake_engine &e, const std::string &user) {
-    return e.tokenize(e.apply_chat_template({{"user", user}}, true), true, true);
-}
+using test::chat_prompt;
 
 struct result {
     std::string text;

@@ -11,9 +11,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::vector<int32_t> chat_prompt(const test::fake_engine &e, const std::string &user) {
-    return e.tokenize(e.apply_chat_template({{"user", user}}, true), true, true);
-}
+using test::chat_prompt;
 
 request greedy(std::vector<int32_t> prompt, int32_t max_tokens = 100) {
     request r;

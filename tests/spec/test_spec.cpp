@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -135,13 +136,17 @@ outcome plain(engine &e, const std::vector<int32_t> &prompt, const sampling_para
     return o;
 }
 
-outcome speculative(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
-                    spec::ngram_options so = {}) {
+// A speculative loop (`call`: generate_ngram or generate) from a session synced to `prompt`, with the
+// plain loop's verdicts (end of generation: stop; max_tokens: keep and stop).
+using spec_call = std::function<spec::spec_stats(session &, sampler &, int64_t n_ctx,
+                                                 const std::function<spec::token_verdict(int32_t)> &)>;
+outcome run_spec(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
+                 const spec_call &call) {
     auto s = e.new_session();
     s->sync(prompt);
     sampler smp(p);
     outcome o;
-    o.st = spec::generate_ngram(*s, smp, e.info().n_ctx, so, [&](int32_t t) {
+    o.st = call(*s, smp, e.info().n_ctx, [&](int32_t t) {
         if (e.is_end_of_generation(t)) {
             o.hit_eog = true;
             return spec::token_verdict::stop;
@@ -153,6 +158,13 @@ outcome speculative(engine &e, const std::vector<int32_t> &prompt, const samplin
     o.hit_ctx = o.st.hit_ctx;
     o.held = s->tokens();
     return o;
+}
+
+outcome speculative(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
+                    spec::ngram_options so = {}) {
+    return run_spec(e, prompt, p, max_tokens, [&so](session &s, sampler &smp, int64_t n_ctx, const auto &on_token) {
+        return spec::generate_ngram(s, smp, n_ctx, so, on_token);
+    });
 }
 
 void expect_same(const outcome &want, const outcome &got, const std::string &what) {
@@ -235,22 +247,9 @@ spec::drafter oracle(const std::vector<int32_t> &prompt, const std::vector<int32
 
 outcome with_drafter(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
                      int draft_max, bool adaptive, const spec::drafter &d) {
-    auto s = e.new_session();
-    s->sync(prompt);
-    sampler smp(p);
-    outcome o;
-    o.st = spec::generate(*s, smp, e.info().n_ctx, draft_max, adaptive, d, [&](int32_t t) {
-        if (e.is_end_of_generation(t)) {
-            o.hit_eog = true;
-            return spec::token_verdict::stop;
-        }
-        o.tokens.push_back(t);
-        return static_cast<int>(o.tokens.size()) >= max_tokens ? spec::token_verdict::keep_and_stop
-                                                               : spec::token_verdict::keep;
+    return run_spec(e, prompt, p, max_tokens, [&](session &s, sampler &smp, int64_t n_ctx, const auto &on_token) {
+        return spec::generate(s, smp, n_ctx, draft_max, adaptive, d, on_token);
     });
-    o.hit_ctx = o.st.hit_ctx;
-    o.held = s->tokens();
-    return o;
 }
 
 // A tiny synthetic Qwen3 (always available). Its random weights rarely repeat themselves, so besides the
