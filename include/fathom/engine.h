@@ -248,9 +248,13 @@ public:
     // them); a later sync() of a longer prefix evaluates only what is missing.
     virtual void truncate(int64_t n_keep);
     // True when truncate() only forgets positions (no re-evaluation), so a speculative step can drop
-    // its rejected drafts for nothing (include/fathom/speculative.h). The dense sessions: true; DS4:
-    // false (its state cannot drop positions).
+    // its rejected drafts for nothing (include/fathom/speculative.h). The dense sessions: true; DS4: on
+    // one CPU device (up to rollback_limit() positions), not on CUDA or several devices.
     virtual bool rolls_back() const { return false; }
+    // For sessions that roll back: how many of its newest positions truncate() can drop for free right
+    // after an evaluation (a speculative step drafts at most this many). Dense: unlimited; DS4 on one CPU
+    // device: ds4::max_rollback (16; its state keeps that many positions of history in its rings).
+    virtual int64_t rollback_limit() const { return INT64_MAX; }
     // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
     // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
     // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,

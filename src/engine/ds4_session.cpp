@@ -2,12 +2,15 @@
 // (ds4::model), the thread pool, the tokenizer and the chat template; a session owns one ds4::state
 // (raw KV rings, compressor frontiers, compressed and indexer rows) and the token timeline.
 //
-// Prefix reuse (session::sync). A DS4 state cannot be truncated: the raw ring has overwritten rows
-// older than the window, and a compressor frontier in the middle of a block holds projections of
-// tokens that are not stored anywhere else. So the rule is: the state is reused only when the held
-// tokens are a prefix of the requested ones (then only the new tokens are evaluated); any other
-// divergence, including a request that is a strict prefix of what is held, resets the state and
-// evaluates the whole prefix. Appending turns to a conversation therefore never re-evaluates.
+// Prefix reuse (session::sync) and rollback (session::truncate). A DS4 state keeps only the newest
+// positions' raw rows and compressor projections, so it can be taken back only a little: on one CPU
+// device its rings are position-indexed with ds4::max_rollback spare positions (deepseek4.h), and
+// dropping up to that many of the newest positions is free (ds4::truncate). So the rule is: the state
+// is reused when the held tokens are a prefix of the requested ones (only the new tokens are
+// evaluated) or diverge from them within the rollback reach (rolled back, then the rest evaluated);
+// any deeper divergence resets the state and evaluates the whole prefix. Appending turns to a
+// conversation never re-evaluates; a speculative step's rejected drafts cost nothing. On CUDA and on
+// several devices the state is append-only (rolls_back() is false) and any divergence resets it.
 //
 // Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
 // each device a contiguous block range (the placement planner's choice when every device is a CUDA
@@ -263,6 +266,12 @@ class ds4_session final : public session {
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override;
+    // Rollback (one CPU device): forgetting up to ds4::max_rollback of the newest positions costs nothing
+    // (the state's rings are position-indexed, ds4::truncate); deeper truncations, and sessions on CUDA or
+    // several devices, go through sync (the state is rebuilt from the kept tokens).
+    void truncate(int64_t n_keep) override;
+    bool rolls_back() const override { return !on_gpu() && !on_pipeline(); }
+    int64_t rollback_limit() const override { return ds4::max_rollback; }
     // Saved states: one device, the CPU (ds4::state) or one GPU (ds4::cuda_sequence, the same stream
     // from the device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
     // banner), so it loads whole: n_keep == tokens.size().
@@ -283,8 +292,12 @@ class ds4_session final : public session {
     void collect_append(std::span<const int32_t> toks);
 
   private:
+    friend class ds4_engine;  // the fused CPU step (ds4_engine::run_cpu_step) drives st_ / tokens_ / logits_
     bool on_gpu() const;
     bool on_pipeline() const;
+    // Drop what is held after the first n tokens: a free rollback when the state allows it, else a
+    // reset (n = 0 afterwards). Returns the tokens now held.
+    size_t drop_after(size_t n);
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
     void forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out);
@@ -451,6 +464,22 @@ class ds4_engine final : public engine {
     // all-reduce inside every block, so a rank cannot run ahead on another sequence). Rank processes:
     // the batch runs under one hold of the shared link (rank_procs::with_sessions), see run_inflight.
     bool inflight() const { return !ranges_.empty() && tp_size_ == 0; }
+    // One CPU device: the sessions' states are ds4::state, and a step's items run as the rows of one
+    // ds4::step (run_cpu_step).
+    bool on_one_cpu() const { return !pipelined() && !on_cuda_; }
+    // sync_step on one CPU device: every item's missing tokens (rolled back first where the item diverges
+    // within the rollback reach) as the rows of one multi-row forward, pieces of at most n_batch tokens
+    // per item and n_batch + items rows per forward; items whose divergence is deeper go through sync.
+    void run_cpu_step(std::span<const sync_item> items);
+    struct cpu_work {
+        ds4_session *s = nullptr;
+        std::span<const int32_t> rest;  // still to evaluate
+        bool want_logits = true;
+        int32_t n_rows = 0;
+        float *rows = nullptr;
+    };
+    std::vector<cpu_work> plan_cpu_step(std::span<const sync_item> items, std::vector<size_t> &alone);
+    void run_cpu_pieces(std::vector<cpu_work> &work);
     // One session's share of an in-flight batch: `toks` appended in one pipeline forward.
     struct append_work {
         ds4_session *s = nullptr;
@@ -483,6 +512,7 @@ class ds4_engine final : public engine {
             if (opts_.on_load_progress && total) opts_.on_load_progress(done * file_->size() / total, file_->size());
         });
         ordinal_ = ordinal;
+        on_cuda_ = true;
         info_.device = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
         gpu_name_ = mem.name;
         info_.decode_weight_bytes = static_cast<uint64_t>(ds4::cuda_bytes_per_token(*gpu_));
@@ -668,6 +698,7 @@ class ds4_engine final : public engine {
     std::shared_ptr<const ds4::cuda_weights> gpu_;
 #endif
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
+    bool on_cuda_ = false;  // one CUDA device (make_cuda)
     std::string gpu_name_;  // the CUDA device's name (state_identity)
     mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
     mutable std::string file_identity_;
@@ -874,22 +905,49 @@ void ds4_session::eval(std::span<const int32_t> tokens, float *all_logits) {
     eval_chunks(tokens, all_logits, nullptr);
 }
 
+size_t ds4_session::drop_after(size_t n) {
+    if (n >= tokens_.size()) return tokens_.size();
+    if (rolls_back() && static_cast<int64_t>(n) >= ds4::rollback_floor(st_)) {
+        ds4::truncate(st_, static_cast<int64_t>(n));
+        tokens_.resize(n);
+        have_logits_ = false;
+        return n;
+    }
+    reset();  // beyond what the state can roll back: rebuilt from the kept tokens by the caller
+    return 0;
+}
+
+void ds4_session::truncate(int64_t n_keep) {
+    n_keep = std::max<int64_t>(n_keep, 0);
+    if (n_keep >= n_past()) return;
+    if (n_keep == 0) {
+        reset();
+        return;
+    }
+    if (rolls_back() && n_keep >= ds4::rollback_floor(st_)) {
+        drop_after(static_cast<size_t>(n_keep));  // logits() empty until the next evaluation
+        return;
+    }
+    session::truncate(n_keep);  // through sync: rebuilt, the last kept token's logits re-derived
+}
+
 void ds4_session::sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &on_progress) {
     if (static_cast<int64_t>(prefix.size()) > e_.n_ctx())
         throw error("prompt of " + std::to_string(prefix.size()) + " tokens exceeds n_ctx " + std::to_string(e_.n_ctx()));
-    size_t keep = 0;
-    while (keep < prefix.size() && keep < tokens_.size() && prefix[keep] == tokens_[keep]) ++keep;
-    if (prefix.empty() || keep < tokens_.size() || (keep == prefix.size() && !have_logits_)) {
-        reset();  // diverged or shorter than what is held: the state cannot be truncated (see banner)
-        keep = 0;
-    } else if (keep == prefix.size()) {
-        if (on_progress) on_progress(0, 0);  // exactly what is held, logits current
-        return;
-    }
     if (prefix.empty()) {
+        reset();
         if (on_progress) on_progress(0, 0);
         return;
     }
+    size_t keep = 0;
+    while (keep < prefix.size() && keep < tokens_.size() && prefix[keep] == tokens_[keep]) ++keep;
+    if (keep == prefix.size() && keep == tokens_.size() && have_logits_) {
+        if (on_progress) on_progress(0, 0);  // exactly what is held, logits current
+        return;
+    }
+    // The whole prefix is held but its last token's logits are not: that token is evaluated again.
+    if (keep == prefix.size()) --keep;
+    keep = drop_after(keep);  // a diverged or longer state: rolled back when it can be, else rebuilt
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
 }
 
@@ -984,7 +1042,157 @@ void ds4_engine::run_inflight(const std::vector<append_work> &work) {
     if (first) std::rethrow_exception(first);
 }
 
+// ---- one CPU device: a step's items as the rows of one ds4::step ------------------------------------
+
+// Checks every item before any session changes (ownership, distinct sessions, context, vocabulary),
+// then brings each session to the longest common prefix of what it holds and its item's prefix (a free
+// rollback; session::sync's rule: when the whole prefix is held but its last token's logits are wanted
+// and not kept, that token is evaluated again). Returns the items that have tokens to evaluate; items
+// that diverge beyond the rollback reach, or verify more rows than one piece, are left to `alone`.
+std::vector<ds4_engine::cpu_work> ds4_engine::plan_cpu_step(std::span<const sync_item> items,
+                                                           std::vector<size_t> &alone) {
+    constexpr size_t nothing = SIZE_MAX;  // keep[i]: the session already holds what item i asks for
+    std::vector<size_t> keep(items.size(), nothing);
+    std::vector<const session *> seen;
+    for (size_t i = 0; i < items.size(); ++i) {
+        const sync_item &it = items[i];
+        ds4_session &s = step_session(it.sess, i, "sync_step", seen);
+        if (static_cast<int64_t>(it.prefix.size()) > n_ctx_)
+            throw error("prompt of " + std::to_string(it.prefix.size()) + " tokens exceeds n_ctx " + std::to_string(n_ctx_));
+        if (it.n_rows > 0 && (!it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size())) {
+            alone.push_back(i);  // malformed: sync_with_rows reports it
+            continue;
+        }
+        if (it.prefix.empty()) {  // sync of nothing: reset (below)
+            keep[i] = 0;
+            continue;
+        }
+        const std::vector<int32_t> &held = s.tokens_;
+        size_t k = 0;
+        while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
+        if (it.n_rows > 0) {
+            k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
+            if (static_cast<int64_t>(it.prefix.size() - k) > n_batch_) {
+                alone.push_back(i);
+                continue;
+            }
+        } else if (k == it.prefix.size()) {
+            if (k == held.size() && (s.have_logits_ || !it.want_logits)) continue;
+            if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
+        }
+        if (k < held.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_)) {
+            alone.push_back(i);  // deeper than the rollback reach: sync rebuilds the state
+            continue;
+        }
+        for (size_t t = k; t < it.prefix.size(); ++t)
+            if (it.prefix[t] < 0 || it.prefix[t] >= model_->hp.n_vocab)
+                throw error("token id " + std::to_string(it.prefix[t]) + " outside the vocabulary [0, " +
+                            std::to_string(model_->hp.n_vocab) + ")");
+        keep[i] = k;
+    }
+    std::vector<cpu_work> work;
+    for (size_t i = 0; i < items.size(); ++i) {
+        if (keep[i] == nothing) continue;
+        auto *s = static_cast<ds4_session *>(items[i].sess);
+        if (items[i].prefix.empty()) {
+            s->reset();
+            continue;
+        }
+        s->drop_after(keep[i]);  // within the rollback reach (checked above): free
+        if (keep[i] == items[i].prefix.size()) continue;  // truncated; no logits wanted
+        work.push_back({s, items[i].prefix.subspan(keep[i]), items[i].want_logits, items[i].n_rows, items[i].rows});
+    }
+    return work;
+}
+
+// Every item's next piece (at most n_batch tokens) as the rows of one forward, until all are done (one
+// forward normally: n_batch + one row per item fits a prompt chunk beside every decode of the step).
+// Logits only of the rows asked for: a verification's last n_rows, otherwise an item's last token.
+void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
+    const size_t V = static_cast<size_t>(model_->hp.n_vocab);
+    const int64_t cap = n_batch_ + static_cast<int64_t>(work.size());
+    std::lock_guard<std::mutex> lock(forward_mutex_);
+    for (cpu_work &w : work) w.s->have_logits_ = false;
+    for (;;) {
+        std::vector<ds4::state *> seqs;
+        std::vector<ds4::step_row> rows;
+        std::vector<int32_t> logit_rows;
+        std::vector<std::pair<cpu_work *, size_t>> in;  // (work, piece)
+        for (cpu_work &w : work) {
+            if (w.rest.empty()) continue;
+            const size_t piece = std::min<size_t>(static_cast<size_t>(n_batch_), w.rest.size());
+            if (!rows.empty() && static_cast<int64_t>(rows.size() + piece) > cap) continue;  // next forward
+            const bool last = piece == w.rest.size();
+            const auto seq = static_cast<int32_t>(seqs.size());
+            seqs.push_back(&w.s->st_);
+            const size_t first_row = rows.size();
+            for (size_t t = 0; t < piece; ++t)
+                rows.push_back({seq, w.s->st_.n_past + static_cast<int64_t>(t), w.rest[t]});
+            if (last && w.n_rows > 0)
+                for (size_t t = piece - static_cast<size_t>(w.n_rows); t < piece; ++t)
+                    logit_rows.push_back(static_cast<int32_t>(first_row + t));
+            else if (last && w.want_logits)
+                logit_rows.push_back(static_cast<int32_t>(rows.size() - 1));
+            in.emplace_back(&w, piece);
+        }
+        if (rows.empty()) break;
+        std::vector<float> logits(logit_rows.size() * V);
+        try {
+            ds4::step(*model_, seqs, rows, logit_rows, logits);
+        } catch (...) {
+            for (auto &[w, piece] : in) w->s->reset();  // a forward that failed part-way leaves torn states
+            throw;
+        }
+        size_t out = 0;  // the next row of `logits`, in the order logit_rows were added
+        for (auto &[w, piece] : in) {
+            ds4_session &s = *w->s;
+            s.tokens_.insert(s.tokens_.end(), w->rest.begin(), w->rest.begin() + static_cast<std::ptrdiff_t>(piece));
+            w->rest = w->rest.subspan(piece);
+            if (!w->rest.empty()) continue;
+            if (w->n_rows > 0) {
+                const size_t nr = static_cast<size_t>(w->n_rows);
+                std::copy(logits.begin() + static_cast<std::ptrdiff_t>(out * V),
+                          logits.begin() + static_cast<std::ptrdiff_t>((out + nr) * V), w->rows);
+                out += nr;
+                std::copy(w->rows + (nr - 1) * V, w->rows + nr * V, s.logits_.begin());
+                s.have_logits_ = true;
+            } else if (w->want_logits) {
+                std::copy(logits.begin() + static_cast<std::ptrdiff_t>(out * V),
+                          logits.begin() + static_cast<std::ptrdiff_t>((out + 1) * V), s.logits_.begin());
+                ++out;
+                s.have_logits_ = true;
+            }
+        }
+    }
+}
+
+void ds4_engine::run_cpu_step(std::span<const sync_item> items) {
+    std::vector<size_t> alone;
+    std::vector<cpu_work> work = plan_cpu_step(items, alone);
+    if (!work.empty()) run_cpu_pieces(work);
+    for (size_t i : alone) {
+        if (items[i].n_rows > 0) sync_with_rows(items[i]);
+        else items[i].sess->sync(items[i].prefix);
+    }
+}
+
 void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
+    if (on_one_cpu()) {
+        if (sessions.size() != tokens.size())
+            throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
+                        std::to_string(tokens.size()) + " tokens");
+        std::vector<std::vector<int32_t>> prefixes(sessions.size());
+        std::vector<sync_item> items(sessions.size());
+        for (size_t i = 0; i < sessions.size(); ++i) {
+            if (!sessions[i]) throw error("decode_step: item " + std::to_string(i) + " has no session");
+            prefixes[i] = sessions[i]->tokens();
+            prefixes[i].push_back(tokens[i]);
+            items[i].sess = sessions[i];
+            items[i].prefix = prefixes[i];
+        }
+        run_cpu_step(items);
+        return;
+    }
     if (!inflight()) {
         engine::decode_step(sessions, tokens);
         return;
@@ -1007,6 +1215,10 @@ void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const
 }
 
 void ds4_engine::sync_step(std::span<const sync_item> items) {
+    if (on_one_cpu()) {
+        run_cpu_step(items);
+        return;
+    }
     if (!inflight()) {
         engine::sync_step(items);
         return;

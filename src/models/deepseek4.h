@@ -188,17 +188,25 @@ class row_store {
     std::vector<uint16_t> f16_;
 };
 
-// Compressor frontier (spec 4.4, decode state): `slots` rows of (a, g), each c*d' wide.
-// ratio 4: 8 slots (0..3 previous block, 4..7 current block); otherwise `ratio` slots.
+// Rollback (session::truncate): a state can forget up to this many of its newest positions for nothing
+// (no re-evaluation). The position-indexed rings below keep max_rollback positions more than plain
+// decoding reads, so the rows a longer step overwrote are still there when it is rolled back.
+constexpr int64_t max_rollback = 16;
+
+// Compressor frontier (spec 4.4, decode state): the (a, g + ape) projections of the latest positions,
+// position p in slot p mod slots, each row c*d' wide. A block ending at p pools the projections of its
+// own positions (and, ratio 4, of the previous block's; positions < 0 are empty: score -inf, value 0),
+// read by position, so rolling back over a block boundary needs no copy. slots = (ratio 4: 2 * 4,
+// otherwise ratio) + max_rollback (new_layer_state); any slots >= that base also evaluate correctly.
 struct compressor_state {
     int ratio = 0;
     int dim = 0;
     std::vector<float> kv;     // [slots, c*d']
-    std::vector<float> score;  // [slots, c*d'], -inf where empty
+    std::vector<float> score;  // [slots, c*d'] (-inf in slots not yet written)
 };
 
 struct layer_state {
-    row_store raw;              // ring of `window` raw KV rows, slot = pos mod window
+    row_store raw;              // raw KV rows of the latest positions: window + max_rollback rows, slot = pos mod size
     compressor_state comp;      // attention compressor frontier (ratio > 0)
     row_store comp_rows;        // emitted attention-compressor rows [n_comp, d]
     compressor_state idx_comp;  // indexer compressor frontier (ratio == 4)
@@ -217,11 +225,23 @@ struct exec_options {
 
 struct state {
     int64_t n_past = 0;  // tokens evaluated so far (next position)
+    // Rollback bookkeeping: `reached` is the highest n_past since the state was fresh or loaded (the
+    // rings may hold rows of positions in [n_past, reached) that a truncation dropped); `floor` is the
+    // lowest n_past a truncation may return to (a loaded state keeps no rows older than its window).
+    int64_t reached = 0;
+    int64_t floor = 0;
     exec_options exec;   // how products are evaluated (set by the engine; default: reference)
     qat_mode qat = qat_mode::full;
     kv_precision kv = kv_precision::f32;
     std::vector<layer_state> layers;
 };
+
+// The lowest n_past truncate() accepts: max(floor, reached - max_rollback), and never above n_past.
+int64_t rollback_floor(const state &st);
+// Forget positions [n, n_past): afterwards st is, bit for bit in everything later evaluations read, the
+// state plain decoding had at n (raw rows, compressor frontiers, compressed and indexer rows). Throws
+// fathom::error (st unchanged) when n < rollback_floor(st) or n > n_past.
+void truncate(state &st, int64_t n);
 
 // KV-cache bytes per token of context for KV rows stored at `kv` precision (spec 4.3-4.5): per
 // ratio-R layer d/R compressed-row elements per token, per ratio-4 layer also idx_dim/4 indexer-row
@@ -246,11 +266,36 @@ struct forward_out {
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out);
 
+// ---- multi-row steps (deepseek4_forward.cpp; the layer sequence: deepseek4_exec.h) ------------------
+
+// One row of a step: `token` of sequence `seq` (an index into the step's sequence list) at `pos`.
+struct step_row {
+    int32_t seq = 0;
+    int64_t pos = 0;
+    int32_t token = 0;
+};
+
+// Evaluates every row in one forward. The rows of a sequence must be its next positions in row order
+// (n_past, n_past + 1, ...: several rows of one sequence are causal among themselves, as a
+// verification needs); rows of different sequences may interleave (batched decode, a prompt chunk
+// beside decodes). Every row attends with its own indexer top-k, raw-window span and compressor state.
+// A row's logits are bit-identical to evaluating it alone (batch invariance: every product, norm and
+// attention sum is computed per row in an order that does not depend on the other rows).
+// logit_rows: the rows whose logits are wanted, in any order; logits is [logit_rows.size(), n_vocab] in
+// that order. The sequences must share one QAT mode and KV precision; products use seqs[0]'s exec.
+// Throws fathom::error, changing no state, on: an unknown sequence, a sequence listed twice, a token
+// outside the vocabulary, a position that skips or repeats, a bad logit row or buffer size.
+void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
+          std::span<const int32_t> logit_rows, std::span<float> logits);
+
 // ---- saved states (session::save_state / load_state; deepseek4_state.cpp) ---------------------------
 // The whole of `st` that later evaluations read: n_past, and per layer the raw ring, the compressor
 // frontiers and the compressed and indexer rows (layout: docs/prompt-cache.md "DS4 state"). Every
 // length read_state accepts follows from the model's geometry and n_past, which must equal `n_past`
 // (the caller's token count); st keeps its exec / qat / kv settings, which must match the saved ones.
+// The stream holds the raw ring and frontiers in plain decoding's layout (window slots, slot = pos mod
+// window; ratio 4: previous block then current block), converted from and to the position-indexed
+// rings; a loaded state cannot be rolled back below its n_past (its floor).
 void write_state(const model &m, const state &st, state_writer &w);
 void read_state(const model &m, state &st, state_reader &r, int64_t n_past);
 // The stream's head, shared with the CUDA sequence's save / load (backend/cuda/ds4_model.cpp): u32

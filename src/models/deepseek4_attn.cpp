@@ -25,40 +25,41 @@ bool compressor_push(compressor_state &s, const compressor_weights &w, const flo
                      int64_t pos, float *pooled) {
     const int R = w.ratio, dp = w.dim;
     const bool overlap = R == 4;
-    const int width = (overlap ? 2 : 1) * dp;
+    const size_t width = static_cast<size_t>((overlap ? 2 : 1) * dp);
+    const int64_t slots = static_cast<int64_t>(s.kv.size() / width);
     const int phase = static_cast<int>(pos % R);
-    const size_t slot = static_cast<size_t>(overlap ? R + phase : phase);
-    const float *ape = w.ape.data() + static_cast<size_t>(phase) * static_cast<size_t>(width);
-    for (int j = 0; j < width; ++j) {
-        s.kv[slot * static_cast<size_t>(width) + static_cast<size_t>(j)] = a[j];
-        s.score[slot * static_cast<size_t>(width) + static_cast<size_t>(j)] = g[j] + ape[j];
+    const size_t slot = static_cast<size_t>(pos % slots);
+    const float *ape = w.ape.data() + static_cast<size_t>(phase) * width;
+    for (size_t j = 0; j < width; ++j) {
+        s.kv[slot * width + j] = a[j];
+        s.score[slot * width + j] = g[j] + ape[j];
     }
     if ((pos + 1) % R != 0) return false;
 
-    // Candidates per channel j: overlap -> previous block's first half (slots 0..R-1, column j) and
-    // the current block's second half (slots R..2R-1, column dp+j); otherwise the R slots, column j.
+    // Candidates per channel j, by position: overlap -> the previous block's first half (positions
+    // start - R .. start - 1, column j) then this block's second half (start .. pos, column dp + j);
+    // otherwise this block's positions, column j. Positions < 0 are empty (score -inf, value 0).
+    const int64_t start = pos + 1 - R, first = overlap ? start - R : start;
     const int n_cand = overlap ? 2 * R : R;
-    std::vector<float> wgt(static_cast<size_t>(n_cand));
+    std::vector<float> wgt(static_cast<size_t>(n_cand)), sc(static_cast<size_t>(n_cand)), val(static_cast<size_t>(n_cand));
     for (int j = 0; j < dp; ++j) {
-        auto at = [&](int t) {
-            const int col = overlap && t >= R ? dp + j : j;
-            return static_cast<size_t>(t) * static_cast<size_t>(width) + static_cast<size_t>(col);
-        };
+        for (int t = 0; t < n_cand; ++t) {
+            const int64_t q = first + t;
+            const size_t col = static_cast<size_t>(overlap && t >= R ? dp + j : j);
+            const size_t at = static_cast<size_t>(q % slots) * width + col;
+            sc[static_cast<size_t>(t)] = q < 0 ? -INFINITY : s.score[at];
+            val[static_cast<size_t>(t)] = q < 0 ? 0.0f : s.kv[at];
+        }
         float mx = -INFINITY;
-        for (int t = 0; t < n_cand; ++t) mx = std::max(mx, s.score[at(t)]);
+        for (int t = 0; t < n_cand; ++t) mx = std::max(mx, sc[static_cast<size_t>(t)]);
         float sum = 0;
-        for (int t = 0; t < n_cand; ++t) sum += (wgt[static_cast<size_t>(t)] = std::exp(s.score[at(t)] - mx));
+        for (int t = 0; t < n_cand; ++t) sum += (wgt[static_cast<size_t>(t)] = std::exp(sc[static_cast<size_t>(t)] - mx));
         float acc = 0;
         for (int t = 0; t < n_cand; ++t) {
             const float wt = wgt[static_cast<size_t>(t)] / sum;
-            if (wt != 0.0f) acc += s.kv[at(t)] * wt;  // skips empty (-inf score, value 0) candidates
+            if (wt != 0.0f) acc += val[static_cast<size_t>(t)] * wt;  // skips empty (-inf score, value 0) candidates
         }
         pooled[j] = acc;
-    }
-    if (overlap) {  // the current block becomes the previous one
-        const size_t half = static_cast<size_t>(R) * static_cast<size_t>(width);
-        std::copy(s.kv.begin() + static_cast<std::ptrdiff_t>(half), s.kv.end(), s.kv.begin());
-        std::copy(s.score.begin() + static_cast<std::ptrdiff_t>(half), s.score.end(), s.score.begin());
     }
     return true;
 }
@@ -218,6 +219,13 @@ void output_projection(const hparams &hp, const layer_weights &l, const tp_slice
 void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                      qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y,
                      const tp_slice *slice) {
+    const std::vector<layer_state *> states(positions.size(), &ls);
+    attention_rows(hp, ropes, l, states, qat, xn, positions, y, slice);
+}
+
+void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weights &l,
+                    std::span<layer_state *const> states, qat_mode qat, const float *xn,
+                    std::span<const int64_t> positions, float *y, const tp_slice *slice) {
     const tp_slice s = slice ? *slice : tp_whole(hp);
     // H: the heads evaluated here (all of them, or one tensor-parallel rank's share).
     const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = s.head1 - s.head0, W = hp.window;
@@ -230,8 +238,10 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
     for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = positions[static_cast<size_t>(i)];
         const size_t ui = static_cast<size_t>(i);
+        layer_state &ls = *states[ui];      // this row's sequence
+        const int64_t ring = ls.raw.size();  // window + rollback rows, slot = pos mod ring
         // 1. state updates for token pos (all precede its attention): raw ring, compressors.
-        ls.raw.set(pos % W, &p.kv[ui * static_cast<size_t>(d)]);
+        ls.raw.set(pos % ring, &p.kv[ui * static_cast<size_t>(d)]);
         if (l.ratio > 0 &&
             compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row.data())) {
             compressor_finish(hp, ropes, l.comp, false, qat, pos, row.data());
@@ -257,7 +267,7 @@ void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weigh
         const int64_t n_rows = pos - first + 1 + static_cast<int64_t>(sel.size());
         rows.resize(static_cast<size_t>(n_rows * d));
         int64_t r = 0;
-        for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % W, &rows[static_cast<size_t>(r * d)]);
+        for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % ring, &rows[static_cast<size_t>(r * d)]);
         for (int64_t c : sel) ls.comp_rows.get(c, &rows[static_cast<size_t>(r++ * d)]);
         // 3. sink attention, inverse RoPE on each head's output, grouped output projection.
         attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data() + s.head0,

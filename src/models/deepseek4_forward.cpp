@@ -3,10 +3,12 @@
 // layer-major over a chunk of tokens; all cross-token state lives in ds4::state.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 
 #include "backend/cpu/quants.h"
 #include "core/error.h"
+#include "models/deepseek4_exec.h"
 #include "models/deepseek4_impl.h"
 
 namespace fathom::ds4 {
@@ -44,44 +46,101 @@ matrix matrix_cols(const matrix &w, int64_t c0, int64_t c1, const char *what) {
     return v;
 }
 
+// ---- the CPU executor (deepseek4_exec.h) ----------------------------------------------------------
+// The reference implementation of the executor's operations over R rows: x [R, n_hc, D] (the caller's
+// buffer, updated in place), every product over all rows at once (matmul / cpu::gemm compute each row
+// as they would alone: batch invariant), the attention and compressor state updates row by row in row
+// order against each row's own sequence state (`state_of`), tensor parallel through `tp` (a rank's
+// partial sublayer outputs, all-reduced before HCPost).
+namespace {
+
+class cpu_executor final : public executor {
+  public:
+    using state_fn = std::function<layer_state &(size_t row, int il)>;
+    cpu_executor(const model *m, const hparams &hp, const rope_set &ropes, qat_mode qat, float *x,
+                 std::span<const int32_t> tokens, std::span<const int64_t> positions, state_fn state_of,
+                 const tp_block *tp)
+        : m_(m), hp_(hp), ropes_(ropes), qat_(qat), x_(x), tokens_(tokens), positions_(positions),
+          state_of_(std::move(state_of)), tp_(tp), n_(static_cast<int64_t>(positions.size())) {
+        const size_t n = static_cast<size_t>(n_), D = static_cast<size_t>(hp.n_embd), nh = static_cast<size_t>(hp.n_hc);
+        u_.resize(n * D);
+        y_.resize(n * D);
+        post_.resize(n * nh);
+        comb_.resize(n * nh * nh);
+        x_old_.resize(nh * D);
+    }
+
+    void embed() override {
+        const size_t S = static_cast<size_t>(hp_.n_hc) * static_cast<size_t>(hp_.n_embd);
+        embed_tokens(*m_, tokens_, std::span<float>(x_, static_cast<size_t>(n_) * S));
+    }
+
+    // (u, post, comb) = HCPre(X) per row; xn = RMSNorm(u) in place in u.
+    void hc_pre(const layer_weights &l, sublayer which) override {
+        const int64_t D = hp_.n_embd, S = hp_.n_hc * D;
+        const size_t nh = static_cast<size_t>(hp_.n_hc);
+        const bool attn = which == sublayer::attention;
+        for (int64_t i = 0; i < n_; ++i) {
+            float *ui = &u_[static_cast<size_t>(i * D)];
+            hc_pre_row(hp_, attn ? l.hc_attn : l.hc_ffn, x_ + i * S, ui, &post_[static_cast<size_t>(i) * nh],
+                       &comb_[static_cast<size_t>(i) * nh * nh]);
+            rms_norm(ui, D, attn ? l.attn_norm.data() : l.ffn_norm.data(), hp_.rms_eps, ui);
+        }
+    }
+
+    void attention(const layer_weights &l, int il) override {
+        std::vector<layer_state *> states(static_cast<size_t>(n_));
+        for (size_t i = 0; i < states.size(); ++i) states[i] = &state_of_(i, il);
+        attention_rows(hp_, ropes_, l, states, qat_, u_.data(), positions_, y_.data(), tp_ ? &tp_->slice : nullptr);
+        if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's heads -> the sum over all ranks
+    }
+
+    void moe(const layer_weights &l) override {
+        moe_forward_batch(hp_, l, u_.data(), tokens_, y_.data(), tp_ ? &tp_->slice : nullptr);
+        if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's experts -> the sum over all ranks
+    }
+
+    void hc_post() override {
+        const int64_t D = hp_.n_embd, S = hp_.n_hc * D;
+        const size_t nh = static_cast<size_t>(hp_.n_hc);
+        for (int64_t i = 0; i < n_; ++i) {
+            std::copy(x_ + i * S, x_ + (i + 1) * S, x_old_.begin());
+            ds4::hc_post(hp_.n_hc, D, &y_[static_cast<size_t>(i * D)], x_old_.data(), &post_[static_cast<size_t>(i) * nh],
+                         &comb_[static_cast<size_t>(i) * nh * nh], x_ + i * S);
+        }
+    }
+
+    void head(std::span<const int32_t> rows, std::span<float> out) override {
+        const size_t S = static_cast<size_t>(hp_.n_hc) * static_cast<size_t>(hp_.n_embd), V = static_cast<size_t>(hp_.n_vocab);
+        for (size_t k = 0; k < rows.size(); ++k)
+            head_logits(*m_, current_exec(), std::span<const float>(x_ + static_cast<size_t>(rows[k]) * S, S),
+                        out.subspan(k * V, V));
+    }
+
+  private:
+    static void hc_pre_row(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
+        ds4::hc_pre(hp, w, x, u, post, comb);
+    }
+    const model *m_;  // embed / head only (null for a lone block)
+    const hparams &hp_;
+    const rope_set &ropes_;
+    qat_mode qat_;
+    float *x_;
+    std::span<const int32_t> tokens_;
+    std::span<const int64_t> positions_;
+    state_fn state_of_;
+    const tp_block *tp_;
+    int64_t n_;
+    std::vector<float> u_, y_, post_, comb_, x_old_;
+};
+
+}  // namespace
+
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                    qat_mode qat, float *x, std::span<const int32_t> tokens,
                    std::span<const int64_t> positions, const tp_block *tp) {
-    const int64_t n = static_cast<int64_t>(positions.size()), D = hp.n_embd, S = hp.n_hc * D;
-    const size_t nh = static_cast<size_t>(hp.n_hc);
-    std::vector<float> u(static_cast<size_t>(n * D)), y(static_cast<size_t>(n * D));
-    std::vector<float> post(static_cast<size_t>(n) * nh), comb(static_cast<size_t>(n) * nh * nh);
-    std::vector<float> x_old(static_cast<size_t>(S));
-
-    // attention half: (u, post, comb) = HCPre(X); a = Attn(RMSNorm(u)); X = HCPost(a, X, post, comb)
-    for (int64_t i = 0; i < n; ++i) {
-        float *ui = &u[static_cast<size_t>(i * D)];
-        hc_pre(hp, l.hc_attn, x + i * S, ui, &post[static_cast<size_t>(i) * nh],
-               &comb[static_cast<size_t>(i) * nh * nh]);
-        rms_norm(ui, D, l.attn_norm.data(), hp.rms_eps, ui);
-    }
-    attention_layer(hp, ropes, l, ls, qat, u.data(), positions, y.data(), tp ? &tp->slice : nullptr);
-    if (tp) tp->reduce(y);  // partial [n, D] of this rank's heads -> the sum over all ranks
-    for (int64_t i = 0; i < n; ++i) {
-        std::copy(x + i * S, x + (i + 1) * S, x_old.begin());
-        hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), &post[static_cast<size_t>(i) * nh],
-                &comb[static_cast<size_t>(i) * nh * nh], x + i * S);
-    }
-
-    // MoE half: HCPre per token, experts batched over the chunk's tokens routed to them, HCPost.
-    for (int64_t i = 0; i < n; ++i) {
-        float *ui = &u[static_cast<size_t>(i * D)];
-        hc_pre(hp, l.hc_ffn, x + i * S, ui, &post[static_cast<size_t>(i) * nh],
-               &comb[static_cast<size_t>(i) * nh * nh]);
-        rms_norm(ui, D, l.ffn_norm.data(), hp.rms_eps, ui);
-    }
-    moe_forward_batch(hp, l, u.data(), tokens, y.data(), tp ? &tp->slice : nullptr);
-    if (tp) tp->reduce(y);  // partial [n, D] of this rank's experts -> the sum over all ranks
-    for (int64_t i = 0; i < n; ++i) {
-        std::copy(x + i * S, x + (i + 1) * S, x_old.begin());
-        hc_post(hp.n_hc, D, &y[static_cast<size_t>(i * D)], x_old.data(), &post[static_cast<size_t>(i) * nh],
-                &comb[static_cast<size_t>(i) * nh * nh], x + i * S);
-    }
+    cpu_executor ex(nullptr, hp, ropes, qat, x, tokens, positions, [&](size_t, int) -> layer_state & { return ls; }, tp);
+    run_block(ex, l, 0);
 }
 
 // Embedding row of `token` into all n_hc streams of x [n_hc, D].
@@ -126,9 +185,9 @@ static void run_layers(const model &m, std::span<layer_state> layers, qat_mode q
     if (n == 0) return;
     const exec_scope scope(exec);
     const rope_set ropes = make_rope_set(m.hp);
-    for (int il = l0; il < l1; ++il)
-        block_forward(m.hp, ropes, m.layers[static_cast<size_t>(il)], layers[static_cast<size_t>(il - l0)], qat,
-                      x.data(), tokens, positions, tp);
+    cpu_executor ex(&m, m.hp, ropes, qat, x.data(), tokens, positions,
+                    [&](size_t, int il) -> layer_state & { return layers[static_cast<size_t>(il - l0)]; }, tp);
+    run_forward(m, ex, l0, l1, false, {}, {});
 }
 
 void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
@@ -190,17 +249,88 @@ static void check_inputs(const model &m, const state &st, std::span<const int32_
                     " floats, expected " + std::to_string(n * S));
 }
 
+// Every row of a step through the executor-driven forward: rows [R] of sequences seqs[row_seq[r]] at
+// positions[r]; the logits of `logit_rows` into logits, the final HC state of every row into hc_out
+// (when not empty). The caller has checked the rows; n_past advances here.
+static void eval_rows(const model &m, std::span<state *const> seqs, std::span<const int32_t> tokens,
+                      std::span<const int64_t> positions, std::span<const int32_t> row_seq,
+                      std::span<const int32_t> logit_rows, std::span<float> logits, std::span<float> hc_out) {
+    const size_t R = tokens.size(), S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
+    if (R == 0) return;
+    std::vector<float> x(R * S);  // [R, n_hc, D] hyper-connection state
+    const state &first = *seqs[0];
+    const exec_scope scope(first.exec);
+    const rope_set ropes = make_rope_set(m.hp);
+    cpu_executor ex(&m, m.hp, ropes, first.qat, x.data(), tokens, positions,
+                    [&](size_t r, int il) -> layer_state & {
+                        return seqs[static_cast<size_t>(row_seq[r])]->layers[static_cast<size_t>(il)];
+                    },
+                    nullptr);
+    run_forward(m, ex, 0, static_cast<int>(m.layers.size()), true, logit_rows, logits);
+    for (size_t r = 0; r < R; ++r) {
+        state &st = *seqs[static_cast<size_t>(row_seq[r])];
+        st.n_past = positions[r] + 1;
+        st.reached = std::max(st.reached, st.n_past);
+    }
+    if (!hc_out.empty()) std::copy(x.begin(), x.end(), hc_out.begin());
+}
+
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
              const forward_out &out) {
     check_inputs(m, st, tokens, positions, out);
-    const int64_t n = static_cast<int64_t>(tokens.size()), S = m.hp.n_hc * m.hp.n_embd;
+    const size_t n = tokens.size(), V = static_cast<size_t>(m.hp.n_vocab);
     if (n == 0) return;
-    std::vector<float> x(static_cast<size_t>(n * S));  // [n, n_hc, D] hyper-connection state
-    embed_tokens(m, tokens, x);
-    forward_layers(m, st.layers, st.qat, st.exec, 0, static_cast<int>(m.layers.size()), tokens, positions, x);
-    st.n_past += n;
-    if (!out.hc_state.empty()) std::copy(x.begin(), x.end(), out.hc_state.begin());
-    if (!out.logits.empty()) head_logits(m, st.exec, x, out.logits);
+    std::vector<int32_t> logit_rows;  // every row, or the last one
+    if (out.logits.size() == n * V)
+        for (size_t i = 0; i < n; ++i) logit_rows.push_back(static_cast<int32_t>(i));
+    else if (!out.logits.empty())
+        logit_rows.push_back(static_cast<int32_t>(n - 1));
+    state *one = &st;
+    const std::vector<int32_t> row_seq(n, 0);
+    eval_rows(m, std::span<state *const>(&one, 1), tokens, positions, row_seq, logit_rows, out.logits, out.hc_state);
+}
+
+void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
+          std::span<const int32_t> logit_rows, std::span<float> logits) {
+    const size_t R = rows.size(), V = static_cast<size_t>(m.hp.n_vocab);
+    for (size_t k = 0; k < seqs.size(); ++k) {
+        const std::string who = "ds4 step: sequence " + std::to_string(k);
+        if (!seqs[k]) throw error(who + " is null");
+        if (seqs[k]->layers.size() != m.layers.size()) throw error(who + ": state does not belong to this model");
+        if (seqs[k]->qat != seqs[0]->qat || seqs[k]->kv != seqs[0]->kv)
+            throw error(who + ": QAT mode or KV precision differs from sequence 0's");
+        for (size_t j = 0; j < k; ++j)
+            if (seqs[j] == seqs[k]) throw error(who + " is sequence " + std::to_string(j) + " again");
+    }
+    std::vector<int64_t> next(seqs.size());
+    for (size_t k = 0; k < seqs.size(); ++k) next[k] = seqs[k]->n_past;
+    std::vector<int32_t> tokens(R), row_seq(R);
+    std::vector<int64_t> positions(R);
+    for (size_t r = 0; r < R; ++r) {
+        const step_row &w = rows[r];
+        const std::string who = "ds4 step: row " + std::to_string(r);
+        if (w.seq < 0 || static_cast<size_t>(w.seq) >= seqs.size())
+            throw error(who + " names sequence " + std::to_string(w.seq) + "; the step has " +
+                        std::to_string(seqs.size()));
+        if (w.token < 0 || w.token >= m.hp.n_vocab)
+            throw error(who + ": token id " + std::to_string(w.token) + " outside [0, " + std::to_string(m.hp.n_vocab) + ")");
+        int64_t &nx = next[static_cast<size_t>(w.seq)];
+        // Compressors pool blocks of absolute positions: a sequence's rows must continue it without gaps.
+        if (w.pos != nx)
+            throw error(who + ": position " + std::to_string(w.pos) + " of sequence " + std::to_string(w.seq) +
+                        ", expected " + std::to_string(nx));
+        ++nx;
+        tokens[r] = w.token;
+        positions[r] = w.pos;
+        row_seq[r] = w.seq;
+    }
+    for (int32_t r : logit_rows)
+        if (r < 0 || static_cast<size_t>(r) >= R)
+            throw error("ds4 step: logits asked of row " + std::to_string(r) + " of " + std::to_string(R));
+    if (logits.size() != logit_rows.size() * V)
+        throw error("ds4 step: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(logit_rows.size() * V));
+    eval_rows(m, seqs, tokens, positions, row_seq, logit_rows, logits, {});
 }
 
 }  // namespace fathom::ds4

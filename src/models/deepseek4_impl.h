@@ -101,6 +101,12 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
 void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                      qat_mode qat, const float *xn, std::span<const int64_t> positions, float *y,
                      const tp_slice *slice = nullptr);
+// The same for rows of several sequences (a multi-row step): row i is at positions[i] and reads and
+// updates *states[i] (its sequence's state of this layer). Rows of one sequence must come in position
+// order; the projections run over all rows at once, everything after them per row in row order.
+void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weights &l,
+                    std::span<layer_state *const> states, qat_mode qat, const float *xn,
+                    std::span<const int64_t> positions, float *y, const tp_slice *slice = nullptr);
 
 // Full block (HC attention half + HC MoE half) for a chunk: x [n, n_hc, D] updated in place.
 // Tensor parallel (tp non-null): each sublayer computes tp->slice's partial y [n, D], then

@@ -414,7 +414,8 @@ double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx) {
         if (r > 0) per_token += static_cast<double>(hp.head_dim) / r;
         if (r == 4) per_token += static_cast<double>(hp.idx_dim) / r;
     }
-    const double ring = static_cast<double>(hp.n_layer) * hp.window * hp.head_dim;  // elements, fixed
+    // elements, fixed: the raw ring with its rollback rows
+    const double ring = static_cast<double>(hp.n_layer) * static_cast<double>(hp.window + max_rollback) * hp.head_dim;
     return elt * (per_token + ring / static_cast<double>(n_ctx));
 }
 
@@ -423,7 +424,7 @@ static compressor_state new_compressor_state(const compressor_weights &c) {
     s.ratio = c.ratio;
     s.dim = c.dim;
     const bool overlap = c.ratio == 4;
-    const size_t slots = static_cast<size_t>(overlap ? 2 * c.ratio : c.ratio);
+    const size_t slots = static_cast<size_t>((overlap ? 2 * c.ratio : c.ratio) + max_rollback);
     const size_t width = static_cast<size_t>((overlap ? 2 : 1) * c.dim);
     s.kv.assign(slots * width, 0.0f);
     s.score.assign(slots * width, -INFINITY);
@@ -433,7 +434,7 @@ static compressor_state new_compressor_state(const compressor_weights &c) {
 layer_state new_layer_state(const hparams &hp, const layer_weights &lw, kv_precision kv) {
     layer_state s;
     s.raw = row_store(hp.head_dim, kv);
-    s.raw.resize(hp.window);
+    s.raw.resize(hp.window + max_rollback);
     if (lw.ratio > 0) {
         s.comp = new_compressor_state(lw.comp);
         s.comp_rows = row_store(hp.head_dim, kv);

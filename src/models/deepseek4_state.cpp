@@ -11,8 +11,11 @@
 //              comp rows      [n_past / ratio][head_dim]
 //     ratio 4: indexer compressor kv, score (as above), indexer rows [n_past / 4][idx_dim]
 // (rows at the KV precision; slots = 8 and c = 2 for ratio 4, slots = ratio and c = 1 otherwise).
+#include <algorithm>
+#include <cmath>
 #include <string>
 
+#include "core/error.h"
 #include "core/state_io.h"
 #include "models/deepseek4.h"
 
@@ -39,7 +42,114 @@ void get_rows(state_reader &r, row_store &rows, int64_t n_rows) {
     r.read(b.data(), b.size());
 }
 
+// ---- plain decoding's layouts <-> the position-indexed rings ----------------------------------------
+// The stream keeps the layouts of a decoder without rollback, so states saved before rollback existed
+// (and the CUDA sequence's) load unchanged. Raw ring: `window` slots, slot j holding the latest position
+// p < n_past with p = j (mod window) (zeros where none). Frontier: ratio 4: slots 0..3 the previous
+// block, 4..7 the current one; otherwise `ratio` slots by phase; a slot whose position the current block
+// has not reached still holds the position one block earlier (plain decoding never clears it), and
+// positions < 0 hold the fresh state's (value 0, score -inf).
+
+// The position plain decoding's raw slot j holds at n_past (-1: none yet).
+int64_t raw_slot_position(int64_t j, int64_t window, int64_t n_past) {
+    if (n_past <= j) return -1;
+    return j + (n_past - 1 - j) / window * window;
+}
+
+// The position plain decoding's frontier slot c holds at n_past (may be negative: the fresh value).
+int64_t frontier_slot_position(int c, int ratio, int64_t n_past) {
+    const int64_t start = n_past / ratio * ratio;  // the current block's first position
+    const bool overlap = ratio == 4;
+    if (overlap && c < ratio) return start - ratio + c;  // the previous block
+    const int phase = overlap ? c - ratio : c;
+    return start + phase < n_past ? start + phase : start - ratio + phase;
+}
+
+size_t frontier_width(const compressor_state &s) {
+    return static_cast<size_t>((s.ratio == 4 ? 2 : 1) * s.dim);
+}
+
+// Canonical frontier [slots, width] (kv, then score) from the position-indexed one.
+void put_frontier(state_writer &w, const compressor_state &s, int64_t n_past) {
+    const size_t width = frontier_width(s), ring = s.kv.size() / width;
+    const int slots = s.ratio == 4 ? 8 : s.ratio;
+    std::vector<float> kv(static_cast<size_t>(slots) * width, 0.0f),
+        score(static_cast<size_t>(slots) * width, -INFINITY);
+    for (int c = 0; c < slots; ++c) {
+        const int64_t q = frontier_slot_position(c, s.ratio, n_past);
+        if (q < 0) continue;
+        const size_t from = static_cast<size_t>(q) % ring * width, to = static_cast<size_t>(c) * width;
+        std::copy(s.kv.begin() + static_cast<std::ptrdiff_t>(from), s.kv.begin() + static_cast<std::ptrdiff_t>(from + width),
+                  kv.begin() + static_cast<std::ptrdiff_t>(to));
+        std::copy(s.score.begin() + static_cast<std::ptrdiff_t>(from),
+                  s.score.begin() + static_cast<std::ptrdiff_t>(from + width), score.begin() + static_cast<std::ptrdiff_t>(to));
+    }
+    put_floats(w, kv);
+    put_floats(w, score);
+}
+
+void get_frontier(state_reader &r, compressor_state &s, int64_t n_past) {
+    const size_t width = frontier_width(s), ring = s.kv.size() / width;
+    const int slots = s.ratio == 4 ? 8 : s.ratio;
+    std::vector<float> kv(static_cast<size_t>(slots) * width), score(kv.size());
+    get_floats(r, kv);
+    get_floats(r, score);
+    for (int c = 0; c < slots; ++c) {
+        const int64_t q = frontier_slot_position(c, s.ratio, n_past);
+        if (q < 0) continue;
+        const size_t to = static_cast<size_t>(q) % ring * width, from = static_cast<size_t>(c) * width;
+        std::copy(kv.begin() + static_cast<std::ptrdiff_t>(from), kv.begin() + static_cast<std::ptrdiff_t>(from + width),
+                  s.kv.begin() + static_cast<std::ptrdiff_t>(to));
+        std::copy(score.begin() + static_cast<std::ptrdiff_t>(from), score.begin() + static_cast<std::ptrdiff_t>(from + width),
+                  s.score.begin() + static_cast<std::ptrdiff_t>(to));
+    }
+}
+
+// One row's bytes in a store (its precision).
+size_t row_bytes(const row_store &rows) {
+    return rows.size() > 0 ? rows.bytes().size() / static_cast<size_t>(rows.size()) : 0;
+}
+
+void put_raw(state_writer &w, const row_store &raw, int64_t window, int64_t n_past) {
+    const size_t rb = row_bytes(raw);
+    const std::span<const uint8_t> b = raw.bytes();
+    const std::vector<uint8_t> zero(rb, 0);
+    for (int64_t j = 0; j < window; ++j) {
+        const int64_t q = raw_slot_position(j, window, n_past);
+        w.write(q < 0 ? zero.data() : b.data() + static_cast<size_t>(q % raw.size()) * rb, rb);
+    }
+}
+
+void get_raw(state_reader &r, row_store &raw, int64_t window, int64_t n_past) {
+    const size_t rb = row_bytes(raw);
+    const std::span<uint8_t> b = raw.bytes();
+    std::vector<uint8_t> row(rb);
+    for (int64_t j = 0; j < window; ++j) {
+        r.read(row.data(), rb);
+        const int64_t q = raw_slot_position(j, window, n_past);
+        if (q >= 0) std::copy(row.begin(), row.end(), b.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(q % raw.size()) * rb));
+    }
+}
+
 }  // namespace
+
+int64_t rollback_floor(const state &st) {
+    return std::min(st.n_past, std::max(st.floor, st.reached - max_rollback));
+}
+
+void truncate(state &st, int64_t n) {
+    if (n > st.n_past || n < rollback_floor(st))
+        throw error("ds4 state: cannot roll back to " + std::to_string(n) + " tokens (holds " + std::to_string(st.n_past) +
+                    "; rollback reaches " + std::to_string(rollback_floor(st)) + ", at most " +
+                    std::to_string(max_rollback) + " positions behind the furthest evaluated one)");
+    // The rings are indexed by position and keep max_rollback positions more than decoding reads, so the
+    // rows of positions < n are intact; compressed and indexer rows of blocks completed at >= n go.
+    for (layer_state &ls : st.layers) {
+        if (ls.comp.ratio > 0) ls.comp_rows.resize(n / ls.comp.ratio);
+        if (ls.idx_comp.ratio > 0) ls.idx_rows.resize(n / ls.idx_comp.ratio);
+    }
+    st.n_past = n;
+}
 
 std::array<state_header_field, 7> state_header(const hparams &hp, int64_t n_past, kv_precision kv, qat_mode qat) {
     return {{{static_cast<uint64_t>(hp.n_layer), "layer count"},
@@ -71,17 +181,14 @@ void write_state(const model &m, const state &st, state_writer &w) {
         const layer_state &ls = st.layers[il];
         const int ratio = m.layers[il].ratio;
         state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
-        const auto raw = ls.raw.bytes();
-        w.write(raw.data(), raw.size());
+        put_raw(w, ls.raw, hp.window, st.n_past);
         if (ratio > 0) {
-            put_floats(w, ls.comp.kv);
-            put_floats(w, ls.comp.score);
+            put_frontier(w, ls.comp, st.n_past);
             const auto rows = ls.comp_rows.bytes();
             w.write(rows.data(), rows.size());
         }
         if (ratio == 4) {
-            put_floats(w, ls.idx_comp.kv);
-            put_floats(w, ls.idx_comp.score);
+            put_frontier(w, ls.idx_comp, st.n_past);
             const auto rows = ls.idx_rows.bytes();
             w.write(rows.data(), rows.size());
         }
@@ -100,20 +207,20 @@ void read_state(const model &m, state &st, state_reader &r, int64_t n_past) {
         const int ratio = m.layers[il].ratio;
         state_io::expect(r, static_cast<uint64_t>(ratio),
                          ("compression ratio of layer " + std::to_string(il)).c_str());
-        get_rows(r, ls.raw, hp.window);
+        get_raw(r, ls.raw, hp.window, n_past);
         if (ratio > 0) {
-            get_floats(r, ls.comp.kv);
-            get_floats(r, ls.comp.score);
+            get_frontier(r, ls.comp, n_past);
             get_rows(r, ls.comp_rows, n_past / ratio);
         }
         if (ratio == 4) {
-            get_floats(r, ls.idx_comp.kv);
-            get_floats(r, ls.idx_comp.score);
+            get_frontier(r, ls.idx_comp, n_past);
             get_rows(r, ls.idx_rows, n_past / 4);
         }
         st.layers[il] = std::move(ls);
     }
     st.n_past = n_past;
+    st.reached = n_past;
+    st.floor = n_past;  // the stream holds no rows older than plain decoding reads: no rollback below it
 }
 
 }  // namespace fathom::ds4

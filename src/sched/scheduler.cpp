@@ -642,7 +642,7 @@ void scheduler::plan_drafts(slot &s) {
     int64_t room = limit - static_cast<int64_t>(s.history.size()) - 1;
     room = std::min<int64_t>(room, int64_t(s.j->req_.max_tokens) - s.n_gen - 1);
     if (room < 1) return;
-    room = std::min<int64_t>(room, s.budget->next());
+    room = std::min<int64_t>({room, s.budget->next(), s.sess->rolls_back() ? s.sess->rollback_limit() : 0});
     if (room < 1) return;
     const std::vector<int32_t> d = spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
     if (d.empty()) return;

@@ -48,7 +48,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
         throw error("speculative: draft_max must be in [1, 64], got " + std::to_string(draft_max));
     if (!s.rolls_back())
         throw error("speculative decoding needs a session that can drop rejected positions; this engine's "
-                    "sessions cannot (DeepSeek V4: its state has no cheap rollback yet)");
+                    "sessions cannot (DeepSeek V4 rolls back on the CPU only so far, not on CUDA or several devices)");
     spec_stats st;
     std::vector<int32_t> hist = s.tokens();  // what the session holds (+ the kept tokens as they come)
     std::vector<float> rows;                 // [1 + k, n_vocab] logits of the step's forward
@@ -74,7 +74,8 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
         hist.push_back(tok);
         // Drafts that fit: the forward appends 1 + k tokens.
         const int64_t room = n_ctx - static_cast<int64_t>(hist.size());
-        const int32_t k_max = static_cast<int32_t>(std::min<int64_t>(budget.next(), room));
+        // ...and that the session can drop again (DS4: a few positions of history in its rings).
+        const int32_t k_max = static_cast<int32_t>(std::min({static_cast<int64_t>(budget.next()), room, s.rollback_limit()}));
         std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
         if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
         std::vector<int32_t> batch;

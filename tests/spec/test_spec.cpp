@@ -306,11 +306,50 @@ TEST(SpecGenerate, TinyQwen3DraftsKeptOrDroppedMatchPlainDecoding) {
     expect_same(a, speculative(*small, prompt, greedy(), 1000), "full context, n-gram");
 }
 
+// DeepSeek V4 on one CPU device rolls back (position-indexed rings, src/models/deepseek4.h): ds4-tiny with
+// drafts from the plain output (all right; every 2nd or 3rd wrong: deep rollbacks) and with the n-gram
+// drafter gives plain decoding's output, greedy and sampled, and drafts at most rollback_limit() tokens a
+// step whatever draft_max says. Over 40 generated tokens after a 100-token prompt cross raw-ring wraps
+// (window 32), ratio-4 block ends and the ratio-128 block end at position 127.
+TEST(SpecGenerate, DeepSeekV4TinySameTokensAsPlainDecoding) {
+    auto e = load(ds4_test::golden_dir() + "/ds4-tiny-a.gguf", 512);
+    const int V = e->info().n_vocab;
+    {
+        auto s = e->new_session();
+        EXPECT_TRUE(s->rolls_back());
+        EXPECT_EQ(s->rollback_limit(), 16);
+    }
+    std::vector<int32_t> prompt;
+    for (const auto &c : ds4_test::load_cases("cases.jsonl"))
+        if (c.tokens.size() >= 100 && prompt.empty()) prompt.assign(c.tokens.begin(), c.tokens.begin() + 100);
+    ASSERT_EQ(prompt.size(), 100u);
+    for (const sampling_params &p : {greedy(), sampled(3)}) {
+        const std::string what = p.temperature == 0 ? "greedy" : "sampled seed " + std::to_string(p.seed);
+        const outcome ref = plain(*e, prompt, p, 150);
+        ASSERT_GT(ref.tokens.size(), 40u) << what << ": the plain output ended early (end of generation)";
+        for (int k : {4, 16, 64})
+            for (int wrong : {0, 2, 3}) {
+                const outcome got = with_drafter(*e, prompt, p, 150, k, wrong != 3, oracle(prompt, ref.tokens, wrong, V));
+                expect_same(ref, got, what + ", draft_max " + std::to_string(k) + ", wrong every " + std::to_string(wrong));
+                EXPECT_LE(got.st.drafted, got.st.steps * 16) << "more drafts per step than the state can drop";
+                if (wrong == 0) {
+                    EXPECT_EQ(got.st.accepted, got.st.drafted) << what;
+                }
+            }
+        spec::ngram_options so;
+        so.ngram_min = 1;
+        expect_same(ref, speculative(*e, prompt, p, 150, so), what + ", n-gram");
+    }
+}
+
+// Sessions that cannot drop positions (DeepSeek V4 over several devices: a pipeline) are refused with
+// one line, before anything is evaluated.
 TEST(SpecGenerate, SessionWithoutRollbackIsRefused) {
     engine_options o;
     o.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
     o.n_ctx = 64;
     o.n_threads = 2;
+    o.devices = "cpu,cpu";
     auto e = engine::load(o);
     auto s = e->new_session();
     s->sync(std::vector<int32_t>{1, 2, 3});

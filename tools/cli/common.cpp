@@ -354,8 +354,8 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
                     std::to_string(n_ctx) + " (leave room to generate, or raise --ctx)");
 
     if (spec && spec->enabled() && !sess.rolls_back())  // before the prefill, not after it
-        throw error("--spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4: no cheap "
-                    "rollback yet); run without --spec");
+        throw error("--spec: this model's sessions cannot drop rejected positions (DeepSeek V4 rolls back on the "
+                    "CPU only so far, not with --device cuda or --devices); run without --spec");
     // Prefill: the session reuses what it already holds of the prompt (chat turns).
     const auto &held = sess.tokens();
     size_t common = 0;

@@ -96,8 +96,8 @@ void serve_main(serve_args &a) {
     so.spec = a.spec.enabled();
     so.spec_ngram = a.spec.ngram;
     if (so.spec && !eng->new_session()->rolls_back()) {
-        std::fprintf(stderr, "note: --spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4: "
-                             "no cheap rollback yet); serving without speculative decoding\n");
+        std::fprintf(stderr, "note: --spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4 "
+                             "rolls back on the CPU only so far); serving without speculative decoding\n");
         so.spec = false;
     }
     if (a.kv_mem_mib > 0) {
