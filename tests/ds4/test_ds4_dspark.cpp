@@ -443,4 +443,54 @@ TEST(ds4_dspark, rejects_bad_draft_inputs) {
     EXPECT_THROW(ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, c.main_hidden, 0, c.seed, three), fathom::error);
 }
 
+// ---- fathom-gguf synth --dspark -----------------------------------------------------------------
+
+// The synthesised tiny drafter loads against the synthesised tiny target (and the golden target: same
+// geometry) and drafts finite blocks; same seed = same bytes.
+TEST(ds4_dspark, synth_tiny_drafter_loads_against_its_target) {
+    const std::string dir = std::filesystem::temp_directory_path().string();
+    const std::string tp = dir + "/ds4_dspark_synth_target.gguf", dp = dir + "/ds4_dspark_synth_draft.gguf",
+                      dp2 = dir + "/ds4_dspark_synth_draft2.gguf";
+    const ds4::hparams hp = ds4::synth_preset("tiny");
+    const ds4::dspark_synth ds = ds4::synth_dspark_preset("tiny", hp);
+    ds4::synth_options o;
+    o.seed = 3;
+    ds4::synth_write(tp, hp, o);
+    ds4::synth_write_dspark(dp, hp, ds, o);
+    ds4::synth_write_dspark(dp2, hp, ds, o);
+    std::ifstream a(dp, std::ios::binary), b(dp2, std::ios::binary);
+    EXPECT_TRUE(std::equal(std::istreambuf_iterator<char>(a), {}, std::istreambuf_iterator<char>(b), {}));
+    const auto target = ds4::load_model(tp);
+    const auto w = ds4::load_dspark(*target, dp);
+    EXPECT_EQ(w->cfg.target_layers, (std::vector<int>{3, 4, 5}));
+    EXPECT_EQ(w->cfg.noise_token, 511);
+    EXPECT_EQ(w->cfg.markov_rank, 32);
+    EXPECT_EQ(w->cfg.window, 32);
+    EXPECT_EQ(w->cfg.block_size, 5);
+    EXPECT_NO_THROW(ds4::load_dspark(*data().target, dp));
+    const std::vector<int32_t> toks = {0, 17, 300, 5, 42, 42, 7, 9};
+    std::vector<int64_t> pos(toks.size());
+    std::iota(pos.begin(), pos.end(), 0);
+    ds4::state st = ds4::new_state(*target, ds4::qat_mode::full, kv_precision::f32);
+    std::vector<float> feat(toks.size() * static_cast<size_t>(w->feature_dim()));
+    ds4::dspark_capture(*target, *w, st, toks, pos, feat);
+    const auto blk = ds4::dspark_draft(*target, *w, ds4::qat_mode::full, {}, feat, 0, 11);
+    for (float x : blk.corrected_logits) ASSERT_TRUE(std::isfinite(x));
+    for (float c : blk.confidence) EXPECT_TRUE(c > 0 && c < 1);
+    EXPECT_EQ(blk.draft_tokens.size(), 5u);
+    for (const auto &p : {tp, dp, dp2}) std::filesystem::remove(p);
+}
+
+TEST(ds4_dspark, synth_presets) {
+    const ds4::hparams flash = ds4::synth_preset("flash");
+    const ds4::dspark_synth f = ds4::synth_dspark_preset("flash", flash);
+    EXPECT_EQ(f.capture_layers, (std::vector<int>{40, 41, 42}));
+    EXPECT_EQ(f.noise_token, 128799);
+    EXPECT_EQ(f.markov_rank, 256);
+    EXPECT_EQ(f.window, 128);
+    EXPECT_EQ(f.n_stages, 3);
+    EXPECT_EQ(f.block_size, 5);
+    EXPECT_THROW(ds4::synth_dspark_preset("huge", flash), fathom::error);
+}
+
 }  // namespace
