@@ -151,16 +151,18 @@ verdict compare(const dspark_case &c, const ds4::dspark_block &b, int V) {
     verdict v;
     check_rows(c, "base", b.base_logits, c.base_top8, c.base_gap, c.base_logits, V, v);
     check_rows(c, "corrected", b.corrected_logits, c.corrected_top8, c.corrected_gap, c.corrected_logits, V, v);
+    auto fail = [&](const std::string &why) {
+        if (v.ok) v.why = why;
+        v.ok = false;
+    };
     for (size_t j = 0; j < c.conf.size(); ++j) {
         const double el = std::fabs(b.confidence_logit[j] - c.conf_logit[j]), ec = std::fabs(b.confidence[j] - c.conf[j]);
         v.max_conf = std::max(v.max_conf, el);
-        if ((el > c.tol["confidence_logit_abs_max"].get<double>() || ec > c.tol["confidence_abs_max"].get<double>()) && v.ok) {
-            v.ok = false;
-            v.why = "row " + std::to_string(j) + " confidence logit off by " + std::to_string(el);
-        }
+        if (el > c.tol["confidence_logit_abs_max"].get<double>() || ec > c.tol["confidence_abs_max"].get<double>())
+            fail("row " + std::to_string(j) + " confidence logit off by " + std::to_string(el));
     }
-    if (b.draft_tokens != c.draft_tokens && v.ok) v.ok = false, v.why = "draft tokens differ";
-    if (b.markov_prev != c.markov_prev && v.ok) v.ok = false, v.why = "Markov inputs differ";
+    if (b.draft_tokens != c.draft_tokens) fail("draft tokens differ");
+    if (b.markov_prev != c.markov_prev) fail("Markov inputs differ");
     return v;
 }
 
