@@ -7,8 +7,8 @@
     (base and corrected top-8 within 1e-3, rows' relative L2 <= 1e-4, draft tokens equal, confidence
     and its logit within 1e-4: that README's strict tier);
   * `fathom-gguf synth --dspark`: a tiny drafter for a synthesised tiny target drafts finite blocks
-    through `fathom logits --dspark`; a drafter for another vocabulary, or --dspark without
-    --seed-token, is one clear error.
+    through `fathom logits --dspark`; a drafter for another vocabulary, a sparse (CUDA-only) drafter,
+    or --dspark without --seed-token, is one clear error.
 Independent truth: the golden JSON, read with numpy."""
 import argparse
 import json
@@ -129,7 +129,13 @@ def check_synth(a, ddir, td):
     r = run([a.fathom, "logits", "-m", t, "--dspark", d, "--tokens-file", toks, "--out", out], expect_ok=False)
     if "--seed-token" not in r.stderr:
         sys.exit(f"FAIL: missing --seed-token not named: {r.stderr}")
-    print("ok: a drafter for another vocabulary and a missing --seed-token are refused")
+    sp = os.path.join(td, "sp.gguf")
+    run([a.fathom_gguf, "synth", sp, "--preset", "tiny", "--dspark", "--sparse", "--seed", "4", "-q"])
+    r = run([a.fathom, "logits", "-m", t, "--dspark", sp, "--seed-token", "3", "--tokens-file", toks, "--out", out],
+            expect_ok=False)
+    if "sparse" not in r.stderr:
+        sys.exit(f"FAIL: sparse drafter not refused on the CPU: {r.stderr}")
+    print("ok: a drafter for another vocabulary, a sparse drafter and a missing --seed-token are refused")
 
 
 def main():

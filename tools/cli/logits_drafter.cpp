@@ -9,6 +9,7 @@
 
 #include "backend/cpu/thread_pool.h"
 #include "fathom/error.h"
+#include "gguf/gguf.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_dspark.h"
 #include "models/deepseek4_mtp.h"
@@ -30,6 +31,12 @@ void chunks(int64_t n, int64_t chunk, F &&fn) {
     for (int64_t b = 0; b < n; b += step) fn(b, std::min(n, b + step));
 }
 
+// Sparse synthetic files (fathom-gguf synth --sparse) hold zeros where the rows repeat: CUDA only.
+void refuse_sparse(const gguf::file &f) {
+    if (f.get_int("fathom.synth.replicate_rows", 0) > 0)
+        throw error(f.path() + ": a sparse synthetic file (fathom.synth.replicate_rows) is for CUDA benchmarks only");
+}
+
 void check_token(int64_t t, int32_t n_vocab, const char *opt) {
     if (t < 0 || t >= n_vocab)
         throw error(std::string("logits: ") + opt + " " + std::to_string(t) + " outside the vocabulary [0, " +
@@ -41,6 +48,7 @@ void check_token(int64_t t, int32_t n_vocab, const char *opt) {
 drafter_logits_result run_mtp(const drafter_logits_args &a, const ds4::model &m, const ids_reader &read_ids,
                               const ds4::exec_options &exec, kv_precision kv) {
     const auto mtp = ds4::load_mtp(m, a.mtp);
+    refuse_sparse(*mtp->file);
     check_token(a.next_token, m.hp.n_vocab, "--next-token");
     const std::vector<int32_t> ids = read_ids(m.hp.n_vocab);
     const int64_t n = static_cast<int64_t>(ids.size()), V = m.hp.n_vocab, S = int64_t{m.hp.n_hc} * m.hp.n_embd;
@@ -74,6 +82,7 @@ drafter_logits_result run_mtp(const drafter_logits_args &a, const ds4::model &m,
 drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model &m, const ids_reader &read_ids,
                                  const ds4::exec_options &exec, kv_precision kv) {
     const auto w = ds4::load_dspark(m, a.dspark);
+    refuse_sparse(*w->file);
     check_token(a.seed_token, m.hp.n_vocab, "--seed-token");
     const std::vector<int32_t> ids = read_ids(m.hp.n_vocab);
     const int64_t n = static_cast<int64_t>(ids.size()), V = m.hp.n_vocab, F = w->feature_dim();
@@ -112,6 +121,7 @@ drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model 
 
 drafter_logits_result drafter_logits(const drafter_logits_args &a, const ids_reader &read_ids) {
     const auto m = ds4::load_model(a.model_path);  // throws naming the file when it is not DS4
+    refuse_sparse(*m->file);
     const int n_threads = a.threads > 0 ? a.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     std::unique_ptr<cpu::thread_pool> pool;
     ds4::exec_options exec;
