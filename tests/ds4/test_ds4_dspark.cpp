@@ -1,7 +1,7 @@
 // ds4-tiny-a DSpark drafter against ../shared/golden/ds4-tiny-dspark/dspark_cases.jsonl (its README is
 // normative): feature-fed (all 6 cases, the golden `main_hidden` as features, teacher-forced and
 // greedy Markov chain) and end-to-end (strict cases: the target run here, its layer 3/4/5 stream means
-// captured by ds4::dspark_capture). Controls that must fail (seed, Markov input, window, capture point
+// captured by ds4::dspark_capture in prefill, decode and chunks of 7). Controls that must fail (seed, Markov input, window, capture point
 // and stream mean), and bad drafter files (geometry / vocabulary of another target, missing or
 // transposed tensor, bad keys, truncated file).
 #include <gtest/gtest.h>
@@ -227,8 +227,11 @@ TEST(ds4_dspark, golden_end_to_end) {
         if (!c.end_to_end) continue;
         ++n_strict;
         const size_t n = c.tokens.size();
-        for (size_t chunk : {n, size_t{7}}) {
+        std::vector<float> first;  // the prefill's features: every chunking gives the same bits
+        for (size_t chunk : {n, size_t{1}, size_t{7}}) {  // prefill, decode, chunks of 7
             const std::vector<float> feat = capture(c, chunk, *d.drafter);
+            if (first.empty()) first = feat;
+            EXPECT_EQ(feat, first) << c.name << " chunk " << chunk;
             // The captured features of the context positions against the golden main_hidden.
             const size_t F = 384, c0 = static_cast<size_t>(c.ctx_positions.front());
             double fe = 0;
@@ -236,6 +239,11 @@ TEST(ds4_dspark, golden_end_to_end) {
                 fe = std::max(fe, std::fabs(static_cast<double>(feat[c0 * F + i]) - c.main_hidden[i]));
             const auto b = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, feat, 0, c.seed);
             const verdict v = compare(c, b, V);
+            // Only the window is read: its rows alone give the same block, bit for bit.
+            const auto w = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, std::span(feat).subspan(c0 * F),
+                                             static_cast<int64_t>(c0), c.seed);
+            EXPECT_EQ(w.corrected_logits, b.corrected_logits) << c.name;
+            EXPECT_EQ(w.confidence_logit, b.confidence_logit) << c.name;
             EXPECT_TRUE(v.ok) << c.name << " chunk " << chunk << ": " << v.why;
             std::printf("  %-22s end-to-end chunk %3zu  max feature err %.3g  max top-8 err %.3g  conf %.3g\n",
                         c.name.c_str(), chunk, fe, v.max_top8, v.max_conf);
