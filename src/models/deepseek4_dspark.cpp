@@ -21,14 +21,16 @@ void dspark_capture(const model &target, const dspark_weights &w, state &st, std
     const size_t n = tokens.size(), D = static_cast<size_t>(hp.n_embd), S = static_cast<size_t>(hp.n_hc) * D;
     const size_t F = static_cast<size_t>(w.feature_dim());
     if (positions.size() != n || features.size() != n * F)
-        throw error("ds4 dspark capture: " + std::to_string(n) + " tokens, " + std::to_string(positions.size()) +
-                    " positions and a feature buffer of " + std::to_string(features.size()) + " floats (expected " +
-                    std::to_string(n * F) + ")");
-    if (st.layers.size() != target.layers.size()) throw error("ds4 dspark capture: state does not belong to the target");
+        throw error("ds4 dspark capture: " + std::to_string(n) + " tokens, " +
+                    std::to_string(positions.size()) + " positions and a feature buffer of " +
+                    std::to_string(features.size()) + " floats (expected " + std::to_string(n * F) + ")");
+    if (st.layers.size() != target.layers.size())
+        throw error("ds4 dspark capture: state does not belong to the target");
     for (size_t i = 0; i < n; ++i)  // compressors pool absolute blocks: contiguous positions only
         if (positions[i] != st.n_past + static_cast<int64_t>(i))
             throw error("ds4 dspark capture: position " + std::to_string(positions[i]) + " at index " +
-                        std::to_string(i) + ", expected " + std::to_string(st.n_past + static_cast<int64_t>(i)));
+                        std::to_string(i) + ", expected " +
+                        std::to_string(st.n_past + static_cast<int64_t>(i)));
     if (n == 0) return;
     std::vector<float> x(n * S);  // [n, n_hc, D] hyper-connection state
     embed_tokens(target, tokens, x);
@@ -105,12 +107,14 @@ void stage_attention(const hparams &hp, const rope_table &rope, const layer_weig
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
     std::vector<float> o(static_cast<size_t>(H * d)), z(static_cast<size_t>(hp.o_groups * r));
     for (int64_t j = 0; j < B; ++j) {
-        attend_with_sink(&q[static_cast<size_t>(j * H * d)], kv.data(), n_keys, l.sinks.data(), static_cast<int>(H),
-                         d, scale, o.data());
-        for (int64_t h = 0; h < H; ++h) rope_apply(&o[static_cast<size_t>(h * d + d - nr)], rope, S + j, true);
+        attend_with_sink(&q[static_cast<size_t>(j * H * d)], kv.data(), n_keys, l.sinks.data(),
+                         static_cast<int>(H), d, scale, o.data());
+        for (int64_t h = 0; h < H; ++h)
+            rope_apply(&o[static_cast<size_t>(h * d + d - nr)], rope, S + j, true);
         // Grouped low-rank output (spec 4.7): z_g = W_oa[g] . o_g, y = W_ob . concat(z_g).
         for (int64_t g = 0; g < hp.o_groups; ++g)
-            matmul_rows(l.out_a, g * r, (g + 1) * r, &o[static_cast<size_t>(g * gd)], 1, &z[static_cast<size_t>(g * r)]);
+            matmul_rows(l.out_a, g * r, (g + 1) * r, &o[static_cast<size_t>(g * gd)], 1,
+                        &z[static_cast<size_t>(g * r)]);
         matmul(l.out_b, z.data(), 1, y + j * D);
     }
 }
@@ -122,19 +126,21 @@ void stage_forward(const hparams &hp, const rope_table &rope, const layer_weight
     const int64_t B = static_cast<int64_t>(ids.size()), D = hp.n_embd, SW = hp.n_hc * D;
     const size_t nh = static_cast<size_t>(hp.n_hc);
     std::vector<float> u(static_cast<size_t>(B * D)), y(static_cast<size_t>(B * D));
-    std::vector<float> post(static_cast<size_t>(B) * nh), comb(static_cast<size_t>(B) * nh * nh), x_old(static_cast<size_t>(SW));
+    std::vector<float> post(static_cast<size_t>(B) * nh), comb(static_cast<size_t>(B) * nh * nh),
+        x_old(static_cast<size_t>(SW));
     auto pre = [&](const hc_weights &hw, const std::vector<float> &norm) {
         for (int64_t j = 0; j < B; ++j) {
             float *uj = &u[static_cast<size_t>(j * D)];
-            hc_pre(hp, hw, x + j * SW, uj, &post[static_cast<size_t>(j) * nh], &comb[static_cast<size_t>(j) * nh * nh]);
+            hc_pre(hp, hw, x + j * SW, uj, &post[static_cast<size_t>(j) * nh],
+                   &comb[static_cast<size_t>(j) * nh * nh]);
             rms_norm(uj, D, norm.data(), hp.rms_eps, uj);
         }
     };
     auto post_all = [&] {
         for (int64_t j = 0; j < B; ++j) {
             std::copy(x + j * SW, x + (j + 1) * SW, x_old.begin());
-            hc_post(hp.n_hc, D, &y[static_cast<size_t>(j * D)], x_old.data(), &post[static_cast<size_t>(j) * nh],
-                    &comb[static_cast<size_t>(j) * nh * nh], x + j * SW);
+            hc_post(hp.n_hc, D, &y[static_cast<size_t>(j * D)], x_old.data(),
+                    &post[static_cast<size_t>(j) * nh], &comb[static_cast<size_t>(j) * nh * nh], x + j * SW);
         }
     };
     pre(l.hc_attn, l.attn_norm);
@@ -159,11 +165,13 @@ std::vector<float> table_row(const matrix &m, int32_t id) {
 void block_head(const model &target, const dspark_weights &w, const float *x, std::span<const int32_t> forced,
                 dspark_block &b) {
     const hparams &hp = w.hp;
-    const int64_t B = w.cfg.block_size, D = hp.n_embd, V = hp.n_vocab, r = w.cfg.markov_rank, SW = hp.n_hc * D;
+    const int64_t B = w.cfg.block_size, D = hp.n_embd, V = hp.n_vocab, r = w.cfg.markov_rank,
+                  SW = hp.n_hc * D;
     b.hc_head_out.resize(static_cast<size_t>(B * D));
     b.base_logits.resize(static_cast<size_t>(B * V));
     b.corrected_logits.resize(static_cast<size_t>(B * V));
-    std::vector<float> zn(static_cast<size_t>(D)), bias(static_cast<size_t>(V)), cin(static_cast<size_t>(D + r));
+    std::vector<float> zn(static_cast<size_t>(D)), bias(static_cast<size_t>(V)),
+        cin(static_cast<size_t>(D + r));
     int32_t prev = b.input_ids[0];  // x_0 = the seed
     for (int64_t j = 0; j < B; ++j) {
         float *z = &b.hc_head_out[static_cast<size_t>(j * D)];
@@ -173,7 +181,7 @@ void block_head(const model &target, const dspark_weights &w, const float *x, st
         matmul(target.output, zn.data(), 1, U);  // base logits with the target's output head
         const int32_t xj = forced.empty() ? prev : forced[static_cast<size_t>(j)];
         const std::vector<float> e = table_row(w.markov_w1, xj);  // W1[x_j] [r]
-        matmul(w.markov_w2, e.data(), 1, bias.data());           // B_j = W2 . W1[x_j] [V]
+        matmul(w.markov_w2, e.data(), 1, bias.data());            // B_j = W2 . W1[x_j] [V]
         float *C = &b.corrected_logits[static_cast<size_t>(j * V)];
         for (int64_t v = 0; v < V; ++v) C[v] = U[v] + bias[static_cast<size_t>(v)];
         const int32_t next = static_cast<int32_t>(std::max_element(C, C + V) - C);  // ties: lowest id
@@ -190,9 +198,9 @@ void block_head(const model &target, const dspark_weights &w, const float *x, st
 
 }  // namespace
 
-dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat, const exec_options &exec,
-                          std::span<const float> ctx_features, int64_t ctx_pos0, int32_t seed_token,
-                          std::span<const int32_t> markov_inputs) {
+dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat,
+                          const exec_options &exec, std::span<const float> ctx_features, int64_t ctx_pos0,
+                          int32_t seed_token, std::span<const int32_t> markov_inputs) {
     const hparams &hp = w.hp;
     const int64_t F = w.feature_dim(), D = hp.n_embd, B = w.cfg.block_size;
     const int64_t n_all = static_cast<int64_t>(ctx_features.size()) / F;
@@ -205,7 +213,8 @@ dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode
         throw error("ds4 dspark: " + std::to_string(markov_inputs.size()) + " Markov inputs for a block of " +
                     std::to_string(B));
     for (int32_t t : markov_inputs)
-        if (t < 0 || t >= hp.n_vocab) throw error("ds4 dspark: Markov input " + std::to_string(t) + " outside the vocabulary");
+        if (t < 0 || t >= hp.n_vocab)
+            throw error("ds4 dspark: Markov input " + std::to_string(t) + " outside the vocabulary");
     const exec_scope scope(exec);
     dspark_block b;
     b.seed_pos = ctx_pos0 + n_all;
@@ -215,7 +224,8 @@ dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode
     std::vector<float> main_x(static_cast<size_t>(n_ctx * D));
     if (n_ctx > 0) matmul(w.fc, &ctx_features[static_cast<size_t>(c0 * F)], n_ctx, main_x.data());
     for (int64_t c = 0; c < n_ctx; ++c)
-        rms_norm(&main_x[static_cast<size_t>(c * D)], D, w.hidden_norm.data(), hp.rms_eps, &main_x[static_cast<size_t>(c * D)]);
+        rms_norm(&main_x[static_cast<size_t>(c * D)], D, w.hidden_norm.data(), hp.rms_eps,
+                 &main_x[static_cast<size_t>(c * D)]);
     // Block input (step 3): [seed, noise x (B-1)] embedded with the target's table into every stream.
     b.input_ids.assign(static_cast<size_t>(B), w.cfg.noise_token);
     b.input_ids[0] = seed_token;

@@ -24,12 +24,13 @@ namespace fathom::ds4 {
 
 // Drafter settings read from the GGUF metadata (`deepseek4-dflash-draft.dflash.*`).
 struct dspark_config {
-    int n_stages = 0;                // block_count
-    int block_size = 0;              // dflash.block_size: rows per draft block (seed + noise)
-    int32_t noise_token = 0;         // dflash.mask_token_id
-    int window = 0;                  // attention.sliding_window: context rows a block attends to
-    int markov_rank = 0;             // dflash.dspark.markov_rank
-    std::vector<int> target_layers;  // dflash.capture_layer_ids: 0-based target layers, features in this order
+    int n_stages = 0;         // block_count
+    int block_size = 0;       // dflash.block_size: rows per draft block (seed + noise)
+    int32_t noise_token = 0;  // dflash.mask_token_id
+    int window = 0;           // attention.sliding_window: context rows a block attends to
+    int markov_rank = 0;      // dflash.dspark.markov_rank
+    std::vector<int>
+        target_layers;  // dflash.capture_layer_ids: 0-based target layers, features in this order
 };
 
 struct dspark_weights {
@@ -60,20 +61,21 @@ std::unique_ptr<dspark_weights> load_dspark(const model &target, const std::stri
 // cfg.target_layers of the mean of the n_hc streams after that layer. logits (optional, may be
 // empty): [n, n_vocab] or [n_vocab] as forward() returns them; the same bits as forward().
 void dspark_capture(const model &target, const dspark_weights &w, state &st, std::span<const int32_t> tokens,
-                    std::span<const int64_t> positions, std::span<float> features, std::span<float> logits = {});
+                    std::span<const int64_t> positions, std::span<float> features,
+                    std::span<float> logits = {});
 
 // One draft block (all [rows, cols] row-major; B = block_size, V = n_vocab, D = n_embd).
 struct dspark_block {
-    int64_t seed_pos = 0;                  // S: position of the seed (row j sits at S + j)
-    std::vector<int64_t> ctx_positions;    // context rows used: the last min(window, S) positions
-    std::vector<int32_t> input_ids;        // [B] seed, then noise tokens
-    std::vector<float> hc_head_out;        // [B, D] z_j = HCHead(X_j), before the final norm
-    std::vector<float> base_logits;        // [B, V] U_j
-    std::vector<float> corrected_logits;   // [B, V] U_j + W2 . W1[x_j]
-    std::vector<int32_t> markov_prev;      // [B] x_0..x_(B-1): the Markov inputs (x_0 = seed)
-    std::vector<int32_t> draft_tokens;     // [B] argmax of each corrected row (x_1..x_B when greedy)
-    std::vector<float> confidence_logit;   // [B] w_conf . concat(z_j, W1[x_j]) + bias
-    std::vector<float> confidence;         // [B] sigmoid of it
+    int64_t seed_pos = 0;                 // S: position of the seed (row j sits at S + j)
+    std::vector<int64_t> ctx_positions;   // context rows used: the last min(window, S) positions
+    std::vector<int32_t> input_ids;       // [B] seed, then noise tokens
+    std::vector<float> hc_head_out;       // [B, D] z_j = HCHead(X_j), before the final norm
+    std::vector<float> base_logits;       // [B, V] U_j
+    std::vector<float> corrected_logits;  // [B, V] U_j + W2 . W1[x_j]
+    std::vector<int32_t> markov_prev;     // [B] x_0..x_(B-1): the Markov inputs (x_0 = seed)
+    std::vector<int32_t> draft_tokens;    // [B] argmax of each corrected row (x_1..x_B when greedy)
+    std::vector<float> confidence_logit;  // [B] w_conf . concat(z_j, W1[x_j]) + bias
+    std::vector<float> confidence;        // [B] sigmoid of it
 };
 
 // Draft one block after a sequence of S = ctx_pos0 + n tokens: ctx_features [n, feature_dim()] are
@@ -82,8 +84,8 @@ struct dspark_block {
 // markov_inputs: empty = greedy chain (x_(j+1) = argmax corrected_j), else B ids used as x_0..x_(B-1)
 // (teacher forcing). qat == full applies the FP8 round trip to the stages' KV rows (dims before the
 // RoPE tail), as the official code's act_quant; fp4only and off do not.
-dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat, const exec_options &exec,
-                          std::span<const float> ctx_features, int64_t ctx_pos0, int32_t seed_token,
-                          std::span<const int32_t> markov_inputs = {});
+dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat,
+                          const exec_options &exec, std::span<const float> ctx_features, int64_t ctx_pos0,
+                          int32_t seed_token, std::span<const int32_t> markov_inputs = {});
 
 }  // namespace fathom::ds4

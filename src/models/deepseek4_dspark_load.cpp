@@ -36,11 +36,13 @@ struct key_reader {
     float pos_float(const std::string &key) const {
         if (!f.has(kp + key)) fail(key, "is missing");
         const double v = f.get_float(kp + key);
-        if (!(v > 0.0) || !std::isfinite(v)) fail(key, "= " + std::to_string(v) + " must be positive and finite");
+        if (!(v > 0.0) || !std::isfinite(v))
+            fail(key, "= " + std::to_string(v) + " must be positive and finite");
         return static_cast<float>(v);
     }
     void expect(const std::string &key, int64_t got, int64_t want, const std::string &why) const {
-        if (got != want) fail(key, "= " + std::to_string(got) + ", expected " + std::to_string(want) + " (" + why + ")");
+        if (got != want)
+            fail(key, "= " + std::to_string(got) + ", expected " + std::to_string(want) + " (" + why + ")");
     }
 };
 
@@ -74,14 +76,19 @@ hparams read_stage_hparams(const key_reader &k, const hparams &target) {
     hp.expert_weights_scale = k.pos_float("expert_weights_scale");
     // Structural constraints of the stage body (same rules as the target loader).
     if (hp.n_rot % 2 != 0 || hp.n_rot >= hp.head_dim || (hp.head_dim - hp.n_rot) % 64 != 0)
-        k.fail("rope.dimension_count", "= " + std::to_string(hp.n_rot) +
-                                           ": must be even, below attention.key_length, and leave a multiple of 64 dims");
+        k.fail("rope.dimension_count",
+               "= " + std::to_string(hp.n_rot) +
+                   ": must be even, below attention.key_length, and leave a multiple of 64 dims");
     if (hp.n_head % hp.o_groups != 0)
-        k.fail("attention.output_group_count", "= " + std::to_string(hp.o_groups) + " does not divide the heads");
+        k.fail("attention.output_group_count",
+               "= " + std::to_string(hp.o_groups) + " does not divide the heads");
     if (hp.n_expert_used > hp.n_expert) k.fail("expert_used_count", "exceeds expert_count");
-    if (hp.n_expert_shared < 0 || hp.n_expert_shared > 1) k.fail("expert_shared_count", "unsupported (0 or 1)");
-    if (k.f.has(kp + "hash_layer_count")) k.expect("hash_layer_count", k.any_int("hash_layer_count"), 0, "learned routing");
-    if (k.f.has(kp + "expert_gating_func")) k.expect("expert_gating_func", k.any_int("expert_gating_func"), 4, "sqrt-softplus");
+    if (hp.n_expert_shared < 0 || hp.n_expert_shared > 1)
+        k.fail("expert_shared_count", "unsupported (0 or 1)");
+    if (k.f.has(kp + "hash_layer_count"))
+        k.expect("hash_layer_count", k.any_int("hash_layer_count"), 0, "learned routing");
+    if (k.f.has(kp + "expert_gating_func"))
+        k.expect("expert_gating_func", k.any_int("expert_gating_func"), 4, "sqrt-softplus");
     if (k.f.has(kp + "expert_weights_norm") && !k.f.get_bool(kp + "expert_weights_norm"))
         k.fail("expert_weights_norm", "must be true");
     return hp;
@@ -97,8 +104,10 @@ dspark_config read_config(const key_reader &k, const hparams &hp, const hparams 
         k.fail("dflash.mask_token_id", "= " + std::to_string(noise) + " outside the vocabulary [0, " +
                                            std::to_string(hp.n_vocab) + ")");
     c.noise_token = static_cast<int32_t>(noise);
-    if (k.f.has(kp + "dflash.dspark.enabled")) k.expect("dflash.dspark.enabled", k.any_int("dflash.dspark.enabled"), 1, "a DSpark head");
-    if (k.f.has(kp + "dflash.head_hc_enabled")) k.expect("dflash.head_hc_enabled", k.any_int("dflash.head_hc_enabled"), 1, "HC head");
+    if (k.f.has(kp + "dflash.dspark.enabled"))
+        k.expect("dflash.dspark.enabled", k.any_int("dflash.dspark.enabled"), 1, "a DSpark head");
+    if (k.f.has(kp + "dflash.head_hc_enabled"))
+        k.expect("dflash.head_hc_enabled", k.any_int("dflash.head_hc_enabled"), 1, "HC head");
     c.markov_rank = k.pos_int("dflash.dspark.markov_rank");
     if (k.f.has(kp + "dflash.dspark.vocab_size"))
         k.expect("dflash.dspark.vocab_size", k.any_int("dflash.dspark.vocab_size"), hp.n_vocab, "vocab_size");
@@ -108,7 +117,8 @@ dspark_config read_config(const key_reader &k, const hparams &hp, const hparams 
     if (!k.f.has(kp + "dflash.capture_layer_ids")) k.fail("dflash.capture_layer_ids", "is missing");
     for (int64_t l : k.f.get_int_array(kp + "dflash.capture_layer_ids")) {
         if (l < 0 || l >= target.n_layer)
-            k.fail("dflash.capture_layer_ids", "holds layer " + std::to_string(l) + ", outside the target's " +
+            k.fail("dflash.capture_layer_ids", "holds layer " + std::to_string(l) +
+                                                   ", outside the target's " +
                                                    std::to_string(target.n_layer) + " layers");
         c.target_layers.push_back(static_cast<int>(l));
     }
@@ -118,7 +128,9 @@ dspark_config read_config(const key_reader &k, const hparams &hp, const hparams 
                  static_cast<int64_t>(c.target_layers.size()), "entries of dflash.capture_layer_ids");
     if (k.f.has(kp + "attention.compress_ratios"))
         for (int64_t r : k.f.get_int_array(kp + "attention.compress_ratios"))
-            if (r != 0) k.fail("attention.compress_ratios", "holds " + std::to_string(r) + ": DSpark stages are window-only (0)");
+            if (r != 0)
+                k.fail("attention.compress_ratios",
+                       "holds " + std::to_string(r) + ": DSpark stages are window-only (0)");
     return c;
 }
 
@@ -131,14 +143,15 @@ std::vector<float> read_clamps(const key_reader &k, int n_stages) {
     if (v->type == gguf::value_type::array) {
         vals = k.f.get_float_array(kp + key);
         if (vals.size() != static_cast<size_t>(n_stages))
-            k.fail(key, "has " + std::to_string(vals.size()) + " entries, expected 1 (scalar) or block_count = " +
-                            std::to_string(n_stages));
+            k.fail(key, "has " + std::to_string(vals.size()) +
+                            " entries, expected 1 (scalar) or block_count = " + std::to_string(n_stages));
     } else {
         vals.assign(static_cast<size_t>(n_stages), k.f.get_float(kp + key));
     }
     std::vector<float> out;
     for (double x : vals) {
-        if (!(x > 0.0) || !std::isfinite(x)) k.fail(key, "holds " + std::to_string(x) + ", expected positive values");
+        if (!(x > 0.0) || !std::isfinite(x))
+            k.fail(key, "holds " + std::to_string(x) + ", expected positive values");
         out.push_back(static_cast<float>(x));
     }
     return out;

@@ -83,8 +83,8 @@ dtype type_for(const std::string &mix, wclass c, int64_t row) {
 using tensor_adder = std::function<void(const std::string &, wclass, std::vector<int64_t>, init)>;
 
 // The tensors of one block `p` ("blk.N.") with compression ratio r, hash or learned routing.
-void layer_tensors(const tensor_adder &add, std::vector<tensor_spec> &out, const hparams &hp, const std::string &p,
-                   int r, bool hash) {
+void layer_tensors(const tensor_adder &add, std::vector<tensor_spec> &out, const hparams &hp,
+                   const std::string &p, int r, bool hash) {
     const int64_t D = hp.n_embd, d = hp.head_dim, F = hp.n_ff_exp, E = hp.n_expert, S = int64_t{hp.n_hc} * D;
     const int64_t n_mix = (2 + int64_t{hp.n_hc}) * hp.n_hc;
     add(p + "attn_norm.weight", wclass::vector, {D}, init::norm);
@@ -105,7 +105,8 @@ void layer_tensors(const tensor_adder &add, std::vector<tensor_spec> &out, const
     add(p + "attn_output_b.weight", wclass::projection, {int64_t{hp.o_groups} * hp.o_rank, D}, init::linear);
     add(p + "ffn_gate_inp.weight", wclass::small_matrix, {D, E}, init::linear);
     if (hash)
-        out.push_back({p + "ffn_gate_tid2eid.weight", dtype::i32, {hp.n_expert_used, hp.n_vocab}, init::tid2eid});
+        out.push_back(
+            {p + "ffn_gate_tid2eid.weight", dtype::i32, {hp.n_expert_used, hp.n_vocab}, init::tid2eid});
     else
         add(p + "exp_probs_b.bias", wclass::vector, {E}, init::bias);
     add(p + "ffn_gate_exps.weight", wclass::expert_gu, {D, F, E}, init::linear);
@@ -155,8 +156,8 @@ std::vector<tensor_spec> tensor_list(const hparams &hp, const std::string &mix) 
     const tensor_adder add = adder_for(out, mix);
     add("token_embd.weight", wclass::embed, {hp.n_embd, hp.n_vocab}, init::embed);
     for (int il = 0; il < hp.n_layer; ++il)
-        layer_tensors(add, out, hp, "blk." + std::to_string(il) + ".", hp.compress_ratio[static_cast<size_t>(il)],
-                      il < hp.n_hash_layer);
+        layer_tensors(add, out, hp, "blk." + std::to_string(il) + ".",
+                      hp.compress_ratio[static_cast<size_t>(il)], il < hp.n_hash_layer);
     head_tensors(add, hp, true);
     return out;
 }
@@ -164,12 +165,15 @@ std::vector<tensor_spec> tensor_list(const hparams &hp, const std::string &mix) 
 // DSpark drafter tensors (lucebox names; torch [out, in] = ggml {in, out}): the window-only,
 // learned-routing stages, the feature projection and norm, the HC head and final norm, the Markov
 // tables [V, r] and the confidence head [1, D + r] with its (zero) bias.
-std::vector<tensor_spec> dspark_tensor_list(const hparams &hp, const dspark_synth &d, const std::string &mix) {
+std::vector<tensor_spec> dspark_tensor_list(const hparams &hp, const dspark_synth &d,
+                                            const std::string &mix) {
     std::vector<tensor_spec> out;
     const tensor_adder add = adder_for(out, mix);
     const int64_t D = hp.n_embd, V = hp.n_vocab, r = d.markov_rank;
-    for (int k = 0; k < d.n_stages; ++k) layer_tensors(add, out, hp, "blk." + std::to_string(k) + ".", 0, false);
-    add("dflash.fc.weight", wclass::projection, {static_cast<int64_t>(d.capture_layers.size()) * D, D}, init::linear);
+    for (int k = 0; k < d.n_stages; ++k)
+        layer_tensors(add, out, hp, "blk." + std::to_string(k) + ".", 0, false);
+    add("dflash.fc.weight", wclass::projection, {static_cast<int64_t>(d.capture_layers.size()) * D, D},
+        init::linear);
     add("dflash.hidden_norm.weight", wclass::vector, {D}, init::norm);
     head_tensors(add, hp, false);
     add("dflash.dspark.markov.w1", wclass::embed, {r, V}, init::embed);
@@ -364,7 +368,8 @@ void write_metadata(gguf::writer &w, const hparams &hp, const synth_options &o) 
 
 // DSpark drafter metadata: the keys lucebox's loader reads (prefix `deepseek4-dflash-draft.`), with the
 // types of the golden drafter file (../shared/golden/ds4-tiny-dspark/README.md, "Metadata").
-void write_dspark_metadata(gguf::writer &w, const hparams &hp, const dspark_synth &d, const synth_options &o) {
+void write_dspark_metadata(gguf::writer &w, const hparams &hp, const dspark_synth &d,
+                           const synth_options &o) {
     const std::string a = "deepseek4-dflash-draft.";
     const auto u = [](int v) { return static_cast<uint32_t>(v); };
     w.set_string("general.architecture", "deepseek4-dflash-draft");
@@ -401,7 +406,8 @@ void write_dspark_metadata(gguf::writer &w, const hparams &hp, const dspark_synt
     w.set_u32(a + "dflash.block_size", u(d.block_size));
     w.set_u32(a + "dflash.mask_token_id", static_cast<uint32_t>(d.noise_token));
     w.set_u32(a + "dflash.head_hc_enabled", 1);
-    w.set_arr_i32(a + "dflash.capture_layer_ids", std::vector<int32_t>(d.capture_layers.begin(), d.capture_layers.end()));
+    w.set_arr_i32(a + "dflash.capture_layer_ids",
+                  std::vector<int32_t>(d.capture_layers.begin(), d.capture_layers.end()));
     w.set_u32(a + "dflash.dspark.enabled", 1);
     w.set_u32(a + "dflash.dspark.markov_rank", u(d.markov_rank));
     w.set_u32(a + "dflash.dspark.vocab_size", u(hp.n_vocab));
@@ -499,7 +505,8 @@ void synth_check(const hparams &hp) {
 
 uint64_t synth_write(const std::string &path, const hparams &hp, const synth_options &o) {
     synth_check(hp);
-    return write_file(path, tensor_list(hp, o.mix), hp, o, [&](gguf::writer &w) { write_metadata(w, hp, o); });
+    return write_file(path, tensor_list(hp, o.mix), hp, o,
+                      [&](gguf::writer &w) { write_metadata(w, hp, o); });
 }
 
 dspark_synth synth_dspark_preset(const std::string &name, const hparams &target) {
@@ -522,7 +529,8 @@ uint64_t synth_write_dspark(const std::string &path, const hparams &target, cons
                             const synth_options &o) {
     synth_check(target);
     if (d.n_stages < 1 || d.block_size < 1 || d.markov_rank < 1 || d.window < 1 || d.capture_layers.empty())
-        throw error("synth: a DSpark drafter needs stages, block size, Markov rank, window and capture layers >= 1");
+        throw error(
+            "synth: a DSpark drafter needs stages, block size, Markov rank, window and capture layers >= 1");
     if (d.noise_token < 0 || d.noise_token >= target.n_vocab)
         throw error("synth: DSpark noise token " + std::to_string(d.noise_token) + " outside the vocabulary");
     for (int l : d.capture_layers)

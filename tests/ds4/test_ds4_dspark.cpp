@@ -1,9 +1,9 @@
 // ds4-tiny-a DSpark drafter against ../shared/golden/ds4-tiny-dspark/dspark_cases.jsonl (its README is
 // normative): feature-fed (all 6 cases, the golden `main_hidden` as features, teacher-forced and
 // greedy Markov chain) and end-to-end (strict cases: the target run here, its layer 3/4/5 stream means
-// captured by ds4::dspark_capture in prefill, decode and chunks of 7). Controls that must fail (seed, Markov input, window, capture point
-// and stream mean), and bad drafter files (geometry / vocabulary of another target, missing or
-// transposed tensor, bad keys, truncated file).
+// captured by ds4::dspark_capture in prefill, decode and chunks of 7). Controls that must fail (seed, Markov
+// input, window, capture point and stream mean), and bad drafter files (geometry / vocabulary of another
+// target, missing or transposed tensor, bad keys, truncated file).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -71,7 +71,7 @@ std::vector<dspark_case> load_dspark_cases() {
         const auto j = nlohmann::json::parse(line);
         dspark_case c;
         c.name = j["name"];
-        c.qat = j["qat"]["kv_fp8_e4m3"] ? ds4::qat_mode::full
+        c.qat = j["qat"]["kv_fp8_e4m3"]        ? ds4::qat_mode::full
                 : j["qat"]["indexer_fp4_e2m1"] ? ds4::qat_mode::fp4only
                                                : ds4::qat_mode::off;
         c.end_to_end = j["end_to_end_tier"] == "strict";
@@ -137,7 +137,8 @@ void check_rows(const dspark_case &c, const char *what, const std::vector<float>
             fail("row " + std::to_string(j) + " top-8 deviation " + std::to_string(e));
         const int top1 = static_cast<int>(std::max_element(row, row + V) - row);
         if (gap[j] > c.tol["top1_must_match_if_gap_gt"].get<double>() && top1 != top8[j][0].first)
-            fail("row " + std::to_string(j) + " argmax " + std::to_string(top1) + " != " + std::to_string(top8[j][0].first));
+            fail("row " + std::to_string(j) + " argmax " + std::to_string(top1) +
+                 " != " + std::to_string(top8[j][0].first));
         for (int i = 0; i < V; ++i) {
             num += (static_cast<double>(row[i]) - gold[i]) * (static_cast<double>(row[i]) - gold[i]);
             den += static_cast<double>(gold[i]) * gold[i];
@@ -150,15 +151,18 @@ void check_rows(const dspark_case &c, const char *what, const std::vector<float>
 verdict compare(const dspark_case &c, const ds4::dspark_block &b, int V) {
     verdict v;
     check_rows(c, "base", b.base_logits, c.base_top8, c.base_gap, c.base_logits, V, v);
-    check_rows(c, "corrected", b.corrected_logits, c.corrected_top8, c.corrected_gap, c.corrected_logits, V, v);
+    check_rows(c, "corrected", b.corrected_logits, c.corrected_top8, c.corrected_gap, c.corrected_logits, V,
+               v);
     auto fail = [&](const std::string &why) {
         if (v.ok) v.why = why;
         v.ok = false;
     };
     for (size_t j = 0; j < c.conf.size(); ++j) {
-        const double el = std::fabs(b.confidence_logit[j] - c.conf_logit[j]), ec = std::fabs(b.confidence[j] - c.conf[j]);
+        const double el = std::fabs(b.confidence_logit[j] - c.conf_logit[j]),
+                     ec = std::fabs(b.confidence[j] - c.conf[j]);
         v.max_conf = std::max(v.max_conf, el);
-        if (el > c.tol["confidence_logit_abs_max"].get<double>() || ec > c.tol["confidence_abs_max"].get<double>())
+        if (el > c.tol["confidence_logit_abs_max"].get<double>() ||
+            ec > c.tol["confidence_abs_max"].get<double>())
             fail("row " + std::to_string(j) + " confidence logit off by " + std::to_string(el));
     }
     if (b.draft_tokens != c.draft_tokens) fail("draft tokens differ");
@@ -169,8 +173,8 @@ verdict compare(const dspark_case &c, const ds4::dspark_block &b, int V) {
 ds4::dspark_block feature_fed(const dspark_case &c, int32_t seed, std::span<const int32_t> forced,
                               const ds4::dspark_weights *w = nullptr) {
     const fixture_data &d = data();
-    return ds4::dspark_draft(*d.target, w ? *w : *d.drafter, c.qat, {}, c.main_hidden, c.ctx_positions.front(), seed,
-                             forced);
+    return ds4::dspark_draft(*d.target, w ? *w : *d.drafter, c.qat, {}, c.main_hidden,
+                             c.ctx_positions.front(), seed, forced);
 }
 
 // Target run over the case's tokens in chunks of `chunk` with `w`'s capture layers -> [S, F] features.
@@ -214,8 +218,8 @@ TEST(ds4_dspark, golden_feature_fed) {
         EXPECT_TRUE(v.ok) << c.name << " (teacher-forced): " << v.why;
         const verdict g = compare(c, feature_fed(c, c.seed, {}), V);
         EXPECT_TRUE(g.ok) << c.name << " (greedy chain): " << g.why;
-        std::printf("  %-22s feature-fed  max top-8 err %.3g  max conf-logit err %.3g\n", c.name.c_str(), v.max_top8,
-                    v.max_conf);
+        std::printf("  %-22s feature-fed  max top-8 err %.3g  max conf-logit err %.3g\n", c.name.c_str(),
+                    v.max_top8, v.max_conf);
     }
 }
 
@@ -240,13 +244,15 @@ TEST(ds4_dspark, golden_end_to_end) {
             const auto b = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, feat, 0, c.seed);
             const verdict v = compare(c, b, V);
             // Only the window is read: its rows alone give the same block, bit for bit.
-            const auto w = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, std::span(feat).subspan(c0 * F),
-                                             static_cast<int64_t>(c0), c.seed);
+            const auto w =
+                ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, std::span(feat).subspan(c0 * F),
+                                  static_cast<int64_t>(c0), c.seed);
             EXPECT_EQ(w.corrected_logits, b.corrected_logits) << c.name;
             EXPECT_EQ(w.confidence_logit, b.confidence_logit) << c.name;
             EXPECT_TRUE(v.ok) << c.name << " chunk " << chunk << ": " << v.why;
-            std::printf("  %-22s end-to-end chunk %3zu  max feature err %.3g  max top-8 err %.3g  conf %.3g\n",
-                        c.name.c_str(), chunk, fe, v.max_top8, v.max_conf);
+            std::printf(
+                "  %-22s end-to-end chunk %3zu  max feature err %.3g  max top-8 err %.3g  conf %.3g\n",
+                c.name.c_str(), chunk, fe, v.max_top8, v.max_conf);
         }
     }
     EXPECT_EQ(n_strict, 4);
@@ -282,12 +288,14 @@ TEST(ds4_dspark, wrong_conventions_fail) {
         // context window of window-1 rows (only cases whose context is a full window)
         if (c.ctx_positions.size() == 32) {
             const auto tail = std::span(c.main_hidden).subspan(384);
-            const auto b = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, tail, c.ctx_positions[1], c.seed);
+            const auto b =
+                ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, tail, c.ctx_positions[1], c.seed);
             EXPECT_FALSE(compare(c, b, V).ok) << c.name << " (window 31)";
         }
         // the other QAT mode's FP8 rule inside the drafter
         const ds4::qat_mode other = c.qat == ds4::qat_mode::full ? ds4::qat_mode::off : ds4::qat_mode::full;
-        const auto q = ds4::dspark_draft(*d.target, *d.drafter, other, {}, c.main_hidden, c.ctx_positions.front(), c.seed);
+        const auto q = ds4::dspark_draft(*d.target, *d.drafter, other, {}, c.main_hidden,
+                                         c.ctx_positions.front(), c.seed);
         EXPECT_FALSE(compare(c, q, V).ok) << c.name << " (other QAT mode)";
     }
 }
@@ -299,7 +307,8 @@ TEST(ds4_dspark, wrong_capture_point_fails_end_to_end) {
     // Features = the *input* of layers 3, 4, 5 (the output of 2, 3, 4: the V4.1 convention).
     ds4::dspark_weights shifted = *d.drafter;
     shifted.cfg.target_layers = {2, 3, 4};
-    const auto b = ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, capture(c, c.tokens.size(), shifted), 0, c.seed);
+    const auto b =
+        ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, capture(c, c.tokens.size(), shifted), 0, c.seed);
     EXPECT_FALSE(compare(c, b, d.target->hp.n_vocab).ok);
 }
 
@@ -308,9 +317,11 @@ TEST(ds4_dspark, wrong_capture_point_fails_end_to_end) {
 using key_edits = ds4_test::key_edits;
 
 // A copy of the golden drafter with edited keys (null fn: drop) and tensors.
-std::string rewrite_drafter(const std::string &name, const key_edits &keys, const ds4_test::tensor_fn &tensors) {
+std::string rewrite_drafter(const std::string &name, const key_edits &keys,
+                            const ds4_test::tensor_fn &tensors) {
     const auto src = gguf::file::open(dspark_dir() + "/ds4-tiny-a-dspark.gguf");
-    const std::string path = (std::filesystem::temp_directory_path() / ("ds4_dspark_" + name + ".gguf")).string();
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("ds4_dspark_" + name + ".gguf")).string();
     gguf::writer w(path);
     for (const auto &kv : src->metadata()) {
         const std::string k(kv.key);
@@ -352,7 +363,8 @@ TEST(ds4_dspark, rewritten_copy_loads) {  // control: the rewrite itself is fait
     const auto w = ds4::load_dspark(*data().target, p);
     const auto &c = data().cases[0];
     EXPECT_TRUE(compare(c, ds4::dspark_draft(*data().target, *w, c.qat, {}, c.main_hidden, 0, c.seed),
-                        data().target->hp.n_vocab).ok);
+                        data().target->hp.n_vocab)
+                    .ok);
     std::filesystem::remove(p);
 }
 
@@ -382,19 +394,31 @@ TEST(ds4_dspark, rejects_bad_files) {
     const std::vector<bad> cases = {
         {"dim", {{P + "embedding_length", u32(P + "embedding_length", 256)}}, {}, "embedding_length"},
         {"vocab", {{P + "vocab_size", u32(P + "vocab_size", 513)}}, {}, "vocab_size"},
-        {"noise", {{P + "dflash.mask_token_id", u32(P + "dflash.mask_token_id", 512)}}, {}, "dflash.mask_token_id"},
+        {"noise",
+         {{P + "dflash.mask_token_id", u32(P + "dflash.mask_token_id", 512)}},
+         {},
+         "dflash.mask_token_id"},
         {"rank", {{P + "dflash.dspark.markov_rank", nullptr}}, {}, "dflash.dspark.markov_rank"},
-        {"layers", {{P + "dflash.capture_layer_ids", [](gguf::writer &w) {
-                         w.set_arr_i32(P + "dflash.capture_layer_ids", {3, 4, 6});
-                     }}},
-         {}, "dflash.capture_layer_ids"},
-        {"ratios", {{P + "attention.compress_ratios", [](gguf::writer &w) {
-                         w.set_arr_i32(P + "attention.compress_ratios", {0, 4, 0});
-                     }}},
-         {}, "attention.compress_ratios"},
+        {"layers",
+         {{P + "dflash.capture_layer_ids",
+           [](gguf::writer &w) {
+               w.set_arr_i32(P + "dflash.capture_layer_ids", {3, 4, 6});
+           }}},
+         {},
+         "dflash.capture_layer_ids"},
+        {"ratios",
+         {{P + "attention.compress_ratios",
+           [](gguf::writer &w) {
+               w.set_arr_i32(P + "attention.compress_ratios", {0, 4, 0});
+           }}},
+         {},
+         "attention.compress_ratios"},
         {"clamp", {{P + "swiglu_clamp_exp", nullptr}}, {}, "swiglu_clamp_exp"},
-        {"arch", {{"general.architecture", [](gguf::writer &w) { w.set_string("general.architecture", "deepseek4"); }}},
-         {}, "general.architecture"},
+        {"arch",
+         {{"general.architecture",
+           [](gguf::writer &w) { w.set_string("general.architecture", "deepseek4"); }}},
+         {},
+         "general.architecture"},
         {"missing_w2", {}, drop("dflash.dspark.markov.w2"), "dflash.dspark.markov.w2"},
         {"missing_stage", {}, drop("blk.2.attn_kv.weight"), "blk.2.attn_kv.weight"},
         {"missing_fc", {}, drop("dflash.fc.weight"), "dflash.fc.weight"},
@@ -450,7 +474,8 @@ TEST(ds4_dspark, rejects_bad_draft_inputs) {
     EXPECT_THROW(ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, partial, 0, c.seed), fathom::error);
     EXPECT_THROW(ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, c.main_hidden, 0, 512), fathom::error);
     const std::vector<int32_t> three = {1, 2, 3};
-    EXPECT_THROW(ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, c.main_hidden, 0, c.seed, three), fathom::error);
+    EXPECT_THROW(ds4::dspark_draft(*d.target, *d.drafter, c.qat, {}, c.main_hidden, 0, c.seed, three),
+                 fathom::error);
 }
 
 // ---- fathom-gguf synth --dspark -----------------------------------------------------------------

@@ -92,8 +92,10 @@ private:
 
 // --mtp / --dspark: option checks before anything is loaded, then the DS4 reference drafters.
 void drafter_main(const logits_args &a, int64_t chunk) {
-    if (!a.mtp.empty() && a.next_token < 0) throw error("logits: --mtp needs --next-token (the token after the ids)");
-    if (!a.dspark.empty() && a.seed_token < 0) throw error("logits: --dspark needs --seed-token (the token at position n)");
+    if (!a.mtp.empty() && a.next_token < 0)
+        throw error("logits: --mtp needs --next-token (the token after the ids)");
+    if (!a.dspark.empty() && a.seed_token < 0)
+        throw error("logits: --dspark needs --seed-token (the token at position n)");
     if (a.model.device != "cpu" || !a.model.devices.empty())
         throw error("logits: --mtp and --dspark run on the CPU reference model (no --device / --devices)");
     drafter_logits_args d;
@@ -112,9 +114,9 @@ void drafter_main(const logits_args &a, int64_t chunk) {
     out.write(r.rows.data(), r.rows.size());
     out.close();
     if (!r.summary.empty()) write_out(r.summary + "\n");
-    std::fprintf(stderr, "logits: wrote %lld x %lld float32 %s rows to %s\n", static_cast<long long>(r.n_rows),
-                 static_cast<long long>(r.n_vocab), a.mtp.empty() ? "DSpark (base, then corrected)" : "MTP",
-                 a.out.c_str());
+    std::fprintf(stderr, "logits: wrote %lld x %lld float32 %s rows to %s\n",
+                 static_cast<long long>(r.n_rows), static_cast<long long>(r.n_vocab),
+                 a.mtp.empty() ? "DSpark (base, then corrected)" : "MTP", a.out.c_str());
 }
 
 void logits_main(const logits_args &a) {
@@ -159,16 +161,19 @@ void add_logits_command(CLI::App &app) {
     cmd->add_option("--mode", a->mode,
                     "prefill (one call), decode (one token per call) or chunked:N (N tokens per call)")
         ->capture_default_str();
-    auto *mtp = cmd->add_option("--mtp", a->mtp,
-                                "DeepSeek V4: write the MTP head's logits [n_tokens x n_vocab] instead (MTP GGUF, "
-                                "llama.cpp or antirez/ds4 layout; row i = state of i with token i+1)");
-    cmd->add_option("--next-token", a->next_token, "With --mtp: the token after the ids (the last row's input)")
+    auto *mtp =
+        cmd->add_option("--mtp", a->mtp,
+                        "DeepSeek V4: write the MTP head's logits [n_tokens x n_vocab] instead (MTP GGUF, "
+                        "llama.cpp or antirez/ds4 layout; row i = state of i with token i+1)");
+    cmd->add_option("--next-token", a->next_token,
+                    "With --mtp: the token after the ids (the last row's input)")
         ->check(at_least(0));
     cmd->add_option("--dspark", a->dspark,
                     "DeepSeek V4: draft one DSpark block after the ids (drafter GGUF); writes base then "
                     "corrected logits [2 x block x n_vocab], JSON summary on stdout")
         ->excludes(mtp);
-    cmd->add_option("--seed-token", a->seed_token, "With --dspark: the token at position n_tokens (the block's seed)")
+    cmd->add_option("--seed-token", a->seed_token,
+                    "With --dspark: the token at position n_tokens (the block's seed)")
         ->check(at_least(0));
     cmd->callback([a]() { logits_main(*a); });
 }

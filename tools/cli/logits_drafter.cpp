@@ -34,7 +34,8 @@ void chunks(int64_t n, int64_t chunk, F &&fn) {
 // Sparse synthetic files (fathom-gguf synth --sparse) hold zeros where the rows repeat: CUDA only.
 void refuse_sparse(const gguf::file &f) {
     if (f.get_int("fathom.synth.replicate_rows", 0) > 0)
-        throw error(f.path() + ": a sparse synthetic file (fathom.synth.replicate_rows) is for CUDA benchmarks only");
+        throw error(f.path() +
+                    ": a sparse synthetic file (fathom.synth.replicate_rows) is for CUDA benchmarks only");
 }
 
 void check_token(int64_t t, int32_t n_vocab, const char *opt) {
@@ -51,7 +52,8 @@ drafter_logits_result run_mtp(const drafter_logits_args &a, const ds4::model &m,
     refuse_sparse(*mtp->file);
     check_token(a.next_token, m.hp.n_vocab, "--next-token");
     const std::vector<int32_t> ids = read_ids(m.hp.n_vocab);
-    const int64_t n = static_cast<int64_t>(ids.size()), V = m.hp.n_vocab, S = int64_t{m.hp.n_hc} * m.hp.n_embd;
+    const int64_t n = static_cast<int64_t>(ids.size()), V = m.hp.n_vocab,
+                  S = int64_t{m.hp.n_hc} * m.hp.n_embd;
     std::vector<int64_t> pos(static_cast<size_t>(n));
     std::iota(pos.begin(), pos.end(), 0);
     std::vector<float> hc(static_cast<size_t>(n * S));  // [n, n_hc, D]
@@ -71,16 +73,17 @@ drafter_logits_result run_mtp(const drafter_logits_args &a, const ds4::model &m,
     r.n_vocab = V;
     r.rows.resize(static_cast<size_t>(n * V));
     chunks(n, a.chunk, [&](int64_t b, int64_t e) {
-        ds4::mtp_forward(m, *mtp, ms, std::span(hc).subspan(b * S, (e - b) * S), std::span(next).subspan(b, e - b),
-                         std::span(pos).subspan(b, e - b), std::span(r.rows).subspan(b * V, (e - b) * V));
+        ds4::mtp_forward(m, *mtp, ms, std::span(hc).subspan(b * S, (e - b) * S),
+                         std::span(next).subspan(b, e - b), std::span(pos).subspan(b, e - b),
+                         std::span(r.rows).subspan(b * V, (e - b) * V));
     });
     return r;
 }
 
 // One DSpark block after the ids: the target runs over them capturing the drafter's features, then
 // the drafter drafts greedily from seed_token at position n.
-drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model &m, const ids_reader &read_ids,
-                                 const ds4::exec_options &exec, kv_precision kv) {
+drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model &m,
+                                 const ids_reader &read_ids, const ds4::exec_options &exec, kv_precision kv) {
     const auto w = ds4::load_dspark(m, a.dspark);
     refuse_sparse(*w->file);
     check_token(a.seed_token, m.hp.n_vocab, "--seed-token");
@@ -109,9 +112,9 @@ drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model 
     r.n_vocab = V;
     r.rows = b.base_logits;
     r.rows.insert(r.rows.end(), b.corrected_logits.begin(), b.corrected_logits.end());
-    const nlohmann::json j = {{"seed_position", b.seed_pos},         {"block_input_ids", b.input_ids},
-                              {"ctx_positions", b.ctx_positions},     {"markov_prev_tokens", b.markov_prev},
-                              {"draft_tokens", b.draft_tokens},       {"confidence_logit", b.confidence_logit},
+    const nlohmann::json j = {{"seed_position", b.seed_pos},      {"block_input_ids", b.input_ids},
+                              {"ctx_positions", b.ctx_positions}, {"markov_prev_tokens", b.markov_prev},
+                              {"draft_tokens", b.draft_tokens},   {"confidence_logit", b.confidence_logit},
                               {"confidence", b.confidence}};
     r.summary = j.dump();
     return r;
@@ -122,7 +125,8 @@ drafter_logits_result run_dspark(const drafter_logits_args &a, const ds4::model 
 drafter_logits_result drafter_logits(const drafter_logits_args &a, const ids_reader &read_ids) {
     const auto m = ds4::load_model(a.model_path);  // throws naming the file when it is not DS4
     refuse_sparse(*m->file);
-    const int n_threads = a.threads > 0 ? a.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const int n_threads =
+        a.threads > 0 ? a.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     std::unique_ptr<cpu::thread_pool> pool;
     ds4::exec_options exec;
     if (n_threads > 1) {

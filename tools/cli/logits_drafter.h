@@ -25,7 +25,7 @@ struct drafter_logits_args {
 struct drafter_logits_result {
     std::vector<float> rows;  // [n_rows, n_vocab]
     int64_t n_rows = 0, n_vocab = 0;
-    std::string summary;      // one JSON line for stdout ("" = none)
+    std::string summary;  // one JSON line for stdout ("" = none)
 };
 
 // read_ids(n_vocab) reads the token file once the target and the drafter are loaded and checked.
