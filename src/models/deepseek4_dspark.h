@@ -29,8 +29,8 @@ struct dspark_config {
     int32_t noise_token = 0;  // dflash.mask_token_id
     int window = 0;           // attention.sliding_window: context rows a block attends to
     int markov_rank = 0;      // dflash.dspark.markov_rank
-    std::vector<int>
-        target_layers;  // dflash.capture_layer_ids: 0-based target layers, features in this order
+    // dflash.capture_layer_ids: 0-based target layers; the features are concatenated in this order.
+    std::vector<int> target_layers;
 };
 
 struct dspark_weights {
@@ -67,7 +67,7 @@ void dspark_capture(const model &target, const dspark_weights &w, state &st, std
 // One draft block (all [rows, cols] row-major; B = block_size, V = n_vocab, D = n_embd).
 struct dspark_block {
     int64_t seed_pos = 0;                 // S: position of the seed (row j sits at S + j)
-    std::vector<int64_t> ctx_positions;   // context rows used: the last min(window, S) positions
+    std::vector<int64_t> ctx_positions;   // context rows used: the last min(window, n) given
     std::vector<int32_t> input_ids;       // [B] seed, then noise tokens
     std::vector<float> hc_head_out;       // [B, D] z_j = HCHead(X_j), before the final norm
     std::vector<float> base_logits;       // [B, V] U_j
