@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <functional>
 #include <numbers>
 #include <numeric>
 
@@ -43,7 +44,7 @@ uint64_t name_hash(const std::string &s) {  // FNV-1a
     return h;
 }
 
-enum class init { linear, embed, norm, hc_fn, hc_base, hc_scale, sinks, ape, bias, tid2eid };
+enum class init { linear, embed, norm, hc_fn, hc_base, hc_scale, sinks, ape, bias, tid2eid, zero };
 
 struct tensor_spec {
     std::string name;
@@ -79,66 +80,106 @@ dtype type_for(const std::string &mix, wclass c, int64_t row) {
     }
 }
 
-std::vector<tensor_spec> tensor_list(const hparams &hp, const std::string &mix) {
-    std::vector<tensor_spec> out;
-    auto add = [&](const std::string &name, wclass c, std::vector<int64_t> ne, init kind) {
-        out.push_back({name, type_for(mix, c, ne[0]), std::move(ne), kind});
-    };
+using tensor_adder = std::function<void(const std::string &, wclass, std::vector<int64_t>, init)>;
+
+// The tensors of one block `p` ("blk.N.") with compression ratio r, hash or learned routing.
+void layer_tensors(const tensor_adder &add, std::vector<tensor_spec> &out, const hparams &hp,
+                   const std::string &p, int r, bool hash) {
     const int64_t D = hp.n_embd, d = hp.head_dim, F = hp.n_ff_exp, E = hp.n_expert, S = int64_t{hp.n_hc} * D;
     const int64_t n_mix = (2 + int64_t{hp.n_hc}) * hp.n_hc;
-    add("token_embd.weight", wclass::embed, {D, hp.n_vocab}, init::embed);
-    for (int il = 0; il < hp.n_layer; ++il) {
-        const std::string p = "blk." + std::to_string(il) + ".";
-        const int r = hp.compress_ratio[static_cast<size_t>(il)];
-        add(p + "attn_norm.weight", wclass::vector, {D}, init::norm);
-        add(p + "ffn_norm.weight", wclass::vector, {D}, init::norm);
-        for (const char *hc : {"hc_attn", "hc_ffn"}) {
-            add(p + hc + "_fn.weight", wclass::small_matrix, {S, n_mix}, init::hc_fn);
-            add(p + hc + "_base.weight", wclass::vector, {n_mix}, init::hc_base);
-            add(p + hc + "_scale.weight", wclass::vector, {3}, init::hc_scale);
-        }
-        add(p + "attn_sinks.weight", wclass::vector, {hp.n_head}, init::sinks);
-        add(p + "attn_q_a.weight", wclass::projection, {D, hp.q_lora}, init::linear);
-        add(p + "attn_q_a_norm.weight", wclass::vector, {hp.q_lora}, init::norm);
-        add(p + "attn_q_b.weight", wclass::projection, {hp.q_lora, hp.n_head * d}, init::linear);
-        add(p + "attn_kv.weight", wclass::projection, {D, d}, init::linear);
-        add(p + "attn_kv_a_norm.weight", wclass::vector, {d}, init::norm);
-        add(p + "attn_output_a.weight", wclass::projection,
-            {hp.n_head / hp.o_groups * d, int64_t{hp.o_groups} * hp.o_rank}, init::linear);
-        add(p + "attn_output_b.weight", wclass::projection, {int64_t{hp.o_groups} * hp.o_rank, D}, init::linear);
-        add(p + "ffn_gate_inp.weight", wclass::small_matrix, {D, E}, init::linear);
-        if (il < hp.n_hash_layer)
-            out.push_back({p + "ffn_gate_tid2eid.weight", dtype::i32, {hp.n_expert_used, hp.n_vocab}, init::tid2eid});
-        else
-            add(p + "exp_probs_b.bias", wclass::vector, {E}, init::bias);
-        add(p + "ffn_gate_exps.weight", wclass::expert_gu, {D, F, E}, init::linear);
-        add(p + "ffn_down_exps.weight", wclass::expert_down, {F, D, E}, init::linear);
-        add(p + "ffn_up_exps.weight", wclass::expert_gu, {D, F, E}, init::linear);
-        if (hp.n_expert_shared == 1) {
-            add(p + "ffn_gate_shexp.weight", wclass::projection, {D, F}, init::linear);
-            add(p + "ffn_down_shexp.weight", wclass::projection, {F, D}, init::linear);
-            add(p + "ffn_up_shexp.weight", wclass::projection, {D, F}, init::linear);
-        }
-        auto compressor = [&](const std::string &stem, int64_t dim) {
-            const int64_t w = (r == 4 ? 2 : 1) * dim;
-            add(p + stem + "_ape.weight", wclass::vector, {w, r}, init::ape);
-            add(p + stem + "_kv.weight", wclass::small_matrix, {D, w}, init::linear);
-            add(p + stem + "_gate.weight", wclass::small_matrix, {D, w}, init::linear);
-            add(p + stem + "_norm.weight", wclass::vector, {dim}, init::norm);
-        };
-        if (r > 0) compressor("attn_compressor", d);
-        if (r == 4) {
-            add(p + "indexer.attn_q_b.weight", wclass::projection, {hp.q_lora, int64_t{hp.idx_head} * hp.idx_dim},
-                init::linear);
-            add(p + "indexer.proj.weight", wclass::small_matrix, {D, hp.idx_head}, init::linear);
-            compressor("indexer_compressor", hp.idx_dim);
-        }
+    add(p + "attn_norm.weight", wclass::vector, {D}, init::norm);
+    add(p + "ffn_norm.weight", wclass::vector, {D}, init::norm);
+    for (const char *hc : {"hc_attn", "hc_ffn"}) {
+        add(p + hc + "_fn.weight", wclass::small_matrix, {S, n_mix}, init::hc_fn);
+        add(p + hc + "_base.weight", wclass::vector, {n_mix}, init::hc_base);
+        add(p + hc + "_scale.weight", wclass::vector, {3}, init::hc_scale);
     }
+    add(p + "attn_sinks.weight", wclass::vector, {hp.n_head}, init::sinks);
+    add(p + "attn_q_a.weight", wclass::projection, {D, hp.q_lora}, init::linear);
+    add(p + "attn_q_a_norm.weight", wclass::vector, {hp.q_lora}, init::norm);
+    add(p + "attn_q_b.weight", wclass::projection, {hp.q_lora, hp.n_head * d}, init::linear);
+    add(p + "attn_kv.weight", wclass::projection, {D, d}, init::linear);
+    add(p + "attn_kv_a_norm.weight", wclass::vector, {d}, init::norm);
+    add(p + "attn_output_a.weight", wclass::projection,
+        {hp.n_head / hp.o_groups * d, int64_t{hp.o_groups} * hp.o_rank}, init::linear);
+    add(p + "attn_output_b.weight", wclass::projection, {int64_t{hp.o_groups} * hp.o_rank, D}, init::linear);
+    add(p + "ffn_gate_inp.weight", wclass::small_matrix, {D, E}, init::linear);
+    if (hash)
+        out.push_back(
+            {p + "ffn_gate_tid2eid.weight", dtype::i32, {hp.n_expert_used, hp.n_vocab}, init::tid2eid});
+    else
+        add(p + "exp_probs_b.bias", wclass::vector, {E}, init::bias);
+    add(p + "ffn_gate_exps.weight", wclass::expert_gu, {D, F, E}, init::linear);
+    add(p + "ffn_down_exps.weight", wclass::expert_down, {F, D, E}, init::linear);
+    add(p + "ffn_up_exps.weight", wclass::expert_gu, {D, F, E}, init::linear);
+    if (hp.n_expert_shared == 1) {
+        add(p + "ffn_gate_shexp.weight", wclass::projection, {D, F}, init::linear);
+        add(p + "ffn_down_shexp.weight", wclass::projection, {F, D}, init::linear);
+        add(p + "ffn_up_shexp.weight", wclass::projection, {D, F}, init::linear);
+    }
+    auto compressor = [&](const std::string &stem, int64_t dim) {
+        const int64_t w = (r == 4 ? 2 : 1) * dim;
+        add(p + stem + "_ape.weight", wclass::vector, {w, r}, init::ape);
+        add(p + stem + "_kv.weight", wclass::small_matrix, {D, w}, init::linear);
+        add(p + stem + "_gate.weight", wclass::small_matrix, {D, w}, init::linear);
+        add(p + stem + "_norm.weight", wclass::vector, {dim}, init::norm);
+    };
+    if (r > 0) compressor("attn_compressor", d);
+    if (r == 4) {
+        add(p + "indexer.attn_q_b.weight", wclass::projection, {hp.q_lora, int64_t{hp.idx_head} * hp.idx_dim},
+            init::linear);
+        add(p + "indexer.proj.weight", wclass::small_matrix, {D, hp.idx_head}, init::linear);
+        compressor("indexer_compressor", hp.idx_dim);
+    }
+}
+
+// The final norm, the output head (target files only: a drafter uses the target's) and the HC head
+// collapse (output_hc_*), in the order the target files have always had.
+void head_tensors(const tensor_adder &add, const hparams &hp, bool output_head) {
+    const int64_t D = hp.n_embd, S = int64_t{hp.n_hc} * D;
     add("output_norm.weight", wclass::vector, {D}, init::norm);
-    add("output.weight", wclass::projection, {D, hp.n_vocab}, init::linear);
+    if (output_head) add("output.weight", wclass::projection, {D, hp.n_vocab}, init::linear);
     add("output_hc_fn.weight", wclass::small_matrix, {S, hp.n_hc}, init::hc_fn);
     add("output_hc_base.weight", wclass::vector, {hp.n_hc}, init::hc_base);
     add("output_hc_scale.weight", wclass::vector, {1}, init::hc_scale);
+}
+
+tensor_adder adder_for(std::vector<tensor_spec> &out, const std::string &mix) {
+    return [&out, mix](const std::string &name, wclass c, std::vector<int64_t> ne, init kind) {
+        const dtype t = type_for(mix, c, ne[0]);
+        out.push_back({name, t, std::move(ne), kind});
+    };
+}
+
+std::vector<tensor_spec> tensor_list(const hparams &hp, const std::string &mix) {
+    std::vector<tensor_spec> out;
+    const tensor_adder add = adder_for(out, mix);
+    add("token_embd.weight", wclass::embed, {hp.n_embd, hp.n_vocab}, init::embed);
+    for (int il = 0; il < hp.n_layer; ++il)
+        layer_tensors(add, out, hp, "blk." + std::to_string(il) + ".",
+                      hp.compress_ratio[static_cast<size_t>(il)], il < hp.n_hash_layer);
+    head_tensors(add, hp, true);
+    return out;
+}
+
+// DSpark drafter tensors (lucebox names; torch [out, in] = ggml {in, out}): the window-only,
+// learned-routing stages, the feature projection and norm, the HC head and final norm, the Markov
+// tables [V, r] and the confidence head [1, D + r] with its (zero) bias.
+std::vector<tensor_spec> dspark_tensor_list(const hparams &hp, const dspark_synth &d,
+                                            const std::string &mix) {
+    std::vector<tensor_spec> out;
+    const tensor_adder add = adder_for(out, mix);
+    const int64_t D = hp.n_embd, V = hp.n_vocab, r = d.markov_rank;
+    for (int k = 0; k < d.n_stages; ++k)
+        layer_tensors(add, out, hp, "blk." + std::to_string(k) + ".", 0, false);
+    add("dflash.fc.weight", wclass::projection, {static_cast<int64_t>(d.capture_layers.size()) * D, D},
+        init::linear);
+    add("dflash.hidden_norm.weight", wclass::vector, {D}, init::norm);
+    head_tensors(add, hp, false);
+    add("dflash.dspark.markov.w1", wclass::embed, {r, V}, init::embed);
+    add("dflash.dspark.markov.w2", wclass::projection, {r, V}, init::linear);
+    add("dflash.dspark.confidence.weight", wclass::vector, {D + r, 1}, init::linear);
+    add("dflash.dspark.confidence.bias", wclass::vector, {1}, init::zero);
     return out;
 }
 
@@ -158,7 +199,8 @@ void fill_row(rng &g, init k, int64_t n, const hparams &hp, float *v) {
             case init::sinks: x = 2 * g.uniform(); break;
             case init::ape: x = 0.5 * (2 * g.uniform() - 1); break;
             case init::bias: x = 0.1 * (2 * g.uniform() - 1); break;
-            case init::tid2eid: break;
+            case init::tid2eid:
+            case init::zero: break;
         }
         v[i] = static_cast<float>(x);
     }
@@ -324,6 +366,80 @@ void write_metadata(gguf::writer &w, const hparams &hp, const synth_options &o) 
     w.set_bool("tokenizer.ggml.add_bos_token", true);
 }
 
+// DSpark drafter metadata: the keys lucebox's loader reads (prefix `deepseek4-dflash-draft.`), with the
+// types of the golden drafter file (../shared/golden/ds4-tiny-dspark/README.md, "Metadata").
+void write_dspark_metadata(gguf::writer &w, const hparams &hp, const dspark_synth &d,
+                           const synth_options &o) {
+    const std::string a = "deepseek4-dflash-draft.";
+    const auto u = [](int v) { return static_cast<uint32_t>(v); };
+    w.set_string("general.architecture", "deepseek4-dflash-draft");
+    w.set_string("general.name", o.name.empty() ? "ds4-synth-dspark" : o.name);
+    if (o.sparse) w.set_u64("fathom.synth.replicate_rows", static_cast<uint64_t>(o.pool_rows));
+    w.set_u32(a + "block_count", u(d.n_stages));
+    w.set_u32(a + "embedding_length", u(hp.n_embd));
+    w.set_u32(a + "vocab_size", u(hp.n_vocab));
+    w.set_u32(a + "attention.head_count", u(hp.n_head));
+    w.set_u32(a + "attention.head_count_kv", 1);
+    w.set_u32(a + "attention.key_length", u(hp.head_dim));
+    w.set_u32(a + "attention.value_length", u(hp.head_dim));
+    w.set_u32(a + "rope.dimension_count", u(hp.n_rot));
+    w.set_u32(a + "attention.q_lora_rank", u(hp.q_lora));
+    w.set_u32(a + "attention.output_lora_rank", u(hp.o_rank));
+    w.set_u32(a + "attention.output_group_count", u(hp.o_groups));
+    w.set_u32(a + "expert_count", u(hp.n_expert));
+    w.set_u32(a + "expert_used_count", u(hp.n_expert_used));
+    w.set_u32(a + "expert_shared_count", u(hp.n_expert_shared));
+    w.set_u32(a + "expert_feed_forward_length", u(hp.n_ff_exp));
+    w.set_u32(a + "expert_gating_func", 4);
+    w.set_bool(a + "expert_weights_norm", true);
+    w.set_f32(a + "expert_weights_scale", hp.expert_weights_scale);
+    w.set_u32(a + "hash_layer_count", 0);
+    w.set_u32(a + "attention.sliding_window", u(d.window));
+    w.set_u32(a + "hyper_connection.count", u(hp.n_hc));
+    w.set_u32(a + "hyper_connection.sinkhorn_iterations", u(hp.sinkhorn_iters));
+    w.set_f32(a + "hyper_connection.epsilon", hp.hc_eps);
+    w.set_f32(a + "attention.layer_norm_rms_epsilon", hp.rms_eps);
+    w.set_f32(a + "rope.freq_base", hp.rope_base);
+    w.set_f32(a + "swiglu_clamp_exp", hp.clamp_exp.back());  // lucebox: one F32 scalar
+    w.set_arr_i32(a + "attention.compress_ratios", std::vector<int32_t>(static_cast<size_t>(d.n_stages), 0));
+    w.set_u32(a + "dflash.n_target_layers", u(static_cast<int>(d.capture_layers.size())));
+    w.set_u32(a + "dflash.block_size", u(d.block_size));
+    w.set_u32(a + "dflash.mask_token_id", static_cast<uint32_t>(d.noise_token));
+    w.set_u32(a + "dflash.head_hc_enabled", 1);
+    w.set_arr_i32(a + "dflash.capture_layer_ids",
+                  std::vector<int32_t>(d.capture_layers.begin(), d.capture_layers.end()));
+    w.set_u32(a + "dflash.dspark.enabled", 1);
+    w.set_u32(a + "dflash.dspark.markov_rank", u(d.markov_rank));
+    w.set_u32(a + "dflash.dspark.vocab_size", u(hp.n_vocab));
+    w.set_u32(a + "dflash.dspark.confidence_dim", u(hp.n_embd + d.markov_rank));
+    w.set_u32(a + "dflash.dspark.n_stages", u(d.n_stages));
+}
+
+// Header, then every tensor's seeded values, streamed; returns the tensor-data bytes written.
+uint64_t write_file(const std::string &path, const std::vector<tensor_spec> &specs, const hparams &hp,
+                    const synth_options &o, const std::function<void(gguf::writer &)> &metadata) {
+    if (o.pool_rows < 0) throw error("synth: pool rows must be >= 0, got " + std::to_string(o.pool_rows));
+    if (o.sparse && o.pool_rows == 0) throw error("synth: a sparse file needs a row pool (pool rows > 0)");
+    gguf::writer w(path);
+    metadata(w);
+    uint64_t total = 0;
+    for (const auto &t : specs) {
+        w.add_tensor(t.name, t.type, t.ne);
+        int64_t rows = 1;
+        for (size_t i = 1; i < t.ne.size(); ++i) rows *= t.ne[i];
+        total += dtype_row_bytes(t.type, t.ne[0]) * static_cast<uint64_t>(rows);
+    }
+    w.write_header();
+    uint64_t done = 0;
+    tensor_streamer out(w, done);
+    for (const auto &t : specs) {
+        write_tensor(t, hp, o, out);
+        if (o.on_progress) o.on_progress(done, total);
+    }
+    w.finish();
+    return done;
+}
+
 }  // namespace
 
 hparams synth_preset(const std::string &name) {
@@ -389,27 +505,42 @@ void synth_check(const hparams &hp) {
 
 uint64_t synth_write(const std::string &path, const hparams &hp, const synth_options &o) {
     synth_check(hp);
-    if (o.pool_rows < 0) throw error("synth: pool rows must be >= 0, got " + std::to_string(o.pool_rows));
-    if (o.sparse && o.pool_rows == 0) throw error("synth: a sparse file needs a row pool (pool rows > 0)");
-    const std::vector<tensor_spec> specs = tensor_list(hp, o.mix);
-    gguf::writer w(path);
-    write_metadata(w, hp, o);
-    uint64_t total = 0;
-    for (const auto &t : specs) {
-        w.add_tensor(t.name, t.type, t.ne);
-        int64_t rows = 1;
-        for (size_t i = 1; i < t.ne.size(); ++i) rows *= t.ne[i];
-        total += dtype_row_bytes(t.type, t.ne[0]) * static_cast<uint64_t>(rows);
+    return write_file(path, tensor_list(hp, o.mix), hp, o,
+                      [&](gguf::writer &w) { write_metadata(w, hp, o); });
+}
+
+dspark_synth synth_dspark_preset(const std::string &name, const hparams &target) {
+    dspark_synth d;
+    d.window = target.window;  // the stages see the target's raw window of context rows
+    for (int l = std::max(0, target.n_layer - 3); l < target.n_layer; ++l) d.capture_layers.push_back(l);
+    if (name == "tiny") {  // as ../shared/golden/ds4-tiny-dspark: rank 32, noise = the last id
+        d.markov_rank = 32;
+        d.noise_token = target.n_vocab - 1;
+    } else if (name == "flash") {  // DeepSeek-V4-Flash-DSpark (spec sections 1 and 7)
+        d.markov_rank = 256;
+        d.noise_token = target.n_vocab > 128799 ? 128799 : target.n_vocab - 1;
+    } else {
+        throw error("synth: unknown DSpark preset '" + name + "' (expected tiny or flash)");
     }
-    w.write_header();
-    uint64_t done = 0;
-    tensor_streamer out(w, done);
-    for (const auto &t : specs) {
-        write_tensor(t, hp, o, out);
-        if (o.on_progress) o.on_progress(done, total);
-    }
-    w.finish();
-    return done;
+    return d;
+}
+
+uint64_t synth_write_dspark(const std::string &path, const hparams &target, const dspark_synth &d,
+                            const synth_options &o) {
+    synth_check(target);
+    if (d.n_stages < 1 || d.block_size < 1 || d.markov_rank < 1 || d.window < 1 || d.capture_layers.empty())
+        throw error(
+            "synth: a DSpark drafter needs stages, block size, Markov rank, window and capture layers >= 1");
+    if (d.noise_token < 0 || d.noise_token >= target.n_vocab)
+        throw error("synth: DSpark noise token " + std::to_string(d.noise_token) + " outside the vocabulary");
+    for (int l : d.capture_layers)
+        if (l < 0 || l >= target.n_layer)
+            throw error("synth: DSpark capture layer " + std::to_string(l) + " outside the target's layers");
+    // Own random streams: the stages' tensor names are the target's block names.
+    synth_options od = o;
+    od.seed = o.seed ^ 0x64737061726b0000ull;  // "dspark"
+    return write_file(path, dspark_tensor_list(target, d, o.mix), target, od,
+                      [&](gguf::writer &w) { write_dspark_metadata(w, target, d, o); });
 }
 
 }  // namespace fathom::ds4

@@ -1,10 +1,12 @@
 // `fathom-gguf synth`: writes a DS4-architecture GGUF (llama.cpp `deepseek4` layout, every key and
 // tensor ds4::load_model reads, plus a byte-level gpt2 tokenizer) with seeded random weights for
-// any geometry, streamed through gguf::writer so memory stays bounded (one row pool per tensor).
+// any geometry, streamed through gguf::writer so memory stays bounded (one row pool per tensor); and
+// DSpark drafters for such a target (lucebox's `deepseek4-dflash-draft` layout, ds4::load_dspark).
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "models/deepseek4.h"
 
@@ -45,5 +47,27 @@ struct synth_options {
 
 // Write the file. Returns the number of tensor-data bytes written.
 uint64_t synth_write(const std::string &path, const hparams &hp, const synth_options &opt);
+
+// A DSpark drafter's own settings; its stages take the target's block geometry (heads, experts, eps,
+// RoPE base, SwiGLU clamp), window-only attention and learned routing.
+struct dspark_synth {
+    int n_stages = 3;
+    int block_size = 5;
+    int markov_rank = 0;
+    int32_t noise_token = 0;
+    int window = 0;                   // context rows (attention.sliding_window)
+    std::vector<int> capture_layers;  // target layers whose stream means are the features
+};
+
+// Presets for a target geometry: both capture the last 3 target layers (40..42 for Flash) with the
+// target's window; "tiny" (as the ds4-tiny-dspark golden drafter): Markov rank 32, noise id
+// n_vocab - 1; "flash" (DeepSeek-V4-Flash-DSpark): rank 256, noise id 128799 (n_vocab - 1 for a
+// smaller vocabulary). Throws fathom::error for any other name.
+dspark_synth synth_dspark_preset(const std::string &name, const hparams &target);
+
+// Write a drafter for `target` (weights drawn as synth_write's, from other streams of the same seed;
+// the mix applies as to the target's blocks). Returns the tensor-data bytes written.
+uint64_t synth_write_dspark(const std::string &path, const hparams &target, const dspark_synth &d,
+                            const synth_options &opt);
 
 }  // namespace fathom::ds4

@@ -4,7 +4,7 @@
 //
 //   fathom-gguf synth OUT.gguf [--preset tiny|flash] [--layers N] [--dim D] [--experts E]
 //       [--experts-used K] [--ff F] [--vocab V] [--heads H] [--q-lora R] [--window W]
-//       [--mix q2|q2k|mxfp4|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME]
+//       [--mix q2|q2k|mxfp4|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME] [--dspark]
 #pragma once
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -19,6 +19,7 @@ struct synth_cli_args {
     std::string out, preset = "tiny";
     int layers = 0, dim = 0, experts = 0, experts_used = 0, ff = 0, vocab = 0, heads = 0, q_lora = 0, window = 0;
     synth_options opt;
+    bool dspark = false;  // write the preset's DSpark drafter for this geometry instead of the target
     bool quiet = false;
 };
 
@@ -48,6 +49,19 @@ inline int run_synth_command(const synth_cli_args &a) {
             if (pct != last) std::fprintf(stderr, "\rsynth: %3d%%", pct);
             last = pct;
         };
+    if (a.dspark) {
+        const dspark_synth d = synth_dspark_preset(a.preset, hp);
+        const uint64_t bytes = synth_write_dspark(a.out, hp, d, o);
+        if (!a.quiet) std::fprintf(stderr, "\n");
+        std::printf(
+            "wrote %s: DSpark drafter for a %d-layer target (D %d, vocab %d): %d stages, block %d, "
+            "noise %d, Markov rank %d, window %d, capture layers %d..%d, mix %s, seed %llu, "
+            "%llu tensor bytes\n",
+            a.out.c_str(), hp.n_layer, hp.n_embd, hp.n_vocab, d.n_stages, d.block_size, d.noise_token,
+            d.markov_rank, d.window, d.capture_layers.front(), d.capture_layers.back(), o.mix.c_str(),
+            static_cast<unsigned long long>(o.seed), static_cast<unsigned long long>(bytes));
+        return 0;
+    }
     const uint64_t bytes = synth_write(a.out, hp, o);
     if (!a.quiet) std::fprintf(stderr, "\n");
     std::printf("wrote %s: %d layers, D %d, %d experts (%d used), vocab %d, mix %s, seed %llu, %llu tensor bytes\n",
@@ -86,6 +100,11 @@ inline void setup_synth_command(CLI::App &app, int &rc) {
     s->add_flag("--sparse", a->opt.sparse,
                 "Store each pooled tensor's pool once and leave the rest as a file hole; the CUDA loader "
                 "replicates the pool on the device (device-scale benchmarks; the CPU refuses such files)");
+    s->add_flag(
+        "--dspark", a->dspark,
+        "Write a DSpark drafter (deepseek4-dflash-draft) for this target geometry instead: 3 stages, "
+        "block 5, the last 3 target layers, the target's window; tiny: Markov rank 32, noise id "
+        "vocab-1; flash: rank 256, noise id 128799");
     s->add_flag("-q,--quiet", a->quiet, "No progress line");
     s->callback([a, &rc] { rc = run_synth_command(*a); });
 }

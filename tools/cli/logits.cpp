@@ -5,6 +5,7 @@
 //   decode     one eval() call per token
 //   chunked:N  N tokens per eval() call (the last chunk may be shorter)
 // Other checks depend on this exact interface.
+// With --mtp or --dspark (DeepSeek V4 only) it writes a drafter's outputs instead (logits_drafter.h).
 #include <bit>
 #include <charconv>
 #include <cstdio>
@@ -16,6 +17,7 @@
 
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/logits_drafter.h"
 #include "fathom/error.h"
 
 namespace fathom::cli {
@@ -29,6 +31,10 @@ struct logits_args {
     std::string tokens_file;
     std::string out;
     std::string mode = "prefill";
+    std::string mtp;          // --mtp: DS4 MTP head logits instead of the model's
+    int64_t next_token = -1;  // --next-token (with --mtp)
+    std::string dspark;       // --dspark: DS4 DSpark draft block instead of the model's logits
+    int64_t seed_token = -1;  // --seed-token (with --dspark)
 };
 
 // Returns the chunk size: 0 = prefill (everything at once), 1 = decode, N = chunked:N.
@@ -84,8 +90,40 @@ private:
     std::FILE *f_;
 };
 
+// --mtp / --dspark: option checks before anything is loaded, then the DS4 reference drafters.
+void drafter_main(const logits_args &a, int64_t chunk) {
+    if (!a.mtp.empty() && a.next_token < 0)
+        throw error("logits: --mtp needs --next-token (the token after the ids)");
+    if (!a.dspark.empty() && a.seed_token < 0)
+        throw error("logits: --dspark needs --seed-token (the token at position n)");
+    if (a.model.device != "cpu" || !a.model.devices.empty())
+        throw error("logits: --mtp and --dspark run on the CPU reference model (no --device / --devices)");
+    drafter_logits_args d;
+    d.model_path = resolve_model_path(a.model.model, a.model.models_dir);
+    d.qat = a.model.qat;
+    d.kv_type = a.model.kv_type;
+    d.threads = a.model.threads;
+    d.chunk = chunk;
+    d.mtp = a.mtp;
+    d.next_token = a.next_token;
+    d.dspark = a.dspark;
+    d.seed_token = a.seed_token;
+    const drafter_logits_result r =
+        drafter_logits(d, [&](int32_t n_vocab) { return read_token_ids(a.tokens_file, n_vocab); });
+    float_file out(a.out);
+    out.write(r.rows.data(), r.rows.size());
+    out.close();
+    if (!r.summary.empty()) write_out(r.summary + "\n");
+    std::fprintf(stderr, "logits: wrote %lld x %lld float32 %s rows to %s\n",
+                 static_cast<long long>(r.n_rows), static_cast<long long>(r.n_vocab),
+                 a.mtp.empty() ? "DSpark (base, then corrected)" : "MTP", a.out.c_str());
+}
+
 void logits_main(const logits_args &a) {
     const int64_t chunk = parse_mode(a.mode);  // before loading: a typo fails at once
+    if (!a.mtp.empty() || !a.dspark.empty()) return drafter_main(a, chunk);
+    if (a.next_token >= 0 || a.seed_token >= 0)
+        throw error("logits: --next-token needs --mtp and --seed-token needs --dspark");
     auto eng = load_engine(a.model);
     const model_info &info = eng->info();
     const std::vector<int32_t> ids = read_token_ids(a.tokens_file, info.n_vocab);
@@ -123,6 +161,20 @@ void add_logits_command(CLI::App &app) {
     cmd->add_option("--mode", a->mode,
                     "prefill (one call), decode (one token per call) or chunked:N (N tokens per call)")
         ->capture_default_str();
+    auto *mtp =
+        cmd->add_option("--mtp", a->mtp,
+                        "DeepSeek V4: write the MTP head's logits [n_tokens x n_vocab] instead (MTP GGUF, "
+                        "llama.cpp or antirez/ds4 layout; row i = state of i with token i+1)");
+    cmd->add_option("--next-token", a->next_token,
+                    "With --mtp: the token after the ids (the last row's input)")
+        ->check(at_least(0));
+    cmd->add_option("--dspark", a->dspark,
+                    "DeepSeek V4: draft one DSpark block after the ids (drafter GGUF); writes base then "
+                    "corrected logits [2 x block x n_vocab], JSON summary on stdout")
+        ->excludes(mtp);
+    cmd->add_option("--seed-token", a->seed_token,
+                    "With --dspark: the token at position n_tokens (the block's seed)")
+        ->check(at_least(0));
     cmd->callback([a]() { logits_main(*a); });
 }
 
