@@ -84,6 +84,13 @@ struct engine_options {
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";
+    // DeepSeek V4 on one CPU device: a drafter its sessions keep for speculative decoding
+    // (session::draft): "" none; "mtp" the model's MTP head (from ds4_draft_model, or from the model file
+    // itself when that is empty); "dspark" a DSpark drafter file (ds4_draft_model). Loaded and checked
+    // against the model at load (one-line errors: no MTP tensors, another geometry or vocabulary); other
+    // architectures, CUDA and several devices refuse it.
+    std::string ds4_draft;
+    std::string ds4_draft_model;
     // Called with (done, total) while loading weights; may be empty.
     std::function<void(uint64_t done, uint64_t total)> on_load_progress;
 };
@@ -255,6 +262,15 @@ public:
     // after an evaluation (a speculative step drafts at most this many). Dense: unlimited; DS4 on one CPU
     // device: ds4::max_rollback (16; its state keeps that many positions of history in its rings).
     virtual int64_t rollback_limit() const { return INT64_MAX; }
+    // Sessions with a drafter of their own (DS4 with engine_options::ds4_draft): up to `max` tokens likely
+    // to follow `history` = what the session holds, then the pending token (sampled, not yet evaluated).
+    // Greedy, deterministic drafts. Throws when history does not extend what the session holds.
+    virtual bool has_drafter() const { return false; }
+    virtual std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max) {
+        (void)history;
+        (void)max;
+        return {};
+    }
     // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
     // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
     // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,

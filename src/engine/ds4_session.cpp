@@ -61,8 +61,11 @@
 #include "dist/rank_procs.h"
 #include "dist/tp.h"
 #include "engine/device.h"
+#include "engine/ds4_drafter.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_dspark.h"
+#include "models/deepseek4_mtp.h"
 #include "tokenizer/tokenizer.h"
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -272,6 +275,9 @@ class ds4_session final : public session {
     void truncate(int64_t n_keep) override;
     bool rolls_back() const override { return !on_gpu() && !on_pipeline(); }
     int64_t rollback_limit() const override { return ds4::max_rollback; }
+    // The engine's drafter (engine_options::ds4_draft), one per session, fed by its forwards.
+    bool has_drafter() const override { return drafter_ != nullptr; }
+    std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max) override;
     // Saved states: one device, the CPU (ds4::state) or one GPU (ds4::cuda_sequence, the same stream
     // from the device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
     // banner), so it loads whole: n_keep == tokens.size().
@@ -301,7 +307,16 @@ class ds4_session final : public session {
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
     void forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out);
+    // The step extras the drafter reads (empty without one), sized for n rows; and its observe() of the
+    // rows [p0, p0 + n) just appended, whose extras are rows [r0, r0 + n) of `x`.
+    struct extras_buffers {
+        std::vector<float> hc, features;
+        ds4::step_extras view(size_t n_rows, const ds4::hparams &hp, std::span<const int> layers);
+    };
+    void observe(const extras_buffers &x, size_t r0, int64_t p0, size_t n) const;
     ds4_engine &e_;
+    std::unique_ptr<ds4_drafter> drafter_;  // engine_options::ds4_draft (one CPU device), else null
+    extras_buffers xb_;                     // forward_chunk's extras for the drafter
     ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
     // Several devices: this session's ranks (null after a failure until the next forward).
     std::unique_ptr<device_ranks> pl_;
@@ -326,6 +341,13 @@ class ds4_engine final : public engine {
             throw error("devices '" + o.devices + "' and device '" + o.device + "': give one or the other");
         if (!o.rank_layers.empty())
             throw error("rank_layers '" + o.rank_layers + "' is for rank processes (fathom rank) only");
+        if (!o.ds4_draft.empty() && o.ds4_draft != "mtp" && o.ds4_draft != "dspark")
+            throw error("ds4_draft '" + o.ds4_draft + "': expected mtp or dspark");
+        if (!o.ds4_draft.empty() && (!o.devices.empty() || ordinal >= 0))
+            throw error("--spec " + o.ds4_draft + ": DeepSeek V4 drafts (and rolls back) on one CPU device so far, not "
+                        "with --device cuda or --devices");
+        if (o.ds4_draft == "dspark" && o.ds4_draft_model.empty())
+            throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF for this model)");
         const std::vector<int> stage_ordinals = o.devices.empty() ? std::vector<int>() : parse_device_list(o.devices);
         const bool any_cpu = o.devices.empty() ? ordinal < 0
                                                : std::find(stage_ordinals.begin(), stage_ordinals.end(), -1) !=
@@ -359,6 +381,7 @@ class ds4_engine final : public engine {
             make_pipeline(stage_ordinals);
         else if (ordinal >= 0)
             make_cuda(ordinal);
+        if (!o.ds4_draft.empty()) load_drafter();
         if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
     }
 
@@ -404,6 +427,13 @@ class ds4_engine final : public engine {
 
     // ---- for sessions ----
     const ds4::model &model() const { return *model_; }
+    // A session's drafter (null without engine_options::ds4_draft).
+    std::unique_ptr<ds4_drafter> new_drafter() const {
+        if (mtp_) return make_mtp_drafter(*model_, mtp_, qat_, opts_.kv, exec_);
+        if (dspark_) return make_dspark_drafter(*model_, dspark_, qat_, exec_);
+        return nullptr;
+    }
+    bool drafts() const { return mtp_ || dspark_; }
     ds4::state fresh_state() const {
         ds4::state st = ds4::new_state(*model_, qat_, opts_.kv);
         st.exec = exec_;
@@ -492,6 +522,22 @@ class ds4_engine final : public engine {
     const tokenizer &tok() const {
         if (!tok_) throw error(opts_.model_path + ": the file has no tokenizer (tokenizer.ggml.model)");
         return *tok_;
+    }
+
+    // engine_options::ds4_draft (checked in the constructor): the MTP head from ds4_draft_model or the
+    // model file itself, or a DSpark drafter; each validated against the model.
+    void load_drafter() {
+        const std::string &path = opts_.ds4_draft_model;
+        if (opts_.ds4_draft == "mtp") {
+            try {
+                mtp_ = path.empty() ? ds4::load_mtp(*model_, file_) : ds4::load_mtp(*model_, path);
+            } catch (const std::exception &e) {
+                throw error("--spec mtp: " + (path.empty() ? opts_.model_path : path) + ": no usable MTP head (" +
+                            e.what() + ")" + (path.empty() ? "; give the MTP file with --draft-model" : ""));
+            }
+        } else {
+            dspark_ = ds4::load_dspark(*model_, path);
+        }
     }
 
     // Upload the weights to CUDA device `ordinal` (memory checked before any allocation).
@@ -702,6 +748,8 @@ class ds4_engine final : public engine {
     std::string gpu_name_;  // the CUDA device's name (state_identity)
     mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
     mutable std::string file_identity_;
+    std::shared_ptr<const ds4::mtp_weights> mtp_;        // ds4_draft "mtp"
+    std::shared_ptr<const ds4::dspark_weights> dspark_;  // ds4_draft "dspark"
     // rank_procs: the rank processes (destroyed first: stops them while the model is still here).
     std::unique_ptr<dist::rank_procs> procs_;
 };
@@ -712,7 +760,31 @@ ds4_session::ds4_session(ds4_engine &e) : e_(e) {
 #endif
     if (e.pipelined()) pl_ = e.new_pipeline();
     if (!on_gpu() && !on_pipeline()) st_ = e.fresh_state();
+    drafter_ = e.new_drafter();
     logits_.assign(static_cast<size_t>(e.model().hp.n_vocab), 0.0f);
+}
+
+ds4::step_extras ds4_session::extras_buffers::view(size_t n_rows, const ds4::hparams &hp, std::span<const int> layers) {
+    const size_t D = static_cast<size_t>(hp.n_embd);
+    hc.resize(n_rows * static_cast<size_t>(hp.n_hc) * D);
+    features.resize(n_rows * layers.size() * D);
+    return {hc, layers, features};
+}
+
+void ds4_session::observe(const extras_buffers &x, size_t r0, int64_t p0, size_t n) const {
+    const ds4::hparams &hp = e_.model().hp;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd),
+                 F = drafter_->feature_layers().size() * static_cast<size_t>(hp.n_embd);
+    drafter_->observe(tokens_, p0, drafter_->wants_hc_state() ? std::span<const float>(x.hc).subspan(r0 * S, n * S) : std::span<const float>(),
+                      F > 0 ? std::span<const float>(x.features).subspan(r0 * F, n * F) : std::span<const float>());
+}
+
+std::vector<int32_t> ds4_session::draft(std::span<const int32_t> history, int32_t max) {
+    if (!drafter_) return {};
+    if (history.size() != tokens_.size() + 1 || !std::equal(tokens_.begin(), tokens_.end(), history.begin()))
+        throw error("draft: the history must be what the session holds plus the pending token");
+    std::lock_guard<std::mutex> lock(e_.forward_mutex());  // the drafter's products use the engine's pool
+    return drafter_->draft(tokens_, history.back(), static_cast<int32_t>(std::min<int64_t>(max, rollback_limit())));
 }
 
 bool ds4_session::on_pipeline() const {
@@ -739,6 +811,7 @@ void ds4_session::reset() {
         }
     }
     if (!on_gpu() && !on_pipeline()) st_ = e_.fresh_state();
+    if (drafter_) drafter_->reset();
     tokens_.clear();
     have_logits_ = false;
     logits_on_device_ = false;
@@ -763,7 +836,22 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
         return;
     }
 #endif
-    ds4::forward(e_.model(), st_, toks, pos, {out, {}});
+    if (!drafter_) {
+        ds4::forward(e_.model(), st_, toks, pos, {out, {}});
+        return;
+    }
+    // With a drafter: the same forward as rows of one step, which also hands over its extras.
+    const size_t n = toks.size(), V = static_cast<size_t>(e_.model().hp.n_vocab);
+    std::vector<ds4::step_row> rows(n);
+    for (size_t i = 0; i < n; ++i) rows[i] = {0, pos[i], toks[i]};
+    std::vector<int32_t> logit_rows;
+    if (out.size() == n * V)
+        for (size_t i = 0; i < n; ++i) logit_rows.push_back(static_cast<int32_t>(i));
+    else if (!out.empty())
+        logit_rows.push_back(static_cast<int32_t>(n - 1));
+    ds4::state *seq = &st_;
+    ds4::step(e_.model(), std::span<ds4::state *const>(&seq, 1), rows, logit_rows, out,
+              xb_.view(n, e_.model().hp, drafter_->feature_layers()));
 }
 
 void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
@@ -799,6 +887,7 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
             throw;
         }
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
+        if (drafter_ && !on_gpu() && !on_pipeline()) observe(xb_, 0, n_past() - n, static_cast<size_t>(n));
         done += n;
         if (last) {
             if (all_logits)
@@ -909,6 +998,7 @@ size_t ds4_session::drop_after(size_t n) {
     if (n >= tokens_.size()) return tokens_.size();
     if (rolls_back() && static_cast<int64_t>(n) >= ds4::rollback_floor(st_)) {
         ds4::truncate(st_, static_cast<int64_t>(n));
+        if (drafter_) drafter_->truncate(static_cast<int64_t>(n));
         tokens_.resize(n);
         have_logits_ = false;
         return n;
@@ -1117,7 +1207,11 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
         std::vector<ds4::state *> seqs;
         std::vector<ds4::step_row> rows;
         std::vector<int32_t> logit_rows;
-        std::vector<std::pair<cpu_work *, size_t>> in;  // (work, piece)
+        struct piece_of {
+            cpu_work *w;
+            size_t piece, first_row;
+        };
+        std::vector<piece_of> in;
         for (cpu_work &w : work) {
             if (w.rest.empty()) continue;
             const size_t piece = std::min<size_t>(static_cast<size_t>(n_batch_), w.rest.size());
@@ -1133,20 +1227,29 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
                     logit_rows.push_back(static_cast<int32_t>(first_row + t));
             else if (last && w.want_logits)
                 logit_rows.push_back(static_cast<int32_t>(rows.size() - 1));
-            in.emplace_back(&w, piece);
+            in.push_back({&w, piece, first_row});
         }
         if (rows.empty()) break;
         std::vector<float> logits(logit_rows.size() * V);
+        // Every session of a drafting engine has a drafter of the same kind: one set of extras for all rows.
+        ds4_session::extras_buffers xb;
+        const std::unique_ptr<ds4_drafter> &d0 = in.front().w->s->drafter_;
         try {
-            ds4::step(*model_, seqs, rows, logit_rows, logits);
+            if (d0)
+                ds4::step(*model_, seqs, rows, logit_rows, logits, xb.view(rows.size(), model_->hp, d0->feature_layers()));
+            else
+                ds4::step(*model_, seqs, rows, logit_rows, logits);
         } catch (...) {
-            for (auto &[w, piece] : in) w->s->reset();  // a forward that failed part-way leaves torn states
+            for (const piece_of &p : in) p.w->s->reset();  // a forward that failed part-way leaves torn states
             throw;
         }
         size_t out = 0;  // the next row of `logits`, in the order logit_rows were added
-        for (auto &[w, piece] : in) {
+        for (const piece_of &p : in) {
+            cpu_work *w = p.w;
+            const size_t piece = p.piece;
             ds4_session &s = *w->s;
             s.tokens_.insert(s.tokens_.end(), w->rest.begin(), w->rest.begin() + static_cast<std::ptrdiff_t>(piece));
+            if (s.drafter_) s.observe(xb, p.first_row, s.n_past() - static_cast<int64_t>(piece), piece);
             w->rest = w->rest.subspan(piece);
             if (!w->rest.empty()) continue;
             if (w->n_rows > 0) {

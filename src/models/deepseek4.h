@@ -288,6 +288,18 @@ struct step_row {
 void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
           std::span<const int32_t> logit_rows, std::span<float> logits);
 
+// What a speculative drafter reads from the target's step besides logits (each span empty or full size):
+// hc_state [R, n_hc * D]: every row's final HC state (before the HC head; the MTP head's input);
+// features [R, feature_layers.size() * D]: per row, for each listed block in order, the mean of the
+// n_hc streams leaving it (the DSpark drafter's target features).
+struct step_extras {
+    std::span<float> hc_state;
+    std::span<const int> feature_layers;
+    std::span<float> features;
+};
+void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
+          std::span<const int32_t> logit_rows, std::span<float> logits, const step_extras &extras);
+
 // ---- saved states (session::save_state / load_state; deepseek4_state.cpp) ---------------------------
 // The whole of `st` that later evaluations read: n_past, and per layer the raw ring, the compressor
 // frontiers and the compressed and indexer rows (layout: docs/prompt-cache.md "DS4 state"). Every

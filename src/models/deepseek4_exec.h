@@ -20,6 +20,7 @@
 // all-reduces the attention and MoE outputs. An executor may fuse across calls (a deferred HCPost
 // folded into the next HCPre, say) as long as the results are those of this sequence.
 #pragma once
+#include <functional>
 #include <span>
 
 #include "models/deepseek4.h"
@@ -53,11 +54,15 @@ inline void run_block(executor &ex, const layer_weights &l, int il) {
 
 // Blocks [l0, l1) of `m` (the whole model: 0, n_layer), with the embedding when the range starts at
 // block 0 and `embed`, and the head of rows `logit_rows` when it ends at the last block and `out` is
-// not empty.
+// not empty. after_block (may be empty) runs after each block with its index (a drafter's feature
+// capture reads the executor's state there).
 inline void run_forward(const model &m, executor &ex, int l0, int l1, bool embed, std::span<const int32_t> logit_rows,
-                        std::span<float> out) {
+                        std::span<float> out, const std::function<void(int)> &after_block = {}) {
     if (embed && l0 == 0) ex.embed();
-    for (int il = l0; il < l1; ++il) run_block(ex, m.layers[static_cast<size_t>(il)], il);
+    for (int il = l0; il < l1; ++il) {
+        run_block(ex, m.layers[static_cast<size_t>(il)], il);
+        if (after_block) after_block(il);
+    }
     if (l1 == static_cast<int>(m.layers.size()) && !out.empty()) ex.head(logit_rows, out);
 }
 

@@ -254,7 +254,7 @@ static void check_inputs(const model &m, const state &st, std::span<const int32_
 // (when not empty). The caller has checked the rows; n_past advances here.
 static void eval_rows(const model &m, std::span<state *const> seqs, std::span<const int32_t> tokens,
                       std::span<const int64_t> positions, std::span<const int32_t> row_seq,
-                      std::span<const int32_t> logit_rows, std::span<float> logits, std::span<float> hc_out) {
+                      std::span<const int32_t> logit_rows, std::span<float> logits, const step_extras &extras) {
     const size_t R = tokens.size(), S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd);
     if (R == 0) return;
     std::vector<float> x(R * S);  // [R, n_hc, D] hyper-connection state
@@ -266,13 +266,32 @@ static void eval_rows(const model &m, std::span<state *const> seqs, std::span<co
                         return seqs[static_cast<size_t>(row_seq[r])]->layers[static_cast<size_t>(il)];
                     },
                     nullptr);
-    run_forward(m, ex, 0, static_cast<int>(m.layers.size()), true, logit_rows, logits);
+    // Feature capture: after block feature_layers[f], features[r][f*D ..] = the mean of row r's streams.
+    const size_t D = static_cast<size_t>(m.hp.n_embd), nh = static_cast<size_t>(m.hp.n_hc),
+                 nf = extras.feature_layers.size();
+    std::function<void(int)> capture;
+    if (nf > 0 && !extras.features.empty())
+        capture = [&](int il) {
+            for (size_t f = 0; f < nf; ++f) {
+                if (extras.feature_layers[f] != il) continue;
+                for (size_t r = 0; r < R; ++r) {
+                    float *out = &extras.features[(r * nf + f) * D];
+                    const float *xr = &x[r * S];
+                    for (size_t i = 0; i < D; ++i) {
+                        float acc = 0;
+                        for (size_t k = 0; k < nh; ++k) acc += xr[k * D + i];
+                        out[i] = acc / static_cast<float>(nh);
+                    }
+                }
+            }
+        };
+    run_forward(m, ex, 0, static_cast<int>(m.layers.size()), true, logit_rows, logits, capture);
     for (size_t r = 0; r < R; ++r) {
         state &st = *seqs[static_cast<size_t>(row_seq[r])];
         st.n_past = positions[r] + 1;
         st.reached = std::max(st.reached, st.n_past);
     }
-    if (!hc_out.empty()) std::copy(x.begin(), x.end(), hc_out.begin());
+    if (!extras.hc_state.empty()) std::copy(x.begin(), x.end(), extras.hc_state.begin());
 }
 
 void forward(const model &m, state &st, std::span<const int32_t> tokens, std::span<const int64_t> positions,
@@ -287,12 +306,27 @@ void forward(const model &m, state &st, std::span<const int32_t> tokens, std::sp
         logit_rows.push_back(static_cast<int32_t>(n - 1));
     state *one = &st;
     const std::vector<int32_t> row_seq(n, 0);
-    eval_rows(m, std::span<state *const>(&one, 1), tokens, positions, row_seq, logit_rows, out.logits, out.hc_state);
+    eval_rows(m, std::span<state *const>(&one, 1), tokens, positions, row_seq, logit_rows, out.logits,
+              {out.hc_state, {}, {}});
 }
 
 void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
           std::span<const int32_t> logit_rows, std::span<float> logits) {
+    step(m, seqs, rows, logit_rows, logits, {});
+}
+
+void step(const model &m, std::span<state *const> seqs, std::span<const step_row> rows,
+          std::span<const int32_t> logit_rows, std::span<float> logits, const step_extras &extras) {
     const size_t R = rows.size(), V = static_cast<size_t>(m.hp.n_vocab);
+    const size_t S = static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd), D = static_cast<size_t>(m.hp.n_embd);
+    if (!extras.hc_state.empty() && extras.hc_state.size() != R * S)
+        throw error("ds4 step: hc_state buffer of " + std::to_string(extras.hc_state.size()) + " floats, expected " +
+                    std::to_string(R * S));
+    for (int l : extras.feature_layers)
+        if (l < 0 || l >= m.hp.n_layer) throw error("ds4 step: feature layer " + std::to_string(l) + " outside the model");
+    if (!extras.features.empty() && extras.features.size() != R * extras.feature_layers.size() * D)
+        throw error("ds4 step: features buffer of " + std::to_string(extras.features.size()) + " floats, expected " +
+                    std::to_string(R * extras.feature_layers.size() * D));
     for (size_t k = 0; k < seqs.size(); ++k) {
         const std::string who = "ds4 step: sequence " + std::to_string(k);
         if (!seqs[k]) throw error(who + " is null");
@@ -330,7 +364,7 @@ void step(const model &m, std::span<state *const> seqs, std::span<const step_row
     if (logits.size() != logit_rows.size() * V)
         throw error("ds4 step: logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
                     std::to_string(logit_rows.size() * V));
-    eval_rows(m, seqs, tokens, positions, row_seq, logit_rows, logits, {});
+    eval_rows(m, seqs, tokens, positions, row_seq, logit_rows, logits, extras);
 }
 
 }  // namespace fathom::ds4

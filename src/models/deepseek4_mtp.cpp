@@ -3,6 +3,7 @@
 //   X = Block(X);  logits = W_out (RMSNorm(HCHead_mtp(X)) * norm).
 #include "models/deepseek4_mtp.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "backend/cpu/quants.h"
@@ -128,9 +129,16 @@ mtp_state new_mtp_state(const model &main, const mtp_weights &w, qat_mode qat, k
     return st;
 }
 
+void mtp_truncate(mtp_state &st, int64_t n) {
+    if (n > st.n_past || n < std::max<int64_t>(0, st.reached - max_rollback))
+        throw error("ds4 mtp: cannot roll back to " + std::to_string(n) + " rows (holds " + std::to_string(st.n_past) +
+                    ", reached " + std::to_string(st.reached) + ")");
+    st.n_past = n;  // a window-only block: its ring is indexed by position, nothing else to drop
+}
+
 void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
                  std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
-                 std::span<float> logits) {
+                 std::span<float> logits, std::span<float> hc_out) {
     const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
     const hparams &hp = main.hp;
     const int64_t n = static_cast<int64_t>(next_tokens.size()), D = hp.n_embd, S = hp.n_hc * D,
@@ -138,8 +146,10 @@ void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::sp
     if (positions.size() != next_tokens.size() || hc_state.size() != static_cast<size_t>(n * S))
         throw error("ds4 mtp: " + std::to_string(n) + " tokens, " + std::to_string(positions.size()) +
                     " positions and " + std::to_string(hc_state.size()) + " state floats do not match");
-    if (logits.size() != static_cast<size_t>(n * V) && logits.size() != static_cast<size_t>(V))
+    if (!logits.empty() && logits.size() != static_cast<size_t>(n * V) && logits.size() != static_cast<size_t>(V))
         throw error("ds4 mtp: logits buffer of " + std::to_string(logits.size()) + " floats");
+    if (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n * S))
+        throw error("ds4 mtp: hc_out buffer of " + std::to_string(hc_out.size()) + " floats");
     for (int64_t i = 0; i < n; ++i) {
         if (positions[static_cast<size_t>(i)] != st.n_past + i)
             throw error("ds4 mtp: position " + std::to_string(positions[static_cast<size_t>(i)]) +
@@ -169,6 +179,9 @@ void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::sp
     }
     block_forward(hp, make_rope_set(hp), w.block, st.block, st.qat, x.data(), next_tokens, positions);
     st.n_past += n;
+    st.reached = std::max(st.reached, st.n_past);
+    if (!hc_out.empty()) std::copy(x.begin(), x.end(), hc_out.begin());
+    if (logits.empty()) return;
     const int64_t i0 = static_cast<int64_t>(logits.size()) == V ? n - 1 : 0;
     std::vector<float> z(static_cast<size_t>(D));
     for (int64_t i = i0; i < n; ++i) {

@@ -29,16 +29,22 @@ std::unique_ptr<mtp_weights> load_mtp(const model &main, const std::string &path
 
 struct mtp_state {
     int64_t n_past = 0;
+    int64_t reached = 0;  // the highest n_past since the state was fresh (rollback: see ds4::state)
     qat_mode qat = qat_mode::full;
     exec_options exec;  // see ds4::state
     layer_state block;
 };
 mtp_state new_mtp_state(const model &main, const mtp_weights &w, qat_mode qat, kv_precision kv);
+// Forget MTP rows [n, n_past): free within max_rollback of `reached` (the block's raw ring is
+// position-indexed like the main model's); throws fathom::error otherwise (st unchanged).
+void mtp_truncate(mtp_state &st, int64_t n);
 
 // Rows i of a chunk: hc_state [n, n_hc, D] (main model's final HC state at position i), next_tokens [n]
-// (t_(i+1)), positions [n] (n_past, n_past+1, ...). logits: [n, n_vocab] or [n_vocab] (last row).
+// (t_(i+1)), positions [n] (n_past, n_past+1, ...). logits: [n, n_vocab] or [n_vocab] (last row), or
+// empty. hc_out (empty or [n, n_hc, D]): the block's output state of every row, before the MTP head's
+// HC collapse (a chained draft feeds it back as the next row's hc_state).
 void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
                  std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
-                 std::span<float> logits);
+                 std::span<float> logits, std::span<float> hc_out = {});
 
 }  // namespace fathom::ds4

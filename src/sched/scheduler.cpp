@@ -644,7 +644,17 @@ void scheduler::plan_drafts(slot &s) {
     if (room < 1) return;
     room = std::min<int64_t>({room, s.budget->next(), s.sess->rolls_back() ? s.sess->rollback_limit() : 0});
     if (room < 1) return;
-    const std::vector<int32_t> d = spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
+    std::vector<int32_t> d;
+    try {
+        d = opts_.spec_session_drafter ? s.sess->draft(s.history, static_cast<int32_t>(room))
+                                       : spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
+    } catch (const std::exception &e) {
+        // A drafter that fails drafts nothing this step: the request decodes plainly (counted).
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.spec_draft_failures;
+        return;
+    }
+    if (d.size() > static_cast<size_t>(room)) d.resize(static_cast<size_t>(room));
     if (d.empty()) return;
     s.spec_prefix = s.history;
     s.spec_prefix.insert(s.spec_prefix.end(), d.begin(), d.end());

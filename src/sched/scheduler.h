@@ -145,6 +145,7 @@ struct scheduler_stats {
     uint64_t kv_waits = 0;                               // admissions deferred for lack of blocks
     histogram ttft_s, token_latency_s;
     uint64_t spec_steps = 0, spec_drafted = 0, spec_accepted = 0;  // speculative decode steps and drafts
+    uint64_t spec_draft_failures = 0;  // drafter errors (that step decoded without drafts)
     // Disk prompt cache (when enabled): hits (entries loaded), misses (admissions that evaluate prompt
     // tokens no disk entry supplied, failed loads included; a prompt a RAM slot covers is neither), the
     // directory's figures and the I/O times.
@@ -164,11 +165,13 @@ struct scheduler_options {
     int kv_block_tokens = 16;      // token positions per block
     cache::options prompt_cache;   // disk prompt cache; dir "" = off (the constructor throws when the
                                    // engine's sessions cannot save states)
-    // N-gram speculative decoding for every request on sessions that roll back (the dense families;
-    // include/fathom/speculative.h): a decode step evaluates the pending token and up to draft_max
-    // drafts of its slot in one forward and keeps the drafts its own samples confirm. Same tokens.
+    // Speculative decoding for every request on sessions that roll back (include/fathom/speculative.h):
+    // a decode step evaluates the pending token and up to draft_max drafts of its slot in one forward
+    // and keeps the drafts its own samples confirm. Same tokens. Drafts from n-grams of the slot's
+    // history, or (spec_session_drafter) from the session's own drafter (DS4's MTP head or DSpark).
     bool spec = false;
     spec::ngram_options spec_ngram;
+    bool spec_session_drafter = false;
 };
 
 struct slot_info {

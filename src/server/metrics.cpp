@@ -43,8 +43,10 @@ std::string render_metrics(const sched::scheduler_stats &s,
            double(s.prompt_tokens_evaluated));
     metric(o, "fathom_generated_tokens_total", "counter", "Tokens generated.", double(s.generated_tokens));
     metric(o, "fathom_scheduler_steps_total", "counter", "Scheduler steps run.", double(s.steps));
-    metric(o, "fathom_spec_steps_total", "counter", "Decode steps that verified n-gram drafts (--spec ngram).",
+    metric(o, "fathom_spec_steps_total", "counter", "Decode steps that verified drafts (--spec).",
            double(s.spec_steps));
+    metric(o, "fathom_spec_draft_failures_total", "counter",
+           "Drafter errors (--spec mtp|dspark); that step decoded without drafts.", double(s.spec_draft_failures));
     metric(o, "fathom_spec_drafted_tokens_total", "counter", "Tokens drafted and verified.", double(s.spec_drafted));
     metric(o, "fathom_spec_accepted_tokens_total", "counter", "Drafted tokens kept.", double(s.spec_accepted));
     metric(o, "fathom_queue_depth", "gauge", "Requests waiting for a slot.", double(s.queue_depth));

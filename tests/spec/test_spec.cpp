@@ -485,6 +485,61 @@ sched_out drain(sched::job &j) {
     return o;
 }
 
+// DeepSeek V4 on the CPU through the scheduler: three slots share every step (the engine's fused multi-row
+// step), each decoding with the session's own MTP drafter, with n-gram drafts, or plainly: the same
+// tokens and logprobs (bit for bit) as without speculation, greedy and sampled with the whole
+// distribution in play.
+TEST(SpecScheduler, DeepSeekV4SameTokensAndLogprobsWithItsDrafters) {
+    const std::string target = ds4_test::golden_dir() + "/ds4-tiny-a.gguf", mtp = ds4_test::golden_dir() + "/ds4-tiny-a-mtp.gguf";
+    const auto cases = ds4_test::load_cases("cases.jsonl");
+    std::vector<sched::request> reqs;
+    for (int i = 0; i < 4; ++i) {
+        sched::request r;
+        r.prompt.assign(cases.at(static_cast<size_t>(1 + i % 2)).tokens.begin(), cases.at(static_cast<size_t>(1 + i % 2)).tokens.begin() + 40 + i);
+        r.max_tokens = 60;
+        r.sampling.temperature = i % 2 == 0 ? 0.0f : 0.9f;
+        r.sampling.seed = 5;
+        r.sampling.top_k = 0;
+        r.sampling.top_p = 1.0f;
+        r.sampling.min_p = 0.0f;
+        r.sampling.n_logprobs = 3;
+        r.want_logprobs = true;
+        reqs.push_back(r);
+    }
+    std::vector<std::vector<sched_out>> got(3);
+    for (int mode = 0; mode < 3; ++mode) {  // plain, MTP drafts, n-gram drafts
+        engine_options eo;
+        eo.model_path = target;
+        eo.n_threads = 2;
+        eo.n_ctx = 256;
+        if (mode == 1) {
+            eo.ds4_draft = "mtp";
+            eo.ds4_draft_model = mtp;
+        }
+        auto e = engine::load(eo);
+        sched::scheduler_options o;
+        o.n_slots = 3;
+        o.spec = mode > 0;
+        o.spec_session_drafter = mode == 1;
+        o.spec_ngram.adaptive = false;  // every step drafts (and rolls back what is rejected)
+        o.spec_ngram.draft_max = 4;
+        o.spec_ngram.ngram_min = 1;
+        sched::scheduler s(*e, o);
+        std::vector<std::shared_ptr<sched::job>> jobs;
+        for (const auto &r : reqs) jobs.push_back(s.submit(r));
+        for (auto &j : jobs) got[static_cast<size_t>(mode)].push_back(drain(*j));
+        if (mode > 0) {
+            EXPECT_GT(s.stats().spec_drafted, 50u) << "mode " << mode;
+        }
+        EXPECT_EQ(s.stats().spec_draft_failures, 0u);
+    }
+    for (int mode = 1; mode < 3; ++mode)
+        for (size_t i = 0; i < reqs.size(); ++i) {
+            EXPECT_TRUE(got[0][i] == got[static_cast<size_t>(mode)][i]) << "mode " << mode << " request " << i;
+            EXPECT_EQ(got[0][i].ids.size(), 60u);
+        }
+}
+
 TEST(SpecScheduler, SameTokensTextAndLogprobsAsPlainDecoding) {
     if (!exists(kSmol)) {
         GTEST_SKIP() << kSmol << " not installed";

@@ -25,7 +25,9 @@ struct chat_args {
 void chat_main(const chat_args &a) {
     a.sampling.validate();
     a.spec.ngram.validate();
-    auto eng = load_engine(a.model);
+    model_args ma = a.model;
+    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
+    auto eng = load_engine(ma);
     spec_args spec = a.spec;
     prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();

@@ -244,6 +244,8 @@ engine_options engine_options_of(const model_args &a) {
     o.exact = a.exact || a.numerics == "exact";
     o.batch_invariant = a.numerics != "llamacpp";
     o.ds4_qat = a.qat;
+    o.ds4_draft = a.ds4_draft;
+    o.ds4_draft_model = a.ds4_draft_model;
     o.device = a.device;
     o.cuda_graphs = !a.no_cuda_graph;
     o.devices = a.devices;
@@ -384,7 +386,11 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
             return max_tokens > 0 && st.n_generated >= max_tokens ? spec::token_verdict::keep_and_stop
                                                                   : spec::token_verdict::keep;
         };
-        if (spec->mode == "draft") {
+        if (spec->mode == "mtp" || spec->mode == "dspark") {
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+                                     [&sess](std::span<const int32_t> h, int32_t max) { return sess.draft(h, max); },
+                                     on_token);
+        } else if (spec->mode == "draft") {
             if (!spec->drafter) throw error("--spec draft: no draft model prepared");
             spec::model_drafter &d = *spec->drafter;
             st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
@@ -421,12 +427,15 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
 void add_spec_options(CLI::App *cmd, spec_args &a) {
     cmd->add_option("--spec", a.mode,
                     "Speculative decoding: none; ngram (drafts from n-grams already in the prompt and output); draft "
-                    "(a smaller model with the same tokenizer drafts, --draft-model). Same tokens, fewer forwards; "
-                    "dense models")
-        ->check(CLI::IsMember({"none", "ngram", "draft"}))
+                    "(a smaller model with the same tokenizer drafts, --draft-model); mtp (DeepSeek V4's MTP head, "
+                    "from the model file or --draft-model); dspark (a DeepSeek V4 DSpark drafter, --draft-model). "
+                    "Same tokens, fewer forwards")
+        ->check(CLI::IsMember({"none", "ngram", "draft", "mtp", "dspark"}))
         ->capture_default_str();
-    cmd->add_option("--draft-model", a.draft_model, "--spec draft: the drafting model (path or short name)");
-    cmd->add_option("--draft-max", a.ngram.draft_max, "--spec ngram: most tokens drafted per step")
+    cmd->add_option("--draft-model", a.draft_model,
+                    "--spec draft: the drafting model (path or short name); --spec mtp: the MTP head's GGUF (default: "
+                    "the model file); --spec dspark: the DSpark drafter's GGUF");
+    cmd->add_option("--draft-max", a.ngram.draft_max, "--spec: most tokens drafted per step")
         ->check(CLI::Range(1, 64))
         ->capture_default_str();
     cmd->add_option("--ngram-min", a.ngram.ngram_min, "--spec ngram: shortest n-gram looked up")
@@ -437,9 +446,21 @@ void add_spec_options(CLI::App *cmd, spec_args &a) {
         ->capture_default_str();
 }
 
+void apply_spec(model_args &m, const spec_args &a) {
+    if (a.mode != "mtp" && a.mode != "dspark") return;
+    if (a.mode == "dspark" && a.draft_model.empty()) throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF)");
+    m.ds4_draft = a.mode;
+    m.ds4_draft_model = a.draft_model.empty() ? "" : resolve_model_path(a.draft_model, m.models_dir);
+}
+
 void prepare_spec(spec_args &a, const model_args &m, const engine &target) {
+    if (a.mode == "mtp" || a.mode == "dspark") {  // loaded with the target (apply_spec)
+        if (target.info().arch != "deepseek4")
+            throw error("--spec " + a.mode + " is for DeepSeek V4 models; this one is " + target.info().arch);
+        return;
+    }
     if (a.mode != "draft") {
-        if (!a.draft_model.empty()) throw error("--draft-model needs --spec draft");
+        if (!a.draft_model.empty()) throw error("--draft-model needs --spec draft, mtp or dspark");
         return;
     }
     if (a.draft_model.empty()) throw error("--spec draft needs --draft-model");

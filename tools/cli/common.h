@@ -42,6 +42,8 @@ struct model_args {
     bool procs = false;                // with --devices: ranks 1.. as processes (engine_options::rank_procs)
     std::string procs_host = "127.0.0.1";  // engine_options::rank_procs_host
     int procs_local = 0;                   // engine_options::rank_procs_local (0 = spawn every rank)
+    // Not options of their own: --spec mtp|dspark and --draft-model (apply_spec) set them.
+    std::string ds4_draft, ds4_draft_model;  // engine_options::ds4_draft / ds4_draft_model
 };
 
 // Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
@@ -80,9 +82,11 @@ CLI::Validator at_least(long long min);
 // --presence-penalty, --seed. Values are checked later by sampling_params::validate().
 void add_sampling_options(CLI::App *cmd, sampling_params &p);
 
-// Speculative decoding (include/fathom/speculative.h): --spec none|ngram|draft, --draft-max, --ngram-min,
-// --ngram-max, --draft-model. spec_args::enabled() when --spec is not none; with --spec draft,
-// prepare_spec loads the draft model (after the target) and makes the drafter.
+// Speculative decoding (include/fathom/speculative.h): --spec none|ngram|draft|mtp|dspark, --draft-max,
+// --ngram-min, --ngram-max, --draft-model. spec_args::enabled() when --spec is not none; with --spec draft,
+// prepare_spec loads the draft model (after the target) and makes the drafter; --spec mtp|dspark are
+// DeepSeek V4's own drafters, loaded with the target (apply_spec sets the engine options first) and run
+// by its sessions (session::draft).
 struct spec_args {
     std::string mode = "none";
     spec::ngram_options ngram;
@@ -92,6 +96,8 @@ struct spec_args {
     bool enabled() const { return mode != "none"; }
 };
 void add_spec_options(CLI::App *cmd, spec_args &a);
+// Before loading the target: --spec mtp|dspark become engine options (the drafter file resolved).
+void apply_spec(model_args &m, const spec_args &a);
 void prepare_spec(spec_args &a, const model_args &m, const engine &target);
 
 // ---------------------------------------------------------------------------------------------

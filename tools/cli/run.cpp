@@ -46,7 +46,9 @@ void run_main(const run_args &a) {
     pflash::validate_keep_ratio(a.keep_ratio, "--keep-ratio");
     const pflash::drafter_residency residency = pflash::parse_residency(a.drafter_residency);
     const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
-    auto eng = load_engine(a.model);
+    model_args ma = a.model;
+    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
+    auto eng = load_engine(ma);
 
     std::string text = prompt;
     // The engine renders with the file's template, or a built-in one for files without it.

@@ -47,7 +47,7 @@ struct serve_args {
     double prompt_cache_max_gib = 8;
     int64_t prompt_cache_min_tokens = 32;
     int prompt_cache_zstd = 0;
-    spec_args spec;  // --spec ngram: speculative decoding for every request (dense models)
+    spec_args spec;  // --spec ngram|mtp|dspark: speculative decoding for every request
 };
 
 void serve_main(serve_args &a) {
@@ -76,7 +76,9 @@ void serve_main(serve_args &a) {
     // and raises SIGTERM, which the waiter below turns into a stop; serve then exits 1 with the line.
     std::mutex rank_mu;
     std::string rank_failure;
-    std::unique_ptr<engine> eng = load_engine(a.model, [&rank_mu, &rank_failure](const std::string &line) {
+    model_args ma = a.model;
+    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
+    std::unique_ptr<engine> eng = load_engine(ma, [&rank_mu, &rank_failure](const std::string &line) {
         {
             std::lock_guard<std::mutex> lock(rank_mu);
             rank_failure = line;
@@ -95,6 +97,7 @@ void serve_main(serve_args &a) {
     so.prompt_cache.zstd_level = a.prompt_cache_zstd;
     so.spec = a.spec.enabled();
     so.spec_ngram = a.spec.ngram;
+    so.spec_session_drafter = a.spec.mode == "mtp" || a.spec.mode == "dspark";
     if (so.spec && !eng->new_session()->rolls_back()) {
         std::fprintf(stderr, "note: --spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4 "
                              "rolls back on the CPU only so far); serving without speculative decoding\n");

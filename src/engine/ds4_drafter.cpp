@@ -1,0 +1,187 @@
+// DS4 session drafters (see ds4_drafter.h): the MTP head and the DSpark drafter behind one interface.
+#include "engine/ds4_drafter.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace fathom {
+
+namespace {
+
+int32_t argmax(std::span<const float> v) {
+    return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());  // ties: the lower id
+}
+
+// Rows of `width` floats for the newest positions: position q in slot q mod slots, tagged with q so a
+// row overwritten (or never written) is told from a current one.
+class position_ring {
+  public:
+    position_ring(size_t slots, size_t width) : width_(width), rows_(slots * width), tag_(slots, -1) {}
+    void put(int64_t q, const float *row) {
+        const size_t s = static_cast<size_t>(q) % tag_.size();
+        std::copy(row, row + width_, rows_.begin() + static_cast<std::ptrdiff_t>(s * width_));
+        tag_[s] = q;
+    }
+    const float *get(int64_t q) const {
+        if (q < 0) return nullptr;
+        const size_t s = static_cast<size_t>(q) % tag_.size();
+        return tag_[s] == q ? &rows_[s * width_] : nullptr;
+    }
+    void clear() { std::fill(tag_.begin(), tag_.end(), -1); }
+    size_t slots() const { return tag_.size(); }
+
+  private:
+    size_t width_;
+    std::vector<float> rows_;
+    std::vector<int64_t> tag_;
+};
+
+class mtp_drafter final : public ds4_drafter {
+  public:
+    mtp_drafter(const ds4::model &m, std::shared_ptr<const ds4::mtp_weights> w, ds4::qat_mode qat, kv_precision kv,
+                const ds4::exec_options &exec)
+        : m_(m), w_(std::move(w)), qat_(qat), kv_(kv), exec_(exec),
+          S_(static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd)),
+          hc_(static_cast<size_t>(ds4::max_rollback) + 2, S_) {
+        restart(0);
+    }
+    bool wants_hc_state() const override { return true; }
+    std::span<const int> feature_layers() const override { return {}; }
+
+    // Runs the head's rows st_.n_past .. held.size() - 2 (each: the HC state at i, token i + 1); the
+    // states of positions before p0 come from the ring, the rest from this forward's hc.
+    void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
+                 std::span<const float> features) override {
+        (void)features;
+        const int64_t n = static_cast<int64_t>(hc.size() / S_), last = static_cast<int64_t>(held.size()) - 1;
+        if (st_.n_past < p0 && !hc_.get(st_.n_past)) restart(p0);  // history lost (a loaded state): start here
+        std::vector<float> x;
+        std::vector<int32_t> next;
+        std::vector<int64_t> pos;
+        for (int64_t i = st_.n_past; i < last; ++i) {
+            const float *row = i >= p0 ? &hc[static_cast<size_t>(i - p0) * S_] : hc_.get(i);
+            if (!row) break;
+            x.insert(x.end(), row, row + S_);
+            next.push_back(held[static_cast<size_t>(i + 1)]);
+            pos.push_back(i);
+        }
+        if (!pos.empty()) ds4::mtp_forward(m_, *w_, st_, x, next, pos, {});
+        for (int64_t i = std::max<int64_t>(0, n - static_cast<int64_t>(hc_.slots())); i < n; ++i)
+            hc_.put(p0 + i, &hc[static_cast<size_t>(i) * S_]);
+    }
+
+    void truncate(int64_t n) override {
+        const int64_t keep = std::max<int64_t>(0, n - 1);  // rows i <= n - 2 have their next token
+        if (st_.n_past <= keep) return;
+        if (keep >= std::max<int64_t>(0, st_.reached - ds4::max_rollback))
+            ds4::mtp_truncate(st_, keep);
+        else
+            restart(keep);  // deeper than its rollback reach: the head restarts its history at keep
+    }
+    void reset() override {
+        restart(0);
+        hc_.clear();
+    }
+
+    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) override {
+        const int64_t n = static_cast<int64_t>(held.size());
+        if (n == 0 || max <= 0) return {};
+        const float *h = hc_.get(n - 1);
+        if (!h) return {};  // the target's state at n - 1 was not observed (nothing to draft from)
+        if (st_.n_past > n - 1) truncate(n);
+        if (st_.n_past < n - 1) restart(n - 1);
+        const size_t V = static_cast<size_t>(m_.hp.n_vocab);
+        std::vector<float> x(h, h + S_), out(S_), logits(V);
+        std::vector<int32_t> drafts;
+        int32_t tok = pending;
+        // Row n - 1 (true inputs) then rows chained on the head's own output state and drafted token;
+        // at most max_rollback of them, so the chain rolls back for free.
+        max = std::min<int32_t>(max, static_cast<int32_t>(ds4::max_rollback));
+        for (int32_t j = 0; j < max; ++j) {
+            const int64_t p = n - 1 + j;
+            ds4::mtp_forward(m_, *w_, st_, x, std::span<const int32_t>(&tok, 1), std::span<const int64_t>(&p, 1), logits, out);
+            tok = argmax(logits);
+            drafts.push_back(tok);
+            x.swap(out);
+        }
+        ds4::mtp_truncate(st_, n);  // keep the true row n - 1
+        return drafts;
+    }
+
+  private:
+    void restart(int64_t at) {
+        st_ = ds4::new_mtp_state(m_, *w_, qat_, kv_);
+        st_.exec = exec_;
+        st_.n_past = st_.reached = at;
+    }
+    const ds4::model &m_;
+    std::shared_ptr<const ds4::mtp_weights> w_;
+    ds4::qat_mode qat_;
+    kv_precision kv_;
+    ds4::exec_options exec_;
+    size_t S_;
+    ds4::mtp_state st_;
+    position_ring hc_;  // the target's final HC states of the newest positions
+};
+
+class dspark_drafter final : public ds4_drafter {
+  public:
+    dspark_drafter(const ds4::model &m, std::shared_ptr<const ds4::dspark_weights> w, ds4::qat_mode qat,
+                   const ds4::exec_options &exec)
+        : m_(m), w_(std::move(w)), qat_(qat), exec_(exec), F_(static_cast<size_t>(w_->feature_dim())),
+          feat_(static_cast<size_t>(w_->cfg.window + ds4::max_rollback) + 1, F_) {}
+    bool wants_hc_state() const override { return false; }
+    std::span<const int> feature_layers() const override { return w_->cfg.target_layers; }
+
+    void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
+                 std::span<const float> features) override {
+        (void)held, (void)hc;
+        const int64_t n = static_cast<int64_t>(features.size() / F_);
+        for (int64_t i = std::max<int64_t>(0, n - static_cast<int64_t>(feat_.slots())); i < n; ++i)
+            feat_.put(p0 + i, &features[static_cast<size_t>(i) * F_]);
+    }
+    // The ring is indexed by position: rows of positions < n stay current (window + max_rollback + 1
+    // slots outlast a rollback), later ones are overwritten when evaluated again.
+    void truncate(int64_t) override {}
+    void reset() override { feat_.clear(); }
+
+    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) override {
+        const int64_t S = static_cast<int64_t>(held.size());
+        if (max <= 0) return {};
+        // The context: the longest run of observed positions ending at S - 1, at most `window`.
+        int64_t c0 = S;
+        while (c0 > 0 && S - c0 < w_->cfg.window && feat_.get(c0 - 1)) --c0;
+        std::vector<float> ctx;
+        ctx.reserve(static_cast<size_t>(S - c0) * F_);
+        for (int64_t q = c0; q < S; ++q) ctx.insert(ctx.end(), feat_.get(q), feat_.get(q) + F_);
+        const ds4::dspark_block b = ds4::dspark_draft(m_, *w_, qat_, exec_, ctx, c0, pending);
+        std::vector<int32_t> d = b.draft_tokens;
+        if (static_cast<int64_t>(d.size()) > max) d.resize(static_cast<size_t>(max));
+        return d;
+    }
+
+  private:
+    const ds4::model &m_;
+    std::shared_ptr<const ds4::dspark_weights> w_;
+    ds4::qat_mode qat_;
+    ds4::exec_options exec_;
+    size_t F_;
+    position_ring feat_;  // capture-layer features of the newest positions
+};
+
+}  // namespace
+
+std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::shared_ptr<const ds4::mtp_weights> w,
+                                              ds4::qat_mode qat, kv_precision kv, const ds4::exec_options &exec) {
+    if (!w) throw error("ds4 drafter: no MTP weights");
+    return std::make_unique<mtp_drafter>(target, std::move(w), qat, kv, exec);
+}
+
+std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,
+                                                 ds4::qat_mode qat, const ds4::exec_options &exec) {
+    if (!w) throw error("ds4 drafter: no DSpark weights");
+    return std::make_unique<dspark_drafter>(target, std::move(w), qat, exec);
+}
+
+}  // namespace fathom

@@ -1,0 +1,56 @@
+// A DS4 session's own drafter for speculative decoding (engine_options::ds4_draft): the model's MTP head
+// or a DSpark drafter, fed from the target's steps. Owned by one session on one CPU device; every call
+// runs under the engine's forward mutex (the drafters' products use the engine's thread pool).
+//
+// The session reports every forward (observe: the rows it appended, with their final HC states or
+// capture-layer features), every rollback (truncate) and every reset; draft() then proposes up to `max`
+// tokens to follow the pending token. Drafts are greedy (argmax), so the speculation loop's acceptance
+// rule (every position sampled from the target's own logits, drafts kept while they match) keeps
+// plain decoding's output distribution, and its exact tokens under batch-invariant numerics.
+//
+//   MTP    The head (deepseek4_mtp.h) keeps its own window-only KV history, one row per target position
+//          i made from (target HC state at i, token i+1). observe() runs the rows whose next token is
+//          known; draft() runs row n-1 with the pending token, then chains the head on its own output
+//          state and drafted token, and rolls its KV back to the n true rows.
+//   DSpark One draft block (deepseek4_dspark.h) from the pending token over the capture-layer features
+//          of the last `window` positions, kept in a position-indexed ring.
+// After a state load (the prompt cache) neither has the history of the loaded positions: the MTP head
+// restarts its rows there and DSpark drafts from the features it has; drafts are guesses either way
+// and only the acceptance rate suffers.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "models/deepseek4.h"
+#include "models/deepseek4_dspark.h"
+#include "models/deepseek4_mtp.h"
+
+namespace fathom {
+
+class ds4_drafter {
+  public:
+    virtual ~ds4_drafter() = default;
+    // What the target's step must capture for this drafter (ds4::step_extras).
+    virtual bool wants_hc_state() const = 0;
+    virtual std::span<const int> feature_layers() const = 0;
+    // The session now holds `held`; its last forward appended rows at positions [p0, p0 + n) with final
+    // HC states hc [n, n_hc * D] (empty unless wants_hc_state) and features [n, F] (empty unless
+    // feature_layers is not).
+    virtual void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
+                         std::span<const float> features) = 0;
+    // The session dropped its positions >= n (n >= 0).
+    virtual void truncate(int64_t n) = 0;
+    virtual void reset() = 0;
+    // The session holds `held` (its last forward observed) and `pending` comes next: up to `max` tokens
+    // to follow it.
+    virtual std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) = 0;
+};
+
+std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::shared_ptr<const ds4::mtp_weights> w,
+                                              ds4::qat_mode qat, kv_precision kv, const ds4::exec_options &exec);
+std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,
+                                                 ds4::qat_mode qat, const ds4::exec_options &exec);
+
+}  // namespace fathom
