@@ -615,6 +615,14 @@ void scheduler::sample_and_emit(slot &s) {
 bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r) {
     try {
         const sampling_params &p = s.j->req_.sampling;
+        const size_t n_prompt = s.j->req_.prompt.size();
+        if (history.size() >= n_prompt) {
+            if (const int32_t f = s.j->req_.thinking.forced(history.subspan(n_prompt)); f >= 0) {
+                r = sample_result{};
+                r.token = f;
+                return true;
+            }
+        }
         if (!row.empty()) {
             r.token = greedy_token(p, s.j->req_.want_logprobs, row);
             if (r.token < 0) r = s.smp->sample(row, history);

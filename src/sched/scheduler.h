@@ -70,6 +70,8 @@ struct request {
     int32_t max_tokens = 256;           // > 0; generation also ends when the context is full
     std::vector<std::string> stop;      // stop strings (excluded from the output)
     bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
+    think_control thinking;             // tokens emitted instead of sampled (thinking open / budget close);
+                                        // a forced token reports logprob 0 and no alternatives
 };
 
 struct token_info {
