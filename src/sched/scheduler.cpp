@@ -105,6 +105,14 @@ static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int
     return i;
 }
 
+// Prompt tokens slot session `s` keeps when synced to `prompt`: the common prefix, or, for a session
+// that cannot drop positions (DS4's append-only state: rolls_back() false), only what it holds whole;
+// any other divergence resets it (ds4_session.cpp), so it reuses nothing and a disk entry can do better.
+static size_t reusable_prefix(const session &s, const std::vector<int32_t> &prompt) {
+    const size_t l = common_prefix(s.tokens(), prompt);
+    return s.rolls_back() || l == s.tokens().size() ? l : 0;
+}
+
 scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), opts_(opts) {
     if (opts_.n_slots < 1) throw error("scheduler: --parallel must be >= 1 (got " + std::to_string(opts_.n_slots) + ")");
     if (opts_.max_queue < 0) throw error("scheduler: queue size must be >= 0");
@@ -266,7 +274,7 @@ void scheduler::admit_locked() {
         for (auto &s : slots_) {
             if (s->j) continue;
             const size_t held = s->sess->tokens().size();
-            const size_t l = common_prefix(s->sess->tokens(), j->req_.prompt);
+            const size_t l = reusable_prefix(*s->sess, j->req_.prompt);
             if (l > 0 && 2 * l >= held && l > best_lcp) {
                 best = s.get();
                 best_lcp = l;
@@ -282,7 +290,7 @@ void scheduler::admit_locked() {
             best_lcp = 0;
         } else if (!best) {
             best = lru;
-            best_lcp = common_prefix(best->sess->tokens(), j->req_.prompt);
+            best_lcp = reusable_prefix(*best->sess, j->req_.prompt);
         }
         const int64_t need = kv_need_tokens(j->req_);
         if (!kv_make_room_locked(*best, int64_t(best_lcp), need)) {
