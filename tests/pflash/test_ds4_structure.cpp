@@ -1,12 +1,16 @@
 // PFlash structure rules on DeepSeek V4 prompts rendered by the DS4 encoder (src/chat/ds4_chat.h):
 // turn markers forced, the system prompt and the last user turn (a tool result counts as one, as in
 // DS4's format) kept verbatim, DSML call blocks and tool results atomic. Expected byte ranges are
-// found in the rendered text by hand-typed markers.
+// found in the rendered text by hand-typed markers. End to end: ds4-tiny as the target (its
+// byte-level vocabulary spells every DS4 marker in several tokens) and SmolLM2-135M as the drafter.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+
 #include "chat/ds4_chat.h"
+#include "fathom/engine.h"
 #include "fathom/pflash.h"
 #include "pflash/select.h"
 #include "pflash/structure.h"
@@ -129,6 +133,76 @@ TEST(pflash_ds4, dsml_blocks_and_tool_results) {
     EXPECT_TRUE(std::any_of(s.kept.begin(), s.kept.end(), [&](const byte_span &k) { return k.begin <= b && e <= k.end; }));
     for (const byte_span &k : s.kept)  // no kept span cuts the block
         EXPECT_TRUE(k.end <= b || k.begin >= e || (k.begin <= b && e <= k.end)) << k.begin << ".." << k.end;
+}
+
+namespace {
+
+// An agent conversation of ~4 KB: tools, filler turns, a DSML call with its result, a last question.
+std::string agent_prompt() {
+    const std::string filler = "The harbor lights flickered over the quiet water while farmers carried apples to market. ";
+    ojson m = ojson::array();
+    m.push_back({{"role", "system"}, {"content", "You are a terse travel assistant."}});
+    for (int t = 0; t < 4; ++t) {
+        std::string u = "Note " + std::to_string(t) + ": ";
+        for (int k = 0; k < 6; ++k) u += filler;
+        m.push_back({{"role", "user"}, {"content", u}});
+        m.push_back({{"role", "assistant"}, {"content", "Noted " + std::to_string(t) + "."}});
+    }
+    m.push_back({{"role", "user"}, {"content", "Weather in Paris?"}});
+    m.push_back({{"role", "assistant"}, {"content", ""}, {"tool_calls", ojson::parse(R"([{"id":"call_1","type":"function",
+        "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}])")}});
+    m.push_back({{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "Sunny, 20C, light wind from the west."}});
+    m.push_back({{"role", "user"}, {"content", "And what should I wear there tomorrow?"}});
+    ds4chat::render_options o;
+    return ds4chat::render_prompt(m, ojson::parse(k_tools), o);
+}
+
+size_t count(const std::string &s, std::string_view what) {
+    size_t n = 0;
+    for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+    return n;
+}
+
+}  // namespace
+
+TEST(pflash_ds4, compress_ds4_tiny_target_with_dense_drafter) {
+    const std::string target_path = FATHOM_SHARED_DIR "/golden/ds4-tiny/ds4-tiny-a.gguf";
+    const std::string drafter_path = FATHOM_SOURCE_DIR "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (!std::filesystem::exists(target_path) || !std::filesystem::exists(drafter_path)) GTEST_SKIP() << "models missing";
+    engine_options eo;
+    eo.model_path = target_path;
+    eo.n_threads = 2;
+    eo.n_ctx = 8192;
+    auto target = engine::load(eo);
+    const std::string text = agent_prompt();
+    const std::vector<int32_t> prompt = target->tokenize(text, true, false);
+    options o;
+    o.drafter_path = drafter_path;
+    o.n_threads = 2;
+    o.chunk_tokens = 16;
+    o.keep_ratio = 0.2;
+    auto c = compressor::create(o);
+    const result r = c->compress(*target, prompt);
+    EXPECT_LT(r.n_effective, r.n_original * 6 / 10);
+    const std::string kept = target->detokenize(r.tokens);
+    // The system prompt (tools included) and the last user turn verbatim, with the generation prompt.
+    // The tool result and the question after it share that turn (DS4 rule 6).
+    const size_t sys_end = text.find(USR);
+    EXPECT_EQ(kept.rfind(text.substr(0, sys_end), 0), 0u);
+    const std::string result_text = "<tool_result>Sunny, 20C, light wind from the west.</tool_result>";
+    const std::string last = USR + result_text + "\n\nAnd what should I wear there tomorrow?" AST "<think>";
+    ASSERT_GT(kept.size(), last.size());
+    EXPECT_EQ(kept.substr(kept.size() - last.size()), last);
+    // Every role marker kept; DSML blocks and tool results whole or not at all.
+    for (std::string_view mk : {std::string_view(USR), std::string_view(AST), std::string_view(EOS)})
+        EXPECT_EQ(count(kept, mk), count(text, mk)) << mk;
+    const std::string block_open = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">";
+    const std::string block =
+        block_open + "\n<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+                     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+    EXPECT_EQ(count(kept, block_open), count(kept, block));
+    EXPECT_EQ(count(kept, "<tool_result>"), count(kept, result_text));
+    EXPECT_EQ(count(kept, "<tool_result>"), count(kept, "</tool_result>"));
 }
 
 }  // namespace fathom::pflash
