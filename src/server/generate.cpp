@@ -48,11 +48,15 @@ chat_thinking thinking_mode(const server_context &ctx, const gen_request &r) {
 // which every later turn's prompt starts with, although that turn renders this one as
 // "<｜Assistant｜></think>answer" (its reasoning dropped). So the state the scheduler saves for the
 // prompt (the disk prompt cache keeps DS4 prompts alone) stays a prefix of the next turn's prompt.
+// Only a "<think>" of the generation prompt counts (the part the rendering without it lacks), not
+// one the messages hold.
 void build_chat_prompt(server_context &ctx, prepared &p, bool count_only) {
     const chat_thinking mode = thinking_mode(ctx, p.r);
     std::string text = ctx.eng.apply_chat_template(p.r.messages, true, mode);
+    const std::string base = ctx.eng.apply_chat_template(p.r.messages, false, mode);
+    const size_t gen = static_cast<size_t>(std::mismatch(base.begin(), base.end(), text.begin(), text.end()).second - text.begin());
     const size_t open = text.rfind(chat::k_think_open), close = text.rfind(chat::k_think_close);
-    p.in_reasoning = open != std::string::npos && (close == std::string::npos || close < open);
+    p.in_reasoning = open != std::string::npos && open >= gen && (close == std::string::npos || close < open);
     p.reasoning = p.in_reasoning || mode == chat_thinking::on || mode == chat_thinking::max;
     if (p.in_reasoning && !count_only && all_space(std::string_view(text).substr(open + chat::k_think_open.size()))) {
         p.think.open = ctx.eng.tokenize(std::string_view(text).substr(open), false, true);

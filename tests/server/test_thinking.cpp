@@ -237,6 +237,14 @@ TEST(ThinkingHttp, OpenAIReasoningContent) {
     EXPECT_EQ(r["choices"][0]["message"]["content"], "C");
 }
 
+// A "<think>" the messages hold (not the generation prompt's) opens nothing: no split.
+TEST(ThinkingHttp, ThinkMarkerInMessagesIsText) {
+    thinking_server s;
+    const json r = s.ok("/v1/chat/completions", chat_req("<think>abc", json::object()));
+    EXPECT_FALSE(r["choices"][0]["message"].contains("reasoning_content"));
+    EXPECT_EQ(r["choices"][0]["message"]["content"], "<think>abc");
+}
+
 // Stream: role chunk, reasoning_content deltas, content deltas, finish chunk, [DONE].
 TEST(ThinkingHttp, OpenAIStream) {
     thinking_server s;
