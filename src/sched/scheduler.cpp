@@ -105,12 +105,15 @@ static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int
     return i;
 }
 
-// Prompt tokens slot session `s` keeps when synced to `prompt`: the common prefix, or, for a session
-// that cannot drop positions (DS4's append-only state: rolls_back() false), only what it holds whole;
-// any other divergence resets it (ds4_session.cpp), so it reuses nothing and a disk entry can do better.
+// Prompt tokens slot session `s` keeps when synced to `prompt`: the common prefix when it holds
+// nothing beyond it or can drop what it holds beyond it (rolls_back(), at most rollback_limit()
+// positions: DS4 on the CPU drops 16, dense sessions any number). A deeper divergence resets a DS4
+// state (ds4_session.cpp): it reuses nothing, and a disk entry of the prompt's prefix can do better.
 static size_t reusable_prefix(const session &s, const std::vector<int32_t> &prompt) {
-    const size_t l = common_prefix(s.tokens(), prompt);
-    return s.rolls_back() || l == s.tokens().size() ? l : 0;
+    const size_t held = s.tokens().size(), l = common_prefix(s.tokens(), prompt);
+    if (l == held || (s.rolls_back() && static_cast<uint64_t>(held - l) <= static_cast<uint64_t>(s.rollback_limit())))
+        return l;
+    return 0;
 }
 
 scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), opts_(opts) {

@@ -15,8 +15,9 @@
 // longest token prefix with its prompt (session::sync then reuses that prefix) provided that
 // prefix is at least half of what the slot holds; otherwise the least recently used idle slot, so
 // a short accidental match does not evict another conversation's cache. A session that cannot drop
-// positions (rolls_back() false: DS4) reuses a prefix only when it holds nothing beyond it, so for
-// it a partial match counts as none (a disk entry of the prompt's prefix can then be loaded instead). When the queue is
+// what it holds beyond the common prefix (DS4: more than rollback_limit() positions, or any on CUDA)
+// reuses nothing there, so such a match counts as none (a disk entry of the prompt's prefix can then be
+// loaded instead). When the queue is
 // full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
 // frees its slot.
 // KV memory: a pool of kv_blocks blocks of kv_block_tokens positions. For the dense engine on the

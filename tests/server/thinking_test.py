@@ -222,7 +222,7 @@ class Thinking(unittest.TestCase):
         r2 = oai().chat.completions.create(model="m", messages=turn2, temperature=0, max_tokens=8, extra_body=th)
         # Turn 1's prompt ends at "<｜Assistant｜>" ("<think>" is generated), a prefix of turn 2's prompt:
         # its saved state is loaded from the disk cache and only the rest is evaluated (the slot's held
-        # state, which has turn 1's reasoning, cannot be cut back: the scheduler counts it as no reuse).
+        # state, which has turn 1's reasoning, cannot be cut back that far: the scheduler counts it as no reuse).
         self.assertEqual(metric("fathom_prompt_cache_disk_hits_total") - hits, 1)
         self.assertEqual(r2.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens)
         self.assertEqual(metric("fathom_prompt_tokens_evaluated_total") - evaluated,
