@@ -127,6 +127,15 @@ struct chat_message {
     std::string content;
 };
 
+// Thinking mode asked of a chat rendering (apply_chat_template; docs/server.md "Thinking").
+//   template_default — what the model's format does by itself (DS4's built-in format: non-thinking;
+//                      a Jinja template: its own default, no variable set);
+//   off / on         — DS4: the official encoder's "chat" / "thinking" mode; a Jinja template gets
+//                      enable_thinking (and thinking) = false / true, which templates that support
+//                      thinking read (Qwen3 and kin) and others ignore;
+//   max              — on, plus DS4's Think-Max paragraph (reasoning_effort "max"); Jinja: as on.
+enum class chat_thinking { template_default, off, on, max };
+
 class session;
 
 // A session's state as a byte stream (session::save_state / load_state; the on-disk prompt cache,
@@ -178,9 +187,11 @@ public:
     virtual bool is_end_of_generation(int32_t token) const = 0;
     virtual int32_t bos_token() const = 0;  // -1 if none
 
-    // Render messages with the model's chat template.
-    virtual std::string apply_chat_template(const std::vector<chat_message> &messages,
-                                            bool add_generation_prompt) const = 0;
+    // Render messages with the model's chat template, in the given thinking mode. With thinking the
+    // generation prompt of DS4 ends with "<think>"; earlier assistant turns render without reasoning
+    // (chat_message carries none), as DS4's format and the thinking templates require.
+    virtual std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_generation_prompt,
+                                            chat_thinking thinking = chat_thinking::template_default) const = 0;
 
     virtual std::unique_ptr<session> new_session() = 0;
 

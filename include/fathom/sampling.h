@@ -47,6 +47,24 @@ struct logits_top {
     int64_t n_vocab = 0;
 };
 
+// Thinking control of one generation (the server's reasoning mode; docs/server.md "Thinking"): tokens
+// the generator must emit instead of sampling. forced(generated) is a pure function of the tokens
+// generated so far, so a speculative verification that samples each draft position in turn gets the
+// same answer as plain decoding.
+//   open   — emitted as the first generated tokens (e.g. DS4's "<think>": the prompt then ends at
+//            "<｜Assistant｜>", a prefix of every later turn's prompt; docs/ds4-chat-format.md).
+//   close  — the end-of-thinking sequence ("</think>" tokenized).
+//   budget — thinking tokens allowed after `open` (-1: unlimited). When that many were generated and
+//            `close` has not appeared, the generator emits `close` (continuing a partial match of its
+//            first tokens at the end of the thinking) and sampling resumes for the answer.
+struct think_control {
+    std::vector<int32_t> open;
+    std::vector<int32_t> close;
+    int32_t budget = -1;
+    // The token that must come next, or -1 (sample).
+    int32_t forced(std::span<const int32_t> generated) const;
+};
+
 class sampler {
 public:
     explicit sampler(const sampling_params &p);

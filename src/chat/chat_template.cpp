@@ -43,6 +43,13 @@ std::string chat_template::render(const chat_template_inputs &in) const {
     return jinja::jinja_render(*ast_, vars, opt);
 }
 
+void set_thinking_vars(chat_template_inputs &in, chat_thinking t) {
+    if (t == chat_thinking::template_default) return;
+    const bool on = t != chat_thinking::off;
+    in.extra["enable_thinking"] = on;
+    in.extra["thinking"] = on;
+}
+
 std::string chat_template_render(const std::string &source, const chat_template_inputs &in) {
     return chat_template(source).render(in);
 }

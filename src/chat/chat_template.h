@@ -23,6 +23,7 @@
 
 #include "chat/jinja_value.h"  // jinja::template_exception
 #include "core/error.h"
+#include "fathom/engine.h"  // chat_thinking
 
 namespace fathom {
 
@@ -60,6 +61,11 @@ private:
     std::string source_;
     std::unique_ptr<jinja::template_ast> ast_;
 };
+
+// The engine's thinking mode as template variables: off/on/max set enable_thinking (Qwen3 and the
+// HF convention) and thinking (DeepSeek V3.1's templates) to false/true in in.extra;
+// template_default sets nothing.
+void set_thinking_vars(chat_template_inputs &in, chat_thinking t);
 
 // One-shot convenience: parse + render.
 std::string chat_template_render(const std::string &source, const chat_template_inputs &in);

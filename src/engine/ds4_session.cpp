@@ -239,17 +239,19 @@ std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int o
 }
 #endif
 
-// DeepSeek V4 chat format (src/chat/ds4_chat.h, the official encoder) in chat mode ("</think>"
-// after the Assistant marker), used when the file carries no tokenizer.chat_template. The encoder
-// always ends a conversation whose last turn is the user's with the generation prefix; the engine
-// contract makes that depend on add_gen.
-std::string render_deepseek(const std::vector<chat_message> &msgs, bool add_gen) {
+// DeepSeek V4 chat format (src/chat/ds4_chat.h, the official encoder), used when the file carries
+// no tokenizer.chat_template: chat mode ("</think>" after the Assistant marker) unless thinking is
+// on or max (thinking mode: "<think>" after the last Assistant marker, earlier turns' reasoning
+// dropped; max adds the Think-Max paragraph). The encoder always ends a conversation whose last
+// turn is the user's with the generation prefix; the engine contract makes that depend on add_gen.
+std::string render_deepseek(const std::vector<chat_message> &msgs, bool add_gen, chat_thinking thinking) {
     nlohmann::ordered_json j = nlohmann::ordered_json::array();
     for (const auto &m : msgs) j.push_back({{"role", m.role}, {"content", m.content}});
     ds4chat::render_options o;
-    o.thinking = false;
+    o.thinking = thinking == chat_thinking::on || thinking == chat_thinking::max;
+    o.think_max = thinking == chat_thinking::max;
     std::string s = ds4chat::render_prompt(j, nlohmann::ordered_json(), o);
-    const std::string gp = ds4chat::generation_prefix(false);
+    const std::string gp = ds4chat::generation_prefix(o.thinking);
     const bool has = s.size() >= gp.size() && s.compare(s.size() - gp.size(), gp.size(), gp) == 0;
     if (!add_gen && has) s.resize(s.size() - gp.size());
     if (add_gen && !has) s += gp;
@@ -395,11 +397,13 @@ class ds4_engine final : public engine {
     bool is_end_of_generation(int32_t token) const override { return tok_ && tok_->is_eog(token); }
     int32_t bos_token() const override { return tok_ ? tok_->bos() : -1; }
 
-    std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen) const override {
-        if (!template_) return render_deepseek(messages, add_gen);
+    std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen,
+                                    chat_thinking thinking = chat_thinking::template_default) const override {
+        if (!template_) return render_deepseek(messages, add_gen, thinking);
         chat_template_inputs in;
         for (const auto &m : messages) in.messages.push_back({{"role", m.role}, {"content", m.content}});
         in.add_generation_prompt = add_gen;
+        set_thinking_vars(in, thinking);
         if (tok_ && tok_->bos() != token_null) in.bos_token = tok_->token_to_piece(tok_->bos());
         if (tok_ && tok_->eos() != token_null) in.eos_token = tok_->token_to_piece(tok_->eos());
         return template_->render(in);

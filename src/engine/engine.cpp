@@ -260,11 +260,13 @@ public:
     bool is_end_of_generation(int32_t token) const override { return tok_->is_eog(token); }
     int32_t bos_token() const override { return tok_->bos(); }
 
-    std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen) const override {
+    std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen,
+                                    chat_thinking thinking = chat_thinking::template_default) const override {
         if (!template_) return render_builtin_template(info_.arch, messages, add_gen);
         chat_template_inputs in;
         for (const auto &m : messages) in.messages.push_back({{"role", m.role}, {"content", m.content}});
         in.add_generation_prompt = add_gen;
+        set_thinking_vars(in, thinking);
         if (tok_->bos() != token_null) in.bos_token = tok_->token_to_piece(tok_->bos());
         if (tok_->eos() != token_null) in.eos_token = tok_->token_to_piece(tok_->eos());
         return template_->render(in);

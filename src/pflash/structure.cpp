@@ -2,6 +2,7 @@
 #include "pflash/structure.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace fathom::pflash {
 
@@ -19,11 +20,28 @@ constexpr chat_format k_formats[] = {
     {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"},
 };
 
-// Tool-call style blocks: never cut inside.
+// Tool-call style blocks: never cut inside. DS4: DSML call blocks (canonical and the ASCII-bar
+// spelling a replayed generation may hold) and tool results.
 constexpr std::pair<std::string_view, std::string_view> k_blocks[] = {
-    {"<tool_call>", "</tool_call>"},         {"<tool_response>", "</tool_response>"},
-    {"<function_call>", "</function_call>"}, {"<function_calls>", "</function_calls>"},
-    {"<tools>", "</tools>"},                 {"```json", "```"},
+    {"<tool_call>", "</tool_call>"},
+    {"<tool_response>", "</tool_response>"},
+    {"<function_call>", "</function_call>"},
+    {"<function_calls>", "</function_calls>"},
+    {"<tools>", "</tools>"},
+    {"```json", "```"},
+    {"<\xEF\xBD\x9C" "DSML\xEF\xBD\x9C" "tool_calls>", "</\xEF\xBD\x9C" "DSML\xEF\xBD\x9C" "tool_calls>"},
+    {"<|DSML|tool_calls>", "</|DSML|tool_calls>"},
+    {"<tool_result>", "</tool_result>"},
+};
+
+// DeepSeek V4 (docs/ds4-chat-format.md): BOS, the system text (no marker), then "<｜User｜>" turns
+// and "<｜Assistant｜>" turns ("<think>"/"</think>" right after the marker, EOS at the end).
+constexpr std::string_view k_ds4_bos = "<\xEF\xBD\x9C" "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+constexpr std::string_view k_ds4_eos = "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+constexpr std::pair<std::string_view, std::string_view> k_ds4_markers[] = {
+    {"<\xEF\xBD\x9C" "User\xEF\xBD\x9C>", "user"},
+    {"<\xEF\xBD\x9C" "Assistant\xEF\xBD\x9C>", "assistant"},
+    {"<\xEF\xBD\x9C" "latest_reminder\xEF\xBD\x9C>", "latest_reminder"},
 };
 
 constexpr uint64_t k_max_role_bytes = 64;
@@ -55,6 +73,47 @@ void find_turns(std::string_view text, const chat_format &f, std::vector<chat_tu
             if (f_end < text.size() && text[f_end] == '\n') ++f_end;
             t.footer = {c_end, f_end};
         }
+        t.content = {h_end, c_end};
+        turns.push_back(std::move(t));
+    }
+}
+
+// DS4 turns: a "system" turn for the text before the first marker (header = BOS when present),
+// then one turn per marker; an assistant turn's header takes the "<think>" / "</think>" after the
+// marker, its footer the EOS; a turn without EOS runs to the next marker (the generation prompt:
+// to the end).
+void find_ds4_turns(std::string_view text, std::vector<chat_turn> &turns) {
+    std::vector<std::pair<size_t, size_t>> at;  // (position, index in k_ds4_markers)
+    for (size_t k = 0; k < std::size(k_ds4_markers); ++k)
+        for (size_t b = text.find(k_ds4_markers[k].first); b != std::string_view::npos;
+             b = text.find(k_ds4_markers[k].first, b + 1))
+            at.emplace_back(b, k);
+    if (at.empty()) return;
+    std::sort(at.begin(), at.end());
+    const uint64_t h0 = text.substr(0, k_ds4_bos.size()) == k_ds4_bos ? k_ds4_bos.size() : 0;
+    if (h0 > 0 || at[0].first > 0)
+        turns.push_back({"system", {0, h0}, {h0, at[0].first}, {at[0].first, at[0].first}});
+    for (size_t i = 0; i < at.size(); ++i) {
+        const auto &[b, k] = at[i];
+        const uint64_t next = i + 1 < at.size() ? at[i + 1].first : text.size();
+        chat_turn t;
+        t.role = std::string(k_ds4_markers[k].second);
+        uint64_t h_end = b + k_ds4_markers[k].first.size();
+        uint64_t c_end = next;
+        t.footer = {next, next};
+        if (t.role == "assistant") {
+            for (std::string_view th : {std::string_view("<think>"), std::string_view("</think>")})
+                if (text.substr(h_end, th.size()) == th) {
+                    h_end += th.size();
+                    break;
+                }
+            const size_t e = text.substr(0, next).find(k_ds4_eos, h_end);
+            if (e != std::string_view::npos) {
+                c_end = e;
+                t.footer = {e, e + k_ds4_eos.size()};
+            }
+        }
+        t.header = {b, h_end};
         t.content = {h_end, c_end};
         turns.push_back(std::move(t));
     }
@@ -95,6 +154,7 @@ uint64_t json_block_end(std::string_view text, uint64_t b, uint64_t max_bytes) {
 prompt_structure find_structure(std::string_view text, bool verbatim_system, bool verbatim_last_user) {
     prompt_structure s;
     for (const chat_format &f : k_formats) find_turns(text, f, s.turns);
+    find_ds4_turns(text, s.turns);
     std::sort(s.turns.begin(), s.turns.end(),
               [](const chat_turn &a, const chat_turn &b) { return a.header.begin < b.header.begin; });
 

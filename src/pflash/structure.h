@@ -4,7 +4,11 @@
 //   atomic  — kept whole or dropped whole, never cut: tool-call blocks (<tool_call>..</tool_call> and
 //             kin, ```json fences) and JSON objects/arrays that open a line and balance.
 // Recognised chat formats: ChatML (<|im_start|>role\n .. <|im_end|>), Gemma (<start_of_turn>role\n ..
-// <end_of_turn>) and Llama 3 (<|start_header_id|>role<|end_header_id|> .. <|eot_id|>).
+// <end_of_turn>), Llama 3 (<|start_header_id|>role<|end_header_id|> .. <|eot_id|>) and DeepSeek V4
+// (BOS + system text, <｜User｜> .., <｜Assistant｜>[<think>|</think>] .. <｜end▁of▁sentence｜>,
+// <｜latest_reminder｜> ..; a user turn holding only tool results is the last user turn when it comes
+// last, as in DS4's own format). DS4 atomic blocks: <｜DSML｜tool_calls> .. </｜DSML｜tool_calls> and
+// <tool_result> .. </tool_result>.
 #pragma once
 #include <string>
 #include <string_view>

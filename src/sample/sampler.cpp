@@ -439,4 +439,17 @@ sample_result sampler::sample(std::span<const float> logits, std::span<const int
     return out;
 }
 
+int32_t think_control::forced(std::span<const int32_t> generated) const {
+    if (generated.size() < open.size()) return open[generated.size()];
+    if (budget < 0 || close.empty()) return -1;
+    const std::span<const int32_t> thought = generated.subspan(open.size());
+    if (std::search(thought.begin(), thought.end(), close.begin(), close.end()) != thought.end()) return -1;  // closed
+    if (thought.size() < static_cast<size_t>(budget)) return -1;
+    // Budget spent: the next token of `close`, after the longest partial match at the end of the thinking.
+    for (size_t k = std::min(thought.size(), close.size() - 1); k > 0; --k)
+        if (std::equal(close.begin(), close.begin() + static_cast<std::ptrdiff_t>(k), thought.end() - static_cast<std::ptrdiff_t>(k)))
+            return close[k];
+    return close[0];
+}
+
 }  // namespace fathom

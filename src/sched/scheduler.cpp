@@ -105,6 +105,17 @@ static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int
     return i;
 }
 
+// Prompt tokens slot session `s` keeps when synced to `prompt`: the common prefix when it holds
+// nothing beyond it or can drop what it holds beyond it (rolls_back(), at most rollback_limit()
+// positions: DS4 on the CPU drops 16, dense sessions any number). A deeper divergence resets a DS4
+// state (ds4_session.cpp): it reuses nothing, and a disk entry of the prompt's prefix can do better.
+static size_t reusable_prefix(const session &s, const std::vector<int32_t> &prompt) {
+    const size_t held = s.tokens().size(), l = common_prefix(s.tokens(), prompt);
+    if (l == held || (s.rolls_back() && static_cast<uint64_t>(held - l) <= static_cast<uint64_t>(s.rollback_limit())))
+        return l;
+    return 0;
+}
+
 scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), opts_(opts) {
     if (opts_.n_slots < 1) throw error("scheduler: --parallel must be >= 1 (got " + std::to_string(opts_.n_slots) + ")");
     if (opts_.max_queue < 0) throw error("scheduler: queue size must be >= 0");
@@ -266,7 +277,7 @@ void scheduler::admit_locked() {
         for (auto &s : slots_) {
             if (s->j) continue;
             const size_t held = s->sess->tokens().size();
-            const size_t l = common_prefix(s->sess->tokens(), j->req_.prompt);
+            const size_t l = reusable_prefix(*s->sess, j->req_.prompt);
             if (l > 0 && 2 * l >= held && l > best_lcp) {
                 best = s.get();
                 best_lcp = l;
@@ -282,7 +293,7 @@ void scheduler::admit_locked() {
             best_lcp = 0;
         } else if (!best) {
             best = lru;
-            best_lcp = common_prefix(best->sess->tokens(), j->req_.prompt);
+            best_lcp = reusable_prefix(*best->sess, j->req_.prompt);
         }
         const int64_t need = kv_need_tokens(j->req_);
         if (!kv_make_room_locked(*best, int64_t(best_lcp), need)) {
@@ -615,6 +626,14 @@ void scheduler::sample_and_emit(slot &s) {
 bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r) {
     try {
         const sampling_params &p = s.j->req_.sampling;
+        const size_t n_prompt = s.j->req_.prompt.size();
+        if (history.size() >= n_prompt) {
+            if (const int32_t f = s.j->req_.thinking.forced(history.subspan(n_prompt)); f >= 0) {
+                r = sample_result{};
+                r.token = f;
+                return true;
+            }
+        }
         if (!row.empty()) {
             r.token = greedy_token(p, s.j->req_.want_logprobs, row);
             if (r.token < 0) r = s.smp->sample(row, history);

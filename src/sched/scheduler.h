@@ -14,7 +14,10 @@
 // Admission: FIFO from a bounded queue; a request takes the idle slot whose session shares the
 // longest token prefix with its prompt (session::sync then reuses that prefix) provided that
 // prefix is at least half of what the slot holds; otherwise the least recently used idle slot, so
-// a short accidental match does not evict another conversation's cache. When the queue is
+// a short accidental match does not evict another conversation's cache. A session that cannot drop
+// what it holds beyond the common prefix (DS4: more than rollback_limit() positions, or any on CUDA)
+// reuses nothing there, so such a match counts as none (a disk entry of the prompt's prefix can then be
+// loaded instead). When the queue is
 // full, submit() throws queue_full. A cancelled request (client gone) stops at the next step and
 // frees its slot.
 // KV memory: a pool of kv_blocks blocks of kv_block_tokens positions. For the dense engine on the
@@ -70,6 +73,8 @@ struct request {
     int32_t max_tokens = 256;           // > 0; generation also ends when the context is full
     std::vector<std::string> stop;      // stop strings (excluded from the output)
     bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
+    think_control thinking;             // tokens emitted instead of sampled (thinking open / budget close);
+                                        // a forced token reports logprob 0 and no alternatives
 };
 
 struct token_info {

@@ -2,6 +2,7 @@
 // the JSON type and range and names the parameter in its error message.
 #include "server/api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -151,6 +152,47 @@ void finish_sampling(gen_request &r) {
     }
 }
 
+// OpenAI reasoning_effort (values as OpenAI documents them, plus DS4's "max"): "none" switches
+// thinking off; minimal..high switch it on; xhigh and max ask for DS4's Think-Max.
+void parse_reasoning_effort(const json &b, gen_request &r) {
+    std::string e;
+    if (!get_string(b, "reasoning_effort", e)) return;
+    if (e == "none") r.thinking = chat_thinking::off;
+    else if (e == "minimal" || e == "low" || e == "medium" || e == "high") r.thinking = chat_thinking::on;
+    else if (e == "xhigh" || e == "max") r.thinking = chat_thinking::max;
+    else
+        bad_request("'reasoning_effort' must be one of none, minimal, low, medium, high, xhigh, max (got \"" + e + "\")",
+                    "reasoning_effort");
+}
+
+// thinking: {"type": "enabled", "budget_tokens": N} | {"type": "disabled"} (Anthropic; DeepSeek's API
+// takes the same object on chat completions). budget_tokens is required when enabled in Anthropic's
+// API; here it is optional (absent: the server's --reasoning-budget) and must be >= 1.
+void parse_thinking(const json &b, gen_request &r) {
+    const json *t = field(b, "thinking");
+    if (!t) return;
+    if (r.thinking) bad_request("give either 'reasoning_effort' or 'thinking', not both", "thinking");
+    if (!t->is_object()) bad_request("'thinking' must be an object {\"type\": \"enabled\" | \"disabled\"}", "thinking");
+    std::string type;
+    if (!get_string(*t, "type", type)) bad_request("'thinking.type' is required", "thinking.type");
+    if (type == "disabled") {
+        r.thinking = chat_thinking::off;
+        return;
+    }
+    if (type != "enabled")
+        bad_request("'thinking.type' must be \"enabled\" or \"disabled\" (got \"" + type + "\")", "thinking.type");
+    r.thinking = chat_thinking::on;
+    if (const json *bt = field(*t, "budget_tokens")) {
+        if (!bt->is_number_integer())
+            bad_request("'thinking.budget_tokens' must be an integer", "thinking.budget_tokens");
+        const int64_t n = bt->is_number_unsigned() ? int64_t(std::min<uint64_t>(bt->get<uint64_t>(), INT64_MAX))
+                                                   : bt->get<int64_t>();
+        if (n <= 0)
+            bad_request("'thinking.budget_tokens' must be >= 1 (got " + bt->dump() + ")", "thinking.budget_tokens");
+        r.think_budget = n;
+    }
+}
+
 // OpenAI message content: a string, or an array of parts of which only "text" parts are accepted.
 std::string content_text(const json &c, const std::string &where) {
     if (c.is_null()) return {};
@@ -250,6 +292,8 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
             bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format");
     }
     parse_openai_tools(b, r);
+    parse_reasoning_effort(b, r);
+    parse_thinking(b, r);
     finish_sampling(r);
 
     const json *msgs = field(b, "messages");
@@ -422,6 +466,8 @@ void anthropic_message(const json &m, size_t k, const tool_format &fmt, std::map
         if (type == "text") {
             if (!blk.contains("text") || !blk["text"].is_string()) bad_request(where + ": text block needs 'text'", "messages");
             text += blk["text"].get<std::string>();
+        } else if ((type == "thinking" || type == "redacted_thinking") && role == "assistant") {
+            // an earlier turn's reasoning: dropped from the prompt (docs/server.md "Thinking")
         } else if (type == "tool_use" && role == "assistant") {
             if (!blk.contains("name") || !blk["name"].is_string()) bad_request(where + ": tool_use needs 'name'", "messages");
             tool_call tc;
@@ -468,6 +514,7 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
         get_bool(b, "stream", r.stream);
     }
     parse_anthropic_tools(b, r);
+    parse_thinking(b, r);
     finish_sampling(r);
     if (const json *s = field(b, "system")) r.messages.push_back({"system", anthropic_text(*s, "system")});
     const json *msgs = field(b, "messages");

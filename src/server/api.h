@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,6 +54,13 @@ struct gen_request {
     // PFlash overrides: prefill_compression (off|auto|always), prefill_keep_ratio ([0, 1]),
     // prefill_threshold (tokens); absent = the server's settings.
     compression_request compression;
+
+    // Thinking (docs/server.md "Thinking"): OpenAI reasoning_effort, Anthropic (and DeepSeek-style
+    // OpenAI) thinking {type, budget_tokens}. nullopt = absent (the server's --reasoning applies).
+    // think_budget: thinking tokens before the end-of-thinking marker is forced (-1 = none given;
+    // checked against the context when the prompt is built).
+    std::optional<chat_thinking> thinking;
+    int64_t think_budget = -1;
 
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;

@@ -2,9 +2,12 @@
 // /v1/chat/completions, /v1/completions and /v1/messages, streamed (SSE) or not. The stream
 // writers own each API's wire format; the driver owns hold-back of tool-call markup, logprobs
 // forwarding and cancellation when the client goes away.
+#include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <optional>
 
+#include "chat/reasoning.h"
 #include "server/server_impl.h"
 
 namespace fathom::server {
@@ -19,7 +22,63 @@ struct prepared {
     std::vector<int32_t> prompt;
     std::string model_id;  // the id reported back
     compression_outcome compression;  // PFlash: applied or not, original/effective prompt tokens
+    // Thinking (docs/server.md "Thinking"): reasoning = the output is split into reasoning and
+    // content; in_reasoning = the prompt ends inside an open thinking block; think = the tokens the
+    // scheduler forces (the opening marker moved out of the prompt, the budget's closing marker).
+    bool reasoning = false;
+    bool in_reasoning = false;
+    think_control think;
 };
+
+bool all_space(std::string_view s) {
+    return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; });
+}
+
+// The thinking mode of a request: its own, else the server's; DS4's Think-Max falls back to plain
+// thinking below the 384K context the model card asks for (as antirez/ds4 does).
+chat_thinking thinking_mode(const server_context &ctx, const gen_request &r) {
+    chat_thinking t = r.thinking ? *r.thinking : ctx.opts.reasoning;
+    if (t == chat_thinking::max && ctx.sch.n_ctx() < 384 * 1024) t = chat_thinking::on;
+    return t;
+}
+
+// Chat request -> prompt tokens, with the thinking set-up. A rendered prompt that ends with an open
+// "<think>" (DS4's thinking generation prefix "<｜Assistant｜><think>") is cut before it and the
+// marker becomes the first generated token (think.open): the prompt then ends at "<｜Assistant｜>",
+// which every later turn's prompt starts with, although that turn renders this one as
+// "<｜Assistant｜></think>answer" (its reasoning dropped). So the state the scheduler saves for the
+// prompt (the disk prompt cache keeps DS4 prompts alone) stays a prefix of the next turn's prompt.
+// Only a "<think>" of the generation prompt counts (the part the rendering without it lacks), not
+// one the messages hold.
+void build_chat_prompt(server_context &ctx, prepared &p, bool count_only) {
+    const chat_thinking mode = thinking_mode(ctx, p.r);
+    std::string text = ctx.eng.apply_chat_template(p.r.messages, true, mode);
+    const std::string base = ctx.eng.apply_chat_template(p.r.messages, false, mode);
+    const size_t gen = static_cast<size_t>(std::mismatch(base.begin(), base.end(), text.begin(), text.end()).second - text.begin());
+    const size_t open = text.rfind(chat::k_think_open), close = text.rfind(chat::k_think_close);
+    p.in_reasoning = open != std::string::npos && open >= gen && (close == std::string::npos || close < open);
+    p.reasoning = p.in_reasoning || mode == chat_thinking::on || mode == chat_thinking::max;
+    if (p.in_reasoning && !count_only && all_space(std::string_view(text).substr(open + chat::k_think_open.size()))) {
+        p.think.open = ctx.eng.tokenize(std::string_view(text).substr(open), false, true);
+        text.resize(open);
+        p.in_reasoning = false;  // the output opens the block itself (the forced marker)
+    }
+    p.prompt = ctx.eng.tokenize(text, true, true);
+    const int32_t bos = ctx.eng.bos_token();  // a template that writes BOS itself: keep one
+    if (bos >= 0 && p.prompt.size() >= 2 && p.prompt[0] == bos && p.prompt[1] == bos) p.prompt.erase(p.prompt.begin());
+    if (count_only) return;
+    const int64_t budget = p.r.think_budget > 0 ? p.r.think_budget : ctx.opts.reasoning_budget;
+    if (p.r.think_budget > ctx.sch.n_ctx())
+        bad_request("'thinking.budget_tokens' is " + std::to_string(p.r.think_budget) + " but the context is " +
+                        std::to_string(ctx.sch.n_ctx()) + " tokens",
+                    "thinking.budget_tokens");
+    // Enforced where the prompt opens the block (DS4; templates ending in "<think>"): a model that
+    // opens it itself (Qwen3) might not, and a forced "</think>" would then land in the answer.
+    if (p.reasoning && budget > 0 && (p.in_reasoning || !p.think.open.empty())) {
+        p.think.budget = int32_t(budget);
+        p.think.close = ctx.eng.tokenize(chat::k_think_close, false, true);
+    }
+}
 
 // Request body -> validated request and prompt tokens. Throws api_error.
 prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind, bool count_only) {
@@ -37,11 +96,7 @@ prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind
         if (kind == api_kind::openai_completion) {
             p.prompt = p.r.prompt_is_tokens ? p.r.prompt_tokens : ctx.eng.tokenize(p.r.prompt_text, true, true);
         } else {
-            const std::string text = ctx.eng.apply_chat_template(p.r.messages, true);
-            p.prompt = ctx.eng.tokenize(text, true, true);
-            const int32_t bos = ctx.eng.bos_token();  // a template that writes BOS itself: keep one
-            if (bos >= 0 && p.prompt.size() >= 2 && p.prompt[0] == bos && p.prompt[1] == bos)
-                p.prompt.erase(p.prompt.begin());
+            build_chat_prompt(ctx, p, count_only);
         }
     } catch (const error &e) {
         bad_request(std::string("cannot build the prompt: ") + e.what());
@@ -76,6 +131,7 @@ std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
     sr.max_tokens = p.r.max_tokens < 0 ? room : p.r.max_tokens;
     sr.stop = p.r.stop;
     sr.want_logprobs = p.r.logprobs;
+    sr.thinking = p.think;
     try {
         return ctx.sch.submit(std::move(sr));
     } catch (const sched::queue_full &e) {
@@ -185,6 +241,8 @@ struct stream_writer {
     virtual ~stream_writer() = default;
     virtual std::string begin() = 0;
     virtual std::string delta(const std::string &text, const std::vector<sched::token_info> &lps) = 0;
+    // Reasoning text (before any content delta; docs/server.md "Thinking").
+    virtual std::string reasoning(const std::string &text, const std::vector<sched::token_info> &lps) = 0;
     virtual std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
                                const std::vector<tool_call> &calls, const sched::event &ev) = 0;
     virtual std::string fail(const std::string &msg) = 0;
@@ -223,6 +281,10 @@ struct openai_writer : stream_writer {
     std::string delta(const std::string &text, const std::vector<sched::token_info> &lps) override {
         return text_chunk(text, lps);
     }
+    std::string reasoning(const std::string &text, const std::vector<sched::token_info> &lps) override {
+        return sse_data(dump_json(chunk({{"delta", {{"reasoning_content", text}}}, {"logprobs", lp(lps)},
+                                         {"finish_reason", nullptr}})));
+    }
     std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
                        const std::vector<tool_call> &calls, const sched::event &ev) override {
         std::string out;
@@ -253,6 +315,7 @@ struct anthropic_writer : stream_writer {
     std::string id = random_id("msg_");
     int index = 0;
     bool text_open = false;
+    bool thinking_open = false;
     explicit anthropic_writer(const prepared &pp) : p(pp) {}
 
     std::string ev(const std::string &name, json data) {
@@ -265,9 +328,30 @@ struct anthropic_writer : stream_writer {
                     {"usage", anthropic_usage(int64_t(p.prompt.size()), 0, p)}};
         return ev("message_start", {{"message", msg}}) + ev("ping", json::object());
     }
-    std::string text(const std::string &t) {
+    // A thinking block: content_block_start, thinking_delta events, then (close_thinking) a
+    // signature_delta and content_block_stop, as Anthropic streams it. The signature is empty: this
+    // server does not sign reasoning (and ignores signatures sent back).
+    std::string reasoning(const std::string &t, const std::vector<sched::token_info> &) override {
         if (t.empty()) return {};
         std::string out;
+        if (!thinking_open) {
+            out += ev("content_block_start",
+                      {{"index", index}, {"content_block", {{"type", "thinking"}, {"thinking", ""}, {"signature", ""}}}});
+            thinking_open = true;
+        }
+        return out + ev("content_block_delta", {{"index", index}, {"delta", {{"type", "thinking_delta"}, {"thinking", t}}}});
+    }
+    std::string close_thinking() {
+        if (!thinking_open) return {};
+        thinking_open = false;
+        std::string out = ev("content_block_delta", {{"index", index}, {"delta", {{"type", "signature_delta"}, {"signature", ""}}}});
+        out += ev("content_block_stop", {{"index", index}});
+        ++index;
+        return out;
+    }
+    std::string text(const std::string &t) {
+        if (t.empty()) return {};
+        std::string out = close_thinking();
         if (!text_open) {
             out += ev("content_block_start", {{"index", index}, {"content_block", {{"type", "text"}, {"text", ""}}}});
             text_open = true;
@@ -277,7 +361,7 @@ struct anthropic_writer : stream_writer {
     std::string delta(const std::string &t, const std::vector<sched::token_info> &) override { return text(t); }
     std::string finish(const std::string &rest, const std::vector<sched::token_info> &,
                        const std::vector<tool_call> &calls, const sched::event &e) override {
-        std::string out = text(rest);
+        std::string out = text(rest) + close_thinking();
         if (text_open) {
             out += ev("content_block_stop", {{"index", index}});
             ++index;
@@ -343,11 +427,23 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
             size_t emitted = 0;
             std::vector<sched::token_info> lps;
             const bool tools = p->r.tools_active();
+            std::optional<chat::reasoning_splitter> sp;  // reasoning first, then content (acc)
+            if (p->reasoning) sp.emplace(p->in_reasoning);
             sched::event ev;
             for (;;) {
                 if (!next_event(*job, *probe, ev)) return false;
-                acc += ev.text;
                 if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
+                chat::reasoning_delta d = sp ? sp->push(ev.text) : chat::reasoning_delta{{}, ev.text};
+                if (sp && ev.final) {
+                    chat::reasoning_delta f = sp->flush();
+                    d.reasoning += f.reasoning;
+                    d.content += f.content;
+                }
+                if (!d.reasoning.empty()) {
+                    if (!write(w->reasoning(d.reasoning, lps))) return false;
+                    lps.clear();
+                }
+                acc += d.content;
                 if (ev.final) break;
                 const size_t safe = tools ? c->fmt->safe_content_prefix(acc) : acc.size();
                 if (safe > emitted || (!lps.empty() && !tools)) {
@@ -370,10 +466,10 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
         });
 }
 
-json openai_response(server_context &ctx, const prepared &p, const std::string &text,
+json openai_response(server_context &ctx, const prepared &p, const chat::reasoning_delta &out,
                      const std::vector<sched::token_info> &lps, const sched::event &ev) {
     const bool chat = p.r.kind == api_kind::openai_chat;
-    const parsed_output po = split_calls(ctx, p, text);
+    const parsed_output po = split_calls(ctx, p, out.content);
     json choice = {{"index", 0}, {"finish_reason", openai_finish(ev, !po.calls.empty())}};
     size_t offset = 0;
     choice["logprobs"] = !p.r.logprobs ? json() : chat ? chat_logprobs(ctx.eng, lps) : completion_logprobs(ctx.eng, lps, offset);
@@ -385,6 +481,7 @@ json openai_response(server_context &ctx, const prepared &p, const std::string &
             msg["content"] = c.empty() ? json() : json(c);
             msg["tool_calls"] = openai_tool_calls(po.calls, false);
         }
+        if (p.reasoning) msg["reasoning_content"] = out.reasoning;
         choice["message"] = msg;
     } else {
         choice["text"] = po.content;
@@ -394,9 +491,11 @@ json openai_response(server_context &ctx, const prepared &p, const std::string &
             {"usage", openai_usage(ev, p)}};
 }
 
-json anthropic_response(server_context &ctx, const prepared &p, const std::string &text, const sched::event &ev) {
-    const parsed_output po = split_calls(ctx, p, text);
+json anthropic_response(server_context &ctx, const prepared &p, const chat::reasoning_delta &out, const sched::event &ev) {
+    const parsed_output po = split_calls(ctx, p, out.content);
     json content = json::array();
+    if (!out.reasoning.empty())  // unsigned (see anthropic_writer::reasoning)
+        content.push_back({{"type", "thinking"}, {"thinking", out.reasoning}, {"signature", ""}});
     const std::string t = po.calls.empty() ? po.content : trim_copy(po.content);
     if (!t.empty()) content.push_back({{"type", "text"}, {"text", t}});
     for (const auto &c : po.calls) {
@@ -435,8 +534,10 @@ void handle_generate(server_context &ctx, const httplib::Request &req, httplib::
     if (ev.reason == sched::finish_reason::error) throw api_error(500, "api_error", "generation failed: " + ev.error);
     if (ev.reason == sched::finish_reason::cancelled)
         throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
-    const json out = kind == api_kind::anthropic_messages ? anthropic_response(ctx, *p, text, ev)
-                                                          : openai_response(ctx, *p, text, lps, ev);
+    const chat::reasoning_delta parts =
+        p->reasoning ? chat::split_reasoning(text, p->in_reasoning) : chat::reasoning_delta{{}, text};
+    const json out = kind == api_kind::anthropic_messages ? anthropic_response(ctx, *p, parts, ev)
+                                                          : openai_response(ctx, *p, parts, lps, ev);
     res.set_content(dump_json(out), "application/json");
 }
 

@@ -26,6 +26,10 @@ struct server_options {
     compression_options compression;    // PFlash (docs/pflash.md "Server and daemon"); off by default
     std::string tool_turns_path;        // journal of replayed tool-call turns ("" = memory only; serve
                                         // puts it in the --prompt-cache directory: tool-turns.log)
+    // Thinking (docs/server.md "Thinking"): the mode of requests that ask none (--reasoning:
+    // template_default = auto, off, on) and their thinking budget in tokens (--reasoning-budget; -1 = none).
+    chat_thinking reasoning = chat_thinking::template_default;
+    int64_t reasoning_budget = -1;
 };
 
 class http_server {

@@ -4,6 +4,7 @@
 // hand-computed figures (ds4-tiny and the full DS4-Flash geometry) and option errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -269,6 +270,41 @@ TEST(ds4_engine, builtin_chat_template) {
     const std::vector<chat_message> msgs = {{"system", "Be brief."}, {"user", "hi"}};
     EXPECT_EQ(e->apply_chat_template(msgs, true), bos + "Be brief." + user + "hi" + asst + "</think>");
     EXPECT_EQ(e->apply_chat_template(msgs, false), bos + "Be brief." + user + "hi");
+}
+
+// Thinking modes (chat_thinking) through the built-in format: the official encoder's thinking mode
+// opens "<think>" after the last Assistant marker and renders an earlier turn (its reasoning dropped:
+// chat_message carries none) as "<｜Assistant｜></think>answer<｜end▁of▁sentence｜>"; max adds the
+// Think-Max paragraph after BOS. The server cuts the final "<think>" off and forces it as the first
+// generated token, so turn 1's prompt without it is a prefix of turn 2's prompt (docs/server.md
+// "Thinking"): checked on the text and on the tokens.
+TEST(ds4_engine, thinking_chat_template) {
+    auto e = load("off");
+    const std::string bos = "<\xEF\xBD\x9C" "begin\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+    const std::string eos = "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>";
+    const std::string user = "<\xEF\xBD\x9C" "User\xEF\xBD\x9C>";
+    const std::string asst = "<\xEF\xBD\x9C" "Assistant\xEF\xBD\x9C>";
+    const std::vector<chat_message> one = {{"system", "Be brief."}, {"user", "hi"}};
+    EXPECT_EQ(e->apply_chat_template(one, true, chat_thinking::on), bos + "Be brief." + user + "hi" + asst + "<think>");
+    EXPECT_EQ(e->apply_chat_template(one, true, chat_thinking::off), bos + "Be brief." + user + "hi" + asst + "</think>");
+    EXPECT_EQ(e->apply_chat_template(one, false, chat_thinking::on), bos + "Be brief." + user + "hi");
+    const std::string mx = e->apply_chat_template(one, true, chat_thinking::max);
+    EXPECT_EQ(mx.rfind(bos + "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n", 0), 0u);
+    const std::string tail = "\n\nBe brief." + user + "hi" + asst + "<think>";  // the paragraph ends with a blank line
+    ASSERT_GT(mx.size(), tail.size());
+    EXPECT_EQ(mx.substr(mx.size() - tail.size()), tail);
+
+    const std::vector<chat_message> turn1 = {{"user", "q1"}};
+    const std::vector<chat_message> turn2 = {{"user", "q1"}, {"assistant", "a1"}, {"user", "q2"}};
+    const std::string p1 = e->apply_chat_template(turn1, true, chat_thinking::on);
+    const std::string p2 = e->apply_chat_template(turn2, true, chat_thinking::on);
+    EXPECT_EQ(p2, bos + user + "q1" + asst + "</think>a1" + eos + user + "q2" + asst + "<think>");
+    ASSERT_EQ(p1.substr(p1.size() - 7), "<think>");
+    const std::string cut = p1.substr(0, p1.size() - 7);
+    EXPECT_EQ(p2.rfind(cut, 0), 0u);
+    const std::vector<int32_t> t1 = e->tokenize(cut, true, true), t2 = e->tokenize(p2, true, true);
+    ASSERT_LT(t1.size(), t2.size());
+    EXPECT_TRUE(std::equal(t1.begin(), t1.end(), t2.begin()));
 }
 
 TEST(ds4_engine, context_limit) {

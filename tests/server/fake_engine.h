@@ -2,7 +2,8 @@
 // without a model. Its behaviour is simple enough to predict by hand in every test:
 //   vocabulary: token b (0..255) is the byte b; 256 = end of generation; 257 = BOS.
 //   tokenize: [BOS if add_special] + the bytes.  chat template: "[role]content\n" per message
-//   ("[assistant]\x02content\n" for assistant turns), then "[assistant]\x02" as the generation prompt.
+//   ("[assistant]\x02content\n" for assistant turns), then "[assistant]\x02" as the generation prompt
+//   ("[assistant]<think>\x02" with thinking on).
 //   next token (logit 10, every other logit 0):
 //     - after the \x02 marker (chat): the last user message is echoed byte by byte, then EOG;
 //       a user message starting with "LOOP" makes it emit 'x' forever;
@@ -152,10 +153,14 @@ public:
     }
     bool is_end_of_generation(int32_t t) const override { return t == k_eog; }
     int32_t bos_token() const override { return k_bos; }
-    std::string apply_chat_template(const std::vector<chat_message> &msgs, bool gen) const override {
+    // Thinking on/max: the generation prompt opens a thinking block before the echo marker,
+    // "[assistant]<think>\x02", so the echoed user text is the reasoning up to a "</think>" in it.
+    std::string apply_chat_template(const std::vector<chat_message> &msgs, bool gen,
+                                    chat_thinking thinking = chat_thinking::template_default) const override {
         std::string s;
         for (const auto &m : msgs) s += "[" + m.role + "]" + (m.role == "assistant" ? "\x02" : "") + m.content + "\n";
-        if (gen) s += "[assistant]\x02";
+        const bool think = thinking == chat_thinking::on || thinking == chat_thinking::max;
+        if (gen) s += think ? "[assistant]<think>\x02" : "[assistant]\x02";
         return s;
     }
     std::unique_ptr<session> new_session() override {

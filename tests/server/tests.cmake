@@ -13,6 +13,16 @@ if(Python3_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_integration_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
 endif()
+if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
+    # Thinking mode (reasoning split, budget, event sequences, second-turn cache hit) with the official
+    # SDKs against `fathom serve` on ds4-tiny (docs/server.md "Thinking").
+    add_test(NAME server_thinking_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/thinking_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_thinking_sdk PROPERTIES LABELS "server;slow" TIMEOUT 300)
+endif()
 if(Python3_FOUND AND TARGET fathom)
     # Chat page in headless Chromium (Debian `chromium`) driven by Playwright (`pip install playwright`).
     add_test(NAME server_web_page

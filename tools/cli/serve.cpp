@@ -48,14 +48,26 @@ struct serve_args {
     int64_t prompt_cache_min_tokens = 32;
     int prompt_cache_zstd = 0;
     spec_args spec;  // --spec ngram|mtp|dspark: speculative decoding for every request
+    std::string reasoning = "auto";  // thinking mode of requests that ask none (docs/server.md "Thinking")
+    int64_t reasoning_budget = 0;    // their thinking budget in tokens; 0 = none
 };
+
+chat_thinking parse_reasoning_flag(const std::string &v) {
+    if (v == "auto") return chat_thinking::template_default;
+    if (v == "on") return chat_thinking::on;
+    if (v == "off") return chat_thinking::off;
+    if (v == "max") return chat_thinking::max;
+    throw error("--reasoning must be auto, on, off or max (got \"" + v + "\")");
+}
 
 void serve_main(serve_args &a) {
     if (a.spec.mode == "draft")  // before the (slow) load
-        throw error("--spec draft: serve drafts with n-grams only so far (--spec ngram); draft models work in run and chat");
+        throw error("--spec draft: serve drafts with n-grams or DeepSeek V4's own heads so far (--spec ngram|mtp|dspark); "
+                    "draft models work in run and chat");
     if (a.api_key.empty())
         if (const char *k = std::getenv("FATHOM_API_KEY")) a.api_key = k;
     a.sampling.validate();
+    const chat_thinking reasoning = parse_reasoning_flag(a.reasoning);  // before the (slow) load
     server::compression_options co;
     co.mode = server::parse_compression_mode(a.prefill_compression, "--prefill-compression");
     co.threshold = a.prefill_threshold;
@@ -120,6 +132,11 @@ void serve_main(serve_args &a) {
     o.defaults = a.sampling;
     o.model_ids = a.aliases;
     o.compression = co;
+    o.reasoning = reasoning;
+    o.reasoning_budget = a.reasoning_budget > 0 ? a.reasoning_budget : -1;
+    if (o.reasoning_budget > sch.n_ctx())
+        throw error("--reasoning-budget " + std::to_string(a.reasoning_budget) + " exceeds the context (" +
+                    std::to_string(sch.n_ctx()) + " tokens)");
     if (!a.prompt_cache_dir.empty())  // the replayed tool-call turns beside the cached states
         o.tool_turns_path = (std::filesystem::path(a.prompt_cache_dir) / "tool-turns.log").string();
     server::http_server srv(*eng, sch, o);
@@ -219,6 +236,15 @@ void add_serve_command(CLI::App &app) {
            "zstd level for the saved KV state (0 = stored raw, the default: see docs/prompt-cache.md)")
         ->capture_default_str()
         ->check(CLI::Range(0, 19));
+    cmd->add_option("--reasoning", a->reasoning,
+                    "Thinking mode of requests that set neither reasoning_effort nor thinking: auto (the model's "
+                    "format decides; DS4: off) | on | off | max (DS4 Think-Max, at >= 384K context)")
+        ->capture_default_str();
+    cmd->add_option("--reasoning-budget", a->reasoning_budget,
+                    "Thinking tokens allowed to requests that give no budget before the end of thinking is forced "
+                    "(0 = no limit)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });
 }
