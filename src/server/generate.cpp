@@ -22,9 +22,9 @@ struct prepared {
 };
 
 // Request body -> validated request and prompt tokens. Throws api_error.
-prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind, bool count_only) {
+prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
     prepared p;
-    const json body = parse_body(req.body);
+    const json body = parse_body(body_text);
     if (kind == api_kind::openai_chat) p.r = parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt);
     else if (kind == api_kind::openai_completion) p.r = parse_openai_completion(body, ctx.opts.defaults);
     else p.r = parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only);
@@ -63,7 +63,7 @@ prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind
         throw api_error(400, "invalid_request_error",
                         "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
                             std::to_string(n_ctx) + " tokens (prompt plus at least one generated token)",
-                        "messages");
+                        kind == api_kind::openai_completion ? "prompt" : "messages");
     if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
     return p;
 }
@@ -311,6 +311,14 @@ parsed_output split_calls(server_context &ctx, const prepared &p, const std::str
     return out;
 }
 
+// The token counts of a finished request, for the access log.
+void note_tokens(const sched::event &ev) {
+    if (connection *c = connection_manager::current()) {
+        c->n_prompt = ev.n_prompt;
+        c->n_generated = ev.n_generated;
+    }
+}
+
 // Waits for the job's next event, cancelling it if the client disconnected. false = client gone.
 // The connection is checked at least every 100 ms, also while events keep arriving.
 bool next_event(sched::job &j, connection_probe &probe, sched::event &ev) {
@@ -356,6 +364,7 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
                     lps.clear();
                 }
             }
+            note_tokens(ev);
             if (ev.reason == sched::finish_reason::error) {
                 write(w->fail("generation failed: " + ev.error));
             } else if (ev.reason == sched::finish_reason::cancelled) {
@@ -412,9 +421,10 @@ json anthropic_response(server_context &ctx, const prepared &p, const std::strin
 
 }  // namespace
 
-void handle_generate(server_context &ctx, const httplib::Request &req, httplib::Response &res, api_kind kind) {
+void handle_generate(server_context &ctx, const httplib::Request &req, const std::string &body, httplib::Response &res,
+                     api_kind kind) {
     auto probe = std::make_shared<connection_probe>(req);
-    auto p = std::make_shared<prepared>(prepare(ctx, req, kind, false));
+    auto p = std::make_shared<prepared>(prepare(ctx, body, kind, false));
     auto job = submit(ctx, *p);
     if (p->r.stream) {
         run_stream(ctx, res, p, job, probe);
@@ -432,6 +442,7 @@ void handle_generate(server_context &ctx, const httplib::Request &req, httplib::
         if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
         if (ev.final) break;
     }
+    note_tokens(ev);
     if (ev.reason == sched::finish_reason::error) throw api_error(500, "api_error", "generation failed: " + ev.error);
     if (ev.reason == sched::finish_reason::cancelled)
         throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
@@ -440,8 +451,9 @@ void handle_generate(server_context &ctx, const httplib::Request &req, httplib::
     res.set_content(dump_json(out), "application/json");
 }
 
-void handle_count_tokens(server_context &ctx, const httplib::Request &req, httplib::Response &res) {
-    const prepared p = prepare(ctx, req, api_kind::anthropic_messages, true);
+void handle_count_tokens(server_context &ctx, const httplib::Request &, const std::string &body,
+                         httplib::Response &res) {
+    const prepared p = prepare(ctx, body, api_kind::anthropic_messages, true);
     res.set_content(dump_json({{"input_tokens", p.prompt.size()}}), "application/json");
 }
 

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "server/api.h"
+#include "server/connections.h"
 #include "server/http_server.h"
 #include "server/tool_calls.h"
 
@@ -43,8 +44,11 @@ void send_error(const httplib::Request &req, httplib::Response &res, int status,
                 const std::string &msg, const std::string &param = {});
 
 // POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens.
-void handle_generate(server_context &ctx, const httplib::Request &req, httplib::Response &res, api_kind kind);
-void handle_count_tokens(server_context &ctx, const httplib::Request &req, httplib::Response &res);
+// body: the request body (read by the route under --max-body).
+void handle_generate(server_context &ctx, const httplib::Request &req, const std::string &body, httplib::Response &res,
+                     api_kind kind);
+void handle_count_tokens(server_context &ctx, const httplib::Request &req, const std::string &body,
+                         httplib::Response &res);
 
 inline std::string dump_json(const nlohmann::json &j) {
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
