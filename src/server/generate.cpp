@@ -19,7 +19,24 @@ struct prepared {
     std::vector<int32_t> prompt;
     std::string model_id;  // the id reported back
     compression_outcome compression;  // PFlash: applied or not, original/effective prompt tokens
+    std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
 };
+
+bool call_forced(const gen_request &r) {
+    return r.tools_active() && (r.choice.kind == tool_choice::required || r.choice.kind == tool_choice::function);
+}
+
+// tool_choice required / named function: the prompt ends inside the opening of a call (the
+// format's forced_call_prefix), so the model can only continue the call.
+void force_call(server_context &ctx, prepared &p) {
+    p.forced = ctx.fmt->forced_call_prefix(p.r.choice);
+    if (p.forced.empty())
+        bad_request("tool_choice '" + std::string(p.r.choice.kind == tool_choice::required ? "required" : p.r.choice.name) +
+                        "' cannot be enforced with the '" + ctx.fmt->name() + "' tool format",
+                    "tool_choice");
+    const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, false);
+    p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
+}
 
 // Request body -> validated request and prompt tokens. Throws api_error.
 prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
@@ -42,6 +59,7 @@ prepared prepare(server_context &ctx, const std::string &body_text, api_kind kin
             const int32_t bos = ctx.eng.bos_token();  // a template that writes BOS itself: keep one
             if (bos >= 0 && p.prompt.size() >= 2 && p.prompt[0] == bos && p.prompt[1] == bos)
                 p.prompt.erase(p.prompt.begin());
+            if (call_forced(p.r)) force_call(ctx, p);
         }
     } catch (const error &e) {
         bad_request(std::string("cannot build the prompt: ") + e.what());
@@ -301,10 +319,17 @@ struct anthropic_writer : stream_writer {
     }
 };
 
-// Parses calls out of the whole output (when tools are active), renaming ids for Anthropic.
+// Parses calls out of the whole output (when tools are active), renaming ids for Anthropic. A
+// forced call (tool_choice required / named) that did not come out whole is an error: the API
+// promises a call, and the model's text is not one.
 parsed_output split_calls(server_context &ctx, const prepared &p, const std::string &text) {
     if (!p.r.tools_active()) return {text, {}};
-    parsed_output out = ctx.fmt->parse(text, p.r.tool_names);
+    const bool named = p.r.choice.kind == tool_choice::function;
+    parsed_output out = ctx.fmt->parse(text, named ? std::vector<std::string>{p.r.choice.name} : p.r.tool_names);
+    if (call_forced(p.r) && out.calls.empty())
+        throw api_error(500, "api_error",
+                        "the model did not complete a valid call to " + (named ? "'" + p.r.choice.name + "'" : std::string("a tool")) +
+                            " (tool_choice requires one; " + std::to_string(text.size()) + " bytes generated)");
     if (p.r.kind == api_kind::anthropic_messages)
         for (auto &c : out.calls) c.id = random_id("toolu_");
     ctx.fmt->remember_turn(out, text);  // exact replay when the client sends the turn back
@@ -347,7 +372,7 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
                 return false;
             };
             if (!write(w->begin())) return false;
-            std::string acc;
+            std::string acc = p->forced;  // the forced call opening is part of the turn's text
             size_t emitted = 0;
             std::vector<sched::token_info> lps;
             const bool tools = p->r.tools_active();
@@ -370,7 +395,14 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
             } else if (ev.reason == sched::finish_reason::cancelled) {
                 write(w->fail("generation cancelled: the server is shutting down"));
             } else {
-                const parsed_output po = split_calls(*c, *p, acc);
+                parsed_output po;
+                try {
+                    po = split_calls(*c, *p, acc);
+                } catch (const api_error &e) {
+                    write(w->fail(e.what()));
+                    sink.done();
+                    return true;
+                }
                 const std::string rest = emitted < po.content.size() ? po.content.substr(emitted) : std::string();
                 if (!write(w->finish(rest, lps, po.calls, ev))) return false;
             }
@@ -430,7 +462,7 @@ void handle_generate(server_context &ctx, const httplib::Request &req, const std
         run_stream(ctx, res, p, job, probe);
         return;
     }
-    std::string text;
+    std::string text = p->forced;
     std::vector<sched::token_info> lps;
     sched::event ev;
     for (;;) {

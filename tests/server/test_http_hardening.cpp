@@ -386,3 +386,83 @@ TEST(Hardening, AccessLog) {
     std::this_thread::sleep_for(200ms);
     EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
+
+namespace {
+const json k_tools = json::array(
+    {{{"type", "function"}, {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}},
+     {{"type", "function"}, {"function", {{"name", "get_time"}, {"parameters", {{"type", "object"}}}}}}});
+// The hermes call opening the server writes after the generation prompt (forced_call_prefix).
+const std::string k_open_required = "<tool_call>\n{\"name\": \"";
+const std::string k_open_get_time = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": ";
+
+std::string filler(const std::string &opening) { return std::string(opening.size(), '.'); }
+
+json tool_chat(const std::string &user, const json &choice, bool stream = false) {
+    return {{"messages", json::array({{{"role", "user"}, {"content", user}}})}, {"tools", k_tools},
+            {"tool_choice", choice}, {"temperature", 0}, {"stream", stream}};
+}
+}  // namespace
+
+// Item 6: tool_choice "required", a named function and Anthropic any / tool are enforced: the
+// prompt ends inside a call's opening (with the name when one is named), so the model writes a
+// call; output that still is not a valid call to an allowed tool is an error, never plain text or
+// another tool's call. The fake engine echoes the user message from the position it has reached
+// after the generation prompt (a message runs to its first newline): a message whose first bytes
+// are filler as long as the forced opening continues it.
+TEST(Hardening, ToolChoiceEnforced) {
+    server_under_test s(base_options());
+    auto c = s.client();
+    auto chat = [&](const json &body) {
+        auto res = c.Post("/v1/chat/completions", body.dump(), "application/json");
+        EXPECT_TRUE(res);
+        return res ? std::make_pair(res->status, json::parse(res->body, nullptr, false)) : std::make_pair(-1, json());
+    };
+    // A model that would answer in prose: an error, not a 200 without calls.
+    auto [st, r] = chat(tool_chat("hello", "required"));
+    EXPECT_EQ(st, 500) << r.dump();
+    EXPECT_NE(r["error"]["message"].get<std::string>().find("did not complete a valid call"), std::string::npos) << r.dump();
+    // The opening forced, the model completes it.
+    std::tie(st, r) = chat(tool_chat(filler(k_open_required) + "get_time\", \"arguments\": {}}</tool_call>", "required"));
+    ASSERT_EQ(st, 200) << r.dump();
+    EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
+    EXPECT_EQ(r["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_time");
+    // Named: the user's text is a get_weather call, but get_time's opening is forced: no get_weather call.
+    const json named = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+    std::tie(st, r) = chat(tool_chat("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>", named));
+    EXPECT_EQ(st, 500) << r.dump();
+    std::tie(st, r) = chat(tool_chat(filler(k_open_get_time) + "{\"tz\": \"UTC\"}}</tool_call>", named));
+    ASSERT_EQ(st, 200) << r.dump();
+    ASSERT_EQ(r["choices"][0]["message"]["tool_calls"].size(), 1u);
+    EXPECT_EQ(r["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_time");
+    EXPECT_EQ(json::parse(r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+              json({{"tz", "UTC"}}));
+    // Streamed: an error frame, no content.
+    auto res = c.Post("/v1/chat/completions", tool_chat("hello", "required", true).dump(), "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_NE(res->body.find("did not complete a valid call"), std::string::npos) << res->body;
+    EXPECT_EQ(res->body.find("\"content\":\"hello\""), std::string::npos) << res->body;
+
+    // Anthropic: any and tool.
+    const json tools_a = json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}},
+                                      {{"name", "get_time"}, {"input_schema", {{"type", "object"}}}}});
+    auto msg = [&](const std::string &user, const json &choice) {
+        const json b = {{"model", "fake-model"}, {"max_tokens", 200}, {"messages", json::array({{{"role", "user"}, {"content", user}}})},
+                        {"tools", tools_a}, {"tool_choice", choice}};
+        auto res = c.Post("/v1/messages", b.dump(), "application/json");
+        EXPECT_TRUE(res);
+        return res ? std::make_pair(res->status, json::parse(res->body, nullptr, false)) : std::make_pair(-1, json());
+    };
+    std::tie(st, r) = msg("hello", {{"type", "any"}});
+    EXPECT_EQ(st, 500) << r.dump();
+    EXPECT_EQ(r["type"], "error");
+    std::tie(st, r) = msg(filler(k_open_get_time) + "{\"tz\": \"UTC\"}}</tool_call>", {{"type", "tool"}, {"name", "get_time"}});
+    ASSERT_EQ(st, 200) << r.dump();
+    EXPECT_EQ(r["stop_reason"], "tool_use");
+    ASSERT_EQ(r["content"].size(), 1u);
+    EXPECT_EQ(r["content"][0]["name"], "get_time");
+    EXPECT_EQ(r["content"][0]["input"], json({{"tz", "UTC"}}));
+    // auto stays a hint: prose is prose.
+    std::tie(st, r) = chat(tool_chat("hello", "auto"));
+    EXPECT_EQ(st, 200);
+    EXPECT_EQ(r["choices"][0]["message"]["content"], "hello");
+}
