@@ -436,7 +436,7 @@ static void setup_routes(http_server::impl &p) {
         if (!answered) return httplib::Server::HandlerResponse::Unhandled;
         if (has_body(req)) {  // answered before reading the body: drop it, then close
             if (connection *c = connection_manager::current()) c->close_after = true;
-            res.set_header("Connection", "close");
+            if (req.get_header_value("Connection") != "close") res.set_header("Connection", "close");
         }
         return httplib::Server::HandlerResponse::Handled;
     });
