@@ -135,10 +135,13 @@ void connection_manager::on_readable(const std::shared_ptr<connection> &c, std::
     }
     const std::string_view head(buf.data(), size_t(n));  // the head, and maybe body bytes after it
     if (head.find("\r\n\r\n") == std::string_view::npos) {
-        if (size_t(n) > k_head_max) {  // a head too large to be ours
+        // A head too large to be ours, or no byte more than last time although poll said readable:
+        // the client shut its side down mid-head (EOF keeps the socket readable).
+        if (size_t(n) > k_head_max || size_t(n) <= c->peeked) {
             close_locked(c);
             return;
         }
+        c->peeked = size_t(n);
         if (!c->got_bytes && c->served > 0) c->deadline = clock_type::now() + lim_.header_timeout;
         c->got_bytes = true;
         // Poll again only once more bytes than these have arrived (Linux honours SO_RCVLOWAT in poll).
@@ -149,6 +152,7 @@ void connection_manager::on_readable(const std::shared_ptr<connection> &c, std::
     const int one = 1;
     setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
     c->st = connection::state::active;
+    c->peeked = 0;
     c->body_due = c->timed_out = c->close_after = false;
     lk.unlock();
     (is_control_method(head) ? control_ : requests_)->enqueue([this, c] { serve_on_worker(c); });

@@ -41,6 +41,7 @@ struct connection {
     std::string peer;  // client address (no port)
     enum class state { waiting, active, draining } st = state::waiting;
     bool got_bytes = false;      // waiting: part of a head arrived
+    size_t peeked = 0;           // waiting: bytes of the head seen so far
     bool body_due = false;       // active: body_deadline applies
     bool timed_out = false;      // active: the body deadline passed (the read side was shut)
     bool close_after = false;    // active: close (after draining what the client still sends) when done

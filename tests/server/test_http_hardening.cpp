@@ -246,6 +246,23 @@ TEST(Hardening, SlowClientsDoNotBlockHealth) {
     EXPECT_EQ(res->status, 200);
 }
 
+// Item 4: a client that sends part of a head and shuts its side down is closed at once (the
+// poller does not spin on the readable end-of-file until --header-timeout).
+TEST(Hardening, HalfClosedPartialHeadClosedAtOnce) {
+    server::server_options o = base_options();
+    o.header_timeout_s = 5;
+    server_under_test s(o);
+    const int fd = dial(s.port);
+    send_all(fd, "GET /health HTTP/1.1\r\nHo");
+    std::this_thread::sleep_for(100ms);
+    shutdown(fd, SHUT_WR);
+    const auto t0 = steady::now();
+    EXPECT_EQ(read_to_close(fd), "");
+    EXPECT_LT(seconds_since(t0), 1.0);
+    close(fd);
+    EXPECT_EQ(s.client().Get("/health")->status, 200);
+}
+
 // Item 4: one client address holds at most --max-conns-per-client connections; another address
 // is unaffected, and a closed connection frees its place.
 TEST(Hardening, ConnectionCapPerClientAddress) {
