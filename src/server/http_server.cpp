@@ -1,16 +1,17 @@
-// HTTP routes, auth, error JSON, body limit, request counting and the connection probe.
+// HTTP routes, auth, error JSON, body limit, request counting, the checks made on a request's head
+// (framing, Host, Origin, CORS, Content-Type) and the access log. Connections: connections.h.
 #include "server/http_server.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
-#include <strings.h>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 

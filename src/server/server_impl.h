@@ -26,8 +26,8 @@ struct server_context {
     server_context(engine &e, sched::scheduler &s, server_options o) : eng(e), sch(s), opts(std::move(o)) {}
 };
 
-// Watches the TCP connection a request arrived on: the socket is found by its address pair, and
-// alive() peeks it without consuming data (0 bytes readable = the client closed the connection).
+// Watches the TCP connection a request arrived on (the connection served on this thread, see
+// connections.h): alive() peeks it without consuming data (0 bytes readable = the client closed the connection).
 class connection_probe {
 public:
     explicit connection_probe(const httplib::Request &req);
@@ -35,7 +35,7 @@ public:
     // True at most once per 100 ms: rate-limits the checks of a busy stream.
     bool due();
 private:
-    int fd_ = -1;  // -1 = not found: always reported alive
+    int fd_ = -1;  // -1 = no connection (not served through connection_manager): always reported alive
     std::chrono::steady_clock::time_point last_{};
 };
 
