@@ -12,7 +12,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <string_view>
+
+#include "fathom/error.h"
 
 namespace fathom::server {
 
@@ -49,6 +52,7 @@ static std::string peer_address(int fd) {
 
 connection_manager::connection_manager(connection_limits lim, serve_fn serve) : lim_(lim), serve_(std::move(serve)) {
     wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wake_fd_ < 0) throw error(std::string("serve: eventfd: ") + std::strerror(errno));
     requests_ = std::make_unique<httplib::ThreadPool>(size_t(std::max(lim_.request_threads, 1)));
     control_ = std::make_unique<httplib::ThreadPool>(size_t(std::max(lim_.control_threads, 1)));
     poller_ = std::thread([this] { poll_loop(); });
@@ -187,7 +191,10 @@ void connection_manager::poll_loop() {
             }
         }
         const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count() + 1;
-        if (::poll(pfds.data(), pfds.size(), int(std::min<int64_t>(wait, 3600000))) < 0 && errno != EINTR) return;
+        if (::poll(pfds.data(), pfds.size(), int(std::min<int64_t>(wait, 3600000))) < 0) {
+            if (errno != EINTR) std::this_thread::sleep_for(std::chrono::milliseconds(10));  // ENOMEM: retry
+            continue;
+        }
         if (pfds[0].revents) {
             uint64_t v;
             [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof(v));
