@@ -22,6 +22,29 @@ struct prepared {
     std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
 };
 
+// An engine or loader message as a client may see it: every absolute path ('/a/b/file', also inside
+// quotes) shortened to its last component, so errors never reveal where files lie on the server.
+std::string client_text(const std::string &msg) {
+    std::string out;
+    for (size_t i = 0; i < msg.size();) {
+        const bool starts = msg[i] == '/' && (i == 0 || msg[i - 1] == ' ' || msg[i - 1] == '\'' || msg[i - 1] == '"' ||
+                                              msg[i - 1] == '(' || msg[i - 1] == '=');
+        if (!starts) {
+            out += msg[i++];
+            continue;
+        }
+        size_t end = i;
+        while (end < msg.size() && msg[end] != ' ' && msg[end] != '\'' && msg[end] != '"' && msg[end] != ')' &&
+               msg[end] != ',' && msg[end] != ':')
+            ++end;
+        const std::string path = msg.substr(i, end - i);
+        const size_t last = path.rfind('/');
+        out += last == 0 ? path : path.substr(last + 1);  // '/x' (one component) is not a path we hide
+        i = end;
+    }
+    return out;
+}
+
 bool call_forced(const gen_request &r) {
     return r.tools_active() && (r.choice.kind == tool_choice::required || r.choice.kind == tool_choice::function);
 }
@@ -62,19 +85,19 @@ prepared prepare(server_context &ctx, const std::string &body_text, api_kind kin
             if (call_forced(p.r)) force_call(ctx, p);
         }
     } catch (const error &e) {
-        bad_request(std::string("cannot build the prompt: ") + e.what());
+        bad_request("cannot build the prompt: " + client_text(e.what()));
     }
     const int n_ctx = ctx.sch.n_ctx();
     if (!count_only && !p.prompt.empty()) {
         try {
             ctx.compressor->check(p.r.compression);
         } catch (const error &e) {
-            bad_request(e.what(), "prefill_compression");
+            bad_request(client_text(e.what()), "prefill_compression");
         }
         try {
             p.compression = ctx.compressor->apply(ctx.eng, p.prompt, n_ctx, p.r.compression);
         } catch (const error &e) {
-            throw api_error(500, "server_error", std::string("prompt compression failed: ") + e.what());
+            throw api_error(500, "server_error", "prompt compression failed: " + client_text(e.what()));
         }
     }
     if (!count_only && int64_t(p.prompt.size()) >= n_ctx)
@@ -391,7 +414,7 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
             }
             note_tokens(ev);
             if (ev.reason == sched::finish_reason::error) {
-                write(w->fail("generation failed: " + ev.error));
+                write(w->fail("generation failed: " + client_text(ev.error)));
             } else if (ev.reason == sched::finish_reason::cancelled) {
                 write(w->fail("generation cancelled: the server is shutting down"));
             } else {
@@ -475,7 +498,8 @@ void handle_generate(server_context &ctx, const httplib::Request &req, const std
         if (ev.final) break;
     }
     note_tokens(ev);
-    if (ev.reason == sched::finish_reason::error) throw api_error(500, "api_error", "generation failed: " + ev.error);
+    if (ev.reason == sched::finish_reason::error)
+        throw api_error(500, "api_error", "generation failed: " + client_text(ev.error));
     if (ev.reason == sched::finish_reason::cancelled)
         throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
     const json out = kind == api_kind::anthropic_messages ? anthropic_response(ctx, *p, text, ev)

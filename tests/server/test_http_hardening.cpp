@@ -13,6 +13,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "fake_engine.h"
@@ -346,6 +348,28 @@ TEST(Hardening, NoAbsolutePathsToClients) {
     const std::string props = s.client().Get("/props")->body;
     EXPECT_EQ(props.find("/models/"), std::string::npos) << props;
     EXPECT_EQ(json::parse(props)["model"]["file"], "fake-model.gguf");
+}
+
+// Item 5: an error from loading a file (here a PFlash drafter that is not a GGUF) names the file,
+// not its directory.
+TEST(Hardening, NoAbsolutePathsInErrors) {
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("fathom_secret_dir_" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir);
+    { std::ofstream(dir / "drafter.gguf") << "not a gguf file at all"; }
+    server::server_options o = base_options();
+    o.compression.drafter_path = (dir / "drafter.gguf").string();
+    {
+        server_under_test s(o);
+        auto res = s.client().Post("/v1/chat/completions",
+                                   json({{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                                         {"prefill_compression", "always"}, {"max_tokens", 2}}).dump(),
+                                   "application/json");
+        ASSERT_TRUE(res);
+        EXPECT_GE(res->status, 400);
+        EXPECT_EQ(res->body.find(dir.string()), std::string::npos) << res->body;
+        EXPECT_NE(res->body.find("drafter.gguf"), std::string::npos) << res->body;
+    }
+    std::filesystem::remove_all(dir);
 }
 
 // Item 6: the bearer scheme is case-insensitive (RFC 7235); /v1/completions errors name 'prompt';
