@@ -454,11 +454,12 @@ static void setup_routes(http_server::impl &p) {
             send_error(req, res, res.status, res.status >= 500 ? "api_error" : "invalid_request_error",
                        "HTTP error " + std::to_string(res.status));
     });
+    // Counted just before the response is written (a client that got it sees it counted), logged after.
+    svr.set_post_routing_handler([&ctx](const httplib::Request &req, httplib::Response &res) {
+        std::lock_guard<std::mutex> lk(ctx.mu);
+        ++ctx.http_counts[endpoint_label(req.path) + " " + std::to_string(res.status)];
+    });
     svr.set_logger([&ctx](const httplib::Request &req, const httplib::Response &res) {
-        {
-            std::lock_guard<std::mutex> lk(ctx.mu);
-            ++ctx.http_counts[endpoint_label(req.path) + " " + std::to_string(res.status)];
-        }
         if (ctx.opts.access_log) access_log(req, res);
     });
 
