@@ -181,7 +181,9 @@ void add_serve_command(CLI::App &app) {
         ->capture_default_str()
         ->check(CLI::Range(1, 1 << 20));
     cmd->add_option("--max-body", a->max_body, "Largest request body in bytes (413 beyond)")->capture_default_str();
-    cmd->add_option("--http-threads", a->http_threads, "HTTP connections served at once")
+    cmd->add_option("--http-threads", a->http_threads,
+                    "Requests served at once (POSTs; GET, HEAD and OPTIONS have 4 workers of their own, and "
+                    "connections waiting for a request hold none)")
         ->capture_default_str()
         ->check(CLI::Range(2, 4096));
     cmd->add_option("--header-timeout", a->header_timeout,
