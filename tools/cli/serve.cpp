@@ -142,8 +142,12 @@ void serve_main(serve_args &a) {
         std::fprintf(stderr, "fathom serve: prompt cache %s: %llu entries, %.3f GiB (cap %.3f GiB)\n",
                      a.prompt_cache_dir.c_str(), static_cast<unsigned long long>(st0.disk.entries),
                      double(st0.disk.bytes) / 1073741824.0, a.prompt_cache_max_gib);
-    if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" && a.api_key.empty())
+    const bool loopback = a.host == "127.0.0.1" || a.host == "localhost" || a.host == "::1";
+    if (!loopback && a.api_key.empty())
         std::fprintf(stderr, "fathom serve: warning: listening on %s without --api-key\n", a.host.c_str());
+    if (!loopback && a.allowed_hosts.empty())
+        std::fprintf(stderr, "fathom serve: note: requests must name this server by IP address or localhost; "
+                             "give DNS names with --allowed-host\n");
 
     std::thread waiter([&] {
         int sig = 0;
