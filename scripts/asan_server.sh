@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # ASan + LSan (+ UBSan) check of the server: builds `fathom`, `test_server` and `test_cache` with
 # -DFATHOM_SANITIZE=ON in build-asan-server/ (RelWithDebInfo-ish: -O1, so the build stays short),
-# runs the model-free server suite and the prompt cache's model-free suites, then the reliability
-# load test in CI mode against the sanitized `fathom serve` (64 clients, random cancellations; memory
+# runs the model-free server suite (with the hardening tests: slow clients, body limits, origins)
+# and the prompt cache's model-free suites, then the reliability load test in CI mode against the
+# sanitized `fathom serve` (64 clients, random cancellations, 8 hostile clients trickling headers
+# and bodies or sending oversized chunked bodies; memory
 # check off because ASan's quarantine holds freed memory), then a shorter one with the disk prompt cache on (a 20 MiB cap, so
 # the I/O thread saves, loads and evicts entries all the time while the worker serves). Any sanitizer
 # report, leak at exit, 5xx other than 503, or unclean exit fails the script. Aim: under ~10 minutes

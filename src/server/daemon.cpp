@@ -1,8 +1,13 @@
 // `fathom daemon` line protocol (see daemon.h, docs/daemon-protocol.md) and --root confinement.
 #include "server/daemon.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
-#include <fstream>
+#include <cstring>
 #include <istream>
 #include <ostream>
 #include <sstream>
@@ -13,46 +18,96 @@ namespace fathom::server {
 
 namespace fs = std::filesystem;
 
-static bool inside(const fs::path &root, const fs::path &p) {
-    auto r = root.begin(), q = p.begin();
-    for (; r != root.end(); ++r, ++q)
-        if (q == p.end() || *r != *q) return false;
-    return true;
+unique_fd &unique_fd::operator=(unique_fd &&o) noexcept {
+    if (this != &o) {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = o.release();
+    }
+    return *this;
 }
 
-fs::path confine_path(const fs::path &root, const std::string &rel, bool must_exist) {
-    if (rel.empty()) throw error("empty path");
-    const fs::path p(rel);
-    if (p.is_absolute()) throw error("path '" + rel + "' is absolute (paths are relative to --root)");
-    for (const auto &part : p)
-        if (part == "..") throw error("path '" + rel + "' contains '..'");
-    std::error_code ec;
-    const fs::path real_root = fs::canonical(root, ec);
-    if (ec) throw error("--root '" + root.string() + "': " + ec.message());
-    const fs::path full = real_root / p;
-    if (must_exist) {
-        const fs::path real = fs::canonical(full, ec);  // resolves every symlink
-        if (ec) throw error("'" + rel + "': " + ec.message());
-        if (!inside(real_root, real)) throw error("path '" + rel + "' resolves outside --root");
-        if (!fs::is_regular_file(real)) throw error("'" + rel + "' is not a regular file");
-        return real;
-    }
-    const fs::path parent = fs::canonical(full.parent_path(), ec);
-    if (ec) throw error("'" + rel + "': directory " + full.parent_path().string() + ": " + ec.message());
-    if (!inside(real_root, parent)) throw error("path '" + rel + "' resolves outside --root");
-    const fs::path target = parent / full.filename();
-    if (fs::is_symlink(fs::symlink_status(target))) {
-        const fs::path real = fs::weakly_canonical(target, ec);
-        if (ec || !inside(real_root, real)) throw error("path '" + rel + "' is a symlink leading outside --root");
-    }
-    if (fs::is_directory(target)) throw error("'" + rel + "' is a directory");
-    return target;
+unique_fd::~unique_fd() {
+    if (fd_ >= 0) ::close(fd_);
 }
+
+confined_root::confined_root(const fs::path &root) {
+    root_ = unique_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (root_.get() < 0) throw error("daemon: --root '" + root.string() + "' is not a directory: " + std::strerror(errno));
+}
+
+static std::string open_failure(const std::string &rel, int err) {
+    if (err == ELOOP || err == ENOTDIR)  // O_NOFOLLOW met a symlink (or a file where a directory must be)
+        return "'" + rel + "': a symlink or a non-directory on the way (symlinks are refused in --root)";
+    return "'" + rel + "': " + std::strerror(err);
+}
+
+// The directory holding rel's last component, opened component by component from the root with
+// O_NOFOLLOW (a symlink fails with ELOOP or ENOTDIR); leaf = the last component.
+unique_fd confined_root::open_parent(const std::string &rel, std::string &leaf) const {
+    if (rel.empty()) throw error("empty path");
+    if (rel[0] == '/') throw error("path '" + rel + "' is absolute (paths are relative to --root)");
+    std::vector<std::string> parts;
+    for (size_t pos = 0; pos <= rel.size();) {
+        size_t slash = rel.find('/', pos);
+        if (slash == std::string::npos) slash = rel.size();
+        const std::string part = rel.substr(pos, slash - pos);
+        if (part == "..") throw error("path '" + rel + "' contains '..'");
+        if (!part.empty() && part != ".") parts.push_back(part);
+        pos = slash + 1;
+    }
+    if (parts.empty() || rel.back() == '/') throw error("'" + rel + "' does not name a file");
+    leaf = parts.back();
+    parts.pop_back();
+    unique_fd dir(::openat(root_.get(), ".", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    for (const auto &part : parts) {
+        unique_fd next(::openat(dir.get(), part.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        if (next.get() < 0) throw error(open_failure(rel, errno));
+        dir = std::move(next);
+    }
+    return dir;
+}
+
+static void check_regular(int fd, const std::string &rel, bool for_write) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) throw error("'" + rel + "': " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) throw error("'" + rel + "' is not a regular file");
+    if (for_write && st.st_nlink > 1) throw error("'" + rel + "' has other hard links (refused: it may lie outside --root)");
+}
+
+unique_fd confined_root::open_read(const std::string &rel) const {
+    std::string leaf;
+    const unique_fd dir = open_parent(rel, leaf);
+    // O_NONBLOCK: a FIFO must not block the open (it is refused as not a regular file next).
+    unique_fd f(::openat(dir.get(), leaf.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (f.get() < 0) throw error(open_failure(rel, errno));
+    check_regular(f.get(), rel, false);
+    return f;
+}
+
+unique_fd confined_root::open_write(const std::string &rel) const {
+    std::string leaf;
+    const unique_fd dir = open_parent(rel, leaf);
+    // O_NOFOLLOW with O_CREAT: a symlink, dangling or not, fails (ELOOP) instead of being followed.
+    unique_fd f(::openat(dir.get(), leaf.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+    if (f.get() < 0) throw error(open_failure(rel, errno));
+    check_regular(f.get(), rel, true);
+    return f;
+}
+
+void confined_root::write_all(int fd, const std::string &bytes, const std::string &rel) {
+    if (::ftruncate(fd, 0) != 0 || ::lseek(fd, 0, SEEK_SET) != 0) throw error("cannot write '" + rel + "': " + std::strerror(errno));
+    for (size_t done = 0; done < bytes.size();) {
+        const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) throw error("cannot write '" + rel + "': " + std::strerror(errno));
+        done += size_t(n);
+    }
+}
+
+std::string confined_root::fd_path(int fd) { return "/proc/self/fd/" + std::to_string(fd); }
 
 daemon::daemon(loader load, const fs::path &root, std::string default_drafter, cache::options prompt_cache)
     : load_(std::move(load)), root_(root), default_drafter_(std::move(default_drafter)) {
-    std::error_code ec;
-    if (!fs::is_directory(root_, ec)) throw error("daemon: --root '" + root_.string() + "' is not a directory");
     eng_ = load_();
     working_ = eng_->new_session();
     if (!prompt_cache.dir.empty()) {
@@ -118,11 +173,11 @@ static int64_t parse_int(const std::string &s, int64_t lo, int64_t hi, const std
 
 std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     if (a.size() < 2 || a.size() > 3) throw error("usage: generate <ids-file> <n> [out-file]");
-    confine_path(root_, a[0], true);  // path errors before anything else
+    const unique_fd in = root_.open_read(a[0]);  // path errors before anything else
     const int64_t n = parse_int(a[1], 1, 1 << 24, "n");
-    if (a.size() == 3) confine_path(root_, a[2], false);
+    const unique_fd out = a.size() == 3 ? root_.open_write(a[2]) : unique_fd();
     engine &eng = target("generate");
-    const std::vector<int32_t> prompt = read_ids(a[0], eng);
+    const std::vector<int32_t> prompt = read_ids(in.get(), a[0], eng);
     const int64_t n_ctx = eng.info().n_ctx;
     if (int64_t(prompt.size()) >= n_ctx)
         throw error("prompt of " + std::to_string(prompt.size()) + " tokens does not fit the context of " + std::to_string(n_ctx));
@@ -148,7 +203,7 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
         working_->eval(std::span<const int32_t>(&t, 1));
     }
     std::string reply = "ok " + std::to_string(gen.size()) + " " + reason;
-    write_or_append_ids(gen, a.size() == 3 ? a[2] : std::string(), reply);
+    write_or_append_ids(gen, out.get(), a.size() == 3 ? a[2] : std::string(), reply);
     if (cache_) {  // prompt + generated tokens (all but the last, never evaluated) for later prompts
         std::string why;
         if (cache_->save(*working_, why) == cache::prompt_cache::save_result::failed)
@@ -157,11 +212,16 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     return reply;
 }
 
-// A file of little-endian int32 token ids inside --root, each checked against the vocabulary.
-std::vector<int32_t> daemon::read_ids(const std::string &rel, const engine &eng) const {
-    const fs::path in = confine_path(root_, rel, true);
-    std::ifstream f(in, std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+std::vector<int32_t> daemon::read_ids(int fd, const std::string &rel, const engine &eng) {
+    std::string bytes;
+    char buf[65536];
+    for (;;) {
+        const ssize_t n = ::read(fd, buf, sizeof(buf));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw error("cannot read '" + rel + "': " + std::strerror(errno));
+        if (n == 0) break;
+        bytes.append(buf, size_t(n));
+    }
     if (bytes.empty() || bytes.size() % 4 != 0)
         throw error("'" + rel + "' must hold little-endian int32 token ids (" + std::to_string(bytes.size()) + " bytes)");
     std::vector<int32_t> ids(bytes.size() / 4);
@@ -174,23 +234,21 @@ std::vector<int32_t> daemon::read_ids(const std::string &rel, const engine &eng)
     return ids;
 }
 
-// Writes ids to out_rel (int32 LE, inside --root) or, when out_rel is empty, appends them to the reply.
-void daemon::write_or_append_ids(const std::vector<int32_t> &ids, const std::string &out_rel, std::string &reply) const {
-    if (out_rel.empty()) {
+void daemon::write_or_append_ids(const std::vector<int32_t> &ids, int out, const std::string &out_rel, std::string &reply) {
+    if (out < 0) {
         for (int32_t t : ids) {
             reply += ' ';
             reply += std::to_string(t);
         }
         return;
     }
-    const fs::path out = confine_path(root_, out_rel, false);
-    std::ofstream o(out, std::ios::binary | std::ios::trunc);
+    std::string bytes;
     for (int32_t t : ids) {
         const uint32_t u = uint32_t(t);
         const char b[4] = {char(u & 0xFF), char((u >> 8) & 0xFF), char((u >> 16) & 0xFF), char(u >> 24)};
-        o.write(b, 4);
+        bytes.append(b, 4);
     }
-    if (!o) throw error("cannot write '" + out_rel + "'");
+    confined_root::write_all(out, bytes, out_rel);
 }
 
 // compress <ids-file> <keep-x1000> <drafter> [device=cpu|cuda|cuda:N] [residency=keep|release|auto] [nopark] [out=<file>]
@@ -200,17 +258,15 @@ std::string daemon::cmd_compress(const std::vector<std::string> &a) {
         "usage: compress <ids-file> <keep-x1000> <drafter|default> [device=cpu|cuda|cuda:N] [residency=keep|release|auto] "
         "[nopark] [out=<file>]";
     if (a.size() < 3) throw error(usage);
-    confine_path(root_, a[0], true);
+    const unique_fd in = root_.open_read(a[0]);
     const double keep = double(parse_int(a[1], 0, 1000, "keep-x1000")) / 1000.0;
-    std::string drafter;
-    if (a[2] == "default") {
-        if (default_drafter_.empty()) throw error("no default drafter (start the daemon with --drafter PATH)");
-        drafter = default_drafter_;
-    } else {
-        drafter = confine_path(root_, a[2], true).string();
-    }
+    // The drafter: the operator's --drafter, or a file in --root held open and loaded through its descriptor.
+    const std::string drafter = a[2] == "default" ? default_drafter_ : a[2];
+    if (a[2] == "default" && default_drafter_.empty()) throw error("no default drafter (start the daemon with --drafter PATH)");
+    unique_fd drafter_fd = a[2] == "default" ? unique_fd() : root_.open_read(a[2]);
     pflash::drafter_residency residency = pflash::drafter_residency::auto_select;
     std::string out_rel, device = "cpu";
+    unique_fd out;
     for (size_t i = 3; i < a.size(); ++i) {
         const std::string &o = a[i];
         if (o == "nopark") continue;  // the target is never parked while scoring (docs/daemon-protocol.md)
@@ -220,18 +276,19 @@ std::string daemon::cmd_compress(const std::vector<std::string> &a) {
             residency = pflash::parse_residency(o.substr(10));
         } else if (o.rfind("out=", 0) == 0) {
             out_rel = o.substr(4);
-            confine_path(root_, out_rel, false);
+            out = root_.open_write(out_rel);
         } else {
             throw error("unknown option '" + o + "' (" + usage + ")");
         }
     }
     engine &eng = target("compress");
-    const std::vector<int32_t> prompt = read_ids(a[0], eng);
+    const std::vector<int32_t> prompt = read_ids(in.get(), a[0], eng);
     if (!comp_ || comp_drafter_ != drafter || comp_->opts().residency != residency ||
         comp_->opts().drafter_device != device) {
         comp_.reset();  // a different drafter, policy or device: release the old one first
+        comp_drafter_fd_ = std::move(drafter_fd);
         pflash::options po;
-        po.drafter_path = drafter;
+        po.drafter_path = comp_drafter_fd_.get() >= 0 ? confined_root::fd_path(comp_drafter_fd_.get()) : drafter;
         po.keep_ratio = keep;
         po.residency = residency;
         po.drafter_device = device;
@@ -242,7 +299,7 @@ std::string daemon::cmd_compress(const std::vector<std::string> &a) {
     comp_->set_keep_ratio(keep);
     const pflash::result r = comp_->compress(eng, prompt);
     std::string reply = "ok " + std::to_string(r.n_original) + " " + std::to_string(r.n_effective);
-    write_or_append_ids(r.tokens, out_rel, reply);
+    write_or_append_ids(r.tokens, out.get(), out_rel, reply);
     return reply;
 }
 

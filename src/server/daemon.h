@@ -17,10 +17,49 @@
 
 namespace fathom::server {
 
-// Resolves `rel` inside `root`. Rejects empty and absolute paths, any ".." component, and paths
-// whose real location (symlinks resolved) is outside root. must_exist: the file must exist
-// (input); otherwise its parent directory must exist (output). Throws fathom::error.
-std::filesystem::path confine_path(const std::filesystem::path &root, const std::string &rel, bool must_exist);
+// An owned file descriptor (closed on destruction; -1 = none).
+class unique_fd {
+public:
+    unique_fd() = default;
+    explicit unique_fd(int fd) : fd_(fd) {}
+    unique_fd(unique_fd &&o) noexcept : fd_(o.release()) {}
+    unique_fd &operator=(unique_fd &&o) noexcept;
+    unique_fd(const unique_fd &) = delete;
+    unique_fd &operator=(const unique_fd &) = delete;
+    ~unique_fd();
+    int get() const { return fd_; }
+    int release() {
+        const int f = fd_;
+        fd_ = -1;
+        return f;
+    }
+
+private:
+    int fd_ = -1;
+};
+
+// The --root directory, held open: files are opened relative to its descriptor, one path component
+// at a time with O_NOFOLLOW, so a path can only name a file below the root. Refused: empty and
+// absolute paths, "..", any symlink (to a file or a directory, inside or outside the root, dangling
+// or not) and anything but a regular file; a written file must not have other hard links. There
+// is no check separate from the open, so nothing swapped in between can redirect it.
+// Errors throw fathom::error naming the path as given.
+class confined_root {
+public:
+    explicit confined_root(const std::filesystem::path &root);
+    // A regular file to read.
+    unique_fd open_read(const std::string &rel) const;
+    // A regular file to write: created (0644) if missing; not truncated (see write_all).
+    unique_fd open_write(const std::string &rel) const;
+    // Replaces the contents of a file opened with open_write.
+    static void write_all(int fd, const std::string &bytes, const std::string &rel);
+    // "/proc/self/fd/N": a path naming exactly this open file, for loaders that take a path.
+    static std::string fd_path(int fd);
+
+private:
+    unique_fd open_parent(const std::string &rel, std::string &leaf) const;
+    unique_fd root_;
+};
 
 class daemon {
 public:
@@ -48,8 +87,11 @@ private:
     };
     std::string cmd_generate(const std::vector<std::string> &args);
     std::string cmd_compress(const std::vector<std::string> &args);
-    std::vector<int32_t> read_ids(const std::string &rel, const engine &eng) const;
-    void write_or_append_ids(const std::vector<int32_t> &ids, const std::string &out_rel, std::string &reply) const;
+    // A file of little-endian int32 token ids (rel: its name in messages), each checked against the vocabulary.
+    static std::vector<int32_t> read_ids(int fd, const std::string &rel, const engine &eng);
+    // Writes ids to out (int32 LE) or, when out is -1, appends them to the reply.
+    static void write_or_append_ids(const std::vector<int32_t> &ids, int out, const std::string &out_rel,
+                                    std::string &reply);
     std::string cmd_park(const std::vector<std::string> &args, bool park);
     std::string cmd_slot(const std::string &cmd, const std::vector<std::string> &args);
     std::string cmd_list() const;
@@ -59,14 +101,15 @@ private:
     void sync_working(const std::vector<int32_t> &prompt);
 
     loader load_;
-    std::filesystem::path root_;
+    confined_root root_;
     std::unique_ptr<engine> eng_;         // null while parked
     std::unique_ptr<session> working_;    // the session generate uses
     std::vector<int32_t> working_tokens_; // kept across park/unpark
     std::map<int, snapshot> slots_;
     std::string default_drafter_;
     std::unique_ptr<pflash::compressor> comp_;  // PFlash drafter state (created by the first compress)
-    std::string comp_drafter_;                  // its drafter path
+    std::string comp_drafter_;                  // its drafter (path or name in --root, as given)
+    unique_fd comp_drafter_fd_;                 // a drafter inside --root, held open while comp_ uses it
     std::unique_ptr<cache::prompt_cache> cache_;  // the disk prompt cache (null: none)
     bool done_ = false;
 };

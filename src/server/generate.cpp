@@ -28,6 +28,7 @@ struct prepared {
     bool reasoning = false;
     bool in_reasoning = false;
     think_control think;
+    std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
 };
 
 bool all_space(std::string_view s) {
@@ -80,10 +81,49 @@ void build_chat_prompt(server_context &ctx, prepared &p, bool count_only) {
     }
 }
 
+// An engine or loader message as a client may see it: every absolute path ('/a/b/file', also inside
+// quotes) shortened to its last component, so errors never reveal where files lie on the server.
+std::string client_text(const std::string &msg) {
+    std::string out;
+    for (size_t i = 0; i < msg.size();) {
+        const bool starts = msg[i] == '/' && (i == 0 || msg[i - 1] == ' ' || msg[i - 1] == '\'' || msg[i - 1] == '"' ||
+                                              msg[i - 1] == '(' || msg[i - 1] == '=');
+        if (!starts) {
+            out += msg[i++];
+            continue;
+        }
+        size_t end = i;
+        while (end < msg.size() && msg[end] != ' ' && msg[end] != '\'' && msg[end] != '"' && msg[end] != ')' &&
+               msg[end] != ',' && msg[end] != ':')
+            ++end;
+        const std::string path = msg.substr(i, end - i);
+        const size_t last = path.rfind('/');
+        out += last == 0 ? path : path.substr(last + 1);  // '/x' (one component) is not a path we hide
+        i = end;
+    }
+    return out;
+}
+
+bool call_forced(const gen_request &r) {
+    return r.tools_active() && (r.choice.kind == tool_choice::required || r.choice.kind == tool_choice::function);
+}
+
+// tool_choice required / named function: the prompt ends inside the opening of a call (the
+// format's forced_call_prefix), so the model can only continue the call.
+void force_call(server_context &ctx, prepared &p) {
+    p.forced = ctx.fmt->forced_call_prefix(p.r.choice);
+    if (p.forced.empty())
+        bad_request("tool_choice '" + std::string(p.r.choice.kind == tool_choice::required ? "required" : p.r.choice.name) +
+                        "' cannot be enforced with the '" + ctx.fmt->name() + "' tool format",
+                    "tool_choice");
+    const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, false);
+    p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
+}
+
 // Request body -> validated request and prompt tokens. Throws api_error.
-prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind, bool count_only) {
+prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
     prepared p;
-    const json body = parse_body(req.body);
+    const json body = parse_body(body_text);
     if (kind == api_kind::openai_chat) p.r = parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt);
     else if (kind == api_kind::openai_completion) p.r = parse_openai_completion(body, ctx.opts.defaults);
     else p.r = parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only);
@@ -97,28 +137,37 @@ prepared prepare(server_context &ctx, const httplib::Request &req, api_kind kind
             p.prompt = p.r.prompt_is_tokens ? p.r.prompt_tokens : ctx.eng.tokenize(p.r.prompt_text, true, true);
         } else {
             build_chat_prompt(ctx, p, count_only);
+            if (call_forced(p.r)) {
+                // The call's opening ends the prompt: a thinking block the output would open first
+                // (the forced "<think>") cannot come before it.
+                if (!p.think.open.empty())
+                    bad_request("tool_choice forcing a call cannot be combined with thinking mode (turn thinking off "
+                                "for this request)",
+                                "tool_choice");
+                force_call(ctx, p);
+            }
         }
     } catch (const error &e) {
-        bad_request(std::string("cannot build the prompt: ") + e.what());
+        bad_request("cannot build the prompt: " + client_text(e.what()));
     }
     const int n_ctx = ctx.sch.n_ctx();
     if (!count_only && !p.prompt.empty()) {
         try {
             ctx.compressor->check(p.r.compression);
         } catch (const error &e) {
-            bad_request(e.what(), "prefill_compression");
+            bad_request(client_text(e.what()), "prefill_compression");
         }
         try {
             p.compression = ctx.compressor->apply(ctx.eng, p.prompt, n_ctx, p.r.compression);
         } catch (const error &e) {
-            throw api_error(500, "server_error", std::string("prompt compression failed: ") + e.what());
+            throw api_error(500, "server_error", "prompt compression failed: " + client_text(e.what()));
         }
     }
     if (!count_only && int64_t(p.prompt.size()) >= n_ctx)
         throw api_error(400, "invalid_request_error",
                         "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
                             std::to_string(n_ctx) + " tokens (prompt plus at least one generated token)",
-                        "messages");
+                        kind == api_kind::openai_completion ? "prompt" : "messages");
     if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
     return p;
 }
@@ -385,14 +434,29 @@ struct anthropic_writer : stream_writer {
     }
 };
 
-// Parses calls out of the whole output (when tools are active), renaming ids for Anthropic.
+// Parses calls out of the whole output (when tools are active), renaming ids for Anthropic. A
+// forced call (tool_choice required / named) that did not come out whole is an error: the API
+// promises a call, and the model's text is not one.
 parsed_output split_calls(server_context &ctx, const prepared &p, const std::string &text) {
     if (!p.r.tools_active()) return {text, {}};
-    parsed_output out = ctx.fmt->parse(text, p.r.tool_names);
+    const bool named = p.r.choice.kind == tool_choice::function;
+    parsed_output out = ctx.fmt->parse(text, named ? std::vector<std::string>{p.r.choice.name} : p.r.tool_names);
+    if (call_forced(p.r) && out.calls.empty())
+        throw api_error(500, "api_error",
+                        "the model did not complete a valid call to " + (named ? "'" + p.r.choice.name + "'" : std::string("a tool")) +
+                            " (tool_choice requires one; " + std::to_string(text.size()) + " bytes generated)");
     if (p.r.kind == api_kind::anthropic_messages)
         for (auto &c : out.calls) c.id = random_id("toolu_");
     ctx.fmt->remember_turn(out, text);  // exact replay when the client sends the turn back
     return out;
+}
+
+// The token counts of a finished request, for the access log.
+void note_tokens(const sched::event &ev) {
+    if (connection *c = connection_manager::current()) {
+        c->n_prompt = ev.n_prompt;
+        c->n_generated = ev.n_generated;
+    }
 }
 
 // Waits for the job's next event, cancelling it if the client disconnected. false = client gone.
@@ -423,7 +487,7 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
                 return false;
             };
             if (!write(w->begin())) return false;
-            std::string acc;
+            std::string acc = p->forced;  // the forced call opening is part of the turn's text
             size_t emitted = 0;
             std::vector<sched::token_info> lps;
             const bool tools = p->r.tools_active();
@@ -452,12 +516,20 @@ void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<pre
                     lps.clear();
                 }
             }
+            note_tokens(ev);
             if (ev.reason == sched::finish_reason::error) {
-                write(w->fail("generation failed: " + ev.error));
+                write(w->fail("generation failed: " + client_text(ev.error)));
             } else if (ev.reason == sched::finish_reason::cancelled) {
                 write(w->fail("generation cancelled: the server is shutting down"));
             } else {
-                const parsed_output po = split_calls(*c, *p, acc);
+                parsed_output po;
+                try {
+                    po = split_calls(*c, *p, acc);
+                } catch (const api_error &e) {
+                    write(w->fail(e.what()));
+                    sink.done();
+                    return true;
+                }
                 const std::string rest = emitted < po.content.size() ? po.content.substr(emitted) : std::string();
                 if (!write(w->finish(rest, lps, po.calls, ev))) return false;
             }
@@ -511,15 +583,16 @@ json anthropic_response(server_context &ctx, const prepared &p, const chat::reas
 
 }  // namespace
 
-void handle_generate(server_context &ctx, const httplib::Request &req, httplib::Response &res, api_kind kind) {
+void handle_generate(server_context &ctx, const httplib::Request &req, const std::string &body, httplib::Response &res,
+                     api_kind kind) {
     auto probe = std::make_shared<connection_probe>(req);
-    auto p = std::make_shared<prepared>(prepare(ctx, req, kind, false));
+    auto p = std::make_shared<prepared>(prepare(ctx, body, kind, false));
     auto job = submit(ctx, *p);
     if (p->r.stream) {
         run_stream(ctx, res, p, job, probe);
         return;
     }
-    std::string text;
+    std::string text = p->forced;
     std::vector<sched::token_info> lps;
     sched::event ev;
     for (;;) {
@@ -531,7 +604,9 @@ void handle_generate(server_context &ctx, const httplib::Request &req, httplib::
         if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
         if (ev.final) break;
     }
-    if (ev.reason == sched::finish_reason::error) throw api_error(500, "api_error", "generation failed: " + ev.error);
+    note_tokens(ev);
+    if (ev.reason == sched::finish_reason::error)
+        throw api_error(500, "api_error", "generation failed: " + client_text(ev.error));
     if (ev.reason == sched::finish_reason::cancelled)
         throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
     const chat::reasoning_delta parts =
@@ -541,8 +616,9 @@ void handle_generate(server_context &ctx, const httplib::Request &req, httplib::
     res.set_content(dump_json(out), "application/json");
 }
 
-void handle_count_tokens(server_context &ctx, const httplib::Request &req, httplib::Response &res) {
-    const prepared p = prepare(ctx, req, api_kind::anthropic_messages, true);
+void handle_count_tokens(server_context &ctx, const httplib::Request &, const std::string &body,
+                         httplib::Response &res) {
+    const prepared p = prepare(ctx, body, api_kind::anthropic_messages, true);
     res.set_content(dump_json({{"input_tokens", p.prompt.size()}}), "application/json");
 }
 

@@ -1,15 +1,16 @@
-// HTTP routes, auth, error JSON, body limit, request counting and the connection probe.
+// HTTP routes, auth, error JSON, body limit, request counting, the checks made on a request's head
+// (framing, Host, Origin, CORS, Content-Type) and the access log. Connections: connections.h.
 #include "server/http_server.h"
 
-#include <dirent.h>
-#include <netinet/in.h>
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <strings.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -24,43 +25,8 @@ using json = nlohmann::json;
 // connection probe
 // ---------------------------------------------------------------------------------------------
 
-static bool sock_matches(const sockaddr_storage &ss, const std::string &addr, int port) {
-    char buf[INET6_ADDRSTRLEN] = {0};
-    int p = -1;
-    if (ss.ss_family == AF_INET) {
-        auto *a = reinterpret_cast<const sockaddr_in *>(&ss);
-        inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf));
-        p = ntohs(a->sin_port);
-    } else if (ss.ss_family == AF_INET6) {
-        auto *a = reinterpret_cast<const sockaddr_in6 *>(&ss);
-        inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
-        p = ntohs(a->sin6_port);
-    } else {
-        return false;
-    }
-    return p == port && addr == buf;
-}
-
-connection_probe::connection_probe(const httplib::Request &req) {
-    // cpp-httplib does not expose a request's socket: find it among our fds by its address pair.
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return;
-    while (dirent *e = readdir(d)) {
-        char *end = nullptr;
-        const long fd = std::strtol(e->d_name, &end, 10);
-        if (!end || *end || fd < 0 || fd == dirfd(d)) continue;
-        struct stat st;
-        if (fstat(int(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-        sockaddr_storage local{}, peer{};
-        socklen_t ll = sizeof(local), pl = sizeof(peer);
-        if (getsockname(int(fd), reinterpret_cast<sockaddr *>(&local), &ll) != 0) continue;
-        if (getpeername(int(fd), reinterpret_cast<sockaddr *>(&peer), &pl) != 0) continue;
-        if (sock_matches(local, req.local_addr, req.local_port) && sock_matches(peer, req.remote_addr, req.remote_port)) {
-            fd_ = int(fd);
-            break;
-        }
-    }
-    closedir(d);
+connection_probe::connection_probe(const httplib::Request &) {
+    if (const connection *c = connection_manager::current()) fd_ = c->fd;
 }
 
 bool connection_probe::due() {
@@ -111,11 +77,57 @@ void send_error(const httplib::Request &req, httplib::Response &res, int status,
 // server
 // ---------------------------------------------------------------------------------------------
 
+// cpp-httplib's server with the connection handling of connections.h: the accept loop hands each
+// socket to the connection manager (an inline task queue runs process_and_close_socket on the
+// accept thread), which calls serve_one on a worker once a request head is complete.
+class managed_server : public httplib::Server {
+public:
+    explicit managed_server(const connection_limits &lim)
+        : conns(lim, [this](connection &c) { return serve_one(c); }) {
+        new_task_queue = [] { return new inline_queue; };
+    }
+    ~managed_server() override { conns.stop(); }
+    connection_manager conns;
+
+private:
+    struct inline_queue : httplib::TaskQueue {
+        void enqueue(std::function<void()> fn) override { fn(); }
+        void shutdown() override {}
+    };
+    static constexpr int k_keep_alive_max = 100;  // requests per connection
+
+    bool process_and_close_socket(socket_t sock) override {
+        conns.add(int(sock));
+        return true;
+    }
+    // One request on c (worker thread); true = the connection may carry another.
+    bool serve_one(connection &c) {
+        bool closed = false;
+        const bool last = c.served + 1 >= k_keep_alive_max;
+        c.started = std::chrono::steady_clock::now();
+        c.n_prompt = c.n_generated = -1;
+        const bool ok = httplib::detail::process_client_socket(
+            c.fd, read_timeout_sec_, read_timeout_usec_, write_timeout_sec_, write_timeout_usec_,
+            [&](httplib::Stream &strm) { return process_request(strm, last, closed, nullptr); });
+        return ok && !closed && !last;
+    }
+};
+
+static connection_limits limits_of(const server_options &o) {
+    auto ms = [](double s) { return std::chrono::milliseconds(int64_t(s * 1000.0)); };
+    connection_limits l;
+    l.header_timeout = ms(o.header_timeout_s);
+    l.body_timeout = ms(o.body_timeout_s);
+    l.max_per_client = o.max_conns_per_client;
+    l.request_threads = std::max(o.http_threads, 2);
+    return l;
+}
+
 struct http_server::impl {
     server_context ctx;
-    httplib::Server svr;
+    managed_server svr;
     std::atomic<int> listen_fd{-1};  // the listening socket, captured when httplib creates it
-    impl(engine &e, sched::scheduler &s, server_options o) : ctx(e, s, std::move(o)) {}
+    impl(engine &e, sched::scheduler &s, server_options o) : ctx(e, s, std::move(o)), svr(limits_of(ctx.opts)) {}
 };
 
 // cpp-httplib (Debian's build) listens with a backlog of 5: under a burst of connections the
@@ -133,7 +145,8 @@ static bool key_matches(const std::string &given, const std::string &key) {
 static bool authorised(const httplib::Request &req, const std::string &key) {
     if (key.empty()) return true;
     const std::string auth = req.get_header_value("Authorization");
-    if (auth.rfind("Bearer ", 0) == 0 && key_matches(auth.substr(7), key)) return true;
+    // RFC 7235: the scheme name is case-insensitive.
+    if (auth.size() > 7 && strncasecmp(auth.c_str(), "bearer ", 7) == 0 && key_matches(auth.substr(7), key)) return true;
     return req.has_header("x-api-key") && key_matches(req.get_header_value("x-api-key"), key);
 }
 
@@ -143,7 +156,8 @@ static json props_json(server_context &ctx) {
     const auto &d = ctx.opts.defaults;
     json slots = json::array();
     for (const auto &sl : ctx.sch.slots()) slots.push_back({{"id", sl.index}, {"busy", sl.busy}, {"n_tokens", sl.n_tokens}});
-    return {{"model", {{"id", ctx.opts.model_ids.front()}, {"arch", mi.arch}, {"name", mi.name}, {"path", mi.path},
+    return {{"model", {{"id", ctx.opts.model_ids.front()}, {"arch", mi.arch}, {"name", mi.name},
+                       {"file", std::filesystem::path(mi.path).filename().string()},
                        {"n_params", mi.n_params}, {"n_vocab", mi.n_vocab}, {"n_ctx_train", mi.n_ctx_train},
                        {"file_bytes", mi.file_bytes}}},
             {"n_ctx", ctx.sch.n_ctx()},
@@ -157,7 +171,7 @@ static json props_json(server_context &ctx) {
             {"prefill_compression", {{"mode", compression_mode_name(ctx.compressor->options().mode)},
                                      {"threshold", ctx.compressor->options().threshold},
                                      {"keep_ratio", ctx.compressor->options().keep_ratio},
-                                     {"drafter", ctx.compressor->options().drafter_path},
+                                     {"drafter", std::filesystem::path(ctx.compressor->options().drafter_path).filename().string()},
                                      {"drafter_residency", pflash::residency_name(ctx.compressor->options().residency)}}},
             {"chat_template", mi.chat_template},
             {"max_body_bytes", ctx.opts.max_body_bytes},
@@ -194,13 +208,20 @@ int http_server::bind() {
     else if (!p_->svr.bind_to_port(o.host, port)) port = -1;
     if (port >= 0 && p_->listen_fd.load() >= 0 && ::listen(p_->listen_fd.load(), k_listen_backlog) != 0)
         throw error(std::string("serve: cannot raise the listen backlog: ") + std::strerror(errno));
-    if (port < 0) throw error("serve: cannot listen on " + o.host + ":" + std::to_string(o.port) + " (address in use or not available)");
+    if (port < 0)
+        throw error("serve: cannot listen on " + o.host + " port " + std::to_string(o.port) +
+                    " (the port is in use by another process, or the address is not available)");
     return port;
 }
 
-void http_server::listen() { p_->svr.listen_after_bind(); }
+void http_server::listen() {
+    p_->svr.listen_after_bind();
+    p_->svr.conns.stop();  // requests in progress finish first
+}
 
 void http_server::stop() { p_->svr.stop(); }
+
+connection_stats http_server::connections() const { return p_->svr.conns.stats(); }
 
 static std::string endpoint_label(const std::string &path) {
     static const char *known[] = {"/", "/health", "/metrics", "/props", "/v1/models", "/v1/chat/completions",
@@ -208,6 +229,11 @@ static std::string endpoint_label(const std::string &path) {
     for (const char *k : known)
         if (path == k) return k;
     return "other";
+}
+
+static bool is_post_endpoint(const std::string &path) {
+    return path == "/v1/chat/completions" || path == "/v1/completions" || path == "/v1/messages" ||
+           path == "/v1/messages/count_tokens";
 }
 
 // Runs a handler, turning exceptions into the API's error JSON.
@@ -222,21 +248,197 @@ static void guarded(const httplib::Request &req, httplib::Response &res, F &&f) 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// request checks before the body is read (pre-routing)
+// ---------------------------------------------------------------------------------------------
+
+static std::string lower(std::string s) {
+    for (char &c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+    return s;
+}
+
+// Host header -> host name without port ("[::1]:8080" -> "::1", "a.b:80" -> "a.b").
+static std::string host_name(const std::string &host) {
+    if (!host.empty() && host[0] == '[') {
+        const size_t close = host.find(']');
+        return close == std::string::npos ? host : host.substr(1, close - 1);
+    }
+    const size_t colon = host.find(':');
+    return lower(colon == std::string::npos ? host : host.substr(0, colon));
+}
+
+static bool is_ip_literal(const std::string &name) {
+    unsigned char buf[sizeof(in6_addr)];
+    return inet_pton(AF_INET, name.c_str(), buf) == 1 || inet_pton(AF_INET6, name.c_str(), buf) == 1;
+}
+
+// DNS rebinding: a page on attacker.example whose name now resolves to 127.0.0.1 reaches us with
+// "Host: attacker.example". Accepted: names in --allowed-host, else IP literals, "localhost" and
+// the --host value.
+static bool host_allowed(const server_options &o, const httplib::Request &req) {
+    if (!req.has_header("Host")) return true;  // HTTP/1.0 tools; every browser sends Host
+    const std::string name = host_name(req.get_header_value("Host"));
+    if (!o.allowed_hosts.empty()) {
+        for (const auto &h : o.allowed_hosts)
+            if (h == "*" || lower(h) == name) return true;
+        return false;
+    }
+    return is_ip_literal(name) || name == "localhost" || name == lower(o.host);
+}
+
+static bool origin_listed(const server_options &o, const std::string &origin) {
+    for (const auto &c : o.cors_origins)
+        if (c == "*" || c == origin) return true;
+    return false;
+}
+
+// A request with no Origin, or from the page's own origin, or from an origin given to --cors-origin.
+static bool origin_allowed(const server_options &o, const httplib::Request &req) {
+    if (!req.has_header("Origin")) return true;
+    const std::string origin = req.get_header_value("Origin");
+    const std::string host = req.get_header_value("Host");
+    if (!host.empty() && (origin == "http://" + host || origin == "https://" + host)) return true;
+    return origin_listed(o, origin);
+}
+
+// The CORS preflight (OPTIONS) for an origin given to --cors-origin.
+static void answer_preflight(const httplib::Request &req, httplib::Response &res) {
+    res.status = 204;
+    res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+    res.set_header("Access-Control-Allow-Headers",
+                   asked.empty() ? "Authorization, Content-Type, x-api-key, anthropic-version" : asked);
+    res.set_header("Access-Control-Max-Age", "600");
+}
+
+// Content-Length / Transfer-Encoding of a request, checked before any body byte is read: an absurd
+// length gets 400 and a too large one 413 at once (cpp-httplib would read or skip it first).
+static void check_framing(const server_options &o, const httplib::Request &req) {
+    const size_t n_len = req.get_header_value_count("Content-Length");
+    const bool chunked = req.has_header("Transfer-Encoding");
+    if (chunked && lower(req.get_header_value("Transfer-Encoding")) != "chunked")
+        throw api_error(400, "invalid_request_error", "unsupported Transfer-Encoding (only chunked is accepted)");
+    if (chunked && n_len) throw api_error(400, "invalid_request_error", "both Content-Length and Transfer-Encoding sent");
+    if (n_len > 1) throw api_error(400, "invalid_request_error", "more than one Content-Length header");
+    if (n_len == 1) {
+        const std::string v = req.get_header_value("Content-Length");
+        const bool digits = !v.empty() && v.size() <= 18 &&
+                            std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+        if (!digits) throw api_error(400, "invalid_request_error", "invalid Content-Length '" + v.substr(0, 32) + "'");
+        if (std::stoull(v) > o.max_body_bytes)
+            throw api_error(413, "request_too_large", "the request body exceeds " + std::to_string(o.max_body_bytes) + " bytes");
+    } else if (!chunked && req.method == "POST") {
+        throw api_error(411, "invalid_request_error", "a POST needs Content-Length or chunked Transfer-Encoding");
+    }
+}
+
+static bool has_body(const httplib::Request &req) {
+    if (req.has_header("Transfer-Encoding")) return true;
+    const std::string v = req.get_header_value("Content-Length");
+    return !v.empty() && v != "0";
+}
+
+static bool is_json_type(const std::string &content_type) {
+    std::string t = lower(content_type.substr(0, content_type.find(';')));
+    while (!t.empty() && t.back() == ' ') t.pop_back();
+    return t == "application/json";
+}
+
+// Everything decided from the head alone; true = answered (res holds the reply).
+static bool pre_route(server_context &ctx, connection_manager &conns, const httplib::Request &req, httplib::Response &res) {
+    const server_options &o = ctx.opts;
+    if (connection *c = connection_manager::current()) conns.body_started(*c);
+    if (!host_allowed(o, req))
+        throw api_error(400, "invalid_request_error",
+                        "Host '" + req.get_header_value("Host").substr(0, 64) + "' is not accepted by this server (--allowed-host)");
+    if (!origin_allowed(o, req))
+        throw api_error(403, "permission_error",
+                        "cross-origin request from '" + req.get_header_value("Origin").substr(0, 64) +
+                            "' refused (allow it with --cors-origin)");
+    if (req.has_header("Origin") && origin_listed(o, req.get_header_value("Origin"))) {
+        res.set_header("Access-Control-Allow-Origin", req.get_header_value("Origin"));
+        res.set_header("Vary", "Origin");
+    }
+    if (req.method == "OPTIONS") {  // preflight: no key needed (browsers send none)
+        answer_preflight(req, res);
+        return true;
+    }
+    check_framing(o, req);
+    const bool open = req.path == "/" || req.path == "/health";
+    if (!open && !authorised(req, o.api_key))
+        throw api_error(401, "authentication_error", "invalid or missing API key (send 'Authorization: Bearer KEY')");
+    if (req.method == "POST" && !is_post_endpoint(req.path))
+        throw api_error(404, "not_found_error", "no endpoint POST " + req.path);
+    if (req.method == "POST" && !is_json_type(req.get_header_value("Content-Type")))
+        throw api_error(415, "invalid_request_error", "the request body must be sent as 'Content-Type: application/json'");
+    if (req.method != "POST" && req.method != "GET" && req.method != "HEAD")
+        throw api_error(405, "invalid_request_error", "method " + req.method + " not allowed on " + req.path);
+    return false;
+}
+
+// Reads the request body through cpp-httplib's content reader, whatever its framing, keeping at
+// most max bytes: a longer body stops the read (413); a body that does not arrive in time, 408.
+static std::string read_body(server_context &ctx, connection_manager &conns, const httplib::ContentReader &reader) {
+    std::string body;
+    bool over = false, late = false;
+    const size_t max = ctx.opts.max_body_bytes;
+    connection *c = connection_manager::current();
+    const bool ok = reader([&](const char *data, size_t n) {
+        if (body.size() + n > max) {
+            over = true;
+            return false;
+        }
+        if (c && std::chrono::steady_clock::now() > c->body_deadline) {
+            late = true;
+            return false;
+        }
+        body.append(data, n);
+        return true;
+    });
+    if (c) conns.body_done(*c);
+    if (ok) return body;
+    if (c) c->close_after = true;  // the rest of the body is still on the wire
+    if (over) throw api_error(413, "request_too_large", "the request body exceeds " + std::to_string(max) + " bytes");
+    if (late) {
+        conns.body_timed_out();
+        throw api_error(408, "invalid_request_error",
+                        "the request body did not arrive within " + std::to_string(int(ctx.opts.body_timeout_s)) + " s");
+    }
+    throw api_error(400, "invalid_request_error", "the request body could not be read (malformed chunked encoding?)");
+}
+
+static void access_log(const httplib::Request &req, const httplib::Response &res) {
+    const connection *c = connection_manager::current();
+    const double ms = c ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - c->started).count() : 0;
+    std::string tokens;
+    if (c && c->n_prompt >= 0)
+        tokens = " prompt_tokens=" + std::to_string(c->n_prompt) + " completion_tokens=" + std::to_string(c->n_generated);
+    // The path only (a query string could carry anything), never headers or the body.
+    std::fprintf(stderr, "fathom serve: %s %s %s %d %.1f ms%s\n", req.remote_addr.c_str(), req.method.c_str(),
+                 endpoint_label(req.path).c_str(), res.status, ms, tokens.c_str());
+}
+
 static void setup_routes(http_server::impl &p) {
     server_context &ctx = p.ctx;
-    httplib::Server &svr = p.svr;
-    const int threads = std::max(ctx.opts.http_threads, 2);
-    svr.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    managed_server &svr = p.svr;
+    connection_manager &conns = svr.conns;
     svr.set_socket_options([&p](socket_t sock) {
-        httplib::default_socket_options(sock);
+        // cpp-httplib's defaults set SO_REUSEPORT, which lets a second server bind the same port and
+        // take half the connections: only SO_REUSEADDR (restart while old connections linger).
+        const int yes = 1;
+        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
         p.listen_fd.store(int(sock));  // the last socket created is the one that got bound
     });
     svr.set_payload_max_length(ctx.opts.max_body_bytes);
 
-    svr.set_pre_routing_handler([&ctx](const httplib::Request &req, httplib::Response &res) {
-        const bool open = req.path == "/" || req.path == "/health";
-        if (open || authorised(req, ctx.opts.api_key)) return httplib::Server::HandlerResponse::Unhandled;
-        send_error(req, res, 401, "authentication_error", "invalid or missing API key (send 'Authorization: Bearer KEY')");
+    svr.set_pre_routing_handler([&ctx, &conns](const httplib::Request &req, httplib::Response &res) {
+        bool answered = true;
+        guarded(req, res, [&] { answered = pre_route(ctx, conns, req, res); });
+        if (!answered) return httplib::Server::HandlerResponse::Unhandled;
+        if (has_body(req)) {  // answered before reading the body: drop it, then close
+            if (connection *c = connection_manager::current()) c->close_after = true;
+            if (req.get_header_value("Connection") != "close") res.set_header("Connection", "close");
+        }
         return httplib::Server::HandlerResponse::Handled;
     });
     svr.set_error_handler([&ctx](const httplib::Request &req, httplib::Response &res) {
@@ -252,48 +454,68 @@ static void setup_routes(http_server::impl &p) {
             send_error(req, res, res.status, res.status >= 500 ? "api_error" : "invalid_request_error",
                        "HTTP error " + std::to_string(res.status));
     });
-    svr.set_logger([&ctx](const httplib::Request &req, const httplib::Response &res) {
+    // Counted just before the response is written (a client that got it sees it counted), logged after.
+    svr.set_post_routing_handler([&ctx](const httplib::Request &req, httplib::Response &res) {
         std::lock_guard<std::mutex> lk(ctx.mu);
         ++ctx.http_counts[endpoint_label(req.path) + " " + std::to_string(res.status)];
     });
+    svr.set_logger([&ctx](const httplib::Request &req, const httplib::Response &res) {
+        if (ctx.opts.access_log) access_log(req, res);
+    });
 
-    svr.Get("/health", [](const httplib::Request &, httplib::Response &res) {
+    // GET handlers: the body phase ends with the head (GET bodies are never read).
+    auto get = [&svr, &conns](const char *path, httplib::Server::Handler h) {
+        svr.Get(path, [&conns, h](const httplib::Request &req, httplib::Response &res) {
+            if (connection *c = connection_manager::current()) conns.body_done(*c);
+            h(req, res);
+        });
+    };
+    get("/health", [](const httplib::Request &, httplib::Response &res) {
         res.set_content(R"({"status":"ok"})", "application/json");
     });
-    svr.Get("/", [](const httplib::Request &, httplib::Response &res) {
+    get("/", [](const httplib::Request &, httplib::Response &res) {
         res.set_content(web_index_html(), "text/html; charset=utf-8");
     });
-    svr.Get("/v1/models", [&ctx](const httplib::Request &, httplib::Response &res) {
-        json data = json::array();
+    get("/v1/models", [&ctx](const httplib::Request &, httplib::Response &res) {
+        // One model, listed once; the other ids it answers to (--alias, the file's model name) in "aliases".
         const model_info &mi = ctx.eng.info();
-        for (const auto &id : ctx.opts.model_ids)
-            data.push_back({{"id", id}, {"object", "model"}, {"created", 0}, {"owned_by", "fathom"},
-                            {"type", "model"}, {"display_name", mi.name.empty() ? id : mi.name},
-                            {"meta", {{"n_ctx", ctx.sch.n_ctx()}, {"n_vocab", mi.n_vocab}, {"n_params", mi.n_params}}}});
-        res.set_content(dump_json({{"object", "list"}, {"data", data}}), "application/json");
+        const auto &ids = ctx.opts.model_ids;
+        const std::string &id = ids.front();
+        json m = {{"id", id}, {"object", "model"}, {"created", 0}, {"owned_by", "fathom"}, {"type", "model"},
+                  {"display_name", mi.name.empty() ? id : mi.name},
+                  {"aliases", std::vector<std::string>(ids.begin() + 1, ids.end())},
+                  {"meta", {{"n_ctx", ctx.sch.n_ctx()}, {"n_vocab", mi.n_vocab}, {"n_params", mi.n_params}}}};
+        res.set_content(dump_json({{"object", "list"}, {"data", json::array({m})}}), "application/json");
     });
-    svr.Get("/metrics", [&ctx](const httplib::Request &, httplib::Response &res) {
+    get("/metrics", [&ctx, &conns](const httplib::Request &, httplib::Response &res) {
         std::vector<std::pair<std::string, uint64_t>> counts;
         {
             std::lock_guard<std::mutex> lk(ctx.mu);
             counts.assign(ctx.http_counts.begin(), ctx.http_counts.end());
         }
-        res.set_content(render_metrics(ctx.sch.stats(), counts) + render_compression_metrics(ctx.compressor->stats()),
+        res.set_content(render_metrics(ctx.sch.stats(), counts) + render_compression_metrics(ctx.compressor->stats()) +
+                            render_connection_metrics(conns.stats()),
                         "text/plain; version=0.0.4");
     });
-    svr.Get("/props", [&ctx](const httplib::Request &, httplib::Response &res) {
+    get("/props", [&ctx](const httplib::Request &, httplib::Response &res) {
         res.set_content(dump_json(props_json(ctx)), "application/json");
     });
+    auto post = [&svr, &ctx, &conns](const char *path, auto handler) {
+        svr.Post(path, [&ctx, &conns, handler](const httplib::Request &req, httplib::Response &res,
+                                               const httplib::ContentReader &reader) {
+            guarded(req, res, [&] { handler(req, read_body(ctx, conns, reader), res); });
+        });
+    };
     auto gen = [&ctx](api_kind kind) {
-        return [&ctx, kind](const httplib::Request &req, httplib::Response &res) {
-            guarded(req, res, [&] { handle_generate(ctx, req, res, kind); });
+        return [&ctx, kind](const httplib::Request &req, const std::string &body, httplib::Response &res) {
+            handle_generate(ctx, req, body, res, kind);
         };
     };
-    svr.Post("/v1/chat/completions", gen(api_kind::openai_chat));
-    svr.Post("/v1/completions", gen(api_kind::openai_completion));
-    svr.Post("/v1/messages", gen(api_kind::anthropic_messages));
-    svr.Post("/v1/messages/count_tokens", [&ctx](const httplib::Request &req, httplib::Response &res) {
-        guarded(req, res, [&] { handle_count_tokens(ctx, req, res); });
+    post("/v1/chat/completions", gen(api_kind::openai_chat));
+    post("/v1/completions", gen(api_kind::openai_completion));
+    post("/v1/messages", gen(api_kind::anthropic_messages));
+    post("/v1/messages/count_tokens", [&ctx](const httplib::Request &req, const std::string &body, httplib::Response &res) {
+        handle_count_tokens(ctx, req, body, res);
     });
 }
 

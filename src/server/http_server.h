@@ -11,6 +11,7 @@
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
 #include "sched/scheduler.h"
+#include "server/connections.h"
 #include "server/prompt_compression.h"
 
 namespace fathom::server {
@@ -30,6 +31,18 @@ struct server_options {
     // template_default = auto, off, on) and their thinking budget in tokens (--reasoning-budget; -1 = none).
     chat_thinking reasoning = chat_thinking::template_default;
     int64_t reasoning_budget = -1;
+    // Slow and greedy clients (docs/server.md "Connections"): seconds from connect (or keep-alive
+    // reuse) to a complete request head, and from the head to a complete body; open connections
+    // per client address (more are closed at once).
+    double header_timeout_s = 10;
+    double body_timeout_s = 60;
+    int max_conns_per_client = 64;
+    // Browsers (docs/server.md "Origins"): accepted Host header names ("" entries ignored; empty =
+    // the listening address, plus localhost / 127.0.0.1 / ::1 when it is a loopback or wildcard
+    // address), and origins allowed to call the API cross-origin ("*" = any; empty = none).
+    std::vector<std::string> allowed_hosts;
+    std::vector<std::string> cors_origins;
+    bool access_log = false;            // one line per request on stderr (no prompt text, no keys)
 };
 
 class http_server {
@@ -42,6 +55,8 @@ public:
     void listen();
     void stop();
     const std::vector<std::string> &model_ids() const;
+    // Connections refused or timed out so far (also in /metrics).
+    connection_stats connections() const;
 
     struct impl;  // opaque (http_server.cpp)
 
@@ -54,6 +69,8 @@ private:
 std::string render_metrics(const sched::scheduler_stats &s, const std::vector<std::pair<std::string, uint64_t>> &http_counts);
 // The PFlash counters (fathom_prefill_compression_*), appended to the above.
 std::string render_compression_metrics(const compression_stats &s);
+// The connection counters (fathom_http_connections_*_total).
+std::string render_connection_metrics(const connection_stats &s);
 
 // "data: <json>\n\n"
 std::string sse_data(const std::string &json_text);

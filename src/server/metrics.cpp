@@ -119,4 +119,16 @@ std::string render_compression_metrics(const compression_stats &s) {
     return o.str();
 }
 
+std::string render_connection_metrics(const connection_stats &s) {
+    std::ostringstream o;
+    metric(o, "fathom_http_connections_rejected_total", "counter",
+           "Connections closed at accept: the client address held --max-conns-per-client already.",
+           double(s.rejected_per_client));
+    metric(o, "fathom_http_header_timeouts_total", "counter",
+           "Connections closed without a complete request head within --header-timeout.", double(s.header_timeouts));
+    metric(o, "fathom_http_body_timeouts_total", "counter",
+           "Requests whose body did not arrive within --body-timeout (408).", double(s.body_timeouts));
+    return o.str();
+}
+
 }  // namespace fathom::server

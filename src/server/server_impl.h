@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "server/api.h"
+#include "server/connections.h"
 #include "server/http_server.h"
 #include "server/tool_calls.h"
 
@@ -25,8 +26,8 @@ struct server_context {
     server_context(engine &e, sched::scheduler &s, server_options o) : eng(e), sch(s), opts(std::move(o)) {}
 };
 
-// Watches the TCP connection a request arrived on: the socket is found by its address pair, and
-// alive() peeks it without consuming data (0 bytes readable = the client closed the connection).
+// Watches the TCP connection a request arrived on (the connection served on this thread, see
+// connections.h): alive() peeks it without consuming data (0 bytes readable = the client closed the connection).
 class connection_probe {
 public:
     explicit connection_probe(const httplib::Request &req);
@@ -34,7 +35,7 @@ public:
     // True at most once per 100 ms: rate-limits the checks of a busy stream.
     bool due();
 private:
-    int fd_ = -1;  // -1 = not found: always reported alive
+    int fd_ = -1;  // -1 = no connection (not served through connection_manager): always reported alive
     std::chrono::steady_clock::time_point last_{};
 };
 
@@ -43,8 +44,11 @@ void send_error(const httplib::Request &req, httplib::Response &res, int status,
                 const std::string &msg, const std::string &param = {});
 
 // POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens.
-void handle_generate(server_context &ctx, const httplib::Request &req, httplib::Response &res, api_kind kind);
-void handle_count_tokens(server_context &ctx, const httplib::Request &req, httplib::Response &res);
+// body: the request body (read by the route under --max-body).
+void handle_generate(server_context &ctx, const httplib::Request &req, const std::string &body, httplib::Response &res,
+                     api_kind kind);
+void handle_count_tokens(server_context &ctx, const httplib::Request &req, const std::string &body,
+                         httplib::Response &res);
 
 inline std::string dump_json(const nlohmann::json &j) {
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

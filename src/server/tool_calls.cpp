@@ -162,6 +162,14 @@ public:
         return out;
     }
 
+    std::string forced_call_prefix(const tool_choice &choice) const override {
+        // The form the system prompt asks for: <tool_call>\n{"name": <function-name>, "arguments": <args>}
+        std::string s = std::string(k_open) + "\n{\"name\": ";
+        if (choice.kind == tool_choice::required) return s + "\"";
+        if (choice.kind == tool_choice::function) return s + json(choice.name).dump() + ", \"arguments\": ";
+        return {};
+    }
+
     size_t safe_content_prefix(std::string_view text) const override {
         // A bare JSON call can only be the whole output: hold while the output may be one.
         const std::string_view t = trim(text);

@@ -314,6 +314,35 @@ def test_model(fathom, model, m, tmp, special, real):
         check(rc == 0 and "running on the CPU" in err, f"--device auto falls back to the CPU with a notice ({err[-200:]!r})")
 
 
+def test_serve_port(fathom, m):
+    """A second `fathom serve` on a port another server listens on: one error line naming the port,
+    non-zero exit (issue 22: SO_REUSEPORT let it bind and take half the connections)."""
+    import re
+    first = subprocess.Popen([fathom, "serve", "--port", "0"] + m, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in first.stderr:
+            hit = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            if hit:
+                port = hit.group(1)
+                break
+        check(port is not None, "serve --port 0 starts and reports its port")
+        if port is None:
+            return
+        try:
+            rc, out, err = run(fathom, ["serve", "--port", port] + m, timeout=30)
+        except subprocess.TimeoutExpired:
+            rc, err = 0, "(still serving after 30 s: it bound the same port)"
+        lines = [l for l in err.splitlines() if l.strip()]
+        check(rc != 0, f"a second serve on port {port} exits non-zero (rc {rc})")
+        check(len(lines) == 1 and lines[0].startswith("error: ") and f"port {port}" in lines[0],
+              f"a second serve on port {port} prints one error line naming the port ({lines})")
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fathom", required=True)
@@ -344,6 +373,7 @@ def main():
             here = os.path.dirname(os.path.abspath(__file__))
             subprocess.run([sys.executable, os.path.join(here, "make_tiny_model.py"), vocab, model], check=True)
             test_model(a.fathom, model, ["-m", model, "-t", "1"], tmp, "<|endoftext|>", real=False)
+            test_serve_port(a.fathom, ["-m", model, "-t", "1"])
         else:
             model = find_model(a.models_dir, "smollm2")
             if model is None:

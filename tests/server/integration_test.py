@@ -215,7 +215,7 @@ class ServeTests(unittest.TestCase):
         host, port = SERVER[1].split("//")[1].split(":")
         body = json.dumps({"model": MODEL, "messages": MSG, "max_tokens": 1000, "stream": True, "temperature": 0})
         s = socket.create_connection((host, int(port)))
-        s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
         s.recv(512)  # headers and the first chunk: it is generating
         s.close()

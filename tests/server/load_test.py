@@ -4,13 +4,17 @@
 N clients (default 64) hammer a live server for --duration seconds with a random mix of OpenAI
 chat (streaming and not), legacy completions and Anthropic messages, random max_tokens, and random
 cancellations (a streaming client hangs up after a few chunks; a non-streaming one gives up after
-a short timeout). Passes when:
+a short timeout). Meanwhile --hostile clients (default 8) misbehave in turns: trickling header bytes
+(closed at --header-timeout), trickling a body (408 at --body-timeout), a chunked body of 4 x
+--max-body (413 while it is read) and an absurd Content-Length (413 at once); and a prober reads
+/health every 0.25 s. Passes when:
   * no response has a 5xx status other than deliberate 503s (queue or KV pool full), and no stream
     carries an error frame; every 200 stream ends properly unless the client hung up itself;
   * afterwards the server is idle (/metrics: no busy slot, empty queue, no KV block reserved by a
     running request, no failed request) and still answers;
   * its resident memory is back to the baseline taken after a warm-up at full concurrency
     (tolerance --rss-tolerance-mib + 10%); skipped with --no-rss (sanitizer builds);
+  * every hostile connection got its expected end in time, and /health always answered within 5 s;
   * it exits cleanly (status 0) on SIGTERM, with no sanitizer report on stderr.
 
   python3 tests/server/load_test.py --fathom BUILD/fathom --model models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -36,7 +40,9 @@ WORDS = ("apple river stone cloud music light garden window paper engine forest 
 class Server:
     def __init__(self, fathom, model, args):
         cmd = [fathom, "serve", "-m", model, "--port", "0", "--parallel", str(args.parallel),
-               "--queue", str(args.queue), "--ctx", str(args.ctx), "--http-threads", str(args.clients + 16)]
+               "--queue", str(args.queue), "--ctx", str(args.ctx), "--http-threads", str(args.clients + 16),
+               "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+               "--max-body", str(MAX_BODY), "--max-conns-per-client", str(4 * (args.clients + args.hostile))]
         if args.threads:
             cmd += ["-t", str(args.threads)]
         cmd += args.serve_args.split()
@@ -97,6 +103,7 @@ class Stats:
         self.status = {}
         self.failures = []
         self.completed = self.cancelled = self.tokens = 0
+        self.health_worst = 0.0
 
     def count(self, key):
         with self.lock:
@@ -196,9 +203,107 @@ def one_request(port, rng, stats, cancel_p, deadline):
 
 
 SERVED_MODEL = [""]
+HEADER_TIMEOUT, BODY_TIMEOUT, MAX_BODY = 2, 3, 1 << 20
 
 
-def run_clients(port, clients, duration, cancel_p, seed, stats):
+# ------------------------------------------------------------------------------------ hostile clients
+
+def read_response(sock, limit):
+    """Reads until the server closes (or `limit` seconds pass); returns (bytes, seconds)."""
+    sock.settimeout(limit)
+    t0, out = time.time(), b""
+    try:
+        while True:
+            d = sock.recv(65536)
+            if not d:
+                break
+            out += d
+    except (socket.timeout, TimeoutError):
+        out += b"<no close>"
+    except OSError:
+        pass
+    return out, time.time() - t0
+
+
+def trickle(sock, data, stop_after):
+    """Sends data one byte every 50 ms until the server closes the socket or stop_after seconds."""
+    t0 = time.time()
+    for i in range(len(data)):
+        if time.time() - t0 > stop_after:
+            return
+        try:
+            sock.send(data[i:i + 1])
+        except OSError:
+            return
+        time.sleep(0.05)
+
+
+def send_quietly(sock, data):
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the server answered 413 and closed while the rest was on its way
+
+
+def hostile_once(port, rng, stats):
+    kind = rng.choice(["slow_head", "slow_body", "big_chunked", "huge_length"])
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        if kind == "slow_head":
+            t = threading.Thread(target=trickle, args=(s, b"GET /health HTTP/1.1\r\nX-Slow: " + b"z" * 400,
+                                                         HEADER_TIMEOUT + 10), daemon=True)
+            t.start()
+            out, dt = read_response(s, HEADER_TIMEOUT + 8)
+            ok = out == b"" and dt < HEADER_TIMEOUT + 6
+        elif kind == "slow_body":
+            s.sendall((head + "Content-Length: 5000\r\n\r\n").encode())
+            t = threading.Thread(target=trickle, args=(s, b" " * 5000, BODY_TIMEOUT + 10), daemon=True)
+            t.start()
+            out, dt = read_response(s, BODY_TIMEOUT + 8)
+            ok = out.startswith(b"HTTP/1.1 408") and dt < BODY_TIMEOUT + 6
+        elif kind == "big_chunked":
+            piece = b" " * 65536
+            body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(4 * MAX_BODY // len(piece)))
+            data = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + body + b"0\r\n\r\n"
+            t = threading.Thread(target=send_quietly, args=(s, data), daemon=True)
+            t.start()
+            out, dt = read_response(s, 20)
+            t.join(timeout=30)
+            ok = out.startswith(b"HTTP/1.1 413")
+        else:
+            s.sendall((head + "Content-Length: 99999999999\r\n\r\n").encode())
+            out, dt = read_response(s, 10)
+            ok = out.startswith(b"HTTP/1.1 413") and dt < 4  # answered at once; closed after a 2 s linger
+        stats.count("hostile " + kind)
+        if not ok:
+            stats.fail("hostile %s: %r after %.1f s" % (kind, out[:80], dt))
+    except OSError as e:
+        # A reset while the chunked body is still being sent is the server closing after its 413
+        # (the client sees it only if it reads in time): accepted for that case only.
+        if kind != "big_chunked":
+            stats.fail("hostile %s: %r" % (kind, e))
+    finally:
+        s.close()
+
+
+def probe_health(port, stats, deadline):
+    worst = 0.0
+    while time.time() < deadline:
+        t0 = time.time()
+        try:
+            urllib.request.urlopen("http://127.0.0.1:%d/health" % port, timeout=30).read()
+        except OSError as e:
+            stats.fail("/health: %r" % e)
+        worst = max(worst, time.time() - t0)
+        time.sleep(0.25)
+    if worst > 5:
+        stats.fail("/health took %.1f s" % worst)
+    with stats.lock:
+        stats.health_worst = worst
+
+
+def run_clients(port, clients, duration, cancel_p, seed, stats, hostile=0):
     deadline = time.time() + duration
 
     def client(i):
@@ -206,7 +311,14 @@ def run_clients(port, clients, duration, cancel_p, seed, stats):
         while time.time() < deadline:
             one_request(port, rng, stats, cancel_p, deadline)
 
+    def bad_client(i):
+        rng = random.Random(seed * 1000 + 500 + i)
+        while time.time() < deadline:
+            hostile_once(port, rng, stats)
+
     ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    ts += [threading.Thread(target=bad_client, args=(i,)) for i in range(hostile)]
+    ts.append(threading.Thread(target=probe_health, args=(port, stats, deadline)))
     for t in ts:
         t.start()
     for t in ts:
@@ -229,6 +341,7 @@ def main():
     ap.add_argument("--fathom", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--hostile", type=int, default=8, help="misbehaving clients alongside (0 = none)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of load (300 = full mode)")
     ap.add_argument("--warmup", type=float, default=8.0)
     ap.add_argument("--parallel", type=int, default=8)
@@ -249,22 +362,23 @@ def main():
             "http://127.0.0.1:%d/v1/models" % srv.port, timeout=30).read())["data"][0]["id"]
         # Warm-up at full concurrency: every slot, HTTP thread and allocator arena gets used once.
         warm = Stats()
-        run_clients(srv.port, args.clients, args.warmup, args.cancel_p, args.seed + 7, warm)
+        run_clients(srv.port, args.clients, args.warmup, args.cancel_p, args.seed + 7, warm, args.hostile)
         wait_idle(srv, 120)
         time.sleep(0.5)
         base = srv.rss_mib()
-        print("warm-up: %s; baseline RSS %.1f MiB" % (dict(sorted(warm.status.items())), base), flush=True)
+        print("warm-up: %s; baseline RSS %.1f MiB" % (dict(sorted(warm.status.items(), key=str)), base), flush=True)
 
         stats = Stats()
         t0 = time.time()
-        run_clients(srv.port, args.clients, args.duration, args.cancel_p, args.seed, stats)
+        run_clients(srv.port, args.clients, args.duration, args.cancel_p, args.seed, stats, args.hostile)
         elapsed = time.time() - t0
         m = wait_idle(srv, 120)
         time.sleep(0.5)
         after = srv.rss_mib()
         print("load: %.1f s, %d clients, statuses %s, completed %d, cancelled by client %d, stream frames %d"
-              % (elapsed, args.clients, dict(sorted(stats.status.items())), stats.completed, stats.cancelled,
+              % (elapsed, args.clients, dict(sorted(stats.status.items(), key=str)), stats.completed, stats.cancelled,
                  stats.tokens), flush=True)
+        print("worst /health latency %.2f s" % stats.health_worst, flush=True)
         print("metrics: submitted %d finished %d cancelled %d rejected %d failed %d; kv blocks used %d cached %d "
               "of %d" % tuple(m.get(k, -1) for k in (
                   "fathom_requests_submitted_total", "fathom_requests_finished_total",

@@ -10,7 +10,9 @@ Headless Chromium (the Debian package `chromium`, at /usr/bin/chromium) driven b
   4. checks the shown reply equals what the API returns for the same greedy request (so the page
      shows the server's text, not something else);
   5. sends a long request and presses Stop after the first piece: the meta line says 'stopped' and
-     the server is idle again (the cancellation reached the scheduler).
+     the server is idle again (the cancellation reached the scheduler);
+  6. on a second server started with --api-key: the page opened without a key lists no model and
+     says why; once the key is entered, the model list loads.
 
   python3 tests/server/web_test.py --fathom BUILD/fathom --model models/SmolLM2-135M-Instruct.Q4_1.gguf
 """
@@ -27,8 +29,8 @@ from playwright.sync_api import sync_playwright
 QUESTION = "What is the capital of France?"
 
 
-def start_server(fathom, model):
-    proc = subprocess.Popen([fathom, "serve", "-m", model, "--port", "0", "--ctx", "1024", "--parallel", "2"],
+def start_server(fathom, model, extra=()):
+    proc = subprocess.Popen([fathom, "serve", "-m", model, "--port", "0", "--ctx", "1024", "--parallel", "2", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -53,6 +55,29 @@ def metric(url, name):
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
     return float(m.group(1)) if m else None
+
+
+def check_key_entry(browser, args, failures):
+    """A server with --api-key: no models without the key; the list loads once the key is entered."""
+    proc, url = start_server(args.fathom, args.model, ["--api-key", "web-test-key"])
+    try:
+        page = browser.new_page()  # another port: another origin, so no key saved in localStorage
+        page.goto(url + "/")
+        page.wait_for_selector(".msg.error", timeout=30000)
+        if page.eval_on_selector_all("#model option", "els => els.length") != 0:
+            failures.append("models listed without the API key")
+        if "API key" not in page.inner_text(".msg.error"):
+            failures.append("the missing key is not explained: %r" % page.inner_text(".msg.error"))
+        page.fill("#apikey", "web-test-key")
+        page.dispatch_event("#apikey", "change")
+        try:
+            page.wait_for_function("document.querySelectorAll('#model option').length > 0", timeout=30000)
+        except Exception:
+            failures.append("the model list did not load after the API key was entered")
+        page.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def main():
@@ -123,6 +148,7 @@ def main():
                 time.sleep(0.1)
             if metric(url, "fathom_slots_busy") != 0:
                 failures.append("the stopped generation is still running on the server")
+            check_key_entry(browser, args, failures)
             browser.close()
     finally:
         proc.terminate()

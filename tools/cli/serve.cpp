@@ -31,6 +31,12 @@ struct serve_args {
     int prefill_chunk = 512;
     size_t max_body = 8u << 20;
     int http_threads = 64;
+    double header_timeout = 10;
+    double body_timeout = 60;
+    int max_conns_per_client = 64;
+    std::vector<std::string> allowed_hosts;
+    std::vector<std::string> cors_origins;
+    bool access_log = false;
     double kv_mem_mib = 0;       // KV pool budget; 0 = every slot can hold a full context
     int kv_block = 16;           // tokens per KV block
     std::vector<std::string> aliases;
@@ -129,6 +135,12 @@ void serve_main(serve_args &a) {
     o.api_key = a.api_key;
     o.max_body_bytes = a.max_body;
     o.http_threads = a.http_threads;
+    o.header_timeout_s = a.header_timeout;
+    o.body_timeout_s = a.body_timeout;
+    o.max_conns_per_client = a.max_conns_per_client;
+    o.allowed_hosts = a.allowed_hosts;
+    o.cors_origins = a.cors_origins;
+    o.access_log = a.access_log;
     o.defaults = a.sampling;
     o.model_ids = a.aliases;
     o.compression = co;
@@ -150,8 +162,12 @@ void serve_main(serve_args &a) {
         std::fprintf(stderr, "fathom serve: prompt cache %s: %llu entries, %.3f GiB (cap %.3f GiB)\n",
                      a.prompt_cache_dir.c_str(), static_cast<unsigned long long>(st0.disk.entries),
                      double(st0.disk.bytes) / 1073741824.0, a.prompt_cache_max_gib);
-    if (a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" && a.api_key.empty())
+    const bool loopback = a.host == "127.0.0.1" || a.host == "localhost" || a.host == "::1";
+    if (!loopback && a.api_key.empty())
         std::fprintf(stderr, "fathom serve: warning: listening on %s without --api-key\n", a.host.c_str());
+    if (!loopback && a.allowed_hosts.empty())
+        std::fprintf(stderr, "fathom serve: note: requests must name this server by IP address or localhost; "
+                             "give DNS names with --allowed-host\n");
 
     std::thread waiter([&] {
         int sig = 0;
@@ -189,9 +205,33 @@ void add_serve_command(CLI::App &app) {
         ->capture_default_str()
         ->check(CLI::Range(1, 1 << 20));
     cmd->add_option("--max-body", a->max_body, "Largest request body in bytes (413 beyond)")->capture_default_str();
-    cmd->add_option("--http-threads", a->http_threads, "HTTP connections served at once")
+    cmd->add_option("--http-threads", a->http_threads,
+                    "Requests served at once (POSTs; GET, HEAD and OPTIONS have 4 workers of their own, and "
+                    "connections waiting for a request hold none)")
         ->capture_default_str()
         ->check(CLI::Range(2, 4096));
+    cmd->add_option("--header-timeout", a->header_timeout,
+                    "Seconds a client has to send a request's line and headers (from connecting, or from reusing "
+                    "a kept-alive connection); then the connection is closed")
+        ->capture_default_str()
+        ->check(CLI::Range(0.1, 3600.0));
+    cmd->add_option("--body-timeout", a->body_timeout,
+                    "Seconds a client has to send a request's body once its headers are in (then 408)")
+        ->capture_default_str()
+        ->check(CLI::Range(0.1, 3600.0));
+    cmd->add_option("--max-conns-per-client", a->max_conns_per_client,
+                    "Open connections one client address may hold; more are closed at once")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100000));
+    cmd->add_option("--allowed-host", a->allowed_hosts,
+                    "Host header names accepted (repeatable; '*' = any). Default: IP addresses, localhost and "
+                    "--host (a page on another name that resolves here is refused: DNS rebinding)");
+    cmd->add_option("--cors-origin", a->cors_origins,
+                    "Origin allowed to call the API from a browser page (repeatable; '*' = any). Default: none "
+                    "(only the server's own chat page)");
+    cmd->add_flag("--access-log", a->access_log,
+                  "Log one line per request on stderr: client, method, path, status, duration, tokens "
+                  "(never prompt text or keys)");
     cmd->add_option("--kv-mem", a->kv_mem_mib,
                     "KV cache budget in MiB, shared by all slots in blocks; requests that do not fit wait "
                     "(default 0: every slot can hold a full context)")
