@@ -308,6 +308,10 @@ void step(const model &m, std::span<state *const> seqs, std::span<const step_row
 // The stream holds the raw ring and frontiers in plain decoding's layout (window slots, slot = pos mod
 // window; ratio 4: previous block then current block), converted from and to the position-indexed
 // rings; a loaded state cannot be rolled back below its n_past (its floor).
+// A compressor frontier at n_past in plain decoding's layout (the stream's and the CUDA sequence's): ratio
+// 4: slots 0..3 the previous block, 4..7 the current one; otherwise `ratio` slots by phase; kv and score
+// [slots, c*d'] each (positions < 0: value 0, score -inf).
+void frontier_plain_layout(const compressor_state &s, int64_t n_past, std::vector<float> &kv, std::vector<float> &score);
 void write_state(const model &m, const state &st, state_writer &w);
 void read_state(const model &m, state &st, state_reader &r, int64_t n_past);
 // The stream's head, shared with the CUDA sequence's save / load (backend/cuda/ds4_model.cpp): u32

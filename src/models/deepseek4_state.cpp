@@ -69,21 +69,9 @@ size_t frontier_width(const compressor_state &s) {
     return static_cast<size_t>((s.ratio == 4 ? 2 : 1) * s.dim);
 }
 
-// Canonical frontier [slots, width] (kv, then score) from the position-indexed one.
 void put_frontier(state_writer &w, const compressor_state &s, int64_t n_past) {
-    const size_t width = frontier_width(s), ring = s.kv.size() / width;
-    const int slots = s.ratio == 4 ? 8 : s.ratio;
-    std::vector<float> kv(static_cast<size_t>(slots) * width, 0.0f),
-        score(static_cast<size_t>(slots) * width, -INFINITY);
-    for (int c = 0; c < slots; ++c) {
-        const int64_t q = frontier_slot_position(c, s.ratio, n_past);
-        if (q < 0) continue;
-        const size_t from = static_cast<size_t>(q) % ring * width, to = static_cast<size_t>(c) * width;
-        std::copy(s.kv.begin() + static_cast<std::ptrdiff_t>(from), s.kv.begin() + static_cast<std::ptrdiff_t>(from + width),
-                  kv.begin() + static_cast<std::ptrdiff_t>(to));
-        std::copy(s.score.begin() + static_cast<std::ptrdiff_t>(from),
-                  s.score.begin() + static_cast<std::ptrdiff_t>(from + width), score.begin() + static_cast<std::ptrdiff_t>(to));
-    }
+    std::vector<float> kv, score;
+    frontier_plain_layout(s, n_past, kv, score);
     put_floats(w, kv);
     put_floats(w, score);
 }
@@ -132,6 +120,22 @@ void get_raw(state_reader &r, row_store &raw, int64_t window, int64_t n_past) {
 }
 
 }  // namespace
+
+void frontier_plain_layout(const compressor_state &s, int64_t n_past, std::vector<float> &kv, std::vector<float> &score) {
+    const size_t width = frontier_width(s), ring = s.kv.size() / width;
+    const int slots = s.ratio == 4 ? 8 : s.ratio;
+    kv.assign(static_cast<size_t>(slots) * width, 0.0f);
+    score.assign(static_cast<size_t>(slots) * width, -INFINITY);
+    for (int c = 0; c < slots; ++c) {
+        const int64_t q = frontier_slot_position(c, s.ratio, n_past);
+        if (q < 0) continue;
+        const size_t from = static_cast<size_t>(q) % ring * width, to = static_cast<size_t>(c) * width;
+        std::copy(s.kv.begin() + static_cast<std::ptrdiff_t>(from), s.kv.begin() + static_cast<std::ptrdiff_t>(from + width),
+                  kv.begin() + static_cast<std::ptrdiff_t>(to));
+        std::copy(s.score.begin() + static_cast<std::ptrdiff_t>(from),
+                  s.score.begin() + static_cast<std::ptrdiff_t>(from + width), score.begin() + static_cast<std::ptrdiff_t>(to));
+    }
+}
 
 int64_t rollback_floor(const state &st) {
     return std::min(st.n_past, std::max(st.floor, st.reached - max_rollback));

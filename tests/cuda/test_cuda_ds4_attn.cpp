@@ -275,11 +275,15 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         w.dim = dp;
         w.ape = randn(static_cast<size_t>(R * width), rng_, 0.5f);
         w.norm = randn(static_cast<size_t>(dp), rng_, 0.2f, 1.0f);
+        // The CUDA frontier: plain decoding's layout (ratio 4: previous block, then current; else by
+        // phase). The CPU's: position-indexed with rollback slack, compared through frontier_plain_layout.
         ds4::compressor_state st;
         st.ratio = R;
         st.dim = dp;
-        st.kv.assign(static_cast<size_t>(slots * width), 0.0f);
-        st.score.assign(static_cast<size_t>(slots * width), -INFINITY);
+        st.kv.assign(static_cast<size_t>((slots + ds4::max_rollback) * width), 0.0f);
+        st.score.assign(static_cast<size_t>((slots + ds4::max_rollback) * width), -INFINITY);
+        const std::vector<float> fresh_kv(static_cast<size_t>(slots * width), 0.0f),
+            fresh_score(static_cast<size_t>(slots * width), -INFINITY);
 
         cd::compressor_args a;
         a.ratio = R;
@@ -289,8 +293,8 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         a.eps = kEps;
         a.rope = dev_rope(tab, nr);
         a.qat = c.qat;
-        a.state_kv = up(st.kv);
-        a.state_score = up(st.score);
+        a.state_kv = up(fresh_kv);
+        a.state_score = up(fresh_score);
         const size_t stride = static_cast<size_t>(dp) * (c.f16 ? 2 : 4) + 32;
         std::vector<uint8_t> rows_host(stride * static_cast<size_t>(n_emit), 0xFF);  // last row: guard
         uint8_t *rows = up(rows_host);
@@ -336,9 +340,12 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         // nothing but the emitted rows' data was written (padding and the guard row keep 0xFF)
         EXPECT_EQ(down(rows, rows_host.size()), rows_host);
         // frontier: copies and one f32 add each, identical to the CPU's
-        const auto kv = down(a.state_kv, st.kv.size()), sc = down(a.state_score, st.score.size());
-        EXPECT_EQ(std::memcmp(kv.data(), st.kv.data(), kv.size() * 4), 0) << "frontier kv differs";
-        EXPECT_EQ(std::memcmp(sc.data(), st.score.data(), sc.size() * 4), 0) << "frontier scores differ";
+        std::vector<float> cpu_kv, cpu_sc;
+        ds4::frontier_plain_layout(st, n_pos, cpu_kv, cpu_sc);
+        ASSERT_EQ(cpu_kv.size(), fresh_kv.size());
+        const auto kv = down(a.state_kv, fresh_kv.size()), sc = down(a.state_score, fresh_score.size());
+        EXPECT_EQ(std::memcmp(kv.data(), cpu_kv.data(), kv.size() * 4), 0) << "frontier kv differs";
+        EXPECT_EQ(std::memcmp(sc.data(), cpu_sc.data(), sc.size() * 4), 0) << "frontier scores differ";
         std::printf("  compressor R=%d dim=%d %s %s: %lld rows, %zu/%zu bit-exact, worst %.3g\n", R, dp,
                     qat_name(c.qat), c.f16 ? "f16" : "f32", static_cast<long long>(n_emit - 1), exact, total,
                     worst);
