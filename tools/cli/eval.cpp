@@ -212,6 +212,7 @@ void add_eval_command(CLI::App &app) {
     a->model.model = "gemma3";
     auto *niah = cmd->add_subcommand("niah", "Needle retrieval: full prefill vs PFlash at several keep ratios (CSV)");
     add_model_options(niah, a->model, /*model_required=*/false);
+    set_group(niah, "NIAH");
     niah->add_option("--drafter", a->drafter, "PFlash drafter model (path or short name)")->capture_default_str();
     niah->add_option("--tokens", a->n_tokens, "Approximate prompt length in target tokens")->capture_default_str()->check(at_least(256));
     niah->add_option("--needles", a->n_needles, "Key/value needles per haystack")->capture_default_str()->check(CLI::Range(1, 16));
