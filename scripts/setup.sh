@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # One-time (idempotent) setup on Debian 12: build dependencies, test-time Python references,
 # the default models, and a Release build in ./build.
-#   scripts/setup.sh            # everything
-#   scripts/setup.sh --no-deps  # skip apt/pip (already installed)
+#   scripts/setup.sh                   # everything, building every target (binaries and test suites)
+#   scripts/setup.sh --target fathom   # build only that target (scripts/chat.sh: no test binaries)
+#   scripts/setup.sh --no-deps         # skip apt/pip (already installed)
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
 deps=1
-for a in "$@"; do
-    case "$a" in
+targets=()
+while [ $# -gt 0 ]; do
+    case "$1" in
         --no-deps) deps=0 ;;
-        *) echo "usage: scripts/setup.sh [--no-deps]" >&2; exit 2 ;;
+        --target) [ $# -ge 2 ] || { echo "setup: --target needs a name" >&2; exit 2; }; targets+=(--target "$2"); shift ;;
+        *) echo "usage: scripts/setup.sh [--no-deps] [--target NAME]..." >&2; exit 2 ;;
     esac
+    shift
 done
 
 APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3 python3-pip unzip
@@ -42,5 +46,5 @@ scripts/install-models.sh
 if [ ! -f build/build.ninja ]; then
     cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
-cmake --build build -j"$(nproc)"
+cmake --build build -j"$(nproc)" "${targets[@]}"
 echo "setup: done (binaries in build/, models in models/)"

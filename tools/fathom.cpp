@@ -22,6 +22,7 @@ int main(int argc, char **argv) {
         fathom::cli::add_run_command(app);
         fathom::cli::add_chat_command(app);
         fathom::cli::add_tokenize_command(app);
+        fathom::cli::add_detokenize_command(app);
         fathom::cli::add_logits_command(app);
         fathom::cli::add_bench_command(app);
         fathom::cli::add_serve_command(app);

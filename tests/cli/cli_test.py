@@ -2,15 +2,18 @@
 """Black-box tests of the `fathom` binary (tests/cli/tests.cmake registers them with ctest).
 
   cli_test.py --fathom BIN --suite basic   --help text, and bad inputs -> one-line error, non-zero exit
+  cli_test.py --fathom BIN --suite vocab   tokenize / detokenize on every vocab-only GGUF of
+                                           ../shared/tokenizer-tests against its expected ids
   cli_test.py --fathom BIN --suite tiny    the same smoke tests on a random-weight llama made by
                                            make_tiny_model.py (GPT-2 vocab from ../shared)
   cli_test.py --fathom BIN --suite model --models-dir DIR
                                            tokenize / logits / run / chat / bench smoke on the real
                                            model (exit 77 = skipped when the models are absent)
 
-Independent truths used: the option list of the CLI specification (docs/cli.md), the vocabulary
-stored in the GGUF read with gguf-py (token ids must spell the input text), and cross-mode
-consistency of the engine's logits.
+Independent truths used: the option lists and groups of the CLI specification (docs/cli.md), the
+reference token ids of ../shared/tokenizer-tests (Hugging Face tokenizers), the vocabulary stored in the
+GGUF read with gguf-py (token ids must spell the input text), and cross-mode consistency of the
+engine's logits.
 """
 import argparse
 import os
@@ -37,19 +40,45 @@ def run(fathom, args, stdin=None, timeout=120):
 
 # ------------------------------------------------------------------------------------------- help
 
+# The CLI specification (docs/cli.md): each subcommand's --help shows exactly these options, under these
+# headings (CLI11 help groups), besides -h,--help and --help-all under "Options". serve and daemon are
+# specified in docs/server.md and docs/daemon-protocol.md.
+MODEL_FILE = ["-m,--model", "--models-dir"]
+ENGINE = ["-t,--threads", "--ctx", "-b,--batch", "--kv-type", "--exact", "--numerics", "--qat", "--progress"]
+DEVICES = ["--device", "--devices", "--layout", "--micro-batch", "--procs", "--procs-host", "--procs-local",
+           "--no-cuda-graph"]
+SAMPLING = ["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
+            "--presence-penalty", "--seed"]
+SPEC = ["--spec", "--draft-model", "--draft-max", "--ngram-min", "--ngram-max"]
+ENGINE_GROUPS = {"Model": MODEL_FILE, "Engine": ENGINE, "Devices": DEVICES}
 OPTIONS = {
-    "run": ["-m,--model", "--models-dir", "-t,--threads", "--ctx", "--kv-type", "--exact", "--numerics", "--progress",
-            "--device", "-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat", "--temp", "--top-k",
-            "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
-            "--presence-penalty", "--seed", "--spec", "--draft-max", "--ngram-min", "--ngram-max", "--draft-model"],
-    "chat": ["-m,--model", "--models-dir", "--system", "-n,--n-predict", "--stats", "--temp", "--top-k",
-             "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ctx", "--kv-type", "-t,--threads", "--device",
-             "--spec", "--draft-max"],
-    "tokenize": ["-m,--model", "--models-dir", "--parse-special"],
-    "logits": ["-m,--model", "--tokens-file", "--out", "--mode", "--exact", "--numerics", "--kv-type", "-t,--threads", "--ctx", "--device"],
-    "bench": ["-m,--model", "-t,--threads", "-b,--batch", "-p,--n-prompt", "-n,--n-gen", "--reps", "--no-warmup", "--json",
-              "--device", "--depths", "--sessions"],
+    "run": {**ENGINE_GROUPS, "Prompt": ["-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat"],
+            "Speculative decoding": SPEC,
+            "PFlash": ["--pflash", "--keep-ratio", "--drafter", "--drafter-residency", "--drafter-device",
+                       "--drafter-window", "--pflash-verbatim-user"],
+            "Sampling": SAMPLING},
+    "chat": {**ENGINE_GROUPS, "Chat": ["--system", "-n,--n-predict", "--stats"], "Sampling": SAMPLING,
+             "Speculative decoding": SPEC},
+    "tokenize": {"Model": MODEL_FILE, "Tokenize": ["--parse-special"]},
+    "detokenize": {"Model": MODEL_FILE, "Detokenize": ["--no-special"]},
+    "logits": {**ENGINE_GROUPS, "Logits": ["--tokens-file", "--out", "--mode"],
+               "DeepSeek V4 drafters": ["--mtp", "--next-token", "--dspark", "--seed-token"]},
+    "bench": {**ENGINE_GROUPS, "Bench": ["-p,--n-prompt", "-n,--n-gen", "--no-warmup", "--reps", "--json",
+                                         "--depths", "--sessions"]},
 }
+HELP_OPTIONS = ["-h,--help", "--help-all"]
+
+
+def help_groups(text):
+    """--help text -> {heading: [option names]} (an option line starts with two spaces and a dash)."""
+    groups, heading = {}, None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":") and not line.startswith("Usage"):
+            heading = line[:-1]
+            groups.setdefault(heading, [])
+        elif heading is not None and line.startswith("  -"):
+            groups[heading].append(line.split()[0])
+    return groups
 
 
 def test_help(fathom):
@@ -58,12 +87,16 @@ def test_help(fathom):
     check(rc == 0, "fathom --help exits 0")
     for sub in OPTIONS:
         check(sub in text, f"fathom --help lists subcommand {sub}")
-    for sub, opts in OPTIONS.items():
+    for sub, expected in OPTIONS.items():
         rc, out, _ = run(fathom, [sub, "--help"])
         text = out.decode()
         check(rc == 0, f"fathom {sub} --help exits 0")
-        for o in opts:
-            check(o in text, f"fathom {sub} --help documents {o}")
+        got = help_groups(text)
+        want = {"Options": HELP_OPTIONS, **expected}
+        check(list(got) == list(want), f"fathom {sub} --help headings {list(got)} == {list(want)}")
+        for group, opts in want.items():
+            check(sorted(got.get(group, [])) == sorted(opts),
+                  f"fathom {sub} --help group {group!r}: exactly {opts} (got {got.get(group)})")
         # Every option line carries a description (no undocumented flags).
         lines = [l for l in text.splitlines() if l.strip().startswith("-")]
         bare = [l for l in lines if len(l.split("  ")) < 2 and not l.rstrip().endswith(":")]
@@ -136,9 +169,53 @@ def test_bad_inputs(fathom, tmp, shared):
     expect_error(fathom, ["logits", "-m", garbage, "--tokens-file", ids, "--out", "o.f32", "--mode", "chunked:0"],
                  "bad logits mode", needle="mode")
     expect_error(fathom, ["bench", "-m", garbage, "-p", "0"], "bench -p 0", needle="n-prompt")
+    expect_error(fathom, ["detokenize", "-m", garbage], "detokenize with a garbage model", stdin=b"1 2")
+    expect_error(fathom, ["detokenize"], "detokenize without -m", needle="model")
+    expect_error(fathom, ["tokenize", "-m", garbage, "--threads", "2"], "tokenize takes no engine options",
+                 stdin=b"hi", needle="--threads")
     vocab = os.path.join(shared, "tokenizer-tests", "ggml-vocab-gpt-2.gguf")
     if os.path.exists(vocab):
         expect_error(fathom, ["run", "-m", vocab, "-p", "hi"], "vocab-only GGUF (no weights) as model")
+        expect_error(fathom, ["detokenize", "-m", vocab], "detokenize of a non-integer", stdin=b"12 x1",
+                     needle="'x1'")
+        expect_error(fathom, ["detokenize", "-m", vocab], "detokenize of an id outside the vocabulary",
+                     stdin=b"50257", needle="50257")
+        expect_error(fathom, ["detokenize", "-m", vocab], "detokenize of a negative id", stdin=b"-1", needle="-1")
+
+
+# ------------------------------------------------------------------------------- vocabulary files
+
+def vocab_cases(path):
+    """The llama.cpp-format suite of a vocab GGUF: [(text, expected ids)] from X.gguf.inp / X.gguf.out."""
+    with open(path + ".inp", encoding="utf-8", newline="") as f:
+        texts = f.read().split("\n__ggml_vocab_test__\n")[:-1]
+    with open(path + ".out", encoding="utf-8", newline="") as f:
+        outs = [[int(x) for x in line.split()] for line in f.read().split("\n")[:len(texts)]]
+    return list(zip(texts, outs))
+
+
+def test_vocab_file(fathom, path):
+    """tokenize gives the reference ids for every test string; detokenize of those ids gives the string back."""
+    name = os.path.basename(path)
+    cases = vocab_cases(path)
+    check(len(cases) > 0, f"{name}: test strings found")
+
+    def one(case):
+        text, want = case
+        rc, out, err = run(fathom, ["tokenize", "-m", path], stdin=text.encode())
+        got = [int(x) for x in out.split()] if rc == 0 else None
+        rc2, back, err2 = run(fathom, ["detokenize", "-m", path], stdin=" ".join(map(str, want)).encode())
+        return text, want, (rc, got, err), (rc2, back, err2)
+
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, cases))
+    bad_tok = [(t, w, r) for t, w, r, _ in results if r[0] != 0 or r[1] != w]
+    bad_detok = [(t, d) for t, _, _, d in results if d[0] != 0 or d[1] != t.encode()]
+    check(not bad_tok, f"{name}: tokenize matches the reference ids on all {len(cases)} strings"
+                       + (f" (first mismatch: {bad_tok[0]!r})" if bad_tok else ""))
+    check(not bad_detok, f"{name}: detokenize of the reference ids gives each string back"
+                         + (f" (first mismatch: {bad_detok[0]!r})" if bad_detok else ""))
 
 
 # --------------------------------------------------------------------------------- with a model
@@ -171,13 +248,15 @@ def gpt2_bytes_to_unicode():
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def test_model(fathom, model, m, tmp, special, real):
-    """Smoke tests on one model file; `m` are the -m arguments, `special` a special token's text."""
+def test_model(fathom, model, mv, tmp, special, real, engine_args=()):
+    """Smoke tests on one model file; `mv` are the -m (and --models-dir) arguments, `engine_args` the engine
+    options added for the commands that load an engine, `special` a special token's text."""
     import numpy as np
+    m = mv + list(engine_args)
 
     # tokenize: ids spell the input text through the GGUF's own vocabulary (read with gguf-py).
     text = "Hello world, naïve café! 1234"
-    rc, out, err = run(fathom, ["tokenize"] + m, stdin=text.encode())
+    rc, out, err = run(fathom, ["tokenize"] + mv, stdin=text.encode())
     check(rc == 0, f"tokenize exits 0 ({err.strip()})")
     ids = [int(x) for x in out.decode().split()]
     check(out.decode().endswith("\n") and out.decode().count("\n") == 1, "tokenize prints one line")
@@ -186,13 +265,20 @@ def test_model(fathom, model, m, tmp, special, real):
     spelled = bytes(b2u[c] for i in ids for c in vocab[i]).decode("utf-8", "replace")
     check(spelled == text, f"tokenize ids spell the input ({ids} -> {spelled!r})")
     # Special-token text: plain text by default, one token with --parse-special.
-    rc, out_plain, _ = run(fathom, ["tokenize"] + m, stdin=special.encode())
-    rc2, out_special, _ = run(fathom, ["tokenize", "--parse-special"] + m, stdin=special.encode())
+    rc, out_plain, _ = run(fathom, ["tokenize"] + mv, stdin=special.encode())
+    rc2, out_special, _ = run(fathom, ["tokenize", "--parse-special"] + mv, stdin=special.encode())
     plain, special_ids = out_plain.decode().split(), out_special.decode().split()
     check(rc == 0 and rc2 == 0, "tokenize of special text exits 0")
     check(len(special_ids) == 1 and vocab[int(special_ids[0])] == special,
           f"--parse-special gives the special token {special_ids}")
     check(len(plain) > 1, f"special text without --parse-special is plain text {plain}")
+    # detokenize: the ids give the text back; control tokens print their text unless --no-special.
+    rc, back, err = run(fathom, ["detokenize"] + mv, stdin=" ".join(map(str, ids)).encode())
+    check(rc == 0 and back == text.encode(), f"detokenize gives the text back ({back!r}; {err.strip()[-200:]})")
+    rc, back, _ = run(fathom, ["detokenize"] + mv, stdin=out_special)
+    rc2, hidden, _ = run(fathom, ["detokenize", "--no-special"] + mv, stdin=out_special)
+    check(rc == 0 and back == special.encode() and rc2 == 0 and hidden == b"",
+          f"detokenize prints a control token's text, --no-special nothing ({back!r}, {hidden!r})")
 
     # logits: the three evaluation modes agree (same model, same tokens, different batching).
     ids_file = os.path.join(tmp, "ids.txt")
@@ -346,7 +432,7 @@ def test_serve_port(fathom, m):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fathom", required=True)
-    ap.add_argument("--suite", choices=["basic", "tiny", "model"], required=True)
+    ap.add_argument("--suite", choices=["basic", "vocab", "tiny", "model"], required=True)
     ap.add_argument("--models-dir", default="models")
     ap.add_argument("--shared", default="../shared")
     a = ap.parse_args()
@@ -357,6 +443,15 @@ def main():
         if a.suite == "basic":
             test_help(a.fathom)
             test_bad_inputs(a.fathom, tmp, a.shared)
+        elif a.suite == "vocab":
+            # Every vocab-only GGUF of ../shared/tokenizer-tests, through the binary (tokenizer only, no engine).
+            d = os.path.join(a.shared, "tokenizer-tests")
+            files = sorted(f for f in os.listdir(d) if f.endswith(".gguf")) if os.path.isdir(d) else []
+            if not files:
+                print(f"SKIP: no vocab GGUF in {d}")
+                return SKIP
+            for f in files:
+                test_vocab_file(a.fathom, os.path.join(d, f))
         elif a.suite == "tiny":
             # A random-weight llama with the GPT-2 vocabulary, generated here: exercises every
             # command end to end without the real models.
@@ -372,7 +467,7 @@ def main():
             model = os.path.join(tmp, "tiny-llama.gguf")
             here = os.path.dirname(os.path.abspath(__file__))
             subprocess.run([sys.executable, os.path.join(here, "make_tiny_model.py"), vocab, model], check=True)
-            test_model(a.fathom, model, ["-m", model, "-t", "1"], tmp, "<|endoftext|>", real=False)
+            test_model(a.fathom, model, ["-m", model], tmp, "<|endoftext|>", real=False, engine_args=["-t", "1"])
             test_serve_port(a.fathom, ["-m", model, "-t", "1"])
         else:
             model = find_model(a.models_dir, "smollm2")

@@ -1,10 +1,7 @@
-// Writer side of tests/pflash/check_plot_png.py, which decodes the PNGs with Python's zlib + struct as an
-// independent reader. Two modes:
-//   pflash_plot_tool chart OUT.png LAYOUT.json N_TOKENS NEEDLES TRIALS FILLER [MODE ACC TTFT DRAFTER]...
+// Writer side of tests/pflash/check_plot_svg.py, which parses the SVGs with Python's XML parser as an
+// independent reader:
+//   pflash_plot_tool chart OUT.svg LAYOUT.json N_TOKENS NEEDLES TRIALS FILLER [MODE ACC TTFT DRAFTER]...
 //       write_niah_plot() of the given rows, and the chart geometry (niah_plot_compute_layout) as JSON.
-//   pflash_plot_tool pattern OUT.png W H
-//       png_encode() of a W x H image whose every pixel follows a formula the checker recomputes:
-//       (r, g, b) = ((7x + 3y) % 256, (x ^ y) % 256, (x * y) % 251).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -26,7 +23,9 @@ void print_panel(FILE *f, const char *name, const niah_plot_panel &p, bool last)
 
 int chart(int argc, char **argv) {
     if (argc < 8 || (argc - 8) % 4 != 0) {
-        std::fprintf(stderr, "usage: chart OUT.png LAYOUT.json N_TOKENS NEEDLES TRIALS FILLER [MODE ACC TTFT DRAFTER]...\n");
+        std::fprintf(
+            stderr,
+            "usage: chart OUT.svg LAYOUT.json N_TOKENS NEEDLES TRIALS FILLER [MODE ACC TTFT DRAFTER]...\n");
         return 2;
     }
     niah_plot_summary s;
@@ -48,31 +47,13 @@ int chart(int argc, char **argv) {
     return std::fclose(f) == 0 ? 0 : 1;
 }
 
-int pattern(int argc, char **argv) {
-    if (argc != 5) {
-        std::fprintf(stderr, "usage: pattern OUT.png W H\n");
-        return 2;
-    }
-    image_rgb img(std::atoi(argv[3]), std::atoi(argv[4]), rgb{});
-    for (int32_t y = 0; y < img.height; ++y)
-        for (int32_t x = 0; x < img.width; ++x) {
-            uint8_t *p = &img.pixels[(static_cast<size_t>(y) * static_cast<size_t>(img.width) + static_cast<size_t>(x)) * 3];
-            p[0] = static_cast<uint8_t>((7 * x + 3 * y) % 256);
-            p[1] = static_cast<uint8_t>((x ^ y) % 256);
-            p[2] = static_cast<uint8_t>((x * y) % 251);
-        }
-    write_file_atomic(argv[2], png_encode(img));
-    return 0;
-}
-
 }  // namespace
 
 int main(int argc, char **argv) {
     try {
         const std::string mode = argc > 1 ? argv[1] : "";
         if (mode == "chart") return chart(argc, argv);
-        if (mode == "pattern") return pattern(argc, argv);
-        std::fprintf(stderr, "usage: pflash_plot_tool chart|pattern ...\n");
+        std::fprintf(stderr, "usage: pflash_plot_tool chart ...\n");
         return 2;
     } catch (const fathom::error &e) {
         std::fprintf(stderr, "error: %s\n", e.what());

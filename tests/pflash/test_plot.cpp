@@ -1,11 +1,11 @@
-// The `eval niah --plot` chart (src/pflash/plot.h): checksum known-answer vectors, the PNG byte layout
-// (chunks, zlib header, stored-block boundaries at exactly 65535 raw bytes and one past), atomic writes
-// into bad paths, the font's coverage, and the bars' pixels against the values. The independent decode
-// of the written files is tests/pflash/check_plot_png.py (ctest pflash_plot_png).
+// The `eval niah --plot` chart (src/pflash/plot.h): atomic writes into bad paths, XML escaping, the
+// layout, and the SVG's bars against the values. The independent parse of the written files is
+// tests/pflash/check_plot_svg.py (ctest pflash_plot_svg).
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -21,13 +21,6 @@ namespace fathom::pflash {
 namespace {
 
 namespace fs = std::filesystem;
-
-uint32_t crc_of(const std::string &s) { return png_crc32(reinterpret_cast<const uint8_t *>(s.data()), s.size()); }
-uint32_t adler_of(const std::string &s) { return png_adler32(reinterpret_cast<const uint8_t *>(s.data()), s.size()); }
-
-uint32_t be32(const std::vector<uint8_t> &b, size_t at) {
-    return (uint32_t{b[at]} << 24) | (uint32_t{b[at + 1]} << 16) | (uint32_t{b[at + 2]} << 8) | uint32_t{b[at + 3]};
-}
 
 // A fresh empty directory under the system temp dir, removed at scope exit.
 struct temp_dir {
@@ -45,128 +38,18 @@ struct temp_dir {
     }
 };
 
-TEST(pflash_plot, crc32_known_vectors) {
-    EXPECT_EQ(crc_of("123456789"), 0xCBF43926u);
-    EXPECT_EQ(crc_of(""), 0u);
-    EXPECT_EQ(crc_of("IEND"), 0xAE426082u);  // the CRC every PNG ends with
-    EXPECT_EQ(crc_of("The quick brown fox jumps over the lazy dog"), 0x414FA339u);
-    // Continuing from a previous result equals one pass over the concatenation.
-    const std::string a = "12345", b = "6789";
-    EXPECT_EQ(png_crc32(reinterpret_cast<const uint8_t *>(b.data()), b.size(), crc_of(a)), 0xCBF43926u);
-}
-
-TEST(pflash_plot, adler32_known_vectors) {
-    EXPECT_EQ(adler_of("Wikipedia"), 0x11E60398u);
-    EXPECT_EQ(adler_of(""), 1u);
-    EXPECT_EQ(adler_of("a"), 0x00620062u);
-    // Long input of 0xFF bytes (the worst case for the deferred modulo) against a per-byte modulo.
-    std::vector<uint8_t> big(200003, 0xFF);
-    for (size_t i = 0; i < big.size(); i += 7) big[i] = static_cast<uint8_t>(i);
-    uint32_t a = 1, b = 0;
-    for (uint8_t v : big) a = (a + v) % 65521, b = (b + a) % 65521;
-    EXPECT_EQ(png_adler32(big.data(), big.size()), (b << 16) | a);
-    EXPECT_EQ(png_adler32(big.data() + 70000, big.size() - 70000, png_adler32(big.data(), 70000)), (b << 16) | a);
-}
-
-// Splits a PNG into chunks, checking each CRC; returns (type, data) pairs.
-std::vector<std::pair<std::string, std::vector<uint8_t>>> chunks_of(const std::vector<uint8_t> &png) {
-    const uint8_t sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
-    EXPECT_TRUE(png.size() >= 8 && std::equal(sig, sig + 8, png.begin()));
-    std::vector<std::pair<std::string, std::vector<uint8_t>>> out;
-    size_t at = 8;
-    while (at + 12 <= png.size()) {
-        const uint32_t len = be32(png, at);
-        EXPECT_LE(at + 12 + len, png.size());
-        if (at + 12 + len > png.size()) break;
-        EXPECT_EQ(be32(png, at + 8 + len), png_crc32(png.data() + at + 4, 4 + len)) << "chunk at " << at;
-        out.emplace_back(std::string(png.begin() + static_cast<long>(at + 4), png.begin() + static_cast<long>(at + 8)),
-                         std::vector<uint8_t>(png.begin() + static_cast<long>(at + 8),
-                                              png.begin() + static_cast<long>(at + 8 + len)));
-        at += 12 + len;
-    }
-    EXPECT_EQ(at, png.size());
-    return out;
-}
-
-// Walks the stored blocks of a zlib stream; returns the payload and the block lengths.
-std::vector<uint8_t> unstore(const std::vector<uint8_t> &z, std::vector<size_t> &lens) {
-    EXPECT_EQ(z.at(0), 0x78);
-    EXPECT_EQ((z.at(0) * 256 + z.at(1)) % 31, 0);
-    std::vector<uint8_t> raw;
-    size_t at = 2;
-    for (bool final = false; !final;) {
-        final = z.at(at) & 1;
-        EXPECT_EQ(z.at(at) & 6, 0) << "BTYPE must be stored";
-        const size_t len = z.at(at + 1) | (z.at(at + 2) << 8);
-        const size_t nlen = z.at(at + 3) | (z.at(at + 4) << 8);
-        EXPECT_EQ(len ^ 0xFFFF, nlen);
-        raw.insert(raw.end(), z.begin() + static_cast<long>(at + 5), z.begin() + static_cast<long>(at + 5 + len));
-        lens.push_back(len);
-        at += 5 + len;
-    }
-    EXPECT_EQ(at + 4, z.size());
-    EXPECT_EQ(be32(z, at), png_adler32(raw.data(), raw.size()));
-    return raw;
-}
-
-image_rgb pattern(int32_t w, int32_t h) {
-    image_rgb img(w, h, rgb{});
-    for (int32_t y = 0; y < h; ++y)
-        for (int32_t x = 0; x < w; ++x)
-            img.fill_rect(x, y, x + 1, y + 1, rgb{uint8_t(x * 7 + y), uint8_t(x ^ y), uint8_t(x * y % 251)});
-    return img;
-}
-
-// Encodes a w x h pattern, checks the file structure and that the scanlines round-trip.
-std::vector<size_t> check_roundtrip(int32_t w, int32_t h) {
-    const image_rgb img = pattern(w, h);
-    const auto chunks = chunks_of(png_encode(img));
-    EXPECT_EQ(chunks.size(), 3u);
-    if (chunks.size() != 3) return {};
-    EXPECT_EQ(chunks[0].first, "IHDR");
-    EXPECT_EQ(chunks[1].first, "IDAT");
-    EXPECT_EQ(chunks[2].first, "IEND");
-    EXPECT_TRUE(chunks[2].second.empty());
-    const auto &ihdr = chunks[0].second;
-    EXPECT_EQ(ihdr.size(), 13u);
-    EXPECT_EQ(be32(ihdr, 0), static_cast<uint32_t>(w));
-    EXPECT_EQ(be32(ihdr, 4), static_cast<uint32_t>(h));
-    EXPECT_EQ(std::vector<uint8_t>(ihdr.begin() + 8, ihdr.end()), (std::vector<uint8_t>{8, 2, 0, 0, 0}));
-    std::vector<size_t> lens;
-    const std::vector<uint8_t> raw = unstore(chunks[1].second, lens);
-    const size_t row = 1 + 3 * static_cast<size_t>(w);
-    EXPECT_EQ(raw.size(), row * static_cast<size_t>(h));
-    for (int32_t y = 0; y < h && raw.size() == row * static_cast<size_t>(h); ++y) {
-        EXPECT_EQ(raw[static_cast<size_t>(y) * row], 0) << "filter byte of row " << y;
-        const auto *src = &img.pixels[static_cast<size_t>(y) * (row - 1)];
-        EXPECT_TRUE(std::equal(src, src + row - 1, raw.begin() + static_cast<long>(static_cast<size_t>(y) * row + 1)))
-            << "row " << y;
-    }
-    return lens;
-}
-
-TEST(pflash_plot, png_layout_and_stored_block_boundaries) {
-    EXPECT_EQ(check_roundtrip(3, 2), (std::vector<size_t>{20}));
-    EXPECT_EQ(check_roundtrip(1, 1), (std::vector<size_t>{4}));
-    // 771 rows of 1 + 28 * 3 = 85 bytes = 65535: exactly one full block; one more row spills 85 bytes.
-    EXPECT_EQ(check_roundtrip(28, 771), (std::vector<size_t>{65535}));
-    EXPECT_EQ(check_roundtrip(28, 772), (std::vector<size_t>{65535, 85}));
-    EXPECT_EQ(check_roundtrip(28, 1542), (std::vector<size_t>{65535, 65535}));  // two full blocks, no empty third
-    EXPECT_THROW(png_encode(image_rgb{}), error);
-}
-
 TEST(pflash_plot, atomic_write_and_bad_paths) {
     temp_dir d;
-    const std::vector<uint8_t> bytes = {1, 2, 3, 250};
-    const std::string good = (d.path / "out.png").string();
+    const std::string bytes("\x01\x02\x03\xfa", 4);
+    const std::string good = (d.path / "out.svg").string();
     write_file_atomic(good, bytes);
     write_file_atomic(good, bytes);  // overwriting an existing file works
     std::ifstream in(good, std::ios::binary);
-    EXPECT_EQ(std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {}), bytes);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), bytes);
     EXPECT_FALSE(fs::exists(good + ".tmp"));
 
     // Missing directory: an error naming the path, nothing created.
-    const std::string missing = (d.path / "no-such-dir" / "out.png").string();
+    const std::string missing = (d.path / "no-such-dir" / "out.svg").string();
     try {
         write_file_atomic(missing, bytes);
         ADD_FAILURE() << "expected an error";
@@ -185,35 +68,17 @@ TEST(pflash_plot, atomic_write_and_bad_paths) {
         const fs::path ro = d.path / "ro";
         fs::create_directories(ro);
         fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec);
-        EXPECT_THROW(write_file_atomic((ro / "out.png").string(), bytes), error);
-        EXPECT_THROW(check_plot_path((ro / "out.png").string()), error);
+        EXPECT_THROW(write_file_atomic((ro / "out.svg").string(), bytes), error);
+        EXPECT_THROW(check_plot_path((ro / "out.svg").string()), error);
         EXPECT_TRUE(fs::is_empty(ro));
     }
     EXPECT_NO_THROW(check_plot_path(good));
-    EXPECT_NO_THROW(check_plot_path("relative-name.png"));  // the current directory
+    EXPECT_NO_THROW(check_plot_path("relative-name.svg"));  // the current directory
     EXPECT_THROW(check_plot_path(""), error);
     // Only the good file is left in the directory.
     size_t n = 0;
     for (const auto &e : fs::directory_iterator(d.path)) n += e.is_regular_file();
     EXPECT_EQ(n, 1u);
-}
-
-TEST(pflash_plot, font_covers_chart_text) {
-    for (char ch : std::string("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz .,%():-=/?+_'"))
-        EXPECT_TRUE(font_has_glyph(ch)) << ch;
-    EXPECT_FALSE(font_has_glyph('~'));
-    EXPECT_FALSE(font_has_glyph('\x80'));
-    EXPECT_EQ(text_width("", 2), 0);
-    EXPECT_EQ(text_width("a", 1), 5);
-    EXPECT_EQ(text_width("ab", 3), 33);
-    // '1' at scale 2 sets exactly the pixels of its bitmap: column 2 of row 0 is ink, column 0 is not.
-    image_rgb img(20, 20, k_plot_background);
-    draw_text(img, 3, 4, "1~", 2, rgb{0, 0, 0});
-    EXPECT_EQ(img.at(3 + 4, 4), (rgb{0, 0, 0}));
-    EXPECT_EQ(img.at(3 + 5, 5), (rgb{0, 0, 0}));
-    EXPECT_EQ(img.at(3, 4), k_plot_background);
-    EXPECT_EQ(img.at(3 + 4, 4 + 2 * 7), k_plot_background);  // row 7 of '1' is empty
-    EXPECT_EQ(img.at(3 + 12, 4), (rgb{0, 0, 0}));            // the box of '~' (no glyph), clipped at x = 20
 }
 
 niah_plot_summary sample() {
@@ -223,80 +88,103 @@ niah_plot_summary sample() {
     return s;
 }
 
-// Bar i of panel p in column x: the rows [base - h, base) have `c` (lower rows `lower` for hd rows), the
-// rows above up to the plot top never have a bar colour.
-void expect_bar(const image_rgb &img, const niah_plot_panel &p, size_t i, double v, double lo, rgb c) {
-    const int32_t plot_h = p.base_y - p.top_y;
-    const int32_t h = static_cast<int32_t>(std::floor(v / p.axis_max * plot_h + 0.5));
-    const int32_t hd = static_cast<int32_t>(std::floor(lo / p.axis_max * plot_h + 0.5));
-    for (int32_t x : {p.bar_x0[i], (p.bar_x0[i] + p.bar_x1[i]) / 2, p.bar_x1[i] - 1}) {
-        for (int32_t y = p.base_y - h; y < p.base_y; ++y)
-            ASSERT_EQ(img.at(x, y), y >= p.base_y - hd ? k_plot_drafter_bar : c) << "bar " << i << " x " << x << " y " << y;
-        for (int32_t y = p.top_y - 30; y < p.base_y - h; ++y) {
-            const rgb got = img.at(x, y);
-            ASSERT_FALSE(got == c || got == k_plot_drafter_bar) << "bar " << i << " x " << x << " y " << y;
-        }
+// The rects of class `cls` in `svg`, in document order: {x, y, width, height} each.
+std::vector<std::array<double, 4>> rects_of(const std::string &svg, const std::string &cls) {
+    std::vector<std::array<double, 4>> out;
+    const std::string key = "<rect class=\"" + cls + "\" ";
+    for (size_t at = svg.find(key); at != std::string::npos; at = svg.find(key, at + 1)) {
+        std::array<double, 4> r{};
+        EXPECT_EQ(std::sscanf(svg.c_str() + at + key.size(),
+                              "x=\"%lf\" y=\"%lf\" width=\"%lf\" height=\"%lf\"", &r[0], &r[1], &r[2], &r[3]),
+                  4);
+        out.push_back(r);
     }
-    // Columns just outside the bar are not bar-coloured at the bar's middle height.
-    const int32_t mid = p.base_y - std::max(h, 1) / 2 - 1;
-    EXPECT_FALSE(img.at(p.bar_x0[i] - 1, mid) == c);
-    EXPECT_FALSE(img.at(p.bar_x1[i], mid) == c);
+    return out;
+}
+
+// Bar i of panel p: columns [x0, x1), standing on base_y, `h` tall (to 0.01, the SVG's precision).
+void expect_rect(const std::array<double, 4> &r, const niah_plot_panel &p, size_t i, double y_top, double h) {
+    EXPECT_NEAR(r[0], p.bar_x0[i], 0.01);
+    EXPECT_NEAR(r[2], p.bar_x1[i] - p.bar_x0[i], 0.01);
+    EXPECT_NEAR(r[1], y_top, 0.01);
+    EXPECT_NEAR(r[3], h, 0.01);
+}
+
+TEST(pflash_plot, xml_escape) {
+    EXPECT_EQ(xml_escape("keep 0.2"), "keep 0.2");
+    EXPECT_EQ(xml_escape("a<b>&\"c'"), "a&lt;b&gt;&amp;&quot;c&apos;");
+    EXPECT_EQ(xml_escape("\xc3\xbc"), "\xc3\xbc");  // UTF-8 passes through
 }
 
 TEST(pflash_plot, bars_follow_values) {
     const niah_plot_summary s = sample();
     const niah_plot_layout l = niah_plot_compute_layout(s);
-    const image_rgb img = niah_plot_render(s);
-    ASSERT_EQ(img.width, l.width);
-    ASSERT_EQ(img.height, l.height);
+    const std::string svg = niah_plot_svg(s);
+    EXPECT_EQ(svg.rfind("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg ", 0), 0u);
+    EXPECT_NE(
+        svg.find("width=\"" + std::to_string(l.width) + "\" height=\"" + std::to_string(l.height) + "\""),
+        std::string::npos);
     EXPECT_EQ(l.accuracy.axis_max, 100.0);
     EXPECT_EQ(l.ttft.axis_max, 2.5);  // 2.41 s -> ticks of 0.5
     EXPECT_LT(l.accuracy.right, l.ttft.left);
     EXPECT_LE(l.ttft.right, l.width);
+    const auto acc = rects_of(svg, "accuracy"), target = rects_of(svg, "target"),
+               drafter = rects_of(svg, "drafter");
+    ASSERT_EQ(acc.size(), s.rows.size());
+    ASSERT_EQ(target.size(), s.rows.size());
+    ASSERT_EQ(drafter.size(), s.rows.size());
+    const double plot_h = l.accuracy.base_y - l.accuracy.top_y;
     for (size_t i = 0; i < s.rows.size(); ++i) {
-        if (i + 1 < s.rows.size()) {
-            EXPECT_LT(l.accuracy.bar_x1[i], l.accuracy.bar_x0[i + 1]);
-        }
-        expect_bar(img, l.accuracy, i, s.rows[i].accuracy, 0, k_plot_accuracy_bar);
-        expect_bar(img, l.ttft, i, s.rows[i].ttft_s, s.rows[i].drafter_s, k_plot_target_bar);
+        if (i + 1 < s.rows.size()) EXPECT_LT(l.accuracy.bar_x1[i], l.accuracy.bar_x0[i + 1]);
+        const double ha = s.rows[i].accuracy / 100.0 * plot_h;
+        expect_rect(acc[i], l.accuracy, i, l.accuracy.base_y - ha, ha);
+        const double ht = s.rows[i].ttft_s / 2.5 * plot_h, hd = s.rows[i].drafter_s / 2.5 * plot_h;
+        expect_rect(target[i], l.ttft, i, l.ttft.base_y - ht, ht - hd);
+        expect_rect(drafter[i], l.ttft, i, l.ttft.base_y - hd, hd);
+        EXPECT_NE(svg.find(">" + s.rows[i].mode + "</text>"), std::string::npos) << s.rows[i].mode;
     }
+    EXPECT_NE(svg.find("NIAH: 4096 tokens, 5 needles, 3 trials, mixed filler"), std::string::npos);
 }
 
 TEST(pflash_plot, odd_values_and_sizes) {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     const double inf = std::numeric_limits<double>::infinity();
-    niah_plot_summary s{100000, 16, 1, "", {}};
+    niah_plot_summary s{100000, 16, 1, "<x&y>", {}};
     s.rows = {{"full", nan, inf, 0}, {"keep 0.125 with a long label", 150, -1, 5}, {"k~", -5, 0.004, nan}};
     const niah_plot_layout l = niah_plot_compute_layout(s);
     EXPECT_GT(l.ttft.axis_max, 0.004 - 1e-12);
     EXPECT_LE(l.ttft.axis_max, 0.005 + 1e-12);
-    const image_rgb img = niah_plot_render(s);
+    const std::string svg = niah_plot_svg(s);
+    EXPECT_NE(svg.find("&lt;x&amp;y&gt; filler"), std::string::npos);
+    EXPECT_EQ(svg.find("<x&y>"), std::string::npos);
     // NaN / negative: no bar; over 100 %: clamped to the full height; the long label widens the slots.
-    expect_bar(img, l.accuracy, 0, 0, 0, k_plot_accuracy_bar);
-    expect_bar(img, l.accuracy, 1, 100, 0, k_plot_accuracy_bar);
-    expect_bar(img, l.accuracy, 2, 0, 0, k_plot_accuracy_bar);
-    expect_bar(img, l.ttft, 2, 0.004, 0, k_plot_target_bar);
-    EXPECT_GE(l.accuracy.bar_x0[1] - l.accuracy.bar_x0[0], text_width(s.rows[1].mode, 2));
-    // No rows at all still gives a valid (empty) chart; a single row too.
+    const auto acc = rects_of(svg, "accuracy"), target = rects_of(svg, "target");
+    ASSERT_EQ(acc.size(), 3u);
+    const double plot_h = l.accuracy.base_y - l.accuracy.top_y;
+    expect_rect(acc[0], l.accuracy, 0, l.accuracy.base_y, 0);
+    expect_rect(acc[1], l.accuracy, 1, l.accuracy.top_y, plot_h);
+    expect_rect(acc[2], l.accuracy, 2, l.accuracy.base_y, 0);
+    expect_rect(target[0], l.ttft, 0, l.ttft.base_y, 0);
+    expect_rect(target[1], l.ttft, 1, l.ttft.base_y, 0);
+    EXPECT_GT(l.accuracy.bar_x0[1] - l.accuracy.bar_x0[0], 28 * 8);
+    EXPECT_NE(svg.find(">n/a</text>"), std::string::npos);
+    // No rows at all still gives a valid (empty) chart; full prefill only: no drafter bars, no legend.
     s.rows.clear();
-    EXPECT_EQ(chunks_of(png_encode(niah_plot_render(s))).size(), 3u);
+    EXPECT_TRUE(rects_of(niah_plot_svg(s), "accuracy").empty());
     s.rows = {{"full", 50, 1, 0}};
-    const niah_plot_layout l1 = niah_plot_compute_layout(s);
-    const image_rgb one = niah_plot_render(s);
-    expect_bar(one, l1.ttft, 0, 1, 0, k_plot_target_bar);
-    // Full prefill only: no drafter colour anywhere (no legend either).
-    for (size_t i = 0; i < one.pixels.size(); i += 3)
-        ASSERT_FALSE((rgb{one.pixels[i], one.pixels[i + 1], one.pixels[i + 2]}) == k_plot_drafter_bar);
+    const std::string one = niah_plot_svg(s);
+    EXPECT_EQ(rects_of(one, "target").size(), 1u);
+    EXPECT_TRUE(rects_of(one, "drafter").empty());
+    EXPECT_EQ(one.find("drafter + selection"), std::string::npos);
 }
 
 TEST(pflash_plot, write_niah_plot_file) {
     temp_dir d;
-    const std::string path = (d.path / "niah.png").string();
+    const std::string path = (d.path / "niah.svg").string();
     write_niah_plot(sample(), path);
     std::ifstream in(path, std::ios::binary);
-    const std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(in), {}};
-    EXPECT_EQ(bytes, png_encode(niah_plot_render(sample())));
-    EXPECT_THROW(write_niah_plot(sample(), (d.path / "missing" / "x.png").string()), error);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), niah_plot_svg(sample()));
+    EXPECT_THROW(write_niah_plot(sample(), (d.path / "missing" / "x.svg").string()), error);
     EXPECT_FALSE(fs::exists(d.path / "missing"));
 }
 

@@ -26,25 +26,25 @@ if(TARGET fathom)
     endforeach()
 endif()
 
-# The --plot chart (src/pflash/plot.cpp) read back by an independent PNG decoder: tests/pflash/
-# check_plot_png.py (Python zlib + struct) runs pflash_plot_tool, which writes charts and test patterns,
-# and checks signature, chunk CRCs, IHDR, scanline lengths, stored-block boundaries, every pixel of the
-# patterns, and the bars' pixels against the values; plus the unwritable-path error.
+# The --plot chart (src/pflash/plot.cpp) read back by an independent reader: tests/pflash/check_plot_svg.py
+# (Python's XML parser) runs pflash_plot_tool, which writes charts, and checks that each is well-formed SVG
+# of the layout's size with its title and labels (escaped) and one bar rect per mode and panel whose
+# geometry follows the values; plus the unwritable-path error.
 add_executable(pflash_plot_tool ${dir}/plot_tool.cpp)
 target_include_directories(pflash_plot_tool PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_link_libraries(pflash_plot_tool PRIVATE fathom_core)
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND)
-    add_test(NAME pflash_plot_png
-             COMMAND Python3::Interpreter ${dir}/check_plot_png.py --tool $<TARGET_FILE:pflash_plot_tool>
+    add_test(NAME pflash_plot_svg
+             COMMAND Python3::Interpreter ${dir}/check_plot_svg.py --tool $<TARGET_FILE:pflash_plot_tool>
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-    set_tests_properties(pflash_plot_png PROPERTIES LABELS pflash TIMEOUT 120)
+    set_tests_properties(pflash_plot_svg PROPERTIES LABELS pflash TIMEOUT 120)
 endif()
 if(TARGET fathom)
     # `--plot` into a missing directory fails with one line before any model is loaded.
     add_test(NAME pflash_cli_eval_plot_bad_path
-             COMMAND $<TARGET_FILE:fathom> eval niah --plot /nonexistent-fathom-dir/out.png
+             COMMAND $<TARGET_FILE:fathom> eval niah --plot /nonexistent-fathom-dir/out.svg
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(pflash_cli_eval_plot_bad_path PROPERTIES LABELS pflash
-                         PASS_REGULAR_EXPRESSION "error: cannot write /nonexistent-fathom-dir/out.png: directory")
+                         PASS_REGULAR_EXPRESSION "error: cannot write /nonexistent-fathom-dir/out.svg: directory")
 endif()

@@ -316,6 +316,7 @@ void add_bench_command(CLI::App &app) {
     auto a = std::make_shared<bench_args>();
     auto *cmd = app.add_subcommand("bench", "Measure prefill and decode throughput (tokens/s)");
     add_model_options(cmd, a->model, /*model_required=*/false);
+    set_group(cmd, "Bench");
     cmd->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens for the prefill measurement")
         ->capture_default_str()
         ->check(at_least(1));

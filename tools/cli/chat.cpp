@@ -92,6 +92,7 @@ void add_chat_command(CLI::App &app) {
                                    "Interactive chat using the model's chat template; reads one user turn per "
                                    "line on stdin (/reset clears the conversation, /quit exits)");
     add_model_options(cmd, a->model, /*model_required=*/false);
+    set_group(cmd, "Chat");
     cmd->add_option("--system", a->system, "System message that starts the conversation");
     cmd->add_option("-n,--n-predict", a->n_predict, "Maximum tokens per reply (0 = until end of generation)")
         ->capture_default_str()

@@ -8,7 +8,8 @@ namespace fathom::cli {
 
 void add_run_command(CLI::App &app);       // run.cpp: one prompt, streamed completion
 void add_chat_command(CLI::App &app);      // chat.cpp: REPL with the model's chat template
-void add_tokenize_command(CLI::App &app);  // tokenize.cpp: stdin text -> token ids
+void add_tokenize_command(CLI::App &app);  // tokenize.cpp: stdin text -> token ids (tokenizer only)
+void add_detokenize_command(CLI::App &app);  // tokenize.cpp: stdin token ids -> text (tokenizer only)
 void add_logits_command(CLI::App &app);    // logits.cpp: token ids -> float32 logits file
 void add_bench_command(CLI::App &app);     // bench.cpp: prefill / decode throughput
 void add_serve_command(CLI::App &app);     // serve.cpp: HTTP API server (server engineer)

@@ -35,16 +35,23 @@ CLI::Validator at_least(long long min) {
         "INT>=" + std::to_string(min));
 }
 
-void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
-    auto *m = cmd->add_option("-m,--model", a.model,
+void add_model_file_options(CLI::App *cmd, std::string &model, std::string &models_dir, bool model_required) {
+    const scoped_group g(cmd, group_model);
+    auto *m = cmd->add_option("-m,--model", model,
                               "GGUF file path, or a short name (smollm2, gemma3) looked up in the models directory");
     if (model_required)
         m->required();
     else
         m->capture_default_str();
-    cmd->add_option("--models-dir", a.models_dir,
+    cmd->add_option("--models-dir", models_dir,
                     "Directory searched for short model names (default: <exe_dir>/../models, "
                     "<exe_dir>/../../models, then ./models)");
+}
+
+namespace {
+
+void add_engine_options(CLI::App *cmd, model_args &a) {
+    const scoped_group g(cmd, group_engine);
     cmd->add_option("-t,--threads", a.threads, "CPU threads (0 = all online cores)")
         ->capture_default_str()
         ->check(at_least(0));
@@ -71,6 +78,10 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
         ->capture_default_str()
         ->check(CLI::IsMember({"full", "fp4only", "off"}));
     cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
+}
+
+void add_device_options(CLI::App *cmd, model_args &a) {
+    const scoped_group g(cmd, group_devices);
     auto *device = cmd->add_option("--device", a.device,
                     "Where the forward runs: cpu, cuda (= cuda:0), cuda:N, or auto (CUDA when a device is "
                     "present, else the CPU with a notice); a forced CUDA device that is missing is an error")
@@ -132,7 +143,16 @@ void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
                   "CUDA: launch every decode kernel eagerly instead of replaying a captured CUDA graph (for comparison)");
 }
 
+}  // namespace
+
+void add_model_options(CLI::App *cmd, model_args &a, bool model_required) {
+    add_model_file_options(cmd, a.model, a.models_dir, model_required);
+    add_engine_options(cmd, a);
+    add_device_options(cmd, a);
+}
+
 void add_sampling_options(CLI::App *cmd, sampling_params &p) {
+    const scoped_group g(cmd, group_sampling);
     cmd->add_option("--temp", p.temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
     cmd->add_option("--top-k", p.top_k, "Keep the K most likely tokens (0 = off)")->capture_default_str();
     cmd->add_option("--top-p", p.top_p, "Nucleus sampling: smallest set with probability mass >= P (1 = off)")
@@ -425,6 +445,7 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
 }
 
 void add_spec_options(CLI::App *cmd, spec_args &a) {
+    const scoped_group g(cmd, group_spec);
     cmd->add_option("--spec", a.mode,
                     "Speculative decoding: none; ngram (drafts from n-grams already in the prompt and output); draft "
                     "(a smaller model with the same tokenizer drafts, --draft-model); mtp (DeepSeek V4's MTP head, "

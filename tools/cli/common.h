@@ -20,6 +20,38 @@
 namespace fathom::cli {
 
 // ---------------------------------------------------------------------------------------------
+// Option groups
+// ---------------------------------------------------------------------------------------------
+
+// Each subcommand shows only the options it uses, under headings (CLI11 help groups). The add_*_options
+// helpers below put their options in their own group; a command's own options go in the group it names
+// with set_group. Group names:
+inline constexpr const char *group_model = "Model";      // -m, --models-dir
+inline constexpr const char *group_engine = "Engine";    // threads, context, batch, KV, numerics, QAT
+inline constexpr const char *group_devices = "Devices";  // --device, --devices and the multi-device layout
+inline constexpr const char *group_sampling = "Sampling";
+inline constexpr const char *group_spec = "Speculative decoding";
+
+// Options added to `cmd` from now on go under the --help heading `name`.
+inline void set_group(CLI::App *cmd, const std::string &name) { cmd->option_defaults()->group(name); }
+
+// Sets the group for the options added while it lives, then restores the previous one (used inside the
+// add_*_options helpers so that the caller's group carries on after them).
+class scoped_group {
+public:
+    scoped_group(CLI::App *cmd, const std::string &name) : cmd_(cmd), prev_(cmd->option_defaults()->get_group()) {
+        set_group(cmd, name);
+    }
+    ~scoped_group() { set_group(cmd_, prev_); }
+    scoped_group(const scoped_group &) = delete;
+    scoped_group &operator=(const scoped_group &) = delete;
+
+private:
+    CLI::App *cmd_;
+    std::string prev_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Engine options
 // ---------------------------------------------------------------------------------------------
 
@@ -46,10 +78,13 @@ struct model_args {
     std::string ds4_draft, ds4_draft_model;  // engine_options::ds4_draft / ds4_draft_model
 };
 
-// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
-// --device, --no-cuda-graph, --devices (excludes --device), --layout, --procs, --procs-host, --procs-local
-// (need --devices).
+// Group "Model": -m/--model and --models-dir (what a tokenizer-only command needs).
 // `model_required`: -m must be given (no default model).
+void add_model_file_options(CLI::App *cmd, std::string &model, std::string &models_dir, bool model_required);
+
+// add_model_file_options, then group "Engine": -t/--threads, --ctx, -b/--batch, --kv-type, --exact, --numerics,
+// --qat, --progress; and group "Devices": --device, --no-cuda-graph, --devices (excludes --device), --layout,
+// --micro-batch, --procs, --procs-host, --procs-local (need --devices).
 void add_model_options(CLI::App *cmd, model_args &a, bool model_required);
 
 // The models directory used when --models-dir is not given (first existing candidate).

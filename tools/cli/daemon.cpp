@@ -21,6 +21,7 @@ void add_daemon_command(CLI::App &app) {
     auto *cmd = app.add_subcommand("daemon", "Drive the engine with newline-delimited commands on stdin "
                                              "(see docs/daemon-protocol.md)");
     add_model_options(cmd, a->model, /*model_required=*/false);
+    set_group(cmd, "Daemon");
     cmd->add_option("--root", a->root, "Directory that every file argument is confined to")->required();
     cmd->add_option("--drafter", a->drafter,
                     "PFlash drafter used by 'compress ... default' (path or short name; other drafters must lie in --root)");

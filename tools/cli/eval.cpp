@@ -3,7 +3,7 @@
 // and prints exact-match accuracy and time to first token side by side, as CSV rows per run and a
 // summary table. TTFT of a PFlash run = the drafter's scoring of that haystack (measured once per
 // trial, without cache) + span selection + the target's prefill of the kept tokens + the first token.
-// `--plot out.png` also draws the summary as a PNG chart (src/pflash/plot.h).
+// `--plot out.svg` also draws the summary as an SVG chart (src/pflash/plot.h).
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
@@ -212,6 +212,7 @@ void add_eval_command(CLI::App &app) {
     a->model.model = "gemma3";
     auto *niah = cmd->add_subcommand("niah", "Needle retrieval: full prefill vs PFlash at several keep ratios (CSV)");
     add_model_options(niah, a->model, /*model_required=*/false);
+    set_group(niah, "NIAH");
     niah->add_option("--drafter", a->drafter, "PFlash drafter model (path or short name)")->capture_default_str();
     niah->add_option("--tokens", a->n_tokens, "Approximate prompt length in target tokens")->capture_default_str()->check(at_least(256));
     niah->add_option("--needles", a->n_needles, "Key/value needles per haystack")->capture_default_str()->check(CLI::Range(1, 16));
@@ -221,7 +222,7 @@ void add_eval_command(CLI::App &app) {
     niah->add_option("--seed", a->seed, "Seed of the first haystack")->capture_default_str();
     niah->add_option("--max-tokens", a->max_tokens, "Generation limit per answer")->capture_default_str()->check(at_least(1));
     niah->add_option("--csv", a->csv_path, "Also write the CSV rows to this file");
-    niah->add_option("--plot", a->plot_path, "Also draw the summary (accuracy and TTFT per mode) as a PNG chart");
+    niah->add_option("--plot", a->plot_path, "Also draw the summary (accuracy and TTFT per mode) as an SVG chart");
     niah->add_flag("--no-anchors", a->no_anchors, "Disable PFlash's n-gram anchor rule (scores alone choose spans)");
     niah->add_flag("--no-full", a->no_full, "Skip the full-prefill runs (PFlash rows only)");
     niah->callback([a]() { niah_main(*a); });

@@ -156,11 +156,13 @@ void add_logits_command(CLI::App &app) {
     auto *cmd = app.add_subcommand(
         "logits", "Evaluate token ids and write float32 little-endian logits [n_tokens x n_vocab]");
     add_model_options(cmd, a->model, /*model_required=*/true);
+    set_group(cmd, "Logits");
     cmd->add_option("--tokens-file", a->tokens_file, "File of whitespace-separated token ids")->required();
     cmd->add_option("--out", a->out, "Output file (raw float32 LE, row-major [n_tokens x n_vocab])")->required();
     cmd->add_option("--mode", a->mode,
                     "prefill (one call), decode (one token per call) or chunked:N (N tokens per call)")
         ->capture_default_str();
+    set_group(cmd, "DeepSeek V4 drafters");
     auto *mtp =
         cmd->add_option("--mtp", a->mtp,
                         "DeepSeek V4: write the MTP head's logits [n_tokens x n_vocab] instead (MTP GGUF, "

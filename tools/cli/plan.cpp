@@ -117,6 +117,7 @@ void add_plan_command(CLI::App &app) {
     auto a = std::make_shared<plan_args>();
     auto *cmd = app.add_subcommand("plan", "Place a DeepSeek-V4 model over several devices (layers/experts, weights, "
                                            "KV, free memory left)");
+    set_group(cmd, "Plan");
     cmd->add_option("-m,--model", a->model, "GGUF file (only its header is read)")->required();
     cmd->add_option("--devices", a->devices, "Comma-separated devices, e.g. cuda:0,cuda:1")->capture_default_str();
     cmd->add_option("--ctx", a->ctx, "Context length (tokens per sequence)")->required();

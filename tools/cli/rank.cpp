@@ -64,6 +64,7 @@ void add_rank_command(CLI::App &app) {
     auto *cmd = app.add_subcommand("rank", "Serve one rank of a model split over processes (spawned by --procs)");
     cmd->group("");  // hidden from --help: rank 0 starts it
     add_model_options(cmd, a->model, /*model_required=*/true);
+    set_group(cmd, "Rank");
     cmd->add_option("--rank", a->rank, "This rank (1..world-1)")->required()->check(at_least(1));
     cmd->add_option("--world", a->world, "Number of ranks")->required()->check(at_least(2));
     cmd->add_option("--join", a->join, "Rank 0's id, TOKEN@HOST:PORT")->required();

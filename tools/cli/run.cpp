@@ -99,6 +99,7 @@ void add_run_command(CLI::App &app) {
     auto a = std::make_shared<run_args>();
     auto *cmd = app.add_subcommand("run", "Generate a completion for one prompt, streamed to stdout");
     add_model_options(cmd, a->model, /*model_required=*/false);
+    set_group(cmd, "Prompt");
     auto *p = cmd->add_option("-p,--prompt", a->prompt, "Prompt text");
     auto *f = cmd->add_option("-f,--file", a->prompt_file, "Read the prompt from a file");
     p->excludes(f);
@@ -110,6 +111,7 @@ void add_run_command(CLI::App &app) {
     cmd->add_flag("--no-chat", a->no_chat,
                   "Feed the prompt as raw text instead of wrapping it in the model's chat template");
     add_spec_options(cmd, a->spec);
+    set_group(cmd, "PFlash");
     cmd->add_flag("--pflash", a->pflash, "Compress the prompt with PFlash before prefill (docs/pflash.md)");
     cmd->add_option("--keep-ratio", a->keep_ratio, "PFlash: fraction of prompt chunks kept, in [0, 1]")
         ->capture_default_str();

@@ -189,6 +189,7 @@ void add_serve_command(CLI::App &app) {
     auto a = std::make_shared<serve_args>();
     auto *cmd = app.add_subcommand("serve", "Serve the OpenAI- and Anthropic-compatible HTTP API (and a chat page at /)");
     add_model_options(cmd, a->model, /*model_required=*/false);
+    set_group(cmd, "Server");
     cmd->add_option("--host", a->host, "Address to listen on (loopback by default)")->capture_default_str();
     cmd->add_option("--port", a->port, "TCP port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
     cmd->add_option("--api-key", a->api_key,
