@@ -33,6 +33,7 @@ struct model_args {
     bool exact = false;
     std::string numerics = "invariant";  // invariant | llamacpp | exact (--exact = exact)
     std::string qat = "full";       // DeepSeek V4 QAT round trips: full | fp4only | off
+    int64_t ds4_checkpoint_mib = 4096;  // DeepSeek V4 on one CPU: prefix checkpoint budget (engine_options)
     bool progress = false;          // force progress bars even when stderr is not a TTY
     std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
@@ -44,7 +45,8 @@ struct model_args {
     int procs_local = 0;                   // engine_options::rank_procs_local (0 = spawn every rank)
 };
 
-// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat, --progress,
+// Adds -m/--model, --models-dir, -t/--threads, --ctx, --kv-type, --exact, --numerics, --qat,
+// --ds4-checkpoint-mib, --progress,
 // --device, --no-cuda-graph, --devices (excludes --device), --layout, --procs, --procs-host, --procs-local
 // (need --devices).
 // `model_required`: -m must be given (no default model).
