@@ -73,13 +73,13 @@ ds4_checkpoints::~ds4_checkpoints() = default;
 
 uint64_t ds4_checkpoints::budget_from_mib(int64_t mib) {
     if (mib < 0)
-        throw error("ds4_checkpoint_mib must be >= 0 (0 = no DS4 checkpoints), got " + std::to_string(mib));
+        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) must be >= 0 (0 = no DS4 checkpoints), got " + std::to_string(mib));
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     const int64_t machine = pages > 0 && page > 0 ? static_cast<int64_t>((static_cast<uint64_t>(pages) *
                                                                           static_cast<uint64_t>(page)) >> 20)
                                                   : INT64_MAX;
     if (mib > machine)
-        throw error("ds4_checkpoint_mib " + std::to_string(mib) + " exceeds this machine's " + std::to_string(machine) +
+        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) " + std::to_string(mib) + " MiB exceeds this machine's " + std::to_string(machine) +
                     " MiB of memory");
     return static_cast<uint64_t>(mib) << 20;
 }

@@ -266,6 +266,26 @@ TEST(ds4_checkpoints_store, keeps_to_its_budget) {
     EXPECT_EQ(none.get_stats().bytes, 0u);
 }
 
+// The fixed part of one checkpoint at the full DS4-Flash geometry (docs/ds4.md): fresh layer states
+// built by ds4::new_layer_state from the Flash preset, f16 and f32 KV.
+TEST(ds4_checkpoints_store, flash_fixed_part_bytes) {
+    const ds4::hparams hp = ds4::synth_preset("flash");
+    for (const auto &[kv, want] : {std::pair{kv_precision::f16, uint64_t{23298048}},
+                                   std::pair{kv_precision::f32, uint64_t{29638656}}}) {
+        ds4::state st;
+        for (int l = 0; l < hp.n_layer; ++l) {
+            ds4::layer_weights lw;
+            lw.ratio = hp.compress_ratio[static_cast<size_t>(l)];
+            lw.comp.ratio = lw.ratio;
+            lw.comp.dim = hp.head_dim;
+            lw.idx_comp.ratio = lw.ratio == 4 ? 4 : 0;
+            lw.idx_comp.dim = hp.idx_dim;
+            st.layers.push_back(ds4::new_layer_state(hp, lw, kv));
+        }
+        EXPECT_EQ(ds4_checkpoints::fixed_bytes(st), want);
+    }
+}
+
 // A negative or absurd budget fails the load with one line naming the option.
 TEST(ds4_checkpoints_store, bad_budgets_fail_the_load) {
     for (int64_t mib : {int64_t{-1}, int64_t{1} << 40}) {
