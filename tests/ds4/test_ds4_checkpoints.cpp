@@ -77,15 +77,16 @@ class ds4_checkpoints_models : public ::testing::TestWithParam<bool> {
     std::string path() const { return GetParam() ? synth_path() : tiny_path(); }
 };
 
-// A conversation: prompt, a reply decoded token by token, a regenerate (the prompt again: its end
-// checkpoint has its logits, nothing is evaluated), a second turn, then that turn edited (the start
-// checkpoint at the end of the first reply: only the new turn is evaluated), and decoding after it.
+// A conversation: a prompt, a 37-token reply decoded token by token, a second turn (the start checkpoint
+// at 237, the end of the reply, off the n_batch grid), a regenerate of the first prompt (its end
+// checkpoint has its logits: nothing is evaluated), another reply, then the second turn edited (restored
+// at 237: only the turn is evaluated), decoding after it; another session restores the same checkpoints.
 TEST_P(ds4_checkpoints_models, regenerate_and_edited_turn_evaluate_only_the_tail) {
     auto e = load(path(), 64), ref = load(path(), 0);
     auto s = e->new_session();
     int64_t total = -1;
     auto progress = [&](int64_t, int64_t t) { total = t; };
-    const std::vector<int32_t> P = toks(200, 1), G = toks(40, 2), U = toks(30, 3);
+    const std::vector<int32_t> P = toks(200, 1), G = toks(37, 2), U = toks(30, 3);
     s->sync(P, progress);
     EXPECT_EQ(total, 200);
     std::vector<int32_t> h = P;
@@ -94,7 +95,11 @@ TEST_P(ds4_checkpoints_models, regenerate_and_edited_turn_evaluate_only_the_tail
         s->sync(h, progress);
         EXPECT_EQ(total, 1);
     }
-    s->sync(P, progress);  // regenerate: 40 behind, beyond the rollback reach
+    const std::vector<int32_t> Q = cat(cat(P, G), U);
+    s->sync(Q, progress);  // the second turn: appended
+    EXPECT_EQ(total, 30);
+    expect_fresh(*ref, *s, Q);
+    s->sync(P, progress);  // regenerate: 67 behind, beyond the rollback reach
     EXPECT_EQ(total, 0);
     EXPECT_EQ(s->n_past(), 200);
     expect_fresh(*ref, *s, P);
@@ -105,14 +110,10 @@ TEST_P(ds4_checkpoints_models, regenerate_and_edited_turn_evaluate_only_the_tail
         EXPECT_EQ(total, 1);
         expect_fresh(*ref, *s, h2);
     }
-    const std::vector<int32_t> Q = cat(cat(P, G), U);
-    s->sync(Q, progress);  // the first reply's second turn: its grid checkpoint at 240, then the turn
-    EXPECT_EQ(total, 30);
-    expect_fresh(*ref, *s, Q);
     std::vector<int32_t> U2 = U;
     U2[0] = (U2[0] + 5) % 500;
     std::vector<int32_t> Q2 = cat(cat(P, G), U2);
-    s->sync(Q2, progress);  // edited turn: diverges 30 back, restored at 240
+    s->sync(Q2, progress);  // the edited second turn: restored at 237
     EXPECT_EQ(total, 30);
     expect_fresh(*ref, *s, Q2);
     for (int32_t g : toks(5, 4)) {
@@ -126,6 +127,9 @@ TEST_P(ds4_checkpoints_models, regenerate_and_edited_turn_evaluate_only_the_tail
     s2->sync(P, progress);
     EXPECT_EQ(total, 0);
     expect_fresh(*ref, *s2, P);
+    s2->sync(Q, progress);
+    EXPECT_EQ(total, 0);
+    expect_fresh(*ref, *s2, Q);
 }
 
 // A divergence deep inside a 300-token prompt (n_batch 16): grid checkpoints were taken every 16
