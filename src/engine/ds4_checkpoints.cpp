@@ -26,7 +26,9 @@ uint64_t row_bytes(const ds4::row_store &r) {
     return static_cast<uint64_t>(r.width()) * (r.precision() == kv_precision::f32 ? 4 : 2);
 }
 
-uint64_t frontier_bytes(const ds4::compressor_state &c) { return (c.kv.size() + c.score.size()) * sizeof(float); }
+uint64_t frontier_bytes(const ds4::compressor_state &c) {
+    return (c.kv.size() + c.score.size()) * sizeof(float);
+}
 
 }  // namespace
 
@@ -66,21 +68,24 @@ struct ds4_checkpoints::checkpoint {
 };
 
 ds4_checkpoints::ds4_checkpoints(uint64_t budget_bytes, int64_t grid)
-    : budget_(budget_bytes), grid_(std::max<int64_t>(grid, 1)),
+    : budget_(budget_bytes),
+      grid_(std::max<int64_t>(grid, 1)),
       segment_bytes_(std::make_shared<std::atomic<uint64_t>>(0)) {}
 
 ds4_checkpoints::~ds4_checkpoints() = default;
 
 uint64_t ds4_checkpoints::budget_from_mib(int64_t mib) {
     if (mib < 0)
-        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) must be >= 0 (0 = no DS4 checkpoints), got " + std::to_string(mib));
+        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) must be >= 0 (0 = no DS4 checkpoints), got " +
+                    std::to_string(mib));
     const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    const int64_t machine = pages > 0 && page > 0 ? static_cast<int64_t>((static_cast<uint64_t>(pages) *
-                                                                          static_cast<uint64_t>(page)) >> 20)
-                                                  : INT64_MAX;
+    const int64_t machine =
+        pages > 0 && page > 0
+            ? static_cast<int64_t>((static_cast<uint64_t>(pages) * static_cast<uint64_t>(page)) >> 20)
+            : INT64_MAX;
     if (mib > machine)
-        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) " + std::to_string(mib) + " MiB exceeds this machine's " + std::to_string(machine) +
-                    " MiB of memory");
+        throw error("ds4_checkpoint_mib (--ds4-checkpoint-mib) " + std::to_string(mib) +
+                    " MiB exceeds this machine's " + std::to_string(machine) + " MiB of memory");
     return static_cast<uint64_t>(mib) << 20;
 }
 
@@ -105,7 +110,8 @@ ds4_checkpoints::stats ds4_checkpoints::get_stats() const {
     return s;
 }
 
-ptrdiff_t ds4_checkpoints::find_locked(std::span<const int32_t> toks, size_t max_len, bool need_logits_at_full) const {
+ptrdiff_t ds4_checkpoints::find_locked(std::span<const int32_t> toks, size_t max_len,
+                                       bool need_logits_at_full) const {
     const std::vector<uint64_t> h = prefix_hashes(toks);
     std::vector<size_t> cand;
     for (size_t i = 0; i < ckpts_.size(); ++i) {
@@ -141,8 +147,8 @@ void ds4_checkpoints::after_eval(const ds4::state &st, std::span<const int32_t> 
     if (crossed) thin_locked(tokens, n / grid_);
 }
 
-void ds4_checkpoints::add_locked(const ds4::state &st, std::span<const int32_t> toks, std::span<const float> logits,
-                                 kind k) {
+void ds4_checkpoints::add_locked(const ds4::state &st, std::span<const int32_t> toks,
+                                 std::span<const float> logits, kind k) {
     const auto n = static_cast<int64_t>(toks.size());
     if (n == 0 || st.n_past != n) return;
     const ptrdiff_t same = find_locked(toks, toks.size(), false);
@@ -263,8 +269,10 @@ bool ds4_checkpoints::restore(std::span<const int32_t> prefix, size_t min_len, d
         const uint64_t cb = row_bytes(ls.comp_rows), ib = row_bytes(ls.idx_rows);
         for (const segment *s : chain) {
             const segment::rows &cr = s->comp[l], &ir = s->idx[l];
-            if (!cr.bytes.empty()) std::memcpy(ls.comp_rows.bytes().data() + cr.begin * cb, cr.bytes.data(), cr.bytes.size());
-            if (!ir.bytes.empty()) std::memcpy(ls.idx_rows.bytes().data() + ir.begin * ib, ir.bytes.data(), ir.bytes.size());
+            if (!cr.bytes.empty())
+                std::memcpy(ls.comp_rows.bytes().data() + cr.begin * cb, cr.bytes.data(), cr.bytes.size());
+            if (!ir.bytes.empty())
+                std::memcpy(ls.idx_rows.bytes().data() + ir.begin * ib, ir.bytes.data(), ir.bytes.size());
         }
     }
     tokens.resize(static_cast<size_t>(c.n()));

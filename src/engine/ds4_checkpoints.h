@@ -60,8 +60,8 @@ class ds4_checkpoints {
     size_t longest(std::span<const int32_t> prefix) const;
     // Restores that checkpoint into st / tokens / logits (logits empty when it has none; `logits`
     // keeps its size, n_vocab, and gets the saved values). false, changing nothing, when none.
-    bool restore(std::span<const int32_t> prefix, size_t min_len, ds4::state &st, std::vector<int32_t> &tokens,
-                 std::vector<float> &logits, bool &has_logits);
+    bool restore(std::span<const int32_t> prefix, size_t min_len, ds4::state &st,
+                 std::vector<int32_t> &tokens, std::vector<float> &logits, bool &has_logits);
 
     struct stats {
         uint64_t checkpoints = 0;  // held now
@@ -83,7 +83,8 @@ class ds4_checkpoints {
     struct segment;
     struct checkpoint;
     enum class kind { start, end, grid };
-    void add_locked(const ds4::state &st, std::span<const int32_t> tokens, std::span<const float> logits, kind k);
+    void add_locked(const ds4::state &st, std::span<const int32_t> tokens, std::span<const float> logits,
+                    kind k);
     // Index into ckpts_ of the longest checkpoint that is a prefix of `toks` (length <= max_len), or -1.
     ptrdiff_t find_locked(std::span<const int32_t> toks, size_t max_len, bool need_logits_at_full) const;
     void thin_locked(std::span<const int32_t> toks, int64_t newest_grid);

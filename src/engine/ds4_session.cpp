@@ -365,7 +365,8 @@ class ds4_engine final : public engine {
         else if (ordinal >= 0)
             make_cuda(ordinal);
         if (on_one_cpu() && o.ds4_checkpoint_mib > 0)
-            ckpt_ = std::make_unique<ds4_checkpoints>(ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib), n_batch_);
+            ckpt_ = std::make_unique<ds4_checkpoints>(ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib),
+                                                      n_batch_);
         if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
     }
 
@@ -822,7 +823,8 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
             have_logits_ = true;
         }
         if (ck)  // a prompt's end (with its logits) or a grid crossing
-            ck->after_eval(st_, tokens_, n_past() - n, last && total >= 2 ? std::span<const float>(logits_) : std::span<const float>());
+            ck->after_eval(st_, tokens_, n_past() - n,
+                           last && total >= 2 ? std::span<const float>(logits_) : std::span<const float>());
         if (on_progress && *on_progress) (*on_progress)(done, total);
     }
 }
@@ -1114,8 +1116,9 @@ std::vector<ds4_engine::cpu_work> ds4_engine::plan_cpu_step(std::span<const sync
             if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
         }
         const bool deep = k < held.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_);
+        // Deeper than the rollback reach, or a prefix checkpoint beats it: sync restores or rebuilds.
         if (deep || (ckpt_ && it.n_rows == 0 && it.prefix.size() - k >= 2 && ckpt_->longest(it.prefix) > k)) {
-            alone.push_back(i);  // deeper than the rollback reach, or a checkpoint beats it: sync (restores or rebuilds)
+            alone.push_back(i);
             continue;
         }
         for (size_t t = k; t < it.prefix.size(); ++t)
@@ -1149,7 +1152,8 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
     for (cpu_work &w : work) {
         w.s->have_logits_ = false;
         w.total = w.rest.size();
-        if (ckpt_ && w.n_rows == 0) ckpt_->before_append(w.s->st_, w.s->tokens_, static_cast<int64_t>(w.total));
+        if (ckpt_ && w.n_rows == 0)
+            ckpt_->before_append(w.s->st_, w.s->tokens_, static_cast<int64_t>(w.total));
     }
     for (;;) {
         std::vector<ds4::state *> seqs;
@@ -1186,7 +1190,8 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
             ds4_session &s = *w->s;
             s.tokens_.insert(s.tokens_.end(), w->rest.begin(), w->rest.begin() + static_cast<std::ptrdiff_t>(piece));
             w->rest = w->rest.subspan(piece);
-            if (ckpt_ && w->n_rows == 0 && (!w->rest.empty() || !w->want_logits || w->total < 2))  // grid crossings
+            // Grid crossings (a prompt's end with its logits: below)
+            if (ckpt_ && w->n_rows == 0 && (!w->rest.empty() || !w->want_logits || w->total < 2))
                 ckpt_->after_eval(s.st_, s.tokens_, s.n_past() - static_cast<int64_t>(piece), {});
             if (!w->rest.empty()) continue;
             if (w->n_rows > 0) {

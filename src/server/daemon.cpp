@@ -317,8 +317,8 @@ std::string daemon::cmd_slot(const std::string &cmd, const std::vector<std::stri
         s.tokens = working_->tokens();
         if (!s.sess) s.sess = eng.new_session();
         if (s.tokens.empty()) s.sess->reset();
-        else if (!copy_state(*working_, *s.sess))
-            s.sess->sync(s.tokens);  // sessions without states: a copy by re-evaluation (reusing a shared prefix)
+        else if (!copy_state(*working_, *s.sess))  // no states: re-evaluated (a shared prefix kept)
+            s.sess->sync(s.tokens);
         s.valid = true;
         return "ok snapshot " + std::to_string(k) + " " + std::to_string(s.tokens.size());
     }

@@ -21,7 +21,9 @@ namespace {
 
 using namespace fathom;
 
-std::string tiny_path() { return ds4_test::golden_dir() + "/ds4-tiny-a.gguf"; }
+std::string tiny_path() {
+    return ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
+}
 
 // A synthetic DS4 of the tiny geometry with q8_0 matrices and a raw window of 8 (written once).
 std::string synth_path() {
@@ -32,7 +34,8 @@ std::string synth_path() {
         o.mix = "q8_0";
         o.seed = 11;
         const std::string p = (std::filesystem::temp_directory_path() /
-                               ("fathom_ds4_ckpt_" + std::to_string(::getpid()) + ".gguf")).string();
+                               ("fathom_ds4_ckpt_" + std::to_string(::getpid()) + ".gguf"))
+                                  .string();
         ds4::synth_write(p, hp, o);
         return p;
     }();
@@ -190,8 +193,9 @@ TEST_P(ds4_checkpoints_models, fused_step_restores_checkpoints) {
     expect_fresh(*ref, *c, PR);
 }
 
-INSTANTIATE_TEST_SUITE_P(ds4, ds4_checkpoints_models, ::testing::Values(false, true),
-                         [](const auto &info) { return std::string(info.param ? "synth_q8_0" : "tiny_f32"); });
+INSTANTIATE_TEST_SUITE_P(ds4, ds4_checkpoints_models, ::testing::Values(false, true), [](const auto &info) {
+    return std::string(info.param ? "synth_q8_0" : "tiny_f32");
+});
 
 // Drives a store directly with a state evaluated in chunks of 16 (as eval_chunks does), a prompt's end.
 struct timeline {
@@ -206,9 +210,11 @@ struct timeline {
             std::vector<int64_t> pos(n);
             for (size_t i = 0; i < n; ++i) pos[i] = st.n_past + static_cast<int64_t>(i);
             ds4::forward(*m, st, std::span<const int32_t>(t.data() + d, n), pos, {logits, {}});
-            held.insert(held.end(), t.begin() + static_cast<ptrdiff_t>(d), t.begin() + static_cast<ptrdiff_t>(d + n));
+            held.insert(held.end(), t.begin() + static_cast<ptrdiff_t>(d),
+                        t.begin() + static_cast<ptrdiff_t>(d + n));
             const bool last = d + n == t.size();
-            ck.after_eval(st, held, static_cast<int64_t>(held.size() - n), last ? std::span<const float>(logits) : std::span<const float>());
+            ck.after_eval(st, held, static_cast<int64_t>(held.size() - n),
+                          last ? std::span<const float>(logits) : std::span<const float>());
         }
     }
     uint64_t row_bytes() const {
