@@ -8,9 +8,12 @@
 // dropping up to that many of the newest positions is free (ds4::truncate). So the rule is: the state
 // is reused when the held tokens are a prefix of the requested ones (only the new tokens are
 // evaluated) or diverge from them within the rollback reach (rolled back, then the rest evaluated);
-// any deeper divergence resets the state and evaluates the whole prefix. Appending turns to a
-// conversation never re-evaluates; a speculative step's rejected drafts cost nothing. On CUDA and on
-// several devices the state is append-only (rolls_back() is false) and any divergence resets it.
+// any deeper divergence restores the longest in-RAM prefix checkpoint of the engine's store
+// (ds4_checkpoints.h: snapshots taken at prompt starts / ends and n_batch boundaries, bounded by
+// engine_options::ds4_checkpoint_mib) and evaluates the rest, or, without one, resets the state and
+// evaluates the whole prefix. Appending turns to a conversation never re-evaluates; a speculative
+// step's rejected drafts cost nothing. On CUDA and on several devices the state is append-only
+// (rolls_back() is false, no checkpoints) and any divergence resets it.
 //
 // Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
 // each device a contiguous block range (the placement planner's choice when every device is a CUDA
