@@ -863,6 +863,7 @@ void scheduler::io_load(slot &s) {
             ++stats_.disk_hits;
             stats_.disk_load_s.observe(dt);
             s.prefill_pos = size_t(s.pending_load->n_keep);
+            s.saved_upto = size_t(s.pending_load->n_keep);  // on disk already
             if (s.j)
                 s.n_reused = std::min<int64_t>(s.pending_load->n_keep, int64_t(s.j->req_.prompt.size()) - 1);
         } else {
