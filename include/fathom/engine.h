@@ -91,6 +91,12 @@ struct engine_options {
     // architectures, CUDA and several devices refuse it.
     std::string ds4_draft;
     std::string ds4_draft_model;
+    // DeepSeek V4 on one CPU device only (ignored elsewhere): the engine-wide budget, in MiB, of the
+    // in-RAM prefix checkpoints of its sessions' states (docs/ds4.md "Prefix checkpoints"): a sync that
+    // diverges deeper than the free rollback (ds4::max_rollback) restores the longest checkpoint whose
+    // tokens are a prefix of the request and evaluates only the rest. 0 = off. Negative, or more than
+    // the machine's physical memory: engine::load throws.
+    int64_t ds4_checkpoint_mib = 4096;
     // Called with (done, total) while loading weights; may be empty.
     std::function<void(uint64_t done, uint64_t total)> on_load_progress;
 };

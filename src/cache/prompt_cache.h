@@ -37,6 +37,10 @@ struct options {
     uint64_t max_bytes = uint64_t{8} << 30;  // cap on the entries' total size
     int64_t min_tokens = 32;                 // token sequences shorter than this are not saved
     int zstd_level = 0;                      // 0: state stored raw; 1..19: zstd at that level
+    // Sessions that load only whole states (DS4): the scheduler also saves an entry each time a running
+    // request's session grew by this many tokens since its last save (prompt chunks and generated
+    // tokens), so a crash or a later request resumes from the longest saved prefix. 0 = off.
+    int64_t save_every = 0;
     std::chrono::milliseconds refresh_interval{
         2000};  // how stale the view of other processes' entries may get
 };

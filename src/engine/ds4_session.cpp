@@ -8,9 +8,12 @@
 // dropping up to that many of the newest positions is free (ds4::truncate). So the rule is: the state
 // is reused when the held tokens are a prefix of the requested ones (only the new tokens are
 // evaluated) or diverge from them within the rollback reach (rolled back, then the rest evaluated);
-// any deeper divergence resets the state and evaluates the whole prefix. Appending turns to a
-// conversation never re-evaluates; a speculative step's rejected drafts cost nothing. On CUDA and on
-// several devices the state is append-only (rolls_back() is false) and any divergence resets it.
+// any deeper divergence restores the longest in-RAM prefix checkpoint of the engine's store
+// (ds4_checkpoints.h: snapshots taken at prompt starts / ends and n_batch boundaries, bounded by
+// engine_options::ds4_checkpoint_mib) and evaluates the rest, or, without one, resets the state and
+// evaluates the whole prefix. Appending turns to a conversation never re-evaluates; a speculative
+// step's rejected drafts cost nothing. On CUDA and on several devices the state is append-only
+// (rolls_back() is false, no checkpoints) and any divergence resets it.
 //
 // Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
 // each device a contiguous block range (the placement planner's choice when every device is a CUDA
@@ -62,6 +65,7 @@
 #include "dist/tp.h"
 #include "engine/device.h"
 #include "engine/ds4_drafter.h"
+#include "engine/ds4_checkpoints.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_dspark.h"
@@ -97,6 +101,7 @@ void check_options(const engine_options &o) {
     if (o.rank_procs && !o.rank_command) throw error("rank processes (--procs): no rank command was given");
     if (o.rank_procs_local < 0)
         throw error("rank_procs_local must be >= 0, got " + std::to_string(o.rank_procs_local));
+    ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib);  // throws for a negative or absurd budget
 }
 
 // Several devices: one session's ranks, a layer pipeline or a tensor-parallel group (one is set), or
@@ -306,6 +311,9 @@ class ds4_session final : public session {
     // Drop what is held after the first n tokens: a free rollback when the state allows it, else a
     // reset (n = 0 afterwards). Returns the tokens now held.
     size_t drop_after(size_t n);
+    // sync: when the longest checkpoint that is a prefix of `prefix` (ds4_checkpoints) is longer than
+    // what drop_after(keep) would leave, restore it (true: tokens_ is that prefix now).
+    bool restore_checkpoint(std::span<const int32_t> prefix, size_t keep);
     void eval_chunks(std::span<const int32_t> toks, float *all_logits,
                      const std::function<void(int64_t, int64_t)> *on_progress);
     void forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out);
@@ -384,6 +392,9 @@ class ds4_engine final : public engine {
         else if (ordinal >= 0)
             make_cuda(ordinal);
         if (!o.ds4_draft.empty()) load_drafter();
+        if (on_one_cpu() && o.ds4_checkpoint_mib > 0)
+            ckpt_ = std::make_unique<ds4_checkpoints>(ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib),
+                                                      n_batch_);
         if (o.on_load_progress) o.on_load_progress(file_->size(), file_->size());
     }
 
@@ -486,6 +497,8 @@ class ds4_engine final : public engine {
     }
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_batch() const { return n_batch_; }
+    // In-RAM prefix checkpoints (one CPU device, ds4_checkpoint_mib > 0; else null).
+    ds4_checkpoints *checkpoints() const { return ckpt_.get(); }
 
     // Pipelines (in-process ranks or rank processes): the one-forward appends of a step are kept in
     // flight together (run_inflight), then the other items run through session::sync / eval. Every
@@ -511,6 +524,7 @@ class ds4_engine final : public engine {
         bool want_logits = true;
         int32_t n_rows = 0;
         float *rows = nullptr;
+        size_t total = 0;  // tokens to evaluate at the start (run_cpu_pieces)
     };
     std::vector<cpu_work> plan_cpu_step(std::span<const sync_item> items, std::vector<size_t> &alone);
     void run_cpu_pieces(std::vector<cpu_work> &work);
@@ -756,6 +770,7 @@ class ds4_engine final : public engine {
     std::shared_ptr<const ds4::dspark_weights> dspark_;  // ds4_draft "dspark"
     // rank_procs: the rank processes (destroyed first: stops them while the model is still here).
     std::unique_ptr<dist::rank_procs> procs_;
+    std::unique_ptr<ds4_checkpoints> ckpt_;  // see checkpoints()
 };
 
 ds4_session::ds4_session(ds4_engine &e) : e_(e) {
@@ -870,6 +885,9 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         if (t < 0 || t >= n_vocab)
             throw error("token id " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     std::lock_guard<std::mutex> lock(e_.forward_mutex());
+    // Prefix checkpoints (one CPU device; not for evaluations that want every row's logits: verifications)
+    ds4_checkpoints *ck = all_logits || !rolls_back() ? nullptr : e_.checkpoints();
+    if (ck) ck->before_append(st_, tokens_, total);
     std::vector<int64_t> pos;
     for (int64_t done = 0; done < total;) {
         const int64_t n = std::min(e_.n_batch(), total - done);
@@ -900,6 +918,9 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
                 logits_on_device_ = on_gpu();
             have_logits_ = true;
         }
+        if (ck)  // a prompt's end (with its logits) or a grid crossing
+            ck->after_eval(st_, tokens_, n_past() - n,
+                           last && total >= 2 ? std::span<const float>(logits_) : std::span<const float>());
         if (on_progress && *on_progress) (*on_progress)(done, total);
     }
 }
@@ -1041,8 +1062,25 @@ void ds4_session::sync(std::span<const int32_t> prefix, const std::function<void
     }
     // The whole prefix is held but its last token's logits are not: that token is evaluated again.
     if (keep == prefix.size()) --keep;
-    keep = drop_after(keep);  // a diverged or longer state: rolled back when it can be, else rebuilt
+    if (restore_checkpoint(prefix, keep)) {
+        keep = tokens_.size();
+        if (keep == prefix.size()) {  // a checkpoint of the whole prefix, with its logits
+            if (on_progress) on_progress(0, 0);
+            return;
+        }
+    } else {
+        keep = drop_after(keep);  // a diverged or longer state: rolled back when it can be, else rebuilt
+    }
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
+}
+
+bool ds4_session::restore_checkpoint(std::span<const int32_t> prefix, size_t keep) {
+    ds4_checkpoints *ck = rolls_back() ? e_.checkpoints() : nullptr;
+    if (!ck) return false;
+    const bool free = keep >= tokens_.size() || static_cast<int64_t>(keep) >= ds4::rollback_floor(st_);
+    if (!ck->restore(prefix, free ? keep : 0, st_, tokens_, logits_, have_logits_)) return false;
+    logits_on_device_ = false;
+    return true;
 }
 
 bool ds4_session::appends_in_one_forward(std::span<const int32_t> toks) const {
@@ -1174,8 +1212,10 @@ std::vector<ds4_engine::cpu_work> ds4_engine::plan_cpu_step(std::span<const sync
             if (k == held.size() && (s.have_logits_ || !it.want_logits)) continue;
             if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
         }
-        if (k < held.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_)) {
-            alone.push_back(i);  // deeper than the rollback reach: sync rebuilds the state
+        const bool deep = k < held.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_);
+        // Deeper than the rollback reach, or a prefix checkpoint beats it: sync restores or rebuilds.
+        if (deep || (ckpt_ && it.n_rows == 0 && it.prefix.size() - k >= 2 && ckpt_->longest(it.prefix) > k)) {
+            alone.push_back(i);
             continue;
         }
         for (size_t t = k; t < it.prefix.size(); ++t)
@@ -1206,7 +1246,12 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
     const size_t V = static_cast<size_t>(model_->hp.n_vocab);
     const int64_t cap = n_batch_ + static_cast<int64_t>(work.size());
     std::lock_guard<std::mutex> lock(forward_mutex_);
-    for (cpu_work &w : work) w.s->have_logits_ = false;
+    for (cpu_work &w : work) {
+        w.s->have_logits_ = false;
+        w.total = w.rest.size();
+        if (ckpt_ && w.n_rows == 0)
+            ckpt_->before_append(w.s->st_, w.s->tokens_, static_cast<int64_t>(w.total));
+    }
     for (;;) {
         std::vector<ds4::state *> seqs;
         std::vector<ds4::step_row> rows;
@@ -1255,6 +1300,9 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
             s.tokens_.insert(s.tokens_.end(), w->rest.begin(), w->rest.begin() + static_cast<std::ptrdiff_t>(piece));
             if (s.drafter_) s.observe(xb, p.first_row, s.n_past() - static_cast<int64_t>(piece), piece);
             w->rest = w->rest.subspan(piece);
+            // Grid crossings (a prompt's end with its logits: below)
+            if (ckpt_ && w->n_rows == 0 && (!w->rest.empty() || !w->want_logits || w->total < 2))
+                ckpt_->after_eval(s.st_, s.tokens_, s.n_past() - static_cast<int64_t>(piece), {});
             if (!w->rest.empty()) continue;
             if (w->n_rows > 0) {
                 const size_t nr = static_cast<size_t>(w->n_rows);
@@ -1268,6 +1316,8 @@ void ds4_engine::run_cpu_pieces(std::vector<cpu_work> &work) {
                           logits.begin() + static_cast<std::ptrdiff_t>((out + 1) * V), s.logits_.begin());
                 ++out;
                 s.have_logits_ = true;
+                if (ckpt_ && w->total >= 2)  // a prompt's end, with its logits
+                    ckpt_->after_eval(s.st_, s.tokens_, s.n_past() - static_cast<int64_t>(piece), s.logits_);
             }
         }
     }

@@ -91,6 +91,7 @@ struct scheduler::slot {
     std::atomic<bool> io_busy{false};
     std::optional<cache::prompt_cache::match> pending_load;  // the entry to load (with io_busy)
     bool prompt_saved = false;  // the running request's prompt was queued for saving (whole-state sessions)
+    size_t saved_upto = 0;      // whole-state sessions: the session's size at its last save (save_every)
     // Speculative decoding (scheduler_options::spec): this step's drafts after the pending token.
     std::vector<int32_t> spec_prefix;  // history + drafts: the decode's sync prefix
     std::vector<float> spec_rows;      // [1 + n_drafts, n_vocab] logits of the verification
@@ -321,6 +322,7 @@ void scheduler::admit_locked() {
         s.got_first = false;
         s.ttft = 0.0;
         s.prompt_saved = false;
+        s.saved_upto = best_lcp;
         s.n_drafts = 0;
         s.budget.reset();  // the first decode drafts up to draft_max
         if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
@@ -562,10 +564,14 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
         if (e.decode) {
             if (e.s->n_drafts > 0) verify_and_emit(*e.s);
             else sample_and_emit(*e.s);
+            if (e.s->j) save_periodic(*e.s);
             continue;
         }
         e.s->prefill_pos = e.end;
-        if (e.end != e.s->j->req_.prompt.size()) continue;
+        if (e.end != e.s->j->req_.prompt.size()) {
+            save_periodic(*e.s);
+            continue;
+        }
         sample_and_emit(*e.s);
         // Sessions that load only whole states (DS4) could not reuse the prompt + generated entry
         // saved at the end for the same prompt again: save the prompt alone now (the next decode of
@@ -573,6 +579,7 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
         if (cache_ && !disk_prefix_loads_ && e.s->j && e.s->ph == phase::decode && !e.s->prompt_saved) {
             std::lock_guard<std::mutex> lk(mu_);
             e.s->prompt_saved = true;
+            e.s->saved_upto = e.s->sess->tokens().size();
             save_async_locked(*e.s);
         }
     }
@@ -817,6 +824,18 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
 // disk prompt cache: the I/O thread
 // ---------------------------------------------------------------------------------------------
 
+// Whole-state sessions (DS4) with prompt_cache.save_every: an entry each time the running request's
+// session grew by that many tokens since its last save (a long prompt's chunks, a long generation).
+void scheduler::save_periodic(slot &s) {
+    const int64_t every = cache_ ? cache_->opts().save_every : 0;
+    if (every <= 0 || disk_prefix_loads_ || s.io_busy) return;
+    const size_t held = s.sess->tokens().size();
+    if (held < s.saved_upto + size_t(every)) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    s.saved_upto = held;
+    save_async_locked(s);
+}
+
 void scheduler::save_async_locked(slot &s) {
     if (!cache_ || s.io_busy || int64_t(s.sess->tokens().size()) < cache_->opts().min_tokens) return;
     s.io_busy = true;  // save() marks an existing entry recently used, or writes a new one
@@ -873,6 +892,7 @@ void scheduler::io_load(slot &s) {
             ++stats_.disk_hits;
             stats_.disk_load_s.observe(dt);
             s.prefill_pos = size_t(s.pending_load->n_keep);
+            s.saved_upto = size_t(s.pending_load->n_keep);  // on disk already
             if (s.j)
                 s.n_reused = std::min<int64_t>(s.pending_load->n_keep, int64_t(s.j->req_.prompt.size()) - 1);
         } else {

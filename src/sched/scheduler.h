@@ -247,6 +247,7 @@ private:
     void io_save(slot &s);
     // Under mu_: the disk entry for prompt r when it beats the RAM prefix best_lcp by min_tokens.
     std::optional<cache::prompt_cache::match> disk_candidate_locked(const request &r, size_t best_lcp);
+    void save_periodic(slot &s);      // worker: prompt_cache.save_every (whole-state sessions)
     void save_async_locked(slot &s);  // under mu_: queue a save of what s's session holds, if worth it
 
     engine &eng_;

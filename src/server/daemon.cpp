@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <istream>
 #include <ostream>
 #include <sstream>
@@ -326,6 +327,40 @@ std::string daemon::cmd_park(const std::vector<std::string> &a, bool park) {
     return "ok unparked " + what;
 }
 
+// Makes `to` hold what `from` holds by copying its state (session::save_state into memory, then
+// load_state: no evaluation, the same bits and logits). false when the sessions cannot save or load
+// states (CUDA dense sessions of some kinds, several devices) or the load fails (e.g. a full KV pool):
+// the caller then re-evaluates.
+static bool copy_state(const session &from, session &to) {
+    struct mem_writer final : state_writer {
+        std::vector<uint8_t> b;
+        void write(const void *p, size_t n) override {
+            b.insert(b.end(), static_cast<const uint8_t *>(p), static_cast<const uint8_t *>(p) + n);
+        }
+    };
+    struct mem_reader final : state_reader {
+        const std::vector<uint8_t> &b;
+        size_t pos = 0;
+        explicit mem_reader(const std::vector<uint8_t> &v) : b(v) {}
+        void read(void *p, size_t n) override {
+            if (n > b.size() - pos) throw error("snapshot: the state stream ended early");
+            std::memcpy(p, b.data() + pos, n);
+            pos += n;
+        }
+        uint64_t remaining() const override { return b.size() - pos; }
+    };
+    mem_writer w;
+    if (!from.save_state(w)) return false;
+    mem_reader r(w.b);
+    const std::vector<int32_t> &toks = from.tokens();
+    try {
+        return to.load_state(r, toks, int64_t(toks.size()));
+    } catch (const std::exception &) {
+        to.reset();
+        return false;
+    }
+}
+
 std::string daemon::cmd_slot(const std::string &cmd, const std::vector<std::string> &a) {
     if (a.size() != 1) throw error("usage: " + cmd + " <slot>");
     const int k = int(parse_int(a[0], 0, 1023, "slot"));
@@ -339,7 +374,8 @@ std::string daemon::cmd_slot(const std::string &cmd, const std::vector<std::stri
         s.tokens = working_->tokens();
         if (!s.sess) s.sess = eng.new_session();
         if (s.tokens.empty()) s.sess->reset();
-        else s.sess->sync(s.tokens);  // a copy by re-evaluation (reusing what the slot's session shares)
+        else if (!copy_state(*working_, *s.sess))  // no states: re-evaluated (a shared prefix kept)
+            s.sess->sync(s.tokens);
         s.valid = true;
         return "ok snapshot " + std::to_string(k) + " " + std::to_string(s.tokens.size());
     }

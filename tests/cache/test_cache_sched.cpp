@@ -18,8 +18,9 @@ namespace {
 using namespace fathom;
 using namespace std::chrono_literals;
 
-std::unique_ptr<engine> load(const std::string &path, int n_ctx, int n_batch) {
+std::unique_ptr<engine> load(const std::string &path, int n_ctx, int n_batch, int64_t checkpoint_mib = 4096) {
     engine_options o;
+    o.ds4_checkpoint_mib = checkpoint_mib;
     o.model_path = path;
     o.n_threads = 2;
     o.n_ctx = n_ctx;
@@ -126,6 +127,63 @@ TEST(CacheSched, SmolLM2RestartReusesTheDiskEntry) {
 
 TEST(CacheSched, Ds4TinyRestartReusesTheSavedPrompt) {
     restart_scenario(std::string(FATHOM_SHARED_DIR) + "/golden/ds4-tiny/ds4-tiny-a.gguf", 500);
+}
+
+// A long DS4 prompt with prompt_cache.save_every = 64 (prefill chunks of 64): entries at 64, 128, 192
+// and 256 tokens besides the prompt's and the request's. After a restart, a request sharing only the
+// first 200 prompt tokens (an edited turn) loads the 192-token entry, a prefix of it, and evaluates the
+// rest; without the periodic entries nothing on disk would be a prefix of it. The engines have no RAM
+// checkpoints (ds4_checkpoint_mib 0): the tokens come from disk.
+TEST(CacheSched, Ds4PeriodicEntriesServeAnEditedPromptAfterARestart) {
+    cache_test::temp_dir d;
+    const std::string path = std::string(FATHOM_SHARED_DIR) + "/golden/ds4-tiny/ds4-tiny-a.gguf";
+    const std::vector<int32_t> prompt = prompt_tokens(300, 3, 500);
+    sched::scheduler_options o = sched_opts(d.path);
+    o.n_slots = 1;
+    o.prompt_cache.save_every = 64;
+    {
+        auto e = load(path, 512, 64, 0);
+        sched::scheduler s(*e, o);
+        const run_result first = run(s, prompt, 4);
+        EXPECT_EQ(first.tokens, greedy_alone(*e, prompt, 4));
+        s.stop();
+        EXPECT_EQ(s.stats().disk.saves, 6u);  // 64, 128, 192, 256, the prompt (300), prompt + reply
+        EXPECT_EQ(d.files().size(), 6u);
+    }
+    std::vector<int32_t> edited(prompt.begin(), prompt.begin() + 200);
+    const std::vector<int32_t> tail = prompt_tokens(30, 4, 500);
+    edited.insert(edited.end(), tail.begin(), tail.end());
+    auto e = load(path, 512, 64, 0);
+    sched::scheduler s(*e, o);
+    const run_result again = run(s, edited, 4);
+    EXPECT_EQ(again.final.n_reused, 192);
+    EXPECT_EQ(again.tokens, greedy_alone(*e, edited, 4));
+    s.stop();
+    EXPECT_EQ(s.stats().disk_hits, 1u);
+}
+
+// The scheduler on one CPU with RAM checkpoints: a regenerate after a 40-token reply (beyond the
+// rollback reach) and an edited prompt give the greedy tokens of a fresh session.
+TEST(CacheSched, Ds4RegenerateAndEditedPromptThroughCheckpoints) {
+    const std::string path = std::string(FATHOM_SHARED_DIR) + "/golden/ds4-tiny/ds4-tiny-a.gguf";
+    auto e = load(path, 512, 64, 64), ref = load(path, 512, 64, 0);
+    sched::scheduler_options o;
+    o.n_slots = 1;
+    o.prefill_chunk = 64;
+    o.step_token_budget = 64;
+    sched::scheduler s(*e, o);
+    const std::vector<int32_t> prompt = prompt_tokens(200, 5, 500);
+    const run_result first = run(s, prompt, 40);
+    EXPECT_EQ(first.tokens, greedy_alone(*ref, prompt, 40));
+    const run_result again = run(s, prompt, 40);
+    EXPECT_EQ(again.tokens, first.tokens);
+    EXPECT_EQ(again.final.n_reused, 199);
+    std::vector<int32_t> edited(prompt.begin(), prompt.begin() + 150);
+    const std::vector<int32_t> tail = prompt_tokens(20, 6, 500);
+    edited.insert(edited.end(), tail.begin(), tail.end());
+    const run_result third = run(s, edited, 8);
+    EXPECT_EQ(third.tokens, greedy_alone(*ref, edited, 8));
+    s.stop();
 }
 
 // A cache directory that cannot be created fails the scheduler's construction (the server's start).

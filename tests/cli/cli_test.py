@@ -44,7 +44,8 @@ def run(fathom, args, stdin=None, timeout=120):
 # headings (CLI11 help groups), besides -h,--help and --help-all under "Options". serve and daemon are
 # specified in docs/server.md and docs/daemon-protocol.md.
 MODEL_FILE = ["-m,--model", "--models-dir"]
-ENGINE = ["-t,--threads", "--ctx", "-b,--batch", "--kv-type", "--exact", "--numerics", "--qat", "--progress"]
+ENGINE = ["-t,--threads", "--ctx", "-b,--batch", "--kv-type", "--exact", "--numerics", "--qat", "--ds4-checkpoint-mib",
+          "--progress"]
 DEVICES = ["--device", "--devices", "--layout", "--micro-batch", "--procs", "--procs-host", "--procs-local",
            "--no-cuda-graph"]
 SAMPLING = ["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",

@@ -27,6 +27,7 @@ std::unique_ptr<engine> load(const std::string &qat, kv_precision kv = kv_precis
     o.n_ctx = n_ctx;
     o.kv = kv;
     o.ds4_qat = qat;
+    o.ds4_checkpoint_mib = 0;  // these tests count what the rollback alone re-evaluates (checkpoints: test_ds4_checkpoints)
     return engine::load(o);
 }
 

@@ -237,6 +237,33 @@ TEST(Daemon, RunLoopOneLinePerCommand) {
 
 // --prompt-cache: a second daemon on the same directory (a restart) loads the first one's working
 // session for the same prompt instead of evaluating it, and generates the same ids.
+// snapshot copies the working session's state (save_state / load_state in memory): nothing is evaluated,
+// and restoring it continues as the working session would have.
+TEST(Daemon, SnapshotCopiesStateWithoutEvaluating) {
+    temp_root r;
+    test::fake_engine *eng = nullptr;
+    server::daemon d(
+        [&] {
+            auto e = std::make_unique<test::fake_engine>(256);
+            eng = e.get();
+            return e;
+        },
+        r.dir);
+    std::vector<int32_t> prompt = {test::k_bos};
+    for (int i = 0; i < 30; ++i) prompt.push_back('a' + i % 26);
+    r.write_ids("p.bin", prompt);
+    r.write_ids("q.bin", {test::k_bos, 'Q'});
+    const std::string first = d.handle("generate p.bin 3");
+    const int64_t before = eng->evaluated.load();
+    EXPECT_EQ(d.handle("snapshot 1"), "ok snapshot 1 33");
+    EXPECT_EQ(eng->evaluated.load(), before);  // copied, not re-evaluated
+    EXPECT_EQ(d.handle("generate q.bin 1").rfind("ok 1", 0), 0u);
+    EXPECT_EQ(d.handle("restore 1"), "ok restore 1 33");
+    const int64_t at_restore = eng->evaluated.load();
+    EXPECT_EQ(d.handle("generate p.bin 3"), first);  // the snapshot holds prompt + 2: a strict prefix is kept
+    EXPECT_LE(eng->evaluated.load() - at_restore, 3);
+}
+
 TEST(Daemon, PromptCacheAcrossRestarts) {
     temp_root r;
     std::vector<int32_t> prompt = {test::k_bos};

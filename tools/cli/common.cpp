@@ -77,6 +77,11 @@ void add_engine_options(CLI::App *cmd, model_args &a) {
                     "DeepSeek V4 only: simulated QAT round trips, full (trained), fp4only or off")
         ->capture_default_str()
         ->check(CLI::IsMember({"full", "fp4only", "off"}));
+    cmd->add_option("--ds4-checkpoint-mib", a.ds4_checkpoint_mib,
+                    "DeepSeek V4 on one CPU device: MiB of in-RAM prefix checkpoints of the sessions' states "
+                    "(a regenerate or an edited turn resumes from the longest one instead of re-evaluating; "
+                    "docs/ds4.md); 0 = off")
+        ->capture_default_str();
     cmd->add_flag("--progress", a.progress, "Show progress bars on stderr even when it is not a terminal");
 }
 
@@ -266,6 +271,7 @@ engine_options engine_options_of(const model_args &a) {
     o.ds4_qat = a.qat;
     o.ds4_draft = a.ds4_draft;
     o.ds4_draft_model = a.ds4_draft_model;
+    o.ds4_checkpoint_mib = a.ds4_checkpoint_mib;
     o.device = a.device;
     o.cuda_graphs = !a.no_cuda_graph;
     o.devices = a.devices;

@@ -65,6 +65,7 @@ struct model_args {
     bool exact = false;
     std::string numerics = "invariant";  // invariant | llamacpp | exact (--exact = exact)
     std::string qat = "full";       // DeepSeek V4 QAT round trips: full | fp4only | off
+    int64_t ds4_checkpoint_mib = 4096;  // DeepSeek V4 on one CPU: prefix checkpoint budget (engine_options)
     bool progress = false;          // force progress bars even when stderr is not a TTY
     std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false

@@ -53,6 +53,7 @@ struct serve_args {
     double prompt_cache_max_gib = 8;
     int64_t prompt_cache_min_tokens = 32;
     int prompt_cache_zstd = 0;
+    int64_t prompt_cache_every = 8192;
     spec_args spec;  // --spec ngram|mtp|dspark: speculative decoding for every request
     std::string reasoning = "auto";  // thinking mode of requests that ask none (docs/server.md "Thinking")
     int64_t reasoning_budget = 0;    // their thinking budget in tokens; 0 = none
@@ -113,6 +114,7 @@ void serve_main(serve_args &a) {
     so.prompt_cache.max_bytes = uint64_t(a.prompt_cache_max_gib * 1073741824.0);
     so.prompt_cache.min_tokens = a.prompt_cache_min_tokens;
     so.prompt_cache.zstd_level = a.prompt_cache_zstd;
+    so.prompt_cache.save_every = a.prompt_cache_every;
     so.spec = a.spec.enabled();
     so.spec_ngram = a.spec.ngram;
     so.spec_session_drafter = a.spec.mode == "mtp" || a.spec.mode == "dspark";
@@ -272,6 +274,12 @@ void add_serve_command(CLI::App &app) {
            "Shortest token sequence saved, and the least gain over a RAM prefix for which an entry is loaded")
         ->capture_default_str()
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+    cmd->add_option(
+           "--prompt-cache-every", a->prompt_cache_every,
+           "DeepSeek V4: also save an entry every N tokens of a long prompt or generation (a crash or a "
+           "regenerate resumes from the longest saved prefix); 0 = only at a prompt's and a request's end")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
     cmd->add_option(
            "--prompt-cache-zstd", a->prompt_cache_zstd,
            "zstd level for the saved KV state (0 = stored raw, the default: see docs/prompt-cache.md)")
