@@ -308,6 +308,10 @@ def main(argv=None):
     ap.add_argument("--rebuild", action="store_true", help="reconfigure and rebuild llama-bench")
     ap.add_argument("--build-only", action="store_true", help="only download/build llama-bench, then exit")
     ap.add_argument("--fathom", default=os.path.join(REPO, "build", "fathom"), help="fathom binary")
+    ap.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                    help="extra llama-bench arguments, one string: --llama-bench-args='--poll 0'")
+    ap.add_argument("--fathom-args", default="", metavar="ARGS",
+                    help="extra fathom bench arguments, one string: --fathom-args='--numerics llamacpp'")
     ap.add_argument("--json", metavar="OUT", help="write the numbers, commands and versions to OUT")
     args = ap.parse_args(argv)
 
@@ -333,12 +337,13 @@ def main(argv=None):
     commit = llamacpp_commit(args.cache_dir, args.llamacpp_version)
 
     T, P, N, R = str(args.threads), str(args.prompt), str(args.gen), str(args.reps)
-    gpu = ["-ngl", "99"] if args.cuda else []
+    gpu = (["-ngl", "99"] if args.cuda else []) + shlex.split(args.llama_bench_args)
     lb_pp = [lb, "-m", args.model, "-p", P, "-n", "0", "-t", T, "-r", R, "-o", "json"] + gpu
     lb_tg = [lb, "-m", args.model, "-p", "0", "-n", N, "-d", P, "-t", T, "-r", R, "-o", "json"] + gpu
     fb = [args.fathom, "bench", "-m", args.model, "-p", P, "-n", N, "-t", T, "--reps", R, "--json"]
     if args.cuda:
         fb += ["--device", "cuda"]
+    fb += shlex.split(args.fathom_args)
 
     l_pp, l_tg, f_pp_best, f_pp_med, f_tg_best, f_tg_med = [], [], [], [], [], []
     lb_info, f_raw = None, None
@@ -390,6 +395,9 @@ def main(argv=None):
     rt = res["ratio"]
     print(f"model {res['model']} ({arch}), device {device}, threads {args.threads}, P={args.prompt}, "
           f"N={args.gen} (decode after the P-token prompt), {args.reps} reps x {args.rounds} rounds")
+    if not commit and lb_info:
+        commit = lb_info.get("build_commit")
+        res["llama_cpp_commit"] = commit
     print(f"llama.cpp: llama-cpp-python {args.llamacpp_version} vendored, commit {commit or 'unknown'}"
           + (f"; llama-bench backends {lb_info.get('backends')}, flash_attn {lb_info.get('flash_attn')}, "
              f"n_batch {lb_info.get('n_batch')}, n_ubatch {lb_info.get('n_ubatch')}, "
