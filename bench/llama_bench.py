@@ -12,7 +12,10 @@ downloads it with `pip download --no-binary :all: --no-deps llama-cpp-python==VE
 directory (--cache-dir, default ~/.cache/fathom-llamacpp), unpacks it and builds only the `llama-bench`
 target with CMake (Release, static, CPU by default; --cuda adds -DGGML_CUDA=ON
 -DCMAKE_CUDA_ARCHITECTURES=90a, for H100/H200; --cuda-arch changes it). An existing build is reused
-(build-VERSION-cpu / build-VERSION-cuda-ARCH under the cache directory); --rebuild forces one.
+(build-VERSION-cpu / build-VERSION-cuda-ARCH under the cache directory); --rebuild forces one. The build
+runs under `nice -n 10` with --jobs (default 2; on the 16-core GPU machine pass -j 16: the CUDA build took
+about 6 minutes at -j12 there), and takes ~15 min on 2 loaded cores; --build-only builds and exits, so it can
+overlap other work.
 
 What is measured, per round (--rounds, default 2; the tools alternate and swap order every round):
   * llama.cpp prefill: `llama-bench -m FILE -p P -n 0 -t T -r R -o json` (pp: a P-token prompt at depth 0);
