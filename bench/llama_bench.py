@@ -23,6 +23,9 @@ What is measured, per round (--rounds, default 2; the tools alternate and swap o
     P-token context, which is what `fathom bench` times; plain `-n N` would decode from an empty cache);
   * Fathom: `fathom bench -m FILE -p P -n N -t T --reps R --json`.
   With --cuda, llama-bench gets `-ngl 99` and fathom `--device cuda`. Both tools run one untimed warm-up.
+  Each side keeps its defaults otherwise (llama-bench: n_batch 2048 / n_ubatch 512, flash attention auto,
+  f16 KV; fathom: prefill chunk 512, 4096 for DeepSeek V4 on CUDA); --llama-bench-args / --fathom-args
+  add options to either command.
   Reported: best (max tok/s) and median over all reps of all rounds (llama-bench's samples_ts; Fathom's
   best of bests and median of medians), and Fathom / llama.cpp for each.
 
@@ -254,6 +257,13 @@ def cmake_args(cuda, cuda_arch):
         a += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
     if cuda:
         a += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
+        if not shutil.which("nvcc") and not os.environ.get("CUDACXX"):
+            for nvcc in ("/usr/local/cuda/bin/nvcc", "/usr/cuda/bin/nvcc"):
+                if os.path.isfile(nvcc):
+                    a.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+                    break
+            else:
+                raise BenchError("--cuda: no nvcc on PATH or in /usr/local/cuda/bin (set CUDACXX)")
     return a
 
 
