@@ -279,6 +279,12 @@ public:
     // after an evaluation (a speculative step drafts at most this many). Dense: unlimited; DS4 on one CPU
     // device: ds4::max_rollback (16; its state keeps that many positions of history in its rings).
     virtual int64_t rollback_limit() const { return INT64_MAX; }
+    // How many leading tokens of `prefix` a sync() to it would keep without evaluating them (the scheduler
+    // admits requests to slots and reports cached tokens by it). The default: the common prefix with what
+    // the session holds when nothing is held beyond it or the session can drop the rest for free
+    // (rolls_back(), at most rollback_limit() positions), else 0. DS4 on the CPU also counts its prefix
+    // checkpoints.
+    virtual int64_t reusable_prefix(std::span<const int32_t> prefix) const;
     // Sessions with a drafter of their own (DS4 with engine_options::ds4_draft): up to `max` tokens likely
     // to follow `history` = what the session holds, then the pending token (sampled, not yet evaluated).
     // Greedy, deterministic drafts. Throws when history does not extend what the session holds.
@@ -328,6 +334,15 @@ public:
     // a DS4 state cannot drop positions (see ds4_session.cpp), so it loads whole or not at all.
     virtual bool loads_state_prefix() const { return false; }
 };
+
+inline int64_t session::reusable_prefix(std::span<const int32_t> prefix) const {
+    const std::vector<int32_t> &held = tokens();
+    size_t l = 0;
+    while (l < held.size() && l < prefix.size() && held[l] == prefix[l]) ++l;
+    if (l == held.size() || (rolls_back() && static_cast<uint64_t>(held.size() - l) <= static_cast<uint64_t>(rollback_limit())))
+        return static_cast<int64_t>(l);
+    return 0;
+}
 
 inline void session::truncate(int64_t n_keep) {
     if (n_keep >= n_past()) return;

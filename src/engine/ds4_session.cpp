@@ -282,6 +282,9 @@ class ds4_session final : public session {
     void truncate(int64_t n_keep) override;
     bool rolls_back() const override { return !on_gpu() && !on_pipeline(); }
     int64_t rollback_limit() const override { return ds4::max_rollback; }
+    // The common prefix when it is within the rollback reach (relative to the furthest evaluated
+    // position, ds4::rollback_floor), or the longest prefix checkpoint, whichever is longer.
+    int64_t reusable_prefix(std::span<const int32_t> prefix) const override;
     // The engine's drafter (engine_options::ds4_draft), one per session, fed by its forwards.
     bool has_drafter() const override { return drafter_ != nullptr; }
     std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max) override;
@@ -1074,12 +1077,26 @@ void ds4_session::sync(std::span<const int32_t> prefix, const std::function<void
     eval_chunks(prefix.subspan(keep), nullptr, &on_progress);
 }
 
+int64_t ds4_session::reusable_prefix(std::span<const int32_t> prefix) const {
+    size_t l = 0;
+    while (l < tokens_.size() && l < prefix.size() && tokens_[l] == prefix[l]) ++l;
+    int64_t keep = 0;
+    if (l == tokens_.size() || (rolls_back() && static_cast<int64_t>(l) >= ds4::rollback_floor(st_)))
+        keep = static_cast<int64_t>(l);
+    if (const ds4_checkpoints *ck = rolls_back() ? e_.checkpoints() : nullptr)
+        keep = std::max(keep, static_cast<int64_t>(ck->longest(prefix)));
+    return keep;
+}
+
 bool ds4_session::restore_checkpoint(std::span<const int32_t> prefix, size_t keep) {
     ds4_checkpoints *ck = rolls_back() ? e_.checkpoints() : nullptr;
     if (!ck) return false;
     const bool free = keep >= tokens_.size() || static_cast<int64_t>(keep) >= ds4::rollback_floor(st_);
     if (!ck->restore(prefix, free ? keep : 0, st_, tokens_, logits_, have_logits_)) return false;
     logits_on_device_ = false;
+    // The drafter's history is the old timeline's: cut back to what both share (its rings are
+    // position-indexed; a deeper cut restarts its rows, as after a state load).
+    if (drafter_) drafter_->truncate(static_cast<int64_t>(std::min(keep, tokens_.size())));
     return true;
 }
 

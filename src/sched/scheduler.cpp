@@ -105,16 +105,12 @@ static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int
     while (i < n && a[i] == b[i]) ++i;
     return i;
 }
-
-// Prompt tokens slot session `s` keeps when synced to `prompt`: the common prefix when it holds
-// nothing beyond it or can drop what it holds beyond it (rolls_back(), at most rollback_limit()
-// positions: DS4 on the CPU drops 16, dense sessions any number). A deeper divergence resets a DS4
-// state (ds4_session.cpp): it reuses nothing, and a disk entry of the prompt's prefix can do better.
+// How much of a prompt a slot's session keeps without evaluating it (session::reusable_prefix: the common
+// prefix when the session can drop what it holds beyond it, DS4 prefix checkpoints included). A DS4
+// state that diverges deeper resets: it reuses nothing, and a disk entry of the prompt's prefix can do
+// better.
 static size_t reusable_prefix(const session &s, const std::vector<int32_t> &prompt) {
-    const size_t held = s.tokens().size(), l = common_prefix(s.tokens(), prompt);
-    if (l == held || (s.rolls_back() && static_cast<uint64_t>(held - l) <= static_cast<uint64_t>(s.rollback_limit())))
-        return l;
-    return 0;
+    return static_cast<size_t>(std::max<int64_t>(0, s.reusable_prefix(prompt)));
 }
 
 scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), opts_(opts) {

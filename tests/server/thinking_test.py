@@ -221,9 +221,11 @@ class Thinking(unittest.TestCase):
         evaluated, hits = metric("fathom_prompt_tokens_evaluated_total"), metric("fathom_prompt_cache_disk_hits_total")
         r2 = oai().chat.completions.create(model="m", messages=turn2, temperature=0, max_tokens=8, extra_body=th)
         # Turn 1's prompt ends at "<｜Assistant｜>" ("<think>" is generated), a prefix of turn 2's prompt:
-        # its saved state is loaded from the disk cache and only the rest is evaluated (the slot's held
-        # state, which has turn 1's reasoning, cannot be cut back that far: the scheduler counts it as no reuse).
-        self.assertEqual(metric("fathom_prompt_cache_disk_hits_total") - hits, 1)
+        # its state is restored and only the rest is evaluated. The slot's held state, which has turn 1's
+        # reasoning, cannot be cut back that far by rollback; the state comes from the engine's RAM
+        # checkpoint of turn 1's prompt (--ds4-checkpoint-mib, on by default) or, without one, from the
+        # disk cache's entry of that prompt.
+        self.assertLessEqual(metric("fathom_prompt_cache_disk_hits_total") - hits, 1)
         self.assertEqual(r2.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens)
         self.assertEqual(metric("fathom_prompt_tokens_evaluated_total") - evaluated,
                          r2.usage.prompt_tokens - r1.usage.prompt_tokens)
