@@ -65,6 +65,7 @@
 #include "dist/tp.h"
 #include "engine/device.h"
 #include "engine/ds4_drafter.h"
+#include "engine/sync_plan.h"
 #include "engine/ds4_checkpoints.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
@@ -1206,39 +1207,16 @@ std::vector<ds4_engine::cpu_work> ds4_engine::plan_cpu_step(std::span<const sync
     for (size_t i = 0; i < items.size(); ++i) {
         const sync_item &it = items[i];
         ds4_session &s = step_session(it.sess, i, "sync_step", seen);
-        if (static_cast<int64_t>(it.prefix.size()) > n_ctx_)
-            throw error("prompt of " + std::to_string(it.prefix.size()) + " tokens exceeds n_ctx " + std::to_string(n_ctx_));
-        if (it.n_rows > 0 && (!it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size())) {
-            alone.push_back(i);  // malformed: sync_with_rows reports it
-            continue;
-        }
-        if (it.prefix.empty()) {  // sync of nothing: reset (below)
-            keep[i] = 0;
-            continue;
-        }
-        const std::vector<int32_t> &held = s.tokens_;
-        size_t k = 0;
-        while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
-        if (it.n_rows > 0) {
-            k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
-            if (static_cast<int64_t>(it.prefix.size() - k) > n_batch_) {
-                alone.push_back(i);
-                continue;
-            }
-        } else if (k == it.prefix.size()) {
-            if (k == held.size() && (s.have_logits_ || !it.want_logits)) continue;
-            if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
-        }
-        const bool deep = k < held.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_);
+        const sync_plan p = plan_sync_item(it, s.tokens_, s.have_logits_, n_ctx_, n_batch_, model_->hp.n_vocab);
+        if (p.what == sync_plan::kind::done) continue;
+        const size_t k = p.keep;
+        const bool deep = !it.prefix.empty() && k < s.tokens_.size() && static_cast<int64_t>(k) < ds4::rollback_floor(s.st_);
         // Deeper than the rollback reach, or a prefix checkpoint beats it: sync restores or rebuilds.
-        if (deep || (ckpt_ && it.n_rows == 0 && it.prefix.size() - k >= 2 && ckpt_->longest(it.prefix) > k)) {
+        if (p.what == sync_plan::kind::alone || deep ||
+            (ckpt_ && it.n_rows == 0 && it.prefix.size() >= k + 2 && ckpt_->longest(it.prefix) > k)) {
             alone.push_back(i);
             continue;
         }
-        for (size_t t = k; t < it.prefix.size(); ++t)
-            if (it.prefix[t] < 0 || it.prefix[t] >= model_->hp.n_vocab)
-                throw error("token id " + std::to_string(it.prefix[t]) + " outside the vocabulary [0, " +
-                            std::to_string(model_->hp.n_vocab) + ")");
         keep[i] = k;
     }
     std::vector<cpu_work> work;

@@ -21,6 +21,7 @@
 #include "cache/identity.h"
 #include "chat/chat_template.h"
 #include "engine/batch_decode.h"
+#include "engine/sync_plan.h"
 #include "engine/ds4_session.h"
 #include "core/error.h"
 #include "core/state_io.h"
@@ -778,38 +779,9 @@ std::vector<engine_impl::step_work> engine_impl::plan_sync_step(std::span<const 
         if (!s || &s->e_ != this) throw error(who + ": session not created by this engine");
         for (size_t j = 0; j < i; ++j)
             if (items[j].sess == it.sess) throw error(who + ": session appears twice");
-        if (static_cast<int64_t>(it.prefix.size()) > n_ctx_)
-            throw error("prompt of " + std::to_string(it.prefix.size()) + " tokens exceeds n_ctx " + std::to_string(n_ctx_));
-        if (it.n_rows > 0 && (!it.rows || static_cast<size_t>(it.n_rows) > it.prefix.size())) {
-            alone.push_back(i);  // malformed: sync_with_rows reports it
-            continue;
-        }
-        if (it.prefix.empty()) {  // sync of nothing: reset (below)
-            keep[i] = 0;
-            continue;
-        }
-        const std::vector<int32_t> &held = s->tokens_;
-        size_t k = 0;
-        while (k < it.prefix.size() && k < held.size() && it.prefix[k] == held[k]) ++k;
-        if (it.n_rows > 0) {
-            // The last n_rows are evaluated afresh (their logits are wanted); the rest of the prefix is
-            // kept as held, its logits not re-derived. More than one piece to evaluate: `alone`, for
-            // sync_with_rows after the fused forward.
-            k = std::min(k, it.prefix.size() - static_cast<size_t>(it.n_rows));
-            if (static_cast<int64_t>(it.prefix.size() - k) > n_batch_) {
-                alone.push_back(i);
-                continue;
-            }
-        } else if (k == it.prefix.size()) {
-            const bool done = k == held.size() && (s->have_logits_ || !it.want_logits);
-            if (done) continue;
-            if (it.want_logits) --k;  // re-evaluate the last token for its logits (k >= 1 here)
-        }
-        for (size_t t = k; t < it.prefix.size(); ++t)
-            if (it.prefix[t] < 0 || it.prefix[t] >= model_->hp.n_vocab)
-                throw error("token id " + std::to_string(it.prefix[t]) + " outside the vocabulary [0, " +
-                            std::to_string(model_->hp.n_vocab) + ")");
-        keep[i] = k;
+        const sync_plan p = plan_sync_item(it, s->tokens_, s->have_logits_, n_ctx_, n_batch_, model_->hp.n_vocab);
+        if (p.what == sync_plan::kind::alone) alone.push_back(i);
+        if (p.what == sync_plan::kind::evaluate) keep[i] = p.keep;
     }
     std::vector<step_work> work;
     for (size_t i = 0; i < items.size(); ++i) {

@@ -82,8 +82,8 @@ class cpu_executor final : public executor {
         const bool attn = which == sublayer::attention;
         for (int64_t i = 0; i < n_; ++i) {
             float *ui = &u_[static_cast<size_t>(i * D)];
-            hc_pre_row(hp_, attn ? l.hc_attn : l.hc_ffn, x_ + i * S, ui, &post_[static_cast<size_t>(i) * nh],
-                       &comb_[static_cast<size_t>(i) * nh * nh]);
+            ds4::hc_pre(hp_, attn ? l.hc_attn : l.hc_ffn, x_ + i * S, ui, &post_[static_cast<size_t>(i) * nh],
+                        &comb_[static_cast<size_t>(i) * nh * nh]);
             rms_norm(ui, D, attn ? l.attn_norm.data() : l.ffn_norm.data(), hp_.rms_eps, ui);
         }
     }
@@ -118,9 +118,6 @@ class cpu_executor final : public executor {
     }
 
   private:
-    static void hc_pre_row(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
-        ds4::hc_pre(hp, w, x, u, post, comb);
-    }
     const model *m_;  // embed / head only (null for a lone block)
     const hparams &hp_;
     const rope_set &ropes_;
