@@ -24,6 +24,7 @@
 
 namespace fathom::gguf {
 class file;
+struct tensor_info;
 }
 namespace fathom::cpu {
 class thread_pool;

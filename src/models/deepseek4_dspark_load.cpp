@@ -1,12 +1,11 @@
 // DSpark drafter loading (see deepseek4_dspark.h): lucebox's `deepseek4-dflash-draft` GGUF, every key
 // and tensor checked against the target, errors of one line naming the key or tensor.
 #include <cmath>
-#include <cstring>
 
-#include "backend/cpu/quants.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4_dspark.h"
+#include "models/deepseek4_impl.h"
 
 namespace fathom::ds4 {
 
@@ -157,63 +156,24 @@ std::vector<float> read_clamps(const key_reader &k, int n_stages) {
     return out;
 }
 
-// ---- tensors --------------------------------------------------------------------------------------
-
-const gguf::tensor_info &shaped(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
-    const gguf::tensor_info *t = f.find_tensor(name);
-    if (!t) throw error(f.path() + ": missing tensor " + name);
-    bool ok = t->n_dims == ne.size();
-    for (size_t i = 0; ok && i < ne.size(); ++i) ok = t->ne[i] == ne[i];
-    if (!ok) {
-        std::string got, want;
-        for (uint32_t i = 0; i < t->n_dims; ++i) got += (i ? ", " : "") + std::to_string(t->ne[i]);
-        for (size_t i = 0; i < ne.size(); ++i) want += (i ? ", " : "") + std::to_string(ne[i]);
-        throw error(f.path() + ": tensor " + name + " has shape {" + got + "}, expected {" + want + "}");
-    }
-    return *t;
-}
-
-// torch [rows, cols] = ggml {cols, rows}, any dtype with CPU dequantisation.
-matrix get_mat(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows) {
-    const gguf::tensor_info &t = shaped(f, name, {cols, rows});
-    const auto &ti = dtype_info(t.type);
-    if ((t.type != dtype::f32 && !ti.compute) || cols % ti.block_size != 0)
-        throw error(f.path() + ": tensor " + name + " has unsupported type " + std::string(ti.name));
-    return {t.type, t.data, rows, cols, dtype_row_bytes(t.type, cols)};
-}
-
-// Small vector (any shape with n elements given as ne) copied to f32: f32, f16 or bf16, finite.
-std::vector<float> get_vec(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
-    const gguf::tensor_info &t = shaped(f, name, ne);
-    if (t.type != dtype::f32 && t.type != dtype::f16 && t.type != dtype::bf16)
-        throw error(f.path() + ": tensor " + name + " has type " + std::string(dtype_name(t.type)) +
-                    ", expected f32, f16 or bf16");
-    std::vector<float> v(static_cast<size_t>(t.nelements()));
-    if (t.type == dtype::f32)
-        std::memcpy(v.data(), t.data, v.size() * sizeof(float));
-    else
-        cpu::dequantize_row(t.type, t.data, v.data(), t.nelements());
-    for (float x : v)
-        if (!std::isfinite(x)) throw error(f.path() + ": tensor " + name + " holds a non-finite value");
-    return v;
-}
+// ---- tensors (deepseek4_impl.h: tensor_shaped / tensor_matrix / tensor_vector, the main loader's) ------
 
 void load_head_tensors(const gguf::file &f, dspark_weights &w) {
     const hparams &hp = w.hp;
     const int64_t D = hp.n_embd, V = hp.n_vocab, r = w.cfg.markov_rank;
-    w.fc = get_mat(f, "dflash.fc.weight", w.feature_dim(), D);
-    w.hidden_norm = get_vec(f, "dflash.hidden_norm.weight", {D});
-    w.hc_head.fn = get_mat(f, "output_hc_fn.weight", int64_t{hp.n_hc} * D, hp.n_hc);
-    w.hc_head.base = get_vec(f, "output_hc_base.weight", {hp.n_hc});
-    w.hc_head.scale = get_vec(f, "output_hc_scale.weight", {1});
-    w.output_norm = get_vec(f, "output_norm.weight", {D});
+    w.fc = tensor_matrix(f, "dflash.fc.weight", w.feature_dim(), D);
+    w.hidden_norm = tensor_vector(f, "dflash.hidden_norm.weight", {D});
+    w.hc_head.fn = tensor_matrix(f, "output_hc_fn.weight", int64_t{hp.n_hc} * D, hp.n_hc);
+    w.hc_head.base = tensor_vector(f, "output_hc_base.weight", {hp.n_hc});
+    w.hc_head.scale = tensor_vector(f, "output_hc_scale.weight", {1});
+    w.output_norm = tensor_vector(f, "output_norm.weight", {D});
     // Both Markov tensors are torch [V, r] (ggml {r, V}): a transposed one fails the shape check,
     // since r differs from V (and D) in every real and test file.
-    w.markov_w1 = get_mat(f, "dflash.dspark.markov.w1", r, V);
-    w.markov_w2 = get_mat(f, "dflash.dspark.markov.w2", r, V);
-    w.conf_w = get_vec(f, "dflash.dspark.confidence.weight", {D + r, 1});
+    w.markov_w1 = tensor_matrix(f, "dflash.dspark.markov.w1", r, V);
+    w.markov_w2 = tensor_matrix(f, "dflash.dspark.markov.w2", r, V);
+    w.conf_w = tensor_vector(f, "dflash.dspark.confidence.weight", {D + r, 1});
     if (f.find_tensor("dflash.dspark.confidence.bias"))
-        w.conf_bias = get_vec(f, "dflash.dspark.confidence.bias", {1})[0];
+        w.conf_bias = tensor_vector(f, "dflash.dspark.confidence.bias", {1})[0];
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "models/deepseek4.h"
@@ -32,6 +33,15 @@ tp_slice tp_whole(const hparams &hp);
 // naming `what` otherwise. The whole range returns w itself.
 matrix matrix_rows(const matrix &w, int64_t r0, int64_t r1);
 matrix matrix_cols(const matrix &w, int64_t c0, int64_t c1, const char *what);
+
+// ---- tensors of a GGUF (deepseek4_load.cpp; the main model's and the drafters' loaders) ----------
+
+// The tensor `name` with exactly the shape `ne` (ggml order); throws fathom::error naming it.
+const gguf::tensor_info &tensor_shaped(const gguf::file &f, const std::string &name, std::vector<int64_t> ne);
+// A 2-D weight, torch [rows, cols] = ggml {cols, rows}, of a type with CPU kernels.
+matrix tensor_matrix(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows);
+// A small parameter vector of shape `ne` (f32, f16 or bf16, finite) copied to f32.
+std::vector<float> tensor_vector(const gguf::file &f, const std::string &name, std::vector<int64_t> ne);
 
 // ---- hyper-connections (deepseek4_moe.cpp) -------------------------------------------------------
 

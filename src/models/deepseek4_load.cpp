@@ -183,18 +183,6 @@ std::string shape_str(const int64_t *ne, uint32_t n) {
     return s + "}";
 }
 
-// The tensor `name` with exactly the shape `ne` (ggml order). Throws naming the tensor.
-const gguf::tensor_info &shaped(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
-    const gguf::tensor_info *t = f.find_tensor(name);
-    if (!t) throw error(where(f) + "missing tensor " + name);
-    bool ok = t->n_dims == ne.size();
-    for (size_t i = 0; ok && i < ne.size(); ++i) ok = t->ne[i] == ne[i];
-    if (!ok)
-        throw error(where(f) + "tensor " + name + " has shape " + shape_str(t->ne, t->n_dims) +
-                    ", expected " + shape_str(ne.data(), static_cast<uint32_t>(ne.size())));
-    return *t;
-}
-
 void check_compute_type(const gguf::file &f, const gguf::tensor_info &t, int64_t cols) {
     const auto &ti = dtype_info(t.type);
     if (t.type != dtype::f32 && !ti.compute)
@@ -216,23 +204,29 @@ matrix as_matrix(const gguf::file &f, const gguf::tensor_info &t, int64_t cols, 
     return m;
 }
 
-// 2-D weight, torch [rows, cols] = ggml {cols, rows}.
-matrix get_matrix(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows) {
-    return as_matrix(f, shaped(f, name, {cols, rows}), cols, rows);
+}  // namespace
+
+// Shared with the DSpark loader (deepseek4_impl.h).
+// The tensor `name` with exactly the shape `ne` (ggml order). Throws naming the tensor.
+const gguf::tensor_info &tensor_shaped(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
+    const gguf::tensor_info *t = f.find_tensor(name);
+    if (!t) throw error(where(f) + "missing tensor " + name);
+    bool ok = t->n_dims == ne.size();
+    for (size_t i = 0; ok && i < ne.size(); ++i) ok = t->ne[i] == ne[i];
+    if (!ok)
+        throw error(where(f) + "tensor " + name + " has shape " + shape_str(t->ne, t->n_dims) +
+                    ", expected " + shape_str(ne.data(), static_cast<uint32_t>(ne.size())));
+    return *t;
 }
 
-expert_bank get_experts(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows, int64_t n) {
-    const auto &t = shaped(f, name, {cols, rows, n});
-    expert_bank b;
-    b.first = as_matrix(f, t, cols, rows);
-    b.n = n;
-    b.expert_bytes = b.first.row_bytes * static_cast<size_t>(rows);
-    return b;
+// 2-D weight, torch [rows, cols] = ggml {cols, rows}.
+matrix tensor_matrix(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows) {
+    return as_matrix(f, tensor_shaped(f, name, {cols, rows}), cols, rows);
 }
 
 // Small parameter vector (norms, biases, HC bases/scales, sinks, APE) copied to f32.
-std::vector<float> get_vector(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
-    const auto &t = shaped(f, name, ne);
+std::vector<float> tensor_vector(const gguf::file &f, const std::string &name, std::vector<int64_t> ne) {
+    const auto &t = tensor_shaped(f, name, ne);
     if (t.type != dtype::f32 && t.type != dtype::f16 && t.type != dtype::bf16)
         throw error(where(f) + "tensor " + name + " has type " + std::string(dtype_name(t.type)) +
                     ", expected f32, f16 or bf16");
@@ -246,12 +240,24 @@ std::vector<float> get_vector(const gguf::file &f, const std::string &name, std:
     return v;
 }
 
+namespace {
+
+expert_bank get_experts(const gguf::file &f, const std::string &name, int64_t cols, int64_t rows, int64_t n) {
+    const auto &t = tensor_shaped(f, name, {cols, rows, n});
+    expert_bank b;
+    b.first = as_matrix(f, t, cols, rows);
+    b.n = n;
+    b.expert_bytes = b.first.row_bytes * static_cast<size_t>(rows);
+    return b;
+}
+
+
 hc_weights get_hc(const gguf::file &f, const std::string &stem, const hparams &hp, int64_t n_mix,
                   int64_t n_scale) {
     hc_weights w;
-    w.fn = get_matrix(f, stem + "_fn.weight", static_cast<int64_t>(hp.n_hc) * hp.n_embd, n_mix);
-    w.base = get_vector(f, stem + "_base.weight", {n_mix});
-    w.scale = get_vector(f, stem + "_scale.weight", {n_scale});
+    w.fn = tensor_matrix(f, stem + "_fn.weight", static_cast<int64_t>(hp.n_hc) * hp.n_embd, n_mix);
+    w.base = tensor_vector(f, stem + "_base.weight", {n_mix});
+    w.scale = tensor_vector(f, stem + "_scale.weight", {n_scale});
     return w;
 }
 
@@ -261,15 +267,15 @@ compressor_weights get_compressor(const gguf::file &f, const std::string &stem, 
     c.ratio = ratio;
     c.dim = dim;
     const int64_t width = (ratio == 4 ? 2 : 1) * static_cast<int64_t>(dim);
-    c.kv = get_matrix(f, stem + "_kv.weight", hp.n_embd, width);
-    c.gate = get_matrix(f, stem + "_gate.weight", hp.n_embd, width);
-    c.ape = get_vector(f, stem + "_ape.weight", {width, ratio});
-    c.norm = get_vector(f, stem + "_norm.weight", {dim});
+    c.kv = tensor_matrix(f, stem + "_kv.weight", hp.n_embd, width);
+    c.gate = tensor_matrix(f, stem + "_gate.weight", hp.n_embd, width);
+    c.ape = tensor_vector(f, stem + "_ape.weight", {width, ratio});
+    c.norm = tensor_vector(f, stem + "_norm.weight", {dim});
     return c;
 }
 
 std::vector<int32_t> get_tid2eid(const gguf::file &f, const std::string &name, const hparams &hp) {
-    const auto &t = shaped(f, name, {hp.n_expert_used, hp.n_vocab});
+    const auto &t = tensor_shaped(f, name, {hp.n_expert_used, hp.n_vocab});
     if (t.type != dtype::i32)
         throw error(where(f) + "tensor " + name + " has type " + std::string(dtype_name(t.type)) +
                     ", expected i32");
@@ -285,40 +291,40 @@ std::vector<int32_t> get_tid2eid(const gguf::file &f, const std::string &name, c
 
 void load_attention(const gguf::file &f, const hparams &hp, const std::string &p, layer_weights &l) {
     const int64_t D = hp.n_embd, d = hp.head_dim;
-    l.attn_norm = get_vector(f, p + "attn_norm.weight", {D});
-    l.q_a = get_matrix(f, p + "attn_q_a.weight", D, hp.q_lora);
-    l.q_a_norm = get_vector(f, p + "attn_q_a_norm.weight", {hp.q_lora});
-    l.q_b = get_matrix(f, p + "attn_q_b.weight", hp.q_lora, hp.n_head * d);
-    l.kv = get_matrix(f, p + "attn_kv.weight", D, d);
-    l.kv_norm = get_vector(f, p + "attn_kv_a_norm.weight", {d});
-    l.sinks = get_vector(f, p + "attn_sinks.weight", {hp.n_head});
-    l.out_a = get_matrix(f, p + "attn_output_a.weight", hp.n_head / hp.o_groups * d,
+    l.attn_norm = tensor_vector(f, p + "attn_norm.weight", {D});
+    l.q_a = tensor_matrix(f, p + "attn_q_a.weight", D, hp.q_lora);
+    l.q_a_norm = tensor_vector(f, p + "attn_q_a_norm.weight", {hp.q_lora});
+    l.q_b = tensor_matrix(f, p + "attn_q_b.weight", hp.q_lora, hp.n_head * d);
+    l.kv = tensor_matrix(f, p + "attn_kv.weight", D, d);
+    l.kv_norm = tensor_vector(f, p + "attn_kv_a_norm.weight", {d});
+    l.sinks = tensor_vector(f, p + "attn_sinks.weight", {hp.n_head});
+    l.out_a = tensor_matrix(f, p + "attn_output_a.weight", hp.n_head / hp.o_groups * d,
                          static_cast<int64_t>(hp.o_groups) * hp.o_rank);
-    l.out_b = get_matrix(f, p + "attn_output_b.weight", static_cast<int64_t>(hp.o_groups) * hp.o_rank, D);
+    l.out_b = tensor_matrix(f, p + "attn_output_b.weight", static_cast<int64_t>(hp.o_groups) * hp.o_rank, D);
     if (l.ratio > 0) l.comp = get_compressor(f, p + "attn_compressor", hp, l.ratio, hp.head_dim);
     if (l.ratio == 4) {
-        l.idx_q_b = get_matrix(f, p + "indexer.attn_q_b.weight", hp.q_lora,
+        l.idx_q_b = tensor_matrix(f, p + "indexer.attn_q_b.weight", hp.q_lora,
                                static_cast<int64_t>(hp.idx_head) * hp.idx_dim);
-        l.idx_proj = get_matrix(f, p + "indexer.proj.weight", D, hp.idx_head);
+        l.idx_proj = tensor_matrix(f, p + "indexer.proj.weight", D, hp.idx_head);
         l.idx_comp = get_compressor(f, p + "indexer_compressor", hp, 4, hp.idx_dim);
     }
 }
 
 void load_moe(const gguf::file &f, const hparams &hp, const std::string &p, layer_weights &l) {
     const int64_t D = hp.n_embd, F = hp.n_ff_exp, E = hp.n_expert;
-    l.ffn_norm = get_vector(f, p + "ffn_norm.weight", {D});
-    l.gate_inp = get_matrix(f, p + "ffn_gate_inp.weight", D, E);
+    l.ffn_norm = tensor_vector(f, p + "ffn_norm.weight", {D});
+    l.gate_inp = tensor_matrix(f, p + "ffn_gate_inp.weight", D, E);
     if (l.hash)
         l.tid2eid = get_tid2eid(f, p + "ffn_gate_tid2eid.weight", hp);
     else
-        l.exp_bias = get_vector(f, p + "exp_probs_b.bias", {E});
+        l.exp_bias = tensor_vector(f, p + "exp_probs_b.bias", {E});
     l.gate_exps = get_experts(f, p + "ffn_gate_exps.weight", D, F, E);
     l.up_exps = get_experts(f, p + "ffn_up_exps.weight", D, F, E);
     l.down_exps = get_experts(f, p + "ffn_down_exps.weight", F, D, E);
     if (hp.n_expert_shared == 1) {
-        l.gate_sh = get_matrix(f, p + "ffn_gate_shexp.weight", D, F);
-        l.up_sh = get_matrix(f, p + "ffn_up_shexp.weight", D, F);
-        l.down_sh = get_matrix(f, p + "ffn_down_shexp.weight", F, D);
+        l.gate_sh = tensor_matrix(f, p + "ffn_gate_shexp.weight", D, F);
+        l.up_sh = tensor_matrix(f, p + "ffn_up_shexp.weight", D, F);
+        l.down_sh = tensor_matrix(f, p + "ffn_down_shexp.weight", F, D);
     }
 }
 
@@ -344,9 +350,9 @@ std::unique_ptr<model> load_model(std::shared_ptr<const gguf::file> fp) {
     auto m = std::make_unique<model>();
     m->hp = load_hparams(f);
     const hparams &hp = m->hp;
-    m->tok_embd = get_matrix(f, "token_embd.weight", hp.n_embd, hp.n_vocab);
-    m->output = get_matrix(f, "output.weight", hp.n_embd, hp.n_vocab);
-    m->output_norm = get_vector(f, "output_norm.weight", {hp.n_embd});
+    m->tok_embd = tensor_matrix(f, "token_embd.weight", hp.n_embd, hp.n_vocab);
+    m->output = tensor_matrix(f, "output.weight", hp.n_embd, hp.n_vocab);
+    m->output_norm = tensor_vector(f, "output_norm.weight", {hp.n_embd});
     m->hc_head = get_hc(f, "output_hc", hp, hp.n_hc, 1);
     for (int il = 0; il < hp.n_layer; ++il) {
         const size_t i = static_cast<size_t>(il);
