@@ -22,11 +22,12 @@ namespace fathom::server {
 // parameter (may be empty). Rendered as OpenAI or Anthropic error JSON by the HTTP layer.
 class api_error : public std::runtime_error {
 public:
-    api_error(int status, std::string type, const std::string &msg, std::string param = {})
-        : std::runtime_error(msg), status(status), type(std::move(type)), param(std::move(param)) {}
+    api_error(int status, std::string type, const std::string &msg, std::string param = {}, std::string code = {})
+        : std::runtime_error(msg), status(status), type(std::move(type)), param(std::move(param)), code(std::move(code)) {}
     int status;
     std::string type;   // OpenAI vocabulary: invalid_request_error, authentication_error, not_found_error, ...
     std::string param;
+    std::string code;   // OpenAI error code when the API defines one (e.g. previous_response_not_found); "" = derived
 };
 
 // Shorthand for a 400 invalid_request_error.

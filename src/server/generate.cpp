@@ -17,20 +17,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct prepared {
-    gen_request r;
-    std::vector<int32_t> prompt;
-    std::string model_id;  // the id reported back
-    compression_outcome compression;  // PFlash: applied or not, original/effective prompt tokens
-    // Thinking (docs/server.md "Thinking"): reasoning = the output is split into reasoning and
-    // content; in_reasoning = the prompt ends inside an open thinking block; think = the tokens the
-    // scheduler forces (the opening marker moved out of the prompt, the budget's closing marker).
-    bool reasoning = false;
-    bool in_reasoning = false;
-    think_control think;
-    std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
-};
-
 bool all_space(std::string_view s) {
     return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; });
 }
@@ -121,12 +107,10 @@ void force_call(server_context &ctx, prepared &p) {
 }
 
 // Request body -> validated request and prompt tokens. Throws api_error.
-prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
+prepared prepare_parsed(server_context &ctx, gen_request r, bool count_only) {
     prepared p;
-    const json body = parse_body(body_text);
-    if (kind == api_kind::openai_chat) p.r = parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt);
-    else if (kind == api_kind::openai_completion) p.r = parse_openai_completion(body, ctx.opts.defaults);
-    else p.r = parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only);
+    p.r = std::move(r);
+    const api_kind kind = p.r.kind;
     const auto &ids = ctx.opts.model_ids;
     if (!p.r.model.empty() && std::find(ids.begin(), ids.end(), p.r.model) == ids.end())
         throw api_error(404, "not_found_error", "the model '" + p.r.model + "' does not exist (this server serves '" +
@@ -170,6 +154,13 @@ prepared prepare(server_context &ctx, const std::string &body_text, api_kind kin
                         kind == api_kind::openai_completion ? "prompt" : "messages");
     if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
     return p;
+}
+
+prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
+    const json body = parse_body(body_text);
+    if (kind == api_kind::openai_chat) return prepare_parsed(ctx, parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt), count_only);
+    if (kind == api_kind::openai_completion) return prepare_parsed(ctx, parse_openai_completion(body, ctx.opts.defaults), count_only);
+    return prepare_parsed(ctx, parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only), count_only);
 }
 
 std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
@@ -621,5 +612,16 @@ void handle_count_tokens(server_context &ctx, const httplib::Request &, const st
     const prepared p = prepare(ctx, body, api_kind::anthropic_messages, true);
     res.set_content(dump_json({{"input_tokens", p.prompt.size()}}), "application/json");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shared with the Responses endpoint (responses.cpp; declared in server_impl.h).
+// ---------------------------------------------------------------------------------------------
+
+prepared prepare_chat(server_context &ctx, gen_request r) { return prepare_parsed(ctx, std::move(r), false); }
+std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p) { return submit(ctx, p); }
+bool wait_event(sched::job &j, connection_probe &probe, sched::event &ev) { return next_event(j, probe, ev); }
+parsed_output parse_calls(server_context &ctx, const prepared &p, const std::string &text) { return split_calls(ctx, p, text); }
+std::string client_message(const std::string &msg) { return client_text(msg); }
+void record_tokens(const sched::event &ev) { note_tokens(ev); }
 
 }  // namespace fathom::server

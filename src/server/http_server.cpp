@@ -52,7 +52,7 @@ bool connection_probe::alive() const {
 static bool is_anthropic(const httplib::Request &req) { return req.path.rfind("/v1/messages", 0) == 0; }
 
 void send_error(const httplib::Request &req, httplib::Response &res, int status, const std::string &type,
-                const std::string &msg, const std::string &param) {
+                const std::string &msg, const std::string &param, const std::string &code_in) {
     json body;
     if (is_anthropic(req)) {
         std::string t = type;
@@ -66,6 +66,7 @@ void send_error(const httplib::Request &req, httplib::Response &res, int status,
         if (type == "authentication_error") code = "invalid_api_key";
         if (type == "overloaded_error" || type == "api_error") t = "server_error";
         if (msg.find("context is") != std::string::npos) code = "context_length_exceeded";
+        if (!code_in.empty()) code = code_in;
         body = {{"error", {{"message", msg}, {"type", t}, {"param", param.empty() ? json() : json(param)},
                            {"code", code.empty() ? json() : json(code)}}}};
     }
@@ -178,7 +179,8 @@ static json props_json(server_context &ctx) {
             {"default_sampling", {{"temperature", d.temperature}, {"top_k", d.top_k}, {"top_p", d.top_p},
                                   {"min_p", d.min_p}, {"repeat_penalty", d.repeat_penalty}}},
             {"endpoints", {"GET /health", "GET /metrics", "GET /props", "GET /v1/models", "POST /v1/chat/completions",
-                           "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens", "GET /"}}};
+                           "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
+                           "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "GET /"}}};
 }
 
 static void setup_routes(http_server::impl &p);
@@ -194,6 +196,7 @@ http_server::http_server(engine &eng, sched::scheduler &sch, server_options opts
     p_->ctx.fmt = make_tool_format(eng.info().arch);
     if (!o.tool_turns_path.empty()) p_->ctx.fmt->persist_replay(o.tool_turns_path);
     p_->ctx.compressor = std::make_unique<prompt_compressor>(o.compression);
+    p_->ctx.responses = std::make_unique<response_store>(o.responses_max_entries, o.responses_max_bytes);
     setup_routes(*p_);
 }
 
@@ -225,15 +228,16 @@ connection_stats http_server::connections() const { return p_->svr.conns.stats()
 
 static std::string endpoint_label(const std::string &path) {
     static const char *known[] = {"/", "/health", "/metrics", "/props", "/v1/models", "/v1/chat/completions",
-                                  "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"};
+                                  "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"};
     for (const char *k : known)
         if (path == k) return k;
+    if (path.rfind("/v1/responses/", 0) == 0) return "/v1/responses/{id}";  // never the id itself
     return "other";
 }
 
 static bool is_post_endpoint(const std::string &path) {
     return path == "/v1/chat/completions" || path == "/v1/completions" || path == "/v1/messages" ||
-           path == "/v1/messages/count_tokens";
+           path == "/v1/messages/count_tokens" || path == "/v1/responses";
 }
 
 // Runs a handler, turning exceptions into the API's error JSON.
@@ -242,7 +246,7 @@ static void guarded(const httplib::Request &req, httplib::Response &res, F &&f) 
     try {
         f();
     } catch (const api_error &e) {
-        send_error(req, res, e.status, e.type, e.what(), e.param);
+        send_error(req, res, e.status, e.type, e.what(), e.param, e.code);
     } catch (const std::exception &e) {
         send_error(req, res, 500, "api_error", std::string("internal error: ") + e.what());
     }
@@ -304,7 +308,7 @@ static bool origin_allowed(const server_options &o, const httplib::Request &req)
 // The CORS preflight (OPTIONS) for an origin given to --cors-origin.
 static void answer_preflight(const httplib::Request &req, httplib::Response &res) {
     res.status = 204;
-    res.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    res.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS");
     const std::string asked = req.get_header_value("Access-Control-Request-Headers");
     res.set_header("Access-Control-Allow-Headers",
                    asked.empty() ? "Authorization, Content-Type, x-api-key, anthropic-version" : asked);
@@ -371,7 +375,7 @@ static bool pre_route(server_context &ctx, connection_manager &conns, const http
         throw api_error(404, "not_found_error", "no endpoint POST " + req.path);
     if (req.method == "POST" && !is_json_type(req.get_header_value("Content-Type")))
         throw api_error(415, "invalid_request_error", "the request body must be sent as 'Content-Type: application/json'");
-    if (req.method != "POST" && req.method != "GET" && req.method != "HEAD")
+    if (req.method != "POST" && req.method != "GET" && req.method != "HEAD" && req.method != "DELETE")
         throw api_error(405, "invalid_request_error", "method " + req.method + " not allowed on " + req.path);
     return false;
 }
@@ -516,6 +520,17 @@ static void setup_routes(http_server::impl &p) {
     post("/v1/messages", gen(api_kind::anthropic_messages));
     post("/v1/messages/count_tokens", [&ctx](const httplib::Request &req, const std::string &body, httplib::Response &res) {
         handle_count_tokens(ctx, req, body, res);
+    });
+    post("/v1/responses", [&ctx](const httplib::Request &req, const std::string &body, httplib::Response &res) {
+        handle_responses_create(ctx, req, body, res);
+    });
+    const char *response_path = R"(/v1/responses/([^/]+))";
+    get(response_path, [&ctx](const httplib::Request &req, httplib::Response &res) {
+        guarded(req, res, [&] { handle_responses_get(ctx, req.matches[1].str(), res); });
+    });
+    svr.Delete(response_path, [&ctx, &conns](const httplib::Request &req, httplib::Response &res) {
+        if (connection *c = connection_manager::current()) conns.body_done(*c);
+        guarded(req, res, [&] { handle_responses_delete(ctx, req.matches[1].str(), res); });
     });
 }
 

@@ -43,6 +43,10 @@ struct server_options {
     std::vector<std::string> allowed_hosts;
     std::vector<std::string> cors_origins;
     bool access_log = false;            // one line per request on stderr (no prompt text, no keys)
+    // Responses API store (docs/server.md "Responses API"): responses kept for previous_response_id
+    // and GET/DELETE /v1/responses/{id}, at most this many and this many bytes (LRU eviction).
+    size_t responses_max_entries = 1024;
+    size_t responses_max_bytes = size_t(256) << 20;
 };
 
 class http_server {

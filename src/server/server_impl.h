@@ -11,6 +11,7 @@
 #include "server/api.h"
 #include "server/connections.h"
 #include "server/http_server.h"
+#include "server/response_store.h"
 #include "server/tool_calls.h"
 
 namespace fathom::server {
@@ -21,6 +22,7 @@ struct server_context {
     server_options opts;
     std::unique_ptr<tool_format> fmt;
     std::unique_ptr<prompt_compressor> compressor;  // PFlash (validated options; drafter loads on first use)
+    std::unique_ptr<response_store> responses;      // Responses API store (--responses-store, --responses-store-mib)
     std::mutex mu;
     std::map<std::string, uint64_t> http_counts;  // "endpoint status" -> n
     server_context(engine &e, sched::scheduler &s, server_options o) : eng(e), sch(s), opts(std::move(o)) {}
@@ -41,7 +43,7 @@ private:
 
 // Error JSON in the API's schema (Anthropic for /v1/messages*, OpenAI otherwise).
 void send_error(const httplib::Request &req, httplib::Response &res, int status, const std::string &type,
-                const std::string &msg, const std::string &param = {});
+                const std::string &msg, const std::string &param = {}, const std::string &code = {});
 
 // POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens.
 // body: the request body (read by the route under --max-body).
@@ -49,6 +51,41 @@ void handle_generate(server_context &ctx, const httplib::Request &req, const std
                      api_kind kind);
 void handle_count_tokens(server_context &ctx, const httplib::Request &req, const std::string &body,
                          httplib::Response &res);
+
+// A validated chat/completion request with its prompt tokens (generate.cpp builds it).
+struct prepared {
+    gen_request r;
+    std::vector<int32_t> prompt;
+    std::string model_id;  // the id reported back
+    compression_outcome compression;  // PFlash: applied or not, original/effective prompt tokens
+    // Thinking (docs/server.md "Thinking"): reasoning = the output is split into reasoning and
+    // content; in_reasoning = the prompt ends inside an open thinking block; think = the tokens the
+    // scheduler forces (the opening marker moved out of the prompt, the budget's closing marker).
+    bool reasoning = false;
+    bool in_reasoning = false;
+    think_control think;
+    std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
+};
+
+// generate.cpp's pipeline, shared with the Responses endpoint (responses.cpp):
+// a parsed chat request -> model check, prompt (thinking set-up, forced call), PFlash, context check;
+prepared prepare_chat(server_context &ctx, gen_request r);
+// -> a scheduler job (503 when the queue is full);
+std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p);
+// the job's next event, cancelling it when the client went away (false);
+bool wait_event(sched::job &j, connection_probe &probe, sched::event &ev);
+// the finished answer's tool calls (500 when a forced call did not come out; remembers the turn for
+// exact replay);
+parsed_output parse_calls(server_context &ctx, const prepared &p, const std::string &text);
+// an engine message with file paths cut to their last component; the access log's token counts.
+std::string client_message(const std::string &msg);
+void record_tokens(const sched::event &ev);
+
+// POST /v1/responses, GET and DELETE /v1/responses/{id} (responses.cpp).
+void handle_responses_create(server_context &ctx, const httplib::Request &req, const std::string &body,
+                             httplib::Response &res);
+void handle_responses_get(server_context &ctx, const std::string &id, httplib::Response &res);
+void handle_responses_delete(server_context &ctx, const std::string &id, httplib::Response &res);
 
 inline std::string dump_json(const nlohmann::json &j) {
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

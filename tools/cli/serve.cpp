@@ -57,6 +57,9 @@ struct serve_args {
     spec_args spec;  // --spec ngram|mtp|dspark: speculative decoding for every request
     std::string reasoning = "auto";  // thinking mode of requests that ask none (docs/server.md "Thinking")
     int64_t reasoning_budget = 0;    // their thinking budget in tokens; 0 = none
+    // Responses API store (docs/server.md "Responses API").
+    size_t responses_store = 1024;
+    double responses_store_mib = 256;
 };
 
 chat_thinking parse_reasoning_flag(const std::string &v) {
@@ -147,6 +150,8 @@ void serve_main(serve_args &a) {
     o.model_ids = a.aliases;
     o.compression = co;
     o.reasoning = reasoning;
+    o.responses_max_entries = a.responses_store;
+    o.responses_max_bytes = size_t(a.responses_store_mib * 1048576.0);
     o.reasoning_budget = a.reasoning_budget > 0 ? a.reasoning_budget : -1;
     if (o.reasoning_budget > sch.n_ctx())
         throw error("--reasoning-budget " + std::to_string(a.reasoning_budget) + " exceeds the context (" +
@@ -294,6 +299,15 @@ void add_serve_command(CLI::App &app) {
                     "(0 = no limit)")
         ->capture_default_str()
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+    cmd->add_option("--responses-store", a->responses_store,
+                    "Responses API: finished responses kept for previous_response_id and GET /v1/responses/{id} "
+                    "(least recently used evicted first; 0 = keep none)")
+        ->capture_default_str()
+        ->check(CLI::Range(size_t{0}, size_t{1} << 24));
+    cmd->add_option("--responses-store-mib", a->responses_store_mib,
+                    "Responses API: bytes of kept responses and their conversations, in MiB")
+        ->capture_default_str()
+        ->check(CLI::Range(0.0, 1048576.0));
     add_sampling_options(cmd, a->sampling);
     cmd->callback([a]() { serve_main(*a); });
 }
