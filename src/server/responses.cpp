@@ -8,7 +8,7 @@
 // it happens; a JSON request feeds the whole reasoning and answer at the end and discards the events,
 // so the two modes return the same Response object for the same generation.
 #include <algorithm>
-#include <chrono>
+#include <cmath>
 #include <ctime>
 #include <optional>
 
@@ -94,6 +94,9 @@ json usage_json(const sched::event &ev, int64_t reasoning_tokens) {
             {"total_tokens", ev.n_prompt + ev.n_generated}};
 }
 
+// A float sampling parameter as the client wrote it (0.95f, not 0.949999988...).
+double echo(float x) { return std::round(double(x) * 1e6) / 1e6; }
+
 // The Response object's fields fixed by the request (status in_progress, no output yet).
 json base_response(const responses_request &rr, const prepared &p, const std::string &id, int64_t created) {
     return {{"id", id},
@@ -112,11 +115,11 @@ json base_response(const responses_request &rr, const prepared &p, const std::st
             {"previous_response_id", rr.previous_response_id.empty() ? json() : json(rr.previous_response_id)},
             {"reasoning", rr.reasoning},
             {"store", rr.store},
-            {"temperature", p.r.sampling.temperature},
+            {"temperature", echo(p.r.sampling.temperature)},
             {"text", rr.text},
             {"tool_choice", rr.tool_choice},
             {"tools", rr.tools},
-            {"top_p", p.r.sampling.top_p},
+            {"top_p", echo(p.r.sampling.top_p)},
             {"truncation", "disabled"},
             {"usage", nullptr}};
 }
@@ -129,7 +132,8 @@ public:
     response_writer(json base) : resp_(std::move(base)) {}
 
     std::string begin() {
-        return ev("response.created", {{"response", resp_}}) + ev("response.in_progress", {{"response", resp_}});
+        std::string out = ev("response.created", {{"response", resp_}});  // two statements: numbered in order
+        return out + ev("response.in_progress", {{"response", resp_}});
     }
     std::string reasoning(const std::string &t) {
         if (t.empty()) return {};
