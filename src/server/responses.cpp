@@ -306,10 +306,13 @@ std::vector<tool_call> answer_calls(server_context &ctx, const responses_job &j,
     return po.calls;
 }
 
+// Stores a finished response (store: true) with its conversation. The output is kept as the client
+// received it: invalid UTF-8 (a generation cut inside a character, random weights) as U+FFFD, so
+// continuing with previous_response_id renders the same prompt as sending the output items back.
 void keep(server_context &ctx, const responses_job &j, const json &response) {
     if (!j.rr.store) return;
-    stored_response s{response, j.history};
-    for (const json &item : response["output"]) s.history.push_back(item);  // output items are valid input items
+    stored_response s{json::parse(dump_json(response)), j.history};
+    for (const json &item : s.response["output"]) s.history.push_back(item);  // output items are valid input items
     ctx.responses->put(j.id, std::move(s));
 }
 

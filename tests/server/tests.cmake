@@ -13,6 +13,21 @@ if(Python3_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_integration_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
 endif()
+if(Python3_FOUND AND TARGET fathom)
+    # POST /v1/responses with the official openai SDK: SmolLM2 for text, tools and continuation, plus
+    # ds4-tiny for reasoning items when the shared goldens are there (docs/server.md "Responses API").
+    set(FATHOM_RESPONSES_DS4 ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
+    if(EXISTS ${FATHOM_RESPONSES_DS4})
+        set(FATHOM_RESPONSES_DS4_ARGS --ds4 ${FATHOM_RESPONSES_DS4})
+    endif()
+    add_test(NAME server_responses_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/responses_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+                     ${FATHOM_RESPONSES_DS4_ARGS}
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_responses_sdk PROPERTIES LABELS "server;slow" TIMEOUT 600)
+endif()
 if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
     # Thinking mode (reasoning split, budget, event sequences, second-turn cache hit) with the official
     # SDKs against `fathom serve` on ds4-tiny (docs/server.md "Thinking").
