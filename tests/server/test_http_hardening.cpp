@@ -331,7 +331,7 @@ TEST(Hardening, HostOriginAndContentTypeChecks) {
     close(fd);
     EXPECT_EQ(status_of(pre), 204) << pre;
     EXPECT_NE(pre.find("Access-Control-Allow-Origin: https://app.example\r\n"), std::string::npos) << pre;
-    EXPECT_NE(pre.find("Access-Control-Allow-Methods: GET, POST, OPTIONS\r\n"), std::string::npos) << pre;
+    EXPECT_NE(pre.find("Access-Control-Allow-Methods: GET, POST, DELETE, OPTIONS\r\n"), std::string::npos) << pre;
     EXPECT_NE(pre.find("Access-Control-Allow-Headers: authorization, content-type\r\n"), std::string::npos) << pre;
     httplib::Client cl("127.0.0.1", c.port);
     auto res = cl.Post("/v1/chat/completions", {{"Host", "my.box"}, {"Origin", "https://app.example"}}, chat_json(),
