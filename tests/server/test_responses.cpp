@@ -374,6 +374,72 @@ TEST(ResponsesHttp, FunctionCallItem) {
     EXPECT_EQ(fs[5].second["item"]["call_id"], fs[2].second["item"]["call_id"]);
 }
 
+// Several calls: all kept, or only the first with parallel_tool_calls false. Whitespace before a call
+// opens no message item (streamed or not); text beside calls is a message item before them.
+TEST(ResponsesHttp, ParallelCallsAndText) {
+    responses_server s;
+    const std::string two = " <tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"
+                            "<tool_call>{\"name\": \"g\", \"arguments\": {\"b\": 2}}</tool_call>";
+    const json tools = json::parse(R"([{"type": "function", "name": "f"}, {"type": "function", "name": "g"}])");
+    json r = s.ok({{"input", two}, {"tools", tools}});
+    ASSERT_EQ(r["output"].size(), 2u) << r.dump();
+    EXPECT_EQ(r["output"][0]["name"], "f");
+    EXPECT_EQ(r["output"][1]["name"], "g");
+    EXPECT_EQ(r["output"][1]["arguments"], "{\"b\":2}");
+    EXPECT_NE(r["output"][0]["call_id"], r["output"][1]["call_id"]);
+    r = s.ok({{"input", two}, {"tools", tools}, {"parallel_tool_calls", false}});
+    ASSERT_EQ(r["output"].size(), 1u);
+    EXPECT_EQ(r["output"][0]["name"], "f");
+    EXPECT_EQ(r["parallel_tool_calls"], false);
+    auto res = s.post({{"input", two}, {"tools", tools}, {"stream", true}});
+    ASSERT_TRUE(res);
+    const auto fs = frames(res->body);
+    const json &done = fs.back().second["response"];
+    ASSERT_EQ(done["output"].size(), 2u);
+    EXPECT_EQ(done["output"][0]["type"], "function_call");
+    // Text and a call: the message (trimmed) comes first.
+    r = s.ok({{"input", "Sure. <tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"}, {"tools", tools}});
+    ASSERT_EQ(r["output"].size(), 2u);
+    EXPECT_EQ(r["output"][0]["content"][0]["text"], "Sure.");
+    EXPECT_EQ(r["output"][1]["type"], "function_call");
+}
+
+// max_output_tokens inside the thinking block: only the reasoning item, incomplete.
+TEST(ResponsesHttp, CutWhileThinking) {
+    responses_server s;
+    const json r = s.ok({{"input", "abcdef"}, {"reasoning", {{"effort", "high"}}}, {"max_output_tokens", 3}});
+    EXPECT_EQ(r["status"], "incomplete");
+    ASSERT_EQ(r["output"].size(), 1u) << r.dump();
+    EXPECT_EQ(r["output"][0]["type"], "reasoning");
+    EXPECT_EQ(r["output"][0]["status"], "incomplete");
+    EXPECT_EQ(r["output"][0]["content"][0]["text"], "abc");
+    EXPECT_EQ(r["usage"]["output_tokens_details"]["reasoning_tokens"], 3);
+}
+
+// A forced call the model does not complete: 500 as JSON, response.failed when streaming (after the
+// created / in_progress events), and nothing stored.
+TEST(ResponsesHttp, FailedForcedCall) {
+    responses_server s;
+    const json tools = json::parse(R"([{"type": "function", "name": "f"}])");
+    const json body = {{"input", "no call here"}, {"tools", tools}, {"tool_choice", "required"}};
+    const json e = s.fails(body, 500);
+    EXPECT_EQ(e["type"], "server_error");
+    json sb = body;
+    sb["stream"] = true;
+    auto res = s.post(sb);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+    const auto fs = frames(res->body);
+    ASSERT_GE(fs.size(), 3u);
+    EXPECT_EQ(fs.front().first, "response.created");
+    EXPECT_EQ(fs.back().first, "response.failed");
+    EXPECT_EQ(fs.back().second["response"]["status"], "failed");
+    EXPECT_EQ(fs.back().second["response"]["error"]["code"], "server_error");
+    const std::string id = fs.back().second["response"]["id"];
+    httplib::Client c("127.0.0.1", s.port);
+    EXPECT_EQ(c.Get(("/v1/responses/" + id).c_str())->status, 404);
+}
+
 // previous_response_id: the second prompt is the first conversation plus the new input, and reuses
 // it. Turn 1: BOS "[user]q1\n[assistant]\x02" (1 + 9 + 12 = 22 tokens) -> "q1". Turn 2 renders
 // "[user]q1\n[assistant]\x02q1\n[user]q2\n[assistant]\x02": 1 + 9 + 12 + 3 + 9 + 12 = 46 tokens, of which
