@@ -271,6 +271,13 @@ class Smol(unittest.TestCase):
                       {"role": "tool", "tool_call_id": fc.call_id, "content": "22 C, sunny"}])
         self.assertEqual(r2.usage.input_tokens, c2.usage.prompt_tokens)
         self.assertEqual(r2.output_text, c2.choices[0].message.content or "")
+        # The agent way with store=False: the whole conversation resent, the output items as the SDK
+        # serialises them (to_dict) -- the same prompt and answer.
+        items = [{"role": "user", "content": q}] + [o.to_dict() for o in r.output] + \
+                [{"type": "function_call_output", "call_id": fc.call_id, "output": "22 C, sunny"}]
+        r3, _ = create_json(SMOL, model="m", input=items, tools=self.TOOLS, temperature=0, max_output_tokens=24,
+                            store=False)
+        self.assertEqual((r3.usage.input_tokens, r3.output_text), (r2.usage.input_tokens, r2.output_text))
 
     def test_bad_input(self):
         before = metric(SMOL, "fathom_generated_tokens_total")
@@ -348,6 +355,13 @@ class Ds4(unittest.TestCase):
         self.assertEqual(r2.output[0].content[0].text, c.choices[0].message.model_extra["reasoning_content"])
         # Turn 1's prompt (ending at "<｜Assistant｜>") is a prefix of turn 2's and is reused.
         self.assertGreaterEqual(r2.usage.input_tokens_details.cached_tokens, r1.usage.input_tokens)
+        # The same turn with the history resent (reasoning item included, as agents send it back).
+        items = [{"role": "user", "content": "Name a colour."}] + [o.to_dict() for o in r1.output] + \
+                [{"role": "user", "content": "Another one."}]
+        self.assertEqual(r1.output[0].type, "reasoning")
+        r3, _ = create_json(DS4, model="m", instructions="Be careful. " * 8, input=items, max_output_tokens=8,
+                            store=False, **th)
+        self.assertEqual((r3.usage.input_tokens, r3.output_text), (r2.usage.input_tokens, r2.output_text))
 
 
 def main():
