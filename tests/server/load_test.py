@@ -116,7 +116,8 @@ class Stats:
 
 
 def make_request(rng):
-    kind = rng.choice(["chat", "chat_stream", "completion", "completion_stream", "anthropic_stream"])
+    kind = rng.choice(["chat", "chat_stream", "completion", "completion_stream", "anthropic_stream", "responses",
+                       "responses_stream"])
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
     max_tokens = rng.randint(1, 48)
     if kind.startswith("chat"):
@@ -127,6 +128,15 @@ def make_request(rng):
         path = "/v1/completions"
         body = {"prompt": text, "max_tokens": max_tokens, "temperature": rng.choice([0, 0.8]),
                 "stream": kind.endswith("stream")}
+    elif kind.startswith("responses"):
+        # The Responses API; half the requests continue a recent first-turn response (the store under
+        # concurrency; only first turns are continued, so prompts stay within the small context).
+        path = "/v1/responses"
+        body = {"input": "Tell me about " + text, "max_output_tokens": max_tokens,
+                "temperature": rng.choice([0, 0.7]), "stream": kind.endswith("stream")}
+        with RESPONSE_IDS_LOCK:
+            if RESPONSE_IDS and rng.random() < 0.5:
+                body["previous_response_id"] = rng.choice(RESPONSE_IDS)
     else:
         path = "/v1/messages"
         body = {"model": "x", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
@@ -153,7 +163,11 @@ def one_request(port, rng, stats, cancel_p, deadline):
             stats.fail("%s -> %d %s" % (kind, resp.status, resp.read()[:300]))
             return
         if resp.status != 200:
-            if resp.status != 503:
+            if resp.status == 400 and "previous_response_id" in body:  # evicted from the store: expected
+                err = json.loads(resp.read()).get("error", {})
+                if err.get("code") not in ("previous_response_not_found", "context_length_exceeded"):
+                    stats.fail("%s -> 400 %s" % (kind, str(err)[:300]))
+            elif resp.status != 503:
                 stats.fail("%s -> %d %s" % (kind, resp.status, resp.read()[:300]))
             else:
                 resp.read()
@@ -161,8 +175,10 @@ def one_request(port, rng, stats, cancel_p, deadline):
             return
         if not streaming:
             obj = json.loads(resp.read())
-            if "choices" not in obj and "content" not in obj:
+            if "choices" not in obj and "content" not in obj and "output" not in obj:
                 stats.fail("%s: unexpected body %s" % (kind, str(obj)[:200]))
+            if obj.get("object") == "response" and "previous_response_id" not in body:
+                remember_response(obj["id"])
             with stats.lock:
                 stats.completed += 1
             return
@@ -173,11 +189,17 @@ def one_request(port, rng, stats, cancel_p, deadline):
             if not line:
                 continue
             if line == "event: error" or line.startswith('data: {"error"') or '"type": "error"' in line \
-                    or '"type":"error"' in line:
+                    or '"type":"error"' in line or line == "event: response.failed":
                 stats.fail("%s: error frame %s" % (kind, line[:300]))
                 return
             if line == "data: [DONE]" or line == "event: message_stop":
                 done = True
+                break
+            if line in ("event: response.completed", "event: response.incomplete"):
+                done = True  # its data line (the whole response) follows; the stream ends after it
+                final = next(resp, b"").decode("utf-8", "replace")
+                if final.startswith("data: ") and "previous_response_id" not in body:
+                    remember_response(json.loads(final[6:])["response"]["id"])
                 break
             if line.startswith("data: "):
                 n += 1
@@ -203,6 +225,13 @@ def one_request(port, rng, stats, cancel_p, deadline):
 
 
 SERVED_MODEL = [""]
+RESPONSE_IDS, RESPONSE_IDS_LOCK = [], threading.Lock()  # recent /v1/responses ids, for continuations
+
+
+def remember_response(rid):
+    with RESPONSE_IDS_LOCK:
+        RESPONSE_IDS.append(rid)
+        del RESPONSE_IDS[:-64]
 HEADER_TIMEOUT, BODY_TIMEOUT, MAX_BODY = 2, 3, 1 << 20
 
 
