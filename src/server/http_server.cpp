@@ -180,7 +180,7 @@ static json props_json(server_context &ctx) {
                                   {"min_p", d.min_p}, {"repeat_penalty", d.repeat_penalty}}},
             {"endpoints", {"GET /health", "GET /metrics", "GET /props", "GET /v1/models", "POST /v1/chat/completions",
                            "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
-                           "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "GET /"}}};
+                           "GET /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "DELETE /v1/responses/{id}", "GET /"}}};
 }
 
 static void setup_routes(http_server::impl &p);
@@ -231,7 +231,9 @@ static std::string endpoint_label(const std::string &path) {
                                   "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"};
     for (const char *k : known)
         if (path == k) return k;
-    if (path.rfind("/v1/responses/", 0) == 0) return "/v1/responses/{id}";  // never the id itself
+    if (path.rfind("/v1/responses/", 0) == 0)  // never the id itself
+        return path.size() > 12 && path.compare(path.size() - 12, 12, "/input_items") == 0 ? "/v1/responses/{id}/input_items"
+                                                                                           : "/v1/responses/{id}";
     return "other";
 }
 
@@ -527,6 +529,9 @@ static void setup_routes(http_server::impl &p) {
     const char *response_path = R"(/v1/responses/([^/]+))";
     get(response_path, [&ctx](const httplib::Request &req, httplib::Response &res) {
         guarded(req, res, [&] { handle_responses_get(ctx, req.matches[1].str(), res); });
+    });
+    get(R"(/v1/responses/([^/]+)/input_items)", [&ctx](const httplib::Request &req, httplib::Response &res) {
+        guarded(req, res, [&] { handle_responses_input_items(ctx, req.matches[1].str(), req, res); });
     });
     svr.Delete(response_path, [&ctx, &conns](const httplib::Request &req, httplib::Response &res) {
         if (connection *c = connection_manager::current()) conns.body_done(*c);

@@ -409,6 +409,49 @@ void handle_responses_get(server_context &ctx, const std::string &id, httplib::R
     res.set_content(dump_json(s->response), "application/json");
 }
 
+// An item of a stored conversation in the shapes the list endpoint returns (OpenAI's ResponseItem):
+// status "completed" where the item has none, assistant text parts with their (empty) annotations.
+static json listed_item(json item) {
+    if (!item.contains("status")) item["status"] = "completed";
+    if (item["type"] == "message" && item["role"] == "assistant")
+        for (json &part : item["content"])
+            if (!part.contains("annotations")) part["annotations"] = json::array();
+    return item;
+}
+
+void handle_responses_input_items(server_context &ctx, const std::string &id, const httplib::Request &req,
+                                  httplib::Response &res) {
+    const auto s = ctx.responses->get(id);
+    if (!s) throw api_error(404, "not_found_error", "Response with id '" + id + "' not found.", "response_id");
+    // The input items: the whole conversation before this response's output (stored history included).
+    const size_t n = s->history.size() - s->response["output"].size();
+    int64_t limit = 20;
+    if (req.has_param("limit")) {
+        const std::string v = req.get_param_value("limit");
+        const bool digits = !v.empty() && v.size() <= 3 && std::all_of(v.begin(), v.end(), ::isdigit);
+        limit = digits ? std::stoll(v) : 0;
+        if (limit < 1 || limit > 100) bad_request("'limit' must be an integer from 1 to 100", "limit");
+    }
+    const std::string order = req.has_param("order") ? req.get_param_value("order") : "desc";
+    if (order != "asc" && order != "desc") bad_request("'order' must be asc or desc", "order");
+    std::vector<size_t> idx(n);
+    for (size_t k = 0; k < n; ++k) idx[k] = order == "asc" ? k : n - 1 - k;
+    size_t start = 0;
+    if (req.has_param("after")) {
+        const std::string after = req.get_param_value("after");
+        const auto it = std::find_if(idx.begin(), idx.end(), [&](size_t k) { return s->history[k].value("id", "") == after; });
+        if (it == idx.end()) bad_request("'after' names no input item of this response ('" + after + "')", "after");
+        start = size_t(it - idx.begin()) + 1;
+    }
+    json data = json::array();
+    for (size_t k = start; k < n && data.size() < size_t(limit); ++k) data.push_back(listed_item(s->history[idx[k]]));
+    const bool more = start + data.size() < n;
+    res.set_content(dump_json({{"object", "list"}, {"data", data},
+                               {"first_id", data.empty() ? json() : data.front()["id"]},
+                               {"last_id", data.empty() ? json() : data.back()["id"]}, {"has_more", more}}),
+                    "application/json");
+}
+
 void handle_responses_delete(server_context &ctx, const std::string &id, httplib::Response &res) {
     if (!ctx.responses->erase(id))
         throw api_error(404, "not_found_error", "Response with id '" + id + "' not found.", "response_id");

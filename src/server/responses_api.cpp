@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "server/api.h"
+#include "server/tool_calls.h"  // random_id
 
 namespace fathom::server {
 
@@ -70,10 +71,6 @@ json normalise_function_call(const json &item, const std::string &where) {
                 {"call_id", need_string(item, "call_id", where, true)},
                 {"name", need_string(item, "name", where, true)},
                 {"arguments", need_string(item, "arguments", where, false)}};
-    if (const json *id = field(item, "id")) {
-        if (!id->is_string()) bad_request("'" + where + ".id' must be a string", where + ".id");
-        out["id"] = *id;
-    }
     return out;
 }
 
@@ -103,23 +100,44 @@ json normalise_reasoning(const json &item, const std::string &where) {
             out[key] = *v;
         }
     }
-    if (const json *id = field(item, "id")) out["id"] = *id;
     return out;
+}
+
+// The item's id: the client's, else a fresh one (GET /v1/responses/{id}/input_items lists items by id).
+json item_id(const json &item, const std::string &where, const char *prefix) {
+    const json *id = field(item, "id");
+    if (!id) return random_id(prefix);
+    if (!id->is_string() || id->get_ref<const std::string &>().empty())
+        bad_request("'" + where + ".id' must be a non-empty string", where + ".id");
+    return *id;
 }
 
 json normalise_item(const json &item, const std::string &where) {
     if (!item.is_object()) bad_request("'" + where + "' must be an object", where);
     const json *t = field(item, "type");
-    if (!t) return normalise_message(item, where);  // EasyInputMessage: {role, content}
-    if (!t->is_string()) bad_request("'" + where + ".type' must be a string", where + ".type");
-    const std::string type = t->get<std::string>();
-    if (type == "message") return normalise_message(item, where);
-    if (type == "function_call") return normalise_function_call(item, where);
-    if (type == "function_call_output") return normalise_call_output(item, where);
-    if (type == "reasoning") return normalise_reasoning(item, where);
-    bad_request("'" + where + ".type' '" + type +
-                    "' is not supported (input items: message, function_call, function_call_output, reasoning)",
-                where + ".type");
+    if (t && !t->is_string()) bad_request("'" + where + ".type' must be a string", where + ".type");
+    const std::string type = t ? t->get<std::string>() : "message";  // no type: EasyInputMessage {role, content}
+    json out;
+    const char *prefix = "";
+    if (type == "message") {
+        out = normalise_message(item, where);
+        prefix = "msg_";
+    } else if (type == "function_call") {
+        out = normalise_function_call(item, where);
+        prefix = "fc_";
+    } else if (type == "function_call_output") {
+        out = normalise_call_output(item, where);
+        prefix = "fco_";
+    } else if (type == "reasoning") {
+        out = normalise_reasoning(item, where);
+        prefix = "rs_";
+    } else {
+        bad_request("'" + where + ".type' '" + type +
+                        "' is not supported (input items: message, function_call, function_call_output, reasoning)",
+                    where + ".type");
+    }
+    out["id"] = item_id(item, where, prefix);
+    return out;
 }
 
 // Flat Responses function tools -> chat tools; other tool types are refused.
@@ -307,7 +325,7 @@ responses_request parse_responses_request(const json &b) {
     if (!in) {
         if (r.previous_response_id.empty()) bad_request("'input' is required", "input");
     } else if (in->is_string()) {
-        r.input_items.push_back({{"type", "message"}, {"role", "user"},
+        r.input_items.push_back({{"type", "message"}, {"role", "user"}, {"id", random_id("msg_")},
                                  {"content", json::array({{{"type", "input_text"}, {"text", *in}}})}});
     } else if (in->is_array()) {
         for (size_t i = 0; i < in->size(); ++i)

@@ -46,7 +46,8 @@ struct responses_request {
 };
 
 // Validates a /v1/responses body (api_error 400 naming the field, e.g. "input[2].call_id", on any
-// malformed or unsupported value). Input items are normalised: every item gets its "type"; message
+// malformed or unsupported value). Input items are normalised: every item gets its "type" and an "id"
+// (the client's, else a fresh msg_ / fc_ / fco_ / rs_ id); message
 // content becomes a list of {"type": "input_text"|"output_text", "text"} parts (output_text for
 // assistant messages, refusals included as their text); function_call_output output becomes a string.
 responses_request parse_responses_request(const nlohmann::json &body);

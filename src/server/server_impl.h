@@ -86,6 +86,9 @@ void handle_responses_create(server_context &ctx, const httplib::Request &req, c
                              httplib::Response &res);
 void handle_responses_get(server_context &ctx, const std::string &id, httplib::Response &res);
 void handle_responses_delete(server_context &ctx, const std::string &id, httplib::Response &res);
+// GET /v1/responses/{id}/input_items?limit=&order=&after= (responses.cpp).
+void handle_responses_input_items(server_context &ctx, const std::string &id, const httplib::Request &req,
+                                  httplib::Response &res);
 
 inline std::string dump_json(const nlohmann::json &j) {
     return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -36,7 +36,7 @@ import unittest
 import urllib.request
 
 import openai
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 
 ARGS = None
 SMOL = None  # base url
@@ -217,6 +217,16 @@ class Smol(unittest.TestCase):
         self.assertEqual(r2.output_text, c.choices[0].message.content)
         # Turn 2 (as the Responses request) reused at least turn 1's whole prompt.
         self.assertGreaterEqual(r2.usage.input_tokens_details.cached_tokens, r1.usage.input_tokens)
+        # The input items of turn 2, newest first, validated as the SDK's ResponseItemList.
+        page = client(SMOL).responses.input_items.with_raw_response.list(r2.id).http_response.json()
+        lst = ResponseItemList.model_validate(page)
+        self.assertEqual([(i.type, i.role) for i in lst.data],
+                         [("message", "user"), ("message", "assistant"), ("message", "user")])  # no instructions
+        self.assertEqual([i.content[0].text for i in lst.data], [q2, r1.output_text, q1])
+        self.assertEqual(lst.data[1].id, r1.output[0].id)
+        self.assertFalse(lst.has_more)
+        sdk_items = list(client(SMOL).responses.input_items.list(r2.id, order="asc", limit=1))  # pages through
+        self.assertEqual([i.id for i in sdk_items], [i.id for i in reversed(lst.data)])
         # retrieve / delete
         got = client(SMOL).responses.with_raw_response.retrieve(r1.id).http_response.json()
         self.assertEqual(got, raw1)

@@ -458,8 +458,40 @@ TEST(ResponsesHttp, PreviousResponseContinues) {
     EXPECT_EQ(r3["usage"]["input_tokens"], 46 + 3 + 9 + 12 + 10);
     const json r4 = s.ok({{"input", "q4"}, {"previous_response_id", r3["id"]}});
     EXPECT_EQ(r4["usage"]["input_tokens"], 46 + 3 + 9 + 12 + 3 + 9 + 12);
-    // GET returns the stored object; DELETE removes it; then it is unknown everywhere.
     httplib::Client c("127.0.0.1", s.port);
+    // The input items of turn 2: its whole conversation before its output, newest first by default.
+    const std::string items2 = "/v1/responses/" + r2["id"].get<std::string>() + "/input_items";
+    auto li = c.Get(items2.c_str());
+    ASSERT_TRUE(li);
+    ASSERT_EQ(li->status, 200) << li->body;
+    json l = json::parse(li->body);
+    ASSERT_EQ(l["data"].size(), 3u);
+    EXPECT_EQ(l["object"], "list");
+    EXPECT_EQ(l["has_more"], false);
+    EXPECT_EQ(l["data"][0]["content"], json::parse(R"([{"type": "input_text", "text": "q2"}])"));
+    EXPECT_EQ(l["data"][1], r1["output"][0]);  // turn 1's message item, as returned
+    EXPECT_EQ(l["data"][2]["role"], "user");
+    EXPECT_EQ(l["data"][2]["status"], "completed");
+    EXPECT_EQ(l["first_id"], l["data"][0]["id"]);
+    EXPECT_EQ(l["last_id"], l["data"][2]["id"]);
+    // Ascending, two at a time.
+    l = json::parse(c.Get((items2 + "?order=asc&limit=2").c_str())->body);
+    ASSERT_EQ(l["data"].size(), 2u);
+    EXPECT_EQ(l["data"][0]["content"][0]["text"], "q1");
+    EXPECT_EQ(l["has_more"], true);
+    l = json::parse(c.Get((items2 + "?order=asc&limit=2&after=" + l["last_id"].get<std::string>()).c_str())->body);
+    ASSERT_EQ(l["data"].size(), 1u);
+    EXPECT_EQ(l["data"][0]["content"][0]["text"], "q2");
+    EXPECT_EQ(l["has_more"], false);
+    EXPECT_EQ(c.Get((items2 + "?limit=0").c_str())->status, 400);
+    EXPECT_EQ(c.Get((items2 + "?order=up").c_str())->status, 400);
+    EXPECT_EQ(c.Get((items2 + "?after=nope").c_str())->status, 400);
+    EXPECT_EQ(c.Get("/v1/responses/resp_unknown/input_items")->status, 404);
+    // A client's own item ids are kept.
+    const json r6 = s.ok({{"input", json::array({{{"role", "user"}, {"content", "x"}, {"id", "msg_mine"}}})}});
+    l = json::parse(c.Get(("/v1/responses/" + r6["id"].get<std::string>() + "/input_items").c_str())->body);
+    EXPECT_EQ(l["data"][0]["id"], "msg_mine");
+    // GET returns the stored object; DELETE removes it; then it is unknown everywhere.
     auto g = c.Get(("/v1/responses/" + r1["id"].get<std::string>()).c_str());
     ASSERT_TRUE(g);
     EXPECT_EQ(g->status, 200);
