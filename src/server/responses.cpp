@@ -129,7 +129,7 @@ json base_response(const responses_request &rr, const prepared &p, const std::st
 // (as chat completions trim content beside tool calls); without, it is sent at the end.
 class response_writer {
 public:
-    response_writer(json base) : resp_(std::move(base)) {}
+    explicit response_writer(json base) : resp_(std::move(base)) {}
 
     std::string begin() {
         std::string out = ev("response.created", {{"response", resp_}});  // two statements: numbered in order
