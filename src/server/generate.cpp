@@ -617,7 +617,9 @@ void handle_count_tokens(server_context &ctx, const httplib::Request &, const st
 // Shared with the Responses endpoint (responses.cpp; declared in server_impl.h).
 // ---------------------------------------------------------------------------------------------
 
-prepared prepare_chat(server_context &ctx, gen_request r) { return prepare_parsed(ctx, std::move(r), false); }
+prepared prepare_chat(server_context &ctx, gen_request r, bool count_only) {
+    return prepare_parsed(ctx, std::move(r), count_only);
+}
 std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p) { return submit(ctx, p); }
 bool wait_event(sched::job &j, connection_probe &probe, sched::event &ev) { return next_event(j, probe, ev); }
 parsed_output parse_calls(server_context &ctx, const prepared &p, const std::string &text) { return split_calls(ctx, p, text); }

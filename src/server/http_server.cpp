@@ -179,7 +179,7 @@ static json props_json(server_context &ctx) {
             {"default_sampling", {{"temperature", d.temperature}, {"top_k", d.top_k}, {"top_p", d.top_p},
                                   {"min_p", d.min_p}, {"repeat_penalty", d.repeat_penalty}}},
             {"endpoints", {"GET /health", "GET /metrics", "GET /props", "GET /v1/models", "POST /v1/chat/completions",
-                           "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses",
+                           "POST /v1/completions", "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses", "POST /v1/responses/input_tokens",
                            "GET /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "DELETE /v1/responses/{id}", "GET /"}}};
 }
 
@@ -228,7 +228,8 @@ connection_stats http_server::connections() const { return p_->svr.conns.stats()
 
 static std::string endpoint_label(const std::string &path) {
     static const char *known[] = {"/", "/health", "/metrics", "/props", "/v1/models", "/v1/chat/completions",
-                                  "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"};
+                                  "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                                  "/v1/responses/input_tokens"};
     for (const char *k : known)
         if (path == k) return k;
     if (path.rfind("/v1/responses/", 0) == 0)  // never the id itself
@@ -239,7 +240,8 @@ static std::string endpoint_label(const std::string &path) {
 
 static bool is_post_endpoint(const std::string &path) {
     return path == "/v1/chat/completions" || path == "/v1/completions" || path == "/v1/messages" ||
-           path == "/v1/messages/count_tokens" || path == "/v1/responses";
+           path == "/v1/messages/count_tokens" || path == "/v1/responses" ||
+           path == "/v1/responses/input_tokens";
 }
 
 // Runs a handler, turning exceptions into the API's error JSON.
@@ -525,6 +527,9 @@ static void setup_routes(http_server::impl &p) {
     });
     post("/v1/responses", [&ctx](const httplib::Request &req, const std::string &body, httplib::Response &res) {
         handle_responses_create(ctx, req, body, res);
+    });
+    post("/v1/responses/input_tokens", [&ctx](const httplib::Request &, const std::string &body, httplib::Response &res) {
+        handle_responses_input_tokens(ctx, body, res);
     });
     const char *response_path = R"(/v1/responses/([^/]+))";
     get(response_path, [&ctx](const httplib::Request &req, httplib::Response &res) {

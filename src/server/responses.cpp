@@ -271,7 +271,7 @@ struct responses_job {
     int64_t created = int64_t(std::time(nullptr));
 };
 
-std::shared_ptr<responses_job> prepare_responses(server_context &ctx, const std::string &body_text) {
+std::shared_ptr<responses_job> prepare_responses(server_context &ctx, const std::string &body_text, bool count_only) {
     auto j = std::make_shared<responses_job>();
     j->rr = parse_responses_request(parse_body(body_text));
     j->history = json::array();
@@ -290,7 +290,7 @@ std::shared_ptr<responses_job> prepare_responses(server_context &ctx, const std:
     chat["messages"] = items_to_messages(j->history, j->rr.instructions);
     if (chat["messages"].empty()) bad_request("'input' holds no message (and there is no previous response)", "input");
     try {
-        j->p = prepare_chat(ctx, parse_openai_chat(chat, ctx.opts.defaults, *ctx.fmt));
+        j->p = prepare_chat(ctx, parse_openai_chat(chat, ctx.opts.defaults, *ctx.fmt), count_only);
     } catch (const api_error &e) {
         rethrow_renamed(e);
     }
@@ -372,7 +372,7 @@ void run_responses_stream(server_context &ctx, httplib::Response &res, std::shar
 void handle_responses_create(server_context &ctx, const httplib::Request &req, const std::string &body,
                              httplib::Response &res) {
     auto probe = std::make_shared<connection_probe>(req);
-    auto j = prepare_responses(ctx, body);
+    auto j = prepare_responses(ctx, body, false);
     auto job = submit_prepared(ctx, j->p);
     if (j->rr.stream) {
         run_responses_stream(ctx, res, j, job, probe);
@@ -401,6 +401,15 @@ void handle_responses_create(server_context &ctx, const httplib::Request &req, c
     w.finish(calls.empty() ? text : trim_copy(text), calls, ev, ts.reasoning_tokens);
     keep(ctx, *j, w.response());
     res.set_content(dump_json(w.response()), "application/json");
+}
+
+// The token count of a request's rendered prompt (input, instructions, tools, previous_response_id),
+// generating nothing; counted as /v1/messages/count_tokens counts (in thinking mode the generation
+// prompt's opening marker is included, which a response counts as generated).
+void handle_responses_input_tokens(server_context &ctx, const std::string &body, httplib::Response &res) {
+    const auto j = prepare_responses(ctx, body, true);
+    res.set_content(dump_json({{"object", "response.input_tokens"}, {"input_tokens", j->p.prompt.size()}}),
+                    "application/json");
 }
 
 void handle_responses_get(server_context &ctx, const std::string &id, httplib::Response &res) {

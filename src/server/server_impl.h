@@ -68,8 +68,9 @@ struct prepared {
 };
 
 // generate.cpp's pipeline, shared with the Responses endpoint (responses.cpp):
-// a parsed chat request -> model check, prompt (thinking set-up, forced call), PFlash, context check;
-prepared prepare_chat(server_context &ctx, gen_request r);
+// a parsed chat request -> model check, prompt (thinking set-up, forced call), PFlash, context check
+// (count_only: the rendered prompt only, as count_tokens reports it);
+prepared prepare_chat(server_context &ctx, gen_request r, bool count_only = false);
 // -> a scheduler job (503 when the queue is full);
 std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p);
 // the job's next event, cancelling it when the client went away (false);
@@ -86,6 +87,8 @@ void handle_responses_create(server_context &ctx, const httplib::Request &req, c
                              httplib::Response &res);
 void handle_responses_get(server_context &ctx, const std::string &id, httplib::Response &res);
 void handle_responses_delete(server_context &ctx, const std::string &id, httplib::Response &res);
+// POST /v1/responses/input_tokens (responses.cpp).
+void handle_responses_input_tokens(server_context &ctx, const std::string &body, httplib::Response &res);
 // GET /v1/responses/{id}/input_items?limit=&order=&after= (responses.cpp).
 void handle_responses_input_items(server_context &ctx, const std::string &id, const httplib::Request &req,
                                   httplib::Response &res);

@@ -185,6 +185,9 @@ class Smol(unittest.TestCase):
         if truncated:
             self.assertEqual(r.incomplete_details.reason, "max_output_tokens")
         self.assertEqual([o.type for o in r.output], ["message"])
+        n = client(SMOL).responses.input_tokens.count(model="m", instructions=INSTR,
+                                                      input="What is the capital of France?")
+        self.assertEqual((n.object, n.input_tokens), ("response.input_tokens", r.usage.input_tokens))
 
     def test_stream_events(self):
         kw = dict(model="m", instructions=INSTR, input="Write one short sentence about the sea.", temperature=0,

@@ -285,6 +285,15 @@ TEST(ResponsesHttp, MessageOutputAndUsage) {
     EXPECT_EQ(r["usage"]["output_tokens"], 5);
     EXPECT_EQ(r["usage"]["total_tokens"], 30);
     EXPECT_EQ(r["usage"]["output_tokens_details"]["reasoning_tokens"], 0);
+    // The count endpoint: the same 25 tokens, nothing generated.
+    const int64_t before = s.eng.evaluated;
+    httplib::Client c("127.0.0.1", s.port);
+    auto n = c.Post("/v1/responses/input_tokens", json({{"input", "hello"}}).dump(), "application/json");
+    ASSERT_TRUE(n);
+    EXPECT_EQ(json::parse(n->body), json({{"object", "response.input_tokens"}, {"input_tokens", 25}}));
+    EXPECT_EQ(s.eng.evaluated, before);
+    n = c.Post("/v1/responses/input_tokens", json({{"input", json::array({{{"type", "x"}}})}}).dump(), "application/json");
+    EXPECT_EQ(n->status, 400);
 }
 
 // max_output_tokens 3 of "hello": status incomplete, the message "hel" incomplete.
