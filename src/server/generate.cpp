@@ -106,7 +106,8 @@ void force_call(server_context &ctx, prepared &p) {
     p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
 }
 
-// Request body -> validated request and prompt tokens. Throws api_error.
+// A parsed request -> model check, prompt tokens (thinking set-up, forced call), PFlash, context
+// check. Throws api_error.
 prepared prepare_parsed(server_context &ctx, gen_request r, bool count_only) {
     prepared p;
     p.r = std::move(r);
@@ -156,6 +157,7 @@ prepared prepare_parsed(server_context &ctx, gen_request r, bool count_only) {
     return p;
 }
 
+// Request body -> validated request and prompt tokens. Throws api_error.
 prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
     const json body = parse_body(body_text);
     if (kind == api_kind::openai_chat) return prepare_parsed(ctx, parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt), count_only);
