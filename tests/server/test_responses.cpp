@@ -150,6 +150,59 @@ TEST(ResponsesItems, BadInputNamesTheField) {
     EXPECT_EQ(bad_param(json::parse(R"({"previous_response_id": "resp_1"})")), "");  // input optional then
 }
 
+// Every field of a request and of each item kind set to values of every JSON type: the parser either
+// accepts the body or throws api_error 400 (no other exception, no crash), and what it accepts converts.
+TEST(ResponsesItems, OddValuesAreAcceptedOr400) {
+    const json odd = json::parse(R"([null, 0, -1, 1.5, 18446744073709551615, "", "x", true, [], [1], [null], {},
+        {"type": 1}, {"type": "function", "name": "f"}, [{"type": "input_text"}], [{"type": "input_text", "text": 1}],
+        [{"role": "user", "content": "a"}]])");
+    const json base = json::parse(R"({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "o"},
+        {"type": "reasoning", "summary": [], "content": []}],
+        "tools": [{"type": "function", "name": "f", "parameters": {}}], "tool_choice": "auto",
+        "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}}, "metadata": {"k": "v"}})");
+    size_t accepted = 0, refused = 0;
+    auto run = [&](const json &body) {
+        try {
+            const auto r = server::parse_responses_request(body);
+            server::check_call_outputs(r.input_items, 0);
+            server::items_to_messages(r.input_items, r.instructions);
+            ++accepted;
+        } catch (const server::api_error &e) {
+            EXPECT_EQ(e.status, 400) << body.dump();
+            ++refused;
+        } catch (const std::exception &e) {
+            ADD_FAILURE() << e.what() << " for " << body.dump();
+        }
+    };
+    for (const char *key : {"input", "instructions", "tools", "tool_choice", "reasoning", "text", "metadata",
+                            "max_output_tokens", "previous_response_id", "stream", "store", "parallel_tool_calls",
+                            "include", "truncation", "stream_options", "background"})
+        for (const json &v : odd) {
+            json b = base;
+            b[key] = v;
+            run(b);
+        }
+    for (size_t i = 0; i < base["input"].size(); ++i)
+        for (const auto &[key, _] : base["input"][i].items())
+            for (const json &v : odd) {
+                json b = base;
+                b["input"][i][key] = v;
+                run(b);
+            }
+    for (const char *path : {"/tools/0/name", "/tools/0/parameters", "/reasoning/effort", "/text/format/type",
+                             "/input/0/content/0/type", "/input/0/content/0/text"})
+        for (const json &v : odd) {
+            json b = base;
+            b[json::json_pointer(path)] = v;
+            run(b);
+        }
+    EXPECT_GT(accepted, 10u);
+    EXPECT_GT(refused, 100u);
+}
+
 // ---- the store ----
 
 namespace {
