@@ -106,12 +106,13 @@ void force_call(server_context &ctx, prepared &p) {
     p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
 }
 
-// A parsed request -> model check, prompt tokens (thinking set-up, forced call), PFlash, context
-// check. Throws api_error.
-prepared prepare_parsed(server_context &ctx, gen_request r, bool count_only) {
+// Request body -> validated request and prompt tokens. Throws api_error.
+prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
     prepared p;
-    p.r = std::move(r);
-    const api_kind kind = p.r.kind;
+    const json body = parse_body(body_text);
+    if (kind == api_kind::openai_chat) p.r = parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt);
+    else if (kind == api_kind::openai_completion) p.r = parse_openai_completion(body, ctx.opts.defaults);
+    else p.r = parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only);
     const auto &ids = ctx.opts.model_ids;
     if (!p.r.model.empty() && std::find(ids.begin(), ids.end(), p.r.model) == ids.end())
         throw api_error(404, "not_found_error", "the model '" + p.r.model + "' does not exist (this server serves '" +
@@ -155,14 +156,6 @@ prepared prepare_parsed(server_context &ctx, gen_request r, bool count_only) {
                         kind == api_kind::openai_completion ? "prompt" : "messages");
     if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
     return p;
-}
-
-// Request body -> validated request and prompt tokens. Throws api_error.
-prepared prepare(server_context &ctx, const std::string &body_text, api_kind kind, bool count_only) {
-    const json body = parse_body(body_text);
-    if (kind == api_kind::openai_chat) return prepare_parsed(ctx, parse_openai_chat(body, ctx.opts.defaults, *ctx.fmt), count_only);
-    if (kind == api_kind::openai_completion) return prepare_parsed(ctx, parse_openai_completion(body, ctx.opts.defaults), count_only);
-    return prepare_parsed(ctx, parse_anthropic(body, ctx.opts.defaults, *ctx.fmt, count_only), count_only);
 }
 
 std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
@@ -619,8 +612,8 @@ void handle_count_tokens(server_context &ctx, const httplib::Request &, const st
 // Shared with the Responses endpoint (responses.cpp; declared in server_impl.h).
 // ---------------------------------------------------------------------------------------------
 
-prepared prepare_chat(server_context &ctx, gen_request r, bool count_only) {
-    return prepare_parsed(ctx, std::move(r), count_only);
+prepared prepare_chat(server_context &ctx, const nlohmann::json &chat_body, bool count_only) {
+    return prepare(ctx, dump_json(chat_body), api_kind::openai_chat, count_only);
 }
 std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p) { return submit(ctx, p); }
 bool wait_event(sched::job &j, connection_probe &probe, sched::event &ev) { return next_event(j, probe, ev); }

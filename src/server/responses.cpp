@@ -290,7 +290,7 @@ std::shared_ptr<responses_job> prepare_responses(server_context &ctx, const std:
     chat["messages"] = items_to_messages(j->history, j->rr.instructions);
     if (chat["messages"].empty()) bad_request("'input' holds no message (and there is no previous response)", "input");
     try {
-        j->p = prepare_chat(ctx, parse_openai_chat(chat, ctx.opts.defaults, *ctx.fmt), count_only);
+        j->p = prepare_chat(ctx, chat, count_only);
     } catch (const api_error &e) {
         rethrow_renamed(e);
     }

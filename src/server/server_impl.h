@@ -68,9 +68,9 @@ struct prepared {
 };
 
 // generate.cpp's pipeline, shared with the Responses endpoint (responses.cpp):
-// a parsed chat request -> model check, prompt (thinking set-up, forced call), PFlash, context check
-// (count_only: the rendered prompt only, as count_tokens reports it);
-prepared prepare_chat(server_context &ctx, gen_request r, bool count_only = false);
+// a chat-completions body -> parsed request, model check, prompt (thinking set-up, forced call), PFlash,
+// context check (count_only: the rendered prompt only, as count_tokens reports it);
+prepared prepare_chat(server_context &ctx, const nlohmann::json &chat_body, bool count_only = false);
 // -> a scheduler job (503 when the queue is full);
 std::shared_ptr<sched::job> submit_prepared(server_context &ctx, prepared &p);
 // the job's next event, cancelling it when the client went away (false);
