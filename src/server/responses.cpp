@@ -8,6 +8,7 @@
 // it happens; a JSON request feeds the whole reasoning and answer at the end and discards the events,
 // so the two modes return the same Response object for the same generation.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <ctime>
 #include <optional>
@@ -34,18 +35,30 @@ std::string trim_copy(const std::string &s) {
 }
 
 // The chat parser's and the prompt builder's errors name chat fields: rename them to the Responses
-// fields they came from.
+// fields they came from, in the param and where the message quotes them ('response_format.json_schema.name'
+// -> 'text.format.name'). Longer names first: the first that matches a name's start applies.
 [[noreturn]] void rethrow_renamed(const api_error &e) {
-    static const std::pair<const char *, const char *> names[] = {
-        {"messages", "input"}, {"prompt", "input"}, {"response_format", "text.format"},
-        {"max_tokens", "max_output_tokens"}, {"reasoning_effort", "reasoning.effort"}};
+    static const std::pair<std::string, std::string> names[] = {
+        {"response_format.json_schema", "text.format"}, {"response_format", "text.format"}, {"messages", "input"},
+        {"prompt", "input"}, {"max_tokens", "max_output_tokens"}, {"reasoning_effort", "reasoning.effort"}};
+    // name, then neither [a-z_] (a longer name) nor '[' (a chat message index, which is not the item's)
+    auto starts_name = [](const std::string &s, size_t at, const std::string &name) {
+        if (s.compare(at, name.size(), name) != 0) return false;
+        const char next = at + name.size() < s.size() ? s[at + name.size()] : '\0';
+        return !(std::islower(static_cast<unsigned char>(next)) || next == '_' || next == '[');
+    };
     std::string param = e.param, msg = e.what();
-    for (const auto &[from, to] : names) {
-        if (param == from) param = to;
-        const std::string quoted = std::string("'") + from + "'";
-        for (size_t at = msg.find(quoted); at != std::string::npos; at = msg.find(quoted, at + 1))
-            msg.replace(at, quoted.size(), std::string("'") + to + "'");
-    }
+    for (const auto &[from, to] : names)
+        if (starts_name(param, 0, from)) {
+            param = to + param.substr(from.size());
+            break;
+        }
+    for (size_t q = msg.find('\''); q != std::string::npos; q = msg.find('\'', q + 1))
+        for (const auto &[from, to] : names)
+            if (starts_name(msg, q + 1, from)) {
+                msg.replace(q + 1, from.size(), to);
+                break;
+            }
     throw api_error(e.status, e.type, msg, param, e.code);
 }
 

@@ -593,6 +593,11 @@ TEST(ResponsesHttp, BadInputIs400) {
               "input[0].call_id");
     EXPECT_EQ(s.fails({{"input", "x"}, {"model", "other"}}, 404)["param"], "model");
     EXPECT_EQ(s.fails({{"input", json::array()}}, 400)["param"], "input");
+    // An error of the chat parser names the Responses field (a schema that is no object: refused with or
+    // without structured output support).
+    const json e = s.fails({{"input", "x"}, {"text", {{"format", {{"type", "json_schema"}, {"name", "n"}, {"schema", 5}}}}}}, 400);
+    EXPECT_EQ(e["param"].get<std::string>().rfind("text.format", 0), 0u) << e.dump();
+    EXPECT_EQ(e["message"].get<std::string>().find("response_format"), std::string::npos) << e.dump();
     EXPECT_EQ(s.eng.evaluated, before);
     httplib::Client c("127.0.0.1", s.port);
     EXPECT_EQ(c.Get("/v1/responses/resp_unknown")->status, 404);
