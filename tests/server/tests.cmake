@@ -13,6 +13,16 @@ if(Python3_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_integration_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
 endif()
+if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
+    # Thinking mode (reasoning split, budget, event sequences, second-turn cache hit) with the official
+    # SDKs against `fathom serve` on ds4-tiny (docs/server.md "Thinking").
+    add_test(NAME server_thinking_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/thinking_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_thinking_sdk PROPERTIES LABELS "server;slow" TIMEOUT 300)
+endif()
 if(Python3_FOUND AND TARGET fathom)
     # POST /v1/responses with the official openai SDK: SmolLM2 for text, tools and continuation, plus
     # ds4-tiny for reasoning items when the shared goldens are there (docs/server.md "Responses API").
@@ -27,16 +37,6 @@ if(Python3_FOUND AND TARGET fathom)
                      ${FATHOM_RESPONSES_DS4_ARGS}
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_responses_sdk PROPERTIES LABELS "server;slow" TIMEOUT 600)
-endif()
-if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
-    # Thinking mode (reasoning split, budget, event sequences, second-turn cache hit) with the official
-    # SDKs against `fathom serve` on ds4-tiny (docs/server.md "Thinking").
-    add_test(NAME server_thinking_sdk
-             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/thinking_test.py
-                     --fathom $<TARGET_FILE:fathom>
-                     --model ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf
-             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
-    set_tests_properties(server_thinking_sdk PROPERTIES LABELS "server;slow" TIMEOUT 300)
 endif()
 if(Python3_FOUND AND TARGET fathom)
     # Chat page in headless Chromium (Debian `chromium`) driven by Playwright (`pip install playwright`).
