@@ -30,17 +30,17 @@ std::string need_string(const json &o, const char *key, const std::string &where
     return v->get<std::string>();
 }
 
-// Message content -> [{"type": input_text|output_text, "text"}]. Text parts only: images, files and
-// audio are refused (this server reads text).
-json message_parts(const json &content, bool assistant, const std::string &where) {
+// Message content (or a call output: key "output") -> [{"type": input_text|output_text, "text"}]. Text
+// parts only: images, files and audio are refused (this server reads text).
+json message_parts(const json &content, bool assistant, const std::string &where, const char *key = "content") {
     const char *text_type = assistant ? "output_text" : "input_text";
     if (content.is_string()) return json::array({{{"type", text_type}, {"text", content}}});
-    if (!content.is_array())
-        bad_request("'" + where + ".content' must be a string or an array of content parts", where + ".content");
+    const std::string kw = where + "." + key;
+    if (!content.is_array()) bad_request("'" + kw + "' must be a string or an array of content parts", kw);
     json parts = json::array();
     for (size_t i = 0; i < content.size(); ++i) {
         const json &part = content[i];
-        const std::string pw = where + ".content[" + std::to_string(i) + "]";
+        const std::string pw = kw + "[" + std::to_string(i) + "]";
         if (!part.is_object()) bad_request("'" + pw + "' must be an object", pw);
         const std::string type = need_string(part, "type", pw, true);
         if (type == "input_text" || type == "output_text") {
@@ -82,7 +82,7 @@ json normalise_call_output(const json &item, const std::string &where) {
     if (o->is_string()) {
         text = o->get<std::string>();
     } else if (o->is_array()) {
-        for (const json &part : message_parts(*o, false, where))
+        for (const json &part : message_parts(*o, false, where, "output"))
             text += part["text"].get<std::string>();
     } else {
         bad_request("'" + where + ".output' must be a string or an array of input_text parts", where + ".output");

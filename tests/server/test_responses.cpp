@@ -125,6 +125,9 @@ TEST(ResponsesItems, BadInputNamesTheField) {
     EXPECT_EQ(bad_param({{"input", json::array({{{"type", "function_call"}, {"call_id", "c"}, {"name", "f"}, {"arguments", json::object()}}})}}),
               "input[0].arguments");
     EXPECT_EQ(bad_param({{"input", json::array({{{"type", "function_call_output"}, {"call_id", "c"}}})}}), "input[0].output");
+    EXPECT_EQ(bad_param(json::parse(R"({"input": [{"type": "function_call_output", "call_id": "c",
+                                                  "output": [{"type": "input_file", "file_id": "f"}]}]})")),
+              "input[0].output[0].type");
     EXPECT_EQ(bad_param(json::parse(R"({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]})")),
               "input[0].content[0].type");
     EXPECT_EQ(bad_param(json::parse(R"({"input": [{"role": "tool", "content": "x"}]})")), "input[0].role");
