@@ -224,7 +224,8 @@ private:
     void sample_and_emit(slot &s);
     bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
     void emit(slot &s, sample_result r);
-    void plan_drafts(slot &s);
+    // Drafts for s's next decode; other_rows: the step's other decodes (the drafts' price is marginal).
+    void plan_drafts(slot &s, int32_t other_rows);
     void verify_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
@@ -252,6 +253,7 @@ private:
 
     engine &eng_;
     scheduler_options opts_;
+    spec::verify_cost step_cost_;  // worker: decode steps' cost by row count (speculative widths)
     int n_ctx_ = 0;
     std::vector<std::unique_ptr<slot>> slots_;
     bool paged_ = false;                   // the engine's paged pool is the KV record

@@ -183,8 +183,11 @@ std::vector<int32_t> generate(engine &e, const std::vector<int32_t> &prompt, con
         return out;
     }
     session &sr = *s;
+    spec::width_options w;
+    w.draft_max = 4;
+    w.adaptive = false;
     const spec::spec_stats r = spec::generate(
-        sr, smp, e.info().n_ctx, 4, false, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
+        sr, smp, e.info().n_ctx, w, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
         [&](int32_t t) {
             out.push_back(t);
             return static_cast<int>(out.size()) >= n ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;

@@ -73,6 +73,7 @@ scheduler_options opts(bool spec, int slots = 1, int draft_max = 8) {
     o.spec = spec;
     o.spec_ngram.draft_max = draft_max;
     o.spec_ngram.ngram_min = 1;
+    o.spec_ngram.row_cost = 0;  // deterministic widths (the fake engine's step times are noise)
     return o;
 }
 

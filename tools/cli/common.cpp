@@ -413,13 +413,13 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
                                                                   : spec::token_verdict::keep;
         };
         if (spec->mode == "mtp" || spec->mode == "dspark") {
-            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram,
                                      [&sess](std::span<const int32_t> h, int32_t max) { return sess.draft(h, max); },
                                      on_token);
         } else if (spec->mode == "draft") {
             if (!spec->drafter) throw error("--spec draft: no draft model prepared");
             spec::model_drafter &d = *spec->drafter;
-            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram,
                                      [&d](std::span<const int32_t> h, int32_t max) { return d(h, max); }, on_token);
         } else {
             st.spec = spec::generate_ngram(sess, smp, n_ctx, spec->ngram, on_token);
@@ -464,6 +464,12 @@ void add_spec_options(CLI::App *cmd, spec_args &a) {
                     "the model file); --spec dspark: the DSpark drafter's GGUF");
     cmd->add_option("--draft-max", a.ngram.draft_max, "--spec: most tokens drafted per step")
         ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    cmd->add_option("--draft-row-cost", a.ngram.row_cost,
+                    "--spec: the verification cost of each drafted row relative to a one-row step, for the adaptive "
+                    "width (which maximises expected tokens per second); < 0 measures it as it runs, >= 0 fixes it "
+                    "(reproducible widths)")
+        ->check(CLI::Range(-1.0, 64.0))
         ->capture_default_str();
     cmd->add_option("--ngram-min", a.ngram.ngram_min, "--spec ngram: shortest n-gram looked up")
         ->check(CLI::Range(1, 16))
