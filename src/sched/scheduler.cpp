@@ -81,6 +81,7 @@ struct scheduler::slot {
     std::vector<int32_t> history;   // prompt + generated (penalties; a decode syncs the session to it)
     std::unique_ptr<text_stream> ts;
     int32_t n_gen = 0;
+    int64_t n_drafted = 0, n_accepted = 0;  // speculative decoding, this request
     bool got_first = false;
     double ttft = 0.0;
     clock::time_point t_last;
@@ -310,6 +311,7 @@ void scheduler::admit_locked() {
         s.history = j->req_.prompt;
         s.ts = std::make_unique<text_stream>(j->req_.stop);
         s.n_gen = 0;
+        s.n_drafted = s.n_accepted = 0;
         s.got_first = false;
         s.ttft = 0.0;
         s.prompt_saved = false;
@@ -663,13 +665,14 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
 // context / KV reservation by one, so emit's room check passes for every kept draft as in plain decoding.
 void scheduler::plan_drafts(slot &s, int32_t other_rows) {
     s.n_drafts = 0;
-    if (!opts_.spec || !s.sess->rolls_back()) return;
+    if (!opts_.spec || !s.sess->rolls_back() || s.j->req_.draft_max == 0) return;
     if (!s.budget) s.budget.emplace(opts_.spec_ngram.draft_max, opts_.spec_ngram.adaptive);
     const int64_t limit = std::min<int64_t>(n_ctx_, s.kv_limit);
     int64_t room = limit - static_cast<int64_t>(s.history.size()) - 1;
     room = std::min<int64_t>(room, int64_t(s.j->req_.max_tokens) - s.n_gen - 1);
     if (room < 1) return;
-    room = std::min<int64_t>({room, s.budget->next(&step_cost_, other_rows), s.sess->rolls_back() ? s.sess->rollback_limit() : 0});
+    room = std::min<int64_t>({room, s.budget->next(&step_cost_, other_rows), s.sess->rollback_limit()});
+    if (s.j->req_.draft_max > 0) room = std::min<int64_t>(room, s.j->req_.draft_max);
     if (room < 1) return;
     std::vector<int32_t> d;
     try {
@@ -728,6 +731,8 @@ void scheduler::verify_and_emit(slot &s) {
         return;
     }
     if (s.budget) s.budget->update(k, kept);
+    s.n_drafted += int64_t(k);
+    s.n_accepted += int64_t(kept);
     {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.spec_steps;
@@ -791,6 +796,8 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
     ev.n_prompt = int64_t(s.j->req_.prompt.size());
     ev.n_reused = s.n_reused;
     ev.n_generated = s.n_gen;
+    ev.n_drafted = s.n_drafted;
+    ev.n_accepted = s.n_accepted;
     ev.ttft_s = s.ttft;
     ev.total_s = secs(clock::now() - s.j->t_submit_);
     // Speculative decoding: a finish at an earlier sample of a verified step (a stop string) leaves the

@@ -75,6 +75,8 @@ struct request {
     bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
     think_control thinking;             // tokens emitted instead of sampled (thinking open / budget close);
                                         // a forced token reports logprob 0 and no alternatives
+    int32_t draft_max = -1;             // speculative decoding for this request: -1 the server's, 0 off,
+                                        // 1..64 at most this many drafts per step (never above the server's)
 };
 
 struct token_info {
@@ -97,6 +99,8 @@ struct event {
     int64_t n_prompt = 0;             // prompt tokens
     int64_t n_reused = 0;             // prompt tokens reused from the slot's session (not evaluated)
     int64_t n_generated = 0;          // sampled tokens, end-of-generation token excluded
+    int64_t n_drafted = 0;            // speculative decoding: tokens drafted for this request
+    int64_t n_accepted = 0;           // of those, kept
     double ttft_s = 0.0;              // submit -> first token
     double total_s = 0.0;             // submit -> final
 };
