@@ -63,6 +63,11 @@ class draft_budget {
     // other_rows: rows of other sequences in the same forward (batched serving), whose cost is paid
     // anyway: the drafts' price is then c(other + 1 + k) / c(other + 1).
     int32_t next(const verify_cost *cost = nullptr, int32_t other_rows = 0);
+    // A drafter that predicts each draft's chance (session::draft_confidence: c[j] = P(draft j kept | the
+    // ones before it kept)): the prefix width k' <= c.size() that maximises E(k') / c(1 + k') with
+    // E(k') = 1 + c0 + c0 c1 + ... (the same objective as next(), this step's own odds instead of the
+    // running acceptance). Confidences outside [0, 1] (NaN included) count as 0.
+    static size_t cut(std::span<const float> c, const verify_cost *cost = nullptr, int32_t other_rows = 0);
     void update(size_t drafted, size_t kept);
     double acceptance() const { return kept_ / (kept_ + rejected_); }
 

@@ -685,6 +685,12 @@ void scheduler::plan_drafts(slot &s, int32_t other_rows) {
         return;
     }
     if (d.size() > static_cast<size_t>(room)) d.resize(static_cast<size_t>(room));
+    if (opts_.spec_session_drafter && opts_.spec_ngram.adaptive) {  // DSpark: this step's own odds
+        const std::vector<float> conf = s.sess->draft_confidence();
+        if (!conf.empty())
+            d.resize(std::min(d.size(), spec::draft_budget::cut(std::span<const float>(conf).first(std::min(conf.size(), d.size())),
+                                                                 &step_cost_, other_rows)));
+    }
     if (d.empty()) return;
     s.spec_prefix = s.history;
     s.spec_prefix.insert(s.spec_prefix.end(), d.begin(), d.end());

@@ -128,6 +128,24 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
     return 1;
 }
 
+size_t draft_budget::cut(std::span<const float> c, const verify_cost *cost, int32_t other_rows) {
+    const int32_t base = std::max(other_rows, 0) + 1;
+    const double c0 = cost ? cost->ratio(base) : 1.0;
+    size_t best_k = 0;
+    double best = 1.0, e = 1.0, p = 1.0;
+    for (size_t k = 1; k <= c.size(); ++k) {
+        const float q = c[k - 1];
+        p *= (q >= 0.0f && q <= 1.0f) ? static_cast<double>(q) : 0.0;
+        e += p;
+        const double g = e / (cost ? cost->ratio(base + static_cast<int32_t>(k)) / c0 : 1.0);
+        if (g > best * (1 + 1e-9)) {
+            best = g;
+            best_k = k;
+        }
+    }
+    return best_k;
+}
+
 void draft_budget::update(size_t drafted, size_t kept) {
     if (!adaptive_ || drafted == 0) return;
     kept_ = kept_ * kAcceptDecay + static_cast<double>(kept);
@@ -179,6 +197,10 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options
         const int32_t k_max = static_cast<int32_t>(std::min({static_cast<int64_t>(budget.next(&cost)), room, s.rollback_limit()}));
         std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
         if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
+        if (const std::vector<float> conf = s.draft_confidence(); !conf.empty() && width.adaptive)
+            drafts.resize(std::min(drafts.size(), draft_budget::cut(std::span<const float>(conf).first(
+                                                                         std::min(conf.size(), drafts.size())),
+                                                                     &cost)));
         std::vector<int32_t> batch;
         batch.reserve(1 + drafts.size());
         batch.push_back(tok);

@@ -142,3 +142,27 @@ TEST(SpecWidth, NotAdaptiveIsAlwaysTheMaximum) {
 }
 
 }  // namespace
+
+namespace {
+
+// cut(): the prefix of a proposal worth verifying from the drafter's own per-token odds (hand-worked).
+TEST(SpecWidth, ConfidenceCutsTheDraftWhereItStopsPaying) {
+    const spec::verify_cost gpu(0.05), cpu(0.85);
+    const std::vector<float> c = {0.9f, 0.9f, 0.1f};
+    // GPU: E/c = 1.9/1.05 = 1.810, 2.71/1.10 = 2.464, 2.791/1.15 = 2.427 -> 2 drafts.
+    EXPECT_EQ(spec::draft_budget::cut(c, &gpu), 2u);
+    // CPU: 1.9/1.85 = 1.027, 2.71/2.70 = 1.004 -> 1 draft.
+    EXPECT_EQ(spec::draft_budget::cut(c, &cpu), 1u);
+    // Unlikely drafts on the CPU: 1.3/1.85 < 1 -> none.
+    EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{0.3f, 0.9f}, &cpu), 0u);
+    // Free rows (no cost): every draft with a chance.
+    EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{0.5f, 0.5f}), 2u);
+    // Nonsense confidences count as 0; beside 15 other rows the CPU's marginal price is lower:
+    // c(17 + k) / c(17) = 1 + 0.85 k / 14.6 -> 0.3 pays there (1.3 / 1.058 > 1).
+    EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{std::nanf(""), 0.9f}, &gpu), 0u);
+    EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{1.5f}, &gpu), 0u);
+    EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{0.3f}, &cpu, 15), 1u);
+    EXPECT_EQ(spec::draft_budget::cut({}, &cpu), 0u);
+}
+
+}  // namespace
