@@ -262,9 +262,11 @@ void inject_tools(gen_request &r, const tool_format &fmt) {
     }
 }
 
-// Appends a tool result to the conversation: consecutive results share one user turn.
-void push_tool_result(std::vector<chat_message> &msgs, bool &last_was_result, const std::string &text) {
-    if (last_was_result && !msgs.empty()) msgs.back().content += "\n" + text;
+// Appends a tool result to the conversation: consecutive results share one user turn, joined by the
+// format's separator.
+void push_tool_result(std::vector<chat_message> &msgs, bool &last_was_result, const std::string &text,
+                      const tool_format &fmt) {
+    if (last_was_result && !msgs.empty()) msgs.back().content += std::string(fmt.result_separator()) + text;
     else msgs.push_back(chat_message{"user", text});
     last_was_result = true;
 }
@@ -292,6 +294,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
             bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format");
     }
     parse_openai_tools(b, r);
+    get_bool(b, "parallel_tool_calls", r.parallel_calls);
     parse_reasoning_effort(b, r);
     parse_thinking(b, r);
     finish_sampling(r);
@@ -338,7 +341,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         } else if (role == "tool") {
             const std::string id = m.value("tool_call_id", "");
             const std::string name = call_names.count(id) ? call_names[id] : m.value("name", "");
-            push_tool_result(r.messages, last_was_result, fmt.render_result(name, text));
+            push_tool_result(r.messages, last_was_result, fmt.render_result(name, text), fmt);
         } else {
             bad_request(where + ".role '" + role + "' is not one of system, developer, user, assistant, tool", "messages");
         }
@@ -438,6 +441,8 @@ void parse_anthropic_tools(const json &b, gen_request &r) {
         } else {
             bad_request("'tool_choice.type' must be auto, any, tool or none", "tool_choice");
         }
+        bool disable = false;
+        if (get_bool(*c, "disable_parallel_tool_use", disable)) r.parallel_calls = !disable;
     }
 }
 
@@ -485,7 +490,7 @@ void anthropic_message(const json &m, size_t k, const tool_format &fmt, std::map
                 text.clear();
                 last_was_result = false;
             }
-            push_tool_result(r.messages, last_was_result, fmt.render_result(names.count(id) ? names[id] : "", body));
+            push_tool_result(r.messages, last_was_result, fmt.render_result(names.count(id) ? names[id] : "", body), fmt);
         } else {
             bad_request(where + ": content block type '" + type + "' is not supported in a " + role + " message",
                         "messages");
