@@ -794,6 +794,7 @@ public:
     }
 
     std::string_view result_separator() const override { return "\n\n"; }
+    bool results_in_call_order() const override { return true; }
 
     std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &) const override;
 };

@@ -597,7 +597,9 @@ size_t call_replay::size() const {
 std::string tool_format::render_assistant(const std::string &content, const std::vector<tool_call> &calls) const {
     if (calls.empty()) return content;
     if (auto g = replay_.lookup(calls, content)) return *g;
-    return content + (content.empty() ? "" : "\n") + render_calls(calls);
+    const std::string rendered = render_calls(calls);
+    const bool separated = content.empty() || (!rendered.empty() && rendered.front() == '\n');
+    return content + (separated ? "" : "\n") + rendered;
 }
 
 void tool_format::remember_turn(const parsed_output &out, std::string generated) const {
