@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "chat/ds4_chat.h"
@@ -45,8 +47,9 @@ struct fake_server {
         o.step_token_budget = chunk;
         return o;
     }
-    explicit fake_server(const std::string &arch, int delay_us = 0, int chunk = 512)
-        : eng(4096, delay_us), sch(posed(eng, arch), sopts(chunk)), srv(eng, sch, server::server_options{}) {
+    explicit fake_server(const std::string &arch, int delay_us = 0, int chunk = 512,
+                         server::server_options ho = server::server_options{})
+        : eng(4096, delay_us), sch(posed(eng, arch), sopts(chunk)), srv(eng, sch, ho) {
         port = srv.bind();
         th = std::thread([this] { srv.listen(); });
     }
@@ -242,6 +245,38 @@ TEST(ToolStreamHttp, Ds4AnthropicEventSequence) {
     EXPECT_EQ(text, "Hi.");
     EXPECT_EQ(partial, "{\"q\": \"x y\"}");
     EXPECT_EQ(tool_id.rfind("toolu_", 0), 0u);
+}
+
+TEST(ToolStreamHttp, ThinkingThenTextThenCall) {
+    // Thinking on: the fake's generation prompt opens the block, so the echo up to "</think>" is reasoning;
+    // calls are decoded from the answer only.
+    fake_server s("deepseek4");
+    const std::string out = "plan <b>it</think>Ok." + dsml_block(dsml_invoke("search", "q", "z"));
+    auto r = s.post("/v1/messages", messages(out, {{"stream", true}, {"thinking", {{"type", "enabled"}}}}));
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    strs seq;
+    std::string thinking, text, partial;
+    for (const auto &[name, data] : parse_sse(r->body).frames) {
+        const json j = json::parse(data);
+        std::string e = name;
+        if (name == "content_block_start") e += "/" + j["content_block"]["type"].get<std::string>();
+        if (name == "content_block_delta") {
+            const std::string t = j["delta"]["type"];
+            e += "/" + t;
+            if (t == "thinking_delta") thinking += j["delta"]["thinking"].get<std::string>();
+            if (t == "text_delta") text += j["delta"]["text"].get<std::string>();
+            if (t == "input_json_delta") partial += j["delta"]["partial_json"].get<std::string>();
+        }
+        if (seq.empty() || seq.back() != e) seq.push_back(e);
+    }
+    EXPECT_EQ(seq, strs({"message_start", "ping", "content_block_start/thinking", "content_block_delta/thinking_delta",
+                         "content_block_delta/signature_delta", "content_block_stop", "content_block_start/text",
+                         "content_block_delta/text_delta", "content_block_stop", "content_block_start/tool_use",
+                         "content_block_delta/input_json_delta", "content_block_stop", "message_delta", "message_stop"}));
+    EXPECT_EQ(thinking, "plan <b>it");
+    EXPECT_EQ(text, "Ok.");
+    EXPECT_EQ(partial, "{\"q\": \"z\"}");
 }
 
 TEST(ToolStreamHttp, ParallelToolCallsFalseStopsAfterTheFirstCall) {
@@ -479,4 +514,40 @@ TEST(LongPrefill, HeadersAtOnceThenProgressComments) {
         if (path == "/v1/chat/completions") EXPECT_EQ(st.frames.back().second, "[DONE]");
         else EXPECT_EQ(st.frames.back().first, "message_stop");
     }
+}
+
+TEST(LongPrefill, StreamedCompressionRunsAfterTheHeaders) {
+    // A drafter that fails to load: a streamed request that PFlash compresses has its headers and opening
+    // frame out before compression starts, so the failure arrives as the stream's error frame; the whole
+    // response is still a 500. The server keeps serving.
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / ("fathom_ts_drafter_" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir);
+    { std::ofstream(dir / "drafter.gguf") << "not a gguf file"; }
+    server::server_options o;
+    o.compression.drafter_path = (dir / "drafter.gguf").string();
+    {
+        fake_server s("llama", 0, 512, o);
+        json body = {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                     {"prefill_compression", "always"}, {"max_tokens", 2}, {"stream", true}};
+        auto r = s.post("/v1/chat/completions", body);
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 200);
+        const sse st = parse_sse(r->body);
+        ASSERT_EQ(st.frames.size(), 3u) << r->body;
+        EXPECT_EQ(json::parse(st.frames[0].second)["choices"][0]["delta"]["role"], "assistant");
+        const json err = json::parse(st.frames[1].second);
+        EXPECT_EQ(err["error"]["message"].get<std::string>().rfind("prompt compression failed: ", 0), 0u) << err;
+        EXPECT_EQ(st.frames[2].second, "[DONE]");
+        body.erase("stream");
+        r = s.post("/v1/chat/completions", body);
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 500);
+        body["prefill_compression"] = "off";
+        r = s.post("/v1/chat/completions", body);
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 200);
+        EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "hi");
+    }
+    std::filesystem::remove_all(dir);
 }
