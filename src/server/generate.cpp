@@ -606,7 +606,8 @@ private:
             task.get();
             job_ = submit(ctx_, *p_);
         } catch (const api_error &e) {
-            return fail(e.what()) && false;
+            fail(e.what());
+            return false;  // run() then returns sink_ok_: true when the error frame went out
         }
         return true;
     }
