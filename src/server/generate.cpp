@@ -176,6 +176,7 @@ prepared prepare(server_context &ctx, const std::string &body_text, api_kind kin
     if (count_only) return p;
     if (p.prompt.empty()) bad_request("the prompt is empty", "prompt");
     try {
+        ctx.compressor->check(p.r.compression);  // an override this server cannot honour: 400 before any work
         p.defer_compression =
             p.r.stream && ctx.compressor->would_compress(int64_t(p.prompt.size()), ctx.sch.n_ctx(), p.r.compression);
     } catch (const error &e) {

@@ -551,3 +551,15 @@ TEST(LongPrefill, StreamedCompressionRunsAfterTheHeaders) {
     }
     std::filesystem::remove_all(dir);
 }
+
+TEST(LongPrefill, UnhonourableCompressionIsStillA400BeforeTheHeaders) {
+    fake_server s("llama");  // no drafter
+    for (bool stream : {false, true}) {
+        auto r = s.post("/v1/chat/completions",
+                        {{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                         {"prefill_compression", "always"}, {"stream", stream}});
+        ASSERT_TRUE(r);
+        EXPECT_EQ(r->status, 400) << r->body;
+        EXPECT_EQ(json::parse(r->body)["error"]["param"], "prefill_compression");
+    }
+}
