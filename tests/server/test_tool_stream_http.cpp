@@ -563,3 +563,18 @@ TEST(LongPrefill, UnhonourableCompressionIsStillA400BeforeTheHeaders) {
         EXPECT_EQ(json::parse(r->body)["error"]["param"], "prefill_compression");
     }
 }
+
+TEST(ToolStreamHttp, BadParallelFieldsAre400s) {
+    fake_server s("deepseek4");
+    auto r = s.post("/v1/chat/completions", chat("x", {{"parallel_tool_calls", "no"}}));
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400);
+    EXPECT_EQ(json::parse(r->body)["error"]["param"], "parallel_tool_calls");
+    r = s.post("/v1/messages", messages("x", {{"tool_choice", {{"type", "auto"}, {"disable_parallel_tool_use", 1}}}}));
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400);
+    EXPECT_NE(r->body.find("disable_parallel_tool_use"), std::string::npos) << r->body;
+    r = s.post("/v1/chat/completions", chat("still serving"));  // and the server keeps serving
+    ASSERT_TRUE(r);
+    EXPECT_EQ(json::parse(r->body)["choices"][0]["message"]["content"], "still serving");
+}
