@@ -7,8 +7,8 @@ Two servers:
     echoes the last user message byte by byte, so each test writes the model's output itself and knows
     the exact call that must come out.
   * `fathom serve` on ds4-tiny (random weights, DS4 architecture): a forced call (tool_choice naming a
-    function) through the real engine; the model is not expected to finish it, so the checks are the
-    ones that hold either way.
+    function) through the real engine (the model is not expected to finish it, so the checks are the
+    ones that hold either way), and the prefill progress comments of a long prompt.
 
 Checked (docs/server.md "Tool calls", "Keepalive and progress"):
   * OpenAI: the chunk sequence as OpenAI documents it (role first; per call a first delta with index,
@@ -344,41 +344,80 @@ class LongPrefill(unittest.TestCase):
                 self.assertEqual(got, text[:3], api)
 
 
-class Ds4TinyForcedCall(unittest.TestCase):
-    """`fathom serve` on ds4-tiny: the forced opening makes the first streamed delta a call to the named
-    function; random weights will hardly finish it, so it ends either as a valid call or with the
-    documented error, never with markup in the content."""
+class Ds4Tiny(unittest.TestCase):
+    """`fathom serve` on ds4-tiny (the real DS4 engine on the CPU)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "1", "--ctx",
+                             "4096", "-t", "2", "--alias", "m", "--prefill-chunk", "256"]).__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.__exit__()
+
+    def test_long_prefill_progress(self):
+        """A ~1800-token prompt (several seconds of prefill here): the first bytes within 1 s, then
+        `: prefill D/T` comments, D at 256-token chunk boundaries and rising, T the prompt's tokens."""
+        import http.client
+        body = json.dumps({"model": "m", "messages": user("lorem ipsum dolor sit amet " * 65), "max_tokens": 1,
+                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+        conn = http.client.HTTPConnection(self.server.url[len("http://"):], timeout=300)
+        t0 = time.time()
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        t_headers = time.time() - t0
+        self.assertEqual(resp.status, 200)
+        raw = resp.read().decode()
+        total = time.time() - t0
+        conn.close()
+        frames = [f for f in raw.split("\n\n") if f]
+        comments = [f[1:].strip() for f in frames if f.startswith(":")]
+        usage = [json.loads(f[6:]) for f in frames if f.startswith("data: {")][-1]["usage"]
+        self.assertLess(t_headers, 1.0)
+        self.assertGreater(total, 1.5, "the prefill was expected to take seconds on ds4-tiny")
+        self.assertGreaterEqual(len(comments), 1, raw[:500])
+        seen = []
+        for c in comments:
+            m = re.fullmatch(r"prefill (\d+)/(\d+)", c)
+            self.assertIsNotNone(m, c)
+            d, t = int(m.group(1)), int(m.group(2))
+            self.assertEqual(t, usage["prompt_tokens"])
+            self.assertTrue(d % 256 == 0 and d < t, c)
+            seen.append(d)
+        self.assertEqual(seen, sorted(seen))
 
     def test_forced_named_call(self):
-        with Server([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "1", "--ctx", "4096",
-                     "-t", "2", "--alias", "m"]) as s:
-            c = s.oai()
-            named = {"type": "function", "function": {"name": "get_weather"}}
-            first, content = None, ""
-            try:
-                for chunk in c.chat.completions.create(model="m", messages=user("Weather in Paris?"), tools=TOOLS,
-                                                       tool_choice=named, temperature=0, max_tokens=24, stream=True):
-                    if not chunk.choices:
-                        continue
-                    d = chunk.choices[0].delta
-                    content += d.content or ""
-                    if d.tool_calls and first is None:
-                        first = d.tool_calls[0]
-                completed = True
-            except openai.APIError as e:
-                self.assertIn("did not complete a valid call to 'get_weather'", str(e))
-                completed = False
-            self.assertIsNotNone(first)
-            self.assertEqual((first.index, first.type, first.function.name), (0, "function", "get_weather"))
-            self.assertTrue(first.id.startswith("call_"))
-            self.assertEqual(first.function.arguments, "{")
-            self.assertEqual(content, "")
-            if not completed:  # the whole response reports the same failure; the server keeps serving
-                with self.assertRaises(openai.InternalServerError):
-                    c.chat.completions.create(model="m", messages=user("Weather in Paris?"), tools=TOOLS,
-                                              tool_choice=named, temperature=0, max_tokens=24)
-            r = c.chat.completions.create(model="m", messages=user("Hi"), temperature=0, max_tokens=4)
-            self.assertEqual(r.choices[0].finish_reason, "length")
+        """The forced opening makes the first streamed delta a call to the named function; random weights
+        will hardly finish it, so it ends either as a valid call or with the documented error, never with
+        markup in the content."""
+        c = self.server.oai()
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        first, content = None, ""
+        try:
+            for chunk in c.chat.completions.create(model="m", messages=user("Weather in Paris?"), tools=TOOLS,
+                                                   tool_choice=named, temperature=0, max_tokens=24, stream=True):
+                if not chunk.choices:
+                    continue
+                d = chunk.choices[0].delta
+                content += d.content or ""
+                if d.tool_calls and first is None:
+                    first = d.tool_calls[0]
+            completed = True
+        except openai.APIError as e:
+            self.assertIn("did not complete a valid call to 'get_weather'", str(e))
+            completed = False
+        self.assertIsNotNone(first)
+        self.assertEqual((first.index, first.type, first.function.name), (0, "function", "get_weather"))
+        self.assertTrue(first.id.startswith("call_"))
+        self.assertEqual(first.function.arguments, "{")
+        self.assertEqual(content, "")
+        if not completed:  # the whole response reports the same failure; the server keeps serving
+            with self.assertRaises(openai.InternalServerError):
+                c.chat.completions.create(model="m", messages=user("Weather in Paris?"), tools=TOOLS,
+                                          tool_choice=named, temperature=0, max_tokens=24)
+        r = c.chat.completions.create(model="m", messages=user("Hi"), temperature=0, max_tokens=4)
+        self.assertEqual(r.choices[0].finish_reason, "length")
 
 
 def main():
