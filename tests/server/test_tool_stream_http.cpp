@@ -379,6 +379,35 @@ TEST(ToolStreamHttp, HermesCallStreams) {
     EXPECT_EQ(st.finish, "tool_calls");
 }
 
+TEST(ToolStreamHttp, HermesForcedCallsStream) {
+    fake_server s("llama");
+    // Named: the prompt ends with '<tool_call>\n{"name": "search", "arguments": '; the fake echoes from after it.
+    const std::string named_open = "<tool_call>\n{\"name\": \"search\", \"arguments\": ";
+    const json named = {{"type", "function"}, {"function", {{"name", "search"}}}};
+    auto r = s.post("/v1/chat/completions", chat(std::string(named_open.size(), '.') + "{\"q\": \"w\"}}</tool_call>",
+                                                 {{"stream", true}, {"tool_choice", named}}));
+    ASSERT_TRUE(r);
+    openai_stream st = read_openai(r->body);
+    ASSERT_FALSE(st.calls.empty());
+    EXPECT_EQ(st.calls[0]["function"]["name"], "search");
+    EXPECT_EQ(fragments(st, 0), strs({"", "{", "\"", "q", "\"", ":", " ", "\"", "w", "\"", "}"}));
+    EXPECT_EQ(st.finish, "tool_calls");
+    // Required (Anthropic "any"): the model writes the name.
+    const std::string req_open = "<tool_call>\n{\"name\": \"";
+    r = s.post("/v1/messages", messages(std::string(req_open.size(), '.') + "get_weather\", \"arguments\": {}}</tool_call>",
+                                        {{"stream", true}, {"tool_choice", {{"type", "any"}}}}));
+    ASSERT_TRUE(r);
+    std::string partial, name;
+    for (const auto &[ev, data] : parse_sse(r->body).frames) {
+        const json j = json::parse(data);
+        if (ev == "content_block_start" && j["content_block"]["type"] == "tool_use") name = j["content_block"]["name"];
+        if (ev == "content_block_delta" && j["delta"]["type"] == "input_json_delta")
+            partial += j["delta"]["partial_json"].get<std::string>();
+    }
+    EXPECT_EQ(name, "get_weather");
+    EXPECT_EQ(partial, "{}");
+}
+
 // ---- DS4 tool turns in the next request ----
 
 TEST(Ds4ToolTurns, HistoryRendersAsTheOfficialEncoder) {
