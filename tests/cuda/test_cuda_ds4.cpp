@@ -106,6 +106,70 @@ TEST(CudaDs4Host, ExpertUnitsMatchCpuDequantisation) {
     check_units<dtype::q2_k>(4096);
     check_units<dtype::mxfp4>(4096);
     check_units<dtype::q8_0>(4096);
+    check_units<dtype::q3_k>(4096);
+    check_units<dtype::q4_k>(4096);
+    check_units<dtype::q5_k>(4096);
+    check_units<dtype::q6_k>(4096);
+}
+
+// K-quant rows of uniformly random bytes (every scale, min, high-bit and quant pattern, negative
+// Q6_K / Q3_K scales; quantize_row output only reaches some of them), with the f16 block scales
+// replaced by finite values of either sign. The element map and the values must still equal the
+// CPU's dequantisation bit for bit (compared as bit patterns, so -0 vs +0 would fail too).
+std::vector<uint8_t> random_kquant_row(dtype t, int64_t K, std::mt19937 &rng) {
+    std::vector<uint8_t> q(dtype_row_bytes(t, K));
+    for (auto &b : q) b = static_cast<uint8_t>(rng() >> 24);
+    std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+    auto scale = [&](size_t off) {
+        const float v = ud(rng) * 0.01f * ((rng() & 1) ? -1.0f : 1.0f);
+        const uint16_t h = cpu::f32_to_f16(v);
+        std::memcpy(&q[off], &h, 2);
+    };
+    const size_t bs = dtype_info(t).type_size;
+    for (size_t off = 0; off < q.size(); off += bs) {
+        if (t == dtype::q3_k) {
+            scale(off + 108);
+        } else if (t == dtype::q6_k) {
+            scale(off + 208);
+        } else {  // q4_k / q5_k: d, dmin
+            scale(off);
+            scale(off + 2);
+        }
+    }
+    return q;
+}
+template <dtype T>
+void check_units_random_bytes(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)) + " random bytes");
+    std::mt19937 rng(static_cast<unsigned>(T) + 101);
+    const auto q = random_kquant_row(T, K, rng);
+    std::vector<float> ref(static_cast<size_t>(K));
+    cpu::dequantize_row(T, q.data(), ref.data(), K);
+    std::vector<int> hits(static_cast<size_t>(K), 0);
+    for (int64_t u = 0; u < K / 32; ++u) {
+        float w[32];
+        int64_t base;
+        int stride;
+        cuda::ds4q::decode32<T>(q.data(), u, w, base, stride, nullptr);
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t e = base + r * stride + i;
+                ASSERT_TRUE(e >= 0 && e < K) << "unit " << u;
+                ++hits[static_cast<size_t>(e)];
+                uint32_t a, b;
+                std::memcpy(&a, &w[8 * r + i], 4);
+                std::memcpy(&b, &ref[static_cast<size_t>(e)], 4);
+                ASSERT_EQ(a, b) << "element " << e << ": " << w[8 * r + i] << " vs " << ref[static_cast<size_t>(e)];
+            }
+    }
+    for (int64_t i = 0; i < K; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << "element " << i;
+}
+
+TEST(CudaDs4Host, KquantUnitsOfRandomBytesMatchCpuDequantisation) {
+    check_units_random_bytes<dtype::q3_k>(4096);
+    check_units_random_bytes<dtype::q4_k>(4096);
+    check_units_random_bytes<dtype::q5_k>(4096);
+    check_units_random_bytes<dtype::q6_k>(4096);
 }
 
 // The GEMV inner loop's fused unit dots (raw bytes -> sum w x without materialising w) vs the dot of
@@ -150,6 +214,10 @@ TEST(CudaDs4Host, FusedUnitDotsMatchDequantisedDot) {
     check_unit_dots<dtype::mxfp4>(4096);
     check_unit_dots<dtype::f16>(4096);
     check_unit_dots<dtype::f32>(4096);
+    check_unit_dots<dtype::q3_k>(4096);
+    check_unit_dots<dtype::q4_k>(4096);
+    check_unit_dots<dtype::q5_k>(4096);
+    check_unit_dots<dtype::q6_k>(4096);
 }
 
 // The IQ2_XXS sign bits are computed (7-bit code + parity bit), not looked up: equal to ksigns_iq2xs.
@@ -715,7 +783,7 @@ TEST_F(CudaDs4Moe, RouterIdsExactAndWeights) {
     EXPECT_THROW(cd::launch_moe_route(logits_d, 2000, nullptr, nullptr, 0, nullptr, 6, 1.0f, ids_d, w_d, err_, s_),
                  error);
     cd::expert_bank wrong = m.d.gate;
-    wrong.type = dtype::q4_k;
+    wrong.type = dtype::iq4_xs;  // no expert decoder for it
     EXPECT_THROW(cd::launch_moe_gate_up(wrong, wrong, bid, nullptr, 6, 0, up(x), 1.0f, h, err_, s_), error);
 }
 

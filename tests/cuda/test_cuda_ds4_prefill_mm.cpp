@@ -418,7 +418,7 @@ TEST_F(CudaDs4PrefillMm, MatmulRejectsBadShapes) {
     bad.p = qd + 2;  // q2_k rows need 4-byte alignment
     EXPECT_THROW(g.matmul(bad, x, 256, 1, y, 4), error);
     bad = w;
-    bad.type = dtype::q4_k;
+    bad.type = dtype::iq4_xs;  // no decoder for it
     EXPECT_FALSE(cd::gemm_runner::supported(bad));
     EXPECT_THROW(g.matmul(w, x, 256, 17, y, 4), error);  // 17 x 256 activations > max_x_elems 4096
     EXPECT_THROW(g.matmul(w, x, 256, 1, y, 3), error);   // ldy < rows

@@ -27,9 +27,11 @@
 //      kernels above's per-row arithmetic on them: bit-identical results (see their comments). The
 //      routed iq2_xxs rows read their slab with 32-bit shared addresses at lane-constant offsets
 //      (gate_up_iq2_staged: 13 % fewer instructions than the generic loads, gate/up 29.4 -> 26.4 us).
-//   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
-//      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel), down
-//      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round.
+//   f32 (f32, f16, mxfp4, the K-quants q3_k .. q6_k, or any mix with them): padded f32 staging (pidx)
+//      and FMA dots (ds4q::unit_dot::dot: each 32-weight unit decoded to f32 bit-identically to the
+//      CPU's dequantisation, then dotted); gate/up one row per warp task (moe_gate_up_f32_kernel), down
+//      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round. Results
+//      equal the CPU reference (dequantised rows x f32 activations) to f32 rounding.
 // Every block quantises the same inputs with the same exact operations, so all get the same bits;
 // sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (scores
 // by a block, top-k by one warp), gate/up of the routed + shared experts, down of the routed + shared
@@ -318,7 +320,7 @@ __device__ __forceinline__ float swiglu_clamped(float g, float v, float c) {
     return gc / (1.0f + expf(-gc)) * vc;
 }
 
-// ---- gate/up, f32 activations (f32, f16, mxfp4 weights) ----------------------------------------------
+// ---- gate/up, f32 activations (f32, f16, mxfp4, K-quant weights) -------------------------------------
 
 // Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
 // lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
@@ -878,7 +880,7 @@ __device__ __forceinline__ void down_check_ids(const down_args &a) {
     }
 }
 
-// f32 activations (f32, f16, mxfp4 weights or a mix with them). A block owns kWarps * kDownRows
+// f32 activations (f32, f16, mxfp4, K-quant weights or a mix with them). A block owns kWarps * kDownRows
 // rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all routed slots, then the shared
 // expert's) is staged once, side by side, in padded f32; a lane then issues the loads of one unit of
 // up to kDownSlots experts (+ the shared expert) before decoding any. Per-lane sums run over units,

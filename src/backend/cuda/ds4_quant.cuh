@@ -1,5 +1,6 @@
-// DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4
-// and Q8_0 (the shared expert of the q2 mix), host + device so tests/cuda/test_cuda_ds4.cpp checks
+// DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4,
+// Q8_0 (the shared expert of the q2 mix) and the K-quants Q3_K .. Q6_K (q4 / Q4_K_M files; their
+// layouts in the K-quant section below), host + device so tests/cuda/test_cuda_ds4.cpp checks
 // every element against the CPU dequantize_row without a GPU. Used by ds4_moe.cu.
 //
 // A unit is 32 weights in 4 runs of 8: w[8 r + i] is row element base + r * stride + i.
@@ -11,6 +12,7 @@
 //                       base 128c + 8s, stride 32. x = d * sc * q - dmin * m.
 //   mxfp4   17 B / 32:  u8 e (e8m0), u8 qs[16]; lo nibbles -> 0..15, hi -> 16..31; x = 2^(e-128) * 2v.
 //   q8_0    34 B / 32:  f16 d, i8 qs[32].
+//   q3_k, q4_k, q5_k, q6_k / 256: Q2_K's unit (base 256 b + 128 c + 8 s, stride 32).
 // The per-element products are written with round-to-nearest intrinsics on the device so nvcc cannot
 // contract them into FMAs: decoded weights are bit-identical to the CPU's dequantisation.
 // Loads may touch up to 4 bytes past a row's last block (funnel-shift loads of 2-byte / 1-byte
@@ -197,6 +199,137 @@ __host__ __device__ __forceinline__ void decode32<dtype::f16>(const uint8_t *row
     stride = 8;
 }
 
+// ---- K-quants (Q3_K, Q4_K, Q5_K, Q6_K: the q4 / Q4_K_M-style DS4 files) ------------------------------
+// All four split a 256-weight block into two halves of 128 whose bytes serve 4 runs of 32 elements
+// (2-bit fields or nibbles of the same 32 bytes), as Q2_K does, so they share Q2_K's unit: unit
+// (half c, slice s) of block b = elements 256 b + 128 c + 32 j + 8 s + i (run j < 4, i < 8): base
+// 256 b + 128 c + 8 s, stride 32; u = 8 b + 4 c + s. Within the block, element k = 128 c + 32 j + l
+// with l = 8 s + i (< 32):
+//   q3_k 110 B: u8 hmask[32], u8 qs[64], u8 scales[12] (16 6-bit signed scales), f16 d.
+//        q = ((qs[32 c + l] >> 2 j) & 3) - (hmask[l] bit 4 c + j ? 0 : 4); scale 8 c + 2 j + (l >> 4);
+//        x = (d * sc) * q.
+//   q4_k 144 B: f16 d, f16 dmin, u8 scales[12] (8 6-bit (sc, m) pairs), u8 qs[128].
+//        64-element group g = 2 c + (j >> 1), nibble j & 1 of qs[32 g + l]; pair 2 g + (j & 1) = 4 c + j;
+//        x = (d * sc) * q - dmin * m.
+//   q5_k 176 B: as q4_k with u8 qh[32] before qs: 5th bit = bit 4 c + j of qh[l].
+//   q6_k 210 B: u8 ql[128], u8 qh[64], i8 scales[16], f16 d. Low 4 bits: nibble j >> 1 of
+//        ql[64 c + 32 (j & 1) + l]; high 2: bits 2 j of qh[32 c + l]; q = that - 32; scale 8 c + 2 j +
+//        (l >> 4); x = (d * sc) * q.
+// The CPU (quants_generic.cpp dequant_q*_k) evaluates each product left to right in f32 without
+// contraction: the explicitly rounded operations below give the same bits. Scale bytes are read one
+// by one (any alignment); quant bytes with the 8-byte loads of the block's alignment (q3_k and q6_k
+// blocks are 2-byte aligned: ld8_a2, which may read 2 bytes either side).
+template <> struct unit_traits<dtype::q3_k>    { static constexpr int block = 256, bytes = 110, align = 2; };
+template <> struct unit_traits<dtype::q4_k>    { static constexpr int block = 256, bytes = 144, align = 4; };
+template <> struct unit_traits<dtype::q5_k>    { static constexpr int block = 256, bytes = 176, align = 4; };
+template <> struct unit_traits<dtype::q6_k>    { static constexpr int block = 256, bytes = 210, align = 2; };
+
+// Q3_K scale i (0..15) as a signed value: low 4 bits from byte i (i < 8) or the high nibble of byte
+// i - 8, high 2 bits from byte 8 + i % 4 at bit 2 (i / 4) (ggml's kmask unpacking, one scale).
+__host__ __device__ __forceinline__ int q3_k_scale(const uint8_t *sc, int i) {
+    const int lo = i < 8 ? (sc[i] & 0xF) : (sc[i - 8] >> 4);
+    const int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q3_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    const int64_t b = u >> 3;
+    const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 110 * b;
+    const float d = ld_f16(blk + 108);
+    uint32_t q0, q1, h0, h1;
+    ld8_a2(blk + 32 + 32 * c + 8 * s, q0, q1);  // qs[32 c + l], l = 8 s .. 8 s + 7
+    ld8_a2(blk + 8 * s, h0, h1);                // hmask[l]
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        const float dl = mul_rn(d, static_cast<float>(q3_k_scale(blk + 96, 8 * c + 2 * j + (s >> 1))));
+        const int hb = 4 * c + j;
+        FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i) {
+            const int q = static_cast<int>((byte_of(q0, q1, i) >> (2 * j)) & 3u) -
+                          (((byte_of(h0, h1, i) >> hb) & 1u) ? 0 : 4);
+            w[8 * j + i] = mul_rn(dl, static_cast<float>(q));
+        }
+    }
+    base = 256 * b + 128 * c + 8 * s;
+    stride = 32;
+}
+
+// q4_k and q5_k (Q5 = true: the 5th bit from qh).
+template <bool Q5>
+__host__ __device__ __forceinline__ void decode32_q45_k(const uint8_t *row, int64_t u, float w[32], int64_t &base,
+                                                        int &stride) {
+    constexpr int bytes = Q5 ? 176 : 144, qs_off = Q5 ? 48 : 16;
+    const int64_t b = u >> 3;
+    const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + bytes * b;
+    const float d = ld_f16(blk), dmin = ld_f16(blk + 2);
+    uint32_t h0 = 0, h1 = 0;
+    if constexpr (Q5) ld8_a4(blk + 16 + 8 * s, h0, h1);  // qh[l]
+    FATHOM_UNROLL
+    for (int g2 = 0; g2 < 2; ++g2) {  // 64-element group g = 2 c + g2: runs j = 2 g2 (low nibbles), 2 g2 + 1 (high)
+        uint32_t q0, q1;
+        ld8_a4(blk + qs_off + 32 * (2 * c + g2) + 8 * s, q0, q1);
+        FATHOM_UNROLL
+        for (int nib = 0; nib < 2; ++nib) {
+            const int j = 2 * g2 + nib;
+            int sc, m;
+            scale_min_k4(4 * c + j, blk + 4, sc, m);
+            const float dl = mul_rn(d, static_cast<float>(sc)), ml = mul_rn(dmin, static_cast<float>(m));
+            FATHOM_UNROLL
+            for (int i = 0; i < 8; ++i) {
+                uint32_t q = (byte_of(q0, q1, i) >> (4 * nib)) & 0xFu;
+                if constexpr (Q5) q |= ((byte_of(h0, h1, i) >> (4 * c + j)) & 1u) << 4;
+                w[8 * j + i] = sub_rn(mul_rn(dl, static_cast<float>(q)), ml);
+            }
+        }
+    }
+    base = 256 * b + 128 * c + 8 * s;
+    stride = 32;
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q4_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_q45_k<false>(row, u, w, base, stride);
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q5_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_q45_k<true>(row, u, w, base, stride);
+}
+
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q6_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    const int64_t b = u >> 3;
+    const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 210 * b;
+    const float d = ld_f16(blk + 208);
+    const int8_t *scales = reinterpret_cast<const int8_t *>(blk + 192);
+    uint32_t h0, h1;
+    ld8_a2(blk + 128 + 32 * c + 8 * s, h0, h1);  // qh[32 c + l]
+    FATHOM_UNROLL
+    for (int p = 0; p < 2; ++p) {  // ql[64 c + 32 p + l]: low nibbles -> run p, high -> run p + 2
+        uint32_t q0, q1;
+        ld8_a2(blk + 64 * c + 32 * p + 8 * s, q0, q1);
+        FATHOM_UNROLL
+        for (int hi = 0; hi < 2; ++hi) {
+            const int j = p + 2 * hi;
+            const float dl = mul_rn(d, static_cast<float>(scales[8 * c + 2 * j + (s >> 1)]));
+            FATHOM_UNROLL
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t lo4 = (byte_of(q0, q1, i) >> (4 * hi)) & 0xFu;
+                const uint32_t hi2 = (byte_of(h0, h1, i) >> (2 * j)) & 3u;
+                w[8 * j + i] = mul_rn(dl, static_cast<float>(static_cast<int>(lo4 | (hi2 << 4)) - 32));
+            }
+        }
+    }
+    base = 256 * b + 128 * c + 8 * s;
+    stride = 32;
+}
+
 // ---- fused unit dot products (the MoE GEMV inner loop) ------------------------------------------
 // unit_dot<T> holds one unit's raw bytes in registers (load: every global read of the unit, issued
 // before any arithmetic so a lane keeps several units in flight) and computes sum_k w_k x_k for the
@@ -355,7 +488,7 @@ template <> struct unit_dot<dtype::q8_0> {
     }
 };
 
-// Other expert types (mxfp4, f32, f16): decode32, then the dot (no integer conversions to save;
+// Other expert types (mxfp4, the K-quants, f32, f16): decode32, then the dot (no integer conversions to save;
 // the load happens inside dot).
 template <dtype T> struct unit_dot_decoded {
     const uint8_t *row;
@@ -382,6 +515,11 @@ template <dtype T> struct unit_dot_decoded {
     }
 };
 template <> struct unit_dot<dtype::mxfp4> : unit_dot_decoded<dtype::mxfp4> {};
+// K-quants: the f32 path (decode32 to f32, FMA dots); activations stay f32 as for mxfp4.
+template <> struct unit_dot<dtype::q3_k> : unit_dot_decoded<dtype::q3_k> {};
+template <> struct unit_dot<dtype::q4_k> : unit_dot_decoded<dtype::q4_k> {};
+template <> struct unit_dot<dtype::q5_k> : unit_dot_decoded<dtype::q5_k> {};
+template <> struct unit_dot<dtype::q6_k> : unit_dot_decoded<dtype::q6_k> {};
 template <> struct unit_dot<dtype::f32> : unit_dot_decoded<dtype::f32> {};
 template <> struct unit_dot<dtype::f16> : unit_dot_decoded<dtype::f16> {};
 
@@ -668,6 +806,10 @@ bool dispatch_expert_type(dtype t, F &&f) {
     case dtype::iq2_xxs: f.template operator()<dtype::iq2_xxs>(); return true;
     case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
     case dtype::mxfp4: f.template operator()<dtype::mxfp4>(); return true;
+    case dtype::q3_k: f.template operator()<dtype::q3_k>(); return true;
+    case dtype::q4_k: f.template operator()<dtype::q4_k>(); return true;
+    case dtype::q5_k: f.template operator()<dtype::q5_k>(); return true;
+    case dtype::q6_k: f.template operator()<dtype::q6_k>(); return true;
     case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
     case dtype::f32: f.template operator()<dtype::f32>(); return true;
     case dtype::f16: f.template operator()<dtype::f16>(); return true;
