@@ -8,7 +8,8 @@
 // Tolerances: the CPU reference accumulates dot products in double, the GPU GEMVs in f32 (per lane,
 // then a warp tree): relative L2 <= 1e-5 on outputs. The expert GEMVs of iq2_xxs/q2_k/q8_0 quantise
 // their activations to q8 blocks (integer dots): they are held to 1e-5 against the CPU applying the
-// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself). Router ids must
+// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself). The K-quant
+// experts (q3_k .. q6_k) keep f32 activations: 1e-5 against the f32 reference. Router ids must
 // be identical; element-wise HC arithmetic is repeated op for op (HC post: exact given the same inputs).
 #include <gtest/gtest.h>
 
@@ -543,7 +544,15 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
                         {dtype::q2_k, dtype::q2_k, dtype::q8_0, false, true, 16, 6},
                         {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false, 16, 6},
                         {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true, 16, 6},
-                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24}};
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24},
+                        // K-quants (f32 activations): routed + shared in one launch (q4_k / q4_k,
+                        // q6_k / q8_0) and in separate launches (mixed pairs), every type as routed
+                        // gate/up, routed down and shared expert, learned and hash routing, k = 24 of 32
+                        {dtype::q4_k, dtype::q4_k, dtype::q4_k, false, false, 16, 6},
+                        {dtype::q4_k, dtype::q6_k, dtype::q8_0, true, false, 16, 6},
+                        {dtype::q3_k, dtype::q5_k, dtype::q6_k, false, false, 16, 6},
+                        {dtype::q6_k, dtype::q3_k, dtype::q4_k, true, false, 16, 6},
+                        {dtype::q5_k, dtype::q6_k, dtype::q3_k, false, false, 32, 24}};
     const int64_t D = 1024, F = 512;
     for (const cfg &c : cfgs) {
         const int E = c.E, k = c.k;
@@ -726,6 +735,90 @@ TEST_F(CudaDs4Moe, Q8DownOddShapesAccumulate) {
         EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
         std::printf("  q8 down %s, D = %lld, F = %lld, %d slots + shared, accumulate: rel L2 %.3g\n",
                     dtype_name(c.dn).data(), static_cast<long long>(D), static_cast<long long>(F), n_slot, ey);
+    }
+}
+
+// The K-quant expert GEMVs (f32 activations) at awkward shapes, each half against the CPU's
+// dequantised rows dotted with the same f32 activations in double (<= 1e-5: f32 accumulation only).
+// gate/up: F = 333 rows (not a multiple of the 8-warp blocks), 40 routed slots over 5 experts
+// (repeated ids; 40 * 333 tasks, several grid-stride rounds), then the shared expert as its own
+// launch (h row 40, no routing weight, its own clamp); the h row after it must keep its poison.
+// down: D = 333 rows (the last block partly empty), F = 768 (3 K-quant blocks per row: lanes take
+// 24 units, a partial last round), 7 routed slots (expert 1 three times) accumulated onto a given y,
+// then the shared expert of another K-quant type (a separate launch); y[D] must keep its poison.
+TEST_F(CudaDs4Moe, KquantGemvsOddShapesMatchCpu) {
+    struct cfg {
+        dtype t, tsh;
+    };
+    const cfg cfgs[] = {{dtype::q3_k, dtype::q6_k}, {dtype::q4_k, dtype::q5_k}, {dtype::q5_k, dtype::q4_k},
+                        {dtype::q6_k, dtype::q3_k}};
+    const int E = 5;
+    for (const cfg &c : cfgs) {
+        SCOPED_TRACE(std::string(dtype_name(c.t)) + " routed, " + std::string(dtype_name(c.tsh)) + " shared");
+        {  // gate/up
+            const int64_t D = 512, F = 333;
+            const int n_slot = 40;
+            const float sd = 1.0f / std::sqrt(static_cast<float>(D));
+            const auto g = quant_rows(c.t, D, F * E, rng_, sd), u = quant_rows(c.t, D, F * E, rng_, sd);
+            const auto gs = quant_rows(c.tsh, D, F, rng_, sd), us = quant_rows(c.tsh, D, F, rng_, sd);
+            std::vector<int32_t> ids(static_cast<size_t>(n_slot));
+            for (auto &e : ids) e = static_cast<int32_t>(rng_() % E);
+            const auto wts = randn(static_cast<size_t>(n_slot), rng_, 0.5f);
+            const auto x = randn(static_cast<size_t>(D), rng_);
+            float *h_d = poisoned(static_cast<size_t>((n_slot + 2) * F)), *x_d = up(x);
+            cd::launch_moe_gate_up(dev_bank(c.t, g, F, D, E), dev_bank(c.t, u, F, D, E), up(ids), up(wts), n_slot, 0, x_d,
+                                   1.0f, h_d, err_, s_);
+            cd::launch_moe_gate_up(dev_bank(c.tsh, gs, F, D, 1), dev_bank(c.tsh, us, F, D, 1), nullptr, nullptr, 1, n_slot,
+                                   x_d, 1.25f, h_d, err_, s_);
+            const auto h = down(h_d, static_cast<size_t>((n_slot + 2) * F));
+            EXPECT_EQ(take_err(), 0u);
+            const std::vector<double> xd(x.begin(), x.end());
+            std::vector<float> ref;
+            for (int s = 0; s <= n_slot; ++s) {
+                const bool sh = s == n_slot;
+                const int e = sh ? 0 : ids[static_cast<size_t>(s)];
+                const auto gv = ref_gemv(sh ? c.tsh : c.t, sh ? gs : g, F, D, e, xd);
+                const auto uv = ref_gemv(sh ? c.tsh : c.t, sh ? us : u, F, D, e, xd);
+                std::vector<float> gf(gv.begin(), gv.end()), uf(uv.begin(), uv.end());
+                ds4::swiglu_clamped(gf.data(), uf.data(), F, sh ? 1.25f : 1.0f);
+                for (auto &v : gf) ref.push_back(sh ? v : v * wts[static_cast<size_t>(s)]);
+            }
+            const double eh = rel_l2(h.data(), ref.data(), ref.size());
+            EXPECT_LE(eh, 1e-5);
+            for (int64_t r = 0; r < F; ++r) ASSERT_TRUE(std::isnan(h[static_cast<size_t>((n_slot + 1) * F + r)])) << r;
+            std::printf("  k-quant gate/up %s (+ %s shared), F = %lld, %d slots: rel L2 %.3g\n",
+                        dtype_name(c.t).data(), dtype_name(c.tsh).data(), static_cast<long long>(F), n_slot, eh);
+        }
+        {  // down
+            const int64_t D = 333, F = 768;
+            const int n_slot = 7;
+            const float sd = 1.0f / std::sqrt(static_cast<float>(F));
+            const auto dn = quant_rows(c.t, F, D * E, rng_, sd), dsh = quant_rows(c.tsh, F, D, rng_, sd);
+            const std::vector<int32_t> ids = {1, 3, 0, 1, 4, 2, 1};
+            const auto h = randn(static_cast<size_t>((n_slot + 1) * F), rng_);
+            const auto y0 = randn(static_cast<size_t>(D), rng_);
+            std::vector<float> yin(y0);
+            yin.push_back(std::nanf(""));
+            float *y_d = up(yin), *h_d = up(h);
+            cd::launch_moe_down(dev_bank(c.t, dn, D, F, E), up(ids), n_slot, 0, h_d, true, y_d, err_, s_);
+            cd::launch_moe_down(dev_bank(c.tsh, dsh, D, F, 1), nullptr, 1, n_slot, h_d, true, y_d, err_, s_);
+            const auto y = down(y_d, static_cast<size_t>(D + 1));
+            EXPECT_EQ(take_err(), 0u);
+            std::vector<double> ref(y0.begin(), y0.end());
+            for (int s = 0; s <= n_slot; ++s) {
+                const std::vector<double> hd(h.begin() + s * F, h.begin() + (s + 1) * F);
+                const auto part = s < n_slot ? ref_gemv(c.t, dn, D, F, ids[static_cast<size_t>(s)], hd)
+                                             : ref_gemv(c.tsh, dsh, D, F, 0, hd);
+                for (int64_t r = 0; r < D; ++r) ref[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+            }
+            const std::vector<float> reff(ref.begin(), ref.end());
+            const double ey = rel_l2(y.data(), reff.data(), static_cast<size_t>(D));
+            EXPECT_LE(ey, 1e-5);
+            EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
+            std::printf("  k-quant down %s (+ %s shared), D = %lld, F = %lld, %d slots, accumulate: rel L2 %.3g\n",
+                        dtype_name(c.t).data(), dtype_name(c.tsh).data(), static_cast<long long>(D),
+                        static_cast<long long>(F), n_slot, ey);
+        }
     }
 }
 

@@ -23,7 +23,8 @@ enum ds4_error_bits : uint32_t {
     err_token_id = 1u << 9,   // hash routing with a token outside [0, n_vocab): ids/weights not written
 };
 
-// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0, and f16/f32
+// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0, the K-quants
+// q3_k / q4_k / q5_k / q6_k (columns a multiple of 256), and f16/f32
 // (float rows need a column count that is a multiple of 4; when it is not a multiple of 32 the last
 // unit of a row reads up to 31 elements past it, so the buffer needs 128 bytes of padding).
 bool expert_type_supported(dtype t);
@@ -50,7 +51,8 @@ struct expert_bank {
 // (x here, each h row for down) is first quantised per block of 32 to int8 as ggml's q8_1
 // (d = amax / 127, q = roundf(x * (1 / d))) and the dots are integer (dp4a); results are the dots
 // with the dequantised activation d * q (relative error ~0.5% per GEMV vs f32 activations, like the
-// CPU's quantised matmuls). Other types (f32, f16, mxfp4) keep f32 activations. Deterministic.
+// CPU's quantised matmuls). Other types (f32, f16, mxfp4, q3_k .. q6_k) keep f32 activations (results
+// = the CPU's dequantised rows dotted with x, to f32 rounding). Deterministic.
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
 // Which kernels run the q8 expert GEMVs (launch_moe_gate_up / _down / _ffn with iq2_xxs, q2_k, q8_0
