@@ -66,17 +66,19 @@ dtype fit(dtype want, int64_t row) {
 }
 
 // The K-quant mixes, shaped after llama.cpp's K-quant files of DS4 (the q4 files most users run):
-//   q4k (Q4_K_M-like): routed gate/up Q4_K, routed down Q6_K, attention projections and the shared
-//        expert Q4_K, output head Q6_K, embedding Q4_K;
-//   q3k (Q3_K_M-like experts): routed gate/up Q3_K, routed down Q5_K, the rest as q4k.
+//   q4k (Q4_K_M-like): routed gate/up Q4_K, routed down Q6_K, attention projections, the shared
+//        expert and the embedding Q4_K, output head Q6_K;
+//   q3k (Q3_K-like): routed gate/up Q3_K, routed down Q5_K, attention projections, the shared expert
+//        and the embedding Q3_K, output head Q6_K.
 // HC mixers, compressors, indexer projection and router stay F16 (as in every mix). Rows whose length
 // is not a multiple of 256 fall back to Q8_0 / F16 (fit).
 dtype type_for_kquant(const std::string &mix, wclass c, int64_t row) {
+    const bool q3 = mix == "q3k";
     switch (c) {
-        case wclass::expert_gu: return fit(mix == "q3k" ? dtype::q3_k : dtype::q4_k, row);
-        case wclass::expert_down: return fit(mix == "q3k" ? dtype::q5_k : dtype::q6_k, row);
+        case wclass::expert_gu: return fit(q3 ? dtype::q3_k : dtype::q4_k, row);
+        case wclass::expert_down: return fit(q3 ? dtype::q5_k : dtype::q6_k, row);
         case wclass::projection:
-        case wclass::embed: return fit(dtype::q4_k, row);
+        case wclass::embed: return fit(q3 ? dtype::q3_k : dtype::q4_k, row);
         case wclass::head: return fit(dtype::q6_k, row);
         default: return dtype::f16;
     }

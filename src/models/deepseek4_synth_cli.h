@@ -89,7 +89,7 @@ inline void setup_synth_command(CLI::App &app, int &rc) {
     s->add_option("--window", a->window, "Raw sliding window")->check(pos);
     s->add_option("--mix", a->opt.mix, "Weight types: q2 (IQ2_XXS/Q2_K experts, Q8_0 projections, F16 small), q2k (all experts Q2_K), "
                   "mxfp4 (4-bit MXFP4 routed experts), q4k (Q4_K_M-like: Q4_K gate/up, Q6_K down and head, Q4_K "
-                  "projections), q3k (Q3_K gate/up, Q5_K down, else as q4k), q8_0, f16, f32")
+                  "projections), q3k (Q3_K gate/up and projections, Q5_K down, Q6_K head), q8_0, f16, f32")
         ->capture_default_str()
         ->check(CLI::IsMember({"q2", "q2k", "mxfp4", "q4k", "q3k", "q8_0", "f16", "f32"}));
     s->add_option("--seed", a->opt.seed, "Random seed")->capture_default_str();

@@ -6,8 +6,8 @@
 //    over 300 positions: raw-ring wrap, ratio-4 and ratio-128 compressed rows, indexer top-k with
 //    more rows than k, in every QAT mode and both KV precisions: within the error of the CPU's own
 //    quantised path (the MoE runs q8 activations with integer dots); the same for the K-quant
-//    synthetic mixes (q4k: Q4_K / Q6_K experts and Q4_K projections; q3k: Q3_K / Q5_K experts), which
-//    with f32 activations must also equal the reference to f32 rounding;
+//    synthetic mixes (q4k: Q4_K / Q6_K experts, Q4_K projections; q3k: Q3_K / Q5_K experts, Q3_K
+//    projections), which with f32 activations must also equal the reference to f32 rounding;
 //  - graph replay against eager launches (bitwise), device argmax against the host argmax;
 //  - chunked (layer-major) prefill: the goldens and the CPU reference through chunks of several
 //    sizes, and decoding after a chunked prefill against decoding after a token-serial one.
@@ -24,6 +24,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_model.h"
+#include "core/error.h"
 #include "ds4/golden_util.h"
 #include "models/deepseek4.h"
 #include "cuda_test_util.h"
@@ -182,9 +183,10 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
 
 // Synthetic models of the K-quant mixes (src/models/deepseek4_synth.cpp): q4k (Q4_K_M-like: Q4_K
 // routed gate/up, Q6_K routed down and output head, Q4_K attention projections, shared expert and
-// embedding; Q8_0 where a row is not whole 256-blocks) and q3k (Q3_K gate/up, Q5_K down, else as
-// q4k). Before K-quant experts had kernels, cuda_upload refused these files. Checked against the CPU
-// reference forward over 200 positions:
+// embedding; Q8_0 where a row is not whole 256-blocks) and q3k (Q3_K gate/up, projections, shared
+// expert and embedding, Q5_K down, Q6_K head). Before K-quant experts had kernels, cuda_upload refused
+// these files (and Q3_K dense weights had no GEMV). Checked against the CPU reference forward over 200
+// positions:
 //  - with every decode product on f32 activations (the K-quant MoE always; the dense q8_0 GEMVs
 //    switched to their f32-activation kernel), qat off, f32 KV and the exact indexer, token-serial
 //    decode equals the reference to f32 rounding: median rel L2 <= 1e-5, worst <= 1e-3 (room for a
@@ -196,9 +198,10 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
 TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
     struct mix_t {
         const char *name;
-        dtype gu, dn;
+        dtype gu, dn, dense;  // routed gate/up, routed down; shared expert, 256-wide projections, embedding
     };
-    for (const mix_t mx : {mix_t{"q4k", dtype::q4_k, dtype::q6_k}, mix_t{"q3k", dtype::q3_k, dtype::q5_k}}) {
+    for (const mix_t mx : {mix_t{"q4k", dtype::q4_k, dtype::q6_k, dtype::q4_k},
+                           mix_t{"q3k", dtype::q3_k, dtype::q5_k, dtype::q3_k}}) {
         SCOPED_TRACE(mx.name);
         auto m = ds4::load_model(
             cuda_test::write_quant_tiny_model(std::string("fathom_cuda_ds4_") + mx.name + ".gguf", mx.name));
@@ -207,11 +210,13 @@ TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
             ASSERT_EQ(l.gate_exps.first.type, mx.gu);
             ASSERT_EQ(l.up_exps.first.type, mx.gu);
             ASSERT_EQ(l.down_exps.first.type, mx.dn);
-            ASSERT_EQ(l.gate_sh.type, dtype::q4_k);
-            ASSERT_EQ(l.down_sh.type, dtype::q4_k);
+            ASSERT_EQ(l.gate_sh.type, mx.dense);
+            ASSERT_EQ(l.down_sh.type, mx.dense);
+            ASSERT_EQ(l.q_a.type, mx.dense);
+            ASSERT_EQ(l.kv.type, mx.dense);
         }
         ASSERT_EQ(m->output.type, dtype::q6_k);
-        ASSERT_EQ(m->tok_embd.type, dtype::q4_k);
+        ASSERT_EQ(m->tok_embd.type, mx.dense);
         const size_t n = 200, V = static_cast<size_t>(m->hp.n_vocab);
         const auto toks = random_tokens(n, m->hp.n_vocab, 31);
         {  // f32 activations throughout: the reference to f32 rounding
@@ -248,6 +253,35 @@ TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
             EXPECT_GE(g.argmax_same + 3, c.argmax_same) << "chunk " << chunk;
         }
     }
+}
+
+// A weight type without a CUDA kernel fails cuda_upload before anything is uploaded, with one line
+// naming the tensor and its type (a copy of the q4k model with one tensor's type changed; the bytes
+// are never read).
+TEST_F(CudaDs4Model, UnsupportedWeightTypeFailsAtLoadNamingTheTensor) {
+    const auto m = ds4::load_model(cuda_test::write_quant_tiny_model("fathom_cuda_ds4_q4k_types.gguf", "q4k"));
+    auto expect_refused = [&](const ds4::model &bad, const std::string &what) {
+        try {
+            upload(bad, ds4::qat_mode::full, kv_precision::f16);
+            ADD_FAILURE() << "no error for " << what;
+        } catch (const error &e) {
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    ds4::model bad = *m;
+    bad.layers[2].q_b.type = dtype::iq4_xs;
+    expect_refused(bad, "blk.2.attn_q_b is iq4_xs");
+    bad = *m;
+    bad.layers[1].down_exps.first.type = dtype::iq3_xxs;
+    expect_refused(bad, "blk.1.ffn_down_exps is iq3_xxs");
+    bad = *m;
+    bad.layers[3].up_sh.type = dtype::iq2_xs;
+    expect_refused(bad, "blk.3.ffn_up_shexp is iq2_xs");
+    bad = *m;
+    bad.layers[0].hc_ffn.fn.type = dtype::q8_0;
+    expect_refused(bad, "blk.0.hc_ffn_fn is q8_0");
+    // the unchanged model loads
+    EXPECT_NO_THROW(upload(*m, ds4::qat_mode::full, kv_precision::f16));
 }
 
 // Decoding continues from the state a chunked prefill leaves (ring, compressor frontiers, compressed

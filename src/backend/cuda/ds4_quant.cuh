@@ -25,20 +25,11 @@
 
 namespace fathom::cuda::ds4q {
 
-__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-__host__ __device__ __forceinline__ float sub_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
+// mul_rn / sub_rn (explicitly rounded f32 product and difference) and q3_k_scale: cuda_quant.cuh.
+using cuda::mul_rn;
+using cuda::sub_rn;
+using cuda::q3_k_scale;
+
 __host__ __device__ __forceinline__ int popc8(uint32_t v) {
 #ifdef __CUDA_ARCH__
     return __popc(v);
@@ -223,14 +214,6 @@ template <> struct unit_traits<dtype::q3_k>    { static constexpr int block = 25
 template <> struct unit_traits<dtype::q4_k>    { static constexpr int block = 256, bytes = 144, align = 4; };
 template <> struct unit_traits<dtype::q5_k>    { static constexpr int block = 256, bytes = 176, align = 4; };
 template <> struct unit_traits<dtype::q6_k>    { static constexpr int block = 256, bytes = 210, align = 2; };
-
-// Q3_K scale i (0..15) as a signed value: low 4 bits from byte i (i < 8) or the high nibble of byte
-// i - 8, high 2 bits from byte 8 + i % 4 at bit 2 (i / 4) (ggml's kmask unpacking, one scale).
-__host__ __device__ __forceinline__ int q3_k_scale(const uint8_t *sc, int i) {
-    const int lo = i < 8 ? (sc[i] & 0xF) : (sc[i - 8] >> 4);
-    const int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-    return (lo | (hi << 4)) - 32;
-}
 
 template <>
 __host__ __device__ __forceinline__ void decode32<dtype::q3_k>(const uint8_t *row, int64_t u, float w[32],
