@@ -8,8 +8,9 @@
 // Tolerances: the CPU reference accumulates dot products in double, the GPU GEMVs in f32 (per lane,
 // then a warp tree): relative L2 <= 1e-5 on outputs. The expert GEMVs of iq2_xxs/q2_k/q8_0 quantise
 // their activations to q8 blocks (integer dots): they are held to 1e-5 against the CPU applying the
-// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself). The K-quant
-// experts (q3_k .. q6_k) keep f32 activations: 1e-5 against the f32 reference. Router ids must
+// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself); the K-quant
+// experts (q3_k .. q6_k) likewise, and with set_moe_q8_activations(false) 1e-5 against the f32
+// reference. Router ids must
 // be identical; element-wise HC arithmetic is repeated op for op (HC post: exact given the same inputs).
 #include <gtest/gtest.h>
 
@@ -295,11 +296,15 @@ TEST(CudaDs4Host, Q8UnitDotsMatchDequantisedDot) {
     check_q8_unit_dots<dtype::iq2_xxs>(4096);
     check_q8_unit_dots<dtype::q2_k>(4096);
     check_q8_unit_dots<dtype::q8_0>(4096);
+    check_q8_unit_dots<dtype::q3_k>(4096);
+    check_q8_unit_dots<dtype::q4_k>(4096);
+    check_q8_unit_dots<dtype::q5_k>(4096);
+    check_q8_unit_dots<dtype::q6_k>(4096);
 }
 
 // ds4q::step_q8 / dot_step_q8 (the q8 down kernel's 64-column lane unit) vs the dot of the
 // CPU-dequantised weights with the dequantised q8 activation over the step's columns, in double.
-// The columns of step U are taken from the format description (q2_k: Q2_K block U / 4, half
+// The columns of step U are taken from the format description (q2_k and the K-quants: block U / 4, half
 // (U / 2) % 2, elements 256 b + 128 c + 32 j + 16 (U % 2) + l; the others: 64 U .. 64 U + 64), and
 // every column must belong to exactly one step. K = 4096 + 32 for q8_0: an odd unit count (the last
 // step has one unit).
@@ -320,7 +325,7 @@ void check_q8_step_dots(int64_t K) {
     std::vector<int> hits(static_cast<size_t>(K), 0);
     for (int U = 0; U < steps; ++U) {
         std::vector<int64_t> cols;
-        if (T == dtype::q2_k) {
+        if (T == dtype::q2_k || cuda::ds4q::is_kquant<T>()) {  // the K-quants share Q2_K's unit
             const int64_t b = U / 4, c = (U / 2) % 2, h = U % 2;
             for (int64_t j = 0; j < 4; ++j)
                 for (int64_t l = 0; l < 16; ++l) cols.push_back(256 * b + 128 * c + 32 * j + 16 * h + l);
@@ -347,6 +352,10 @@ TEST(CudaDs4Host, Q8StepDotsMatchDequantisedDot) {
     check_q8_step_dots<dtype::q2_k>(4096);
     check_q8_step_dots<dtype::iq2_xxs>(4096);
     check_q8_step_dots<dtype::q8_0>(4096 + 32);
+    check_q8_step_dots<dtype::q3_k>(4096);
+    check_q8_step_dots<dtype::q4_k>(4096);
+    check_q8_step_dots<dtype::q5_k>(4096);
+    check_q8_step_dots<dtype::q6_k>(4096);
 }
 
 // The header's q8 quantiser (the rule the device staging implements) vs the test's, and the IQ2_XXS
@@ -545,14 +554,15 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
                         {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false, 16, 6},
                         {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true, 16, 6},
                         {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24},
-                        // K-quants (f32 activations): routed + shared in one launch (q4_k / q4_k,
-                        // q6_k / q8_0) and in separate launches (mixed pairs), every type as routed
-                        // gate/up, routed down and shared expert, learned and hash routing, k = 24 of 32
-                        {dtype::q4_k, dtype::q4_k, dtype::q4_k, false, false, 16, 6},
-                        {dtype::q4_k, dtype::q6_k, dtype::q8_0, true, false, 16, 6},
-                        {dtype::q3_k, dtype::q5_k, dtype::q6_k, false, false, 16, 6},
-                        {dtype::q6_k, dtype::q3_k, dtype::q4_k, true, false, 16, 6},
-                        {dtype::q5_k, dtype::q6_k, dtype::q3_k, false, false, 32, 24}};
+                        // K-quants (q8 activations, integer dots): routed + shared in one launch
+                        // (q4_k / q4_k, q6_k / q8_0) and in separate launches (mixed pairs), every type
+                        // as routed gate/up, routed down and shared expert, learned and hash routing,
+                        // k = 24 of 32
+                        {dtype::q4_k, dtype::q4_k, dtype::q4_k, false, true, 16, 6},
+                        {dtype::q4_k, dtype::q6_k, dtype::q8_0, true, true, 16, 6},
+                        {dtype::q3_k, dtype::q5_k, dtype::q6_k, false, true, 16, 6},
+                        {dtype::q6_k, dtype::q3_k, dtype::q4_k, true, true, 16, 6},
+                        {dtype::q5_k, dtype::q6_k, dtype::q3_k, false, true, 32, 24}};
     const int64_t D = 1024, F = 512;
     for (const cfg &c : cfgs) {
         const int E = c.E, k = c.k;
@@ -738,86 +748,103 @@ TEST_F(CudaDs4Moe, Q8DownOddShapesAccumulate) {
     }
 }
 
-// The K-quant expert GEMVs (f32 activations) at awkward shapes, each half against the CPU's
-// dequantised rows dotted with the same f32 activations in double (<= 1e-5: f32 accumulation only).
-// gate/up: F = 333 rows (not a multiple of the 8-warp blocks), 40 routed slots over 5 experts
-// (repeated ids; 40 * 333 tasks, several grid-stride rounds), then the shared expert as its own
-// launch (h row 40, no routing weight, its own clamp); the h row after it must keep its poison.
-// down: D = 333 rows (the last block partly empty), F = 768 (3 K-quant blocks per row: lanes take
-// 24 units, a partial last round), 7 routed slots (expert 1 three times) accumulated onto a given y,
-// then the shared expert of another K-quant type (a separate launch); y[D] must keep its poison.
+// The K-quant expert GEMVs at awkward shapes, in both activation modes (q8 blocks + integer dots,
+// the default; f32 with set_moe_q8_activations(false)), each half against the CPU's dequantised rows
+// dotted in double with the same activations (q8: quantised per block of 32 as the kernels do;
+// f32: as given): <= 1e-5, f32 accumulation only.
+// gate/up: F = 333 rows (not a multiple of the routed pairs or the 8-warp blocks), 40 routed slots
+// over 5 experts (repeated ids; 40 * 333 rows, several grid-stride rounds), then the shared expert of
+// another K-quant as its own launch (h row 40, no routing weight, its own clamp); the h row after it
+// must keep its poison. down: D = 333 rows (the last block partly empty), F = 768 (3 K-quant blocks
+// per row: 12 64-column steps, 24 units), 7 routed slots (expert 1 three times) accumulated onto a
+// given y, then the shared expert; y[D] must keep its poison.
 TEST_F(CudaDs4Moe, KquantGemvsOddShapesMatchCpu) {
     struct cfg {
         dtype t, tsh;
     };
     const cfg cfgs[] = {{dtype::q3_k, dtype::q6_k}, {dtype::q4_k, dtype::q5_k}, {dtype::q5_k, dtype::q4_k},
                         {dtype::q6_k, dtype::q3_k}};
+    struct q8_scope {  // the process-wide switch is restored even when a check throws
+        ~q8_scope() { cd::set_moe_q8_activations(true); }
+    } restore;
     const int E = 5;
-    for (const cfg &c : cfgs) {
-        SCOPED_TRACE(std::string(dtype_name(c.t)) + " routed, " + std::string(dtype_name(c.tsh)) + " shared");
-        {  // gate/up
-            const int64_t D = 512, F = 333;
-            const int n_slot = 40;
-            const float sd = 1.0f / std::sqrt(static_cast<float>(D));
-            const auto g = quant_rows(c.t, D, F * E, rng_, sd), u = quant_rows(c.t, D, F * E, rng_, sd);
-            const auto gs = quant_rows(c.tsh, D, F, rng_, sd), us = quant_rows(c.tsh, D, F, rng_, sd);
-            std::vector<int32_t> ids(static_cast<size_t>(n_slot));
-            for (auto &e : ids) e = static_cast<int32_t>(rng_() % E);
-            const auto wts = randn(static_cast<size_t>(n_slot), rng_, 0.5f);
-            const auto x = randn(static_cast<size_t>(D), rng_);
-            float *h_d = poisoned(static_cast<size_t>((n_slot + 2) * F)), *x_d = up(x);
-            cd::launch_moe_gate_up(dev_bank(c.t, g, F, D, E), dev_bank(c.t, u, F, D, E), up(ids), up(wts), n_slot, 0, x_d,
-                                   1.0f, h_d, err_, s_);
-            cd::launch_moe_gate_up(dev_bank(c.tsh, gs, F, D, 1), dev_bank(c.tsh, us, F, D, 1), nullptr, nullptr, 1, n_slot,
-                                   x_d, 1.25f, h_d, err_, s_);
-            const auto h = down(h_d, static_cast<size_t>((n_slot + 2) * F));
-            EXPECT_EQ(take_err(), 0u);
-            const std::vector<double> xd(x.begin(), x.end());
-            std::vector<float> ref;
-            for (int s = 0; s <= n_slot; ++s) {
-                const bool sh = s == n_slot;
-                const int e = sh ? 0 : ids[static_cast<size_t>(s)];
-                const auto gv = ref_gemv(sh ? c.tsh : c.t, sh ? gs : g, F, D, e, xd);
-                const auto uv = ref_gemv(sh ? c.tsh : c.t, sh ? us : u, F, D, e, xd);
-                std::vector<float> gf(gv.begin(), gv.end()), uf(uv.begin(), uv.end());
-                ds4::swiglu_clamped(gf.data(), uf.data(), F, sh ? 1.25f : 1.0f);
-                for (auto &v : gf) ref.push_back(sh ? v : v * wts[static_cast<size_t>(s)]);
+    for (const bool q8 : {true, false}) {
+        cd::set_moe_q8_activations(q8);
+        auto acts = [&](const float *v, int64_t n) {
+            return q8 ? q8_dequantised(v, n) : std::vector<double>(v, v + n);
+        };
+        for (const cfg &c : cfgs) {
+            SCOPED_TRACE(std::string(dtype_name(c.t)) + " routed, " + std::string(dtype_name(c.tsh)) + " shared, " +
+                         (q8 ? "q8" : "f32") + " activations");
+            {  // gate/up
+                const int64_t D = 512, F = 333;
+                const int n_slot = 40;
+                const float sd = 1.0f / std::sqrt(static_cast<float>(D));
+                const auto g = quant_rows(c.t, D, F * E, rng_, sd), u = quant_rows(c.t, D, F * E, rng_, sd);
+                const auto gs = quant_rows(c.tsh, D, F, rng_, sd), us = quant_rows(c.tsh, D, F, rng_, sd);
+                std::vector<int32_t> ids(static_cast<size_t>(n_slot));
+                for (auto &e : ids) e = static_cast<int32_t>(rng_() % E);
+                const auto wts = randn(static_cast<size_t>(n_slot), rng_, 0.5f);
+                auto x = randn(static_cast<size_t>(D), rng_);
+                std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // an all-zero q8 block (d = 0)
+                float *h_d = poisoned(static_cast<size_t>((n_slot + 2) * F)), *x_d = up(x);
+                cd::launch_moe_gate_up(dev_bank(c.t, g, F, D, E), dev_bank(c.t, u, F, D, E), up(ids), up(wts), n_slot, 0,
+                                       x_d, 1.0f, h_d, err_, s_);
+                cd::launch_moe_gate_up(dev_bank(c.tsh, gs, F, D, 1), dev_bank(c.tsh, us, F, D, 1), nullptr, nullptr, 1,
+                                       n_slot, x_d, 1.25f, h_d, err_, s_);
+                const auto h = down(h_d, static_cast<size_t>((n_slot + 2) * F));
+                EXPECT_EQ(take_err(), 0u);
+                const auto xd = acts(x.data(), D);
+                std::vector<float> ref;
+                for (int s = 0; s <= n_slot; ++s) {
+                    const bool sh = s == n_slot;
+                    const int e = sh ? 0 : ids[static_cast<size_t>(s)];
+                    const auto gv = ref_gemv(sh ? c.tsh : c.t, sh ? gs : g, F, D, e, xd);
+                    const auto uv = ref_gemv(sh ? c.tsh : c.t, sh ? us : u, F, D, e, xd);
+                    std::vector<float> gf(gv.begin(), gv.end()), uf(uv.begin(), uv.end());
+                    ds4::swiglu_clamped(gf.data(), uf.data(), F, sh ? 1.25f : 1.0f);
+                    for (auto &v : gf) ref.push_back(sh ? v : v * wts[static_cast<size_t>(s)]);
+                }
+                const double eh = rel_l2(h.data(), ref.data(), ref.size());
+                EXPECT_LE(eh, 1e-5);
+                for (int64_t r = 0; r < F; ++r)
+                    ASSERT_TRUE(std::isnan(h[static_cast<size_t>((n_slot + 1) * F + r)])) << r;
+                std::printf("  k-quant gate/up %s (+ %s shared), %s activations, F = %lld, %d slots: rel L2 %.3g\n",
+                            dtype_name(c.t).data(), dtype_name(c.tsh).data(), q8 ? "q8" : "f32",
+                            static_cast<long long>(F), n_slot, eh);
             }
-            const double eh = rel_l2(h.data(), ref.data(), ref.size());
-            EXPECT_LE(eh, 1e-5);
-            for (int64_t r = 0; r < F; ++r) ASSERT_TRUE(std::isnan(h[static_cast<size_t>((n_slot + 1) * F + r)])) << r;
-            std::printf("  k-quant gate/up %s (+ %s shared), F = %lld, %d slots: rel L2 %.3g\n",
-                        dtype_name(c.t).data(), dtype_name(c.tsh).data(), static_cast<long long>(F), n_slot, eh);
-        }
-        {  // down
-            const int64_t D = 333, F = 768;
-            const int n_slot = 7;
-            const float sd = 1.0f / std::sqrt(static_cast<float>(F));
-            const auto dn = quant_rows(c.t, F, D * E, rng_, sd), dsh = quant_rows(c.tsh, F, D, rng_, sd);
-            const std::vector<int32_t> ids = {1, 3, 0, 1, 4, 2, 1};
-            const auto h = randn(static_cast<size_t>((n_slot + 1) * F), rng_);
-            const auto y0 = randn(static_cast<size_t>(D), rng_);
-            std::vector<float> yin(y0);
-            yin.push_back(std::nanf(""));
-            float *y_d = up(yin), *h_d = up(h);
-            cd::launch_moe_down(dev_bank(c.t, dn, D, F, E), up(ids), n_slot, 0, h_d, true, y_d, err_, s_);
-            cd::launch_moe_down(dev_bank(c.tsh, dsh, D, F, 1), nullptr, 1, n_slot, h_d, true, y_d, err_, s_);
-            const auto y = down(y_d, static_cast<size_t>(D + 1));
-            EXPECT_EQ(take_err(), 0u);
-            std::vector<double> ref(y0.begin(), y0.end());
-            for (int s = 0; s <= n_slot; ++s) {
-                const std::vector<double> hd(h.begin() + s * F, h.begin() + (s + 1) * F);
-                const auto part = s < n_slot ? ref_gemv(c.t, dn, D, F, ids[static_cast<size_t>(s)], hd)
-                                             : ref_gemv(c.tsh, dsh, D, F, 0, hd);
-                for (int64_t r = 0; r < D; ++r) ref[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+            {  // down
+                const int64_t D = 333, F = 768;
+                const int n_slot = 7;
+                const float sd = 1.0f / std::sqrt(static_cast<float>(F));
+                const auto dn = quant_rows(c.t, F, D * E, rng_, sd), dsh = quant_rows(c.tsh, F, D, rng_, sd);
+                const std::vector<int32_t> ids = {1, 3, 0, 1, 4, 2, 1};
+                auto h = randn(static_cast<size_t>((n_slot + 1) * F), rng_);
+                for (int s = 0; s <= n_slot; ++s) std::fill_n(h.begin() + s * F + 64 * s, 32, 0.0f);  // d = 0 blocks
+                const auto y0 = randn(static_cast<size_t>(D), rng_);
+                std::vector<float> yin(y0);
+                yin.push_back(std::nanf(""));
+                float *y_d = up(yin), *h_d = up(h);
+                cd::launch_moe_down(dev_bank(c.t, dn, D, F, E), up(ids), n_slot, 0, h_d, true, y_d, err_, s_);
+                cd::launch_moe_down(dev_bank(c.tsh, dsh, D, F, 1), nullptr, 1, n_slot, h_d, true, y_d, err_, s_);
+                const auto y = down(y_d, static_cast<size_t>(D + 1));
+                EXPECT_EQ(take_err(), 0u);
+                std::vector<double> ref(y0.begin(), y0.end());
+                for (int s = 0; s <= n_slot; ++s) {
+                    const auto hd = acts(h.data() + s * F, F);
+                    const auto part = s < n_slot ? ref_gemv(c.t, dn, D, F, ids[static_cast<size_t>(s)], hd)
+                                                 : ref_gemv(c.tsh, dsh, D, F, 0, hd);
+                    for (int64_t r = 0; r < D; ++r) ref[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+                }
+                const std::vector<float> reff(ref.begin(), ref.end());
+                const double ey = rel_l2(y.data(), reff.data(), static_cast<size_t>(D));
+                EXPECT_LE(ey, 1e-5);
+                EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
+                std::printf("  k-quant down %s (+ %s shared), %s activations, D = %lld, F = %lld, %d slots, "
+                            "accumulate: rel L2 %.3g\n",
+                            dtype_name(c.t).data(), dtype_name(c.tsh).data(), q8 ? "q8" : "f32",
+                            static_cast<long long>(D), static_cast<long long>(F), n_slot, ey);
             }
-            const std::vector<float> reff(ref.begin(), ref.end());
-            const double ey = rel_l2(y.data(), reff.data(), static_cast<size_t>(D));
-            EXPECT_LE(ey, 1e-5);
-            EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
-            std::printf("  k-quant down %s (+ %s shared), D = %lld, F = %lld, %d slots, accumulate: rel L2 %.3g\n",
-                        dtype_name(c.t).data(), dtype_name(c.tsh).data(), static_cast<long long>(D),
-                        static_cast<long long>(F), n_slot, ey);
         }
     }
 }

@@ -23,6 +23,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_model.h"
 #include "core/error.h"
 #include "ds4/golden_util.h"
@@ -187,12 +188,14 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
 // expert and embedding, Q5_K down, Q6_K head). Before K-quant experts had kernels, cuda_upload refused
 // these files (and Q3_K dense weights had no GEMV). Checked against the CPU reference forward over 200
 // positions:
-//  - with every decode product on f32 activations (the K-quant MoE always; the dense q8_0 GEMVs
-//    switched to their f32-activation kernel), qat off, f32 KV and the exact indexer, token-serial
+//  - with every decode product on f32 activations (set_moe_q8_activations(false) and
+//    set_gemv_q8_activations(false): the MoE and the dense q8_0 GEMVs switched to their
+//    f32-activation kernels), qat off, f32 KV and the exact indexer, token-serial
 //    decode equals the reference to f32 rounding: median rel L2 <= 1e-5, worst <= 1e-3 (room for a
 //    near-tie indexer selection decided the other way by an f32 difference; f32 activations gave a
 //    worst of 7.3e-07 on the q2 mix). A wrong K-quant element, scale or row shows as O(1e-2) or more.
-//  - in the default configuration (q8 dense activations, qat full, f16 KV), token-serial and in
+//  - in the default configuration (q8 activations with integer dots in the MoE and the q8_0
+//    GEMVs, qat full, f16 KV), token-serial and in
 //    chunks of 64 (the prefill MoE dequantises the K-quant experts for bf16 GEMMs): within twice the
 //    CPU quantised path's own error, as QuantisedMatchesCpuReferenceEveryQatAndKv judges the q2 mix.
 TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
@@ -222,10 +225,16 @@ TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
         {  // f32 activations throughout: the reference to f32 rounding
             const auto ref = cpu_logits(*m, ds4::qat_mode::off, kv_precision::f32, toks);
             auto w = upload(*m, ds4::qat_mode::off, kv_precision::f32, true);
-            struct f32_gemv_scope {  // the process-wide switch is restored even when eval throws
-                f32_gemv_scope() { cuda::ds4::set_gemv_q8_activations(false); }
-                ~f32_gemv_scope() { cuda::ds4::set_gemv_q8_activations(true); }
-            } f32_gemvs;
+            struct f32_scope {  // the process-wide switches are restored even when eval throws
+                f32_scope() {
+                    cuda::ds4::set_gemv_q8_activations(false);
+                    cuda::ds4::set_moe_q8_activations(false);
+                }
+                ~f32_scope() {
+                    cuda::ds4::set_gemv_q8_activations(true);
+                    cuda::ds4::set_moe_q8_activations(true);
+                }
+            } f32_products;
             ds4::cuda_sequence seq(w, static_cast<int64_t>(n), true, 0);
             std::vector<float> got(n * V, std::nanf(""));
             seq.eval(toks, got);

@@ -7,7 +7,8 @@
 // contiguous stretch of the row); the activation vector (x, or the h rows) is staged in shared memory
 // once per block. Each lane first issues the loads of several units, then computes their dots.
 // Two activation paths, chosen per launch from the weight types:
-//   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix): the activation is quantised while staged, per block of
+//   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix; the K-quants q3_k .. q6_k of the q4 / Q4_K_M files): the
+//      activation is quantised while staged, per block of
 //      32 as ggml's q8_1 (d = amax / 127, int8), and the dots are integer (__dp4a of the weight
 //      codes with the int8 activations, llama.cpp mmvq style; ds4q::dot_q8x), scaled per run or unit
 //      in f32. Results carry the activations' q8 rounding, as the CPU's quantised matmuls
@@ -27,9 +28,9 @@
 //      kernels above's per-row arithmetic on them: bit-identical results (see their comments). The
 //      routed iq2_xxs rows read their slab with 32-bit shared addresses at lane-constant offsets
 //      (gate_up_iq2_staged: 13 % fewer instructions than the generic loads, gate/up 29.4 -> 26.4 us).
-//   f32 (f32, f16, mxfp4, the K-quants q3_k .. q6_k, or any mix with them): padded f32 staging (pidx)
-//      and FMA dots (ds4q::unit_dot::dot: each 32-weight unit decoded to f32 bit-identically to the
-//      CPU's dequantisation, then dotted); gate/up one row per warp task (moe_gate_up_f32_kernel), down
+//   f32 (f32, f16, mxfp4, or any mix with them): padded f32 staging (pidx) and FMA dots
+//      (ds4q::unit_dot::dot: each 32-weight unit decoded to f32 bit-identically to the CPU's
+//      dequantisation, then dotted); gate/up one row per warp task (moe_gate_up_f32_kernel), down
 //      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round. Results
 //      equal the CPU reference (dequantised rows x f32 activations) to f32 rounding.
 // Every block quantises the same inputs with the same exact operations, so all get the same bits;
@@ -144,17 +145,22 @@ template <dtype T> constexpr int units_in_flight() {
 }
 
 // Kernels whose routed and shared types both have integer dots (iq2_xxs, q2_k, q8_0: the DS4 q2
-// mix) stage the activation quantised to q8 blocks (ds4q::q8_blk) and dot with __dp4a; the others
-// (f32, f16, mxfp4, or a mix with one of them) stage it in f32 and dot with FMAs.
+// mix; the K-quants) stage the activation quantised to q8 blocks (ds4q::q8_blk) and dot with __dp4a;
+// the others (f32, f16, mxfp4, or a mix with one of them) stage it in f32 and dot with FMAs, as every
+// pair does while set_moe_q8_activations(false) (q8_flag).
 template <dtype TR, dtype TS> constexpr bool use_q8() {
     return ds4q::has_q8_dot<TR>() && ds4q::has_q8_dot<TS>();
+}
+std::atomic<bool> &q8_flag() {
+    static std::atomic<bool> f{true};
+    return f;
 }
 bool use_q8_rt(dtype tr, dtype ts) {
     bool q8 = false;
     ds4q::dispatch_expert_type(tr, [&]<dtype TR>() {
         ds4q::dispatch_expert_type(ts, [&]<dtype TS>() { q8 = use_q8<TR, TS>(); });
     });
-    return q8;
+    return q8 && q8_flag().load();
 }
 
 // The IQ2_XXS grid in shared memory (random 8-byte lookups) when either type needs it. No barrier
@@ -320,7 +326,7 @@ __device__ __forceinline__ float swiglu_clamped(float g, float v, float c) {
     return gc / (1.0f + expf(-gc)) * vc;
 }
 
-// ---- gate/up, f32 activations (f32, f16, mxfp4, K-quant weights) -------------------------------------
+// ---- gate/up, f32 activations (f32, f16, mxfp4 weights) ----------------------------------------------
 
 // Per-lane partial dots of one gate row and one up row with the staged x: lane owns units
 // lane + 32 k; each round issues the loads of units_in_flight units of both rows, then decodes.
@@ -402,7 +408,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_f32_kernel(gate_up
     }
 }
 
-// ---- gate/up, q8 activations (iq2_xxs, q2_k, q8_0 weights) -------------------------------------------
+// ---- gate/up, q8 activations (iq2_xxs, q2_k, q8_0, K-quant weights) ----------------------------------
 // x is quantised once per block into shared memory (5 KB at D = 4096). A routed task is kRoutedRows
 // consecutive rows of one expert's gate and up (4 weight rows): each x unit is read from shared
 // memory once and dotted with all four. A shared-expert task is one row (gate + up): q8_0 rows are
@@ -415,11 +421,19 @@ constexpr int kRoutedRows = 2;
 
 // Units per row whose loads a lane issues before any arithmetic, for tasks of R rows of type T: the
 // largest power of two (1, 2 or 4) whose raw loaded words fit in ~48 registers (iq2_xxs 4 per
-// unit: f16 d + the 3 words ld8_a2 reads; q2_k 8 with its unpacked fields; q8_0 10). With 64 the
-// kernel needed more than the 128 registers two blocks per SM allow and spilled. The rest of a
-// row's units are in L2 by then (the task's rows were prefetched).
+// unit: f16 d + the 3 words ld8_a2 reads; q2_k 8 with its unpacked fields; q8_0 10; the K-quants
+// their unit_dot fields: q3_k 7, q6_k 9, q4_k 10, q5_k 12). With 64 the kernel needed more than the
+// 128 registers two blocks per SM allow and spilled. The rest of a row's units are in L2 by then (the
+// task's rows were prefetched).
 template <dtype T> constexpr int unit_regs() {
-    return T == dtype::iq2_xxs ? 4 : (T == dtype::q2_k ? 8 : 10);
+    switch (T) {
+        case dtype::iq2_xxs: return 4;
+        case dtype::q3_k: return 7;
+        case dtype::q2_k: return 8;
+        case dtype::q6_k: return 9;
+        case dtype::q5_k: return 12;
+        default: return 10;  // q8_0, q4_k
+    }
 }
 template <dtype T, int R> constexpr int q8_units_in_flight() {
     constexpr int n = 48 / (unit_regs<T>() * 2 * R);
@@ -880,7 +894,7 @@ __device__ __forceinline__ void down_check_ids(const down_args &a) {
     }
 }
 
-// f32 activations (f32, f16, mxfp4, K-quant weights or a mix with them). A block owns kWarps * kDownRows
+// f32 activations (f32, f16, mxfp4 weights or a mix with them). A block owns kWarps * kDownRows
 // rows (warp w: rows w, w + kWarps, ...). Every h row it needs (all routed slots, then the shared
 // expert's) is staged once, side by side, in padded f32; a lane then issues the loads of one unit of
 // up to kDownSlots experts (+ the shared expert) before decoding any. Per-lane sums run over units,
@@ -953,7 +967,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_f32_kernel(down_args 
 // (F = 2048: 32 steps) every lane does exactly one step per row pair. Per-lane sums run over steps,
 // then routed slots in order, then the shared expert; one warp tree per row (deterministic).
 // Routed slots per load round (x kDownRows rows), by type: q2_k 3 (42 loaded words; the DS4 mix with
-// the q8_0 shared expert fits 128 registers without spills), iq2_xxs 2, q8_0 1 (20 words per row).
+// the q8_0 shared expert fits 128 registers without spills), iq2_xxs 2, q8_0 and the K-quants 1 (two
+// units of 7-12 words per row).
 template <dtype T> constexpr int down_group() {
     return T == dtype::q2_k ? 3 : (T == dtype::iq2_xxs ? 2 : 1);
 }
@@ -1382,18 +1397,17 @@ bool try_gate_up_staged(const gate_up_args &a, bool pdl, cudaStream_t s) {
 // pdl: only for the q8 kernel right after the route kernel (launch_moe_ffn; see the kernel).
 template <dtype TR, dtype TS>
 void run_gate_up(const gate_up_args &a, size_t smem, bool pdl, cudaStream_t s) {
-    constexpr bool q8 = use_q8<TR, TS>();
-    if constexpr (q8)
-        if (staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
-    void (*kernel)(gate_up_args);
-    int64_t tasks;
-    if constexpr (q8) {
-        kernel = moe_gate_up_q8_kernel<TR, TS>;
-        tasks = (a.gs.data ? a.g.rows : 0) + static_cast<int64_t>(a.n_slot) * gu_q8_pairs(a.g.rows);
-    } else {
-        kernel = moe_gate_up_f32_kernel<TR, TS>;
-        tasks = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * a.g.rows;
-    }
+    bool q8 = false;  // = use_q8_rt (the caller sized smem with it)
+    if constexpr (use_q8<TR, TS>()) q8 = q8_flag().load();
+    if constexpr (use_q8<TR, TS>())
+        if (q8 && staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
+    void (*kernel)(gate_up_args) = moe_gate_up_f32_kernel<TR, TS>;
+    int64_t tasks = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * a.g.rows;
+    if constexpr (use_q8<TR, TS>())
+        if (q8) {
+            kernel = moe_gate_up_q8_kernel<TR, TS>;
+            tasks = (a.gs.data ? a.g.rows : 0) + static_cast<int64_t>(a.n_slot) * gu_q8_pairs(a.g.rows);
+        }
     if (tasks >= (int64_t{1} << 31)) throw error("cuda ds4 moe: too many gate/up rows for one launch");
     const device_info di = current_device();
     int per_sm = 0;
@@ -1465,10 +1479,14 @@ constexpr void (*down_kernel())(down_args) {
 
 template <dtype TR, dtype TS>
 void run_down(const down_args &a, size_t smem, bool pdl, cudaStream_t s) {
+    bool q8 = false;  // = use_q8_rt (the caller sized smem with it)
+    if constexpr (use_q8<TR, TS>()) q8 = q8_flag().load();
     if constexpr (use_q8<TR, TS>())
-        if (staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
-    constexpr void (*kernel)(down_args) = down_kernel<TR, TS>();
-    if (!smem_opt_in<kernel>(smem))
+        if (q8 && staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
+    constexpr void (*kq8)(down_args) = down_kernel<TR, TS>();
+    constexpr void (*kf32)(down_args) = moe_down_f32_kernel<TR, TS>;
+    void (*kernel)(down_args) = q8 ? kq8 : kf32;
+    if (!(q8 ? smem_opt_in<kq8>(smem) : smem_opt_in<kf32>(smem)))
         throw error("cuda ds4 moe: the down kernel's " + std::to_string(smem) +
                     " bytes of shared memory exceed the device's limit");
     const int64_t per_block = kWarps * kDownRows;
@@ -1537,6 +1555,10 @@ void route_launch(const float *logits, int E, const float *bias, const int32_t *
 
 bool expert_type_supported(dtype t) {
     return ds4q::dispatch_expert_type(t, nothing_fn{});
+}
+
+void set_moe_q8_activations(bool on) {
+    q8_flag().store(on);
 }
 
 void set_moe_staged(int mode) {
