@@ -1395,10 +1395,9 @@ bool try_gate_up_staged(const gate_up_args &a, bool pdl, cudaStream_t s) {
 // number of grid-stride tasks (rounds = ceil(tasks / resident warps); the last round is not left
 // half empty).
 // pdl: only for the q8 kernel right after the route kernel (launch_moe_ffn; see the kernel).
+// q8: use_q8_rt of the pair, read once by the caller, which sized smem with it.
 template <dtype TR, dtype TS>
-void run_gate_up(const gate_up_args &a, size_t smem, bool pdl, cudaStream_t s) {
-    bool q8 = false;  // = use_q8_rt (the caller sized smem with it)
-    if constexpr (use_q8<TR, TS>()) q8 = q8_flag().load();
+void run_gate_up(const gate_up_args &a, bool q8, size_t smem, bool pdl, cudaStream_t s) {
     if constexpr (use_q8<TR, TS>())
         if (q8 && staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
     void (*kernel)(gate_up_args) = moe_gate_up_f32_kernel<TR, TS>;
@@ -1439,11 +1438,12 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
             us->cols != gate.cols)
             throw error("cuda ds4 moe: shared gate/up differ from the routed shape or from each other");
     }
-    const size_t smem = staged_bytes(gate.cols, use_q8_rt(gate.type, gs ? gs->type : gate.type));
+    const bool q8 = use_q8_rt(gate.type, gs ? gs->type : gate.type);
+    const size_t smem = staged_bytes(gate.cols, q8);
     gate_up_args a{to_dev(gate), to_dev(up), gs ? to_dev(*gs) : bank_dev{}, gs ? to_dev(*us) : bank_dev{}, ids, w,
                    n_slot, s0, x, clamp, clamp_sh, h, err};
     const bool fused = dispatch_pair(gate.type, gs ? gs->type : gate.type,
-                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, smem, pdl, s); });
+                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, q8, smem, pdl, s); });
     if (!fused) {  // shared expert of another type: two launches
         gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, false, s);
         gate_up_launch(*gs, *us, nullptr, nullptr, nullptr, nullptr, 1, s0 + n_slot, x, clamp_sh, clamp_sh, h, err,
@@ -1477,10 +1477,9 @@ constexpr void (*down_kernel())(down_args) {
     else return moe_down_f32_kernel<TR, TS>;
 }
 
+// q8: use_q8_rt of the pair, read once by the caller, which sized smem with it.
 template <dtype TR, dtype TS>
-void run_down(const down_args &a, size_t smem, bool pdl, cudaStream_t s) {
-    bool q8 = false;  // = use_q8_rt (the caller sized smem with it)
-    if constexpr (use_q8<TR, TS>()) q8 = q8_flag().load();
+void run_down(const down_args &a, bool q8, size_t smem, bool pdl, cudaStream_t s) {
     if constexpr (use_q8<TR, TS>())
         if (q8 && staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
     constexpr void (*kq8)(down_args) = down_kernel<TR, TS>();
@@ -1511,10 +1510,11 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
             throw error("cuda ds4 moe: shared down differs from the routed shape");
     }
     const device_info di = current_device();
-    // staged bytes per h row of a launch pairing the routed type with `ts`
-    auto per_row = [&](dtype ts) { return staged_bytes(down.cols, use_q8_rt(down.type, ts)); };
+    // staged bytes per h row of a launch pairing the routed type with `ts` (q8: the activation form)
+    const bool q8_sh = dsh && use_q8_rt(down.type, dsh->type), q8_alone = use_q8_rt(down.type, down.type);
+    auto per_row = [&](bool q8) { return staged_bytes(down.cols, q8); };
     bool with_sh = dsh != nullptr && dispatch_pair(down.type, dsh->type, [&]<dtype, dtype>() {}) &&
-                   di.smem_optin / per_row(dsh->type) >= 2;
+                   di.smem_optin / per_row(q8_sh) >= 2;
     if (dsh && !with_sh) {
         // shared expert alone first (as routed expert 0 of a one-expert bank), then accumulate
         down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, pdl, s);
@@ -1522,13 +1522,14 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
     }
     for (int first = 0; first < n_slot;) {
         const dtype ts = with_sh ? dsh->type : down.type;
-        const size_t row_bytes = per_row(ts);
+        const bool q8 = with_sh ? q8_sh : q8_alone;
+        const size_t row_bytes = per_row(q8);
         const int max_rows = static_cast<int>(std::max<size_t>(1, di.smem_optin / row_bytes));
         const int n = std::min(n_slot - first, max_rows - (with_sh ? 1 : 0));
         down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
                     s_sh, h, accumulate, y, err};
         const size_t smem = row_bytes * static_cast<size_t>(n + (with_sh ? 1 : 0));
-        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, pdl, s); });
+        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, q8, smem, pdl, s); });
         accumulate = true;
         with_sh = false;
         first += n;
