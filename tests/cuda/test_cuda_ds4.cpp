@@ -29,8 +29,10 @@
 #include "backend/cpu/iq_tables.h"
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
@@ -165,6 +167,34 @@ void check_units_random_bytes(int64_t K) {
             }
     }
     for (int64_t i = 0; i < K; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << "element " << i;
+}
+
+// The host-side type gates (no device needed): the MoE, the generic dense kernels and the prefill
+// GEMM take the K-quants (a q4 / Q4_K_M file is not refused), with the alignments their decoders
+// need; types without decoders stay refused.
+TEST(CudaDs4Host, KquantTypesAcceptedByEveryPath) {
+    for (dtype t : {dtype::q3_k, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+        SCOPED_TRACE(std::string(dtype_name(t)));
+        EXPECT_TRUE(cd::expert_type_supported(t));
+        EXPECT_EQ(cd::expert_alignment(t), t == dtype::q3_k || t == dtype::q6_k ? 2 : 4);
+        EXPECT_TRUE(cuda::mm_supported(t));
+        alignas(16) static uint8_t rows[4 * 210 * 2 + 16];
+        cd::gemm_weight w;
+        w.type = t;
+        w.p = rows;
+        w.rows = 4;
+        w.cols = 512;
+        w.row_bytes = dtype_row_bytes(t, 512);
+        EXPECT_TRUE(cd::gemm_runner::supported(w));
+        w.cols = 288;  // not whole 256-blocks
+        w.row_bytes = dtype_row_bytes(t, 256) * 2;
+        EXPECT_FALSE(cd::gemm_runner::supported(w));
+    }
+    EXPECT_TRUE(cuda::mm_supported(dtype::q2_k));
+    for (dtype t : {dtype::iq4_xs, dtype::iq3_xxs, dtype::iq2_xs}) {
+        EXPECT_FALSE(cd::expert_type_supported(t)) << dtype_name(t);
+        EXPECT_FALSE(cuda::mm_supported(t)) << dtype_name(t);
+    }
 }
 
 TEST(CudaDs4Host, KquantUnitsOfRandomBytesMatchCpuDequantisation) {
