@@ -1045,7 +1045,9 @@ TEST_F(CudaDs4, BenchExpertGemvBandwidth) {
     };
     const mix_t mixes[] = {{"q2 (iq2_xxs gate/up, q2_k down, q8_0 shared)", dtype::iq2_xxs, dtype::q2_k, dtype::q8_0},
                            {"q2k (q2_k experts, q8_0 shared)", dtype::q2_k, dtype::q2_k, dtype::q8_0},
-                           {"mxfp4 (mxfp4 experts, q8_0 shared)", dtype::mxfp4, dtype::mxfp4, dtype::q8_0}};
+                           {"mxfp4 (mxfp4 experts, q8_0 shared)", dtype::mxfp4, dtype::mxfp4, dtype::q8_0},
+                           {"q4k (q4_k gate/up, q6_k down, q4_k shared)", dtype::q4_k, dtype::q6_k, dtype::q4_k},
+                           {"q3k (q3_k gate/up, q5_k down, q3_k shared)", dtype::q3_k, dtype::q5_k, dtype::q3_k}};
     std::vector<int32_t> ids(static_cast<size_t>(T * k));
     for (int t = 0; t < T; ++t) {
         std::vector<int32_t> p(E);
