@@ -410,7 +410,7 @@ template <> struct unit_dot<dtype::mxfp4> : unit_dot_decoded<dtype::mxfp4> {};
 // ---- K-quant units (layouts in the K-quant section above) ---------------------------------------
 // Common to the four: the unit's block b = u >> 3, half c = (u >> 2) & 1, slice s = u & 3; element of
 // run j, byte i = base + 32 j + i. code(j, k) = the unsigned codes of run j, elements 4 k .. 4 k + 3
-// (byte i = element), scale(j) / min(j) its integer scale / min; weight = (d * scale) * (u - off)
+// (byte i = element), scale(j) / minv(j) its integer scale / min; weight = (d * scale) * (u - off)
 // [- dmin * min].
 template <dtype T> struct kq_traits;
 template <> struct kq_traits<dtype::q3_k> { static constexpr int off = 4, has_min = 0; };
