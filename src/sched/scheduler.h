@@ -75,6 +75,8 @@ struct request {
     bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
     think_control thinking;             // tokens emitted instead of sampled (thinking open / budget close);
                                         // a forced token reports logprob 0 and no alternatives
+    int32_t draft_max = -1;             // speculative decoding for this request: -1 the server's, 0 off,
+                                        // 1..64 at most this many drafts per step (never above the server's)
 };
 
 struct token_info {
@@ -97,6 +99,8 @@ struct event {
     int64_t n_prompt = 0;             // prompt tokens
     int64_t n_reused = 0;             // prompt tokens reused from the slot's session (not evaluated)
     int64_t n_generated = 0;          // sampled tokens, end-of-generation token excluded
+    int64_t n_drafted = 0;            // speculative decoding: tokens drafted for this request
+    int64_t n_accepted = 0;           // of those, kept
     double ttft_s = 0.0;              // submit -> first token
     double total_s = 0.0;             // submit -> final
 };
@@ -110,6 +114,9 @@ public:
     bool next(event &ev, std::chrono::milliseconds timeout);
     void cancel() { cancelled_.store(true); }
     bool cancelled() const { return cancelled_.load(); }
+    // Prompt tokens the job's session holds so far (reused + evaluated; 0 while queued), for progress
+    // reports during a long prefill; the prompt's size once the first token is sampled.
+    int64_t n_prefilled() const { return prefilled_.load(); }
     uint64_t id() const { return id_; }
 
 private:
@@ -119,6 +126,7 @@ private:
     request req_;
     std::chrono::steady_clock::time_point t_submit_;
     std::atomic<bool> cancelled_{false};
+    std::atomic<int64_t> prefilled_{0};  // written by the worker (n_prefilled)
     bool kv_waited_ = false;  // worker only: already counted in kv_waits
     std::mutex mu_;
     std::condition_variable cv_;
@@ -224,7 +232,8 @@ private:
     void sample_and_emit(slot &s);
     bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
     void emit(slot &s, sample_result r);
-    void plan_drafts(slot &s);
+    // Drafts for s's next decode; other_rows: the step's other decodes (the drafts' price is marginal).
+    void plan_drafts(slot &s, int32_t other_rows);
     void verify_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
@@ -252,6 +261,7 @@ private:
 
     engine &eng_;
     scheduler_options opts_;
+    spec::verify_cost step_cost_;  // worker: decode steps' cost by row count (speculative widths)
     int n_ctx_ = 0;
     std::vector<std::unique_ptr<slot>> slots_;
     bool paged_ = false;                   // the engine's paged pool is the KV record

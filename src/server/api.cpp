@@ -103,6 +103,18 @@ void parse_sampling(const json &b, gen_request &r, bool openai) {
     if (get_int(b, "prefill_threshold", 1, INT32_MAX, i)) c.threshold = i;
     get_bool(b, "prefill_verbatim_system", c.verbatim_system);
     get_bool(b, "prefill_verbatim_last_user", c.verbatim_last_user);
+    // Speculative decoding override (docs/server.md "Speculative decoding").
+    if (const json *v = field(b, "speculative")) {
+        if (v->is_boolean()) {
+            r.draft_max = v->get<bool>() ? -1 : 0;
+        } else if (v->is_object()) {
+            for (const auto &[k, val] : v->items())
+                if (k != "draft_max") bad_request("'speculative' takes only 'draft_max' (got '" + k + "')", "speculative");
+            if (get_int(*v, "draft_max", 0, 64, i)) r.draft_max = int32_t(i);
+        } else {
+            bad_request("'speculative' must be a boolean or {\"draft_max\": N}", "speculative");
+        }
+    }
 }
 
 void parse_stop(const json &b, const char *key, gen_request &r) {
@@ -262,10 +274,44 @@ void inject_tools(gen_request &r, const tool_format &fmt) {
     }
 }
 
-// Appends a tool result to the conversation: consecutive results share one user turn.
-void push_tool_result(std::vector<chat_message> &msgs, bool &last_was_result, const std::string &text) {
-    if (last_was_result && !msgs.empty()) msgs.back().content += "\n" + text;
-    else msgs.push_back(chat_message{"user", text});
+// Tool-call bookkeeping while a conversation is read: each call id's function name, the call ids of
+// the latest assistant turn with calls (in order), and the results of the open result turn.
+struct call_book {
+    std::map<std::string, std::string> names;
+    std::vector<std::string> order;
+    std::vector<std::pair<size_t, std::string>> run;  // (position of its call in `order`, rendered result)
+    void assistant_calls(const std::vector<tool_call> &calls) {
+        order.clear();
+        for (const auto &c : calls) {
+            names[c.id] = c.name;
+            order.push_back(c.id);
+        }
+    }
+    std::string name_of(const std::string &id, const std::string &fallback) const {
+        const auto it = names.find(id);
+        return it == names.end() ? fallback : it->second;
+    }
+};
+
+// Appends a tool result (of call `id`, rendered) to the conversation: consecutive results share one
+// user turn, joined by the format's separator. A format whose results follow the call order (DSML, as
+// the official encoder's sort_tool_results_by_call_order) gets them stably sorted by the position of
+// their call in the latest assistant turn (an unknown id counts as 0).
+void push_tool_result(std::vector<chat_message> &msgs, bool &last_was_result, call_book &book, const std::string &id,
+                      const std::string &text, const tool_format &fmt) {
+    if (!last_was_result || msgs.empty()) {
+        book.run.clear();
+        msgs.push_back(chat_message{"user", {}});
+    }
+    size_t pos = 0;
+    const auto call = std::find(book.order.begin(), book.order.end(), id);
+    if (fmt.results_in_call_order() && call != book.order.end()) pos = size_t(call - book.order.begin());
+    const auto at = std::upper_bound(book.run.begin(), book.run.end(), pos,
+                                     [](size_t p, const std::pair<size_t, std::string> &e) { return p < e.first; });
+    book.run.insert(at, {pos, text});
+    std::string &content = msgs.back().content;
+    content.clear();
+    for (size_t i = 0; i < book.run.size(); ++i) content += (i ? std::string(fmt.result_separator()) : "") + book.run[i].second;
     last_was_result = true;
 }
 
@@ -292,6 +338,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
             bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format");
     }
     parse_openai_tools(b, r);
+    get_bool(b, "parallel_tool_calls", r.parallel_calls);
     parse_reasoning_effort(b, r);
     parse_thinking(b, r);
     finish_sampling(r);
@@ -299,7 +346,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
     const json *msgs = field(b, "messages");
     if (!msgs) bad_request("'messages' is required", "messages");
     if (!msgs->is_array() || msgs->empty()) bad_request("'messages' must be a non-empty array", "messages");
-    std::map<std::string, std::string> call_names;  // tool_call_id -> function name
+    call_book book;
     bool last_was_result = false;
     for (size_t k = 0; k < msgs->size(); ++k) {
         const json &m = (*msgs)[k];
@@ -328,17 +375,17 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
                     c.name = tc["function"]["name"].get<std::string>();
                     const json &args = tc["function"].value("arguments", json("{}"));
                     c.arguments = args.is_string() ? args.get<std::string>() : args.dump();
-                    call_names[c.id] = c.name;
                     calls.push_back(std::move(c));
                 }
+                book.assistant_calls(calls);
                 content = fmt.render_assistant(content, calls);  // the generated bytes when kept
             }
             r.messages.push_back({"assistant", content});
             last_was_result = false;
         } else if (role == "tool") {
             const std::string id = m.value("tool_call_id", "");
-            const std::string name = call_names.count(id) ? call_names[id] : m.value("name", "");
-            push_tool_result(r.messages, last_was_result, fmt.render_result(name, text));
+            const std::string name = book.name_of(id, m.value("name", ""));
+            push_tool_result(r.messages, last_was_result, book, id, fmt.render_result(name, text), fmt);
         } else {
             bad_request(where + ".role '" + role + "' is not one of system, developer, user, assistant, tool", "messages");
         }
@@ -438,12 +485,14 @@ void parse_anthropic_tools(const json &b, gen_request &r) {
         } else {
             bad_request("'tool_choice.type' must be auto, any, tool or none", "tool_choice");
         }
+        bool disable = false;
+        if (get_bool(*c, "disable_parallel_tool_use", disable)) r.parallel_calls = !disable;
     }
 }
 
 // One Anthropic message (content string or blocks) appended to r.messages.
-void anthropic_message(const json &m, size_t k, const tool_format &fmt, std::map<std::string, std::string> &names,
-                       bool &last_was_result, gen_request &r) {
+void anthropic_message(const json &m, size_t k, const tool_format &fmt, call_book &book, bool &last_was_result,
+                       gen_request &r) {
     const std::string where = "messages[" + std::to_string(k) + "]";
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         bad_request(where + " must be an object with a string 'role'", "messages");
@@ -474,7 +523,6 @@ void anthropic_message(const json &m, size_t k, const tool_format &fmt, std::map
             tc.id = blk.value("id", "");
             tc.name = blk["name"].get<std::string>();
             tc.arguments = blk.value("input", json::object()).dump();
-            names[tc.id] = tc.name;
             calls.push_back(std::move(tc));
         } else if (type == "tool_result" && role == "user") {
             const std::string id = blk.value("tool_use_id", "");
@@ -485,12 +533,13 @@ void anthropic_message(const json &m, size_t k, const tool_format &fmt, std::map
                 text.clear();
                 last_was_result = false;
             }
-            push_tool_result(r.messages, last_was_result, fmt.render_result(names.count(id) ? names[id] : "", body));
+            push_tool_result(r.messages, last_was_result, book, id, fmt.render_result(book.name_of(id, ""), body), fmt);
         } else {
             bad_request(where + ": content block type '" + type + "' is not supported in a " + role + " message",
                         "messages");
         }
     }
+    if (!calls.empty()) book.assistant_calls(calls);
     text = fmt.render_assistant(text, calls);  // the generated bytes when kept (assistant turns only)
     if (!text.empty() || (calls.empty() && !last_was_result)) {
         r.messages.push_back({role, text});
@@ -520,9 +569,9 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
     const json *msgs = field(b, "messages");
     if (!msgs) bad_request("'messages' is required", "messages");
     if (!msgs->is_array() || msgs->empty()) bad_request("'messages' must be a non-empty array", "messages");
-    std::map<std::string, std::string> names;
+    call_book book;
     bool last_was_result = false;
-    for (size_t k = 0; k < msgs->size(); ++k) anthropic_message((*msgs)[k], k, fmt, names, last_was_result, r);
+    for (size_t k = 0; k < msgs->size(); ++k) anthropic_message((*msgs)[k], k, fmt, book, last_was_result, r);
     inject_tools(r, fmt);
     return r;
 }

@@ -63,9 +63,16 @@ struct gen_request {
     std::optional<chat_thinking> thinking;
     int64_t think_budget = -1;
 
+    // Speculative decoding (server --spec): "speculative": false turns it off for this request, true
+    // or absent keeps the server's, {"draft_max": N} caps the drafts per step (0..64; 0 = off).
+    int32_t draft_max = -1;
+
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;
     std::vector<std::string> tool_names;
+    // OpenAI parallel_tool_calls / Anthropic tool_choice.disable_parallel_tool_use (negated): false =
+    // at most one call; generation stops once the first call is complete.
+    bool parallel_calls = true;
     bool tools_active() const { return !tool_names.empty() && choice.kind != tool_choice::none; }
 };
 

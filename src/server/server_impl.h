@@ -65,6 +65,9 @@ struct prepared {
     bool in_reasoning = false;
     think_control think;
     std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
+    // A streamed request whose prompt PFlash will compress: compression (and the context check after
+    // it) runs after the headers are sent, in the stream (stream_run::compress_and_submit).
+    bool defer_compression = false;
 };
 
 // generate.cpp's pipeline, shared with the Responses endpoint (responses.cpp):

@@ -47,7 +47,8 @@ void run_main(const run_args &a) {
     const pflash::drafter_residency residency = pflash::parse_residency(a.drafter_residency);
     const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
     model_args ma = a.model;
-    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
+    spec_args spec = a.spec;
+    apply_spec(ma, spec);  // --spec auto resolved; --spec mtp|dspark: the drafter loads with the model
     auto eng = load_engine(ma);
 
     std::string text = prompt;
@@ -70,7 +71,10 @@ void run_main(const run_args &a) {
         // `run` has one user message: by default it is the text to compress (its question sits in the
         // always-kept tail chunks); --pflash-verbatim-user keeps it whole instead.
         po.verbatim_last_user = a.pflash_verbatim_user;
-        const pflash::result r = pflash::compressor::create(po)->compress(*eng, tokens);
+        pflash::result r;
+        activity_line line("pflash: compressing " + std::to_string(tokens.size()) + " tokens",
+                           a.model.progress || (stderr_is_tty() && tokens.size() > 512));
+        line.run([&] { r = pflash::compressor::create(po)->compress(*eng, tokens); });
         std::fprintf(stderr, "pflash: prompt %lld -> %lld tokens (keep %.3f, %lld/%lld chunks) in %.3f s\n",
                      static_cast<long long>(r.n_original), static_cast<long long>(r.n_effective), a.keep_ratio,
                      static_cast<long long>(r.n_kept_chunks), static_cast<long long>(r.n_chunks), r.total_s);
@@ -80,7 +84,6 @@ void run_main(const run_args &a) {
         tokens = r.tokens;
     }
 
-    spec_args spec = a.spec;
     prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();
     sampler smp(a.sampling);
