@@ -350,17 +350,19 @@ class Ds4Tiny(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.server = Server([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "1", "--ctx",
-                             "4096", "-t", "2", "--alias", "m", "--prefill-chunk", "256"]).__enter__()
+                             "8192", "-t", "2", "--alias", "m", "--prefill-chunk", "256"]).__enter__()
 
     @classmethod
     def tearDownClass(cls):
         cls.server.__exit__()
 
     def test_long_prefill_progress(self):
-        """A ~1800-token prompt (several seconds of prefill here): the first bytes within 1 s, then
-        `: prefill D/T` comments, D at 256-token chunk boundaries and rising, T the prompt's tokens."""
+        """A ~5400-token prompt (seconds of prefill on 2 cores): the first bytes within 1 s, then
+        `: prefill D/T` comments, D at 256-token chunk boundaries and rising, T the prompt's tokens. (The
+        comment timing itself is checked deterministically with a slow fake engine, LongPrefill.* in
+        test_server; a machine fast enough to prefill this in under 1.5 s skips the comment checks.)"""
         import http.client
-        body = json.dumps({"model": "m", "messages": user("lorem ipsum dolor sit amet " * 65), "max_tokens": 1,
+        body = json.dumps({"model": "m", "messages": user("lorem ipsum dolor sit amet " * 195), "max_tokens": 1,
                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
         conn = http.client.HTTPConnection(self.server.url[len("http://"):], timeout=300)
         t0 = time.time()
@@ -375,7 +377,8 @@ class Ds4Tiny(unittest.TestCase):
         comments = [f[1:].strip() for f in frames if f.startswith(":")]
         usage = [json.loads(f[6:]) for f in frames if f.startswith("data: {")][-1]["usage"]
         self.assertLess(t_headers, 1.0)
-        self.assertGreater(total, 1.5, "the prefill was expected to take seconds on ds4-tiny")
+        if total <= 1.5:
+            self.skipTest(f"the prefill took only {total:.2f} s: too fast for a keepalive comment")
         self.assertGreaterEqual(len(comments), 1, raw[:500])
         seen = []
         for c in comments:
