@@ -38,10 +38,14 @@ class verify_cost {
     // t(rows) / t(1) from the fit (>= 1, non-decreasing in rows); before any measurement the prior 1 + 0.25 (rows - 1).
     double ratio(int32_t rows) const;
     int64_t observations() const { return n_; }
+    // No recent forward of one row: the line's intercept rests on extrapolation (a run of wide drafts
+    // cannot tell a row's price from the step's), so a plain step should be measured (draft_budget::next).
+    bool wants_one_row() const { return fixed_ < 0 && w_one_ < 0.3; }
 
   private:
     double fixed_ = -1.0;  // >= 0: the fixed slope (observations ignored)
     double sw_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;  // decayed sums over (x = rows - 1, y = seconds)
+    double w_one_ = 0;  // decayed weight of one-row forwards
     int64_t n_ = 0;
 };
 
@@ -51,7 +55,8 @@ class verify_cost {
 // where a is the running per-draft acceptance (a draft is kept with probability a once its
 // predecessors were; estimated from decayed counts of kept drafts and first rejections, starting near
 // 2/3) and c the verification cost ratio (verify_cost; without one, c(r) = 1: the widest draft that
-// pays at all). When k = 0 wins (the drafts cost more than they return), drafting pauses but probes one
+// pays at all). A single sequence (other_rows 0) whose cost model has no recent one-row forward gets a
+// plain step first (verify_cost::wants_one_row: one in ~60 steps at worst). When k = 0 wins (the drafts cost more than they return), drafting pauses but probes one
 // draft after 1, 3, 7, ... 63 steps (the pause grows with every probe while k = 0 keeps winning; kept
 // probes raise the acceptance estimate until drafting pays again), so an always-wrong or mediocre
 // drafter costs ~1.5 % of plain decoding while a drafter that becomes good is noticed.

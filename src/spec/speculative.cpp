@@ -52,7 +52,7 @@ std::vector<int32_t> ngram_draft(std::span<const int32_t> h, const ngram_options
 namespace {
 constexpr double kCostDecay = 0.98;    // per measured forward: ~50 forwards of memory
 constexpr double kCostPriorSlope = 0.25;  // prior beta / alpha
-constexpr double kCostPriorWeight = 2.0;  // per prior point (they decay with the data)
+constexpr double kCostPriorWeight = 0.5;  // per prior point (they decay with the data)
 constexpr double kAcceptDecay = 0.95;  // per verified step: ~20 steps of memory
 constexpr int32_t kMaxPause = 63;      // steps between probes of an unprofitable drafter
 }  // namespace
@@ -77,6 +77,7 @@ void verify_cost::observe(int32_t rows, double seconds) {
     sy_ *= kCostDecay;
     sxx_ *= kCostDecay;
     sxy_ *= kCostDecay;
+    w_one_ = w_one_ * kCostDecay + (rows == 1 ? 1.0 : 0.0);
     add(x, seconds, 1.0);
     ++n_;
 }
@@ -98,6 +99,7 @@ double verify_cost::ratio(int32_t rows) const {
 
 int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
     if (!adaptive_) return max_;
+    if (cost && other_rows <= 0 && cost->wants_one_row()) return 0;  // measure a plain step first
     const double a = acceptance();
     int32_t best_k = 0;
     double best = 1.0, e = 1.0, p = 1.0;  // E(0) / c(1) = 1
