@@ -97,6 +97,14 @@ struct scheduler::slot {
     std::vector<float> spec_rows;      // [1 + n_drafts, n_vocab] logits of the verification
     size_t n_drafts = 0;               // 0: a plain decode
     std::optional<spec::draft_budget> budget;  // draft lengths (reset per request)
+    // Structured output (request::grammar): the constraint, made at the request's first sample; the
+    // history tokens it has seen (history[0, gc_fed)); whether it applies yet (grammar_after seen),
+    // the text generated before that (searched for grammar_after); the masked logits [n_vocab].
+    std::unique_ptr<grammar::token_constraint> gc;
+    size_t gc_fed = 0;
+    bool gc_live = false;
+    std::string gc_tail;
+    std::vector<float> masked;
 };
 
 static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
@@ -321,6 +329,7 @@ void scheduler::admit_locked() {
         s.saved_upto = best_lcp;
         s.n_drafts = 0;
         s.budget.reset();  // the first decode drafts up to draft_max
+        s.gc.reset();      // structured output: made at the first sample (sample_slot)
         if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
             s.pending_load = std::move(disk);
             s.io_busy = true;
@@ -637,6 +646,11 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
                 return true;
             }
         }
+        if (s.j->req_.grammar && constrain(s, history, row.empty() ? s.sess->logits() : row)) {
+            r.token = greedy_token(p, s.j->req_.want_logprobs, s.masked);
+            if (r.token < 0) r = s.smp->sample(s.masked, history);
+            return true;
+        }
         if (!row.empty()) {
             r.token = greedy_token(p, s.j->req_.want_logprobs, row);
             if (r.token < 0) r = s.smp->sample(row, history);
@@ -649,6 +663,56 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
         finish(s, finish_reason::error, e.what());
         return false;
     }
+    return true;
+}
+
+const std::shared_ptr<const grammar::vocab_index> &scheduler::vocab() {
+    if (!vocab_)
+        vocab_ = std::make_shared<const grammar::vocab_index>(
+            eng_.info().n_vocab, [this](int32_t t) { return eng_.token_to_piece(t); },
+            [this](int32_t t) { return eng_.is_end_of_generation(t); },
+            [this](int32_t t) { return eng_.is_control_token(t); });
+    return vocab_;
+}
+
+// Structured output for slot s about to sample after `history` from `logits`: brings the constraint
+// up to date with the generated tokens it has not seen (history only grows between calls: a
+// verification row's history is the slot's plus the drafts kept so far, and rejected drafts never
+// enter it), then masks the logits into s.masked. false while the constraint does not apply yet
+// (the thinking before grammar_after). Throws when a token does not continue the document (a stop
+// string or a forced token can only end the output, so this is a bug) or no token can.
+bool scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits) {
+    const request &q = s.j->req_;
+    if (!s.gc) {
+        s.gc = std::make_unique<grammar::token_constraint>(q.grammar, vocab());
+        s.gc_fed = q.prompt.size();
+        s.gc_live = q.grammar_after.empty();
+        s.gc_tail.clear();
+    }
+    for (; s.gc_fed < history.size(); ++s.gc_fed) {
+        const int32_t t = history[s.gc_fed];
+        if (s.gc_live) {
+            if (!s.gc->accept(t))
+                throw error("structured output: the generated token " + std::to_string(t) + " does not continue the document");
+            continue;
+        }
+        s.gc_tail += eng_.token_to_piece(t);
+        const size_t at = s.gc_tail.find(q.grammar_after);
+        if (at == std::string::npos) {  // keep what a marker split across tokens needs
+            if (s.gc_tail.size() > 2 * q.grammar_after.size()) s.gc_tail.erase(0, s.gc_tail.size() - q.grammar_after.size());
+            continue;
+        }
+        // The document starts after the marker: what the same token holds after it (whitespace dropped)
+        // is its first bytes.
+        s.gc_live = true;
+        std::string rest = s.gc_tail.substr(at + q.grammar_after.size());
+        rest.erase(0, std::min(rest.size(), rest.find_first_not_of(" \n\t\r")));
+        if (!rest.empty() && !s.gc->accept_bytes(rest))
+            throw error("structured output: the text after the end of the thinking does not start the document");
+    }
+    if (!s.gc_live) return false;
+    s.masked.assign(logits.begin(), logits.end());
+    if (s.gc->apply(s.masked) == 0) throw error("structured output: no token of the vocabulary continues the document");
     return true;
 }
 
@@ -787,6 +851,8 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
             // keeping extra evaluated tokens is harmless (they are real tokens with valid KV)
         }
     }
+    s.gc.reset();
+    s.masked = {};
     if (!s.spec_rows.empty()) {  // up to (1 + draft_max) x n_vocab floats: not kept by an idle slot
         s.spec_rows = {};
         s.spec_prefix = {};

@@ -7,6 +7,8 @@
 #include <map>
 #include <random>
 
+#include "server/structured.h"
+
 namespace fathom::server {
 
 using json = nlohmann::json;
@@ -287,10 +289,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         if (!r.logprobs) bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs");
         r.top_logprobs = int32_t(i);
     }
-    if (const json *rf = field(b, "response_format")) {
-        if (!rf->is_object() || rf->value("type", "") != "text")
-            bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format");
-    }
+    if (const json *rf = field(b, "response_format")) r.grammar = parse_response_format(*rf);
     parse_openai_tools(b, r);
     parse_reasoning_effort(b, r);
     parse_thinking(b, r);
@@ -514,6 +513,7 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
         get_bool(b, "stream", r.stream);
     }
     parse_anthropic_tools(b, r);
+    if (const json *of = field(b, "output_format"); of && !count_only) r.grammar = parse_output_format(*of);
     parse_thinking(b, r);
     finish_sampling(r);
     if (const json *s = field(b, "system")) r.messages.push_back({"system", anthropic_text(*s, "system")});

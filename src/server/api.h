@@ -13,6 +13,7 @@
 
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
+#include "grammar/json_schema.h"
 #include "server/prompt_compression.h"
 #include "server/tool_calls.h"
 
@@ -61,6 +62,10 @@ struct gen_request {
     // checked against the context when the prompt is built).
     std::optional<chat_thinking> thinking;
     int64_t think_budget = -1;
+
+    // Structured output (docs/server.md "Structured output"): OpenAI response_format / Anthropic
+    // output_format, compiled; null = unconstrained. A forced tool call replaces it (generate.cpp).
+    std::shared_ptr<const grammar::json_grammar> grammar;
 
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;

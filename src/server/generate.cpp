@@ -9,6 +9,7 @@
 
 #include "chat/reasoning.h"
 #include "server/server_impl.h"
+#include "server/structured.h"
 
 namespace fathom::server {
 
@@ -118,6 +119,8 @@ void force_call(server_context &ctx, prepared &p) {
                     "tool_choice");
     const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, false);
     p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
+    // The rest of the call is constrained: its arguments follow the tool's schema (structured.h).
+    if (auto g = forced_call_grammar(p.r.tools, p.r.choice, *ctx.fmt)) p.r.grammar = std::move(g);
 }
 
 // Request body -> validated request and prompt tokens. Throws api_error.
@@ -181,6 +184,9 @@ std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
     sr.stop = p.r.stop;
     sr.want_logprobs = p.r.logprobs;
     sr.thinking = p.think;
+    sr.grammar = p.r.grammar;
+    // With the output opening a thinking block, the document starts after its end marker.
+    if (sr.grammar && p.reasoning && (p.in_reasoning || !p.think.open.empty())) sr.grammar_after = chat::k_think_close;
     try {
         return ctx.sch.submit(std::move(sr));
     } catch (const sched::queue_full &e) {
