@@ -42,6 +42,7 @@ import pydantic
 ARGS = None
 SERVER = None  # (process, base_url)
 SPEC = False   # the running server drafts (--spec ngram)
+GREEDY = {}    # schema name -> the plain server's greedy output
 
 STR = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
 
@@ -177,6 +178,39 @@ class Structured(unittest.TestCase):
             self.assertEqual(r.choices[0].finish_reason, "stop")
             self.assertIsInstance(r.choices[0].message.parsed, Contact)
             jsonschema.validate(json.loads(r.choices[0].message.content), Contact.model_json_schema())
+
+    def test_greedy_speculation_same_output(self):
+        # Greedy decoding under a constraint: the --spec server's output equals the plain server's (the
+        # plain run records it), as speculation promises the same tokens.
+        for name in ("person", "items"):
+            text, finish = self.chat(name, 0.0, 1)
+            self.check(text, SCHEMAS[name], finish)
+            if SPEC:
+                self.assertEqual(text, GREEDY[name])
+            else:
+                GREEDY[name] = text
+
+    def test_thinking_then_document(self):
+        if ARGS.tools != "dsml":
+            self.skipTest("thinking mode is DS4's")
+        schema = SCHEMAS["optional"]
+        for stream in (False, True):
+            kw = dict(model="m", messages=ask("a pair"), max_tokens=600, temperature=1.0, seed=4,
+                      response_format=fmt("pair", schema), extra_body={"thinking": {"type": "enabled", "budget_tokens": 12}})
+            if stream:
+                reasoning, text, finish = "", "", None
+                for ch in oai().chat.completions.create(stream=True, **kw):
+                    d = ch.choices[0].delta if ch.choices else None
+                    reasoning += (getattr(d, "reasoning_content", None) or "") if d else ""
+                    text += (d.content or "") if d else ""
+                    if ch.choices and ch.choices[0].finish_reason:
+                        finish = ch.choices[0].finish_reason
+            else:
+                r = oai().chat.completions.create(**kw)
+                m = r.choices[0].message
+                reasoning, text, finish = m.reasoning_content, m.content, r.choices[0].finish_reason
+            self.assertTrue(reasoning)  # the thinking is free text; the document follows it
+            self.check(text, schema, finish)
 
     def test_json_object(self):
         for temperature, seed in ((0.0, 1), (1.0, 5)):
