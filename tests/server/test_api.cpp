@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/api.h"
+#include "server/structured.h"
 
 using namespace fathom::server;
 using json = nlohmann::json;
@@ -97,8 +98,57 @@ TEST(Api, ChatValidationErrors) {
                                              {"content", json::array({{{"type", "image_url"}, {"image_url", "u"}}})}}})}});
         },
         400, "messages", "image_url");
-    expect_error([] { chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "json_object"}}}}); }, 400,
-                 "response_format", "not supported");
+}
+
+// Structured output fields (docs/server.md "Structured output"); the grammars themselves are test_grammar's.
+TEST(Api, ResponseFormat) {
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "text"}}}}).grammar, nullptr);
+    EXPECT_NE(chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "json_object"}}}}).grammar, nullptr);
+    const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}, {"required", {"a"}}};
+    auto r = chat({{"messages", user_msgs("x")},
+                   {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "s_1-x"}, {"schema", schema}, {"strict", true}}}}}});
+    ASSERT_NE(r.grammar, nullptr);
+    auto rf = [](json f) { return [f] { chat({{"messages", user_msgs("x")}, {"response_format", f}}); }; };
+    expect_error(rf({{"type", "xml"}}), 400, "response_format.type", "xml");
+    expect_error(rf("json"), 400, "response_format", "object");
+    expect_error(rf({{"type", "json_schema"}}), 400, "response_format.json_schema", "json_schema");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}}), 400, "response_format.json_schema.name",
+                 "required");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "a b"}, {"schema", schema}}}}), 400,
+                 "response_format.json_schema.name", "a b");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", schema}, {"strict", "yes"}}}}), 400,
+                 "response_format.json_schema.strict", "boolean");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", {{"type", "string"}, {"pattern", "a"}}}}}}),
+                 400, "response_format.json_schema.schema", "'pattern'");
+    expect_error(rf({{"type", "json_schema"},
+                     {"json_schema", {{"name", "n"}, {"schema", {{"properties", {{"x", {{"type", "number"}, {"maximum", 3}}}}}}}}}}),
+                 400, "response_format.json_schema.schema", "/properties/x");
+    // Anthropic output_format.
+    EXPECT_NE(anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")},
+                    {"output_format", {{"type", "json_schema"}, {"schema", schema}}}})
+                  .grammar,
+              nullptr);
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")}, {"output_format", {{"type", "json"}}}}); },
+                 400, "output_format", "json_schema");
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")},
+                             {"output_format", {{"type", "json_schema"}, {"schema", {{"type", "number"}, {"multipleOf", 2}}}}}}); },
+                 400, "output_format.schema", "multipleOf");
+}
+
+TEST(Api, ForcedCallGrammar) {
+    auto fmt = make_tool_format("llama");  // Hermes: JSON arguments
+    const json tools = json::array(
+        {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}, {"properties", {{"x", {{"type", "integer"}}}}}}}}}},
+         {{"type", "function"}, {"function", {{"name", "g"}}}}});
+    tool_choice named{tool_choice::function, "f"}, required{tool_choice::required, ""};
+    EXPECT_NE(forced_call_grammar(tools, named, *fmt), nullptr);
+    EXPECT_NE(forced_call_grammar(tools, required, *fmt), nullptr);
+    json bad = tools;
+    bad[1]["function"]["parameters"] = {{"type", "object"}, {"properties", {{"s", {{"type", "string"}, {"pattern", "a"}}}}}};
+    expect_error([&] { forced_call_grammar(bad, required, *fmt); }, 400, "tools", "tool 'g'");
+    EXPECT_NE(forced_call_grammar(bad, named, *fmt), nullptr);  // only the named tool's schema counts
+    auto dsml = make_tool_format("deepseek4");  // arguments as DSML parameters: not constrained
+    EXPECT_EQ(forced_call_grammar(tools, named, *dsml), nullptr);
 }
 
 TEST(Api, BodyMustBeJsonObject) {
