@@ -749,6 +749,13 @@ public:
     size_t safe_content_prefix(std::string_view text) const override {
         return ds4chat::dsml_safe_content_prefix(text);
     }
+
+    // The official encoder's response_format rendering (docs/ds4-chat-format.md, item 5), appended to
+    // the system message after the tools. Keys arrive sorted, as in system_prompt.
+    std::string response_format_prompt(const nlohmann::json &schema) const override {
+        return "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" +
+               ds4chat::py_json_dumps(nlohmann::ordered_json::parse(schema.dump()));
+    }
 };
 
 }  // namespace

@@ -283,7 +283,9 @@ int32_t compiler::compile_object(const json &s, const std::string &path) {
         const json &a = s["additionalProperties"];
         if (a.is_boolean()) n.additional = a.get<bool>() ? json_grammar::k_any : -1;
         else n.additional = compile(a, path + "/additionalProperties");
-    }
+    } else if (n.props.empty()) {
+        n.additional = json_grammar::k_any;  // {"type": "object"} alone: any object, as the schema says
+    }  // else: the properties listed describe the object; no others are generated
     if (s.contains("required")) {
         const json &req = s["required"];
         if (!req.is_array()) fail("'required' in " + where(path) + " must be an array of strings", "required", path);

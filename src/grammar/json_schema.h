@@ -22,7 +22,8 @@
 // last byte of the document, at most kMaxWhitespace whitespace bytes in a row between tokens,
 // numbers with at most 15 digits before and after the point and a two-digit exponent, no \u escape
 // of a UTF-16 surrogate, object keys outside `props` without escapes, and properties the schema does
-// not list only when additionalProperties says so (absent = none generated). docs/server.md
+// not list only when additionalProperties says so (absent: none when the schema lists properties, any
+// when it lists none). docs/server.md
 // "Structured output" lists the keywords; compile_schema throws schema_error for the rest.
 #pragma once
 #include <nlohmann/json.hpp>

@@ -264,6 +264,16 @@ void inject_tools(gen_request &r, const tool_format &fmt) {
     }
 }
 
+// Describes a json_schema response format in the (first) system message, after the tools, in the
+// formats that have a way to (DS4's encoder does); others leave the prompt as it is.
+void inject_response_format(gen_request &r, const tool_format &fmt) {
+    if (r.response_schema.is_null()) return;
+    const std::string text = fmt.response_format_prompt(r.response_schema);
+    if (text.empty()) return;
+    if (!r.messages.empty() && r.messages.front().role == "system") r.messages.front().content += "\n\n" + text;
+    else r.messages.insert(r.messages.begin(), chat_message{"system", text});
+}
+
 // Appends a tool result to the conversation: consecutive results share one user turn.
 void push_tool_result(std::vector<chat_message> &msgs, bool &last_was_result, const std::string &text) {
     if (last_was_result && !msgs.empty()) msgs.back().content += "\n" + text;
@@ -289,7 +299,10 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         if (!r.logprobs) bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs");
         r.top_logprobs = int32_t(i);
     }
-    if (const json *rf = field(b, "response_format")) r.grammar = parse_response_format(*rf);
+    if (const json *rf = field(b, "response_format")) {
+        r.grammar = parse_response_format(*rf);
+        if (r.grammar && rf->value("type", "") == "json_schema") r.response_schema = (*rf)["json_schema"].value("schema", json());
+    }
     parse_openai_tools(b, r);
     parse_reasoning_effort(b, r);
     parse_thinking(b, r);
@@ -343,6 +356,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         }
     }
     inject_tools(r, fmt);
+    inject_response_format(r, fmt);
     return r;
 }
 
@@ -513,7 +527,10 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
         get_bool(b, "stream", r.stream);
     }
     parse_anthropic_tools(b, r);
-    if (const json *of = field(b, "output_format"); of && !count_only) r.grammar = parse_output_format(*of);
+    if (const json *of = field(b, "output_format")) {
+        r.grammar = parse_output_format(*of);
+        r.response_schema = (*of)["schema"];
+    }
     parse_thinking(b, r);
     finish_sampling(r);
     if (const json *s = field(b, "system")) r.messages.push_back({"system", anthropic_text(*s, "system")});
@@ -524,6 +541,7 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
     bool last_was_result = false;
     for (size_t k = 0; k < msgs->size(); ++k) anthropic_message((*msgs)[k], k, fmt, names, last_was_result, r);
     inject_tools(r, fmt);
+    inject_response_format(r, fmt);
     return r;
 }
 

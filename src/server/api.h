@@ -66,6 +66,7 @@ struct gen_request {
     // Structured output (docs/server.md "Structured output"): OpenAI response_format / Anthropic
     // output_format, compiled; null = unconstrained. A forced tool call replaces it (generate.cpp).
     std::shared_ptr<const grammar::json_grammar> grammar;
+    nlohmann::json response_schema;  // the json_schema's schema (null if none), described in the prompt by formats that do
 
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;

@@ -90,8 +90,11 @@ TEST(JsonMatcher, AdditionalPropertiesAllowed) {
     EXPECT_EQ(refused_at(g, "{\"x\\n\": 1}"), 3);            // unlisted keys: no escapes
     auto open = S(R"({"type": "object", "additionalProperties": true})");
     EXPECT_EQ(run(open, "{\"x\": [1, {\"y\": null}]}"), verdict::complete);
-    auto closed = S(R"({"type": "object", "properties": {"a": {"type": "null"}}})");  // absent: none generated
+    // additionalProperties absent: no unlisted keys when the schema lists properties, any when it lists none.
+    auto closed = S(R"({"type": "object", "properties": {"a": {"type": "null"}}})");
     EXPECT_EQ(refused_at(closed, "{\"b\""), 2);
+    auto bare = S(R"({"type": "object"})");
+    EXPECT_EQ(run(bare, "{\"b\": [1, {}]}"), verdict::complete);
 }
 
 TEST(JsonMatcher, ArraysAndCounts) {
@@ -207,7 +210,7 @@ TEST(JsonMatcher, ToolCallChoice) {
     // Forced call in the Hermes form: the prompt ends at {"name": "  — name, arguments, close.
     auto g = compile_tool_call({"get_weather\", \"arguments\": ", "get_time\", \"arguments\": "},
                                {json::parse(R"({"type":"object","properties":{"city":{"type":"string"}},"required":["city"]})"),
-                                json::parse(R"({"type":"object","properties":{}})")},
+                                json::parse(R"({"type":"object","additionalProperties":false})")},
                                "}\n</tool_call>");
     EXPECT_EQ(run(g, "get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"), verdict::complete);
     EXPECT_EQ(run(g, "get_time\", \"arguments\": {}}\n</tool_call>"), verdict::complete);

@@ -135,6 +135,28 @@ TEST(Api, ResponseFormat) {
                  400, "output_format.schema", "multipleOf");
 }
 
+// DS4's encoder describes a json_schema response format in the system message (docs/ds4-chat-format.md
+// item 5): "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" +
+// json.dumps(schema); the Hermes format (dense models) leaves the prompt alone.
+TEST(Api, ResponseFormatInTheDs4Prompt) {
+    const json body = {{"messages", json::array({{{"role", "system"}, {"content", "S"}}, {{"role", "user"}, {"content", "x"}}})},
+                       {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", {{"type", "object"},
+                        {"properties", {{"b", {{"type", "string"}}}, {"a", {{"enum", {1, "é"}}}}}}}}}}}}};
+    auto ds4 = make_tool_format("deepseek4");
+    auto r = parse_openai_chat(body, defaults(), *ds4);
+    ASSERT_EQ(r.messages.size(), 2u);
+    EXPECT_EQ(r.messages[0].content,
+              "S\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+              "{\"properties\": {\"a\": {\"enum\": [1, \"é\"]}, \"b\": {\"type\": \"string\"}}, \"type\": \"object\"}");
+    json no_system = body;
+    no_system["messages"].erase(0);
+    r = parse_openai_chat(no_system, defaults(), *ds4);
+    ASSERT_EQ(r.messages.size(), 2u);
+    EXPECT_EQ(r.messages[0].role, "system");
+    EXPECT_EQ(r.messages[0].content.rfind("## Response Format:", 0), 0u);
+    EXPECT_EQ(chat(body).messages[0].content, "S");
+}
+
 TEST(Api, ForcedCallGrammar) {
     auto fmt = make_tool_format("llama");  // Hermes: JSON arguments
     const json tools = json::array(
