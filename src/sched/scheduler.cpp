@@ -4,6 +4,7 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 
@@ -191,6 +192,9 @@ std::shared_ptr<job> scheduler::submit(request req) {
         if (t < 0 || t >= n_vocab)
             throw error("prompt token " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     req.sampling.validate();
+    // Structured output's token tries are built here, on the first constrained request's thread (a
+    // quarter second for a 256K vocabulary), not on the worker, which would stall every running request.
+    if (req.grammar) vocab();
     const int64_t pool_tokens = kv_n_blocks_ * kv_block_tokens_;
     if (int64_t(req.prompt.size()) + 1 > pool_tokens) {
         std::lock_guard<std::mutex> lk(mu_);
@@ -649,6 +653,8 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
         if (s.j->req_.grammar && constrain(s, history, row.empty() ? s.sess->logits() : row)) {
             r.token = greedy_token(p, s.j->req_.want_logprobs, s.masked);
             if (r.token < 0) r = s.smp->sample(s.masked, history);
+            // Alternatives the grammar excluded (fewer allowed tokens than top_logprobs) are not reported.
+            std::erase_if(r.top, [](const token_logprob &t) { return !std::isfinite(t.logprob); });
             return true;
         }
         if (!row.empty()) {
@@ -666,12 +672,15 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
     return true;
 }
 
+// Built once (std::call_once: submitting threads race for it); the worker reads it only for requests
+// whose submit() built it first, and the queue's mutex orders the two.
 const std::shared_ptr<const grammar::vocab_index> &scheduler::vocab() {
-    if (!vocab_)
+    std::call_once(vocab_once_, [this] {
         vocab_ = std::make_shared<const grammar::vocab_index>(
             eng_.info().n_vocab, [this](int32_t t) { return eng_.token_to_piece(t); },
             [this](int32_t t) { return eng_.is_end_of_generation(t); },
             [this](int32_t t) { return eng_.is_control_token(t); });
+    });
     return vocab_;
 }
 

@@ -232,7 +232,7 @@ private:
     void sample_and_emit(slot &s);
     bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
     bool constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits);
-    const std::shared_ptr<const grammar::vocab_index> &vocab();  // worker: built on first use
+    const std::shared_ptr<const grammar::vocab_index> &vocab();  // built on first use (submit)
     void emit(slot &s, sample_result r);
     void plan_drafts(slot &s);
     void verify_and_emit(slot &s);
@@ -276,7 +276,8 @@ private:
     uint64_t next_id_ = 1;
     uint64_t admit_seq_ = 0;  // worker only
     bool admit_blocked_ = false;  // the queue head waits (slots, KV, a saving slot) until something ends
-    std::shared_ptr<const grammar::vocab_index> vocab_;  // structured output's token tries (worker only)
+    std::shared_ptr<const grammar::vocab_index> vocab_;  // structured output's token tries (vocab())
+    std::once_flag vocab_once_;
     std::unique_ptr<cache::prompt_cache> cache_;  // null: no disk cache
     bool disk_prefix_loads_ = false;              // the sessions' loads_state_prefix()
     std::deque<io_task> io_queue_;                // guarded by mu_

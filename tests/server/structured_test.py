@@ -256,6 +256,30 @@ class Structured(unittest.TestCase):
             self.assertEqual(r.stop_reason, "end_turn")
             jsonschema.validate(json.loads(r.content[-1].text), PERSON)
 
+    def test_anthropic_output_format_stream(self):
+        text, stop = "", None
+        for ev in ant().messages.create(model="m", max_tokens=1500, messages=[{"role": "user", "content": "Items?"}],
+                                        stream=True, extra_body={"output_format": {"type": "json_schema", "schema": ITEMS},
+                                                                 "seed": 3, "temperature": 1.0}):
+            if ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+                text += ev.delta.text
+            if ev.type == "message_delta":
+                stop = ev.delta.stop_reason
+        self.assertEqual(stop, "end_turn")
+        jsonschema.validate(json.loads(text), ITEMS)
+
+    def test_logprobs_only_allowed_alternatives(self):
+        # The enum root allows a handful of first tokens: fewer than top_logprobs; the alternatives the
+        # grammar excluded are not reported, and every reported logprob is a finite number.
+        r = oai().chat.completions.create(model="m", messages=ask("an answer"), max_tokens=50, temperature=0.0,
+                                          logprobs=True, top_logprobs=20, response_format=fmt("a", ANSWER))
+        self.check(r.choices[0].message.content, ANSWER, r.choices[0].finish_reason)
+        for t in r.choices[0].logprobs.content:
+            self.assertTrue(-1e30 < t.logprob <= 0.0, t)
+            for alt in t.top_logprobs:
+                self.assertTrue(-1e30 < alt.logprob <= 0.0, alt)
+        self.assertLess(len(r.choices[0].logprobs.content[0].top_logprobs), 20)
+
     def test_forced_tool_calls(self):
         if ARGS.tools != "hermes":
             self.skipTest("this model's tool format (DSML) does not carry the arguments as one JSON value")
