@@ -102,6 +102,7 @@ private:
     std::vector<std::string> paths_;       // per node: where its schema is (errors)
     std::vector<int> state_;               // finalize: 0 new, 1 in progress, 2 done
     std::vector<byteset> first_;
+    int depth_ = 0;                        // compile() recursion
 
     int32_t compile(const json &s, const std::string &path);
     int32_t compile_ref(const json &s, const std::string &path);
@@ -130,6 +131,15 @@ void check_keywords(const json &s, const std::set<std::string> &allowed, const s
 }
 
 int32_t compiler::compile(const json &s, const std::string &path) {
+    // Schemas nest (and $refs chain) through this recursion: bounded, so a hostile schema cannot
+    // exhaust the stack.
+    struct depth_guard {
+        int &d;
+        explicit depth_guard(int &d) : d(d) { ++d; }
+        ~depth_guard() { --d; }
+    } guard(depth_);
+    if (depth_ > kMaxSchemaDepth)
+        fail(where(path) + " is nested deeper than " + std::to_string(kMaxSchemaDepth) + " schemas", "", path);
     if (s.is_boolean()) {
         if (s.get<bool>()) return json_grammar::k_any;
         fail(where(path) + " is false: no value matches it", "", path);

@@ -53,6 +53,7 @@ inline constexpr int kMaxWhitespace = 24;   // whitespace bytes in a row between
 inline constexpr int kMaxDepth = 64;        // frames of the automaton: nesting limit of a document
 inline constexpr int kMaxNumberDigits = 15;  // integer part, and fraction part, of a number
 inline constexpr int kMaxProperties = 64;   // properties of one object schema (a bit mask tracks them)
+inline constexpr int kMaxSchemaDepth = 256; // schemas nested in a schema (and $refs followed in a chain)
 
 struct property {
     std::string key;       // the name as a JSON string, quotes included: "\"city\""

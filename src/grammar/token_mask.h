@@ -79,6 +79,7 @@ public:
     bool accept_bytes(const std::string &bytes) { return m_.feed(bytes); }  // all or nothing
     bool complete() { return m_.complete(); }
     const json_matcher &matcher() const { return m_; }
+    const vocab_index &vocab() const { return *v_; }
 
 private:
     void walk(const vocab_index::trie &t, int32_t node, std::vector<uint64_t> &mask);

@@ -650,7 +650,8 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
                 return true;
             }
         }
-        if (s.j->req_.grammar && constrain(s, history, row.empty() ? s.sess->logits() : row)) {
+        if (s.j->req_.grammar) {
+            constrain(s, history, row.empty() ? s.sess->logits() : row);
             r.token = greedy_token(p, s.j->req_.want_logprobs, s.masked);
             if (r.token < 0) r = s.smp->sample(s.masked, history);
             // Alternatives the grammar excluded (fewer allowed tokens than top_logprobs) are not reported.
@@ -687,10 +688,11 @@ const std::shared_ptr<const grammar::vocab_index> &scheduler::vocab() {
 // Structured output for slot s about to sample after `history` from `logits`: brings the constraint
 // up to date with the generated tokens it has not seen (history only grows between calls: a
 // verification row's history is the slot's plus the drafts kept so far, and rejected drafts never
-// enter it), then masks the logits into s.masked. false while the constraint does not apply yet
-// (the thinking before grammar_after). Throws when a token does not continue the document (a stop
-// string or a forced token can only end the output, so this is a bug) or no token can.
-bool scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits) {
+// enter it), then masks the logits into s.masked: before grammar_after (the thinking) only the
+// end-of-generation tokens, since the output must still hold the document. Throws when a token does
+// not continue the document (a stop string or a forced token can only end the output, so this is a
+// bug) or no token can.
+void scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits) {
     const request &q = s.j->req_;
     if (!s.gc) {
         s.gc = std::make_unique<grammar::token_constraint>(q.grammar, vocab());
@@ -719,10 +721,13 @@ bool scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<c
         if (!rest.empty() && !s.gc->accept_bytes(rest))
             throw error("structured output: the text after the end of the thinking does not start the document");
     }
-    if (!s.gc_live) return false;
     s.masked.assign(logits.begin(), logits.end());
+    if (!s.gc_live) {  // thinking: free text, but it may not end the output before the document
+        for (int32_t t : s.gc->vocab().eog_ids())
+            if (size_t(t) < s.masked.size()) s.masked[size_t(t)] = -std::numeric_limits<float>::infinity();
+        return;
+    }
     if (s.gc->apply(s.masked) == 0) throw error("structured output: no token of the vocabulary continues the document");
-    return true;
 }
 
 // Drafts for slot s's next decode (its pending token is history.back()): none unless speculation is on

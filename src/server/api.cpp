@@ -265,13 +265,14 @@ void inject_tools(gen_request &r, const tool_format &fmt) {
 }
 
 // Describes a json_schema response format in the (first) system message, after the tools, in the
-// formats that have a way to (DS4's encoder does); others leave the prompt as it is.
+// formats that have a way to (DS4's encoder: "\n\n" + the section, on a new empty system message
+// when there is none); others leave the prompt as it is.
 void inject_response_format(gen_request &r, const tool_format &fmt) {
     if (r.response_schema.is_null()) return;
     const std::string text = fmt.response_format_prompt(r.response_schema);
     if (text.empty()) return;
-    if (!r.messages.empty() && r.messages.front().role == "system") r.messages.front().content += "\n\n" + text;
-    else r.messages.insert(r.messages.begin(), chat_message{"system", text});
+    if (r.messages.empty() || r.messages.front().role != "system") r.messages.insert(r.messages.begin(), chat_message{"system", ""});
+    r.messages.front().content += "\n\n" + text;
 }
 
 // Appends a tool result to the conversation: consecutive results share one user turn.

@@ -239,4 +239,7 @@ TEST(JsonSchemaCompile, UnsupportedKeywordsAreNamed) {
     EXPECT_EQ(keyword_of(R"({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"})"), "$ref@/$defs/a");
     EXPECT_EQ(keyword_of(R"({"enum": []})"), "enum@");
     EXPECT_EQ(keyword_of(R"({"type": "string", "format": "date", "title": "t", "description": "d"})"), "accepted");
+    std::string deep = "{\"type\": \"string\"}";
+    for (int i = 0; i < 300; ++i) deep = "{\"type\": \"array\", \"items\": " + deep + "}";
+    EXPECT_EQ(keyword_of(deep.c_str()).substr(0, 1), "@");  // nested too deep: refused, not a stack overflow
 }

@@ -153,7 +153,7 @@ TEST(Api, ResponseFormatInTheDs4Prompt) {
     r = parse_openai_chat(no_system, defaults(), *ds4);
     ASSERT_EQ(r.messages.size(), 2u);
     EXPECT_EQ(r.messages[0].role, "system");
-    EXPECT_EQ(r.messages[0].content.rfind("## Response Format:", 0), 0u);
+    EXPECT_EQ(r.messages[0].content.rfind("\n\n## Response Format:", 0), 0u);  // as the encoder's new system message
     EXPECT_EQ(chat(body).messages[0].content, "S");
 }
 
