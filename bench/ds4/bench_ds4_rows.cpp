@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -98,8 +99,9 @@ BENCHMARK(BM_Ds4BatchedDecode)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(be
 
 // Speculative decoding at controlled acceptance (the drafts are the target's own greedy continuation,
 // each corrupted with probability 1 - a; synthetic weights make a real drafter's acceptance meaningless):
-// 48 tokens decoded from depth kDepth with drafts (adaptive width up to 8, spec::draft_budget; the
-// rejected rows rolled back) against arg 0 = plain decoding, one row per step. Counter tok/s; drafting
+// 48 tokens decoded from depth kDepth with drafts (adaptive width up to 8, spec::draft_budget with the
+// verification cost curve spec::verify_cost timed from the steps, kept across iterations as a serving
+// process keeps it; the rejected rows rolled back) against arg 0 = plain decoding, one row per step. Counter tok/s; drafting
 // itself costs nothing here (the oracle is free), so this is the verification side of the ratio.
 void BM_Ds4SpecControlled(benchmark::State &state) {
     fixture &f = data();
@@ -122,6 +124,7 @@ void BM_Ds4SpecControlled(benchmark::State &state) {
     }();
     std::mt19937 rng(3);
     int64_t steps = 0;
+    spec::verify_cost cost;
     for (auto _ : state) {
         state.PauseTiming();
         ds4::state st = f.seqs[0];
@@ -131,7 +134,7 @@ void BM_Ds4SpecControlled(benchmark::State &state) {
         int32_t pending = 11;
         size_t emitted = 0;  // cont[0 .. emitted) decoded
         while (emitted < static_cast<size_t>(kTokens)) {
-            const int32_t k = a > 0 ? budget.next() : 0;
+            const int32_t k = a > 0 ? budget.next(&cost) : 0;
             std::vector<ds4::step_row> rows{{0, st.n_past, pending}};
             for (int32_t j = 0; j < k; ++j) {
                 int32_t d = cont[emitted + static_cast<size_t>(j)];
@@ -141,7 +144,10 @@ void BM_Ds4SpecControlled(benchmark::State &state) {
             std::vector<int32_t> lr(rows.size());
             for (size_t r = 0; r < lr.size(); ++r) lr[r] = static_cast<int32_t>(r);
             std::vector<float> lg(rows.size() * V);
+            const auto t0 = std::chrono::steady_clock::now();
             ds4::step(*f.m, std::span<ds4::state *const>(&seq, 1), rows, lr, lg);
+            cost.observe(static_cast<int32_t>(rows.size()),
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             ++steps;
             // Row j's argmax is the next true token; drafts kept while they equal it.
             size_t j = 0;

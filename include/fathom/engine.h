@@ -297,6 +297,10 @@ public:
         (void)max;
         return {};
     }
+    // The last draft()'s per-token confidence: each draft's predicted probability of being kept given its
+    // predecessors were (DSpark's confidence head; the speculation loop narrows the step by it, spec::
+    // draft_budget::cut). Empty when the drafter gives none (MTP) or an evaluation came since.
+    virtual std::vector<float> draft_confidence() const { return {}; }
     // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
     // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
     // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,

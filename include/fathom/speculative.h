@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -24,12 +25,75 @@
 
 namespace fathom::spec {
 
-struct ngram_options {
-    int32_t draft_max = 8;   // most tokens drafted per step (1..64)
-    int32_t ngram_min = 2;   // shortest suffix of the history looked up (1..ngram_max)
-    int32_t ngram_max = 4;   // longest suffix looked up (<= 16)
+// What a verification of r rows costs (r = 1 + drafts), learnt from measured forwards: a line
+// t(r) = alpha + beta * (r - 1) fitted by exponentially decayed least squares (recent forwards weigh
+// more; the model's depth and the machine's load change it), with a weak prior scaled by the first
+// measurement (beta = 0.25 alpha) so that the fit is defined before two row counts were seen. The
+// CPU's rows cost ~0.85 of a step each; the GPU's a few percent: the same code learns either.
+class verify_cost {
+  public:
+    verify_cost() = default;
+    explicit verify_cost(double fixed_row_cost) : fixed_(fixed_row_cost) {}  // >= 0: t(r) / t(1) = 1 + it (r - 1)
+    void observe(int32_t rows, double seconds);  // rows >= 1, seconds > 0 (others ignored)
+    // t(rows) / t(1) from the fit (>= 1, non-decreasing in rows); before any measurement the prior 1 + 0.25 (rows - 1).
+    double ratio(int32_t rows) const;
+    int64_t observations() const { return n_; }
+
+  private:
+    double fixed_ = -1.0;  // >= 0: the fixed slope (observations ignored)
+    double sw_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;  // decayed sums over (x = rows - 1, y = seconds)
+    int64_t n_ = 0;
+};
+
+// How many tokens to draft each step (shared by generate and the server's scheduler).
+// Adaptive: the width k that maximises the expected tokens per unit of time,
+//   E(k) / c(1 + k),  E(k) = 1 + a + a^2 + ... + a^k,
+// where a is the running per-draft acceptance (a draft is kept with probability a once its
+// predecessors were; estimated from decayed counts of kept drafts and first rejections, starting near
+// 2/3) and c the verification cost ratio (verify_cost; without one, c(r) = 1: the widest draft that
+// pays at all). When k = 0 wins (the drafts cost more than they return), drafting pauses but probes one
+// draft after 1, 3, 7, ... 63 steps (the pause grows with every probe while k = 0 keeps winning; kept
+// probes raise the acceptance estimate until drafting pays again), so an always-wrong or mediocre
+// drafter costs ~1.5 % of plain decoding while a drafter that becomes good is noticed.
+// Not adaptive: always max.
+class draft_budget {
+  public:
+    draft_budget(int32_t max, bool adaptive) : max_(max), adaptive_(adaptive) {}
+    // Drafts to ask for this step; 0 = none. cost: the verification costs (null: free rows);
+    // other_rows: rows of other sequences in the same forward (batched serving), whose cost is paid
+    // anyway: the drafts' price is then c(other + 1 + k) / c(other + 1).
+    int32_t next(const verify_cost *cost = nullptr, int32_t other_rows = 0);
+    // A drafter that predicts each draft's chance (session::draft_confidence: c[j] = P(draft j kept | the
+    // ones before it kept)): the prefix width k' <= c.size() that maximises E(k') / c(1 + k') with
+    // E(k') = 1 + c0 + c0 c1 + ... (the same objective as next(), this step's own odds instead of the
+    // running acceptance). Confidences outside [0, 1] (NaN included) count as 0.
+    static size_t cut(std::span<const float> c, const verify_cost *cost = nullptr, int32_t other_rows = 0);
+    void update(size_t drafted, size_t kept);
+    double acceptance() const { return kept_ / (kept_ + rejected_); }
+
+  private:
+    int32_t max_;
+    bool adaptive_;
+    double kept_ = 2.0, rejected_ = 1.0;  // decayed counts (the prior: a = 2/3)
+    int32_t skip_ = 0, pause_ = 0;
+};
+
+// The draft width of every drafter (draft_budget).
+struct width_options {
+    int32_t draft_max = 8;  // most tokens drafted per step (1..64)
     // Adapt the draft length (draft_budget below). false: always draft_max.
     bool adaptive = true;
+    // The verification cost of each extra row relative to a one-row forward, for the adaptive width:
+    // < 0 (default) measured from the forwards as they run (verify_cost); >= 0 fixed (deterministic
+    // widths: tests, reproducible comparisons).
+    double row_cost = -1.0;
+    void validate() const;  // throws fathom::error naming the option
+    verify_cost cost() const;  // the cost model this asks for
+};
+
+struct ngram_options : width_options {
+    int32_t ngram_min = 2;   // shortest suffix of the history looked up (1..ngram_max)
+    int32_t ngram_max = 4;   // longest suffix looked up (<= 16)
     void validate() const;  // throws fathom::error naming the option
 };
 
@@ -38,42 +102,31 @@ struct ngram_options {
 // (fewer when the history ends first). Empty when no suffix recurs.
 std::vector<int32_t> ngram_draft(std::span<const int32_t> history, const ngram_options &o, int32_t max);
 
-// How many tokens to draft each step (shared by generate and the server's scheduler). Adaptive: after a
-// step that kept every draft the next may draft twice as many (up to max), after one that kept none half
-// as many; a step at one draft that keeps none also pauses drafting for 1, 3, 7, ... 31 steps (the pause
-// grows while drafts keep failing, resets on any kept draft), so text that does not repeat pays almost
-// nothing for the drafts' extra rows. Not adaptive: always max.
-class draft_budget {
-  public:
-    draft_budget(int32_t max, bool adaptive) : max_(max), k_(max), adaptive_(adaptive) {}
-    int32_t next() {  // drafts to ask for this step; 0 = none (paused)
-        if (skip_ > 0) {
-            --skip_;
-            return 0;
+// The acceptance rule, written once (generate, the scheduler): a verification's rows j = 0..k hold the
+// logits after the pending token and drafts[0..j); position j is sampled from its own row with the
+// history grown by the kept drafts, exactly as plain decoding would, and draft j is kept while it equals
+// its position's sample. sample(j) returns position j's token, or nothing to stop (the caller ended the
+// generation); take(j, token) is asked when position j matched its draft: the caller takes it (appends
+// it to its history) and goes on, takes it and stops (a token limit), or refuses it (an end of
+// generation: then it is the step's last sample, as a differing one is). Returns how many drafts were
+// taken; *last receives the step's last sample when it was not taken (a sample that differed from its
+// draft, row k's, or a refused match), else -1.
+enum class draft_verdict { take, take_and_stop, refuse };
+template <class Sample, class Take>
+size_t accept_drafts(std::span<const int32_t> drafts, Sample &&sample, Take &&take, int32_t *last) {
+    *last = -1;
+    for (size_t j = 0;; ++j) {
+        const std::optional<int32_t> y = sample(j);
+        if (!y) return j;
+        if (j < drafts.size() && *y == drafts[j]) {
+            const draft_verdict v = take(j, *y);
+            if (v == draft_verdict::take) continue;
+            if (v == draft_verdict::take_and_stop) return j + 1;
         }
-        return adaptive_ ? k_ : max_;
+        *last = *y;
+        return j;
     }
-    void update(size_t drafted, size_t kept) {
-        if (!adaptive_ || drafted == 0) return;
-        if (kept == drafted) {
-            k_ = k_ * 2 > max_ ? max_ : k_ * 2;
-            pause_ = 0;
-        } else if (kept == 0) {
-            if (k_ == 1) {
-                pause_ = pause_ * 2 + 1 > 31 ? 31 : pause_ * 2 + 1;
-                skip_ = pause_;
-            }
-            k_ = k_ / 2 < 1 ? 1 : k_ / 2;
-        } else {
-            pause_ = 0;
-        }
-    }
-
-  private:
-    int32_t max_, k_;
-    bool adaptive_;
-    int32_t skip_ = 0, pause_ = 0;
-};
+}
 
 struct spec_stats {
     int64_t steps = 0;     // forwards of the decode loop
@@ -101,9 +154,9 @@ spec_stats generate_ngram(session &s, sampler &smp, int64_t n_ctx, const ngram_o
 
 // The same loop with any drafter: draft(history, max) proposes at most `max` tokens to follow `history`
 // (the held tokens and the pending one; more are cut). generate_ngram = generate with ngram_draft.
-// draft_max and adaptive as in ngram_options (draft_max in [1, 64]).
+// The width as width_options say (validated here).
 using drafter = std::function<std::vector<int32_t>(std::span<const int32_t> history, int32_t max)>;
-spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, bool adaptive, const drafter &draft,
+spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options &width, const drafter &draft,
                     const std::function<token_verdict(int32_t token)> &on_token);
 
 // Draft-model speculation: a smaller model with the same vocabulary proposes the drafts. Each call syncs

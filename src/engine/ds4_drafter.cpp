@@ -84,7 +84,9 @@ class mtp_drafter final : public ds4_drafter {
         hc_.clear();
     }
 
-    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) override {
+    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max,
+                               std::vector<float> *confidence) override {
+        if (confidence) confidence->clear();
         const int64_t n = static_cast<int64_t>(held.size());
         if (n == 0 || max <= 0) return {};
         const float *h = hc_.get(n - 1);
@@ -146,7 +148,9 @@ class dspark_drafter final : public ds4_drafter {
     void truncate(int64_t) override {}
     void reset() override { feat_.clear(); }
 
-    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) override {
+    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max,
+                               std::vector<float> *confidence) override {
+        if (confidence) confidence->clear();
         const int64_t S = static_cast<int64_t>(held.size());
         if (max <= 0) return {};
         // The context: the longest run of observed positions ending at S - 1, at most `window`.
@@ -158,6 +162,7 @@ class dspark_drafter final : public ds4_drafter {
         const ds4::dspark_block b = ds4::dspark_draft(m_, *w_, qat_, exec_, ctx, c0, pending);
         std::vector<int32_t> d = b.draft_tokens;
         if (static_cast<int64_t>(d.size()) > max) d.resize(static_cast<size_t>(max));
+        if (confidence) confidence->assign(b.confidence.begin(), b.confidence.begin() + static_cast<std::ptrdiff_t>(d.size()));
         return d;
     }
 

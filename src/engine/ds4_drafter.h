@@ -44,8 +44,10 @@ class ds4_drafter {
     virtual void truncate(int64_t n) = 0;
     virtual void reset() = 0;
     // The session holds `held` (its last forward observed) and `pending` comes next: up to `max` tokens
-    // to follow it.
-    virtual std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max) = 0;
+    // to follow it. confidence (when not null) receives each draft's predicted probability of being
+    // kept given its predecessors were (DSpark's confidence head), or is emptied (MTP: none).
+    virtual std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max,
+                                       std::vector<float> *confidence) = 0;
 };
 
 std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::shared_ptr<const ds4::mtp_weights> w,

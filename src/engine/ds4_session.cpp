@@ -289,6 +289,12 @@ class ds4_session final : public session {
     // The engine's drafter (engine_options::ds4_draft), one per session, fed by its forwards.
     bool has_drafter() const override { return drafter_ != nullptr; }
     std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max) override;
+    std::vector<float> draft_confidence() const override { return draft_conf_; }
+
+  private:
+    std::vector<float> draft_conf_;  // the last draft()'s confidence (cleared by every evaluation)
+
+  public:
     // Saved states: one device, the CPU (ds4::state) or one GPU (ds4::cuda_sequence, the same stream
     // from the device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
     // banner), so it loads whole: n_keep == tokens.size().
@@ -491,8 +497,9 @@ class ds4_engine final : public engine {
 #ifdef FATHOM_ENGINE_CUDA
     // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
     const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
+    // The sequences share one prefill scratch (gpu_prefill_): evaluations run under the forward mutex.
     std::unique_ptr<ds4::cuda_sequence> new_gpu_sequence() const {
-        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_);
+        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_, gpu_prefill_);
     }
 #endif
     double measure_copy_bandwidth() override {
@@ -769,6 +776,7 @@ class ds4_engine final : public engine {
     int tp_size_ = 0;                         // layout tp: the rank count (0: not tp)
 #ifdef FATHOM_ENGINE_CUDA
     std::shared_ptr<const ds4::cuda_weights> gpu_;
+    std::shared_ptr<ds4::cuda_prefill_pool> gpu_prefill_ = ds4::cuda_make_prefill_pool();
 #endif
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
     bool on_cuda_ = false;  // one CUDA device (make_cuda)
@@ -812,7 +820,8 @@ std::vector<int32_t> ds4_session::draft(std::span<const int32_t> history, int32_
     if (history.size() != tokens_.size() + 1 || !std::equal(tokens_.begin(), tokens_.end(), history.begin()))
         throw error("draft: the history must be what the session holds plus the pending token");
     std::lock_guard<std::mutex> lock(e_.forward_mutex());  // the drafter's products use the engine's pool
-    return drafter_->draft(tokens_, history.back(), static_cast<int32_t>(std::min<int64_t>(max, rollback_limit())));
+    return drafter_->draft(tokens_, history.back(), static_cast<int32_t>(std::min<int64_t>(max, rollback_limit())),
+                           &draft_conf_);
 }
 
 bool ds4_session::on_pipeline() const {
@@ -884,6 +893,7 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
 
 void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
                               const std::function<void(int64_t, int64_t)> *on_progress) {
+    draft_conf_.clear();
     const ds4::model &m = e_.model();
     const int64_t n_vocab = m.hp.n_vocab, total = static_cast<int64_t>(toks.size());
     if (total == 0) return;

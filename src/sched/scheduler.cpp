@@ -82,6 +82,7 @@ struct scheduler::slot {
     std::vector<int32_t> history;   // prompt + generated (penalties; a decode syncs the session to it)
     std::unique_ptr<text_stream> ts;
     int32_t n_gen = 0;
+    int64_t n_drafted = 0, n_accepted = 0;  // speculative decoding, this request
     bool got_first = false;
     double ttft = 0.0;
     clock::time_point t_last;
@@ -108,12 +109,6 @@ struct scheduler::slot {
     std::vector<float> masked;
 };
 
-static size_t common_prefix(const std::vector<int32_t> &a, const std::vector<int32_t> &b) {
-    const size_t n = std::min(a.size(), b.size());
-    size_t i = 0;
-    while (i < n && a[i] == b[i]) ++i;
-    return i;
-}
 // How much of a prompt a slot's session keeps without evaluating it (session::reusable_prefix: the common
 // prefix when the session can drop what it holds beyond it, DS4 prefix checkpoints included). A DS4
 // state that diverges deeper resets: it reuses nothing, and a disk entry of the prompt's prefix can do
@@ -128,6 +123,7 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     if (opts_.prefill_chunk < 1) throw error("scheduler: prefill chunk must be >= 1");
     opts_.step_token_budget = std::max(opts_.step_token_budget, 1);
     if (opts_.spec) opts_.spec_ngram.validate();
+    step_cost_ = opts_.spec_ngram.cost();
     n_ctx_ = eng_.info().n_ctx;
     if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
     if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
@@ -327,6 +323,7 @@ void scheduler::admit_locked() {
         s.history = j->req_.prompt;
         s.ts = std::make_unique<text_stream>(j->req_.stop);
         s.n_gen = 0;
+        s.n_drafted = s.n_accepted = 0;
         s.got_first = false;
         s.ttft = 0.0;
         s.prompt_saved = false;
@@ -489,7 +486,7 @@ bool scheduler::run_step() {
         std::vector<step_entry> es;
         if (r == 0)
             for (slot *s : dec) {
-                plan_drafts(*s);
+                plan_drafts(*s, int32_t(dec.size()) - 1);
                 es.push_back({s, s->history.size(), 0, true});
             }
         for (const prefill_chunk &c : chunks)
@@ -550,8 +547,18 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
         items.push_back({e.s->sess.get(), std::span<const int32_t>(toks.data(), e.end), e.decode || e.end == toks.size()});
     }
     std::vector<bool> failed(es.size(), false);
+    // Steps of decodes alone time the verification cost curve (spec::verify_cost, keyed by the step's
+    // rows) that the slots' draft widths are chosen from; prompt chunks would blur it.
+    int32_t rows = 0;
+    bool decodes_only = opts_.spec;
+    for (size_t i = 0; i < es.size(); ++i) {
+        decodes_only = decodes_only && es[i].decode;
+        rows += es[i].decode ? 1 + int32_t(es[i].s->n_drafts) : 0;
+    }
     try {
+        const auto t0 = clock::now();
         eng_.sync_step(items);
+        if (decodes_only) step_cost_.observe(rows, secs(clock::now() - t0));
     } catch (const std::exception &) {
         for (size_t i = 0; i < es.size(); ++i) {
             try {
@@ -734,15 +741,16 @@ void scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<c
 // and the session rolls back. At most draft_max (adapted), and only what can matter: the tokens the
 // request may still emit after the pending one, and positions that leave the session below its
 // context / KV reservation by one, so emit's room check passes for every kept draft as in plain decoding.
-void scheduler::plan_drafts(slot &s) {
+void scheduler::plan_drafts(slot &s, int32_t other_rows) {
     s.n_drafts = 0;
-    if (!opts_.spec || !s.sess->rolls_back()) return;
+    if (!opts_.spec || !s.sess->rolls_back() || s.j->req_.draft_max == 0) return;
     if (!s.budget) s.budget.emplace(opts_.spec_ngram.draft_max, opts_.spec_ngram.adaptive);
     const int64_t limit = std::min<int64_t>(n_ctx_, s.kv_limit);
     int64_t room = limit - static_cast<int64_t>(s.history.size()) - 1;
     room = std::min<int64_t>(room, int64_t(s.j->req_.max_tokens) - s.n_gen - 1);
     if (room < 1) return;
-    room = std::min<int64_t>({room, s.budget->next(), s.sess->rolls_back() ? s.sess->rollback_limit() : 0});
+    room = std::min<int64_t>({room, s.budget->next(&step_cost_, other_rows), s.sess->rollback_limit()});
+    if (s.j->req_.draft_max > 0) room = std::min<int64_t>(room, s.j->req_.draft_max);
     if (room < 1) return;
     std::vector<int32_t> d;
     try {
@@ -755,6 +763,12 @@ void scheduler::plan_drafts(slot &s) {
         return;
     }
     if (d.size() > static_cast<size_t>(room)) d.resize(static_cast<size_t>(room));
+    if (opts_.spec_session_drafter && opts_.spec_ngram.adaptive) {  // DSpark: this step's own odds
+        const std::vector<float> conf = s.sess->draft_confidence();
+        if (!conf.empty())
+            d.resize(std::min(d.size(), spec::draft_budget::cut(std::span<const float>(conf).first(std::min(conf.size(), d.size())),
+                                                                 &step_cost_, other_rows)));
+    }
     if (d.empty()) return;
     s.spec_prefix = s.history;
     s.spec_prefix.insert(s.spec_prefix.end(), d.begin(), d.end());
@@ -772,15 +786,27 @@ void scheduler::verify_and_emit(slot &s) {
     s.n_drafts = 0;
     const size_t base = s.history.size();  // the pending token is history[base - 1], now evaluated
     std::vector<int32_t> hist = s.history;
-    std::vector<sample_result> out;
-    for (size_t j = 0; j <= k; ++j) {
-        sample_result r;
-        if (!sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r)) return;
-        const bool keep = j < k && r.token == s.spec_prefix[base + j] && !eng_.is_end_of_generation(r.token);
-        if (keep) hist.push_back(r.token);
-        out.push_back(std::move(r));
-        if (!keep) break;
-    }
+    std::vector<sample_result> out;  // the samples to emit: the kept drafts, then the step's last sample
+    bool failed = false;             // sample_slot finished the request
+    int32_t last = -1;
+    spec::accept_drafts(
+        std::span<const int32_t>(s.spec_prefix).subspan(base, k),
+        [&](size_t j) -> std::optional<int32_t> {
+            sample_result r;
+            if (!sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r)) {
+                failed = true;
+                return std::nullopt;
+            }
+            out.push_back(std::move(r));
+            return out.back().token;
+        },
+        [&](size_t, int32_t y) {
+            if (eng_.is_end_of_generation(y)) return spec::draft_verdict::refuse;  // emitted: it finishes
+            hist.push_back(y);
+            return spec::draft_verdict::take;
+        },
+        &last);
+    if (failed) return;
     const size_t kept = out.size() - 1;
     try {
         s.sess->truncate(static_cast<int64_t>(base + kept));
@@ -789,6 +815,8 @@ void scheduler::verify_and_emit(slot &s) {
         return;
     }
     if (s.budget) s.budget->update(k, kept);
+    s.n_drafted += int64_t(k);
+    s.n_accepted += int64_t(kept);
     {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.spec_steps;
@@ -852,6 +880,8 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
     ev.n_prompt = int64_t(s.j->req_.prompt.size());
     ev.n_reused = s.n_reused;
     ev.n_generated = s.n_gen;
+    ev.n_drafted = s.n_drafted;
+    ev.n_accepted = s.n_accepted;
     ev.ttft_s = s.ttft;
     ev.total_s = secs(clock::now() - s.j->t_submit_);
     // Speculative decoding: a finish at an earlier sample of a verified step (a stop string) leaves the

@@ -76,6 +76,8 @@ struct request {
     bool want_logprobs = false;         // fill token_info::logprob/top (top count from sampling.n_logprobs)
     think_control thinking;             // tokens emitted instead of sampled (thinking open / budget close);
                                         // a forced token reports logprob 0 and no alternatives
+    int32_t draft_max = -1;             // speculative decoding for this request: -1 the server's, 0 off,
+                                        // 1..64 at most this many drafts per step (never above the server's)
     // Structured output (docs/server.md "Structured output"): null = unconstrained; otherwise every
     // sampled token continues a document of this grammar (the logits of the others are masked, in
     // plain decoding and in each speculative verification row alike) and end of generation is
@@ -105,6 +107,8 @@ struct event {
     int64_t n_prompt = 0;             // prompt tokens
     int64_t n_reused = 0;             // prompt tokens reused from the slot's session (not evaluated)
     int64_t n_generated = 0;          // sampled tokens, end-of-generation token excluded
+    int64_t n_drafted = 0;            // speculative decoding: tokens drafted for this request
+    int64_t n_accepted = 0;           // of those, kept
     double ttft_s = 0.0;              // submit -> first token
     double total_s = 0.0;             // submit -> final
 };
@@ -234,7 +238,8 @@ private:
     void constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits);
     const std::shared_ptr<const grammar::vocab_index> &vocab();  // built on first use (submit)
     void emit(slot &s, sample_result r);
-    void plan_drafts(slot &s);
+    // Drafts for s's next decode; other_rows: the step's other decodes (the drafts' price is marginal).
+    void plan_drafts(slot &s, int32_t other_rows);
     void verify_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
     void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
@@ -262,6 +267,7 @@ private:
 
     engine &eng_;
     scheduler_options opts_;
+    spec::verify_cost step_cost_;  // worker: decode steps' cost by row count (speculative widths)
     int n_ctx_ = 0;
     std::vector<std::unique_ptr<slot>> slots_;
     bool paged_ = false;                   // the engine's paged pool is the KV record

@@ -105,6 +105,18 @@ void parse_sampling(const json &b, gen_request &r, bool openai) {
     if (get_int(b, "prefill_threshold", 1, INT32_MAX, i)) c.threshold = i;
     get_bool(b, "prefill_verbatim_system", c.verbatim_system);
     get_bool(b, "prefill_verbatim_last_user", c.verbatim_last_user);
+    // Speculative decoding override (docs/server.md "Speculative decoding").
+    if (const json *v = field(b, "speculative")) {
+        if (v->is_boolean()) {
+            r.draft_max = v->get<bool>() ? -1 : 0;
+        } else if (v->is_object()) {
+            for (const auto &[k, val] : v->items())
+                if (k != "draft_max") bad_request("'speculative' takes only 'draft_max' (got '" + k + "')", "speculative");
+            if (get_int(*v, "draft_max", 0, 64, i)) r.draft_max = int32_t(i);
+        } else {
+            bad_request("'speculative' must be a boolean or {\"draft_max\": N}", "speculative");
+        }
+    }
 }
 
 void parse_stop(const json &b, const char *key, gen_request &r) {

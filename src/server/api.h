@@ -63,6 +63,9 @@ struct gen_request {
     std::optional<chat_thinking> thinking;
     int64_t think_budget = -1;
 
+    // Speculative decoding (server --spec): "speculative": false turns it off for this request, true
+    // or absent keeps the server's, {"draft_max": N} caps the drafts per step (0..64; 0 = off).
+    int32_t draft_max = -1;
     // Structured output (docs/server.md "Structured output"): OpenAI response_format / Anthropic
     // output_format, compiled; null = unconstrained. A forced tool call replaces it (generate.cpp).
     std::shared_ptr<const grammar::json_grammar> grammar;

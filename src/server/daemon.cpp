@@ -107,8 +107,12 @@ void confined_root::write_all(int fd, const std::string &bytes, const std::strin
 
 std::string confined_root::fd_path(int fd) { return "/proc/self/fd/" + std::to_string(fd); }
 
-daemon::daemon(loader load, const fs::path &root, std::string default_drafter, cache::options prompt_cache)
-    : load_(std::move(load)), root_(root), default_drafter_(std::move(default_drafter)) {
+daemon::daemon(loader load, const fs::path &root, std::string default_drafter, cache::options prompt_cache,
+               daemon_spec spec)
+    : load_(std::move(load)), root_(root), default_drafter_(std::move(default_drafter)), spec_(std::move(spec)) {
+    if (spec_.mode != "none" && spec_.mode != "ngram" && spec_.mode != "session")
+        throw error("daemon: speculation mode must be none, ngram or session, got '" + spec_.mode + "'");
+    if (spec_.mode != "none") spec_.ngram.validate();
     eng_ = load_();
     working_ = eng_->new_session();
     if (!prompt_cache.dir.empty()) {
@@ -188,20 +192,43 @@ std::string daemon::cmd_generate(const std::vector<std::string> &a) {
     sampler smp(sp);
     std::vector<int32_t> history = prompt, gen;
     std::string reason = "length";
-    for (;;) {
-        const int32_t t = working_->sample(smp, history).token;
-        if (eng.is_end_of_generation(t)) {
-            reason = "eog";
-            break;
+    if (spec_.mode != "none" && working_->rolls_back()) {
+        // The same loop with drafts (include/fathom/speculative.h): the same tokens, fewer forwards.
+        session &w = *working_;
+        const spec::drafter draft = spec_.mode == "session"
+                                        ? spec::drafter([&w](std::span<const int32_t> h, int32_t max) { return w.draft(h, max); })
+                                        : spec::drafter([this](std::span<const int32_t> h, int32_t max) {
+                                              return spec::ngram_draft(h, spec_.ngram, max);
+                                          });
+        const spec::spec_stats st = spec::generate(w, smp, n_ctx, spec_.ngram, draft, [&](int32_t t) {
+            if (eng.is_end_of_generation(t)) {
+                reason = "eog";
+                return spec::token_verdict::stop;
+            }
+            gen.push_back(t);
+            return int64_t(gen.size()) >= n ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;
+        });
+        if (st.hit_ctx) reason = "context";
+        spec_total_.steps += st.steps;
+        spec_total_.drafted += st.drafted;
+        spec_total_.accepted += st.accepted;
+        spec_total_.emitted += st.emitted;
+    } else {
+        for (;;) {
+            const int32_t t = working_->sample(smp, history).token;
+            if (eng.is_end_of_generation(t)) {
+                reason = "eog";
+                break;
+            }
+            gen.push_back(t);
+            history.push_back(t);
+            if (int64_t(gen.size()) >= n) break;
+            if (working_->n_past() + 1 > n_ctx) {
+                reason = "context";
+                break;
+            }
+            working_->eval(std::span<const int32_t>(&t, 1));
         }
-        gen.push_back(t);
-        history.push_back(t);
-        if (int64_t(gen.size()) >= n) break;
-        if (working_->n_past() + 1 > n_ctx) {
-            reason = "context";
-            break;
-        }
-        working_->eval(std::span<const int32_t>(&t, 1));
     }
     std::string reply = "ok " + std::to_string(gen.size()) + " " + reason;
     write_or_append_ids(gen, out.get(), a.size() == 3 ? a[2] : std::string(), reply);
@@ -422,11 +449,16 @@ std::string daemon::handle(const std::string &line) {
             if (!args.empty()) throw error("usage: list");
             return cmd_list();
         }
+        if (cmd == "stats") {
+            if (!args.empty()) throw error("usage: stats");
+            return "ok spec_steps " + std::to_string(spec_total_.steps) + " drafted " + std::to_string(spec_total_.drafted) +
+                   " accepted " + std::to_string(spec_total_.accepted);
+        }
         if (cmd == "quit") {
             done_ = true;
             return "ok bye";
         }
-        return "error: unknown command '" + cmd + "' (generate, compress, park, unpark, snapshot, restore, free, list, quit)";
+        return "error: unknown command '" + cmd + "' (generate, compress, park, unpark, snapshot, restore, free, list, stats, quit)";
     } catch (const std::exception &e) {
         std::string msg = e.what();
         for (char &c : msg)

@@ -13,6 +13,7 @@
 
 #include "cache/prompt_cache.h"
 #include "fathom/engine.h"
+#include "fathom/speculative.h"
 #include "fathom/pflash.h"
 
 namespace fathom::server {
@@ -61,6 +62,14 @@ private:
     unique_fd root_;
 };
 
+// Speculative decoding for `generate` (docs/daemon-protocol.md): drafts from n-grams of the history
+// ("ngram") or from the sessions' own drafter ("session": DeepSeek V4's MTP head or DSpark, loaded with
+// the engine); none when the working session cannot roll back. Greedy output is unchanged.
+struct daemon_spec {
+    std::string mode = "none";  // none | ngram | session
+    spec::ngram_options ngram;
+};
+
 class daemon {
 public:
     using loader = std::function<std::unique_ptr<engine>()>;
@@ -70,7 +79,7 @@ public:
     // entry sharing the longest prefix with its prompt when it beats what the working session holds by
     // min_tokens, and saves the working session afterwards.
     daemon(loader load, const std::filesystem::path &root, std::string default_drafter = {},
-           cache::options prompt_cache = {});
+           cache::options prompt_cache = {}, daemon_spec spec = {});
     ~daemon();
 
     // Handles one command line and returns the reply line (no trailing newline). Blank lines -> "".
@@ -111,6 +120,8 @@ private:
     std::string comp_drafter_;                  // its drafter (path or name in --root, as given)
     unique_fd comp_drafter_fd_;                 // a drafter inside --root, held open while comp_ uses it
     std::unique_ptr<cache::prompt_cache> cache_;  // the disk prompt cache (null: none)
+    daemon_spec spec_;
+    spec::spec_stats spec_total_;  // summed over generate commands (the `stats` reply)
     bool done_ = false;
 };
 

@@ -184,6 +184,7 @@ std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
     sr.stop = p.r.stop;
     sr.want_logprobs = p.r.logprobs;
     sr.thinking = p.think;
+    sr.draft_max = p.r.draft_max;
     sr.grammar = p.r.grammar;
     // With the output opening a thinking block, the document starts after its end marker.
     if (sr.grammar && p.reasoning && (p.in_reasoning || !p.think.open.empty())) sr.grammar_after = chat::k_think_close;
@@ -260,6 +261,10 @@ json openai_usage(const sched::event &ev, const prepared &p) {
               {"completion_tokens", ev.n_generated},
               {"total_tokens", ev.n_prompt + ev.n_generated},
               {"prompt_tokens_details", {{"cached_tokens", ev.n_reused}}}};
+    // Speculative decoding, in OpenAI's Predicted Outputs fields: drafts kept and drafts rejected.
+    if (ev.n_drafted > 0)
+        u["completion_tokens_details"] = {{"accepted_prediction_tokens", ev.n_accepted},
+                                          {"rejected_prediction_tokens", ev.n_drafted - ev.n_accepted}};
     add_compression(u, p.compression);
     return u;
 }

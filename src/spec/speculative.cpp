@@ -2,6 +2,8 @@
 #include "fathom/speculative.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <exception>
 #include <string>
 
@@ -9,8 +11,18 @@
 
 namespace fathom::spec {
 
-void ngram_options::validate() const {
+void width_options::validate() const {
     if (draft_max < 1 || draft_max > 64) throw error("speculative: draft_max must be in [1, 64], got " + std::to_string(draft_max));
+    if (!(row_cost < 0 || (row_cost >= 0 && row_cost <= 64)) || std::isnan(row_cost))
+        throw error("speculative: row_cost must be < 0 (measured) or in [0, 64], got " + std::to_string(row_cost));
+}
+
+verify_cost width_options::cost() const {
+    return row_cost >= 0 ? verify_cost(row_cost) : verify_cost();
+}
+
+void ngram_options::validate() const {
+    width_options::validate();
     if (ngram_max < 1 || ngram_max > 16) throw error("speculative: ngram_max must be in [1, 16], got " + std::to_string(ngram_max));
     if (ngram_min < 1 || ngram_min > ngram_max)
         throw error("speculative: ngram_min must be in [1, ngram_max = " + std::to_string(ngram_max) + "], got " +
@@ -35,17 +47,123 @@ std::vector<int32_t> ngram_draft(std::span<const int32_t> h, const ngram_options
     return {};
 }
 
+// ---- width ----------------------------------------------------------------------------------------
+
+namespace {
+constexpr double kCostDecay = 0.98;    // per measured forward: ~50 forwards of memory
+constexpr double kCostPriorSlope = 0.25;  // prior beta / alpha
+constexpr double kCostPriorWeight = 2.0;  // per prior point (they decay with the data)
+constexpr double kAcceptDecay = 0.95;  // per verified step: ~20 steps of memory
+constexpr int32_t kMaxPause = 63;      // steps between probes of an unprofitable drafter
+}  // namespace
+
+void verify_cost::observe(int32_t rows, double seconds) {
+    if (fixed_ >= 0 || rows < 1 || !(seconds > 0) || !std::isfinite(seconds)) return;
+    const double x = rows - 1;
+    auto add = [this](double xi, double yi, double w) {
+        sw_ += w;
+        sx_ += w * xi;
+        sy_ += w * yi;
+        sxx_ += w * xi * xi;
+        sxy_ += w * xi * yi;
+    };
+    if (n_ == 0) {  // the prior, at this machine's scale: two points of the line alpha (1 + 0.25 x)
+        const double alpha = seconds / (1 + kCostPriorSlope * x);
+        add(0, alpha, kCostPriorWeight);
+        add(4, alpha * (1 + 4 * kCostPriorSlope), kCostPriorWeight);
+    }
+    sw_ *= kCostDecay;
+    sx_ *= kCostDecay;
+    sy_ *= kCostDecay;
+    sxx_ *= kCostDecay;
+    sxy_ *= kCostDecay;
+    add(x, seconds, 1.0);
+    ++n_;
+}
+
+double verify_cost::ratio(int32_t rows) const {
+    const double x = std::max(rows, 1) - 1;
+    if (fixed_ >= 0) return 1 + fixed_ * x;
+    if (n_ == 0) return 1 + kCostPriorSlope * x;
+    const double den = sw_ * sxx_ - sx_ * sx_;  // > 0: the prior's two abscissae differ
+    double beta = den > 0 ? (sw_ * sxy_ - sx_ * sy_) / den : 0.0;
+    double alpha = (sy_ - beta * sx_) / sw_;
+    if (beta < 0) {  // rows cannot make a forward cheaper: the mean is the cost of any width
+        beta = 0;
+        alpha = sy_ / sw_;
+    }
+    if (!(alpha > 0)) return 1 + kCostPriorSlope * x;  // a line through zero: keep the prior's shape
+    return 1 + beta / alpha * x;
+}
+
+int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
+    if (!adaptive_) return max_;
+    const double a = acceptance();
+    int32_t best_k = 0;
+    double best = 1.0, e = 1.0, p = 1.0;  // E(0) / c(1) = 1
+    const int32_t base = std::max(other_rows, 0) + 1;
+    const double c0 = cost ? cost->ratio(base) : 1.0;
+    for (int32_t k = 1; k <= max_; ++k) {
+        p *= a;
+        e += p;
+        const double g = e / (cost ? cost->ratio(base + k) / c0 : 1.0);
+        if (g > best * (1 + 1e-9)) {
+            best = g;
+            best_k = k;
+        }
+    }
+    if (best_k > 0) {
+        pause_ = 0;
+        skip_ = 0;
+        return best_k;
+    }
+    if (skip_ > 0) {
+        --skip_;
+        return 0;
+    }
+    // One draft, to learn whether the drafter got better; the next probe waits twice as long (a kept
+    // probe only moves the acceptance estimate: drafting resumes when the estimate says it pays).
+    pause_ = std::min(pause_ * 2 + 1, kMaxPause);
+    skip_ = pause_;
+    return 1;
+}
+
+size_t draft_budget::cut(std::span<const float> c, const verify_cost *cost, int32_t other_rows) {
+    const int32_t base = std::max(other_rows, 0) + 1;
+    const double c0 = cost ? cost->ratio(base) : 1.0;
+    size_t best_k = 0;
+    double best = 1.0, e = 1.0, p = 1.0;
+    for (size_t k = 1; k <= c.size(); ++k) {
+        const float q = c[k - 1];
+        p *= (q >= 0.0f && q <= 1.0f) ? static_cast<double>(q) : 0.0;
+        e += p;
+        const double g = e / (cost ? cost->ratio(base + static_cast<int32_t>(k)) / c0 : 1.0);
+        if (g > best * (1 + 1e-9)) {
+            best = g;
+            best_k = k;
+        }
+    }
+    return best_k;
+}
+
+void draft_budget::update(size_t drafted, size_t kept) {
+    if (!adaptive_ || drafted == 0) return;
+    kept_ = kept_ * kAcceptDecay + static_cast<double>(kept);
+    rejected_ = rejected_ * kAcceptDecay + (kept < drafted ? 1.0 : 0.0);
+}
+
+// ---- the loop -------------------------------------------------------------------------------------
+
 spec_stats generate_ngram(session &s, sampler &smp, int64_t n_ctx, const ngram_options &o,
                           const std::function<token_verdict(int32_t)> &on_token) {
     o.validate();
-    return generate(s, smp, n_ctx, o.draft_max, o.adaptive,
+    return generate(s, smp, n_ctx, o,
                     [&o](std::span<const int32_t> h, int32_t max) { return ngram_draft(h, o, max); }, on_token);
 }
 
-spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, bool adaptive, const drafter &draft,
+spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options &width, const drafter &draft,
                     const std::function<token_verdict(int32_t)> &on_token) {
-    if (draft_max < 1 || draft_max > 64)
-        throw error("speculative: draft_max must be in [1, 64], got " + std::to_string(draft_max));
+    width.validate();
     if (!s.rolls_back())
         throw error("speculative decoding needs a session that can drop rejected positions; this engine's "
                     "sessions cannot (DeepSeek V4 rolls back on the CPU only so far, not on CUDA or several devices)");
@@ -57,7 +175,8 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
     const size_t V = logits.size();
     std::vector<float> first(logits.begin(), logits.end());  // the session's buffer changes with eval
     std::span<const float> cur(first);
-    draft_budget budget(draft_max, adaptive);
+    draft_budget budget(width.draft_max, width.adaptive);
+    verify_cost cost = width.cost();  // this session's forwards, timed (unless fixed)
     bool pending = false;  // `tok` was sampled (from the last step's logits) and not yet judged
     int32_t tok = -1;
     for (;;) {
@@ -75,21 +194,25 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
         // Drafts that fit: the forward appends 1 + k tokens.
         const int64_t room = n_ctx - static_cast<int64_t>(hist.size());
         // ...and that the session can drop again (DS4: a few positions of history in its rings).
-        const int32_t k_max = static_cast<int32_t>(std::min({static_cast<int64_t>(budget.next()), room, s.rollback_limit()}));
+        const int32_t k_max = static_cast<int32_t>(std::min({static_cast<int64_t>(budget.next(&cost)), room, s.rollback_limit()}));
         std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
         if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
+        if (const std::vector<float> conf = s.draft_confidence(); !conf.empty() && width.adaptive)
+            drafts.resize(std::min(drafts.size(), draft_budget::cut(std::span<const float>(conf).first(
+                                                                         std::min(conf.size(), drafts.size())),
+                                                                     &cost)));
         std::vector<int32_t> batch;
         batch.reserve(1 + drafts.size());
         batch.push_back(tok);
         batch.insert(batch.end(), drafts.begin(), drafts.end());
         rows.resize(batch.size() * V);
+        const auto t0 = std::chrono::steady_clock::now();
         s.eval(batch, rows.data());
+        cost.observe(static_cast<int32_t>(batch.size()),
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         ++st.steps;
         st.drafted += static_cast<int64_t>(drafts.size());
-        // Position j (after batch[0..j]): sample as plain decoding would; keep drafts[j] while it matches.
         // A throw (the sampler, on_token) leaves the session holding only the kept tokens.
-        size_t j = 0;
-        bool stop = false;
         struct trim_on_throw {
             session &s;
             const std::vector<int32_t> &hist;
@@ -103,29 +226,34 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, int32_t draft_max, 
                 }
             }
         } guard{s, hist};
-        for (;;) {
-            cur = std::span<const float>(rows.data() + j * V, V);
-            const int32_t y = smp.sample(cur, hist).token;
-            if (j < drafts.size() && y == drafts[j]) {
+        bool stop = false;
+        int32_t last = -1;
+        const size_t j = accept_drafts(
+            drafts,
+            [&](size_t i) -> std::optional<int32_t> {
+                cur = std::span<const float>(rows.data() + i * V, V);
+                return smp.sample(cur, hist).token;
+            },
+            [&](size_t, int32_t y) {
                 const token_verdict w = on_token(y);
                 if (w == token_verdict::stop) {
                     stop = true;
-                    break;
+                    return draft_verdict::refuse;
                 }
                 ++st.emitted;
                 ++st.accepted;
                 if (w == token_verdict::keep_and_stop || static_cast<int64_t>(hist.size()) >= n_ctx) {
                     st.hit_ctx = w == token_verdict::keep;
                     stop = true;
-                    break;
+                    return draft_verdict::take_and_stop;  // kept, not evaluated (as the plain loop's last)
                 }
                 hist.push_back(y);
-                ++j;
-                continue;
-            }
-            tok = y;  // the next position's token, sampled from its logits: judged at the loop's top
+                return draft_verdict::take;
+            },
+            &last);
+        if (!stop) {
+            tok = last;  // the next position's token, sampled from its logits: judged at the loop's top
             pending = true;
-            break;
         }
         s.truncate(static_cast<int64_t>(hist.size()));  // drop the drafts after the kept ones
         budget.update(drafts.size(), j);

@@ -50,7 +50,7 @@ DEVICES = ["--device", "--devices", "--layout", "--micro-batch", "--procs", "--p
            "--no-cuda-graph"]
 SAMPLING = ["--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--frequency-penalty",
             "--presence-penalty", "--seed"]
-SPEC = ["--spec", "--draft-model", "--draft-max", "--ngram-min", "--ngram-max"]
+SPEC = ["--spec", "--draft-model", "--draft-max", "--draft-row-cost", "--ngram-min", "--ngram-max"]
 ENGINE_GROUPS = {"Model": MODEL_FILE, "Engine": ENGINE, "Devices": DEVICES}
 OPTIONS = {
     "run": {**ENGINE_GROUPS, "Prompt": ["-p,--prompt", "-f,--file", "-n,--n-predict", "--system", "--no-chat"],

@@ -249,6 +249,49 @@ TEST_F(CudaDs4Model, LogitsStayOnTheDeviceForSampling) {
     }
 }
 
+// Sequences sharing a prefill pool (cuda_prefill_pool: one chunk scratch taken for each multi-token
+// evaluation and given back) give bit for bit the logits of sequences that own their scratch (checked
+// against the CPU reference above), with their evaluations interleaved, a pooled sequence destroyed
+// mid-way and a new one created afterwards (the scratch it hands back is reused), and at another
+// context size (a scratch of another geometry is not taken).
+TEST_F(CudaDs4Model, SequencesSharingAPrefillPoolMatchOwnScratch) {
+    auto m = ds4::load_model(quant_model_path());
+    const size_t V = static_cast<size_t>(m->hp.n_vocab);
+    const auto toks = random_tokens(400, m->hp.n_vocab, 41);
+    auto w = upload(*m, ds4::qat_mode::full, kv_precision::f16);
+    auto pool = ds4::cuda_make_prefill_pool();
+    struct pair {
+        std::unique_ptr<ds4::cuda_sequence> own, pooled;
+    };
+    auto make = [&](int64_t n_ctx) {
+        return pair{std::make_unique<ds4::cuda_sequence>(w, n_ctx, true, 37),
+                    std::make_unique<ds4::cuda_sequence>(w, n_ctx, true, 37, pool)};
+    };
+    std::vector<pair> seqs;
+    seqs.push_back(make(320));
+    seqs.push_back(make(320));
+    seqs.push_back(make(200));
+    // (sequence, tokens): prompts of several chunks, decodes, more prompt after decodes.
+    const std::vector<std::pair<size_t, size_t>> plan = {{0, 101}, {1, 80}, {0, 1}, {0, 1}, {2, 120}, {1, 1},
+                                                          {0, 50},  {2, 1}, {1, 74}, {2, 2}, {0, 1}};
+    std::vector<float> a, b;
+    int step = 0;
+    auto run = [&](size_t i, size_t n) {
+        ds4::cuda_sequence &x = *seqs[i].own, &y = *seqs[i].pooled;
+        const size_t at = static_cast<size_t>(x.n_past());
+        a.assign(n * V, 0.0f);
+        b.assign(n * V, 1.0f);
+        x.eval(std::span(toks).subspan(at, n), a);
+        y.eval(std::span(toks).subspan(at, n), b);
+        ASSERT_EQ(x.n_past(), y.n_past());
+        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "step " << step << " sequence " << i;
+        ++step;
+    };
+    for (const auto &[i, n] : plan) run(i, n);
+    seqs[1] = make(320);  // destroyed after handing its scratch back; a fresh one reuses it
+    for (const auto &[i, n] : std::vector<std::pair<size_t, size_t>>{{1, 90}, {0, 1}, {1, 1}, {2, 40}}) run(i, n);
+}
+
 TEST_F(CudaDs4Model, BadInputIsRejectedAndSequenceSurvives) {
     auto w = upload(tiny_model(), ds4::qat_mode::full, kv_precision::f16);
     ds4::cuda_sequence seq(w, 8);

@@ -11,11 +11,16 @@
 //  * bad options: one clear error at load.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "core/error.h"
+#include "server/daemon.h"
 #include "fathom/engine.h"
 #include "fathom/speculative.h"
 #include "golden_util.h"
@@ -183,8 +188,11 @@ std::vector<int32_t> generate(engine &e, const std::vector<int32_t> &prompt, con
         return out;
     }
     session &sr = *s;
+    spec::width_options w;
+    w.draft_max = 4;
+    w.adaptive = false;
     const spec::spec_stats r = spec::generate(
-        sr, smp, e.info().n_ctx, 4, false, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
+        sr, smp, e.info().n_ctx, w, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
         [&](int32_t t) {
             out.push_back(t);
             return static_cast<int>(out.size()) >= n ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;
@@ -208,6 +216,34 @@ TEST(ds4_drafters, speculation_with_either_drafter_is_plain_decoding) {
             EXPECT_GT(st.drafted, 100) << kind;
         }
     }
+}
+
+// The daemon's generate with the session's drafter (fathom daemon --spec mtp|dspark): the plain daemon's
+// reply (greedy ids) with drafts evaluated and kept.
+TEST(ds4_drafters, daemon_generate_with_either_drafter_replies_as_plain) {
+    const auto cases = ds4_test::load_cases("cases.jsonl");
+    const std::filesystem::path root =
+        std::filesystem::path(::testing::TempDir()) / ("fathom_ds4_daemon_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(root);
+    {
+        std::ofstream o(root / "p.bin", std::ios::binary);
+        for (int32_t t : cases.at(0).tokens) o.write(reinterpret_cast<const char *>(&t), 4);  // int32 LE (x86)
+    }
+    server::daemon plain([] { return load("", "", "full", 512); }, root);
+    const std::string want = plain.handle("generate p.bin 120");
+    ASSERT_EQ(want.rfind("ok ", 0), 0u) << want;
+    for (const auto &[kind, file] : {std::pair{"mtp", kMtp}, std::pair{"dspark", kDspark}}) {
+        server::daemon_spec sp;
+        sp.mode = "session";
+        server::daemon d([kind, file] { return load(kind, file, "full", 512); }, root, {}, {}, sp);
+        EXPECT_EQ(d.handle("generate p.bin 120"), want) << kind;
+        unsigned long steps = 0, drafted = 0, accepted = 0;
+        EXPECT_EQ(std::sscanf(d.handle("stats").c_str(), "ok spec_steps %lu drafted %lu accepted %lu", &steps, &drafted,
+                              &accepted),
+                  3);
+        EXPECT_GT(drafted, 0u) << kind;
+    }
+    std::filesystem::remove_all(root);
 }
 
 TEST(ds4_drafters, bad_options_fail_at_load) {

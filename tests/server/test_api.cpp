@@ -173,6 +173,21 @@ TEST(Api, ForcedCallGrammar) {
     EXPECT_EQ(forced_call_grammar(tools, named, *dsml), nullptr);
 }
 
+// "speculative": false / true / {"draft_max": N} (docs/server.md "Speculative decoding").
+TEST(Api, SpeculativeOverride) {
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}}).draft_max, -1);
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"speculative", false}}).draft_max, 0);
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"speculative", true}}).draft_max, -1);
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"speculative", {{"draft_max", 3}}}}).draft_max, 3);
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"speculative", {{"draft_max", 0}}}}).draft_max, 0);
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"speculative", {{"draft_max", 65}}}}); }, 400, "draft_max",
+                 "between");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"speculative", {{"width", 2}}}}); }, 400, "speculative",
+                 "only 'draft_max'");
+    expect_error([] { chat({{"messages", user_msgs("x")}, {"speculative", "yes"}}); }, 400, "speculative",
+                 "boolean");
+}
+
 TEST(Api, BodyMustBeJsonObject) {
     expect_error([] { parse_body("not json"); }, 400, "", "not valid JSON");
     expect_error([] { parse_body("[1,2]"); }, 400, "", "JSON object");

@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <thread>
 #include <sstream>
 
+#include "core/error.h"
 #include "fake_engine.h"
 #include "server/daemon.h"
 
@@ -190,7 +192,7 @@ TEST(Daemon, Protocol) {
     EXPECT_EQ(d.handle("compress p.bin 200 default"), "error: compress: no default drafter (start the daemon with --drafter PATH)");
     EXPECT_EQ(d.handle("compress p.bin 200 ../x.gguf").rfind("error: compress: path '../x.gguf' contains '..'", 0), 0u);
     EXPECT_EQ(d.handle(""), "");
-    EXPECT_EQ(d.handle("bogus"), "error: unknown command 'bogus' (generate, compress, park, unpark, snapshot, restore, free, list, quit)");
+    EXPECT_EQ(d.handle("bogus"), "error: unknown command 'bogus' (generate, compress, park, unpark, snapshot, restore, free, list, stats, quit)");
     EXPECT_EQ(d.handle("generate ../p.bin 2").rfind("error: generate: ", 0), 0u);
     EXPECT_EQ(d.handle("generate /etc/passwd 2").rfind("error: generate: ", 0), 0u);
     EXPECT_EQ(d.handle("generate p.bin x").rfind("error: generate: n must be", 0), 0u);
@@ -223,6 +225,36 @@ TEST(Daemon, Protocol) {
     EXPECT_TRUE(d.done());
 }
 
+// --spec ngram: the fake's periodic completion ('a' + held % 26) repeats, so n-gram drafts are kept; the
+// replies are the plain daemon's, at every length (token limits inside a step's drafts, a full context).
+TEST(Daemon, SpeculativeGenerateRepliesAsPlain) {
+    temp_root r;
+    server::daemon_spec sp;
+    sp.mode = "ngram";
+    sp.ngram.ngram_min = 1;
+    sp.ngram.row_cost = 0;  // deterministic widths
+    server::daemon plain([] { return std::make_unique<test::fake_engine>(120); }, r.dir);
+    server::daemon spec([] { return std::make_unique<test::fake_engine>(120); }, r.dir, {}, {}, sp);
+    std::vector<int32_t> prompt{test::k_bos};
+    for (int i = 0; i < 60; ++i) prompt.push_back('a' + (i + 1) % 26);  // one period and more: drafts match
+    r.write_ids("p.bin", prompt);
+    for (int n : {1, 2, 3, 7, 26, 40, 59, 60, 61, 100}) {
+        const std::string cmd = "generate p.bin " + std::to_string(n);
+        EXPECT_EQ(plain.handle(cmd), spec.handle(cmd)) << cmd;  // n >= 60: the context (120) ends it
+    }
+    const std::string st = spec.handle("stats");
+    ASSERT_EQ(st.rfind("ok spec_steps ", 0), 0u) << st;
+    unsigned long steps = 0, drafted = 0, accepted = 0;
+    ASSERT_EQ(std::sscanf(st.c_str(), "ok spec_steps %lu drafted %lu accepted %lu", &steps, &drafted, &accepted), 3);
+    EXPECT_GT(accepted, 50u);
+    EXPECT_LE(accepted, drafted);
+    EXPECT_EQ(plain.handle("stats"), "ok spec_steps 0 drafted 0 accepted 0");
+    EXPECT_EQ(spec.handle("stats x"), "error: stats: usage: stats");
+    server::daemon_spec bad;
+    bad.mode = "guess";
+    EXPECT_THROW(server::daemon([] { return std::make_unique<test::fake_engine>(64); }, r.dir, {}, {}, bad), error);
+}
+
 TEST(Daemon, RunLoopOneLinePerCommand) {
     temp_root r;
     server::daemon d([] { return std::make_unique<test::fake_engine>(64); }, r.dir);
@@ -231,7 +263,7 @@ TEST(Daemon, RunLoopOneLinePerCommand) {
     d.run(in, out);
     EXPECT_EQ(out.str(),
               "ok target=loaded draft=none working=0 slots=\n"
-              "error: unknown command 'nope' (generate, compress, park, unpark, snapshot, restore, free, list, quit)\n"
+              "error: unknown command 'nope' (generate, compress, park, unpark, snapshot, restore, free, list, stats, quit)\n"
               "ok bye\n");
 }
 

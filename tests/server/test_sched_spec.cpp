@@ -73,6 +73,7 @@ scheduler_options opts(bool spec, int slots = 1, int draft_max = 8) {
     o.spec = spec;
     o.spec_ngram.draft_max = draft_max;
     o.spec_ngram.ngram_min = 1;
+    o.spec_ngram.row_cost = 0;  // deterministic widths (the fake engine's step times are noise)
     return o;
 }
 
@@ -92,6 +93,48 @@ TEST(SchedSpec, SameOutputAsPlainDecodingAtEveryLength) {
     EXPECT_LE(st.spec_accepted, st.spec_drafted);
     EXPECT_LT(spec_eng.sync_steps.load(), plain_eng.sync_steps.load() / 2) << "speculation saved no steps";
     EXPECT_EQ(plain.stats().spec_drafted, 0u);
+}
+
+// The request's own cap (request::draft_max: 0 off, N at most N per step): the same output; the final
+// event reports the request's drafted and kept tokens.
+TEST(SchedSpec, PerRequestDraftCapAndCounts) {
+    test::fake_engine pe, se;
+    scheduler plain(pe, opts(false)), spec(se, opts(true));
+    const auto prompt = chat_prompt(pe, kText);
+    const result want = collect(*plain.submit(req(prompt, 80)));
+    auto final_of = [](job &j, result &r) {
+        event ev;
+        event last;
+        for (;;) {
+            if (!j.next(ev, 5000ms)) {
+                ADD_FAILURE() << "timed out";
+                return last;
+            }
+            r.text += ev.text;
+            for (const auto &t : ev.tokens) r.ids.push_back(t.id);
+            if (ev.final) {
+                r.reason = ev.reason;
+                r.n_generated = ev.n_generated;
+                return ev;
+            }
+        }
+    };
+    for (int32_t cap : {-1, 0, 1, 3}) {
+        request r = req(prompt, 80);
+        r.draft_max = cap;
+        const uint64_t drafted_before = spec.stats().spec_drafted;
+        result got;
+        const event fin = final_of(*spec.submit(r), got);
+        EXPECT_EQ(got, want) << "cap " << cap;
+        const uint64_t drafted = spec.stats().spec_drafted - drafted_before;
+        EXPECT_EQ(uint64_t(fin.n_drafted), drafted) << "cap " << cap;
+        EXPECT_LE(fin.n_accepted, fin.n_drafted);
+        if (cap == 0) EXPECT_EQ(fin.n_drafted, 0) << "speculation off for this request";
+        else EXPECT_GT(fin.n_accepted, 20) << "cap " << cap;
+        if (cap > 0) {  // at most cap drafts per step: steps >= drafted / cap
+            EXPECT_GE(int64_t(spec.stats().spec_steps) * cap, fin.n_drafted);
+        }
+    }
 }
 
 TEST(SchedSpec, StopStringsSampledRequestsAndFullContext) {

@@ -248,7 +248,11 @@ spec::drafter oracle(const std::vector<int32_t> &prompt, const std::vector<int32
 outcome with_drafter(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
                      int draft_max, bool adaptive, const spec::drafter &d) {
     return run_spec(e, prompt, p, max_tokens, [&](session &s, sampler &smp, int64_t n_ctx, const auto &on_token) {
-        return spec::generate(s, smp, n_ctx, draft_max, adaptive, d, on_token);
+        spec::width_options w;
+        w.draft_max = draft_max;
+        w.adaptive = adaptive;
+        w.row_cost = 0;  // deterministic widths: the drafts' timing must not decide what the test exercises
+        return spec::generate(s, smp, n_ctx, w, d, on_token);
     });
 }
 

@@ -26,9 +26,9 @@ void chat_main(const chat_args &a) {
     a.sampling.validate();
     a.spec.ngram.validate();
     model_args ma = a.model;
-    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
-    auto eng = load_engine(ma);
     spec_args spec = a.spec;
+    apply_spec(ma, spec);  // --spec auto resolved; --spec mtp|dspark: the drafter loads with the model
+    auto eng = load_engine(ma);
     prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();
     sampler smp(a.sampling);

@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "fathom/error.h"
+#include "gguf/gguf.h"
 #include "tokenizer/tokenizer.h"  // utf8_stream
 
 namespace fs = std::filesystem;
@@ -413,13 +414,13 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
                                                                   : spec::token_verdict::keep;
         };
         if (spec->mode == "mtp" || spec->mode == "dspark") {
-            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram,
                                      [&sess](std::span<const int32_t> h, int32_t max) { return sess.draft(h, max); },
                                      on_token);
         } else if (spec->mode == "draft") {
             if (!spec->drafter) throw error("--spec draft: no draft model prepared");
             spec::model_drafter &d = *spec->drafter;
-            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram.draft_max, spec->ngram.adaptive,
+            st.spec = spec::generate(sess, smp, n_ctx, spec->ngram,
                                      [&d](std::span<const int32_t> h, int32_t max) { return d(h, max); }, on_token);
         } else {
             st.spec = spec::generate_ngram(sess, smp, n_ctx, spec->ngram, on_token);
@@ -455,15 +456,22 @@ void add_spec_options(CLI::App *cmd, spec_args &a) {
     cmd->add_option("--spec", a.mode,
                     "Speculative decoding: none; ngram (drafts from n-grams already in the prompt and output); draft "
                     "(a smaller model with the same tokenizer drafts, --draft-model); mtp (DeepSeek V4's MTP head, "
-                    "from the model file or --draft-model); dspark (a DeepSeek V4 DSpark drafter, --draft-model). "
-                    "Same tokens, fewer forwards")
-        ->check(CLI::IsMember({"none", "ngram", "draft", "mtp", "dspark"}))
+                    "from the model file or --draft-model); dspark (a DeepSeek V4 DSpark drafter, --draft-model); "
+                    "auto (the best the files offer: dspark / mtp for DeepSeek V4, draft with --draft-model, else "
+                    "ngram). Same tokens, fewer forwards")
+        ->check(CLI::IsMember({"none", "ngram", "draft", "mtp", "dspark", "auto"}))
         ->capture_default_str();
     cmd->add_option("--draft-model", a.draft_model,
                     "--spec draft: the drafting model (path or short name); --spec mtp: the MTP head's GGUF (default: "
                     "the model file); --spec dspark: the DSpark drafter's GGUF");
     cmd->add_option("--draft-max", a.ngram.draft_max, "--spec: most tokens drafted per step")
         ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    cmd->add_option("--draft-row-cost", a.ngram.row_cost,
+                    "--spec: the verification cost of each drafted row relative to a one-row step, for the adaptive "
+                    "width (which maximises expected tokens per second); < 0 measures it as it runs, >= 0 fixes it "
+                    "(reproducible widths)")
+        ->check(CLI::Range(-1.0, 64.0))
         ->capture_default_str();
     cmd->add_option("--ngram-min", a.ngram.ngram_min, "--spec ngram: shortest n-gram looked up")
         ->check(CLI::Range(1, 16))
@@ -473,14 +481,46 @@ void add_spec_options(CLI::App *cmd, spec_args &a) {
         ->capture_default_str();
 }
 
-void apply_spec(model_args &m, const spec_args &a) {
+void resolve_spec_mode(spec_args &a, const model_args &m) {
+    if (a.mode != "auto") return;
+    a.from_auto = true;
+    const std::string path = resolve_model_path(m.model, m.models_dir);
+    const auto f = gguf::file::open(path);
+    const std::string arch(f->get_string("general.architecture", ""));
+    // DeepSeek V4's own drafters run on one CPU device only so far: elsewhere n-grams (prepare_spec then
+    // turns speculation off when the sessions cannot roll back at all).
+    const bool ds4_cpu = arch == "deepseek4" && m.device == "cpu" && m.devices.empty();
+    if (arch == "deepseek4" && !ds4_cpu) {
+        a.mode = "ngram";
+        return;
+    }
+    if (!a.draft_model.empty()) {
+        if (arch != "deepseek4") {
+            a.mode = "draft";
+            return;
+        }
+        const auto d = gguf::file::open(resolve_model_path(a.draft_model, m.models_dir));
+        a.mode = d->get_string("general.architecture", "") == "deepseek4-dflash-draft" ? "dspark" : "mtp";
+        return;
+    }
+    a.mode = arch == "deepseek4" && f->get_int("deepseek4.nextn_predict_layers", 0) > 0 ? "mtp" : "ngram";
+}
+
+void apply_spec(model_args &m, spec_args &a) {
+    resolve_spec_mode(a, m);
     if (a.mode != "mtp" && a.mode != "dspark") return;
     if (a.mode == "dspark" && a.draft_model.empty()) throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF)");
     m.ds4_draft = a.mode;
     m.ds4_draft_model = a.draft_model.empty() ? "" : resolve_model_path(a.draft_model, m.models_dir);
 }
 
-void prepare_spec(spec_args &a, const model_args &m, const engine &target) {
+void prepare_spec(spec_args &a, const model_args &m, engine &target) {
+    if (a.from_auto && a.enabled() && !target.new_session()->rolls_back()) {
+        std::fprintf(stderr, "note: --spec auto: this model's sessions cannot drop rejected positions here (DeepSeek V4 "
+                             "rolls back on one CPU device so far); decoding without speculation\n");
+        a.mode = "none";
+        return;
+    }
     if (a.mode == "mtp" || a.mode == "dspark") {  // loaded with the target (apply_spec)
         if (target.info().arch != "deepseek4")
             throw error("--spec " + a.mode + " is for DeepSeek V4 models; this one is " + target.info().arch);

@@ -118,8 +118,8 @@ CLI::Validator at_least(long long min);
 // --presence-penalty, --seed. Values are checked later by sampling_params::validate().
 void add_sampling_options(CLI::App *cmd, sampling_params &p);
 
-// Speculative decoding (include/fathom/speculative.h): --spec none|ngram|draft|mtp|dspark, --draft-max,
-// --ngram-min, --ngram-max, --draft-model. spec_args::enabled() when --spec is not none; with --spec draft,
+// Speculative decoding (include/fathom/speculative.h): --spec none|ngram|draft|mtp|dspark|auto, --draft-max,
+// --draft-row-cost, --ngram-min, --ngram-max, --draft-model. spec_args::enabled() when --spec is not none; with --spec draft,
 // prepare_spec loads the draft model (after the target) and makes the drafter; --spec mtp|dspark are
 // DeepSeek V4's own drafters, loaded with the target (apply_spec sets the engine options first) and run
 // by its sessions (session::draft).
@@ -129,12 +129,20 @@ struct spec_args {
     std::string draft_model;  // --spec draft: path or short name
     std::shared_ptr<engine> draft_engine;
     std::shared_ptr<spec::model_drafter> drafter;
+    bool from_auto = false;  // mode was chosen by --spec auto (apply_spec)
     bool enabled() const { return mode != "none"; }
 };
 void add_spec_options(CLI::App *cmd, spec_args &a);
-// Before loading the target: --spec mtp|dspark become engine options (the drafter file resolved).
-void apply_spec(model_args &m, const spec_args &a);
-void prepare_spec(spec_args &a, const model_args &m, const engine &target);
+// Before loading the target: --spec auto becomes the best drafter the files offer (resolve_spec_mode),
+// then --spec mtp|dspark become engine options (the drafter file resolved).
+void apply_spec(model_args &m, spec_args &a);
+// --spec auto: DeepSeek V4 with --draft-model: dspark when that file is a DSpark drafter, else mtp (an
+// MTP file); DeepSeek V4 whose own file holds the MTP layer: mtp; another model with --draft-model: draft;
+// otherwise ngram. Reads only the GGUF headers. Other modes are left as they are.
+void resolve_spec_mode(spec_args &a, const model_args &m);
+// After loading the target: --spec draft loads the draft model. A mode chosen by --spec auto on a model
+// whose sessions cannot roll back becomes none (with a note), where an explicit --spec is an error later.
+void prepare_spec(spec_args &a, const model_args &m, engine &target);
 
 // ---------------------------------------------------------------------------------------------
 // Terminal helpers

@@ -16,6 +16,7 @@ void add_daemon_command(CLI::App &app) {
         std::string prompt_cache;  // disk prompt cache directory ("" = none)
         double prompt_cache_max_gib = 8;
         int64_t prompt_cache_min_tokens = 32;
+        spec_args spec;
     };
     auto a = std::make_shared<daemon_args>();
     auto *cmd = app.add_subcommand("daemon", "Drive the engine with newline-delimited commands on stdin "
@@ -37,13 +38,24 @@ void add_daemon_command(CLI::App &app) {
                     "Shortest token sequence saved, and the least gain over the working session for a load")
         ->capture_default_str()
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+    add_spec_options(cmd, a->spec);
     cmd->callback([a]() {
         const std::string drafter = a->drafter.empty() ? "" : resolve_model_path(a->drafter, a->model.models_dir);
         cache::options pc;
         pc.dir = a->prompt_cache;
         pc.max_bytes = uint64_t(a->prompt_cache_max_gib * 1073741824.0);
         pc.min_tokens = a->prompt_cache_min_tokens;
-        server::daemon d([a] { return load_engine(a->model); }, a->root, drafter, pc);
+        a->spec.ngram.validate();
+        model_args ma = a->model;
+        spec_args sa = a->spec;
+        resolve_spec_mode(sa, ma);  // --spec auto
+        if (sa.mode == "draft")
+            throw error("--spec draft: the daemon drafts with n-grams or DeepSeek V4's own heads (--spec ngram|mtp|dspark|auto)");
+        apply_spec(ma, sa);  // mtp|dspark: the drafter loads with the model (and again on unpark)
+        server::daemon_spec ds;
+        ds.mode = sa.mode == "none" ? "none" : (sa.mode == "mtp" || sa.mode == "dspark") ? "session" : "ngram";
+        ds.ngram = sa.ngram;
+        server::daemon d([ma] { return load_engine(ma); }, a->root, drafter, pc, ds);
         std::cout << "ok ready" << std::endl;
         d.run(std::cin, std::cout);
     });

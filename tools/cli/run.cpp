@@ -47,7 +47,8 @@ void run_main(const run_args &a) {
     const pflash::drafter_residency residency = pflash::parse_residency(a.drafter_residency);
     const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
     model_args ma = a.model;
-    apply_spec(ma, a.spec);  // --spec mtp|dspark: the drafter loads with the model
+    spec_args spec = a.spec;
+    apply_spec(ma, spec);  // --spec auto resolved; --spec mtp|dspark: the drafter loads with the model
     auto eng = load_engine(ma);
 
     std::string text = prompt;
@@ -80,7 +81,6 @@ void run_main(const run_args &a) {
         tokens = r.tokens;
     }
 
-    spec_args spec = a.spec;
     prepare_spec(spec, a.model, *eng);
     auto sess = eng->new_session();
     sampler smp(a.sampling);

@@ -68,6 +68,7 @@ chat_thinking parse_reasoning_flag(const std::string &v) {
 }
 
 void serve_main(serve_args &a) {
+    resolve_spec_mode(a.spec, a.model);  // --spec auto: before the (slow) load
     if (a.spec.mode == "draft")  // before the (slow) load
         throw error("--spec draft: serve drafts with n-grams or DeepSeek V4's own heads so far (--spec ngram|mtp|dspark); "
                     "draft models work in run and chat");

@@ -362,6 +362,12 @@ cudaStream_t gemm_runner::stream() const {
     return p_->s;
 }
 
+void gemm_runner::set_stream(cudaStream_t s) {
+    p_->s = s;
+    ckb(cublasSetStream(p_->h, s), "gemm: cublasSetStream");
+    ckb(cublasSetWorkspace(p_->h, p_->ws, kCublasWorkspace), "gemm: cublasSetWorkspace");  // SetStream resets it
+}
+
 bool gemm_runner::supported(const gemm_weight &w) {
     return weight_problem(w).empty();
 }

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -523,6 +524,48 @@ int64_t comp_capacity(int64_t n_ctx, int ratio) {
 
 }  // namespace
 
+// Scratch of a prefill chunk of up to `cap` tokens, all [cap, ...] row-major (alloc_chunk sizes it for a
+// sequence's geometry and context; every sequence of an engine has the same).
+struct chunk_state {
+    int device = 0;
+    std::vector<void *> allocs;
+    int64_t cap = 0, n_ctx = 0;
+    int32_t *tokens = nullptr;
+    float *x[2] = {nullptr, nullptr};
+    float *xn, *mix, *post, *comb, *q_lat, *q, *kv, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y;
+    void *kv_rows = nullptr;  // the chunk's KV rows in the ring's precision (window source)
+    int32_t *sel = nullptr, *n_sel = nullptr;
+    size_t score_floats = 0;
+    std::unique_ptr<cd::gemm_runner> gemm;
+    std::unique_ptr<cd::moe_prefill> moe;
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating prefill scratch");
+        allocs.push_back(p);
+        return static_cast<T *>(p);
+    }
+    ~chunk_state() {
+        cudaSetDevice(device);
+        moe.reset();
+        gemm.reset();
+        for (void *p : allocs) cudaFree(p);
+    }
+};
+
+// Idle chunk scratch of an engine's sequences (cuda_make_prefill_pool). One chunk runs at a time per
+// engine (its forward mutex), so it holds one in practice.
+class cuda_prefill_pool {
+  public:
+    std::mutex mu;
+    std::vector<std::unique_ptr<chunk_state>> idle;
+    int64_t created = 0;  // scratches allocated for it (the first with the first sequence)
+};
+
+std::shared_ptr<cuda_prefill_pool> cuda_make_prefill_pool() {
+    return std::make_shared<cuda_prefill_pool>();
+}
+
 struct cuda_sequence::impl {
     std::shared_ptr<const cuda_weights> w;
     cudaStream_t s = nullptr;
@@ -593,18 +636,13 @@ struct cuda_sequence::impl {
     void enqueue_attention(const dlayer &l, layer_state_dev &st);
     void enqueue_step();
 
-    // Prefill chunks (ds4_prefill.h): scratch for up to `chunk` tokens, all [chunk, ...] row-major.
-    struct chunk_state {
-        int64_t cap = 0;
-        int32_t *tokens = nullptr;
-        float *x[2] = {nullptr, nullptr};
-        float *xn, *mix, *post, *comb, *q_lat, *q, *kv, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y;
-        void *kv_rows = nullptr;  // the chunk's KV rows in the ring's precision (window source)
-        int32_t *sel = nullptr, *n_sel = nullptr;
-        size_t score_floats = 0;
-        std::unique_ptr<cd::gemm_runner> gemm;
-        std::unique_ptr<cd::moe_prefill> moe;
-    } cs;
+    // Prefill chunks (ds4_prefill.h): the scratch of one chunk (chunk_state, below the class), owned
+    // (cs_own) while an evaluation uses it; with a prefill pool taken from it for the evaluation and given
+    // back afterwards (take_chunk / give_back_chunk), so the sequences of an engine share one.
+    chunk_state *cs = nullptr;
+    std::unique_ptr<chunk_state> cs_own;
+    std::shared_ptr<cuda_prefill_pool> pool;
+    int64_t chunk_cap = 0, n_ctx_of_state = 0;
     // Sampling summary (logits_top): scratch allocated on first use.
     struct sample_state {
         float *work = nullptr, *vals = nullptr, *max = nullptr;
@@ -613,10 +651,14 @@ struct cuda_sequence::impl {
         uint32_t *bad = nullptr;
         int pen_cap = 0;
     } ss;
-    void alloc_chunk(int64_t cap);
+    std::unique_ptr<chunk_state> alloc_chunk(int64_t cap);
+    // The scratch for this evaluation: the sequence's own, or one from the pool (allocated when none is
+    // idle), on this sequence's stream; give_back_chunk waits for the stream and returns a pooled one.
+    void take_chunk();
+    void give_back_chunk() noexcept;
     void enqueue_chunk_attention(const dlayer &l, layer_state_dev &st, int64_t n);
-    // The chunk's n tokens (cs.tokens, position *pos) through this device's blocks; the state leaving
-    // them is in cs.x[0]. Synchronises once per layer (MoE expert counts).
+    // The chunk's n tokens (cs->tokens, position *pos) through this device's blocks; the state leaving
+    // them is in cs->x[0]. Synchronises once per layer (MoE expert counts).
     void enqueue_chunk(int64_t n);
 };
 
@@ -667,7 +709,8 @@ const hparams &cuda_sequence::hp() const {
     return p_->w->hp;
 }
 
-cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph, int64_t prefill_chunk)
+cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph, int64_t prefill_chunk,
+                             std::shared_ptr<cuda_prefill_pool> pool)
     : p_(std::make_unique<impl>()), n_ctx_(n_ctx), chunk_(std::min(prefill_chunk, n_ctx)) {
     if (!w) throw error("cuda ds4: no weights");
     if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
@@ -675,11 +718,21 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     impl &p = *p_;
     p.w = std::move(w);
     p.use_graph = use_graph;
+    p.pool = std::move(pool);
+    p.n_ctx_of_state = n_ctx;
+    p.chunk_cap = chunk_;
     const hparams &hp = p.w->hp;
     ck(cudaSetDevice(p.w->device), "selecting the device");
     size_t free_b = 0, total_b = 0;
     ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
-    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, chunk_);
+    // With a pool the chunk scratch is the pool's (the first sequence allocates it, below; shared), not
+    // this sequence's.
+    bool pool_ready = false;
+    if (p.pool) {
+        std::lock_guard<std::mutex> lk(p.pool->mu);
+        pool_ready = p.pool->created > 0;
+    }
+    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, pool_ready ? 0 : chunk_);
     if (need > free_b)
         throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
                     " of device memory, " + gib(static_cast<double>(free_b)) + " free");
@@ -754,41 +807,53 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.moe.ids = p.dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
     p.moe.weights = p.dev<float>(static_cast<size_t>(hp.n_expert_used));
     p.moe.h = p.dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
-    if (chunk_ > 1) p.alloc_chunk(chunk_);
+    if (chunk_ > 1 && !p.pool) {
+        p.cs_own = p.alloc_chunk(chunk_);
+        p.cs = p.cs_own.get();
+    } else if (chunk_ > 1 && !pool_ready) {  // the pool's first scratch, now: later sequences count on it
+        std::unique_ptr<chunk_state> c = p.alloc_chunk(chunk_);
+        c->gemm->set_stream(nullptr);
+        std::lock_guard<std::mutex> lk(p.pool->mu);
+        p.pool->idle.push_back(std::move(c));
+        ++p.pool->created;
+    }
     reset();
 }
 
-void cuda_sequence::impl::alloc_chunk(int64_t T) {
+std::unique_ptr<chunk_state> cuda_sequence::impl::alloc_chunk(int64_t T) {
     const hparams &hp = w->hp;
     const size_t n = static_cast<size_t>(T), D = static_cast<size_t>(hp.n_embd), d = static_cast<size_t>(hp.head_dim),
                  Hd = static_cast<size_t>(hp.n_head) * d, Id = static_cast<size_t>(hp.idx_dim),
                  IH = static_cast<size_t>(std::max(hp.idx_head, 1)), nh = static_cast<size_t>(hp.n_hc);
-    chunk_state &c = cs;
+    auto own = std::make_unique<chunk_state>();
+    chunk_state &c = *own;
+    c.device = w->device;
     c.cap = T;
-    c.tokens = dev<int32_t>(n);
-    c.x[0] = dev<float>(n * nh * D);
-    c.x[1] = dev<float>(n * nh * D);
-    c.xn = dev<float>(n * D);
-    c.mix = dev<float>(n * ((2 + nh) * nh + 1));
-    c.post = dev<float>(n * nh);
-    c.comb = dev<float>(n * nh * nh);
-    c.q_lat = dev<float>(n * static_cast<size_t>(hp.q_lora));
-    c.q = dev<float>(n * Hd);
-    c.kv = dev<float>(n * d);
-    c.kv_rows = dev<uint8_t>(n * d * kv_elem);
-    c.ca = dev<float>(n * 2 * d);
-    c.cg = dev<float>(n * 2 * d);
-    c.iq = dev<float>(n * IH * Id);
-    c.iw = dev<float>(n * IH);
-    c.ica = dev<float>(n * 2 * Id);
-    c.icg = dev<float>(n * 2 * Id);
+    c.n_ctx = ls.empty() ? 0 : n_ctx_of_state;
+    c.tokens = c.dev<int32_t>(n);
+    c.x[0] = c.dev<float>(n * nh * D);
+    c.x[1] = c.dev<float>(n * nh * D);
+    c.xn = c.dev<float>(n * D);
+    c.mix = c.dev<float>(n * ((2 + nh) * nh + 1));
+    c.post = c.dev<float>(n * nh);
+    c.comb = c.dev<float>(n * nh * nh);
+    c.q_lat = c.dev<float>(n * static_cast<size_t>(hp.q_lora));
+    c.q = c.dev<float>(n * Hd);
+    c.kv = c.dev<float>(n * d);
+    c.kv_rows = c.dev<uint8_t>(n * d * kv_elem);
+    c.ca = c.dev<float>(n * 2 * d);
+    c.cg = c.dev<float>(n * 2 * d);
+    c.iq = c.dev<float>(n * IH * Id);
+    c.iw = c.dev<float>(n * IH);
+    c.ica = c.dev<float>(n * 2 * Id);
+    c.icg = c.dev<float>(n * 2 * Id);
     int64_t max_idx = 1;
     for (const layer_state_dev &st : ls)
         if (st.idx_rows) max_idx = std::max(max_idx, st.max_comp);
     c.score_floats = chunk_score_floats(T, max_idx);
-    c.score = dev<float>(c.score_floats);
-    c.sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
-    c.n_sel = dev<int32_t>(n);
+    c.score = c.dev<float>(c.score_floats);
+    c.sel = c.dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
+    c.n_sel = c.dev<int32_t>(n);
     size_t part = 1;
     // The partials' size is not monotone in the token count (small chunks split rows over blocks):
     // the largest over every chunk length this sequence can launch, once per layer kind (the
@@ -801,17 +866,55 @@ void cuda_sequence::impl::alloc_chunk(int64_t T) {
         const cd::sparse_attn_args a = attn_shape(hp, r, ls[il].max_comp);
         for (int64_t m = 1; m <= T; ++m) part = std::max(part, cd::attn_batch_part_floats(a, m));
     }
-    c.part = dev<float>(part);
-    c.o = dev<float>(n * Hd);
-    c.z = dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
-    c.y = dev<float>(n * D);
+    c.part = c.dev<float>(part);
+    c.o = c.dev<float>(n * Hd);
+    c.z = c.dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
+    c.y = c.dev<float>(n * D);
     // The widest product input: the grouped output projection's [T, H * d] (q_b reads q_lora, out_b
     // o_groups * o_rank, the rest D).
     const size_t widest = std::max({Hd, D, static_cast<size_t>(hp.q_lora), static_cast<size_t>(hp.o_groups * hp.o_rank)});
     c.gemm = std::make_unique<cd::gemm_runner>(s, n * widest);
     if (chunk_moe_supported(hp, w->layers))
         c.moe = std::make_unique<cd::moe_prefill>(*c.gemm, T, hp.n_embd, hp.n_ff_exp, hp.n_expert, hp.n_expert_used);
+    return own;
 }
+
+void cuda_sequence::impl::take_chunk() {
+    if (cs) return;
+    if (pool) {
+        std::lock_guard<std::mutex> lk(pool->mu);
+        for (size_t i = 0; i < pool->idle.size(); ++i)
+            if (pool->idle[i]->cap >= chunk_cap && pool->idle[i]->n_ctx == n_ctx_of_state) {
+                cs_own = std::move(pool->idle[i]);
+                pool->idle.erase(pool->idle.begin() + static_cast<std::ptrdiff_t>(i));
+                break;
+            }
+    }
+    if (!cs_own) {
+        cs_own = alloc_chunk(chunk_cap);
+        if (pool) {
+            std::lock_guard<std::mutex> lk(pool->mu);
+            ++pool->created;
+        }
+    }
+    cs_own->gemm->set_stream(s);
+    cs = cs_own.get();
+}
+
+void cuda_sequence::impl::give_back_chunk() noexcept {
+    if (!pool || !cs_own) return;
+    cudaStreamSynchronize(s);  // its work on the scratch is done before another sequence's starts
+    try {
+        cs_own->gemm->set_stream(nullptr);  // this stream dies with the sequence
+        std::lock_guard<std::mutex> lk(pool->mu);
+        pool->idle.push_back(std::move(cs_own));
+    } catch (...) {
+        cs_own.reset();  // freed instead
+    }
+    cs = nullptr;
+}
+
+
 
 cuda_sequence::~cuda_sequence() = default;
 
@@ -1039,29 +1142,29 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     const bool f16 = kv_elem == 2;
     const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
     const cd::rope_args yarn{w->rope_yarn, hp.n_rot};
-    cd::gemm_runner &g = *cs.gemm;
+    cd::gemm_runner &g = *cs->gemm;
     const int64_t cw = (l.ratio == 4 ? 2 : 1) * d;
     // Projections of xn. The indexer's (query, head weights) stay f32: they decide which rows are
     // attended, and bf16 rounding there would flip near-tied selections against the decode path.
-    chunk_matmul(g, l.q_a, cs.xn, D, n, cs.q_lat, hp.q_lora, s);
-    chunk_matmul(g, l.kv, cs.xn, D, n, cs.kv, d, s);
+    chunk_matmul(g, l.q_a, cs->xn, D, n, cs->q_lat, hp.q_lora, s);
+    chunk_matmul(g, l.kv, cs->xn, D, n, cs->kv, d, s);
     if (l.ratio > 0) {
-        chunk_matmul(g, l.comp.kv, cs.xn, D, n, cs.ca, cw, s);
-        chunk_matmul(g, l.comp.gate, cs.xn, D, n, cs.cg, cw, s);
+        chunk_matmul(g, l.comp.kv, cs->xn, D, n, cs->ca, cw, s);
+        chunk_matmul(g, l.comp.gate, cs->xn, D, n, cs->cg, cw, s);
     }
     if (l.ratio == 4) {
-        chunk_matmul(g, l.idx_proj, cs.xn, D, n, cs.iw, IH, s, cd::gemm_precision::f32);
-        chunk_matmul(g, l.idx_comp.kv, cs.xn, D, n, cs.ica, 2 * Id, s);
-        chunk_matmul(g, l.idx_comp.gate, cs.xn, D, n, cs.icg, 2 * Id, s);
+        chunk_matmul(g, l.idx_proj, cs->xn, D, n, cs->iw, IH, s, cd::gemm_precision::f32);
+        chunk_matmul(g, l.idx_comp.kv, cs->xn, D, n, cs->ica, 2 * Id, s);
+        chunk_matmul(g, l.idx_comp.gate, cs->xn, D, n, cs->icg, 2 * Id, s);
     }
-    cuda::launch_rms_norm(cs.q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, n, cs.q_lat, hp.q_lora, s);
-    chunk_matmul(g, l.q_b, cs.q_lat, hp.q_lora, n, cs.q, H * d, s);
-    if (l.ratio == 4) chunk_matmul(g, l.idx_q_b, cs.q_lat, hp.q_lora, n, cs.iq, IH * Id, s, cd::gemm_precision::f32);
-    cd::launch_head_norm_rope_batch(cs.q, n, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none,
+    cuda::launch_rms_norm(cs->q_lat, hp.q_lora, l.q_a_norm, hp.rms_eps, hp.q_lora, n, cs->q_lat, hp.q_lora, s);
+    chunk_matmul(g, l.q_b, cs->q_lat, hp.q_lora, n, cs->q, H * d, s);
+    if (l.ratio == 4) chunk_matmul(g, l.idx_q_b, cs->q_lat, hp.q_lora, n, cs->iq, IH * Id, s, cd::gemm_precision::f32);
+    cd::launch_head_norm_rope_batch(cs->q, n, hp.n_head, static_cast<int>(d), true, hp.rms_eps, rope, cd::qat_kind::none,
                                     pos, s);
     const size_t row_stride = static_cast<size_t>(d) * kv_elem;
-    cd::launch_kv_finish_batch(cs.kv, n, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
-                               qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs.kv_rows, f16,
+    cd::launch_kv_finish_batch(cs->kv, n, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
+                               qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs->kv_rows, f16,
                                row_stride, pos, s);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
                           const float *a, const float *gt) {
@@ -1070,15 +1173,15 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     };
     if (l.ratio > 0)
         compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
-                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs.ca, cs.cg);
+                   qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs->ca, cs->cg);
     if (l.ratio == 4) {
         const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
-        cd::launch_head_norm_rope_batch(cs.iq, n, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
-        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, cs.ica, cs.icg);
+        cd::launch_head_norm_rope_batch(cs->iq, n, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, cs->ica, cs->icg);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
-        cd::launch_indexer_topk_batch(cs.iq, cs.iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4,
-                                      st.max_comp, hp.idx_head, static_cast<int>(Id), hp.idx_topk, n, pos, cs.score,
-                                      cs.score_floats, cs.sel, cs.n_sel, s, w->opt.exact_indexer);
+        cd::launch_indexer_topk_batch(cs->iq, cs->iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4,
+                                      st.max_comp, hp.idx_head, static_cast<int>(Id), hp.idx_topk, n, pos, cs->score,
+                                      cs->score_floats, cs->sel, cs->n_sel, s, w->opt.exact_indexer);
     }
     cd::sparse_attn_args a;
     a.n_head = hp.n_head;
@@ -1094,36 +1197,36 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     a.comp_f16 = f16;
     a.comp_stride = row_stride;
     a.ratio = l.ratio;
-    a.sel = cs.sel;
-    a.n_sel = cs.n_sel;
+    a.sel = cs->sel;
+    a.n_sel = cs->n_sel;
     a.max_comp = l.ratio == 4 ? std::min<int64_t>(hp.idx_topk, st.max_comp) : st.max_comp;
     a.rope = rope;
-    cd::launch_sparse_sink_attention_batch(a, cs.kv_rows, row_stride, n, std::max(hp.idx_topk, 1), cs.q, pos, cs.part,
-                                           cs.o, s);
+    cd::launch_sparse_sink_attention_batch(a, cs->kv_rows, row_stride, n, std::max(hp.idx_topk, 1), cs->q, pos, cs->part,
+                                           cs->o, s);
     // Every token of the chunk has attended: the ring takes the chunk's last rows.
-    cd::launch_ring_store_tail(cs.kv_rows, row_stride, n, static_cast<int>(d), static_cast<int>(kv_elem), st.ring,
+    cd::launch_ring_store_tail(cs->kv_rows, row_stride, n, static_cast<int>(d), static_cast<int>(kv_elem), st.ring,
                                row_stride, hp.window, pos, s);
-    chunk_matmul_grouped(g, l.out_a, hp.o_rank, hp.o_groups, cs.o, H * d, n, cs.z, hp.o_groups * hp.o_rank, s);
-    chunk_matmul(g, l.out_b, cs.z, hp.o_groups * hp.o_rank, n, cs.y, D, s);
+    chunk_matmul_grouped(g, l.out_a, hp.o_rank, hp.o_groups, cs->o, H * d, n, cs->z, hp.o_groups * hp.o_rank, s);
+    chunk_matmul(g, l.out_b, cs->z, hp.o_groups * hp.o_rank, n, cs->y, D, s);
 }
 
 void cuda_sequence::impl::enqueue_chunk(int64_t n) {
     const hparams &hp = w->hp;
     const int64_t D = hp.n_embd, S = hp.n_hc * D;
     const int nh = hp.n_hc;
-    if (w->embed())  // otherwise cs.x[0] holds the state entering this stage
+    if (w->embed())  // otherwise cs->x[0] holds the state entering this stage
         for (int k = 0; k < nh; ++k)
-            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, cs.tokens, n,
-                                  cs.x[0] + k * D, S, err_d, s);
+            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, cs->tokens, n,
+                                  cs->x[0] + k * D, S, err_d, s);
     const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
     int cur = 0;
     auto hc_pre = [&](const dhc &h, const float *norm) {
-        cd::launch_hc_pre_batch(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, cs.x[cur], n, cs.mix, cs.xn,
-                                cs.post, cs.comb, s);
-        cuda::launch_rms_norm(cs.xn, D, norm, hp.rms_eps, D, n, cs.xn, D, s);
+        cd::launch_hc_pre_batch(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, cs->x[cur], n, cs->mix, cs->xn,
+                                cs->post, cs->comb, s);
+        cuda::launch_rms_norm(cs->xn, D, norm, hp.rms_eps, D, n, cs->xn, D, s);
     };
     auto hc_post = [&] {
-        cd::launch_hc_post_batch(nh, D, n, cs.y, cs.x[cur], cs.post, cs.comb, cs.x[1 - cur], s);
+        cd::launch_hc_post_batch(nh, D, n, cs->y, cs->x[cur], cs->post, cs->comb, cs->x[1 - cur], s);
         cur = 1 - cur;
     };
     for (size_t il = 0; il < w->layers.size(); ++il) {
@@ -1132,17 +1235,17 @@ void cuda_sequence::impl::enqueue_chunk(int64_t n) {
         enqueue_chunk_attention(l, ls[il], n);
         hc_post();
         hc_pre(l.hc_ffn, l.ffn_norm);
-        if (cs.moe) {
-            cs.moe->forward(l.moe, cs.xn, cs.tokens, n, cs.y, err_d);
+        if (cs->moe) {
+            cs->moe->forward(l.moe, cs->xn, cs->tokens, n, cs->y, err_d);
         } else {
             for (int64_t t = 0; t < n; ++t)
-                cd::launch_moe_ffn(l.moe, cs.xn + t * D, cs.tokens + t, moe, cs.y + t * D, err_d, s);
+                cd::launch_moe_ffn(l.moe, cs->xn + t * D, cs->tokens + t, moe, cs->y + t * D, err_d, s);
         }
         hc_post();
     }
 }
 
-// Logits of token i of the chunk (its state in cs.x[0]): HC head, norm, output head, argmax.
+// Logits of token i of the chunk (its state in cs->x[0]): HC head, norm, output head, argmax.
 void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits,
                                bool all_logits) {
     impl &p = *p_;
@@ -1152,16 +1255,16 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
     ck(cudaSetDevice(p.w->device), "selecting the device");
     *p.h_pos = n_past_;
     ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
-    ck(cudaMemcpyAsync(p.cs.tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s),
+    ck(cudaMemcpyAsync(p.cs->tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s),
        "uploading tokens");
-    if (x_in) ck(cudaMemcpyAsync(p.cs.x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
+    if (x_in) ck(cudaMemcpyAsync(p.cs->x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
     p.enqueue_chunk(n);
-    if (x_out) ck(cudaMemcpyAsync(x_out, p.cs.x[0], n * S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
+    if (x_out) ck(cudaMemcpyAsync(x_out, p.cs->x[0], n * S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
     if (p.w->head()) {  // the last token's logits always (they stay on the device), others on request
         const cd::hc_params hcp{hp.n_hc, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
         const dhc &h = p.w->hc_head;
         for (int64_t i = logits && all_logits ? 0 : n - 1; i < n; ++i) {
-            cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, p.cs.x[0] + i * S, p.mix, p.zh, p.s);
+            cd::launch_hc_head(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, p.cs->x[0] + i * S, p.mix, p.zh, p.s);
             cuda::launch_rms_norm(p.zh, D, p.w->output_norm, hp.rms_eps, D, 1, p.zh, D, p.s);
             gemv(p.w->output, p.zh, p.logits, p.s);
             if (logits)
@@ -1421,6 +1524,11 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
                               : "for a stage without the output head"));
     check_tokens(tokens);
     if (n > 1 && chunk_ > 1) {  // layer-major chunks
+        p_->take_chunk();
+        struct give_back {
+            impl &p;
+            ~give_back() { p.give_back_chunk(); }
+        } g{*p_};
         const bool all = logits.size() == n * V && n > 0;
         for (size_t c0 = 0; c0 < n; c0 += static_cast<size_t>(chunk_)) {
             const size_t m = std::min(n - c0, static_cast<size_t>(chunk_));

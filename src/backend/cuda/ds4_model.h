@@ -74,6 +74,14 @@ constexpr int64_t default_prefill_chunk = 4096;
 size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx,
                            int64_t prefill_chunk = default_prefill_chunk);
 
+// Prefill-chunk scratch shared by the sequences of one engine (~4 GB at DS4-Flash with chunks of 4096
+// tokens, against ~6.9 KB per token of state): a sequence given a pool takes a scratch from it for each
+// multi-token evaluation and gives it back afterwards, so S sequences hold one scratch instead of S. The
+// sequences must not evaluate concurrently with each other more than the pool holds scratches (the engine's
+// forward mutex serialises them: one). Without a pool a sequence owns its scratch.
+class cuda_prefill_pool;
+std::shared_ptr<cuda_prefill_pool> cuda_make_prefill_pool();
+
 class cuda_sequence {
   public:
     // Allocates the state for up to n_ctx tokens (fathom::error when the device lacks the memory).
@@ -81,8 +89,11 @@ class cuda_sequence {
     // prefill_chunk: eval() / eval_stage() of more than one token run them as chunks of up to this
     // many tokens, layer-major (ds4_prefill.h: batched matrix products, compressors, indexer and
     // attention); 0 evaluates every token as a decode step (token-serial, the reference path).
+    // pool: share prefill scratch with the engine's other sequences (see cuda_prefill_pool); the
+    // constructor's memory check then counts only the sequence's own bytes (cuda_sequence_bytes with
+    // prefill_chunk 0).
     cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true,
-                  int64_t prefill_chunk = default_prefill_chunk);
+                  int64_t prefill_chunk = default_prefill_chunk, std::shared_ptr<cuda_prefill_pool> pool = {});
     ~cuda_sequence();
     cuda_sequence(const cuda_sequence &) = delete;
     cuda_sequence &operator=(const cuda_sequence &) = delete;

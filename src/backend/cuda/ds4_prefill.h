@@ -63,6 +63,9 @@ class gemm_runner {
     gemm_runner(const gemm_runner &) = delete;
     gemm_runner &operator=(const gemm_runner &) = delete;
     cudaStream_t stream() const;
+    // Moves the runner (its cuBLAS handle and every later launch) to stream s: a scratch shared by
+    // sequences runs on the stream of the one using it.
+    void set_stream(cudaStream_t s);
 
     // Types the products dequantise: the dense-weight types of the DS4 mixes (q8_0 in GGUF rows or
     // repacked, f16, f32, bf16) and the expert types (iq2_xxs, q2_k, mxfp4).
