@@ -63,6 +63,27 @@ std::shared_ptr<const grammar::json_grammar> parse_response_format(const json &r
     return compile(js["schema"], "response_format.json_schema.schema", "response_format.json_schema.schema");
 }
 
+std::shared_ptr<const grammar::json_grammar> parse_text_format(const json &format) {
+    // Reshaped into the chat form; error params renamed from response_format[.json_schema] to text.format.
+    json rf = format;
+    if (format.is_object() && format.value("type", json()) == "json_schema") {
+        json js = json::object();
+        for (auto it = format.begin(); it != format.end(); ++it)
+            if (it.key() != "type") js[it.key()] = it.value();
+        rf = {{"type", "json_schema"}, {"json_schema", js}};
+    }
+    try {
+        return parse_response_format(rf);
+    } catch (const api_error &e) {
+        std::string param = e.param, msg = e.what();
+        for (const std::string from : {"response_format.json_schema", "response_format"}) {
+            if (param.rfind(from, 0) == 0) param = "text.format" + param.substr(from.size());
+            for (size_t at; (at = msg.find(from)) != std::string::npos;) msg.replace(at, from.size(), "text.format");
+        }
+        throw api_error(e.status, e.type, msg, param);
+    }
+}
+
 std::shared_ptr<const grammar::json_grammar> parse_output_format(const json &of) {
     if (!of.is_object() || of.value("type", json()) != "json_schema")
         bad_request("'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_format");

@@ -17,6 +17,11 @@ namespace fathom::server {
 // -> the schema's grammar. Throws api_error (400, param response_format...).
 std::shared_ptr<const grammar::json_grammar> parse_response_format(const nlohmann::json &rf);
 
+// OpenAI Responses API text.format: the same three types with the json_schema fields flattened
+// ({"type": "json_schema", "name", "schema", "strict", "description"}). For POST /v1/responses; errors
+// name text.format.*. Throws api_error (400).
+std::shared_ptr<const grammar::json_grammar> parse_text_format(const nlohmann::json &format);
+
 // Anthropic output_format: {"type": "json_schema", "schema": {...}}. Throws api_error (400).
 std::shared_ptr<const grammar::json_grammar> parse_output_format(const nlohmann::json &of);
 

@@ -157,6 +157,18 @@ TEST(Api, ResponseFormatInTheDs4Prompt) {
     EXPECT_EQ(chat(body).messages[0].content, "S");
 }
 
+// The Responses API's text.format (flattened json_schema fields), for POST /v1/responses.
+TEST(Api, ResponsesTextFormat) {
+    const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}};
+    EXPECT_EQ(parse_text_format({{"type", "text"}}), nullptr);
+    EXPECT_NE(parse_text_format({{"type", "json_object"}}), nullptr);
+    EXPECT_NE(parse_text_format({{"type", "json_schema"}, {"name", "n"}, {"schema", schema}, {"strict", true}}), nullptr);
+    expect_error([] { parse_text_format({{"type", "yaml"}}); }, 400, "text.format.type", "yaml");
+    expect_error([&] { parse_text_format({{"type", "json_schema"}, {"schema", schema}}); }, 400, "text.format.name", "text.format.name");
+    expect_error([] { parse_text_format({{"type", "json_schema"}, {"name", "n"}, {"schema", {{"type", "string"}, {"pattern", "x"}}}}); },
+                 400, "text.format.schema", "'pattern'");
+}
+
 TEST(Api, ForcedCallGrammar) {
     auto fmt = make_tool_format("llama");  // Hermes: JSON arguments
     const json tools = json::array(
