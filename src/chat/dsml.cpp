@@ -499,19 +499,29 @@ bool dsml_stream_parser::step_block(dsml_delta &d, bool at_end) {
             if (best == std::string::npos) {
                 const size_t keep = k_param_closers[0].size() - 1;
                 scan_ = std::max(cur_, blk_.size() > keep ? blk_.size() - keep : size_t{0});
-                if (at_end) fail("unterminated DSML parameter value", d);
+                if (at_end) {
+                    fail("unterminated DSML parameter value", d);
+                } else if (param_is_string_) {  // stream what cannot be part of the closing tag
+                    const std::string_view v = std::string_view(blk_).substr(cur_);
+                    size_t safe = v.size() - partial_marker_suffix(v, k_param_closers, {});
+                    safe -= utf8_incomplete_tail(v.substr(0, safe));
+                    if (safe > vsent_) stream_value(d, safe);
+                }
                 return at_end;
             }
             std::string value = sanitize_utf8(std::string_view(blk_).substr(cur_, best - cur_));
-            cur_ = best + blen;
             std::string text;
             if (param_is_string_) {
+                stream_value(d, best - cur_);
+                call_fragment(d, "\"", false);
                 text = py_json_dumps(ojson(value));
             } else if (ojson::parse(value, nullptr, false).is_discarded()) {
                 text = py_json_dumps(ojson(value));  // string="false" but not JSON: keep it as a string
             } else {
                 text = std::move(value);  // official: the JSON text verbatim
             }
+            if (!param_is_string_) call_fragment(d, text, false);
+            cur_ = best + blen;
             call_args_.emplace_back(param_name_, std::move(text));
             bst_ = block_state::invoke;
             continue;
@@ -560,6 +570,7 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
             call_name_ = sanitize_utf8(*name);
             call_args_.clear();
             bst_ = block_state::invoke;
+            d.call_deltas.push_back({n_invokes_++, true, false, call_name_, "{", d.content.size()});
             return true;
         }
         if (t->close && t->name == "tool_calls") {
@@ -583,6 +594,10 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
             param_is_string_ = !str || *str == "true";
             bst_ = block_state::value;
             scan_ = cur_;
+            vsent_ = 0;
+            call_fragment(d, (call_args_.empty() ? "" : ", ") + py_json_dumps(ojson(param_name_)) + ": " +
+                                 (param_is_string_ ? "\"" : ""),
+                          false);
             return true;
         }
         if (t->close && t->name == "invoke") {
@@ -593,6 +608,7 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
                 args += py_json_dumps(ojson(call_args_[i].first)) + ": " + call_args_[i].second;
             }
             args += "}";
+            call_fragment(d, "}", true);
             block_calls_.push_back({call_name_, std::move(args)});
             bst_ = block_state::top;
             return true;
@@ -600,6 +616,24 @@ bool dsml_stream_parser::block_tag(std::string_view tag, dsml_delta &d) {
     }
     fail("unexpected DSML tag " + show_tag(tag), d);
     return false;
+}
+
+void dsml_stream_parser::call_fragment(dsml_delta &d, std::string text, bool end) {
+    const size_t index = n_invokes_ - 1;  // the open invoke
+    if (d.call_deltas.empty() || d.call_deltas.back().index != index || d.call_deltas.back().end)
+        d.call_deltas.push_back({index, false, false, {}, {}, d.content.size()});
+    d.call_deltas.back().arguments += text;
+    d.call_deltas.back().end = end;
+}
+
+// The open string value's bytes [vsent_, upto) (relative to its start, cur_) as JSON string
+// content: sanitised and escaped piece by piece, which gives the same bytes as escaping the whole
+// value (cuts never split a UTF-8 sequence; escaping is per byte).
+void dsml_stream_parser::stream_value(dsml_delta &d, size_t upto) {
+    if (upto <= vsent_) return;
+    const std::string q = py_json_dumps(ojson(sanitize_utf8(std::string_view(blk_).substr(cur_ + vsent_, upto - vsent_))));
+    call_fragment(d, q.substr(1, q.size() - 2), false);
+    vsent_ = upto;
 }
 
 void dsml_stream_parser::close_block(size_t end, dsml_delta &d) {
@@ -750,6 +784,20 @@ public:
         return ds4chat::dsml_safe_content_prefix(text);
     }
 
+    // The block and invoke openings the official encoder writes (a named choice also ends the invoke tag),
+    // so the model continues inside a call.
+    std::string forced_call_prefix(const tool_choice &choice) const override {
+        const std::string s = "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"";
+        if (choice.kind == tool_choice::required) return s;
+        if (choice.kind == tool_choice::function) return s + choice.name + "\">\n";
+        return {};
+    }
+
+    std::string_view result_separator() const override { return "\n\n"; }
+    bool results_in_call_order() const override { return true; }
+
+    std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &) const override;
+
     // The official encoder's response_format rendering (docs/ds4-chat-format.md, item 5), appended to
     // the system message after the tools. Keys arrive sorted, as in system_prompt.
     std::string response_format_prompt(const nlohmann::json &schema) const override {
@@ -757,6 +805,41 @@ public:
                ds4chat::py_json_dumps(nlohmann::ordered_json::parse(schema.dump()));
     }
 };
+
+// DSML calls while they are generated: the stream parser's content and call deltas as call events.
+// Malformed markup (parser error) ends decoding; its bytes become content at the end (as parse()
+// keeps them as text) unless a call of the failed block was already streamed, in which case they are
+// dropped (markup never reaches the content).
+class dsml_decoder : public call_decoder {
+public:
+    dsml_decoder() : p_(ds4chat::dsml_parser_options{}) {}
+    void push(std::string_view t, std::vector<call_event> &out) override { convert(p_.feed(t), out); }
+    void finish(std::vector<call_event> &out) override {
+        convert(p_.finish(), out);
+        const ds4chat::dsml_result &r = p_.result();
+        // Calls of closed blocks are in r.calls; more begun ones belong to the failed block.
+        if (!r.error.empty() && n_begun_ == r.calls.size() && !r.error_text.empty())
+            out.push_back({call_event::content, r.error_text});
+    }
+
+private:
+    void convert(const ds4chat::dsml_delta &d, std::vector<call_event> &out) {
+        size_t sent = 0;  // content and call deltas in the order they were decoded
+        for (const auto &c : d.call_deltas) {
+            if (c.content_pos > sent) out.push_back({call_event::content, d.content.substr(sent, c.content_pos - sent)});
+            sent = std::max(sent, c.content_pos);
+            if (c.begin) ++n_begun_;
+            out.push_back({call_event::call, c.arguments, c.index, c.begin, c.end, c.name});
+        }
+        if (d.content.size() > sent) out.push_back({call_event::content, d.content.substr(sent)});
+    }
+    ds4chat::dsml_stream_parser p_;
+    size_t n_begun_ = 0;
+};
+
+std::unique_ptr<call_decoder> dsml_format::decoder(const std::vector<std::string> &) const {
+    return std::make_unique<dsml_decoder>();
+}
 
 }  // namespace
 

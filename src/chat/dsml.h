@@ -79,13 +79,32 @@ struct dsml_parser_options {
     bool malformed_as_text = false;
 };
 
+// A call as it decodes, for streaming it (OpenAI delta.tool_calls, Anthropic input_json_delta).
+// An invoke's opening tag starts call `index` (begin, name set, arguments "{"); its arguments text
+// then grows fragment by fragment: '"key": ' (', "key": ' after the first parameter) at each
+// parameter tag, plus '"' and then a string value's JSON-escaped bytes as they arrive (held back: a
+// possible start of the closing tag and an incomplete UTF-8 tail), the closing '"' at its closing
+// tag; a string="false" value whole at its closing tag (JSON text verbatim, or quoted when it is not
+// JSON); "}" when the invoke closes (end). The concatenated fragments of a call that ended equal its
+// dsml_call::arguments. Unlike dsml_delta::calls these come before the block closes, so a block
+// that later proves malformed has already yielded them.
+struct dsml_call_delta {
+    size_t index = 0;        // 0-based over the whole output (every invoke opened, in order)
+    bool begin = false;      // first delta of the call: `name` is set
+    bool end = false;        // the invoke closed: the arguments are complete
+    std::string name;
+    std::string arguments;   // the fragment
+    size_t content_pos = 0;  // bytes of dsml_delta::content that came before this delta (their order)
+};
+
 // What one feed() made certain. Calls are reported when their whole tool_calls block has closed,
-// so a block that later proves malformed never yields calls.
+// so a block that later proves malformed never yields calls; call_deltas report them as they decode.
 struct dsml_delta {
     std::string reasoning;
     std::string content;
     std::vector<dsml_call> calls;
-    bool empty() const { return reasoning.empty() && content.empty() && calls.empty(); }
+    std::vector<dsml_call_delta> call_deltas;
+    bool empty() const { return reasoning.empty() && content.empty() && calls.empty() && call_deltas.empty(); }
 };
 
 struct dsml_result {
@@ -125,6 +144,8 @@ private:
     void close_block(size_t end, dsml_delta &d);
     void fail(std::string message, dsml_delta &d);
     void emit_content(std::string_view s, dsml_delta &d);
+    void call_fragment(dsml_delta &d, std::string text, bool end);  // extends the open call's arguments
+    void stream_value(dsml_delta &d, size_t upto);                  // string value bytes [vsent_, upto)
 
     dsml_parser_options opts_;
     dsml_result res_;
@@ -143,6 +164,8 @@ private:
     bool after_block_ = false;          // a block closed and no content came since
     bool any_block_ = false;
     size_t content_before_block_ = 0;
+    size_t n_invokes_ = 0;              // invokes opened so far (call_deltas index)
+    size_t vsent_ = 0;                  // bytes of the open string value already streamed
 };
 
 // Whole-output parse (feed + finish).

@@ -53,8 +53,9 @@ struct tensor_spec {
     init kind = init::linear;
 };
 
-// Weight classes of the q2 mix.
-enum class wclass { expert_gu, expert_down, projection, small_matrix, embed, vector };
+// Weight classes of the quantised mixes (head: the output projection, a projection except in the
+// K-quant mixes).
+enum class wclass { expert_gu, expert_down, projection, head, small_matrix, embed, vector };
 
 dtype fit(dtype want, int64_t row) {
     for (dtype t : {want, dtype::q8_0, dtype::f16}) {
@@ -64,18 +65,39 @@ dtype fit(dtype want, int64_t row) {
     return dtype::f32;
 }
 
+// The K-quant mixes, shaped after llama.cpp's K-quant files of DS4 (the q4 files most users run):
+//   q4k (Q4_K_M-like): routed gate/up Q4_K, routed down Q6_K, attention projections, the shared
+//        expert and the embedding Q4_K, output head Q6_K;
+//   q3k (Q3_K-like): routed gate/up Q3_K, routed down Q5_K, attention projections, the shared expert
+//        and the embedding Q3_K, output head Q6_K.
+// HC mixers, compressors, indexer projection and router stay F16 (as in every mix). Rows whose length
+// is not a multiple of 256 fall back to Q8_0 / F16 (fit).
+dtype type_for_kquant(const std::string &mix, wclass c, int64_t row) {
+    const bool q3 = mix == "q3k";
+    switch (c) {
+        case wclass::expert_gu: return fit(q3 ? dtype::q3_k : dtype::q4_k, row);
+        case wclass::expert_down: return fit(q3 ? dtype::q5_k : dtype::q6_k, row);
+        case wclass::projection:
+        case wclass::embed: return fit(q3 ? dtype::q3_k : dtype::q4_k, row);
+        case wclass::head: return fit(dtype::q6_k, row);
+        default: return dtype::f16;
+    }
+}
+
 dtype type_for(const std::string &mix, wclass c, int64_t row) {
     if (c == wclass::vector) return dtype::f32;
     if (mix == "f32") return dtype::f32;
     if (mix == "f16") return dtype::f16;
     if (mix == "q8_0") return fit(dtype::q8_0, row);
+    if (mix == "q4k" || mix == "q3k") return type_for_kquant(mix, c, row);
     if (mix != "q2" && mix != "q2k" && mix != "mxfp4")
-        throw error("synth: unknown weight mix '" + mix + "' (expected q2, q2k, mxfp4, q8_0, f16 or f32)");
+        throw error("synth: unknown weight mix '" + mix + "' (expected q2, q2k, mxfp4, q4k, q3k, q8_0, f16 or f32)");
     switch (c) {
         case wclass::expert_gu:
             return fit(mix == "q2" ? dtype::iq2_xxs : mix == "mxfp4" ? dtype::mxfp4 : dtype::q2_k, row);
         case wclass::expert_down: return fit(mix == "mxfp4" ? dtype::mxfp4 : dtype::q2_k, row);
-        case wclass::projection: return fit(dtype::q8_0, row);
+        case wclass::projection:
+        case wclass::head: return fit(dtype::q8_0, row);
         default: return dtype::f16;
     }
 }
@@ -138,7 +160,7 @@ void layer_tensors(const tensor_adder &add, std::vector<tensor_spec> &out, const
 void head_tensors(const tensor_adder &add, const hparams &hp, bool output_head) {
     const int64_t D = hp.n_embd, S = int64_t{hp.n_hc} * D;
     add("output_norm.weight", wclass::vector, {D}, init::norm);
-    if (output_head) add("output.weight", wclass::projection, {D, hp.n_vocab}, init::linear);
+    if (output_head) add("output.weight", wclass::head, {D, hp.n_vocab}, init::linear);
     add("output_hc_fn.weight", wclass::small_matrix, {S, hp.n_hc}, init::hc_fn);
     add("output_hc_base.weight", wclass::vector, {hp.n_hc}, init::hc_base);
     add("output_hc_scale.weight", wclass::vector, {1}, init::hc_scale);

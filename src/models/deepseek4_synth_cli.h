@@ -4,7 +4,7 @@
 //
 //   fathom-gguf synth OUT.gguf [--preset tiny|flash] [--layers N] [--dim D] [--experts E]
 //       [--experts-used K] [--ff F] [--vocab V] [--heads H] [--q-lora R] [--window W]
-//       [--mix q2|q2k|mxfp4|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME] [--dspark]
+//       [--mix q2|q2k|mxfp4|q4k|q3k|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME] [--dspark]
 #pragma once
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -88,9 +88,10 @@ inline void setup_synth_command(CLI::App &app, int &rc) {
     s->add_option("--q-lora", a->q_lora, "Query low rank")->check(pos);
     s->add_option("--window", a->window, "Raw sliding window")->check(pos);
     s->add_option("--mix", a->opt.mix, "Weight types: q2 (IQ2_XXS/Q2_K experts, Q8_0 projections, F16 small), q2k (all experts Q2_K), "
-                  "mxfp4 (4-bit MXFP4 routed experts), q8_0, f16, f32")
+                  "mxfp4 (4-bit MXFP4 routed experts), q4k (Q4_K_M-like: Q4_K gate/up, Q6_K down and head, Q4_K "
+                  "projections), q3k (Q3_K gate/up and projections, Q5_K down, Q6_K head), q8_0, f16, f32")
         ->capture_default_str()
-        ->check(CLI::IsMember({"q2", "q2k", "mxfp4", "q8_0", "f16", "f32"}));
+        ->check(CLI::IsMember({"q2", "q2k", "mxfp4", "q4k", "q3k", "q8_0", "f16", "f32"}));
     s->add_option("--seed", a->opt.seed, "Random seed")->capture_default_str();
     s->add_option("--pool-rows", a->opt.pool_rows,
                   "Tensors with more rows draw them from a pool of this many random rows (0 = all rows fresh)")

@@ -317,6 +317,7 @@ void scheduler::admit_locked() {
         s.seq = ++admit_seq_;
         s.last_used = s.seq;
         s.prefill_pos = best_lcp;
+        j->prefilled_.store(int64_t(best_lcp));
         const size_t n = j->req_.prompt.size();
         s.n_reused = int64_t(std::min(best_lcp, n - 1));
         s.smp = std::make_unique<sampler>(j->req_.sampling);
@@ -584,6 +585,7 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
             continue;
         }
         e.s->prefill_pos = e.end;
+        e.s->j->prefilled_.store(int64_t(e.end));
         if (e.end != e.s->j->req_.prompt.size()) {
             save_periodic(*e.s);
             continue;
@@ -998,6 +1000,7 @@ void scheduler::io_load(slot &s) {
             ++stats_.disk_hits;
             stats_.disk_load_s.observe(dt);
             s.prefill_pos = size_t(s.pending_load->n_keep);
+            if (s.j) s.j->prefilled_.store(s.pending_load->n_keep);
             s.saved_upto = size_t(s.pending_load->n_keep);  // on disk already
             if (s.j)
                 s.n_reused = std::min<int64_t>(s.pending_load->n_keep, int64_t(s.j->req_.prompt.size()) - 1);

@@ -122,6 +122,9 @@ public:
     bool next(event &ev, std::chrono::milliseconds timeout);
     void cancel() { cancelled_.store(true); }
     bool cancelled() const { return cancelled_.load(); }
+    // Prompt tokens the job's session holds so far (reused + evaluated; 0 while queued), for progress
+    // reports during a long prefill; the prompt's size once the first token is sampled.
+    int64_t n_prefilled() const { return prefilled_.load(); }
     uint64_t id() const { return id_; }
 
 private:
@@ -131,6 +134,7 @@ private:
     request req_;
     std::chrono::steady_clock::time_point t_submit_;
     std::atomic<bool> cancelled_{false};
+    std::atomic<int64_t> prefilled_{0};  // written by the worker (n_prefilled)
     bool kv_waited_ = false;  // worker only: already counted in kv_waits
     std::mutex mu_;
     std::condition_variable cv_;

@@ -74,6 +74,9 @@ struct gen_request {
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;
     std::vector<std::string> tool_names;
+    // OpenAI parallel_tool_calls / Anthropic tool_choice.disable_parallel_tool_use (negated): false =
+    // at most one call; generation stops once the first call is complete.
+    bool parallel_calls = true;
     bool tools_active() const { return !tool_names.empty() && choice.kind != tool_choice::none; }
 };
 

@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <functional>
+#include <future>
 #include <optional>
 
 #include "chat/reasoning.h"
 #include "server/server_impl.h"
+#include "server/tool_stream.h"
 #include "server/structured.h"
 
 namespace fathom::server {
@@ -30,6 +33,9 @@ struct prepared {
     bool in_reasoning = false;
     think_control think;
     std::string forced;  // tool_choice required / named: the call opening ending the prompt ("" = none)
+    // A streamed request whose prompt PFlash will compress: compression (and the context check after
+    // it) runs after the headers are sent, in the stream (stream_run::compress_and_submit).
+    bool defer_compression = false;
 };
 
 bool all_space(std::string_view s) {
@@ -117,10 +123,27 @@ void force_call(server_context &ctx, prepared &p) {
         bad_request("tool_choice '" + std::string(p.r.choice.kind == tool_choice::required ? "required" : p.r.choice.name) +
                         "' cannot be enforced with the '" + ctx.fmt->name() + "' tool format",
                     "tool_choice");
-    const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, false);
+    // Special markers parsed: the opening is what the model would have generated (DSML's "｜DSML｜" and
+    // Qwen's <tool_call> are special tokens), like the rest of the rendered prompt.
+    const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, true);
     p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
     // The rest of the call is constrained: its arguments follow the tool's schema (structured.h).
     if (auto g = forced_call_grammar(p.r.tools, p.r.choice, *ctx.fmt)) p.r.grammar = std::move(g);
+}
+
+// PFlash (when the request's settings compress this prompt), then the context check. Throws api_error.
+void compress_prompt(server_context &ctx, prepared &p) {
+    const int n_ctx = ctx.sch.n_ctx();
+    try {
+        p.compression = ctx.compressor->apply(ctx.eng, p.prompt, n_ctx, p.r.compression);
+    } catch (const error &e) {
+        throw api_error(500, "server_error", "prompt compression failed: " + client_text(e.what()));
+    }
+    if (int64_t(p.prompt.size()) >= n_ctx)
+        throw api_error(400, "invalid_request_error",
+                        "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
+                            std::to_string(n_ctx) + " tokens (prompt plus at least one generated token)",
+                        p.r.kind == api_kind::openai_completion ? "prompt" : "messages");
 }
 
 // Request body -> validated request and prompt tokens. Throws api_error.
@@ -153,25 +176,16 @@ prepared prepare(server_context &ctx, const std::string &body_text, api_kind kin
     } catch (const error &e) {
         bad_request("cannot build the prompt: " + client_text(e.what()));
     }
-    const int n_ctx = ctx.sch.n_ctx();
-    if (!count_only && !p.prompt.empty()) {
-        try {
-            ctx.compressor->check(p.r.compression);
-        } catch (const error &e) {
-            bad_request(client_text(e.what()), "prefill_compression");
-        }
-        try {
-            p.compression = ctx.compressor->apply(ctx.eng, p.prompt, n_ctx, p.r.compression);
-        } catch (const error &e) {
-            throw api_error(500, "server_error", "prompt compression failed: " + client_text(e.what()));
-        }
+    if (count_only) return p;
+    if (p.prompt.empty()) bad_request("the prompt is empty", "prompt");
+    try {
+        ctx.compressor->check(p.r.compression);  // an override this server cannot honour: 400 before any work
+        p.defer_compression =
+            p.r.stream && ctx.compressor->would_compress(int64_t(p.prompt.size()), ctx.sch.n_ctx(), p.r.compression);
+    } catch (const error &e) {
+        bad_request(client_text(e.what()), "prefill_compression");
     }
-    if (!count_only && int64_t(p.prompt.size()) >= n_ctx)
-        throw api_error(400, "invalid_request_error",
-                        "the prompt is " + std::to_string(p.prompt.size()) + " tokens but the context is " +
-                            std::to_string(n_ctx) + " tokens (prompt plus at least one generated token)",
-                        kind == api_kind::openai_completion ? "prompt" : "messages");
-    if (!count_only && p.prompt.empty()) bad_request("the prompt is empty", "prompt");
+    if (!p.defer_compression) compress_prompt(ctx, p);
     return p;
 }
 
@@ -303,8 +317,12 @@ struct stream_writer {
     virtual std::string delta(const std::string &text, const std::vector<sched::token_info> &lps) = 0;
     // Reasoning text (before any content delta; docs/server.md "Thinking").
     virtual std::string reasoning(const std::string &text, const std::vector<sched::token_info> &lps) = 0;
-    virtual std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
-                               const std::vector<tool_call> &calls, const sched::event &ev) = 0;
+    // A streamed tool call's event (call_stream: begin with id and name, argument fragments, end).
+    virtual std::string call(const call_event &e) = 0;
+    // The end of the turn: the content not yet sent, then the finish frames; `called`: the turn ends
+    // in tool calls (finish_reason tool_calls / stop_reason tool_use).
+    virtual std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps, bool called,
+                               const sched::event &ev) = 0;
     virtual std::string fail(const std::string &msg) = 0;
 };
 
@@ -345,16 +363,28 @@ struct openai_writer : stream_writer {
         return sse_data(dump_json(chunk({{"delta", {{"reasoning_content", text}}}, {"logprobs", lp(lps)},
                                          {"finish_reason", nullptr}})));
     }
-    std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps,
-                       const std::vector<tool_call> &calls, const sched::event &ev) override {
+    // delta.tool_calls as OpenAI streams them: the first chunk of a call carries index, id, type,
+    // function.name and the arguments so far (often ""), later chunks index and an arguments fragment.
+    std::string call(const call_event &e) override {
+        json tc = {{"index", e.index}};
+        if (e.begin) {
+            tc["id"] = e.id;
+            tc["type"] = "function";
+            tc["function"] = {{"name", e.name}, {"arguments", e.text}};
+        } else {
+            if (e.text.empty()) return {};  // the end of a call adds nothing OpenAI would send
+            tc["function"] = {{"arguments", e.text}};
+        }
+        return sse_data(dump_json(chunk({{"delta", {{"tool_calls", json::array({tc})}}}, {"logprobs", nullptr},
+                                         {"finish_reason", nullptr}})));
+    }
+    std::string finish(const std::string &rest, const std::vector<sched::token_info> &lps, bool called,
+                       const sched::event &ev) override {
         std::string out;
         if (!rest.empty() || !lps.empty()) out += text_chunk(rest, lps);
-        if (!calls.empty())
-            out += sse_data(dump_json(chunk({{"delta", {{"tool_calls", openai_tool_calls(calls, true)}}},
-                                             {"logprobs", nullptr}, {"finish_reason", nullptr}})));
         json last = chat ? json{{"delta", json::object()}} : json{{"text", ""}};
         last["logprobs"] = nullptr;
-        last["finish_reason"] = openai_finish(ev, !calls.empty());
+        last["finish_reason"] = openai_finish(ev, called);
         out += sse_data(dump_json(chunk(last)));
         if (p.r.include_usage) {
             json u = chunk({});
@@ -376,6 +406,7 @@ struct anthropic_writer : stream_writer {
     int index = 0;
     bool text_open = false;
     bool thinking_open = false;
+    bool tool_open = false;
     explicit anthropic_writer(const prepared &pp) : p(pp) {}
 
     std::string ev(const std::string &name, json data) {
@@ -409,9 +440,19 @@ struct anthropic_writer : stream_writer {
         ++index;
         return out;
     }
+    std::string close_text() {
+        if (!text_open) return {};
+        text_open = false;
+        return ev("content_block_stop", {{"index", index++}});
+    }
+    std::string close_tool() {
+        if (!tool_open) return {};
+        tool_open = false;
+        return ev("content_block_stop", {{"index", index++}});
+    }
     std::string text(const std::string &t) {
         if (t.empty()) return {};
-        std::string out = close_thinking();
+        std::string out = close_thinking() + close_tool();
         if (!text_open) {
             out += ev("content_block_start", {{"index", index}, {"content_block", {{"type", "text"}, {"text", ""}}}});
             text_open = true;
@@ -419,23 +460,28 @@ struct anthropic_writer : stream_writer {
         return out + ev("content_block_delta", {{"index", index}, {"delta", {{"type", "text_delta"}, {"text", t}}}});
     }
     std::string delta(const std::string &t, const std::vector<sched::token_info> &) override { return text(t); }
-    std::string finish(const std::string &rest, const std::vector<sched::token_info> &,
-                       const std::vector<tool_call> &calls, const sched::event &e) override {
-        std::string out = text(rest) + close_thinking();
-        if (text_open) {
-            out += ev("content_block_stop", {{"index", index}});
-            ++index;
-        }
-        for (const auto &c : calls) {
+    // A tool_use block as Anthropic streams it: content_block_start {type tool_use, id, name, input {}},
+    // content_block_delta input_json_delta events whose partial_json fragments concatenate to the
+    // input's JSON text, content_block_stop when the call is complete.
+    std::string call(const call_event &e) override {
+        std::string out;
+        if (e.begin) {
+            out += close_thinking() + close_text() + close_tool();
             out += ev("content_block_start", {{"index", index},
-                                              {"content_block", {{"type", "tool_use"}, {"id", c.id}, {"name", c.name},
+                                              {"content_block", {{"type", "tool_use"}, {"id", e.id}, {"name", e.name},
                                                                  {"input", json::object()}}}});
-            out += ev("content_block_delta",
-                      {{"index", index}, {"delta", {{"type", "input_json_delta"}, {"partial_json", c.arguments}}}});
-            out += ev("content_block_stop", {{"index", index}});
-            ++index;
+            tool_open = true;
         }
-        json d = {{"stop_reason", anthropic_stop(e, !calls.empty())},
+        if (!e.text.empty())
+            out += ev("content_block_delta",
+                      {{"index", index}, {"delta", {{"type", "input_json_delta"}, {"partial_json", e.text}}}});
+        if (e.end) out += close_tool();
+        return out;
+    }
+    std::string finish(const std::string &rest, const std::vector<sched::token_info> &, bool called,
+                       const sched::event &e) override {
+        std::string out = text(rest) + close_thinking() + close_text() + close_tool();
+        json d = {{"stop_reason", anthropic_stop(e, called)},
                   {"stop_sequence", e.reason == sched::finish_reason::stop_string ? json(e.stop_string) : json()}};
         out += ev("message_delta", {{"delta", d}, {"usage", {{"output_tokens", e.n_generated}}}});
         return out + ev("message_stop", json::object());
@@ -471,8 +517,9 @@ void note_tokens(const sched::event &ev) {
 }
 
 // Waits for the job's next event, cancelling it if the client disconnected. false = client gone.
-// The connection is checked at least every 100 ms, also while events keep arriving.
-bool next_event(sched::job &j, connection_probe &probe, sched::event &ev) {
+// The connection is checked at least every 100 ms, also while events keep arriving; `idle` (if
+// given) runs on every 100 ms without an event and returns false when the client is gone.
+bool next_event(sched::job &j, connection_probe &probe, sched::event &ev, const std::function<bool()> &idle = {}) {
     for (;;) {
         const bool got = j.next(ev, 100ms);
         if (probe.due() && !probe.alive()) {
@@ -480,79 +527,202 @@ bool next_event(sched::job &j, connection_probe &probe, sched::event &ev) {
             return false;
         }
         if (got) return true;
+        if (idle && !idle()) {
+            j.cancel();
+            return false;
+        }
     }
+}
+
+// The names whose calls count: the named function for a named tool_choice, else every tool.
+std::vector<std::string> call_names(const prepared &p) {
+    if (p.r.choice.kind == tool_choice::function) return {p.r.choice.name};
+    return p.r.tool_names;
+}
+
+std::optional<call_stream> make_call_stream(const server_context &ctx, const prepared &p) {
+    if (!p.r.tools_active()) return std::nullopt;
+    return std::make_optional<call_stream>(*ctx.fmt, call_names(p),
+                                           p.r.kind == api_kind::anthropic_messages ? "toolu_" : "call_",
+                                           p.r.parallel_calls);
+}
+
+// The turn ends in tool calls (finish_reason tool_calls) unless none is complete, or one was cut off
+// by max_tokens / the context (then it is length, as OpenAI reports a truncated call).
+bool ends_in_calls(const call_stream &cs, const sched::event &ev) {
+    return cs.n_complete() > 0 && !(cs.call_open() && ev.reason == sched::finish_reason::length);
+}
+
+// parallel_tool_calls false and the first call complete: the job is cancelled and its remaining
+// events drained (the final one carries the usage). false = the client went away.
+bool stop_after_first_call(sched::job &j, connection_probe &probe, sched::event &ev) {
+    j.cancel();
+    while (!ev.final)
+        if (!next_event(j, probe, ev)) return false;
+    return true;
+}
+
+// One streamed response (the content provider's whole run): headers are already out when it starts.
+// Long waits — PFlash compressing the prompt, a queued or long prefill — are covered by SSE comment
+// frames at least every k_keepalive (docs/server.md "Keepalive and progress"), which every SSE client
+// (the official SDKs included) ignores.
+class stream_run {
+public:
+    static constexpr auto k_keepalive = 1s;
+    stream_run(server_context &ctx, std::shared_ptr<prepared> p, std::shared_ptr<sched::job> job,
+               std::shared_ptr<connection_probe> probe, httplib::DataSink &sink)
+        : ctx_(ctx), p_(std::move(p)), job_(std::move(job)), probe_(std::move(probe)), sink_(sink) {
+        if (p_->r.kind == api_kind::anthropic_messages) w_ = std::make_unique<anthropic_writer>(*p_);
+        else w_ = std::make_unique<openai_writer>(ctx.eng, *p_, p_->r.kind == api_kind::openai_chat);
+    }
+    // false: the connection is lost.
+    bool run() {
+        if (!write(w_->begin())) return false;
+        if (!job_ && !compress_and_submit()) return sink_ok_;
+        return generate();
+    }
+
+private:
+    bool write(const std::string &s) {
+        if (s.empty()) return true;
+        last_write_ = std::chrono::steady_clock::now();
+        if (sink_.write(s.data(), s.size())) return true;
+        if (job_) job_->cancel();
+        return sink_ok_ = false;
+    }
+    // An SSE comment when nothing was written for k_keepalive: "prefill D/T" while the prompt is being
+    // evaluated (D prompt tokens in the KV so far, of T), "prefill_compression" while PFlash runs,
+    // "keepalive" otherwise.
+    bool keepalive(const char *what) {
+        if (std::chrono::steady_clock::now() - last_write_ < k_keepalive) return true;
+        std::string c = ": ";
+        if (!what && job_ && job_->n_prefilled() < int64_t(p_->prompt.size()))
+            c += "prefill " + std::to_string(job_->n_prefilled()) + "/" + std::to_string(p_->prompt.size());
+        else c += what ? what : "keepalive";
+        return write(c + "\n\n");
+    }
+    bool fail(const std::string &msg) {
+        if (!write(w_->fail(msg))) return false;
+        sink_.done();
+        return true;
+    }
+    // PFlash deferred past the headers (prepared::defer_compression): compress on a helper thread while
+    // keepalives go out, then check the length and submit. Errors become an error frame.
+    bool compress_and_submit() {
+        auto task = std::async(std::launch::async, [this] { compress_prompt(ctx_, *p_); });
+        while (task.wait_for(100ms) != std::future_status::ready) {
+            if (!keepalive("prefill_compression")) return false;
+            if (probe_->due() && !probe_->alive()) return sink_ok_ = false;  // the task finishes on its own
+        }
+        try {
+            task.get();
+            job_ = submit(ctx_, *p_);
+        } catch (const api_error &e) {
+            fail(e.what());
+            return false;  // run() then returns sink_ok_: true when the error frame went out
+        }
+        return true;
+    }
+    bool generate();
+    bool finish(const std::string &acc, size_t emitted, std::vector<sched::token_info> &lps,
+                const std::optional<call_stream> &cs, const sched::event &ev);
+
+    server_context &ctx_;
+    std::shared_ptr<prepared> p_;
+    std::shared_ptr<sched::job> job_;
+    std::shared_ptr<connection_probe> probe_;
+    httplib::DataSink &sink_;
+    std::unique_ptr<stream_writer> w_;
+    std::chrono::steady_clock::time_point last_write_ = std::chrono::steady_clock::now();
+    bool sink_ok_ = true;
+};
+
+// The event loop: reasoning first, then content; with tools the content goes through call_stream
+// (calls streamed as they decode, markup never in the content), else it is sent as it comes.
+bool stream_run::generate() {
+    std::string acc = p_->forced;  // the forced call opening is part of the turn's text
+    size_t emitted = 0;
+    std::vector<sched::token_info> lps;
+    std::optional<call_stream> cs = make_call_stream(ctx_, *p_);
+    std::optional<chat::reasoning_splitter> sp;  // reasoning first, then content (acc)
+    if (p_->reasoning) sp.emplace(p_->in_reasoning);
+    auto send_calls = [&](std::vector<call_event> &evs) {
+        for (const call_event &e : evs) {
+            if (!write(e.kind == call_event::call ? w_->call(e) : w_->delta(e.text, lps))) return false;
+            if (e.kind == call_event::content) lps.clear();
+        }
+        return true;
+    };
+    std::vector<call_event> evs;
+    if (cs) cs->push(p_->forced, evs);
+    if (!send_calls(evs)) return false;
+    const std::function<bool()> idle = [this] { return keepalive(nullptr); };
+    sched::event ev;
+    for (;;) {
+        if (!next_event(*job_, *probe_, ev, idle)) return false;
+        if (p_->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
+        chat::reasoning_delta d = sp ? sp->push(ev.text) : chat::reasoning_delta{{}, ev.text};
+        if (sp && ev.final) {
+            chat::reasoning_delta f = sp->flush();
+            d.reasoning += f.reasoning;
+            d.content += f.content;
+        }
+        if (!d.reasoning.empty()) {
+            if (!write(w_->reasoning(d.reasoning, lps))) return false;
+            lps.clear();
+        }
+        acc += d.content;
+        if (cs) {
+            evs.clear();
+            cs->push(d.content, evs);
+            if (ev.final) cs->finish(evs);
+            if (!send_calls(evs)) return false;
+            if (cs->stopped() && !ev.final && !stop_after_first_call(*job_, *probe_, ev)) return false;
+        } else if (!ev.final && (!d.content.empty() || !lps.empty())) {
+            if (!write(w_->delta(acc.substr(emitted), lps))) return false;
+            emitted = acc.size();
+            lps.clear();
+        }
+        if (ev.final) break;
+    }
+    return finish(acc, emitted, lps, cs, ev);
+}
+
+bool stream_run::finish(const std::string &acc, size_t emitted, std::vector<sched::token_info> &lps,
+                        const std::optional<call_stream> &cs, const sched::event &ev) {
+    note_tokens(ev);
+    const bool stopped = cs && cs->stopped();
+    if (ev.reason == sched::finish_reason::error) return fail("generation failed: " + client_text(ev.error));
+    if (ev.reason == sched::finish_reason::cancelled && !stopped)
+        return fail("generation cancelled: the server is shutting down");
+    if (cs) {
+        if (call_forced(p_->r) && cs->n_complete() == 0)
+            return fail("the model did not complete a valid call to " +
+                        (p_->r.choice.kind == tool_choice::function ? "'" + p_->r.choice.name + "'" : std::string("a tool")) +
+                        " (tool_choice requires one; " + std::to_string(acc.size()) + " bytes generated)");
+        // Exact replay keeps the generated text; after a parallel_tool_calls stop it holds more than the
+        // turn the client gets, so that turn is not kept.
+        if (!stopped) ctx_.fmt->remember_turn(cs->output(), acc);
+    }
+    const std::string rest = emitted < acc.size() && !cs ? acc.substr(emitted) : std::string();
+    if (!write(w_->finish(rest, lps, cs && ends_in_calls(*cs, ev), ev))) return false;
+    sink_.done();
+    return true;
 }
 
 void run_stream(server_context &ctx, httplib::Response &res, std::shared_ptr<prepared> p,
                 std::shared_ptr<sched::job> job, std::shared_ptr<connection_probe> probe) {
-    std::shared_ptr<stream_writer> w;
-    if (p->r.kind == api_kind::anthropic_messages) w = std::make_shared<anthropic_writer>(*p);
-    else w = std::make_shared<openai_writer>(ctx.eng, *p, p->r.kind == api_kind::openai_chat);
     server_context *c = &ctx;
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream", [c, p, job, probe, w](size_t, httplib::DataSink &sink) {
-            auto write = [&](const std::string &s) {
-                if (s.empty() || sink.write(s.data(), s.size())) return true;
-                job->cancel();
-                return false;
-            };
-            if (!write(w->begin())) return false;
-            std::string acc = p->forced;  // the forced call opening is part of the turn's text
-            size_t emitted = 0;
-            std::vector<sched::token_info> lps;
-            const bool tools = p->r.tools_active();
-            std::optional<chat::reasoning_splitter> sp;  // reasoning first, then content (acc)
-            if (p->reasoning) sp.emplace(p->in_reasoning);
-            sched::event ev;
-            for (;;) {
-                if (!next_event(*job, *probe, ev)) return false;
-                if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
-                chat::reasoning_delta d = sp ? sp->push(ev.text) : chat::reasoning_delta{{}, ev.text};
-                if (sp && ev.final) {
-                    chat::reasoning_delta f = sp->flush();
-                    d.reasoning += f.reasoning;
-                    d.content += f.content;
-                }
-                if (!d.reasoning.empty()) {
-                    if (!write(w->reasoning(d.reasoning, lps))) return false;
-                    lps.clear();
-                }
-                acc += d.content;
-                if (ev.final) break;
-                const size_t safe = tools ? c->fmt->safe_content_prefix(acc) : acc.size();
-                if (safe > emitted || (!lps.empty() && !tools)) {
-                    if (!write(w->delta(acc.substr(emitted, safe - emitted), lps))) return false;
-                    emitted = safe;
-                    lps.clear();
-                }
-            }
-            note_tokens(ev);
-            if (ev.reason == sched::finish_reason::error) {
-                write(w->fail("generation failed: " + client_text(ev.error)));
-            } else if (ev.reason == sched::finish_reason::cancelled) {
-                write(w->fail("generation cancelled: the server is shutting down"));
-            } else {
-                parsed_output po;
-                try {
-                    po = split_calls(*c, *p, acc);
-                } catch (const api_error &e) {
-                    write(w->fail(e.what()));
-                    sink.done();
-                    return true;
-                }
-                const std::string rest = emitted < po.content.size() ? po.content.substr(emitted) : std::string();
-                if (!write(w->finish(rest, lps, po.calls, ev))) return false;
-            }
-            sink.done();
-            return true;
-        });
+    res.set_chunked_content_provider("text/event-stream", [c, p, job, probe](size_t, httplib::DataSink &sink) {
+        return stream_run(*c, p, job, probe, sink).run();
+    });
 }
 
-json openai_response(server_context &ctx, const prepared &p, const chat::reasoning_delta &out,
+// out: the reasoning and the whole content; po: the content without call markup and the calls.
+json openai_response(server_context &ctx, const prepared &p, const chat::reasoning_delta &out, const parsed_output &po,
                      const std::vector<sched::token_info> &lps, const sched::event &ev) {
     const bool chat = p.r.kind == api_kind::openai_chat;
-    const parsed_output po = split_calls(ctx, p, out.content);
     json choice = {{"index", 0}, {"finish_reason", openai_finish(ev, !po.calls.empty())}};
     size_t offset = 0;
     choice["logprobs"] = !p.r.logprobs ? json() : chat ? chat_logprobs(ctx.eng, lps) : completion_logprobs(ctx.eng, lps, offset);
@@ -574,8 +744,8 @@ json openai_response(server_context &ctx, const prepared &p, const chat::reasoni
             {"usage", openai_usage(ev, p)}};
 }
 
-json anthropic_response(server_context &ctx, const prepared &p, const chat::reasoning_delta &out, const sched::event &ev) {
-    const parsed_output po = split_calls(ctx, p, out.content);
+json anthropic_response(const prepared &p, const chat::reasoning_delta &out, const parsed_output &po,
+                        const sched::event &ev) {
     json content = json::array();
     if (!out.reasoning.empty())  // unsigned (see anthropic_writer::reasoning)
         content.push_back({{"type", "thinking"}, {"thinking", out.reasoning}, {"signature", ""}});
@@ -598,13 +768,20 @@ void handle_generate(server_context &ctx, const httplib::Request &req, const std
                      api_kind kind) {
     auto probe = std::make_shared<connection_probe>(req);
     auto p = std::make_shared<prepared>(prepare(ctx, body, kind, false));
-    auto job = submit(ctx, *p);
+    // A stream whose prompt PFlash compresses submits after its headers (stream_run).
+    auto job = p->defer_compression ? nullptr : submit(ctx, *p);
     if (p->r.stream) {
         run_stream(ctx, res, p, job, probe);
         return;
     }
     std::string text = p->forced;
     std::vector<sched::token_info> lps;
+    // parallel_tool_calls false: the calls are decoded as they come to stop after the first one.
+    std::optional<call_stream> cs = p->r.parallel_calls ? std::nullopt : make_call_stream(ctx, *p);
+    std::optional<chat::reasoning_splitter> sp;
+    if (cs && p->reasoning) sp.emplace(p->in_reasoning);
+    std::vector<call_event> scratch;
+    if (cs) cs->push(p->forced, scratch);
     sched::event ev;
     for (;;) {
         if (!next_event(*job, *probe, ev)) {
@@ -613,17 +790,25 @@ void handle_generate(server_context &ctx, const httplib::Request &req, const std
         }
         text += ev.text;
         if (p->r.logprobs) lps.insert(lps.end(), ev.tokens.begin(), ev.tokens.end());
+        if (cs) cs->push(sp ? sp->push(ev.text).content : ev.text, scratch);
+        if (cs && cs->stopped() && !ev.final && !stop_after_first_call(*job, *probe, ev)) {
+            res.status = 499;
+            return;
+        }
         if (ev.final) break;
     }
     note_tokens(ev);
+    const bool stopped = cs && cs->stopped();
     if (ev.reason == sched::finish_reason::error)
         throw api_error(500, "api_error", "generation failed: " + client_text(ev.error));
-    if (ev.reason == sched::finish_reason::cancelled)
+    if (ev.reason == sched::finish_reason::cancelled && !stopped)
         throw api_error(503, "overloaded_error", "generation cancelled: the server is shutting down");
     const chat::reasoning_delta parts =
         p->reasoning ? chat::split_reasoning(text, p->in_reasoning) : chat::reasoning_delta{{}, text};
-    const json out = kind == api_kind::anthropic_messages ? anthropic_response(ctx, *p, parts, ev)
-                                                          : openai_response(ctx, *p, parts, lps, ev);
+    parsed_output po = stopped ? cs->output() : split_calls(ctx, *p, parts.content);
+    if (!p->r.parallel_calls && po.calls.size() > 1) po.calls.resize(1);
+    const json out = kind == api_kind::anthropic_messages ? anthropic_response(*p, parts, po, ev)
+                                                          : openai_response(ctx, *p, parts, po, lps, ev);
     res.set_content(dump_json(out), "application/json");
 }
 

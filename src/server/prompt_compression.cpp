@@ -52,16 +52,19 @@ compression_mode prompt_compressor::check(const compression_request &req) const 
     return mode;
 }
 
+bool prompt_compressor::would_compress(int64_t n_prompt, int64_t n_ctx, const compression_request &req) const {
+    const compression_mode mode = check(req);
+    const int64_t threshold = req.threshold >= 0 ? req.threshold : opts_.threshold;
+    if (mode == compression_mode::off) return false;
+    return mode == compression_mode::always || n_prompt >= threshold || n_prompt >= n_ctx;
+}
+
 compression_outcome prompt_compressor::apply(const engine &target, std::vector<int32_t> &prompt, int64_t n_ctx,
                                              const compression_request &req) {
-    const compression_mode mode = check(req);
     compression_outcome out;
     out.n_original = out.n_effective = int64_t(prompt.size());
     const double ratio = req.keep_ratio >= 0.0 ? req.keep_ratio : opts_.keep_ratio;
-    const int64_t threshold = req.threshold >= 0 ? req.threshold : opts_.threshold;
-    if (mode == compression_mode::off) return out;
-    const bool too_long = int64_t(prompt.size()) >= n_ctx;
-    if (mode == compression_mode::auto_ && int64_t(prompt.size()) < threshold && !too_long) return out;
+    if (!would_compress(int64_t(prompt.size()), n_ctx, req)) return out;
 
     std::lock_guard<std::mutex> lk(mu_);
     const auto t0 = std::chrono::steady_clock::now();  // after the lock: waiting is not compression time

@@ -80,6 +80,9 @@ public:
     // The override checks apply() starts with, alone (the server answers 400 for these, 500 for a drafter
     // failure inside apply()). Returns the mode the request resolves to.
     compression_mode check(const compression_request &req) const;
+    // Whether apply() would run the drafter on a prompt of n_prompt tokens (check() included): the
+    // streaming endpoints then send their headers first and compress while keeping the client informed.
+    bool would_compress(int64_t n_prompt, int64_t n_ctx, const compression_request &req) const;
 
     compression_stats stats() const;
 

@@ -401,6 +401,24 @@ def test_model(fathom, model, mv, tmp, special, real, engine_args=()):
         check(rc == 0 and "running on the CPU" in err, f"--device auto falls back to the CPU with a notice ({err[-200:]!r})")
 
 
+def test_prefill_progress(fathom, m):
+    """The prefill bar (docs/cli.md): drawn on stderr only when it is a terminal or with --progress (here
+    stderr is a pipe); one redraw per evaluated chunk (-b), ending at 100%; erased at the end."""
+    import re
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    rc, _, err = run(fathom, ["run", "-p", prompt, "-n", "1", "--no-chat", "-b", "4", "--progress"] + m)
+    text = err
+    draws = re.findall(r"\rprefill \[[#.]{30}\] +(\d+)% \((\d+)/(\d+)\)", text)
+    check(rc == 0 and len(draws) >= 3, f"run --progress draws the prefill bar per chunk ({len(draws)} draws)")
+    if draws:
+        done = [int(d[1]) for d in draws]
+        check(done == sorted(done) and draws[-1][0] == "100" and draws[-1][1] == draws[-1][2],
+              f"the bar rises to 100% ({draws})")
+        check("\r\033[K" in text, "the bar line is erased at the end")
+    rc, _, err = run(fathom, ["run", "-p", prompt, "-n", "1", "--no-chat", "-b", "4"] + m)
+    check(rc == 0 and "prefill [" not in err, "no bar when stderr is not a terminal")
+
+
 def test_serve_port(fathom, m):
     """A second `fathom serve` on a port another server listens on: one error line naming the port,
     non-zero exit (issue 22: SO_REUSEPORT let it bind and take half the connections)."""
@@ -469,6 +487,7 @@ def main():
             here = os.path.dirname(os.path.abspath(__file__))
             subprocess.run([sys.executable, os.path.join(here, "make_tiny_model.py"), vocab, model], check=True)
             test_model(a.fathom, model, ["-m", model], tmp, "<|endoftext|>", real=False, engine_args=["-t", "1"])
+            test_prefill_progress(a.fathom, ["-m", model, "-t", "1"])
             test_serve_port(a.fathom, ["-m", model, "-t", "1"])
         else:
             model = find_model(a.models_dir, "smollm2")

@@ -37,16 +37,17 @@ inline std::vector<int32_t> tokens_of(size_t n, int vocab, uint64_t seed) {
 }
 
 // Writes a quantised synthetic model with the ds4-tiny layout but 256-wide rows (IQ2_XXS / Q2_K
-// blocks: the q2 mix, seed 7; 5 layers of compression ratios 0, 0, 4, 128, 4) to the temp directory as
-// file_name and returns its path. Suites that may run in parallel pass their own file names.
-inline std::string write_quant_tiny_model(const std::string &file_name) {
+// blocks: the q2 mix by default, or another synth mix such as q4k / q3k; seed 7; 5 layers of
+// compression ratios 0, 0, 4, 128, 4) to the temp directory as file_name and returns its path. Suites
+// that may run in parallel pass their own file names.
+inline std::string write_quant_tiny_model(const std::string &file_name, const std::string &mix = "q2") {
     ds4::hparams hp = ds4::synth_preset("tiny");
     hp.n_embd = 256;
     hp.n_ff_exp = 256;
     hp.n_layer = 5;  // ratios 0, 0, 4, 128, 4
     ds4::synth_fix_layers(hp, 1.5f);
     ds4::synth_options o;
-    o.mix = "q2";
+    o.mix = mix;
     o.seed = 7;
     const std::string p = (std::filesystem::temp_directory_path() / file_name).string();
     ds4::synth_write(p, hp, o);

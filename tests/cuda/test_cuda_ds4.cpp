@@ -8,7 +8,9 @@
 // Tolerances: the CPU reference accumulates dot products in double, the GPU GEMVs in f32 (per lane,
 // then a warp tree): relative L2 <= 1e-5 on outputs. The expert GEMVs of iq2_xxs/q2_k/q8_0 quantise
 // their activations to q8 blocks (integer dots): they are held to 1e-5 against the CPU applying the
-// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself). Router ids must
+// same quantisation, and to 2e-2 against the f32 reference (the q8 rounding itself); the K-quant
+// experts (q3_k .. q6_k) likewise, and with set_moe_q8_activations(false) 1e-5 against the f32
+// reference. Router ids must
 // be identical; element-wise HC arithmetic is repeated op for op (HC post: exact given the same inputs).
 #include <gtest/gtest.h>
 
@@ -27,8 +29,10 @@
 #include "backend/cpu/iq_tables.h"
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
@@ -106,6 +110,98 @@ TEST(CudaDs4Host, ExpertUnitsMatchCpuDequantisation) {
     check_units<dtype::q2_k>(4096);
     check_units<dtype::mxfp4>(4096);
     check_units<dtype::q8_0>(4096);
+    check_units<dtype::q3_k>(4096);
+    check_units<dtype::q4_k>(4096);
+    check_units<dtype::q5_k>(4096);
+    check_units<dtype::q6_k>(4096);
+}
+
+// K-quant rows of uniformly random bytes (every scale, min, high-bit and quant pattern, negative
+// Q6_K / Q3_K scales; quantize_row output only reaches some of them), with the f16 block scales
+// replaced by finite values of either sign. The element map and the values must still equal the
+// CPU's dequantisation bit for bit (compared as bit patterns, so -0 vs +0 would fail too).
+std::vector<uint8_t> random_kquant_row(dtype t, int64_t K, std::mt19937 &rng) {
+    std::vector<uint8_t> q(dtype_row_bytes(t, K));
+    for (auto &b : q) b = static_cast<uint8_t>(rng() >> 24);
+    std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+    auto scale = [&](size_t off) {
+        const float v = ud(rng) * 0.01f * ((rng() & 1) ? -1.0f : 1.0f);
+        const uint16_t h = cpu::f32_to_f16(v);
+        std::memcpy(&q[off], &h, 2);
+    };
+    const size_t bs = dtype_info(t).type_size;
+    for (size_t off = 0; off < q.size(); off += bs) {
+        if (t == dtype::q3_k) {
+            scale(off + 108);
+        } else if (t == dtype::q6_k) {
+            scale(off + 208);
+        } else {  // q4_k / q5_k: d, dmin
+            scale(off);
+            scale(off + 2);
+        }
+    }
+    return q;
+}
+template <dtype T>
+void check_units_random_bytes(int64_t K) {
+    SCOPED_TRACE(std::string(dtype_name(T)) + " random bytes");
+    std::mt19937 rng(static_cast<unsigned>(T) + 101);
+    const auto q = random_kquant_row(T, K, rng);
+    std::vector<float> ref(static_cast<size_t>(K));
+    cpu::dequantize_row(T, q.data(), ref.data(), K);
+    std::vector<int> hits(static_cast<size_t>(K), 0);
+    for (int64_t u = 0; u < K / 32; ++u) {
+        float w[32];
+        int64_t base;
+        int stride;
+        cuda::ds4q::decode32<T>(q.data(), u, w, base, stride, nullptr);
+        for (int r = 0; r < 4; ++r)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t e = base + r * stride + i;
+                ASSERT_TRUE(e >= 0 && e < K) << "unit " << u;
+                ++hits[static_cast<size_t>(e)];
+                uint32_t a, b;
+                std::memcpy(&a, &w[8 * r + i], 4);
+                std::memcpy(&b, &ref[static_cast<size_t>(e)], 4);
+                ASSERT_EQ(a, b) << "element " << e << ": " << w[8 * r + i] << " vs " << ref[static_cast<size_t>(e)];
+            }
+    }
+    for (int64_t i = 0; i < K; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)], 1) << "element " << i;
+}
+
+// The host-side type gates (no device needed): the MoE, the generic dense kernels and the prefill
+// GEMM take the K-quants (a q4 / Q4_K_M file is not refused), with the alignments their decoders
+// need; types without decoders stay refused.
+TEST(CudaDs4Host, KquantTypesAcceptedByEveryPath) {
+    for (dtype t : {dtype::q3_k, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+        SCOPED_TRACE(std::string(dtype_name(t)));
+        EXPECT_TRUE(cd::expert_type_supported(t));
+        EXPECT_EQ(cd::expert_alignment(t), t == dtype::q3_k || t == dtype::q6_k ? 2 : 4);
+        EXPECT_TRUE(cuda::mm_supported(t));
+        alignas(16) static uint8_t rows[4 * 210 * 2 + 16];
+        cd::gemm_weight w;
+        w.type = t;
+        w.p = rows;
+        w.rows = 4;
+        w.cols = 512;
+        w.row_bytes = dtype_row_bytes(t, 512);
+        EXPECT_TRUE(cd::gemm_runner::supported(w));
+        w.cols = 288;  // not whole 256-blocks
+        w.row_bytes = dtype_row_bytes(t, 256) * 2;
+        EXPECT_FALSE(cd::gemm_runner::supported(w));
+    }
+    EXPECT_TRUE(cuda::mm_supported(dtype::q2_k));
+    for (dtype t : {dtype::iq4_xs, dtype::iq3_xxs, dtype::iq2_xs}) {
+        EXPECT_FALSE(cd::expert_type_supported(t)) << dtype_name(t);
+        EXPECT_FALSE(cuda::mm_supported(t)) << dtype_name(t);
+    }
+}
+
+TEST(CudaDs4Host, KquantUnitsOfRandomBytesMatchCpuDequantisation) {
+    check_units_random_bytes<dtype::q3_k>(4096);
+    check_units_random_bytes<dtype::q4_k>(4096);
+    check_units_random_bytes<dtype::q5_k>(4096);
+    check_units_random_bytes<dtype::q6_k>(4096);
 }
 
 // The GEMV inner loop's fused unit dots (raw bytes -> sum w x without materialising w) vs the dot of
@@ -150,6 +246,10 @@ TEST(CudaDs4Host, FusedUnitDotsMatchDequantisedDot) {
     check_unit_dots<dtype::mxfp4>(4096);
     check_unit_dots<dtype::f16>(4096);
     check_unit_dots<dtype::f32>(4096);
+    check_unit_dots<dtype::q3_k>(4096);
+    check_unit_dots<dtype::q4_k>(4096);
+    check_unit_dots<dtype::q5_k>(4096);
+    check_unit_dots<dtype::q6_k>(4096);
 }
 
 // The IQ2_XXS sign bits are computed (7-bit code + parity bit), not looked up: equal to ksigns_iq2xs.
@@ -226,11 +326,15 @@ TEST(CudaDs4Host, Q8UnitDotsMatchDequantisedDot) {
     check_q8_unit_dots<dtype::iq2_xxs>(4096);
     check_q8_unit_dots<dtype::q2_k>(4096);
     check_q8_unit_dots<dtype::q8_0>(4096);
+    check_q8_unit_dots<dtype::q3_k>(4096);
+    check_q8_unit_dots<dtype::q4_k>(4096);
+    check_q8_unit_dots<dtype::q5_k>(4096);
+    check_q8_unit_dots<dtype::q6_k>(4096);
 }
 
 // ds4q::step_q8 / dot_step_q8 (the q8 down kernel's 64-column lane unit) vs the dot of the
 // CPU-dequantised weights with the dequantised q8 activation over the step's columns, in double.
-// The columns of step U are taken from the format description (q2_k: Q2_K block U / 4, half
+// The columns of step U are taken from the format description (q2_k and the K-quants: block U / 4, half
 // (U / 2) % 2, elements 256 b + 128 c + 32 j + 16 (U % 2) + l; the others: 64 U .. 64 U + 64), and
 // every column must belong to exactly one step. K = 4096 + 32 for q8_0: an odd unit count (the last
 // step has one unit).
@@ -251,7 +355,7 @@ void check_q8_step_dots(int64_t K) {
     std::vector<int> hits(static_cast<size_t>(K), 0);
     for (int U = 0; U < steps; ++U) {
         std::vector<int64_t> cols;
-        if (T == dtype::q2_k) {
+        if (T == dtype::q2_k || cuda::ds4q::is_kquant<T>()) {  // the K-quants share Q2_K's unit
             const int64_t b = U / 4, c = (U / 2) % 2, h = U % 2;
             for (int64_t j = 0; j < 4; ++j)
                 for (int64_t l = 0; l < 16; ++l) cols.push_back(256 * b + 128 * c + 32 * j + 16 * h + l);
@@ -278,6 +382,10 @@ TEST(CudaDs4Host, Q8StepDotsMatchDequantisedDot) {
     check_q8_step_dots<dtype::q2_k>(4096);
     check_q8_step_dots<dtype::iq2_xxs>(4096);
     check_q8_step_dots<dtype::q8_0>(4096 + 32);
+    check_q8_step_dots<dtype::q3_k>(4096);
+    check_q8_step_dots<dtype::q4_k>(4096);
+    check_q8_step_dots<dtype::q5_k>(4096);
+    check_q8_step_dots<dtype::q6_k>(4096);
 }
 
 // The header's q8 quantiser (the rule the device staging implements) vs the test's, and the IQ2_XXS
@@ -475,7 +583,16 @@ TEST_F(CudaDs4Moe, FfnMatchesCpuReference) {
                         {dtype::q2_k, dtype::q2_k, dtype::q8_0, false, true, 16, 6},
                         {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, false, false, 16, 6},
                         {dtype::q8_0, dtype::iq2_xxs, dtype::q2_k, true, true, 16, 6},
-                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24}};
+                        {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, true, 32, 24},
+                        // K-quants (q8 activations, integer dots): routed + shared in one launch
+                        // (q4_k / q4_k, q6_k / q8_0) and in separate launches (mixed pairs), every type
+                        // as routed gate/up, routed down and shared expert, learned and hash routing,
+                        // k = 24 of 32
+                        {dtype::q4_k, dtype::q4_k, dtype::q4_k, false, true, 16, 6},
+                        {dtype::q4_k, dtype::q6_k, dtype::q8_0, true, true, 16, 6},
+                        {dtype::q3_k, dtype::q5_k, dtype::q6_k, false, true, 16, 6},
+                        {dtype::q6_k, dtype::q3_k, dtype::q4_k, true, true, 16, 6},
+                        {dtype::q5_k, dtype::q6_k, dtype::q3_k, false, true, 32, 24}};
     const int64_t D = 1024, F = 512;
     for (const cfg &c : cfgs) {
         const int E = c.E, k = c.k;
@@ -661,6 +778,107 @@ TEST_F(CudaDs4Moe, Q8DownOddShapesAccumulate) {
     }
 }
 
+// The K-quant expert GEMVs at awkward shapes, in both activation modes (q8 blocks + integer dots,
+// the default; f32 with set_moe_q8_activations(false)), each half against the CPU's dequantised rows
+// dotted in double with the same activations (q8: quantised per block of 32 as the kernels do;
+// f32: as given): <= 1e-5, f32 accumulation only.
+// gate/up: F = 333 rows (not a multiple of the routed pairs or the 8-warp blocks), 40 routed slots
+// over 5 experts (repeated ids; 40 * 333 rows, several grid-stride rounds), then the shared expert of
+// another K-quant as its own launch (h row 40, no routing weight, its own clamp); the h row after it
+// must keep its poison. down: D = 333 rows (the last block partly empty), F = 768 (3 K-quant blocks
+// per row: 12 64-column steps, 24 units), 7 routed slots (expert 1 three times) accumulated onto a
+// given y, then the shared expert; y[D] must keep its poison.
+TEST_F(CudaDs4Moe, KquantGemvsOddShapesMatchCpu) {
+    struct cfg {
+        dtype t, tsh;
+    };
+    const cfg cfgs[] = {{dtype::q3_k, dtype::q6_k}, {dtype::q4_k, dtype::q5_k}, {dtype::q5_k, dtype::q4_k},
+                        {dtype::q6_k, dtype::q3_k}};
+    struct q8_scope {  // the process-wide switch is restored even when a check throws
+        ~q8_scope() { cd::set_moe_q8_activations(true); }
+    } restore;
+    const int E = 5;
+    for (const bool q8 : {true, false}) {
+        cd::set_moe_q8_activations(q8);
+        auto acts = [&](const float *v, int64_t n) {
+            return q8 ? q8_dequantised(v, n) : std::vector<double>(v, v + n);
+        };
+        for (const cfg &c : cfgs) {
+            SCOPED_TRACE(std::string(dtype_name(c.t)) + " routed, " + std::string(dtype_name(c.tsh)) + " shared, " +
+                         (q8 ? "q8" : "f32") + " activations");
+            {  // gate/up
+                const int64_t D = 512, F = 333;
+                const int n_slot = 40;
+                const float sd = 1.0f / std::sqrt(static_cast<float>(D));
+                const auto g = quant_rows(c.t, D, F * E, rng_, sd), u = quant_rows(c.t, D, F * E, rng_, sd);
+                const auto gs = quant_rows(c.tsh, D, F, rng_, sd), us = quant_rows(c.tsh, D, F, rng_, sd);
+                std::vector<int32_t> ids(static_cast<size_t>(n_slot));
+                for (auto &e : ids) e = static_cast<int32_t>(rng_() % E);
+                const auto wts = randn(static_cast<size_t>(n_slot), rng_, 0.5f);
+                auto x = randn(static_cast<size_t>(D), rng_);
+                std::fill(x.begin() + 64, x.begin() + 96, 0.0f);  // an all-zero q8 block (d = 0)
+                float *h_d = poisoned(static_cast<size_t>((n_slot + 2) * F)), *x_d = up(x);
+                cd::launch_moe_gate_up(dev_bank(c.t, g, F, D, E), dev_bank(c.t, u, F, D, E), up(ids), up(wts), n_slot, 0,
+                                       x_d, 1.0f, h_d, err_, s_);
+                cd::launch_moe_gate_up(dev_bank(c.tsh, gs, F, D, 1), dev_bank(c.tsh, us, F, D, 1), nullptr, nullptr, 1,
+                                       n_slot, x_d, 1.25f, h_d, err_, s_);
+                const auto h = down(h_d, static_cast<size_t>((n_slot + 2) * F));
+                EXPECT_EQ(take_err(), 0u);
+                const auto xd = acts(x.data(), D);
+                std::vector<float> ref;
+                for (int s = 0; s <= n_slot; ++s) {
+                    const bool sh = s == n_slot;
+                    const int e = sh ? 0 : ids[static_cast<size_t>(s)];
+                    const auto gv = ref_gemv(sh ? c.tsh : c.t, sh ? gs : g, F, D, e, xd);
+                    const auto uv = ref_gemv(sh ? c.tsh : c.t, sh ? us : u, F, D, e, xd);
+                    std::vector<float> gf(gv.begin(), gv.end()), uf(uv.begin(), uv.end());
+                    ds4::swiglu_clamped(gf.data(), uf.data(), F, sh ? 1.25f : 1.0f);
+                    for (auto &v : gf) ref.push_back(sh ? v : v * wts[static_cast<size_t>(s)]);
+                }
+                const double eh = rel_l2(h.data(), ref.data(), ref.size());
+                EXPECT_LE(eh, 1e-5);
+                for (int64_t r = 0; r < F; ++r)
+                    ASSERT_TRUE(std::isnan(h[static_cast<size_t>((n_slot + 1) * F + r)])) << r;
+                std::printf("  k-quant gate/up %s (+ %s shared), %s activations, F = %lld, %d slots: rel L2 %.3g\n",
+                            dtype_name(c.t).data(), dtype_name(c.tsh).data(), q8 ? "q8" : "f32",
+                            static_cast<long long>(F), n_slot, eh);
+            }
+            {  // down
+                const int64_t D = 333, F = 768;
+                const int n_slot = 7;
+                const float sd = 1.0f / std::sqrt(static_cast<float>(F));
+                const auto dn = quant_rows(c.t, F, D * E, rng_, sd), dsh = quant_rows(c.tsh, F, D, rng_, sd);
+                const std::vector<int32_t> ids = {1, 3, 0, 1, 4, 2, 1};
+                auto h = randn(static_cast<size_t>((n_slot + 1) * F), rng_);
+                for (int s = 0; s <= n_slot; ++s) std::fill_n(h.begin() + s * F + 64 * s, 32, 0.0f);  // d = 0 blocks
+                const auto y0 = randn(static_cast<size_t>(D), rng_);
+                std::vector<float> yin(y0);
+                yin.push_back(std::nanf(""));
+                float *y_d = up(yin), *h_d = up(h);
+                cd::launch_moe_down(dev_bank(c.t, dn, D, F, E), up(ids), n_slot, 0, h_d, true, y_d, err_, s_);
+                cd::launch_moe_down(dev_bank(c.tsh, dsh, D, F, 1), nullptr, 1, n_slot, h_d, true, y_d, err_, s_);
+                const auto y = down(y_d, static_cast<size_t>(D + 1));
+                EXPECT_EQ(take_err(), 0u);
+                std::vector<double> ref(y0.begin(), y0.end());
+                for (int s = 0; s <= n_slot; ++s) {
+                    const auto hd = acts(h.data() + s * F, F);
+                    const auto part = s < n_slot ? ref_gemv(c.t, dn, D, F, ids[static_cast<size_t>(s)], hd)
+                                                 : ref_gemv(c.tsh, dsh, D, F, 0, hd);
+                    for (int64_t r = 0; r < D; ++r) ref[static_cast<size_t>(r)] += part[static_cast<size_t>(r)];
+                }
+                const std::vector<float> reff(ref.begin(), ref.end());
+                const double ey = rel_l2(y.data(), reff.data(), static_cast<size_t>(D));
+                EXPECT_LE(ey, 1e-5);
+                EXPECT_TRUE(std::isnan(y[static_cast<size_t>(D)]));
+                std::printf("  k-quant down %s (+ %s shared), %s activations, D = %lld, F = %lld, %d slots, "
+                            "accumulate: rel L2 %.3g\n",
+                            dtype_name(c.t).data(), dtype_name(c.tsh).data(), q8 ? "q8" : "f32",
+                            static_cast<long long>(D), static_cast<long long>(F), n_slot, ey);
+            }
+        }
+    }
+}
+
 // Router alone, fed the CPU's logits: identical ids (including ties, broken towards the lower id)
 // and weights.
 TEST_F(CudaDs4Moe, RouterIdsExactAndWeights) {
@@ -715,7 +933,7 @@ TEST_F(CudaDs4Moe, RouterIdsExactAndWeights) {
     EXPECT_THROW(cd::launch_moe_route(logits_d, 2000, nullptr, nullptr, 0, nullptr, 6, 1.0f, ids_d, w_d, err_, s_),
                  error);
     cd::expert_bank wrong = m.d.gate;
-    wrong.type = dtype::q4_k;
+    wrong.type = dtype::iq4_xs;  // no expert decoder for it
     EXPECT_THROW(cd::launch_moe_gate_up(wrong, wrong, bid, nullptr, 6, 0, up(x), 1.0f, h, err_, s_), error);
 }
 
@@ -827,7 +1045,9 @@ TEST_F(CudaDs4, BenchExpertGemvBandwidth) {
     };
     const mix_t mixes[] = {{"q2 (iq2_xxs gate/up, q2_k down, q8_0 shared)", dtype::iq2_xxs, dtype::q2_k, dtype::q8_0},
                            {"q2k (q2_k experts, q8_0 shared)", dtype::q2_k, dtype::q2_k, dtype::q8_0},
-                           {"mxfp4 (mxfp4 experts, q8_0 shared)", dtype::mxfp4, dtype::mxfp4, dtype::q8_0}};
+                           {"mxfp4 (mxfp4 experts, q8_0 shared)", dtype::mxfp4, dtype::mxfp4, dtype::q8_0},
+                           {"q4k (q4_k gate/up, q6_k down, q4_k shared)", dtype::q4_k, dtype::q6_k, dtype::q4_k},
+                           {"q3k (q3_k gate/up, q5_k down, q3_k shared)", dtype::q3_k, dtype::q5_k, dtype::q3_k}};
     std::vector<int32_t> ids(static_cast<size_t>(T * k));
     for (int t = 0; t < T; ++t) {
         std::vector<int32_t> p(E);

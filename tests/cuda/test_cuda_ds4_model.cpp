@@ -5,7 +5,9 @@
 //    goldens) on a synthetic quantised model (IQ2_XXS / Q2_K experts, Q8_0 projections, F16 mixers)
 //    over 300 positions: raw-ring wrap, ratio-4 and ratio-128 compressed rows, indexer top-k with
 //    more rows than k, in every QAT mode and both KV precisions: within the error of the CPU's own
-//    quantised path (the MoE runs q8 activations with integer dots);
+//    quantised path (the MoE runs q8 activations with integer dots); the same for the K-quant
+//    synthetic mixes (q4k: Q4_K / Q6_K experts, Q4_K projections; q3k: Q3_K / Q5_K experts, Q3_K
+//    projections), which with f32 activations must also equal the reference to f32 rounding;
 //  - graph replay against eager launches (bitwise), device argmax against the host argmax;
 //  - chunked (layer-major) prefill: the goldens and the CPU reference through chunks of several
 //    sizes, and decoding after a chunked prefill against decoding after a token-serial one.
@@ -20,7 +22,10 @@
 #include <tuple>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_model.h"
+#include "core/error.h"
 #include "ds4/golden_util.h"
 #include "models/deepseek4.h"
 #include "cuda_test_util.h"
@@ -175,6 +180,117 @@ TEST_F(CudaDs4Model, QuantisedMatchesCpuReferenceEveryQatAndKv) {
         EXPECT_GE(g.argmax_same + 3, c.argmax_same) << md.name;
         }
     }
+}
+
+// Synthetic models of the K-quant mixes (src/models/deepseek4_synth.cpp): q4k (Q4_K_M-like: Q4_K
+// routed gate/up, Q6_K routed down and output head, Q4_K attention projections, shared expert and
+// embedding; Q8_0 where a row is not whole 256-blocks) and q3k (Q3_K gate/up, projections, shared
+// expert and embedding, Q5_K down, Q6_K head). Before K-quant experts had kernels, cuda_upload refused
+// these files (and Q3_K dense weights had no GEMV). Checked against the CPU reference forward over 200
+// positions:
+//  - with every decode product on f32 activations (set_moe_q8_activations(false) and
+//    set_gemv_q8_activations(false): the MoE and the dense q8_0 GEMVs switched to their
+//    f32-activation kernels), qat off, f32 KV and the exact indexer, token-serial
+//    decode equals the reference to f32 rounding: median rel L2 <= 1e-5, worst <= 1e-3 (room for a
+//    near-tie indexer selection decided the other way by an f32 difference; f32 activations gave a
+//    worst of 7.3e-07 on the q2 mix). A wrong K-quant element, scale or row shows as O(1e-2) or more.
+//  - in the default configuration (q8 activations with integer dots in the MoE and the q8_0
+//    GEMVs, qat full, f16 KV), token-serial and in
+//    chunks of 64 (the prefill MoE dequantises the K-quant experts for bf16 GEMMs): within twice the
+//    CPU quantised path's own error, as QuantisedMatchesCpuReferenceEveryQatAndKv judges the q2 mix.
+TEST_F(CudaDs4Model, KquantMixesMatchCpuReference) {
+    struct mix_t {
+        const char *name;
+        dtype gu, dn, dense;  // routed gate/up, routed down; shared expert, 256-wide projections, embedding
+    };
+    for (const mix_t mx : {mix_t{"q4k", dtype::q4_k, dtype::q6_k, dtype::q4_k},
+                           mix_t{"q3k", dtype::q3_k, dtype::q5_k, dtype::q3_k}}) {
+        SCOPED_TRACE(mx.name);
+        auto m = ds4::load_model(
+            cuda_test::write_quant_tiny_model(std::string("fathom_cuda_ds4_") + mx.name + ".gguf", mx.name));
+        // the file really has the K-quant types this test is about
+        for (const auto &l : m->layers) {
+            ASSERT_EQ(l.gate_exps.first.type, mx.gu);
+            ASSERT_EQ(l.up_exps.first.type, mx.gu);
+            ASSERT_EQ(l.down_exps.first.type, mx.dn);
+            ASSERT_EQ(l.gate_sh.type, mx.dense);
+            ASSERT_EQ(l.down_sh.type, mx.dense);
+            ASSERT_EQ(l.q_a.type, mx.dense);
+            ASSERT_EQ(l.kv.type, mx.dense);
+        }
+        ASSERT_EQ(m->output.type, dtype::q6_k);
+        ASSERT_EQ(m->tok_embd.type, mx.dense);
+        const size_t n = 200, V = static_cast<size_t>(m->hp.n_vocab);
+        const auto toks = random_tokens(n, m->hp.n_vocab, 31);
+        {  // f32 activations throughout: the reference to f32 rounding
+            const auto ref = cpu_logits(*m, ds4::qat_mode::off, kv_precision::f32, toks);
+            auto w = upload(*m, ds4::qat_mode::off, kv_precision::f32, true);
+            struct f32_scope {  // the process-wide switches are restored even when eval throws
+                f32_scope() {
+                    cuda::ds4::set_gemv_q8_activations(false);
+                    cuda::ds4::set_moe_q8_activations(false);
+                }
+                ~f32_scope() {
+                    cuda::ds4::set_gemv_q8_activations(true);
+                    cuda::ds4::set_moe_q8_activations(true);
+                }
+            } f32_products;
+            ds4::cuda_sequence seq(w, static_cast<int64_t>(n), true, 0);
+            std::vector<float> got(n * V, std::nanf(""));
+            seq.eval(toks, got);
+            const err_stats g = compare_logits(got, ref, n, V);
+            std::printf("  %s, f32 activations, qat off, f32 KV: median %.3g worst %.3g (pos %zu) argmax %zu/%zu\n",
+                        mx.name, g.median, g.worst, g.worst_at, g.argmax_same, n);
+            EXPECT_LE(g.median, 1e-5);
+            EXPECT_LE(g.worst, 1e-3);
+            EXPECT_GE(g.argmax_same + 1, n);
+        }
+        // the default configuration, token-serial and chunked
+        const auto ref = cpu_logits(*m, ds4::qat_mode::full, kv_precision::f16, toks);
+        const auto cpuq = cpu_logits(*m, ds4::qat_mode::full, kv_precision::f16, toks, true);
+        auto w = upload(*m, ds4::qat_mode::full, kv_precision::f16);
+        for (const int64_t chunk : {int64_t{0}, int64_t{64}}) {
+            ds4::cuda_sequence seq(w, static_cast<int64_t>(n), true, chunk);
+            std::vector<float> got(n * V, std::nanf(""));
+            seq.eval(toks, got);
+            const err_stats g = compare_logits(got, ref, n, V), c = compare_logits(cpuq, ref, n, V);
+            std::printf("  %s, qat full, f16 KV, chunk %2lld vs CPU reference: CUDA median %.3g worst %.3g argmax %zu/%zu | "
+                        "CPU quantised path median %.3g worst %.3g argmax %zu/%zu\n",
+                        mx.name, static_cast<long long>(chunk), g.median, g.worst, g.argmax_same, n, c.median, c.worst,
+                        c.argmax_same, n);
+            EXPECT_LE(g.median, 2.0 * c.median + 1e-4) << "chunk " << chunk;
+            EXPECT_GE(g.argmax_same + 3, c.argmax_same) << "chunk " << chunk;
+        }
+    }
+}
+
+// A weight type without a CUDA kernel fails cuda_upload before anything is uploaded, with one line
+// naming the tensor and its type (a copy of the q4k model with one tensor's type changed; the bytes
+// are never read).
+TEST_F(CudaDs4Model, UnsupportedWeightTypeFailsAtLoadNamingTheTensor) {
+    const auto m = ds4::load_model(cuda_test::write_quant_tiny_model("fathom_cuda_ds4_q4k_types.gguf", "q4k"));
+    auto expect_refused = [&](const ds4::model &bad, const std::string &what) {
+        try {
+            upload(bad, ds4::qat_mode::full, kv_precision::f16);
+            ADD_FAILURE() << "no error for " << what;
+        } catch (const error &e) {
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    ds4::model bad = *m;
+    bad.layers[2].q_b.type = dtype::iq4_xs;
+    expect_refused(bad, "blk.2.attn_q_b is iq4_xs");
+    bad = *m;
+    bad.layers[1].down_exps.first.type = dtype::iq3_xxs;
+    expect_refused(bad, "blk.1.ffn_down_exps is iq3_xxs");
+    bad = *m;
+    bad.layers[3].up_sh.type = dtype::iq2_xs;
+    expect_refused(bad, "blk.3.ffn_up_shexp is iq2_xs");
+    bad = *m;
+    bad.layers[0].hc_ffn.fn.type = dtype::q8_0;
+    expect_refused(bad, "blk.0.hc_ffn_fn is q8_0");
+    // the unchanged model loads
+    EXPECT_NO_THROW(upload(*m, ds4::qat_mode::full, kv_precision::f16));
 }
 
 // Decoding continues from the state a chunked prefill leaves (ring, compressor frontiers, compressed

@@ -6,7 +6,8 @@
 // 256 experts, 6 used + the q8_0 shared expert) and odd ones that hit the slab edges: F not a
 // multiple of the slab rows (routed slabs of 16, 8 or 2 rows; a shared slab of 3 rows with a partial
 // last slab), repeated ids, ids out of range (error flag, rows left), no ids / no weights, an h row
-// offset. A captured launch_moe_ffn graph is replayed with ids changing between replays.
+// offset; the K-quants (q3_k .. q6_k, the q4 files' experts) on both kernels too. A captured
+// launch_moe_ffn graph is replayed with ids changing between replays.
 //   CudaDs4MoeStaged.*       correctness (needs a device)
 //   CudaDs4MoeStaged.Bench*  direct vs staged time per layer-token with a cold-ish L2 (8 layers'
 //                            distinct banks rotated); only with FATHOM_DS4_BENCH=1
@@ -40,7 +41,7 @@ namespace cd = cuda::ds4;
 using cuda_test::randn;
 using cuda_test::time_graph;
 
-// rows x cols weights of type t (iq2_xxs, q2_k or q8_0) as random bytes with sane block scales.
+// rows x cols weights of type t (iq2_xxs, q2_k, q8_0 or a K-quant) as random bytes with sane block scales.
 std::vector<uint8_t> rand_rows(dtype t, int64_t cols, int64_t rows, uint64_t seed) {
     const size_t bytes = dtype_row_bytes(t, cols) * static_cast<size_t>(rows);
     std::vector<uint8_t> q((bytes + 7) / 8 * 8);
@@ -70,8 +71,17 @@ std::vector<uint8_t> rand_rows(dtype t, int64_t cols, int64_t rows, uint64_t see
         }
     } else if (t == dtype::q8_0) {
         for (size_t off = 0; off < bytes; off += 34) put16(off, ud(rng) * inv / 74.0f);
+    } else if (t == dtype::q3_k) {  // |scale| <= 32, |q| <= 4
+        for (size_t off = 0; off < bytes; off += 110) put16(off + 108, ud(rng) * inv / 64.0f);
+    } else if (t == dtype::q4_k || t == dtype::q5_k) {  // scale, min <= 63, q <= 15 / 31
+        for (size_t off = 0; off < bytes; off += (t == dtype::q4_k ? 144 : 176)) {
+            put16(off, ud(rng) * inv / (t == dtype::q4_k ? 470.0f : 950.0f));
+            put16(off + 2, ud(rng) * inv / 950.0f);
+        }
+    } else if (t == dtype::q6_k) {  // |scale| <= 128, |q| <= 32
+        for (size_t off = 0; off < bytes; off += 210) put16(off + 208, ud(rng) * inv / 2000.0f);
     } else {
-        throw error("test: rand_rows handles iq2_xxs, q2_k and q8_0");
+        throw error("test: rand_rows handles iq2_xxs, q2_k, q8_0 and q3_k .. q6_k");
     }
     return q;
 }
@@ -144,6 +154,12 @@ TEST_F(CudaDs4MoeStaged, GateUpRoutedBitExact) {
         {dtype::q8_0, 4352, 45, 2, 3, 2, false, true, {}},
         // q8_0 at D = 2048: 8-row slabs, F = 1001, many slots (several slabs per block)
         {dtype::q8_0, 2048, 1001, 7, 40, 0, true, true, {}},
+        // K-quants (q4 / Q4_K_M files): q4_k 1152-byte rows, F = 333, repeated ids; q5_k F = 37;
+        // q6_k 3360-byte rows (4-row slabs); q3_k 1760-byte rows (2-byte aligned blocks)
+        {dtype::q4_k, 2048, 333, 5, 9, 1, true, true, {3, 3, 0, 4, 3, 1, 1, 2, 0}},
+        {dtype::q5_k, 1024, 37, 3, 4, 0, true, false, {}},
+        {dtype::q6_k, 4096, 100, 4, 6, 0, true, true, {}},
+        {dtype::q3_k, 4096, 64, 3, 3, 2, false, true, {}},
     };
     for (const auto &c : cases) {
         SCOPED_TRACE(std::string(dtype_name(c.t)) + " D " + std::to_string(c.D) + " F " + std::to_string(c.F));
@@ -224,6 +240,12 @@ TEST_F(CudaDs4MoeStaged, DownRoutedBitExact) {
         {dtype::iq2_xxs, 50, 2048, 2, {1, 0, 1}, 2, true},
         // F = 4352: 68 steps per row, lanes loop 3 times; 148 KB of staged rows (1 block per SM)
         {dtype::q8_0, 40, 4352, 2, {1, 1}, 0, true},
+        // K-quants: q6_k at the DS4 F = 2048 (1680-byte rows, 134 KB staged), q4_k F = 768 (12 steps),
+        // q3_k (2-byte aligned blocks), q5_k F = 4096 (lanes loop twice)
+        {dtype::q6_k, 333, 2048, 4, {0, 1, 3, 1, 2}, 1, true},
+        {dtype::q4_k, 77, 768, 3, {}, 0, false},
+        {dtype::q3_k, 50, 2048, 2, {1, 0, 1}, 2, true},
+        {dtype::q5_k, 40, 4096, 2, {1, 1}, 0, true},
     };
     for (const auto &c : cases) {
         SCOPED_TRACE(std::string(dtype_name(c.t)) + " rows " + std::to_string(c.rows));

@@ -2,7 +2,8 @@
 // interface ds4_prefill.h) against host references, every device output NaN-poisoned (or filled with a
 // sentinel) first so an unwritten element fails.
 //   CudaDs4PrefillMm.Matmul*      gemm_runner per weight type (f32, f16, bf16, q8_0 GGUF rows, q8_0
-//                                 repacked by gemv_prepare, iq2_xxs, q2_k, mxfp4); n_tok 1, 7, 300;
+//                                 repacked by gemv_prepare, iq2_xxs, q2_k, mxfp4, q3_k .. q6_k);
+//                                 n_tok 1, 7, 300;
 //                                 203 rows (not a multiple of the 37-row tiles a tiny max_w_elems
 //                                 forces); ldx > cols, ldy > rows (the gap keeps its sentinel);
 //                                 accumulate; grouped (whole-group tiles and tiles inside a group).
@@ -15,7 +16,7 @@
 // magnitude; and to <= 1e-2 against the unrounded double reference. Weights and activations that are
 // small integers (exact in bf16) must give exactly the integer results. f32 precision: <= 1e-5 against
 // the unrounded reference. MoE: bf16 products vs the decode chain's q8 activations (~1e-2 each) <=
-// 2e-2, vs the f32 CPU reference <= 1e-2.
+// 2e-2, vs the f32 CPU reference <= 1e-2 (K-quant experts included).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -71,7 +72,9 @@ std::vector<uint8_t> make_weight(dtype t, int64_t rows, int64_t cols, std::mt199
         }
         return q;
     }
-    if (!exact && (t == dtype::q8_0 || t == dtype::q2_k || t == dtype::mxfp4)) {
+    const bool kquant = t == dtype::q3_k || t == dtype::q4_k || t == dtype::q5_k || t == dtype::q6_k;
+    if (exact && kquant) throw error("test: make_weight has no exact form for the K-quants");
+    if (!exact && (t == dtype::q8_0 || t == dtype::q2_k || t == dtype::mxfp4 || kquant)) {
         const auto f = randn(n, rng, sd);
         for (int64_t r = 0; r < rows; ++r) cpu::quantize_row(t, f.data() + r * cols, q.data() + rb * r, cols);
         return q;
@@ -265,7 +268,15 @@ struct type_case {
 };
 const type_case kTypes[] = {{dtype::f32, false},     {dtype::f16, false},  {dtype::bf16, false},
                             {dtype::q8_0, false},    {dtype::q8_0, true},  {dtype::iq2_xxs, false},
-                            {dtype::q2_k, false},    {dtype::mxfp4, false}};
+                            {dtype::q2_k, false},    {dtype::mxfp4, false}, {dtype::q3_k, false},
+                            {dtype::q4_k, false},    {dtype::q5_k, false}, {dtype::q6_k, false}};
+// The K-quants' decoded values (up to 6 + 4 bits of scale times a 4..6-bit code) are not exact in
+// bf16, so MatmulExactSmallIntegers leaves them out; MatmulMatchesHostReferencePerType holds them to
+// 1e-5 against the bf16-rounded CPU dequantisation (a wrong element or scale moves a 512-term dot by
+// ~1/sqrt(512), far beyond that).
+bool has_exact_form(dtype t) {
+    return t != dtype::q3_k && t != dtype::q4_k && t != dtype::q5_k && t != dtype::q6_k;
+}
 std::string name_of(const type_case &c) {
     return std::string(dtype_name(c.t)) + (c.repack ? " (repacked)" : "");
 }
@@ -339,6 +350,7 @@ TEST_F(CudaDs4PrefillMm, MatmulExactSmallIntegers) {
     cd::gemm_runner g(s_, size_t{1} << 20, static_cast<size_t>(16 * cols));
     std::uniform_int_distribution<int> xi(-4, 4);
     for (const type_case &c : kTypes) {
+        if (!has_exact_form(c.t)) continue;
         SCOPED_TRACE(name_of(c));
         const auto q = make_weight(c.t, rows, cols, rng_, true);
         const auto wf = host_dequant(c.t, q, rows, cols);
@@ -418,7 +430,7 @@ TEST_F(CudaDs4PrefillMm, MatmulRejectsBadShapes) {
     bad.p = qd + 2;  // q2_k rows need 4-byte alignment
     EXPECT_THROW(g.matmul(bad, x, 256, 1, y, 4), error);
     bad = w;
-    bad.type = dtype::q4_k;
+    bad.type = dtype::iq4_xs;  // no decoder for it
     EXPECT_FALSE(cd::gemm_runner::supported(bad));
     EXPECT_THROW(g.matmul(w, x, 256, 17, y, 4), error);  // 17 x 256 activations > max_x_elems 4096
     EXPECT_THROW(g.matmul(w, x, 256, 1, y, 3), error);   // ldy < rows
@@ -493,6 +505,10 @@ TEST_F(CudaDs4PrefillMm, MoeMatchesDecodeChainAndCpu) {
         {dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, dtype::f32, true, true, 512, 256, 16, 4},
         {dtype::mxfp4, dtype::mxfp4, dtype::mxfp4, dtype::f32, false, true, 256, 128, 16, 4},
         {dtype::q8_0, dtype::q8_0, dtype::q8_0, dtype::f32, true, false, 256, 128, 16, 4},
+        // K-quant experts (the q4 / Q4_K_M-style files)
+        {dtype::q4_k, dtype::q6_k, dtype::q4_k, dtype::f16, false, true, 512, 256, 16, 4},
+        {dtype::q3_k, dtype::q5_k, dtype::q8_0, dtype::f32, true, true, 512, 256, 16, 4},
+        {dtype::q6_k, dtype::q4_k, dtype::q5_k, dtype::f32, false, false, 256, 512, 16, 4},
     };
     for (const moe_case &c : cases) {
         SCOPED_TRACE(std::string(dtype_name(c.gu)) + "/" + std::string(dtype_name(c.dn)) + "/" +

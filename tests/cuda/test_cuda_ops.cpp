@@ -45,8 +45,10 @@ protected:
     std::mt19937 rng_{1234};
 };
 
-const dtype kWeightTypes[] = {dtype::f32, dtype::f16, dtype::bf16, dtype::q4_0, dtype::q4_1, dtype::q5_0,
-                              dtype::q5_1, dtype::q8_0, dtype::q4_k, dtype::q5_k, dtype::q6_k};
+// q3_k rows of K = 768 are 330 bytes: every other row starts 2 bytes off a 4-byte boundary.
+const dtype kWeightTypes[] = {dtype::f32,  dtype::f16,  dtype::bf16, dtype::q4_0, dtype::q4_1,
+                              dtype::q5_0, dtype::q5_1, dtype::q8_0, dtype::q2_k, dtype::q3_k,
+                              dtype::q4_k, dtype::q5_k, dtype::q6_k};
 
 TEST_F(CudaOps, GetRowsEveryType) {
     for (dtype t : kWeightTypes) {

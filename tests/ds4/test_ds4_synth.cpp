@@ -1,5 +1,6 @@
 // `fathom-gguf synth` logic (src/models/deepseek4_synth.*): the loader accepts the files, the forward
-// gives finite logits, a seed fixes the bytes, the q2 mix really stores IQ2_XXS / Q2_K / Q8_0 / F16,
+// gives finite logits, a seed fixes the bytes, the q2 mix really stores IQ2_XXS / Q2_K / Q8_0 / F16
+// (and the K-quant mixes their K-quants),
 // the values follow the documented distributions, and the quantised engine path on a q2 file stays
 // close to the reference (exact) path on the same file.
 #include <gtest/gtest.h>
@@ -153,6 +154,65 @@ TEST(ds4_synth, quantised_engine_close_to_exact) {
     EXPECT_GT(rel[0], 0.0);                // the quantised path was taken
     EXPECT_GE(same_top1, 32);              // of 40
     std::filesystem::remove(p);
+}
+
+// The K-quant mixes (the q4 / Q4_K_M-style files the CUDA K-quant kernels are tested on): each
+// class of tensor stores the documented type (rows that are not whole 256-blocks fall back to Q8_0),
+// and the CPU engine's quantised path (Q8_K activations) stays close to its exact path on them.
+TEST(ds4_synth, kquant_mix_types_and_engine) {
+    struct mix_t {
+        const char *name;
+        dtype gu, dn, dense;
+    };
+    for (const mix_t mx : {mix_t{"q4k", dtype::q4_k, dtype::q6_k, dtype::q4_k},
+                           mix_t{"q3k", dtype::q3_k, dtype::q5_k, dtype::q3_k}}) {
+        SCOPED_TRACE(mx.name);
+        const std::string p = tmp(mx.name);
+        ds4::synth_options o;
+        o.mix = mx.name;
+        ds4::synth_write(p, small_geometry(), o);
+        {
+            const auto f = gguf::file::open(p);
+            EXPECT_EQ(f->tensor("blk.3.ffn_gate_exps.weight").type, mx.gu);
+            EXPECT_EQ(f->tensor("blk.3.ffn_up_exps.weight").type, mx.gu);
+            EXPECT_EQ(f->tensor("blk.3.ffn_down_exps.weight").type, mx.dn);
+            EXPECT_EQ(f->tensor("blk.3.ffn_gate_shexp.weight").type, mx.dense);
+            EXPECT_EQ(f->tensor("blk.3.attn_q_a.weight").type, mx.dense);  // rows of 256
+            EXPECT_EQ(f->tensor("blk.3.attn_q_b.weight").type, dtype::q8_0);  // rows of q_lora = 64
+            EXPECT_EQ(f->tensor("token_embd.weight").type, mx.dense);
+            EXPECT_EQ(f->tensor("output.weight").type, dtype::q6_k);
+            EXPECT_EQ(f->tensor("blk.2.indexer.proj.weight").type, dtype::f16);
+        }
+        std::vector<int32_t> toks(24);
+        for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<int32_t>((i * 37 + 11) % 300);
+        std::vector<float> l[2];
+        for (int exact = 0; exact < 2; ++exact) {
+            engine_options eo;
+            eo.model_path = p;
+            eo.n_threads = 2;
+            eo.exact = exact == 1;
+            eo.ds4_qat = "off";
+            auto e = engine::load(eo);
+            auto s = e->new_session();
+            l[exact].resize(toks.size() * 300);
+            s->eval(toks, l[exact].data());
+        }
+        std::vector<double> rel;
+        for (size_t i = 0; i < toks.size(); ++i) {
+            const float *a = &l[0][i * 300], *b = &l[1][i * 300];
+            double num = 0, den = 0;
+            for (int j = 0; j < 300; ++j) {
+                ASSERT_TRUE(std::isfinite(a[j]) && std::isfinite(b[j]));
+                num += double(a[j] - b[j]) * (a[j] - b[j]);
+                den += double(b[j]) * b[j];
+            }
+            rel.push_back(std::sqrt(num / den));
+        }
+        std::sort(rel.begin(), rel.end());
+        EXPECT_LT(rel[rel.size() / 2], 0.04);  // the q2 mix's bound (Q8_K activations)
+        EXPECT_GT(rel[0], 0.0);                // the quantised path was taken
+        std::filesystem::remove(p);
+    }
 }
 
 TEST(ds4_synth, presets_and_errors) {

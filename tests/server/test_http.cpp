@@ -278,24 +278,39 @@ TEST(Http, ToolCallParsedFromOutput) {
     // Without tools the same output is plain text.
     r = post_json(s, "/v1/chat/completions", chat_body(k_call_text), 200);
     EXPECT_EQ(r["choices"][0]["message"]["content"], k_call_text);
-    // Streamed: no markup leaks into content deltas; the call arrives as a tool_calls delta.
+    // Streamed: no markup leaks into content deltas (the space before the call is not content either,
+    // as in the whole response); the call arrives as tool_calls deltas: the first with index, id, type
+    // and name, the arguments in fragments (the object as the model wrote it, byte by byte here).
     const auto frames = sse_frames(
         stream_body(s, "/v1/chat/completions", chat_body("Sure. " + k_call_text, {{"tools", k_weather_tool}, {"stream", true}})));
-    std::string text, finish;
-    json calls;
+    std::string text, finish, args;
+    std::vector<json> calls;
     for (const auto &[name, data] : frames) {
         if (data == "[DONE]") continue;
         const json j = json::parse(data);
         const auto &ch = j["choices"][0];
         if (ch["delta"].contains("content")) text += ch["delta"]["content"].get<std::string>();
-        if (ch["delta"].contains("tool_calls")) calls = ch["delta"]["tool_calls"];
+        if (ch["delta"].contains("tool_calls")) {
+            ASSERT_EQ(ch["delta"]["tool_calls"].size(), 1u);
+            calls.push_back(ch["delta"]["tool_calls"][0]);
+            args += calls.back()["function"]["arguments"].get<std::string>();
+        }
         if (!ch["finish_reason"].is_null()) finish = ch["finish_reason"];
     }
-    EXPECT_EQ(text, "Sure. ");
+    EXPECT_EQ(text, "Sure.");
     EXPECT_EQ(finish, "tool_calls");
-    ASSERT_EQ(calls.size(), 1u);
+    ASSERT_EQ(calls.size(), std::string(R"({"city": "Paris"})").size() + 1);  // the header, then one per byte
     EXPECT_EQ(calls[0]["index"], 0);
+    EXPECT_EQ(calls[0]["type"], "function");
+    EXPECT_EQ(calls[0]["id"].get<std::string>().rfind("call_", 0), 0u);
     EXPECT_EQ(calls[0]["function"]["name"], "get_weather");
+    EXPECT_EQ(calls[0]["function"]["arguments"], "");
+    for (size_t i = 1; i < calls.size(); ++i) {
+        EXPECT_EQ(calls[i]["index"], 0);
+        EXPECT_FALSE(calls[i].contains("id"));
+        EXPECT_FALSE(calls[i]["function"].contains("name"));
+    }
+    EXPECT_EQ(args, R"({"city": "Paris"})");
 }
 
 TEST(Http, Completions) {

@@ -3,6 +3,10 @@
 # on the default real model and are labelled "slow".
 if(TARGET test_server)
     target_link_libraries(test_server PRIVATE httplib::httplib)
+    # The HTTP server over the fake engine, for SDK tests that choose the model's output (test-only).
+    add_executable(fathom_fake_serve ${CMAKE_CURRENT_LIST_DIR}/fake_serve.cpp)
+    target_include_directories(fathom_fake_serve PRIVATE ${PROJECT_SOURCE_DIR}/src ${CMAKE_CURRENT_LIST_DIR})
+    target_link_libraries(fathom_fake_serve PRIVATE fathom_core httplib::httplib nlohmann_json::nlohmann_json)
 endif()
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_FOUND AND TARGET fathom)
@@ -12,6 +16,18 @@ if(Python3_FOUND AND TARGET fathom)
                      --model ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_integration_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
+endif()
+if(Python3_FOUND AND TARGET fathom_fake_serve AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
+    # Streamed tool calls (OpenAI delta.tool_calls, Anthropic input_json_delta), parallel_tool_calls,
+    # tool_choice and SSE keepalives with the official SDKs: against the HTTP server over the fake engine
+    # posing as DS4 (its output chosen by the test), and `fathom serve` on ds4-tiny for a forced call.
+    add_test(NAME server_tool_stream_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tool_stream_test.py
+                     --fake-serve $<TARGET_FILE:fathom_fake_serve>
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_tool_stream_sdk PROPERTIES LABELS "server;slow" TIMEOUT 300)
 endif()
 if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
     # Thinking mode (reasoning split, budget, event sequences, second-turn cache hit) with the official

@@ -7,9 +7,12 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <system_error>
+#include <thread>
 
 #include "fathom/error.h"
 #include "gguf/gguf.h"
@@ -351,6 +354,38 @@ void progress_bar::finish() {
     std::fflush(stderr);
     drawn_ = false;
     last_permille_ = -1;
+}
+
+void activity_line::run(const std::function<void()> &fn) {
+    if (!active_) return fn();
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    const auto t0 = clock::now();
+    std::thread painter([&] {
+        std::unique_lock<std::mutex> lk(mu);
+        while (!cv.wait_for(lk, std::chrono::milliseconds(200), [&] { return done; })) {
+            std::fprintf(stderr, "\r%s ... %.1f s", label_.c_str(), seconds_since(t0));
+            std::fflush(stderr);
+        }
+        std::fputs("\r\033[K", stderr);  // erase the line
+        std::fflush(stderr);
+    });
+    auto stop = [&] {
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            done = true;
+        }
+        cv.notify_one();
+        painter.join();
+    };
+    try {
+        fn();
+    } catch (...) {
+        stop();
+        throw;
+    }
+    stop();
 }
 
 void write_out(std::string_view text) {

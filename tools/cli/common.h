@@ -165,6 +165,18 @@ private:
     int last_permille_ = -1;
 };
 
+// A step whose progress is unknown (PFlash scoring a prompt): while run() executes `fn`, a helper thread
+// redraws "label ... 3.2 s" on stderr every 200 ms; the line is erased when it returns. Inactive: just
+// runs fn.
+class activity_line {
+public:
+    activity_line(std::string label, bool active) : label_(std::move(label)), active_(active) {}
+    void run(const std::function<void()> &fn);
+private:
+    std::string label_;
+    bool active_;
+};
+
 // Writes and flushes stdout.
 void write_out(std::string_view text);
 

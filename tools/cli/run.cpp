@@ -71,7 +71,10 @@ void run_main(const run_args &a) {
         // `run` has one user message: by default it is the text to compress (its question sits in the
         // always-kept tail chunks); --pflash-verbatim-user keeps it whole instead.
         po.verbatim_last_user = a.pflash_verbatim_user;
-        const pflash::result r = pflash::compressor::create(po)->compress(*eng, tokens);
+        pflash::result r;
+        activity_line line("pflash: compressing " + std::to_string(tokens.size()) + " tokens",
+                           a.model.progress || (stderr_is_tty() && tokens.size() > 512));
+        line.run([&] { r = pflash::compressor::create(po)->compress(*eng, tokens); });
         std::fprintf(stderr, "pflash: prompt %lld -> %lld tokens (keep %.3f, %lld/%lld chunks) in %.3f s\n",
                      static_cast<long long>(r.n_original), static_cast<long long>(r.n_effective), a.keep_ratio,
                      static_cast<long long>(r.n_kept_chunks), static_cast<long long>(r.n_chunks), r.total_s);

@@ -10,6 +10,8 @@
 //   q5_0 22 B: f16 d, u8 qh[4], u8 qs[16]  5th bit of element j is bit j of qh (j < 32); q - 16
 //   q5_1 24 B: f16 d, f16 m, qh[4], qs[16]
 //   q8_0 34 B: f16 d, i8 qs[32]
+//   q2_k 84 B / 256: u8 scales[16] (lo: scale, hi: min), u8 qs[64], f16 d, f16 dmin
+//   q3_k 110 B / 256: u8 hmask[32], u8 qs[64], u8 scales[12] (16 6-bit signed scales), f16 d
 //   q4_k 144 B / 256: f16 d, f16 dmin, u8 scales[12] (6-bit sc/min pairs), u8 qs[128]
 //   q5_k 176 B / 256: as q4_k plus u8 qh[32] before qs
 //   q6_k 210 B / 256: u8 ql[128], u8 qh[64], i8 scales[16], f16 d
@@ -61,6 +63,29 @@ __host__ __device__ __forceinline__ void ld8_a4(const uint8_t *p, uint32_t &lo, 
 __host__ __device__ __forceinline__ uint32_t byte_of(uint32_t lo, uint32_t hi, int i) {
     return ((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu;
 }
+// f32 product / difference rounded once each on the device too (nvcc would otherwise contract
+// a * b - c into one FMA): decoders written with them give the CPU dequantisation's bits.
+__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+__host__ __device__ __forceinline__ float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+// Q3_K scale i (0..15) as a signed value: low 4 bits from byte i (i < 8) or the high nibble of byte
+// i - 8, high 2 bits from byte 8 + i % 4 at bit 2 (i / 4) (ggml's kmask unpacking, one scale).
+__host__ __device__ __forceinline__ int q3_k_scale(const uint8_t *sc, int i) {
+    const int lo = i < 8 ? (sc[i] & 0xF) : (sc[i - 8] >> 4);
+    const int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
 
 // q4_k / q5_k 6-bit (scale, min) pair j of 8 (ggml get_scale_min_k4).
 __host__ __device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
@@ -82,6 +107,8 @@ template <> struct qtraits<dtype::q4_1> { static constexpr int bs = 32,  ts = 20
 template <> struct qtraits<dtype::q5_0> { static constexpr int bs = 32,  ts = 22,  align = 2; };
 template <> struct qtraits<dtype::q5_1> { static constexpr int bs = 32,  ts = 24,  align = 4; };
 template <> struct qtraits<dtype::q8_0> { static constexpr int bs = 32,  ts = 34,  align = 2; };
+template <> struct qtraits<dtype::q2_k> { static constexpr int bs = 256, ts = 84,  align = 4; };
+template <> struct qtraits<dtype::q3_k> { static constexpr int bs = 256, ts = 110, align = 2; };
 template <> struct qtraits<dtype::q4_k> { static constexpr int bs = 256, ts = 144, align = 4; };
 template <> struct qtraits<dtype::q5_k> { static constexpr int bs = 256, ts = 176, align = 4; };
 template <> struct qtraits<dtype::q6_k> { static constexpr int bs = 256, ts = 210, align = 2; };
@@ -248,6 +275,58 @@ FATHOM_UNROLL
     s1 = s0 + 8;
 }
 
+// q2_k / q3_k: element k of a block = 128 c + 32 j + l (l < 32) is 2-bit field j of qs[32 c + l]; unit
+// = (half c, run pair p, slice s of 8): runs j = 2 p (w[0..8)) and 2 p + 1 (w[8..16)), elements
+// 128 c + 32 j + 8 s + i, so s1 = s0 + 32. Scale index 8 c + 2 j + (s >> 1).
+//   q2_k: x = (d * (sc & 15)) * q - dmin * (sc >> 4), sc = scales[8 c + 2 j + (s >> 1)];
+//   q3_k: q -= 4 unless bit 4 c + j of hmask[l]; x = (d * scale) * q.
+// Products rounded as the CPU's dequant_q2_k / dequant_q3_k (mul_rn / sub_rn: bit-identical).
+template <>
+__host__ __device__ __forceinline__ void decode_unit<dtype::q2_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 4;
+    const int c = static_cast<int>((u >> 3) & 1), p = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 84 * b;
+    const float d = ld_f16(blk + 80), dmin = ld_f16(blk + 82);
+    uint32_t lo, hi;
+    ld8_a4(blk + 16 + 32 * c + 8 * s, lo, hi);
+FATHOM_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        const int j = 2 * p + r;
+        const uint32_t sc = blk[8 * c + 2 * j + (s >> 1)];
+        const float dl = mul_rn(d, static_cast<float>(sc & 0xFu)), ml = mul_rn(dmin, static_cast<float>(sc >> 4));
+FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i)
+            w[8 * r + i] = sub_rn(mul_rn(dl, static_cast<float>((byte_of(lo, hi, i) >> (2 * j)) & 3u)), ml);
+    }
+    s0 = 256 * b + 128 * c + 64 * p + 8 * s;
+    s1 = s0 + 32;
+}
+template <>
+__host__ __device__ __forceinline__ void decode_unit<dtype::q3_k>(const uint8_t *row, int64_t u, float w[16], int64_t &s0,
+                                                         int64_t &s1) {
+    const int64_t b = u >> 4;
+    const int c = static_cast<int>((u >> 3) & 1), p = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+    const uint8_t *blk = row + 110 * b;
+    const float d = ld_f16(blk + 108);
+    uint32_t lo, hi, hlo, hhi;
+    ld8_a2(blk + 32 + 32 * c + 8 * s, lo, hi);  // qs[32 c + l]
+    ld8_a2(blk + 8 * s, hlo, hhi);              // hmask[l]
+FATHOM_UNROLL
+    for (int r = 0; r < 2; ++r) {
+        const int j = 2 * p + r;
+        const float dl = mul_rn(d, static_cast<float>(q3_k_scale(blk + 96, 8 * c + 2 * j + (s >> 1))));
+FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i) {
+            const int q = static_cast<int>((byte_of(lo, hi, i) >> (2 * j)) & 3u) -
+                          (((byte_of(hlo, hhi, i) >> (4 * c + j)) & 1u) ? 0 : 4);
+            w[8 * r + i] = mul_rn(dl, static_cast<float>(q));
+        }
+    }
+    s0 = 256 * b + 128 * c + 64 * p + 8 * s;
+    s1 = s0 + 32;
+}
+
 // q4_k / q5_k: unit = (group g of 64, slice s of 8): qs[32g+8s+i] low -> 64g+8s+i (pair 2g),
 // high -> 64g+32+8s+i (pair 2g+1).
 template <>
@@ -334,6 +413,8 @@ bool dispatch_qtype(dtype t, F &&f) {
     case dtype::q5_0: f.template operator()<dtype::q5_0>(); return true;
     case dtype::q5_1: f.template operator()<dtype::q5_1>(); return true;
     case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
+    case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
+    case dtype::q3_k: f.template operator()<dtype::q3_k>(); return true;
     case dtype::q4_k: f.template operator()<dtype::q4_k>(); return true;
     case dtype::q5_k: f.template operator()<dtype::q5_k>(); return true;
     case dtype::q6_k: f.template operator()<dtype::q6_k>(); return true;

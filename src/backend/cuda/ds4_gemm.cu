@@ -1,5 +1,6 @@
 // DS4 prefill matrix products (gemm_runner, ds4_prefill.h): a weight in its stored form (GGUF rows
-// of q8_0 / f16 / f32 / bf16 / iq2_xxs / q2_k / mxfp4, or the decode GEMV's repacked q8_0) times a
+// of q8_0 / f16 / f32 / bf16 / iq2_xxs / q2_k / q3_k / q4_k / q5_k / q6_k / mxfp4, or the decode
+// GEMV's repacked q8_0) times a
 // chunk of n_tok activation rows, through cuBLAS.
 //
 // bf16 precision: the weight is dequantised in row tiles (at most max_w_elems elements) to bf16, the
@@ -36,6 +37,12 @@ constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS' recommendation
 constexpr int kRepackTile = 512;                       // repacked q8_0 tile (ds4_gemv.h)
 
 // ---- device: unit decoding and stores ----------------------------------------------------------------
+
+// Types whose unit's 4 runs are 32 elements apart (Q2_K's unit, shared by the K-quants) rather than
+// one stretch of 32.
+template <dtype T> constexpr bool strided_unit() {
+    return T == dtype::q2_k || T == dtype::q3_k || T == dtype::q4_k || T == dtype::q5_k || T == dtype::q6_k;
+}
 
 // Unit u (32 elements) of a row: w[8 r + i] = element base + r * stride + i (r < 4, i < 8).
 template <dtype T>
@@ -87,7 +94,8 @@ struct dq_args {
 // One thread per (dst row, unit); dst rows are units * 32 elements apart (16-byte aligned: cols % 32).
 // 32-bit index arithmetic (the host checks that a launch has fewer than 2^32 units). IQ2_XXS reads
 // its grid from shared memory.
-// bf16 output of the types whose unit is 32 consecutive elements (all but q2_k): unit idx covers dst
+// bf16 output of the types whose unit is 32 consecutive elements (all but q2_k and the other K-quants,
+// whose 4 runs are 32 apart, see ds4_quant.cuh): unit idx covers dst
 // elements 32 idx .. 32 idx + 31, so a block's units fill one contiguous stretch. Each thread's four
 // 16-byte chunks go to shared memory (chunk k of thread t at slot 4 t + (k ^ ((t >> 1) & 3)): the
 // 8 threads of a quarter-warp hit 8 distinct 16-byte bank groups), then the block writes the stretch
@@ -96,7 +104,7 @@ struct dq_args {
 // runs already interleave across lanes).
 template <dtype T, class Out>
 __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(const dq_args a, Out *__restrict__ dst) {
-    constexpr bool staged = std::is_same_v<Out, __nv_bfloat16> && T != dtype::q2_k;
+    constexpr bool staged = std::is_same_v<Out, __nv_bfloat16> && !strided_unit<T>();
     __shared__ uint64_t sgrid[T == dtype::iq2_xxs ? 256 : 1];
     __shared__ uint4 stage[staged ? 4 * kThreads : 1];
     const uint64_t *grid = a.grid;
@@ -191,6 +199,10 @@ type_req req_of(dtype t) {
     case dtype::mxfp4: return {32, 1};
     case dtype::iq2_xxs: return {256, 2};
     case dtype::q2_k: return {256, 4};
+    case dtype::q3_k: return {256, 2};
+    case dtype::q4_k: return {256, 4};
+    case dtype::q5_k: return {256, 4};
+    case dtype::q6_k: return {256, 2};
     default: return {};
     }
 }
@@ -204,6 +216,10 @@ bool dispatch_type(dtype t, F &&f) {
     case dtype::mxfp4: f.template operator()<dtype::mxfp4>(); return true;
     case dtype::iq2_xxs: f.template operator()<dtype::iq2_xxs>(); return true;
     case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
+    case dtype::q3_k: f.template operator()<dtype::q3_k>(); return true;
+    case dtype::q4_k: f.template operator()<dtype::q4_k>(); return true;
+    case dtype::q5_k: f.template operator()<dtype::q5_k>(); return true;
+    case dtype::q6_k: f.template operator()<dtype::q6_k>(); return true;
     default: return false;
     }
 }

@@ -23,7 +23,8 @@ enum ds4_error_bits : uint32_t {
     err_token_id = 1u << 9,   // hash routing with a token outside [0, n_vocab): ids/weights not written
 };
 
-// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0, and f16/f32
+// True for the expert weight types the MoE GEMVs decode: iq2_xxs, q2_k, mxfp4, q8_0, the K-quants
+// q3_k / q4_k / q5_k / q6_k (columns a multiple of 256), and f16/f32
 // (float rows need a column count that is a multiple of 4; when it is not a multiple of 32 the last
 // unit of a row reads up to 31 elements past it, so the buffer needs 128 bytes of padding).
 bool expert_type_supported(dtype t);
@@ -46,11 +47,13 @@ struct expert_bank {
 // with g = gate_e row r . x, v = up_e row r . x (x [D], 16-byte aligned). gate and up must have the
 // same shape [F, D] and type. An id outside the bank sets err_expert_id and leaves that slot's h
 // unwritten. The activation (x here, h rows for down) is staged in shared memory: D, F <= 8192.
-// Activation precision: when every weight type of a launch is iq2_xxs, q2_k or q8_0 the activation
-// (x here, each h row for down) is first quantised per block of 32 to int8 as ggml's q8_1
-// (d = amax / 127, q = roundf(x * (1 / d))) and the dots are integer (dp4a); results are the dots
-// with the dequantised activation d * q (relative error ~0.5% per GEMV vs f32 activations, like the
-// CPU's quantised matmuls). Other types (f32, f16, mxfp4) keep f32 activations. Deterministic.
+// Activation precision: when every weight type of a launch is iq2_xxs, q2_k, q8_0 or a K-quant
+// (q3_k .. q6_k) the activation (x here, each h row for down) is first quantised per block of 32 to
+// int8 as ggml's q8_1 (d = amax / 127, q = roundf(x * (1 / d))) and the dots are integer (dp4a);
+// results are the dots with the dequantised activation d * q (relative error ~0.5% per GEMV vs f32
+// activations, like the CPU's quantised matmuls). Other types (f32, f16, mxfp4), and every type while
+// set_moe_q8_activations(false), keep f32 activations (results = the CPU's dequantised rows dotted
+// with x, to f32 rounding). Deterministic.
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
 // Which kernels run the q8 expert GEMVs (launch_moe_gate_up / _down / _ffn with iq2_xxs, q2_k, q8_0
@@ -62,12 +65,17 @@ void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const in
 // keeps the kernels chosen at capture.
 void set_moe_staged(int mode);
 int moe_staged();
+// false: every expert launch takes the f32-activation kernels (tests compare whole models with the
+// CPU reference to f32 rounding this way). Process-wide (default true); a captured graph keeps the
+// kernels chosen at capture.
+void set_moe_q8_activations(bool on);
 // Staged gate/up and down kernel launches enqueued so far (process-wide; tests check the staged path
 // ran rather than fell back).
 uint64_t moe_staged_launches();
 // Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
 // summed in a fixed order (deterministic; not the CPU's slot order: f32 rounding differs), r < D.
-// ids == null: expert 0 for every slot. h rows are q8-quantised as above for iq2_xxs/q2_k/q8_0.
+// ids == null: expert 0 for every slot. h rows are q8-quantised as above (iq2_xxs / q2_k / q8_0 /
+// K-quants).
 void launch_moe_down(const expert_bank &down, const int32_t *ids, int n_slot, int s0, const float *h,
                      bool accumulate, float *y, uint32_t *err, cudaStream_t s);
 

@@ -389,10 +389,52 @@ dlayer upload_layer(uploader &u, const hparams &hp, const layer_weights &l, cons
         m.up_sh = u.single(l.up_sh);
         m.down_sh = u.single(l.down_sh);
     }
-    for (const cd::expert_bank *b : {&m.gate, &m.up, &m.down})
-        if (!cd::expert_type_supported(b->type))
-            throw error("cuda ds4: expert weight type " + std::string(dtype_name(b->type)) + " has no CUDA kernel");
-    return d;
+    return d;  // (weight types: check_weight_types, before the upload)
+}
+
+// Every weight of blocks [first, last) (and the embedding / head when this device holds them) has a
+// CUDA kernel for its type, checked before anything is uploaded so an unsupported file fails at load
+// with one line naming the tensor: dense matrices go through the fast or the generic GEMV and
+// get_rows (cuda::mm_supported: f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k), experts through the MoE
+// (expert_type_supported: also iq2_xxs, mxfp4), HC mixers through the HC kernels (f32 / f16).
+void check_weight_types(const model &m, int first, int last) {
+    auto fail = [](const std::string &name, dtype t, const char *what) {
+        throw error("cuda ds4: " + name + " is " + std::string(dtype_name(t)) + ", which has no CUDA " + what);
+    };
+    auto dense = [&](const matrix &w, const std::string &name) {
+        if (w.data && !cuda::mm_supported(w.type)) fail(name, w.type, "GEMV");
+    };
+    auto mixer = [&](const hc_weights &h, const std::string &name) {
+        if (h.fn.data && h.fn.type != dtype::f32 && h.fn.type != dtype::f16) fail(name, h.fn.type, "HC kernel (f32 / f16)");
+    };
+    auto experts = [&](dtype t, bool present, const std::string &name) {
+        if (present && !cd::expert_type_supported(t)) fail(name, t, "MoE kernel");
+    };
+    if (first == 0) dense(m.tok_embd, "token_embd");
+    if (last == m.hp.n_layer) {
+        dense(m.output, "output");
+        mixer(m.hc_head, "output_hc_fn");
+    }
+    for (int il = first; il < last; ++il) {
+        const layer_weights &l = m.layers[static_cast<size_t>(il)];
+        const std::string p = "blk." + std::to_string(il) + ".";
+        mixer(l.hc_attn, p + "hc_attn_fn");
+        mixer(l.hc_ffn, p + "hc_ffn_fn");
+        for (const auto &[w, name] : {std::pair{&l.q_a, "attn_q_a"}, std::pair{&l.q_b, "attn_q_b"}, std::pair{&l.kv, "attn_kv"},
+                                      std::pair{&l.out_a, "attn_output_a"}, std::pair{&l.out_b, "attn_output_b"},
+                                      std::pair{&l.comp.kv, "attn_compressor_kv"}, std::pair{&l.comp.gate, "attn_compressor_gate"},
+                                      std::pair{&l.idx_q_b, "indexer.attn_q_b"}, std::pair{&l.idx_proj, "indexer.proj"},
+                                      std::pair{&l.idx_comp.kv, "indexer_compressor_kv"},
+                                      std::pair{&l.idx_comp.gate, "indexer_compressor_gate"},
+                                      std::pair{&l.gate_inp, "ffn_gate_inp"}})
+            dense(*w, p + name);
+        experts(l.gate_exps.first.type, l.gate_exps.first.data, p + "ffn_gate_exps");
+        experts(l.up_exps.first.type, l.up_exps.first.data, p + "ffn_up_exps");
+        experts(l.down_exps.first.type, l.down_exps.first.data, p + "ffn_down_exps");
+        experts(l.gate_sh.type, l.gate_sh.data, p + "ffn_gate_shexp");
+        experts(l.up_sh.type, l.up_sh.data, p + "ffn_up_shexp");
+        experts(l.down_sh.type, l.down_sh.data, p + "ffn_down_shexp");
+    }
 }
 
 // Bytes one decode step reads from layer d's weights: every dense matrix, the used experts.
@@ -451,15 +493,17 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
         throw error("cuda ds4: the model's weights need " + gib(static_cast<double>(total)) + " (+1 GiB margin) but device " +
                     std::to_string(o.device) + " has " + gib(static_cast<double>(free_b)) + " free");
 
+    if (first < 0 || last <= first || last > hp.n_layer || static_cast<int>(m.layers.size()) != hp.n_layer)
+        throw error("cuda ds4: block range [" + std::to_string(first) + ", " + std::to_string(last) + ") outside the model's " +
+                    std::to_string(hp.n_layer) + " blocks");
+    check_weight_types(m, first, last);
+
     auto w = std::make_shared<cuda_weights>();
     w->hp = hp;
     w->opt = o;
     w->device = o.device;
     w->first = first;
     w->last = last;
-    if (w->first < 0 || w->last <= w->first || w->last > hp.n_layer || static_cast<int>(m.layers.size()) != hp.n_layer)
-        throw error("cuda ds4: block range [" + std::to_string(w->first) + ", " + std::to_string(w->last) +
-                    ") outside the model's " + std::to_string(hp.n_layer) + " blocks");
     uploader u(*w, replicate, total, progress);
     if (w->embed()) w->tok_embd = u.mat(m.tok_embd);
     if (w->head()) {

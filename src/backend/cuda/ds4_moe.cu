@@ -7,7 +7,8 @@
 // contiguous stretch of the row); the activation vector (x, or the h rows) is staged in shared memory
 // once per block. Each lane first issues the loads of several units, then computes their dots.
 // Two activation paths, chosen per launch from the weight types:
-//   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix): the activation is quantised while staged, per block of
+//   q8 (iq2_xxs, q2_k, q8_0: the DS4 q2 mix; the K-quants q3_k .. q6_k of the q4 / Q4_K_M files): the
+//      activation is quantised while staged, per block of
 //      32 as ggml's q8_1 (d = amax / 127, int8), and the dots are integer (__dp4a of the weight
 //      codes with the int8 activations, llama.cpp mmvq style; ds4q::dot_q8x), scaled per run or unit
 //      in f32. Results carry the activations' q8 rounding, as the CPU's quantised matmuls
@@ -27,9 +28,11 @@
 //      kernels above's per-row arithmetic on them: bit-identical results (see their comments). The
 //      routed iq2_xxs rows read their slab with 32-bit shared addresses at lane-constant offsets
 //      (gate_up_iq2_staged: 13 % fewer instructions than the generic loads, gate/up 29.4 -> 26.4 us).
-//   f32 (f32, f16, mxfp4 or any mix with them): padded f32 staging (pidx) and FMA dots
-//      (ds4q::unit_dot::dot); gate/up one row per warp task (moe_gate_up_f32_kernel), down
-//      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round.
+//   f32 (f32, f16, mxfp4, or any mix with them): padded f32 staging (pidx) and FMA dots
+//      (ds4q::unit_dot::dot: each 32-weight unit decoded to f32 bit-identically to the CPU's
+//      dequantisation, then dotted); gate/up one row per warp task (moe_gate_up_f32_kernel), down
+//      (moe_down_f32_kernel) one unit of up to six experts + the shared one per lane round. Results
+//      equal the CPU reference (dequantised rows x f32 activations) to f32 rounding.
 // Every block quantises the same inputs with the same exact operations, so all get the same bits;
 // sums run in a fixed order (deterministic). launch_moe_ffn is 4 launches: router GEMV, route (scores
 // by a block, top-k by one warp), gate/up of the routed + shared experts, down of the routed + shared
@@ -142,17 +145,22 @@ template <dtype T> constexpr int units_in_flight() {
 }
 
 // Kernels whose routed and shared types both have integer dots (iq2_xxs, q2_k, q8_0: the DS4 q2
-// mix) stage the activation quantised to q8 blocks (ds4q::q8_blk) and dot with __dp4a; the others
-// (f32, f16, mxfp4, or a mix with one of them) stage it in f32 and dot with FMAs.
+// mix; the K-quants) stage the activation quantised to q8 blocks (ds4q::q8_blk) and dot with __dp4a;
+// the others (f32, f16, mxfp4, or a mix with one of them) stage it in f32 and dot with FMAs, as every
+// pair does while set_moe_q8_activations(false) (q8_flag).
 template <dtype TR, dtype TS> constexpr bool use_q8() {
     return ds4q::has_q8_dot<TR>() && ds4q::has_q8_dot<TS>();
+}
+std::atomic<bool> &q8_flag() {
+    static std::atomic<bool> f{true};
+    return f;
 }
 bool use_q8_rt(dtype tr, dtype ts) {
     bool q8 = false;
     ds4q::dispatch_expert_type(tr, [&]<dtype TR>() {
         ds4q::dispatch_expert_type(ts, [&]<dtype TS>() { q8 = use_q8<TR, TS>(); });
     });
-    return q8;
+    return q8 && q8_flag().load();
 }
 
 // The IQ2_XXS grid in shared memory (random 8-byte lookups) when either type needs it. No barrier
@@ -400,7 +408,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_f32_kernel(gate_up
     }
 }
 
-// ---- gate/up, q8 activations (iq2_xxs, q2_k, q8_0 weights) -------------------------------------------
+// ---- gate/up, q8 activations (iq2_xxs, q2_k, q8_0, K-quant weights) ----------------------------------
 // x is quantised once per block into shared memory (5 KB at D = 4096). A routed task is kRoutedRows
 // consecutive rows of one expert's gate and up (4 weight rows): each x unit is read from shared
 // memory once and dotted with all four. A shared-expert task is one row (gate + up): q8_0 rows are
@@ -413,11 +421,19 @@ constexpr int kRoutedRows = 2;
 
 // Units per row whose loads a lane issues before any arithmetic, for tasks of R rows of type T: the
 // largest power of two (1, 2 or 4) whose raw loaded words fit in ~48 registers (iq2_xxs 4 per
-// unit: f16 d + the 3 words ld8_a2 reads; q2_k 8 with its unpacked fields; q8_0 10). With 64 the
-// kernel needed more than the 128 registers two blocks per SM allow and spilled. The rest of a
-// row's units are in L2 by then (the task's rows were prefetched).
+// unit: f16 d + the 3 words ld8_a2 reads; q2_k 8 with its unpacked fields; q8_0 10; the K-quants
+// their unit_dot fields: q3_k 7, q6_k 9, q4_k 10, q5_k 12). With 64 the kernel needed more than the
+// 128 registers two blocks per SM allow and spilled. The rest of a row's units are in L2 by then (the
+// task's rows were prefetched).
 template <dtype T> constexpr int unit_regs() {
-    return T == dtype::iq2_xxs ? 4 : (T == dtype::q2_k ? 8 : 10);
+    switch (T) {
+        case dtype::iq2_xxs: return 4;
+        case dtype::q3_k: return 7;
+        case dtype::q2_k: return 8;
+        case dtype::q6_k: return 9;
+        case dtype::q5_k: return 12;
+        default: return 10;  // q8_0, q4_k
+    }
 }
 template <dtype T, int R> constexpr int q8_units_in_flight() {
     constexpr int n = 48 / (unit_regs<T>() * 2 * R);
@@ -951,7 +967,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_f32_kernel(down_args 
 // (F = 2048: 32 steps) every lane does exactly one step per row pair. Per-lane sums run over steps,
 // then routed slots in order, then the shared expert; one warp tree per row (deterministic).
 // Routed slots per load round (x kDownRows rows), by type: q2_k 3 (42 loaded words; the DS4 mix with
-// the q8_0 shared expert fits 128 registers without spills), iq2_xxs 2, q8_0 1 (20 words per row).
+// the q8_0 shared expert fits 128 registers without spills), iq2_xxs 2, q8_0 and the K-quants 1 (two
+// units of 7-12 words per row).
 template <dtype T> constexpr int down_group() {
     return T == dtype::q2_k ? 3 : (T == dtype::iq2_xxs ? 2 : 1);
 }
@@ -1378,20 +1395,18 @@ bool try_gate_up_staged(const gate_up_args &a, bool pdl, cudaStream_t s) {
 // number of grid-stride tasks (rounds = ceil(tasks / resident warps); the last round is not left
 // half empty).
 // pdl: only for the q8 kernel right after the route kernel (launch_moe_ffn; see the kernel).
+// q8: use_q8_rt of the pair, read once by the caller, which sized smem with it.
 template <dtype TR, dtype TS>
-void run_gate_up(const gate_up_args &a, size_t smem, bool pdl, cudaStream_t s) {
-    constexpr bool q8 = use_q8<TR, TS>();
-    if constexpr (q8)
-        if (staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
-    void (*kernel)(gate_up_args);
-    int64_t tasks;
-    if constexpr (q8) {
-        kernel = moe_gate_up_q8_kernel<TR, TS>;
-        tasks = (a.gs.data ? a.g.rows : 0) + static_cast<int64_t>(a.n_slot) * gu_q8_pairs(a.g.rows);
-    } else {
-        kernel = moe_gate_up_f32_kernel<TR, TS>;
-        tasks = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * a.g.rows;
-    }
+void run_gate_up(const gate_up_args &a, bool q8, size_t smem, bool pdl, cudaStream_t s) {
+    if constexpr (use_q8<TR, TS>())
+        if (q8 && staged_flag().load() != 0 && try_gate_up_staged<TR, TS>(a, pdl, s)) return;
+    void (*kernel)(gate_up_args) = moe_gate_up_f32_kernel<TR, TS>;
+    int64_t tasks = static_cast<int64_t>(a.n_slot + (a.gs.data ? 1 : 0)) * a.g.rows;
+    if constexpr (use_q8<TR, TS>())
+        if (q8) {
+            kernel = moe_gate_up_q8_kernel<TR, TS>;
+            tasks = (a.gs.data ? a.g.rows : 0) + static_cast<int64_t>(a.n_slot) * gu_q8_pairs(a.g.rows);
+        }
     if (tasks >= (int64_t{1} << 31)) throw error("cuda ds4 moe: too many gate/up rows for one launch");
     const device_info di = current_device();
     int per_sm = 0;
@@ -1423,11 +1438,12 @@ void gate_up_launch(const expert_bank &gate, const expert_bank &up, const expert
             us->cols != gate.cols)
             throw error("cuda ds4 moe: shared gate/up differ from the routed shape or from each other");
     }
-    const size_t smem = staged_bytes(gate.cols, use_q8_rt(gate.type, gs ? gs->type : gate.type));
+    const bool q8 = use_q8_rt(gate.type, gs ? gs->type : gate.type);
+    const size_t smem = staged_bytes(gate.cols, q8);
     gate_up_args a{to_dev(gate), to_dev(up), gs ? to_dev(*gs) : bank_dev{}, gs ? to_dev(*us) : bank_dev{}, ids, w,
                    n_slot, s0, x, clamp, clamp_sh, h, err};
     const bool fused = dispatch_pair(gate.type, gs ? gs->type : gate.type,
-                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, smem, pdl, s); });
+                                     [&]<dtype TR, dtype TS>() { run_gate_up<TR, TS>(a, q8, smem, pdl, s); });
     if (!fused) {  // shared expert of another type: two launches
         gate_up_launch(gate, up, nullptr, nullptr, ids, w, n_slot, s0, x, clamp, clamp, h, err, false, s);
         gate_up_launch(*gs, *us, nullptr, nullptr, nullptr, nullptr, 1, s0 + n_slot, x, clamp_sh, clamp_sh, h, err,
@@ -1461,12 +1477,15 @@ constexpr void (*down_kernel())(down_args) {
     else return moe_down_f32_kernel<TR, TS>;
 }
 
+// q8: use_q8_rt of the pair, read once by the caller, which sized smem with it.
 template <dtype TR, dtype TS>
-void run_down(const down_args &a, size_t smem, bool pdl, cudaStream_t s) {
+void run_down(const down_args &a, bool q8, size_t smem, bool pdl, cudaStream_t s) {
     if constexpr (use_q8<TR, TS>())
-        if (staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
-    constexpr void (*kernel)(down_args) = down_kernel<TR, TS>();
-    if (!smem_opt_in<kernel>(smem))
+        if (q8 && staged_flag().load() != 0 && try_down_staged<TR, TS>(a, smem, pdl, s)) return;
+    constexpr void (*kq8)(down_args) = down_kernel<TR, TS>();
+    constexpr void (*kf32)(down_args) = moe_down_f32_kernel<TR, TS>;
+    void (*kernel)(down_args) = q8 ? kq8 : kf32;
+    if (!(q8 ? smem_opt_in<kq8>(smem) : smem_opt_in<kf32>(smem)))
         throw error("cuda ds4 moe: the down kernel's " + std::to_string(smem) +
                     " bytes of shared memory exceed the device's limit");
     const int64_t per_block = kWarps * kDownRows;
@@ -1491,10 +1510,11 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
             throw error("cuda ds4 moe: shared down differs from the routed shape");
     }
     const device_info di = current_device();
-    // staged bytes per h row of a launch pairing the routed type with `ts`
-    auto per_row = [&](dtype ts) { return staged_bytes(down.cols, use_q8_rt(down.type, ts)); };
+    // staged bytes per h row of a launch pairing the routed type with `ts` (q8: the activation form)
+    const bool q8_sh = dsh && use_q8_rt(down.type, dsh->type), q8_alone = use_q8_rt(down.type, down.type);
+    auto per_row = [&](bool q8) { return staged_bytes(down.cols, q8); };
     bool with_sh = dsh != nullptr && dispatch_pair(down.type, dsh->type, [&]<dtype, dtype>() {}) &&
-                   di.smem_optin / per_row(dsh->type) >= 2;
+                   di.smem_optin / per_row(q8_sh) >= 2;
     if (dsh && !with_sh) {
         // shared expert alone first (as routed expert 0 of a one-expert bank), then accumulate
         down_launch(*dsh, nullptr, nullptr, 1, s_sh, 0, h, accumulate, y, err, pdl, s);
@@ -1502,13 +1522,14 @@ void down_launch(const expert_bank &down, const expert_bank *dsh, const int32_t 
     }
     for (int first = 0; first < n_slot;) {
         const dtype ts = with_sh ? dsh->type : down.type;
-        const size_t row_bytes = per_row(ts);
+        const bool q8 = with_sh ? q8_sh : q8_alone;
+        const size_t row_bytes = per_row(q8);
         const int max_rows = static_cast<int>(std::max<size_t>(1, di.smem_optin / row_bytes));
         const int n = std::min(n_slot - first, max_rows - (with_sh ? 1 : 0));
         down_args a{to_dev(down), with_sh ? to_dev(*dsh) : bank_dev{}, ids ? ids + first : nullptr, n, s0 + first,
                     s_sh, h, accumulate, y, err};
         const size_t smem = row_bytes * static_cast<size_t>(n + (with_sh ? 1 : 0));
-        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, smem, pdl, s); });
+        dispatch_pair(down.type, ts, [&]<dtype TR, dtype TS>() { run_down<TR, TS>(a, q8, smem, pdl, s); });
         accumulate = true;
         with_sh = false;
         first += n;
@@ -1535,6 +1556,10 @@ void route_launch(const float *logits, int E, const float *bias, const int32_t *
 
 bool expert_type_supported(dtype t) {
     return ds4q::dispatch_expert_type(t, nothing_fn{});
+}
+
+void set_moe_q8_activations(bool on) {
+    q8_flag().store(on);
 }
 
 void set_moe_staged(int mode) {

@@ -68,7 +68,8 @@ class gemm_runner {
     void set_stream(cudaStream_t s);
 
     // Types the products dequantise: the dense-weight types of the DS4 mixes (q8_0 in GGUF rows or
-    // repacked, f16, f32, bf16) and the expert types (iq2_xxs, q2_k, mxfp4).
+    // repacked, f16, f32, bf16), the expert types (iq2_xxs, q2_k, mxfp4) and the K-quants (q3_k, q4_k,
+    // q5_k, q6_k: experts and dense weights of q4 / Q4_K_M-style files).
     static bool supported(const gemm_weight &w);
     // y[t * ldy + r] (=, or += with accumulate) W_r . x[t * ldx ...], t < n_tok, r < rows.
     void matmul(const gemm_weight &w, const float *x, int64_t ldx, int64_t n_tok, float *y, int64_t ldy,
@@ -77,8 +78,9 @@ class gemm_runner {
     void matmul_grouped(const gemm_weight &w, int64_t rows_per_group, const float *x, int64_t ldx, int64_t n_tok,
                         float *y, int64_t ldy);
     // Shape requirements (supported() checks them; matmul throws fathom::error otherwise): cols a
-    // multiple of 32 (256 for iq2_xxs / q2_k; 512 for repacked q8_0), rows aligned as the type's
-    // decoder reads them (2 bytes: q8_0 / f16 / bf16 / iq2_xxs; 4: f32 / q2_k; mxfp4: any), 16 bytes
+    // multiple of 32 (256 for iq2_xxs and the K-quants; 512 for repacked q8_0), rows aligned as the
+    // type's decoder reads them (2 bytes: q8_0 / f16 / bf16 / iq2_xxs / q3_k / q6_k; 4: f32 / q2_k /
+    // q4_k / q5_k; mxfp4: any), 16 bytes
     // of padding after the last row (the block decoders' funnel-shift loads), ldx >= cols, ldy >= rows,
     // n_tok * cols <= max_x_elems (bf16 precision), at least one row per tile (cols <= max_w_elems;
     // f32 tiles hold max_w_elems / 2 elements). matmul_grouped: rows % rows_per_group == 0, x holds
@@ -111,7 +113,7 @@ class gemm_runner {
 // shared expert. Bad ids set the error bits of launch_moe_ffn and skip that slot. One host
 // synchronisation per call (the per-expert token counts size the products), so forward() cannot be
 // captured in a CUDA graph. Runs on g.stream(). Types: any gemm_runner dequantises (expert banks:
-// cols % 32, % 256 for iq2_xxs / q2_k). Cost: every expert with at least one token is dequantised
+// cols % 32, % 256 for iq2_xxs and the K-quants). Cost: every expert with at least one token is dequantised
 // whole (DS4-Flash: 50 MB of bf16 per expert), so small chunks (most experts with 1-2 tokens) are
 // dequantisation-bound; the decode chain suits them better.
 class moe_prefill {

@@ -1,5 +1,6 @@
-// DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4
-// and Q8_0 (the shared expert of the q2 mix), host + device so tests/cuda/test_cuda_ds4.cpp checks
+// DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4,
+// Q8_0 (the shared expert of the q2 mix) and the K-quants Q3_K .. Q6_K (q4 / Q4_K_M files; their
+// layouts in the K-quant section below), host + device so tests/cuda/test_cuda_ds4.cpp checks
 // every element against the CPU dequantize_row without a GPU. Used by ds4_moe.cu.
 //
 // A unit is 32 weights in 4 runs of 8: w[8 r + i] is row element base + r * stride + i.
@@ -11,6 +12,7 @@
 //                       base 128c + 8s, stride 32. x = d * sc * q - dmin * m.
 //   mxfp4   17 B / 32:  u8 e (e8m0), u8 qs[16]; lo nibbles -> 0..15, hi -> 16..31; x = 2^(e-128) * 2v.
 //   q8_0    34 B / 32:  f16 d, i8 qs[32].
+//   q3_k, q4_k, q5_k, q6_k / 256: Q2_K's unit (base 256 b + 128 c + 8 s, stride 32).
 // The per-element products are written with round-to-nearest intrinsics on the device so nvcc cannot
 // contract them into FMAs: decoded weights are bit-identical to the CPU's dequantisation.
 // Loads may touch up to 4 bytes past a row's last block (funnel-shift loads of 2-byte / 1-byte
@@ -23,20 +25,11 @@
 
 namespace fathom::cuda::ds4q {
 
-__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-__host__ __device__ __forceinline__ float sub_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
+// mul_rn / sub_rn (explicitly rounded f32 product and difference) and q3_k_scale: cuda_quant.cuh.
+using cuda::mul_rn;
+using cuda::sub_rn;
+using cuda::q3_k_scale;
+
 __host__ __device__ __forceinline__ int popc8(uint32_t v) {
 #ifdef __CUDA_ARCH__
     return __popc(v);
@@ -197,6 +190,37 @@ __host__ __device__ __forceinline__ void decode32<dtype::f16>(const uint8_t *row
     stride = 8;
 }
 
+// ---- K-quants (Q3_K, Q4_K, Q5_K, Q6_K: the q4 / Q4_K_M-style DS4 files) ------------------------------
+// All four split a 256-weight block into two halves of 128 whose bytes serve 4 runs of 32 elements
+// (2-bit fields or nibbles of the same 32 bytes), as Q2_K does, so they share Q2_K's unit: unit
+// (half c, slice s) of block b = elements 256 b + 128 c + 32 j + 8 s + i (run j < 4, i < 8): base
+// 256 b + 128 c + 8 s, stride 32; u = 8 b + 4 c + s. Within the block, element k = 128 c + 32 j + l
+// with l = 8 s + i (< 32):
+//   q3_k 110 B: u8 hmask[32], u8 qs[64], u8 scales[12] (16 6-bit signed scales), f16 d.
+//        q = ((qs[32 c + l] >> 2 j) & 3) - (hmask[l] bit 4 c + j ? 0 : 4); scale 8 c + 2 j + (l >> 4);
+//        x = (d * sc) * q.
+//   q4_k 144 B: f16 d, f16 dmin, u8 scales[12] (8 6-bit (sc, m) pairs), u8 qs[128].
+//        64-element group g = 2 c + (j >> 1), nibble j & 1 of qs[32 g + l]; pair 2 g + (j & 1) = 4 c + j;
+//        x = (d * sc) * q - dmin * m.
+//   q5_k 176 B: as q4_k with u8 qh[32] before qs: 5th bit = bit 4 c + j of qh[l].
+//   q6_k 210 B: u8 ql[128], u8 qh[64], i8 scales[16], f16 d. Low 4 bits: nibble j >> 1 of
+//        ql[64 c + 32 (j & 1) + l]; high 2: bits 2 j of qh[32 c + l]; q = that - 32; scale 8 c + 2 j +
+//        (l >> 4); x = (d * sc) * q.
+// The CPU (quants_generic.cpp dequant_q*_k) evaluates each product left to right in f32 without
+// contraction: the explicitly rounded operations below give the same bits. A unit is loaded once into
+// registers (unit_dot<T>::load: the 8 code bytes of each run source, the half's scales unpacked to
+// 4 integers, d / dmin), then either decoded to f32 (decode: decode32, the f32 path) or dotted with
+// q8 activations (dot_q8x, the integer path): run j's 8 codes as two words of unsigned bytes u
+// (code(j, k)), the value being u - off (off = 4 for q3_k, 32 for q6_k, 0 for q4_k / q5_k). Quant
+// bytes are read with the 8-byte loads of the block's alignment (q3_k and q6_k blocks are 2-byte
+// aligned: ld8_a2, which may read 2 bytes either side).
+template <> struct unit_traits<dtype::q3_k>    { static constexpr int block = 256, bytes = 110, align = 2; };
+template <> struct unit_traits<dtype::q4_k>    { static constexpr int block = 256, bytes = 144, align = 4; };
+template <> struct unit_traits<dtype::q5_k>    { static constexpr int block = 256, bytes = 176, align = 4; };
+template <> struct unit_traits<dtype::q6_k>    { static constexpr int block = 256, bytes = 210, align = 2; };
+
+// The K-quant unit structs (unit_dot<T>) and decode32<T> follow the fused unit dots below.
+
 // ---- fused unit dot products (the MoE GEMV inner loop) ------------------------------------------
 // unit_dot<T> holds one unit's raw bytes in registers (load: every global read of the unit, issued
 // before any arithmetic so a lane keeps several units in flight) and computes sum_k w_k x_k for the
@@ -355,7 +379,7 @@ template <> struct unit_dot<dtype::q8_0> {
     }
 };
 
-// Other expert types (mxfp4, f32, f16): decode32, then the dot (no integer conversions to save;
+// Other expert types (mxfp4, the K-quants, f32, f16): decode32, then the dot (no integer conversions to save;
 // the load happens inside dot).
 template <dtype T> struct unit_dot_decoded {
     const uint8_t *row;
@@ -382,6 +406,209 @@ template <dtype T> struct unit_dot_decoded {
     }
 };
 template <> struct unit_dot<dtype::mxfp4> : unit_dot_decoded<dtype::mxfp4> {};
+
+// ---- K-quant units (layouts in the K-quant section above) ---------------------------------------
+// Common to the four: the unit's block b = u >> 3, half c = (u >> 2) & 1, slice s = u & 3; element of
+// run j, byte i = base + 32 j + i. code(j, k) = the unsigned codes of run j, elements 4 k .. 4 k + 3
+// (byte i = element), scale(j) / minv(j) its integer scale / min; weight = (d * scale) * (u - off)
+// [- dmin * min].
+template <dtype T> struct kq_traits;
+template <> struct kq_traits<dtype::q3_k> { static constexpr int off = 4, has_min = 0; };
+template <> struct kq_traits<dtype::q4_k> { static constexpr int off = 0, has_min = 1; };
+template <> struct kq_traits<dtype::q5_k> { static constexpr int off = 0, has_min = 1; };
+template <> struct kq_traits<dtype::q6_k> { static constexpr int off = 32, has_min = 0; };
+
+// The f32 weights and the FMA dot of a K-quant unit from its loaded fields (shared by the four).
+template <dtype T, class U>
+__host__ __device__ __forceinline__ void kq_decode(const U &w, float out[32]) {
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        const float dl = mul_rn(w.d, static_cast<float>(w.scale(j)));
+        float ml = 0.0f;
+        if constexpr (kq_traits<T>::has_min) ml = mul_rn(w.dmin, static_cast<float>(w.minv(j)));
+        FATHOM_UNROLL
+        for (int k = 0; k < 2; ++k) {
+            const uint32_t c = w.code(j, k);
+            FATHOM_UNROLL
+            for (int i = 0; i < 4; ++i) {
+                const float q = static_cast<float>(static_cast<int>((c >> (8 * i)) & 0xFFu) - kq_traits<T>::off);
+                const float v = mul_rn(dl, q);
+                if constexpr (kq_traits<T>::has_min) out[8 * j + 4 * k + i] = sub_rn(v, ml);
+                else out[8 * j + 4 * k + i] = v;
+            }
+        }
+    }
+}
+template <dtype T, class U, class X>
+__host__ __device__ __forceinline__ float kq_dot_f32(const U &w, const X &x) {
+    float wv[32];
+    kq_decode<T>(w, wv);
+    float acc = 0.0f;
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        float v[8];
+        x8(x, w.base + 32 * j, v);
+        FATHOM_UNROLL
+        for (int i = 0; i < 8; ++i) acc = fmaf(wv[8 * j + i], v[i], acc);
+    }
+    return acc;
+}
+// Byte j (0..3) of w as a signed value.
+__host__ __device__ __forceinline__ int sbyte(uint32_t w, int j) {
+    return static_cast<int>(static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * j))));
+}
+
+// q3_k: qs[32 c + 8 s ..] (2-bit field j), hmask[8 s ..] shifted right by 4 c (bit j), the 4 signed
+// scales 8 c + 2 j + (s >> 1) as bytes, d.
+template <> struct unit_dot<dtype::q3_k> {
+    uint32_t q[2], h[2], sc;
+    float d;
+    int base;
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        const int64_t b = u >> 3;
+        const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+        const uint8_t *blk = row + 110 * b;
+        d = ld_f16(blk + 108);
+        ld8_a2(blk + 32 + 32 * c + 8 * s, q[0], q[1]);
+        ld8_a2(blk + 8 * s, h[0], h[1]);
+        h[0] >>= 4 * c;
+        h[1] >>= 4 * c;
+        uint32_t a0, a1, b0, b1;  // scales[0 .. 8), scales[4 .. 12)
+        ld8_a2(blk + 96, a0, a1);
+        ld8_a2(blk + 100, b0, b1);
+        sc = 0;
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {  // q3_k_scale(8 c + 2 j + (s >> 1)) from the bytes in registers
+            const int i = 2 * j + (s >> 1);
+            const uint32_t lo = (byte_of(a0, a1, i) >> (4 * c)) & 0xFu;
+            const uint32_t hi = (byte_of(b0, b1, 4 + (i & 3)) >> (2 * (2 * c + (j >> 1)))) & 3u;
+            sc |= (static_cast<uint32_t>(static_cast<int>(lo | (hi << 4)) - 32) & 0xFFu) << (8 * j);
+        }
+        base = static_cast<int>(256 * b + 128 * c + 8 * s);
+    }
+    __host__ __device__ __forceinline__ uint32_t code(int j, int k) const {
+        return ((q[k] >> (2 * j)) & 0x03030303u) | (((h[k] >> j) & 0x01010101u) << 2);
+    }
+    __host__ __device__ __forceinline__ int scale(int j) const { return sbyte(sc, j); }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *) const {
+        return kq_dot_f32<dtype::q3_k>(*this, x);
+    }
+};
+
+// q4_k / q5_k: qs of groups 2 c and 2 c + 1 at slice s (q[2 g2], q[2 g2 + 1]), (Q5) qh[8 s ..] shifted
+// right by 4 c, the 4 (scale, min) pairs 4 c + j unpacked to bytes, d, dmin.
+template <bool Q5> struct unit_dot_q45_k {
+    uint32_t q[4], h[2], sc, mn;
+    float d, dmin;
+    int base;
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        constexpr int bytes = Q5 ? 176 : 144, qs_off = Q5 ? 48 : 16;
+        const int64_t b = u >> 3;
+        const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+        const uint8_t *blk = row + bytes * b;
+        const uint32_t dm = *reinterpret_cast<const uint32_t *>(blk);
+        d = half_bits(dm & 0xFFFFu);
+        dmin = half_bits(dm >> 16);
+        const uint32_t *sw = reinterpret_cast<const uint32_t *>(blk + 4);  // scales[12]
+        const uint32_t s0 = sw[0], s1 = sw[1], s2 = sw[2];
+        ld8_a4(blk + qs_off + 32 * (2 * c) + 8 * s, q[0], q[1]);
+        ld8_a4(blk + qs_off + 32 * (2 * c + 1) + 8 * s, q[2], q[3]);
+        h[0] = h[1] = 0;
+        if constexpr (Q5) {
+            ld8_a4(blk + 16 + 8 * s, h[0], h[1]);
+            h[0] >>= 4 * c;
+            h[1] >>= 4 * c;
+        }
+        // pair 4 c + j (scale_min_k4): c = 0: bytes j, j + 4 (low 6 bits); c = 1: low nibble / high
+        // nibble of byte 8 + j with the top 2 bits of bytes j / j + 4 as bits 4-5
+        sc = mn = 0;
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t bj = (s0 >> (8 * j)) & 0xFFu, bj4 = (s1 >> (8 * j)) & 0xFFu, bj8 = (s2 >> (8 * j)) & 0xFFu;
+            const uint32_t scj = c ? ((bj8 & 0xFu) | ((bj >> 6) << 4)) : (bj & 63u);
+            const uint32_t mj = c ? ((bj8 >> 4) | ((bj4 >> 6) << 4)) : (bj4 & 63u);
+            sc |= scj << (8 * j);
+            mn |= mj << (8 * j);
+        }
+        base = static_cast<int>(256 * b + 128 * c + 8 * s);
+    }
+    __host__ __device__ __forceinline__ uint32_t code(int j, int k) const {
+        uint32_t v = (q[2 * (j >> 1) + k] >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+        if constexpr (Q5) v |= ((h[k] >> j) & 0x01010101u) << 4;
+        return v;
+    }
+    __host__ __device__ __forceinline__ int scale(int j) const { return static_cast<int>((sc >> (8 * j)) & 0xFFu); }
+    __host__ __device__ __forceinline__ int minv(int j) const { return static_cast<int>((mn >> (8 * j)) & 0xFFu); }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *) const {
+        return kq_dot_f32<Q5 ? dtype::q5_k : dtype::q4_k>(*this, x);
+    }
+};
+template <> struct unit_dot<dtype::q4_k> : unit_dot_q45_k<false> {};
+template <> struct unit_dot<dtype::q5_k> : unit_dot_q45_k<true> {};
+
+// q6_k: ql[64 c + 32 p + 8 s ..] (q[2 p], q[2 p + 1]; nibble j >> 1 for run j = p + 2 (j >> 1)),
+// qh[32 c + 8 s ..] (bits 2 j), the 4 signed scales 8 c + 2 j + (s >> 1) as bytes, d.
+template <> struct unit_dot<dtype::q6_k> {
+    uint32_t q[4], h[2], sc;
+    float d;
+    int base;
+    __host__ __device__ __forceinline__ void load(const uint8_t *row, int64_t u) {
+        const int64_t b = u >> 3;
+        const int c = static_cast<int>((u >> 2) & 1), s = static_cast<int>(u & 3);
+        const uint8_t *blk = row + 210 * b;
+        d = ld_f16(blk + 208);
+        ld8_a2(blk + 64 * c + 8 * s, q[0], q[1]);
+        ld8_a2(blk + 64 * c + 32 + 8 * s, q[2], q[3]);
+        ld8_a2(blk + 128 + 32 * c + 8 * s, h[0], h[1]);
+        uint32_t a0, a1;  // scales[8 c .. 8 c + 8)
+        ld8_a2(blk + 192 + 8 * c, a0, a1);
+        sc = 0;
+        FATHOM_UNROLL
+        for (int j = 0; j < 4; ++j) sc |= byte_of(a0, a1, 2 * j + (s >> 1)) << (8 * j);
+        base = static_cast<int>(256 * b + 128 * c + 8 * s);
+    }
+    __host__ __device__ __forceinline__ uint32_t code(int j, int k) const {
+        return ((q[2 * (j & 1) + k] >> (4 * (j >> 1))) & 0x0F0F0F0Fu) | (((h[k] >> (2 * j)) & 0x03030303u) << 4);
+    }
+    __host__ __device__ __forceinline__ int scale(int j) const { return sbyte(sc, j); }
+    template <class X>
+    __host__ __device__ __forceinline__ float dot(const X &x, const uint64_t *) const {
+        return kq_dot_f32<dtype::q6_k>(*this, x);
+    }
+};
+
+// decode32 of the K-quants: load the unit, decode it (base as above, stride 32).
+template <dtype T>
+__host__ __device__ __forceinline__ void decode32_kq(const uint8_t *row, int64_t u, float w[32], int64_t &base,
+                                                     int &stride) {
+    unit_dot<T> r;
+    r.load(row, u);
+    kq_decode<T>(r, w);
+    base = r.base;
+    stride = 32;
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q3_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_kq<dtype::q3_k>(row, u, w, base, stride);
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q4_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_kq<dtype::q4_k>(row, u, w, base, stride);
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q5_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_kq<dtype::q5_k>(row, u, w, base, stride);
+}
+template <>
+__host__ __device__ __forceinline__ void decode32<dtype::q6_k>(const uint8_t *row, int64_t u, float w[32],
+                                                               int64_t &base, int &stride, const uint64_t *) {
+    decode32_kq<dtype::q6_k>(row, u, w, base, stride);
+}
 template <> struct unit_dot<dtype::f32> : unit_dot_decoded<dtype::f32> {};
 template <> struct unit_dot<dtype::f16> : unit_dot_decoded<dtype::f16> {};
 
@@ -477,8 +704,11 @@ __host__ __device__ __forceinline__ int iq2_signed4(uint32_t g, uint32_t nib) {
 }
 
 // Types with dot_q8 (the q8 path); the others keep the f32 activation path.
+template <dtype T> constexpr bool is_kquant() {
+    return T == dtype::q3_k || T == dtype::q4_k || T == dtype::q5_k || T == dtype::q6_k;
+}
 template <dtype T> constexpr bool has_q8_dot() {
-    return T == dtype::iq2_xxs || T == dtype::q2_k || T == dtype::q8_0;
+    return T == dtype::iq2_xxs || T == dtype::q2_k || T == dtype::q8_0 || is_kquant<T>();
 }
 
 // The q8 activation words one weight unit of type T is dotted with, in registers (x_q8<T>::load):
@@ -546,6 +776,35 @@ __host__ __device__ __forceinline__ float q2_k_dot_x(const unit_dot<dtype::q2_k>
     return w.d * accd - w.dmin * accm;
 }
 
+// The K-quants share Q2_K's unit, so their activation words too.
+template <> struct x_q8<dtype::q3_k> : x_q8<dtype::q2_k> {};
+template <> struct x_q8<dtype::q4_k> : x_q8<dtype::q2_k> {};
+template <> struct x_q8<dtype::q5_k> : x_q8<dtype::q2_k> {};
+template <> struct x_q8<dtype::q6_k> : x_q8<dtype::q2_k> {};
+
+// K-quant unit: per run j, with its unsigned codes u (value u - off) and its activation words (block
+// scale d8): sum (u - off) x = dp4a(u, x) - off * dp4a(1, x), times the run's integer scale, scaled by
+// d8 in f32; q4_k / q5_k also accumulate d8 * min * sum x. d and dmin factor out of the unit, as in
+// q2_k_dot_x. Integer parts are exact; i2f_exact needs |v| < 2^22: q6_k |scale| <= 128 and
+// |sum (u - 32) x| <= 8 * 32 * 127, product <= 4161536 < 4194304; q5_k 63 * 31 * 8 * 127; q3_k
+// 32 * 4 * 8 * 127; mins 63 * 8 * 127.
+template <dtype T>
+__host__ __device__ __forceinline__ float kq_dot_x(const unit_dot<T> &w, const x_q8<T> &x) {
+    constexpr int off = kq_traits<T>::off;
+    constexpr bool has_min = kq_traits<T>::has_min != 0;
+    float accd = 0.0f, accm = 0.0f;
+    FATHOM_UNROLL
+    for (int j = 0; j < 4; ++j) {
+        const int dot = dp4a(static_cast<int>(w.code(j, 0)), x.q[2 * j], dp4a(static_cast<int>(w.code(j, 1)), x.q[2 * j + 1], 0));
+        int sum = 0;
+        if constexpr (off != 0 || has_min) sum = dp4a(0x01010101, x.q[2 * j], dp4a(0x01010101, x.q[2 * j + 1], 0));
+        accd = fmaf(x.d[j], i2f_exact((dot - off * sum) * w.scale(j)), accd);
+        if constexpr (has_min) accm = fmaf(x.d[j], i2f_exact(sum * w.minv(j)), accm);
+    }
+    if constexpr (has_min) return w.d * accd - w.dmin * accm;
+    else return w.d * accd;
+}
+
 // q8_0 unit u = q8 block u: d * d8 * sum q x.
 __host__ __device__ __forceinline__ float q8_0_dot_x(const unit_dot<dtype::q8_0> &w, const x_q8<dtype::q8_0> &x) {
     int s = 0;
@@ -559,6 +818,7 @@ template <dtype T>
 __host__ __device__ __forceinline__ float dot_q8x(const unit_dot<T> &w, const x_q8<T> &x, const uint64_t *grid) {
     if constexpr (T == dtype::iq2_xxs) return iq2_xxs_dot_x(w, x, grid);
     else if constexpr (T == dtype::q2_k) return q2_k_dot_x(w, x);
+    else if constexpr (is_kquant<T>()) return kq_dot_x<T>(w, x);
     else return q8_0_dot_x(w, x);
 }
 // The same with the activation words read from the q8 row xb (unit u of the row; a unit's x words
@@ -577,7 +837,9 @@ __host__ __device__ __forceinline__ float dot_q8(const unit_dot<T> &w, int64_t u
 // registers (xs_q8::load), so a warp doing several rows reads each step's activation words from
 // shared memory once.
 //   iq2_xxs / q8_0: units 2 U and 2 U + 1 (columns 64 U .. 64 U + 64, q8 blocks 2 U and 2 U + 1; the
-//     second absent when the row has an odd number of 32-column units), as unit_dot / dot_q8x.
+//     second absent when the row has an odd number of 32-column units), as unit_dot / dot_q8x. The
+//     K-quants take the same two units (slices 2 (U & 1) and 2 (U & 1) + 1 of half (U >> 1) & 1 of
+//     block U >> 2: the columns of q2_k's step U below), each as unit_dot / dot_q8x.
 //   q2_k: Q2_K block b = U >> 2, half c = (U >> 1) & 1, h = U & 1: the 16 bytes qs[32 c + 16 h ..]
 //     (byte 4 m + i, 2-bit field j -> element 256 b + 128 c + 32 j + 16 h + 4 m + i), so run j (16
 //     elements, one sub-block: scale byte 8 c + 2 j + h) lies in q8 block 8 b + 4 c + j, words
@@ -668,6 +930,10 @@ bool dispatch_expert_type(dtype t, F &&f) {
     case dtype::iq2_xxs: f.template operator()<dtype::iq2_xxs>(); return true;
     case dtype::q2_k: f.template operator()<dtype::q2_k>(); return true;
     case dtype::mxfp4: f.template operator()<dtype::mxfp4>(); return true;
+    case dtype::q3_k: f.template operator()<dtype::q3_k>(); return true;
+    case dtype::q4_k: f.template operator()<dtype::q4_k>(); return true;
+    case dtype::q5_k: f.template operator()<dtype::q5_k>(); return true;
+    case dtype::q6_k: f.template operator()<dtype::q6_k>(); return true;
     case dtype::q8_0: f.template operator()<dtype::q8_0>(); return true;
     case dtype::f32: f.template operator()<dtype::f32>(); return true;
     case dtype::f16: f.template operator()<dtype::f16>(); return true;
