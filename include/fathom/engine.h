@@ -191,6 +191,9 @@ public:
     virtual std::string token_to_piece(int32_t token) const = 0;  // raw bytes (may be a partial UTF-8 sequence)
     virtual std::string detokenize(std::span<const int32_t> tokens) const = 0;
     virtual bool is_end_of_generation(int32_t token) const = 0;
+    // A token whose text is markup, not output (control, unknown or unused in the vocabulary): never
+    // allowed by structured output's token masks (src/grammar/token_mask.h).
+    virtual bool is_control_token(int32_t token) const { return false; }
     virtual int32_t bos_token() const = 0;  // -1 if none
 
     // Render messages with the model's chat template, in the given thinking mode. With thinking the

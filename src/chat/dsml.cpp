@@ -797,6 +797,13 @@ public:
     bool results_in_call_order() const override { return true; }
 
     std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &) const override;
+
+    // The official encoder's response_format rendering (docs/ds4-chat-format.md, item 5), appended to
+    // the system message after the tools. Keys arrive sorted, as in system_prompt.
+    std::string response_format_prompt(const nlohmann::json &schema) const override {
+        return "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" +
+               ds4chat::py_json_dumps(nlohmann::ordered_json::parse(schema.dump()));
+    }
 };
 
 // DSML calls while they are generated: the stream parser's content and call deltas as call events.

@@ -416,6 +416,11 @@ class ds4_engine final : public engine {
     std::string token_to_piece(int32_t token) const override { return tok().token_to_piece(token); }
     std::string detokenize(std::span<const int32_t> tokens) const override { return tok().decode(tokens); }
     bool is_end_of_generation(int32_t token) const override { return tok_ && tok_->is_eog(token); }
+    bool is_control_token(int32_t token) const override {
+        if (!tok_) return false;
+        const token_type t = tok_->type(token);
+        return t == token_type::control || t == token_type::unknown || t == token_type::unused;
+    }
     int32_t bos_token() const override { return tok_ ? tok_->bos() : -1; }
 
     std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen,

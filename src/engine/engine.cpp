@@ -259,6 +259,10 @@ public:
     std::string token_to_piece(int32_t token) const override { return tok_->token_to_piece(token); }
     std::string detokenize(std::span<const int32_t> tokens) const override { return tok_->decode(tokens); }
     bool is_end_of_generation(int32_t token) const override { return tok_->is_eog(token); }
+    bool is_control_token(int32_t token) const override {
+        const token_type t = tok_->type(token);
+        return t == token_type::control || t == token_type::unknown || t == token_type::unused;
+    }
     int32_t bos_token() const override { return tok_->bos(); }
 
     std::string apply_chat_template(const std::vector<chat_message> &messages, bool add_gen,

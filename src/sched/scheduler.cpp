@@ -4,6 +4,7 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 
@@ -98,6 +99,14 @@ struct scheduler::slot {
     std::vector<float> spec_rows;      // [1 + n_drafts, n_vocab] logits of the verification
     size_t n_drafts = 0;               // 0: a plain decode
     std::optional<spec::draft_budget> budget;  // draft lengths (reset per request)
+    // Structured output (request::grammar): the constraint, made at the request's first sample; the
+    // history tokens it has seen (history[0, gc_fed)); whether it applies yet (grammar_after seen),
+    // the text generated before that (searched for grammar_after); the masked logits [n_vocab].
+    std::unique_ptr<grammar::token_constraint> gc;
+    size_t gc_fed = 0;
+    bool gc_live = false;
+    std::string gc_tail;
+    std::vector<float> masked;
 };
 
 // How much of a prompt a slot's session keeps without evaluating it (session::reusable_prefix: the common
@@ -179,6 +188,9 @@ std::shared_ptr<job> scheduler::submit(request req) {
         if (t < 0 || t >= n_vocab)
             throw error("prompt token " + std::to_string(t) + " outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
     req.sampling.validate();
+    // Structured output's token tries are built here, on the first constrained request's thread (a
+    // quarter second for a 256K vocabulary), not on the worker, which would stall every running request.
+    if (req.grammar) vocab();
     const int64_t pool_tokens = kv_n_blocks_ * kv_block_tokens_;
     if (int64_t(req.prompt.size()) + 1 > pool_tokens) {
         std::lock_guard<std::mutex> lk(mu_);
@@ -319,6 +331,7 @@ void scheduler::admit_locked() {
         s.saved_upto = best_lcp;
         s.n_drafts = 0;
         s.budget.reset();  // the first decode drafts up to draft_max
+        s.gc.reset();      // structured output: made at the first sample (sample_slot)
         if (disk) {  // the I/O thread loads it; prefill starts once it is done (io_load)
             s.pending_load = std::move(disk);
             s.io_busy = true;
@@ -646,6 +659,14 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
                 return true;
             }
         }
+        if (s.j->req_.grammar) {
+            constrain(s, history, row.empty() ? s.sess->logits() : row);
+            r.token = greedy_token(p, s.j->req_.want_logprobs, s.masked);
+            if (r.token < 0) r = s.smp->sample(s.masked, history);
+            // Alternatives the grammar excluded (fewer allowed tokens than top_logprobs) are not reported.
+            std::erase_if(r.top, [](const token_logprob &t) { return !std::isfinite(t.logprob); });
+            return true;
+        }
         if (!row.empty()) {
             r.token = greedy_token(p, s.j->req_.want_logprobs, row);
             if (r.token < 0) r = s.smp->sample(row, history);
@@ -659,6 +680,63 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
         return false;
     }
     return true;
+}
+
+// Built once (std::call_once: submitting threads race for it); the worker reads it only for requests
+// whose submit() built it first, and the queue's mutex orders the two.
+const std::shared_ptr<const grammar::vocab_index> &scheduler::vocab() {
+    std::call_once(vocab_once_, [this] {
+        vocab_ = std::make_shared<const grammar::vocab_index>(
+            eng_.info().n_vocab, [this](int32_t t) { return eng_.token_to_piece(t); },
+            [this](int32_t t) { return eng_.is_end_of_generation(t); },
+            [this](int32_t t) { return eng_.is_control_token(t); });
+    });
+    return vocab_;
+}
+
+// Structured output for slot s about to sample after `history` from `logits`: brings the constraint
+// up to date with the generated tokens it has not seen (history only grows between calls: a
+// verification row's history is the slot's plus the drafts kept so far, and rejected drafts never
+// enter it), then masks the logits into s.masked: before grammar_after (the thinking) only the
+// end-of-generation tokens, since the output must still hold the document. Throws when a token does
+// not continue the document (a stop string or a forced token can only end the output, so this is a
+// bug) or no token can.
+void scheduler::constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits) {
+    const request &q = s.j->req_;
+    if (!s.gc) {
+        s.gc = std::make_unique<grammar::token_constraint>(q.grammar, vocab());
+        s.gc_fed = q.prompt.size();
+        s.gc_live = q.grammar_after.empty();
+        s.gc_tail.clear();
+    }
+    for (; s.gc_fed < history.size(); ++s.gc_fed) {
+        const int32_t t = history[s.gc_fed];
+        if (s.gc_live) {
+            if (!s.gc->accept(t))
+                throw error("structured output: the generated token " + std::to_string(t) + " does not continue the document");
+            continue;
+        }
+        s.gc_tail += eng_.token_to_piece(t);
+        const size_t at = s.gc_tail.find(q.grammar_after);
+        if (at == std::string::npos) {  // keep what a marker split across tokens needs
+            if (s.gc_tail.size() > 2 * q.grammar_after.size()) s.gc_tail.erase(0, s.gc_tail.size() - q.grammar_after.size());
+            continue;
+        }
+        // The document starts after the marker: what the same token holds after it (whitespace dropped)
+        // is its first bytes.
+        s.gc_live = true;
+        std::string rest = s.gc_tail.substr(at + q.grammar_after.size());
+        rest.erase(0, std::min(rest.size(), rest.find_first_not_of(" \n\t\r")));
+        if (!rest.empty() && !s.gc->accept_bytes(rest))
+            throw error("structured output: the text after the end of the thinking does not start the document");
+    }
+    s.masked.assign(logits.begin(), logits.end());
+    if (!s.gc_live) {  // thinking: free text, but it may not end the output before the document
+        for (int32_t t : s.gc->vocab().eog_ids())
+            if (size_t(t) < s.masked.size()) s.masked[size_t(t)] = -std::numeric_limits<float>::infinity();
+        return;
+    }
+    if (s.gc->apply(s.masked) == 0) throw error("structured output: no token of the vocabulary continues the document");
 }
 
 // Drafts for slot s's next decode (its pending token is history.back()): none unless speculation is on
@@ -819,6 +897,8 @@ void scheduler::finish(slot &s, finish_reason r, const std::string &err) {
             // keeping extra evaluated tokens is harmless (they are real tokens with valid KV)
         }
     }
+    s.gc.reset();
+    s.masked = {};
     if (!s.spec_rows.empty()) {  // up to (1 + draft_max) x n_vocab floats: not kept by an idle slot
         s.spec_rows = {};
         s.spec_prefix = {};

@@ -57,6 +57,7 @@
 #include "fathom/engine.h"
 #include "fathom/speculative.h"
 #include "fathom/sampling.h"
+#include "grammar/token_mask.h"
 #include "kv/paged_pool.h"
 
 namespace fathom::sched {
@@ -77,6 +78,13 @@ struct request {
                                         // a forced token reports logprob 0 and no alternatives
     int32_t draft_max = -1;             // speculative decoding for this request: -1 the server's, 0 off,
                                         // 1..64 at most this many drafts per step (never above the server's)
+    // Structured output (docs/server.md "Structured output"): null = unconstrained; otherwise every
+    // sampled token continues a document of this grammar (the logits of the others are masked, in
+    // plain decoding and in each speculative verification row alike) and end of generation is
+    // allowed only once the document is complete. grammar_after: text the output must hold first
+    // (the end-of-thinking marker when the output opens a thinking block); "" = from the first token.
+    std::shared_ptr<const grammar::json_grammar> grammar;
+    std::string grammar_after;
 };
 
 struct token_info {
@@ -231,6 +239,8 @@ private:
     void evaluate(std::vector<step_entry> &es);
     void sample_and_emit(slot &s);
     bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
+    void constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits);
+    const std::shared_ptr<const grammar::vocab_index> &vocab();  // built on first use (submit)
     void emit(slot &s, sample_result r);
     // Drafts for s's next decode; other_rows: the step's other decodes (the drafts' price is marginal).
     void plan_drafts(slot &s, int32_t other_rows);
@@ -276,6 +286,8 @@ private:
     uint64_t next_id_ = 1;
     uint64_t admit_seq_ = 0;  // worker only
     bool admit_blocked_ = false;  // the queue head waits (slots, KV, a saving slot) until something ends
+    std::shared_ptr<const grammar::vocab_index> vocab_;  // structured output's token tries (vocab())
+    std::once_flag vocab_once_;
     std::unique_ptr<cache::prompt_cache> cache_;  // null: no disk cache
     bool disk_prefix_loads_ = false;              // the sessions' loads_state_prefix()
     std::deque<io_task> io_queue_;                // guarded by mu_

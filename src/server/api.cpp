@@ -7,6 +7,8 @@
 #include <map>
 #include <random>
 
+#include "server/structured.h"
+
 namespace fathom::server {
 
 using json = nlohmann::json;
@@ -274,6 +276,17 @@ void inject_tools(gen_request &r, const tool_format &fmt) {
     }
 }
 
+// Describes a json_schema response format in the (first) system message, after the tools, in the
+// formats that have a way to (DS4's encoder: "\n\n" + the section, on a new empty system message
+// when there is none); others leave the prompt as it is.
+void inject_response_format(gen_request &r, const tool_format &fmt) {
+    if (r.response_schema.is_null()) return;
+    const std::string text = fmt.response_format_prompt(r.response_schema);
+    if (text.empty()) return;
+    if (r.messages.empty() || r.messages.front().role != "system") r.messages.insert(r.messages.begin(), chat_message{"system", ""});
+    r.messages.front().content += "\n\n" + text;
+}
+
 // Tool-call bookkeeping while a conversation is read: each call id's function name, the call ids of
 // the latest assistant turn with calls (in order), and the results of the open result turn.
 struct call_book {
@@ -334,8 +347,8 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         r.top_logprobs = int32_t(i);
     }
     if (const json *rf = field(b, "response_format")) {
-        if (!rf->is_object() || rf->value("type", "") != "text")
-            bad_request("'response_format' other than {\"type\": \"text\"} is not supported", "response_format");
+        r.grammar = parse_response_format(*rf);
+        if (r.grammar && rf->value("type", "") == "json_schema") r.response_schema = (*rf)["json_schema"].value("schema", json());
     }
     parse_openai_tools(b, r);
     get_bool(b, "parallel_tool_calls", r.parallel_calls);
@@ -391,6 +404,7 @@ gen_request parse_openai_chat(const json &b, const sampling_params &defaults, co
         }
     }
     inject_tools(r, fmt);
+    inject_response_format(r, fmt);
     return r;
 }
 
@@ -563,6 +577,10 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
         get_bool(b, "stream", r.stream);
     }
     parse_anthropic_tools(b, r);
+    if (const json *of = field(b, "output_format")) {
+        r.grammar = parse_output_format(*of);
+        r.response_schema = (*of)["schema"];
+    }
     parse_thinking(b, r);
     finish_sampling(r);
     if (const json *s = field(b, "system")) r.messages.push_back({"system", anthropic_text(*s, "system")});
@@ -573,6 +591,7 @@ gen_request parse_anthropic(const json &b, const sampling_params &defaults, cons
     bool last_was_result = false;
     for (size_t k = 0; k < msgs->size(); ++k) anthropic_message((*msgs)[k], k, fmt, book, last_was_result, r);
     inject_tools(r, fmt);
+    inject_response_format(r, fmt);
     return r;
 }
 

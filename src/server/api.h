@@ -13,6 +13,7 @@
 
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
+#include "grammar/json_schema.h"
 #include "server/prompt_compression.h"
 #include "server/tool_calls.h"
 
@@ -66,6 +67,10 @@ struct gen_request {
     // Speculative decoding (server --spec): "speculative": false turns it off for this request, true
     // or absent keeps the server's, {"draft_max": N} caps the drafts per step (0..64; 0 = off).
     int32_t draft_max = -1;
+    // Structured output (docs/server.md "Structured output"): OpenAI response_format / Anthropic
+    // output_format, compiled; null = unconstrained. A forced tool call replaces it (generate.cpp).
+    std::shared_ptr<const grammar::json_grammar> grammar;
+    nlohmann::json response_schema;  // the json_schema's schema (null if none), described in the prompt by formats that do
 
     nlohmann::json tools = nlohmann::json::array();  // OpenAI form [{type:function, function:{...}}]
     tool_choice choice;

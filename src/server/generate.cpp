@@ -12,6 +12,7 @@
 #include "chat/reasoning.h"
 #include "server/server_impl.h"
 #include "server/tool_stream.h"
+#include "server/structured.h"
 
 namespace fathom::server {
 
@@ -109,6 +110,8 @@ void force_call(server_context &ctx, prepared &p) {
     // Qwen's <tool_call> are special tokens), like the rest of the rendered prompt.
     const std::vector<int32_t> extra = ctx.eng.tokenize(p.forced, false, true);
     p.prompt.insert(p.prompt.end(), extra.begin(), extra.end());
+    // The rest of the call is constrained: its arguments follow the tool's schema (structured.h).
+    if (auto g = forced_call_grammar(p.r.tools, p.r.choice, *ctx.fmt)) p.r.grammar = std::move(g);
 }
 
 // PFlash (when the request's settings compress this prompt), then the context check. Throws api_error.
@@ -179,6 +182,9 @@ std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
     sr.want_logprobs = p.r.logprobs;
     sr.thinking = p.think;
     sr.draft_max = p.r.draft_max;
+    sr.grammar = p.r.grammar;
+    // With the output opening a thinking block, the document starts after its end marker.
+    if (sr.grammar && p.reasoning && (p.in_reasoning || !p.think.open.empty())) sr.grammar_after = chat::k_think_close;
     try {
         return ctx.sch.submit(std::move(sr));
     } catch (const sched::queue_full &e) {

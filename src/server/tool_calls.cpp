@@ -169,6 +169,11 @@ public:
         if (choice.kind == tool_choice::function) return s + json(choice.name).dump() + ", \"arguments\": ";
         return {};
     }
+    std::optional<call_frame> forced_call_frame(const tool_choice &choice, const std::string &name) const override {
+        // required: the prefix ends inside the name's string; named: right before the arguments.
+        std::string before = choice.kind == tool_choice::required ? json(name).dump().substr(1) + ", \"arguments\": " : "";
+        return call_frame{std::move(before), "}\n" + std::string(k_close)};
+    }
 
     std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &known) const override;
 

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/api.h"
+#include "server/structured.h"
 
 using namespace fathom::server;
 using json = nlohmann::json;
@@ -97,8 +98,91 @@ TEST(Api, ChatValidationErrors) {
                                              {"content", json::array({{{"type", "image_url"}, {"image_url", "u"}}})}}})}});
         },
         400, "messages", "image_url");
-    expect_error([] { chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "json_object"}}}}); }, 400,
-                 "response_format", "not supported");
+}
+
+// Structured output fields (docs/server.md "Structured output"); the grammars themselves are test_grammar's.
+TEST(Api, ResponseFormat) {
+    EXPECT_EQ(chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "text"}}}}).grammar, nullptr);
+    EXPECT_NE(chat({{"messages", user_msgs("x")}, {"response_format", {{"type", "json_object"}}}}).grammar, nullptr);
+    const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}, {"required", {"a"}}};
+    auto r = chat({{"messages", user_msgs("x")},
+                   {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "s_1-x"}, {"schema", schema}, {"strict", true}}}}}});
+    ASSERT_NE(r.grammar, nullptr);
+    auto rf = [](json f) { return [f] { chat({{"messages", user_msgs("x")}, {"response_format", f}}); }; };
+    expect_error(rf({{"type", "xml"}}), 400, "response_format.type", "xml");
+    expect_error(rf("json"), 400, "response_format", "object");
+    expect_error(rf({{"type", "json_schema"}}), 400, "response_format.json_schema", "json_schema");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}}), 400, "response_format.json_schema.name",
+                 "required");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "a b"}, {"schema", schema}}}}), 400,
+                 "response_format.json_schema.name", "a b");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", schema}, {"strict", "yes"}}}}), 400,
+                 "response_format.json_schema.strict", "boolean");
+    expect_error(rf({{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", {{"type", "string"}, {"pattern", "a"}}}}}}),
+                 400, "response_format.json_schema.schema", "'pattern'");
+    expect_error(rf({{"type", "json_schema"},
+                     {"json_schema", {{"name", "n"}, {"schema", {{"properties", {{"x", {{"type", "number"}, {"maximum", 3}}}}}}}}}}),
+                 400, "response_format.json_schema.schema", "/properties/x");
+    // Anthropic output_format.
+    EXPECT_NE(anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")},
+                    {"output_format", {{"type", "json_schema"}, {"schema", schema}}}})
+                  .grammar,
+              nullptr);
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")}, {"output_format", {{"type", "json"}}}}); },
+                 400, "output_format", "json_schema");
+    expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", user_msgs("x")},
+                             {"output_format", {{"type", "json_schema"}, {"schema", {{"type", "number"}, {"multipleOf", 2}}}}}}); },
+                 400, "output_format.schema", "multipleOf");
+}
+
+// DS4's encoder describes a json_schema response format in the system message (docs/ds4-chat-format.md
+// item 5): "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n" +
+// json.dumps(schema); the Hermes format (dense models) leaves the prompt alone.
+TEST(Api, ResponseFormatInTheDs4Prompt) {
+    const json body = {{"messages", json::array({{{"role", "system"}, {"content", "S"}}, {{"role", "user"}, {"content", "x"}}})},
+                       {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", {{"type", "object"},
+                        {"properties", {{"b", {{"type", "string"}}}, {"a", {{"enum", {1, "é"}}}}}}}}}}}}};
+    auto ds4 = make_tool_format("deepseek4");
+    auto r = parse_openai_chat(body, defaults(), *ds4);
+    ASSERT_EQ(r.messages.size(), 2u);
+    EXPECT_EQ(r.messages[0].content,
+              "S\n\n## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+              "{\"properties\": {\"a\": {\"enum\": [1, \"é\"]}, \"b\": {\"type\": \"string\"}}, \"type\": \"object\"}");
+    json no_system = body;
+    no_system["messages"].erase(0);
+    r = parse_openai_chat(no_system, defaults(), *ds4);
+    ASSERT_EQ(r.messages.size(), 2u);
+    EXPECT_EQ(r.messages[0].role, "system");
+    EXPECT_EQ(r.messages[0].content.rfind("\n\n## Response Format:", 0), 0u);  // as the encoder's new system message
+    EXPECT_EQ(chat(body).messages[0].content, "S");
+}
+
+// The Responses API's text.format (flattened json_schema fields), for POST /v1/responses.
+TEST(Api, ResponsesTextFormat) {
+    const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}};
+    EXPECT_EQ(parse_text_format({{"type", "text"}}), nullptr);
+    EXPECT_NE(parse_text_format({{"type", "json_object"}}), nullptr);
+    EXPECT_NE(parse_text_format({{"type", "json_schema"}, {"name", "n"}, {"schema", schema}, {"strict", true}}), nullptr);
+    expect_error([] { parse_text_format({{"type", "yaml"}}); }, 400, "text.format.type", "yaml");
+    expect_error([&] { parse_text_format({{"type", "json_schema"}, {"schema", schema}}); }, 400, "text.format.name", "text.format.name");
+    expect_error([] { parse_text_format({{"type", "json_schema"}, {"name", "n"}, {"schema", {{"type", "string"}, {"pattern", "x"}}}}); },
+                 400, "text.format.schema", "'pattern'");
+}
+
+TEST(Api, ForcedCallGrammar) {
+    auto fmt = make_tool_format("llama");  // Hermes: JSON arguments
+    const json tools = json::array(
+        {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}, {"properties", {{"x", {{"type", "integer"}}}}}}}}}},
+         {{"type", "function"}, {"function", {{"name", "g"}}}}});
+    tool_choice named{tool_choice::function, "f"}, required{tool_choice::required, ""};
+    EXPECT_NE(forced_call_grammar(tools, named, *fmt), nullptr);
+    EXPECT_NE(forced_call_grammar(tools, required, *fmt), nullptr);
+    json bad = tools;
+    bad[1]["function"]["parameters"] = {{"type", "object"}, {"properties", {{"s", {{"type", "string"}, {"pattern", "a"}}}}}};
+    expect_error([&] { forced_call_grammar(bad, required, *fmt); }, 400, "tools", "tool 'g'");
+    EXPECT_NE(forced_call_grammar(bad, named, *fmt), nullptr);  // only the named tool's schema counts
+    auto dsml = make_tool_format("deepseek4");  // arguments as DSML parameters: not constrained
+    EXPECT_EQ(forced_call_grammar(tools, named, *dsml), nullptr);
 }
 
 // "speculative": false / true / {"draft_max": N} (docs/server.md "Speculative decoding").

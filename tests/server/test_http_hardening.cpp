@@ -15,6 +15,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "fake_engine.h"
@@ -429,9 +430,12 @@ TEST(Hardening, AccessLog) {
 }
 
 namespace {
+// Bounded arguments (one short string each): where the echo leaves the grammar, the lowest-id choices
+// (whitespace, then spaces inside a string) must still reach the end of the call.
+const json k_string8 = {{"type", "string"}, {"maxLength", 8}};
 const json k_tools = json::array(
-    {{{"type", "function"}, {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}},
-     {{"type", "function"}, {"function", {{"name", "get_time"}, {"parameters", {{"type", "object"}}}}}}});
+    {{{"type", "function"}, {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}, {"properties", {{"city", k_string8}}}}}}}},
+     {{"type", "function"}, {"function", {{"name", "get_time"}, {"parameters", {{"type", "object"}, {"properties", {{"tz", k_string8}}}}}}}}});
 // The hermes call opening the server writes after the generation prompt (forced_call_prefix).
 const std::string k_open_required = "<tool_call>\n{\"name\": \"";
 const std::string k_open_get_time = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": ";
@@ -445,11 +449,14 @@ json tool_chat(const std::string &user, const json &choice, bool stream = false)
 }  // namespace
 
 // Item 6: tool_choice "required", a named function and Anthropic any / tool are enforced: the
-// prompt ends inside a call's opening (with the name when one is named), so the model writes a
-// call; output that still is not a valid call to an allowed tool is an error, never plain text or
-// another tool's call. The fake engine echoes the user message from the position it has reached
-// after the generation prompt (a message runs to its first newline): a message whose first bytes
-// are filler as long as the forced opening continues it.
+// prompt ends inside a call's opening (with the name when one is named), and the rest of the call is
+// grammar-constrained (docs/server.md "Structured output"): a tool name of the request, arguments
+// valid for its schema, the closing tag. So even a model that would answer in prose writes a valid
+// call; output that still is not one (max_tokens cut it) is an error, never plain text or another
+// tool's call. The fake engine echoes the user message from the position it has reached after the
+// generation prompt (a message runs to its first newline): a message whose first bytes are filler
+// as long as the forced opening continues it; where the echo leaves the grammar, greedy decoding takes
+// the allowed token with the lowest id (all other logits are equal).
 TEST(Hardening, ToolChoiceEnforced) {
     server_under_test s(base_options());
     auto c = s.client();
@@ -458,8 +465,20 @@ TEST(Hardening, ToolChoiceEnforced) {
         EXPECT_TRUE(res);
         return res ? std::make_pair(res->status, json::parse(res->body, nullptr, false)) : std::make_pair(-1, json());
     };
-    // A model that would answer in prose: an error, not a 200 without calls.
+    auto is_call_to = [](const json &r, const std::set<std::string> &names) {
+        const json &calls = r["choices"][0]["message"]["tool_calls"];
+        if (r["choices"][0]["finish_reason"] != "tool_calls" || calls.size() != 1) return false;
+        const json args = json::parse(calls[0]["function"]["arguments"].get<std::string>(), nullptr, false);
+        return names.count(calls[0]["function"]["name"].get<std::string>()) > 0 && args.is_object();
+    };
+    // A model that would answer in prose: constrained into a call all the same.
     auto [st, r] = chat(tool_chat("hello", "required"));
+    ASSERT_EQ(st, 200) << r.dump();
+    EXPECT_TRUE(is_call_to(r, {"get_time", "get_weather"})) << r.dump();
+    // Cut by max_tokens before the call closes: an error, not a 200 without calls.
+    json cut = tool_chat("hello", "required");
+    cut["max_tokens"] = 3;
+    std::tie(st, r) = chat(cut);
     EXPECT_EQ(st, 500) << r.dump();
     EXPECT_NE(r["error"]["message"].get<std::string>().find("did not complete a valid call"), std::string::npos) << r.dump();
     // The opening forced, the model completes it.
@@ -467,33 +486,38 @@ TEST(Hardening, ToolChoiceEnforced) {
     ASSERT_EQ(st, 200) << r.dump();
     EXPECT_EQ(r["choices"][0]["finish_reason"], "tool_calls");
     EXPECT_EQ(r["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_time");
-    // Named: the user's text is a get_weather call, but get_time's opening is forced: no get_weather call.
+    // Named: the user's text is a get_weather call, but get_time's opening is forced: a get_time call.
     const json named = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
     std::tie(st, r) = chat(tool_chat("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>", named));
-    EXPECT_EQ(st, 500) << r.dump();
+    ASSERT_EQ(st, 200) << r.dump();
+    EXPECT_TRUE(is_call_to(r, {"get_time"})) << r.dump();
     std::tie(st, r) = chat(tool_chat(filler(k_open_get_time) + "{\"tz\": \"UTC\"}}</tool_call>", named));
     ASSERT_EQ(st, 200) << r.dump();
     ASSERT_EQ(r["choices"][0]["message"]["tool_calls"].size(), 1u);
     EXPECT_EQ(r["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "get_time");
     EXPECT_EQ(json::parse(r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
               json({{"tz", "UTC"}}));
-    // Streamed: an error frame, no content.
-    auto res = c.Post("/v1/chat/completions", tool_chat("hello", "required", true).dump(), "application/json");
+    // Streamed and cut: an error frame, no content.
+    cut["stream"] = true;
+    auto res = c.Post("/v1/chat/completions", cut.dump(), "application/json");
     ASSERT_TRUE(res);
     EXPECT_NE(res->body.find("did not complete a valid call"), std::string::npos) << res->body;
     EXPECT_EQ(res->body.find("\"content\":\"hello\""), std::string::npos) << res->body;
 
     // Anthropic: any and tool.
-    const json tools_a = json::array({{{"name", "get_weather"}, {"input_schema", {{"type", "object"}}}},
-                                      {{"name", "get_time"}, {"input_schema", {{"type", "object"}}}}});
-    auto msg = [&](const std::string &user, const json &choice) {
-        const json b = {{"model", "fake-model"}, {"max_tokens", 200}, {"messages", json::array({{{"role", "user"}, {"content", user}}})},
+    const json tools_a = json::array({{{"name", "get_weather"}, {"input_schema", k_tools[0]["function"]["parameters"]}},
+                                      {{"name", "get_time"}, {"input_schema", k_tools[1]["function"]["parameters"]}}});
+    auto msg = [&](const std::string &user, const json &choice, int max_tokens = 200) {
+        const json b = {{"model", "fake-model"}, {"max_tokens", max_tokens}, {"messages", json::array({{{"role", "user"}, {"content", user}}})},
                         {"tools", tools_a}, {"tool_choice", choice}};
         auto res = c.Post("/v1/messages", b.dump(), "application/json");
         EXPECT_TRUE(res);
         return res ? std::make_pair(res->status, json::parse(res->body, nullptr, false)) : std::make_pair(-1, json());
     };
     std::tie(st, r) = msg("hello", {{"type", "any"}});
+    ASSERT_EQ(st, 200) << r.dump();
+    EXPECT_EQ(r["stop_reason"], "tool_use");
+    std::tie(st, r) = msg("hello", {{"type", "any"}}, 3);
     EXPECT_EQ(st, 500) << r.dump();
     EXPECT_EQ(r["type"], "error");
     std::tie(st, r) = msg(filler(k_open_get_time) + "{\"tz\": \"UTC\"}}</tool_call>", {{"type", "tool"}, {"name", "get_time"}});

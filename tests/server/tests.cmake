@@ -70,3 +70,23 @@ if(Python3_FOUND AND TARGET fathom)
              WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
     set_tests_properties(server_load_ci PROPERTIES LABELS "server;slow" TIMEOUT 600)
 endif()
+if(Python3_FOUND AND TARGET fathom)
+    # Structured output (response_format json_object / json_schema, Anthropic output_format, forced tool-call
+    # arguments) with the official SDKs, every output validated by the `jsonschema` package; a plain server
+    # and one with --spec ngram (docs/server.md "Structured output"). SmolLM2: sensible JSON, Hermes tools.
+    add_test(NAME server_structured_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/structured_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${PROJECT_SOURCE_DIR}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_structured_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
+endif()
+if(Python3_FOUND AND TARGET fathom AND EXISTS ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf)
+    # The same on ds4-tiny (random weights: gibberish that the constraint alone must make valid; DSML tools).
+    add_test(NAME server_structured_ds4_sdk
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/structured_test.py
+                     --fathom $<TARGET_FILE:fathom>
+                     --model ${FATHOM_SHARED_DIR}/golden/ds4-tiny/ds4-tiny-a.gguf --tools dsml
+             WORKING_DIRECTORY ${PROJECT_SOURCE_DIR})
+    set_tests_properties(server_structured_ds4_sdk PROPERTIES LABELS "server;slow" TIMEOUT 900)
+endif()
