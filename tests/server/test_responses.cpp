@@ -481,12 +481,13 @@ TEST(ResponsesHttp, CutWhileThinking) {
     EXPECT_EQ(r["usage"]["output_tokens_details"]["reasoning_tokens"], 3);
 }
 
-// A forced call the model does not complete: 500 as JSON, response.failed when streaming (after the
-// created / in_progress events), and nothing stored.
+// A forced call the model does not complete (its arguments are grammar-constrained, so only the token
+// limit can cut it): 500 as JSON, response.failed when streaming (after the created / in_progress
+// events), and nothing stored.
 TEST(ResponsesHttp, FailedForcedCall) {
     responses_server s;
     const json tools = json::parse(R"([{"type": "function", "name": "f"}])");
-    const json body = {{"input", "no call here"}, {"tools", tools}, {"tool_choice", "required"}};
+    const json body = {{"input", "no call here"}, {"tools", tools}, {"tool_choice", "required"}, {"max_output_tokens", 3}};
     const json e = s.fails(body, 500);
     EXPECT_EQ(e["type"], "server_error");
     json sb = body;

@@ -47,9 +47,13 @@ struct fake_server {
         o.step_token_budget = chunk;
         return o;
     }
+    static server::server_options any_port(server::server_options o) {
+        o.port = 0;  // an ephemeral port: tests run in parallel processes
+        return o;
+    }
     explicit fake_server(const std::string &arch, int delay_us = 0, int chunk = 512,
                          server::server_options ho = server::server_options{})
-        : eng(4096, delay_us), sch(posed(eng, arch), sopts(chunk)), srv(eng, sch, ho) {
+        : eng(4096, delay_us), sch(posed(eng, arch), sopts(chunk)), srv(eng, sch, any_port(ho)) {
         port = srv.bind();
         th = std::thread([this] { srv.listen(); });
     }
