@@ -3,8 +3,9 @@
 # instrumented too, see fuzz/CMakeLists.txt) in build-fuzz, writes a seed corpus with Fathom's own writer
 # into a temp dir, and runs the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
 #   scripts/fuzz.sh [SECONDS=60] [TARGET=gguf]
-# TARGET: gguf (the GGUF reader; seeds from gguf_seeds) or prompt_cache (the prompt-cache entry decoder,
-# src/cache/entry.h; seeds from prompt_cache_seeds).
+# TARGET: gguf (the GGUF reader; seeds from gguf_seeds), prompt_cache (the prompt-cache entry decoder,
+# src/cache/entry.h; seeds from prompt_cache_seeds) or json_schema (structured output's schema compiler
+# and matcher, src/grammar; hand-written seeds: schema NUL document).
 # Needs: clang and libclang-rt-14-dev (the libFuzzer/ASan runtimes; Debian bookworm's clang-14 gets them
 # from that package).
 set -euo pipefail
@@ -12,8 +13,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 target="${2:-gguf}"
 case "$target" in
-    gguf|prompt_cache) ;;
-    *) echo "fuzz.sh: unknown target '$target' (gguf or prompt_cache)" >&2; exit 2 ;;
+    gguf|prompt_cache|json_schema) ;;
+    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache or json_schema)" >&2; exit 2 ;;
 esac
 build=build-fuzz
 
@@ -24,12 +25,22 @@ fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
       -DFATHOM_FUZZ=ON -DFATHOM_TESTS=OFF >/dev/null
-cmake --build "$build" --target "fuzz_$target" "${target}_seeds" -j2
+seeds=("${target}_seeds")
+[ "$target" = json_schema ] && seeds=()
+cmake --build "$build" --target "fuzz_$target" "${seeds[@]}" -j2
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/corpus" "$work/artifacts"
-"$build/fuzz/${target}_seeds" "$work/corpus"
+if [ "$target" = json_schema ]; then
+    printf '{"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"array","items":{"enum":["x","y"]}}},"required":["a"],"additionalProperties":false}\0{"a": -12, "b": ["x","y"]}' >"$work/corpus/object"
+    printf '{"anyOf":[{"type":"string","maxLength":4},{"type":"null"}]}\0"ab\\u00e9"' >"$work/corpus/anyof"
+    printf '{"$defs":{"n":{"type":"object","properties":{"c":{"$ref":"#/$defs/n"}}}},"$ref":"#/$defs/n"}\0{"c":{"c":{}}}' >"$work/corpus/ref"
+    printf '{"type":["number","boolean"],"const":true}\0true' >"$work/corpus/const"
+    printf '{}\0[1.5e3, {"k": null}, "s"]' >"$work/corpus/any"
+else
+    "$build/fuzz/${target}_seeds" "$work/corpus"
+fi
 # A few hand-made edge seeds: empty, bare magic, header only.
 printf '' >"$work/corpus/empty"
 if [ "$target" = gguf ]; then
