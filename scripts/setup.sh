@@ -24,7 +24,7 @@ APT_PACKAGES=(build-essential cmake ninja-build ccache pkg-config python3 python
               libcpp-httplib-dev libxxhash-dev libzstd-dev libssl-dev clang libclang-rt-14-dev
               chromium)
 # Test-time references only (never imported by Fathom itself).
-PIP_PACKAGES=(numpy gguf jinja2 openai anthropic playwright)
+PIP_PACKAGES=(numpy gguf jinja2 openai anthropic playwright jsonschema)
 
 if [ "$deps" = 1 ]; then
     missing=()
@@ -37,7 +37,7 @@ if [ "$deps" = 1 ]; then
         $SUDO apt-get update -qq
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
     fi
-    python3 -c "import numpy, gguf, jinja2, openai, anthropic, playwright" 2>/dev/null || \
+    python3 -c "import numpy, gguf, jinja2, openai, anthropic, playwright, jsonschema" 2>/dev/null || \
         python3 -m pip install --quiet --disable-pip-version-check "${PIP_PACKAGES[@]}"
 fi
 
