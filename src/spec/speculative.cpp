@@ -97,16 +97,19 @@ double verify_cost::ratio(int32_t rows) const {
     return 1 + beta / alpha * x;
 }
 
-int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
-    if (!adaptive_) return max_;
-    if (cost && other_rows <= 0 && cost->wants_one_row()) return 0;  // measure a plain step first
-    const double a = acceptance();
-    int32_t best_k = 0;
-    double best = 1.0, e = 1.0, p = 1.0;  // E(0) / c(1) = 1
+namespace {
+
+// The width k in [0, n] that maximises E(k) / (c(base + k) / c(base)): E(k) = 1 + p1 + p1 p2 + ..., with
+// p_j = odds(j) the chance that draft j is kept once the ones before it were, base = other_rows + 1
+// (the step's rows without these drafts), c the cost curve (null: rows are free). next() and cut().
+template <class Odds>
+int32_t best_width(int32_t n, const verify_cost *cost, int32_t other_rows, Odds &&odds) {
     const int32_t base = std::max(other_rows, 0) + 1;
     const double c0 = cost ? cost->ratio(base) : 1.0;
-    for (int32_t k = 1; k <= max_; ++k) {
-        p *= a;
+    int32_t best_k = 0;
+    double best = 1.0, e = 1.0, p = 1.0;  // E(0) / 1 = 1
+    for (int32_t k = 1; k <= n; ++k) {
+        p *= odds(k);
         e += p;
         const double g = e / (cost ? cost->ratio(base + k) / c0 : 1.0);
         if (g > best * (1 + 1e-9)) {
@@ -114,6 +117,16 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
             best_k = k;
         }
     }
+    return best_k;
+}
+
+}  // namespace
+
+int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
+    if (!adaptive_) return max_;
+    if (cost && other_rows <= 0 && cost->wants_one_row()) return 0;  // measure a plain step first
+    const double a = acceptance();
+    const int32_t best_k = best_width(max_, cost, other_rows, [a](int32_t) { return a; });
     if (best_k > 0) {
         pause_ = 0;
         skip_ = 0;
@@ -131,21 +144,10 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
 }
 
 size_t draft_budget::cut(std::span<const float> c, const verify_cost *cost, int32_t other_rows) {
-    const int32_t base = std::max(other_rows, 0) + 1;
-    const double c0 = cost ? cost->ratio(base) : 1.0;
-    size_t best_k = 0;
-    double best = 1.0, e = 1.0, p = 1.0;
-    for (size_t k = 1; k <= c.size(); ++k) {
-        const float q = c[k - 1];
-        p *= (q >= 0.0f && q <= 1.0f) ? static_cast<double>(q) : 0.0;
-        e += p;
-        const double g = e / (cost ? cost->ratio(base + static_cast<int32_t>(k)) / c0 : 1.0);
-        if (g > best * (1 + 1e-9)) {
-            best = g;
-            best_k = k;
-        }
-    }
-    return best_k;
+    return static_cast<size_t>(best_width(static_cast<int32_t>(c.size()), cost, other_rows, [c](int32_t j) {
+        const float q = c[static_cast<size_t>(j - 1)];
+        return (q >= 0.0f && q <= 1.0f) ? static_cast<double>(q) : 0.0;
+    }));
 }
 
 void draft_budget::update(size_t drafted, size_t kept) {
