@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "fake_engine.h"
+#include "fake_http.h"
 #include "server/http_server.h"
 #include "server/tool_calls.h"
 
@@ -22,13 +23,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct live_server {
-    test::fake_engine eng;
-    sched::scheduler sch;
-    server::http_server srv;
-    int port = 0;
-    std::thread th;
-
+struct live_server : test::fake_http {
     static sched::scheduler_options sopts(int slots) {
         sched::scheduler_options o;
         o.n_slots = slots;
@@ -37,26 +32,12 @@ struct live_server {
     }
     static server::server_options hopts(const std::string &key, size_t max_body) {
         server::server_options o;
-        o.port = 0;
         o.api_key = key;
         o.max_body_bytes = max_body;
         return o;
     }
     live_server(const std::string &key = "", int n_ctx = 4096, int delay_us = 0, int slots = 2, size_t max_body = 1 << 20)
-        : eng(n_ctx, delay_us), sch(eng, sopts(slots)), srv(eng, sch, hopts(key, max_body)) {
-        port = srv.bind();
-        th = std::thread([this] { srv.listen(); });
-    }
-    ~live_server() {
-        srv.stop();
-        th.join();
-        sch.stop();
-    }
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", port);
-        c.set_read_timeout(20, 0);
-        return c;
-    }
+        : fake_http(n_ctx, delay_us, sopts(slots), hopts(key, max_body)) {}
 };
 
 json post_json(const live_server &s, const std::string &path, const json &body, int expect_status,

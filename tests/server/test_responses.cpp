@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "fake_engine.h"
+#include "fake_http.h"
 #include "server/api.h"
 #include "server/http_server.h"
 #include "server/response_store.h"
@@ -256,12 +257,7 @@ TEST(ResponseStore, ByteBound) {
 
 namespace {
 
-struct responses_server {
-    test::fake_engine eng;
-    sched::scheduler sch;
-    server::http_server srv;
-    int port = 0;
-    std::thread th;
+struct responses_server : test::fake_http {
     static sched::scheduler_options sopts() {
         sched::scheduler_options o;
         o.n_slots = 1;
@@ -269,23 +265,12 @@ struct responses_server {
     }
     static server::server_options hopts(size_t max_entries) {
         server::server_options o;
-        o.port = 0;
         o.responses_max_entries = max_entries;
         return o;
     }
-    explicit responses_server(size_t max_entries = 16) : eng(4096, 0), sch(eng, sopts()), srv(eng, sch, hopts(max_entries)) {
-        port = srv.bind();
-        th = std::thread([this] { srv.listen(); });
-    }
-    ~responses_server() {
-        srv.stop();
-        th.join();
-        sch.stop();
-    }
+    explicit responses_server(size_t max_entries = 16) : fake_http(4096, 0, sopts(), hopts(max_entries)) {}
     httplib::Result post(const json &body) const {
-        httplib::Client c("127.0.0.1", port);
-        c.set_read_timeout(20, 0);
-        return c.Post("/v1/responses", body.dump(), "application/json");
+        return client().Post("/v1/responses", body.dump(), "application/json");
     }
     json ok(const json &body) const {
         auto r = post(body);

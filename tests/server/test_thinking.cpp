@@ -12,6 +12,7 @@
 
 #include "chat/reasoning.h"
 #include "fake_engine.h"
+#include "fake_http.h"
 #include "fathom/sampling.h"
 #include "server/http_server.h"
 
@@ -137,12 +138,7 @@ TEST(ThinkControl, BudgetForcesClose) {
 
 namespace {
 
-struct thinking_server {
-    test::fake_engine eng;
-    sched::scheduler sch;
-    server::http_server srv;
-    int port = 0;
-    std::thread th;
+struct thinking_server : test::fake_http {
     static sched::scheduler_options sopts() {
         sched::scheduler_options o;
         o.n_slots = 2;
@@ -150,25 +146,14 @@ struct thinking_server {
     }
     static server::server_options hopts(chat_thinking reasoning, int64_t budget) {
         server::server_options o;
-        o.port = 0;
         o.reasoning = reasoning;
         o.reasoning_budget = budget;
         return o;
     }
     explicit thinking_server(chat_thinking reasoning = chat_thinking::template_default, int64_t budget = -1)
-        : eng(4096, 0), sch(eng, sopts()), srv(eng, sch, hopts(reasoning, budget)) {
-        port = srv.bind();
-        th = std::thread([this] { srv.listen(); });
-    }
-    ~thinking_server() {
-        srv.stop();
-        th.join();
-        sch.stop();
-    }
+        : fake_http(4096, 0, sopts(), hopts(reasoning, budget)) {}
     httplib::Result post(const std::string &path, const json &body) const {
-        httplib::Client c("127.0.0.1", port);
-        c.set_read_timeout(20, 0);
-        return c.Post(path.c_str(), body.dump(), "application/json");
+        return client().Post(path.c_str(), body.dump(), "application/json");
     }
     json ok(const std::string &path, const json &body) const {
         auto r = post(path, body);

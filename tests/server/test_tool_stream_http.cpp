@@ -19,6 +19,7 @@
 
 #include "chat/ds4_chat.h"
 #include "fake_engine.h"
+#include "fake_http.h"
 #include "server/api.h"
 #include "server/http_server.h"
 
@@ -29,17 +30,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct fake_server {
-    test::fake_engine eng;
-    sched::scheduler sch;
-    server::http_server srv;
-    int port = 0;
-    std::thread th;
-
-    static test::fake_engine &posed(test::fake_engine &e, const std::string &arch) {
-        e.set_arch(arch);
-        return e;
-    }
+struct fake_server : test::fake_http {
     static sched::scheduler_options sopts(int chunk) {
         sched::scheduler_options o;
         o.n_slots = 1;
@@ -47,26 +38,10 @@ struct fake_server {
         o.step_token_budget = chunk;
         return o;
     }
-    static server::server_options any_port(server::server_options o) {
-        o.port = 0;  // an ephemeral port: tests run in parallel processes
-        return o;
-    }
     explicit fake_server(const std::string &arch, int delay_us = 0, int chunk = 512,
                          server::server_options ho = server::server_options{})
-        : eng(4096, delay_us), sch(posed(eng, arch), sopts(chunk)), srv(eng, sch, any_port(ho)) {
-        port = srv.bind();
-        th = std::thread([this] { srv.listen(); });
-    }
-    ~fake_server() {
-        srv.stop();
-        th.join();
-        sch.stop();
-    }
-    httplib::Client client() const {
-        httplib::Client c("127.0.0.1", port);
-        c.set_read_timeout(30, 0);
-        return c;
-    }
+        : fake_http(4096, delay_us, sopts(chunk), std::move(ho), arch) {}
+    httplib::Client client() const { return fake_http::client(30); }
     httplib::Result post(const std::string &path, const json &body) const {
         return client().Post(path.c_str(), body.dump(), "application/json");
     }
