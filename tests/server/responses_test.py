@@ -37,6 +37,7 @@ import urllib.request
 
 import openai
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
+from serve_util import launch  # noqa: E402  (tests/server: the script's own directory)
 
 ARGS = None
 SMOL = None  # base url
@@ -52,23 +53,10 @@ for _cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0]):
 
 
 def start_server(model, extra):
-    cmd = [ARGS.fathom, "serve", "-m", model, "--port", "0", "--parallel", "1", "-t", str(ARGS.threads),
-           "--alias", "m", *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc, url = launch([ARGS.fathom, "serve", "-m", model, "--port", "0", "--parallel", "1", "-t", str(ARGS.threads),
+                        "--alias", "m", *extra])
     PROCS.append(proc)
-    deadline, lines = time.time() + 300, []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError("fathom serve exited: " + "".join(lines))
-            continue
-        lines.append(line)
-        m = re.search(r"listening on http://[^:]+:(\d+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return f"http://127.0.0.1:{m.group(1)}"
-    raise RuntimeError("fathom serve did not start: " + "".join(lines))
+    return url
 
 
 def client(base):

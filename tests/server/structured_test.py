@@ -38,6 +38,7 @@ import anthropic
 import jsonschema
 import openai
 import pydantic
+from serve_util import launch  # noqa: E402  (tests/server: the script's own directory)
 
 ARGS = None
 SERVER = None  # (process, base_url)
@@ -81,23 +82,8 @@ SCHEMAS = {"person": PERSON, "items": ITEMS, "answer": ANSWER, "optional": OPTIO
 
 
 def start_server(extra=()):
-    cmd = [ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "2", "--ctx", "4096",
-           "-t", str(ARGS.threads), "--alias", "m", *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline, lines = time.time() + 300, []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError("fathom serve exited: " + "".join(lines))
-            continue
-        lines.append(line)
-        m = re.search(r"listening on http://[^:]+:(\d+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-    proc.kill()
-    raise RuntimeError("fathom serve did not start: " + "".join(lines))
+    return launch([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "2", "--ctx", "4096",
+                   "-t", str(ARGS.threads), "--alias", "m", *extra])
 
 
 def metric(name):

@@ -30,6 +30,7 @@ import urllib.request
 
 import anthropic
 import openai
+from serve_util import launch  # noqa: E402  (tests/server: the script's own directory)
 
 ARGS = None
 SERVER = None  # (process, base_url, cache dir)
@@ -39,23 +40,10 @@ SYSTEM = "You are a careful assistant. " * 12  # a prompt long enough for the di
 
 def start_server():
     cache = tempfile.mkdtemp(prefix="fathom-thinking-")
-    cmd = [ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "1", "--ctx", str(CTX),
-           "-t", str(ARGS.threads), "--prompt-cache", cache, "--prompt-cache-min-tokens", "8", "--alias", "m"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline, lines = time.time() + 300, []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError("fathom serve exited: " + "".join(lines))
-            continue
-        lines.append(line)
-        m = re.search(r"listening on http://[^:]+:(\d+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, f"http://127.0.0.1:{m.group(1)}", cache
-    proc.kill()
-    raise RuntimeError("fathom serve did not start: " + "".join(lines))
+    proc, url = launch([ARGS.fathom, "serve", "-m", ARGS.model, "--port", "0", "--parallel", "1", "--ctx", str(CTX),
+                        "-t", str(ARGS.threads), "--prompt-cache", cache, "--prompt-cache-min-tokens", "8", "--alias",
+                        "m"])
+    return proc, url, cache
 
 
 def metric(name):

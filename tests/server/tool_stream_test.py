@@ -38,6 +38,7 @@ import unittest
 
 import anthropic
 import openai
+from serve_util import launch  # noqa: E402  (tests/server: the script's own directory)
 
 ARGS = None
 
@@ -54,22 +55,7 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 
 
-def start(cmd, pattern=r"listening on http://[^:]+:(\d+)", timeout=300):
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline, lines = time.time() + timeout, []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                raise RuntimeError(" ".join(cmd) + " exited: " + "".join(lines))
-            continue
-        lines.append(line)
-        m = re.search(pattern, line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, f"http://127.0.0.1:{m.group(1)}"
-    proc.kill()
-    raise RuntimeError(" ".join(cmd) + " did not start: " + "".join(lines))
+start = launch  # tests/server/serve_util.py
 
 
 class Server:
