@@ -8,7 +8,7 @@
 #include "core/error.h"
 #include "dist/local_group.h"
 #ifdef FATHOM_ENGINE_CUDA
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #endif
 
 namespace fathom::dist {

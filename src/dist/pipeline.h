@@ -25,7 +25,7 @@
 #include "models/deepseek4.h"
 
 namespace fathom::ds4 {
-class cuda_weights;  // backend/cuda/ds4_model.h (CUDA builds only)
+class cuda_weights;  // models/cuda/deepseek4_cuda.h (CUDA builds only)
 }
 
 namespace fathom::dist {

@@ -12,8 +12,9 @@
 // (ds4_checkpoints.h: snapshots taken at prompt starts / ends and n_batch boundaries, bounded by
 // engine_options::ds4_checkpoint_mib) and evaluates the rest, or, without one, resets the state and
 // evaluates the whole prefix. Appending turns to a conversation never re-evaluates; a speculative
-// step's rejected drafts cost nothing. On CUDA and on several devices the state is append-only
-// (rolls_back() is false, no checkpoints) and any divergence resets it.
+// step's rejected drafts cost nothing. One GPU rolls back the same way (cuda_sequence::truncate: the
+// device rings are position-indexed too) but keeps no checkpoints; on several devices the state is
+// append-only (rolls_back() is false, no checkpoints) and any divergence resets it.
 //
 // Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
 // each device a contiguous block range (the placement planner's choice when every device is a CUDA
@@ -75,7 +76,8 @@
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_sample.h"
-#include "backend/cuda/ds4_model.h"
+#include "backend/cuda/ds4_gemv.h"
+#include "models/cuda/deepseek4_cuda.h"
 #endif
 
 namespace fathom {
@@ -277,11 +279,12 @@ class ds4_session final : public session {
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
     void reset() override;
-    // Rollback (one CPU device): forgetting up to ds4::max_rollback of the newest positions costs nothing
-    // (the state's rings are position-indexed, ds4::truncate); deeper truncations, and sessions on CUDA or
-    // several devices, go through sync (the state is rebuilt from the kept tokens).
+    // Rollback (one device, the CPU or a GPU): forgetting up to ds4::max_rollback of the newest positions
+    // costs nothing (the state's rings are position-indexed: ds4::truncate, cuda_sequence::truncate);
+    // deeper truncations, and sessions on several devices, go through sync (the state is rebuilt from the
+    // kept tokens).
     void truncate(int64_t n_keep) override;
-    bool rolls_back() const override { return !on_gpu() && !on_pipeline(); }
+    bool rolls_back() const override { return !on_pipeline(); }
     int64_t rollback_limit() const override { return ds4::max_rollback; }
     // The common prefix when it is within the rollback reach (relative to the furthest evaluated
     // position, ds4::rollback_floor), or the longest prefix checkpoint, whichever is longer.
@@ -318,6 +321,8 @@ class ds4_session final : public session {
     friend class ds4_engine;  // the fused CPU step (ds4_engine::run_cpu_step) drives st_ / tokens_ / logits_
     bool on_gpu() const;
     bool on_pipeline() const;
+    // The lowest token count truncate() reaches for free (one device; the state's rollback floor).
+    int64_t rollback_floor() const;
     // Drop what is held after the first n tokens: a free rollback when the state allows it, else a
     // reset (n = 0 afterwards). Returns the tokens now held.
     size_t drop_after(size_t n);
@@ -552,6 +557,12 @@ class ds4_engine final : public engine {
     ds4_session &step_session(session *p, size_t i, const char *what,
                               std::vector<const session *> &seen) const;
     void run_inflight(const std::vector<append_work> &work);
+    // One GPU (sync_step / decode_step): the items that append one token (decodes) or a verification's
+    // rows (n_rows > 0, after a free rollback to prefix[0, size - n_rows)) run as the rows of multi-row
+    // steps of up to 16 rows (cuda_sequence::step_batch), each row bit-identical to its own decode step;
+    // everything else (prompt chunks, deep divergences, a full context, a bad token) goes through
+    // session::sync / sync_with_rows afterwards, which report what they refuse.
+    void run_gpu_step(std::span<const sync_item> items);
 
     const tokenizer &tok() const {
         if (!tok_) throw error(opts_.model_path + ": the file has no tokenizer (tokenizer.ggml.model)");
@@ -828,6 +839,13 @@ bool ds4_session::on_pipeline() const {
     return e_.pipelined();
 }
 
+int64_t ds4_session::rollback_floor() const {
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_) return gpu_->rollback_floor();
+#endif
+    return ds4::rollback_floor(st_);
+}
+
 bool ds4_session::on_gpu() const {
 #ifdef FATHOM_ENGINE_CUDA
     return gpu_ != nullptr;
@@ -869,7 +887,13 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
     }
 #ifdef FATHOM_ENGINE_CUDA
     if (gpu_) {
-        gpu_->eval(toks, out);
+        // A verification's rows (every row's logits, at most a rollback's width): one decode step each, so
+        // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16).
+        const size_t V = static_cast<size_t>(e_.model().hp.n_vocab);
+        if (toks.size() > 1 && out.size() == toks.size() * V && static_cast<int64_t>(toks.size()) <= rollback_limit() + 1)
+            gpu_->eval_rows(toks, out);
+        else
+            gpu_->eval(toks, out);
         return;
     }
 #endif
@@ -1040,8 +1064,13 @@ void ds4_session::eval(std::span<const int32_t> tokens, float *all_logits) {
 
 size_t ds4_session::drop_after(size_t n) {
     if (n >= tokens_.size()) return tokens_.size();
-    if (rolls_back() && static_cast<int64_t>(n) >= ds4::rollback_floor(st_)) {
-        ds4::truncate(st_, static_cast<int64_t>(n));
+    if (rolls_back() && static_cast<int64_t>(n) >= rollback_floor()) {
+#ifdef FATHOM_ENGINE_CUDA
+        if (gpu_)
+            gpu_->truncate(static_cast<int64_t>(n));
+        else
+#endif
+            ds4::truncate(st_, static_cast<int64_t>(n));
         if (drafter_) drafter_->truncate(static_cast<int64_t>(n));
         tokens_.resize(n);
         have_logits_ = false;
@@ -1058,7 +1087,7 @@ void ds4_session::truncate(int64_t n_keep) {
         reset();
         return;
     }
-    if (rolls_back() && n_keep >= ds4::rollback_floor(st_)) {
+    if (rolls_back() && n_keep >= rollback_floor()) {
         drop_after(static_cast<size_t>(n_keep));  // logits() empty until the next evaluation
         return;
     }
@@ -1097,7 +1126,7 @@ int64_t ds4_session::reusable_prefix(std::span<const int32_t> prefix) const {
     size_t l = 0;
     while (l < tokens_.size() && l < prefix.size() && tokens_[l] == prefix[l]) ++l;
     int64_t keep = 0;
-    if (l == tokens_.size() || (rolls_back() && static_cast<int64_t>(l) >= ds4::rollback_floor(st_)))
+    if (l == tokens_.size() || (rolls_back() && static_cast<int64_t>(l) >= rollback_floor()))
         keep = static_cast<int64_t>(l);
     if (const ds4_checkpoints *ck = rolls_back() ? e_.checkpoints() : nullptr)
         keep = std::max(keep, static_cast<int64_t>(ck->longest(prefix)));
@@ -1107,7 +1136,7 @@ int64_t ds4_session::reusable_prefix(std::span<const int32_t> prefix) const {
 bool ds4_session::restore_checkpoint(std::span<const int32_t> prefix, size_t keep) {
     ds4_checkpoints *ck = rolls_back() ? e_.checkpoints() : nullptr;
     if (!ck) return false;
-    const bool free = keep >= tokens_.size() || static_cast<int64_t>(keep) >= ds4::rollback_floor(st_);
+    const bool free = keep >= tokens_.size() || static_cast<int64_t>(keep) >= rollback_floor();
     if (!ck->restore(prefix, free ? keep : 0, st_, tokens_, logits_, have_logits_)) return false;
     logits_on_device_ = false;
     // The drafter's history is the old timeline's: cut back to what both share (its rings are
@@ -1360,6 +1389,22 @@ void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const
         run_cpu_step(items);
         return;
     }
+    if (on_cuda_) {  // as one-token sync items (run_gpu_step batches them)
+        if (sessions.size() != tokens.size())
+            throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
+                        std::to_string(tokens.size()) + " tokens");
+        std::vector<std::vector<int32_t>> prefixes(sessions.size());
+        std::vector<sync_item> items(sessions.size());
+        for (size_t i = 0; i < sessions.size(); ++i) {
+            if (!sessions[i]) throw error("decode_step: item " + std::to_string(i) + " has no session");
+            prefixes[i] = sessions[i]->tokens();
+            prefixes[i].push_back(tokens[i]);
+            items[i].sess = sessions[i];
+            items[i].prefix = prefixes[i];
+        }
+        run_gpu_step(items);
+        return;
+    }
     if (!inflight()) {
         engine::decode_step(sessions, tokens);
         return;
@@ -1381,9 +1426,91 @@ void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const
     for (size_t i : slow) sessions[i]->eval(tokens.subspan(i, 1));
 }
 
+void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
+#ifdef FATHOM_ENGINE_CUDA
+    struct row_item {
+        size_t i;  // the item
+        ds4_session *s;
+        std::span<const int32_t> rows;  // the tokens its step evaluates
+    };
+    std::vector<row_item> batch;
+    std::vector<size_t> slow;
+    std::vector<const session *> seen;
+    const int32_t V = model_->hp.n_vocab;
+    for (size_t i = 0; i < items.size(); ++i) {
+        const sync_item &it = items[i];
+        ds4_session &s = step_session(it.sess, i, "sync_step", seen);
+        const std::span<const int32_t> p = it.prefix;
+        const size_t n_new = it.n_rows > 0 ? static_cast<size_t>(it.n_rows) : 1, held = s.tokens_.size();
+        bool ok = s.gpu_ && it.n_rows <= cuda::ds4::gemv_max_rows && p.size() > n_new && p.size() <= static_cast<size_t>(n_ctx_) &&
+                  (it.n_rows > 0 || it.want_logits);
+        const size_t m = ok ? p.size() - n_new : 0;  // kept before the new rows
+        ok = ok && held >= m && std::equal(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(m), s.tokens_.begin()) &&
+             (held == m || (it.n_rows > 0 && static_cast<int64_t>(m) >= s.rollback_floor()));
+        for (size_t k = m; ok && k < p.size(); ++k) ok = p[k] >= 0 && p[k] < V;
+        if (!ok) {
+            slow.push_back(i);
+            continue;
+        }
+        if (held > m) s.drop_after(m);  // a verification after a longer timeline: the free rollback
+        batch.push_back({i, &s, p.subspan(m)});
+    }
+    {
+        std::lock_guard<std::mutex> lock(forward_mutex());
+        const size_t B = static_cast<size_t>(cuda::ds4::gemv_max_rows), Vz = static_cast<size_t>(V);
+        std::vector<float> lg;
+        for (size_t b0 = 0; b0 < batch.size();) {
+            std::vector<ds4::cuda_sequence *> seqs;
+            std::vector<int> counts;
+            std::vector<int32_t> toks;
+            bool rows_wanted = false;
+            size_t b1 = b0;
+            for (; b1 < batch.size() && toks.size() + batch[b1].rows.size() <= B; ++b1) {
+                seqs.push_back(batch[b1].s->gpu_.get());
+                counts.push_back(static_cast<int>(batch[b1].rows.size()));
+                toks.insert(toks.end(), batch[b1].rows.begin(), batch[b1].rows.end());
+                rows_wanted = rows_wanted || items[batch[b1].i].n_rows > 0;
+            }
+            lg.resize(rows_wanted ? toks.size() * Vz : 0);
+            try {
+                ds4::cuda_sequence::step_batch(seqs, counts, toks, lg);
+            } catch (...) {
+                for (size_t k = b0; k < b1; ++k)  // a device-side error reset the sequences: the sessions follow
+                    if (batch[k].s->gpu_->n_past() != batch[k].s->n_past()) batch[k].s->reset();
+                throw;
+            }
+            size_t r = 0;
+            for (size_t k = b0; k < b1; ++k) {
+                ds4_session &s = *batch[k].s;
+                const sync_item &it = items[batch[k].i];
+                const size_t n = batch[k].rows.size();
+                if (it.n_rows > 0) std::copy(lg.begin() + static_cast<std::ptrdiff_t>(r * Vz),
+                                             lg.begin() + static_cast<std::ptrdiff_t>((r + n) * Vz), it.rows);
+                r += n;
+                s.tokens_.insert(s.tokens_.end(), batch[k].rows.begin(), batch[k].rows.end());
+                s.draft_conf_.clear();
+                s.have_logits_ = true;
+                s.logits_on_device_ = true;  // the last row's: sample() summarises them on the device
+            }
+            b0 = b1;
+        }
+    }
+    for (size_t i : slow) {
+        if (items[i].n_rows > 0) sync_with_rows(items[i]);
+        else items[i].sess->sync(items[i].prefix);
+    }
+#else
+    engine::sync_step(items);
+#endif
+}
+
 void ds4_engine::sync_step(std::span<const sync_item> items) {
     if (on_one_cpu()) {
         run_cpu_step(items);
+        return;
+    }
+    if (on_cuda_) {
+        run_gpu_step(items);
         return;
     }
     if (!inflight()) {

@@ -253,6 +253,8 @@ double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx);
 // Fresh state for `m` (no tokens).
 state new_state(const model &m, qat_mode qat, kv_precision kv);
 layer_state new_layer_state(const hparams &hp, const layer_weights &lw, kv_precision kv);
+// The same from the geometry alone (compressor widths head_dim / idx_dim): the CUDA sequence's host copies.
+layer_state new_layer_state(const hparams &hp, int ratio, kv_precision kv);
 
 // What forward() returns besides logits.
 struct forward_out {
@@ -315,7 +317,12 @@ void step(const model &m, std::span<state *const> seqs, std::span<const step_row
 void frontier_plain_layout(const compressor_state &s, int64_t n_past, std::vector<float> &kv, std::vector<float> &score);
 void write_state(const model &m, const state &st, state_writer &w);
 void read_state(const model &m, state &st, state_reader &r, int64_t n_past);
-// The stream's head, shared with the CUDA sequence's save / load (backend/cuda/ds4_model.cpp): u32
+// One layer's part of the stream (after the header): u64 ratio, raw ring, frontiers, rows, from / into a
+// layer_state of new_layer_state's sizes (get: the row counts follow n_past). The CUDA sequence streams
+// its layers through these one at a time (its device buffers have the layer_state layouts).
+void put_layer_state(state_writer &w, const hparams &hp, int ratio, const layer_state &ls, int64_t n_past);
+void get_layer_state(state_reader &r, const hparams &hp, int il, layer_state &ls, int64_t n_past);
+// The stream's head, shared with the CUDA sequence's save / load (models/cuda/deepseek4_cuda.cpp): u32
 // magic "DS41", u32 version, then these u64 fields in order (with the names load errors use).
 struct state_header_field {
     uint64_t value;

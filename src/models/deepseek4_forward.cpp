@@ -54,14 +54,18 @@ matrix matrix_cols(const matrix &w, int64_t c0, int64_t c1, const char *what) {
 // partial sublayer outputs, all-reduced before HCPost).
 namespace {
 
+// layers: the blocks it holds, block il at layers[il - l_base]; logit_rows / out: the head's rows and
+// their logits [logit_rows.size(), n_vocab].
 class cpu_executor final : public executor {
   public:
     using state_fn = std::function<layer_state &(size_t row, int il)>;
-    cpu_executor(const model *m, const hparams &hp, const rope_set &ropes, qat_mode qat, float *x,
-                 std::span<const int32_t> tokens, std::span<const int64_t> positions, state_fn state_of,
-                 const tp_block *tp)
-        : m_(m), hp_(hp), ropes_(ropes), qat_(qat), x_(x), tokens_(tokens), positions_(positions),
-          state_of_(std::move(state_of)), tp_(tp), n_(static_cast<int64_t>(positions.size())) {
+    cpu_executor(const model *m, const hparams &hp, std::span<const layer_weights> layers, int l_base,
+                 const rope_set &ropes, qat_mode qat, float *x, std::span<const int32_t> tokens,
+                 std::span<const int64_t> positions, state_fn state_of, const tp_block *tp,
+                 std::span<const int32_t> logit_rows = {}, std::span<float> out = {})
+        : m_(m), hp_(hp), layers_(layers), l_base_(l_base), ropes_(ropes), qat_(qat), x_(x), tokens_(tokens),
+          positions_(positions), state_of_(std::move(state_of)), tp_(tp), logit_rows_(logit_rows), out_(out),
+          n_(static_cast<int64_t>(positions.size())) {
         const size_t n = static_cast<size_t>(n_), D = static_cast<size_t>(hp.n_embd), nh = static_cast<size_t>(hp.n_hc);
         u_.resize(n * D);
         y_.resize(n * D);
@@ -76,7 +80,8 @@ class cpu_executor final : public executor {
     }
 
     // (u, post, comb) = HCPre(X) per row; xn = RMSNorm(u) in place in u.
-    void hc_pre(const layer_weights &l, sublayer which) override {
+    void hc_pre(int il, sublayer which) override {
+        const layer_weights &l = layer(il);
         const int64_t D = hp_.n_embd, S = hp_.n_hc * D;
         const size_t nh = static_cast<size_t>(hp_.n_hc);
         const bool attn = which == sublayer::attention;
@@ -88,15 +93,15 @@ class cpu_executor final : public executor {
         }
     }
 
-    void attention(const layer_weights &l, int il) override {
+    void attention(int il) override {
         std::vector<layer_state *> states(static_cast<size_t>(n_));
         for (size_t i = 0; i < states.size(); ++i) states[i] = &state_of_(i, il);
-        attention_rows(hp_, ropes_, l, states, qat_, u_.data(), positions_, y_.data(), tp_ ? &tp_->slice : nullptr);
+        attention_rows(hp_, ropes_, layer(il), states, qat_, u_.data(), positions_, y_.data(), tp_ ? &tp_->slice : nullptr);
         if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's heads -> the sum over all ranks
     }
 
-    void moe(const layer_weights &l) override {
-        moe_forward_batch(hp_, l, u_.data(), tokens_, y_.data(), tp_ ? &tp_->slice : nullptr);
+    void moe(int il) override {
+        moe_forward_batch(hp_, layer(il), u_.data(), tokens_, y_.data(), tp_ ? &tp_->slice : nullptr);
         if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's experts -> the sum over all ranks
     }
 
@@ -110,16 +115,19 @@ class cpu_executor final : public executor {
         }
     }
 
-    void head(std::span<const int32_t> rows, std::span<float> out) override {
+    void head() override {
         const size_t S = static_cast<size_t>(hp_.n_hc) * static_cast<size_t>(hp_.n_embd), V = static_cast<size_t>(hp_.n_vocab);
-        for (size_t k = 0; k < rows.size(); ++k)
-            head_logits(*m_, current_exec(), std::span<const float>(x_ + static_cast<size_t>(rows[k]) * S, S),
-                        out.subspan(k * V, V));
+        for (size_t k = 0; k < logit_rows_.size(); ++k)
+            head_logits(*m_, current_exec(), std::span<const float>(x_ + static_cast<size_t>(logit_rows_[k]) * S, S),
+                        out_.subspan(k * V, V));
     }
 
   private:
+    const layer_weights &layer(int il) const { return layers_[static_cast<size_t>(il - l_base_)]; }
     const model *m_;  // embed / head only (null for a lone block)
     const hparams &hp_;
+    std::span<const layer_weights> layers_;
+    int l_base_;
     const rope_set &ropes_;
     qat_mode qat_;
     float *x_;
@@ -127,6 +135,8 @@ class cpu_executor final : public executor {
     std::span<const int64_t> positions_;
     state_fn state_of_;
     const tp_block *tp_;
+    std::span<const int32_t> logit_rows_;
+    std::span<float> out_;
     int64_t n_;
     std::vector<float> u_, y_, post_, comb_, x_old_;
 };
@@ -136,8 +146,9 @@ class cpu_executor final : public executor {
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                    qat_mode qat, float *x, std::span<const int32_t> tokens,
                    std::span<const int64_t> positions, const tp_block *tp) {
-    cpu_executor ex(nullptr, hp, ropes, qat, x, tokens, positions, [&](size_t, int) -> layer_state & { return ls; }, tp);
-    run_block(ex, l, 0);
+    cpu_executor ex(nullptr, hp, std::span<const layer_weights>(&l, 1), 0, ropes, qat, x, tokens, positions,
+                    [&](size_t, int) -> layer_state & { return ls; }, tp);
+    run_block(ex, 0);
 }
 
 // Embedding row of `token` into all n_hc streams of x [n_hc, D].
@@ -182,9 +193,9 @@ static void run_layers(const model &m, std::span<layer_state> layers, qat_mode q
     if (n == 0) return;
     const exec_scope scope(exec);
     const rope_set ropes = make_rope_set(m.hp);
-    cpu_executor ex(&m, m.hp, ropes, qat, x.data(), tokens, positions,
+    cpu_executor ex(&m, m.hp, m.layers, 0, ropes, qat, x.data(), tokens, positions,
                     [&](size_t, int il) -> layer_state & { return layers[static_cast<size_t>(il - l0)]; }, tp);
-    run_forward(m, ex, l0, l1, false, {}, {});
+    run_forward(ex, static_cast<int>(m.layers.size()), l0, l1, false, false);
 }
 
 void forward_layers(const model &m, std::span<layer_state> layers, qat_mode qat, const exec_options &exec,
@@ -258,11 +269,11 @@ static void eval_rows(const model &m, std::span<state *const> seqs, std::span<co
     const state &first = *seqs[0];
     const exec_scope scope(first.exec);
     const rope_set ropes = make_rope_set(m.hp);
-    cpu_executor ex(&m, m.hp, ropes, first.qat, x.data(), tokens, positions,
+    cpu_executor ex(&m, m.hp, m.layers, 0, ropes, first.qat, x.data(), tokens, positions,
                     [&](size_t r, int il) -> layer_state & {
                         return seqs[static_cast<size_t>(row_seq[r])]->layers[static_cast<size_t>(il)];
                     },
-                    nullptr);
+                    nullptr, logit_rows, logits);
     // Feature capture: after block feature_layers[f], features[r][f*D ..] = the mean of row r's streams.
     const size_t D = static_cast<size_t>(m.hp.n_embd), nh = static_cast<size_t>(m.hp.n_hc),
                  nf = extras.feature_layers.size();
@@ -282,7 +293,8 @@ static void eval_rows(const model &m, std::span<state *const> seqs, std::span<co
                 }
             }
         };
-    run_forward(m, ex, 0, static_cast<int>(m.layers.size()), true, logit_rows, logits, capture);
+    const int n_layer = static_cast<int>(m.layers.size());
+    run_forward(ex, n_layer, 0, n_layer, true, !logits.empty(), capture);
     for (size_t r = 0; r < R; ++r) {
         state &st = *seqs[static_cast<size_t>(row_seq[r])];
         st.n_past = positions[r] + 1;

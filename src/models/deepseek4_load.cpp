@@ -425,31 +425,37 @@ double kv_bytes_per_token(const hparams &hp, kv_precision kv, int64_t n_ctx) {
     return elt * (per_token + ring / static_cast<double>(n_ctx));
 }
 
-static compressor_state new_compressor_state(const compressor_weights &c) {
+static compressor_state new_compressor_state(int ratio, int dim) {
     compressor_state s;
-    s.ratio = c.ratio;
-    s.dim = c.dim;
-    const bool overlap = c.ratio == 4;
-    const size_t slots = static_cast<size_t>((overlap ? 2 * c.ratio : c.ratio) + max_rollback);
-    const size_t width = static_cast<size_t>((overlap ? 2 : 1) * c.dim);
+    s.ratio = ratio;
+    s.dim = dim;
+    const bool overlap = ratio == 4;
+    const size_t slots = static_cast<size_t>((overlap ? 2 * ratio : ratio) + max_rollback);
+    const size_t width = static_cast<size_t>((overlap ? 2 : 1) * dim);
     s.kv.assign(slots * width, 0.0f);
     s.score.assign(slots * width, -INFINITY);
     return s;
 }
 
-layer_state new_layer_state(const hparams &hp, const layer_weights &lw, kv_precision kv) {
+layer_state new_layer_state(const hparams &hp, int ratio, kv_precision kv) {
     layer_state s;
     s.raw = row_store(hp.head_dim, kv);
     s.raw.resize(hp.window + max_rollback);
-    if (lw.ratio > 0) {
-        s.comp = new_compressor_state(lw.comp);
+    if (ratio > 0) {
+        s.comp = new_compressor_state(ratio, static_cast<int>(hp.head_dim));
         s.comp_rows = row_store(hp.head_dim, kv);
     }
-    if (lw.ratio == 4) {
-        s.idx_comp = new_compressor_state(lw.idx_comp);
+    if (ratio == 4) {
+        s.idx_comp = new_compressor_state(ratio, static_cast<int>(hp.idx_dim));
         s.idx_rows = row_store(hp.idx_dim, kv);
     }
     return s;
+}
+
+layer_state new_layer_state(const hparams &hp, const layer_weights &lw, kv_precision kv) {
+    if ((lw.ratio > 0 && lw.comp.dim != hp.head_dim) || (lw.ratio == 4 && lw.idx_comp.dim != hp.idx_dim))
+        throw error("ds4: compressor widths differ from head_dim / idx_dim");
+    return new_layer_state(hp, lw.ratio, kv);
 }
 
 state new_state(const model &m, qat_mode qat, kv_precision kv) {

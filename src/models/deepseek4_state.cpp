@@ -177,26 +177,41 @@ void check_state_header(state_reader &r, const hparams &hp, int64_t n_past, kv_p
     for (const state_header_field &f : state_header(hp, n_past, kv, qat)) state_io::expect(r, f.value, f.name);
 }
 
+void put_layer_state(state_writer &w, const hparams &hp, int ratio, const layer_state &ls, int64_t n_past) {
+    state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
+    put_raw(w, ls.raw, hp.window, n_past);
+    if (ratio > 0) {
+        put_frontier(w, ls.comp, n_past);
+        const auto rows = ls.comp_rows.bytes();
+        w.write(rows.data(), rows.size());
+    }
+    if (ratio == 4) {
+        put_frontier(w, ls.idx_comp, n_past);
+        const auto rows = ls.idx_rows.bytes();
+        w.write(rows.data(), rows.size());
+    }
+}
+
+void get_layer_state(state_reader &r, const hparams &hp, int il, layer_state &ls, int64_t n_past) {
+    const int ratio = hp.compress_ratio[static_cast<size_t>(il)];
+    state_io::expect(r, static_cast<uint64_t>(ratio), ("compression ratio of layer " + std::to_string(il)).c_str());
+    get_raw(r, ls.raw, hp.window, n_past);
+    if (ratio > 0) {
+        get_frontier(r, ls.comp, n_past);
+        get_rows(r, ls.comp_rows, n_past / ratio);
+    }
+    if (ratio == 4) {
+        get_frontier(r, ls.idx_comp, n_past);
+        get_rows(r, ls.idx_rows, n_past / 4);
+    }
+}
+
 void write_state(const model &m, const state &st, state_writer &w) {
     const hparams &hp = m.hp;
     if (st.layers.size() != m.layers.size()) throw error("ds4 state: does not belong to this model");
     put_state_header(w, hp, st.n_past, st.kv, st.qat);
-    for (size_t il = 0; il < st.layers.size(); ++il) {
-        const layer_state &ls = st.layers[il];
-        const int ratio = m.layers[il].ratio;
-        state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
-        put_raw(w, ls.raw, hp.window, st.n_past);
-        if (ratio > 0) {
-            put_frontier(w, ls.comp, st.n_past);
-            const auto rows = ls.comp_rows.bytes();
-            w.write(rows.data(), rows.size());
-        }
-        if (ratio == 4) {
-            put_frontier(w, ls.idx_comp, st.n_past);
-            const auto rows = ls.idx_rows.bytes();
-            w.write(rows.data(), rows.size());
-        }
-    }
+    for (size_t il = 0; il < st.layers.size(); ++il)
+        put_layer_state(w, hp, m.layers[il].ratio, st.layers[il], st.n_past);
 }
 
 void read_state(const model &m, state &st, state_reader &r, int64_t n_past) {
@@ -208,18 +223,7 @@ void read_state(const model &m, state &st, state_reader &r, int64_t n_past) {
         // A fresh layer state has the frontier sizes of this layer's compressors; only the row
         // counts depend on n_past.
         layer_state ls = new_layer_state(hp, m.layers[il], st.kv);
-        const int ratio = m.layers[il].ratio;
-        state_io::expect(r, static_cast<uint64_t>(ratio),
-                         ("compression ratio of layer " + std::to_string(il)).c_str());
-        get_raw(r, ls.raw, hp.window, n_past);
-        if (ratio > 0) {
-            get_frontier(r, ls.comp, n_past);
-            get_rows(r, ls.comp_rows, n_past / ratio);
-        }
-        if (ratio == 4) {
-            get_frontier(r, ls.idx_comp, n_past);
-            get_rows(r, ls.idx_rows, n_past / 4);
-        }
+        get_layer_state(r, hp, static_cast<int>(il), ls, n_past);
         st.layers[il] = std::move(ls);
     }
     st.n_past = n_past;

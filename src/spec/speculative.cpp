@@ -170,7 +170,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options
     width.validate();
     if (!s.rolls_back())
         throw error("speculative decoding needs a session that can drop rejected positions; this engine's "
-                    "sessions cannot (DeepSeek V4 rolls back on the CPU only so far, not on CUDA or several devices)");
+                    "sessions cannot (DeepSeek V4 rolls back on one device, the CPU or one GPU, not across several)");
     spec_stats st;
     std::vector<int32_t> hist = s.tokens();  // what the session holds (+ the kept tokens as they come)
     std::vector<float> rows;                 // [1 + k, n_vocab] logits of the step's forward

@@ -1,7 +1,7 @@
 // DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
 //                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
-//                  [--state-file PATH] [--gemv-trace FILE] [--ktrace FILE]
+//                  [--state-file PATH] [--gemv-trace FILE] [--ktrace FILE] [--rows 2,3,4,5]
 // For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
@@ -22,6 +22,12 @@
 // replayed step after the first depth's timed steps, as CSV lines "kernel,block,start,end,sm,grid" (ns;
 // grid: the launch's %gridid, low 32 bits);
 // scripts/device/ktrace.py turns them into launches and the step's timeline.
+// --rows a,b,..: at each depth, the time of a verification of R rows of one sequence (eval_rows: one
+// decode step per row, plain decoding's numerics) then its rollback (truncate), relative to a one-row
+// step: the cost a speculative step pays per row.
+// --seqs a,b,..: at the first depth, S sequences (each made that deep) decoding together, one row each per
+// multi-row step (cuda_sequence::step_batch, the server's batched decode): ms per step, relative to a
+// one-row step, and the aggregate tok/s.
 #include <cuda_profiler_api.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -31,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,7 +45,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ktrace.h"
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "bench_util.h"
 #include "core/error.h"
 #include "models/deepseek4.h"
@@ -134,7 +141,7 @@ int main(int argc, char **argv) try {
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false;
-    std::vector<int64_t> prefill = {2048, 8192, 32768};
+    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list;
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
@@ -158,6 +165,10 @@ int main(int argc, char **argv) try {
             prefill = parse_list(argv[++i]);
         else if (a == "--chunk" && i + 1 < argc)
             chunk = std::atoll(argv[++i]);
+        else if (a == "--rows" && i + 1 < argc)
+            rows = parse_list(argv[++i]);
+        else if (a == "--seqs" && i + 1 < argc)
+            seqs_list = parse_list(argv[++i]);
         else
             throw error("unknown argument " + a);
     }
@@ -254,6 +265,7 @@ int main(int argc, char **argv) try {
         if (!state_file.empty()) state_round_trip(seq, w, state_file, prompt, t_prefill);
     }
     std::vector<std::pair<int64_t, std::vector<std::pair<std::string, float>>>> phases;
+    bool rows_differ = false;
     std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");
     for (int64_t depth : depths) {
         seq.fill_synthetic(depth, 1);
@@ -268,6 +280,35 @@ int main(int argc, char **argv) try {
         const double dt = (now_s() - t0) / n_gen;
         std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt,
                     dt * 1e3, bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+        for (int64_t r : rows) {  // R rows evaluated, then rolled back: the same position every time
+            if (r < 1 || r > ds4::max_rollback) throw error("--rows: 1.." + std::to_string(ds4::max_rollback));
+            const std::vector<int32_t> toks(static_cast<size_t>(r), t);
+            const int64_t base = seq.n_past();
+            seq.eval_rows(toks, {});
+            seq.truncate(base);
+            const int reps = std::max(4, n_gen / static_cast<int>(r));
+            const double r0 = now_s();
+            for (int i = 0; i < reps; ++i) {
+                seq.eval_rows(toks, {});
+                seq.truncate(base);
+            }
+            const double dr = (now_s() - r0) / reps;
+            // the rows' logits against the same tokens decoded one step at a time (batch invariance at
+            // full geometry, where the dense products take the columns form of the q8x GEMV)
+            const size_t V = static_cast<size_t>(seq.hp().n_vocab);
+            std::vector<int32_t> probe(static_cast<size_t>(r));
+            for (size_t i = 0; i < probe.size(); ++i) probe[i] = static_cast<int32_t>(100 + 37 * i);
+            std::vector<float> lr(probe.size() * V), ls(probe.size() * V);
+            seq.eval_rows(probe, lr);
+            seq.truncate(base);
+            for (size_t i = 0; i < probe.size(); ++i) seq.eval(std::span(probe).subspan(i, 1), std::span(ls).subspan(i * V, V));
+            seq.truncate(base);
+            const bool same = std::memcmp(lr.data(), ls.data(), lr.size() * sizeof(float)) == 0;
+            std::printf("%10s rows %2lld of one sequence + rollback: %8.3f ms = %.2fx a one-row step; logits %s\n", "",
+                        static_cast<long long>(r), dr * 1e3, dr / dt,
+                        same ? "bit-identical to one step per row" : "DIFFER from one step per row");
+            if (!same) rows_differ = true;
+        }
         if (trace_buf && !trace_launches.empty()) {  // the last replay's per-block stamps
             size_t n = 0;
             for (int b : trace_launches) n += static_cast<size_t>(b);
@@ -319,6 +360,29 @@ int main(int argc, char **argv) try {
             cudaFree(n);
             ktrace_file.clear();
         }
+        if (depth == depths.front() && !seqs_list.empty()) {  // several sequences per step
+            const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
+            std::vector<std::unique_ptr<ds4::cuda_sequence>> many;
+            const int reps = std::max(4, n_gen / 2);
+            const int64_t room = static_cast<int64_t>(reps + 1) * static_cast<int64_t>(seqs_list.size()) + 16;
+            for (int64_t i = 0; i < S; ++i) {
+                many.push_back(std::make_unique<ds4::cuda_sequence>(w, depth + room, true, 0));
+                many.back()->fill_synthetic(depth, static_cast<uint64_t>(2 + i));
+            }
+            for (int64_t n : seqs_list) {
+                if (n < 1 || n > 16) throw error("--seqs: 1..16");
+                std::vector<ds4::cuda_sequence *> ptrs;
+                for (int64_t i = 0; i < n; ++i) ptrs.push_back(many[static_cast<size_t>(i)].get());
+                const std::vector<int> counts(static_cast<size_t>(n), 1);
+                std::vector<int32_t> toks(static_cast<size_t>(n), t);
+                ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});  // warm-up (graph capture)
+                const double s0 = now_s();
+                for (int i = 0; i < reps; ++i) ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});
+                const double ds = (now_s() - s0) / reps;
+                std::printf("%10s %2lld sequences, one row each: %8.3f ms per step = %.2fx a one-row step, %.1f tok/s in all\n",
+                            "", static_cast<long long>(n), ds * 1e3, ds / dt, static_cast<double>(n) / ds);
+            }
+        }
         phases.emplace_back(depth, seq.profile_step(t));
     }
     // Where a step's time goes (eager launches queued behind a device pause; events between phases).
@@ -329,7 +393,7 @@ int main(int argc, char **argv) try {
         for (const auto &x : ph)
             std::printf("  %-44s %8.3f ms %5.1f%%\n", x.first.c_str(), x.second, 100.0 * x.second / total);
     }
-    return 0;
+    return rows_differ ? 1 : 0;
 } catch (const std::exception &e) {
     std::fprintf(stderr, "bench_cuda_ds4: %s\n", e.what());
     return 1;

@@ -275,15 +275,15 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         w.dim = dp;
         w.ape = randn(static_cast<size_t>(R * width), rng_, 0.5f);
         w.norm = randn(static_cast<size_t>(dp), rng_, 0.2f, 1.0f);
-        // The CUDA frontier: plain decoding's layout (ratio 4: previous block, then current; else by
-        // phase). The CPU's: position-indexed with rollback slack, compared through frontier_plain_layout.
+        // Both frontiers position-indexed with the rollback slack (the CPU's layout on the device too).
+        const int n_slots = slots + static_cast<int>(ds4::max_rollback);
         ds4::compressor_state st;
         st.ratio = R;
         st.dim = dp;
-        st.kv.assign(static_cast<size_t>((slots + ds4::max_rollback) * width), 0.0f);
-        st.score.assign(static_cast<size_t>((slots + ds4::max_rollback) * width), -INFINITY);
-        const std::vector<float> fresh_kv(static_cast<size_t>(slots * width), 0.0f),
-            fresh_score(static_cast<size_t>(slots * width), -INFINITY);
+        st.kv.assign(static_cast<size_t>(n_slots * width), 0.0f);
+        st.score.assign(static_cast<size_t>(n_slots * width), -INFINITY);
+        const std::vector<float> fresh_kv(static_cast<size_t>(n_slots * width), 0.0f),
+            fresh_score(static_cast<size_t>(n_slots * width), -INFINITY);
 
         cd::compressor_args a;
         a.ratio = R;
@@ -293,6 +293,7 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         a.eps = kEps;
         a.rope = dev_rope(tab, nr);
         a.qat = c.qat;
+        a.slots = n_slots;
         a.state_kv = up(fresh_kv);
         a.state_score = up(fresh_score);
         const size_t stride = static_cast<size_t>(dp) * (c.f16 ? 2 : 4) + 32;
@@ -340,8 +341,7 @@ class CudaDs4AttnComp : public CudaDs4Attn {
         // nothing but the emitted rows' data was written (padding and the guard row keep 0xFF)
         EXPECT_EQ(down(rows, rows_host.size()), rows_host);
         // frontier: copies and one f32 add each, identical to the CPU's
-        std::vector<float> cpu_kv, cpu_sc;
-        ds4::frontier_plain_layout(st, n_pos, cpu_kv, cpu_sc);
+        const std::vector<float> &cpu_kv = st.kv, &cpu_sc = st.score;
         ASSERT_EQ(cpu_kv.size(), fresh_kv.size());
         const auto kv = down(a.state_kv, fresh_kv.size()), sc = down(a.state_score, fresh_score.size());
         EXPECT_EQ(std::memcmp(kv.data(), cpu_kv.data(), kv.size() * 4), 0) << "frontier kv differs";
@@ -695,6 +695,7 @@ TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
         b.comp.eps = kEps;
         b.comp.rope = rope;
         b.comp.qat = cd::qat_kind::fp8_nope;
+        b.comp.slots = 2 * R;  // no rollback slack: the minimum a block reads
         b.comp.state_kv = up(std::vector<float>(static_cast<size_t>(2 * R * width), 0.0f));
         b.comp.state_score = up(std::vector<float>(static_cast<size_t>(2 * R * width), -INFINITY));
         b.comp.rows = b.rows;
@@ -849,6 +850,7 @@ TEST_F(CudaDs4AttnBench, CompressorStep) {
         a.eps = kEps;
         a.rope = dev_rope(yarn_table(nr), nr);
         a.qat = c.qat;
+        a.slots = slots;
         a.state_kv = up(randn(static_cast<size_t>(slots) * width, rng_));  // a full frontier: every candidate live
         a.state_score = up(randn(static_cast<size_t>(slots) * width, rng_));
         a.rows = raw(static_cast<size_t>(max_rows) * dp * 2);

@@ -1,4 +1,4 @@
-// The decode step's parallel attention branches (ds4_model.cpp enqueue_attention: KV row + compressor
+// The decode step's parallel attention branches (models/cuda/deepseek4_cuda.cpp enqueue_attention: KV row + compressor
 // and indexer on side streams beside the query path, forked and joined with events, captured as
 // parallel graph branches) against the serial step (cuda_run_options::serial_step): the same kernels
 // on the same inputs, so every logit must be BIT-identical; any difference is a missing or misplaced
@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "models/deepseek4.h"
 #include "cuda_test_util.h"
 #include "ds4_host_util.h"

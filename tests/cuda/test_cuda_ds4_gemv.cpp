@@ -432,6 +432,101 @@ TEST_F(CudaDs4Gemv, NormedMultiMatchesSeparateNorm) {
     }
 }
 
+// The rows form (several x at once: a multi-row decode step): every row's outputs bit-identical to the
+// single-x launch on that row (batch invariance), for the DS4 decode tables (the projections of xn, the
+// normed q_b + indexer q_b, grouped out_a, out_b, a 4096-wide head slice), with 1..16 rows, rows strided
+// wider than cols, int8 activations on and off (off: row-by-row fallback), and the single-x results near
+// the CPU reference (so equal bits are also right ones).
+TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
+    struct seg_shape {
+        dtype t;
+        int64_t rows;
+    };
+    struct table {
+        const char *name;
+        std::vector<seg_shape> segs;
+        int64_t cols, rpg;  // rpg 0: ungrouped
+        bool normed;
+    };
+    const std::vector<table> tables = {
+        {"xn projections (ratio 4)", {{dtype::q8_0, 1024}, {dtype::q8_0, 512}, {dtype::f16, 1024}, {dtype::f16, 1024},
+                                      {dtype::f16, 64}, {dtype::f16, 256}, {dtype::f16, 256}}, 4096, 0, false},
+        {"q_b + indexer q_b (normed)", {{dtype::q8_0, 8192}, {dtype::f16, 2048}}, 1024, 0, true},
+        {"q_b alone (normed)", {{dtype::q8_0, 8192}}, 1024, 0, true},
+        {"out_a (grouped, 8 groups)", {{dtype::q8_0, 8 * 256}}, 1024, 256, false},
+        {"out_b", {{dtype::q8_0, 1024}}, 2048, 0, false},
+        {"head slice", {{dtype::q8_0, 3000}}, 4096, 0, false},
+        {"f32 rows (fallback)", {{dtype::f32, 300}}, 512, 0, false}};
+    for (bool q8x : {true, false}) {
+        cd::set_gemv_q8_activations(q8x);
+        for (const table &tb : tables) {
+            SCOPED_TRACE(std::string(tb.name) + (q8x ? ", int8 allowed" : ", f32 activations"));
+            std::vector<host_weight> hw;
+            std::vector<cd::gemv_weight> gw;
+            for (const seg_shape &ss : tb.segs) {
+                hw.push_back(make_weight(ss.t, ss.rows, tb.cols, 0, rng_));
+                gw.push_back(prepare(hw.back()));
+            }
+            const int n = static_cast<int>(gw.size());
+            const int64_t groups = tb.rpg ? (tb.segs[0].rows + tb.rpg - 1) / tb.rpg : 1;
+            const int64_t xw = groups * tb.cols, stride = xw + 12;  // rows of x 12 floats wider than read
+            const auto wn = randn(static_cast<size_t>(tb.cols), rng_);
+            const float *wd = up(wn);
+            for (int nx : {1, 2, 3, 5, 8, 16}) {
+                SCOPED_TRACE(std::to_string(nx) + " rows");
+                const auto x = randn(static_cast<size_t>(nx * stride), rng_);
+                float *xr = up(x);
+                std::vector<cd::gemv_segment> rows_segs;
+                for (int i = 0; i < n; ++i) rows_segs.push_back({gw[i], poisoned(static_cast<size_t>(nx * gw[i].rows))});
+                if (tb.normed)
+                    cd::launch_gemv_multi_normed_rows(rows_segs.data(), n, nx, xr, stride, wd, 1e-6f, s_);
+                else if (tb.rpg)
+                    cd::launch_gemv_grouped_rows(gw[0], tb.rpg, nx, xr, stride, rows_segs[0].y, s_);
+                else if (n == 1)
+                    cd::launch_gemv_rows(gw[0], nx, xr, stride, rows_segs[0].y, s_);
+                else
+                    cd::launch_gemv_multi_rows(rows_segs.data(), n, nx, xr, stride, s_);
+                for (int c = 0; c < nx; ++c) {
+                    std::vector<cd::gemv_segment> one;
+                    for (int i = 0; i < n; ++i) one.push_back({gw[i], poisoned(static_cast<size_t>(gw[i].rows))});
+                    float *x1 = up(std::vector<float>(x.begin() + c * stride, x.begin() + c * stride + xw));
+                    if (tb.normed)
+                        cd::launch_gemv_multi_normed(one.data(), n, x1, wd, 1e-6f, s_);
+                    else if (tb.rpg)
+                        cd::launch_gemv_fast_grouped(gw[0], tb.rpg, x1, one[0].y, s_);
+                    else if (n == 1)
+                        cd::launch_gemv_fast(gw[0], x1, one[0].y, s_);
+                    else
+                        cd::launch_gemv_multi(one.data(), n, x1, s_);
+                    for (int i = 0; i < n; ++i) {
+                        const size_t rows = static_cast<size_t>(gw[i].rows);
+                        const auto a = down(rows_segs[i].y + c * gw[i].rows, rows), b = down(one[i].y, rows);
+                        ASSERT_EQ(std::memcmp(a.data(), b.data(), rows * 4), 0)
+                            << "row " << c << " segment " << i << ": not the single launch's bits";
+                        if (!tb.normed && c == nx - 1) {  // and right: near the CPU reference
+                            const std::vector<float> xc(x.begin() + c * stride, x.begin() + c * stride + xw);
+                            const int64_t rpg = tb.rpg ? tb.rpg : gw[i].rows;
+                            const cd::gemv_segment seg{gw[i], nullptr};
+                            const auto ref = cd::gemv_q8_activations_used(&seg, &rpg, 1) ? reference_q8x(hw[i], xc, rpg)
+                                                                                        : reference(hw[i], xc, rpg);
+                            if (n == 1) {
+                                EXPECT_LE(rel_l2(a, ref), 1e-5);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // bad row counts and strides are refused
+    const host_weight h = make_weight(dtype::q8_0, 64, 512, 0, rng_);
+    const cd::gemv_weight g = prepare(h);
+    float *x = poisoned(512 * 20), *y = poisoned(64 * 20);
+    EXPECT_THROW(cd::launch_gemv_rows(g, 0, x, 512, y, s_), error);
+    EXPECT_THROW(cd::launch_gemv_rows(g, cd::gemv_max_rows + 1, x, 512, y, s_), error);
+    EXPECT_THROW(cd::launch_gemv_rows(g, 2, x, 500, y, s_), error);
+}
+
 // PDL ordering: a chain where each GEMV's x is the previous GEMV's y (poisoned just before by a
 // memset in the stream) must see the finished values, in the stream and replayed from a graph.
 // x0 [1024] -> y1 = A x0 [4096] -> y2 = B y1 [1024] (grouped: 4 groups of 256 over y1) -> y3 = C y2.

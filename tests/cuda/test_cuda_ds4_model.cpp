@@ -1,4 +1,4 @@
-// Whole-model DS4 on CUDA (src/backend/cuda/ds4_model.*) against independent truth:
+// Whole-model DS4 on CUDA (src/models/cuda/deepseek4_cuda.*) against independent truth:
 //  - ../shared/golden/ds4-tiny cases (logits of the official f32 implementation), every case in its
 //    tier, decoded token by token through the captured graph with an f32 KV cache;
 //  - the CPU reference forward (src/models/deepseek4_forward.cpp, itself checked against the
@@ -24,7 +24,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "core/error.h"
 #include "ds4/golden_util.h"
 #include "models/deepseek4.h"

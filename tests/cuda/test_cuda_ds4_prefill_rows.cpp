@@ -317,7 +317,8 @@ void CudaDs4PrefillRows::run_comp(const comp_cfg &c, const std::vector<seg> &sch
     CK(cudaMemset(err_, 0, 2 * sizeof(uint32_t)));  // a previous run's refused row set the bit
     const int R = c.ratio, dp = c.dim;
     const bool overlap = R == 4;
-    const int width = (overlap ? 2 : 1) * dp, slots = overlap ? 2 * R : R;
+    // position-indexed frontier with the sequences' rollback slack
+    const int width = (overlap ? 2 : 1) * dp, slots = (overlap ? 2 * R : R) + static_cast<int>(ds4::max_rollback);
     const int64_t n_rows = N / R;
     const size_t n_state = static_cast<size_t>(slots) * width;
     const size_t stride = static_cast<size_t>(dp) * (c.f16 ? 2 : 4) + 32;
@@ -326,6 +327,7 @@ void CudaDs4PrefillRows::run_comp(const comp_cfg &c, const std::vector<seg> &sch
     cd::compressor_args a;
     a.ratio = R;
     a.dim = dp;
+    a.slots = slots;
     a.ape = up(randn(static_cast<size_t>(R) * width, rng_, 0.5f));
     a.norm_w = up(randn(static_cast<size_t>(dp), rng_, 0.2f, 1.0f));
     a.eps = kEps;
@@ -437,11 +439,12 @@ TEST_F(CudaDs4PrefillRows, CompressorLongChunkTiming) {
         int R, dim;
     };
     for (const cfg c : {cfg{4, 512}, cfg{4, 128}, cfg{128, 512}}) {
-        const int width = (c.R == 4 ? 2 : 1) * c.dim, slots = c.R == 4 ? 2 * c.R : c.R;
+        const int width = (c.R == 4 ? 2 : 1) * c.dim, slots = (c.R == 4 ? 2 * c.R : c.R) + static_cast<int>(ds4::max_rollback);
         const int64_t T = 4096;
         cd::compressor_args a;
         a.ratio = c.R;
         a.dim = c.dim;
+        a.slots = slots;
         a.ape = up(randn(static_cast<size_t>(c.R) * width, rng_, 0.5f));
         a.norm_w = up(randn(static_cast<size_t>(c.dim), rng_, 0.2f, 1.0f));
         a.eps = kEps;

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "cache/cache_test_util.h"
 #include "core/error.h"
 #include "cuda_test_util.h"

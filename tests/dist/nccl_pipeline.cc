@@ -38,7 +38,7 @@
 
 #include <cuda_runtime.h>
 
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "core/error.h"
 #include "dist/nccl_transport.h"
 #include "dist/pipeline.h"

@@ -418,8 +418,8 @@ generation_stats generate(engine &eng, session &sess, sampler &smp, const std::v
                     std::to_string(n_ctx) + " (leave room to generate, or raise --ctx)");
 
     if (spec && spec->enabled() && !sess.rolls_back())  // before the prefill, not after it
-        throw error("--spec: this model's sessions cannot drop rejected positions (DeepSeek V4 rolls back on the "
-                    "CPU only so far, not with --device cuda or --devices); run without --spec");
+        throw error("--spec: this model's sessions cannot drop rejected positions (DeepSeek V4 rolls back on one "
+                    "device, the CPU or one GPU, not across --devices); run without --spec");
     // Prefill: the session reuses what it already holds of the prompt (chat turns).
     const auto &held = sess.tokens();
     size_t common = 0;
@@ -522,8 +522,8 @@ void resolve_spec_mode(spec_args &a, const model_args &m) {
     const std::string path = resolve_model_path(m.model, m.models_dir);
     const auto f = gguf::file::open(path);
     const std::string arch(f->get_string("general.architecture", ""));
-    // DeepSeek V4's own drafters run on one CPU device only so far: elsewhere n-grams (prepare_spec then
-    // turns speculation off when the sessions cannot roll back at all).
+    // DeepSeek V4's own drafters run on one CPU device only so far: elsewhere n-grams (one GPU rolls back;
+    // prepare_spec turns speculation off when the sessions cannot roll back at all: several devices).
     const bool ds4_cpu = arch == "deepseek4" && m.device == "cpu" && m.devices.empty();
     if (arch == "deepseek4" && !ds4_cpu) {
         a.mode = "ngram";
@@ -552,7 +552,7 @@ void apply_spec(model_args &m, spec_args &a) {
 void prepare_spec(spec_args &a, const model_args &m, engine &target) {
     if (a.from_auto && a.enabled() && !target.new_session()->rolls_back()) {
         std::fprintf(stderr, "note: --spec auto: this model's sessions cannot drop rejected positions here (DeepSeek V4 "
-                             "rolls back on one CPU device so far); decoding without speculation\n");
+                             "rolls back on one device only, not across --devices); decoding without speculation\n");
         a.mode = "none";
         return;
     }

@@ -124,7 +124,7 @@ void serve_main(serve_args &a) {
     so.spec_session_drafter = a.spec.mode == "mtp" || a.spec.mode == "dspark";
     if (so.spec && !eng->new_session()->rolls_back()) {
         std::fprintf(stderr, "note: --spec ngram: this model's sessions cannot drop rejected positions (DeepSeek V4 "
-                             "rolls back on the CPU only so far); serving without speculative decoding\n");
+                             "rolls back on one device only, not across --devices); serving without speculative decoding\n");
         so.spec = false;
     }
     if (a.kv_mem_mib > 0) {

@@ -281,9 +281,19 @@ __device__ __forceinline__ void comp_finish_store(const compressor_args &a, floa
     }
 }
 
-// Decode step, one block (dim <= kCompThreads). Every token: the frontier slot's columns written by all
-// threads. On an emitting token: comp_pool over the frontier, then thread j shifts its columns j, dp + j
-// (ratio 4), then comp_finish_store.
+// Candidate t of a block whose first candidate is position q0 (ratio 4: 2R candidates from the previous
+// block's start, else R): its frontier element for channel c (column dim + c for the current block's
+// candidates under the overlap), or -1 for a position < 0 (empty: score -inf, value 0).
+__device__ __forceinline__ int64_t comp_slot_elem(const compressor_args &a, int64_t q0, int t, int c) {
+    const int64_t q = q0 + t;
+    if (q < 0) return -1;
+    const bool overlap = a.ratio == 4;
+    const int width = (overlap ? 2 : 1) * a.dim;
+    return (q % a.slots) * width + (overlap && t >= a.ratio ? a.dim + c : c);
+}
+
+// Decode step, one block (dim <= kCompThreads). Every token: its slot's columns written by all threads.
+// On an emitting token: comp_pool over the block's candidates (by position), then comp_finish_store.
 template <int NP>
 __global__ void __launch_bounds__(kCompThreads)
     compressor_step_kernel(compressor_args a, const float *__restrict__ ca, const float *__restrict__ cg,
@@ -292,12 +302,12 @@ __global__ void __launch_bounds__(kCompThreads)
     extern __shared__ float sm[];
     float *row = sm, *smx = sm + a.dim, *ex = sm + 2 * a.dim;  // [dim], [dim], [kCompChunk, dim]
     __shared__ double red[32];
-    const int R = a.ratio, dp = a.dim, j = threadIdx.x;
+    const int R = a.ratio, dp = a.dim;
     const bool overlap = R == 4;
     const int width = (overlap ? 2 : 1) * dp, n_cand = overlap ? 2 * R : R;
     const int64_t p = *pos;
     const int phase = static_cast<int>(p % R);
-    const size_t slot = static_cast<size_t>(overlap ? R + phase : phase);
+    const size_t slot = static_cast<size_t>(p % a.slots);
     const float *ape = a.ape + static_cast<size_t>(phase) * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         a.state_kv[slot * width + i] = ca[i];
@@ -305,36 +315,30 @@ __global__ void __launch_bounds__(kCompThreads)
     }
     if ((p + 1) % R != 0) return;  // block-uniform: no row this token
     __syncthreads();               // the slot's columns are visible to the whole block
-    // candidate t of channel c: slot t, column c (overlap: column dp + c for the current block's slots)
-    auto at = [&](int t, int c) {
-        return static_cast<size_t>(t) * width + static_cast<size_t>(overlap && t >= R ? dp + c : c);
-    };
+    const int64_t q0 = p + 1 - n_cand;
     comp_pool(
-        dp, n_cand, [&](int t, int c) { return a.state_score[at(t, c)]; },
-        [&](int t, int c) { return a.state_kv[at(t, c)]; }, row, smx, ex);
-    // every read of another thread's columns happened before the last barrier in comp_pool
-    if (j < dp && overlap)  // the current block (slots R..2R-1) becomes the previous one, columns j and dp + j
-        for (int t = 0; t < R; ++t)
-            for (int half = 0; half < 2; ++half) {
-                const int col = j + half * dp;
-                const size_t src = static_cast<size_t>(R + t) * width + col, dst = static_cast<size_t>(t) * width + col;
-                a.state_kv[dst] = a.state_kv[src];
-                a.state_score[dst] = a.state_score[src];
-            }
-    __syncthreads();
+        dp, n_cand,
+        [&](int t, int c) {
+            const int64_t e = comp_slot_elem(a, q0, t, c);
+            return e < 0 ? -INFINITY : a.state_score[e];
+        },
+        [&](int t, int c) {
+            const int64_t e = comp_slot_elem(a, q0, t, c);
+            return e < 0 ? 0.0f : a.state_kv[e];
+        },
+        row, smx, ex);
+    __syncthreads();  // row complete for every thread
     comp_finish_store<NP>(a, row, p + 1 - R, (p + 1) / R - 1, err, red);
 }
 
 // ---- compressor over a chunk -----------------------------------------------------------------------------
-// Tokens at positions p0 .. p1 - 1 (p0 = *pos, p1 = p0 + n_tok); c0 = p0 - p0 mod R starts the block
-// holding p0. The value a step writes for position q (kv = ca row, score = cg row + ape[q mod R]) is:
-//   q >= p0       : chunk row q - p0 (computed from ca, cg, ape as the step does: same bits);
-//   c0 <= q < p0  : still in the frontier's current-block slot (overlap: R + q mod R, else q mod R);
-//   q < c0        : (overlap only, q >= c0 - R) the previous-block slot q mod R, where the shift put it.
-// Rows b = p0 / R .. p1 / R - 1 are emitted (block start B = b R); row b pools the candidates of
-// positions B - R .. B + R - 1 (overlap; columns 0..dp of the first R, dp..2dp of the rest) or
-// B .. B + R - 1. One block per row (rows kernel: reads only), then the state kernel writes the final
-// frontier (stream order: after every row has read it).
+// Tokens at positions p0 .. p1 - 1 (p0 = *pos, p1 = p0 + n_tok). The value a step writes for position
+// q (kv = ca row, score = cg row + ape[q mod R]) is: chunk row q - p0 for q >= p0 (computed as the step
+// does: same bits), else in the frontier slot q mod slots (empty for q < 0). Rows b = p0 / R .. p1 / R - 1
+// are emitted (block start B = b R); row b pools the candidates of positions B - R .. B + R - 1 (overlap;
+// columns 0..dp of the first R, dp..2dp of the rest) or B .. B + R - 1. One block per row (rows kernel:
+// reads only), then the state kernel writes the chunk's positions into the frontier (stream order:
+// after every row has read it).
 
 // One block per emitted row (blockIdx.x = b - p0 / R; blocks past the last row exit).
 template <int NP>
@@ -347,72 +351,46 @@ __global__ void __launch_bounds__(kCompThreads)
     const int R = a.ratio, dp = a.dim;
     const bool overlap = R == 4;
     const int width = (overlap ? 2 : 1) * dp, n_cand = overlap ? 2 * R : R;
-    const int64_t p0 = *pos, c0 = p0 / R * R, b = p0 / R + blockIdx.x;
+    const int64_t p0 = *pos, b = p0 / R + blockIdx.x;
     if (b >= (p0 + n_tok) / R) return;  // block-uniform
     const int64_t q0 = b * R - (overlap ? R : 0);  // position of candidate 0
-    // element offset of candidate t, channel c: in the chunk (q >= p0) or in the frontier
     auto col = [&](int t, int c) { return overlap && t >= R ? dp + c : c; };
     auto score = [&](int t, int c) {
         const int64_t q = q0 + t;
-        const int ph = t % R, cc = col(t, c);
         if (q >= p0)
-            return __fadd_rn(cg[static_cast<size_t>(q - p0) * width + cc], a.ape[static_cast<size_t>(ph) * width + cc]);
-        const int slot = overlap && q >= c0 ? R + ph : ph;
-        return a.state_score[static_cast<size_t>(slot) * width + cc];
+            return __fadd_rn(cg[static_cast<size_t>(q - p0) * width + col(t, c)],
+                             a.ape[static_cast<size_t>(t % R) * width + col(t, c)]);
+        const int64_t e = comp_slot_elem(a, q0, t, c);
+        return e < 0 ? -INFINITY : a.state_score[e];
     };
     auto kv = [&](int t, int c) {
         const int64_t q = q0 + t;
-        const int ph = t % R, cc = col(t, c);
-        if (q >= p0) return ca[static_cast<size_t>(q - p0) * width + cc];
-        const int slot = overlap && q >= c0 ? R + ph : ph;
-        return a.state_kv[static_cast<size_t>(slot) * width + cc];
+        if (q >= p0) return ca[static_cast<size_t>(q - p0) * width + col(t, c)];
+        const int64_t e = comp_slot_elem(a, q0, t, c);
+        return e < 0 ? 0.0f : a.state_kv[e];
     };
     comp_pool(dp, n_cand, score, kv, row, smx, ex);
     __syncthreads();
     comp_finish_store<NP>(a, row, b * R, b, err, red);
 }
 
-// The frontier after the chunk, one thread per (phase s, column i): the current-block slot (overlap:
-// R + s, else s) takes the last position <= p1 - 1 of phase s when it is in the chunk; overlap: the
-// previous-block slot s takes what the last shift in the chunk (emission at qe) moved there, the value
-// of position qe + 1 - R + s (the old current slot when before p0: read before this thread writes it;
-// no other thread touches these two slots of column i).
+// The frontier after the chunk, one thread per (slot s, column i): the slot takes the last position
+// q <= p1 - 1 with q = s (mod slots) when that position is in the chunk (others keep theirs).
 __global__ void compressor_chunk_state_kernel(compressor_args a, const float *__restrict__ ca,
                                               const float *__restrict__ cg, int64_t n_tok,
                                               const int64_t *__restrict__ pos) {
     const int R = a.ratio, dp = a.dim;
-    const bool overlap = R == 4;
-    const int width = (overlap ? 2 : 1) * dp;
+    const int width = (R == 4 ? 2 : 1) * dp;
     const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (k >= static_cast<int64_t>(R) * width) return;
+    if (k >= static_cast<int64_t>(a.slots) * width) return;
     const int s = static_cast<int>(k / width), i = static_cast<int>(k % width);
     const int64_t p0 = *pos, last = p0 + n_tok - 1;
-    const float ape = a.ape[static_cast<size_t>(s) * width + i];
-    const size_t cur = static_cast<size_t>(overlap ? R + s : s) * width + i;
-    const float old_kv = a.state_kv[cur], old_score = a.state_score[cur];
-    if (overlap) {
-        const int64_t qe = (last + 1) / R * R - 1;  // the last emission at or before `last`
-        if (qe >= p0) {
-            const int64_t q = qe + 1 - R + s;
-            const size_t prev = static_cast<size_t>(s) * width + i;
-            if (q >= p0) {
-                const size_t e = static_cast<size_t>(q - p0) * width + i;
-                a.state_kv[prev] = ca[e];
-                a.state_score[prev] = __fadd_rn(cg[e], ape);
-            } else {
-                a.state_kv[prev] = old_kv;
-                a.state_score[prev] = old_score;
-            }
-        }
-    }
-    if (last >= s) {
-        const int64_t q = last - (last - s) % R;  // the last position of phase s
-        if (q >= p0) {
-            const size_t e = static_cast<size_t>(q - p0) * width + i;
-            a.state_kv[cur] = ca[e];
-            a.state_score[cur] = __fadd_rn(cg[e], ape);
-        }
-    }
+    if (last < s) return;
+    const int64_t q = last - (last - s) % a.slots;  // the last position of slot s
+    if (q < p0) return;
+    const size_t e = static_cast<size_t>(q - p0) * width + i, dst = static_cast<size_t>(s) * width + i;
+    a.state_kv[dst] = ca[e];
+    a.state_score[dst] = __fadd_rn(cg[e], a.ape[static_cast<size_t>(q % R) * width + i]);
 }
 
 // ---- sparse sink attention -----------------------------------------------------------------------------
@@ -444,6 +422,7 @@ struct attn_geom {
     const uint8_t *ring;
     size_t ring_stride;
     int window;
+    int ring_rows;  // ring row of position p: p mod ring_rows
     bool ring_f16;
     comp_mode mode;
     const uint8_t *comp;
@@ -500,7 +479,7 @@ __device__ __forceinline__ const uint8_t *attn_row(const attn_geom &g, const att
                                                    bool &f16) {
     if (t < sp.n_raw) {
         f16 = g.ring_f16;
-        return g.ring + static_cast<size_t>((sp.first + t) % g.window) * g.ring_stride;
+        return g.ring + static_cast<size_t>((sp.first + t) % g.ring_rows) * g.ring_stride;
     }
     const int64_t c = t - sp.n_raw;
     const int64_t r = g.mode == comp_mode::all ? c : static_cast<int64_t>(g.sel[c]);
@@ -1365,6 +1344,9 @@ void check_compressor(const compressor_args &a) {
     if (a.row_stride < static_cast<size_t>(a.dim) * (a.rows_f16 ? 2 : 4) ||
         a.row_stride % (a.rows_f16 ? 2 : 4) != 0)
         throw error("cuda ds4 compressor: row stride below the row size or misaligned");
+    if (a.slots < (a.ratio == 4 ? 2 * a.ratio : a.ratio))
+        throw error("cuda ds4 compressor: " + std::to_string(a.slots) + " frontier slots for ratio " +
+                    std::to_string(a.ratio) + " (needs " + std::to_string(a.ratio == 4 ? 2 * a.ratio : a.ratio) + ")");
     check_rope(a.rope, a.dim, "compressor");
     check_qat(a.qat, a.dim, a.rope.n_rot, "compressor");
 }
@@ -1412,7 +1394,7 @@ void launch_compressor_chunk(const compressor_args &a, const float *ca, const fl
     }
     check_launch("compressor chunk rows");
     const int width = (a.ratio == 4 ? 2 : 1) * a.dim;
-    const int64_t n_state = static_cast<int64_t>(a.ratio) * width;  // (phase, column) pairs
+    const int64_t n_state = static_cast<int64_t>(a.slots) * width;  // (slot, column) pairs
     compressor_chunk_state_kernel<<<static_cast<unsigned>((n_state + 255) / 256), 256, 0, s>>>(a, ca, cg, n_tok, pos);
     check_launch("compressor chunk state");
 }
@@ -1429,7 +1411,7 @@ size_t attn_part_sync_bytes() { return sizeof(float) * kAttnSyncFloats; }
 
 void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, const int64_t *pos, float *part,
                                   float *o, cudaStream_t s) {
-    if (a.n_head < 1 || a.d < 64 || a.d > kMaxD || a.d % 64 != 0 || a.window < 1 || !a.ring || !a.sinks)
+    if (a.n_head < 1 || a.d < 64 || a.d > kMaxD || a.d % 64 != 0 || a.window < 1 || (a.ring_rows != 0 && a.ring_rows < a.window) || !a.ring || !a.sinks)
         throw error("cuda ds4 attention: unsupported geometry (" + std::to_string(a.n_head) + " heads of " +
                     std::to_string(a.d) + ", d a multiple of 64 <= 512, window " + std::to_string(a.window) +
                     ")");
@@ -1453,6 +1435,7 @@ void launch_sparse_sink_attention(const sparse_attn_args &a, const float *q, con
     g.ring = static_cast<const uint8_t *>(a.ring);
     g.ring_stride = a.ring_stride;
     g.window = a.window;
+    g.ring_rows = a.ring_rows > 0 ? a.ring_rows : a.window;
     g.ring_f16 = a.ring_f16;
     g.mode = a.mode;
     g.comp = static_cast<const uint8_t *>(a.comp);

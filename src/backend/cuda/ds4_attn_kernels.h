@@ -44,22 +44,27 @@ void launch_head_norm_rope(float *x, int n_head, int hd, bool norm, float eps, c
 
 // KV row of the token (in place in kv [d]): RMSNorm with weight norm_w, RoPE of the last n_rot dims
 // at *pos, QAT (fp8_nope or none); then stored into ring row (*pos mod window) (f16 rounding when
-// ring_f16, else f32; rows ring_stride bytes apart).
+// ring_f16, else f32; rows ring_stride bytes apart). `window` here is the ring's row count (a
+// sequence's ring keeps ds4::max_rollback rows more than the attention window, for rollback).
 void launch_kv_finish_store(float *kv, int d, const float *norm_w, float eps, const rope_args &rope, qat_kind qat,
                             void *ring, bool ring_f16, size_t ring_stride, int window, const int64_t *pos,
                             cudaStream_t s);
 
 // One compressor (spec 4.4) for the token at *pos: a, g [c*dim] are its projections (c = 2 when
-// ratio == 4, else 1). Writes a and g + ape[phase] into the frontier slot (overlap: R + phase, else
-// phase; frontier kv/score are [slots, c*dim] f32, slots = 2R for ratio 4 else R; score of empty
-// slots is -inf: the caller initialises score to -inf and kv to 0). When (*pos + 1) mod R == 0 it
-// pools (softmax over the candidates per channel, as compressor_push), applies RMSNorm(norm_w),
-// RoPE of the last n_rot dims at the block start *pos + 1 - R, the QAT round trip `qat`, stores the
-// row at index (*pos + 1) / R - 1 of rows (f16 or f32, row_stride bytes apart; an index >= max_rows
-// is not written and sets err bit err_comp_row), and for ratio 4 shifts the current block's slots
-// into the previous block's. dim <= 512.
+// ratio == 4, else 1). The frontier is position-indexed (the CPU's compressor_state layout): kv/score
+// [slots, c*dim] f32, position q in slot q mod slots, slots >= 2R for ratio 4 (the overlap reads the
+// previous block too) else >= R; ds4::max_rollback slots more keep a rolled-back sequence's
+// positions intact. The token writes a and g + ape[phase] into its slot. When (*pos + 1) mod R == 0
+// it pools the block's candidates by position (ratio 4: the previous block's R positions, columns
+// 0..dim, then the current block's, columns dim..2 dim; positions < 0 count as empty: score -inf;
+// softmax over the candidates per channel, as compressor_push), applies RMSNorm(norm_w), RoPE of
+// the last n_rot dims at the block start *pos + 1 - R, the QAT round trip `qat`, and stores the row
+// at index (*pos + 1) / R - 1 of rows (f16 or f32, row_stride bytes apart; an index >= max_rows is
+// not written and sets err bit err_comp_row). dim <= 512. Slots are never cleared: a slot a block
+// reads was written by its own position (stale values of rolled-back positions are overwritten).
 struct compressor_args {
     int ratio = 0, dim = 0;
+    int slots = 0;                  // frontier rows (>= 2R for ratio 4, else >= R)
     const float *ape = nullptr;     // [ratio, c*dim]
     const float *norm_w = nullptr;  // [dim]
     float eps = 0;
@@ -103,7 +108,8 @@ struct sparse_attn_args {
     const void *ring = nullptr;
     bool ring_f16 = true;
     size_t ring_stride = 0;
-    int window = 0;
+    int window = 0;     // the raw rows attended: positions (pos - window, pos]
+    int ring_rows = 0;  // rows of the ring (position p in row p mod ring_rows; >= window; 0: window)
     comp_mode mode = comp_mode::none;
     const void *comp = nullptr;
     bool comp_f16 = true;

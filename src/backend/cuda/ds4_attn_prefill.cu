@@ -62,6 +62,7 @@ struct batch_geom {
     const uint8_t *ring;  // positions < *pos: ring row (position mod window)
     size_t ring_stride;
     int window;
+    int ring_rows;  // ring row of position p: p mod ring_rows
     bool ring_f16;  // also the chunk rows' precision
     const uint8_t *chunk;  // positions >= *pos: chunk row (position - *pos)
     size_t chunk_stride;
@@ -117,7 +118,7 @@ __device__ __forceinline__ const uint8_t *row_at(const batch_geom &g, const batc
         f16 = g.ring_f16;
         const int64_t r = sp.first + i;
         if (r >= sp.p0) return g.chunk + static_cast<size_t>(r - sp.p0) * g.chunk_stride;
-        return g.ring + static_cast<size_t>(r % g.window) * g.ring_stride;
+        return g.ring + static_cast<size_t>(r % g.ring_rows) * g.ring_stride;
     }
     const int64_t c = i - sp.n_raw;
     const int64_t r = g.mode == comp_mode::all ? c : static_cast<int64_t>(sp.sel[c]);
@@ -600,7 +601,7 @@ bool pair_aligned(const void *base, size_t stride, bool f16) {
 
 void check_args(const sparse_attn_args &a, const void *chunk, size_t chunk_stride, int64_t n_tok, int sel_stride) {
     const size_t elem = a.ring_f16 ? 2 : 4, row = static_cast<size_t>(a.d) * elem;
-    if (a.n_head < 1 || a.d < 64 || a.d > kMaxD || a.d % 64 != 0 || a.window < 1 || !a.ring || !a.sinks)
+    if (a.n_head < 1 || a.d < 64 || a.d > kMaxD || a.d % 64 != 0 || a.window < 1 || (a.ring_rows != 0 && a.ring_rows < a.window) || !a.ring || !a.sinks)
         throw error("cuda ds4 attention batch: unsupported geometry (" + std::to_string(a.n_head) + " heads of " +
                     std::to_string(a.d) + ", d a multiple of 64 <= 512, window " + std::to_string(a.window) + ")");
     if (n_tok < 0 || n_tok > 0x7fffffff) throw error("cuda ds4 attention batch: token count out of range");
@@ -645,6 +646,7 @@ void launch_sparse_sink_attention_batch(const sparse_attn_args &a, const void *c
     g.ring = static_cast<const uint8_t *>(a.ring);
     g.ring_stride = a.ring_stride;
     g.window = a.window;
+    g.ring_rows = a.ring_rows > 0 ? a.ring_rows : a.window;
     g.ring_f16 = a.ring_f16;
     g.chunk = static_cast<const uint8_t *>(chunk);
     g.chunk_stride = chunk_stride;

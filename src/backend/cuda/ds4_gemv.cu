@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <string>
+#include <mutex>
+#include <vector>
 
 #include "backend/cuda/cuda_device.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -291,6 +293,7 @@ struct q8x_seg {
     int32_t
         warps_per_row;  // W: 1, 2, 4, 8 or 16 (few rows: several warps share one, parts summed at the end)
     uint32_t block_begin;
+    int64_t y_stride;  // the columns kernel: column c's outputs at y + c * y_stride
 };
 struct q8x_table {
     q8x_seg s[gemv_max_segments];
@@ -606,6 +609,187 @@ __global__ void __launch_bounds__(32 * WARPS, 32 / WARPS)
     q8x_stamp(t, 3);
 }
 
+// ---- the columns form: several x at once (a multi-row decode step) ----------------------------------------
+// Column c (c < nx) reads x + c * x_stride and writes each segment's y + c * y_stride. Every weight chunk is
+// loaded once and dotted with every column's activations; each column's arithmetic is the single-x kernel's
+// exactly (the same quantisation of its x, the same per-lane fmaf order, warp tree and part sums: the plan -
+// blocks, rows per block, warps per row - is the single-x launch's), so a column's outputs are bit-identical
+// to launching the kernel above on its x alone. Dynamic shared memory: per column its x slot(s) (col_bytes
+// apart), then the normed f16 x (xf_off, cols floats per column), then the warp parts (part_off, nx floats
+// per (row, warp) of a block).
+struct q8x_cols {
+    int32_t nx;
+    int64_t x_stride;
+    uint32_t col_bytes;  // shared bytes of one column's x slots
+    uint32_t part_off;
+};
+
+template <bool F16, int U, bool XS, int NC>
+__device__ __forceinline__ void q8x_compute_cols(const q8x_seg &sg, const q8x_warp &w, const q8x_cols &cx,
+                                                 const float *x, int64_t cols, const uint8_t *smem, float *part,
+                                                 q8x_cursor &k, q8x_xrow &xr, const q8x_batch<U> &b, float (&acc)[NC],
+                                                 int64_t xf_stride) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (k.r >= w.r1) return;  // warp-uniform: the warp's rows are done
+        const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
+        if (c < sg.chunks) {
+            if (F16) {
+                const uint32_t hw[4] = {b.v[u].x, b.v[u].y, b.v[u].z, b.v[u].w};
+#pragma unroll
+                for (int col = 0; col < NC; ++col) {
+                    if (col >= cx.nx) break;  // warp-uniform
+                    const float *xp = xr.xf + col * xf_stride + 8 * c;
+                    const float4 xa = q8x_ldx<XS>(xp), xb = q8x_ldx<XS>(xp + 4);
+                    const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&hw[i]));
+                        acc[col] = fmaf(f.x, xv[2 * i], acc[col]);
+                        acc[col] = fmaf(f.y, xv[2 * i + 1], acc[col]);
+                    }
+                }
+            } else {
+                const float2 d01 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].x));
+                const float2 d23 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].y));
+#pragma unroll
+                for (int col = 0; col < NC; ++col) {
+                    if (col >= cx.nx) break;  // warp-uniform
+                    const size_t off = static_cast<size_t>(col) * cx.col_bytes;
+                    const uint32_t *xw = reinterpret_cast<const uint32_t *>(reinterpret_cast<const uint8_t *>(xr.xw) + off) + 128 * tile;
+                    const float4 dx = *reinterpret_cast<const float4 *>(reinterpret_cast<const uint8_t *>(xr.dx + 16 * tile) + off);
+                    const int s0 = ds4q::dp4a(static_cast<int>(b.v[u].x), static_cast<int>(xw[0]), 0);
+                    const int s1 = ds4q::dp4a(static_cast<int>(b.v[u].y), static_cast<int>(xw[32]), 0);
+                    const int s2 = ds4q::dp4a(static_cast<int>(b.v[u].z), static_cast<int>(xw[64]), 0);
+                    const int s3 = ds4q::dp4a(static_cast<int>(b.v[u].w), static_cast<int>(xw[96]), 0);
+                    acc[col] = fmaf(d01.x * dx.x, ds4q::i2f_exact(s0), acc[col]);
+                    acc[col] = fmaf(d01.y * dx.y, ds4q::i2f_exact(s1), acc[col]);
+                    acc[col] = fmaf(d23.x * dx.z, ds4q::i2f_exact(s2), acc[col]);
+                    acc[col] = fmaf(d23.y * dx.w, ds4q::i2f_exact(s3), acc[col]);
+                }
+            }
+        }
+        const int64_t r = k.r;
+        if (q8x_next(sg, w, k)) {  // warp-uniform: the warp's part of row r is complete
+#pragma unroll
+            for (int col = 0; col < NC; ++col) {
+                if (col >= cx.nx) break;
+                float v = acc[col];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (w.lane == 0) {
+                    if (w.W == 1)
+                        sg.y[col * sg.y_stride + r] = v;
+                    else
+                        part[((r - w.r0) * w.W + w.sub) * cx.nx + col] = v;
+                }
+                acc[col] = 0.0f;
+            }
+            if (k.r < w.r1) xr = q8x_x_of(sg, w, x, cols, smem, k.r);
+        }
+    }
+}
+
+template <int WARPS, bool F16, int U, bool XS, bool NORM, int NC>
+__device__ __forceinline__ void q8x_rows_cols(const q8x_seg &sg, const q8x_table &t, const q8x_cols &cx,
+                                              const float *x, const uint8_t *smem, int64_t r0, int64_t r1) {
+    const int warp = static_cast<int>(threadIdx.x >> 5);
+    q8x_warp w;
+    w.r0 = r0;
+    w.r1 = r1;
+    w.g0 = r0 / sg.rows_per_group;
+    w.lane = static_cast<int>(threadIdx.x & 31);
+    w.W = sg.warps_per_row;
+    w.P = WARPS / w.W;
+    w.grp = warp / w.W;
+    w.sub = warp % w.W;
+    w.cpl = (sg.chunks + 32 * w.W - 1) / (32 * w.W);
+    const int64_t cols = t.cols;
+    float *part = reinterpret_cast<float *>(const_cast<uint8_t *>(smem) + cx.part_off);
+    q8x_cursor lk = q8x_start(sg, w), ck = lk;
+    q8x_batch<U> A, B;
+    q8x_load<F16, U>(sg, w, lk, A);
+    pdl_wait();
+    float nr[NC];
+#pragma unroll
+    for (int col = 0; col < NC; ++col) nr[col] = 1.0f;
+    if constexpr (NORM) {
+        __shared__ double norm_sh[8];
+#pragma unroll
+        for (int col = 0; col < NC; ++col) {
+            if (col >= cx.nx) break;
+            nr[col] = q8x_norm_r(x + col * cx.x_stride, cols, t.norm_eps, norm_sh);
+            __syncthreads();  // norm_sh is rewritten by the next column
+        }
+    }
+    if constexpr (XS) {  // f16 rows of a normed table: each column's x' into shared memory (one group)
+        float *xf = reinterpret_cast<float *>(const_cast<uint8_t *>(smem) + t.xf_off);
+        for (int col = 0; col < cx.nx; ++col)
+            for (int64_t i = threadIdx.x; i < cols; i += 32 * WARPS)
+                xf[col * cols + i] = __fmul_rn(__fmul_rn(x[col * cx.x_stride + i], nr[col]), t.norm_w[i]);
+        __syncthreads();
+    }
+    if (!F16) {  // block-uniform: quantise every column's x group(s) of the block's rows (at most two)
+        uint8_t *s = const_cast<uint8_t *>(smem);
+        const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
+        const int64_t last = (r1 - 1) / sg.rows_per_group;
+#pragma unroll
+        for (int col = 0; col < NC; ++col) {
+            if (col >= cx.nx) break;
+            uint8_t *sc = s + static_cast<size_t>(col) * cx.col_bytes;
+            const float *xc = x + col * cx.x_stride;
+            quantise_x<32 * WARPS>(xc + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(sc),
+                                   reinterpret_cast<float *>(sc + cols), NORM ? t.norm_w : nullptr, nr[col]);
+            if (last != w.g0)
+                quantise_x<32 * WARPS>(xc + last * cols, cols, reinterpret_cast<uint32_t *>(sc + slot_bytes),
+                                       reinterpret_cast<float *>(sc + slot_bytes + cols));
+        }
+        __syncthreads();
+    }
+    float acc[NC];
+#pragma unroll
+    for (int col = 0; col < NC; ++col) acc[col] = 0.0f;
+    const float *xg = XS ? reinterpret_cast<const float *>(smem + t.xf_off) : x;  // f16 rows' x (column 0)
+    const int64_t xf_stride = XS ? cols : cx.x_stride;
+    q8x_xrow xr = q8x_x_of(sg, w, xg, cols, smem, ck.r);
+    for (;;) {
+        const bool more_b = lk.r < r1;
+        if (more_b) q8x_load<F16, U>(sg, w, lk, B);
+        q8x_compute_cols<F16, U, XS, NC>(sg, w, cx, xg, cols, smem, part, ck, xr, A, acc, xf_stride);
+        if (!more_b) break;
+        const bool more_a = lk.r < r1;
+        if (more_a) q8x_load<F16, U>(sg, w, lk, A);
+        q8x_compute_cols<F16, U, XS, NC>(sg, w, cx, xg, cols, smem, part, ck, xr, B, acc, xf_stride);
+        if (!more_a) break;
+    }
+    if (w.W > 1) {  // block-uniform: the rows' warp parts, summed in sub order, per column
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < (r1 - r0) * cx.nx; i += blockDim.x) {
+            const int64_t row = i / cx.nx, col = i % cx.nx;
+            float v = part[(row * w.W) * cx.nx + col];
+            for (int k = 1; k < w.W; ++k) v += part[(row * w.W + k) * cx.nx + col];
+            sg.y[col * sg.y_stride + r0 + row] = v;
+        }
+    }
+}
+
+template <int WARPS, int U, bool NORM, int NC>
+__global__ void __launch_bounds__(32 * WARPS, 1)
+    gemv_q8x_cols_kernel(const __grid_constant__ q8x_table t, const __grid_constant__ q8x_cols cx, const float *x) {
+    extern __shared__ __align__(16) uint8_t q8x_smem[];
+    pdl_launch_dependents();
+    int si = 0;
+    for (int i = 1; i < t.n; ++i)
+        if (blockIdx.x >= t.s[i].block_begin) si = i;
+    const q8x_seg &sg = t.s[si];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x - sg.block_begin) * sg.rows_per_block;
+    const int64_t r1 = r0 + sg.rows_per_block < sg.rows ? r0 + sg.rows_per_block : sg.rows;
+    if (!sg.f16)
+        q8x_rows_cols<WARPS, false, U, false, NORM, NC>(sg, t, cx, x, q8x_smem, r0, r1);
+    else
+        q8x_rows_cols<WARPS, true, U, NORM, NORM, NC>(sg, t, cx, x, q8x_smem, r0, r1);
+}
+
 // Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
 // per 16-byte output chunk (row r, tile t, lane l); lanes l < 16 also write scale position l.
 __global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_stride, int64_t rows,
@@ -901,7 +1085,169 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
     return true;
 }
 
+// The columns form of launch_q8x (gemv_q8x_cols_kernel): the single-x plan, shared memory laid out for nx
+// columns (split into several launches when it would not fit). False when the q8x kernel does not take
+// the table (the caller launches column by column).
+constexpr size_t kQ8xColsMaxSmem = 200 * 1024;
+
+// The columns kernels' shared-memory limit raised to kQ8xColsMaxSmem, once per device (outside any graph
+// capture: gemv_rows_prepare, called at upload; the launches call it too, a no-op after the first time).
+void prepare_cols_kernels() {
+    static std::mutex mu;
+    static std::vector<int> done;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) throw error("cuda ds4 gemv: no current device");
+    std::lock_guard<std::mutex> lk(mu);
+    if (std::find(done.begin(), done.end(), dev) != done.end()) return;
+    const int lim = static_cast<int>(kQ8xColsMaxSmem);
+    cudaError_t e = cudaSuccess;
+    auto set = [&](auto kernel) {
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim);
+    };
+    set(gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, true, 4>);
+    set(gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, false, 4>);
+    set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, true, 4>);
+    set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, false, 4>);
+    set(gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, true, 16>);
+    set(gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, false, 16>);
+    set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, true, 16>);
+    set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, false, 16>);
+    if (e != cudaSuccess) throw error(std::string("cuda ds4 gemv: cannot raise the shared memory limit: ") + cudaGetErrorString(e));
+    done.push_back(dev);
+}
+
+template <int NC>
+void launch_q8x_cols_nc(const q8x_table &t, const q8x_cols &cx, size_t smem, int64_t blocks, const float *x,
+                        const char *what, cudaStream_t s) {
+    void (*kernel)(const q8x_table, const q8x_cols, const float *) =
+        t.warps == kQ8xWarpsWide
+            ? (t.norm_w ? gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, true, NC>
+                        : gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, false, NC>)
+            : (t.norm_w ? gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, true, NC> : gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, false, NC>);
+    if (smem > 48 * 1024) prepare_cols_kernels();
+    const cudaError_t e =
+        launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem, s, true, t, cx, x);
+    if (e != cudaSuccess)
+        throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+}
+
+bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx, const float *x, int64_t x_stride,
+                     const char *what, cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f) {
+    q8x_table t;
+    size_t smem1 = 0;
+    int64_t blocks = 0;
+    if (!plan_q8x(segs, rpg, n, t, smem1, blocks, norm_w, norm_eps)) return false;
+    if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
+    const int64_t cols = t.cols;
+    bool any_q8 = false, any_f16 = false, grouped = false;
+    int64_t max_parts = 0;
+    for (int i = 0; i < n; ++i) {
+        any_q8 = any_q8 || !t.s[i].f16;
+        any_f16 = any_f16 || t.s[i].f16;
+        grouped = grouped || rpg[i] < segs[i].w.rows;
+        if (t.s[i].warps_per_row > 1) max_parts = std::max(max_parts, t.s[i].rows_per_block * t.s[i].warps_per_row);
+        t.s[i].y_stride = t.s[i].rows;
+    }
+    const size_t col_bytes = static_cast<size_t>(any_q8 ? (grouped ? 2 : 1) : 0) * static_cast<size_t>(cols + cols / 8);
+    const size_t per_col = col_bytes + (t.norm_w && any_f16 ? static_cast<size_t>(cols) * 4 : 0) +
+                           static_cast<size_t>(max_parts) * 4;
+    if (per_col * 2 > kQ8xColsMaxSmem) return false;  // not even two columns fit: column by column
+    const int fit = static_cast<int>(std::min<size_t>(16, kQ8xColsMaxSmem / per_col));
+    for (int c0 = 0; c0 < nx; c0 += fit) {
+        const int m = std::min(fit, nx - c0);
+        q8x_table tc = t;  // the plan's, outputs moved to column c0
+        for (int i = 0; i < n; ++i) tc.s[i].y += static_cast<int64_t>(c0) * t.s[i].y_stride;
+        const float *xc = x + static_cast<int64_t>(c0) * x_stride;
+        if (m == 1) {  // the single-x kernel itself, as launch_q8x
+            void (*kernel)(const q8x_table, const float *) =
+                t.warps == kQ8xWarpsWide
+                    ? (t.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
+                    : (t.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
+            const cudaError_t e =
+                launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem1, s, true, tc, xc);
+            if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+            continue;
+        }
+        q8x_cols cx;
+        cx.nx = m;
+        cx.x_stride = x_stride;
+        cx.col_bytes = static_cast<uint32_t>(col_bytes);
+        size_t off = static_cast<size_t>(m) * col_bytes;
+        if (t.norm_w && any_f16) {
+            tc.xf_off = static_cast<uint32_t>(off);
+            off += static_cast<size_t>(m) * static_cast<size_t>(cols) * 4;
+        }
+        cx.part_off = static_cast<uint32_t>(off);
+        off += static_cast<size_t>(m) * static_cast<size_t>(max_parts) * 4;
+        if (m <= 4)
+            launch_q8x_cols_nc<4>(tc, cx, off, blocks, xc, what, s);
+        else
+            launch_q8x_cols_nc<16>(tc, cx, off, blocks, xc, what, s);
+    }
+    return true;
+}
+
+void check_columns(int nx, const float *x, int64_t x_stride, int64_t cols, const char *what) {
+    if (nx < 1 || nx > gemv_max_rows) throw error(std::string("cuda ds4 ") + what + ": 1.." + std::to_string(gemv_max_rows) + " rows of x");
+    if (x_stride < cols || x_stride % 4 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+        throw error(std::string("cuda ds4 ") + what + ": x rows must be >= cols floats apart, 16-byte aligned");
+}
+
 }  // namespace
+
+void gemv_rows_prepare() {
+    prepare_cols_kernels();
+}
+
+void launch_gemv_multi_rows(const gemv_segment *segs, int n_segs, int nx, const float *x, int64_t x_stride,
+                            cudaStream_t s) {
+    if (n_segs < 1 || n_segs > gemv_max_segments) throw error("cuda ds4 multi gemv rows: 1..8 segments");
+    check_segments(segs, n_segs, x, "multi gemv rows");
+    check_columns(nx, x, x_stride, segs[0].w.cols, "multi gemv rows");
+    int64_t rpg[gemv_max_segments];
+    for (int i = 0; i < n_segs; ++i) rpg[i] = segs[i].w.rows;
+    if (nx > 1 && launch_q8x_cols(segs, rpg, n_segs, nx, x, x_stride, "multi gemv rows", s)) return;
+    for (int c = 0; c < nx; ++c) {  // column by column: the single-x launches
+        gemv_segment sc[gemv_max_segments];
+        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows};
+        launch_segments(sc, rpg, n_segs, x + static_cast<int64_t>(c) * x_stride, "multi gemv rows", s);
+    }
+}
+
+void launch_gemv_rows(const gemv_weight &w, int nx, const float *x, int64_t x_stride, float *y, cudaStream_t s) {
+    const gemv_segment seg{w, y};
+    launch_gemv_multi_rows(&seg, 1, nx, x, x_stride, s);
+}
+
+void launch_gemv_grouped_rows(const gemv_weight &w, int64_t rows_per_group, int nx, const float *x, int64_t x_stride,
+                              float *y, cudaStream_t s) {
+    if (rows_per_group < 1) throw error("cuda ds4 grouped gemv rows: rows_per_group must be >= 1");
+    const gemv_segment seg{w, y};
+    check_segments(&seg, 1, x, "grouped gemv rows");
+    const int64_t groups = (w.rows + rows_per_group - 1) / rows_per_group;
+    check_columns(nx, x, x_stride, groups * w.cols, "grouped gemv rows");
+    if (nx > 1 && launch_q8x_cols(&seg, &rows_per_group, 1, nx, x, x_stride, "grouped gemv rows", s)) return;
+    for (int c = 0; c < nx; ++c) {
+        const gemv_segment sc{w, y + static_cast<int64_t>(c) * w.rows};
+        launch_segments(&sc, &rows_per_group, 1, x + static_cast<int64_t>(c) * x_stride, "grouped gemv rows", s);
+    }
+}
+
+void launch_gemv_multi_normed_rows(const gemv_segment *segs, int n_segs, int nx, float *x, int64_t x_stride,
+                                   const float *norm_w, float eps, cudaStream_t s) {
+    if (!norm_w) throw error("cuda ds4 normed gemv rows: null norm weight");
+    if (n_segs < 1 || n_segs > gemv_max_segments) throw error("cuda ds4 normed gemv rows: 1..8 segments");
+    check_segments(segs, n_segs, x, "normed gemv rows");
+    check_columns(nx, x, x_stride, segs[0].w.cols, "normed gemv rows");
+    int64_t rpg[gemv_max_segments];
+    for (int i = 0; i < n_segs; ++i) rpg[i] = segs[i].w.rows;
+    if (nx > 1 && launch_q8x_cols(segs, rpg, n_segs, nx, x, x_stride, "normed gemv rows", s, norm_w, eps)) return;
+    for (int c = 0; c < nx; ++c) {
+        gemv_segment sc[gemv_max_segments];
+        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows};
+        launch_gemv_multi_normed(sc, n_segs, x + static_cast<int64_t>(c) * x_stride, norm_w, eps, s);
+    }
+}
 
 void set_gemv_q8_activations(bool on) {
     g_q8x = on;

@@ -88,6 +88,24 @@ void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cud
 void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, const float *norm_w, float eps,
                               cudaStream_t s);
 
+// Several x at once (the rows of a multi-row decode step): x row c at x + c * x_stride (floats, a multiple
+// of 4, >= the x a single launch reads), outputs of row c at y + c * rows (each segment's y [nx, rows]).
+// Row c's outputs are bit-identical to the single-x launch above on x row c (the q8x kernel loads each
+// weight chunk once for all rows and repeats every row's own arithmetic; tables it does not take run the
+// single-x launches row by row). nx in 1..gemv_max_rows. The normed form leaves x's rows as the single
+// launch does (unspecified: x or the normed x).
+constexpr int gemv_max_rows = 16;
+// Raises the columns kernels' shared-memory limit on the current device (once; a launch with more than
+// 48 KiB does it too, which must not happen first inside a graph capture: call this at setup).
+void gemv_rows_prepare();
+void launch_gemv_rows(const gemv_weight &w, int nx, const float *x, int64_t x_stride, float *y, cudaStream_t s);
+void launch_gemv_grouped_rows(const gemv_weight &w, int64_t rows_per_group, int nx, const float *x, int64_t x_stride,
+                              float *y, cudaStream_t s);
+void launch_gemv_multi_rows(const gemv_segment *segs, int n_segs, int nx, const float *x, int64_t x_stride,
+                            cudaStream_t s);
+void launch_gemv_multi_normed_rows(const gemv_segment *segs, int n_segs, int nx, float *x, int64_t x_stride,
+                                   const float *norm_w, float eps, cudaStream_t s);
+
 // Process-wide switch of the q8_0 int8-activation path (default on); off: every table takes the
 // f32-activation kernel (tests and A/B benchmarks).
 void set_gemv_q8_activations(bool on);

@@ -114,6 +114,24 @@ class cuda_sequence {
     // the range ends with the last block, receives the state leaving it. logits as in eval() (only
     // when the range ends with the last block). Token ids are needed by every stage (hash routing).
     void eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits);
+    // Rows of this sequence (positions n_past, n_past + 1, ...) in multi-row steps of up to
+    // cuda::ds4::gemv_max_rows (16) rows, with plain decoding's numerics: every row's logits bit-identical
+    // to evaluating it alone by a decode step (batch invariance), where eval()'s chunked prefill would
+    // round products to bf16: what a speculative verification needs. The dense products read each weight
+    // once for all the rows of a step; a graph is captured per row count and replayed. logits [n, n_vocab]
+    // (every row's; may be empty), hc_out [n, n_hc * D] (the final HC state of every row before the HC
+    // head, the MTP head's input; may be empty). Throws as eval(); on a device-side error the sequence is
+    // reset.
+    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {});
+    // Rollback (the CPU state's ds4::truncate): forget positions [n, n_past). The raw ring keeps
+    // ds4::max_rollback rows more than the window and the compressor frontiers max_rollback slots more
+    // than a block reads, all indexed by position, so the rows of positions < n are intact and nothing
+    // is re-evaluated; compressed and indexer rows are counted from the position on the device. Allowed
+    // down to rollback_floor(): max_rollback positions below the furthest evaluated one (reached since
+    // the last reset or load), not below a loaded state's start. Throws fathom::error (nothing changed)
+    // outside [rollback_floor(), n_past]. The last logits are dropped unless n == n_past.
+    void truncate(int64_t n);
+    int64_t rollback_floor() const;
     // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
     int32_t step_greedy(int32_t token);
     // The last evaluated token's logits stay on the device (eval() with empty logits downloads
@@ -157,15 +175,32 @@ class cuda_sequence {
     // Uploads n_vocab logits as the last evaluated token's (a loaded state's saved logits).
     void restore_logits(std::span<const float> logits);
 
-  private:
+    // Batched step (the scheduler's decode of several sequences, or verifications side by side): the next
+    // counts[i] rows of seqs[i] (tokens: seqs[0]'s rows, then seqs[1]'s, ...; 1..16 rows in all) in ONE
+    // multi-row step, each row bit-identical to its own decode step. The sequences share the weights
+    // (cuda_upload) and n_ctx; the step runs on seqs[0]'s stream with its scratch, and each distinct
+    // composition ((sequence, rows) list) is captured once as a graph (an LRU of 32). logits [rows, n_vocab]
+    // and hc_out [rows, n_hc * D] of every row (either may be empty); every sequence's last logits become
+    // its last row's. Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
+    // other weights, more than 16 rows, a token outside the vocabulary, a full context; on a device-side
+    // error every sequence of the step is reset.
+    static void step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
+                           std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {});
+
+    // The device state and launch code (deepseek4_cuda.cpp; its executors of the DS4 forward drive it).
     struct impl;
+
+  private:
     std::unique_ptr<impl> p_;
     int64_t n_past_ = 0, n_ctx_ = 0, chunk_ = 0;
+    int64_t reached_ = 0, floor_ = 0;  // rollback bookkeeping (truncate)
     bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
     uint64_t replays_ = 0;
     void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits);
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
               float *x_out = nullptr);
+    void step_rows(std::span<const int32_t> tokens, float *logits_host, float *hc_host);
+
     void check_tokens(std::span<const int32_t> tokens) const;
 };
 

@@ -1,4 +1,4 @@
-// DS4 on one CUDA device (see ds4_model.h): weight upload, the sequence's device state, and the
+// DS4 on one CUDA device (see deepseek4_cuda.h): weight upload, the sequence's device state, and the
 // decode step as a chain of launches (ds4_kernels.h, ds4_attn_kernels.h, cuda_kernels.h) that reads
 // the token id and position from device memory, captured once as a CUDA graph.
 //
@@ -14,11 +14,12 @@
 // then HC head, RMSNorm, output head, device argmax. The KV row + compressor and the indexer run on
 // two side streams beside the query path (event fork / join; parallel branches of the graph), unless
 // cuda_run_options::serial_step or profiling.
-#include "backend/cuda/ds4_model.h"
+#include "models/cuda/deepseek4_cuda.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +40,7 @@
 #include "core/error.h"
 #include "core/state_io.h"
 #include "gguf/gguf.h"
+#include "models/deepseek4_exec.h"
 #include "models/deepseek4_impl.h"
 
 namespace fathom::ds4 {
@@ -246,6 +248,30 @@ void gemv_multi(std::initializer_list<std::pair<const dmat *, float *>> mats, fl
     if (norm_w) cuda::launch_rms_norm(x, n, norm_w, eps, n, 1, x, n, s);
     for (const auto &[m, y] : mats) gemv(*m, x, y, s);
 }
+// The same over nx rows of x (x_stride floats apart; every y is [nx, its weight's rows]): one launch of the
+// columns form when every weight has the fast form (each row's outputs bit-identical to its single-row
+// launch, ds4_gemv.h), else the single-row path row by row.
+void gemv_multi_rows(std::initializer_list<std::pair<const dmat *, float *>> mats, int nx, float *x, int64_t x_stride,
+                     cudaStream_t s, const float *norm_w = nullptr, float eps = 0.0f, int64_t n = 0) {
+    cd::gemv_segment seg[cd::gemv_max_segments];
+    int k = 0;
+    bool all_fast = mats.size() <= static_cast<size_t>(cd::gemv_max_segments);
+    for (const auto &[m, y] : mats) all_fast = all_fast && m->fast;
+    if (all_fast) {
+        for (const auto &[m, y] : mats) seg[k++] = {m->fw, y};
+        if (norm_w)
+            cd::launch_gemv_multi_normed_rows(seg, k, nx, x, x_stride, norm_w, eps, s);
+        else
+            cd::launch_gemv_multi_rows(seg, k, nx, x, x_stride, s);
+        return;
+    }
+    for (int r = 0; r < nx; ++r) {
+        float *xr = x + r * x_stride;
+        if (norm_w) cuda::launch_rms_norm(xr, n, norm_w, eps, n, 1, xr, n, s);
+        for (const auto &[m, y] : mats) gemv(*m, xr, y + r * m->rows, s);
+    }
+}
+
 // The prefill products' view of a weight (GGUF rows, or the repacked q8_0 of the fast form).
 cd::gemm_weight gw(const dmat &m) {
     cd::gemm_weight g;
@@ -292,6 +318,16 @@ void chunk_matmul_grouped(cd::gemm_runner &g, const dmat &m, int64_t rows_per_gr
     }
 }
 
+// Frontier rows of a compressor of this ratio (the CPU's new_layer_state: position-indexed, what a block
+// reads plus ds4::max_rollback) and raw ring rows (the window plus max_rollback): the rows a rolled-back
+// sequence reads again are still there (truncate).
+int frontier_slots(int ratio) {
+    return (ratio == 4 ? 2 * ratio : ratio) + static_cast<int>(max_rollback);
+}
+int ring_rows(const hparams &hp) {
+    return hp.window + static_cast<int>(max_rollback);
+}
+
 // One compressor's launch arguments (decode step and chunk): its weights, the frontier state, the
 // rows it emits (row_stride bytes apart, f16 or f32) and their capacity.
 cd::compressor_args comp_args(const hparams &hp, const dcomp &c, const cd::rope_args &yarn, cd::qat_kind qk, float *skv,
@@ -299,6 +335,7 @@ cd::compressor_args comp_args(const hparams &hp, const dcomp &c, const cd::rope_
     cd::compressor_args a;
     a.ratio = c.ratio;
     a.dim = c.dim;
+    a.slots = frontier_slots(c.ratio);
     a.ape = c.ape;
     a.norm_w = c.norm;
     a.eps = hp.rms_eps;
@@ -461,6 +498,7 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
         throw error("cuda ds4: device " + std::to_string(o.device) + " out of range (" + std::to_string(n_dev) +
                     " devices)");
     ck(cudaSetDevice(o.device), "selecting the device");
+    cd::gemv_rows_prepare();  // the multi-row steps' GEMV limits, before any graph capture
     const hparams &hp = m.hp;
     if (hp.n_hc > 5 || hp.head_dim > 512 || hp.idx_dim > 256 || hp.idx_head > 128)
         throw error("cuda ds4: geometry outside the CUDA kernels' limits (n_hc <= 5, head dim <= 512, indexer dim "
@@ -556,6 +594,7 @@ cd::sparse_attn_args attn_shape(const hparams &hp, int r, int64_t max_comp) {
     a.n_head = hp.n_head;
     a.d = hp.head_dim;
     a.window = hp.window;
+    a.ring_rows = ring_rows(hp);
     a.mode = r == 0 ? cd::comp_mode::none : r == 4 ? cd::comp_mode::list : cd::comp_mode::all;
     a.ratio = r;
     a.max_comp = r == 4 ? std::min<int64_t>(hp.idx_topk, max_comp) : max_comp;
@@ -665,6 +704,11 @@ struct cuda_sequence::impl {
     ~impl() {
         if (w) cudaSetDevice(w->device);
         if (graph) cudaGraphExecDestroy(graph);
+        if (rs) {
+            for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);
+            if (rs->h_tokens) cudaFreeHost(rs->h_tokens);
+            if (rs->h_pos) cudaFreeHost(rs->h_pos);
+        }
         for (void *p : allocs) cudaFree(p);
         if (h_pos) cudaFreeHost(h_pos);
         if (h_token) cudaFreeHost(h_token);
@@ -679,6 +723,32 @@ struct cuda_sequence::impl {
 
     void enqueue_attention(const dlayer &l, layer_state_dev &st);
     void enqueue_step();
+
+    // Multi-row steps (eval_rows of 2..gemv_max_rows rows): every activation [rows, ...] row-major, the
+    // rows' tokens and positions in device memory (uploaded from pinned copies), a graph per row count.
+    // Allocated on the first multi-row evaluation. Shared with the one-row step (used row by row, in
+    // stream order): score, sel, n_sel, part, mix / hc_part, the MoE scratch.
+    struct row_scratch {
+        int cap = 0;
+        int32_t *tokens = nullptr, *h_tokens = nullptr, *amax = nullptr;
+        int64_t *pos = nullptr, *h_pos = nullptr;
+        float *x[2] = {nullptr, nullptr};
+        float *xn, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *o, *z, *y, *zh, *logits;
+        // Graphs by step composition ((sequence id, rows) per sequence, this sequence first): a batch's
+        // graph holds its sequences' state addresses, and ids are never reused, so a graph of a destroyed
+        // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
+        static constexpr size_t kMaxGraphs = 32;
+        std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
+    };
+    // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
+    struct row_run {
+        impl *seq;
+        int first, count;
+    };
+    std::unique_ptr<row_scratch> rs;
+    uint64_t uid = 0;  // unique per sequence (the graph cache's key)
+    void alloc_rows();
+    void enqueue_rows(std::span<const row_run> runs, int n);
 
     // Prefill chunks (ds4_prefill.h): the scratch of one chunk (chunk_state, below the class), owned
     // (cs_own) while an evaluation uses it; with a prefill pool taken from it for the evaluation and given
@@ -738,13 +808,15 @@ size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, in
     size_t b = chunk_bytes(hp, kv, n_ctx, std::min(prefill_chunk, n_ctx));
     for (int il = 0; il < hp.n_layer; ++il) {
         const int r = hp.compress_ratio[static_cast<size_t>(il)];
-        b += static_cast<size_t>(hp.window) * hp.head_dim * e;
+        b += static_cast<size_t>(ring_rows(hp)) * hp.head_dim * e;
         if (r > 0) {
             const size_t c = r == 4 ? 2 : 1;
             b += static_cast<size_t>(comp_capacity(n_ctx, r)) * hp.head_dim * e +
-                 2 * (r == 4 ? 8 : static_cast<size_t>(r)) * c * hp.head_dim * 4;
+                 2 * static_cast<size_t>(frontier_slots(r)) * c * hp.head_dim * 4;
         }
-        if (r == 4) b += static_cast<size_t>(comp_capacity(n_ctx, r)) * hp.idx_dim * e + 2 * 8 * 2 * hp.idx_dim * 4;
+        if (r == 4)
+            b += static_cast<size_t>(comp_capacity(n_ctx, r)) * hp.idx_dim * e +
+                 2 * static_cast<size_t>(frontier_slots(4)) * 2 * hp.idx_dim * 4;
     }
     return b + (size_t{64} << 20);  // scratch (vocab logits, activations, attention partials)
 }
@@ -760,6 +832,8 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
     if (prefill_chunk < 0) throw error("cuda ds4: prefill_chunk must be >= 0");
     impl &p = *p_;
+    static std::atomic<uint64_t> next_uid{1};
+    p.uid = next_uid++;
     p.w = std::move(w);
     p.use_graph = use_graph;
     p.pool = std::move(pool);
@@ -797,17 +871,17 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     size_t part = 1;
     for (const dlayer &l : p.w->layers) {
         layer_state_dev st;
-        st.ring = p.dev<uint8_t>(static_cast<size_t>(hp.window) * d * p.kv_elem);
+        st.ring = p.dev<uint8_t>(static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
         if (l.ratio > 0) {
-            const int c = l.ratio == 4 ? 2 : 1, slots = l.ratio == 4 ? 8 : l.ratio;
-            st.comp_state_floats = static_cast<size_t>(slots) * c * d;
+            const int c = l.ratio == 4 ? 2 : 1;
+            st.comp_state_floats = static_cast<size_t>(frontier_slots(l.ratio)) * c * d;
             st.comp_kv = p.dev<float>(st.comp_state_floats);
             st.comp_score = p.dev<float>(st.comp_state_floats);
             st.max_comp = comp_capacity(n_ctx, l.ratio);
             st.comp_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
         }
         if (l.ratio == 4) {
-            st.ic_state_floats = static_cast<size_t>(8) * 2 * Id;
+            st.ic_state_floats = static_cast<size_t>(frontier_slots(4)) * 2 * Id;
             st.ic_kv = p.dev<float>(st.ic_state_floats);
             st.ic_score = p.dev<float>(st.ic_state_floats);
             st.idx_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
@@ -976,14 +1050,160 @@ void cuda_sequence::reset() {
         ck(cudaMemcpyAsync(score, inf.data(), n * sizeof(float), cudaMemcpyHostToDevice, p.s), "clearing");
     };
     for (layer_state_dev &st : p.ls) {
-        ck(cudaMemsetAsync(st.ring, 0, static_cast<size_t>(hp.window) * hp.head_dim * p.kv_elem, p.s), "clearing");
+        ck(cudaMemsetAsync(st.ring, 0, static_cast<size_t>(ring_rows(hp)) * hp.head_dim * p.kv_elem, p.s), "clearing");
         if (st.comp_kv) clear_frontier(st.comp_kv, st.comp_score, st.comp_state_floats);
         if (st.ic_kv) clear_frontier(st.ic_kv, st.ic_score, st.ic_state_floats);
     }
     ck(cudaStreamSynchronize(p.s), "clearing");
     *p.err_h = 0;
-    n_past_ = 0;
+    n_past_ = reached_ = floor_ = 0;
     have_logits_ = false;
+}
+
+int64_t cuda_sequence::rollback_floor() const {
+    return std::min(n_past_, std::max(floor_, reached_ - max_rollback));
+}
+
+void cuda_sequence::truncate(int64_t n) {
+    if (n > n_past_ || n < rollback_floor())
+        throw error("cuda ds4: cannot roll back to " + std::to_string(n) + " tokens (holds " + std::to_string(n_past_) +
+                    "; rollback reaches " + std::to_string(rollback_floor()) + ", at most " +
+                    std::to_string(max_rollback) + " positions behind the furthest evaluated one)");
+    if (n == n_past_) return;
+    n_past_ = n;  // every count the device derives (window span, compressed rows, indexer rows) follows it
+    have_logits_ = false;
+}
+
+void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab),
+                 S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: eval_rows needs the whole model on this device");
+    if (!logits.empty() && logits.size() != n * V)
+        throw error("cuda ds4: eval_rows logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(n * V));
+    if (!hc_out.empty() && hc_out.size() != n * S)
+        throw error("cuda ds4: eval_rows hc_out buffer of " + std::to_string(hc_out.size()) + " floats, expected " +
+                    std::to_string(n * S));
+    check_tokens(tokens);
+    for (size_t i0 = 0; i0 < n;) {
+        const size_t m = std::min(n - i0, static_cast<size_t>(cd::gemv_max_rows));
+        float *lg = logits.empty() ? nullptr : logits.data() + i0 * V;
+        float *hc = hc_out.empty() ? nullptr : hc_out.data() + i0 * S;
+        if (m == 1)
+            step(tokens[i0], lg, nullptr, nullptr, hc);
+        else
+            step_rows(tokens.subspan(i0, m), lg, hc);
+        i0 += m;
+    }
+}
+
+void cuda_sequence::step_rows(std::span<const int32_t> toks, float *logits_host, float *hc_host) {
+    cuda_sequence *self = this;
+    const int n = static_cast<int>(toks.size());
+    const size_t V = static_cast<size_t>(p_->w->hp.n_vocab), S = static_cast<size_t>(p_->w->hp.n_hc) * p_->w->hp.n_embd;
+    step_batch(std::span<cuda_sequence *const>(&self, 1), std::span<const int>(&n, 1), toks,
+               logits_host ? std::span<float>(logits_host, toks.size() * V) : std::span<float>(),
+               hc_host ? std::span<float>(hc_host, toks.size() * S) : std::span<float>());
+}
+
+void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
+                               std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+    if (seqs.empty() || counts.size() != seqs.size()) throw error("cuda ds4 batch: one row count per sequence");
+    impl &p = *seqs[0]->p_;
+    const hparams &hp = p.w->hp;
+    const size_t V = static_cast<size_t>(hp.n_vocab), S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    std::vector<impl::row_run> runs;
+    std::vector<uint64_t> key;
+    int n = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const std::string who = "cuda ds4 batch: sequence " + std::to_string(i);
+        if (!seqs[i]) throw error(who + " is null");
+        if (seqs[i]->p_->w != p.w) throw error(who + " has other weights");
+        if (!p.w->embed() || !p.w->head()) throw error("cuda ds4 batch: needs the whole model on this device");
+        for (size_t j = 0; j < i; ++j)
+            if (seqs[j] == seqs[i]) throw error(who + " is sequence " + std::to_string(j) + " again");
+        if (counts[i] < 1) throw error(who + ": no rows");
+        runs.push_back({seqs[i]->p_.get(), n, counts[i]});
+        key.push_back(seqs[i]->p_->uid);
+        key.push_back(static_cast<uint64_t>(counts[i]));
+        n += counts[i];
+    }
+    if (n > cd::gemv_max_rows || static_cast<size_t>(n) != tokens.size())
+        throw error("cuda ds4 batch: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) +
+                    " rows (at most " + std::to_string(cd::gemv_max_rows) + ")");
+    if ((!logits.empty() && logits.size() != static_cast<size_t>(n) * V) || (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n) * S))
+        throw error("cuda ds4 batch: logits / state buffers do not match the rows");
+    for (const impl::row_run &r : runs) {
+        cuda_sequence *q = seqs[static_cast<size_t>(&r - runs.data())];
+        q->check_tokens(tokens.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count)));
+    }
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    if (!p.rs) p.alloc_rows();
+    impl::row_scratch &rs = *p.rs;
+    for (size_t i = 0; i < runs.size(); ++i)
+        for (int k = 0; k < runs[i].count; ++k) {
+            rs.h_tokens[runs[i].first + k] = tokens[static_cast<size_t>(runs[i].first + k)];
+            rs.h_pos[runs[i].first + k] = seqs[i]->n_past_ + k;
+        }
+    ck(cudaMemcpyAsync(rs.tokens, rs.h_tokens, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading tokens");
+    ck(cudaMemcpyAsync(rs.pos, rs.h_pos, static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading positions");
+    if (p.use_graph) {
+        auto it = std::find_if(rs.graphs.begin(), rs.graphs.end(), [&](const auto &g) { return g.first == key; });
+        if (it == rs.graphs.end()) {
+            cudaGraph_t g = nullptr;
+            ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
+            try {
+                p.enqueue_rows(runs, n);
+            } catch (...) {
+                cudaStreamEndCapture(p.s, &g);
+                if (g) cudaGraphDestroy(g);
+                throw;
+            }
+            ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
+            cudaGraphExec_t gx = nullptr;
+            const cudaError_t e = cudaGraphInstantiate(&gx, g, 0);
+            cudaGraphDestroy(g);
+            ck(e, "instantiating the multi-row graph");
+            if (rs.graphs.size() >= impl::row_scratch::kMaxGraphs) {
+                cudaGraphExecDestroy(rs.graphs.front().second);
+                rs.graphs.erase(rs.graphs.begin());
+            }
+            rs.graphs.emplace_back(key, gx);
+            it = rs.graphs.end() - 1;
+        }
+        ck(cudaGraphLaunch(it->second, p.s), "launching the multi-row graph");
+        ++seqs[0]->replays_;
+    } else {
+        p.enqueue_rows(runs, n);
+    }
+    if (!logits.empty())
+        ck(cudaMemcpyAsync(logits.data(), rs.logits, static_cast<size_t>(n) * V * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading logits");
+    if (!hc_out.empty())
+        ck(cudaMemcpyAsync(hc_out.data(), rs.x[0], static_cast<size_t>(n) * S * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading the state");
+    // each sequence's last row's logits are its last logits (last_logits, logits_top)
+    for (const impl::row_run &r : runs)
+        ck(cudaMemcpyAsync(r.seq->logits, rs.logits + static_cast<size_t>(r.first + r.count - 1) * V, V * sizeof(float),
+                           cudaMemcpyDeviceToDevice, p.s),
+           "keeping the last logits");
+    ck(cudaStreamSynchronize(p.s), "multi-row step");
+    if (*p.err_h != 0) {
+        const uint32_t e = *p.err_h;
+        for (cuda_sequence *q : seqs) q->reset();
+        char b[16];
+        std::snprintf(b, sizeof b, "%x", e);
+        throw error("cuda ds4: device-side error 0x" + std::string(b) +
+                    " in a multi-row step (bad token/expert id or a row index past its buffer); its sequences were reset");
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        cuda_sequence &q = *seqs[i];
+        q.n_past_ += counts[i];
+        q.reached_ = std::max(q.reached_, q.n_past_);
+        q.have_logits_ = true;
+    }
 }
 
 void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st) {
@@ -1036,7 +1256,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     phase("attn kv (norm, rope, fp8, ring)");
     cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
-                               static_cast<size_t>(d) * kv_elem, hp.window, pos, sk);
+                               static_cast<size_t>(d) * kv_elem, ring_rows(hp), pos, sk);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
                           const float *a, const float *g, cudaStream_t on) {
         cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a, g,
@@ -1091,6 +1311,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     a.ring_f16 = f16;
     a.ring_stride = static_cast<size_t>(d) * kv_elem;
     a.window = hp.window;
+    a.ring_rows = ring_rows(hp);
     a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
     a.comp = st.comp_rows;
     a.comp_f16 = f16;
@@ -1113,65 +1334,308 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     (void)D;
 }
 
+namespace {
+
+// The decode step as an executor of the DS4 forward (deepseek4_exec.h: run_forward drives it): one row,
+// its token and position read from device memory (the step is captured once as a CUDA graph). HC: one
+// fused launch per sublayer (ds4_kernels.h launch_hc_pre_fused): a sublayer's HCPost is deferred
+// (pending) and folded into the next HCPre or the head; x[cur] is the state, or with a pending post the
+// state it was made from (x[1 - cur] receives the new one). The fused kernels' arrival counter is the
+// word after mix's (2 + n_hc) n_hc + 1 floats (allocated with mix), cleared once per step (the kernels
+// leave it zero; the clear makes a step self-contained). Blocks are the device's [w.first, w.last).
+class step_exec final : public executor {
+  public:
+    explicit step_exec(cuda_sequence::impl &p)
+        : p_(p), w_(*p.w), hcp_{w_.hp.n_hc, w_.hp.n_embd, w_.hp.sinkhorn_iters, w_.hp.hc_eps, w_.hp.rms_eps} {
+        const int nh = w_.hp.n_hc;
+        sync_ = reinterpret_cast<uint32_t *>(p.mix + (2 + nh) * nh + 1);
+        ck(cudaMemsetAsync(sync_, 0, sizeof(uint32_t), p.s), "clearing the hc counter");
+    }
+    void embed() override {
+        p_.phase("embedding");
+        const int64_t D = w_.hp.n_embd;
+        for (int k = 0; k < w_.hp.n_hc; ++k)
+            cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, w_.hp.n_vocab, p_.token, 1,
+                                  p_.x[0] + k * D, D, p_.err_d, p_.s);
+    }
+    void hc_pre(int il, sublayer which) override {
+        const dlayer &l = layer(il);
+        const bool attn = which == sublayer::attention;
+        const dhc &h = attn ? l.hc_attn : l.hc_ffn;
+        p_.phase("hc post + pre + rmsnorm");
+        cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                io(attn ? l.attn_norm : l.ffn_norm, p_.xn), p_.s);
+    }
+    void attention(int il) override { p_.enqueue_attention(layer(il), p_.ls[static_cast<size_t>(il - w_.first)]); }
+    void moe(int il) override {
+        p_.phase("moe (router, 6 routed + shared expert)");
+        cd::launch_moe_ffn(layer(il).moe, p_.xn, p_.token, p_.moe, p_.y, p_.err_d, p_.s);
+    }
+    void hc_post() override { pending_ = true; }
+    // HC head (with the last pending post), norm, output head, argmax; logits stay on the device.
+    void head() override {
+        p_.phase("head (hc post + head, norm, output, argmax)");
+        const dhc &h = w_.hc_head;
+        cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, io(w_.output_norm, p_.zh), p_.s);
+        gemv(w_.output, p_.zh, p_.logits, p_.s);
+        cd::launch_argmax(p_.logits, w_.hp.n_vocab, p_.amax, p_.s);
+    }
+    // A stage without the head: the pending post applied (two per block: the state is back in x[0]).
+    void end_stage() {
+        p_.phase("hc post");
+        if (pending_) cd::launch_hc_post(w_.hp.n_hc, w_.hp.n_embd, p_.y, p_.x[cur_], p_.post, p_.comb, p_.x[1 - cur_], p_.s);
+        pending_ = false;
+    }
+
+  private:
+    const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
+    cd::hc_fused_io io(const float *norm, float *out) {
+        cd::hc_fused_io r;
+        r.y = pending_ ? p_.y : nullptr;
+        r.x = p_.x[cur_];
+        r.x_new = pending_ ? p_.x[1 - cur_] : nullptr;
+        r.post = p_.post, r.comb = p_.comb, r.mix = p_.mix, r.sync = sync_, r.norm = norm, r.out = out;
+        r.part = p_.hc_part;
+        if (pending_) cur_ = 1 - cur_;
+        pending_ = false;
+        return r;
+    }
+    cuda_sequence::impl &p_;
+    const cuda_weights &w_;
+    const cd::hc_params hcp_;
+    uint32_t *sync_ = nullptr;
+    int cur_ = 0;
+    bool pending_ = false;
+};
+
+}  // namespace
+
 void cuda_sequence::impl::enqueue_step() {
-    const hparams &hp = w->hp;
-    const int64_t D = hp.n_embd;
-    const int nh = hp.n_hc;
-    phase("embedding");
-    if (w->embed())  // otherwise x[0] holds the state entering this stage (copied in by step())
-        for (int k = 0; k < nh; ++k)
-            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, token, 1,
-                                  x[0] + k * D, D, err_d, s);
-    const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
-    // HC: one fused launch per sublayer (ds4_kernels.h launch_hc_pre_fused): a sublayer's HCPost is
-    // deferred (pending) and folded into the next HCPre or the head; x[cur] is the state, or with a
-    // pending post the state it was made from (x[1 - cur] receives the new one). The fused kernels'
-    // arrival counter is the word after mix's (2 + n_hc) n_hc + 1 floats (allocated with mix),
-    // cleared once per step (the kernels leave it zero; the clear makes a step
-    // self-contained).
-    int cur = 0;
-    bool post_pending = false;
-    uint32_t *hc_sync = reinterpret_cast<uint32_t *>(mix + (2 + nh) * nh + 1);
-    ck(cudaMemsetAsync(hc_sync, 0, sizeof(uint32_t), s), "clearing the hc counter");
-    auto hc_io = [&](const float *norm, float *out) {
-        cd::hc_fused_io io;
-        io.y = post_pending ? y : nullptr;
-        io.x = x[cur];
-        io.x_new = post_pending ? x[1 - cur] : nullptr;
-        io.post = post, io.comb = comb, io.mix = mix, io.sync = hc_sync, io.norm = norm, io.out = out;
-        io.part = hc_part;
-        if (post_pending) cur = 1 - cur;
-        post_pending = false;
-        return io;
-    };
-    auto hc_pre = [&](const dhc &h, const float *norm) {
-        phase("hc post + pre + rmsnorm");
-        cd::launch_hc_pre_fused(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, hc_io(norm, xn), s);
-    };
-    auto hc_post = [&] { post_pending = true; };
-    for (size_t il = 0; il < w->layers.size(); ++il) {
-        const dlayer &l = w->layers[il];
-        hc_pre(l.hc_attn, l.attn_norm);
-        enqueue_attention(l, ls[il]);
-        hc_post();
-        hc_pre(l.hc_ffn, l.ffn_norm);
-        phase("moe (router, 6 routed + shared expert)");
-        cd::launch_moe_ffn(l.moe, xn, token, moe, y, err_d, s);
-        hc_post();
-    }
-    // Two HCPosts per block: the state leaving the blocks is back in x[0] (a stage's output).
-    if (!w->head()) {
-        phase("hc post");
-        if (post_pending) cd::launch_hc_post(nh, D, y, x[cur], post, comb, x[1 - cur], s);
-        phase("");
-        return;
-    }
-    phase("head (hc post + head, norm, output, argmax)");
-    const dhc &h = w->hc_head;
-    cd::launch_hc_head_fused(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, hc_io(w->output_norm, zh), s);
-    gemv(w->output, zh, logits, s);
-    cd::launch_argmax(logits, hp.n_vocab, amax, s);
+    step_exec ex(*this);
+    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), w->head());
+    if (!w->head()) ex.end_stage();
     phase("");
+}
+
+// ---- multi-row steps ---------------------------------------------------------------------------------
+// n rows of this sequence (positions n_past .. n_past + n - 1: a verification) in one forward with the
+// decode step's numerics: every row's logits bit-identical to its own decode step. The dense products
+// read each weight once for all rows (ds4_gemv.h's columns form); the per-row stages run the decode
+// launchers row by row (HC, indexer, attention, MoE) or their chunk forms where those are bit-identical
+// to them (RoPE'd query heads, compressors: ds4_prefill.h). Causality among the rows: every row's KV row
+// enters the ring and every compressor step runs (in row order) before any row attends, and a row reads
+// only positions <= its own (window span, compressed and indexer row counts from its position; the ring
+// and frontier slack of ds4::max_rollback keeps rows of later positions from landing on them).
+
+void cuda_sequence::impl::alloc_rows() {
+    const hparams &hp = w->hp;
+    auto r = std::make_unique<row_scratch>();
+    const size_t n = static_cast<size_t>(cd::gemv_max_rows), D = static_cast<size_t>(hp.n_embd),
+                 d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim), nh = static_cast<size_t>(hp.n_hc);
+    r->cap = cd::gemv_max_rows;
+    r->tokens = dev<int32_t>(n);
+    r->pos = dev<int64_t>(n);
+    r->amax = dev<int32_t>(n);
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_tokens), n * sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_pos), n * sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
+    r->x[0] = dev<float>(n * nh * D);
+    r->x[1] = dev<float>(n * nh * D);
+    r->xn = dev<float>(n * D);
+    r->post = dev<float>(n * nh);
+    r->comb = dev<float>(n * nh * nh);
+    r->q_lat = dev<float>(n * static_cast<size_t>(hp.q_lora));
+    r->q = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->kvrow = dev<float>(n * d);
+    r->ca = dev<float>(n * 2 * d);
+    r->cg = dev<float>(n * 2 * d);
+    r->iq = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)) * Id);
+    r->iw = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)));
+    r->ica = dev<float>(n * 2 * Id);
+    r->icg = dev<float>(n * 2 * Id);
+    r->o = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->z = dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
+    r->y = dev<float>(n * D);
+    r->zh = dev<float>(n * D);
+    r->logits = dev<float>(n * static_cast<size_t>(hp.n_vocab));
+    rs = std::move(r);
+}
+
+namespace {
+
+class rows_exec final : public executor {
+  public:
+    using row_run = cuda_sequence::impl::row_run;
+    // p: the step's host sequence (its stream, error word, shared scratch and row scratch); runs: the
+    // rows of each sequence, in row order, n rows in all.
+    rows_exec(cuda_sequence::impl &p, std::span<const row_run> runs, int n)
+        : p_(p), runs_(runs), w_(*p.w), r_(*p.rs), n_(n), hp_(w_.hp), hcp_{hp_.n_hc, hp_.n_embd, hp_.sinkhorn_iters, hp_.hc_eps, hp_.rms_eps},
+          D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd) {
+        const int nh = hp_.n_hc;
+        sync_ = reinterpret_cast<uint32_t *>(p.mix + (2 + nh) * nh + 1);
+        ck(cudaMemsetAsync(sync_, 0, sizeof(uint32_t), p.s), "clearing the hc counter");
+    }
+    void embed() override {
+        for (int k = 0; k < hp_.n_hc; ++k)
+            cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D_, hp_.n_vocab, r_.tokens, n_,
+                                  r_.x[0] + k * D_, S_, p_.err_d, p_.s);
+    }
+    void hc_pre(int il, sublayer which) override {
+        const dlayer &l = layer(il);
+        const bool attn = which == sublayer::attention;
+        const dhc &h = attn ? l.hc_attn : l.hc_ffn;
+        for (int r = 0; r < n_; ++r)
+            cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                    io(r, attn ? l.attn_norm : l.ffn_norm, r_.xn + r * D_), p_.s);
+        flip();
+    }
+    void attention(int il) override;
+    void moe(int il) override {
+        const dlayer &l = layer(il);
+        for (int r = 0; r < n_; ++r)
+            cd::launch_moe_ffn(l.moe, r_.xn + r * D_, r_.tokens + r, p_.moe, r_.y + r * D_, p_.err_d, p_.s);
+    }
+    void hc_post() override { pending_ = true; }
+    void head() override {
+        const dhc &h = w_.hc_head;
+        for (int r = 0; r < n_; ++r)
+            cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                     io(r, w_.output_norm, r_.zh + r * D_), p_.s);
+        flip();
+        if (w_.output.fast)
+            cd::launch_gemv_rows(w_.output.fw, n_, r_.zh, D_, r_.logits, p_.s);
+        else
+            for (int r = 0; r < n_; ++r) gemv(w_.output, r_.zh + r * D_, r_.logits + r * hp_.n_vocab, p_.s);
+        for (int r = 0; r < n_; ++r) cd::launch_argmax(r_.logits + r * hp_.n_vocab, hp_.n_vocab, r_.amax + r, p_.s);
+    }
+
+  private:
+    const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
+    // Row r's fused-HC arguments (step_exec's, at row r's offsets); flip() then moves every row on.
+    cd::hc_fused_io io(int r, const float *norm, float *out) const {
+        cd::hc_fused_io o;
+        o.y = pending_ ? r_.y + r * D_ : nullptr;
+        o.x = r_.x[cur_] + r * S_;
+        o.x_new = pending_ ? r_.x[1 - cur_] + r * S_ : nullptr;
+        o.post = r_.post + r * hp_.n_hc, o.comb = r_.comb + r * hp_.n_hc * hp_.n_hc, o.mix = p_.mix, o.sync = sync_;
+        o.norm = norm, o.out = out;
+        o.part = p_.hc_part;
+        return o;
+    }
+    void flip() {
+        if (pending_) cur_ = 1 - cur_;
+        pending_ = false;
+    }
+    cuda_sequence::impl &p_;
+    std::span<const row_run> runs_;
+    const cuda_weights &w_;
+    cuda_sequence::impl::row_scratch &r_;
+    const int n_;
+    const hparams &hp_;
+    const cd::hc_params hcp_;
+    const int64_t D_, S_;
+    uint32_t *sync_ = nullptr;
+    int cur_ = 0;
+    bool pending_ = false;
+};
+
+void rows_exec::attention(int il) {
+    const dlayer &l = layer(il);
+    const size_t li = static_cast<size_t>(il - w_.first);
+    const qat_mode qat = w_.opt.qat;
+    const int64_t d = hp_.head_dim, Id = hp_.idx_dim, H = hp_.n_head, IH = hp_.idx_head;
+    const bool f16 = p_.kv_elem == 2, idx = l.ratio == 4;
+    const cd::rope_args rope{l.ratio > 0 ? w_.rope_yarn : w_.rope_plain, hp_.n_rot};
+    const cd::rope_args yarn{w_.rope_yarn, hp_.n_rot};
+    const cudaStream_t s = p_.s;
+    // projections of every row's xn
+    if (idx)
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}, {&l.idx_proj, r_.iw},
+                         {&l.idx_comp.kv, r_.ica}, {&l.idx_comp.gate, r_.icg}},
+                        n_, r_.xn, D_, s);
+    else if (l.ratio > 0)
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}}, n_, r_.xn, D_, s);
+    else
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}}, n_, r_.xn, D_, s);
+    // every row's KV row into its sequence's ring, each sequence's compressors over its rows (= its steps,
+    // bit for bit)
+    const cd::qat_kind kvq = qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none;
+    const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+    const int64_t cw = (idx ? 2 : 1) * d;
+    for (const row_run &run : runs_) {
+        layer_state_dev &st = run.seq->ls[li];
+        const int f = run.first;
+        for (int r = f; r < f + run.count; ++r)
+            cd::launch_kv_finish_store(r_.kvrow + r * d, static_cast<int>(d), l.kv_norm, hp_.rms_eps, rope, kvq, st.ring, f16,
+                                       static_cast<size_t>(d) * p_.kv_elem, ring_rows(hp_), r_.pos + r, s);
+        if (l.ratio > 0)
+            cd::launch_compressor_chunk(comp_args(hp_, l.comp, yarn, kvq, st.comp_kv, st.comp_score, st.comp_rows, f16,
+                                                  d * p_.kv_elem, st.max_comp),
+                                        r_.ca + f * cw, r_.cg + f * cw, run.count, r_.pos + f, p_.err_d, s);
+        if (idx)
+            cd::launch_compressor_chunk(comp_args(hp_, l.idx_comp, yarn, iqk, st.ic_kv, st.ic_score, st.idx_rows, f16,
+                                                  Id * p_.kv_elem, st.max_comp),
+                                        r_.ica + f * 2 * Id, r_.icg + f * 2 * Id, run.count, r_.pos + f, p_.err_d, s);
+    }
+    // queries (RMSNorm(q_lat) folded into q_b's staging as in the step), heads normed and RoPE'd per row
+    if (idx)
+        gemv_multi_rows({{&l.q_b, r_.q}, {&l.idx_q_b, r_.iq}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
+    else
+        gemv_multi_rows({{&l.q_b, r_.q}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
+    for (const row_run &run : runs_) {  // positions are consecutive within a run
+        const int f = run.first;
+        cd::launch_head_norm_rope_batch(r_.q + f * H * d, run.count, hp_.n_head, static_cast<int>(d), true, hp_.rms_eps, rope,
+                                        cd::qat_kind::none, r_.pos + f, s);
+        if (idx)
+            cd::launch_head_norm_rope_batch(r_.iq + f * IH * Id, run.count, hp_.idx_head, static_cast<int>(Id), false, hp_.rms_eps,
+                                            yarn, iqk, r_.pos + f, s);
+    }
+    // per row: its indexer selection, its attention (the decode launchers at its position)
+    cd::sparse_attn_args a;
+    a.n_head = hp_.n_head;
+    a.d = static_cast<int>(d);
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    a.sinks = l.sinks;
+    a.ring_f16 = f16;
+    a.ring_stride = static_cast<size_t>(d) * p_.kv_elem;
+    a.window = hp_.window;
+    a.ring_rows = ring_rows(hp_);
+    a.mode = l.ratio == 0 ? cd::comp_mode::none : idx ? cd::comp_mode::list : cd::comp_mode::all;
+    a.comp_f16 = f16;
+    a.comp_stride = static_cast<size_t>(d) * p_.kv_elem;
+    a.ratio = l.ratio;
+    a.sel = p_.sel;
+    a.n_sel = p_.n_sel;
+    a.rope = rope;
+    const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
+    for (const row_run &run : runs_) {
+        const layer_state_dev &st = run.seq->ls[li];
+        a.ring = st.ring;
+        a.comp = st.comp_rows;
+        a.max_comp = idx ? std::min<int64_t>(hp_.idx_topk, st.max_comp) : st.max_comp;
+        for (int r = run.first; r < run.first + run.count; ++r) {
+            if (idx)
+                cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, Id * p_.kv_elem, 4,
+                                        st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, p_.score,
+                                        p_.sel, p_.n_sel, s, w_.opt.exact_indexer);
+            cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, p_.part, r_.o + r * H * d, s);
+        }
+    }
+    // output projections over all rows
+    const int64_t gd = static_cast<int64_t>(hp_.n_head / hp_.o_groups) * d, zw = static_cast<int64_t>(hp_.o_groups) * hp_.o_rank;
+    if (l.out_a.fast)
+        cd::launch_gemv_grouped_rows(l.out_a.fw, hp_.o_rank, n_, r_.o, H * d, r_.z, s);
+    else
+        for (int r = 0; r < n_; ++r)
+            cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp_.o_rank, hp_.o_groups, r_.o + r * H * d,
+                                    r_.z + r * zw, s);
+    gemv_multi_rows({{&l.out_b, r_.y}}, n_, r_.z, zw, s);
+}
+
+}  // namespace
+
+void cuda_sequence::impl::enqueue_rows(std::span<const row_run> runs, int n) {
+    rows_exec ex(*this, runs, n);
+    run_forward(ex, w->hp.n_layer, w->first, w->last, true, true);
 }
 
 // ---- prefill chunks ------------------------------------------------------------------------------
@@ -1236,6 +1700,7 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     a.ring_f16 = f16;
     a.ring_stride = row_stride;
     a.window = hp.window;
+    a.ring_rows = ring_rows(hp);
     a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
     a.comp = st.comp_rows;
     a.comp_f16 = f16;
@@ -1249,44 +1714,70 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
                                            cs->o, s);
     // Every token of the chunk has attended: the ring takes the chunk's last rows.
     cd::launch_ring_store_tail(cs->kv_rows, row_stride, n, static_cast<int>(d), static_cast<int>(kv_elem), st.ring,
-                               row_stride, hp.window, pos, s);
+                               row_stride, ring_rows(hp), pos, s);
     chunk_matmul_grouped(g, l.out_a, hp.o_rank, hp.o_groups, cs->o, H * d, n, cs->z, hp.o_groups * hp.o_rank, s);
     chunk_matmul(g, l.out_b, cs->z, hp.o_groups * hp.o_rank, n, cs->y, D, s);
 }
 
-void cuda_sequence::impl::enqueue_chunk(int64_t n) {
-    const hparams &hp = w->hp;
-    const int64_t D = hp.n_embd, S = hp.n_hc * D;
-    const int nh = hp.n_hc;
-    if (w->embed())  // otherwise cs->x[0] holds the state entering this stage
-        for (int k = 0; k < nh; ++k)
-            cuda::launch_get_rows(w->tok_embd.type, w->tok_embd.p, w->tok_embd.row_bytes, D, hp.n_vocab, cs->tokens, n,
-                                  cs->x[0] + k * D, S, err_d, s);
-    const cd::hc_params hcp{nh, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
-    int cur = 0;
-    auto hc_pre = [&](const dhc &h, const float *norm) {
-        cd::launch_hc_pre_batch(hcp, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, cs->x[cur], n, cs->mix, cs->xn,
-                                cs->post, cs->comb, s);
-        cuda::launch_rms_norm(cs->xn, D, norm, hp.rms_eps, D, n, cs->xn, D, s);
-    };
-    auto hc_post = [&] {
-        cd::launch_hc_post_batch(nh, D, n, cs->y, cs->x[cur], cs->post, cs->comb, cs->x[1 - cur], s);
-        cur = 1 - cur;
-    };
-    for (size_t il = 0; il < w->layers.size(); ++il) {
-        const dlayer &l = w->layers[il];
-        hc_pre(l.hc_attn, l.attn_norm);
-        enqueue_chunk_attention(l, ls[il], n);
-        hc_post();
-        hc_pre(l.hc_ffn, l.ffn_norm);
-        if (cs->moe) {
-            cs->moe->forward(l.moe, cs->xn, cs->tokens, n, cs->y, err_d);
-        } else {
-            for (int64_t t = 0; t < n; ++t)
-                cd::launch_moe_ffn(l.moe, cs->xn + t * D, cs->tokens + t, moe, cs->y + t * D, err_d, s);
-        }
-        hc_post();
+namespace {
+
+// A prefill chunk as an executor of the DS4 forward: the chunk's n rows of one sequence (cs->tokens,
+// position *pos) through this device's blocks, products matrix-matrix, the element-wise kernels over a
+// token dimension; the state leaving the blocks is in cs->x[0] (two HCPosts per block). The head is the
+// caller's (eval_chunk: the rows whose logits are wanted). Synchronises once per layer (MoE expert counts).
+class chunk_exec final : public executor {
+  public:
+    chunk_exec(cuda_sequence::impl &p, int64_t n)
+        : p_(p), w_(*p.w), cs_(*p.cs), n_(n), hcp_{w_.hp.n_hc, w_.hp.n_embd, w_.hp.sinkhorn_iters, w_.hp.hc_eps, w_.hp.rms_eps} {}
+    void embed() override {
+        const int64_t D = w_.hp.n_embd, S = w_.hp.n_hc * D;
+        for (int k = 0; k < w_.hp.n_hc; ++k)
+            cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, w_.hp.n_vocab, cs_.tokens, n_,
+                                  cs_.x[0] + k * D, S, p_.err_d, p_.s);
     }
+    void hc_pre(int il, sublayer which) override {
+        const dlayer &l = layer(il);
+        const bool attn = which == sublayer::attention;
+        const dhc &h = attn ? l.hc_attn : l.hc_ffn;
+        const int64_t D = w_.hp.n_embd;
+        cd::launch_hc_pre_batch(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, cs_.x[cur_], n_, cs_.mix, cs_.xn,
+                                cs_.post, cs_.comb, p_.s);
+        cuda::launch_rms_norm(cs_.xn, D, attn ? l.attn_norm : l.ffn_norm, w_.hp.rms_eps, D, n_, cs_.xn, D, p_.s);
+    }
+    void attention(int il) override {
+        p_.enqueue_chunk_attention(layer(il), p_.ls[static_cast<size_t>(il - w_.first)], n_);
+    }
+    void moe(int il) override {
+        const dlayer &l = layer(il);
+        const int64_t D = w_.hp.n_embd;
+        if (cs_.moe) {
+            cs_.moe->forward(l.moe, cs_.xn, cs_.tokens, n_, cs_.y, p_.err_d);
+        } else {
+            for (int64_t t = 0; t < n_; ++t)
+                cd::launch_moe_ffn(l.moe, cs_.xn + t * D, cs_.tokens + t, p_.moe, cs_.y + t * D, p_.err_d, p_.s);
+        }
+    }
+    void hc_post() override {
+        cd::launch_hc_post_batch(w_.hp.n_hc, w_.hp.n_embd, n_, cs_.y, cs_.x[cur_], cs_.post, cs_.comb, cs_.x[1 - cur_], p_.s);
+        cur_ = 1 - cur_;
+    }
+    void head() override {}  // eval_chunk's: per wanted row, from cs->x[0]
+
+  private:
+    const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
+    cuda_sequence::impl &p_;
+    const cuda_weights &w_;
+    chunk_state &cs_;
+    int64_t n_;
+    const cd::hc_params hcp_;
+    int cur_ = 0;
+};
+
+}  // namespace
+
+void cuda_sequence::impl::enqueue_chunk(int64_t n) {
+    chunk_exec ex(*this, n);
+    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), false);
 }
 
 // Logits of token i of the chunk (its state in cs->x[0]): HC head, norm, output head, argmax.
@@ -1328,35 +1819,38 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
                     std::to_string(*p.h_pos) + " (bad token/expert id or a row index past its buffer); the sequence was reset");
     }
     n_past_ += n;
+    reached_ = std::max(reached_, n_past_);
     have_logits_ = p.w->head();
 }
 
 // ---- saved states -------------------------------------------------------------------------------------
-// The stream is ds4::write_state's (deepseek4_state.cpp, docs/prompt-cache.md "DS4 state"): u32 magic
-// "DS41", u32 version 1, u64 n_layer, n_past, KV precision (0 f16, 1 f32), QAT (0 full, 1 fp4only,
-// 2 off), window, head_dim, idx_dim, then per layer u64 ratio, the raw ring, and (ratio > 0) the
-// compressor frontier kv / score (f32) and n_past / ratio compressed rows, (ratio 4) the indexer
-// frontier and n_past / 4 indexer rows. The device buffers hold exactly these layouts.
+// The stream is ds4::write_state's (deepseek4_state.cpp, docs/prompt-cache.md "DS4 state"). The device
+// buffers have the layouts of the CPU's layer_state (position-indexed raw ring of window + max_rollback
+// rows, position-indexed frontiers, rows in order), so a layer goes through a host layer_state and
+// ds4::put_layer_state / get_layer_state, one layer at a time.
 namespace {
-// A layer's device buffers in stream order after its u64 ratio: (device address, bytes), every size
-// from the geometry and n_past.
+// (device address, host bytes) of a layer's buffers in a host layer_state of the same layout; the row
+// stores sized for n_past first.
 struct state_region {
     void *dev;
-    size_t bytes;
+    std::span<uint8_t> host;
 };
-std::vector<state_region> layer_regions(const hparams &hp, const layer_state_dev &st, int ratio, int64_t n_past,
-                                        size_t kv_elem) {
-    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
-    std::vector<state_region> r{{st.ring, static_cast<size_t>(hp.window) * d * kv_elem}};
+std::span<uint8_t> float_bytes(std::vector<float> &v) {
+    return {reinterpret_cast<uint8_t *>(v.data()), v.size() * sizeof(float)};
+}
+std::vector<state_region> layer_regions(const layer_state_dev &st, int ratio, int64_t n_past, layer_state &h) {
+    std::vector<state_region> r{{st.ring, h.raw.bytes()}};
     if (ratio > 0) {
-        r.push_back({st.comp_kv, st.comp_state_floats * sizeof(float)});
-        r.push_back({st.comp_score, st.comp_state_floats * sizeof(float)});
-        r.push_back({st.comp_rows, static_cast<size_t>(n_past / ratio) * d * kv_elem});
+        h.comp_rows.resize(n_past / ratio);
+        r.push_back({st.comp_kv, float_bytes(h.comp.kv)});
+        r.push_back({st.comp_score, float_bytes(h.comp.score)});
+        r.push_back({st.comp_rows, h.comp_rows.bytes()});
     }
     if (ratio == 4) {
-        r.push_back({st.ic_kv, st.ic_state_floats * sizeof(float)});
-        r.push_back({st.ic_score, st.ic_state_floats * sizeof(float)});
-        r.push_back({st.idx_rows, static_cast<size_t>(n_past / 4) * Id * kv_elem});
+        h.idx_rows.resize(n_past / 4);
+        r.push_back({st.ic_kv, float_bytes(h.idx_comp.kv)});
+        r.push_back({st.ic_score, float_bytes(h.idx_comp.score)});
+        r.push_back({st.idx_rows, h.idx_rows.bytes()});
     }
     return r;
 }
@@ -1369,15 +1863,13 @@ void cuda_sequence::save_state(state_writer &w) const {
     ck(cudaSetDevice(p.w->device), "selecting the device");
     ck(cudaStreamSynchronize(p.s), "saving the state");
     put_state_header(w, hp, n_past_, p.w->opt.kv, p.w->opt.qat);
-    std::vector<uint8_t> host;
     for (size_t il = 0; il < p.ls.size(); ++il) {
         const int ratio = p.w->layers[il].ratio;
-        state_io::put<uint64_t>(w, static_cast<uint64_t>(ratio));
-        for (const state_region &g : layer_regions(hp, p.ls[il], ratio, n_past_, p.kv_elem)) {
-            host.resize(g.bytes);
-            if (g.bytes) ck(cudaMemcpy(host.data(), g.dev, g.bytes, cudaMemcpyDeviceToHost), "saving the state");
-            w.write(host.data(), g.bytes);
-        }
+        layer_state h = new_layer_state(hp, ratio, p.w->opt.kv);
+        for (const state_region &g : layer_regions(p.ls[il], ratio, n_past_, h))
+            if (!g.host.empty())
+                ck(cudaMemcpy(g.host.data(), g.dev, g.host.size(), cudaMemcpyDeviceToHost), "saving the state");
+        put_layer_state(w, hp, ratio, h, n_past_);
     }
 }
 
@@ -1392,21 +1884,20 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
     try {
         check_state_header(r, hp, n_past, p.w->opt.kv, p.w->opt.qat);
         ck(cudaSetDevice(p.w->device), "selecting the device");
-        std::vector<uint8_t> host;
         for (size_t il = 0; il < p.ls.size(); ++il) {
             const int ratio = p.w->layers[il].ratio;
-            state_io::expect(r, static_cast<uint64_t>(ratio), ("compression ratio of layer " + std::to_string(il)).c_str());
-            for (const state_region &g : layer_regions(hp, p.ls[il], ratio, n_past, p.kv_elem)) {
-                host.resize(g.bytes);
-                r.read(host.data(), g.bytes);
-                if (g.bytes) ck(cudaMemcpy(g.dev, host.data(), g.bytes, cudaMemcpyHostToDevice), "loading the state");
-            }
+            layer_state h = new_layer_state(hp, ratio, p.w->opt.kv);
+            get_layer_state(r, hp, static_cast<int>(il), h, n_past);
+            for (const state_region &g : layer_regions(p.ls[il], ratio, n_past, h))
+                if (!g.host.empty())
+                    ck(cudaMemcpy(g.dev, g.host.data(), g.host.size(), cudaMemcpyHostToDevice), "loading the state");
         }
     } catch (...) {
         reset();
         throw;
     }
     n_past_ = n_past;
+    reached_ = floor_ = n_past;  // the stream keeps no rows older than plain decoding reads
     have_logits_ = false;
 }
 
@@ -1542,6 +2033,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     }
     if (argmax_host) *argmax_host = *p.h_amax;
     ++n_past_;
+    reached_ = std::max(reached_, n_past_);
     have_logits_ = p.w->head();
 }
 
@@ -1635,14 +2127,14 @@ void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
     for (size_t il = 0; il < p.ls.size(); ++il) {
         const int r = p.w->layers[il].ratio;
         layer_state_dev &ls = p.ls[il];
-        fill(ls.ring, static_cast<size_t>(hp.window) * d * p.kv_elem);
+        fill(ls.ring, static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
         if (r > 0 && n / r > 0) fill(ls.comp_rows, static_cast<size_t>(n / r) * d * p.kv_elem);
         if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
     }
     // The copies ran on the legacy stream, which the sequence's non-blocking streams do not wait
     // for (a device-to-device cudaMemcpy may return before it completes).
     ck(cudaDeviceSynchronize(), "filling state");
-    n_past_ = n;
+    n_past_ = reached_ = floor_ = n;
 }
 
 std::vector<std::pair<std::string, float>> cuda_sequence::profile_step(int32_t tok) {
@@ -1679,6 +2171,7 @@ std::vector<std::pair<std::string, float>> cuda_sequence::profile_step(int32_t t
     }
     for (auto &m : marks) cudaEventDestroy(m.second);
     ++n_past_;
+    reached_ = std::max(reached_, n_past_);
     return out;
 }
 
