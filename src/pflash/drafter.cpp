@@ -8,12 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <cmath>
-#include <thread>
 
-#include "backend/cpu/vec.h"
 #include "core/error.h"
 #include "engine/device.h"
 #ifdef FATHOM_ENGINE_CUDA
