@@ -136,9 +136,10 @@ struct dense_trace {
 // Attention hook, for PFlash's drafter (src/pflash/drafter.cpp: it keeps pre-RoPE keys and queries
 // for its scores and prefills with a sliding window). Off (fn null, window 0, stop_layer -1) by default.
 struct dense_attn_hook {
-    // Called in each layer after the q/k projections (+ biases, + q/k norms), before RoPE, with
-    // q [rows, n_head*head_dim] and k [rows, n_head_kv*head_dim] of every row (backend tensors, valid
-    // only during the call; the hook may read or copy them, not change them).
+    // Called in each layer after the q/k projections (+ biases, + q/k norms), before RoPE and before
+    // gemma3's q scale, with q [rows, n_head*head_dim] and k [rows, n_head_kv*head_dim] of every row
+    // in the forward's row layout (dense_scratch::row0; a batch of one: token order). Backend tensors,
+    // valid only during the call: the hook may read or copy them, not change them.
     void (*fn)(void *user, int32_t layer, const tensor &q, const tensor &k) = nullptr;
     void *user = nullptr;
     // > 0: every layer attends to at most the last `window` positions (the model's own window still

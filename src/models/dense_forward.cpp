@@ -78,7 +78,8 @@ int64_t plan_rows(const dense_hparams &hp, dense_scratch &s, std::span<const den
         if (!q.kv.cache == !q.kv.pool) throw error(who + " needs exactly one of a KV cache and a KV pool sequence");
         const int64_t n = static_cast<int64_t>(q.tokens.size());
         if (n == 0) throw error(who + " has no tokens");
-        if (q.logits && (q.n_out < 0 || q.n_out > n)) throw error(who + ": n_out outside [0, " + std::to_string(n) + "]");
+        if (q.logits && (q.n_out < 0 || q.n_out > n))
+            throw error(who + ": n_out outside [0, " + std::to_string(n) + "]");
         int64_t cap = 0;
         if (q.kv.cache) {
             const kv_cache &c = *q.kv.cache;
@@ -93,15 +94,16 @@ int64_t plan_rows(const dense_hparams &hp, dense_scratch &s, std::span<const den
             cap = static_cast<int64_t>(s.kv_blocks[i].size()) * p.block_tokens();
         }
         if (q.pos < 0 || q.pos + n > cap)
-            throw error(who + ": positions [" + std::to_string(q.pos) + ", " + std::to_string(q.pos + n) + ") exceed the " +
-                        (q.kv.cache ? "context " : "KV blocks held ") + std::to_string(cap));
+            throw error(who + ": positions [" + std::to_string(q.pos) + ", " + std::to_string(q.pos + n) +
+                        ") exceed the " + (q.kv.cache ? "context " : "KV blocks held ") + std::to_string(cap));
         for (int32_t t : q.tokens)
             if (t < 0 || t >= hp.n_vocab)
                 throw error("forward: token id " + std::to_string(t) + " outside the vocabulary [0, " +
                             std::to_string(hp.n_vocab) + ")");
         for (size_t j = 0; j < i; ++j)
             if (seqs[j].kv.cache == q.kv.cache && seqs[j].kv.pool == q.kv.pool && seqs[j].kv.seq == q.kv.seq)
-                throw error("forward: sequences " + std::to_string(j) + " and " + std::to_string(i) + " share one cache");
+                throw error("forward: sequences " + std::to_string(j) + " and " + std::to_string(i) +
+                            " share one cache");
     }
     // One-token sequences first (rows [0, n_single)), then the multi-token ones.
     s.row0.assign(B, 0);
@@ -115,7 +117,8 @@ int64_t plan_rows(const dense_hparams &hp, dense_scratch &s, std::span<const den
             n += static_cast<int64_t>(seqs[i].tokens.size());
         }
     if (n > s.n_batch)
-        throw error("forward: " + std::to_string(n) + " rows exceed the scratch's n_batch " + std::to_string(s.n_batch));
+        throw error("forward: " + std::to_string(n) + " rows exceed the scratch's n_batch " +
+                    std::to_string(s.n_batch));
     s.ids.resize(static_cast<size_t>(n));
     for (size_t i = 0; i < B; ++i)
         std::copy(seqs[i].tokens.begin(), seqs[i].tokens.end(), s.ids.begin() + s.row0[i]);
