@@ -20,7 +20,6 @@
 #include "backend/backend.h"
 #include "cache/identity.h"
 #include "chat/chat_template.h"
-#include "engine/batch_decode.h"
 #include "engine/sync_plan.h"
 #include "engine/ds4_session.h"
 #include "core/error.h"
@@ -302,9 +301,9 @@ public:
         pool_->configure(block_tokens, arena_blocks(block_tokens), max_blocks);
         return true;
     }
-    // One forward for all sessions' tokens (src/engine/batch_decode.cpp); defined below session_impl.
+    // One forward for all sessions' tokens (dense_forward over a batch); defined below session_impl.
     void decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) override;
-    // Paged (CPU): every item's missing tokens in one forward (batch_decode.cpp); otherwise (CUDA,
+    // Paged (CPU): every item's missing tokens in one forward (dense_forward over a batch); otherwise (CUDA,
     // whose GEMM numerics depend on the row count) engine::sync_step's decode_step + per-session sync.
     void sync_step(std::span<const sync_item> items) override;
 
@@ -436,11 +435,17 @@ private:
     };
     std::vector<step_work> plan_sync_step(std::span<const sync_item> items, std::vector<size_t> &alone);
     void run_sync_step(std::vector<step_work> &work);
-    dense_batch_decoder &batch() {
-        if (!batch_) batch_ = std::make_unique<dense_batch_decoder>(*model_, *be_);
-        return *batch_;
+    // One batched forward over seqs (under forward_mutex_), in batch_scratch_: created on the first
+    // batched step and grown (at least doubling) when a step has more rows than it holds.
+    void run_batch(std::span<const dense_seq> seqs) {
+        int64_t rows = 0;
+        for (const dense_seq &sq : seqs) rows += static_cast<int64_t>(sq.tokens.size());
+        if (!batch_scratch_ || batch_scratch_->n_batch < rows)
+            batch_scratch_ = dense_scratch_create(model_->hp, *be_,
+                                                  std::max<int64_t>(rows, batch_scratch_ ? 2 * batch_scratch_->n_batch : 8));
+        dense_forward(*model_, *be_, *batch_scratch_, seqs);
     }
-    std::unique_ptr<dense_batch_decoder> batch_;  // created on first batched step (under forward_mutex_)
+    std::unique_ptr<dense_scratch> batch_scratch_;  // activations of the batched steps
     std::string device_name_ = "cpu";
     std::string gpu_name_;  // the CUDA device's name (state_identity: the GEMMs' launch shapes follow it)
     int cuda_ordinal_ = -1;
@@ -729,7 +734,7 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
                     std::to_string(tokens.size()) + " tokens");
     if (sessions.empty()) return;
     std::vector<session_impl *> ss(sessions.size());
-    std::vector<dense_batch_seq> seqs(sessions.size());
+    std::vector<dense_seq> seqs(sessions.size());
     for (size_t i = 0; i < sessions.size(); ++i) {
         auto *s = dynamic_cast<session_impl *>(sessions[i]);
         if (!s || &s->e_ != this) throw error("decode_step: session " + std::to_string(i) + " was not created by this engine");
@@ -741,13 +746,13 @@ void engine_impl::decode_step(std::span<session *const> sessions, std::span<cons
         if (std::find(ss.begin(), ss.begin() + static_cast<std::ptrdiff_t>(i), s) != ss.begin() + static_cast<std::ptrdiff_t>(i))
             throw error("decode_step: session " + std::to_string(i) + " appears twice");
         ss[i] = s;
-        seqs[i] = {s->kv_target(), s->n_past(), tokens.subspan(i, 1), s->logits_.data()};
+        seqs[i] = {s->kv_target(), s->n_past(), tokens.subspan(i, 1), s->logits_.data(), 1};
     }
     for (session_impl *s : ss) s->kv_cover(s->n_past() + 1);
     std::lock_guard<std::mutex> lock(forward_mutex_);
     bind_device();
     for (session_impl *s : ss) s->have_logits_ = false;
-    batch().run(seqs);
+    run_batch(seqs);
     for (size_t i = 0; i < ss.size(); ++i) {
         ss[i]->tokens_.push_back(tokens[i]);
         if (ss[i]->kv_) ss[i]->kv_->n_used = ss[i]->n_past();
@@ -811,7 +816,7 @@ void engine_impl::run_sync_step(std::vector<step_work> &work) {
     bind_device();
     for (step_work &w : work) w.s->have_logits_ = false;
     const int64_t cap = n_batch_ + static_cast<int64_t>(work.size());
-    std::vector<dense_batch_seq> seqs;
+    std::vector<dense_seq> seqs;
     std::vector<step_work *> in;
     for (;;) {
         seqs.clear();
@@ -822,14 +827,15 @@ void engine_impl::run_sync_step(std::vector<step_work> &work) {
             const int64_t piece = std::min<int64_t>(n_batch_, static_cast<int64_t>(w.rest.size()));
             if (rows > 0 && rows + piece > cap) continue;  // next forward
             const bool last = piece == static_cast<int64_t>(w.rest.size());
-            seqs.push_back({w.s->kv_target(), w.s->n_past(), w.rest.first(static_cast<size_t>(piece)),
-                            last && w.want_logits && w.n_rows == 0 ? w.s->logits_.data() : nullptr,
-                            last && w.n_rows > 0 ? w.rows : nullptr, last ? w.n_rows : 0});
+            // The last piece's logits: every row of a verification's last n_rows, else the last row's.
+            float *out = !last ? nullptr : w.n_rows > 0 ? w.rows : w.want_logits ? w.s->logits_.data() : nullptr;
+            seqs.push_back({w.s->kv_target(), w.s->n_past(), w.rest.first(static_cast<size_t>(piece)), out,
+                            w.n_rows > 0 ? w.n_rows : 1});
             in.push_back(&w);
             rows += piece;
         }
         if (seqs.empty()) break;
-        batch().run(seqs);
+        run_batch(seqs);
         for (size_t i = 0; i < in.size(); ++i) {
             step_work &w = *in[i];
             const size_t piece = seqs[i].tokens.size();

@@ -10,6 +10,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -56,15 +57,6 @@ struct dense_layer {
     tensor post_ffn_norm;           // when post_norms
 };
 
-// Optional trace of intermediates, named as in llama.cpp's graph ("attn_norm", "Qcur", "kqv_out",
-// "l_out", ...; layer -1 for whole-model tensors) so numerics can be compared with llama.cpp's eval
-// callback tensor by tensor. Off (null) by default; set it only while no forward is running.
-struct dense_trace {
-    void (*fn)(void *user, const char *name, int32_t layer, const tensor &t) = nullptr;
-    void *user = nullptr;
-};
-extern dense_trace g_dense_trace;
-
 struct dense_model {
     dense_hparams hp;
     tensor tok_embd, output_norm, output;  // output == tok_embd when tied
@@ -97,12 +89,20 @@ struct dense_kv {
     int seq = -1;
 };
 
-// Activation buffers for up to n_batch tokens, allocated once per session.
+// Activation buffers for up to n_batch rows (tokens of all sequences of a forward), allocated once
+// per session (or grown by the engine for its batched steps), plus the host-side bookkeeping of the
+// forward using them (reused between calls). One forward at a time per scratch.
 struct dense_scratch {
     int64_t n_batch = 0;
     int64_t n_logit_rows = 0;  // rows of logits computed per output matmul
     tensor x, xn, q, k, v, attn, o, gate, up, rope_g, rope_l, logits;
-    std::vector<uint8_t *> kv_blocks;  // paged KV: block addresses of the sequence (reused per call)
+    // Row layout of the last forward (see dense_forward): row0[i] = first activation row of sequence i.
+    std::vector<int64_t> row0;                      // [B]
+    int64_t n_single = 0;                           // rows [0, n_single): the one-token sequences
+    std::vector<int32_t> ids;                       // [rows] token ids in row order
+    std::vector<std::vector<uint8_t *>> kv_blocks;  // [B] paged sequences' block addresses
+    std::vector<kv_pages> pages;                    // [n_single] one layer's pages of the one-token rows
+    std::vector<int64_t> past;                      // [n_single] their positions
     void *mem = nullptr;
     backend *be = nullptr;
     dense_scratch() = default;
@@ -112,11 +112,64 @@ struct dense_scratch {
 };
 std::unique_ptr<dense_scratch> dense_scratch_create(const dense_hparams &hp, backend &be, int64_t n_batch);
 
-// Evaluate tokens[0, n) at positions [p0, p0 + n), n <= n_batch: writes their K/V into the cache
-// and, if logits != nullptr, the logits of the last n_out tokens to logits[n_out x n_vocab] (host).
+// ---- the forward (dense_forward.cpp) ----
+
+// One sequence of a forward: n_i >= 1 new tokens at positions [pos, pos + n_i) against its own K/V
+// (positions [0, pos) hold its past). A single session's step is a batch of one.
+struct dense_seq {
+    dense_kv kv;
+    int64_t pos = 0;                  // position of tokens[0]
+    std::span<const int32_t> tokens;  // [n_i >= 1]
+    float *logits = nullptr;          // out: [n_out, n_vocab] logits of the last n_out tokens (host); null: none
+    int64_t n_out = 0;                // 0 <= n_out <= n_i
+};
+
+// Optional trace of intermediates, named as in llama.cpp's graph ("attn_norm", "Qcur", "kqv_out",
+// "l_out", ...; layer -1 for whole-model tensors) so numerics can be compared with llama.cpp's eval
+// callback tensor by tensor. t holds every row of the step (row layout as in dense_forward; a batch
+// of one: token order) and is valid only during the call; "result_norm" holds the output rows only.
+struct dense_trace {
+    void (*fn)(void *user, const char *name, int32_t layer, const tensor &t) = nullptr;
+    void *user = nullptr;
+};
+
+// Attention hook, for PFlash's drafter (src/pflash/drafter.cpp: it keeps pre-RoPE keys and queries
+// for its scores and prefills with a sliding window). Off (fn null, window 0, stop_layer -1) by default.
+struct dense_attn_hook {
+    // Called in each layer after the q/k projections (+ biases, + q/k norms), before RoPE and before
+    // gemma3's q scale, with q [rows, n_head*head_dim] and k [rows, n_head_kv*head_dim] of every row
+    // in the forward's row layout (dense_scratch::row0; a batch of one: token order). Backend tensors,
+    // valid only during the call: the hook may read or copy them, not change them.
+    void (*fn)(void *user, int32_t layer, const tensor &q, const tensor &k) = nullptr;
+    void *user = nullptr;
+    // > 0: every layer attends to at most the last `window` positions (the model's own window still
+    // applies on its sliding-window layers: the smaller of the two).
+    int32_t window = 0;
+    // >= 0: the forward ends in this layer right after fn: no V projection, K/V store, attention or
+    // FFN there, no later layers and no logits (the drafter's last layer is needed only for its q/k).
+    int32_t stop_layer = -1;
+};
+
+// Evaluate every sequence's tokens in ONE forward pass: writes their K/V into their caches and the
+// logits asked for. Every weight matmul runs once over all rows (M = sum n_i: the weights are streamed
+// once for all sequences); RoPE uses each row's own position; K/V store and attention run per
+// sequence against its own cache; the final norm and output head run only on the rows whose logits
+// are wanted. Row layout: the one-token sequences first, in their order (their attention is one
+// batched call when all sequences are paged), then each multi-token sequence as a contiguous block
+// (one causal attention call over its rows). Every per-row op computes rows independently on the CPU
+// backend's batch-invariant numerics, so a sequence's logits are bit-identical whatever else shares
+// the step (tests/models/test_dense_forward.cpp, tests/server/test_batch_decode.cpp).
+// Requirements (checked, fathom::error): sum n_i <= s.n_batch; distinct caches (pool sequences) of
+// the model's geometry; positions inside the cache (paged: inside the blocks its table holds); token
+// ids inside the vocabulary. A contiguous cache's n_used is raised to pos + n_i.
+void dense_forward(const dense_model &m, backend &be, dense_scratch &s, std::span<const dense_seq> seqs,
+                   const dense_trace &trace = {}, const dense_attn_hook &hook = {});
+
+// One sequence (a batch of one): tokens[0, n) at positions [p0, p0 + n), n <= n_batch; the logits of
+// the last n_out tokens go to logits[n_out x n_vocab] (host) when logits != nullptr.
 void dense_forward(const dense_model &m, backend &be, const dense_kv &kv, dense_scratch &s, const int32_t *tokens,
-                   int64_t n, int64_t p0, int64_t n_out, float *logits);
+                   int64_t n, int64_t p0, int64_t n_out, float *logits, const dense_trace &trace = {});
 void dense_forward(const dense_model &m, backend &be, kv_cache &kv, dense_scratch &s, const int32_t *tokens,
-                   int64_t n, int64_t p0, int64_t n_out, float *logits);
+                   int64_t n, int64_t p0, int64_t n_out, float *logits, const dense_trace &trace = {});
 
 }  // namespace fathom

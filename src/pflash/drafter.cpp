@@ -1,19 +1,15 @@
 // PFlash drafter: loading, the windowed scoring forward and the tail-query attention scores (see
-// drafter.h). The forward follows models/dense_forward.cpp layer by layer; it differs in what it
-// needs to produce (no logits, pre-RoPE q/k captured, the last layer stops after its q/k) and in its
-// attention (sliding window for the prefill), which is why it is PFlash's own rather than a flag on
-// the runtime's forward.
+// drafter.h). The forward is the model's own (models/dense_forward.cpp) with an attention hook
+// (dense_attn_hook): the hook keeps the pre-RoPE keys of every token (and the pre-RoPE queries of
+// the scoring tokens), narrows the attention to the prefill's sliding window, and stops the forward
+// in the last layer after its q/k (no logits are needed).
 #include "pflash/drafter.h"
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <cmath>
-#include <thread>
 
-#include "backend/cpu/vec.h"
 #include "core/error.h"
 #include "engine/device.h"
 #ifdef FATHOM_ENGINE_CUDA
@@ -94,82 +90,38 @@ void drafter::ensure_capacity(int64_t n) {
         kpre_.push_back(make_tensor(dtype::f16, hp.head_dim, rows, static_cast<uint8_t *>(kpre_mem_) + per * static_cast<size_t>(l)));
 }
 
+namespace {
+
+// The attention hook's state for one forward: where the pre-RoPE keys (and queries) go.
+struct capture {
+    backend *be;
+    const std::vector<tensor> *k_pre;  // [n_layer] f16 [n_head_kv*n_ctx, head_dim]
+    const std::vector<tensor> *q_out;  // [n_layer] f32 [n, n_head*head_dim], or null
+    int64_t n_ctx, p0;
+    int32_t n_head_kv;
+};
+
+void capture_pre_rope(void *user, int32_t layer, const tensor &q, const tensor &k) {
+    const capture &c = *static_cast<const capture *>(user);
+    c.be->kv_store(k, (*c.k_pre)[static_cast<size_t>(layer)], c.n_head_kv, c.n_ctx, c.p0);
+    if (c.q_out) c.be->copy(q, (*c.q_out)[static_cast<size_t>(layer)]);
+}
+
+}  // namespace
+
 void drafter::forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window, const std::vector<tensor> *q_out) {
-    const dense_model &m = *model_;
-    const dense_hparams &hp = m.hp;
-    backend &be = *be_;
-    dense_scratch &s = *scratch_;
-    const int32_t hd = hp.head_dim;
-    const int64_t qw = int64_t{hp.n_head} * hd;
-    const tensor x = view_rows(s.x, 0, n), xn = view_rows(s.xn, 0, n), q = view_rows(s.q, 0, n),
-                 k = view_rows(s.k, 0, n), v = view_rows(s.v, 0, n), attn = view_rows(s.attn, 0, n),
-                 o = view_rows(s.o, 0, n), gate = view_rows(s.gate, 0, n), up = view_rows(s.up, 0, n);
-    const tensor rope_g = view_rows(s.rope_g, 0, n), rope_l = view_rows(s.rope_l, 0, n);
-
-    be.get_rows(m.tok_embd, ids, n, x);                                      // [n, E]
-    if (hp.embed_scale) be.scale(x, std::sqrt(static_cast<float>(hp.n_embd)));
-    be.rope_table(p0, n, hp.rope, rope_g);
-    be.rope_table(p0, n, hp.rope_local, rope_l);
-
-    attn_params ap;
-    ap.n_head = hp.n_head;
-    ap.n_head_kv = hp.n_head_kv;
-    ap.head_dim = hd;
-    ap.n_ctx = kv_->n_ctx;
-    ap.n_past = p0;
-    ap.scale = hp.attn_scale;
-    ap.softcap = hp.attn_softcap;
-
-    for (int32_t il = 0; il < hp.n_layer; ++il) {
-        const dense_layer &ly = m.layers[static_cast<size_t>(il)];
-        const bool swa = hp.swa_layer[static_cast<size_t>(il)];
-        const bool last = il == hp.n_layer - 1;  // its keys and queries are all the scores need
-
-        be.rms_norm(x, &ly.attn_norm, hp.rms_eps, xn);
-        {
-            const tensor *w[] = {&ly.wq, &ly.wk, &ly.wv};
-            const tensor *y[] = {&q, &k, &v};
-            be.mul_mat(xn, last ? 2 : 3, w, y);                              // q [n, H*hd], k/v [n, Hkv*hd]
-        }
-        if (ly.bq.data) be.add(q, ly.bq, q);
-        if (ly.bk.data) be.add(k, ly.bk, k);
-        if (hp.qk_norm) {
-            be.rms_norm(reshape(q, hd), &ly.attn_q_norm, hp.rms_eps, reshape(q, hd));
-            be.rms_norm(reshape(k, hd), &ly.attn_k_norm, hp.rms_eps, reshape(k, hd));
-        }
-        // Pre-RoPE keys for every token, pre-RoPE queries for the scoring queries.
-        be.kv_store(k, kpre_[static_cast<size_t>(il)], hp.n_head_kv, kv_->n_ctx, p0);
-        if (q_out) be.copy(q, (*q_out)[static_cast<size_t>(il)]);
-        if (last) break;
-        if (ly.bv.data) be.add(v, ly.bv, v);
-        const tensor &table = swa ? rope_l : rope_g;
-        be.rope(q, hd, table, hp.rope.mode);
-        be.rope(k, hd, table, hp.rope.mode);
-        be.kv_store(k, kv_->k[static_cast<size_t>(il)], hp.n_head_kv, kv_->n_ctx, p0);
-        be.kv_store(v, kv_->v[static_cast<size_t>(il)], hp.n_head_kv, kv_->n_ctx, p0);
-        // The model's own sliding window (gemma3 local layers) still applies inside ours.
-        int32_t w = window;
-        if (swa && hp.n_swa > 0) w = w > 0 ? std::min(w, hp.n_swa) : hp.n_swa;
-        ap.window = w;
-        be.attention(q, kv_->k[static_cast<size_t>(il)], kv_->v[static_cast<size_t>(il)], ap, attn);
-        be.mul_mat(attn, 1, std::array<const tensor *, 1>{&ly.wo}.data(), std::array<const tensor *, 1>{&o}.data());
-        if (ly.bo.data) be.add(o, ly.bo, o);
-        if (hp.post_norms) be.rms_norm(o, &ly.post_attn_norm, hp.rms_eps, o);
-        be.add(x, o, x);
-
-        be.rms_norm(x, &ly.ffn_norm, hp.rms_eps, xn);
-        {
-            const tensor *w2[] = {&ly.ffn_gate, &ly.ffn_up};
-            const tensor *y2[] = {&gate, &up};
-            be.mul_mat(xn, 2, w2, y2);
-        }
-        be.glu(gate, up, hp.act, gate);
-        be.mul_mat(gate, 1, std::array<const tensor *, 1>{&ly.ffn_down}.data(), std::array<const tensor *, 1>{&o}.data());
-        if (hp.post_norms) be.rms_norm(o, &ly.post_ffn_norm, hp.rms_eps, o);
-        be.add(x, o, x);
-    }
-    be.synchronize();
-    kv_->n_used = std::max(kv_->n_used, p0 + n);
+    const dense_hparams &hp = model_->hp;
+    capture cap{be_.get(), &kpre_, q_out, kv_->n_ctx, p0, hp.n_head_kv};
+    dense_attn_hook hook;
+    hook.fn = capture_pre_rope;
+    hook.user = &cap;
+    hook.window = window;
+    hook.stop_layer = hp.n_layer - 1;  // the last layer's keys and queries are all the scores need
+    dense_seq sq;
+    sq.kv.cache = kv_.get();
+    sq.pos = p0;
+    sq.tokens = std::span<const int32_t>(ids, static_cast<size_t>(n));
+    dense_forward(*model_, *be_, *scratch_, std::span<const dense_seq>(&sq, 1), dense_trace{}, hook);
 }
 
 std::vector<float> drafter::score(std::span<const int32_t> ids, const drafter_score_params &p, drafter_stats &st) {

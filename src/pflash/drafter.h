@@ -1,7 +1,8 @@
-// PFlash's drafter: a small dense model (llama / qwen3 / gemma3 family) run with its own forward so
-// that it can (a) prefill the prompt with sliding-window attention — its cost grows linearly with
-// the prompt, not quadratically — and (b) capture pre-RoPE queries and keys, from which the last Q
-// prompt tokens' attention over the whole prompt gives each token's importance.
+// PFlash's drafter: a small dense model (llama / qwen3 / gemma3 family) run through the model's
+// forward with an attention hook (dense_attn_hook, models/dense.h) so that it can (a) prefill the
+// prompt with sliding-window attention — its cost grows linearly with the prompt, not
+// quadratically — and (b) capture pre-RoPE queries and keys, from which the last Q prompt tokens'
+// attention over the whole prompt gives each token's importance.
 //
 // Score of token j (SpecPrefill / lucebox PFlash): for each of the last Q tokens t (queries, run with
 // full attention) and every layer l and head h, p_lht(j) = softmax_j(scale * q_pre[l,h,t] . k_pre[l,h,j])
@@ -57,9 +58,9 @@ public:
 private:
     drafter() = default;
     void ensure_capacity(int64_t n);
-    // Evaluate ids[0, n) at positions [p0, p0+n) with attention window `window` (0 = full); if q_out
-    // is set, the pre-RoPE queries of every layer are copied to q_out[l] ([n, n_head*head_dim] f32
-    // backend tensors).
+    // Evaluate ids[0, n) at positions [p0, p0+n) with attention window `window` (0 = full), through
+    // the last layer's q/k only: keeps their pre-RoPE keys in kpre_ and, if q_out is set, copies the
+    // pre-RoPE queries of every layer to q_out[l] ([n, n_head*head_dim] f32 backend tensors).
     void forward(const int32_t *ids, int64_t n, int64_t p0, int32_t window, const std::vector<tensor> *q_out);
 
     // Declaration order = reverse destruction order: the backend outlives everything it allocated.

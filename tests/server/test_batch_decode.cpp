@@ -1,9 +1,9 @@
-// engine::decode_step of the dense engine (one fused forward over all sessions, src/engine/
-// batch_decode.cpp) against the single-session path: after every step, each session's logits
-// must be bit-identical to those a separate session gets from session::eval of the same token
-// after the same prefix, whatever the batch size and composition (the server's greedy output must
-// not depend on what else is running). The single-session path is checked against llama.cpp
-// goldens in tests/models. Real models; skipped when not installed.
+// engine::decode_step of the dense engine (one fused forward over all sessions: dense_forward over
+// a batch, src/models/dense_forward.cpp) against the single-session path: after every step, each
+// session's logits must be bit-identical to those a separate session gets from session::eval of
+// the same token after the same prefix, whatever the batch size and composition (the server's
+// greedy output must not depend on what else is running). The single-session path is checked
+// against llama.cpp goldens in tests/models. Real models; skipped when not installed.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 
 Runs llama.cpp through llama-cpp-python's low-level API with an eval callback (cb_eval) and saves
 each contiguous f32 node as OUT/<name>#<k>.npy (k = occurrence of that name in the graph, shape
-[ne3, ne2, ne1, ne0]). Compare with fathom's dense trace (g_dense_trace, models/dense.h), which uses
+[ne3, ne2, ne1, ne0]). Compare with fathom's dense trace (the dense_trace callback of dense_forward, models/dense.h), which uses
 the same names for the main tensors (llama.cpp's ffn_out = fathom's ffn_down, ffn_post_norm =
 fathom's ffn_out, sa_out = fathom's ffn_inp).
 
