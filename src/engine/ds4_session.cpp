@@ -877,8 +877,16 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
         if (!pl_) pl_ = e_.new_pipeline();
         // Logits for every chunk (logits_ takes those nobody asked for): rank 0 then waits for the last
         // rank, so no rank still computes (on the shared thread pool) when the forward mutex is released.
+        // A verification-sized evaluation with every row's logits runs one forward per row: its CUDA stages
+        // then take the decode step's numerics, as one GPU's multi-row step does (one CPU is batch
+        // invariant either way), so a pipeline's logits stay those of one device of the same kind.
+        const size_t V = static_cast<size_t>(e_.model().hp.n_vocab), n = toks.size();
+        const bool per_row = n > 1 && out.size() == n * V && static_cast<int64_t>(n) <= rollback_limit() + 1;
         try {
-            pl_->forward(toks, pos, out.empty() ? std::span<float>(logits_) : out);
+            if (per_row)
+                for (size_t i = 0; i < n; ++i) pl_->forward(toks.subspan(i, 1), pos.subspan(i, 1), out.subspan(i * V, V));
+            else
+                pl_->forward(toks, pos, out.empty() ? std::span<float>(logits_) : out);
         } catch (...) {
             pl_.reset();  // the ranks' states disagree now: stop and join them (see the banner)
             throw;

@@ -26,6 +26,7 @@
 #include <initializer_list>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -706,6 +707,11 @@ struct cuda_sequence::impl {
         if (graph) cudaGraphExecDestroy(graph);
         if (rs) {
             for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);
+            for (auto &ln : rs->lanes) {
+                if (ln.done) cudaEventDestroy(ln.done);
+                if (ln.s) cudaStreamDestroy(ln.s);
+            }
+            if (rs->fork) cudaEventDestroy(rs->fork);
             if (rs->h_tokens) cudaFreeHost(rs->h_tokens);
             if (rs->h_pos) cudaFreeHost(rs->h_pos);
         }
@@ -739,6 +745,21 @@ struct cuda_sequence::impl {
         // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
         static constexpr size_t kMaxGraphs = 32;
         std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
+        // Lanes: the per-row chains (HC mixers, indexer + attention, MoE) of different rows are independent,
+        // so row r runs on lane r mod kLanes, a side stream forked from and joined to the step's stream
+        // (parallel branches of the captured graph); each lane has its own copy of the scratch those
+        // chains share in the one-row step.
+        static constexpr int kLanes = 4;
+        struct lane {
+            cudaStream_t s = nullptr;
+            cudaEvent_t done = nullptr;
+            float *mix = nullptr, *score = nullptr, *part = nullptr;
+            double *hc_part = nullptr;
+            int32_t *sel = nullptr, *n_sel = nullptr;
+            cd::moe_scratch moe;
+        };
+        lane lanes[kLanes];
+        cudaEvent_t fork = nullptr;
     };
     // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
     struct row_run {
@@ -747,6 +768,7 @@ struct cuda_sequence::impl {
     };
     std::unique_ptr<row_scratch> rs;
     uint64_t uid = 0;  // unique per sequence (the graph cache's key)
+    size_t score_floats = 0, part_floats = 0;  // sizes of score / part (the lanes' copies)
     void alloc_rows();
     void enqueue_rows(std::span<const row_run> runs, int n);
 
@@ -911,6 +933,8 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.iw = p.dev<float>(static_cast<size_t>(std::max(hp.idx_head, 1)));
     p.ica = p.dev<float>(static_cast<size_t>(2 * Id));
     p.icg = p.dev<float>(static_cast<size_t>(2 * Id));
+    p.score_floats = static_cast<size_t>(max_idx);
+    p.part_floats = part;
     p.score = p.dev<float>(static_cast<size_t>(max_idx));
     p.sel = p.dev<int32_t>(static_cast<size_t>(std::max(hp.idx_topk, 1)));
     p.n_sel = p.dev<int32_t>(1);
@@ -1457,6 +1481,21 @@ void cuda_sequence::impl::alloc_rows() {
     r->y = dev<float>(n * D);
     r->zh = dev<float>(n * D);
     r->logits = dev<float>(n * static_cast<size_t>(hp.n_vocab));
+    ck(cudaEventCreateWithFlags(&r->fork, cudaEventDisableTiming), "creating an event");
+    for (row_scratch::lane &ln : r->lanes) {
+        ck(cudaStreamCreateWithFlags(&ln.s, cudaStreamNonBlocking), "creating a stream");
+        ck(cudaEventCreateWithFlags(&ln.done, cudaEventDisableTiming), "creating an event");
+        ln.mix = dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 2));  // + the fused HC kernels' counter
+        ln.hc_part = dev<double>(cd::hc_fused_part_count(hp.n_hc));
+        ln.score = dev<float>(score_floats);
+        ln.part = dev<float>(part_floats);
+        ln.sel = dev<int32_t>(static_cast<size_t>(std::max(hp.idx_topk, 1)));
+        ln.n_sel = dev<int32_t>(1);
+        ln.moe.logits = dev<float>(static_cast<size_t>(hp.n_expert));
+        ln.moe.ids = dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
+        ln.moe.weights = dev<float>(static_cast<size_t>(hp.n_expert_used));
+        ln.moe.h = dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
+    }
     rs = std::move(r);
 }
 
@@ -1469,38 +1508,45 @@ class rows_exec final : public executor {
     // rows of each sequence, in row order, n rows in all.
     rows_exec(cuda_sequence::impl &p, std::span<const row_run> runs, int n)
         : p_(p), runs_(runs), w_(*p.w), r_(*p.rs), n_(n), hp_(w_.hp), hcp_{hp_.n_hc, hp_.n_embd, hp_.sinkhorn_iters, hp_.hc_eps, hp_.rms_eps},
-          D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd) {
-        const int nh = hp_.n_hc;
-        sync_ = reinterpret_cast<uint32_t *>(p.mix + (2 + nh) * nh + 1);
-        ck(cudaMemsetAsync(sync_, 0, sizeof(uint32_t), p.s), "clearing the hc counter");
+          D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd),
+          L_(std::min(n, cuda_sequence::impl::row_scratch::kLanes)) {
+        for (int k = 0; k < L_; ++k)
+            ck(cudaMemsetAsync(counter(k), 0, sizeof(uint32_t), p.s), "clearing the hc counter");
     }
+    ~rows_exec() { join(std::nothrow); }  // an error mid-step must not leave a lane unjoined (graph capture)
     void embed() override {
+        join();
         for (int k = 0; k < hp_.n_hc; ++k)
             cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D_, hp_.n_vocab, r_.tokens, n_,
                                   r_.x[0] + k * D_, S_, p_.err_d, p_.s);
     }
+    // Row r's HC mixer on its lane (the MoE before it, for the same row, ran on that lane too).
     void hc_pre(int il, sublayer which) override {
         const dlayer &l = layer(il);
         const bool attn = which == sublayer::attention;
         const dhc &h = attn ? l.hc_attn : l.hc_ffn;
+        fork();
         for (int r = 0; r < n_; ++r)
             cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
-                                    io(r, attn ? l.attn_norm : l.ffn_norm, r_.xn + r * D_), p_.s);
+                                    io(r, attn ? l.attn_norm : l.ffn_norm, r_.xn + r * D_), lane(r).s);
         flip();
     }
     void attention(int il) override;
     void moe(int il) override {
         const dlayer &l = layer(il);
+        fork();
         for (int r = 0; r < n_; ++r)
-            cd::launch_moe_ffn(l.moe, r_.xn + r * D_, r_.tokens + r, p_.moe, r_.y + r * D_, p_.err_d, p_.s);
+            cd::launch_moe_ffn(l.moe, r_.xn + r * D_, r_.tokens + r, lane(r).moe, r_.y + r * D_, p_.err_d, lane(r).s);
     }
     void hc_post() override { pending_ = true; }
     void head() override {
         const dhc &h = w_.hc_head;
+        fork();
         for (int r = 0; r < n_; ++r)
             cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
-                                     io(r, w_.output_norm, r_.zh + r * D_), p_.s);
+                                     io(r, w_.output_norm, r_.zh + r * D_), lane(r).s);
         flip();
+        join();
         if (w_.output.fast)
             cd::launch_gemv_rows(w_.output.fw, n_, r_.zh, D_, r_.logits, p_.s);
         else
@@ -1508,17 +1554,52 @@ class rows_exec final : public executor {
         for (int r = 0; r < n_; ++r) cd::launch_argmax(r_.logits + r * hp_.n_vocab, hp_.n_vocab, r_.amax + r, p_.s);
     }
 
+    // The lanes (row_scratch::lanes): fork() starts every lane after what the step's stream has enqueued,
+    // join() makes the stream wait for every lane. A plain kernel follows each wait, so no PDL launch (its
+    // programmatic edge is to the previous kernel of its own stream) directly follows a cross-stream wait.
+    void fork() {
+        if (forked_) return;
+        ck(cudaEventRecord(r_.fork, p_.s), "forking the rows");
+        for (int k = 0; k < L_; ++k) {
+            ck(cudaStreamWaitEvent(r_.lanes[k].s, r_.fork, 0), "forking the rows");
+            cd::launch_gpu_sleep(0, r_.lanes[k].s);
+        }
+        forked_ = true;
+    }
+    void join() {
+        if (!forked_) return;
+        for (int k = 0; k < L_; ++k) {
+            ck(cudaEventRecord(r_.lanes[k].done, r_.lanes[k].s), "joining the rows");
+            ck(cudaStreamWaitEvent(p_.s, r_.lanes[k].done, 0), "joining the rows");
+        }
+        cd::launch_gpu_sleep(0, p_.s);
+        forked_ = false;
+    }
+    void join(std::nothrow_t) noexcept {
+        if (!forked_) return;
+        for (int k = 0; k < L_; ++k)
+            if (cudaEventRecord(r_.lanes[k].done, r_.lanes[k].s) == cudaSuccess) cudaStreamWaitEvent(p_.s, r_.lanes[k].done, 0);
+        forked_ = false;
+    }
+    cuda_sequence::impl::row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
+    uint32_t *counter(int k) const {
+        const int nh = hp_.n_hc;
+        return reinterpret_cast<uint32_t *>(r_.lanes[k].mix + (2 + nh) * nh + 1);
+    }
+
   private:
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
-    // Row r's fused-HC arguments (step_exec's, at row r's offsets); flip() then moves every row on.
+    // Row r's fused-HC arguments (step_exec's, at row r's offsets, with its lane's mixer scratch and
+    // arrival counter); flip() then moves every row on.
     cd::hc_fused_io io(int r, const float *norm, float *out) const {
         cd::hc_fused_io o;
         o.y = pending_ ? r_.y + r * D_ : nullptr;
         o.x = r_.x[cur_] + r * S_;
         o.x_new = pending_ ? r_.x[1 - cur_] + r * S_ : nullptr;
-        o.post = r_.post + r * hp_.n_hc, o.comb = r_.comb + r * hp_.n_hc * hp_.n_hc, o.mix = p_.mix, o.sync = sync_;
+        o.post = r_.post + r * hp_.n_hc, o.comb = r_.comb + r * hp_.n_hc * hp_.n_hc;
+        o.mix = lane(r).mix, o.sync = counter(r % L_);
         o.norm = norm, o.out = out;
-        o.part = p_.hc_part;
+        o.part = lane(r).hc_part;
         return o;
     }
     void flip() {
@@ -1533,9 +1614,9 @@ class rows_exec final : public executor {
     const hparams &hp_;
     const cd::hc_params hcp_;
     const int64_t D_, S_;
-    uint32_t *sync_ = nullptr;
+    const int L_;  // lanes in use: min(rows, kLanes)
     int cur_ = 0;
-    bool pending_ = false;
+    bool pending_ = false, forked_ = false;
 };
 
 void rows_exec::attention(int il) {
@@ -1547,6 +1628,7 @@ void rows_exec::attention(int il) {
     const cd::rope_args rope{l.ratio > 0 ? w_.rope_yarn : w_.rope_plain, hp_.n_rot};
     const cd::rope_args yarn{w_.rope_yarn, hp_.n_rot};
     const cudaStream_t s = p_.s;
+    join();  // every row's xn
     // projections of every row's xn
     if (idx)
         gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}, {&l.idx_proj, r_.iw},
@@ -1603,8 +1685,6 @@ void rows_exec::attention(int il) {
     a.comp_f16 = f16;
     a.comp_stride = static_cast<size_t>(d) * p_.kv_elem;
     a.ratio = l.ratio;
-    a.sel = p_.sel;
-    a.n_sel = p_.n_sel;
     a.rope = rope;
     const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
     for (const row_run &run : runs_) {
@@ -1612,14 +1692,19 @@ void rows_exec::attention(int il) {
         a.ring = st.ring;
         a.comp = st.comp_rows;
         a.max_comp = idx ? std::min<int64_t>(hp_.idx_topk, st.max_comp) : st.max_comp;
+        fork();
         for (int r = run.first; r < run.first + run.count; ++r) {
+            const auto &ln = lane(r);
             if (idx)
                 cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, Id * p_.kv_elem, 4,
-                                        st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, p_.score,
-                                        p_.sel, p_.n_sel, s, w_.opt.exact_indexer);
-            cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, p_.part, r_.o + r * H * d, s);
+                                        st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, ln.score,
+                                        ln.sel, ln.n_sel, ln.s, w_.opt.exact_indexer);
+            a.sel = ln.sel;
+            a.n_sel = ln.n_sel;
+            cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, ln.part, r_.o + r * H * d, ln.s);
         }
     }
+    join();  // every row's attention output
     // output projections over all rows
     const int64_t gd = static_cast<int64_t>(hp_.n_head / hp_.o_groups) * d, zw = static_cast<int64_t>(hp_.o_groups) * hp_.o_rank;
     if (l.out_a.fast)
@@ -1636,6 +1721,7 @@ void rows_exec::attention(int il) {
 void cuda_sequence::impl::enqueue_rows(std::span<const row_run> runs, int n) {
     rows_exec ex(*this, runs, n);
     run_forward(ex, w->hp.n_layer, w->first, w->last, true, true);
+    ex.join();
 }
 
 // ---- prefill chunks ------------------------------------------------------------------------------
