@@ -32,6 +32,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_kernels_testing.h"
 #include "backend/cuda/ds4_prefill.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "core/error.h"

@@ -24,6 +24,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_quant.cuh"
 #include "backend/cuda/ktrace.h"

@@ -30,6 +30,7 @@
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_kernels_testing.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
 
