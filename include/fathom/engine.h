@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fathom/dist_options.h"
 #include "fathom/error.h"
 #include "fathom/sampling.h"
 
@@ -43,44 +44,9 @@ struct engine_options {
     // On CUDA, exact / batch_invariant do not apply (one numerics: f32 decode GEMV, bf16 prefill GEMM).
     std::string device = "cpu";
     bool cuda_graphs = true;       // CUDA: replay single-token decode steps as a captured CUDA graph
-    // DeepSeek V4 only: split the blocks over several devices of this process, e.g. "cpu,cpu" or
-    // "cuda:0,cuda:1" (entries cpu | cuda | cuda:N; a device may repeat). Each session evaluates through
-    // a layer pipeline with one thread per device, each device owning a contiguous block range
-    // (docs/dist.md); the logits equal a one-device run on the same kind of device. "" = one device
-    // (`device`, which must then stay "cpu"). Other architectures throw; so do bad entries, more
-    // devices than blocks and CUDA entries in a build without CUDA.
-    std::string devices;
-    // With `devices`: "pipeline" (above) or "tp": tensor + expert parallel, every device runs every block
-    // on its share of the heads, output groups, routed experts and shared-expert width, one all-reduce per
-    // sublayer (src/dist/tp.h; logits within f32 rounding of one device, not bit for bit). tp runs on CPU
-    // devices only so far; the device count must divide the heads and output groups.
-    std::string devices_layout = "pipeline";
-    // With `devices` and the pipeline layout: evaluations of more than this many tokens (a prompt chunk)
-    // go down the pipeline as micro-batches of this size, back to back, so the devices work at once
-    // (rank r on micro-batch k while rank r + 1 is on k - 1); the logits are unchanged (bit for bit).
-    // 0 = off (each chunk crosses whole: one device busy at a time).
-    int64_t micro_batch = 0;
-    // With `devices` (CPU and CUDA entries; layout tp: CPU only): ranks 1.. run as child processes of this
-    // one instead of threads (`--procs`; docs/dist.md "Several processes"): the engine spawns
-    // `rank_command(r, P, id)` + `--rank-layers <its block ranges> --ctx <its n_ctx>` for each (so every
-    // rank uses rank 0's split and sequence capacity), joins them over TCP (src/dist/socket_transport.h)
-    // and supervises them. Each process uploads only its own CUDA blocks. The logits equal the in-process
-    // ranks' bit for bit. A rank process that exits fails the in-flight and every later forward with
-    // "dist: rank R (pid N) exited: <status>", the other ranks are stopped, and on_rank_failure (if set)
-    // is called once with that line (from a supervisor thread).
-    bool rank_procs = false;
-    std::string rank_procs_host = "127.0.0.1";  // rank 0's listening address (another host: its address there)
-    // Ranks 1..rank_procs_local-1 are spawned; the others (another host) are started by hand with the join
-    // id printed on stderr. 0 = spawn every rank.
-    int rank_procs_local = 0;
-    // argv of rank `rank` of `world` joining `join_id` (argv[0] = the executable; the CLI gives
-    // `fathom rank ...` with this engine's options).
-    std::function<std::vector<std::string>(int rank, int world, const std::string &join_id)> rank_command;
-    std::function<void(const std::string &line)> on_rank_failure;
-    // A rank process only (serve_ds4_rank, `fathom rank --rank-layers`): the pipeline's block ranges as
-    // rank 0 chose them, "0-2,3-5" (inclusive block numbers, one range per device); "" = the even split
-    // (CPU entries only). The DS4 engine (rank 0) refuses it; other architectures ignore it.
-    std::string rank_layers;
+    // DeepSeek V4 only: several devices, their layout and rank processes (include/fathom/dist_options.h;
+    // docs/dist.md). The default is one device (`device`), in this process.
+    dist_options dist;
     // DeepSeek V4 only (ignored by other architectures): simulated quantisation-aware-training
     // round trips, "full" (trained configuration), "fp4only" or "off".
     std::string ds4_qat = "full";
@@ -118,16 +84,6 @@ struct model_info {
     uint64_t decode_weight_bytes = 0;  // weight bytes one decode step reads (all matrices, norms, output head; one embedding row)
 };
 
-// The paged KV pool of an engine (dense family on the CPU: one pool per engine, sessions hold block
-// tables into it; docs/kv-cache.md). block_tokens == 0: the engine has no pool and each session
-// owns its KV memory (DeepSeek V4, the CUDA backend).
-struct kv_pool_info {
-    int32_t block_tokens = 0;  // token positions per block
-    int64_t max_blocks = 0;    // cap (a KV memory budget); 0 = grows with demand
-    int64_t n_blocks = 0;      // blocks allocated so far
-    int64_t n_used = 0;        // blocks in sessions' tables (held tokens plus reservations)
-};
-
 struct chat_message {
     std::string role;     // system | user | assistant | tool
     std::string content;
@@ -161,6 +117,24 @@ public:
     virtual uint64_t remaining() const = 0;       // bytes of the stream not yet read
 };
 
+// ---- batch / scheduler ----------------------------------------------------------------------
+// What the server's scheduler (src/sched/scheduler.h), the prompt cache (src/cache) and speculative
+// decoding (include/fathom/speculative.h) use to plan and fuse steps over many sessions. A caller that
+// runs one session at a time (sync, eval, sample) never needs any of it; every member has a default
+// that is correct for any engine and session, which a backend overrides to do better (fused steps,
+// paged KV, free rollback). The engine's and session's members of this kind sit in a section of the
+// same name in their class.
+
+// The paged KV pool of an engine (dense family on the CPU: one pool per engine, sessions hold block
+// tables into it; docs/kv-cache.md). block_tokens == 0: the engine has no pool and each session
+// owns its KV memory (DeepSeek V4, the CUDA backend).
+struct kv_pool_info {
+    int32_t block_tokens = 0;  // token positions per block
+    int64_t max_blocks = 0;    // cap (a KV memory budget); 0 = grows with demand
+    int64_t n_blocks = 0;      // blocks allocated so far
+    int64_t n_used = 0;        // blocks in sessions' tables (held tokens plus reservations)
+};
+
 // One session's share of engine::sync_step: the full token prefix it must hold afterwards.
 struct sync_item {
     session *sess = nullptr;
@@ -175,8 +149,10 @@ struct sync_item {
 
 // sync_step's handling of an item with n_rows > 0: truncate the session to prefix[0, m) (m = size -
 // n_rows) when it holds a longer match, else sync it there, then eval the last n_rows with every row's
-// logits.
+// logits. For engines' sync_step overrides.
 void sync_with_rows(const sync_item &it);
+
+// ---- engine and session -----------------------------------------------------------------------
 
 class engine {
 public:
@@ -211,20 +187,18 @@ public:
     // (the default; CUDA, several devices).
     virtual std::string state_identity() const { return {}; }
 
-    // Paged KV. kv_pool(): the pool's state (block_tokens == 0: no pool). kv_pool_configure():
-    // set the block size (a power of two >= 8) and the cap in blocks (0 = none); only while no
-    // session holds KV blocks (throws otherwise). Returns false, changing nothing, when the
-    // engine has no paged pool.
-    virtual kv_pool_info kv_pool() const { return {}; }
-    virtual bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) {
-        (void)block_tokens;
-        (void)max_blocks;
-        return false;
-    }
-
     // Device memory copy bandwidth in bytes/s (bytes read + written), measured now with device-to-device
     // copies of 1 GiB: the roofline ceiling for decode. 0 when the engine runs on the CPU.
     virtual double measure_copy_bandwidth() { return 0.0; }
+
+    // ---- batch / scheduler (see the section banner above) ----
+
+    // Paged KV. kv_pool(): the pool's state (block_tokens == 0: no pool). kv_pool_configure():
+    // set the block size (a power of two >= 8) and the cap in blocks (0 = none); only while no
+    // session holds KV blocks (throws otherwise). Returns false, changing nothing, when the
+    // engine has no paged pool (the default).
+    virtual kv_pool_info kv_pool() const { return {}; }
+    virtual bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks);
 
     // Batched decode step (used by the server's scheduler once per step for all decoding requests):
     // for every i, append tokens[i] to sessions[i] and evaluate it, so that afterwards
@@ -263,9 +237,8 @@ public:
     // The next token chosen by `smp` from the last evaluated token's logits (history: what the
     // penalties look at): exactly smp.sample(logits(), history). The default does that; a session
     // whose logits live on a device summarises them there instead (sampler::sample_top), so the
-    // vocabulary never crosses to the host; samples_on_device() says so (then logits() costs a copy).
+    // vocabulary never crosses to the host (samples_on_device(), below).
     virtual sample_result sample(sampler &smp, std::span<const int32_t> history) { return smp.sample(logits(), history); }
-    virtual bool samples_on_device() const { return false; }
     virtual int64_t n_past() const = 0;
     virtual const std::vector<int32_t> &tokens() const = 0;
     virtual void reset() = 0;  // holds nothing afterwards (paged KV: every block and the reservation freed)
@@ -274,6 +247,41 @@ public:
     // empty or those of the last kept token (the default goes through sync(), which re-derives
     // them); a later sync() of a longer prefix evaluates only what is missing.
     virtual void truncate(int64_t n_keep);
+
+    // ---- drafting (speculative decoding) ----
+    // Sessions with a drafter of their own (DS4 with engine_options::ds4_draft): up to `max` tokens likely
+    // to follow `history` = what the session holds, then the pending token (sampled, not yet evaluated).
+    // Greedy, deterministic drafts. Throws when history does not extend what the session holds. The
+    // default has no drafter and drafts nothing.
+    virtual bool has_drafter() const { return false; }
+    virtual std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max);
+    // The last draft()'s per-token confidence: each draft's predicted probability of being kept given its
+    // predecessors were (DSpark's confidence head; the speculation loop narrows the step by it, spec::
+    // draft_budget::cut). Empty when the drafter gives none (MTP) or an evaluation came since.
+    virtual std::vector<float> draft_confidence() const { return {}; }
+
+    // ---- saved states (the on-disk prompt cache, docs/prompt-cache.md) ----
+    // save_state writes what the session holds: the held token count, the KV state (DS4: raw rings,
+    // compressor frontiers, compressed and indexer rows) and the last token's logits, so that a fresh
+    // session of an engine with the same state_identity() that load_state()s it continues bit for bit
+    // as this one would. Returns false, writing nothing, when the session cannot (the default). The
+    // caller keeps the session unchanged (no sync, eval, truncate, reset) while it runs; evaluations of
+    // other sessions of the engine may run meanwhile, on other threads.
+    virtual bool save_state(state_writer &w) const;
+    // load_state replaces what the session holds with a state save_state wrote while its session held
+    // exactly `tokens` (the caller stores them; the stream records their count), keeping the first
+    // n_keep of them (1 <= n_keep <= tokens.size()); logits() are the saved ones when n_keep ==
+    // tokens.size(), else empty (a later sync re-derives them). n_keep < tokens.size() needs
+    // loads_state_prefix() (below). Reads the whole stream. Returns false, reading nothing, when the
+    // session cannot load states (the default). Throws fathom::error naming the mismatch (another
+    // geometry, token count, precision; a malformed stream) and then holds nothing. Paged KV: the
+    // positions come from the session's reservation (kv_reserve), or from the pool (throws when it is full).
+    virtual bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep);
+
+    // ---- batch / scheduler (see the section banner above engine) ----
+    // True when sample() picks the token on the device the logits live on (logits() then costs a copy
+    // to the host): the scheduler samples such sessions through sample() rather than from logits().
+    virtual bool samples_on_device() const { return false; }
     // True when truncate() only forgets positions (no re-evaluation), so a speculative step can drop
     // its rejected drafts for nothing (include/fathom/speculative.h). The dense sessions: true; DS4: on
     // one CPU device (up to rollback_limit() positions), not on CUDA or several devices.
@@ -288,120 +296,16 @@ public:
     // (rolls_back(), at most rollback_limit() positions), else 0. DS4 on the CPU also counts its prefix
     // checkpoints.
     virtual int64_t reusable_prefix(std::span<const int32_t> prefix) const;
-    // Sessions with a drafter of their own (DS4 with engine_options::ds4_draft): up to `max` tokens likely
-    // to follow `history` = what the session holds, then the pending token (sampled, not yet evaluated).
-    // Greedy, deterministic drafts. Throws when history does not extend what the session holds.
-    virtual bool has_drafter() const { return false; }
-    virtual std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max) {
-        (void)history;
-        (void)max;
-        return {};
-    }
-    // The last draft()'s per-token confidence: each draft's predicted probability of being kept given its
-    // predecessors were (DSpark's confidence head; the speculation loop narrows the step by it, spec::
-    // draft_budget::cut). Empty when the drafter gives none (MTP) or an evaluation came since.
-    virtual std::vector<float> draft_confidence() const { return {}; }
     // Paged KV: make the session's block table cover positions [0, max(n_tokens, n_past())) now,
     // so evaluations up to n_tokens positions never run out of blocks; n_tokens below n_past()
     // gives back blocks reserved beyond the held tokens. All or nothing: false, changing nothing,
     // when the pool cannot supply the blocks. Sessions that own their KV memory (no pool) need no
-    // reservation: true.
-    virtual bool kv_reserve(int64_t n_tokens) {
-        (void)n_tokens;
-        return true;
-    }
+    // reservation: true (the default).
+    virtual bool kv_reserve(int64_t n_tokens);
     virtual int64_t kv_blocks() const { return 0; }  // blocks in the session's table (0 without a pool)
-
-    // ---- saved states (the on-disk prompt cache, docs/prompt-cache.md) ----
-    // save_state writes what the session holds: the held token count, the KV state (DS4: raw rings,
-    // compressor frontiers, compressed and indexer rows) and the last token's logits, so that a fresh
-    // session of an engine with the same state_identity() that load_state()s it continues bit for bit
-    // as this one would. Returns false, writing nothing, when the session cannot (the default). The
-    // caller keeps the session unchanged (no sync, eval, truncate, reset) while it runs; evaluations of
-    // other sessions of the engine may run meanwhile, on other threads.
-    virtual bool save_state(state_writer &w) const {
-        (void)w;
-        return false;
-    }
-    // load_state replaces what the session holds with a state save_state wrote while its session held
-    // exactly `tokens` (the caller stores them; the stream records their count), keeping the first
-    // n_keep of them (1 <= n_keep <= tokens.size()); logits() are the saved ones when n_keep ==
-    // tokens.size(), else empty (a later sync re-derives them). n_keep < tokens.size() needs
-    // loads_state_prefix(). Reads the whole stream. Returns false, reading nothing, when the session
-    // cannot load states (the default). Throws fathom::error naming the mismatch (another geometry,
-    // token count, precision; a malformed stream) and then holds nothing. Paged KV: the positions come
-    // from the session's reservation (kv_reserve), or from the pool (throws when it is full).
-    virtual bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) {
-        (void)r;
-        (void)tokens;
-        (void)n_keep;
-        return false;
-    }
     // True when load_state accepts n_keep < tokens.size() (KV stored per position: the dense family);
     // a DS4 state cannot drop positions (see ds4_session.cpp), so it loads whole or not at all.
     virtual bool loads_state_prefix() const { return false; }
 };
-
-inline int64_t session::reusable_prefix(std::span<const int32_t> prefix) const {
-    const std::vector<int32_t> &held = tokens();
-    size_t l = 0;
-    while (l < held.size() && l < prefix.size() && held[l] == prefix[l]) ++l;
-    if (l == held.size() || (rolls_back() && static_cast<uint64_t>(held.size() - l) <= static_cast<uint64_t>(rollback_limit())))
-        return static_cast<int64_t>(l);
-    return 0;
-}
-
-inline void session::truncate(int64_t n_keep) {
-    if (n_keep >= n_past()) return;
-    std::vector<int32_t> keep(tokens().begin(), tokens().begin() + std::max<int64_t>(n_keep, 0));
-    if (keep.empty()) reset();
-    else sync(keep);  // sync keeps keep.size() - 1 tokens and re-evaluates the last for its logits
-}
-
-inline void engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
-    if (sessions.size() != tokens.size())
-        throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
-                    std::to_string(tokens.size()) + " tokens");
-    for (size_t i = 0; i < sessions.size(); ++i) sessions[i]->eval(tokens.subspan(i, 1));
-}
-
-inline void sync_with_rows(const sync_item &it) {
-    const size_t n = it.prefix.size(), r = static_cast<size_t>(it.n_rows);
-    if (it.n_rows < 1 || r > n || !it.rows)
-        throw error("sync_step: " + std::to_string(it.n_rows) + " logit rows asked of a prefix of " + std::to_string(n) +
-                    " tokens");
-    const size_t m = n - r;
-    const std::vector<int32_t> &held = it.sess->tokens();
-    if (m == 0) it.sess->reset();
-    else if (held.size() >= m && std::equal(it.prefix.begin(), it.prefix.begin() + static_cast<std::ptrdiff_t>(m), held.begin()))
-        it.sess->truncate(static_cast<int64_t>(m));
-    else
-        it.sess->sync(it.prefix.first(m));
-    it.sess->eval(it.prefix.subspan(m), it.rows);
-}
-
-inline void engine::sync_step(std::span<const sync_item> items) {
-    std::vector<session *> dec;  // items that append exactly one token and want its logits
-    std::vector<int32_t> toks;
-    std::vector<bool> is_dec(items.size(), false);
-    for (size_t i = 0; i < items.size(); ++i) {
-        const sync_item &it = items[i];
-        if (!it.sess) throw error("sync_step: item " + std::to_string(i) + " has no session");
-        if (it.n_rows > 0) continue;  // below
-        const std::vector<int32_t> &held = it.sess->tokens();
-        if (it.want_logits && it.prefix.size() == held.size() + 1 &&
-            std::equal(held.begin(), held.end(), it.prefix.begin())) {
-            dec.push_back(it.sess);
-            toks.push_back(it.prefix.back());
-            is_dec[i] = true;
-        }
-    }
-    if (!dec.empty()) decode_step(dec, toks);
-    for (size_t i = 0; i < items.size(); ++i) {
-        if (is_dec[i]) continue;
-        if (items[i].n_rows > 0) sync_with_rows(items[i]);
-        else items[i].sess->sync(items[i].prefix);
-    }
-}
 
 }  // namespace fathom

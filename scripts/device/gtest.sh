@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs one carried gtest binary (.cuda-carry/test_NAME; default test_cuda) with a filter on the device,
-# the carry unpacked and its libraries on the path. FATHOM_DS4_BENCH passes through (benchmarks).
+# the carry unpacked and its libraries on the path. Kernel benchmarks: kbench.sh (bench_cuda_kernels).
 # Usage (device): bash scripts/device/gtest.sh 'gtest filter' [NAME]
 set -u
 carry_bin=test_${2:-cuda}

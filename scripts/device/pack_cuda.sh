@@ -8,11 +8,11 @@ set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build="${FATHOM_CUDA_BUILD:-$root/build-cuda}"
 cmake -S "$root" -B "$build" -G Ninja -DFATHOM_CUDA=ON -DFATHOM_TESTS=ON -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc >/dev/null
-cmake --build "$build" --target test_cuda bench_cuda bench_cuda_ds4 bench_pflash_cuda cuda_synth fathom fathom-gguf -j2
+cmake --build "$build" --target test_cuda bench_cuda bench_cuda_kernels bench_cuda_ds4 bench_pflash_cuda cuda_synth fathom fathom-gguf -j2
 grep -qx '/.cuda-carry/' "$root/.git/info/exclude" 2>/dev/null || echo '/.cuda-carry/' >> "$root/.git/info/exclude"
 rm -rf "$root/.cuda-carry"
 mkdir -p "$root/.cuda-carry/lib" "$root/.cuda-carry/vocab"
-bins="$build/tests/test_cuda $build/tests/bench_cuda $build/tests/bench_cuda_ds4 $build/tests/bench_pflash_cuda $build/tests/cuda_synth $build/fathom $build/tools/fathom-gguf"
+bins="$build/tests/test_cuda $build/tests/bench_cuda $build/bench/cuda/bench_cuda_kernels $build/tests/bench_cuda_ds4 $build/tests/bench_pflash_cuda $build/tests/cuda_synth $build/fathom $build/tools/fathom-gguf"
 for b in $bins; do strip -o "$root/.cuda-carry/$(basename "$b")" "$b"; done
 # Everything ldd resolves outside libc/CUDA (the device image has CUDA 13 but not Debian's -dev libs).
 ldd $bins | awk '/=> \// {print $3}' | sort -u |

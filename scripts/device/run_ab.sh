@@ -6,7 +6,9 @@
 # Usage (device): bash scripts/device/run_ab.sh "base new new+--serial-step ..." [depths] [rounds] [n]
 # (an entry NAME+--flag runs bench_NAME with --flag; several flags: NAME+--a+--b).
 # Optional: TESTS="NAME:gtest filter;NAME:filter" runs .cuda-carry/test_NAME with that filter first
-# (while the model file is generated); KBENCH="NAME:filter;..." runs kernel benchmarks afterwards.
+# (while the model file is generated); KBENCH="NAME:benchmarks;..." runs kernel benchmarks afterwards
+# (bench_cuda_kernels with those names or patterns: NAME "cuda" the packed build, else variant.sh's
+# bench_cuda_kernels_NAME).
 set -u
 first=$(echo "$1" | awk '{print $1}')
 carry_bin=${CARRY_BIN:-bench_${first%%+*}}
@@ -39,8 +41,9 @@ done
 IFS=';' read -ra kb <<< "${KBENCH:-}"
 for t in "${kb[@]}"; do
     name=${t%%:*}; filter=${t#*:}
-    echo "== kbench test_$name ($filter)"
-    FATHOM_DS4_BENCH=1 timeout "${KBENCH_TIMEOUT:-120}" "$c/test_$name" --gtest_color=no --gtest_filter="$filter" 2>&1 |
+    kb="$c/bench_cuda_kernels"; [ "$name" != cuda ] && kb="$c/bench_cuda_kernels_$name"
+    echo "== kbench $(basename "$kb") ($filter)"
+    timeout "${KBENCH_TIMEOUT:-120}" "$kb" --gtest_color=no "$filter" 2>&1 |
         grep -Ev "^\[ RUN|^\[       OK|^$|^\[---|^\[===|Global test" | tail -30
 done
 exit $rc

@@ -4,8 +4,8 @@
 # DS4-Flash sparse synthetic file is generated, then bench_cuda_ds4 (chunked prefill per interval,
 # decode at the given depths). Logs go to $OUT.
 # Usage (device): bash scripts/device/run_ds4_prefill.sh [gtest filter|none] [prefill list|none] [decode depths|none]
-# Optional environment: KBENCH='gtest filter' runs those kernel benchmark tests with FATHOM_DS4_BENCH=1 and
-# FATHOM_DENSE_BENCH=1 (log kbench.log); PFLASH=32768,131072 runs bench_pflash_cuda (DS4 target above +
+# Optional environment: KBENCH='NAME[:NAME...]' runs those kernel benchmarks (bench_cuda_kernels; names or
+# GoogleTest patterns, log kbench.log); PFLASH=32768,131072 runs bench_pflash_cuda (DS4 target above +
 # the Qwen3-0.6B-geometry synthetic drafter, keep ${PFLASH_KEEP:-0.05}, drafter weights ${PFLASH_TYPES:-q8_0};
 # logs pflash-TYPE.log).
 set -u
@@ -39,8 +39,7 @@ if [ "$depths" != none ]; then
     timeout "${BENCH_TIMEOUT:-200}" "$c/bench_cuda_ds4" "$m" --depths "$depths" --n 32 --prefill "$prefill" 2>&1 | tee "$out/bench.log" | grep -v "^  [a-z]"
 fi
 if [ -n "${KBENCH:-}" ]; then
-    FATHOM_DS4_BENCH=1 FATHOM_DENSE_BENCH=1 timeout "${KBENCH_TIMEOUT:-120}" "$c/test_cuda" --gtest_color=no \
-        --gtest_filter="$KBENCH" > "$out/kbench.log" 2>&1 || rc=1
+    timeout "${KBENCH_TIMEOUT:-120}" "$c/bench_cuda_kernels" --gtest_color=no "$KBENCH" > "$out/kbench.log" 2>&1 || rc=1
     grep -Ev "^\[ RUN|^\[       OK|^$" "$out/kbench.log" | tail -40
 fi
 if [ -n "${PFLASH:-}" ]; then

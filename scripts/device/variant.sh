@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B builds for the device (run here, no GPU needed): recompiles the given CUDA sources of the CUDA
 # build (sm_90a only) with extra defines into a copy of libfathom_cuda.a and links bench_cuda_ds4 (and,
-# with TESTS=1, test_cuda) against it as .cuda-carry/bench_NAME (test_NAME), so one device call can
+# with TESTS=1, test_cuda and bench_cuda_kernels) against it as .cuda-carry/bench_NAME (test_NAME,
+# bench_cuda_kernels_NAME), so one device call can
 # alternate several builds (scripts/device/run_ab.sh). Then re-pack the carry:
 #   tar -C <repo> -I 'zstd -12 --long=28 -T2' -cf .cuda-pack/carry.tzst .cuda-carry
 # Usage: scripts/device/variant.sh NAME "-DSOME_MACRO=1 ..." src/backend/cuda/file.cu|.cpp [...]
@@ -29,6 +30,9 @@ link() {  # link target $1 (tests/bench_cuda_ds4) as $2
     strip -o "$root/.cuda-carry/$2_$name" "$v/$2"
 }
 link tests/bench_cuda_ds4 bench
-[ "${TESTS:-0}" = 1 ] && link tests/test_cuda test
+if [ "${TESTS:-0}" = 1 ]; then
+    link tests/test_cuda test
+    link bench/cuda/bench_cuda_kernels bench_cuda_kernels
+fi
 rm -rf "$v"
 ls -la "$root/.cuda-carry/"*_"$name"

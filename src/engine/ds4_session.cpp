@@ -16,7 +16,7 @@
 // device rings are position-indexed too) but keeps no checkpoints; on several devices the state is
 // append-only (rolls_back() is false, no checkpoints) and any divergence resets it.
 //
-// Several devices (engine_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
+// Several devices (dist_options::devices, e.g. "cpu,cpu" or "cuda:0,cuda:1"). The engine assigns
 // each device a contiguous block range (the placement planner's choice when every device is a CUDA
 // device, whose free memory it can read; an even split otherwise) and uploads each CUDA device's
 // blocks once. Each *session* owns a dist::local_pipeline: one thread per further device, each rank
@@ -31,9 +31,9 @@
 // item that is a one-chunk append on its session's pipeline before collecting any (run_inflight), so
 // the stages work on different sequences at once; the other items go through sync / eval afterwards.
 // With rank processes the batch runs under one hold of their shared link (rank_procs::with_sessions).
-// With engine_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
+// With dist_options::devices_layout "tp" the session owns a dist::local_tp instead (every device runs
 // every block on its share of heads and experts, src/dist/tp.h); the same rules apply.
-// With engine_options::rank_procs, ranks 1.. are child processes shared by all sessions
+// With dist_options::rank_procs, ranks 1.. are child processes shared by all sessions
 // (dist::rank_procs, spawned at load): a session owns only its rank-0 object (pipeline_rank / tp_rank
 // over the engine's socket link) and a session id; each child keeps that session's rank state and
 // steps it once per operation (src/dist/rank_procs.h). A failure there is final for the engine (a
@@ -95,15 +95,15 @@ void check_options(const engine_options &o) {
     if (o.n_threads < 0) throw error("n_threads must be >= 0, got " + std::to_string(o.n_threads));
     if (o.n_ctx < 0) throw error("n_ctx must be >= 0, got " + std::to_string(o.n_ctx));
     if (o.n_batch < 0) throw error("n_batch must be >= 0, got " + std::to_string(o.n_batch));
-    if (o.devices_layout != "pipeline" && o.devices_layout != "tp")
-        throw error("devices layout '" + o.devices_layout + "': expected pipeline or tp");
-    if (o.devices_layout != "pipeline" && o.devices.empty())
-        throw error("devices layout '" + o.devices_layout + "' needs several devices (devices, e.g. cpu,cpu)");
-    if (o.rank_procs && o.devices.empty())
+    if (o.dist.devices_layout != "pipeline" && o.dist.devices_layout != "tp")
+        throw error("devices layout '" + o.dist.devices_layout + "': expected pipeline or tp");
+    if (o.dist.devices_layout != "pipeline" && o.dist.devices.empty())
+        throw error("devices layout '" + o.dist.devices_layout + "' needs several devices (devices, e.g. cpu,cpu)");
+    if (o.dist.rank_procs && o.dist.devices.empty())
         throw error("rank processes (--procs) need several devices (devices, e.g. cpu,cpu)");
-    if (o.rank_procs && !o.rank_command) throw error("rank processes (--procs): no rank command was given");
-    if (o.rank_procs_local < 0)
-        throw error("rank_procs_local must be >= 0, got " + std::to_string(o.rank_procs_local));
+    if (o.dist.rank_procs && !o.dist.rank_command) throw error("rank processes (--procs): no rank command was given");
+    if (o.dist.rank_procs_local < 0)
+        throw error("rank_procs_local must be >= 0, got " + std::to_string(o.dist.rank_procs_local));
     ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib);  // throws for a negative or absurd budget
 }
 
@@ -175,7 +175,7 @@ struct device_ranks {
     }
 };
 
-// engine_options::devices ("cpu,cuda:1,...") -> per entry -1 (the CPU) or a CUDA ordinal that
+// dist_options::devices ("cpu,cuda:1,...") -> per entry -1 (the CPU) or a CUDA ordinal that
 // resolve_cuda_ordinal accepted. Throws one line naming the list and the bad entry.
 std::vector<int> parse_device_list(const std::string &list) {
     std::vector<int> out;
@@ -362,19 +362,19 @@ class ds4_engine final : public engine {
         check_options(o);
         qat_ = parse_qat(o.ds4_qat);
         const int ordinal = resolve_cuda_ordinal(o.device);  // -1: CPU; throws for an unusable forced device
-        if (!o.devices.empty() && o.device != "cpu")
-            throw error("devices '" + o.devices + "' and device '" + o.device + "': give one or the other");
-        if (!o.rank_layers.empty())
-            throw error("rank_layers '" + o.rank_layers + "' is for rank processes (fathom rank) only");
+        if (!o.dist.devices.empty() && o.device != "cpu")
+            throw error("devices '" + o.dist.devices + "' and device '" + o.device + "': give one or the other");
+        if (!o.dist.rank_layers.empty())
+            throw error("rank_layers '" + o.dist.rank_layers + "' is for rank processes (fathom rank) only");
         if (!o.ds4_draft.empty() && o.ds4_draft != "mtp" && o.ds4_draft != "dspark")
             throw error("ds4_draft '" + o.ds4_draft + "': expected mtp or dspark");
-        if (!o.ds4_draft.empty() && (!o.devices.empty() || ordinal >= 0))
+        if (!o.ds4_draft.empty() && (!o.dist.devices.empty() || ordinal >= 0))
             throw error("--spec " + o.ds4_draft + ": DeepSeek V4 drafts (and rolls back) on one CPU device so far, not "
                         "with --device cuda or --devices");
         if (o.ds4_draft == "dspark" && o.ds4_draft_model.empty())
             throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF for this model)");
-        const std::vector<int> stage_ordinals = o.devices.empty() ? std::vector<int>() : parse_device_list(o.devices);
-        const bool any_cpu = o.devices.empty() ? ordinal < 0
+        const std::vector<int> stage_ordinals = o.dist.devices.empty() ? std::vector<int>() : parse_device_list(o.dist.devices);
+        const bool any_cpu = o.dist.devices.empty() ? ordinal < 0
                                                : std::find(stage_ordinals.begin(), stage_ordinals.end(), -1) !=
                                                      stage_ordinals.end();
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
@@ -388,7 +388,7 @@ class ds4_engine final : public engine {
             throw error(file_->path() + ": deepseek4.context_length = " + std::to_string(n_ctx_train_) + " out of range");
         n_ctx_ = o.n_ctx > 0 ? o.n_ctx : default_n_ctx(n_ctx_train_);
         // Default chunk: 512 on the CPU, 4096 on one CUDA device (ds4::default_prefill_chunk).
-        const bool on_cuda = o.devices.empty() && o.device != "cpu";
+        const bool on_cuda = o.dist.devices.empty() && o.device != "cpu";
         n_batch_ = std::min<int64_t>(o.n_batch > 0 ? o.n_batch : on_cuda ? 4096 : 512, n_ctx_);
         pool_ = std::make_unique<cpu::thread_pool>(o.n_threads > 0 ? o.n_threads : online_cores());
         exec_.pool = pool_.get();
@@ -488,14 +488,14 @@ class ds4_engine final : public engine {
             else {
                 r->pipe0 = std::make_unique<dist::pipeline_rank>(*model_, ranges_, procs_->link(), qat_, opts_.kv,
                                                                  exec_, stages_[0]);
-                r->pipe0->set_micro_batch(opts_.micro_batch);
+                r->pipe0->set_micro_batch(opts_.dist.micro_batch);
             }
         } else if (tp_size_ > 0)
             r->tp = std::make_unique<dist::local_tp>(*model_, tp_size_, qat_, opts_.kv, exec_, pipeline_deadline);
         else {
             r->pipeline = std::make_unique<dist::local_pipeline>(*model_, ranges_, qat_, opts_.kv, exec_, stages_,
                                                                  pipeline_deadline);
-            r->pipeline->set_micro_batch(opts_.micro_batch);
+            r->pipeline->set_micro_batch(opts_.dist.micro_batch);
         }
         return r;
     }
@@ -612,19 +612,19 @@ class ds4_engine final : public engine {
 #endif
     }
 
-    // engine_options::devices: one block range per device (the planner's when every device is a CUDA
+    // dist_options::devices: one block range per device (the planner's when every device is a CUDA
     // device, else an even split), each CUDA device's blocks uploaded once, info().device naming the
     // layout ("pipeline: cpu blocks 0-2 | cuda:0 (NVIDIA H200) blocks 3-5"). With rank processes only
     // stage 0 lives in this process: the later stages' CUDA blocks are uploaded by their rank processes
     // (which get these ranges from start_rank_procs), so their stages_ entries stay without weights.
     void make_pipeline(const std::vector<int> &ordinals) {
-        if (opts_.devices_layout == "tp") {
+        if (opts_.dist.devices_layout == "tp") {
             make_tp(ordinals);
             return;
         }
         const int P = static_cast<int>(ordinals.size()), L = model_->hp.n_layer;
         if (P > L)
-            throw error("devices '" + opts_.devices + "': " + std::to_string(P) + " devices for a model of " +
+            throw error("devices '" + opts_.dist.devices + "': " + std::to_string(P) + " devices for a model of " +
                         std::to_string(L) + " blocks (each device needs at least one block)");
         const bool all_cuda = std::find(ordinals.begin(), ordinals.end(), -1) == ordinals.end();
         ranges_ = all_cuda ? planned_ranges(ordinals) : dist::even_ranges(L, P);
@@ -640,7 +640,7 @@ class ds4_engine final : public engine {
             std::string name = "cpu";
             if (st.cuda_device >= 0) {
 #ifdef FATHOM_ENGINE_CUDA
-                if (!opts_.rank_procs || r == 0) {
+                if (!opts_.dist.rank_procs || r == 0) {
                     const double fsz = static_cast<double>(file_->size());
                     st.weights = upload_stage(*model_, st.cuda_device, lr, qat_, opts_.kv,
                                               [&](uint64_t done, uint64_t total) {
@@ -659,20 +659,20 @@ class ds4_engine final : public engine {
         info_.device = layout;
         if (all_cuda) {
             // With rank processes the later stages' weights are not here: the bytes stay unknown (0).
-            if (!opts_.rank_procs) info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
+            if (!opts_.dist.rank_procs) info_.decode_weight_bytes = static_cast<uint64_t>(step_bytes);
             ordinal_ = ordinals[0];  // measure_copy_bandwidth: the first stage's device
         }
-        if (opts_.rank_procs) start_rank_procs(P);
+        if (opts_.dist.rank_procs) start_rank_procs(P);
     }
 
-    // engine_options::rank_procs: spawn and join ranks 1..P-1 (rank_command), or wait for those started
+    // dist_options::rank_procs: spawn and join ranks 1..P-1 (rank_command), or wait for those started
     // by hand; info().device gains their pids. Each rank's argv gets what only this engine knows and the
     // rank must share: the pipeline's block ranges (`--rank-layers`; the planner's choice reads this
     // process's free device memory, which a rank process would see differently) and the context
     // (`--ctx`: a CUDA stage's sequence capacity). The printed commands (ranks started by hand) too.
     void start_rank_procs(int P) {
         const std::string layers = ranges_text(ranges_);  // "" for tp (every rank runs every block)
-        const auto command = [base = opts_.rank_command, layers, n_ctx = n_ctx_](int r, int world,
+        const auto command = [base = opts_.dist.rank_command, layers, n_ctx = n_ctx_](int r, int world,
                                                                                 const std::string &id) {
             std::vector<std::string> v = base(r, world, id);
             if (!layers.empty()) v.insert(v.end(), {"--rank-layers", layers});
@@ -680,9 +680,9 @@ class ds4_engine final : public engine {
             return v;
         };
         dist::rank_procs_options po;
-        po.host = opts_.rank_procs_host;
+        po.host = opts_.dist.rank_procs_host;
         po.command = [command, P](int r, const std::string &id) { return command(r, P, id); };
-        po.spawn = opts_.rank_procs_local > 0 ? opts_.rank_procs_local : -1;
+        po.spawn = opts_.dist.rank_procs_local > 0 ? opts_.dist.rank_procs_local : -1;
         const int spawn = std::min(po.spawn < 0 ? P : po.spawn, P);
         po.on_listening = [&](const std::string &id) {
             for (int r = std::max(spawn, 1); r < P; ++r) {  // ranks started by hand (another host)
@@ -691,7 +691,7 @@ class ds4_engine final : public engine {
                 std::fprintf(stderr, "dist: waiting for rank %d: start it with: %s\n", r, line.c_str());
             }
         };
-        po.on_failure = opts_.on_rank_failure;
+        po.on_failure = opts_.dist.on_rank_failure;
         procs_ = std::make_unique<dist::rank_procs>(P, po);
         std::string pids;
         const std::vector<long> v = procs_->pids();
@@ -701,19 +701,19 @@ class ds4_engine final : public engine {
         info_.device += "; processes:" + pids;
     }
 
-    // engine_options::devices_layout "tp": every rank runs every block on its share (dist::tp_share);
+    // dist_options::devices_layout "tp": every rank runs every block on its share (dist::tp_share);
     // checked here (rank count divides heads / groups / shared width, quant-block-aligned column views)
     // so a bad count fails at load. info().device names each rank's share ("tp: cpu heads 0-3
     // experts 0-4 | cpu heads 4-7 experts 5-9"). CUDA ranks need a CUDA tp forward (not built).
     void make_tp(const std::vector<int> &ordinals) {
         const int P = static_cast<int>(ordinals.size());
         if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
-            throw error("devices '" + opts_.devices + "': layout tp runs on CPU devices only so far (the CUDA "
+            throw error("devices '" + opts_.dist.devices + "': layout tp runs on CPU devices only so far (the CUDA "
                         "tensor-parallel forward is not built; docs/dist.md); use the pipeline layout");
         try {
             dist::tp_check(*model_, P);
         } catch (const std::exception &e) {
-            throw error("devices '" + opts_.devices + "': " + e.what());
+            throw error("devices '" + opts_.dist.devices + "': " + e.what());
         }
         std::string layout = "tp:";
         for (int r = 0; r < P; ++r) {
@@ -724,7 +724,7 @@ class ds4_engine final : public engine {
         }
         info_.device = layout;
         tp_size_ = P;
-        if (opts_.rank_procs) start_rank_procs(P);
+        if (opts_.dist.rank_procs) start_rank_procs(P);
     }
 
     // Every device a CUDA device: the placement planner's pipeline ranges from each device's free
@@ -746,7 +746,7 @@ class ds4_engine final : public engine {
             for (const auto &d : dist::make_plan(dist::inventory_from_gguf(*file_), specs, po).devices)
                 out.push_back(d.layers);
         } catch (const std::exception &e) {
-            throw error("devices '" + opts_.devices + "': " + e.what());
+            throw error("devices '" + opts_.dist.devices + "': " + e.what());
         }
 #else
         (void)ordinals;  // CUDA entries were refused by parse_device_list in a build without CUDA
@@ -1570,28 +1570,28 @@ class rank_session final : public dist::session_rank {
     Rank r_;
 };
 
-// A rank process's block ranges (pipeline layout): rank 0's (`--rank-layers`, engine_options::rank_layers),
+// A rank process's block ranges (pipeline layout): rank 0's (`--rank-layers`, dist_options::rank_layers),
 // checked to be one range per device tiling the model; without them the even split, which is rank 0's
 // only for lists of CPU entries (with a CUDA entry rank 0 may have used the planner).
 std::vector<dist::layer_range> rank_ranges(const engine_options &o, const std::vector<int> &ordinals, int n_layer) {
     const int P = static_cast<int>(ordinals.size());
-    if (o.rank_layers.empty()) {
+    if (o.dist.rank_layers.empty()) {
         if (std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
-            throw error("rank: devices '" + o.devices + "' have CUDA entries: the block ranges (--rank-layers, "
+            throw error("rank: devices '" + o.dist.devices + "' have CUDA entries: the block ranges (--rank-layers, "
                         "given by rank 0) are required");
         return dist::even_ranges(n_layer, P);
     }
     std::vector<dist::layer_range> ranges;
     try {
-        ranges = dist::parse_layer_ranges(o.rank_layers);
+        ranges = dist::parse_layer_ranges(o.dist.rank_layers);
         if (static_cast<int>(ranges.size()) != P)
             throw error(std::to_string(ranges.size()) + " ranges for the " + std::to_string(P) + " devices '" +
-                        o.devices + "'");
+                        o.dist.devices + "'");
         dist::check_ranges(ranges, n_layer);
     } catch (const std::exception &e) {
         std::string why = e.what();  // without the "plan: " / "dist: " of the parser / check_ranges
         if (why.rfind("plan: ", 0) == 0 || why.rfind("dist: ", 0) == 0) why.erase(0, 6);
-        throw error("rank: --rank-layers '" + o.rank_layers + "': " + why);
+        throw error("rank: --rank-layers '" + o.dist.rank_layers + "': " + why);
     }
     return ranges;
 }
@@ -1600,20 +1600,20 @@ std::vector<dist::layer_range> rank_ranges(const engine_options &o, const std::v
 
 void serve_ds4_rank(const engine_options &o, int rank, int world, const std::string &join_id) {
     check_options(o);
-    if (o.devices.empty()) throw error("rank: devices (--devices) are required, as given to rank 0");
-    const std::vector<int> ordinals = parse_device_list(o.devices);  // throws for CUDA entries without CUDA
+    if (o.dist.devices.empty()) throw error("rank: devices (--devices) are required, as given to rank 0");
+    const std::vector<int> ordinals = parse_device_list(o.dist.devices);  // throws for CUDA entries without CUDA
     const int P = static_cast<int>(ordinals.size());
     if (P != world)
-        throw error("rank: world " + std::to_string(world) + " but devices '" + o.devices + "' has " +
+        throw error("rank: world " + std::to_string(world) + " but devices '" + o.dist.devices + "' has " +
                     std::to_string(P) + " entries");
     if (rank < 1 || rank >= P)
         throw error("rank: rank " + std::to_string(rank) + " outside 1.." + std::to_string(P - 1));
-    const bool tp = o.devices_layout == "tp";
+    const bool tp = o.dist.devices_layout == "tp";
     if (tp && std::find_if(ordinals.begin(), ordinals.end(), [](int d) { return d >= 0; }) != ordinals.end())
-        throw error("devices '" + o.devices + "': layout tp runs on CPU devices only so far (the CUDA "
+        throw error("devices '" + o.dist.devices + "': layout tp runs on CPU devices only so far (the CUDA "
                     "tensor-parallel forward is not built; docs/dist.md); use the pipeline layout");
-    if (tp && !o.rank_layers.empty())
-        throw error("rank: --rank-layers '" + o.rank_layers + "' is for the pipeline layout, not tp");
+    if (tp && !o.dist.rank_layers.empty())
+        throw error("rank: --rank-layers '" + o.dist.rank_layers + "' is for the pipeline layout, not tp");
     const ds4::qat_mode qat = parse_qat(o.ds4_qat);
     std::shared_ptr<const gguf::file> file = gguf::file::open(o.model_path);
     if (file->get_string("general.architecture", "") != "deepseek4")
@@ -1637,7 +1637,7 @@ void serve_ds4_rank(const engine_options &o, int rank, int world, const std::str
         dev.cuda_graphs = o.cuda_graphs;
         dev.weights = upload_stage(*m, dev.cuda_device, ranges[static_cast<size_t>(rank)], qat, o.kv, {});
 #else
-        throw error("devices '" + o.devices + "': CUDA entries need a build with CUDA (-DFATHOM_CUDA=ON)");
+        throw error("devices '" + o.dist.devices + "': CUDA entries need a build with CUDA (-DFATHOM_CUDA=ON)");
 #endif
     }
     cpu::thread_pool pool(o.n_threads > 0 ? o.n_threads : online_cores());

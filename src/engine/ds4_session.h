@@ -17,7 +17,7 @@ class file;
 // Throws fathom::error for invalid options (device, threads, ctx, batch, ds4_qat) or a bad model.
 std::unique_ptr<engine> make_ds4_engine(const engine_options &opts, std::shared_ptr<const gguf::file> file);
 
-// The process of rank `rank` (> 0) of `world` for engine_options::rank_procs (`fathom rank`): loads the
+// The process of rank `rank` (> 0) of `world` for dist_options::rank_procs (`fathom rank`): loads the
 // model named by opts (the same options as rank 0's engine: devices, layout, threads, numerics, qat, kv),
 // joins rank 0 at `join_id` ("token@host:port") and serves its share of every session until rank 0 stops
 // it. Throws one line on any failure (load, join, a peer's death or abort).

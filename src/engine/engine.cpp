@@ -866,8 +866,8 @@ std::unique_ptr<engine> engine::load(const engine_options &opts) {
     if (!opts.ds4_draft.empty())
         throw error(opts.model_path + ": --spec " + opts.ds4_draft + " drafts with DeepSeek V4's own heads; this model is '" +
                     std::string(f->get_string("general.architecture", "")) + "' (use --spec ngram or draft)");
-    if (!opts.devices.empty())  // the layer pipeline (src/dist) exists for DeepSeek V4 only
-        throw error(opts.model_path + ": devices '" + opts.devices + "': splitting a model over several devices is "
+    if (!opts.dist.devices.empty())  // the layer pipeline (src/dist) exists for DeepSeek V4 only
+        throw error(opts.model_path + ": devices '" + opts.dist.devices + "': splitting a model over several devices is "
                     "supported for DeepSeek V4 (deepseek4) only, not '" +
                     std::string(f->get_string("general.architecture", "")) + "' yet (use one device)");
     return std::make_unique<engine_impl>(opts, std::move(f));

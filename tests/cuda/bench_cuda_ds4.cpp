@@ -44,6 +44,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ktrace.h"
 #include "models/cuda/deepseek4_cuda.h"
 #include "bench_util.h"

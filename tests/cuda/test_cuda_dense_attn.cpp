@@ -10,7 +10,7 @@
 // Tolerance: relative L2 <= 1e-4 per (token, head) row. The kernel splits q and p into f16 hi + lo
 // pairs (~2^-22 relative each), so the expected error is ~1e-6 (the f32 reference's own rounding);
 // 1e-4 leaves a wide margin yet fails a plain-f16 P (~3e-4 per row) or any indexing error (O(1)).
-// CudaDenseAttn.Bench* times the kernel at the PFlash drafter's shapes (FATHOM_DENSE_BENCH=1).
+// Its benchmark at the PFlash drafter's shapes: bench/cuda/bench_dense_attn.cpp (bench_cuda_kernels).
 // Skipped without a CUDA device.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -28,20 +28,15 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "cuda_test_util.h"
+#include "dense_attn_fixture.h"
 
 namespace fathom {
 namespace {
 
+using namespace cuda_test::dense_attn_suite;
+
 using cuda_test::randn;
 using cuda_test::rel_l2;
-
-struct attn_case {
-    int32_t hd, n_head, n_head_kv;
-    int64_t n_ctx, n_past, n_tok;
-    float softcap;
-    int32_t window;
-    bool f16 = true;
-};
 
 std::string name_of(const attn_case &c) {
     return "hd=" + std::to_string(c.hd) + " H=" + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) +
@@ -49,63 +44,6 @@ std::string name_of(const attn_case &c) {
            std::to_string(c.n_tok) + " cap=" + std::to_string(c.softcap) + " window=" + std::to_string(c.window) +
            (c.f16 ? " f16" : " f32");
 }
-
-using pair_t = cuda_test::tensor_pair;
-
-class CudaDenseAttn : public cuda_test::cuda_backend_pair_test {
-  protected:
-    // A K or V cache [hd, n_head_kv * n_ctx] of random values; positions no query of c may read
-    // (>= n_past + n_tok; < n_past - window + 1 with a window) hold NaN.
-    pair_t cache(const attn_case &c) {
-        const int64_t rows = static_cast<int64_t>(c.n_head_kv) * c.n_ctx;
-        const auto vals = randn(static_cast<size_t>(rows * c.hd), rng_);
-        const int64_t lo = c.window > 0 ? c.n_past - c.window + 1 : 0, hi = c.n_past + c.n_tok;
-        auto unread = [&](int64_t r) {
-            const int64_t p = r % c.n_ctx;
-            return p >= hi || p < lo;
-        };
-        if (!c.f16) {
-            std::vector<float> f(vals);
-            for (int64_t r = 0; r < rows; ++r)
-                if (unread(r))
-                    for (int32_t d = 0; d < c.hd; ++d) f[static_cast<size_t>(r * c.hd + d)] = std::nanf("");
-            return make(dtype::f32, c.hd, rows, f.data());
-        }
-        std::vector<uint16_t> b(vals.size());
-        for (int64_t r = 0; r < rows; ++r)
-            for (int32_t d = 0; d < c.hd; ++d) {
-                const size_t i = static_cast<size_t>(r * c.hd + d);
-                b[i] = unread(r) ? uint16_t{0x7e00} : cpu::f32_to_f16(vals[i]);
-            }
-        return make(dtype::f16, c.hd, rows, b.data());
-    }
-    static attn_params params(const attn_case &c) { return cuda_test::attn_params_of(c); }
-    // Largest per-(token, head) relative L2 error of got against ref, rows [0, n_tok) of n_head heads.
-    static double worst_row(const std::vector<float> &got, const std::vector<float> &ref, int64_t n_tok, int32_t n_head,
-                            int32_t hd) {
-        double worst = 0;
-        for (int64_t r = 0; r < n_tok * n_head; ++r) {
-            const double e = rel_l2(got.data() + r * hd, ref.data() + r * hd, static_cast<size_t>(hd));
-            if (std::isnan(e)) return e;  // an unwritten or NaN output
-            worst = std::max(worst, e);
-        }
-        return worst;
-    }
-    // Runs case c on both backends; returns the worst row error (NaN if any output is NaN).
-    double run(const attn_case &c, float q_sd = 2.0f) {
-        auto kc = cache(c), vc = cache(c);
-        const int64_t qw = static_cast<int64_t>(c.n_head) * c.hd;
-        auto q = make_f32(qw, c.n_tok, randn(static_cast<size_t>(qw * c.n_tok), rng_, q_sd));
-        auto o = out_f32(qw, c.n_tok);
-        const attn_params p = params(c);
-        exact_->attention(q.h, kc.h, vc.h, p, o.h);
-        gpu_->attention(q.d, kc.d, vc.d, p, o.d);
-        gpu_->synchronize();
-        return worst_row(down(o.d), hostv(o), c.n_tok, c.n_head, c.hd);
-    }
-
-    std::mt19937 rng_{4321};
-};
 
 constexpr double kTol = 1e-4;
 
@@ -214,57 +152,6 @@ TEST_F(CudaDenseAttn, BadPositionSetsErrorFlag) {
             if (r < first || r >= last)
                 for (int64_t i = 0; i < qw; ++i) written += !std::isnan(got[static_cast<size_t>(r * qw + i)]);
         EXPECT_EQ(written, 0u) << "rows outside the cache were written";
-    }
-}
-
-// ---- benchmark (FATHOM_DENSE_BENCH=1) ------------------------------------------------------------
-// Kernel time of one attention call at the PFlash drafter's geometry (Qwen3-0.6B: 16 heads, 8 KV heads,
-// hd 128): a 4096-token chunk after a 4096-token prefix with window 512 (its windowed prefill), and a
-// full-causal 4096-token first chunk. TFLOP/s counts the attended (query, key) pairs only: 4 hd flops
-// each (QK^T and PV), not the masked work or the hi / lo doubling.
-TEST_F(CudaDenseAttn, BenchDrafterShapes) {
-    const char *env = std::getenv("FATHOM_DENSE_BENCH");
-    if (!env || std::string(env) != "1") GTEST_SKIP() << "set FATHOM_DENSE_BENCH=1";
-    struct shape {
-        const char *name;
-        int64_t n_past, n_tok;
-        int32_t window;
-    };
-    for (const shape sh : {shape{"drafter chunk (4096 after 4096, window 512)", 4096, 4096, 512},
-                           shape{"full causal 4096", 0, 4096, 0}}) {
-        const attn_case c{128, 16, 8, 8192, sh.n_past, sh.n_tok, 0.0f, sh.window};
-        auto kc = cache(c), vc = cache(c);
-        const int64_t qw = 16 * 128;
-        auto q = make_f32(qw, c.n_tok, randn(static_cast<size_t>(qw * c.n_tok), rng_, 2.0f));
-        auto o = out_f32(qw, c.n_tok);
-        const attn_params p = params(c);
-        auto s = static_cast<cudaStream_t>(gpu_->stream());
-        for (int i = 0; i < 3; ++i) gpu_->attention(q.d, kc.d, vc.d, p, o.d);  // warm-up
-        gpu_->synchronize();
-        cudaEvent_t a, b;
-        cudaEventCreate(&a);
-        cudaEventCreate(&b);
-        const int reps = 20;
-        cudaEventRecord(a, s);
-        for (int i = 0; i < reps; ++i) gpu_->attention(q.d, kc.d, vc.d, p, o.d);
-        cudaEventRecord(b, s);
-        cudaEventSynchronize(b);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, a, b);
-        cudaEventDestroy(a);
-        cudaEventDestroy(b);
-        gpu_->synchronize();
-        double pairs = 0;
-        for (int64_t t = 0; t < c.n_tok; ++t) {
-            const int64_t pos = c.n_past + t;
-            pairs += static_cast<double>(c.window > 0 ? std::min<int64_t>(pos + 1, c.window) : pos + 1);
-        }
-        const double us = 1e3 * ms / reps, flops = pairs * 16 * 4 * 128;
-        std::printf("[dense attn] %-44s %9.1f us  %6.1f TFLOP/s (attended pairs)\n", sh.name, us, flops / (us * 1e6));
-        const std::vector<float> got = down(o.d);
-        size_t bad = 0;
-        for (float x : got) bad += !std::isfinite(x);
-        EXPECT_EQ(bad, 0u);
     }
 }
 

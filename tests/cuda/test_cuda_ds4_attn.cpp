@@ -3,8 +3,8 @@
 // rope_plain / rope_yarn, fp8_round_trip, fp4_round_trip, hadamard_normalised, compressor_push,
 // indexer_select, attend_with_sink, row_store) on random inputs. Device outputs are NaN-poisoned (or
 // filled with 0xFF bytes) first, and buffers a kernel must not touch are checked byte for byte
-// afterwards. All tests skip without a CUDA device. CudaDs4AttnBench times the kernels at DS4-Flash
-// shapes by graph replay, only with FATHOM_DS4_BENCH=1 in the environment (not a correctness test).
+// afterwards. All tests skip without a CUDA device. The kernels' timings at DS4-Flash shapes (graph
+// replay): bench/cuda/bench_ds4_attn.cpp (bench_cuda_kernels).
 //
 // Tolerances: the element-wise kernels repeat the CPU's f32 operations (only block-wide double sums
 // differ in order), so their outputs are expected bit-identical; the check allows 1e-6 of the
@@ -33,14 +33,14 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_qat.h"
 #include "cuda_test_util.h"
-#include "test_cuda_ds4_attn_bench.h"
+#include "ds4_attn_fixture.h"
 
 namespace fathom {
 namespace {
 
-namespace cd = cuda::ds4;
+using namespace cuda_test::ds4_attn_suite;
 
-constexpr float kEps = 1e-6f;
+namespace cd = cuda::ds4;
 
 using cuda_test::randn;
 using cuda_test::rel_l2;
@@ -107,10 +107,6 @@ std::vector<float> unpack_row(const std::vector<uint8_t> &b, int64_t r, int64_t 
     return out;
 }
 
-// The model's two RoPE tables at full DS4-Flash parameters (spec 1, 4.2).
-ds4::rope_table yarn_table(int n_rot) {
-    return ds4::rope_yarn(160000.0f, n_rot, 16.0f, 65536, 32.0f, 1.0f);
-}
 ds4::rope_table plain_table(int n_rot) {
     return ds4::rope_plain(10000.0f, n_rot);
 }
@@ -127,33 +123,6 @@ void cpu_qat(float *x, int n, int n_rot, cd::qat_kind k) {
 const char *qat_name(cd::qat_kind k) {
     return k == cd::qat_kind::none ? "none" : k == cd::qat_kind::fp8_nope ? "fp8" : "hadamard+fp4";
 }
-
-// cuda_fixture's stream and buffers plus the kernels' error word err_ and the device position pos_.
-class CudaDs4Attn : public cuda_test::cuda_fixture {
-  protected:
-    void SetUp() override {
-        cuda_fixture::SetUp();
-        if (IsSkipped() || HasFatalFailure()) return;
-        err_ = dev<uint32_t>(1);
-        pos_ = dev<int64_t>(1);
-    }
-    void set_pos(int64_t p) { cudaMemcpy(pos_, &p, sizeof(p), cudaMemcpyHostToDevice); }
-    uint32_t take_err() {
-        const uint32_t e = down(err_, 1)[0];
-        cudaMemset(err_, 0, 4);
-        return e;
-    }
-    cd::rope_args dev_rope(const ds4::rope_table &t, int n_rot) {
-        cd::rope_args r;
-        r.freq = up(t.freq);
-        r.n_rot = n_rot;
-        return r;
-    }
-
-    uint32_t *err_ = nullptr;
-    int64_t *pos_ = nullptr;
-    std::mt19937 rng_{20261129};
-};
 
 // ---- query heads -----------------------------------------------------------------------------------
 
@@ -771,118 +740,6 @@ TEST_F(CudaDs4Attn, GraphReplayMatchesEagerAtEveryPosition) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g);
     std::printf("  graph replay: %d positions identical to eager launches\n", compared);
-}
-
-// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// The per-call cost of each attention-path kernel at DS4-Flash shapes: `calls` launches captured into one
-// graph (as the 43 layers are in the model's step graph, so the per-node cost is included), the position
-// read from device memory as in the model; microseconds per call and the bytes a call must move, as GB/s
-// and % of the device copy rate (most of these are latency-bound: the microseconds are the measure).
-class CudaDs4AttnBench : public CudaDs4Attn {
-  protected:
-    void SetUp() override {
-        if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-        CudaDs4Attn::SetUp();
-        int dev_id = 0;
-        cudaGetDevice(&dev_id);
-        copy_bw_ = cuda_measure_copy_bandwidth(dev_id);
-    }
-    // Captures `calls` enqueue(c) into a graph, replays it at position pos; prints one line.
-    template <class F>
-    void time_calls(const char *what, int calls, int64_t pos, double bytes, double target_us, F enqueue) {
-        set_pos(pos);
-        float ms = 0;
-        cuda_test::attn_bench_time(s_, calls, enqueue, ms);
-        if (HasFatalFailure()) return;
-        const double us = ms * 1e3 / calls, bw = bytes / (us * 1e-6);
-        std::printf("  %-58s %7.2f us/call (target <= %4.1f)  %7.3f MB  %7.1f GB/s (%4.1f%% of copy %.0f GB/s)\n",
-                    what, us, target_us, bytes / 1e6, bw / 1e9, 100.0 * bw / copy_bw_, copy_bw_ / 1e9);
-    }
-    double copy_bw_ = 0;
-};
-
-TEST_F(CudaDs4AttnBench, HeadNormRopeKvFinishStore) {
-    const int calls = 43, nr = 64;
-    const cd::rope_args rope = dev_rope(yarn_table(nr), nr);
-    float *q = up(randn(static_cast<size_t>(64 * 512), rng_, 3.0f)), *iq = up(randn(64 * 128, rng_));
-    time_calls("head_norm_rope attention q 64x512 (norm, rope)", calls, 8191, 2.0 * 64 * 512 * 4, 4.0,
-               [&](int) { cd::launch_head_norm_rope(q, 64, 512, true, kEps, rope, cd::qat_kind::none, pos_, s_); });
-    time_calls("head_norm_rope indexer q 64x128 (rope, hadamard, fp4)", calls, 8191, 2.0 * 64 * 128 * 4, 4.0,
-               [&](int) {
-                   cd::launch_head_norm_rope(iq, 64, 128, false, kEps, rope, cd::qat_kind::hadamard_fp4, pos_, s_);
-               });
-    const int d = 512, W = 128;
-    float *kv = up(randn(d, rng_)), *norm_w = up(randn(d, rng_, 0.2f, 1.0f));
-    void *ring = raw(static_cast<size_t>(W) * d * 2);
-    time_calls("kv_finish_store d 512 (norm, rope, fp8, f16 ring)", calls, 8191, 2.0 * d * 4 + d * 4 + d * 2, 4.0,
-               [&](int) {
-                   cd::launch_kv_finish_store(kv, d, norm_w, kEps, rope, cd::qat_kind::fp8_nope, ring, true,
-                                              static_cast<size_t>(d) * 2, W, pos_, s_);
-               });
-}
-
-TEST_F(CudaDs4AttnBench, CompressorStep) {
-    const int calls = 41, nr = 64;
-    struct cfg {
-        const char *what;
-        int ratio, dim;
-        cd::qat_kind qat;
-        int64_t pos;
-    };
-    const cfg cfgs[] = {{"compressor R 4 dim 512 fp8, no row", 4, 512, cd::qat_kind::fp8_nope, 8190},
-                        {"compressor R 4 dim 512 fp8, row emitted", 4, 512, cd::qat_kind::fp8_nope, 8191},
-                        {"compressor R 128 dim 512 fp8, no row", 128, 512, cd::qat_kind::fp8_nope, 8190},
-                        {"compressor R 128 dim 512 fp8, row emitted (1 in 128)", 128, 512, cd::qat_kind::fp8_nope,
-                         8191},
-                        {"indexer compressor R 4 dim 128 hadamard+fp4, no row", 4, 128, cd::qat_kind::hadamard_fp4,
-                         8190},
-                        {"indexer compressor R 4 dim 128 hadamard+fp4, row emitted", 4, 128,
-                         cd::qat_kind::hadamard_fp4, 8191}};
-    for (const cfg &c : cfgs) {
-        const int R = c.ratio, dp = c.dim, width = (R == 4 ? 2 : 1) * dp, slots = R == 4 ? 2 * R : R;
-        const int64_t max_rows = (c.pos + 1) / R;
-        cd::compressor_args a;
-        a.ratio = R;
-        a.dim = dp;
-        a.ape = up(randn(static_cast<size_t>(R) * width, rng_, 0.5f));
-        a.norm_w = up(randn(dp, rng_, 0.2f, 1.0f));
-        a.eps = kEps;
-        a.rope = dev_rope(yarn_table(nr), nr);
-        a.qat = c.qat;
-        a.slots = slots;
-        a.state_kv = up(randn(static_cast<size_t>(slots) * width, rng_));  // a full frontier: every candidate live
-        a.state_score = up(randn(static_cast<size_t>(slots) * width, rng_));
-        a.rows = raw(static_cast<size_t>(max_rows) * dp * 2);
-        a.rows_f16 = true;
-        a.row_stride = static_cast<size_t>(dp) * 2;
-        a.max_rows = max_rows;
-        const float *ca = up(randn(width, rng_)), *cg = up(randn(width, rng_));
-        const bool emit = (c.pos + 1) % R == 0;
-        const double bytes = 5.0 * width * 4 + (emit ? 2.0 * slots * width * 4 + dp * 2 : 0.0);
-        time_calls(c.what, calls, c.pos, bytes, 4.0,
-                   [&](int) { cd::launch_compressor_step(a, ca, cg, pos_, err_, s_); });
-    }
-    EXPECT_EQ(take_err(), 0u);
-}
-
-// The shapes of cuda_test::kAttnBenchCases (test_cuda_ds4_attn_bench.h). Bytes: the rows read, q, o.
-TEST_F(CudaDs4AttnBench, SparseSinkAttention) {
-    const int H = cuda_test::kAttnBenchHeads, d = cuda_test::kAttnBenchDim, W = cuda_test::kAttnBenchWindow;
-    const int nr = 64, calls = 16;
-    const cuda_test::attn_bench_inputs in = cuda_test::attn_bench_make_inputs(*this, rng_);
-    const cd::rope_args rope = dev_rope(yarn_table(nr), nr);
-    for (const cuda_test::attn_bench_case &c : cuda_test::kAttnBenchCases) {
-        const cuda_test::attn_bench_sets sets = cuda_test::attn_bench_make_sets(*this, rng_, c, in, rope);
-        const double bytes = static_cast<double>(W + cuda_test::attn_bench_comp_rows(c)) * d * 2 + 2.0 * H * d * 4;
-        const std::string what = std::string("attention ") + c.what;
-        time_calls(what.c_str(), calls, c.pos, bytes, c.target_us, [&](int k) {
-            const size_t i = static_cast<size_t>(k % c.sets);
-            cd::launch_sparse_sink_attention(sets.args[i], in.q, pos_, sets.parts[i], in.o, s_);
-        });
-        const auto out = down(in.o, static_cast<size_t>(H * d));
-        for (float v : out) ASSERT_TRUE(std::isfinite(v)) << c.what;
-    }
 }
 
 }  // namespace

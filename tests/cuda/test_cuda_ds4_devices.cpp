@@ -1,4 +1,4 @@
-// DS4 split over CUDA stages through the public engine API (engine_options::devices;
+// DS4 split over CUDA stages through the public engine API (dist_options::devices;
 // src/engine/ds4_session.cpp over dist::local_pipeline with stage_device): on the ds4-tiny golden
 // model,
 //  - "cuda:0,cuda:0" and "cuda:0,cuda:0,cuda:0" (stages on one GPU) and, with two GPUs,
@@ -41,7 +41,7 @@ std::unique_ptr<engine> load(const std::string &device, const std::string &devic
     o.kv = kv;
     o.ds4_qat = qat;
     o.device = device;
-    o.devices = devices;
+    o.dist.devices = devices;
     return engine::load(o);
 }
 

@@ -5,8 +5,8 @@
 // mixer rows, HC head, repeated calls (determinism), indexer row sets large enough for the cluster
 // top-k, heavy score ties across cluster blocks, and the other scoring geometry.
 //   CudaDs4Fast.*      correctness (skipped without a device); device outputs NaN-poisoned first
-//   CudaDs4Fast.Bench* hc_pre at D 4096 and indexer top-k at 2048 / 8192 / 32768 rows by graph replay;
-//                      only with FATHOM_DS4_BENCH=1 in the environment (not a correctness test)
+// Benchmarks (hc_pre at D 4096, indexer top-k at 2048 / 8192 / 32768 rows by graph replay):
+// bench/cuda/bench_ds4_fast.cpp (bench_cuda_kernels).
 // The indexer's 64 x 128 scores repeat dot_f32's summation order: they are compared bit for bit with
 // the CPU's. The HC outputs use the CPU's f32 operations but a different double summation order for
 // the mixer: relative L2 <= 1e-5 (and the bit-exact share is printed).
@@ -30,9 +30,12 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_ops.h"
 #include "cuda_test_util.h"
+#include "ds4_fast_fixture.h"
 
 namespace fathom {
 namespace {
+
+using namespace cuda_test::ds4_fast_suite;
 
 namespace cd = cuda::ds4;
 
@@ -45,20 +48,6 @@ size_t bit_exact(const std::vector<float> &a, const std::vector<float> &b) {
     for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) k += std::memcmp(&a[i], &b[i], 4) == 0;
     return k;
 }
-
-// cuda_fixture's stream and buffers plus the device position pos_.
-class CudaDs4Fast : public cuda_test::cuda_fixture {
-  public:  // run_topk_case drives the fixture's buffers
-    void SetUp() override {
-        cuda_fixture::SetUp();
-        if (IsSkipped() || HasFatalFailure()) return;
-        pos_ = dev<int64_t>(1);
-    }
-    void set_pos(int64_t p) { cudaMemcpy(pos_, &p, sizeof(p), cudaMemcpyHostToDevice); }
-
-    int64_t *pos_ = nullptr;
-    std::mt19937 rng_{20261130};
-};
 
 // Mixer rows [n_mix, S] of type ft, `pad` bytes of 0xFF after each row (pad 2 with f16 rows makes
 // every other row start off a 16-byte boundary: the element-wise load path).
@@ -269,91 +258,6 @@ TEST_F(CudaDs4Fast, IndexerOtherGeometryMatchesCpu) {
     run_topk_case(*this, rng_, 12, 96, 30000, 0, true, {7, 4000, 119999});
     run_topk_case(*this, rng_, 128, 64, 2500, 0, false, {9999, 2100});
     std::printf("  indexer 12 x 96 and 128 x 64: selections identical\n");
-}
-
-// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// hc_pre at DS4-Flash geometry (D 4096, n_hc 4, f16 fn [24, 16384]): 96 calls per graph, each with its
-// own mixer (75 MB in all: past the L2, as the 43 layers' mixers are in the model); bytes = fn + X.
-TEST_F(CudaDs4Fast, BenchHcPre) {
-    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-    int dev_id = 0;
-    cudaGetDevice(&dev_id);
-    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
-    const int n = 4, n_mix = (2 + n) * n, calls = 96, reps = 15;
-    const int64_t D = 4096, S = n * D;
-    const size_t rb = dtype_row_bytes(dtype::f16, S), fn_bytes = rb * n_mix;
-    auto *fn = static_cast<uint8_t *>(raw(fn_bytes * calls));
-    std::vector<uint16_t> h(static_cast<size_t>(S) * n_mix);
-    for (auto &v : h) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 0.01f)(rng_));
-    for (int c = 0; c < calls; ++c) cudaMemcpy(fn + fn_bytes * c, h.data(), fn_bytes, cudaMemcpyHostToDevice);
-    const float *x = up(randn(static_cast<size_t>(S), rng_)), *base = up(randn(n_mix, rng_, 0.5f)),
-                *scale = up(randn(3, rng_));
-    float *mix = dev<float>(n_mix + 1), *u = dev<float>(D), *post = dev<float>(n), *comb = dev<float>(n * n);
-    const cd::hc_params p{n, D, 20, 1e-6f, 1e-6f};
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamSynchronize(s_));
-    CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-    for (int c = 0; c < calls; ++c)
-        cd::launch_hc_pre(p, dtype::f16, fn + fn_bytes * c, rb, base, scale, x, mix, u, post, comb, s_);
-    CK(cudaStreamEndCapture(s_, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    const float ms = time_graph(exec, s_, reps);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    const double us = ms * 1e3 / calls, bytes = static_cast<double>(fn_bytes) + 4.0 * S;
-    const double bw = bytes / (us * 1e-6);
-    std::printf("  hc_pre D 4096 n_hc 4 f16: %.2f us per call, %.2f MB, %.1f GB/s (%.1f%% of copy %.1f GB/s)\n", us,
-                bytes / 1e6, bw / 1e9, 100.0 * bw / copy_bw, copy_bw / 1e9);
-}
-
-// Indexer top-k (64 heads x 128, f16 rows, top-512) at 2048 / 8192 / 32768 visible rows (8K, 32K,
-// 128K context), the row count read from the device position; 16 calls per graph, each over its own
-// row buffer (the layers' rows are not L2-resident in the model); bytes = rows + scores.
-TEST_F(CudaDs4Fast, BenchIndexerTopk) {
-    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-    int dev_id = 0;
-    cudaGetDevice(&dev_id);
-    const double copy_bw = cuda_measure_copy_bandwidth(dev_id);
-    const int H = 64, Dh = 128, topk = 512, calls = 16, reps = 15;
-    const float w_scale = static_cast<float>(1.0 / std::sqrt(128.0 * 64.0));
-    for (int64_t n : {int64_t{2048}, int64_t{8192}, int64_t{32768}}) {
-        const size_t row_bytes = static_cast<size_t>(n) * Dh * 2;
-        std::vector<uint16_t> hr(static_cast<size_t>(n) * Dh);
-        for (auto &v : hr) v = cpu::f32_to_f16(std::normal_distribution<float>(0.0f, 1.0f)(rng_));
-        std::vector<void *> rows(calls);
-        for (auto &r : rows) {
-            r = raw(row_bytes);
-            cudaMemcpy(r, hr.data(), row_bytes, cudaMemcpyHostToDevice);
-        }
-        const float *q = up(randn(static_cast<size_t>(H * Dh), rng_)), *w = up(randn(H, rng_));
-        float *score = dev<float>(static_cast<size_t>(n));
-        int32_t *sel = dev<int32_t>(topk), *n_sel = dev<int32_t>(1);
-        set_pos(n * 4 - 1);
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CK(cudaStreamSynchronize(s_));
-        CK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-        for (int c = 0; c < calls; ++c)
-            cd::launch_indexer_topk(q, w, w_scale, rows[static_cast<size_t>(c)], true, Dh * 2, 4, n, H, Dh, topk,
-                                    pos_, score, sel, n_sel, s_);
-        CK(cudaStreamEndCapture(s_, &graph));
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        const float ms = time_graph(exec, s_, reps);
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        ASSERT_EQ(down(n_sel, 1)[0], topk);
-        const double us = ms * 1e3 / calls, bytes = static_cast<double>(row_bytes) + 8.0 * n;
-        const double bw = bytes / (us * 1e-6);
-        std::printf("  indexer_topk n %6lld (64 x 128 f16, top-512): %7.2f us per call, %6.1f GB/s (%.1f%% of copy)\n",
-                    static_cast<long long>(n), us, bw / 1e9, 100.0 * bw / copy_bw);
-        for (void *r : rows) {
-            auto it = std::find(bufs_.begin(), bufs_.end(), r);
-            cudaFree(*it);
-            bufs_.erase(it);
-        }
-    }
 }
 
 }  // namespace

@@ -17,9 +17,8 @@
 //                          column block narrower than the others), n_hc 1..5, f16 / f32 mixers,
 //                          block counts 1..128, the shared-memory fallback; fused outputs NaN-poisoned
 //                          before every launch (the split kernel's partial scratch too)
-//   CudaDs4HcFused.Bench*  86 sublayers (one DS4-Flash token): unfused vs row-block fused vs split
-//                          fused (block count sweep) in captured graphs; only with
-//                          FATHOM_DS4_BENCH=1 in the environment
+// The benchmark (86 sublayers of one DS4-Flash token: unfused vs row-block fused vs split fused, block
+// count sweep, in captured graphs): bench/cuda/bench_ds4_hc_fused.cpp (bench_cuda_kernels).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,112 +36,16 @@
 #include "backend/cuda/ds4_kernels.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "ds4_hc_fused_fixture.h"
 
 namespace fathom {
 namespace {
 
+using namespace cuda_test::ds4_hc_fused_suite;
+
 namespace cd = cuda::ds4;
 using cuda_test::randn;
 using cuda_test::time_graph;
-
-// A test geometry: n_hc streams of D, mixer rows of type ft padded by pad bytes (pad % 16 != 0 takes
-// the scalar weight loads), with or without an RMSNorm weight; blocks: the split kernel's
-// part_blocks (0: its default).
-struct geom {
-    int n_hc;
-    int64_t D;
-    dtype ft;
-    size_t pad;
-    bool norm;
-    int blocks = 0;
-};
-std::string name(const geom &g) {
-    return "n_hc " + std::to_string(g.n_hc) + " D " + std::to_string(g.D) + " " + std::string(dtype_name(g.ft)) + " pad " +
-           std::to_string(g.pad) + (g.norm ? "" : " no-norm") + " blocks " + std::to_string(g.blocks);
-}
-
-// Which fused kernel a test drives: hc_fused_kernel (no partial scratch) or hc_split_kernel.
-enum class kern { rows, split };
-
-// One HC's weights on the device: fn [rows, n_hc * D] (rows row_bytes apart), base [rows], scale [3],
-// norm [D] (or null).
-struct hc_dev {
-    const void *fn = nullptr;
-    size_t row_bytes = 0;
-    const float *base = nullptr, *scale = nullptr, *norm = nullptr;
-};
-
-class CudaDs4HcFused : public cuda_test::cuda_fixture {
-  public:  // the run_* helpers below drive it
-    hc_dev make_hc(const geom &g, int rows) {
-        const int64_t S = g.n_hc * g.D;
-        const auto f = randn(static_cast<size_t>(rows * S), rng_, 4.0f / std::sqrt(static_cast<float>(S)));
-        hc_dev h;
-        h.row_bytes = dtype_row_bytes(g.ft, S) + g.pad;
-        std::vector<uint8_t> b(h.row_bytes * static_cast<size_t>(rows), 0);
-        for (int r = 0; r < rows; ++r) cpu::quantize_row(g.ft, f.data() + r * S, b.data() + r * h.row_bytes, S);
-        h.fn = up(b);
-        h.base = up(randn(static_cast<size_t>(rows), rng_, 0.5f));
-        h.scale = up(randn(3, rng_, 1.0f));
-        h.norm = g.norm ? up(randn(static_cast<size_t>(g.D), rng_, 0.3f, 1.0f)) : nullptr;
-        return h;
-    }
-    cd::hc_params params(const geom &g) const { return {g.n_hc, g.D, 20, 1e-6f, 1e-6f}; }
-    // Bitwise equality of n floats; reports the count and the first differing index.
-    void expect_bits(const float *a, const float *b, size_t n, const char *what) {
-        size_t bad = 0, first = n;
-        for (size_t i = 0; i < n; ++i)
-            if (std::memcmp(a + i, b + i, sizeof(float)) != 0 && bad++ == 0) first = i;
-        EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " differ, first at " << first << " (fused "
-                           << (first < n ? a[first] : 0.0f) << ", unfused " << (first < n ? b[first] : 0.0f) << ")";
-    }
-    void expect_same(const float *fused, const float *unfused, size_t n, const char *what) {
-        const auto a = down(fused, n), b = down(unfused, n);
-        expect_bits(a.data(), b.data(), n, what);
-    }
-    void expect_counter_zero(const uint32_t *sync) { EXPECT_EQ(down(sync, 1)[0], 0u) << "arrival counter not reset"; }
-    // Split-kernel outputs reached through the mix: relative L2 error <= 1e-6 (per element for the
-    // mix, elem true); bit differences are allowed but printed (expected: none).
-    void expect_close(const float *got_d, const float *ref_d, size_t n, const char *what, bool elem = false) {
-        const auto a = down(got_d, n), b = down(ref_d, n);
-        size_t bits = 0, bad = 0, first = n;
-        for (size_t i = 0; i < n; ++i) {
-            if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) ++bits;
-            const bool ok = std::fabs(static_cast<double>(a[i]) - b[i]) <= 1e-6 * std::fabs(static_cast<double>(b[i]));
-            if (elem && !ok && bad++ == 0) first = i;
-        }
-        if (elem)
-            EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << n << " beyond 1e-6 relative, first at " << first
-                               << " (split " << (first < n ? a[first] : 0.0f) << ", unfused "
-                               << (first < n ? b[first] : 0.0f) << ")";
-        else
-            EXPECT_LE(cuda_test::rel_l2(a, b), 1e-6) << what;
-        if (bits) std::printf("  note: %s: %zu of %zu floats differ in bits from the unfused chain\n", what, bits, n);
-    }
-    // out / post / comb / mix of the kernel under test against the unfused chain's.
-    void expect_outputs(kern k, const float *got, const float *ref, size_t n, const char *what, bool elem = false) {
-        if (k == kern::rows) expect_same(got, ref, n, what);
-        else expect_close(got, ref, n, what, elem);
-    }
-    // The split kernel's partial scratch for n_hc streams (null for the row kernel), NaN-poisoned.
-    double *part_for(kern k, int n_hc) {
-        if (k == kern::rows) return nullptr;
-        const size_t cnt = cd::hc_fused_part_count(n_hc);
-        double *p = dev<double>(cnt);
-        put(p, std::vector<double>(cnt, std::nan("")));
-        return p;
-    }
-    // After a launch that must have taken the split kernel: its partial of row 0, block 0 was
-    // written (then poisoned again for the next launch).
-    void expect_split_ran(double *part, int n_hc) {
-        if (!part) return;
-        const double v = down(part, 1)[0];
-        EXPECT_TRUE(std::isfinite(v)) << "the split kernel did not run (partial scratch untouched)";
-        put(part, std::vector<double>(cd::hc_fused_part_count(n_hc), std::nan("")));
-    }
-
-    std::mt19937 rng_{20261201};
-};
 
 const geom kGeoms[] = {
     {4, 4096, dtype::f32, 0, true},    // DS4-Flash (f32 mixers as in the GGUF)
@@ -493,85 +396,6 @@ TEST_F(CudaDs4HcFused, BadArgumentsAreRejected) {
     EXPECT_THROW(cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
     io.part_blocks = -1;
     EXPECT_THROW(cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
-}
-
-// ---- benchmark (FATHOM_DS4_BENCH=1) -----------------------------------------------------------------
-
-// One DS4-Flash token's 86 HC sublayers (43 layers x attention / FFN; n_hc 4, D 4096, f32 and f16
-// mixers, 86 distinct weight sets so they stream from HBM) captured into a graph: unfused
-// (post + pre (mixer, apply) + rms_norm: 4 launches, 3 for the first) vs fused (1 launch): the
-// row-block kernel (hc_fused_kernel, no partial scratch) and the split kernel at several block
-// counts (hc_split_kernel; 0 = its default, 128). HC only: in the real step other kernels sit between
-// them (PDL then also overlaps the fused kernels' weight loads with the previous kernel's tail).
-TEST_F(CudaDs4HcFused, BenchSublayersFusedVsUnfused) {
-    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-    const int n = 4, n_mix = (2 + n) * n, L = 86, reps = 21;
-    const int64_t D = 4096, S = n * D;
-    for (dtype ft : {dtype::f32, dtype::f16}) {
-        const geom g{n, D, ft, 0, true};
-        const cd::hc_params p = params(g);
-        const hc_dev h0 = make_hc(g, n_mix);
-        const size_t fn_bytes = h0.row_bytes * n_mix;
-        std::vector<hc_dev> hs(L, h0);
-        for (int i = 1; i < L; ++i) {
-            void *f = raw(fn_bytes);
-            CK(cudaMemcpy(f, h0.fn, fn_bytes, cudaMemcpyDeviceToDevice));
-            hs[static_cast<size_t>(i)].fn = f;
-        }
-        const auto x0 = randn(static_cast<size_t>(S), rng_);
-        float *x[2] = {up(x0), dev<float>(S)}, *y = up(randn(static_cast<size_t>(D), rng_, 0.1f));
-        float *post = dev<float>(n), *comb = dev<float>(n * n), *mix = dev<float>(n_mix + 1), *xn = dev<float>(D);
-        uint32_t *sync = dev<uint32_t>(1);
-        double *part = dev<double>(cd::hc_fused_part_count(n));
-        // mode 0: unfused; 1: row-block fused; 2: split fused with part_blocks = blocks
-        auto capture = [&](int mode, int blocks) {
-            cudaGraph_t graph = nullptr;
-            cudaGraphExec_t exec = nullptr;
-            EXPECT_EQ(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-            int cur = 0;
-            for (int i = 0; i < L; ++i) {
-                const hc_dev &h = hs[static_cast<size_t>(i)];
-                if (mode > 0) {
-                    cd::hc_fused_io io;
-                    io.y = i > 0 ? y : nullptr;
-                    io.x = x[cur];
-                    io.x_new = i > 0 ? x[1 - cur] : nullptr;
-                    io.post = post, io.comb = comb, io.mix = mix, io.sync = sync, io.norm = h.norm, io.out = xn;
-                    io.part = mode == 2 ? part : nullptr, io.part_blocks = blocks;
-                    cd::launch_hc_pre_fused(p, ft, h.fn, h.row_bytes, h.base, h.scale, io, s_);
-                } else {
-                    if (i > 0) cd::launch_hc_post(n, D, y, x[cur], post, comb, x[1 - cur], s_);
-                    const float *xin = i > 0 ? x[1 - cur] : x[cur];
-                    cd::launch_hc_pre(p, ft, h.fn, h.row_bytes, h.base, h.scale, xin, mix, xn, post, comb, s_);
-                    cuda::launch_rms_norm(xn, D, h.norm, p.rms_eps, D, 1, xn, D, s_);
-                }
-                if (i > 0) cur = 1 - cur;
-            }
-            EXPECT_EQ(cudaStreamEndCapture(s_, &graph), cudaSuccess);
-            EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-            cudaGraphDestroy(graph);
-            return exec;
-        };
-        auto timed = [&](int mode, int blocks) {
-            cudaGraphExec_t e = capture(mode, blocks);
-            put(x[0], x0);
-            const float ms = time_graph(e, s_, reps);
-            cudaGraphExecDestroy(e);
-            EXPECT_EQ(down(sync, 1)[0], 0u);
-            return ms;
-        };
-        const std::string t = std::string(dtype_name(ft));
-        const float tu = timed(0, 0), tf = timed(1, 0);
-        std::printf("  hc %s, %d sublayers per token: unfused %.3f ms (%.2f us/sublayer), row-block fused %.3f ms "
-                    "(%.2f us/sublayer, %.2fx)\n",
-                    t.c_str(), L, tu, 1e3 * tu / L, tf, 1e3 * tf / L, tu / tf);
-        for (int blocks : {0, 32, 64, 96, 112}) {
-            const float ts = timed(2, blocks);
-            std::printf("  hc %s: split fused, part_blocks %3d: %.3f ms (%.2f us/sublayer), %.2fx the row-block "
-                        "fused\n",
-                        t.c_str(), blocks, ts, 1e3 * ts / L, tf / ts);
-        }
-    }
 }
 
 }  // namespace

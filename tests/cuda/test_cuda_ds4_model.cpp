@@ -23,7 +23,9 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_kernels_testing.h"
 #include "models/cuda/deepseek4_cuda.h"
 #include "core/error.h"
 #include "ds4/golden_util.h"

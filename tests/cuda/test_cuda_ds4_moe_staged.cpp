@@ -9,8 +9,8 @@
 // offset; the K-quants (q3_k .. q6_k, the q4 files' experts) on both kernels too. A captured
 // launch_moe_ffn graph is replayed with ids changing between replays.
 //   CudaDs4MoeStaged.*       correctness (needs a device)
-//   CudaDs4MoeStaged.Bench*  direct vs staged time per layer-token with a cold-ish L2 (8 layers'
-//                            distinct banks rotated); only with FATHOM_DS4_BENCH=1
+// The benchmark (direct vs staged time per layer-token with a cold-ish L2, 8 layers' distinct banks
+// rotated): bench/cuda/bench_ds4_moe_staged.cpp (bench_cuda_kernels).
 // Weights: random bytes with every block's f16 scales overwritten by finite values of about
 // 1 / sqrt(D) per weight (any bit pattern is a valid code otherwise), so outputs are finite.
 #include <gtest/gtest.h>
@@ -30,11 +30,15 @@
 #include "backend/cpu/quants.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_kernels_testing.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "ds4_moe_staged_fixture.h"
 
 namespace fathom {
 namespace {
+
+using namespace cuda_test::ds4_moe_staged_suite;
 
 namespace cd = cuda::ds4;
 
@@ -93,29 +97,6 @@ int64_t first_diff(const std::vector<float> &a, const std::vector<float> &b) {
         if (std::memcmp(&a[i], &b[i], 4) != 0) return static_cast<int64_t>(i);
     return -1;
 }
-
-class CudaDs4MoeStaged : public cuda_test::cuda_fixture {
-  protected:
-    void SetUp() override {
-        cuda_fixture::SetUp();
-        if (IsSkipped() || HasFatalFailure()) return;
-        err_ = dev<uint32_t>(1);
-        mode0_ = cd::moe_staged();
-    }
-    void TearDown() override {
-        if (!IsSkipped()) cd::set_moe_staged(mode0_);
-        cuda_fixture::TearDown();
-    }
-    uint32_t take_err() {
-        const uint32_t e = down(err_, 1)[0];
-        cudaMemset(err_, 0, 4);
-        return e;
-    }
-
-    uint32_t *err_ = nullptr;
-    int mode0_ = 1;
-    std::mt19937 rng_{20261201};
-};
 
 // ---- routed gate/up (launch_moe_gate_up) -----------------------------------------------------------
 
@@ -435,75 +416,6 @@ TEST_F(CudaDs4MoeStaged, GraphReplayIdsChange) {
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
-}
-
-// ---- bench ---------------------------------------------------------------------------------------------
-
-// Direct (mode 0) vs staged (mode 1) per layer-token at the DS4-Flash shape, in graphs of T tokens
-// rotating over L = 8 layers with distinct banks (8 x 44 MB of gate/up weights touched per rotation:
-// the 60 MB L2 cannot keep a layer's experts between its tokens). Reported: the whole launch_moe_ffn
-// chain (learned routing, f16 router), and the routed-only gate/up (launch_moe_gate_up, ids fixed per
-// token, 6 distinct experts) with its HBM rate.
-TEST_F(CudaDs4MoeStaged, BenchStagedGateUp) {
-    if (!std::getenv("FATHOM_DS4_BENCH")) GTEST_SKIP() << "set FATHOM_DS4_BENCH=1 to run the benchmark";
-    const int64_t D = 4096, F = 2048;
-    const int E = 256, k = 6, L = 8, T = 64, reps = 9;
-    std::vector<cd::moe_layer> layers;  // banks of random words (timing only: scales may be NaN)
-    for (int i = 0; i < L; ++i)
-        layers.push_back(cuda_test::random_q2_moe_layer(*this, rng_, D, F, E, k, 100 + 10 * static_cast<uint64_t>(i)));
-    const cd::moe_scratch sc = dev_moe_scratch(E, k, F);
-    float *x_d = up(randn(static_cast<size_t>(T * D), rng_));
-    float *y_d = dev<float>(static_cast<size_t>(T * D));
-    int32_t *tok = dev<int32_t>(1);
-    std::vector<int32_t> ids(static_cast<size_t>(T * k));
-    for (int t = 0; t < T; ++t) {
-        std::vector<int32_t> p(static_cast<size_t>(E));
-        std::iota(p.begin(), p.end(), 0);
-        std::shuffle(p.begin(), p.end(), rng_);
-        std::copy(p.begin(), p.begin() + k, ids.begin() + t * k);
-    }
-    const int32_t *ids_d = up(ids);
-    const float *w_d = up(randn(static_cast<size_t>(T * k), rng_, 0.3f));
-    CK(cudaStreamSynchronize(s_));
-    // us per token of a graph of T captured calls of fn(t) in `mode`
-    auto time_us = [&](int mode, auto &&fn) {
-        cd::set_moe_staged(mode);
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        float ms = -1.0f;
-        if (cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1.0;
-        for (int t = 0; t < T; ++t) fn(t);
-        if (cudaStreamEndCapture(s_, &graph) != cudaSuccess) return -1.0;
-        if (cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
-            ms = time_graph(exec, s_, reps);
-            cudaGraphExecDestroy(exec);
-        }
-        cudaGraphDestroy(graph);
-        cudaStreamSynchronize(s_);
-        return static_cast<double>(ms) * 1e3 / T;
-    };
-    auto ffn = [&](int t) {
-        cd::launch_moe_ffn(layers[static_cast<size_t>(t % L)], x_d + static_cast<size_t>(t) * D, tok, sc,
-                           y_d + static_cast<size_t>(t) * D, err_, s_);
-    };
-    auto gate_up = [&](int t) {
-        const auto &l = layers[static_cast<size_t>(t % L)];
-        cd::launch_moe_gate_up(l.gate, l.up, ids_d + t * k, w_d + t * k, k, 0, x_d + static_cast<size_t>(t) * D,
-                               l.clamp, sc.h, err_, s_);
-    };
-    const double f0 = time_us(0, ffn), f1 = time_us(1, ffn);
-    const double g0 = time_us(0, gate_up), g1 = time_us(1, gate_up);
-    ASSERT_GT(f0, 0.0);
-    ASSERT_GT(f1, 0.0);
-    ASSERT_GT(g0, 0.0);
-    ASSERT_GT(g1, 0.0);
-    ASSERT_EQ(take_err(), 0u);
-    const double routed_bytes = 2.0 * static_cast<double>(layers[0].gate.expert_bytes) * k;
-    std::printf("  launch_moe_ffn DS4-Flash (%d layers rotated): direct %.2f us/token, staged %.2f us/token\n", L, f0,
-                f1);
-    std::printf("  routed gate/up only (6 x iq2_xxs gate+up, %.1f MB): direct %.2f us (%.0f GB/s), staged %.2f us "
-                "(%.0f GB/s)\n",
-                routed_bytes / 1e6, g0, routed_bytes / (g0 * 1e3), g1, routed_bytes / (g1 * 1e3));
 }
 
 }  // namespace

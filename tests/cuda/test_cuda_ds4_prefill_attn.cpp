@@ -31,74 +31,23 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "ds4_prefill_attn_fixture.h"
 
 namespace fathom {
 namespace {
+
+using namespace cuda_test::ds4_prefill_attn_suite;
 
 namespace cd = cuda::ds4;
 
 using cuda_test::randn;
 using cuda_test::rel_l2;
 
-// Rows [n, width] as stored at `f16` precision, `stride` bytes apart (padding bytes 0xFF).
-std::vector<uint8_t> pack_rows(const std::vector<float> &v, int64_t width, bool f16, size_t stride) {
-    const int64_t n = static_cast<int64_t>(v.size()) / width;
-    std::vector<uint8_t> b(static_cast<size_t>(n) * stride, 0xFF);
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t i = 0; i < width; ++i) {
-            uint8_t *p = b.data() + static_cast<size_t>(r) * stride;
-            const float x = v[static_cast<size_t>(r * width + i)];
-            if (f16) {
-                const uint16_t h = cpu::f32_to_f16(x);
-                std::memcpy(p + 2 * i, &h, 2);
-            } else {
-                std::memcpy(p + 4 * i, &x, 4);
-            }
-        }
-    return b;
-}
-
-class CudaDs4PrefillAttn : public cuda_test::cuda_fixture {
-  protected:
-    // Device positions p0, p0 + 1, .., p0 + n - 1 (the decode reference's *pos per token).
-    int64_t *positions(int64_t p0, int64_t n) {
-        std::vector<int64_t> v(static_cast<size_t>(n));
-        std::iota(v.begin(), v.end(), p0);
-        return up(v);
-    }
-    // A RoPE table of n_rot / 2 frequencies (any values: both paths read the same table).
-    cd::rope_args rope(int n_rot) {
-        std::vector<float> f(static_cast<size_t>(n_rot / 2));
-        for (size_t i = 0; i < f.size(); ++i)
-            f[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / n_rot));
-        cd::rope_args r;
-        r.freq = up(f);
-        r.n_rot = n_rot;
-        return r;
-    }
-
-    struct idx_case {
-        int H, Dh, topk;
-        bool f16;
-        int64_t max_n, p0, n_tok;
-        int64_t group = 0;  // score rows in the scratch (tokens per group); 0: n_tok
-    };
-    void run_indexer(const idx_case &c);
-
-    struct attn_case {
-        int H, d, n_rot, W;
-        cd::comp_mode mode;
-        bool ring_f16, comp_f16;
-        int ratio;
-        int64_t max_comp, n_comp_rows, p0, n_tok;
-        size_t chunk_pad = 16;  // bytes past each chunk row (2: f16 rows not aligned to a dim pair)
-    };
-    void run_attn(const attn_case &c);
-
-    std::mt19937 rng_{20261201};
-};
-
 // ---- indexer top-k ---------------------------------------------------------------------------------------
+
+}  // namespace
+
+namespace cuda_test::ds4_prefill_attn_suite {
 
 void CudaDs4PrefillAttn::run_indexer(const idx_case &c) {
     const int ratio = 4;
@@ -148,6 +97,10 @@ void CudaDs4PrefillAttn::run_indexer(const idx_case &c) {
                 c.Dh, c.f16 ? "f16" : "f32", static_cast<long long>(c.p0), static_cast<long long>(c.n_tok),
                 static_cast<long long>(above), c.topk);
 }
+
+}  // namespace cuda_test::ds4_prefill_attn_suite
+
+namespace {
 
 // DS4 geometry (64 x 128, the CPU-order kernel), top-k 512: rows fewer than top-k, crossing exactly
 // top-k, more, capped at max_n; the score scratch in groups of 3 tokens (last group partial).
@@ -249,6 +202,10 @@ TEST_F(CudaDs4PrefillAttn, IndexerFastScoresDifferOnlyAtNearTies) {
 }
 
 // ---- sparse sink attention -------------------------------------------------------------------------------
+
+}  // namespace
+
+namespace cuda_test::ds4_prefill_attn_suite {
 
 void CudaDs4PrefillAttn::run_attn(const attn_case &c) {
     const int H = c.H, d = c.d, W = c.W;
@@ -362,6 +319,10 @@ void CudaDs4PrefillAttn::run_attn(const attn_case &c) {
                 worst);
 }
 
+}  // namespace cuda_test::ds4_prefill_attn_suite
+
+namespace {
+
 // DS4 geometry: 64 heads x 512 dims, 64 RoPE dims, window 128. n_tok 1 and 7 take the split path,
 // 200 the direct one.
 TEST_F(CudaDs4PrefillAttn, AttentionBatchWindowOnly) {
@@ -419,91 +380,6 @@ TEST_F(CudaDs4PrefillAttn, AttentionBatchRejectsBadArguments) {
     EXPECT_THROW(cd::launch_sparse_sink_attention_batch(a, chunk, 1024, 4, 8, nullptr, p, nullptr, o, s_), error);
     EXPECT_THROW(cd::launch_sparse_sink_attention_batch(a, nullptr, 1024, 4, 16, nullptr, p, nullptr, o, s_), error);
     EXPECT_THROW(cd::launch_sparse_sink_attention_batch(a, chunk, 1000, 4, 16, nullptr, p, nullptr, o, s_), error);
-}
-
-// ---- timing (FATHOM_DS4_BENCH=1 only; not a correctness test) ----------------------------------------
-
-// Milliseconds of one call of f on s_ (median of 5 after a warm-up).
-template <class F>
-float time_ms(cudaStream_t s, F &&f) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    f();
-    std::vector<float> ms;
-    for (int i = 0; i < 5; ++i) {
-        cudaEventRecord(a, s);
-        f();
-        cudaEventRecord(b, s);
-        cudaEventSynchronize(b);
-        float t = 0;
-        cudaEventElapsedTime(&t, a, b);
-        ms.push_back(t);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    std::sort(ms.begin(), ms.end());
-    return ms[2];
-}
-
-// DS4-Flash chunk of 4096 tokens at the end of a 32K prefill: indexer over ~8192 rows per token, and
-// attention (window 128 + 512 selected rows; window + ~256 rows of a ratio-128 layer).
-TEST_F(CudaDs4PrefillAttn, BenchDs4Chunk) {
-    const char *env = std::getenv("FATHOM_DS4_BENCH");
-    if (!env || std::string(env) != "1") GTEST_SKIP() << "set FATHOM_DS4_BENCH=1";
-    const int64_t n_tok = 4096, p0 = 32768 - n_tok, max_n = 8192;
-    {
-        const int H = 64, Dh = 128, topk = 512;
-        const uint8_t *rd = up(pack_rows(randn(static_cast<size_t>(max_n * Dh), rng_), Dh, true, Dh * 2));
-        const float *q = up(randn(static_cast<size_t>(n_tok * H * Dh), rng_));
-        const float *w = up(randn(static_cast<size_t>(n_tok * H), rng_));
-        const size_t sf = static_cast<size_t>(n_tok * max_n);
-        float *score = dev<float>(sf);
-        int32_t *sel = dev<int32_t>(static_cast<size_t>(n_tok * topk)), *nsel = dev<int32_t>(n_tok);
-        const int64_t *pos = positions(p0, 1);
-        const float ms = time_ms(s_, [&] {
-            cd::launch_indexer_topk_batch(q, w, 0.01f, rd, true, Dh * 2, 4, max_n, H, Dh, topk, n_tok, pos, score, sf,
-                                          sel, nsel, s_);
-        });
-        const double dfma = static_cast<double>(n_tok) * (p0 + n_tok / 2) / 4 * H * Dh;
-        std::printf("  indexer batch 4096 tokens x ~%lld rows: %.2f ms (%.1f TDFMA/s)\n",
-                    static_cast<long long>((p0 + n_tok / 2) / 4), ms, dfma / ms / 1e9);
-    }
-    for (cd::comp_mode mode : {cd::comp_mode::list, cd::comp_mode::all}) {
-        const int H = 64, d = 512, W = 128;
-        const int64_t n_comp = mode == cd::comp_mode::list ? 8192 : 256, max_comp = mode == cd::comp_mode::list ? 512 : 8192;
-        cd::sparse_attn_args a;
-        a.n_head = H;
-        a.d = d;
-        a.scale = 0.044f;
-        a.sinks = up(randn(H, rng_));
-        a.ring = up(pack_rows(randn(static_cast<size_t>(W * d), rng_), d, true, d * 2));
-        a.ring_stride = d * 2;
-        a.window = W;
-        a.mode = mode;
-        a.comp = up(pack_rows(randn(static_cast<size_t>(n_comp * d), rng_), d, true, d * 2));
-        a.comp_stride = d * 2;
-        a.ratio = mode == cd::comp_mode::list ? 4 : 128;
-        a.max_comp = max_comp;
-        std::vector<int32_t> sel(static_cast<size_t>(n_tok * 512)), n_sel(static_cast<size_t>(n_tok), 512);
-        for (size_t i = 0; i < sel.size(); ++i) sel[i] = static_cast<int32_t>((i % 512) * 16 + (i / 512) % 16);
-        a.sel = up(sel);
-        a.n_sel = up(n_sel);
-        a.rope = rope(64);
-        const uint8_t *chunk = up(pack_rows(randn(static_cast<size_t>(n_tok * d), rng_), d, true, d * 2));
-        const float *q = up(randn(static_cast<size_t>(n_tok * H * d), rng_));
-        float *o = dev<float>(static_cast<size_t>(n_tok * H * d));
-        const int64_t *pos = positions(p0, 1);
-        const size_t pn = cd::attn_batch_part_floats(a, n_tok);
-        float *part = pn ? dev<float>(pn) : nullptr;
-        const float ms = time_ms(s_, [&] {
-            cd::launch_sparse_sink_attention_batch(a, chunk, d * 2, n_tok, 512, q, pos, part, o, s_);
-        });
-        const int64_t rows = W + (mode == cd::comp_mode::list ? 512 : (p0 + n_tok / 2) / 128);
-        const double fma = 2.0 * n_tok * rows * H * d;
-        std::printf("  attention batch %s 4096 tokens x %lld rows: %.2f ms (%.1f TFMA/s)\n",
-                    mode == cd::comp_mode::list ? "list" : "all", static_cast<long long>(rows), ms, fma / ms / 1e9);
-    }
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// DS4 split over several devices through the public engine API (engine_options::devices;
+// DS4 split over several devices through the public engine API (dist_options::devices;
 // src/engine/ds4_session.cpp): on the ds4-tiny golden model, engines with devices "cpu", "cpu,cpu"
 // and "cpu,cpu,cpu" give logits bit-identical to the single-device CPU engine over a whole
 // conversation (prefill, decode steps, a second turn that reuses the prefix, a truncation, a reset
@@ -40,8 +40,8 @@ std::unique_ptr<engine> load(const std::string &devices, const std::string &qat,
     o.n_batch = n_batch;
     o.kv = kv;
     o.ds4_qat = qat;
-    o.devices = devices;
-    o.devices_layout = layout;
+    o.dist.devices = devices;
+    o.dist.devices_layout = layout;
     return engine::load(o);
 }
 
@@ -134,7 +134,7 @@ TEST(dist_engine, reports_the_layout) {
 void expect_error(const engine_options &o, const std::string &needle) {
     try {
         engine::load(o);
-        ADD_FAILURE() << "devices '" << o.devices << "' loaded; expected an error containing: " << needle;
+        ADD_FAILURE() << "devices '" << o.dist.devices << "' loaded; expected an error containing: " << needle;
     } catch (const error &e) {
         const std::string what = e.what();
         EXPECT_NE(what.find(needle), std::string::npos) << what;
@@ -158,10 +158,10 @@ TEST(dist_engine, bad_device_lists_are_refused) {
         {"cpu,cpu,cpu,cpu,cpu,cpu,cpu", "7 devices for a model of 6 blocks"},
     };
     for (const auto &[devices, needle] : bad) {
-        o.devices = devices;
+        o.dist.devices = devices;
         expect_error(o, needle);
     }
-    o.devices = "cpu,cpu";
+    o.dist.devices = "cpu,cpu";
     o.device = "auto";  // a device list replaces device
     expect_error(o, "give one or the other");
 }
@@ -205,13 +205,13 @@ TEST(dist_engine, tp_layout_refusals) {
     engine_options o;
     o.model_path = tiny_path();
     o.n_threads = 1;
-    o.devices_layout = "tp";
-    o.devices = "cpu,cpu,cpu";  // ds4-tiny: 4 heads
+    o.dist.devices_layout = "tp";
+    o.dist.devices = "cpu,cpu,cpu";  // ds4-tiny: 4 heads
     expect_error(o, "the attention heads (4) not divisible by 3");
-    o.devices = "";
+    o.dist.devices = "";
     expect_error(o, "devices layout 'tp' needs several devices");
-    o.devices = "cpu,cpu";
-    o.devices_layout = "ring";
+    o.dist.devices = "cpu,cpu";
+    o.dist.devices_layout = "ring";
     expect_error(o, "devices layout 'ring': expected pipeline or tp");
 }
 
@@ -219,7 +219,7 @@ TEST(dist_engine, dense_models_are_refused) {
     engine_options o;
     o.model_path = std::string(FATHOM_SOURCE_DIR) + "/tests/models/data/tiny_qwen3.gguf";
     o.n_threads = 1;
-    o.devices = "cpu,cpu";  // refused from the architecture, before the dense engine reads anything else
+    o.dist.devices = "cpu,cpu";  // refused from the architecture, before the dense engine reads anything else
     expect_error(o, "supported for DeepSeek V4 (deepseek4) only, not 'qwen3'");
 }
 

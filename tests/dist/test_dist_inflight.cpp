@@ -218,12 +218,12 @@ std::unique_ptr<engine> load(const std::string &devices, int64_t micro_batch, in
     o.n_ctx = n_ctx;
     o.n_batch = 16;  // chunks up to 16 tokens go in flight; longer prompts take session::sync
     o.ds4_qat = "full";
-    o.devices = devices;
-    o.micro_batch = micro_batch;
+    o.dist.devices = devices;
+    o.dist.micro_batch = micro_batch;
     if (procs) {
-        o.rank_procs = true;
+        o.dist.rank_procs = true;
         const std::string model = std::filesystem::absolute(o.model_path).string();
-        o.rank_command = [devices, model](int rank, int world, const std::string &id) {
+        o.dist.rank_command = [devices, model](int rank, int world, const std::string &id) {
             return std::vector<std::string>{FATHOM_CLI, "rank", "--rank", std::to_string(rank), "--world",
                                             std::to_string(world), "--join", id, "-m", model, "--numerics",
                                             "invariant", "--qat", "full", "--kv-type", "f16", "--devices", devices,

@@ -263,7 +263,7 @@ TEST(ds4_drafters, bad_options_fail_at_load) {
         [] {
             engine_options o;
             o.model_path = kTarget;
-            o.devices = "cpu,cpu";
+            o.dist.devices = "cpu,cpu";
             o.ds4_draft = "mtp";
             o.ds4_draft_model = kMtp;
             engine::load(o);

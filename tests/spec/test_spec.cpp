@@ -353,7 +353,7 @@ TEST(SpecGenerate, SessionWithoutRollbackIsRefused) {
     o.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
     o.n_ctx = 64;
     o.n_threads = 2;
-    o.devices = "cpu,cpu";
+    o.dist.devices = "cpu,cpu";
     auto e = engine::load(o);
     auto s = e->new_session();
     s->sync(std::vector<int32_t>{1, 2, 3});

@@ -278,18 +278,18 @@ engine_options engine_options_of(const model_args &a) {
     o.ds4_checkpoint_mib = a.ds4_checkpoint_mib;
     o.device = a.device;
     o.cuda_graphs = !a.no_cuda_graph;
-    o.devices = a.devices;
-    o.devices_layout = a.layout;
-    o.micro_batch = a.micro_batch;
-    o.rank_procs = a.procs;
-    o.rank_procs_host = a.procs_host;
-    o.rank_procs_local = a.procs_local;
+    o.dist.devices = a.devices;
+    o.dist.devices_layout = a.layout;
+    o.dist.micro_batch = a.micro_batch;
+    o.dist.rank_procs = a.procs;
+    o.dist.rank_procs_host = a.procs_host;
+    o.dist.rank_procs_local = a.procs_local;
     if (a.procs) {
         std::error_code ec;
         const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
         const std::string self = ec ? std::string("/proc/self/exe") : exe.string();
         const std::string model = fs::absolute(o.model_path, ec).string();
-        o.rank_command = [a, self, model](int rank, int world, const std::string &id) {
+        o.dist.rank_command = [a, self, model](int rank, int world, const std::string &id) {
             std::vector<std::string> v = {self, "rank", "--rank", std::to_string(rank), "--world",
                                           std::to_string(world), "--join", id, "-m", model,
                                           "--numerics", a.exact ? "exact" : a.numerics, "--qat", a.qat,
@@ -308,7 +308,7 @@ engine_options engine_options_of(const model_args &a) {
 
 std::unique_ptr<engine> load_engine(const model_args &a, std::function<void(const std::string &line)> on_rank_failure) {
     engine_options o = engine_options_of(a);
-    o.on_rank_failure = std::move(on_rank_failure);
+    o.dist.on_rank_failure = std::move(on_rank_failure);
     progress_bar bar("loading", a.progress || stderr_is_tty());
     o.on_load_progress = [&bar](uint64_t done, uint64_t total) {
         bar.update(static_cast<int64_t>(done), static_cast<int64_t>(total));

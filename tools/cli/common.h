@@ -69,12 +69,12 @@ struct model_args {
     bool progress = false;          // force progress bars even when stderr is not a TTY
     std::string device = "cpu";     // cpu | cuda | cuda:N | auto (engine_options::device)
     bool no_cuda_graph = false;     // engine_options::cuda_graphs = false
-    std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (engine_options::devices; DS4 only)
-    std::string layout = "pipeline";  // with --devices: pipeline | tp (engine_options::devices_layout)
-    int64_t micro_batch = 0;           // with --devices: engine_options::micro_batch (0 = off)
-    bool procs = false;                // with --devices: ranks 1.. as processes (engine_options::rank_procs)
-    std::string procs_host = "127.0.0.1";  // engine_options::rank_procs_host
-    int procs_local = 0;                   // engine_options::rank_procs_local (0 = spawn every rank)
+    std::string devices;            // "" or "cpu,cpu" / "cuda:0,cuda:1" (dist_options::devices; DS4 only)
+    std::string layout = "pipeline";  // with --devices: pipeline | tp (dist_options::devices_layout)
+    int64_t micro_batch = 0;           // with --devices: dist_options::micro_batch (0 = off)
+    bool procs = false;                // with --devices: ranks 1.. as processes (dist_options::rank_procs)
+    std::string procs_host = "127.0.0.1";  // dist_options::rank_procs_host
+    int procs_local = 0;                   // dist_options::rank_procs_local (0 = spawn every rank)
     // Not options of their own: --spec mtp|dspark and --draft-model (apply_spec) set them.
     std::string ds4_draft, ds4_draft_model;  // engine_options::ds4_draft / ds4_draft_model
 };
@@ -98,7 +98,7 @@ std::string resolve_model_path(const std::string &model, const std::string &mode
 // Resolves the model, builds engine_options and loads, with a progress bar when enabled. With
 // --device auto on a machine (or build) without CUDA, prints a one-line notice and uses the CPU.
 // With --devices, prints the layout (each device's block range) on stderr.
-// on_rank_failure: engine_options::on_rank_failure (with --procs: a rank process died).
+// on_rank_failure: dist_options::on_rank_failure (with --procs: a rank process died).
 std::unique_ptr<engine> load_engine(const model_args &a,
                                     std::function<void(const std::string &line)> on_rank_failure = {});
 

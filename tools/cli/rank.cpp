@@ -32,7 +32,7 @@ struct rank_args {
     int rank = 0, world = 0;
     std::string join;
     long parent_pid = 0;
-    std::string layers;  // --rank-layers: rank 0's block ranges (engine_options::rank_layers)
+    std::string layers;  // --rank-layers: rank 0's block ranges (dist_options::rank_layers)
 };
 
 void rank_main(const rank_args &a) {
@@ -45,8 +45,8 @@ void rank_main(const rank_args &a) {
                         " is gone");
     }
     engine_options o = engine_options_of(a.model);
-    o.rank_procs = false;  // this process is a rank, not a launcher
-    o.rank_layers = a.layers;
+    o.dist.rank_procs = false;  // this process is a rank, not a launcher
+    o.dist.rank_layers = a.layers;
     try {
         serve_ds4_rank(o, a.rank, a.world, a.join);
     } catch (const dist::peer_failure &e) {

@@ -18,7 +18,7 @@
 // i < n_sel[t]; capped at max_comp). Softmax online per head in f32 with the sink in the denominator,
 // then the inverse RoPE of each head's last n_rot dims at p.
 //
-// Measured on an H200 (FATHOM_DS4_BENCH=1 CudaDs4PrefillAttn.BenchDs4Chunk, f16 rows, 4096 tokens):
+// Measured on an H200 (bench_cuda_kernels CudaDs4PrefillAttn.BenchDs4Chunk, f16 rows, 4096 tokens):
 // list mode (128 + 512 rows) 10.1 ms, all mode (128 + ~240 rows) 6.4 ms per chunk and layer (f32
 // kernel: 26 ms / 15 ms). A 32K prefill: ~21 ratio-4 layers x 8 chunks x 10 ms + ~20 ratio-128 layers x
 // 8 x ~5 ms ~ 2.5 s. Next steps if needed: cp.async double-buffered K/V tiles (the block idles while

@@ -1,6 +1,7 @@
 // Fast decode GEMV for DS4's dense weights (q8_0, f16, f32): y[r] = W_r . x for one token, with a
 // grouped form (output projection A) and a multi-matrix form (several weights sharing one input in
-// one launch). Kernels: ds4_gemv.cu; tests and benchmark: tests/cuda/test_cuda_ds4_gemv.cpp.
+// one launch). Kernels: ds4_gemv.cu; tests: tests/cuda/test_cuda_ds4_gemv.cpp; benchmarks:
+// bench/cuda/bench_ds4_gemv.cpp; their switches and probes: ds4_gemv_testing.h.
 //
 // Weights are prepared once at upload (gemv_prepare):
 //   q8_0 is REPACKED (a layout change only: every quant byte and f16 scale keeps its bits) into
@@ -21,7 +22,7 @@
 // most two groups) run the persistent int8-activation kernel (gemv_q8x_kernel): x is quantised per
 // 32-element block as the MoE kernels stage it (ggml q8_1 reference rounding, f32 scale) and q8_0
 // rows are dotted with dp4a, d_w * d_x per 4-element run; f16 rows keep f32 x. Other tables (f32
-// segments, or set_gemv_q8_activations(false)) run the f32-activation kernel.
+// segments, or ds4_gemv_testing.h's set_gemv_q8_activations(false)) run the f32-activation kernel.
 // Numerics (f32-activation kernel): each thread accumulates in f32 (q8_0: d_block * sum_j q_j x_j per
 // 4-element run), then a warp xor-shuffle tree and, for rows split over several warps, a fixed-order sum of
 // the warp partials: no atomics, so the same inputs give the same bits on every run.
@@ -105,26 +106,5 @@ void launch_gemv_multi_rows(const gemv_segment *segs, int n_segs, int nx, const 
                             cudaStream_t s);
 void launch_gemv_multi_normed_rows(const gemv_segment *segs, int n_segs, int nx, float *x, int64_t x_stride,
                                    const float *norm_w, float eps, cudaStream_t s);
-
-// Process-wide switch of the q8_0 int8-activation path (default on); off: every table takes the
-// f32-activation kernel (tests and A/B benchmarks).
-void set_gemv_q8_activations(bool on);
-
-// Measurement aids for the benchmarks (tests/cuda, FATHOM_DS4_BENCH):
-// launch_read_probe: reads `bytes` (a multiple of 16) at src once with 16-byte streaming loads, `unroll`
-// (1, 2, 4 or 8) in flight per thread, `blocks` blocks of `threads`; contiguous: each block reads its
-// own contiguous slice (else grid-stride); pdl: launched with programmatic dependent launch. The xor
-// of the data goes to *sink (so the loads are not elided). What a one-launch stream can reach.
-void launch_read_probe(const void *src, size_t bytes, int blocks, int threads, int unroll, bool contiguous,
-                       bool pdl, uint32_t *sink, cudaStream_t s);
-// Trace of the q8x GEMV launches (only builds compiled with FATHOM_Q8X_TRACE write it): while set, each
-// q8x launch made during a stream capture takes the next `blocks` x 6 u64 of buf (room for max_blocks
-// blocks; per block: start, after the PDL wait, x ready, end (globaltimer ns), SM id, 0), and
-// gemv_trace_launches lists the traced launches' block counts in order. Null: off (and the list cleared).
-void set_gemv_trace(uint64_t *buf, size_t max_blocks);
-std::vector<int> gemv_trace_launches();
-// True when a launch over these segments (rows_per_group[i]: rows per x group of segment i; the
-// plain and multi forms pass each weight's rows) takes the int8-activation kernel (tests).
-bool gemv_q8_activations_used(const gemv_segment *segs, const int64_t *rows_per_group, int n_segs);
 
 }  // namespace fathom::cuda::ds4

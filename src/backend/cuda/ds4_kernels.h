@@ -52,26 +52,14 @@ struct expert_bank {
 // int8 as ggml's q8_1 (d = amax / 127, q = roundf(x * (1 / d))) and the dots are integer (dp4a);
 // results are the dots with the dequantised activation d * q (relative error ~0.5% per GEMV vs f32
 // activations, like the CPU's quantised matmuls). Other types (f32, f16, mxfp4), and every type while
-// set_moe_q8_activations(false), keep f32 activations (results = the CPU's dequantised rows dotted
-// with x, to f32 rounding). Deterministic.
+// set_moe_q8_activations(false) (ds4_kernels_testing.h), keep f32 activations (results = the CPU's
+// dequantised rows dotted with x, to f32 rounding). Deterministic.
 void launch_moe_gate_up(const expert_bank &gate, const expert_bank &up, const int32_t *ids, const float *w,
                         int n_slot, int s0, const float *x, float clamp, float *h, uint32_t *err, cudaStream_t s);
-// Which kernels run the q8 expert GEMVs (launch_moe_gate_up / _down / _ffn with iq2_xxs, q2_k, q8_0
-// weights): 1 (default) weight rows staged through shared memory with cp.async (gate/up: slabs 2 or 3
-// stages deep; down: the block's routed rows at once), each falling back to the direct kernel unless
-// weight bases and strides are 16-byte multiples and the stages fit in shared memory; 2 / 3 the same
-// with the gate/up depth forced (tests); 0 the direct kernels (loads from global memory). Results are
-// bit-identical in every mode. Process-wide (default 1). A captured graph
-// keeps the kernels chosen at capture.
-void set_moe_staged(int mode);
-int moe_staged();
-// false: every expert launch takes the f32-activation kernels (tests compare whole models with the
-// CPU reference to f32 rounding this way). Process-wide (default true); a captured graph keeps the
-// kernels chosen at capture.
-void set_moe_q8_activations(bool on);
-// Staged gate/up and down kernel launches enqueued so far (process-wide; tests check the staged path
-// ran rather than fell back).
-uint64_t moe_staged_launches();
+// The q8 expert GEMVs (iq2_xxs, q2_k, q8_0 weights) stage weight rows through shared memory with
+// cp.async where bases, strides and shared memory allow, else load them directly: bit-identical results
+// either way. Tests and benchmarks switch the kernels and the activation precision with
+// ds4_kernels_testing.h.
 // Down half: y[r] = (accumulate ? y[r] : 0) + sum_{s < n_slot} down_{e_s} row r . h[(s0 + s) * F ..]
 // summed in a fixed order (deterministic; not the CPU's slot order: f32 rounding differs), r < D.
 // ids == null: expert 0 for every slot. h rows are q8-quantised as above (iq2_xxs / q2_k / q8_0 /

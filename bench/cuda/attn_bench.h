@@ -1,9 +1,9 @@
 // The decode sparse-attention benchmark's shapes and inputs, shared by CudaDs4AttnBench.SparseSinkAttention
-// (test_cuda_ds4_attn.cpp) and CudaDs4AttnMma.BenchOldVsNew (test_cuda_ds4_attn_mma.cpp): 64 heads x 512,
+// (bench_ds4_attn.cpp) and CudaDs4AttnMma.BenchOldVsNew (bench_ds4_attn_mma.cpp): 64 heads x 512,
 // f16 rows, window 128; ratio 0 (128 rows), ratio 4 (128 + 512 selected of 2048), ratio 128 at 8K
 // (128 + 64) and at 1M (128 + 8192; 16 buffer sets cycled, 136 MB: past the L2 as the layers' rows are
 // in the model). Also the graph timing both use: `calls` launches captured into one graph, the median
-// replay time. Only these two suites include it (both run only with FATHOM_DS4_BENCH=1).
+// replay time. Only these two benchmarks include it.
 #pragma once
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 
 #include "backend/cpu/quants.h"
 #include "backend/cuda/ds4_attn_kernels.h"
-#include "cuda_test_util.h"
+#include "cuda/cuda_test_util.h"
 
 namespace fathom::cuda_test {
 
