@@ -104,6 +104,13 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     return idx;
 }
 
+// o[i] += p * v[i]: one multiply and one add per element (none of these targets enables FMA, so no
+// contraction): the same bits at every vector width.
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v, float *o,
+                                                                                   int64_t n) {
+    for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
+}
+
 void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
                       float scale, float *o) {
     // Heads are independent: split across the exec pool (same bits for any split).
@@ -120,9 +127,7 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
             float *oh = o + h * d;
             std::fill(oh, oh + d, 0.0f);
             for (int64_t r = 0; r < n; ++r) {
-                const float p = s[static_cast<size_t>(r)] / denom;
-                const float *kr = kv + r * d;
-                for (int64_t i = 0; i < d; ++i) oh[i] += p * kr[i];
+                axpy_f32(s[static_cast<size_t>(r)] / denom, kv + r * d, oh, d);
             }
         }
     });

@@ -10,9 +10,9 @@
 
 namespace fathom::ds4 {
 
-// Compiled twice (AVX2 and baseline) and picked at load time; no FMA contraction and a fixed lane
-// assignment, so both versions return the same bits.
-__attribute__((target_clones("avx2", "default"))) float dot_f32(const float *a, const float *b, int64_t n) {
+// Compiled three times (AVX-512F, AVX2 and baseline) and picked at load time; none of those targets
+// enables FMA (so no contraction) and the lane assignment is fixed, so every version returns the same bits.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float dot_f32(const float *a, const float *b, int64_t n) {
     // Products are exact in double; 16 double lanes, then a fixed pairwise reduction. Accumulating
     // in double keeps the result within about one f32 rounding of the exact dot product, i.e. as
     // close as an f32 evaluation can be to any other correct one (long QAT sequences amplify
