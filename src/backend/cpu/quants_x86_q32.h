@@ -344,18 +344,21 @@ inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t 
         const __m128i h = _mm_setr_epi16(static_cast<short>(ld16(w[0] + b * 34)), static_cast<short>(ld16(w[1] + b * 34)),
                                          static_cast<short>(ld16(w[2] + b * 34)), static_cast<short>(ld16(w[3] + b * 34)),
                                          0, 0, 0, 0);
-        const __m128 dw = _mm_cvtph_ps(h);
-        for (int r = 0; r < 4; ++r)
+        // dw[r] in all lanes (register permutes: a stack round trip stalled on store forwarding)
+        const __m256 dw = _mm256_castps128_ps256(_mm_cvtph_ps(h));
+        __m256 dw8[4];
+        for (int r = 0; r < 4; ++r) {
+            dw8[r] = _mm256_permutexvar_ps(_mm256_set1_epi32(r), dw);
             qu[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2)), off);
+        }
         for (int m = 0; m < MB; ++m) {
             const uint8_t *xb = x[m] + b * 34;
             const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 2));
             const __m256i corr = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, a));  // -128 * lane sums
-            alignas(16) float d[4];
-            _mm_store_ps(d, _mm_mul_ps(dw, _mm_set1_ps(ldf16(xb))));
+            const __m256 dx8 = _mm256_set1_ps(ldf16(xb));
             for (int r = 0; r < 4; ++r) {
                 const __m256i s = _mm256_dpbusd_epi32(corr, qu[r], a);
-                acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&d[r]), _mm256_cvtepi32_ps(s), acc[m][r]);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_mul_ps(dw8[r], dx8), _mm256_cvtepi32_ps(s), acc[m][r]);
             }
         }
     }
