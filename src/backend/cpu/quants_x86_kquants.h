@@ -137,6 +137,16 @@ struct tr_q2_k {
     }
 };
 
+// acc + madd(maddubs(q, a), sc): with VNNI one vpdpwssd does the madd and the add (the same exact
+// i32 pair sums, wrapping like add_epi32), so the AVX-512 build gives the same integers and bits.
+inline __m256i madd_acc(__m256i acc, __m256i q, __m256i a, __m256i sc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(q, a), sc);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc));
+#endif
+}
+
 // q8_k block: f32 d at 0, s8 qs[256] at 4, i16 bsums[16] at 260; 292 bytes.
 constexpr int q8k_size = 292;
 
@@ -165,7 +175,7 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, con
             for (int j = 0; j < 8; ++j) {
                 const __m256i a = ld256(xb + 4 + 32 * j);
                 for (int r = 0; r < NR; ++r)
-                    sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(dec[r].q[j], a), dec[r].sc[j]));
+                    sq[r] = madd_acc(sq[r], dec[r].q[j], a, dec[r].sc[j]);
             }
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < NR; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
@@ -194,7 +204,7 @@ inline void ktile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, f
             kdec t;
             T::decode(w[r] + b * T::size, t);
             for (int j = 0; j < 8; ++j)
-                sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(t.q[j], ld256(xb + 4 + 32 * j)), t.sc[j]));
+                sq[r] = madd_acc(sq[r], t.q[j], ld256(xb + 4 + 32 * j), t.sc[j]);
             sm[r] = _mm256_madd_epi16(t.mn, bs);
             dv[r] = t.d;
             mv[r] = t.dmin;
@@ -294,7 +304,7 @@ inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const kdec *panel
             for (int r = 0; r < 4; ++r) {
                 __m256i sumi = _mm256_setzero_si256();
                 for (int j = 0; j < 8; ++j)
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(t[r].q[j], a[j]), t[r].sc[j]));
+                    sumi = madd_acc(sumi, t[r].q[j], a[j], t[r].sc[j]);
                 // q6_k: the -32 offset leaves the lanes as one term per 32-element group,
                 // lane k -= 32 * (sc[2k] * bsums[2k] + sc[2k+1] * bsums[2k+1]) (ggml's q8sclsub).
                 if constexpr (q6) sumi = _mm256_sub_epi32(sumi, _mm256_madd_epi16(t[r].mn, bs));
