@@ -87,12 +87,12 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     std::vector<int64_t> idx(static_cast<size_t>(n));
     std::iota(idx.begin(), idx.end(), 0);
     if (n <= topk) return idx;
-    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim));
+    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim)), dh(static_cast<size_t>(idx_head));
     for (int64_t c = 0; c < n; ++c) {
         rows.get(c, k.data());
+        dot_f32_rows(k.data(), q, idx_head, idx_dim, dh.data());  // dot(k, q_h) == dot(q_h, k): exact products
         float s = 0;
-        for (int h = 0; h < idx_head; ++h)
-            s += w[h] * std::max(0.0f, dot_f32(q + static_cast<int64_t>(h) * idx_dim, k.data(), idx_dim));
+        for (int h = 0; h < idx_head; ++h) s += w[h] * std::max(0.0f, dh[static_cast<size_t>(h)]);
         score[static_cast<size_t>(c)] = s;
     }
     std::partial_sort(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t b) {
@@ -119,8 +119,8 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
         for (int64_t h = h0; h < h1; ++h) {
             const float *qh = q + h * d;
             float mx = sinks[h];
-            for (int64_t r = 0; r < n; ++r)
-                mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
+            dot_f32_rows(qh, kv, n, d, s.data());
+            for (int64_t r = 0; r < n; ++r) mx = std::max(mx, s[static_cast<size_t>(r)] *= scale);
             float denom = std::exp(sinks[h] - mx);
             for (int64_t r = 0; r < n; ++r)
                 denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
