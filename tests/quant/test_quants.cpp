@@ -473,6 +473,42 @@ TEST(QuantGemm, Q8_0GgmlOrderEveryMBitExact) {
     }
 }
 
+// k-quant gemm == vec_dot bit for bit for every M (decode row by row, 4-row tiles, decoded panels for
+// M > 4) and row range, on every level (batch invariance of the DS4 expert products).
+TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
+    isa_guard g;
+    std::mt19937 rng(23);
+    const int64_t K = 512, N = 11;
+    for (dtype t : {dtype::q2_k, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+        const size_t ws = dtype_row_bytes(t, K), xs = dtype_row_bytes(dtype::q8_k, K) + 4;
+        std::vector<uint8_t> W(ws * N);
+        for (int64_t r = 0; r < N; ++r) {
+            const std::vector<float> wf = random_activations(K, rng);
+            quantize_row(t, wf.data(), W.data() + r * ws, K);
+        }
+        const int64_t Mmax = 9;
+        std::vector<uint8_t> X(xs * Mmax, 0);
+        for (int64_t m = 0; m < Mmax; ++m) {
+            const std::vector<float> xf = random_activations(K, rng);
+            quantize_row(dtype::q8_k, xf.data(), X.data() + m * xs, K);
+        }
+        for (isa level : isas()) {
+            force_isa(level);
+            for (int64_t M : {1, 2, 3, 4, 5, 9})
+                for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N - 2}, {5, 6}}) {
+                    std::vector<float> y(M * N, -7.0f);
+                    gemm(t, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), N);
+                    for (int64_t m = 0; m < M; ++m)
+                        for (int64_t r = r0; r < r1; ++r) {
+                            const float got = y[m * N + r], one = vec_dot(t, K, W.data() + r * ws, X.data() + m * xs);
+                            ASSERT_EQ(std::memcmp(&got, &one, 4), 0) << dtype_name(t) << " " << isa_name(level) << " M=" << M
+                                                                     << " m=" << m << " r=" << r << ": " << got << " vs " << one;
+                        }
+                }
+        }
+    }
+}
+
 // ---- Argument errors ------------------------------------------------------------------------------------
 TEST(QuantErrors, BadArgumentsThrow) {
     std::vector<float> f(64);

@@ -247,8 +247,15 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
             float out[4][4];
             switch (mb) {
                 case 1:
-                    if (panel) ktile<T, 4, 1>(nb, w, panel, x, out);
-                    else ktile_m1<T, 4>(nb, w, x[0], out[0]);
+                    if (panel) {
+                        ktile<T, 4, 1>(nb, w, panel, x, out);
+                    } else {  // decode: row by row, one sequential weight stream (see q8_0_row_vnni)
+                        for (int i = 0; i < rows; ++i) {
+                            float o1[4];
+                            ktile_m1<T, 1>(nb, &w[i], x[0], o1);
+                            out[0][i] = o1[0];
+                        }
+                    }
                     break;
                 case 2: ktile<T, 4, 2>(nb, w, panel, x, out); break;
                 case 3: ktile<T, 4, 3>(nb, w, panel, x, out); break;
