@@ -87,10 +87,12 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     std::vector<int64_t> idx(static_cast<size_t>(n));
     std::iota(idx.begin(), idx.end(), 0);
     if (n <= topk) return idx;
-    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim)), dh(static_cast<size_t>(idx_head));
+    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim)),
+        dh(static_cast<size_t>(idx_head));
     for (int64_t c = 0; c < n; ++c) {
         rows.get(c, k.data());
-        dot_f32_rows(k.data(), q, idx_head, idx_dim, dh.data());  // dot(k, q_h) == dot(q_h, k): exact products
+        dot_f32_rows(k.data(), q, idx_head, idx_dim,
+                     dh.data());  // dot(k, q_h) == dot(q_h, k): exact products
         float s = 0;
         for (int h = 0; h < idx_head; ++h) s += w[h] * std::max(0.0f, dh[static_cast<size_t>(h)]);
         score[static_cast<size_t>(c)] = s;
@@ -106,8 +108,8 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
 
 // o[i] += p * v[i]: one multiply and one add per element (none of these targets enables FMA, so no
 // contraction): the same bits at every vector width.
-__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v, float *o,
-                                                                                   int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v,
+                                                                                  float *o, int64_t n) {
     for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
 }
 
@@ -211,8 +213,8 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
 // sum when the groups are not all of them: the column block of o_b). Every product takes all m rows
 // at once (the weights are read once per block of rows, not once per row); each row's arithmetic is
 // that of a lone row (matmul is per row), so batching does not change a bit.
-void output_projection(const hparams &hp, const layer_weights &l, const tp_slice &s, const float *og, int64_t m,
-                       float *y) {
+void output_projection(const hparams &hp, const layer_weights &l, const tp_slice &s, const float *og,
+                       int64_t m, float *y) {
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim, r = hp.o_rank;
     const int Gs = s.group1 - s.group0;
     thread_local std::vector<float> zg, z;

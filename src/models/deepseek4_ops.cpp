@@ -16,7 +16,8 @@ namespace fathom::ds4 {
 
 // Compiled three times (AVX-512F, AVX2 and baseline) and picked at load time; none of those targets
 // enables FMA (so no contraction) and the lane assignment is fixed, so every version returns the same bits.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float dot_f32(const float *a, const float *b, int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) float dot_f32(const float *a, const float *b,
+                                                                           int64_t n) {
     // Products are exact in double; 16 double lanes, then a fixed pairwise reduction. Accumulating
     // in double keeps the result within about one f32 rounding of the exact dot product, i.e. as
     // close as an f32 evaluation can be to any other correct one (long QAT sequences amplify
@@ -44,12 +45,14 @@ __attribute__((target("avx512f"))) static void dot_f32_rows4_avx512(const float 
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 av = _mm512_loadu_ps(a + i);
         const __m512d alo = _mm512_cvtps_pd(_mm512_castps512_ps256(av));
-        const __m512d ahi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(av), 1)));
+        const __m512d ahi =
+            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(av), 1)));
         for (int r = 0; r < 4; ++r) {
             const __m512 bv = _mm512_loadu_ps(b + r * n + i);
             lo[r] = _mm512_fmadd_pd(alo, _mm512_cvtps_pd(_mm512_castps512_ps256(bv)), lo[r]);
-            hi[r] = _mm512_fmadd_pd(ahi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(bv), 1))),
-                                    hi[r]);
+            hi[r] = _mm512_fmadd_pd(
+                ahi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(bv), 1))),
+                hi[r]);
         }
     }
     for (int r = 0; r < 4; ++r) {

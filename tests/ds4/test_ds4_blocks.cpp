@@ -173,12 +173,14 @@ TEST(ds4_attention, dot_rows_bitwise) {
     };
     for (int64_t n : {16, 128, 512, 100, 7})
         for (int64_t rows : {1, 3, 4, 5, 9}) {
-            std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(rows * n)), out(static_cast<size_t>(rows));
+            std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(rows * n)),
+                out(static_cast<size_t>(rows));
             for (float &v : a) v = std::ldexp(nd(rng), ex(rng));
             for (float &v : b) v = std::ldexp(nd(rng), ex(rng));
             dot_f32_rows(a.data(), b.data(), rows, n, out.data());
             for (int64_t r = 0; r < rows; ++r) {
-                const float one = dot_f32(a.data(), b.data() + r * n, n), want = spec(a.data(), b.data() + r * n, n);
+                const float one = dot_f32(a.data(), b.data() + r * n, n),
+                            want = spec(a.data(), b.data() + r * n, n);
                 const float got = out[static_cast<size_t>(r)];
                 EXPECT_EQ(std::memcmp(&got, &one, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
                 EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
@@ -371,7 +373,8 @@ TEST(ds4_state, f16_rows_wide_exact) {
     r.get(0, out.data());
     for (int64_t i = 0; i < w; ++i) {
         const float want = fathom::cpu::f16_to_f32(fathom::cpu::f32_to_f16(in[static_cast<size_t>(i)]));
-        EXPECT_EQ(std::memcmp(&out[static_cast<size_t>(i)], &want, 4), 0) << i << ": " << out[static_cast<size_t>(i)] << " vs " << want;
+        EXPECT_EQ(std::memcmp(&out[static_cast<size_t>(i)], &want, 4), 0)
+            << i << ": " << out[static_cast<size_t>(i)] << " vs " << want;
     }
 }
 

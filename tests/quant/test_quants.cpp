@@ -462,11 +462,13 @@ TEST(QuantGemm, Q8_0GgmlOrderEveryMBitExact) {
                         }
                         const float one = vec_dot(dtype::q8_0, K, W.data() + r * ws, X.data() + m * xs);
                         ASSERT_EQ(std::memcmp(&got, &one, 4), 0)
-                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got << " vs " << one;
+                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got
+                            << " vs " << one;
                         if (level == isa::scalar) continue;
                         const float want = ggml_q8_0_dot(K, W.data() + r * ws, X.data() + m * xs);
                         ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
-                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got << " vs " << want;
+                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got
+                            << " vs " << want;
                     }
             }
         }
@@ -500,9 +502,11 @@ TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
                     gemm(t, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), N);
                     for (int64_t m = 0; m < M; ++m)
                         for (int64_t r = r0; r < r1; ++r) {
-                            const float got = y[m * N + r], one = vec_dot(t, K, W.data() + r * ws, X.data() + m * xs);
-                            ASSERT_EQ(std::memcmp(&got, &one, 4), 0) << dtype_name(t) << " " << isa_name(level) << " M=" << M
-                                                                     << " m=" << m << " r=" << r << ": " << got << " vs " << one;
+                            const float got = y[m * N + r],
+                                        one = vec_dot(t, K, W.data() + r * ws, X.data() + m * xs);
+                            ASSERT_EQ(std::memcmp(&got, &one, 4), 0)
+                                << dtype_name(t) << " " << isa_name(level) << " M=" << M << " m=" << m
+                                << " r=" << r << ": " << got << " vs " << one;
                         }
                 }
         }

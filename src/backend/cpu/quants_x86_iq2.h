@@ -227,7 +227,8 @@ inline void iq2_tile16(int64_t nb, const iq2dec16 *panel, const float *pd, const
             std::memcpy(&da, xb[m], 4);
             for (int r = 0; r < 4; ++r) {
                 // lane L = lanes 2L + 2L+1: add each qword's high dword into its low one, keep the low dwords
-                const __m256i s8 = _mm512_cvtepi64_epi32(_mm512_add_epi32(S[m][r], _mm512_srli_epi64(S[m][r], 32)));
+                const __m256i s8 =
+                    _mm512_cvtepi64_epi32(_mm512_add_epi32(S[m][r], _mm512_srli_epi64(S[m][r], 32)));
                 const __m256 a8 = _mm256_fmadd_ps(_mm256_set1_ps(pd[4 * b + r] * da), _mm256_cvtepi32_ps(s8),
                                                   _mm256_load_ps(acc[m][r]));
                 _mm256_store_ps(acc[m][r], a8);
@@ -253,17 +254,26 @@ void gemm_iq2_xxs_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, in
         const int rows = static_cast<int>(imin(4, r1 - r));
         for (int64_t b = 0; b < nb; ++b)
             for (int i = 0; i < 4; ++i)
-                iq2_decode16(Wb + (r + imin(i, rows - 1)) * w_stride + b * iq2_bytes, pbuf[4 * b + i], pd[4 * b + i]);
+                iq2_decode16(Wb + (r + imin(i, rows - 1)) * w_stride + b * iq2_bytes, pbuf[4 * b + i],
+                             pd[4 * b + i]);
         for (int64_t m = 0; m < M; m += 4) {
             const int mb = static_cast<int>(imin(4, M - m));
             const uint8_t *x[4];
             for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
             float out[4][4];
             switch (mb) {
-                case 1: iq2_tile16<1>(nb, pbuf, pd, x, out); break;
-                case 2: iq2_tile16<2>(nb, pbuf, pd, x, out); break;
-                case 3: iq2_tile16<3>(nb, pbuf, pd, x, out); break;
-                default: iq2_tile16<4>(nb, pbuf, pd, x, out); break;
+                case 1:
+                    iq2_tile16<1>(nb, pbuf, pd, x, out);
+                    break;
+                case 2:
+                    iq2_tile16<2>(nb, pbuf, pd, x, out);
+                    break;
+                case 3:
+                    iq2_tile16<3>(nb, pbuf, pd, x, out);
+                    break;
+                default:
+                    iq2_tile16<4>(nb, pbuf, pd, x, out);
+                    break;
             }
             for (int j = 0; j < mb; ++j)
                 for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];

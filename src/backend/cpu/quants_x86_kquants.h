@@ -174,8 +174,7 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, con
             for (int r = 0; r < 4; ++r) sq[r] = sm[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const __m256i a = ld256(xb + 4 + 32 * j);
-                for (int r = 0; r < NR; ++r)
-                    sq[r] = madd_acc(sq[r], dec[r].q[j], a, dec[r].sc[j]);
+                for (int r = 0; r < NR; ++r) sq[r] = madd_acc(sq[r], dec[r].q[j], a, dec[r].sc[j]);
             }
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < NR; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
@@ -203,8 +202,7 @@ inline void ktile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, f
         for (int r = 0; r < NR; ++r) {
             kdec t;
             T::decode(w[r] + b * T::size, t);
-            for (int j = 0; j < 8; ++j)
-                sq[r] = madd_acc(sq[r], t.q[j], ld256(xb + 4 + 32 * j), t.sc[j]);
+            for (int j = 0; j < 8; ++j) sq[r] = madd_acc(sq[r], t.q[j], ld256(xb + 4 + 32 * j), t.sc[j]);
             sm[r] = _mm256_madd_epi16(t.mn, bs);
             dv[r] = t.d;
             mv[r] = t.dmin;
@@ -310,8 +308,7 @@ inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const kdec *panel
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < 4; ++r) {
                 __m256i sumi = _mm256_setzero_si256();
-                for (int j = 0; j < 8; ++j)
-                    sumi = madd_acc(sumi, t[r].q[j], a[j], t[r].sc[j]);
+                for (int j = 0; j < 8; ++j) sumi = madd_acc(sumi, t[r].q[j], a[j], t[r].sc[j]);
                 // q6_k: the -32 offset leaves the lanes as one term per 32-element group,
                 // lane k -= 32 * (sc[2k] * bsums[2k] + sc[2k+1] * bsums[2k+1]) (ggml's q8sclsub).
                 if constexpr (q6) sumi = _mm256_sub_epi32(sumi, _mm256_madd_epi16(t[r].mn, bs));

@@ -334,27 +334,30 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // The scale products dw*dx are the same f32 products, the FMA chain per output runs block after block
 // as before: every output equals dot_q32_exact's bit for bit, for any M and tile (tests/quant).
 template <int MB>
-inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float out[MB][4]) {
+inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB],
+                           float out[MB][4]) {
     __m256 acc[MB][4];
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
     const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80)), zero = _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; ++b) {
         __m256i qu[4];
-        const __m128i h = _mm_setr_epi16(static_cast<short>(ld16(w[0] + b * 34)), static_cast<short>(ld16(w[1] + b * 34)),
-                                         static_cast<short>(ld16(w[2] + b * 34)), static_cast<short>(ld16(w[3] + b * 34)),
-                                         0, 0, 0, 0);
+        const __m128i h = _mm_setr_epi16(
+            static_cast<short>(ld16(w[0] + b * 34)), static_cast<short>(ld16(w[1] + b * 34)),
+            static_cast<short>(ld16(w[2] + b * 34)), static_cast<short>(ld16(w[3] + b * 34)), 0, 0, 0, 0);
         // dw[r] in all lanes (register permutes: a stack round trip stalled on store forwarding)
         const __m256 dw = _mm256_castps128_ps256(_mm_cvtph_ps(h));
         __m256 dw8[4];
         for (int r = 0; r < 4; ++r) {
             dw8[r] = _mm256_permutexvar_ps(_mm256_set1_epi32(r), dw);
-            qu[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2)), off);
+            qu[r] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2)),
+                                     off);
         }
         for (int m = 0; m < MB; ++m) {
             const uint8_t *xb = x[m] + b * 34;
             const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xb + 2));
-            const __m256i corr = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, a));  // -128 * lane sums
+            const __m256i corr =
+                _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, a));  // -128 * lane sums
             const __m256 dx8 = _mm256_set1_ps(ldf16(xb));
             for (int r = 0; r < 4; ++r) {
                 const __m256i s = _mm256_dpbusd_epi32(corr, qu[r], a);
@@ -375,9 +378,10 @@ inline float q8_0_row_vnni(int64_t nb, const uint8_t *w, const uint8_t *x) {
     for (int64_t b = 0; b < nb; ++b, w += 34, x += 34) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + 2));
         const __m256i corr = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, a));
-        const __m256i qu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + 2)), off);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(ldf16(w) * ldf16(x)), _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, qu, a)),
-                              acc);
+        const __m256i qu =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(w + 2)), off);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(ldf16(w) * ldf16(x)),
+                              _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, qu, a)), acc);
     }
     return hsum(acc);
 }
@@ -406,10 +410,18 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
                 for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
                 float out[4][4];
                 switch (mb) {
-                    case 1: q8_0_tile_vnni<1>(nb, w, x, out); break;
-                    case 2: q8_0_tile_vnni<2>(nb, w, x, out); break;
-                    case 3: q8_0_tile_vnni<3>(nb, w, x, out); break;
-                    default: q8_0_tile_vnni<4>(nb, w, x, out); break;
+                    case 1:
+                        q8_0_tile_vnni<1>(nb, w, x, out);
+                        break;
+                    case 2:
+                        q8_0_tile_vnni<2>(nb, w, x, out);
+                        break;
+                    case 3:
+                        q8_0_tile_vnni<3>(nb, w, x, out);
+                        break;
+                    default:
+                        q8_0_tile_vnni<4>(nb, w, x, out);
+                        break;
                 }
                 for (int j = 0; j < mb; ++j)
                     for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
