@@ -21,7 +21,9 @@ What is measured, per round (--rounds, default 2; the tools alternate and swap o
   * llama.cpp prefill: `llama-bench -m FILE -p P -n 0 -t T -r R -o json` (pp: a P-token prompt at depth 0);
   * llama.cpp decode:  `llama-bench -m FILE -p 0 -n N -d P -t T -r R -o json` (tg: N tokens after a
     P-token context, which is what `fathom bench` times; plain `-n N` would decode from an empty cache);
-  * Fathom: `fathom bench -m FILE -p P -n N -t T --reps R --json`.
+  * Fathom: `fathom bench -m FILE -p P -n N -t T --reps R --json`;
+  * with --fathom-before BIN, the same command with a second fathom binary (a build of the base commit),
+    in the same rounds, so a before/after pair of ratios shares one run's machine load.
   With --cuda, llama-bench gets `-ngl 99` and fathom `--device cuda`. Both tools run one untimed warm-up.
   Each side keeps its defaults otherwise (llama-bench: n_batch 2048 / n_ubatch 512, flash attention auto,
   f16 KV; fathom: prefill chunk 512, 4096 for DeepSeek V4 on CUDA); --llama-bench-args / --fathom-args
@@ -321,6 +323,9 @@ def main(argv=None):
     ap.add_argument("--rebuild", action="store_true", help="reconfigure and rebuild llama-bench")
     ap.add_argument("--build-only", action="store_true", help="only download/build llama-bench, then exit")
     ap.add_argument("--fathom", default=os.path.join(REPO, "build", "fathom"), help="fathom binary")
+    ap.add_argument("--fathom-before", metavar="BIN",
+                    help="a second fathom binary (say, a build of the base commit) measured in the same rounds: "
+                         "its row and its ratios are printed too, so before/after share one run's load")
     ap.add_argument("--llama-bench-args", default="", metavar="ARGS",
                     help="extra llama-bench arguments, one string: --llama-bench-args='--poll 0'")
     ap.add_argument("--fathom-args", default="", metavar="ARGS",
@@ -340,6 +345,8 @@ def main(argv=None):
         raise BenchError(f"{args.model}: no such file")
     if not (os.path.isfile(args.fathom) and os.access(args.fathom, os.X_OK)):
         raise BenchError(f"{args.fathom}: no fathom binary (build it: cmake --build build --target fathom)")
+    if args.fathom_before and not (os.path.isfile(args.fathom_before) and os.access(args.fathom_before, os.X_OK)):
+        raise BenchError(f"{args.fathom_before}: no such fathom binary (--fathom-before)")
     arch = gguf_architecture(args.model)
     src = llamacpp_source(args.cache_dir, args.llamacpp_version, log)
     if not llamacpp_knows_arch(src, arch):
@@ -357,8 +364,10 @@ def main(argv=None):
     if args.cuda:
         fb += ["--device", "cuda"]
     fb += shlex.split(args.fathom_args)
+    fb0 = [args.fathom_before] + fb[1:] if args.fathom_before else None
 
     l_pp, l_tg, f_pp_best, f_pp_med, f_tg_best, f_tg_med = [], [], [], [], [], []
+    b_pp_best, b_pp_med, b_tg_best, b_tg_med = [], [], [], []
     lb_info, f_raw = None, None
 
     def llama_round():
@@ -378,11 +387,19 @@ def main(argv=None):
         f_tg_best.append(r["decode"]["best"]); f_tg_med.append(r["decode"]["median"])
         f_raw = r["raw"]
 
+    def before_round():
+        r = parse_fathom_bench(run_tool(fb0, "fathom bench (--fathom-before)"))
+        if r["decode"] is None:
+            raise BenchError("fathom bench (--fathom-before) reported no decode rate")
+        b_pp_best.append(r["prefill"]["best"]); b_pp_med.append(r["prefill"]["median"])
+        b_tg_best.append(r["decode"]["best"]); b_tg_med.append(r["decode"]["median"])
+
     t0 = time.time()
+    tools = [llama_round, fathom_round] + ([before_round] if fb0 else [])
     for i in range(args.rounds):
         print(f"round {i + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
-        order = (llama_round, fathom_round) if i % 2 == 0 else (fathom_round, llama_round)
-        for fn in order:
+        k = i % len(tools)  # rotate the order every round
+        for fn in tools[k:] + tools[:k]:
             fn()
     elapsed = time.time() - t0
 
@@ -405,6 +422,14 @@ def main(argv=None):
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "elapsed_s": elapsed,
     }
+    if fb0:
+        bpp = {"best": max(b_pp_best), "median": statistics.median(b_pp_med), "samples": b_pp_best}
+        btg = {"best": max(b_tg_best), "median": statistics.median(b_tg_med), "samples": b_tg_best}
+        res["fathom_before"] = {"prefill": bpp, "decode": btg}
+        res["ratio_before"] = {"prefill_best": bpp["best"] / lpp["best"], "decode_best": btg["best"] / ltg["best"],
+                               "prefill_median": bpp["median"] / lpp["median"],
+                               "decode_median": btg["median"] / ltg["median"]}
+        res["commands"]["fathom_before"] = shlex.join(fb0)
     rt = res["ratio"]
     print(f"model {res['model']} ({arch}), device {device}, threads {args.threads}, P={args.prompt}, "
           f"N={args.gen} (decode after the P-token prompt), {args.reps} reps x {args.rounds} rounds")
@@ -424,6 +449,12 @@ def main(argv=None):
           f"{fpp['best']:.1f} | {ftg['best']:.1f} | **{rt['prefill_best']:.2f}x** | **{rt['decode_best']:.2f}x** |")
     print(f"| (median) | | | | {lpp['median']:.1f} | {ltg['median']:.1f} | {fpp['median']:.1f} | "
           f"{ftg['median']:.1f} | {rt['prefill_median']:.2f}x | {rt['decode_median']:.2f}x |")
+    if fb0:
+        rb, bpp, btg = res["ratio_before"], res["fathom_before"]["prefill"], res["fathom_before"]["decode"]
+        print(f"| before: {os.path.basename(args.fathom_before)} | | | | {lpp['best']:.1f} | {ltg['best']:.1f} | "
+              f"{bpp['best']:.1f} | {btg['best']:.1f} | {rb['prefill_best']:.2f}x | {rb['decode_best']:.2f}x |")
+        print(f"| (before, median) | | | | {lpp['median']:.1f} | {ltg['median']:.1f} | {bpp['median']:.1f} | "
+              f"{btg['median']:.1f} | {rb['prefill_median']:.2f}x | {rb['decode_median']:.2f}x |")
     print()
     print("tok/s, best (max) and median over all reps; ratio = Fathom / llama.cpp. Commands:")
     for c in res["commands"].values():

@@ -87,12 +87,14 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     std::vector<int64_t> idx(static_cast<size_t>(n));
     std::iota(idx.begin(), idx.end(), 0);
     if (n <= topk) return idx;
-    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim));
+    std::vector<float> score(static_cast<size_t>(n)), k(static_cast<size_t>(idx_dim)),
+        dh(static_cast<size_t>(idx_head));
     for (int64_t c = 0; c < n; ++c) {
         rows.get(c, k.data());
+        dot_f32_rows(k.data(), q, idx_head, idx_dim,
+                     dh.data());  // dot(k, q_h) == dot(q_h, k): exact products
         float s = 0;
-        for (int h = 0; h < idx_head; ++h)
-            s += w[h] * std::max(0.0f, dot_f32(q + static_cast<int64_t>(h) * idx_dim, k.data(), idx_dim));
+        for (int h = 0; h < idx_head; ++h) s += w[h] * std::max(0.0f, dh[static_cast<size_t>(h)]);
         score[static_cast<size_t>(c)] = s;
     }
     std::partial_sort(idx.begin(), idx.begin() + topk, idx.end(), [&](int64_t a, int64_t b) {
@@ -104,6 +106,13 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     return idx;
 }
 
+// o[i] += p * v[i]: one multiply and one add per element (none of these targets enables FMA, so no
+// contraction): the same bits at every vector width.
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v,
+                                                                                  float *o, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
+}
+
 void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
                       float scale, float *o) {
     // Heads are independent: split across the exec pool (same bits for any split).
@@ -112,17 +121,15 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
         for (int64_t h = h0; h < h1; ++h) {
             const float *qh = q + h * d;
             float mx = sinks[h];
-            for (int64_t r = 0; r < n; ++r)
-                mx = std::max(mx, s[static_cast<size_t>(r)] = dot_f32(qh, kv + r * d, d) * scale);
+            dot_f32_rows(qh, kv, n, d, s.data());
+            for (int64_t r = 0; r < n; ++r) mx = std::max(mx, s[static_cast<size_t>(r)] *= scale);
             float denom = std::exp(sinks[h] - mx);
             for (int64_t r = 0; r < n; ++r)
                 denom += (s[static_cast<size_t>(r)] = std::exp(s[static_cast<size_t>(r)] - mx));
             float *oh = o + h * d;
             std::fill(oh, oh + d, 0.0f);
             for (int64_t r = 0; r < n; ++r) {
-                const float p = s[static_cast<size_t>(r)] / denom;
-                const float *kr = kv + r * d;
-                for (int64_t i = 0; i < d; ++i) oh[i] += p * kr[i];
+                axpy_f32(s[static_cast<size_t>(r)] / denom, kv + r * d, oh, d);
             }
         }
     });
@@ -201,17 +208,25 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
     p.icg = project(l.idx_comp.gate, xn, n);
 }
 
-// Grouped low-rank output projection (spec 4.7) of groups [s.group0, s.group1): o [(heads of those
-// groups)*d] -> y [D] (a partial sum when the groups are not all of them: the column block of o_b).
-void output_projection(const hparams &hp, const layer_weights &l, const tp_slice &s, const float *o, float *y) {
+// Grouped low-rank output projection (spec 4.7) of groups [s.group0, s.group1) over m rows: og
+// [Gs, m, gd] (group-major: the heads of group g of row i at og[(g*m + i)*gd]) -> y [m, D] (a partial
+// sum when the groups are not all of them: the column block of o_b). Every product takes all m rows
+// at once (the weights are read once per block of rows, not once per row); each row's arithmetic is
+// that of a lone row (matmul is per row), so batching does not change a bit.
+void output_projection(const hparams &hp, const layer_weights &l, const tp_slice &s, const float *og,
+                       int64_t m, float *y) {
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * hp.head_dim, r = hp.o_rank;
     const int Gs = s.group1 - s.group0;
-    std::vector<float> z(static_cast<size_t>(Gs * r));  // [Gs, o_rank]
+    thread_local std::vector<float> zg, z;
+    zg.resize(static_cast<size_t>(m * r));
+    z.resize(static_cast<size_t>(m * Gs * r));  // [m, Gs*o_rank]
     for (int g = 0; g < Gs; ++g) {
         const int64_t ga = s.group0 + g;  // absolute group id: rows of o_a
-        matmul_rows(l.out_a, ga * r, (ga + 1) * r, o + g * gd, 1, z.data() + static_cast<size_t>(g * r));
+        matmul_rows(l.out_a, ga * r, (ga + 1) * r, og + static_cast<size_t>(g * m * gd), m, zg.data());
+        for (int64_t i = 0; i < m; ++i)
+            std::copy_n(&zg[static_cast<size_t>(i * r)], r, &z[static_cast<size_t>((i * Gs + g) * r)]);
     }
-    matmul(matrix_cols(l.out_b, s.group0 * r, s.group1 * r, "attn_output_b"), z.data(), 1, y);
+    matmul(matrix_cols(l.out_b, s.group0 * r, s.group1 * r, "attn_output_b"), z.data(), m, y);
 }
 
 }  // namespace
@@ -235,6 +250,11 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
                  icw = static_cast<size_t>(2 * hp.idx_dim);
     std::vector<float> rows, row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
     std::vector<float> o(static_cast<size_t>(H * d));
+    // Attention outputs of a block of up to `blk` rows, group-major [Gs, blk, gd], projected together.
+    const int Gs = s.group1 - s.group0;
+    const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d, blk = std::min<int64_t>(n, 64);
+    std::vector<float> og(static_cast<size_t>(Gs * blk * gd));
+    int64_t b0 = 0;  // first row of the pending block
     for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = positions[static_cast<size_t>(i)];
         const size_t ui = static_cast<size_t>(i);
@@ -275,7 +295,13 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
                          o.data());
         for (int64_t h = 0; h < H; ++h)
             rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
-        output_projection(hp, l, s, o.data(), y + i * hp.n_embd);
+        const int64_t m = std::min(blk, n - b0), j = i - b0;  // row j of the pending block of m rows
+        for (int g = 0; g < Gs; ++g)
+            std::copy_n(&o[static_cast<size_t>(g * gd)], gd, &og[static_cast<size_t>((g * m + j) * gd)]);
+        if (j + 1 == m) {
+            output_projection(hp, l, s, og.data(), m, y + b0 * hp.n_embd);
+            b0 += m;
+        }
     }
 }
 

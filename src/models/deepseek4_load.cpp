@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "backend/cpu/quants.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
@@ -378,6 +382,25 @@ void row_store::resize(int64_t n_rows) {
         f16_.resize(n, 0);
 }
 
+// f16 -> f32 of a KV row (read for every candidate row of every attended position): F16C, 8 at a
+// time where the CPU has it. The conversion is exact, so it gives the bits of cpu::f16_to_f32.
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) static void f16_row_to_f32_f16c(const uint16_t *s, float *d, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(s + i))));
+    for (; i < n; ++i) d[i] = cpu::f16_to_f32(s[i]);
+}
+#endif
+
+static void f16_row_to_f32(const uint16_t *s, float *d, int64_t n) {
+#if defined(__x86_64__)
+    static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    if (f16c) return f16_row_to_f32_f16c(s, d, n);
+#endif
+    for (int64_t i = 0; i < n; ++i) d[i] = cpu::f16_to_f32(s[i]);
+}
+
 void row_store::set(int64_t r, const float *src) {
     const size_t o = static_cast<size_t>(r * width_);
     if (prec_ == kv_precision::f32)
@@ -396,7 +419,7 @@ void row_store::get(int64_t r, float *dst) const {
     if (prec_ == kv_precision::f32)
         std::memcpy(dst, f32_.data() + o, static_cast<size_t>(width_) * sizeof(float));
     else
-        for (int64_t i = 0; i < width_; ++i) dst[i] = cpu::f16_to_f32(f16_[o + static_cast<size_t>(i)]);
+        f16_row_to_f32(f16_.data() + o, dst, width_);
 }
 
 std::span<const uint8_t> row_store::bytes() const {

@@ -33,6 +33,9 @@ void parallel_for(int64_t total, int64_t work_per_item, const std::function<void
 
 // Dot product of n floats, accumulated in double (16 lanes, then a fixed pairwise sum).
 float dot_f32(const float *a, const float *b, int64_t n);
+// out[r] = dot_f32(a, b + r * n, n) for r in [0, rows), bit for bit (several rows per pass where the
+// CPU allows: one a against the rows of b, e.g. a query head against the candidate K rows).
+void dot_f32_rows(const float *a, const float *b, int64_t rows, int64_t n, float *out);
 
 // y[i*W.rows + r] = sum_c W[r][c] * x[i*W.cols + c] for i in [0, n). Reference path (default): rows
 // are dequantised once per call (any dtype with CPU dequantisation; f32 rows are read in place when

@@ -4,9 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <random>
 
+#include "backend/cpu/quants.h"
 #include "models/deepseek4_impl.h"
+#include "models/deepseek4_ops.h"
 #include "models/deepseek4_qat.h"
 
 namespace {
@@ -150,6 +154,38 @@ TEST(ds4_attention, sink_adds_mass_without_value) {
     const float big_sink[1] = {50};
     attend_with_sink(q, kv, 2, big_sink, 1, 1, 1.0f, o);
     EXPECT_NEAR(o[0], 0.0, 1e-12);
+}
+
+// dot_f32_rows (several rows per pass, FMA on AVX-512) == dot_f32 row by row, bit for bit, and both
+// == a scalar spelling of the documented order (16 double lanes in element order, pairwise sum), for
+// row counts around the 4-row blocks, lengths with and without a 16-element tail, and values over a
+// wide dynamic range (so any reassociation would show).
+TEST(ds4_attention, dot_rows_bitwise) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> ex(-20, 20);
+    auto spec = [](const float *a, const float *b, int64_t n) {
+        double acc[16] = {};
+        for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+        for (int w = 8; w > 0; w /= 2)
+            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+        return static_cast<float>(acc[0]);
+    };
+    for (int64_t n : {16, 128, 512, 100, 7})
+        for (int64_t rows : {1, 3, 4, 5, 9}) {
+            std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(rows * n)),
+                out(static_cast<size_t>(rows));
+            for (float &v : a) v = std::ldexp(nd(rng), ex(rng));
+            for (float &v : b) v = std::ldexp(nd(rng), ex(rng));
+            dot_f32_rows(a.data(), b.data(), rows, n, out.data());
+            for (int64_t r = 0; r < rows; ++r) {
+                const float one = dot_f32(a.data(), b.data() + r * n, n),
+                            want = spec(a.data(), b.data() + r * n, n);
+                const float got = out[static_cast<size_t>(r)];
+                EXPECT_EQ(std::memcmp(&got, &one, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
+                EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
+            }
+        }
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------------
@@ -320,6 +356,26 @@ TEST(ds4_state, f16_rows_round) {
     EXPECT_EQ(out[0], 1.0009765625f);
     EXPECT_EQ(out[1], 1.0f);
     EXPECT_EQ(out[2], 65504.0f);
+}
+
+// A wide f16 row (the F16C path, 8 at a time, and its scalar tail) reads back every value as the
+// scalar f16 -> f32 conversion of its stored bits: normals, subnormals, zeros of both signs, infinities.
+TEST(ds4_state, f16_rows_wide_exact) {
+    const int64_t w = 523;  // 65 vectors of 8 + a tail of 3
+    fathom::ds4::row_store r(w, fathom::kv_precision::f16);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> ex(-26, 17);
+    std::vector<float> in(static_cast<size_t>(w)), out(static_cast<size_t>(w));
+    for (float &v : in) v = std::ldexp(nd(rng), ex(rng));
+    in[0] = 0.0f, in[1] = -0.0f, in[2] = INFINITY, in[3] = -INFINITY, in[4] = 6e-8f, in[w - 1] = -1e5f;
+    r.push(in.data());
+    r.get(0, out.data());
+    for (int64_t i = 0; i < w; ++i) {
+        const float want = fathom::cpu::f16_to_f32(fathom::cpu::f32_to_f16(in[static_cast<size_t>(i)]));
+        EXPECT_EQ(std::memcmp(&out[static_cast<size_t>(i)], &want, 4), 0)
+            << i << ": " << out[static_cast<size_t>(i)] << " vs " << want;
+    }
 }
 
 }  // namespace

@@ -402,6 +402,117 @@ TEST(QuantGemm, TileEdgesAllTypesAllIsas) {
     }
 }
 
+// q8_0 gemm in ggml's float order, bit for bit, for every M, tile edge and row range (the DS4 prompt
+// rows and a lone decode row must give the same bits: batch invariance), on each SIMD level: an
+// independent scalar spelling of ggml-cpu's AVX2 ggml_vec_dot_q8_0_q8_0 (8 lanes, lane L = the i32
+// sum of products 4L..4L+3 of a block; acc[L] = fma(d_w * d_x, lane, acc[L]) block after block;
+// hsum as (lane i + lane i+4), then pairs, then the two). The weights are raw random bytes, -128
+// included (q8_0 files never hold it, but the kernels must not depend on that).
+float ggml_q8_0_dot(int64_t K, const uint8_t *w, const uint8_t *x) {
+    float acc[8] = {};
+    for (int64_t b = 0; b < K / 32; ++b, w += 34, x += 34) {
+        uint16_t hw, hx;
+        std::memcpy(&hw, w, 2);
+        std::memcpy(&hx, x, 2);
+        const float d = f16_to_f32(hw) * f16_to_f32(hx);
+        for (int l = 0; l < 8; ++l) {
+            int32_t lane = 0;
+            for (int k = 4 * l; k < 4 * l + 4; ++k)
+                lane += static_cast<int32_t>(static_cast<int8_t>(w[2 + k])) * static_cast<int8_t>(x[2 + k]);
+            acc[l] = std::fma(d, static_cast<float>(lane), acc[l]);
+        }
+    }
+    const float s0 = acc[0] + acc[4], s1 = acc[1] + acc[5], s2 = acc[2] + acc[6], s3 = acc[3] + acc[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+TEST(QuantGemm, Q8_0GgmlOrderEveryMBitExact) {
+    isa_guard g;
+    std::mt19937 rng(21);
+    const int64_t K = 256, N = 11;
+    const size_t ws = dtype_row_bytes(dtype::q8_0, K), xs = ws + 6;  // padded activation rows
+    std::vector<uint8_t> W(ws * N);
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::uniform_real_distribution<float> scale(0.001f, 0.05f);
+    for (int64_t r = 0; r < N; ++r)
+        for (int64_t b = 0; b < K / 32; ++b) {
+            uint8_t *blk = W.data() + r * ws + b * 34;
+            const uint16_t h = f32_to_f16(scale(rng));
+            std::memcpy(blk, &h, 2);
+            for (int k = 0; k < 32; ++k) blk[2 + k] = static_cast<uint8_t>(byte(rng));
+        }
+    for (int64_t M : {1, 2, 3, 4, 5, 8, 63, 64, 65, 70, 131}) {
+        std::vector<uint8_t> X(xs * M, 0);
+        for (int64_t m = 0; m < M; ++m) {
+            const std::vector<float> xf = random_activations(K, rng);
+            quantize_row(dtype::q8_0, xf.data(), X.data() + m * xs, K);
+        }
+        for (isa level : isas()) {
+            force_isa(level);
+            for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N - 2}, {5, 6}, {4, 4}}) {
+                const int64_t ldy = N + 1;
+                std::vector<float> y(M * ldy, -7.0f);
+                gemm(dtype::q8_0, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), ldy);
+                for (int64_t m = 0; m < M; ++m)
+                    for (int64_t r = 0; r < ldy; ++r) {
+                        const float got = y[m * ldy + r];
+                        if (r < r0 || r >= r1) {
+                            ASSERT_EQ(got, -7.0f) << "gemm wrote outside its tile";
+                            continue;
+                        }
+                        const float one = vec_dot(dtype::q8_0, K, W.data() + r * ws, X.data() + m * xs);
+                        ASSERT_EQ(std::memcmp(&got, &one, 4), 0)
+                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got
+                            << " vs " << one;
+                        if (level == isa::scalar) continue;
+                        const float want = ggml_q8_0_dot(K, W.data() + r * ws, X.data() + m * xs);
+                        ASSERT_EQ(std::memcmp(&got, &want, 4), 0)
+                            << isa_name(level) << " M=" << M << " m=" << m << " r=" << r << ": " << got
+                            << " vs " << want;
+                    }
+            }
+        }
+    }
+}
+
+// k-quant gemm == vec_dot bit for bit for every M (decode row by row, 4-row tiles, decoded panels for
+// M > 4) and row range, on every level (batch invariance of the DS4 expert products).
+TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
+    isa_guard g;
+    std::mt19937 rng(23);
+    const int64_t K = 512, N = 11;
+    for (dtype t : {dtype::q2_k, dtype::q4_k, dtype::q5_k, dtype::q6_k}) {
+        const size_t ws = dtype_row_bytes(t, K), xs = dtype_row_bytes(dtype::q8_k, K) + 4;
+        std::vector<uint8_t> W(ws * N);
+        for (int64_t r = 0; r < N; ++r) {
+            const std::vector<float> wf = random_activations(K, rng);
+            quantize_row(t, wf.data(), W.data() + r * ws, K);
+        }
+        const int64_t Mmax = 9;
+        std::vector<uint8_t> X(xs * Mmax, 0);
+        for (int64_t m = 0; m < Mmax; ++m) {
+            const std::vector<float> xf = random_activations(K, rng);
+            quantize_row(dtype::q8_k, xf.data(), X.data() + m * xs, K);
+        }
+        for (isa level : isas()) {
+            force_isa(level);
+            for (int64_t M : {1, 2, 3, 4, 5, 9})
+                for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N - 2}, {5, 6}}) {
+                    std::vector<float> y(M * N, -7.0f);
+                    gemm(t, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), N);
+                    for (int64_t m = 0; m < M; ++m)
+                        for (int64_t r = r0; r < r1; ++r) {
+                            const float got = y[m * N + r],
+                                        one = vec_dot(t, K, W.data() + r * ws, X.data() + m * xs);
+                            ASSERT_EQ(std::memcmp(&got, &one, 4), 0)
+                                << dtype_name(t) << " " << isa_name(level) << " M=" << M << " m=" << m
+                                << " r=" << r << ": " << got << " vs " << one;
+                        }
+                }
+        }
+    }
+}
+
 // ---- Argument errors ------------------------------------------------------------------------------------
 TEST(QuantErrors, BadArgumentsThrow) {
     std::vector<float> f(64);

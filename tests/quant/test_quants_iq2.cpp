@@ -159,7 +159,7 @@ TEST(QuantIq2, GemmEqualsDotBitwise) {
         for (auto &v : f) v = nd(rng) * (1.0f + 0.3f * static_cast<float>(r % 4));
         quantize_row(dtype::iq2_xxs, f.data(), W.data() + r * ws, K);
     }
-    const int64_t Mmax = 9;
+    const int64_t Mmax = 70;
     const std::vector<uint8_t> X = q8k_rows(K, Mmax, xs, 22);
     for (isa level : isas()) {
         force_isa(level);
@@ -167,7 +167,7 @@ TEST(QuantIq2, GemmEqualsDotBitwise) {
         for (int64_t m = 0; m < Mmax; ++m)
             for (int64_t r = 0; r < N; ++r)
                 ref[m * N + r] = vec_dot(dtype::iq2_xxs, K, W.data() + r * ws, X.data() + m * xs);
-        for (int64_t M : {1, 2, 3, 4, 7, 9})
+        for (int64_t M : {1, 2, 3, 4, 5, 7, 9, 17, 70})
             for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N}, {2, 3}, {5, 10}}) {
                 const int64_t ldy = N + 1;
                 std::vector<float> y(static_cast<size_t>(M * ldy), -7.0f);

@@ -4,6 +4,8 @@
 // Like llama-bench, one untimed warm-up pass (the prompt, then up to 8 decode steps) runs first, so
 // one-off costs (first touch of the mapped weights and of the KV cache, lazily built kernel
 // layouts) are not charged to the first repetition; --no-warmup times them.
+// DeepSeek V4 prefix checkpoints are off unless --ds4-checkpoint-mib asks for them (each rep would
+// otherwise restore the warm-up's checkpoint of the same prompt instead of prefilling it).
 // On a CUDA device (--device cuda) it also prints a roofline line: the weight bytes one decode step
 // reads, the bandwidth the median decode rate implies, and that as a percentage of the device's
 // copy bandwidth measured in the same run (1 GiB device-to-device copies, bytes read + written).
@@ -314,6 +316,9 @@ void bench_main(const bench_args &a) {
 
 void add_bench_command(CLI::App &app) {
     auto a = std::make_shared<bench_args>();
+    // No DeepSeek V4 prefix checkpoints by default: the warm-up's prompt would leave one at the prompt's
+    // end, and every timed rep would restore it instead of prefilling (like llama-bench, no prompt cache).
+    a->model.ds4_checkpoint_mib = 0;
     auto *cmd = app.add_subcommand("bench", "Measure prefill and decode throughput (tokens/s)");
     add_model_options(cmd, a->model, /*model_required=*/false);
     set_group(cmd, "Bench");

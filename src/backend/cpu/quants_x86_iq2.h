@@ -180,6 +180,108 @@ void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// ---- M > 1 with AVX-512 VNNI: i16 weights with scale and sign applied, one vpdpwssd per group ---------
+// Each panel weight is the exact integer (2 ls_g + 1) * (+-grid) (|.| <= 31 * 43, an i16); activations
+// are sign-extended to i16 per group and shared by the tile's 4 rows, so one vpdpwssd per (row, token,
+// group) adds 32 products into 16 i32 lanes (lane j: elements 2j, 2j+1). After a super-block's 8
+// groups, lanes 2L and 2L+1 together are ggml's exact integer S_L (elements 4L..4L+3 of every group),
+// and the float part (cvt, fma with fp16(d_w) * d_a, 0.125f * hsum) is that of the other paths: same
+// bits as vec_dot for every M (tests/quant/test_quants_iq2.cpp).
+struct iq2dec16 {
+    __m512i w[8];  // group g: 32 x i16
+};
+
+inline void iq2_decode16(const uint8_t *b, iq2dec16 &o, float &d) {
+    uint32_t aux[16];
+    std::memcpy(aux, b + 2, 64);
+    for (int g = 0; g < 8; ++g) {
+        const __m256i sq = _mm256_sign_epi8(iq2_grid32(aux[2 * g]), iq2_signs32(aux[2 * g + 1]));
+        const __m512i sc = _mm512_set1_epi16(static_cast<short>(2 * (aux[2 * g + 1] >> 28) + 1));
+        o.w[g] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(sq), sc);
+    }
+    d = ldf16(b);
+}
+
+template <int MB>
+inline void iq2_tile16(int64_t nb, const iq2dec16 *panel, const float *pd, const uint8_t *const x[MB],
+                       float out[MB][4]) {
+    alignas(32) float acc[MB][4][8] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+        const iq2dec16 *dec = panel + 4 * b;
+        const uint8_t *xb[MB];
+        for (int m = 0; m < MB; ++m) xb[m] = x[m] + b * iq2_q8k_bytes;
+        __m512i S[MB][4];
+        for (int m = 0; m < MB; ++m)
+            for (int r = 0; r < 4; ++r) S[m][r] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; ++g) {
+            __m512i a[MB];
+            for (int m = 0; m < MB; ++m) a[m] = _mm512_cvtepi8_epi16(iq2_ld(xb[m] + 4 + 32 * g));
+            for (int r = 0; r < 4; ++r) {
+                const __m512i w = dec[r].w[g];
+                for (int m = 0; m < MB; ++m) S[m][r] = _mm512_dpwssd_epi32(S[m][r], w, a[m]);
+            }
+        }
+        for (int m = 0; m < MB; ++m) {
+            float da;
+            std::memcpy(&da, xb[m], 4);
+            for (int r = 0; r < 4; ++r) {
+                // lane L = lanes 2L + 2L+1: add each qword's high dword into its low one, keep the low dwords
+                const __m256i s8 =
+                    _mm512_cvtepi64_epi32(_mm512_add_epi32(S[m][r], _mm512_srli_epi64(S[m][r], 32)));
+                const __m256 a8 = _mm256_fmadd_ps(_mm256_set1_ps(pd[4 * b + r] * da), _mm256_cvtepi32_ps(s8),
+                                                  _mm256_load_ps(acc[m][r]));
+                _mm256_store_ps(acc[m][r], a8);
+            }
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) out[m][r] = 0.125f * hsum(_mm256_load_ps(acc[m][r]));
+}
+
+thread_local scratch<iq2dec16> t_iq2_panel16;  // per-thread decoded panel [nb][4]
+thread_local scratch<float> t_iq2_pd;          // its fp16(d_w) as f32 [nb][4]
+
+void gemm_iq2_xxs_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
+                       size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    if (M <= 1) return gemm_iq2_xxs(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    iq2dec16 *pbuf = t_iq2_panel16.get(static_cast<size_t>(4 * nb));
+    float *pd = t_iq2_pd.get(static_cast<size_t>(4 * nb));
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 4; ++i)
+                iq2_decode16(Wb + (r + imin(i, rows - 1)) * w_stride + b * iq2_bytes, pbuf[4 * b + i],
+                             pd[4 * b + i]);
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(imin(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            float out[4][4];
+            switch (mb) {
+                case 1:
+                    iq2_tile16<1>(nb, pbuf, pd, x, out);
+                    break;
+                case 2:
+                    iq2_tile16<2>(nb, pbuf, pd, x, out);
+                    break;
+                case 3:
+                    iq2_tile16<3>(nb, pbuf, pd, x, out);
+                    break;
+                default:
+                    iq2_tile16<4>(nb, pbuf, pd, x, out);
+                    break;
+            }
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+#endif
+
 float dot_iq2_xxs_x86(int64_t n, const void *w, const void *a) {
     return iq2_row_m1(n / qk_k, static_cast<const uint8_t *>(w), static_cast<const uint8_t *>(a));
 }
@@ -187,6 +289,9 @@ float dot_iq2_xxs_x86(int64_t n, const void *w, const void *a) {
 inline void fill_x86_iq2(kernel_table &t) {
     t.dot[slot(dtype::iq2_xxs)] = dot_iq2_xxs_x86;
     t.gemm[slot(dtype::iq2_xxs)] = gemm_iq2_xxs;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    t.gemm[slot(dtype::iq2_xxs)] = gemm_iq2_xxs_vnni;
+#endif
 }
 
 }  // namespace

@@ -137,6 +137,16 @@ struct tr_q2_k {
     }
 };
 
+// acc + madd(maddubs(q, a), sc): with VNNI one vpdpwssd does the madd and the add (the same exact
+// i32 pair sums, wrapping like add_epi32), so the AVX-512 build gives the same integers and bits.
+inline __m256i madd_acc(__m256i acc, __m256i q, __m256i a, __m256i sc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(q, a), sc);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), sc));
+#endif
+}
+
 // q8_k block: f32 d at 0, s8 qs[256] at 4, i16 bsums[16] at 260; 292 bytes.
 constexpr int q8k_size = 292;
 
@@ -164,8 +174,7 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, con
             for (int r = 0; r < 4; ++r) sq[r] = sm[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 const __m256i a = ld256(xb + 4 + 32 * j);
-                for (int r = 0; r < NR; ++r)
-                    sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(dec[r].q[j], a), dec[r].sc[j]));
+                for (int r = 0; r < NR; ++r) sq[r] = madd_acc(sq[r], dec[r].q[j], a, dec[r].sc[j]);
             }
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < NR; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
@@ -193,8 +202,7 @@ inline void ktile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, f
         for (int r = 0; r < NR; ++r) {
             kdec t;
             T::decode(w[r] + b * T::size, t);
-            for (int j = 0; j < 8; ++j)
-                sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(_mm256_maddubs_epi16(t.q[j], ld256(xb + 4 + 32 * j)), t.sc[j]));
+            for (int j = 0; j < 8; ++j) sq[r] = madd_acc(sq[r], t.q[j], ld256(xb + 4 + 32 * j), t.sc[j]);
             sm[r] = _mm256_madd_epi16(t.mn, bs);
             dv[r] = t.d;
             mv[r] = t.dmin;
@@ -237,8 +245,15 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
             float out[4][4];
             switch (mb) {
                 case 1:
-                    if (panel) ktile<T, 4, 1>(nb, w, panel, x, out);
-                    else ktile_m1<T, 4>(nb, w, x[0], out[0]);
+                    if (panel) {
+                        ktile<T, 4, 1>(nb, w, panel, x, out);
+                    } else {  // decode: row by row, one sequential weight stream (see q8_0_row_vnni)
+                        for (int i = 0; i < rows; ++i) {
+                            float o1[4];
+                            ktile_m1<T, 1>(nb, &w[i], x[0], o1);
+                            out[0][i] = o1[0];
+                        }
+                    }
                     break;
                 case 2: ktile<T, 4, 2>(nb, w, panel, x, out); break;
                 case 3: ktile<T, 4, 3>(nb, w, panel, x, out); break;
@@ -293,8 +308,7 @@ inline void ktile_exact(int64_t nb, const uint8_t *const w[4], const kdec *panel
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < 4; ++r) {
                 __m256i sumi = _mm256_setzero_si256();
-                for (int j = 0; j < 8; ++j)
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(t[r].q[j], a[j]), t[r].sc[j]));
+                for (int j = 0; j < 8; ++j) sumi = madd_acc(sumi, t[r].q[j], a[j], t[r].sc[j]);
                 // q6_k: the -32 offset leaves the lanes as one term per 32-element group,
                 // lane k -= 32 * (sc[2k] * bsums[2k] + sc[2k+1] * bsums[2k+1]) (ggml's q8sclsub).
                 if constexpr (q6) sumi = _mm256_sub_epi32(sumi, _mm256_madd_epi16(t[r].mn, bs));
