@@ -1,0 +1,308 @@
+// Internal to the CUDA DS4 model (src/models/cuda/deepseek4_cuda*.cpp): the device weights, a sequence's
+// device state and scratch (cuda_sequence::impl), and the helpers the executors share. Not a public header.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_attn_kernels.h"
+#include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_kernels.h"
+#include "backend/cuda/ds4_prefill.h"
+#include "core/error.h"
+#include "models/cuda/deepseek4_cuda.h"
+
+namespace fathom::ds4 {
+
+namespace cd = cuda::ds4;
+
+namespace cuda_impl {
+
+inline void ck(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) throw error(std::string("cuda ds4: ") + what + ": " + cudaGetErrorString(e));
+}
+
+inline std::string gib(double b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
+    return s;
+}
+
+// A device matrix [rows, cols] in its GGUF format, rows row_bytes apart.
+struct dmat {
+    dtype type = dtype::f32;
+    const void *p = nullptr;  // GGUF rows (null when only the fast form is kept)
+    size_t row_bytes = 0;
+    int64_t rows = 0, cols = 0;
+    bool fast = false;        // fw is valid: ds4_gemv.h's decode GEMV (q8_0 repacked, f16/f32 in place)
+    cd::gemv_weight fw;
+};
+struct dhc {
+    dmat fn;
+    const float *base = nullptr, *scale = nullptr;
+};
+struct dcomp {
+    int ratio = 0, dim = 0;
+    dmat kv, gate;
+    const float *ape = nullptr, *norm = nullptr;
+};
+struct dlayer {
+    int ratio = 0;
+    const float *attn_norm = nullptr, *ffn_norm = nullptr;
+    dhc hc_attn, hc_ffn;
+    dmat q_a, q_b, kv, out_a, out_b, idx_q_b, idx_proj;
+    const float *q_a_norm = nullptr, *kv_norm = nullptr, *sinks = nullptr;
+    dcomp comp, idx_comp;
+    cd::moe_layer moe;
+};
+
+struct layer_state_dev {
+    void *ring = nullptr;  // [window, d]
+    float *comp_kv = nullptr, *comp_score = nullptr;  // [slots, c*d]
+    void *comp_rows = nullptr;                        // [max_comp, d]
+    int64_t max_comp = 0;
+    float *ic_kv = nullptr, *ic_score = nullptr;  // [8, 2*idx_dim]
+    void *idx_rows = nullptr;                     // [max_comp, idx_dim]
+    size_t comp_state_floats = 0, ic_state_floats = 0;
+};
+
+// Helpers shared by the executors (defined in deepseek4_cuda.cpp).
+// y = W x for one token: the fast decode GEMV when the weight has it, else the generic one.
+void gemv(const dmat &m, const float *x, float *y, cudaStream_t s);
+// Several weights reading the same x, over nx rows of x (x_stride floats apart; every y is [nx, its
+// weight's rows]): one launch of the columns form when every weight has the fast form (each row's outputs
+// bit-identical to its single-row launch, ds4_gemv.h), else the single-row path row by row. With norm_w, of
+// RMSNorm(x) (n floats, eps), as the one-row gemv_multi.
+void gemv_multi_rows(std::initializer_list<std::pair<const dmat *, float *>> mats, int nx, float *x, int64_t x_stride,
+                     cudaStream_t s, const float *norm_w = nullptr, float eps = 0.0f, int64_t n = 0);
+// Frontier slots of a compressor of this ratio and raw ring rows (both with ds4::max_rollback spare).
+int frontier_slots(int ratio);
+int ring_rows(const hparams &hp);
+// One compressor's launch arguments (decode step, chunk, multi-row step).
+cd::compressor_args comp_args(const hparams &hp, const dcomp &c, const cd::rope_args &yarn, cd::qat_kind qk, float *skv,
+                              float *sscore, void *rows, bool f16, size_t row_stride, int64_t max_rows);
+
+}  // namespace cuda_impl
+
+using namespace cuda_impl;
+
+class cuda_weights {
+  public:
+    hparams hp;
+    cuda_run_options opt;
+    int device = 0;
+    int first = 0, last = 0;  // blocks [first, last) on this device
+    bool embed() const { return first == 0; }
+    bool head() const { return last == hp.n_layer; }
+    std::vector<void *> allocs;
+    size_t bytes = 0;
+    double step_bytes = 0;
+    dmat tok_embd, output;
+    const float *output_norm = nullptr;
+    dhc hc_head;
+    std::vector<dlayer> layers;
+    const float *rope_plain = nullptr, *rope_yarn = nullptr;
+    cuda_weights() = default;
+    cuda_weights(const cuda_weights &) = delete;
+    cuda_weights &operator=(const cuda_weights &) = delete;
+    ~cuda_weights() {
+        cudaSetDevice(device);
+        for (void *p : allocs) cudaFree(p);
+    }
+};
+
+// Scratch of a prefill chunk of up to `cap` tokens, all [cap, ...] row-major (alloc_chunk sizes it for a
+// sequence's geometry and context; every sequence of an engine has the same).
+struct chunk_state {
+    int device = 0;
+    std::vector<void *> allocs;
+    int64_t cap = 0, n_ctx = 0;
+    int32_t *tokens = nullptr;
+    float *x[2] = {nullptr, nullptr};
+    float *xn, *mix, *post, *comb, *q_lat, *q, *kv, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y;
+    void *kv_rows = nullptr;  // the chunk's KV rows in the ring's precision (window source)
+    int32_t *sel = nullptr, *n_sel = nullptr;
+    size_t score_floats = 0;
+    std::unique_ptr<cd::gemm_runner> gemm;
+    std::unique_ptr<cd::moe_prefill> moe;
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating prefill scratch");
+        allocs.push_back(p);
+        return static_cast<T *>(p);
+    }
+    ~chunk_state() {
+        cudaSetDevice(device);
+        moe.reset();
+        gemm.reset();
+        for (void *p : allocs) cudaFree(p);
+    }
+};
+
+// Idle chunk scratch of an engine's sequences (cuda_make_prefill_pool). One chunk runs at a time per
+// engine (its forward mutex), so it holds one in practice.
+class cuda_prefill_pool {
+  public:
+    std::mutex mu;
+    std::vector<std::unique_ptr<chunk_state>> idle;
+    int64_t created = 0;  // scratches allocated for it (the first with the first sequence)
+};
+
+struct cuda_sequence::impl {
+    std::shared_ptr<const cuda_weights> w;
+    cudaStream_t s = nullptr;
+    std::vector<void *> allocs;
+    std::vector<layer_state_dev> ls;
+    size_t kv_elem = 2;
+    int64_t *pos = nullptr;
+    int32_t *token = nullptr;
+    float *x[2] = {nullptr, nullptr};
+    float *xn, *mix, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y,
+        *zh, *logits;
+    int32_t *sel, *n_sel, *amax;
+    double *hc_part = nullptr;  // the column-split HC kernel's partial dots (cd::hc_fused_part_count)
+    cd::moe_scratch moe;
+    int64_t *h_pos = nullptr;  // pinned
+    int32_t *h_token = nullptr, *h_amax = nullptr;
+    uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
+    cudaGraphExec_t graph = nullptr;
+    bool use_graph = true;
+    std::function<void(const char *)> mark;  // profiling: phase boundary (null otherwise)
+    void phase(const char *name) {
+        if (mark) mark(name);
+    }
+    // Branches of the decode attention (enqueue_attention): side[0] runs the KV row and the main
+    // compressor, side[1] the indexer, beside the query path on s. ev_fork (recorded on s after the
+    // projections) starts both; ev_q (after the q_b GEMV) lets side[1] read the indexer query;
+    // ev_join[i] (recorded on side[i]) orders the attention after each branch. Events are reused
+    // layer after layer: a wait takes the record made before it, eagerly and under capture.
+    cudaStream_t side[2] = {nullptr, nullptr};
+    cudaEvent_t ev_fork = nullptr, ev_q = nullptr, ev_join[2] = {nullptr, nullptr};
+    // Branches on: neither opt.serial_step nor profiling (phase events time one stream).
+    bool branched() const { return !w->opt.serial_step && !mark; }
+    // Error paths: every side stream taking part rejoins s (a capture must end joined; eager work
+    // must not outlive the step). Errors are ignored: the caller is already failing.
+    void join_side() noexcept {
+        cudaStreamCaptureStatus main_st = cudaStreamCaptureStatusNone;
+        cudaStreamIsCapturing(s, &main_st);
+        for (int i = 0; i < 2; ++i) {
+            cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+            if (!side[i] || cudaStreamIsCapturing(side[i], &st) != cudaSuccess) continue;
+            if ((main_st == cudaStreamCaptureStatusNone) != (st == cudaStreamCaptureStatusNone)) continue;
+            if (cudaEventRecord(ev_join[i], side[i]) == cudaSuccess) cudaStreamWaitEvent(s, ev_join[i], 0);
+        }
+    }
+
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating sequence state");
+        allocs.push_back(p);
+        return static_cast<T *>(p);
+    }
+    ~impl() {
+        if (w) cudaSetDevice(w->device);
+        if (graph) cudaGraphExecDestroy(graph);
+        if (rs) {
+            for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);
+            for (auto &ln : rs->lanes) {
+                if (ln.done) cudaEventDestroy(ln.done);
+                if (ln.s) cudaStreamDestroy(ln.s);
+            }
+            if (rs->fork) cudaEventDestroy(rs->fork);
+            if (rs->h_tokens) cudaFreeHost(rs->h_tokens);
+            if (rs->h_pos) cudaFreeHost(rs->h_pos);
+        }
+        for (void *p : allocs) cudaFree(p);
+        if (h_pos) cudaFreeHost(h_pos);
+        if (h_token) cudaFreeHost(h_token);
+        if (h_amax) cudaFreeHost(h_amax);
+        if (err_h) cudaFreeHost(err_h);
+        for (cudaEvent_t e : {ev_fork, ev_q, ev_join[0], ev_join[1]})
+            if (e) cudaEventDestroy(e);
+        for (cudaStream_t b : side)
+            if (b) cudaStreamDestroy(b);
+        if (s) cudaStreamDestroy(s);
+    }
+
+    void enqueue_attention(const dlayer &l, layer_state_dev &st);
+    void enqueue_step();
+
+    // Multi-row steps (eval_rows of 2..gemv_max_rows rows): every activation [rows, ...] row-major, the
+    // rows' tokens and positions in device memory (uploaded from pinned copies), a graph per row count.
+    // Allocated on the first multi-row evaluation. Shared with the one-row step (used row by row, in
+    // stream order): score, sel, n_sel, part, mix / hc_part, the MoE scratch.
+    struct row_scratch {
+        int cap = 0;
+        int32_t *tokens = nullptr, *h_tokens = nullptr, *amax = nullptr;
+        int64_t *pos = nullptr, *h_pos = nullptr;
+        float *x[2] = {nullptr, nullptr};
+        float *xn, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *o, *z, *y, *zh, *logits;
+        // Graphs by step composition ((sequence id, rows) per sequence, this sequence first): a batch's
+        // graph holds its sequences' state addresses, and ids are never reused, so a graph of a destroyed
+        // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
+        static constexpr size_t kMaxGraphs = 32;
+        std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
+        // Lanes: the per-row chains (HC mixers, indexer + attention, MoE) of different rows are independent,
+        // so row r runs on lane r mod kLanes, a side stream forked from and joined to the step's stream
+        // (parallel branches of the captured graph); each lane has its own copy of the scratch those
+        // chains share in the one-row step.
+        static constexpr int kLanes = 4;
+        struct lane {
+            cudaStream_t s = nullptr;
+            cudaEvent_t done = nullptr;
+            float *mix = nullptr, *score = nullptr, *part = nullptr;
+            double *hc_part = nullptr;
+            int32_t *sel = nullptr, *n_sel = nullptr;
+            cd::moe_scratch moe;
+        };
+        lane lanes[kLanes];
+        cudaEvent_t fork = nullptr;
+    };
+    // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
+    struct row_run {
+        impl *seq;
+        int first, count;
+    };
+    std::unique_ptr<row_scratch> rs;
+    uint64_t uid = 0;  // unique per sequence (the graph cache's key)
+    size_t score_floats = 0, part_floats = 0;  // sizes of score / part (the lanes' copies)
+    void alloc_rows();
+    void enqueue_rows(std::span<const row_run> runs, int n);
+
+    // Prefill chunks (ds4_prefill.h): the scratch of one chunk (chunk_state, below the class), owned
+    // (cs_own) while an evaluation uses it; with a prefill pool taken from it for the evaluation and given
+    // back afterwards (take_chunk / give_back_chunk), so the sequences of an engine share one.
+    chunk_state *cs = nullptr;
+    std::unique_ptr<chunk_state> cs_own;
+    std::shared_ptr<cuda_prefill_pool> pool;
+    int64_t chunk_cap = 0, n_ctx_of_state = 0;
+    // Sampling summary (logits_top): scratch allocated on first use.
+    struct sample_state {
+        float *work = nullptr, *vals = nullptr, *max = nullptr;
+        int32_t *ids = nullptr, *pen = nullptr;
+        double *z = nullptr;
+        uint32_t *bad = nullptr;
+        int pen_cap = 0;
+    } ss;
+    std::unique_ptr<chunk_state> alloc_chunk(int64_t cap);
+    // The scratch for this evaluation: the sequence's own, or one from the pool (allocated when none is
+    // idle), on this sequence's stream; give_back_chunk waits for the stream and returns a pooled one.
+    void take_chunk();
+    void give_back_chunk() noexcept;
+    void enqueue_chunk_attention(const dlayer &l, layer_state_dev &st, int64_t n);
+    // The chunk's n tokens (cs->tokens, position *pos) through this device's blocks; the state leaving
+    // them is in cs->x[0]. Synchronises once per layer (MoE expert counts).
+    void enqueue_chunk(int64_t n);
+};
+
+}  // namespace fathom::ds4

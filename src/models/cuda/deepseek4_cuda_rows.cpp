@@ -1,0 +1,433 @@
+// The multi-row step of the CUDA DS4 model (deepseek4_cuda.h: eval_rows, step_batch): up to 16 rows of one
+// or several sequences in one forward (rows_exec, an executor of deepseek4_exec.h's run_forward), every
+// row's logits bit-identical to its own decode step.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "models/cuda/deepseek4_cuda_impl.h"
+#include "models/deepseek4_exec.h"
+
+namespace fathom::ds4 {
+
+void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab),
+                 S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: eval_rows needs the whole model on this device");
+    if (!logits.empty() && logits.size() != n * V)
+        throw error("cuda ds4: eval_rows logits buffer of " + std::to_string(logits.size()) + " floats, expected " +
+                    std::to_string(n * V));
+    if (!hc_out.empty() && hc_out.size() != n * S)
+        throw error("cuda ds4: eval_rows hc_out buffer of " + std::to_string(hc_out.size()) + " floats, expected " +
+                    std::to_string(n * S));
+    check_tokens(tokens);
+    for (size_t i0 = 0; i0 < n;) {
+        const size_t m = std::min(n - i0, static_cast<size_t>(cd::gemv_max_rows));
+        float *lg = logits.empty() ? nullptr : logits.data() + i0 * V;
+        float *hc = hc_out.empty() ? nullptr : hc_out.data() + i0 * S;
+        if (m == 1)
+            step(tokens[i0], lg, nullptr, nullptr, hc);
+        else
+            step_rows(tokens.subspan(i0, m), lg, hc);
+        i0 += m;
+    }
+}
+
+void cuda_sequence::step_rows(std::span<const int32_t> toks, float *logits_host, float *hc_host) {
+    cuda_sequence *self = this;
+    const int n = static_cast<int>(toks.size());
+    const size_t V = static_cast<size_t>(p_->w->hp.n_vocab), S = static_cast<size_t>(p_->w->hp.n_hc) * p_->w->hp.n_embd;
+    step_batch(std::span<cuda_sequence *const>(&self, 1), std::span<const int>(&n, 1), toks,
+               logits_host ? std::span<float>(logits_host, toks.size() * V) : std::span<float>(),
+               hc_host ? std::span<float>(hc_host, toks.size() * S) : std::span<float>());
+}
+
+void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
+                               std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+    if (seqs.empty() || counts.size() != seqs.size()) throw error("cuda ds4 batch: one row count per sequence");
+    impl &p = *seqs[0]->p_;
+    const hparams &hp = p.w->hp;
+    const size_t V = static_cast<size_t>(hp.n_vocab), S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    std::vector<impl::row_run> runs;
+    std::vector<uint64_t> key;
+    int n = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        const std::string who = "cuda ds4 batch: sequence " + std::to_string(i);
+        if (!seqs[i]) throw error(who + " is null");
+        if (seqs[i]->p_->w != p.w) throw error(who + " has other weights");
+        if (!p.w->embed() || !p.w->head()) throw error("cuda ds4 batch: needs the whole model on this device");
+        for (size_t j = 0; j < i; ++j)
+            if (seqs[j] == seqs[i]) throw error(who + " is sequence " + std::to_string(j) + " again");
+        if (counts[i] < 1) throw error(who + ": no rows");
+        runs.push_back({seqs[i]->p_.get(), n, counts[i]});
+        key.push_back(seqs[i]->p_->uid);
+        key.push_back(static_cast<uint64_t>(counts[i]));
+        n += counts[i];
+    }
+    if (n > cd::gemv_max_rows || static_cast<size_t>(n) != tokens.size())
+        throw error("cuda ds4 batch: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) +
+                    " rows (at most " + std::to_string(cd::gemv_max_rows) + ")");
+    if ((!logits.empty() && logits.size() != static_cast<size_t>(n) * V) || (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n) * S))
+        throw error("cuda ds4 batch: logits / state buffers do not match the rows");
+    for (const impl::row_run &r : runs) {
+        cuda_sequence *q = seqs[static_cast<size_t>(&r - runs.data())];
+        q->check_tokens(tokens.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count)));
+    }
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    if (!p.rs) p.alloc_rows();
+    impl::row_scratch &rs = *p.rs;
+    for (size_t i = 0; i < runs.size(); ++i)
+        for (int k = 0; k < runs[i].count; ++k) {
+            rs.h_tokens[runs[i].first + k] = tokens[static_cast<size_t>(runs[i].first + k)];
+            rs.h_pos[runs[i].first + k] = seqs[i]->n_past_ + k;
+        }
+    ck(cudaMemcpyAsync(rs.tokens, rs.h_tokens, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading tokens");
+    ck(cudaMemcpyAsync(rs.pos, rs.h_pos, static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading positions");
+    if (p.use_graph) {
+        auto it = std::find_if(rs.graphs.begin(), rs.graphs.end(), [&](const auto &g) { return g.first == key; });
+        if (it == rs.graphs.end()) {
+            cudaGraph_t g = nullptr;
+            ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
+            try {
+                p.enqueue_rows(runs, n);
+            } catch (...) {
+                cudaStreamEndCapture(p.s, &g);
+                if (g) cudaGraphDestroy(g);
+                throw;
+            }
+            ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
+            cudaGraphExec_t gx = nullptr;
+            const cudaError_t e = cudaGraphInstantiate(&gx, g, 0);
+            cudaGraphDestroy(g);
+            ck(e, "instantiating the multi-row graph");
+            if (rs.graphs.size() >= impl::row_scratch::kMaxGraphs) {
+                cudaGraphExecDestroy(rs.graphs.front().second);
+                rs.graphs.erase(rs.graphs.begin());
+            }
+            rs.graphs.emplace_back(key, gx);
+            it = rs.graphs.end() - 1;
+        }
+        ck(cudaGraphLaunch(it->second, p.s), "launching the multi-row graph");
+        ++seqs[0]->replays_;
+    } else {
+        p.enqueue_rows(runs, n);
+    }
+    if (!logits.empty())
+        ck(cudaMemcpyAsync(logits.data(), rs.logits, static_cast<size_t>(n) * V * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading logits");
+    if (!hc_out.empty())
+        ck(cudaMemcpyAsync(hc_out.data(), rs.x[0], static_cast<size_t>(n) * S * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading the state");
+    // each sequence's last row's logits are its last logits (last_logits, logits_top)
+    for (const impl::row_run &r : runs)
+        ck(cudaMemcpyAsync(r.seq->logits, rs.logits + static_cast<size_t>(r.first + r.count - 1) * V, V * sizeof(float),
+                           cudaMemcpyDeviceToDevice, p.s),
+           "keeping the last logits");
+    ck(cudaStreamSynchronize(p.s), "multi-row step");
+    if (*p.err_h != 0) {
+        const uint32_t e = *p.err_h;
+        for (cuda_sequence *q : seqs) q->reset();
+        char b[16];
+        std::snprintf(b, sizeof b, "%x", e);
+        throw error("cuda ds4: device-side error 0x" + std::string(b) +
+                    " in a multi-row step (bad token/expert id or a row index past its buffer); its sequences were reset");
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+        cuda_sequence &q = *seqs[i];
+        q.n_past_ += counts[i];
+        q.reached_ = std::max(q.reached_, q.n_past_);
+        q.have_logits_ = true;
+    }
+}
+
+
+// ---- multi-row steps ---------------------------------------------------------------------------------
+// n rows of this sequence (positions n_past .. n_past + n - 1: a verification) in one forward with the
+// decode step's numerics: every row's logits bit-identical to its own decode step. The dense products
+// read each weight once for all rows (ds4_gemv.h's columns form); the per-row stages run the decode
+// launchers row by row (HC, indexer, attention, MoE) or their chunk forms where those are bit-identical
+// to them (RoPE'd query heads, compressors: ds4_prefill.h). Causality among the rows: every row's KV row
+// enters the ring and every compressor step runs (in row order) before any row attends, and a row reads
+// only positions <= its own (window span, compressed and indexer row counts from its position; the ring
+// and frontier slack of ds4::max_rollback keeps rows of later positions from landing on them).
+
+void cuda_sequence::impl::alloc_rows() {
+    const hparams &hp = w->hp;
+    auto r = std::make_unique<row_scratch>();
+    const size_t n = static_cast<size_t>(cd::gemv_max_rows), D = static_cast<size_t>(hp.n_embd),
+                 d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim), nh = static_cast<size_t>(hp.n_hc);
+    r->cap = cd::gemv_max_rows;
+    r->tokens = dev<int32_t>(n);
+    r->pos = dev<int64_t>(n);
+    r->amax = dev<int32_t>(n);
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_tokens), n * sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
+    ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_pos), n * sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
+    r->x[0] = dev<float>(n * nh * D);
+    r->x[1] = dev<float>(n * nh * D);
+    r->xn = dev<float>(n * D);
+    r->post = dev<float>(n * nh);
+    r->comb = dev<float>(n * nh * nh);
+    r->q_lat = dev<float>(n * static_cast<size_t>(hp.q_lora));
+    r->q = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->kvrow = dev<float>(n * d);
+    r->ca = dev<float>(n * 2 * d);
+    r->cg = dev<float>(n * 2 * d);
+    r->iq = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)) * Id);
+    r->iw = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)));
+    r->ica = dev<float>(n * 2 * Id);
+    r->icg = dev<float>(n * 2 * Id);
+    r->o = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->z = dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
+    r->y = dev<float>(n * D);
+    r->zh = dev<float>(n * D);
+    r->logits = dev<float>(n * static_cast<size_t>(hp.n_vocab));
+    ck(cudaEventCreateWithFlags(&r->fork, cudaEventDisableTiming), "creating an event");
+    for (row_scratch::lane &ln : r->lanes) {
+        ck(cudaStreamCreateWithFlags(&ln.s, cudaStreamNonBlocking), "creating a stream");
+        ck(cudaEventCreateWithFlags(&ln.done, cudaEventDisableTiming), "creating an event");
+        ln.mix = dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 2));  // + the fused HC kernels' counter
+        ln.hc_part = dev<double>(cd::hc_fused_part_count(hp.n_hc));
+        ln.score = dev<float>(score_floats);
+        ln.part = dev<float>(part_floats);
+        ln.sel = dev<int32_t>(static_cast<size_t>(std::max(hp.idx_topk, 1)));
+        ln.n_sel = dev<int32_t>(1);
+        ln.moe.logits = dev<float>(static_cast<size_t>(hp.n_expert));
+        ln.moe.ids = dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
+        ln.moe.weights = dev<float>(static_cast<size_t>(hp.n_expert_used));
+        ln.moe.h = dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
+    }
+    rs = std::move(r);
+}
+
+namespace {
+
+class rows_exec final : public executor {
+  public:
+    using row_run = cuda_sequence::impl::row_run;
+    // p: the step's host sequence (its stream, error word, shared scratch and row scratch); runs: the
+    // rows of each sequence, in row order, n rows in all.
+    rows_exec(cuda_sequence::impl &p, std::span<const row_run> runs, int n)
+        : p_(p), runs_(runs), w_(*p.w), r_(*p.rs), n_(n), hp_(w_.hp), hcp_{hp_.n_hc, hp_.n_embd, hp_.sinkhorn_iters, hp_.hc_eps, hp_.rms_eps},
+          D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd),
+          L_(std::min(n, cuda_sequence::impl::row_scratch::kLanes)) {
+        for (int k = 0; k < L_; ++k)
+            ck(cudaMemsetAsync(counter(k), 0, sizeof(uint32_t), p.s), "clearing the hc counter");
+    }
+    ~rows_exec() { join(std::nothrow); }  // an error mid-step must not leave a lane unjoined (graph capture)
+    void embed() override {
+        join();
+        for (int k = 0; k < hp_.n_hc; ++k)
+            cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D_, hp_.n_vocab, r_.tokens, n_,
+                                  r_.x[0] + k * D_, S_, p_.err_d, p_.s);
+    }
+    // Row r's HC mixer on its lane (the MoE before it, for the same row, ran on that lane too).
+    void hc_pre(int il, sublayer which) override {
+        const dlayer &l = layer(il);
+        const bool attn = which == sublayer::attention;
+        const dhc &h = attn ? l.hc_attn : l.hc_ffn;
+        fork();
+        for (int r = 0; r < n_; ++r)
+            cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                    io(r, attn ? l.attn_norm : l.ffn_norm, r_.xn + r * D_), lane(r).s);
+        flip();
+    }
+    void attention(int il) override;
+    void moe(int il) override {
+        const dlayer &l = layer(il);
+        fork();
+        for (int r = 0; r < n_; ++r)
+            cd::launch_moe_ffn(l.moe, r_.xn + r * D_, r_.tokens + r, lane(r).moe, r_.y + r * D_, p_.err_d, lane(r).s);
+    }
+    void hc_post() override { pending_ = true; }
+    void head() override {
+        const dhc &h = w_.hc_head;
+        fork();
+        for (int r = 0; r < n_; ++r)
+            cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                     io(r, w_.output_norm, r_.zh + r * D_), lane(r).s);
+        flip();
+        join();
+        if (w_.output.fast)
+            cd::launch_gemv_rows(w_.output.fw, n_, r_.zh, D_, r_.logits, p_.s);
+        else
+            for (int r = 0; r < n_; ++r) gemv(w_.output, r_.zh + r * D_, r_.logits + r * hp_.n_vocab, p_.s);
+        for (int r = 0; r < n_; ++r) cd::launch_argmax(r_.logits + r * hp_.n_vocab, hp_.n_vocab, r_.amax + r, p_.s);
+    }
+
+    // The lanes (row_scratch::lanes): fork() starts every lane after what the step's stream has enqueued,
+    // join() makes the stream wait for every lane. A plain kernel follows each wait, so no PDL launch (its
+    // programmatic edge is to the previous kernel of its own stream) directly follows a cross-stream wait.
+    void fork() {
+        if (forked_) return;
+        ck(cudaEventRecord(r_.fork, p_.s), "forking the rows");
+        for (int k = 0; k < L_; ++k) {
+            ck(cudaStreamWaitEvent(r_.lanes[k].s, r_.fork, 0), "forking the rows");
+            cd::launch_gpu_sleep(0, r_.lanes[k].s);
+        }
+        forked_ = true;
+    }
+    void join() {
+        if (!forked_) return;
+        for (int k = 0; k < L_; ++k) {
+            ck(cudaEventRecord(r_.lanes[k].done, r_.lanes[k].s), "joining the rows");
+            ck(cudaStreamWaitEvent(p_.s, r_.lanes[k].done, 0), "joining the rows");
+        }
+        cd::launch_gpu_sleep(0, p_.s);
+        forked_ = false;
+    }
+    void join(std::nothrow_t) noexcept {
+        if (!forked_) return;
+        for (int k = 0; k < L_; ++k)
+            if (cudaEventRecord(r_.lanes[k].done, r_.lanes[k].s) == cudaSuccess) cudaStreamWaitEvent(p_.s, r_.lanes[k].done, 0);
+        forked_ = false;
+    }
+    cuda_sequence::impl::row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
+    uint32_t *counter(int k) const {
+        const int nh = hp_.n_hc;
+        return reinterpret_cast<uint32_t *>(r_.lanes[k].mix + (2 + nh) * nh + 1);
+    }
+
+  private:
+    const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
+    // Row r's fused-HC arguments (step_exec's, at row r's offsets, with its lane's mixer scratch and
+    // arrival counter); flip() then moves every row on.
+    cd::hc_fused_io io(int r, const float *norm, float *out) const {
+        cd::hc_fused_io o;
+        o.y = pending_ ? r_.y + r * D_ : nullptr;
+        o.x = r_.x[cur_] + r * S_;
+        o.x_new = pending_ ? r_.x[1 - cur_] + r * S_ : nullptr;
+        o.post = r_.post + r * hp_.n_hc, o.comb = r_.comb + r * hp_.n_hc * hp_.n_hc;
+        o.mix = lane(r).mix, o.sync = counter(r % L_);
+        o.norm = norm, o.out = out;
+        o.part = lane(r).hc_part;
+        return o;
+    }
+    void flip() {
+        if (pending_) cur_ = 1 - cur_;
+        pending_ = false;
+    }
+    cuda_sequence::impl &p_;
+    std::span<const row_run> runs_;
+    const cuda_weights &w_;
+    cuda_sequence::impl::row_scratch &r_;
+    const int n_;
+    const hparams &hp_;
+    const cd::hc_params hcp_;
+    const int64_t D_, S_;
+    const int L_;  // lanes in use: min(rows, kLanes)
+    int cur_ = 0;
+    bool pending_ = false, forked_ = false;
+};
+
+void rows_exec::attention(int il) {
+    const dlayer &l = layer(il);
+    const size_t li = static_cast<size_t>(il - w_.first);
+    const qat_mode qat = w_.opt.qat;
+    const int64_t d = hp_.head_dim, Id = hp_.idx_dim, H = hp_.n_head, IH = hp_.idx_head;
+    const bool f16 = p_.kv_elem == 2, idx = l.ratio == 4;
+    const cd::rope_args rope{l.ratio > 0 ? w_.rope_yarn : w_.rope_plain, hp_.n_rot};
+    const cd::rope_args yarn{w_.rope_yarn, hp_.n_rot};
+    const cudaStream_t s = p_.s;
+    join();  // every row's xn
+    // projections of every row's xn
+    if (idx)
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}, {&l.idx_proj, r_.iw},
+                         {&l.idx_comp.kv, r_.ica}, {&l.idx_comp.gate, r_.icg}},
+                        n_, r_.xn, D_, s);
+    else if (l.ratio > 0)
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}}, n_, r_.xn, D_, s);
+    else
+        gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}}, n_, r_.xn, D_, s);
+    // every row's KV row into its sequence's ring, each sequence's compressors over its rows (= its steps,
+    // bit for bit)
+    const cd::qat_kind kvq = qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none;
+    const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
+    const int64_t cw = (idx ? 2 : 1) * d;
+    for (const row_run &run : runs_) {
+        layer_state_dev &st = run.seq->ls[li];
+        const int f = run.first;
+        for (int r = f; r < f + run.count; ++r)
+            cd::launch_kv_finish_store(r_.kvrow + r * d, static_cast<int>(d), l.kv_norm, hp_.rms_eps, rope, kvq, st.ring, f16,
+                                       static_cast<size_t>(d) * p_.kv_elem, ring_rows(hp_), r_.pos + r, s);
+        if (l.ratio > 0)
+            cd::launch_compressor_chunk(comp_args(hp_, l.comp, yarn, kvq, st.comp_kv, st.comp_score, st.comp_rows, f16,
+                                                  d * p_.kv_elem, st.max_comp),
+                                        r_.ca + f * cw, r_.cg + f * cw, run.count, r_.pos + f, p_.err_d, s);
+        if (idx)
+            cd::launch_compressor_chunk(comp_args(hp_, l.idx_comp, yarn, iqk, st.ic_kv, st.ic_score, st.idx_rows, f16,
+                                                  Id * p_.kv_elem, st.max_comp),
+                                        r_.ica + f * 2 * Id, r_.icg + f * 2 * Id, run.count, r_.pos + f, p_.err_d, s);
+    }
+    // queries (RMSNorm(q_lat) folded into q_b's staging as in the step), heads normed and RoPE'd per row
+    if (idx)
+        gemv_multi_rows({{&l.q_b, r_.q}, {&l.idx_q_b, r_.iq}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
+    else
+        gemv_multi_rows({{&l.q_b, r_.q}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
+    for (const row_run &run : runs_) {  // positions are consecutive within a run
+        const int f = run.first;
+        cd::launch_head_norm_rope_batch(r_.q + f * H * d, run.count, hp_.n_head, static_cast<int>(d), true, hp_.rms_eps, rope,
+                                        cd::qat_kind::none, r_.pos + f, s);
+        if (idx)
+            cd::launch_head_norm_rope_batch(r_.iq + f * IH * Id, run.count, hp_.idx_head, static_cast<int>(Id), false, hp_.rms_eps,
+                                            yarn, iqk, r_.pos + f, s);
+    }
+    // per row: its indexer selection, its attention (the decode launchers at its position)
+    cd::sparse_attn_args a;
+    a.n_head = hp_.n_head;
+    a.d = static_cast<int>(d);
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    a.sinks = l.sinks;
+    a.ring_f16 = f16;
+    a.ring_stride = static_cast<size_t>(d) * p_.kv_elem;
+    a.window = hp_.window;
+    a.ring_rows = ring_rows(hp_);
+    a.mode = l.ratio == 0 ? cd::comp_mode::none : idx ? cd::comp_mode::list : cd::comp_mode::all;
+    a.comp_f16 = f16;
+    a.comp_stride = static_cast<size_t>(d) * p_.kv_elem;
+    a.ratio = l.ratio;
+    a.rope = rope;
+    const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
+    for (const row_run &run : runs_) {
+        const layer_state_dev &st = run.seq->ls[li];
+        a.ring = st.ring;
+        a.comp = st.comp_rows;
+        a.max_comp = idx ? std::min<int64_t>(hp_.idx_topk, st.max_comp) : st.max_comp;
+        fork();
+        for (int r = run.first; r < run.first + run.count; ++r) {
+            const auto &ln = lane(r);
+            if (idx)
+                cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, Id * p_.kv_elem, 4,
+                                        st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, ln.score,
+                                        ln.sel, ln.n_sel, ln.s, w_.opt.exact_indexer);
+            a.sel = ln.sel;
+            a.n_sel = ln.n_sel;
+            cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, ln.part, r_.o + r * H * d, ln.s);
+        }
+    }
+    join();  // every row's attention output
+    // output projections over all rows
+    const int64_t gd = static_cast<int64_t>(hp_.n_head / hp_.o_groups) * d, zw = static_cast<int64_t>(hp_.o_groups) * hp_.o_rank;
+    if (l.out_a.fast)
+        cd::launch_gemv_grouped_rows(l.out_a.fw, hp_.o_rank, n_, r_.o, H * d, r_.z, s);
+    else
+        for (int r = 0; r < n_; ++r)
+            cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp_.o_rank, hp_.o_groups, r_.o + r * H * d,
+                                    r_.z + r * zw, s);
+    gemv_multi_rows({{&l.out_b, r_.y}}, n_, r_.z, zw, s);
+}
+
+}  // namespace
+
+void cuda_sequence::impl::enqueue_rows(std::span<const row_run> runs, int n) {
+    rows_exec ex(*this, runs, n);
+    run_forward(ex, w->hp.n_layer, w->first, w->last, true, true);
+    ex.join();
+}
+
+}  // namespace fathom::ds4
