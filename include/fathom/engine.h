@@ -304,7 +304,7 @@ public:
     virtual bool kv_reserve(int64_t n_tokens);
     virtual int64_t kv_blocks() const { return 0; }  // blocks in the session's table (0 without a pool)
     // True when load_state accepts n_keep < tokens.size() (KV stored per position: the dense family);
-    // a DS4 state cannot drop positions (see ds4_session.cpp), so it loads whole or not at all.
+    // a DS4 state cannot drop positions (see src/engine/ds4_internal.h), so it loads whole or not at all.
     virtual bool loads_state_prefix() const { return false; }
 };
 

@@ -140,7 +140,7 @@ namespace fathom::dist {
 
 // A whole pipeline inside one process: ranks 1.. run serve() on their own threads over an
 // inprocess_hub (host-memory hand-off of the HC state); the caller drives rank 0. Used by the DS4
-// engine's --devices (one pipeline per session; src/engine/ds4_session.cpp) and by the CPU tests.
+// engine's --devices (one pipeline per session; src/engine/ds4_engine.cpp) and by the CPU tests.
 // The destructor stops and joins the threads.
 class local_pipeline {
   public:

@@ -4,7 +4,7 @@
 // over that one transport.
 //
 // Sessions. Each engine session owns its rank states (a DS4 state cannot be swapped out of the ranks nor
-// truncated, see src/engine/ds4_session.cpp), but the child processes are shared by all sessions. So a
+// truncated, see src/engine/ds4_internal.h), but the child processes are shared by all sessions. So a
 // child keeps one rank object (pipeline_rank / tp_rank: its blocks' KV state) per session id, and before
 // each rank operation of a session rank 0 tells every child which session it is for:
 //   control int64[3] = {op, session id, steps}   rank 0 -> every rank r > 0

@@ -1,4 +1,4 @@
-// Device selection shared by the engines (engine.cpp: dense families; ds4_session.cpp: DS4).
+// Device selection shared by the engines (engine.cpp: dense families; ds4_engine.cpp, ds4_devices.cpp: DS4).
 #pragma once
 #include <string>
 

@@ -857,7 +857,7 @@ void engine_impl::run_sync_step(std::vector<step_work> &work) {
 
 std::unique_ptr<engine> engine::load(const engine_options &opts) {
     parse_device(opts.device);  // syntax first, before touching the file
-    // DeepSeek V4 has its own state and forward (src/engine/ds4_session.cpp, CPU or one CUDA device;
+    // DeepSeek V4 has its own state and forward (src/engine/ds4_engine.cpp, CPU or one CUDA device;
     // it resolves --device itself, auto included).
     std::shared_ptr<const gguf::file> f = gguf::file::open(opts.model_path);
     if (f->get_string("general.architecture", "") == "deepseek4") {

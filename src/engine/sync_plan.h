@@ -1,6 +1,6 @@
 // engine::sync_step's rule for one item (session::sync semantics), shared by the engines that fuse a
 // step's items into one forward: the dense engine (engine.cpp, plan_sync_step) and DS4 on one CPU device
-// (ds4_session.cpp, plan_cpu_step).
+// (ds4_engine.cpp, plan_cpu_step).
 #pragma once
 #include <algorithm>
 #include <cstdint>

@@ -1,5 +1,5 @@
 // DS4 split over CUDA stages through the public engine API (dist_options::devices;
-// src/engine/ds4_session.cpp over dist::local_pipeline with stage_device): on the ds4-tiny golden
+// src/engine/ds4_engine.cpp over dist::local_pipeline with stage_device): on the ds4-tiny golden
 // model,
 //  - "cuda:0,cuda:0" and "cuda:0,cuda:0,cuda:0" (stages on one GPU) and, with two GPUs,
 //    "cuda:0,cuda:1" give the one-GPU engine's logits bit for bit over a whole conversation

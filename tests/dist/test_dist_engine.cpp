@@ -1,5 +1,5 @@
 // DS4 split over several devices through the public engine API (dist_options::devices;
-// src/engine/ds4_session.cpp): on the ds4-tiny golden model, engines with devices "cpu", "cpu,cpu"
+// src/engine/ds4_engine.cpp): on the ds4-tiny golden model, engines with devices "cpu", "cpu,cpu"
 // and "cpu,cpu,cpu" give logits bit-identical to the single-device CPU engine over a whole
 // conversation (prefill, decode steps, a second turn that reuses the prefix, a truncation, a reset
 // and all-token logits), with one prefill chunk and with 7-token chunks; two interleaved sessions

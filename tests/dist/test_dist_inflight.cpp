@@ -5,7 +5,7 @@
 // without micro-batches, give each sequence's unsplit ds4::forward logits bit for bit; one outstanding
 // forward per pipeline is enforced without breaking it.
 //
-// The engine (src/engine/ds4_session.cpp, ds4_engine::sync_step / decode_step over in-process
+// The engine (src/engine/ds4_engine.cpp, ds4_engine::sync_step / decode_step over in-process
 // pipelines): three sessions of ds4-tiny driven by scheduler-like steps (decodes, short chunks, long
 // prompts, a truncation, a divergence, a no-op, a decode_step) give logits bit-identical to each
 // session run alone on the one-device engine and to the same sessions synced one by one on the split

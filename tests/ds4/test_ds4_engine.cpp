@@ -1,4 +1,4 @@
-// DS4 behind the public engine API (src/engine/ds4_session.cpp): engine::load dispatch, the three
+// DS4 behind the public engine API (src/engine/ds4_engine.cpp): engine::load dispatch, the three
 // evaluation paths and the QAT option against the ds4-tiny goldens, session::sync prefix reuse
 // (extend, diverge, strict prefix) checked against golden logits, kv_bytes_per_token against
 // hand-computed figures (ds4-tiny and the full DS4-Flash geometry) and option errors.
