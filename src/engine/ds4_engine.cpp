@@ -476,7 +476,7 @@ void ds4_engine::run_cpu_step(std::span<const sync_item> items) {
 }
 
 void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const int32_t> tokens) {
-    if (on_one_cpu()) {
+    if (on_one_cpu() || on_cuda_) {  // one device: the decodes as one-token sync items of one batched step
         if (sessions.size() != tokens.size())
             throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
                         std::to_string(tokens.size()) + " tokens");
@@ -489,23 +489,10 @@ void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const
             items[i].sess = sessions[i];
             items[i].prefix = prefixes[i];
         }
-        run_cpu_step(items);
-        return;
-    }
-    if (on_cuda_) {  // as one-token sync items (run_gpu_step batches them)
-        if (sessions.size() != tokens.size())
-            throw error("decode_step: " + std::to_string(sessions.size()) + " sessions but " +
-                        std::to_string(tokens.size()) + " tokens");
-        std::vector<std::vector<int32_t>> prefixes(sessions.size());
-        std::vector<sync_item> items(sessions.size());
-        for (size_t i = 0; i < sessions.size(); ++i) {
-            if (!sessions[i]) throw error("decode_step: item " + std::to_string(i) + " has no session");
-            prefixes[i] = sessions[i]->tokens();
-            prefixes[i].push_back(tokens[i]);
-            items[i].sess = sessions[i];
-            items[i].prefix = prefixes[i];
-        }
-        run_gpu_step(items);
+        if (on_cuda_)
+            run_gpu_step(items);
+        else
+            run_cpu_step(items);
         return;
     }
     if (!inflight()) {

@@ -150,6 +150,9 @@ class ds4_session final : public session {
   private:
     friend class ds4_engine;  // the fused CPU step (ds4_engine::run_cpu_step) drives st_ / tokens_ / logits_
     bool on_gpu() const;
+    // n rows with every row's logits (n_logits floats), at most a rollback's width: a verification, which
+    // one GPU and a pipeline's CUDA stages evaluate with the decode step's numerics.
+    bool verification_rows(size_t n, size_t n_logits) const;
     bool on_pipeline() const;
     // The lowest token count truncate() reaches for free (one device; the state's rollback floor).
     int64_t rollback_floor() const;

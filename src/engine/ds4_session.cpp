@@ -77,6 +77,11 @@ void ds4_session::reset() {
     logits_on_device_ = false;
 }
 
+bool ds4_session::verification_rows(size_t n, size_t n_logits) const {
+    return n > 1 && n_logits == n * static_cast<size_t>(e_.model().hp.n_vocab) &&
+           static_cast<int64_t>(n) <= rollback_limit() + 1;
+}
+
 void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const int64_t> pos, std::span<float> out) {
     if (on_pipeline()) {
         if (!pl_) pl_ = e_.new_pipeline();
@@ -86,9 +91,8 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
         // then take the decode step's numerics, as one GPU's multi-row step does (one CPU is batch
         // invariant either way), so a pipeline's logits stay those of one device of the same kind.
         const size_t V = static_cast<size_t>(e_.model().hp.n_vocab), n = toks.size();
-        const bool per_row = n > 1 && out.size() == n * V && static_cast<int64_t>(n) <= rollback_limit() + 1;
         try {
-            if (per_row)
+            if (verification_rows(n, out.size()))
                 for (size_t i = 0; i < n; ++i) pl_->forward(toks.subspan(i, 1), pos.subspan(i, 1), out.subspan(i * V, V));
             else
                 pl_->forward(toks, pos, out.empty() ? std::span<float>(logits_) : out);
@@ -102,8 +106,7 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
     if (gpu_) {
         // A verification's rows (every row's logits, at most a rollback's width): one decode step each, so
         // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16).
-        const size_t V = static_cast<size_t>(e_.model().hp.n_vocab);
-        if (toks.size() > 1 && out.size() == toks.size() * V && static_cast<int64_t>(toks.size()) <= rollback_limit() + 1)
+        if (verification_rows(toks.size(), out.size()))
             gpu_->eval_rows(toks, out);
         else
             gpu_->eval(toks, out);

@@ -3,15 +3,26 @@
 // test owns) and the quantised synthetic model file (test_cuda_ds4_model.cpp, test_cuda_ds4_branches.cpp).
 #pragma once
 #include <cstdint>
+#include <cmath>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/types.h"
+#include "models/cuda/deepseek4_cuda.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_synth.h"
 
 namespace fathom::cuda_test {
+
+// Plain decoding on the device: toks one decode step each from the sequence's position, every step's
+// logits [toks.size(), V] (the reference the rollback and saved-state tests compare with).
+inline std::vector<float> decode_each(ds4::cuda_sequence &seq, std::span<const int32_t> toks, size_t V) {
+    std::vector<float> out(toks.size() * V, std::nanf(""));
+    for (size_t i = 0; i < toks.size(); ++i) seq.eval(toks.subspan(i, 1), std::span(out).subspan(i * V, V));
+    return out;
+}
 
 // rows x cols of type t, packed rows, in b.
 inline ds4::matrix host_matrix(dtype t, const std::vector<uint8_t> &b, int64_t rows, int64_t cols) {

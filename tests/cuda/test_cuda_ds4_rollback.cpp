@@ -45,12 +45,7 @@ const std::string &model_path() {
     return path;
 }
 
-// Plain decoding: every token one decode step, every step's logits.
-std::vector<float> plain_logits(ds4::cuda_sequence &seq, std::span<const int32_t> toks, size_t V) {
-    std::vector<float> out(toks.size() * V, std::nanf(""));
-    for (size_t i = 0; i < toks.size(); ++i) seq.eval(toks.subspan(i, 1), std::span(out).subspan(i * V, V));
-    return out;
-}
+using cuda_test::decode_each;
 
 bool same_bits(const float *a, const float *b, size_t n) {
     return std::memcmp(a, b, n * sizeof(float)) == 0;
@@ -75,7 +70,7 @@ TEST_F(CudaDs4Rollback, RolledBackStepsEqualPlainDecodingBitForBit) {
         o.kv = md.kv;
         const auto w = ds4::cuda_upload(*m, o);
         ds4::cuda_sequence ref_seq(w, static_cast<int64_t>(N) + 16, true, 0);
-        const auto ref = plain_logits(ref_seq, toks, V);
+        const auto ref = decode_each(ref_seq, toks, V);
         ds4::cuda_sequence seq(w, static_cast<int64_t>(N) + 16, md.graph, 0);
         std::mt19937 rng(11);
         // Steps forced to start just before these positions (block ends 127 and 255 of the ratio-128
@@ -122,7 +117,7 @@ TEST_F(CudaDs4Rollback, RollbackAfterChunkedPrefillAndTheFloor) {
     const std::span<const int32_t> prompt(toks.data(), P), tail(toks.data() + P, D);
     ref.eval(prompt, {});
     seq.eval(prompt, {});
-    const auto want = plain_logits(ref, tail, V);
+    const auto want = decode_each(ref, tail, V);
     // 16 rejected rows right after the chunk (the ring's rows of positions 118..149 and the frontiers came
     // from the chunk kernels), rolled back; the floor is then 150.
     std::vector<int32_t> junk(ds4::max_rollback);
@@ -133,7 +128,7 @@ TEST_F(CudaDs4Rollback, RollbackAfterChunkedPrefillAndTheFloor) {
     EXPECT_THROW(seq.truncate(static_cast<int64_t>(P + junk.size()) + 1), error);  // past n_past
     EXPECT_EQ(seq.n_past(), static_cast<int64_t>(P + junk.size()));            // unchanged by the refusals
     seq.truncate(static_cast<int64_t>(P));
-    const auto got = plain_logits(seq, tail, V);
+    const auto got = decode_each(seq, tail, V);
     for (size_t i = 0; i < D; ++i)
         ASSERT_TRUE(same_bits(&got[i * V], &want[i * V], V)) << "decode step " << i << " after the rollback";
     // a rollback inside the chunk: at most max_rollback behind the furthest position, and n_past follows
@@ -164,8 +159,8 @@ TEST_F(CudaDs4Rollback, BatchedSequencesEqualEachAlone) {
         seq.push_back(std::make_unique<ds4::cuda_sequence>(w, 400, true, 0));
         twin.push_back(std::make_unique<ds4::cuda_sequence>(w, 400, true, 0));
         const std::span<const int32_t> prompt(toks[i].data(), prompt_len[i]);
-        plain_logits(*seq[i], prompt, V);
-        plain_logits(*twin[i], prompt, V);
+        decode_each(*seq[i], prompt, V);
+        decode_each(*twin[i], prompt, V);
     }
     std::vector<ds4::cuda_sequence *> ptrs;
     for (auto &q : seq) ptrs.push_back(q.get());
@@ -181,7 +176,7 @@ TEST_F(CudaDs4Rollback, BatchedSequencesEqualEachAlone) {
         ds4::cuda_sequence::step_batch(ptrs, counts, rows, lg);
         size_t r = 0;
         for (size_t i = 0; i < S; ++i) {
-            const auto want = plain_logits(*twin[i], std::span(toks[i]).subspan(at[i], static_cast<size_t>(counts[i])), V);
+            const auto want = decode_each(*twin[i], std::span(toks[i]).subspan(at[i], static_cast<size_t>(counts[i])), V);
             for (int j = 0; j < counts[i]; ++j, ++r)
                 ASSERT_TRUE(same_bits(&lg[r * V], &want[static_cast<size_t>(j) * V], V))
                     << "step " << k << " sequence " << i << " row " << j;

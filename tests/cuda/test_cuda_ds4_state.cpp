@@ -46,12 +46,7 @@ const std::string &model_path() {
     return path;
 }
 
-// Decodes toks one by one from the sequence's position, returning every step's logits.
-std::vector<float> decode(ds4::cuda_sequence &seq, std::span<const int32_t> toks, size_t V) {
-    std::vector<float> out(toks.size() * V, std::nanf(""));
-    for (size_t i = 0; i < toks.size(); ++i) seq.eval(toks.subspan(i, 1), std::span(out).subspan(i * V, V));
-    return out;
-}
+using cuda_test::decode_each;
 
 TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
     auto m = ds4::load_model(model_path());
@@ -67,7 +62,7 @@ TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
         // the reference: prompt, then decode, never saved
         ds4::cuda_sequence ref(w, static_cast<int64_t>(N) + 1, true, 37);
         ref.eval(prompt, {});
-        const auto want = decode(ref, tail, V);
+        const auto want = decode_each(ref, tail, V);
         // the same prompt, saved with its last logits
         vector_writer sw;
         std::vector<float> last(V);
@@ -87,7 +82,7 @@ TEST_F(CudaDs4State, LoadedStateContinuesBitForBit) {
         std::vector<float> back(V);
         b.last_logits(back);
         EXPECT_EQ(std::memcmp(back.data(), last.data(), V * 4), 0);
-        const auto got = decode(b, tail, V);
+        const auto got = decode_each(b, tail, V);
         size_t finite = 0;
         for (float v : want) finite += std::isfinite(v);
         ASSERT_EQ(finite, want.size());

@@ -199,7 +199,6 @@ class cuda_sequence {
     void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits);
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
               float *x_out = nullptr);
-    void step_rows(std::span<const int32_t> tokens, float *logits_host, float *hc_host);
 
     void check_tokens(std::span<const int32_t> tokens) const;
 };

@@ -27,25 +27,20 @@ void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> 
         throw error("cuda ds4: eval_rows hc_out buffer of " + std::to_string(hc_out.size()) + " floats, expected " +
                     std::to_string(n * S));
     check_tokens(tokens);
+    cuda_sequence *self = this;
     for (size_t i0 = 0; i0 < n;) {
         const size_t m = std::min(n - i0, static_cast<size_t>(cd::gemv_max_rows));
-        float *lg = logits.empty() ? nullptr : logits.data() + i0 * V;
-        float *hc = hc_out.empty() ? nullptr : hc_out.data() + i0 * S;
-        if (m == 1)
-            step(tokens[i0], lg, nullptr, nullptr, hc);
-        else
-            step_rows(tokens.subspan(i0, m), lg, hc);
+        if (m == 1) {
+            step(tokens[i0], logits.empty() ? nullptr : logits.data() + i0 * V, nullptr, nullptr,
+                 hc_out.empty() ? nullptr : hc_out.data() + i0 * S);
+        } else {
+            const int count = static_cast<int>(m);
+            step_batch(std::span<cuda_sequence *const>(&self, 1), std::span<const int>(&count, 1), tokens.subspan(i0, m),
+                       logits.empty() ? logits : logits.subspan(i0 * V, m * V),
+                       hc_out.empty() ? hc_out : hc_out.subspan(i0 * S, m * S));
+        }
         i0 += m;
     }
-}
-
-void cuda_sequence::step_rows(std::span<const int32_t> toks, float *logits_host, float *hc_host) {
-    cuda_sequence *self = this;
-    const int n = static_cast<int>(toks.size());
-    const size_t V = static_cast<size_t>(p_->w->hp.n_vocab), S = static_cast<size_t>(p_->w->hp.n_hc) * p_->w->hp.n_embd;
-    step_batch(std::span<cuda_sequence *const>(&self, 1), std::span<const int>(&n, 1), toks,
-               logits_host ? std::span<float>(logits_host, toks.size() * V) : std::span<float>(),
-               hc_host ? std::span<float>(hc_host, toks.size() * S) : std::span<float>());
 }
 
 void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
