@@ -114,6 +114,11 @@ void ds4_engine::make_cuda(int ordinal) {
     gpu_ = ds4::cuda_upload(*model_, co, [&](uint64_t done, uint64_t total) {
         if (opts_.on_load_progress && total) opts_.on_load_progress(done * file_->size() / total, file_->size());
     });
+    // The sessions' rows: the free memory now, less one more sequence's fixed state and the prefill
+    // scratch (allocated with the first session) and a 1 GiB margin for the sessions' own allocations.
+    const size_t fixed = seq - ds4::cuda_row_bytes(model_->hp, opts_.kv, n_ctx_), margin = size_t{1} << 30;
+    const size_t free_now = cuda_query_memory(ordinal).free_bytes;
+    gpu_state_ = ds4::cuda_make_state_pool(*gpu_, free_now > fixed + margin ? free_now - fixed - margin : 1);
     ordinal_ = ordinal;
     on_cuda_ = true;
     info_.device = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
@@ -121,6 +126,50 @@ void ds4_engine::make_cuda(int ordinal) {
     info_.decode_weight_bytes = static_cast<uint64_t>(ds4::cuda_bytes_per_token(*gpu_));
 #else
     (void)ordinal;
+#endif
+}
+
+double ds4_engine::kv_block_bytes() const {
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_state_ && kv_block_tokens_ > 0) {
+        const int64_t n = int64_t{1} << 20;  // the mean over a long context (ratio-128 rows included)
+        return static_cast<double>(ds4::cuda_row_bytes(model_->hp, opts_.kv, n)) / static_cast<double>(n) *
+               kv_block_tokens_;
+    }
+#endif
+    return 0.0;
+}
+
+kv_pool_info ds4_engine::kv_pool() const {
+    kv_pool_info i;
+    const double per = kv_block_bytes();
+    if (per <= 0) return i;
+#ifdef FATHOM_ENGINE_CUDA
+    const double B = static_cast<double>(gpu_state_->block_bytes());
+    i.block_tokens = kv_block_tokens_;
+    i.max_blocks = static_cast<int64_t>(static_cast<double>(gpu_state_->capacity()) * B / per);
+    i.n_blocks = i.max_blocks;
+    i.n_used = static_cast<int64_t>(std::ceil(static_cast<double>(gpu_state_->used()) * B / per));
+#endif
+    return i;
+}
+
+bool ds4_engine::kv_pool_configure(int32_t block_tokens, int64_t max_blocks) {
+#ifdef FATHOM_ENGINE_CUDA
+    if (!gpu_state_) return false;
+    if (block_tokens < 1) throw error("kv pool: the block size must be >= 1 token");
+    if (gpu_state_->used() > 0) throw error("kv pool: cannot reconfigure while sessions hold state blocks");
+    kv_block_tokens_ = block_tokens;
+    if (max_blocks > 0) {
+        const double want = static_cast<double>(max_blocks) * kv_block_bytes();
+        const auto blocks = static_cast<int64_t>(std::ceil(want / static_cast<double>(gpu_state_->block_bytes())));
+        gpu_state_->set_capacity(std::min(gpu_state_->capacity(), blocks));
+    }
+    return true;
+#else
+    (void)block_tokens;
+    (void)max_blocks;
+    return false;
 #endif
 }
 

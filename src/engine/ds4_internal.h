@@ -83,6 +83,7 @@
 #ifdef FATHOM_ENGINE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_sample.h"
+#include "backend/cuda/cuda_vmm.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "models/cuda/deepseek4_cuda.h"
 #endif
@@ -133,6 +134,11 @@ class ds4_session final : public session {
     // banner), so it loads whole: n_keep == tokens.size().
     bool save_state(state_writer &w) const override;
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
+    // Paged state (one GPU): the rows of positions [0, n_tokens) mapped from the engine's state pool now
+    // (cuda_sequence::reserve); kv_blocks() is the session's mapped bytes in the scheduler's blocks
+    // (ds4_engine::kv_pool). Elsewhere the defaults (nothing paged).
+    bool kv_reserve(int64_t n_tokens) override;
+    int64_t kv_blocks() const override;
 
     // ---- in-flight batches (ds4_engine::run_inflight, pipeline layouts only) ----
     const ds4_engine &owner() const { return e_; }
@@ -283,10 +289,20 @@ class ds4_engine final : public engine {
     // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
     const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
     // The sequences share one prefill scratch (gpu_prefill_): evaluations run under the forward mutex.
+    // Their compressed and indexer rows are blocks of one state pool (gpu_state_), mapped as they grow.
     std::unique_ptr<ds4::cuda_sequence> new_gpu_sequence() const {
-        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_, gpu_prefill_);
+        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_, gpu_prefill_, gpu_state_);
     }
 #endif
+    // Paged state on one GPU: the state pool in the scheduler's terms, blocks of block_tokens positions,
+    // each worth block_tokens times the rows' mean bytes per token (so the counts are real memory:
+    // n_used is the pool's mapped bytes, max_blocks its capacity). kv_pool_configure sets the block size
+    // and caps the pool at max_blocks of them (0: the device memory the pool was sized to at load).
+    // Elsewhere (CPU, several devices) no pool: the scheduler counts tokens.
+    kv_pool_info kv_pool() const override;
+    bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) override;
+    // Bytes one scheduler block stands for (0 before kv_pool_configure, or without a state pool).
+    double kv_block_bytes() const;
     double measure_copy_bandwidth() override {
 #ifdef FATHOM_ENGINE_CUDA
         if (ordinal_ >= 0) {
@@ -375,7 +391,9 @@ class ds4_engine final : public engine {
 #ifdef FATHOM_ENGINE_CUDA
     std::shared_ptr<const ds4::cuda_weights> gpu_;
     std::shared_ptr<ds4::cuda_prefill_pool> gpu_prefill_ = ds4::cuda_make_prefill_pool();
+    std::shared_ptr<cuda::block_pool> gpu_state_;  // the sessions' rows (make_cuda)
 #endif
+    int32_t kv_block_tokens_ = 0;  // kv_pool_configure's block size (0: not configured)
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
     bool on_cuda_ = false;  // one CUDA device (make_cuda)
     std::string gpu_name_;  // the CUDA device's name (state_identity)

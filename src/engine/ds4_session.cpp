@@ -77,6 +77,23 @@ void ds4_session::reset() {
     logits_on_device_ = false;
 }
 
+bool ds4_session::kv_reserve(int64_t n_tokens) {
+    if (n_tokens < 0) throw error("kv_reserve: negative token count");
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_) return gpu_->reserve(n_tokens);
+#endif
+    return true;
+}
+
+int64_t ds4_session::kv_blocks() const {
+    const double per = e_.kv_block_bytes();
+#ifdef FATHOM_ENGINE_CUDA
+    if (gpu_ && per > 0) return static_cast<int64_t>(std::ceil(static_cast<double>(gpu_->row_bytes()) / per));
+#endif
+    (void)per;
+    return 0;
+}
+
 bool ds4_session::verification_rows(size_t n, size_t n_logits) const {
     return n > 1 && n_logits == n * static_cast<size_t>(e_.model().hp.n_vocab) &&
            static_cast<int64_t>(n) <= rollback_limit() + 1;

@@ -568,6 +568,28 @@ size_t chunk_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t ch
 
 }  // namespace
 
+size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n) {
+    const size_t e = kv == kv_precision::f16 ? 2 : 4;
+    size_t b = 0;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int r = hp.compress_ratio[static_cast<size_t>(il)];
+        if (r > 0) b += static_cast<size_t>(n / r) * hp.head_dim * e;
+        if (r == 4) b += static_cast<size_t>(n / 4) * hp.idx_dim * e;
+    }
+    return b;
+}
+
+std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, size_t max_bytes) {
+    ck(cudaSetDevice(w.device), "selecting the device");
+    if (max_bytes == 0) {
+        size_t free_b = 0, total_b = 0;
+        ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+        const size_t margin = size_t{2} << 30;
+        max_bytes = free_b > margin ? free_b - margin : 0;
+    }
+    return std::make_shared<cuda::block_pool>(w.device, max_bytes);
+}
+
 size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t prefill_chunk) {
     const size_t e = kv == kv_precision::f16 ? 2 : 4;
     size_t b = chunk_bytes(hp, kv, n_ctx, std::min(prefill_chunk, n_ctx));
@@ -591,7 +613,7 @@ const hparams &cuda_sequence::hp() const {
 }
 
 cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph, int64_t prefill_chunk,
-                             std::shared_ptr<cuda_prefill_pool> pool)
+                             std::shared_ptr<cuda_prefill_pool> pool, std::shared_ptr<cuda::block_pool> state_pool)
     : p_(std::make_unique<impl>()), n_ctx_(n_ctx), chunk_(std::min(prefill_chunk, n_ctx)) {
     if (!w) throw error("cuda ds4: no weights");
     if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
@@ -615,7 +637,10 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
         std::lock_guard<std::mutex> lk(p.pool->mu);
         pool_ready = p.pool->created > 0;
     }
-    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, pool_ready ? 0 : chunk_);
+    if (state_pool && state_pool->device() != p.w->device) throw error("cuda ds4: the state pool is on another device");
+    // Paged: the rows come from the state pool as the sequence grows, not now.
+    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, pool_ready ? 0 : chunk_) -
+                        (state_pool ? cuda_row_bytes(hp, p.w->opt.kv, n_ctx) : 0);
     if (need > free_b)
         throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
                     " of device memory, " + gib(static_cast<double>(free_b)) + " free");
@@ -634,6 +659,9 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     const int64_t D = hp.n_embd, d = hp.head_dim, H = hp.n_head, Id = hp.idx_dim;
     int64_t max_idx = 1;
     size_t part = 1;
+    if (state_pool) p.vm = std::make_unique<cuda::vm_regions>(std::move(state_pool));
+    // The rows: a region of the state pool (paged), else allocated whole.
+    auto rows = [&](size_t bytes) -> void * { return p.vm ? p.vm->add(bytes) : p.dev<uint8_t>(bytes); };
     for (const dlayer &l : p.w->layers) {
         layer_state_dev st;
         st.ring = p.dev<uint8_t>(static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
@@ -643,13 +671,13 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
             st.comp_kv = p.dev<float>(st.comp_state_floats);
             st.comp_score = p.dev<float>(st.comp_state_floats);
             st.max_comp = comp_capacity(n_ctx, l.ratio);
-            st.comp_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
+            st.comp_rows = rows(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
         }
         if (l.ratio == 4) {
             st.ic_state_floats = static_cast<size_t>(frontier_slots(4)) * 2 * Id;
             st.ic_kv = p.dev<float>(st.ic_state_floats);
             st.ic_score = p.dev<float>(st.ic_state_floats);
-            st.idx_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
+            st.idx_rows = rows(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
             max_idx = std::max(max_idx, st.max_comp);
         }
         p.ls.push_back(st);
@@ -822,9 +850,75 @@ void cuda_sequence::reset() {
         if (st.ic_kv) clear_frontier(st.ic_kv, st.ic_score, st.ic_state_floats);
     }
     ck(cudaStreamSynchronize(p.s), "clearing");
+    if (p.vm) {  // every block back to the pool (the stream is idle: nothing reads them any more)
+        p.vm->shrink(std::vector<size_t>(p.vm->size(), 0));
+        p.mapped_tokens = 0;
+    }
     *p.err_h = 0;
     n_past_ = reached_ = floor_ = 0;
     have_logits_ = false;
+}
+
+// ---- paged state ----------------------------------------------------------------------------------------
+
+std::vector<size_t> cuda_sequence::impl::region_bytes(int64_t n) const {
+    const hparams &hp = w->hp;
+    std::vector<size_t> b;
+    for (size_t il = 0; il < ls.size(); ++il) {
+        const layer_state_dev &st = ls[il];
+        const int ratio = w->layers[il].ratio;
+        const size_t rows = static_cast<size_t>(std::min(comp_capacity(n, ratio), st.max_comp));
+        if (st.comp_rows) b.push_back(rows * static_cast<size_t>(hp.head_dim) * kv_elem);
+        if (st.idx_rows) b.push_back(rows * static_cast<size_t>(hp.idx_dim) * kv_elem);
+    }
+    return b;
+}
+
+bool cuda_sequence::paged() const {
+    return p_->vm != nullptr;
+}
+
+size_t cuda_sequence::row_bytes() const {
+    const impl &p = *p_;
+    if (p.vm) return p.vm->mapped_bytes();
+    size_t b = 0;
+    for (size_t il = 0; il < p.ls.size(); ++il) {
+        const layer_state_dev &st = p.ls[il];
+        const size_t rows = static_cast<size_t>(st.max_comp);
+        if (st.comp_rows) b += rows * static_cast<size_t>(p.w->hp.head_dim) * p.kv_elem;
+        if (st.idx_rows) b += rows * static_cast<size_t>(p.w->hp.idx_dim) * p.kv_elem;
+    }
+    return b;
+}
+
+bool cuda_sequence::reserve(int64_t n_tokens) {
+    impl &p = *p_;
+    if (!p.vm) return true;
+    const int64_t n = std::clamp<int64_t>(n_tokens, n_past_, n_ctx_);
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    if (n > p.mapped_tokens) {
+        if (!p.vm->grow(p.region_bytes(n))) return false;
+    } else if (n < p.mapped_tokens) {
+        ck(cudaStreamSynchronize(p.s), "releasing state blocks");
+        p.vm->shrink(p.region_bytes(n));
+    }
+    p.mapped_tokens = n;
+    return true;
+}
+
+void cuda_sequence::map_rows(int64_t n_end) {
+    impl &p = *p_;
+    if (!p.vm || n_end <= p.mapped_tokens) return;
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    const std::vector<size_t> want = p.region_bytes(n_end);
+    if (!p.vm->grow(want)) {
+        const cuda::block_pool &pool = p.vm->pool();
+        const double mib = static_cast<double>(pool.block_bytes()) / (1 << 20);
+        throw error("cuda ds4: the state pool is exhausted: the rows of " + std::to_string(n_end) + " tokens need " +
+                    std::to_string(p.vm->blocks_needed(want)) + " more blocks of " + std::to_string(static_cast<int>(mib)) +
+                    " MiB; " + std::to_string(pool.used()) + " of " + std::to_string(pool.capacity()) + " are in use");
+    }
+    p.mapped_tokens = n_end;
 }
 
 int64_t cuda_sequence::rollback_floor() const {
@@ -1297,6 +1391,7 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
     reset();  // also on failure below: a half-loaded state must not be used
     try {
         check_state_header(r, hp, n_past, p.w->opt.kv, p.w->opt.qat);
+        map_rows(n_past);
         ck(cudaSetDevice(p.w->device), "selecting the device");
         for (size_t il = 0; il < p.ls.size(); ++il) {
             const int ratio = p.w->layers[il].ratio;
@@ -1393,6 +1488,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     if (tok < 0 || tok >= hp.n_vocab)
         throw error("cuda ds4: token id " + std::to_string(tok) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
     if (n_past_ >= n_ctx_) throw error("cuda ds4: context full (" + std::to_string(n_ctx_) + " tokens)");
+    map_rows(n_past_ + 1);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     *p.h_pos = n_past_;
     *p.h_token = tok;
@@ -1473,6 +1569,7 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
                     (w.head() ? "(expected n_vocab = " + std::to_string(V) + " or n * n_vocab = " + std::to_string(n * V) + ")"
                               : "for a stage without the output head"));
     check_tokens(tokens);
+    map_rows(n_past_ + static_cast<int64_t>(n));
     if (n > 1 && chunk_ > 1) {  // layer-major chunks
         p_->take_chunk();
         struct give_back {
@@ -1509,6 +1606,7 @@ void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
     const hparams &hp = p.w->hp;
     if (n < 0 || n >= n_ctx_) throw error("cuda ds4: synthetic depth " + std::to_string(n) + " outside [0, n_ctx)");
     reset();
+    map_rows(n + 1);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     // A pattern of 4096 rows of the widest row (head_dim) in the KV precision, N(0, 1) values.
     const size_t pat_rows = 4096, width = static_cast<size_t>(std::max(hp.head_dim, hp.idx_dim));

@@ -28,6 +28,10 @@
 #include "fathom/engine.h"
 #include "models/deepseek4.h"
 
+namespace fathom::cuda {
+class block_pool;  // backend/cuda/cuda_vmm.h
+}
+
 namespace fathom::ds4 {
 
 struct cuda_run_options {
@@ -82,6 +86,21 @@ size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx,
 class cuda_prefill_pool;
 std::shared_ptr<cuda_prefill_pool> cuda_make_prefill_pool();
 
+// Paged state (backend/cuda/cuda_vmm.h). What grows with a sequence's context - the compressed KV rows
+// of every compressed layer and the indexer rows of the ratio-4 layers, ~6.9 KB per token at DS4-Flash -
+// can live in physical blocks (2 MiB) of one pool that the sequences of an engine share: each sequence
+// reserves address space for its whole context and maps blocks as it grows (cuda_sequence::reserve), so S
+// sequences use the memory their tokens need, not S full contexts, and the pool's count of blocks in use is
+// the real memory behind every sequence's rows. What does not grow (raw rings, compressor frontiers,
+// decode and multi-row scratch, ~10 MB at DS4-Flash) stays a sequence's own allocation.
+// cuda_make_state_pool: a pool on the weights' device of at most max_bytes (0: the device's free memory
+// now, less a 2 GiB margin for the scratch that sequences allocate later). Throws fathom::error when the
+// device has no virtual memory management.
+std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, size_t max_bytes = 0);
+// Bytes of the growing state (compressed and indexer rows) of n tokens, unrounded: n times about 6.9 KB at
+// DS4-Flash.
+size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n);
+
 class cuda_sequence {
   public:
     // Allocates the state for up to n_ctx tokens (fathom::error when the device lacks the memory).
@@ -92,14 +111,27 @@ class cuda_sequence {
     // pool: share prefill scratch with the engine's other sequences (see cuda_prefill_pool); the
     // constructor's memory check then counts only the sequence's own bytes (cuda_sequence_bytes with
     // prefill_chunk 0).
+    // state_pool: the compressed and indexer rows in blocks of that pool (paged state, above), mapped on
+    // demand; the memory check then leaves the rows out too. Without one they are allocated for n_ctx.
     cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true,
-                  int64_t prefill_chunk = default_prefill_chunk, std::shared_ptr<cuda_prefill_pool> pool = {});
+                  int64_t prefill_chunk = default_prefill_chunk, std::shared_ptr<cuda_prefill_pool> pool = {},
+                  std::shared_ptr<cuda::block_pool> state_pool = {});
     ~cuda_sequence();
     cuda_sequence(const cuda_sequence &) = delete;
     cuda_sequence &operator=(const cuda_sequence &) = delete;
 
     int64_t n_past() const { return n_past_; }
     int64_t n_ctx() const { return n_ctx_; }
+    // Paged state: map the rows of positions [0, max(n_tokens, n_past())) now, so that evaluations up to
+    // n_tokens positions need no more blocks; a smaller n_tokens gives back the blocks mapped beyond
+    // max(n_tokens, n_past()). All or nothing: false, changing nothing, when the pool lacks the blocks.
+    // Without a state pool: true (the whole context's rows are allocated). Every evaluation (and
+    // load_state, fill_synthetic) maps what it needs itself and throws fathom::error, with nothing
+    // evaluated, when the pool is exhausted; reset() gives every block back.
+    bool reserve(int64_t n_tokens);
+    bool paged() const;
+    // Device bytes behind this sequence's rows: its mapped blocks (paged), else the whole context's rows.
+    size_t row_bytes() const;
     const hparams &hp() const;
     // Forget every token (clears rings, frontiers and rows on the device).
     void reset();
@@ -201,6 +233,9 @@ class cuda_sequence {
               float *x_out = nullptr);
 
     void check_tokens(std::span<const int32_t> tokens) const;
+    // Paged state: the rows of positions [0, n_end) mapped, or fathom::error (nothing changed) when the
+    // pool cannot supply them.
+    void map_rows(int64_t n_end);
 };
 
 }  // namespace fathom::ds4
