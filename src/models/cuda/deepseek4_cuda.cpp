@@ -503,6 +503,67 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     return w;
 }
 
+std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp_weights &mw,
+                                                    std::shared_ptr<const cuda_weights> target) {
+    if (!target || !target->embed() || !target->head())
+        throw error("cuda ds4: the MTP head needs the whole target model on its device (embedding and output head)");
+    ck(cudaSetDevice(target->device), "selecting the device");
+    // The head as a one-block model: block 0 is the MTP block (ratio 0, learned routing), its HC
+    // collapse and final norm the head's own; the embedding and output head the target's.
+    model view;
+    view.hp = main.hp;
+    view.hp.n_layer = 1;
+    view.hp.n_nextn = 0;
+    view.hp.n_hash_layer = 0;
+    view.hp.compress_ratio = {0};
+    view.hp.clamp_exp = {mw.block.clamp};
+    view.hp.clamp_shexp = {mw.block.clamp_sh};
+    view.output_norm = mw.norm;
+    view.hc_head = mw.hc_head;
+    view.layers = {mw.block};
+    if (mw.block.ratio != 0 || mw.block.hash) throw error("cuda ds4: the MTP block must be window-only and learned-routed");
+    check_weight_types(view, 0, 1);
+    for (const auto &[m, name] : {std::pair{&mw.e_proj, "e_proj"}, std::pair{&mw.h_proj, "h_proj"}})
+        if (!cuda::mm_supported(m->type))
+            throw error(std::string("cuda ds4: the MTP ") + name + " is " + std::string(dtype_name(m->type)) + ", which has no CUDA GEMV");
+    uint64_t total = 0;
+    for (const matrix *m : {&mw.e_proj, &mw.h_proj, &mw.block.gate_exps.first, &mw.block.up_exps.first, &mw.block.down_exps.first})
+        total += static_cast<uint64_t>(m->rows) * m->row_bytes * (m == &mw.e_proj || m == &mw.h_proj ? 1 : mw.block.gate_exps.n);
+    size_t free_b = 0, total_b = 0;
+    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+    if (static_cast<double>(total) + (1u << 30) > static_cast<double>(free_b))
+        throw error("cuda ds4: the MTP head needs " + gib(static_cast<double>(total)) + " (+1 GiB margin), " +
+                    gib(static_cast<double>(free_b)) + " free");
+    auto w = std::make_shared<cuda_weights>();
+    w->hp = view.hp;
+    w->opt = target->opt;
+    w->opt.first_layer = 0;
+    w->opt.last_layer = -1;
+    w->device = target->device;
+    w->first = 0;
+    w->last = 1;
+    w->mtp = true;
+    w->target = target;
+    w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
+    w->output = target->output;
+    const int64_t replicate = main.file ? main.file->get_int("fathom.synth.replicate_rows", 0) : 0;
+    uploader u(*w, std::max<int64_t>(replicate, 0), total, {});
+    w->output_norm = u.vec(view.output_norm);
+    w->hc_head = {u.mat(view.hc_head.fn), u.vec(view.hc_head.base), u.vec(view.hc_head.scale)};
+    const rope_set ropes = make_rope_set(view.hp);
+    w->rope_plain = u.vec(ropes.plain.freq);
+    w->rope_yarn = u.vec(ropes.yarn.freq);
+    w->e_proj = u.mat(mw.e_proj, true);
+    w->h_proj = u.mat(mw.h_proj, true);
+    w->enorm = u.vec(mw.enorm);
+    w->hnorm = u.vec(mw.hnorm);
+    w->layers.push_back(upload_layer(u, view.hp, mw.block, nullptr));
+    w->step_bytes = mat_bytes(w->output) + hc_bytes(w->hc_head) + mat_bytes(w->e_proj) + mat_bytes(w->h_proj) +
+                    layer_step_bytes(view.hp, w->layers.back());
+    ck(cudaDeviceSynchronize(), "finishing the upload");
+    return w;
+}
+
 size_t cuda_weight_bytes(const cuda_weights &w) {
     return w.bytes;
 }
@@ -715,6 +776,7 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.y = p.dev<float>(static_cast<size_t>(D));
     p.zh = p.dev<float>(static_cast<size_t>(D));
     p.logits = p.dev<float>(static_cast<size_t>(hp.n_vocab));
+    if (p.w->mtp) p.hc_in = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
     p.amax = p.dev<int32_t>(1);
     p.moe.logits = p.dev<float>(static_cast<size_t>(hp.n_expert));
     p.moe.ids = p.dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
@@ -1083,6 +1145,10 @@ class step_exec final : public executor {
     void embed() override {
         p_.phase("embedding");
         const int64_t D = w_.hp.n_embd;
+        if (w_.mtp) {
+            embed_mtp();
+            return;
+        }
         for (int k = 0; k < w_.hp.n_hc; ++k)
             cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, w_.hp.n_vocab, p_.token, 1,
                                   p_.x[0] + k * D, D, p_.err_d, p_.s);
@@ -1117,6 +1183,20 @@ class step_exec final : public executor {
     }
 
   private:
+    // The MTP head's input (deepseek4_mtp.cpp mtp_forward): stream s of x[0] = e_proj(RMSNorm(embed(token)))
+    // + h_proj(RMSNorm(hc_in stream s)). Scratch: zh (the embedding), y (e), x[1] (the normed streams); none
+    // holds anything yet at the start of a step.
+    void embed_mtp() {
+        const hparams &hp = w_.hp;
+        const int64_t D = hp.n_embd, nh = hp.n_hc;
+        cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, hp.n_vocab, p_.token, 1, p_.zh, D,
+                              p_.err_d, p_.s);
+        cuda::launch_rms_norm(p_.zh, D, w_.enorm, hp.rms_eps, D, 1, p_.zh, D, p_.s);
+        gemv(w_.e_proj, p_.zh, p_.y, p_.s);
+        cuda::launch_rms_norm(p_.hc_in, D, w_.hnorm, hp.rms_eps, D, nh, p_.x[1], D, p_.s);
+        for (int64_t k = 0; k < nh; ++k) gemv(w_.h_proj, p_.x[1] + k * D, p_.x[0] + k * D, p_.s);
+        cuda::launch_elementwise(cuda::ew_op::add_bcast, p_.x[0], D, p_.y, 0, p_.x[0], D, D, nh, 0.0f, p_.s);
+    }
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
     cd::hc_fused_io io(const float *norm, float *out) {
         cd::hc_fused_io r;
@@ -1494,7 +1574,9 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     *p.h_token = tok;
     ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
     ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
-    if (x_in) ck(cudaMemcpyAsync(p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
+    if (x_in)  // the MTP head mixes its input state in the step (step_exec::embed_mtp); a stage starts from it
+        ck(cudaMemcpyAsync(p.w->mtp ? p.hc_in : p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s),
+           "uploading the state");
     if (p.use_graph) {
         if (!p.graph) {
             cudaGraph_t g = nullptr;
@@ -1549,6 +1631,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
 
 void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
     const hparams &hp = p_->w->hp;
+    if (p_->w->mtp) throw error("cuda ds4: the MTP head evaluates its rows one at a time (eval_mtp)");
     if (n_past_ + static_cast<int64_t>(tokens.size()) > n_ctx_)
         throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(tokens.size()) +
                     " tokens exceed n_ctx " + std::to_string(n_ctx_));
@@ -1594,6 +1677,22 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
             out = logits.data();
         step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, w.head() ? nullptr : x.data() + i * S);
     }
+}
+
+int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, std::span<float> logits,
+                                std::span<float> hc_out) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    if (!p.w->mtp) throw error("cuda ds4: eval_mtp needs the MTP head's weights (cuda_upload_mtp)");
+    if (hc.size() != S || (!hc_out.empty() && hc_out.size() != S) ||
+        (!logits.empty() && logits.size() != static_cast<size_t>(hp.n_vocab)))
+        throw error("cuda ds4: eval_mtp buffers: state " + std::to_string(hc.size()) + ", output state " +
+                    std::to_string(hc_out.size()) + " and logits " + std::to_string(logits.size()) +
+                    " floats (expected n_hc * D = " + std::to_string(S) + " and n_vocab)");
+    int32_t amax = -1;
+    step(next_token, logits.empty() ? nullptr : logits.data(), &amax, hc.data(), hc_out.empty() ? nullptr : hc_out.data());
+    return amax;
 }
 
 void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {

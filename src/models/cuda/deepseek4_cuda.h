@@ -27,6 +27,7 @@
 #include "core/types.h"
 #include "fathom/engine.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_mtp.h"
 
 namespace fathom::cuda {
 class block_pool;  // backend/cuda/cuda_vmm.h
@@ -64,6 +65,13 @@ class cuda_weights;
 // not have the memory (weights + a 1 GiB margin), naming both sizes.
 std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_options &o,
                                                 const std::function<void(uint64_t, uint64_t)> &progress = {});
+// The MTP head (deepseek4_mtp.h) on the target's device, for drafting: its block uploaded as a one-block
+// model whose step mixes its input - stream s = e_proj(RMSNorm(embed(t_(i+1)))) + h_proj(RMSNorm(stream s of
+// the target's final HC state at i)) - instead of embedding a token; the embedding and output head are the
+// target's device copies (not uploaded again). A cuda_sequence over these weights evaluates one row per
+// eval_mtp. Throws fathom::error when `target` is not a whole model or a weight has no CUDA kernel.
+std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp_weights &w,
+                                                    std::shared_ptr<const cuda_weights> target);
 // Bytes of weights on the device, and the bytes one decode step reads (every dense weight, the
 // selected experts of every layer, the output head): the numerator of the roofline.
 size_t cuda_weight_bytes(const cuda_weights &w);
@@ -166,6 +174,14 @@ class cuda_sequence {
     int64_t rollback_floor() const;
     // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
     int32_t step_greedy(int32_t token);
+    // The MTP head's row n_past (weights from cuda_upload_mtp; every other evaluation refuses them): hc
+    // [n_hc * D] the target's final HC state at position n_past, next_token the token at n_past + 1. Returns
+    // the argmax of the head's logits (the drafted token at n_past + 2; ties: lower id); logits (empty or
+    // [n_vocab]) and hc_out (empty or [n_hc * D]: the block's output state before the head's HC collapse, a
+    // chained row's hc) on request. Replayed from one captured graph like the decode step; truncate() rolls
+    // the head's window-only history back.
+    int32_t eval_mtp(int32_t next_token, std::span<const float> hc, std::span<float> logits = {},
+                     std::span<float> hc_out = {});
     // The last evaluated token's logits stay on the device (eval() with empty logits downloads
     // nothing): last_logits() downloads them; logits_top() summarises them for the host sampler
     // (cuda_sample.h: penalties applied to the (token, count) pairs, softmax statistics, the k best)

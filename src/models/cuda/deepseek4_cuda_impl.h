@@ -111,6 +111,13 @@ class cuda_weights {
     dhc hc_head;
     std::vector<dlayer> layers;
     const float *rope_plain = nullptr, *rope_yarn = nullptr;
+    // The MTP head (cuda_upload_mtp): one block whose input is mixed from the target's final HC state and
+    // the next token's embedding (step_exec::embed), tok_embd and output aliasing the target's copies
+    // (kept alive by `target`, not in allocs).
+    bool mtp = false;
+    dmat e_proj, h_proj;  // [D, D] each
+    const float *enorm = nullptr, *hnorm = nullptr;
+    std::shared_ptr<const cuda_weights> target;
     cuda_weights() = default;
     cuda_weights(const cuda_weights &) = delete;
     cuda_weights &operator=(const cuda_weights &) = delete;
@@ -174,6 +181,7 @@ struct cuda_sequence::impl {
     int64_t *pos = nullptr;
     int32_t *token = nullptr;
     float *x[2] = {nullptr, nullptr};
+    float *hc_in = nullptr;  // the MTP head: the target's HC state entering the step [n_hc * D]
     float *xn, *mix, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y,
         *zh, *logits;
     int32_t *sel, *n_sel, *amax;
