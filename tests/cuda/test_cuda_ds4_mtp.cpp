@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -141,6 +142,32 @@ TEST_F(CudaDs4Mtp, ChainedDraftWithRollbackFollowsTheCpuHead) {
         ds4::mtp_truncate(ref, static_cast<int64_t>(half));
         EXPECT_EQ(head.n_past(), static_cast<int64_t>(half));
     }
+}
+
+// eval()'s hc_tail (what the MTP head drafts from after a prompt): token-serial, the decode steps' states
+// bit for bit (eval_rows' hc_out); through chunks of 5 tokens with the tail spanning three chunks, every row
+// within bf16 error of its decode state (an off-by-one row would be a different position's state: far off).
+TEST_F(CudaDs4Mtp, PromptTailStatesMatchTheDecodeStates) {
+    const ds4::hparams &hp = data().main->hp;
+    const size_t S = static_cast<size_t>(hp.n_hc * hp.n_embd);
+    const auto cases = ds4_test::load_cases("cases.jsonl");
+    const auto &c = cases.back();
+    const size_t n = c.tokens.size(), k = std::min<size_t>(12, n);
+    const auto w = upload(c.qat);
+    ds4::cuda_sequence rows(w, static_cast<int64_t>(n) + 1, true, 0), serial(w, static_cast<int64_t>(n) + 1, true, 0),
+        chunked(w, static_cast<int64_t>(n) + 1, true, 5);
+    std::vector<float> want(n * S), got(k * S), got_c(k * S);
+    rows.eval_rows(c.tokens, {}, want);
+    serial.eval(c.tokens, {}, got);
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data() + (n - k) * S, k * S * sizeof(float)));
+    chunked.eval(c.tokens, {}, got_c);
+    for (size_t i = 0; i < k; ++i) {
+        const double e = cuda_test::rel_l2(got_c.data() + i * S, want.data() + (n - k + i) * S, S);
+        EXPECT_LT(e, 2e-2) << "tail row " << i;
+        if (i > 0) EXPECT_GT(cuda_test::rel_l2(got_c.data() + i * S, want.data() + (n - k + i - 1) * S, S), 5 * e);
+    }
+    std::vector<float> too_many(2 * S);
+    EXPECT_THROW(serial.eval(std::vector<int32_t>{1}, {}, too_many), error);
 }
 
 TEST_F(CudaDs4Mtp, BadInputIsRefused) {

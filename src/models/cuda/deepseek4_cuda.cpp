@@ -987,6 +987,14 @@ int64_t cuda_sequence::rollback_floor() const {
     return std::min(n_past_, std::max(floor_, reached_ - max_rollback));
 }
 
+void cuda_sequence::restart_at(int64_t n) {
+    for (const dlayer &l : p_->w->layers)
+        if (l.ratio != 0) throw error("cuda ds4: restart_at needs a window-only model (the MTP head)");
+    if (n < 0 || n > n_ctx_) throw error("cuda ds4: restart_at " + std::to_string(n) + " outside [0, n_ctx]");
+    reset();  // zero rings: the rows before n read as the CPU head's fresh state
+    n_past_ = reached_ = floor_ = n;
+}
+
 void cuda_sequence::truncate(int64_t n) {
     if (n > n_past_ || n < rollback_floor())
         throw error("cuda ds4: cannot roll back to " + std::to_string(n) + " tokens (holds " + std::to_string(n_past_) +
@@ -1370,7 +1378,7 @@ void cuda_sequence::impl::enqueue_chunk(int64_t n) {
 
 // Logits of token i of the chunk (its state in cs->x[0]): HC head, norm, output head, argmax.
 void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits,
-                               bool all_logits) {
+                               bool all_logits, int64_t x_out_first) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd;
@@ -1382,7 +1390,10 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
        "uploading tokens");
     if (x_in) ck(cudaMemcpyAsync(p.cs->x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
     p.enqueue_chunk(n);
-    if (x_out) ck(cudaMemcpyAsync(x_out, p.cs->x[0], n * S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
+    if (x_out)
+        ck(cudaMemcpyAsync(x_out, p.cs->x[0] + x_out_first * S, (n - x_out_first) * S * sizeof(float), cudaMemcpyDeviceToHost,
+                           p.s),
+           "downloading the state");
     if (p.w->head()) {  // the last token's logits always (they stay on the device), others on request
         const cd::hc_params hcp{hp.n_hc, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
         const dhc &h = p.w->hc_head;
@@ -1641,6 +1652,11 @@ void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
 }
 
 void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits) {
+    eval_impl(tokens, x, logits, {});
+}
+
+void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits,
+                              std::span<float> hc_tail) {
     const cuda_weights &w = *p_->w;
     const size_t n = tokens.size(), V = static_cast<size_t>(w.hp.n_vocab);
     const size_t S = static_cast<size_t>(w.hp.n_hc) * static_cast<size_t>(w.hp.n_embd);
@@ -1651,8 +1667,12 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
         throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats " +
                     (w.head() ? "(expected n_vocab = " + std::to_string(V) + " or n * n_vocab = " + std::to_string(n * V) + ")"
                               : "for a stage without the output head"));
+    if (hc_tail.size() % S != 0 || hc_tail.size() / S > n)
+        throw error("cuda ds4: hc_tail buffer of " + std::to_string(hc_tail.size()) + " floats for " + std::to_string(n) +
+                    " tokens of " + std::to_string(S) + "-float states");
     check_tokens(tokens);
     map_rows(n_past_ + static_cast<int64_t>(n));
+    const size_t t0 = n - hc_tail.size() / S;  // the first token whose state goes to hc_tail
     if (n > 1 && chunk_ > 1) {  // layer-major chunks
         p_->take_chunk();
         struct give_back {
@@ -1664,8 +1684,14 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
             const size_t m = std::min(n - c0, static_cast<size_t>(chunk_));
             const bool last = c0 + m == n;
             float *lg = logits.empty() ? nullptr : all ? logits.data() + c0 * V : last ? logits.data() : nullptr;
-            eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S,
-                       w.head() ? nullptr : x.data() + c0 * S, lg, all);
+            float *out = w.head() ? nullptr : x.data() + c0 * S;
+            size_t first = 0;
+            if (w.head() && !hc_tail.empty() && c0 + m > t0) {  // this chunk holds some of the tail
+                first = t0 > c0 ? t0 - c0 : 0;
+                out = hc_tail.data() + (c0 + first - t0) * S;
+            }
+            eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S, out, lg, all,
+                       static_cast<int64_t>(first));
         }
         return;
     }
@@ -1675,7 +1701,8 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
             out = logits.data() + i * V;
         else if (!logits.empty() && i + 1 == n)
             out = logits.data();
-        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, w.head() ? nullptr : x.data() + i * S);
+        float *state = w.head() ? (i >= t0 && !hc_tail.empty() ? hc_tail.data() + (i - t0) * S : nullptr) : x.data() + i * S;
+        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, state);
     }
 }
 
@@ -1695,9 +1722,9 @@ int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, s
     return amax;
 }
 
-void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
+void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) {
     if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
-    eval_stage(tokens, {}, logits);  // the whole model: no state enters or leaves through the host
+    eval_impl(tokens, {}, logits, hc_tail);  // the whole model: no state enters through the host
 }
 
 void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {

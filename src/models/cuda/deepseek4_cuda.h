@@ -148,7 +148,9 @@ class cuda_sequence {
     // constructor's prefill_chunk), whose products are bf16 x bf16 -> f32 instead of the decode
     // GEMVs' f32 activations: logits agree with token-serial evaluation to bf16 precision. Throws on a token outside the vocabulary or past
     // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
-    void eval(std::span<const int32_t> tokens, std::span<float> logits);
+    // hc_tail (empty or [k, n_hc * D], k <= tokens.size()): the final HC states (before the HC head) of the
+    // last k tokens, what the MTP head drafts from (eval_mtp).
+    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {});
     // A pipeline stage (weights uploaded for a block range): x [n, n_hc * D] is the HC state entering
     // the range (ignored when the range starts at block 0: the tokens are embedded here) and, unless
     // the range ends with the last block, receives the state leaving it. logits as in eval() (only
@@ -172,6 +174,10 @@ class cuda_sequence {
     // outside [rollback_floor(), n_past]. The last logits are dropped unless n == n_past.
     void truncate(int64_t n);
     int64_t rollback_floor() const;
+    // Window-only models (every block ratio 0: the MTP head): forget every row and continue at position n as
+    // if the positions before had zero rows, as the CPU head's restart does (ds4_drafter.cpp). Throws
+    // fathom::error for a model with compressed blocks or n outside [0, n_ctx].
+    void restart_at(int64_t n);
     // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
     int32_t step_greedy(int32_t token);
     // The MTP head's row n_past (weights from cuda_upload_mtp; every other evaluation refuses them): hc
@@ -244,7 +250,10 @@ class cuda_sequence {
     int64_t reached_ = 0, floor_ = 0;  // rollback bookkeeping (truncate)
     bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
     uint64_t replays_ = 0;
-    void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits);
+    // x_out: the state leaving the chunk's rows [x_out_first, n) (stages: all of them).
+    void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits,
+                    int64_t x_out_first = 0);
+    void eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits, std::span<float> hc_tail);
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
               float *x_out = nullptr);
 
