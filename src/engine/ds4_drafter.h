@@ -28,6 +28,9 @@
 #include "models/deepseek4_mtp.h"
 
 namespace fathom {
+namespace ds4 {
+class cuda_weights;  // models/cuda/deepseek4_cuda.h
+}
 
 class ds4_drafter {
   public:
@@ -51,7 +54,7 @@ class ds4_drafter {
 };
 
 // The MTP head's rows, wherever they run (the CPU: ds4::mtp_forward; one GPU: ds4::cuda_sequence::eval_mtp,
-// make_cuda_mtp_head in ds4_drafter_cuda.cpp); the MTP drafter's rule (observe, draft, rollback) is written
+// make_cuda_mtp_head in engine/cuda/ds4_drafter_cuda.cpp); the MTP drafter's rule (observe, draft, rollback) is written
 // once over it.
 class mtp_head {
   public:
@@ -72,6 +75,9 @@ std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::sha
                                               ds4::qat_mode qat, kv_precision kv, const ds4::exec_options &exec);
 // The MTP drafter over any head (state_floats: n_hc * D).
 std::unique_ptr<ds4_drafter> make_mtp_drafter(std::unique_ptr<mtp_head> head, size_t state_floats);
+// CUDA builds only (engine/cuda/ds4_drafter_cuda.cpp): the head on the weights of ds4::cuda_upload_mtp, positions up
+// to n_ctx (the target's context plus the drafts' rows).
+std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights> head, int64_t n_ctx);
 std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,
                                                  ds4::qat_mode qat, const ds4::exec_options &exec);
 
