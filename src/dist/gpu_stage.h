@@ -34,9 +34,9 @@ std::unique_ptr<gpu_stage> make_gpu_stage(const ds4::model &m, const stage_devic
 // Upload blocks [lr.first, lr.last) of `m` to CUDA device `ordinal` (a stage's share: the embedding
 // comes with block 0, the output head with the last block), for stage_device::weights. `progress`
 // (done, total bytes) may be empty. Throws without CUDA in the build.
-std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int ordinal, layer_range lr,
-                                                      ds4::qat_mode qat, kv_precision kv,
-                                                      const std::function<void(uint64_t, uint64_t)> &progress = {});
+std::shared_ptr<const ds4::cuda_weights> upload_stage(
+    const ds4::model &m, int ordinal, layer_range lr, ds4::qat_mode qat, kv_precision kv,
+    const std::function<void(uint64_t, uint64_t)> &progress = {});
 // Bytes one decode step reads from a stage's weights (ds4::cuda_bytes_per_token).
 double stage_bytes_per_token(const ds4::cuda_weights &w);
 

@@ -1,8 +1,8 @@
 // The DS4 engine on one GPU, as the engine and its sessions see it (ds4_internal.h): the engine-wide
 // ds4_gpu (the weights uploaded once, the prefill scratch and the state pool its sequences share, the
-// device's name, the batched step) and a session's gpu_sequence (its state on the device: evaluation, rollback, saved
-// states, the last logits). The engine picks this executor once at load (--device cuda); the session
-// then calls these interfaces whatever the device's kind. The CUDA implementation
+// device's name, the batched step) and a session's gpu_sequence (its state on the device: evaluation,
+// rollback, saved states, the last logits). The engine picks this executor once at load (--device
+// cuda); the engine and session code that calls it is the same in every build. The CUDA implementation
 // (engine/cuda/ds4_gpu_cuda.cpp, over ds4::cuda_weights / ds4::cuda_sequence of
 // models/cuda/deepseek4_cuda.h) exists only in CUDA builds; a build without CUDA gets
 // engine/no_cuda/engine_no_cuda.cpp's make_ds4_gpu, which throws.

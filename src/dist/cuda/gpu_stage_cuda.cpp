@@ -30,13 +30,15 @@ std::unique_ptr<gpu_stage> make_gpu_stage(const ds4::model &m, const stage_devic
                                           ds4::qat_mode qat, kv_precision kv) {
     if (dev.n_ctx < 1) throw error("dist: a CUDA stage needs a positive n_ctx");
     // Reuse the engine's upload of this range when given (it must be this device's and range's).
-    std::shared_ptr<const ds4::cuda_weights> w = dev.weights ? dev.weights : upload_stage(m, dev.cuda_device, lr, qat, kv);
-    return std::make_unique<cuda_stage>(std::make_unique<ds4::cuda_sequence>(std::move(w), dev.n_ctx, dev.cuda_graphs));
+    std::shared_ptr<const ds4::cuda_weights> w =
+        dev.weights ? dev.weights : upload_stage(m, dev.cuda_device, lr, qat, kv);
+    return std::make_unique<cuda_stage>(
+        std::make_unique<ds4::cuda_sequence>(std::move(w), dev.n_ctx, dev.cuda_graphs));
 }
 
-std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int ordinal, layer_range lr,
-                                                      ds4::qat_mode qat, kv_precision kv,
-                                                      const std::function<void(uint64_t, uint64_t)> &progress) {
+std::shared_ptr<const ds4::cuda_weights> upload_stage(
+    const ds4::model &m, int ordinal, layer_range lr, ds4::qat_mode qat, kv_precision kv,
+    const std::function<void(uint64_t, uint64_t)> &progress) {
     ds4::cuda_run_options co;
     co.device = ordinal;
     co.qat = qat;

@@ -8,17 +8,19 @@ namespace fathom::dist {
 namespace {
 
 [[noreturn]] void no_cuda() {
-    throw error("dist: CUDA stage requested but this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
+    throw error(
+        "dist: CUDA stage requested but this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
 }
 
 }  // namespace
 
-std::unique_ptr<gpu_stage> make_gpu_stage(const ds4::model &, const stage_device &, layer_range, ds4::qat_mode,
-                                          kv_precision) {
+std::unique_ptr<gpu_stage> make_gpu_stage(const ds4::model &, const stage_device &, layer_range,
+                                          ds4::qat_mode, kv_precision) {
     no_cuda();
 }
 
-std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &, int, layer_range, ds4::qat_mode, kv_precision,
+std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &, int, layer_range, ds4::qat_mode,
+                                                      kv_precision,
                                                       const std::function<void(uint64_t, uint64_t)> &) {
     no_cuda();
 }

@@ -28,17 +28,20 @@ class cuda_gpu_sequence final : public gpu_sequence {
     void reset() override { seq_->reset(); }
     bool reserve(int64_t n_tokens) override { return seq_->reserve(n_tokens); }
     size_t row_bytes() const override { return seq_->row_bytes(); }
-    void eval(std::span<const int32_t> tokens, std::span<float> logits) override { seq_->eval(tokens, logits); }
+    void eval(std::span<const int32_t> tokens, std::span<float> logits) override {
+        seq_->eval(tokens, logits);
+    }
     void eval_rows(std::span<const int32_t> tokens, std::span<float> logits) override {
         seq_->eval_rows(tokens, logits);
     }
     void truncate(int64_t n) override { seq_->truncate(n); }
     int64_t rollback_floor() const override { return seq_->rollback_floor(); }
     void last_logits(std::span<float> out) override { seq_->last_logits(out); }
-    std::optional<logits_top> top(size_t k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
-                                  float frequency, float presence) override {
+    std::optional<logits_top> top(size_t k, std::span<const std::pair<int32_t, int32_t>> penalties,
+                                  float repeat, float frequency, float presence) override {
         k = std::min<size_t>(k, static_cast<size_t>(cuda::logits_top_max_k));
-        ds4::cuda_sequence::top_summary d = seq_->logits_top(static_cast<int>(k), penalties, repeat, frequency, presence);
+        ds4::cuda_sequence::top_summary d =
+            seq_->logits_top(static_cast<int>(k), penalties, repeat, frequency, presence);
         if (d.bad != 0) return std::nullopt;  // NaN / +inf
         logits_top t;
         t.ids = std::move(d.ids);
@@ -58,10 +61,16 @@ class cuda_gpu_sequence final : public gpu_sequence {
 
 class cuda_gpu final : public ds4_gpu {
   public:
-    cuda_gpu(std::shared_ptr<const ds4::cuda_weights> w, std::shared_ptr<cuda::block_pool> state, std::string name,
-             const ds4::hparams &hp, const ds4_gpu_options &o)
-        : w_(std::move(w)), state_(std::move(state)), name_(std::move(name)), hp_(hp), kv_(o.kv), n_ctx_(o.n_ctx),
-          prefill_chunk_(o.prefill_chunk), graphs_(o.cuda_graphs) {}
+    cuda_gpu(std::shared_ptr<const ds4::cuda_weights> w, std::shared_ptr<cuda::block_pool> state,
+             std::string name, const ds4::hparams &hp, const ds4_gpu_options &o)
+        : w_(std::move(w)),
+          state_(std::move(state)),
+          name_(std::move(name)),
+          hp_(hp),
+          kv_(o.kv),
+          n_ctx_(o.n_ctx),
+          prefill_chunk_(o.prefill_chunk),
+          graphs_(o.cuda_graphs) {}
 
     const std::string &name() const override { return name_; }
     double bytes_per_token() const override { return ds4::cuda_bytes_per_token(*w_); }
@@ -69,12 +78,14 @@ class cuda_gpu final : public ds4_gpu {
         return std::make_unique<cuda_gpu_sequence>(
             std::make_unique<ds4::cuda_sequence>(w_, n_ctx_, graphs_, prefill_chunk_, prefill_, state_));
     }
-    state_pool_info state_pool() const override { return {state_->block_bytes(), state_->capacity(), state_->used()}; }
+    state_pool_info state_pool() const override {
+        return {state_->block_bytes(), state_->capacity(), state_->used()};
+    }
     void set_state_capacity(int64_t blocks) override { state_->set_capacity(blocks); }
     size_t row_bytes(int64_t n_tokens) const override { return ds4::cuda_row_bytes(hp_, kv_, n_tokens); }
     int max_step_rows() const override { return cuda::ds4::gemv_max_rows; }
-    void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts, std::span<const int32_t> tokens,
-                    std::span<float> logits) override {
+    void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts,
+                    std::span<const int32_t> tokens, std::span<float> logits) override {
         std::vector<ds4::cuda_sequence *> cs;  // every sequence is this executor's (new_sequence)
         cs.reserve(seqs.size());
         for (gpu_sequence *s : seqs) cs.push_back(s ? &static_cast<cuda_gpu_sequence *>(s)->seq() : nullptr);

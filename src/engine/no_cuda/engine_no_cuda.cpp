@@ -1,9 +1,11 @@
-// The engines' CUDA entry points (engine/device.h, dense_gpu.h, ds4_gpu.h) in a build without the CUDA
-// backend (src/CMakeLists.txt: files under a no_cuda/ directory stand in for those under cuda/): no
-// CUDA device is ever present, and whatever would use one throws the same line.
+// The engines' CUDA entry points (engine/device.h, dense_gpu.h, ds4_gpu.h, ds4_drafter.h's
+// make_cuda_mtp_head) in a build without the CUDA backend (src/CMakeLists.txt: files under a no_cuda/
+// directory stand in for those under cuda/): no CUDA device is ever present, and whatever would use
+// one throws the same line.
 #include "core/error.h"
 #include "engine/dense_gpu.h"
 #include "engine/device.h"
+#include "engine/ds4_drafter.h"
 #include "engine/ds4_gpu.h"
 
 namespace fathom {
@@ -33,6 +35,10 @@ double gpu_measure_copy_bandwidth(int) {
 }
 
 std::unique_ptr<dense_gpu> make_dense_gpu(int) {
+    no_cuda();
+}
+
+std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights>, int64_t) {
     no_cuda();
 }
 
