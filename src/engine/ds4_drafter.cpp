@@ -55,8 +55,12 @@ class mtp_drafter final : public ds4_drafter {
                  std::span<const float> features) override {
         (void)features;
         const int64_t n = static_cast<int64_t>(hc.size() / S_), last = static_cast<int64_t>(held.size()) - 1;
-        const int64_t from = std::max<int64_t>(p0, last - head_->window());
-        if (head_->n_past() < from && !hc_.get(head_->n_past())) head_->restart(from);  // history lost / too old
+        if (head_->n_past() < last - head_->window()) head_->restart(last - head_->window());  // too old to matter
+        for (int64_t q = head_->n_past(); q < std::min(p0, last); ++q)
+            if (!hc_.get(q)) {  // a state before this forward was never observed (a loaded state): start at p0
+                head_->restart(p0);
+                break;
+            }
         std::vector<float> x;
         std::vector<int32_t> next;
         for (int64_t i = head_->n_past(); i < last; ++i) {

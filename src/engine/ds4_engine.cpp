@@ -37,9 +37,12 @@ ds4_engine::ds4_engine(const engine_options &o, std::shared_ptr<const gguf::file
         throw error("rank_layers '" + o.dist.rank_layers + "' is for rank processes (fathom rank) only");
     if (!o.ds4_draft.empty() && o.ds4_draft != "mtp" && o.ds4_draft != "dspark")
         throw error("ds4_draft '" + o.ds4_draft + "': expected mtp or dspark");
-    if (!o.ds4_draft.empty() && (!o.dist.devices.empty() || ordinal >= 0))
-        throw error("--spec " + o.ds4_draft + ": DeepSeek V4 drafts (and rolls back) on one CPU device so far, not "
-                    "with --device cuda or --devices");
+    if (!o.ds4_draft.empty() && !o.dist.devices.empty())
+        throw error("--spec " + o.ds4_draft + ": DeepSeek V4 drafts (and rolls back) on one device (the CPU or one GPU), "
+                    "not with --devices");
+    if (o.ds4_draft == "dspark" && ordinal >= 0)
+        throw error("--spec dspark: the DSpark drafter runs on the CPU only so far, not with --device cuda (the MTP "
+                    "head and n-gram drafts run on one GPU: --spec mtp or ngram)");
     if (o.ds4_draft == "dspark" && o.ds4_draft_model.empty())
         throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF for this model)");
     const std::vector<int> stage_ordinals = o.dist.devices.empty() ? std::vector<int>() : parse_device_list(o.dist.devices);
@@ -76,6 +79,7 @@ ds4_engine::ds4_engine(const engine_options &o, std::shared_ptr<const gguf::file
     else if (ordinal >= 0)
         make_cuda(ordinal);
     if (!o.ds4_draft.empty()) load_drafter();
+    if (mtp_ && gpu_) gpu_->load_mtp(*model_, *mtp_);  // the head beside the weights, sharing embedding and output
     if (on_one_cpu() && o.ds4_checkpoint_mib > 0)
         ckpt_ = std::make_unique<ds4_checkpoints>(ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib),
                                                   n_batch_);
@@ -554,9 +558,14 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
         const sync_item &it = items[i];
         ds4_session &s = step_session(it.sess, i, "sync_step", seen);
         const std::span<const int32_t> p = it.prefix;
-        const size_t n_new = it.n_rows > 0 ? static_cast<size_t>(it.n_rows) : 1, held = s.tokens_.size();
+        const size_t held = s.tokens_.size();
+        // New rows: a verification's, a decode's one, or a short prompt piece (at most kPieceRows tokens past
+        // what the session holds: a follow-up turn's text) evaluated as rows beside the decodes with their
+        // numerics, whatever else shares the step; longer pieces take session::sync's chunked prefill.
+        size_t n_new = it.n_rows > 0 ? static_cast<size_t>(it.n_rows) : 1;
+        if (it.n_rows == 0 && p.size() > held + 1 && p.size() - held <= kPieceRows) n_new = p.size() - held;
         bool ok = s.gpu_ && it.n_rows <= gpu_->max_step_rows() && p.size() > n_new && p.size() <= static_cast<size_t>(n_ctx_) &&
-                  (it.n_rows > 0 || it.want_logits);
+                  (it.n_rows > 0 || it.want_logits || n_new > 1);
         const size_t m = ok ? p.size() - n_new : 0;  // kept before the new rows
         ok = ok && held >= m && std::equal(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(m), s.tokens_.begin()) &&
              (held == m || (it.n_rows > 0 && static_cast<int64_t>(m) >= s.rollback_floor()));
@@ -570,8 +579,9 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
     }
     {
         std::lock_guard<std::mutex> lock(forward_mutex());
-        const size_t B = static_cast<size_t>(gpu_->max_step_rows()), Vz = static_cast<size_t>(V);
-        std::vector<float> lg;
+        const size_t B = static_cast<size_t>(gpu_->max_step_rows()), Vz = static_cast<size_t>(V),
+                     S = static_cast<size_t>(model_->hp.n_hc) * static_cast<size_t>(model_->hp.n_embd);
+        std::vector<float> lg, hc;
         for (size_t b0 = 0; b0 < batch.size();) {
             std::vector<gpu_sequence *> seqs;
             std::vector<int> counts;
@@ -585,8 +595,12 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 rows_wanted = rows_wanted || items[batch[b1].i].n_rows > 0;
             }
             lg.resize(rows_wanted ? toks.size() * Vz : 0);
+            // Every row's final HC state when a session of the step drafts with the MTP head (observe below).
+            bool hc_wanted = false;
+            for (size_t k = b0; k < b1; ++k) hc_wanted = hc_wanted || (batch[k].s->drafter_ && batch[k].s->drafter_->wants_hc_state());
+            hc.resize(hc_wanted ? toks.size() * S : 0);
             try {
-                gpu_->step_batch(seqs, counts, toks, lg);
+                gpu_->step_batch(seqs, counts, toks, lg, hc);
             } catch (...) {
                 for (size_t k = b0; k < b1; ++k)  // a device-side error reset the sequences: the sessions follow
                     if (batch[k].s->gpu_->n_past() != batch[k].s->n_past()) batch[k].s->reset();
@@ -604,6 +618,9 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 s.draft_conf_.clear();
                 s.have_logits_ = true;
                 s.logits_on_device_ = true;  // the last row's: sample() summarises them on the device
+                if (s.drafter_ && !hc.empty())
+                    s.drafter_->observe(s.tokens_, s.n_past() - static_cast<int64_t>(n),
+                                        std::span<const float>(hc).subspan((r - n) * S, n * S), {});
             }
             b0 = b1;
         }

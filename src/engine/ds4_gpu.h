@@ -21,7 +21,9 @@
 
 #include "fathom/engine.h"
 #include "fathom/sampling.h"
+#include "engine/ds4_drafter.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_mtp.h"
 
 namespace fathom::ds4_detail {
 
@@ -42,10 +44,12 @@ class gpu_sequence {
     // top), [n_vocab] (the last token's) or [n * n_vocab]. More than one token: chunked prefill
     // (products rounded to bf16). Throws on a bad token or a full context (nothing evaluated), and on a
     // device-side error (the sequence is then reset).
-    virtual void eval(std::span<const int32_t> tokens, std::span<float> logits) = 0;
+    // hc_tail (empty or [k, n_hc * D], k <= n): the final HC states of the last k tokens (the MTP head's input).
+    virtual void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {}) = 0;
     // The same with plain decoding's numerics (each row bit-identical to its own decode step): a
-    // speculative verification's rows. logits [n, n_vocab].
-    virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits) = 0;
+    // speculative verification's rows. logits [n, n_vocab]; hc_out (empty or [n, n_hc * D]) every row's
+    // final HC state.
+    virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {}) = 0;
     // Rollback: forget positions [n, n_past), free down to rollback_floor() (max_rollback below the
     // furthest evaluated position); throws outside [rollback_floor(), n_past], nothing changed.
     virtual void truncate(int64_t n) = 0;
@@ -95,8 +99,14 @@ class ds4_gpu {
     // [rows, n_vocab] (may be empty); every sequence's last logits become its last row's. Throws with
     // nothing evaluated on bad input; on a device-side error every sequence of the step is reset.
     virtual int max_step_rows() const = 0;
+    // hc_out (empty or [rows, n_hc * D]): every row's final HC state (the MTP head's input).
     virtual void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts,
-                            std::span<const int32_t> tokens, std::span<float> logits) = 0;
+                            std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {}) = 0;
+    // The MTP head on this device (ds4::cuda_upload_mtp: its block, sharing the embedding and output head
+    // uploaded here), loaded once; new_mtp_head() a session's head over it (ds4_drafter.h), positions up
+    // to n_ctx + ds4::max_rollback. Throws when no head is loaded, or a weight has no CUDA kernel.
+    virtual void load_mtp(const ds4::model &m, const ds4::mtp_weights &w) = 0;
+    virtual std::unique_ptr<mtp_head> new_mtp_head() const = 0;
 };
 
 struct ds4_gpu_options {

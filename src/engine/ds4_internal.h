@@ -176,7 +176,7 @@ class ds4_session final : public session {
     };
     void observe(const extras_buffers &x, size_t r0, int64_t p0, size_t n) const;
     ds4_engine &e_;
-    std::unique_ptr<ds4_drafter> drafter_;  // engine_options::ds4_draft (one CPU device), else null
+    std::unique_ptr<ds4_drafter> drafter_;  // engine_options::ds4_draft (one device: CPU or GPU), else null
     extras_buffers xb_;                     // forward_chunk's extras for the drafter
     ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
     // Several devices: this session's ranks (null after a failure until the next forward).
@@ -243,6 +243,9 @@ class ds4_engine final : public engine {
     const ds4::model &model() const { return *model_; }
     // A session's drafter (null without engine_options::ds4_draft).
     std::unique_ptr<ds4_drafter> new_drafter() const {
+        const ds4::hparams &hp = model_->hp;
+        if (mtp_ && gpu_)  // the head on the device (ds4_gpu::load_mtp)
+            return make_mtp_drafter(gpu_->new_mtp_head(), static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd));
         if (mtp_) return make_mtp_drafter(*model_, mtp_, qat_, opts_.kv, exec_);
         if (dspark_) return make_dspark_drafter(*model_, dspark_, qat_, exec_);
         return nullptr;
@@ -339,12 +342,15 @@ class ds4_engine final : public engine {
     ds4_session &step_session(session *p, size_t i, const char *what,
                               std::vector<const session *> &seen) const;
     void run_inflight(const std::vector<append_work> &work);
-    // One GPU (sync_step / decode_step): the items that append one token (decodes) or a verification's
-    // rows (n_rows > 0, after a free rollback to prefix[0, size - n_rows)) run as the rows of multi-row
-    // steps of up to 16 rows (ds4_gpu::step_batch), each row bit-identical to its own decode step;
-    // everything else (prompt chunks, deep divergences, a full context, a bad token) goes through
-    // session::sync / sync_with_rows afterwards, which report what they refuse.
+    // One GPU (sync_step / decode_step): the items that append one token (decodes), a verification's
+    // rows (n_rows > 0, after a free rollback to prefix[0, size - n_rows)) or a short prompt piece (at most
+    // kPieceRows tokens past what the session holds) run as the rows of multi-row steps of up to 16 rows
+    // (ds4_gpu::step_batch), each row bit-identical to its own decode step, and sessions drafting with the
+    // MTP head observe their rows' final HC states; everything else (longer prompt chunks, deep
+    // divergences, a full context, a bad token) goes through session::sync / sync_with_rows afterwards,
+    // which report what they refuse.
     void run_gpu_step(std::span<const sync_item> items);
+    static constexpr size_t kPieceRows = 8;  // run_gpu_step: the longest prompt piece evaluated as rows
 
     const tokenizer &tok() const {
         if (!tok_) throw error(opts_.model_path + ": the file has no tokenizer (tokenizer.ggml.model)");

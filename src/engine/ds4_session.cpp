@@ -106,11 +106,18 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
     }
     if (gpu_) {
         // A verification's rows (every row's logits, at most a rollback's width): one decode step each, so
-        // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16).
-        if (verification_rows(toks.size(), out.size()))
-            gpu_->eval_rows(toks, out);
+        // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16). With the
+        // MTP head: the final HC states of every verified row, or of a prompt's last window + 2 rows (the
+        // head's attention is window-only, so earlier rows cannot change a draft), into xb_.hc.
+        const size_t n = toks.size(), S = static_cast<size_t>(e_.model().hp.n_hc) * static_cast<size_t>(e_.model().hp.n_embd);
+        const bool rows = verification_rows(n, out.size());
+        xb_.hc.clear();
+        if (drafter_ && drafter_->wants_hc_state())
+            xb_.hc.resize((rows ? n : std::min<size_t>(n, static_cast<size_t>(e_.model().hp.window) + 2)) * S);
+        if (rows)
+            gpu_->eval_rows(toks, out, xb_.hc);
         else
-            gpu_->eval(toks, out);
+            gpu_->eval(toks, out, xb_.hc);
         return;
     }
     if (!drafter_) {
@@ -169,6 +176,10 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         }
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
         if (drafter_ && !on_gpu() && !on_pipeline()) observe(xb_, 0, n_past() - n, static_cast<size_t>(n));
+        if (drafter_ && on_gpu()) {  // the rows forward_chunk kept (the last ones)
+            const size_t k = xb_.hc.size() / (static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd));
+            observe(xb_, 0, n_past() - static_cast<int64_t>(k), k);
+        }
         done += n;
         if (last) {
             if (all_logits)

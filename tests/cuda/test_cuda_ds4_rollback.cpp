@@ -360,5 +360,94 @@ TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
     }
 }
 
+// The MTP head on one GPU as the session's drafter (engine_options::ds4_draft = "mtp", --device cuda):
+//  - its first draft is the golden MTP top-1 (../shared/golden/ds4-tiny/mtp_cases.jsonl) after a prefill and
+//    speculation-like steps (a true token plus right and wrong drafts, the wrong ones rolled back), wherever
+//    the golden's top-2 gap exceeds its tolerance; n_batch 1, so every row takes the decode step's numerics;
+//  - speculation with it gives plain decoding's tokens, greedy and sampled, and keeps some drafts.
+std::unique_ptr<engine> mtp_engine(const std::string &qat, int64_t n_batch = 0) {
+    engine_options eo;
+    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
+    eo.n_ctx = 512;
+    eo.n_batch = n_batch;
+    eo.device = "cuda";
+    eo.kv = kv_precision::f32;
+    eo.ds4_qat = qat;
+    eo.ds4_draft = "mtp";
+    eo.ds4_draft_model = ds4_test::golden_dir() + "/ds4-tiny-a-mtp.gguf";
+    return engine::load(eo);
+}
+
+TEST_F(CudaDs4Rollback, MtpDrafterOnOneGpuDraftsTheGoldenTop1) {
+    int checked = 0;
+    for (const auto &c : ds4_test::load_cases("mtp_cases.jsonl")) {
+        if (c.tol["tier"] != "strict" || c.tokens.size() < 60) continue;  // long no_qat cases
+        auto e = mtp_engine(c.qat == ds4::qat_mode::full ? "full" : c.qat == ds4::qat_mode::fp4only ? "fp4only" : "off", 1);
+        auto s = e->new_session();
+        ASSERT_TRUE(s->has_drafter());
+        std::mt19937 rng(3);
+        const double gap_min = c.tol["top1_must_match_if_gap_gt"];
+        s->sync(std::span<const int32_t>(c.tokens).first(7));
+        for (size_t n = 7; n <= c.tokens.size(); n = std::min(c.tokens.size() + 1, n + 1 + rng() % 5)) {
+            while (s->tokens().size() < n) {  // the true token, some right drafts, wrong ones rolled back
+                const size_t p = s->tokens().size(), left = n - p;
+                const size_t right = std::min<size_t>(rng() % 4, left - 1), wrong = rng() % 4;
+                std::vector<int32_t> batch(c.tokens.begin() + static_cast<std::ptrdiff_t>(p),
+                                           c.tokens.begin() + static_cast<std::ptrdiff_t>(p + 1 + right));
+                for (size_t j = 0; j < wrong; ++j) batch.push_back(static_cast<int32_t>((c.tokens[p] + 7 + j) % 512));
+                s->eval(batch);
+                s->truncate(static_cast<int64_t>(p + 1 + right));
+            }
+            std::vector<int32_t> h = s->tokens();
+            h.push_back(c.mtp_tokens[n - 1]);
+            const std::vector<int32_t> d = s->draft(h, 4);
+            ASSERT_EQ(d.size(), 4u);
+            if (c.top2_gap[n - 1] > gap_min) {
+                EXPECT_EQ(d[0], c.top8[n - 1][0].first) << c.name << " position " << n - 1;
+                ++checked;
+            }
+        }
+    }
+    EXPECT_GT(checked, 100);
+}
+
+TEST_F(CudaDs4Rollback, MtpSpeculationOnOneGpuGivesPlainDecodingsTokens) {
+    auto e = mtp_engine("full");
+    std::vector<int32_t> prompt;
+    for (const auto &c : ds4_test::load_cases("cases.jsonl"))
+        if (c.tokens.size() >= 100 && prompt.empty()) prompt.assign(c.tokens.begin(), c.tokens.begin() + 100);
+    ASSERT_EQ(prompt.size(), 100u);
+    sampling_params greedy;
+    greedy.temperature = 0.0f;
+    sampling_params sampled;
+    sampled.temperature = 0.8f;
+    sampled.seed = 5;
+    for (const sampling_params &p : {greedy, sampled}) {
+        const std::string what = p.temperature == 0 ? "greedy" : "sampled";
+        const outcome ref = plain(*e, prompt, p, 80);
+        auto s = e->new_session();
+        s->sync(prompt);
+        session &sr = *s;
+        sampler smp(p);
+        outcome got;
+        spec::width_options w;
+        w.draft_max = 4;
+        w.adaptive = false;
+        got.st = spec::generate(
+            sr, smp, e->info().n_ctx, w, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
+            [&](int32_t t) {
+                if (e->is_end_of_generation(t)) return spec::token_verdict::stop;
+                got.tokens.push_back(t);
+                return got.tokens.size() >= 80 ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;
+            });
+        got.held = s->tokens();
+        EXPECT_EQ(got.tokens, ref.tokens) << what;
+        EXPECT_EQ(got.held, ref.held) << what;
+        EXPECT_GT(got.st.drafted, 0) << what;
+        std::printf("  %s: %lld drafted, %lld kept\n", what.c_str(), static_cast<long long>(got.st.drafted),
+                    static_cast<long long>(got.st.accepted));
+    }
+}
+
 }  // namespace
 }  // namespace fathom

@@ -268,7 +268,7 @@ TEST(ds4_drafters, bad_options_fail_at_load) {
             o.ds4_draft_model = kMtp;
             engine::load(o);
         },
-        "one CPU device");
+        "not with --devices");
     // A session without a drafter drafts nothing; a history that does not extend the held tokens throws.
     auto e = load("mtp", kMtp, "full");
     auto s = e->new_session();

@@ -28,11 +28,11 @@ class cuda_gpu_sequence final : public gpu_sequence {
     void reset() override { seq_->reset(); }
     bool reserve(int64_t n_tokens) override { return seq_->reserve(n_tokens); }
     size_t row_bytes() const override { return seq_->row_bytes(); }
-    void eval(std::span<const int32_t> tokens, std::span<float> logits) override {
-        seq_->eval(tokens, logits);
+    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) override {
+        seq_->eval(tokens, logits, hc_tail);
     }
-    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits) override {
-        seq_->eval_rows(tokens, logits);
+    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) override {
+        seq_->eval_rows(tokens, logits, hc_out);
     }
     void truncate(int64_t n) override { seq_->truncate(n); }
     int64_t rollback_floor() const override { return seq_->rollback_floor(); }
@@ -84,16 +84,22 @@ class cuda_gpu final : public ds4_gpu {
     void set_state_capacity(int64_t blocks) override { state_->set_capacity(blocks); }
     size_t row_bytes(int64_t n_tokens) const override { return ds4::cuda_row_bytes(hp_, kv_, n_tokens); }
     int max_step_rows() const override { return cuda::ds4::gemv_max_rows; }
-    void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts,
-                    std::span<const int32_t> tokens, std::span<float> logits) override {
+    void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts, std::span<const int32_t> tokens,
+                    std::span<float> logits, std::span<float> hc_out) override {
         std::vector<ds4::cuda_sequence *> cs;  // every sequence is this executor's (new_sequence)
         cs.reserve(seqs.size());
         for (gpu_sequence *s : seqs) cs.push_back(s ? &static_cast<cuda_gpu_sequence *>(s)->seq() : nullptr);
-        ds4::cuda_sequence::step_batch(cs, counts, tokens, logits);
+        ds4::cuda_sequence::step_batch(cs, counts, tokens, logits, hc_out);
+    }
+    void load_mtp(const ds4::model &m, const ds4::mtp_weights &w) override { mtp_ = ds4::cuda_upload_mtp(m, w, w_); }
+    std::unique_ptr<mtp_head> new_mtp_head() const override {
+        if (!mtp_) throw error("ds4 gpu: no MTP head loaded");
+        return make_cuda_mtp_head(mtp_, n_ctx_ + ds4::max_rollback);
     }
 
   private:
     std::shared_ptr<const ds4::cuda_weights> w_;
+    std::shared_ptr<const ds4::cuda_weights> mtp_;  // load_mtp (null without)
     // The sequences share one prefill scratch: their evaluations run under the engine's forward mutex.
     std::shared_ptr<ds4::cuda_prefill_pool> prefill_ = ds4::cuda_make_prefill_pool();
     std::shared_ptr<cuda::block_pool> state_;  // the sequences' compressed and indexer rows
