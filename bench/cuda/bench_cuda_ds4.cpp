@@ -2,7 +2,7 @@
 //   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
 //                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
 //                  [--state-file PATH] [--gemv-trace FILE] [--ktrace FILE] [--rows 2,3,4,5]
-// For each depth N the sequence is made N tokens deep with cuda_sequence::fill_synthetic (seeded
+// For each depth N the sequence is made N tokens deep with cuda_testing::fill_synthetic (seeded
 // KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
 // step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
 // 4-byte download per token). Also: an end-to-end prefill + decode from position 0 through eval()
@@ -11,7 +11,7 @@
 // --prefill a,b,c: a real prompt from position 0 through chunked prefill (eval of each interval
 // [0, a), [a, b), [b, c) as one call, last-token logits), the tok/s of every interval (an empty list
 // skips it); --chunk sets the chunk size (0: token-serial). --serial-step: the decode step on one
-// stream (cuda_run_options::serial_step; default: the attention's parallel branches).
+// stream (cuda_testing::cuda_test_options::serial_step; default: the attention's parallel branches).
 // --state-file PATH: after the chunked prefill, the sequence's saved state (save_state, the disk prompt
 // cache's DS4 stream) written to PATH (fsync'd) and loaded into a second sequence, both timed; the
 // next decode step of both must agree bit for bit.
@@ -47,6 +47,7 @@
 #include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ktrace.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_testing.h"
 #include "bench_util.h"
 #include "core/error.h"
 #include "models/deepseek4.h"
@@ -177,8 +178,9 @@ int main(int argc, char **argv) try {
     auto m = ds4::load_model(path);
     ds4::cuda_run_options o;
     o.kv = kv == "f32" ? kv_precision::f32 : kv_precision::f16;
-    o.serial_step = serial_step;
-    auto w = ds4::cuda_upload(*m, o);
+    ds4::cuda_testing::cuda_test_options test_opts;
+    test_opts.serial_step = serial_step;
+    auto w = ds4::cuda_testing::cuda_upload(*m, o, test_opts);
     const double bytes = ds4::cuda_bytes_per_token(*w);
     std::printf(
         "model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f "
@@ -269,14 +271,14 @@ int main(int argc, char **argv) try {
     bool rows_differ = false;
     std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");
     for (int64_t depth : depths) {
-        seq.fill_synthetic(depth, 1);
+        ds4::cuda_testing::fill_synthetic(seq, depth, 1);
         int32_t t = 100;
-        for (int i = 0; i < 3; ++i) t = seq.step_greedy(t);  // warm-up
+        for (int i = 0; i < 3; ++i) t = ds4::cuda_testing::step_greedy(seq, t);  // warm-up
         const double t0 = now_s();
         // The timed replays form the profiler's capture range (scripts/device/ncu_step.sh runs Nsight
         // Compute with --profile-from-start off); without a profiler these calls do nothing.
         cudaProfilerStart();
-        for (int i = 0; i < n_gen; ++i) t = seq.step_greedy(t);
+        for (int i = 0; i < n_gen; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
         cudaProfilerStop();
         const double dt = (now_s() - t0) / n_gen;
         std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt,
@@ -340,7 +342,7 @@ int main(int argc, char **argv) try {
             if (!kt::bind_all(buf, n, cap)) {
                 std::printf("ktrace: not a FATHOM_KTRACE build, nothing recorded\n");
             } else {
-                t = seq.step_greedy(t);
+                t = ds4::cuda_testing::step_greedy(seq, t);
                 cudaDeviceSynchronize();
                 uint32_t count = 0;
                 cudaMemcpy(&count, n, sizeof count, cudaMemcpyDeviceToHost);
@@ -368,7 +370,7 @@ int main(int argc, char **argv) try {
             const int64_t room = static_cast<int64_t>(reps + 1) * static_cast<int64_t>(seqs_list.size()) + 16;
             for (int64_t i = 0; i < S; ++i) {
                 many.push_back(std::make_unique<ds4::cuda_sequence>(w, depth + room, true, 0));
-                many.back()->fill_synthetic(depth, static_cast<uint64_t>(2 + i));
+                ds4::cuda_testing::fill_synthetic(*many.back(), depth, static_cast<uint64_t>(2 + i));
             }
             for (int64_t n : seqs_list) {
                 if (n < 1 || n > 16) throw error("--seqs: 1..16");
@@ -384,7 +386,7 @@ int main(int argc, char **argv) try {
                             "", static_cast<long long>(n), ds * 1e3, ds / dt, static_cast<double>(n) / ds);
             }
         }
-        phases.emplace_back(depth, seq.profile_step(t));
+        phases.emplace_back(depth, ds4::cuda_testing::profile_step(seq, t));
     }
     // Where a step's time goes (eager launches queued behind a device pause; events between phases).
     for (const auto &[depth, ph] : phases) {

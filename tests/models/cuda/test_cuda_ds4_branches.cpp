@@ -1,7 +1,7 @@
 // The decode step's parallel attention branches (models/cuda/deepseek4_cuda.cpp enqueue_attention: KV row + compressor
 // and indexer on side streams beside the query path, forked and joined with events, captured as
-// parallel graph branches) against the serial step (cuda_run_options::serial_step): the same kernels
-// on the same inputs, so every logit must be BIT-identical; any difference is a missing or misplaced
+// parallel graph branches) against the serial step (deepseek4_cuda_testing.h: cuda_test_options::serial_step):
+// the same kernels on the same inputs, so every logit must be BIT-identical; any difference is a missing or misplaced
 // fork / join (a branch reading a buffer before it is written, or the next layer overwriting one a
 // branch still reads).
 //
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_testing.h"
 #include "models/deepseek4.h"
 #include "backend/cuda/cuda_test_util.h"
 #include "ds4_host_util.h"
@@ -45,7 +46,7 @@ const std::string &branch_model_path() {
 struct variant {
     const char *name;
     bool serial, graph;
-    int64_t delay_ns;  // cuda_run_options::branch_delay_ns
+    int64_t delay_ns;  // cuda_testing::cuda_test_options::branch_delay_ns
 };
 // The first is the reference.
 const variant variants[] = {
@@ -68,17 +69,18 @@ struct run_result {
 // first, and the first token through profile_step), keeping every step's logits.
 run_result decode(const ds4::model &m, ds4::cuda_run_options o, const variant &v, const std::vector<int32_t> &toks,
                   int64_t depth) {
-    o.serial_step = v.serial;
-    o.branch_delay_ns = v.delay_ns;
-    auto w = ds4::cuda_upload(m, o);
+    ds4::cuda_testing::cuda_test_options t;
+    t.serial_step = v.serial;
+    t.branch_delay_ns = v.delay_ns;
+    auto w = ds4::cuda_testing::cuda_upload(m, o, t);
     const size_t V = static_cast<size_t>(m.hp.n_vocab);
     ds4::cuda_sequence seq(w, depth + static_cast<int64_t>(toks.size()) + 1, v.graph, 0);
     run_result r;
     r.logits.assign(toks.size() * V, std::nanf(""));
     size_t i = 0;
     if (depth > 0) {
-        seq.fill_synthetic(depth, 17);
-        const auto phases = seq.profile_step(toks[0]);
+        ds4::cuda_testing::fill_synthetic(seq, depth, 17);
+        const auto phases = ds4::cuda_testing::profile_step(seq, toks[0]);
         float total = 0;
         bool topk = false;
         for (const auto &[name, ms] : phases) total += ms, topk = topk || name == "indexer top-k";
@@ -88,7 +90,7 @@ run_result decode(const ds4::model &m, ds4::cuda_run_options o, const variant &v
     }
     for (; i < toks.size(); ++i) seq.eval(std::span(&toks[i], 1), std::span(r.logits).subspan(i * V, V));
     EXPECT_EQ(seq.n_past(), depth + static_cast<int64_t>(toks.size()));
-    r.replays = seq.graph_replays();
+    r.replays = ds4::cuda_testing::graph_replays(seq);
     return r;
 }
 

@@ -27,6 +27,7 @@
 #include "backend/cuda/ds4_kernels.h"
 #include "backend/cuda/ds4_kernels_testing.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_testing.h"
 #include "core/error.h"
 #include "models/ds4/golden_util.h"
 #include "models/deepseek4.h"
@@ -63,7 +64,7 @@ TEST_F(CudaDs4Model, GoldenTinyDecodeThroughGraph) {
         ds4::cuda_sequence seq(w, static_cast<int64_t>(c.tokens.size()) + 1, true, 0);  // token-serial
         std::vector<float> logits(c.tokens.size() * V, std::nanf(""));
         seq.eval(c.tokens, logits);
-        EXPECT_EQ(seq.graph_replays(), c.tokens.size());
+        EXPECT_EQ(ds4::cuda_testing::graph_replays(seq), c.tokens.size());
         const auto v = ds4_test::compare(c, logits, m.hp.n_vocab);
         EXPECT_TRUE(v.ok) << c.name << ": " << v.why;
         std::printf("  %-20s max e_p %.3g  median e_p %.3g\n", c.name.c_str(), v.max_e, v.median_e);
@@ -83,7 +84,7 @@ TEST_F(CudaDs4Model, GoldenTinyChunkedPrefill) {
             ds4::cuda_sequence seq(w, static_cast<int64_t>(c.tokens.size()) + 1, true, chunk);
             std::vector<float> logits(c.tokens.size() * V, std::nanf(""));
             seq.eval(c.tokens, logits);
-            EXPECT_EQ(seq.graph_replays(), c.tokens.size() > 1 ? 0u : 1u);
+            EXPECT_EQ(ds4::cuda_testing::graph_replays(seq), c.tokens.size() > 1 ? 0u : 1u);
             const auto v = ds4_test::compare(c, logits, m.hp.n_vocab);
             EXPECT_TRUE(v.ok) << c.name << " (chunk " << chunk << "): " << v.why;
             std::printf("  chunk %-5lld %-20s max e_p %.3g  median e_p %.3g\n", static_cast<long long>(chunk),
