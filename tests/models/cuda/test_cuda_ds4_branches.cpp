@@ -1,9 +1,9 @@
 // The decode step's parallel attention branches (models/cuda/deepseek4_cuda.cpp enqueue_attention: KV row + compressor
 // and indexer on side streams beside the query path, forked and joined with events, captured as
-// parallel graph branches) against the serial step (deepseek4_cuda_testing.h: cuda_test_options::serial_step):
-// the same kernels on the same inputs, so every logit must be BIT-identical; any difference is a missing or misplaced
-// fork / join (a branch reading a buffer before it is written, or the next layer overwriting one a
-// branch still reads).
+// parallel graph branches) against the serial step (deepseek4_cuda_testing.h:
+// cuda_test_options::serial_step): the same kernels on the same inputs, so every logit must be
+// BIT-identical; any difference is a missing or misplaced fork / join (a branch reading a buffer
+// before it is written, or the next layer overwriting one a branch still reads).
 //
 // Each variant decodes the same tokens step by step, through the captured graph and eagerly; test
 // variants pause the side streams (exposes a missing join: the attention or the next layer's
