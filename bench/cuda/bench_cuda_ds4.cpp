@@ -25,9 +25,14 @@
 // --rows a,b,..: at each depth, the time of a verification of R rows of one sequence (eval_rows: one
 // decode step per row, plain decoding's numerics) then its rollback (truncate), relative to a one-row
 // step: the cost a speculative step pays per row.
-// --seqs a,b,..: at the first depth, S sequences (each made that deep) decoding together, one row each per
+// --seqs a,b,..: at each depth, S sequences (each made that deep) decoding together, one row each per
 // multi-row step (cuda_sequence::step_batch, the server's batched decode): ms per step, relative to a
 // one-row step, and the aggregate tok/s.
+// --paged: every sequence's compressed and indexer rows in blocks of one state pool (cuda_make_state_pool,
+// the engine's layout on one GPU) instead of allocated whole for its context.
+// --capacity a,b,..: before anything else, for each context length, paged sequences made that deep
+// (fill_synthetic) are created until the device has no room for another (the pool exhausted or a
+// sequence's own allocation refused): how many fit, and the device bytes each takes; then all are freed.
 #include <cuda_profiler_api.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -43,6 +48,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_vmm.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ktrace.h"
@@ -142,8 +148,8 @@ int main(int argc, char **argv) try {
     std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file;
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
-    bool eager = false, serial_step = false;
-    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list;
+    bool eager = false, serial_step = false, paged = false;
+    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity;
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
@@ -171,6 +177,10 @@ int main(int argc, char **argv) try {
             rows = parse_list(argv[++i]);
         else if (a == "--seqs" && i + 1 < argc)
             seqs_list = parse_list(argv[++i]);
+        else if (a == "--paged")
+            paged = true;
+        else if (a == "--capacity" && i + 1 < argc)
+            capacity = parse_list(argv[++i]);
         else
             throw error("unknown argument " + a);
     }
@@ -195,7 +205,39 @@ int main(int argc, char **argv) try {
         bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
     int64_t max_depth = depths.empty() ? 0 : *std::max_element(depths.begin(), depths.end());
     if (!prefill.empty()) max_depth = std::max(max_depth, *std::max_element(prefill.begin(), prefill.end()));
-    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk);
+    // Concurrent sequences per context length on this device (paged state, a shared prefill scratch).
+    for (int64_t ctx : capacity) {
+        auto pf = ds4::cuda_make_prefill_pool();
+        size_t free0 = 0, total = 0;
+        cudaMemGetInfo(&free0, &total);
+        std::shared_ptr<cuda::block_pool> pool = ds4::cuda_make_state_pool(*w, 0);
+        std::vector<std::unique_ptr<ds4::cuda_sequence>> held;
+        std::string stop;
+        const double t0 = now_s();
+        while (held.size() < 4096) {
+            try {
+                auto s = std::make_unique<ds4::cuda_sequence>(w, ctx, true, chunk, pf, pool);
+                ds4::cuda_testing::fill_synthetic(*s, ctx - 1, held.size() + 1);
+                held.push_back(std::move(s));
+            } catch (const std::exception &e) {
+                stop = e.what();
+                break;
+            }
+        }
+        size_t free1 = 0;
+        cudaMemGetInfo(&free1, &total);
+        const double per = held.empty() ? 0 : static_cast<double>(free0 - free1) / static_cast<double>(held.size());
+        std::printf("capacity at %lld tokens: %zu sequences fit (%.1f MB of device memory each, %.2f KB per token; "
+                    "rows %.1f MB in %lld blocks of the pool's %lld; %.1f s); stopped by: %s\n",
+                    static_cast<long long>(ctx), held.size(), per / 1e6, per / static_cast<double>(ctx) / 1e3,
+                    held.empty() ? 0.0 : static_cast<double>(held.back()->row_bytes()) / 1e6,
+                    static_cast<long long>(pool->used()), static_cast<long long>(pool->capacity()), now_s() - t0,
+                    stop.c_str());
+        held.clear();
+        pool.reset();
+    }
+    std::shared_ptr<cuda::block_pool> state_pool = paged ? ds4::cuda_make_state_pool(*w, 0) : nullptr;
+    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk, {}, state_pool);
     std::vector<int> trace_launches;
     uint64_t *trace_buf = nullptr;
     m.reset();  // the host mapping is no longer needed
@@ -363,13 +405,13 @@ int main(int argc, char **argv) try {
             cudaFree(n);
             ktrace_file.clear();
         }
-        if (depth == depths.front() && !seqs_list.empty()) {  // several sequences per step
+        if (!seqs_list.empty()) {  // several sequences per step
             const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
             std::vector<std::unique_ptr<ds4::cuda_sequence>> many;
             const int reps = std::max(4, n_gen / 2);
             const int64_t room = static_cast<int64_t>(reps + 1) * static_cast<int64_t>(seqs_list.size()) + 16;
             for (int64_t i = 0; i < S; ++i) {
-                many.push_back(std::make_unique<ds4::cuda_sequence>(w, depth + room, true, 0));
+                many.push_back(std::make_unique<ds4::cuda_sequence>(w, depth + room, true, 0, nullptr, state_pool));
                 ds4::cuda_testing::fill_synthetic(*many.back(), depth, static_cast<uint64_t>(2 + i));
             }
             for (int64_t n : seqs_list) {

@@ -20,7 +20,7 @@ ldd $bins | awk '/=> \// {print $3}' | sort -u |
     while read -r lib; do cp -L "$lib" "$root/.cuda-carry/lib/"; done
 # ds4-tiny golden (model + cases) for the DS4 tests (run_ds4_cuda.sh links it where FATHOM_SHARED_DIR points).
 mkdir -p "$root/.cuda-carry/shared/golden/ds4-tiny"
-for f in ds4-tiny-a.gguf cases.jsonl; do cp "$root/../shared/golden/ds4-tiny/$f" "$root/.cuda-carry/shared/golden/ds4-tiny/"; done
+for f in ds4-tiny-a.gguf cases.jsonl ds4-tiny-a-mtp.gguf ds4-tiny-a-mtp-ds4c.gguf mtp_cases.jsonl; do cp "$root/../shared/golden/ds4-tiny/$f" "$root/.cuda-carry/shared/golden/ds4-tiny/"; done
 # Only for the dense-family runs (the DS4 run removes them to stay under the 64 MiB carry limit).
 for v in gpt-2 qwen2 llama-bpe; do cp "$root/../shared/tokenizer-tests/ggml-vocab-$v.gguf" "$root/.cuda-carry/vocab/"; done
 du -sh "$root/.cuda-carry"

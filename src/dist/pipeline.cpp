@@ -6,18 +6,10 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "dist/gpu_stage.h"
 #include "dist/local_group.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "models/cuda/deepseek4_cuda.h"
-#endif
 
 namespace fathom::dist {
-
-struct pipeline_rank::gpu_stage {
-#ifdef FATHOM_ENGINE_CUDA
-    std::unique_ptr<ds4::cuda_sequence> seq;
-#endif
-};
 
 namespace {
 
@@ -61,28 +53,12 @@ std::vector<layer_range> even_ranges(int n_layer, int parts) {
 
 pipeline_rank::pipeline_rank(const ds4::model &m, std::vector<layer_range> ranges, transport &t,
                              ds4::qat_mode qat, kv_precision kv, ds4::exec_options exec, stage_device dev)
-    : m_(m), ranges_(std::move(ranges)), t_(t), rank_(t.rank()), qat_(qat), kv_(kv), exec_(exec), dev_(dev),
-      gpu_(std::make_unique<gpu_stage>()) {
+    : m_(m), ranges_(std::move(ranges)), t_(t), rank_(t.rank()), qat_(qat), kv_(kv), exec_(exec), dev_(dev) {
     check_ranges(ranges_, static_cast<int>(m_.layers.size()));
     if (static_cast<int>(ranges_.size()) != t_.size())
         throw error("dist: " + std::to_string(ranges_.size()) + " layer ranges for " + std::to_string(t_.size()) +
                     " ranks");
-    if (dev_.cuda_device >= 0) {
-#ifdef FATHOM_ENGINE_CUDA
-        if (dev_.n_ctx < 1) throw error("dist: a CUDA stage needs a positive n_ctx");
-        ds4::cuda_run_options o;
-        o.device = dev_.cuda_device;
-        o.qat = qat;
-        o.kv = kv;
-        o.first_layer = range().first;
-        o.last_layer = range().last;
-        // Reuse the engine's upload of this range when given (it must be this device's and range's).
-        std::shared_ptr<const ds4::cuda_weights> w = dev_.weights ? dev_.weights : ds4::cuda_upload(m_, o);
-        gpu_->seq = std::make_unique<ds4::cuda_sequence>(std::move(w), dev_.n_ctx, dev_.cuda_graphs);
-#else
-        throw error("dist: CUDA stage requested but this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
-#endif
-    }
+    if (dev_.cuda_device >= 0) gpu_ = make_gpu_stage(m_, dev_, range(), qat, kv);
     fresh_state();
 }
 
@@ -90,27 +66,21 @@ pipeline_rank::~pipeline_rank() = default;
 
 void pipeline_rank::gpu_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions,
                                std::span<float> x, std::span<float> logits) {
-#ifdef FATHOM_ENGINE_CUDA
     for (size_t i = 0; i < positions.size(); ++i)
         if (positions[i] != n_past_ + static_cast<int64_t>(i))
             throw error("dist: rank " + std::to_string(rank_) + ": position " + std::to_string(positions[i]) +
                         " at index " + std::to_string(i) + ", expected " +
                         std::to_string(n_past_ + static_cast<int64_t>(i)));
-    gpu_->seq->eval_stage(tokens, x, logits);
+    gpu_->eval(tokens, x, logits);
     n_past_ += static_cast<int64_t>(tokens.size());
-#else
-    (void)tokens, (void)positions, (void)x, (void)logits;
-#endif
 }
 
 void pipeline_rank::fresh_state() {
-#ifdef FATHOM_ENGINE_CUDA
-    if (gpu_->seq) {
-        gpu_->seq->reset();
+    if (gpu_) {
+        gpu_->reset();
         n_past_ = 0;
         return;
     }
-#endif
     layers_.clear();
     for (int il = range().first; il < range().last; ++il)
         layers_.push_back(ds4::new_layer_state(m_.hp, m_.layers[static_cast<size_t>(il)], kv_));

@@ -30,6 +30,8 @@ class cuda_weights;  // models/cuda/deepseek4_cuda.h (CUDA builds only)
 
 namespace fathom::dist {
 
+class gpu_stage;  // dist/gpu_stage.h
+
 // Blocks [first, last) of one rank.
 struct layer_range {
     int first = 0;
@@ -48,7 +50,8 @@ std::vector<layer_range> even_ranges(int n_layer, int parts);
 // Where a rank evaluates its blocks: the CPU (default) or one CUDA device (ds4::cuda_sequence on the
 // rank's block range: its weights and KV live on that device, the embedding on rank 0's, the heads on
 // the last rank's; the HC state crosses as host f32, so the logits equal a single-device CUDA run bit
-// for bit). CUDA needs a build with -DFATHOM_CUDA=ON.
+// for bit; the rank drives it through dist::gpu_stage, gpu_stage.h). CUDA needs a build with
+// -DFATHOM_CUDA=ON.
 struct stage_device {
     int cuda_device = -1;  // -1: CPU
     int64_t n_ctx = 0;     // CUDA: the sequence capacity (tokens)
@@ -127,8 +130,7 @@ class pipeline_rank {
     // comes back, i.e. no logits asked, no tokens, or one rank that computed them itself).
     std::optional<std::span<float>> pending_;
     stage_device dev_;
-    struct gpu_stage;
-    std::unique_ptr<gpu_stage> gpu_;  // CUDA stage (dev_.cuda_device >= 0)
+    std::unique_ptr<gpu_stage> gpu_;  // CUDA stage (dev_.cuda_device >= 0; gpu_stage.h), else null
     // CUDA: run this rank's blocks (embedding on rank 0, heads on the last rank) over the chunk.
     void gpu_layers(std::span<const int32_t> tokens, std::span<const int64_t> positions, std::span<float> x,
                     std::span<float> logits);

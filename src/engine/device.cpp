@@ -4,9 +4,6 @@
 #include <algorithm>
 
 #include "core/error.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "backend/cuda/cuda_backend.h"
-#endif
 
 namespace fathom {
 
@@ -20,35 +17,15 @@ device_choice parse_device(const std::string &d) {
     throw error("device '" + d + "': expected cpu, cuda, cuda:N or auto");
 }
 
-namespace {
-
-bool build_has_cuda() {
-#ifdef FATHOM_ENGINE_CUDA
-    return true;
-#else
-    return false;
-#endif
-}
-
-int cuda_devices_present() {
-#ifdef FATHOM_ENGINE_CUDA
-    return cuda_device_count();
-#else
-    return 0;
-#endif
-}
-
-}  // namespace
-
 // (engine/device.h) auto falls back to the CPU silently; the caller reports it through
 // model_info::device.
 int resolve_cuda_ordinal(const std::string &device) {
     const device_choice dc = parse_device(device);
     if (dc.kind == device_choice::cpu) return -1;
-    if (dc.kind == device_choice::automatic) return build_has_cuda() && cuda_devices_present() > 0 ? 0 : -1;
-    if (!build_has_cuda())
+    if (dc.kind == device_choice::automatic) return gpu_in_build() && gpu_count() > 0 ? 0 : -1;
+    if (!gpu_in_build())
         throw error("device '" + device + "': this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
-    const int n = cuda_devices_present();
+    const int n = gpu_count();
     if (n == 0)
         throw error("device '" + device + "': no CUDA device present (use --device cpu, or --device auto to fall back to the CPU)");
     if (dc.ordinal >= n)

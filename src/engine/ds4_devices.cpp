@@ -10,9 +10,6 @@
 
 #include "engine/device.h"
 #include "engine/ds4_checkpoints.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "models/cuda/deepseek4_cuda.h"
-#endif
 
 namespace fathom::ds4_detail {
 
@@ -83,19 +80,5 @@ std::string ranges_text(const std::vector<dist::layer_range> &ranges) {
     }
     return out;
 }
-
-#ifdef FATHOM_ENGINE_CUDA
-std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int ordinal, dist::layer_range lr,
-                                                      ds4::qat_mode qat, kv_precision kv,
-                                                      const std::function<void(uint64_t, uint64_t)> &progress) {
-    ds4::cuda_run_options co;
-    co.device = ordinal;
-    co.qat = qat;
-    co.kv = kv;
-    co.first_layer = lr.first;
-    co.last_layer = lr.last;
-    return ds4::cuda_upload(m, co, progress);
-}
-#endif
 
 }  // namespace fathom::ds4_detail

@@ -1,7 +1,7 @@
 // DS4 engine internals (ds4_internal.h): option checks, the device list, a session's ranks on several
 // devices (device_ranks) and the helpers that the engine (ds4_engine.cpp) and its rank processes
-// (ds4_rank_server.cpp) share. Definitions in ds4_devices.cpp. Like ds4_internal.h, included only by
-// files compiled with FATHOM_ENGINE_CUDA in a CUDA build (src/CMakeLists.txt).
+// (ds4_rank_server.cpp) share. Definitions in ds4_devices.cpp. A pipeline's CUDA stages are
+// dist/gpu_stage.h's (their weights uploaded with dist::upload_stage).
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -17,9 +17,6 @@
 #include "dist/tp.h"
 #include "fathom/engine.h"
 #include "models/deepseek4.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "models/cuda/deepseek4_cuda.h"
-#endif
 
 namespace fathom::ds4_detail {
 
@@ -116,13 +113,5 @@ int64_t default_n_ctx(int64_t n_ctx_train);
 // Block ranges -> "0-2,3-5" (inclusive block numbers: dist::parse_layer_ranges' format), the
 // `--rank-layers` that rank 0 hands its rank processes.
 std::string ranges_text(const std::vector<dist::layer_range> &ranges);
-
-#ifdef FATHOM_ENGINE_CUDA
-// Upload blocks [lr.first, lr.last) of `m` to CUDA device `ordinal` (a pipeline stage's share: the
-// embedding comes with block 0, the output head with the last block). `progress` may be empty.
-std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &m, int ordinal, dist::layer_range lr,
-                                                      ds4::qat_mode qat, kv_precision kv,
-                                                      const std::function<void(uint64_t, uint64_t)> &progress);
-#endif
 
 }  // namespace fathom::ds4_detail

@@ -37,50 +37,49 @@ class position_ring {
     std::vector<int64_t> tag_;
 };
 
+// The MTP drafting rule over a head that runs rows on the CPU or a GPU (mtp_head).
 class mtp_drafter final : public ds4_drafter {
   public:
-    mtp_drafter(const ds4::model &m, std::shared_ptr<const ds4::mtp_weights> w, ds4::qat_mode qat, kv_precision kv,
-                const ds4::exec_options &exec)
-        : m_(m), w_(std::move(w)), qat_(qat), kv_(kv), exec_(exec),
-          S_(static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd)),
-          hc_(static_cast<size_t>(ds4::max_rollback) + 2, S_) {
-        restart(0);
+    mtp_drafter(std::unique_ptr<mtp_head> head, size_t state_floats)
+        : head_(std::move(head)), S_(state_floats), hc_(static_cast<size_t>(ds4::max_rollback) + 2, S_) {
+        head_->restart(0);
     }
     bool wants_hc_state() const override { return true; }
     std::span<const int> feature_layers() const override { return {}; }
 
-    // Runs the head's rows st_.n_past .. held.size() - 2 (each: the HC state at i, token i + 1); the
-    // states of positions before p0 come from the ring, the rest from this forward's hc.
+    // Runs the head's rows n_past .. held.size() - 2 (each: the HC state at i, token i + 1); the states of
+    // positions before p0 come from the ring, the rest from this forward's hc. The head's attention is
+    // window-only, so rows more than a window behind the last one cannot change a draft: after a long
+    // prompt only its last `window` rows run (the head restarts there, as after a loaded state).
     void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
                  std::span<const float> features) override {
         (void)features;
         const int64_t n = static_cast<int64_t>(hc.size() / S_), last = static_cast<int64_t>(held.size()) - 1;
-        if (st_.n_past < p0 && !hc_.get(st_.n_past)) restart(p0);  // history lost (a loaded state): start here
+        const int64_t from = std::max<int64_t>(p0, last - head_->window());
+        if (head_->n_past() < from && !hc_.get(head_->n_past())) head_->restart(from);  // history lost / too old
         std::vector<float> x;
         std::vector<int32_t> next;
-        std::vector<int64_t> pos;
-        for (int64_t i = st_.n_past; i < last; ++i) {
+        for (int64_t i = head_->n_past(); i < last; ++i) {
             const float *row = i >= p0 ? &hc[static_cast<size_t>(i - p0) * S_] : hc_.get(i);
             if (!row) break;
             x.insert(x.end(), row, row + S_);
             next.push_back(held[static_cast<size_t>(i + 1)]);
-            pos.push_back(i);
         }
-        if (!pos.empty()) ds4::mtp_forward(m_, *w_, st_, x, next, pos, {});
+        if (!next.empty()) head_->rows(x, next);
         for (int64_t i = std::max<int64_t>(0, n - static_cast<int64_t>(hc_.slots())); i < n; ++i)
             hc_.put(p0 + i, &hc[static_cast<size_t>(i) * S_]);
     }
 
     void truncate(int64_t n) override {
         const int64_t keep = std::max<int64_t>(0, n - 1);  // rows i <= n - 2 have their next token
-        if (st_.n_past <= keep) return;
-        if (keep >= std::max<int64_t>(0, st_.reached - ds4::max_rollback))
-            ds4::mtp_truncate(st_, keep);
+        if (head_->n_past() <= keep) return;
+        if (keep >= head_->rollback_floor())
+            head_->truncate(keep);
         else
-            restart(keep);  // deeper than its rollback reach: the head restarts its history at keep
+            head_->restart(keep);  // deeper than its rollback reach: the head restarts its history at keep
     }
     void reset() override {
-        restart(0);
+        head_->restart(0);
         hc_.clear();
     }
 
@@ -91,40 +90,63 @@ class mtp_drafter final : public ds4_drafter {
         if (n == 0 || max <= 0) return {};
         const float *h = hc_.get(n - 1);
         if (!h) return {};  // the target's state at n - 1 was not observed (nothing to draft from)
-        if (st_.n_past > n - 1) truncate(n);
-        if (st_.n_past < n - 1) restart(n - 1);
-        const size_t V = static_cast<size_t>(m_.hp.n_vocab);
-        std::vector<float> x(h, h + S_), out(S_), logits(V);
+        if (head_->n_past() > n - 1) truncate(n);
+        if (head_->n_past() < n - 1) head_->restart(n - 1);
+        std::vector<float> x(h, h + S_), out(S_);
         std::vector<int32_t> drafts;
         int32_t tok = pending;
         // Row n - 1 (true inputs) then rows chained on the head's own output state and drafted token;
         // at most max_rollback of them, so the chain rolls back for free.
         max = std::min<int32_t>(max, static_cast<int32_t>(ds4::max_rollback));
         for (int32_t j = 0; j < max; ++j) {
-            const int64_t p = n - 1 + j;
-            ds4::mtp_forward(m_, *w_, st_, x, std::span<const int32_t>(&tok, 1), std::span<const int64_t>(&p, 1), logits, out);
-            tok = argmax(logits);
+            tok = head_->row(x, tok, out);
             drafts.push_back(tok);
             x.swap(out);
         }
-        ds4::mtp_truncate(st_, n);  // keep the true row n - 1
+        head_->truncate(n);  // keep the true row n - 1
         return drafts;
     }
 
   private:
-    void restart(int64_t at) {
+    std::unique_ptr<mtp_head> head_;
+    size_t S_;
+    position_ring hc_;  // the target's final HC states of the newest positions
+};
+
+// The head on the CPU (ds4::mtp_forward over ds4::mtp_state).
+class cpu_mtp_head final : public mtp_head {
+  public:
+    cpu_mtp_head(const ds4::model &m, std::shared_ptr<const ds4::mtp_weights> w, ds4::qat_mode qat, kv_precision kv,
+                 const ds4::exec_options &exec)
+        : m_(m), w_(std::move(w)), qat_(qat), kv_(kv), exec_(exec), logits_(static_cast<size_t>(m.hp.n_vocab)) {}
+    int64_t n_past() const override { return st_.n_past; }
+    int64_t window() const override { return m_.hp.window; }
+    int64_t rollback_floor() const override { return std::max<int64_t>(0, st_.reached - ds4::max_rollback); }
+    void rows(std::span<const float> x, std::span<const int32_t> next) override {
+        std::vector<int64_t> pos(next.size());
+        for (size_t i = 0; i < pos.size(); ++i) pos[i] = st_.n_past + static_cast<int64_t>(i);
+        ds4::mtp_forward(m_, *w_, st_, x, next, pos, {});
+    }
+    int32_t row(std::span<const float> x, int32_t next, std::span<float> out) override {
+        const int64_t p = st_.n_past;
+        ds4::mtp_forward(m_, *w_, st_, x, std::span<const int32_t>(&next, 1), std::span<const int64_t>(&p, 1), logits_, out);
+        return argmax(logits_);
+    }
+    void truncate(int64_t n) override { ds4::mtp_truncate(st_, n); }
+    void restart(int64_t at) override {
         st_ = ds4::new_mtp_state(m_, *w_, qat_, kv_);
         st_.exec = exec_;
         st_.n_past = st_.reached = at;
     }
+
+  private:
     const ds4::model &m_;
     std::shared_ptr<const ds4::mtp_weights> w_;
     ds4::qat_mode qat_;
     kv_precision kv_;
     ds4::exec_options exec_;
-    size_t S_;
     ds4::mtp_state st_;
-    position_ring hc_;  // the target's final HC states of the newest positions
+    std::vector<float> logits_;
 };
 
 class dspark_drafter final : public ds4_drafter {
@@ -180,7 +202,13 @@ class dspark_drafter final : public ds4_drafter {
 std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::shared_ptr<const ds4::mtp_weights> w,
                                               ds4::qat_mode qat, kv_precision kv, const ds4::exec_options &exec) {
     if (!w) throw error("ds4 drafter: no MTP weights");
-    return std::make_unique<mtp_drafter>(target, std::move(w), qat, kv, exec);
+    return make_mtp_drafter(std::make_unique<cpu_mtp_head>(target, std::move(w), qat, kv, exec),
+                            static_cast<size_t>(target.hp.n_hc) * static_cast<size_t>(target.hp.n_embd));
+}
+
+std::unique_ptr<ds4_drafter> make_mtp_drafter(std::unique_ptr<mtp_head> head, size_t state_floats) {
+    if (!head) throw error("ds4 drafter: no MTP head");
+    return std::make_unique<mtp_drafter>(std::move(head), state_floats);
 }
 
 std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,

@@ -28,6 +28,9 @@
 #include "models/deepseek4_mtp.h"
 
 namespace fathom {
+namespace ds4 {
+class cuda_weights;  // models/cuda/deepseek4_cuda.h
+}
 
 class ds4_drafter {
   public:
@@ -50,8 +53,31 @@ class ds4_drafter {
                                        std::vector<float> *confidence) = 0;
 };
 
+// The MTP head's rows, wherever they run (the CPU: ds4::mtp_forward; one GPU: ds4::cuda_sequence::eval_mtp,
+// make_cuda_mtp_head in engine/cuda/ds4_drafter_cuda.cpp); the MTP drafter's rule (observe, draft, rollback) is written
+// once over it.
+class mtp_head {
+  public:
+    virtual ~mtp_head() = default;
+    virtual int64_t n_past() const = 0;
+    virtual int64_t window() const = 0;          // the block's raw window (rows a row attends to)
+    virtual int64_t rollback_floor() const = 0;  // the lowest n_past truncate() reaches
+    // Rows n_past, n_past + 1, ...: the target's HC states x [n, S] and the tokens after them.
+    virtual void rows(std::span<const float> x, std::span<const int32_t> next) = 0;
+    // One row; returns the argmax of its logits and its output state in out [S].
+    virtual int32_t row(std::span<const float> x, int32_t next, std::span<float> out) = 0;
+    virtual void truncate(int64_t n) = 0;
+    // Forget every row and continue at position `at` (a fresh history there).
+    virtual void restart(int64_t at) = 0;
+};
+
 std::unique_ptr<ds4_drafter> make_mtp_drafter(const ds4::model &target, std::shared_ptr<const ds4::mtp_weights> w,
                                               ds4::qat_mode qat, kv_precision kv, const ds4::exec_options &exec);
+// The MTP drafter over any head (state_floats: n_hc * D).
+std::unique_ptr<ds4_drafter> make_mtp_drafter(std::unique_ptr<mtp_head> head, size_t state_floats);
+// CUDA builds only (engine/cuda/ds4_drafter_cuda.cpp): the head on the weights of ds4::cuda_upload_mtp, positions up
+// to n_ctx (the target's context plus the drafts' rows).
+std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights> head, int64_t n_ctx);
 std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,
                                                  ds4::qat_mode qat, const ds4::exec_options &exec);
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "dist/gpu_stage.h"
 #include "engine/device.h"
 #include "engine/ds4_session.h"
 
@@ -97,31 +98,60 @@ void ds4_engine::load_drafter() {
     }
 }
 
-// Upload the weights to CUDA device `ordinal` (memory checked before any allocation).
+// Upload the weights to CUDA device `ordinal` (memory checked before any allocation) and size the
+// sessions' state pool there (make_ds4_gpu).
 void ds4_engine::make_cuda(int ordinal) {
-#ifdef FATHOM_ENGINE_CUDA
-    ds4::cuda_run_options co;
-    co.device = ordinal;
-    co.qat = qat_;
-    co.kv = opts_.kv;
-    const size_t seq = ds4::cuda_sequence_bytes(model_->hp, opts_.kv, n_ctx_, n_batch_);
-    const cuda_device_memory mem = cuda_query_memory(ordinal);
-    if (seq + file_->size() > mem.free_bytes)
-        throw error("device 'cuda:" + std::to_string(ordinal) + "' (" + mem.name + "): the weights (" +
-                    std::to_string(file_->size() >> 20) + " MiB) and one " + std::to_string(n_ctx_) +
-                    "-token context (" + std::to_string(seq >> 20) + " MiB) exceed its " +
-                    std::to_string(mem.free_bytes >> 20) + " MiB free; lower --ctx or use more devices");
-    gpu_ = ds4::cuda_upload(*model_, co, [&](uint64_t done, uint64_t total) {
+    ds4_gpu_options go;
+    go.ordinal = ordinal;
+    go.qat = qat_;
+    go.kv = opts_.kv;
+    go.n_ctx = n_ctx_;
+    go.prefill_chunk = n_batch_;
+    go.cuda_graphs = opts_.cuda_graphs;
+    go.file_bytes = file_->size();
+    go.progress = [&](uint64_t done, uint64_t total) {
         if (opts_.on_load_progress && total) opts_.on_load_progress(done * file_->size() / total, file_->size());
-    });
+    };
+    gpu_ = make_ds4_gpu(*model_, go);
     ordinal_ = ordinal;
     on_cuda_ = true;
-    info_.device = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
-    gpu_name_ = mem.name;
-    info_.decode_weight_bytes = static_cast<uint64_t>(ds4::cuda_bytes_per_token(*gpu_));
-#else
-    (void)ordinal;
-#endif
+    info_.device = "cuda:" + std::to_string(ordinal) + " (" + gpu_->name() + ")";
+    info_.decode_weight_bytes = static_cast<uint64_t>(gpu_->bytes_per_token());
+}
+
+double ds4_engine::kv_block_bytes() const {
+    if (gpu_ && kv_block_tokens_ > 0) {
+        const int64_t n = int64_t{1} << 20;  // the mean over a long context (ratio-128 rows included)
+        return static_cast<double>(gpu_->row_bytes(n)) / static_cast<double>(n) * kv_block_tokens_;
+    }
+    return 0.0;
+}
+
+kv_pool_info ds4_engine::kv_pool() const {
+    kv_pool_info i;
+    const double per = kv_block_bytes();
+    if (per <= 0) return i;
+    const ds4_gpu::state_pool_info sp = gpu_->state_pool();
+    const double B = static_cast<double>(sp.block_bytes);
+    i.block_tokens = kv_block_tokens_;
+    i.max_blocks = static_cast<int64_t>(static_cast<double>(sp.capacity) * B / per);
+    i.n_blocks = i.max_blocks;
+    i.n_used = static_cast<int64_t>(std::ceil(static_cast<double>(sp.used) * B / per));
+    return i;
+}
+
+bool ds4_engine::kv_pool_configure(int32_t block_tokens, int64_t max_blocks) {
+    if (!gpu_) return false;
+    if (block_tokens < 1) throw error("kv pool: the block size must be >= 1 token");
+    if (gpu_->state_pool().used > 0) throw error("kv pool: cannot reconfigure while sessions hold state blocks");
+    kv_block_tokens_ = block_tokens;
+    if (max_blocks > 0) {
+        const double want = static_cast<double>(max_blocks) * kv_block_bytes();
+        const ds4_gpu::state_pool_info sp = gpu_->state_pool();
+        const auto blocks = static_cast<int64_t>(std::ceil(want / static_cast<double>(sp.block_bytes)));
+        gpu_->set_state_capacity(std::min(sp.capacity, blocks));
+    }
+    return true;
 }
 
 // dist_options::devices: one block range per device (the planner's when every device is a CUDA
@@ -151,19 +181,17 @@ void ds4_engine::make_pipeline(const std::vector<int> &ordinals) {
         st.cuda_graphs = opts_.cuda_graphs;
         std::string name = "cpu";
         if (st.cuda_device >= 0) {
-#ifdef FATHOM_ENGINE_CUDA
             if (!opts_.dist.rank_procs || r == 0) {
                 const double fsz = static_cast<double>(file_->size());
-                st.weights = upload_stage(*model_, st.cuda_device, lr, qat_, opts_.kv,
-                                          [&](uint64_t done, uint64_t total) {
+                st.weights = dist::upload_stage(*model_, st.cuda_device, lr, qat_, opts_.kv,
+                                                [&](uint64_t done, uint64_t total) {
                     if (!opts_.on_load_progress || total == 0) return;
                     const double part = (r + static_cast<double>(done) / static_cast<double>(total)) / P;
                     opts_.on_load_progress(static_cast<uint64_t>(part * fsz), file_->size());
                 });
-                step_bytes += ds4::cuda_bytes_per_token(*st.weights);
+                step_bytes += dist::stage_bytes_per_token(*st.weights);
             }
-            name = "cuda:" + std::to_string(st.cuda_device) + " (" + cuda_query_memory(st.cuda_device).name + ")";
-#endif
+            name = "cuda:" + std::to_string(st.cuda_device) + " (" + gpu_query_memory(st.cuda_device).name + ")";
         }
         layout += std::string(r ? " |" : "") + " " + name + " blocks " + std::to_string(lr.first) + "-" +
                   std::to_string(lr.last - 1);
@@ -243,11 +271,10 @@ void ds4_engine::make_tp(const std::vector<int> &ordinals) {
 // memory (a device listed k times offers 1/k of it to each entry) for one n_ctx sequence.
 std::vector<dist::layer_range> ds4_engine::planned_ranges(const std::vector<int> &ordinals) const {
     std::vector<dist::layer_range> out;
-#ifdef FATHOM_ENGINE_CUDA
     std::vector<dist::device_spec> specs;
     for (int d : ordinals) {
         const auto share = static_cast<uint64_t>(std::count(ordinals.begin(), ordinals.end(), d));
-        specs.push_back({"cuda:" + std::to_string(d), cuda_query_memory(d).free_bytes / share});
+        specs.push_back({"cuda:" + std::to_string(d), gpu_query_memory(d).free_bytes / share});
     }
     dist::plan_options po;
     po.n_ctx = n_ctx_;
@@ -260,9 +287,6 @@ std::vector<dist::layer_range> ds4_engine::planned_ranges(const std::vector<int>
     } catch (const std::exception &e) {
         throw error("devices '" + opts_.dist.devices + "': " + e.what());
     }
-#else
-    (void)ordinals;  // CUDA entries were refused by parse_device_list in a build without CUDA
-#endif
     return out;
 }
 
@@ -517,7 +541,6 @@ void ds4_engine::decode_step(std::span<session *const> sessions, std::span<const
 }
 
 void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
-#ifdef FATHOM_ENGINE_CUDA
     struct row_item {
         size_t i;  // the item
         ds4_session *s;
@@ -532,7 +555,7 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
         ds4_session &s = step_session(it.sess, i, "sync_step", seen);
         const std::span<const int32_t> p = it.prefix;
         const size_t n_new = it.n_rows > 0 ? static_cast<size_t>(it.n_rows) : 1, held = s.tokens_.size();
-        bool ok = s.gpu_ && it.n_rows <= cuda::ds4::gemv_max_rows && p.size() > n_new && p.size() <= static_cast<size_t>(n_ctx_) &&
+        bool ok = s.gpu_ && it.n_rows <= gpu_->max_step_rows() && p.size() > n_new && p.size() <= static_cast<size_t>(n_ctx_) &&
                   (it.n_rows > 0 || it.want_logits);
         const size_t m = ok ? p.size() - n_new : 0;  // kept before the new rows
         ok = ok && held >= m && std::equal(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(m), s.tokens_.begin()) &&
@@ -547,10 +570,10 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
     }
     {
         std::lock_guard<std::mutex> lock(forward_mutex());
-        const size_t B = static_cast<size_t>(cuda::ds4::gemv_max_rows), Vz = static_cast<size_t>(V);
+        const size_t B = static_cast<size_t>(gpu_->max_step_rows()), Vz = static_cast<size_t>(V);
         std::vector<float> lg;
         for (size_t b0 = 0; b0 < batch.size();) {
-            std::vector<ds4::cuda_sequence *> seqs;
+            std::vector<gpu_sequence *> seqs;
             std::vector<int> counts;
             std::vector<int32_t> toks;
             bool rows_wanted = false;
@@ -563,7 +586,7 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
             }
             lg.resize(rows_wanted ? toks.size() * Vz : 0);
             try {
-                ds4::cuda_sequence::step_batch(seqs, counts, toks, lg);
+                gpu_->step_batch(seqs, counts, toks, lg);
             } catch (...) {
                 for (size_t k = b0; k < b1; ++k)  // a device-side error reset the sequences: the sessions follow
                     if (batch[k].s->gpu_->n_past() != batch[k].s->n_past()) batch[k].s->reset();
@@ -589,9 +612,6 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
         if (items[i].n_rows > 0) sync_with_rows(items[i]);
         else items[i].sess->sync(items[i].prefix);
     }
-#else
-    engine::sync_step(items);
-#endif
 }
 
 void ds4_engine::sync_step(std::span<const sync_item> items) {

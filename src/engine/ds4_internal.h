@@ -2,9 +2,12 @@
 // are in ds4_session.h). This header declares the classes; the code is in ds4_engine.cpp (loading, the
 // batched steps), ds4_session.cpp (the session), ds4_devices.{h,cpp} (option checks, the device list,
 // a session's ranks on several devices) and ds4_rank_server.cpp (serve_ds4_rank).
-// FATHOM_ENGINE_CUDA is defined for those files only when the build has the CUDA backend
-// (src/CMakeLists.txt); the classes' members depend on it, so every file that includes this header
-// must be in that list.
+//
+// Executors, chosen once at load: one CPU device (a session's ds4::state), one GPU (ds4_gpu.h: the
+// engine's ds4_gpu and a session's gpu_sequence; the CUDA implementation is
+// engine/cuda/ds4_gpu_cuda.cpp, in CUDA builds only) or several devices (device_ranks, ds4_devices.h;
+// a pipeline's CUDA stages are dist/gpu_stage.h's). These files are compiled alike in every build: the
+// interfaces hide whether the build has CUDA.
 //
 // The engine owns the mapped GGUF, the bound weights (ds4::model), the thread pool, the tokenizer and
 // the chat template; a session owns one ds4::state (raw KV rings, compressor frontiers, compressed and
@@ -74,18 +77,13 @@
 #include "engine/ds4_checkpoints.h"
 #include "engine/ds4_devices.h"
 #include "engine/ds4_drafter.h"
+#include "engine/ds4_gpu.h"
 #include "engine/sync_plan.h"
 #include "gguf/gguf.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_dspark.h"
 #include "models/deepseek4_mtp.h"
 #include "tokenizer/tokenizer.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "backend/cuda/cuda_backend.h"
-#include "backend/cuda/cuda_sample.h"
-#include "backend/cuda/ds4_gemv.h"
-#include "models/cuda/deepseek4_cuda.h"
-#endif
 
 namespace fathom::ds4_detail {
 
@@ -128,11 +126,16 @@ class ds4_session final : public session {
     std::vector<float> draft_conf_;  // the last draft()'s confidence (cleared by every evaluation)
 
   public:
-    // Saved states: one device, the CPU (ds4::state) or one GPU (ds4::cuda_sequence, the same stream
-    // from the device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
+    // Saved states: one device, the CPU (ds4::state) or one GPU (gpu_sequence, the same stream from the
+    // device); a pipeline's ranks are not saved. A DS4 state cannot drop positions (see the
     // banner), so it loads whole: n_keep == tokens.size().
     bool save_state(state_writer &w) const override;
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
+    // Paged state (one GPU): the rows of positions [0, n_tokens) mapped from the engine's state pool now
+    // (cuda_sequence::reserve); kv_blocks() is the session's mapped bytes in the scheduler's blocks
+    // (ds4_engine::kv_pool). Elsewhere the defaults (nothing paged).
+    bool kv_reserve(int64_t n_tokens) override;
+    int64_t kv_blocks() const override;
 
     // ---- in-flight batches (ds4_engine::run_inflight, pipeline layouts only) ----
     const ds4_engine &owner() const { return e_; }
@@ -178,9 +181,7 @@ class ds4_session final : public session {
     ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
     // Several devices: this session's ranks (null after a failure until the next forward).
     std::unique_ptr<device_ranks> pl_;
-#ifdef FATHOM_ENGINE_CUDA
-    std::unique_ptr<ds4::cuda_sequence> gpu_;  // device state when the engine runs on CUDA
-#endif
+    std::unique_ptr<gpu_sequence> gpu_;  // device state when the engine runs on one GPU (else null)
     std::vector<int32_t> tokens_;
     mutable std::vector<float> logits_;  // [n_vocab] of tokens_.back()
     bool have_logits_ = false;
@@ -222,17 +223,15 @@ class ds4_engine final : public engine {
 
     std::unique_ptr<session> new_session() override { return std::make_unique<ds4_session>(*this); }
 
-    // One device: the CPU (sessions' states in ds4::state) or one GPU (a ds4::cuda_sequence each);
+    // One device: the CPU (sessions' states in ds4::state) or one GPU (a gpu_sequence each);
     // not a pipeline. qat and kv change the saved rows; the backend and its numerics options everything
     // after a load (a CUDA state continues bit for bit only on CUDA, with the same indexer scoring).
     std::string state_identity() const override {
         if (pipelined()) return {};
         std::string backend;
-#ifdef FATHOM_ENGINE_CUDA
         // the GPU's name too: the kernels' launch geometry (and so a few sums' order) follows its SM count
         if (gpu_)
-            backend = std::string(" backend=cuda gpu=\"") + gpu_name_ + "\" indexer=" + (opts_.exact ? "exact" : "tensor-core");
-#endif
+            backend = std::string(" backend=cuda gpu=\"") + gpu_->name() + "\" indexer=" + (opts_.exact ? "exact" : "tensor-core");
         if (backend.empty() && ordinal_ >= 0) return {};
         if (backend.empty()) backend = std::string(" numerics=") + (opts_.exact ? "exact" : "quantised");
         std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
@@ -279,21 +278,24 @@ class ds4_engine final : public engine {
         }
         return r;
     }
-#ifdef FATHOM_ENGINE_CUDA
-    // Device weights (null on the CPU) and a fresh device sequence of n_ctx tokens.
-    const std::shared_ptr<const ds4::cuda_weights> &gpu() const { return gpu_; }
-    // The sequences share one prefill scratch (gpu_prefill_): evaluations run under the forward mutex.
-    std::unique_ptr<ds4::cuda_sequence> new_gpu_sequence() const {
-        return std::make_unique<ds4::cuda_sequence>(gpu_, n_ctx_, opts_.cuda_graphs, n_batch_, gpu_prefill_);
-    }
-#endif
+    // One GPU: a fresh device sequence of n_ctx tokens (null on the CPU and on several devices). The
+    // sequences share one prefill scratch (ds4_gpu): evaluations run under the forward mutex. Their
+    // compressed and indexer rows are blocks of the ds4_gpu's state pool, mapped as they grow.
+    std::unique_ptr<gpu_sequence> new_gpu_sequence() const { return gpu_ ? gpu_->new_sequence() : nullptr; }
+    // Paged state on one GPU: the state pool in the scheduler's terms, blocks of block_tokens positions,
+    // each worth block_tokens times the rows' mean bytes per token (so the counts are real memory:
+    // n_used is the pool's mapped bytes, max_blocks its capacity). kv_pool_configure sets the block size
+    // and caps the pool at max_blocks of them (0: the device memory the pool was sized to at load).
+    // Elsewhere (CPU, several devices) no pool: the scheduler counts tokens.
+    kv_pool_info kv_pool() const override;
+    bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) override;
+    // Bytes one scheduler block stands for (0 before kv_pool_configure, or without a state pool).
+    double kv_block_bytes() const;
     double measure_copy_bandwidth() override {
-#ifdef FATHOM_ENGINE_CUDA
         if (ordinal_ >= 0) {
             std::lock_guard<std::mutex> lock(forward_mutex_);
-            return cuda_measure_copy_bandwidth(ordinal_);
+            return gpu_measure_copy_bandwidth(ordinal_);
         }
-#endif
         return 0.0;
     }
     int64_t n_ctx() const { return n_ctx_; }
@@ -339,7 +341,7 @@ class ds4_engine final : public engine {
     void run_inflight(const std::vector<append_work> &work);
     // One GPU (sync_step / decode_step): the items that append one token (decodes) or a verification's
     // rows (n_rows > 0, after a free rollback to prefix[0, size - n_rows)) run as the rows of multi-row
-    // steps of up to 16 rows (cuda_sequence::step_batch), each row bit-identical to its own decode step;
+    // steps of up to 16 rows (ds4_gpu::step_batch), each row bit-identical to its own decode step;
     // everything else (prompt chunks, deep divergences, a full context, a bad token) goes through
     // session::sync / sync_with_rows afterwards, which report what they refuse.
     void run_gpu_step(std::span<const sync_item> items);
@@ -372,13 +374,11 @@ class ds4_engine final : public engine {
     std::vector<dist::layer_range> ranges_;   // several devices: [device] its blocks (empty: one device)
     std::vector<dist::stage_device> stages_;  // [device] where those blocks run (shared CUDA weights)
     int tp_size_ = 0;                         // layout tp: the rank count (0: not tp)
-#ifdef FATHOM_ENGINE_CUDA
-    std::shared_ptr<const ds4::cuda_weights> gpu_;
-    std::shared_ptr<ds4::cuda_prefill_pool> gpu_prefill_ = ds4::cuda_make_prefill_pool();
-#endif
+    // One CUDA device (make_cuda): the weights on it, the sessions' prefill scratch and state pool; else null.
+    std::unique_ptr<ds4_gpu> gpu_;
+    int32_t kv_block_tokens_ = 0;  // kv_pool_configure's block size (0: not configured)
     int ordinal_ = -1;  // CUDA device of measure_copy_bandwidth (-1: none)
     bool on_cuda_ = false;  // one CUDA device (make_cuda)
-    std::string gpu_name_;  // the CUDA device's name (state_identity)
     mutable std::once_flag identity_once_;  // state_identity: the file's fingerprint, computed once
     mutable std::string file_identity_;
     std::shared_ptr<const ds4::mtp_weights> mtp_;        // ds4_draft "mtp"

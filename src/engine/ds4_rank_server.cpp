@@ -8,6 +8,7 @@
 
 #include "backend/cpu/thread_pool.h"
 #include "core/error.h"
+#include "dist/gpu_stage.h"
 #include "dist/pipeline.h"
 #include "dist/planner.h"
 #include "dist/rank_procs.h"
@@ -96,17 +97,12 @@ void serve_ds4_rank(const engine_options &o, int rank, int world, const std::str
     // Uploaded before the join, so a failure here ends the load of rank 0 with this process's status.
     dist::stage_device dev;
     dev.cuda_device = ordinals[static_cast<size_t>(rank)];
-    if (dev.cuda_device >= 0) {
-#ifdef FATHOM_ENGINE_CUDA
+    if (dev.cuda_device >= 0) {  // parse_device_list refused CUDA entries in a build without CUDA
         // Rank 0 passes its n_ctx (--ctx); without it, the engine's default for this file.
         dev.n_ctx =
             o.n_ctx > 0 ? o.n_ctx : ds4_detail::default_n_ctx(file->get_int("deepseek4.context_length", 0));
         dev.cuda_graphs = o.cuda_graphs;
-        dev.weights =
-            ds4_detail::upload_stage(*m, dev.cuda_device, ranges[static_cast<size_t>(rank)], qat, o.kv, {});
-#else
-        throw error("devices '" + o.dist.devices + "': CUDA entries need a build with CUDA (-DFATHOM_CUDA=ON)");
-#endif
+        dev.weights = dist::upload_stage(*m, dev.cuda_device, ranges[static_cast<size_t>(rank)], qat, o.kv, {});
     }
     cpu::thread_pool pool(o.n_threads > 0 ? o.n_threads : ds4_detail::online_cores());
     ds4::exec_options exec;

@@ -7,9 +7,7 @@
 namespace fathom::ds4_detail {
 
 ds4_session::ds4_session(ds4_engine &e) : e_(e) {
-#ifdef FATHOM_ENGINE_CUDA
-    if (e.gpu()) gpu_ = e.new_gpu_sequence();
-#endif
+    gpu_ = e.new_gpu_sequence();  // null unless the engine runs on one GPU
     if (e.pipelined()) pl_ = e.new_pipeline();
     if (!on_gpu() && !on_pipeline()) st_ = e.fresh_state();
     drafter_ = e.new_drafter();
@@ -45,24 +43,16 @@ bool ds4_session::on_pipeline() const {
 }
 
 int64_t ds4_session::rollback_floor() const {
-#ifdef FATHOM_ENGINE_CUDA
     if (gpu_) return gpu_->rollback_floor();
-#endif
     return ds4::rollback_floor(st_);
 }
 
 bool ds4_session::on_gpu() const {
-#ifdef FATHOM_ENGINE_CUDA
     return gpu_ != nullptr;
-#else
-    return false;
-#endif
 }
 
 void ds4_session::reset() {
-#ifdef FATHOM_ENGINE_CUDA
     if (gpu_) gpu_->reset();
-#endif
     if (pl_) {
         try {
             pl_->reset();
@@ -75,6 +65,18 @@ void ds4_session::reset() {
     tokens_.clear();
     have_logits_ = false;
     logits_on_device_ = false;
+}
+
+bool ds4_session::kv_reserve(int64_t n_tokens) {
+    if (n_tokens < 0) throw error("kv_reserve: negative token count");
+    if (gpu_) return gpu_->reserve(n_tokens);
+    return true;
+}
+
+int64_t ds4_session::kv_blocks() const {
+    const double per = e_.kv_block_bytes();
+    if (gpu_ && per > 0) return static_cast<int64_t>(std::ceil(static_cast<double>(gpu_->row_bytes()) / per));
+    return 0;
 }
 
 bool ds4_session::verification_rows(size_t n, size_t n_logits) const {
@@ -102,7 +104,6 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
         }
         return;
     }
-#ifdef FATHOM_ENGINE_CUDA
     if (gpu_) {
         // A verification's rows (every row's logits, at most a rollback's width): one decode step each, so
         // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16).
@@ -112,7 +113,6 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
             gpu_->eval(toks, out);
         return;
     }
-#endif
     if (!drafter_) {
         ds4::forward(e_.model(), st_, toks, pos, {out, {}});
         return;
@@ -190,11 +190,9 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
 
 bool ds4_session::save_state(state_writer &w) const {
     if (on_pipeline()) return false;
-#ifdef FATHOM_ENGINE_CUDA
     if (on_gpu())
         gpu_->save_state(w);
     else
-#endif
         ds4::write_state(e_.model(), st_, w);
     state_io::put<uint64_t>(w, have_logits_ ? 1 : 0);
     if (have_logits_) {
@@ -217,18 +215,14 @@ bool ds4_session::load_state(state_reader &r, std::span<const int32_t> tokens, i
             throw error("saved state: token id " + std::to_string(t) + " outside the vocabulary");
     reset();
     try {
-#ifdef FATHOM_ENGINE_CUDA
         if (on_gpu())
             gpu_->load_state(r, n);
         else
-#endif
             ds4::read_state(e_.model(), st_, r, n);
         const uint64_t has_logits = state_io::get<uint64_t>(r);
         if (has_logits > 1) throw error("saved state: bad logits flag");
         if (has_logits) r.read(logits_.data(), logits_.size() * sizeof(float));
-#ifdef FATHOM_ENGINE_CUDA
         if (on_gpu() && has_logits) gpu_->restore_logits(logits_);  // sample() reads them on the device
-#endif
         if (r.remaining() != 0)
             throw error("saved state: " + std::to_string(r.remaining()) + " bytes past its end");
         tokens_.assign(tokens.begin(), tokens.end());
@@ -242,35 +236,22 @@ bool ds4_session::load_state(state_reader &r, std::span<const int32_t> tokens, i
 
 std::span<const float> ds4_session::logits() const {
     if (!have_logits_) return {};
-#ifdef FATHOM_ENGINE_CUDA
     if (logits_on_device_) {
         gpu_->last_logits(logits_);
         logits_on_device_ = false;
     }
-#endif
     return logits_;
 }
 
 sample_result ds4_session::sample(sampler &smp, std::span<const int32_t> history) {
-#ifdef FATHOM_ENGINE_CUDA
-    if (have_logits_ && logits_on_device_) {
+    if (have_logits_ && logits_on_device_) {  // summarised on the device: n_vocab logits stay there
         const sampling_params &p = smp.params();
-        const int64_t V = e_.model().hp.n_vocab;
-        const auto pen = smp.penalty_counts(history, V);
-        const size_t k = std::min<size_t>(smp.top_candidates(), static_cast<size_t>(cuda::logits_top_max_k));
-        ds4::cuda_sequence::top_summary d =
-            gpu_->logits_top(static_cast<int>(k), pen, p.repeat_penalty, p.frequency_penalty, p.presence_penalty);
-        if (d.bad == 0) {  // NaN / +inf: sample() below reports them
-            logits_top t;
-            t.ids = std::move(d.ids);
-            t.logits = std::move(d.logits);
-            t.max_logit = d.max_logit;
-            t.z = d.z;
-            t.n_vocab = V;
-            if (auto r = smp.sample_top(t)) return *r;
-        }
+        const auto pen = smp.penalty_counts(history, e_.model().hp.n_vocab);
+        // nullopt on NaN / +inf: sample() below reports them
+        if (std::optional<logits_top> t = gpu_->top(smp.top_candidates(), pen, p.repeat_penalty, p.frequency_penalty,
+                                                    p.presence_penalty))
+            if (auto r = smp.sample_top(*t)) return *r;
     }
-#endif
     return smp.sample(logits(), history);
 }
 
@@ -281,11 +262,9 @@ void ds4_session::eval(std::span<const int32_t> tokens, float *all_logits) {
 size_t ds4_session::drop_after(size_t n) {
     if (n >= tokens_.size()) return tokens_.size();
     if (rolls_back() && static_cast<int64_t>(n) >= rollback_floor()) {
-#ifdef FATHOM_ENGINE_CUDA
         if (gpu_)
             gpu_->truncate(static_cast<int64_t>(n));
         else
-#endif
             ds4::truncate(st_, static_cast<int64_t>(n));
         if (drafter_) drafter_->truncate(static_cast<int64_t>(n));
         tokens_.resize(n);

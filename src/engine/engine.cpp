@@ -5,8 +5,8 @@
 // in that pool (CPU) or a contiguous device KV cache (CUDA, where a session also replays its
 // single-token decode step as a captured CUDA graph), activation scratch and the token timeline.
 // Forward calls of all sessions of one engine are serialised by a mutex, so sessions may live on
-// different threads without oversubscribing the cores. FATHOM_ENGINE_CUDA is defined for this file only when the
-// build has the CUDA backend (src/CMakeLists.txt).
+// different threads without oversubscribing the cores. The GPU is reached only through dense_gpu.h (the
+// CUDA backend and its step graphs), chosen once at load (make_cuda).
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,16 +30,14 @@
 #include "kv/kv_pool.h"
 #include "models/dense.h"
 #include "tokenizer/tokenizer.h"
-#ifdef FATHOM_ENGINE_CUDA
-#include "backend/cuda/cuda_backend.h"
-#endif
+#include "engine/dense_gpu.h"
 #include "engine/device.h"
 
 namespace fathom {
 
 namespace {
 
-[[maybe_unused]] std::string gib(uint64_t bytes) {
+std::string gib(uint64_t bytes) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
     return buf;
@@ -147,9 +145,7 @@ private:
     // CUDA: single-token decode through a captured graph. Returns false when the step must run
     // eagerly (CPU engine, graphs off, the session's first decode, or a capture that failed).
     bool decode_graph(int32_t token);
-#ifdef FATHOM_ENGINE_CUDA
-    std::unique_ptr<cuda_step_graph> graph_;
-#endif
+    std::unique_ptr<dense_step_graph> graph_;
     int64_t eager_decodes_ = 0;
     bool graph_failed_ = false;
 };
@@ -172,10 +168,12 @@ public:
         co.max_cols = max_cols;
         co.max_rows = n_batch_;
         co.max_ctx = n_ctx_;
-        if (cuda_ordinal >= 0)
+        if (cuda_ordinal >= 0) {
             make_cuda(cuda_ordinal, hp);
-        else
-            be_ = make_cpu_backend(co);
+        } else {
+            cpu_be_ = make_cpu_backend(co);
+            be_ = cpu_be_.get();
+        }
         if (o.on_load_progress) o.on_load_progress(0, file_->size());
         model_ = dense_load(*file_, *be_);
         // The CPU backend reads K/V through block tables: one pool for all sessions, 16-token
@@ -263,20 +261,14 @@ public:
     // CUDA: select the engine's device on the calling thread (the CUDA runtime's current device is
     // per thread; server workers are not the loading thread).
     void bind_device() {
-#ifdef FATHOM_ENGINE_CUDA
         if (gpu_) gpu_->make_current();
-#endif
     }
-#ifdef FATHOM_ENGINE_CUDA
-    cuda_backend_api *gpu() const { return gpu_; }
-#endif
+    dense_gpu *gpu() const { return gpu_.get(); }  // null on the CPU
     double measure_copy_bandwidth() override {
-#ifdef FATHOM_ENGINE_CUDA
         if (gpu_) {
             std::lock_guard<std::mutex> lock(forward_mutex_);
-            return cuda_measure_copy_bandwidth(cuda_ordinal_);
+            return gpu_measure_copy_bandwidth(cuda_ordinal_);
         }
-#endif
         return 0.0;
     }
     dtype kv_type() const { return opts_.kv == kv_precision::f32 ? dtype::f32 : dtype::f16; }
@@ -289,11 +281,8 @@ private:
     // The CUDA backend on device `ordinal`, after checking that the weights, one session's KV cache
     // and the scratch buffers fit in the device's free memory (so loading never fails midway).
     void make_cuda(int ordinal, const dense_hparams &hp) {
-#ifdef FATHOM_ENGINE_CUDA
-        cuda_options co;
-        co.device = ordinal;
-        auto gpu = make_cuda_backend(co);
-        const cuda_device_memory mem = cuda_query_memory(ordinal);  // after the context and cuBLAS workspace
+        std::unique_ptr<dense_gpu> gpu = make_dense_gpu(ordinal);
+        const gpu_memory mem = gpu_query_memory(ordinal);  // after the context and cuBLAS workspace
         const uint64_t E = static_cast<uint64_t>(hp.n_embd), Q = uint64_t(hp.n_head) * static_cast<uint64_t>(hp.head_dim),
                        KV = uint64_t(hp.n_head_kv) * static_cast<uint64_t>(hp.head_dim), F = static_cast<uint64_t>(hp.n_ff),
                        B = static_cast<uint64_t>(n_batch_), V = static_cast<uint64_t>(hp.n_vocab);
@@ -316,13 +305,8 @@ private:
         device_name_ = "cuda:" + std::to_string(ordinal) + " (" + mem.name + ")";
         gpu_name_ = mem.name;
         cuda_ordinal_ = ordinal;
-        gpu_ = gpu.get();
-        be_ = std::move(gpu);
-#else
-        (void)ordinal;
-        (void)hp;
-        throw error("this build has no CUDA backend");
-#endif
+        gpu_ = std::move(gpu);
+        be_ = &gpu_->be();
     }
 
     // Weight bytes a single-token step reads: every layer tensor, the final norm, the output head
@@ -361,7 +345,11 @@ private:
 
     engine_options opts_;
     std::shared_ptr<const gguf::file> file_;  // mapped weights: must outlive model_
-    std::unique_ptr<backend> be_;
+    // The backend every forward runs on (be_): the CUDA backend that gpu_ owns (one GPU, make_cuda), or
+    // the CPU backend in cpu_be_. Declared before model_, whose weights live there.
+    std::unique_ptr<dense_gpu> gpu_;
+    std::unique_ptr<backend> cpu_be_;
+    backend *be_ = nullptr;
     std::unique_ptr<dense_model> model_;
     std::unique_ptr<fathom::kv_pool> pool_;  // paged KV of all sessions (CPU); null on CUDA
     std::unique_ptr<tokenizer> tok_;
@@ -395,9 +383,6 @@ private:
     std::string device_name_ = "cpu";
     std::string gpu_name_;  // the CUDA device's name (state_identity: the GEMMs' launch shapes follow it)
     int cuda_ordinal_ = -1;
-#ifdef FATHOM_ENGINE_CUDA
-    cuda_backend_api *gpu_ = nullptr;  // be_ when it is the CUDA backend
-#endif
 };
 
 session_impl::session_impl(engine_impl &e) : e_(e) {
@@ -452,14 +437,13 @@ void session_impl::eval_chunks(std::span<const int32_t> toks, float *all_logits,
 }
 
 bool session_impl::decode_graph(int32_t token) {
-#ifdef FATHOM_ENGINE_CUDA
-    cuda_backend_api *gpu = e_.gpu();
+    dense_gpu *gpu = e_.gpu();
     if (!gpu || !e_.cuda_graphs() || graph_failed_) return false;
     if (!graph_) {
         // The first decode runs eagerly: it sizes the backend's scratch (attention key-split partials),
         // which cannot grow while a graph is being captured.
         if (eager_decodes_++ == 0) return false;
-        graph_ = std::make_unique<cuda_step_graph>(*gpu, 1, logits_.size() * sizeof(float));
+        graph_ = gpu->new_step_graph(logits_.size() * sizeof(float));
     }
     if (!graph_->ready() || graph_->stale()) {
         // Captured at position offset 0; replay() supplies the position and the token id.
@@ -478,10 +462,6 @@ bool session_impl::decode_graph(int32_t token) {
     }
     graph_->replay(&token, n_past());
     return true;
-#else
-    (void)token;
-    return false;
-#endif
 }
 
 void session_impl::eval(std::span<const int32_t> tokens, float *all_logits) { eval_chunks(tokens, all_logits, nullptr); }

@@ -128,10 +128,12 @@ scheduler::scheduler(engine &eng, const scheduler_options &opts) : eng_(eng), op
     if (opts_.kv_block_tokens < 1) throw error("scheduler: KV block size must be >= 1 token");
     if (opts_.kv_blocks < 0) throw error("scheduler: KV block count must be >= 0");
     const int64_t per_slot = (int64_t(n_ctx_) + opts_.kv_block_tokens - 1) / opts_.kv_block_tokens;
-    const int64_t n_blocks = opts_.kv_blocks > 0 ? opts_.kv_blocks : per_slot * opts_.n_slots;
+    int64_t n_blocks = opts_.kv_blocks > 0 ? opts_.kv_blocks : per_slot * opts_.n_slots;
     // The engine's paged pool takes the geometry before any slot session exists; engines without
-    // one get the counting pool.
+    // one get the counting pool. A pool bounded by memory (DS4 on a GPU: the device memory left after
+    // the weights) may hold fewer blocks than asked: admission counts what it really holds.
     paged_ = eng_.kv_pool_configure(opts_.kv_block_tokens, n_blocks);
+    if (paged_ && eng_.kv_pool().max_blocks > 0) n_blocks = std::min(n_blocks, eng_.kv_pool().max_blocks);
     if (!paged_) pool_ = std::make_unique<kv_block_pool>(n_blocks, opts_.kv_block_tokens, opts_.n_slots);
     kv_n_blocks_ = n_blocks;
     kv_block_tokens_ = opts_.kv_block_tokens;

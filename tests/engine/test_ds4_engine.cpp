@@ -10,6 +10,8 @@
 #include <tuple>
 #include <numeric>
 
+#include "dist/gpu_stage.h"
+#include "engine/device.h"
 #include "fathom/engine.h"
 #include "models/ds4/golden_util.h"
 #include "models/deepseek4.h"
@@ -360,6 +362,44 @@ TEST(ds4_engine, option_errors) {
     EXPECT_THROW(engine::load(o), error);
     o.n_batch = 0;  // the default chunk (512 on the CPU)
     EXPECT_NO_THROW(engine::load(o));
+}
+
+// A build without the CUDA backend: the executors' stand-ins (src/engine/no_cuda, src/dist/no_cuda) report
+// no device, and every way of asking for one fails with one line naming the build; auto falls back.
+TEST(ds4_engine, cuda_requests_without_cuda_backend) {
+    if (gpu_in_build()) GTEST_SKIP() << "this build has the CUDA backend";
+    EXPECT_EQ(gpu_count(), 0);
+    const auto load_error = [](const engine_options &o) -> std::string {
+        try {
+            engine::load(o);
+        } catch (const error &e) {
+            return e.what();
+        }
+        return "(loaded)";
+    };
+    engine_options o;
+    o.model_path = tiny_path();
+    o.n_ctx = 256;
+    o.device = "cuda:0";
+    EXPECT_EQ(load_error(o), "device 'cuda:0': this build has no CUDA backend (configure with -DFATHOM_CUDA=ON)");
+    o.device = "cpu";
+    o.dist.devices = "cpu,cuda:0";
+    EXPECT_EQ(load_error(o), "devices 'cpu,cuda:0': entry 2: device 'cuda:0': this build has no CUDA backend "
+                             "(configure with -DFATHOM_CUDA=ON)");
+    o.dist.devices.clear();
+    o.device = "auto";
+    EXPECT_EQ(engine::load(o)->info().device, "cpu");
+    const std::unique_ptr<ds4::model> m = ds4::load_model(tiny_path());
+    dist::stage_device dev;
+    dev.cuda_device = 0;
+    dev.n_ctx = 256;
+    try {
+        dist::make_gpu_stage(*m, dev, {0, m->hp.n_layer}, ds4::qat_mode::full, kv_precision::f32);
+        ADD_FAILURE() << "a CUDA stage was built";
+    } catch (const error &e) {
+        EXPECT_STREQ(e.what(), "dist: CUDA stage requested but this build has no CUDA backend (configure with "
+                               "-DFATHOM_CUDA=ON)");
+    }
 }
 
 }  // namespace

@@ -503,6 +503,67 @@ std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_o
     return w;
 }
 
+std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp_weights &mw,
+                                                    std::shared_ptr<const cuda_weights> target) {
+    if (!target || !target->embed() || !target->head())
+        throw error("cuda ds4: the MTP head needs the whole target model on its device (embedding and output head)");
+    ck(cudaSetDevice(target->device), "selecting the device");
+    // The head as a one-block model: block 0 is the MTP block (ratio 0, learned routing), its HC
+    // collapse and final norm the head's own; the embedding and output head the target's.
+    model view;
+    view.hp = main.hp;
+    view.hp.n_layer = 1;
+    view.hp.n_nextn = 0;
+    view.hp.n_hash_layer = 0;
+    view.hp.compress_ratio = {0};
+    view.hp.clamp_exp = {mw.block.clamp};
+    view.hp.clamp_shexp = {mw.block.clamp_sh};
+    view.output_norm = mw.norm;
+    view.hc_head = mw.hc_head;
+    view.layers = {mw.block};
+    if (mw.block.ratio != 0 || mw.block.hash) throw error("cuda ds4: the MTP block must be window-only and learned-routed");
+    check_weight_types(view, 0, 1);
+    for (const auto &[m, name] : {std::pair{&mw.e_proj, "e_proj"}, std::pair{&mw.h_proj, "h_proj"}})
+        if (!cuda::mm_supported(m->type))
+            throw error(std::string("cuda ds4: the MTP ") + name + " is " + std::string(dtype_name(m->type)) + ", which has no CUDA GEMV");
+    uint64_t total = 0;
+    for (const matrix *m : {&mw.e_proj, &mw.h_proj, &mw.block.gate_exps.first, &mw.block.up_exps.first, &mw.block.down_exps.first})
+        total += static_cast<uint64_t>(m->rows) * m->row_bytes * (m == &mw.e_proj || m == &mw.h_proj ? 1 : mw.block.gate_exps.n);
+    size_t free_b = 0, total_b = 0;
+    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+    if (static_cast<double>(total) + (1u << 30) > static_cast<double>(free_b))
+        throw error("cuda ds4: the MTP head needs " + gib(static_cast<double>(total)) + " (+1 GiB margin), " +
+                    gib(static_cast<double>(free_b)) + " free");
+    auto w = std::make_shared<cuda_weights>();
+    w->hp = view.hp;
+    w->opt = target->opt;
+    w->opt.first_layer = 0;
+    w->opt.last_layer = -1;
+    w->device = target->device;
+    w->first = 0;
+    w->last = 1;
+    w->mtp = true;
+    w->target = target;
+    w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
+    w->output = target->output;
+    const int64_t replicate = main.file ? main.file->get_int("fathom.synth.replicate_rows", 0) : 0;
+    uploader u(*w, std::max<int64_t>(replicate, 0), total, {});
+    w->output_norm = u.vec(view.output_norm);
+    w->hc_head = {u.mat(view.hc_head.fn), u.vec(view.hc_head.base), u.vec(view.hc_head.scale)};
+    const rope_set ropes = make_rope_set(view.hp);
+    w->rope_plain = u.vec(ropes.plain.freq);
+    w->rope_yarn = u.vec(ropes.yarn.freq);
+    w->e_proj = u.mat(mw.e_proj, true);
+    w->h_proj = u.mat(mw.h_proj, true);
+    w->enorm = u.vec(mw.enorm);
+    w->hnorm = u.vec(mw.hnorm);
+    w->layers.push_back(upload_layer(u, view.hp, mw.block, nullptr));
+    w->step_bytes = mat_bytes(w->output) + hc_bytes(w->hc_head) + mat_bytes(w->e_proj) + mat_bytes(w->h_proj) +
+                    layer_step_bytes(view.hp, w->layers.back());
+    ck(cudaDeviceSynchronize(), "finishing the upload");
+    return w;
+}
+
 size_t cuda_weight_bytes(const cuda_weights &w) {
     return w.bytes;
 }
@@ -568,6 +629,28 @@ size_t chunk_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t ch
 
 }  // namespace
 
+size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n) {
+    const size_t e = kv == kv_precision::f16 ? 2 : 4;
+    size_t b = 0;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int r = hp.compress_ratio[static_cast<size_t>(il)];
+        if (r > 0) b += static_cast<size_t>(n / r) * hp.head_dim * e;
+        if (r == 4) b += static_cast<size_t>(n / 4) * hp.idx_dim * e;
+    }
+    return b;
+}
+
+std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, size_t max_bytes) {
+    ck(cudaSetDevice(w.device), "selecting the device");
+    if (max_bytes == 0) {
+        size_t free_b = 0, total_b = 0;
+        ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+        const size_t margin = size_t{2} << 30;
+        max_bytes = free_b > margin ? free_b - margin : 0;
+    }
+    return std::make_shared<cuda::block_pool>(w.device, max_bytes);
+}
+
 size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx, int64_t prefill_chunk) {
     const size_t e = kv == kv_precision::f16 ? 2 : 4;
     size_t b = chunk_bytes(hp, kv, n_ctx, std::min(prefill_chunk, n_ctx));
@@ -591,7 +674,7 @@ const hparams &cuda_sequence::hp() const {
 }
 
 cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph, int64_t prefill_chunk,
-                             std::shared_ptr<cuda_prefill_pool> pool)
+                             std::shared_ptr<cuda_prefill_pool> pool, std::shared_ptr<cuda::block_pool> state_pool)
     : p_(std::make_unique<impl>()), n_ctx_(n_ctx), chunk_(std::min(prefill_chunk, n_ctx)) {
     if (!w) throw error("cuda ds4: no weights");
     if (n_ctx < 1) throw error("cuda ds4: n_ctx must be positive");
@@ -615,7 +698,10 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
         std::lock_guard<std::mutex> lk(p.pool->mu);
         pool_ready = p.pool->created > 0;
     }
-    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, pool_ready ? 0 : chunk_);
+    if (state_pool && state_pool->device() != p.w->device) throw error("cuda ds4: the state pool is on another device");
+    // Paged: the rows come from the state pool as the sequence grows, not now.
+    const size_t need = cuda_sequence_bytes(hp, p.w->opt.kv, n_ctx, pool_ready ? 0 : chunk_) -
+                        (state_pool ? cuda_row_bytes(hp, p.w->opt.kv, n_ctx) : 0);
     if (need > free_b)
         throw error("cuda ds4: a context of " + std::to_string(n_ctx) + " tokens needs " + gib(static_cast<double>(need)) +
                     " of device memory, " + gib(static_cast<double>(free_b)) + " free");
@@ -634,6 +720,9 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     const int64_t D = hp.n_embd, d = hp.head_dim, H = hp.n_head, Id = hp.idx_dim;
     int64_t max_idx = 1;
     size_t part = 1;
+    if (state_pool) p.vm = std::make_unique<cuda::vm_regions>(std::move(state_pool));
+    // The rows: a region of the state pool (paged), else allocated whole.
+    auto rows = [&](size_t bytes) -> void * { return p.vm ? p.vm->add(bytes) : p.dev<uint8_t>(bytes); };
     for (const dlayer &l : p.w->layers) {
         layer_state_dev st;
         st.ring = p.dev<uint8_t>(static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
@@ -643,13 +732,13 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
             st.comp_kv = p.dev<float>(st.comp_state_floats);
             st.comp_score = p.dev<float>(st.comp_state_floats);
             st.max_comp = comp_capacity(n_ctx, l.ratio);
-            st.comp_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
+            st.comp_rows = rows(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
         }
         if (l.ratio == 4) {
             st.ic_state_floats = static_cast<size_t>(frontier_slots(4)) * 2 * Id;
             st.ic_kv = p.dev<float>(st.ic_state_floats);
             st.ic_score = p.dev<float>(st.ic_state_floats);
-            st.idx_rows = p.dev<uint8_t>(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
+            st.idx_rows = rows(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
             max_idx = std::max(max_idx, st.max_comp);
         }
         p.ls.push_back(st);
@@ -687,6 +776,7 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     p.y = p.dev<float>(static_cast<size_t>(D));
     p.zh = p.dev<float>(static_cast<size_t>(D));
     p.logits = p.dev<float>(static_cast<size_t>(hp.n_vocab));
+    if (p.w->mtp) p.hc_in = p.dev<float>(static_cast<size_t>(hp.n_hc * D));
     p.amax = p.dev<int32_t>(1);
     p.moe.logits = p.dev<float>(static_cast<size_t>(hp.n_expert));
     p.moe.ids = p.dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
@@ -822,13 +912,87 @@ void cuda_sequence::reset() {
         if (st.ic_kv) clear_frontier(st.ic_kv, st.ic_score, st.ic_state_floats);
     }
     ck(cudaStreamSynchronize(p.s), "clearing");
+    if (p.vm) {  // every block back to the pool (the stream is idle: nothing reads them any more)
+        p.vm->shrink(std::vector<size_t>(p.vm->size(), 0));
+        p.mapped_tokens = 0;
+    }
     *p.err_h = 0;
     n_past_ = reached_ = floor_ = 0;
     have_logits_ = false;
 }
 
+// ---- paged state ----------------------------------------------------------------------------------------
+
+std::vector<size_t> cuda_sequence::impl::region_bytes(int64_t n) const {
+    const hparams &hp = w->hp;
+    std::vector<size_t> b;
+    for (size_t il = 0; il < ls.size(); ++il) {
+        const layer_state_dev &st = ls[il];
+        const int ratio = w->layers[il].ratio;
+        const size_t rows = static_cast<size_t>(std::min(comp_capacity(n, ratio), st.max_comp));
+        if (st.comp_rows) b.push_back(rows * static_cast<size_t>(hp.head_dim) * kv_elem);
+        if (st.idx_rows) b.push_back(rows * static_cast<size_t>(hp.idx_dim) * kv_elem);
+    }
+    return b;
+}
+
+bool cuda_sequence::paged() const {
+    return p_->vm != nullptr;
+}
+
+size_t cuda_sequence::row_bytes() const {
+    const impl &p = *p_;
+    if (p.vm) return p.vm->mapped_bytes();
+    size_t b = 0;
+    for (size_t il = 0; il < p.ls.size(); ++il) {
+        const layer_state_dev &st = p.ls[il];
+        const size_t rows = static_cast<size_t>(st.max_comp);
+        if (st.comp_rows) b += rows * static_cast<size_t>(p.w->hp.head_dim) * p.kv_elem;
+        if (st.idx_rows) b += rows * static_cast<size_t>(p.w->hp.idx_dim) * p.kv_elem;
+    }
+    return b;
+}
+
+bool cuda_sequence::reserve(int64_t n_tokens) {
+    impl &p = *p_;
+    if (!p.vm) return true;
+    const int64_t n = std::clamp<int64_t>(n_tokens, n_past_, n_ctx_);
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    if (n > p.mapped_tokens) {
+        if (!p.vm->grow(p.region_bytes(n))) return false;
+    } else if (n < p.mapped_tokens) {
+        ck(cudaStreamSynchronize(p.s), "releasing state blocks");
+        p.vm->shrink(p.region_bytes(n));
+    }
+    p.mapped_tokens = n;
+    return true;
+}
+
+void cuda_sequence::map_rows(int64_t n_end) {
+    impl &p = *p_;
+    if (!p.vm || n_end <= p.mapped_tokens) return;
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    const std::vector<size_t> want = p.region_bytes(n_end);
+    if (!p.vm->grow(want)) {
+        const cuda::block_pool &pool = p.vm->pool();
+        const double mib = static_cast<double>(pool.block_bytes()) / (1 << 20);
+        throw error("cuda ds4: the state pool is exhausted: the rows of " + std::to_string(n_end) + " tokens need " +
+                    std::to_string(p.vm->blocks_needed(want)) + " more blocks of " + std::to_string(static_cast<int>(mib)) +
+                    " MiB; " + std::to_string(pool.used()) + " of " + std::to_string(pool.capacity()) + " are in use");
+    }
+    p.mapped_tokens = n_end;
+}
+
 int64_t cuda_sequence::rollback_floor() const {
     return std::min(n_past_, std::max(floor_, reached_ - max_rollback));
+}
+
+void cuda_sequence::restart_at(int64_t n) {
+    for (const dlayer &l : p_->w->layers)
+        if (l.ratio != 0) throw error("cuda ds4: restart_at needs a window-only model (the MTP head)");
+    if (n < 0 || n > n_ctx_) throw error("cuda ds4: restart_at " + std::to_string(n) + " outside [0, n_ctx]");
+    reset();  // zero rings: the rows before n read as the CPU head's fresh state
+    n_past_ = reached_ = floor_ = n;
 }
 
 void cuda_sequence::truncate(int64_t n) {
@@ -989,6 +1153,10 @@ class step_exec final : public executor {
     void embed() override {
         p_.phase("embedding");
         const int64_t D = w_.hp.n_embd;
+        if (w_.mtp) {
+            embed_mtp();
+            return;
+        }
         for (int k = 0; k < w_.hp.n_hc; ++k)
             cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, w_.hp.n_vocab, p_.token, 1,
                                   p_.x[0] + k * D, D, p_.err_d, p_.s);
@@ -1023,6 +1191,20 @@ class step_exec final : public executor {
     }
 
   private:
+    // The MTP head's input (deepseek4_mtp.cpp mtp_forward): stream s of x[0] = e_proj(RMSNorm(embed(token)))
+    // + h_proj(RMSNorm(hc_in stream s)). Scratch: zh (the embedding), y (e), x[1] (the normed streams); none
+    // holds anything yet at the start of a step.
+    void embed_mtp() {
+        const hparams &hp = w_.hp;
+        const int64_t D = hp.n_embd, nh = hp.n_hc;
+        cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D, hp.n_vocab, p_.token, 1, p_.zh, D,
+                              p_.err_d, p_.s);
+        cuda::launch_rms_norm(p_.zh, D, w_.enorm, hp.rms_eps, D, 1, p_.zh, D, p_.s);
+        gemv(w_.e_proj, p_.zh, p_.y, p_.s);
+        cuda::launch_rms_norm(p_.hc_in, D, w_.hnorm, hp.rms_eps, D, nh, p_.x[1], D, p_.s);
+        for (int64_t k = 0; k < nh; ++k) gemv(w_.h_proj, p_.x[1] + k * D, p_.x[0] + k * D, p_.s);
+        cuda::launch_elementwise(cuda::ew_op::add_bcast, p_.x[0], D, p_.y, 0, p_.x[0], D, D, nh, 0.0f, p_.s);
+    }
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
     cd::hc_fused_io io(const float *norm, float *out) {
         cd::hc_fused_io r;
@@ -1196,7 +1378,7 @@ void cuda_sequence::impl::enqueue_chunk(int64_t n) {
 
 // Logits of token i of the chunk (its state in cs->x[0]): HC head, norm, output head, argmax.
 void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits,
-                               bool all_logits) {
+                               bool all_logits, int64_t x_out_first) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd;
@@ -1208,7 +1390,10 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
        "uploading tokens");
     if (x_in) ck(cudaMemcpyAsync(p.cs->x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
     p.enqueue_chunk(n);
-    if (x_out) ck(cudaMemcpyAsync(x_out, p.cs->x[0], n * S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
+    if (x_out)
+        ck(cudaMemcpyAsync(x_out, p.cs->x[0] + x_out_first * S, (n - x_out_first) * S * sizeof(float), cudaMemcpyDeviceToHost,
+                           p.s),
+           "downloading the state");
     if (p.w->head()) {  // the last token's logits always (they stay on the device), others on request
         const cd::hc_params hcp{hp.n_hc, D, hp.sinkhorn_iters, hp.hc_eps, hp.rms_eps};
         const dhc &h = p.w->hc_head;
@@ -1297,6 +1482,7 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
     reset();  // also on failure below: a half-loaded state must not be used
     try {
         check_state_header(r, hp, n_past, p.w->opt.kv, p.w->opt.qat);
+        map_rows(n_past);
         ck(cudaSetDevice(p.w->device), "selecting the device");
         for (size_t il = 0; il < p.ls.size(); ++il) {
             const int ratio = p.w->layers[il].ratio;
@@ -1393,12 +1579,15 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     if (tok < 0 || tok >= hp.n_vocab)
         throw error("cuda ds4: token id " + std::to_string(tok) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
     if (n_past_ >= n_ctx_) throw error("cuda ds4: context full (" + std::to_string(n_ctx_) + " tokens)");
+    map_rows(n_past_ + 1);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     *p.h_pos = n_past_;
     *p.h_token = tok;
     ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
     ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
-    if (x_in) ck(cudaMemcpyAsync(p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
+    if (x_in)  // the MTP head mixes its input state in the step (step_exec::embed_mtp); a stage starts from it
+        ck(cudaMemcpyAsync(p.w->mtp ? p.hc_in : p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s),
+           "uploading the state");
     if (p.use_graph) {
         if (!p.graph) {
             cudaGraph_t g = nullptr;
@@ -1453,6 +1642,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
 
 void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
     const hparams &hp = p_->w->hp;
+    if (p_->w->mtp) throw error("cuda ds4: the MTP head evaluates its rows one at a time (eval_mtp)");
     if (n_past_ + static_cast<int64_t>(tokens.size()) > n_ctx_)
         throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(tokens.size()) +
                     " tokens exceed n_ctx " + std::to_string(n_ctx_));
@@ -1462,6 +1652,11 @@ void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
 }
 
 void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits) {
+    eval_impl(tokens, x, logits, {});
+}
+
+void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits,
+                              std::span<float> hc_tail) {
     const cuda_weights &w = *p_->w;
     const size_t n = tokens.size(), V = static_cast<size_t>(w.hp.n_vocab);
     const size_t S = static_cast<size_t>(w.hp.n_hc) * static_cast<size_t>(w.hp.n_embd);
@@ -1472,7 +1667,12 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
         throw error("cuda ds4: logits buffer of " + std::to_string(logits.size()) + " floats " +
                     (w.head() ? "(expected n_vocab = " + std::to_string(V) + " or n * n_vocab = " + std::to_string(n * V) + ")"
                               : "for a stage without the output head"));
+    if (hc_tail.size() % S != 0 || hc_tail.size() / S > n)
+        throw error("cuda ds4: hc_tail buffer of " + std::to_string(hc_tail.size()) + " floats for " + std::to_string(n) +
+                    " tokens of " + std::to_string(S) + "-float states");
     check_tokens(tokens);
+    map_rows(n_past_ + static_cast<int64_t>(n));
+    const size_t t0 = n - hc_tail.size() / S;  // the first token whose state goes to hc_tail
     if (n > 1 && chunk_ > 1) {  // layer-major chunks
         p_->take_chunk();
         struct give_back {
@@ -1484,8 +1684,14 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
             const size_t m = std::min(n - c0, static_cast<size_t>(chunk_));
             const bool last = c0 + m == n;
             float *lg = logits.empty() ? nullptr : all ? logits.data() + c0 * V : last ? logits.data() : nullptr;
-            eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S,
-                       w.head() ? nullptr : x.data() + c0 * S, lg, all);
+            float *out = w.head() ? nullptr : x.data() + c0 * S;
+            size_t first = 0;
+            if (w.head() && !hc_tail.empty() && c0 + m > t0) {  // this chunk holds some of the tail
+                first = t0 > c0 ? t0 - c0 : 0;
+                out = hc_tail.data() + (c0 + first - t0) * S;
+            }
+            eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S, out, lg, all,
+                       static_cast<int64_t>(first));
         }
         return;
     }
@@ -1495,13 +1701,30 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
             out = logits.data() + i * V;
         else if (!logits.empty() && i + 1 == n)
             out = logits.data();
-        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, w.head() ? nullptr : x.data() + i * S);
+        float *state = w.head() ? (i >= t0 && !hc_tail.empty() ? hc_tail.data() + (i - t0) * S : nullptr) : x.data() + i * S;
+        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, state);
     }
 }
 
-void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits) {
+int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, std::span<float> logits,
+                                std::span<float> hc_out) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
+    if (!p.w->mtp) throw error("cuda ds4: eval_mtp needs the MTP head's weights (cuda_upload_mtp)");
+    if (hc.size() != S || (!hc_out.empty() && hc_out.size() != S) ||
+        (!logits.empty() && logits.size() != static_cast<size_t>(hp.n_vocab)))
+        throw error("cuda ds4: eval_mtp buffers: state " + std::to_string(hc.size()) + ", output state " +
+                    std::to_string(hc_out.size()) + " and logits " + std::to_string(logits.size()) +
+                    " floats (expected n_hc * D = " + std::to_string(S) + " and n_vocab)");
+    int32_t amax = -1;
+    step(next_token, logits.empty() ? nullptr : logits.data(), &amax, hc.data(), hc_out.empty() ? nullptr : hc_out.data());
+    return amax;
+}
+
+void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) {
     if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
-    eval_stage(tokens, {}, logits);  // the whole model: no state enters or leaves through the host
+    eval_impl(tokens, {}, logits, hc_tail);  // the whole model: no state enters through the host
 }
 
 }  // namespace fathom::ds4

@@ -27,6 +27,11 @@
 #include "core/types.h"
 #include "fathom/engine.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_mtp.h"
+
+namespace fathom::cuda {
+class block_pool;  // backend/cuda/cuda_vmm.h
+}
 
 namespace fathom::ds4 {
 
@@ -56,6 +61,13 @@ struct access;  // deepseek4_cuda_testing.cpp
 // not have the memory (weights + a 1 GiB margin), naming both sizes.
 std::shared_ptr<const cuda_weights> cuda_upload(const model &m, const cuda_run_options &o,
                                                 const std::function<void(uint64_t, uint64_t)> &progress = {});
+// The MTP head (deepseek4_mtp.h) on the target's device, for drafting: its block uploaded as a one-block
+// model whose step mixes its input - stream s = e_proj(RMSNorm(embed(t_(i+1)))) + h_proj(RMSNorm(stream s of
+// the target's final HC state at i)) - instead of embedding a token; the embedding and output head are the
+// target's device copies (not uploaded again). A cuda_sequence over these weights evaluates one row per
+// eval_mtp. Throws fathom::error when `target` is not a whole model or a weight has no CUDA kernel.
+std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp_weights &w,
+                                                    std::shared_ptr<const cuda_weights> target);
 // Bytes of weights on the device, and the bytes one decode step reads (every dense weight, the
 // selected experts of every layer, the output head): the numerator of the roofline.
 size_t cuda_weight_bytes(const cuda_weights &w);
@@ -78,6 +90,21 @@ size_t cuda_sequence_bytes(const hparams &hp, kv_precision kv, int64_t n_ctx,
 class cuda_prefill_pool;
 std::shared_ptr<cuda_prefill_pool> cuda_make_prefill_pool();
 
+// Paged state (backend/cuda/cuda_vmm.h). What grows with a sequence's context - the compressed KV rows
+// of every compressed layer and the indexer rows of the ratio-4 layers, ~6.9 KB per token at DS4-Flash -
+// can live in physical blocks (2 MiB) of one pool that the sequences of an engine share: each sequence
+// reserves address space for its whole context and maps blocks as it grows (cuda_sequence::reserve), so S
+// sequences use the memory their tokens need, not S full contexts, and the pool's count of blocks in use is
+// the real memory behind every sequence's rows. What does not grow (raw rings, compressor frontiers,
+// decode and multi-row scratch, ~10 MB at DS4-Flash) stays a sequence's own allocation.
+// cuda_make_state_pool: a pool on the weights' device of at most max_bytes (0: the device's free memory
+// now, less a 2 GiB margin for the scratch that sequences allocate later). Throws fathom::error when the
+// device has no virtual memory management.
+std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, size_t max_bytes = 0);
+// Bytes of the growing state (compressed and indexer rows) of n tokens, unrounded: n times about 6.9 KB at
+// DS4-Flash.
+size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n);
+
 class cuda_sequence {
   public:
     // Allocates the state for up to n_ctx tokens (fathom::error when the device lacks the memory).
@@ -88,14 +115,27 @@ class cuda_sequence {
     // pool: share prefill scratch with the engine's other sequences (see cuda_prefill_pool); the
     // constructor's memory check then counts only the sequence's own bytes (cuda_sequence_bytes with
     // prefill_chunk 0).
+    // state_pool: the compressed and indexer rows in blocks of that pool (paged state, above), mapped on
+    // demand; the memory check then leaves the rows out too. Without one they are allocated for n_ctx.
     cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ctx, bool use_graph = true,
-                  int64_t prefill_chunk = default_prefill_chunk, std::shared_ptr<cuda_prefill_pool> pool = {});
+                  int64_t prefill_chunk = default_prefill_chunk, std::shared_ptr<cuda_prefill_pool> pool = {},
+                  std::shared_ptr<cuda::block_pool> state_pool = {});
     ~cuda_sequence();
     cuda_sequence(const cuda_sequence &) = delete;
     cuda_sequence &operator=(const cuda_sequence &) = delete;
 
     int64_t n_past() const { return n_past_; }
     int64_t n_ctx() const { return n_ctx_; }
+    // Paged state: map the rows of positions [0, max(n_tokens, n_past())) now, so that evaluations up to
+    // n_tokens positions need no more blocks; a smaller n_tokens gives back the blocks mapped beyond
+    // max(n_tokens, n_past()). All or nothing: false, changing nothing, when the pool lacks the blocks.
+    // Without a state pool: true (the whole context's rows are allocated). Every evaluation (and
+    // load_state, fill_synthetic) maps what it needs itself and throws fathom::error, with nothing
+    // evaluated, when the pool is exhausted; reset() gives every block back.
+    bool reserve(int64_t n_tokens);
+    bool paged() const;
+    // Device bytes behind this sequence's rows: its mapped blocks (paged), else the whole context's rows.
+    size_t row_bytes() const;
     const hparams &hp() const;
     // Forget every token (clears rings, frontiers and rows on the device).
     void reset();
@@ -104,7 +144,9 @@ class cuda_sequence {
     // constructor's prefill_chunk), whose products are bf16 x bf16 -> f32 instead of the decode
     // GEMVs' f32 activations: logits agree with token-serial evaluation to bf16 precision. Throws on a token outside the vocabulary or past
     // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
-    void eval(std::span<const int32_t> tokens, std::span<float> logits);
+    // hc_tail (empty or [k, n_hc * D], k <= tokens.size()): the final HC states (before the HC head) of the
+    // last k tokens, what the MTP head drafts from (eval_mtp).
+    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {});
     // A pipeline stage (weights uploaded for a block range): x [n, n_hc * D] is the HC state entering
     // the range (ignored when the range starts at block 0: the tokens are embedded here) and, unless
     // the range ends with the last block, receives the state leaving it. logits as in eval() (only
@@ -128,6 +170,18 @@ class cuda_sequence {
     // outside [rollback_floor(), n_past]. The last logits are dropped unless n == n_past.
     void truncate(int64_t n);
     int64_t rollback_floor() const;
+    // Window-only models (every block ratio 0: the MTP head): forget every row and continue at position n as
+    // if the positions before had zero rows, as the CPU head's restart does (ds4_drafter.cpp). Throws
+    // fathom::error for a model with compressed blocks or n outside [0, n_ctx].
+    void restart_at(int64_t n);
+    // The MTP head's row n_past (weights from cuda_upload_mtp; every other evaluation refuses them): hc
+    // [n_hc * D] the target's final HC state at position n_past, next_token the token at n_past + 1. Returns
+    // the argmax of the head's logits (the drafted token at n_past + 2; ties: lower id); logits (empty or
+    // [n_vocab]) and hc_out (empty or [n_hc * D]: the block's output state before the head's HC collapse, a
+    // chained row's hc) on request. Replayed from one captured graph like the decode step; truncate() rolls
+    // the head's window-only history back.
+    int32_t eval_mtp(int32_t next_token, std::span<const float> hc, std::span<float> logits = {},
+                     std::span<float> hc_out = {});
     // The last evaluated token's logits stay on the device (eval() with empty logits downloads
     // nothing): last_logits() downloads them; logits_top() summarises them for the host sampler
     // (cuda_sample.h: penalties applied to the (token, count) pairs, softmax statistics, the k best)
@@ -181,11 +235,17 @@ class cuda_sequence {
     int64_t reached_ = 0, floor_ = 0;  // rollback bookkeeping (truncate)
     bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
     uint64_t replays_ = 0;
-    void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits);
+    // x_out: the state leaving the chunk's rows [x_out_first, n) (stages: all of them).
+    void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits,
+                    int64_t x_out_first = 0);
+    void eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits, std::span<float> hc_tail);
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
               float *x_out = nullptr);
 
     void check_tokens(std::span<const int32_t> tokens) const;
+    // Paged state: the rows of positions [0, n_end) mapped, or fathom::error (nothing changed) when the
+    // pool cannot supply them.
+    void map_rows(int64_t n_end);
 };
 
 }  // namespace fathom::ds4

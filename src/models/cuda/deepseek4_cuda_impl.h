@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_vmm.h"
 #include "backend/cuda/ds4_attn_kernels.h"
 #include "backend/cuda/ds4_gemv.h"
 #include "backend/cuda/ds4_kernels.h"
@@ -112,6 +113,13 @@ class cuda_weights {
     dhc hc_head;
     std::vector<dlayer> layers;
     const float *rope_plain = nullptr, *rope_yarn = nullptr;
+    // The MTP head (cuda_upload_mtp): one block whose input is mixed from the target's final HC state and
+    // the next token's embedding (step_exec::embed), tok_embd and output aliasing the target's copies
+    // (kept alive by `target`, not in allocs).
+    bool mtp = false;
+    dmat e_proj, h_proj;  // [D, D] each
+    const float *enorm = nullptr, *hnorm = nullptr;
+    std::shared_ptr<const cuda_weights> target;
     cuda_weights() = default;
     cuda_weights(const cuda_weights &) = delete;
     cuda_weights &operator=(const cuda_weights &) = delete;
@@ -165,9 +173,17 @@ struct cuda_sequence::impl {
     std::vector<void *> allocs;
     std::vector<layer_state_dev> ls;
     size_t kv_elem = 2;
+    // Paged state (a state pool given): the compressed and indexer rows of every layer are regions of vm
+    // (reserved for the whole context, in ls order: comp_rows, then idx_rows where the layer has them),
+    // mapped for the first mapped_tokens positions. Null without a pool (the rows allocated whole).
+    std::unique_ptr<cuda::vm_regions> vm;
+    int64_t mapped_tokens = 0;
+    // Bytes of each vm region that positions [0, n) use (rows comp_capacity(n, ratio), capped).
+    std::vector<size_t> region_bytes(int64_t n) const;
     int64_t *pos = nullptr;
     int32_t *token = nullptr;
     float *x[2] = {nullptr, nullptr};
+    float *hc_in = nullptr;  // the MTP head: the target's HC state entering the step [n_hc * D]
     float *xn, *mix, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *score, *part, *o, *z, *y,
         *zh, *logits;
     int32_t *sel, *n_sel, *amax;
@@ -213,6 +229,8 @@ struct cuda_sequence::impl {
     }
     ~impl() {
         if (w) cudaSetDevice(w->device);
+        if (s) cudaStreamSynchronize(s);  // no kernel may still use the blocks vm gives back
+        vm.reset();
         if (graph) cudaGraphExecDestroy(graph);
         if (rs) {
             for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);

@@ -74,6 +74,9 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
         cuda_sequence *q = seqs[static_cast<size_t>(&r - runs.data())];
         q->check_tokens(tokens.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count)));
     }
+    // Paged state: every sequence's rows mapped before anything runs (a sequence the pool cannot grow
+    // throws here; those grown before it keep their blocks, which they hold for their next rows anyway).
+    for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->map_rows(seqs[i]->n_past_ + counts[i]);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     if (!p.rs) p.alloc_rows();
     impl::row_scratch &rs = *p.rs;

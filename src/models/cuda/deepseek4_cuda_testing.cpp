@@ -42,6 +42,7 @@ void access::fill_synthetic(cuda_sequence &seq, int64_t n, uint64_t seed) {
     const hparams &hp = p.w->hp;
     if (n < 0 || n >= seq.n_ctx_) throw error("cuda ds4: synthetic depth " + std::to_string(n) + " outside [0, n_ctx)");
     seq.reset();
+    seq.map_rows(n + 1);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     // A pattern of 4096 rows of the widest row (head_dim) in the KV precision, N(0, 1) values.
     const size_t pat_rows = 4096, width = static_cast<size_t>(std::max(hp.head_dim, hp.idx_dim));
