@@ -2,9 +2,9 @@
 """Generate quantisation reference data and format tables from the gguf PyPI package (gguf-py).
 
 gguf-py's numpy code (gguf/quants.py) is an implementation of the GGML block formats that is
-independent of Fathom's C++ kernels, so it serves as the truth for tests/quant.
+independent of Fathom's C++ kernels, so it serves as the truth for test_quant (tests/backend/cpu).
 
-  python3 scripts/gen_quant_ref.py refs       # -> tests/quant/data/*.bin   (pip install gguf numpy)
+  python3 scripts/gen_quant_ref.py refs       # -> tests/backend/cpu/data/*.bin   (pip install gguf numpy)
   python3 scripts/gen_quant_ref.py iq-tables  # -> src/backend/cpu/iq_tables.cpp
 
 Reference file layout (little-endian): magic b"FQRF", u32 kind (0 = dequant, 1 = quant), u32 ggml
@@ -25,7 +25,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "tests", "quant", "data")
+DATA = os.path.join(ROOT, "tests", "backend", "cpu", "data")
 
 # Byte offsets of the f16 scale fields of each block type (d, and dmin/m where present).
 F16_FIELDS = {

@@ -17,7 +17,7 @@
 
 #include "backend/cpu/quants.h"
 #include "backend/cuda/ds4_attn_kernels.h"
-#include "cuda/cuda_test_util.h"
+#include "backend/cuda/cuda_test_util.h"
 
 namespace fathom::cuda_test {
 

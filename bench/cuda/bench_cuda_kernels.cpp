@@ -1,7 +1,7 @@
 // bench_cuda_kernels: the CUDA kernel benchmarks (bench/cuda/bench_*.cpp). Each benchmark times one
 // kernel family at DS4-Flash (or PFlash drafter) shapes and prints its figures (us per call, GB/s, share
-// of the device copy rate); none is a correctness test (those are tests/cuda, test_cuda). The benchmarks
-// share their fixtures with the test suites of the same kernels (tests/cuda/*_fixture.h) and run on
+// of the device copy rate); none is a correctness test (those are test_cuda's). The benchmarks
+// share their fixtures with the test suites of the same kernels (tests/backend/cuda/*_fixture.h) and run on
 // GoogleTest's runner, so a benchmark is named Suite.Name as the test it came from was.
 //
 // Usage: bench_cuda_kernels [--list] [NAME ...] [--gtest_* flags]

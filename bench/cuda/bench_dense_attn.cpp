@@ -1,6 +1,6 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the dense families' tensor-core prefill
 // attention at the PFlash drafter's shapes (Qwen3-0.6B: 16 heads, 8 KV heads, hd 128); the kernel's tests:
-// tests/cuda/test_cuda_dense_attn.cpp.
+// tests/backend/cuda/test_cuda_dense_attn.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_kernels.h"
 
-#include "cuda/dense_attn_fixture.h"
+#include "backend/cuda/dense_attn_fixture.h"
 
 namespace fathom {
 namespace {

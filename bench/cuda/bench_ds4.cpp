@@ -1,6 +1,6 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the DS4 expert GEMVs, the whole
 // launch_moe_ffn and the indexer at DS4-Flash shapes, bandwidth vs the device copy rate; the kernels' tests:
-// tests/cuda/test_cuda_ds4.cpp.
+// tests/backend/cuda/test_cuda_ds4.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,7 +26,7 @@
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
 
-#include "cuda/ds4_fixture.h"
+#include "backend/cuda/ds4_fixture.h"
 
 namespace fathom {
 namespace {

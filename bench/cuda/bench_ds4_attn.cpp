@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the DS4 attention-sublayer decode kernels
-// at DS4-Flash shapes by graph replay; the kernels' tests: tests/cuda/test_cuda_ds4_attn.cpp.
+// at DS4-Flash shapes by graph replay; the kernels' tests: tests/backend/cuda/test_cuda_ds4_attn.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_qat.h"
 
-#include "cuda/ds4_attn_fixture.h"
+#include "backend/cuda/ds4_attn_fixture.h"
 #include "attn_bench.h"
 
 namespace fathom {

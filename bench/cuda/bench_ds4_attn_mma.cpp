@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): decode sparse attention, f32 kernel vs
-// tensor cores (two launches, fused); the kernels' tests: tests/cuda/test_cuda_ds4_attn_mma.cpp.
+// tensor cores (two launches, fused); the kernels' tests: tests/backend/cuda/test_cuda_ds4_attn_mma.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_ops.h"
 
-#include "cuda/ds4_attn_mma_fixture.h"
+#include "backend/cuda/ds4_attn_mma_fixture.h"
 #include "attn_bench.h"
 
 namespace fathom {

@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): hc_pre at D 4096 and the indexer top-k at
-// 2048 / 8192 / 32768 rows by graph replay; the kernels' tests: tests/cuda/test_cuda_ds4_fast.cpp.
+// 2048 / 8192 / 32768 rows by graph replay; the kernels' tests: tests/backend/cuda/test_cuda_ds4_fast.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -20,7 +20,7 @@
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_ops.h"
 
-#include "cuda/ds4_fast_fixture.h"
+#include "backend/cuda/ds4_fast_fixture.h"
 
 namespace fathom {
 namespace {

@@ -1,6 +1,6 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the fast DS4 dense GEMV at DS4-Flash
 // shapes (GB/s vs the device copy rate), the streaming ceiling and a per-block trace; the kernels' tests:
-// tests/cuda/test_cuda_ds4_gemv.cpp.
+// tests/backend/cuda/test_cuda_ds4_gemv.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -25,7 +25,7 @@
 #include "backend/cuda/ktrace.h"
 #include "core/error.h"
 
-#include "cuda/ds4_gemv_fixture.h"
+#include "backend/cuda/ds4_gemv_fixture.h"
 
 namespace fathom {
 namespace {

@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): one DS4-Flash token's 86 HC sublayers,
-// unfused vs fused; the kernels' tests: tests/cuda/test_cuda_ds4_hc_fused.cpp.
+// unfused vs fused; the kernels' tests: tests/backend/cuda/test_cuda_ds4_hc_fused.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,7 +17,7 @@
 #include "backend/cuda/ds4_kernels.h"
 #include "core/error.h"
 
-#include "cuda/ds4_hc_fused_fixture.h"
+#include "backend/cuda/ds4_hc_fused_fixture.h"
 
 namespace fathom {
 namespace {

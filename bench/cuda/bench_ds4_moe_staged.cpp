@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): direct vs staged MoE expert kernels per
-// layer-token; the kernels' tests: tests/cuda/test_cuda_ds4_moe_staged.cpp.
+// layer-token; the kernels' tests: tests/backend/cuda/test_cuda_ds4_moe_staged.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include "backend/cuda/ds4_kernels_testing.h"
 #include "core/error.h"
 
-#include "cuda/ds4_moe_staged_fixture.h"
+#include "backend/cuda/ds4_moe_staged_fixture.h"
 
 namespace fathom {
 namespace {

@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the DS4 prefill indexer and attention on
-// one 4096-token chunk; the kernels' tests: tests/cuda/test_cuda_ds4_prefill_attn.cpp.
+// one 4096-token chunk; the kernels' tests: tests/backend/cuda/test_cuda_ds4_prefill_attn.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -21,7 +21,7 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 
-#include "cuda/ds4_prefill_attn_fixture.h"
+#include "backend/cuda/ds4_prefill_attn_fixture.h"
 
 namespace fathom {
 namespace {

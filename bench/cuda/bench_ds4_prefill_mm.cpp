@@ -1,5 +1,5 @@
 // Kernel benchmarks of bench_cuda_kernels (bench_cuda_kernels.cpp): the DS4 prefill MoE on one chunk; the
-// kernels' tests: tests/cuda/test_cuda_ds4_prefill_mm.cpp.
+// kernels' tests: tests/backend/cuda/test_cuda_ds4_prefill_mm.cpp.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -21,7 +21,7 @@
 #include "core/error.h"
 #include "models/deepseek4_impl.h"
 
-#include "cuda/ds4_prefill_mm_fixture.h"
+#include "backend/cuda/ds4_prefill_mm_fixture.h"
 
 namespace fathom {
 namespace {

@@ -12,7 +12,7 @@ cmake --build "$build" --target test_cuda bench_cuda bench_cuda_kernels bench_cu
 grep -qx '/.cuda-carry/' "$root/.git/info/exclude" 2>/dev/null || echo '/.cuda-carry/' >> "$root/.git/info/exclude"
 rm -rf "$root/.cuda-carry"
 mkdir -p "$root/.cuda-carry/lib" "$root/.cuda-carry/vocab"
-bins="$build/tests/test_cuda $build/tests/bench_cuda $build/bench/cuda/bench_cuda_kernels $build/tests/bench_cuda_ds4 $build/tests/bench_pflash_cuda $build/tests/cuda_synth $build/fathom $build/tools/fathom-gguf"
+bins="$build/tests/test_cuda $build/bench/cuda/bench_cuda $build/bench/cuda/bench_cuda_kernels $build/bench/cuda/bench_cuda_ds4 $build/bench/cuda/bench_pflash_cuda $build/bench/cuda/cuda_synth $build/fathom $build/tools/fathom-gguf"
 for b in $bins; do strip -o "$root/.cuda-carry/$(basename "$b")" "$b"; done
 # Everything ldd resolves outside libc/CUDA (the device image has CUDA 13 but not Debian's -dev libs).
 ldd $bins | awk '/=> \// {print $3}' | sort -u |

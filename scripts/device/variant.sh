@@ -23,13 +23,13 @@ for f in "$@"; do
     esac
     (cd "$v" && ar r lib.a "$o")
 done
-link() {  # link target $1 (tests/bench_cuda_ds4) as $2
+link() {  # link target $1 (bench/cuda/bench_cuda_ds4) as $2
     local cmd
     cmd=$(cd "$b" && ninja -t commands "$1" | tail -1 | sed "s# src/libfathom_cuda.a # $v/lib.a #g; s#-o $1 #-o $v/$2 #")
     (cd "$b" && eval "$cmd")
     strip -o "$root/.cuda-carry/$2_$name" "$v/$2"
 }
-link tests/bench_cuda_ds4 bench
+link bench/cuda/bench_cuda_ds4 bench
 if [ "${TESTS:-0}" = 1 ]; then
     link tests/test_cuda test
     link bench/cuda/bench_cuda_kernels bench_cuda_kernels

@@ -1,5 +1,5 @@
 // Internal building blocks of the DS4 forward, exposed for the block-level unit tests
-// (tests/ds4) and the MTP head. Shapes are in torch order: [rows, cols], row-major.
+// (tests/models/ds4) and the MTP head. Shapes are in torch order: [rows, cols], row-major.
 #pragma once
 #include <cstdint>
 #include <functional>

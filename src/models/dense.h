@@ -158,7 +158,7 @@ struct dense_attn_hook {
 // batched call when all sequences are paged), then each multi-token sequence as a contiguous block
 // (one causal attention call over its rows). Every per-row op computes rows independently on the CPU
 // backend's batch-invariant numerics, so a sequence's logits are bit-identical whatever else shares
-// the step (tests/models/test_dense_forward.cpp, tests/server/test_batch_decode.cpp).
+// the step (tests/models/test_dense_forward.cpp, tests/engine/test_batch_decode.cpp).
 // Requirements (checked, fathom::error): sum n_i <= s.n_batch; distinct caches (pool sequences) of
 // the model's geometry; positions inside the cache (paged: inside the blocks its table holds); token
 // ids inside the vocabulary. A contiguous cache's n_used is raised to pos + n_i.

@@ -10,8 +10,8 @@
 #include "cache_test_util.h"
 #include "fathom/engine.h"
 #include "sched/scheduler.h"
-#include "server/fake_engine.h"
-#include "server/smol_util.h"
+#include "engine/fake_engine.h"
+#include "sched/smol_util.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // One scripted DS4 conversation through the public session API and its helpers, shared by the
 // --devices tests on the CPU (tests/dist/test_dist_engine.cpp) and on CUDA
-// (tests/cuda/test_cuda_ds4_devices.cpp): whatever engine runs it, the logits it returns must equal
+// (tests/engine/test_cuda_ds4_devices.cpp): whatever engine runs it, the logits it returns must equal
 // those of a one-device engine of the same kind bit for bit.
 #pragma once
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Helpers shared by the tests/dist tests (and, through conversation_util.h, tests/cuda's --devices
+// Helpers shared by the tests/dist tests (and, through conversation_util.h, tests/engine's CUDA --devices
 // test): error text of a call, a fixed token stream, bitwise comparison, and a DS4 forward run in chunks
 // with the unsplit single-rank forward as the reference every split (pipeline, tp) is compared with.
 #pragma once

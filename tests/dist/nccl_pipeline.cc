@@ -42,7 +42,7 @@
 #include "core/error.h"
 #include "dist/nccl_transport.h"
 #include "dist/pipeline.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "models/deepseek4_synth.h"
 
 using namespace fathom;

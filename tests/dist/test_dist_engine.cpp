@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "dist/conversation_util.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "fathom/engine.h"
 
 namespace {

@@ -29,7 +29,7 @@
 #include "dist/conversation_util.h"
 #include "dist/dist_test_util.h"
 #include "dist/pipeline.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "fathom/engine.h"
 #include "models/deepseek4_synth.h"
 

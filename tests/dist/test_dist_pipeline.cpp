@@ -13,7 +13,7 @@
 #include "core/error.h"
 #include "dist/dist_test_util.h"
 #include "dist/pipeline.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "models/deepseek4_synth.h"
 
 namespace {
@@ -140,7 +140,7 @@ TEST(dist_pipeline, ds4_tiny_golden_split_in_two) {
     int checked = 0;
     for (const auto &c : cases) {
         // Keep the suite fast: every case up to 67 tokens as a prefill and token by token, the 300-token
-        // strict case (both compressor kinds emitting, indexer engaged) as a prefill; tests/ds4 runs all.
+        // strict case (both compressor kinds emitting, indexer engaged) as a prefill; tests/models/ds4 runs all.
         const bool strict300 = c.tokens.size() == 300 && c.tol["tier"] == "strict";
         if (c.tokens.size() > 67 && !strict300) continue;
         for (size_t chunk : {size_t{0}, size_t{1}}) {  // one prefill; token-by-token decode

@@ -21,7 +21,7 @@
 #include "dist/dist_test_util.h"
 #include "dist/planner.h"
 #include "dist/tp.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "models/deepseek4_synth.h"
 
 namespace {

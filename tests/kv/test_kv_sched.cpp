@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "sched/scheduler.h"
-#include "server/smol_util.h"
+#include "sched/smol_util.h"
 
 namespace fathom {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <thread>
 
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "sched/scheduler.h"
 #include "server/http_server.h"
 

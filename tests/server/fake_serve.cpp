@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "server/http_server.h"
 
 int main(int argc, char **argv) {

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "server/daemon.h"
 
 using namespace fathom;

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <thread>
 
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "fake_http.h"
 #include "server/http_server.h"
 #include "server/tool_calls.h"

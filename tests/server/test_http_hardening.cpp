@@ -18,7 +18,7 @@
 #include <set>
 #include <thread>
 
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "server/http_server.h"
 
 using namespace fathom;

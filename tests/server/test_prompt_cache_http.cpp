@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "cache/cache_test_util.h"
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "server/http_server.h"
 
 using namespace fathom;

@@ -10,7 +10,7 @@
 
 #include <thread>
 
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "fake_http.h"
 #include "server/api.h"
 #include "server/http_server.h"

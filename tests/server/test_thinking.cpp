@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "chat/reasoning.h"
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "fake_http.h"
 #include "fathom/sampling.h"
 #include "server/http_server.h"

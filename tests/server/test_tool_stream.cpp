@@ -1,6 +1,6 @@
 // Streamed tool calls below HTTP: the Hermes call_decoder fed token-like pieces (hand-worked event
 // sequences), its split invariance, the shapes it takes whole, and call_stream's ids and
-// parallel_tool_calls stop. The DSML decoder's parser deltas are tested in tests/ds4chat.
+// parallel_tool_calls stop. The DSML decoder's parser deltas are tested in test_ds4chat (tests/chat).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 

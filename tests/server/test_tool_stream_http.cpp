@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "chat/ds4_chat.h"
-#include "fake_engine.h"
+#include "engine/fake_engine.h"
 #include "fake_http.h"
 #include "server/api.h"
 #include "server/http_server.h"

@@ -5,7 +5,7 @@ if(TARGET test_server)
     target_link_libraries(test_server PRIVATE httplib::httplib)
     # The HTTP server over the fake engine, for SDK tests that choose the model's output (test-only).
     add_executable(fathom_fake_serve ${CMAKE_CURRENT_LIST_DIR}/fake_serve.cpp)
-    target_include_directories(fathom_fake_serve PRIVATE ${PROJECT_SOURCE_DIR}/src ${CMAKE_CURRENT_LIST_DIR})
+    target_include_directories(fathom_fake_serve PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
     target_link_libraries(fathom_fake_serve PRIVATE fathom_core httplib::httplib nlohmann_json::nlohmann_json)
 endif()
 find_package(Python3 COMPONENTS Interpreter)

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "ds4/golden_util.h"
+#include "models/ds4/golden_util.h"
 #include "fathom/engine.h"
 #include "fathom/speculative.h"
 #include "models/dense_synth.h"

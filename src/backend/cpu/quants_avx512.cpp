@@ -1,7 +1,7 @@
 // AVX-512 (F, BW, VL, DQ, VNNI) kernel table. Starts from the AVX2 table and re-instantiates the x86
 // kernels of quants_x86_q32.h / quants_x86_kquants.h in this -mavx512* translation unit (EVEX
 // encodings, 32 vector registers, VNNI dpbusd in the 32-block tiles), then replaces the float-type
-// GEMM with 512-bit FMAs. Not testable on AVX2-only machines: tests/quant runs every ISA the CPU has
+// GEMM with 512-bit FMAs. Not testable on AVX2-only machines: test_quant runs every ISA the CPU has
 // (force_isa), so it is checked wherever AVX-512 exists.
 // GCC 12's avx512fintrin.h builds "undefined" vectors by self-initialisation (__m512i __Y = __Y),
 // which -Wuninitialized reports at every inlined use of the widening/shift intrinsics; the values

@@ -187,7 +187,7 @@ void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t
 // group) adds 32 products into 16 i32 lanes (lane j: elements 2j, 2j+1). After a super-block's 8
 // groups, lanes 2L and 2L+1 together are ggml's exact integer S_L (elements 4L..4L+3 of every group),
 // and the float part (cvt, fma with fp16(d_w) * d_a, 0.125f * hsum) is that of the other paths: same
-// bits as vec_dot for every M (tests/quant/test_quants_iq2.cpp).
+// bits as vec_dot for every M (tests/backend/cpu/test_quants_iq2.cpp).
 struct iq2dec16 {
     __m512i w[8];  // group g: 32 x i16
 };

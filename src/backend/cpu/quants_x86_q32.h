@@ -332,7 +332,7 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // = q + 128, shared by every activation row of the tile) and one dpbusd per (row, column) pair, started
 // from -128 * (the lane sums of a), gives sum q*a directly (the sign trick needs four instructions).
 // The scale products dw*dx are the same f32 products, the FMA chain per output runs block after block
-// as before: every output equals dot_q32_exact's bit for bit, for any M and tile (tests/quant).
+// as before: every output equals dot_q32_exact's bit for bit, for any M and tile (test_quant).
 template <int MB>
 inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB],
                            float out[MB][4]) {

@@ -7,7 +7,7 @@
 //          double exp as the host's correctly rounded expf, summed in f64 in a fixed tree order),
 //   top  = the k largest of work (ties at the cut: lower ids), unordered,
 //   bad  = number of NaN or +inf logits (the host sampler rejects those).
-// Kernels: cuda_sample.cu. Test: tests/cuda/test_cuda_sample.cpp (against sampler::sample on the
+// Kernels: cuda_sample.cu. Test: tests/backend/cuda/test_cuda_sample.cpp (against sampler::sample on the
 // host over the full logits).
 #pragma once
 #include <cuda_runtime_api.h>

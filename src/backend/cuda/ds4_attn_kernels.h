@@ -10,7 +10,7 @@
 // rows, selected rows) is computed on the device: the launches can be captured once in a CUDA graph
 // and replayed at any position. Grids are sized from the host-side maxima given (capacities).
 //
-// Reference semantics (what tests/cuda/test_cuda_ds4_attn.cpp compares against): the CPU functions in
+// Reference semantics (what tests/backend/cuda/test_cuda_ds4_attn.cpp compares against): the CPU functions in
 // src/models/deepseek4_attn.cpp, deepseek4_ops.cpp (rms_norm, rope_apply), deepseek4_qat.cpp; spec
 // ../shared/reference/ds4-architecture.md section 4 and 8.
 #pragma once

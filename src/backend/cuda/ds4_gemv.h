@@ -1,6 +1,6 @@
 // Fast decode GEMV for DS4's dense weights (q8_0, f16, f32): y[r] = W_r . x for one token, with a
 // grouped form (output projection A) and a multi-matrix form (several weights sharing one input in
-// one launch). Kernels: ds4_gemv.cu; tests: tests/cuda/test_cuda_ds4_gemv.cpp; benchmarks:
+// one launch). Kernels: ds4_gemv.cu; tests: tests/backend/cuda/test_cuda_ds4_gemv.cpp; benchmarks:
 // bench/cuda/bench_ds4_gemv.cpp; their switches and probes: ds4_gemv_testing.h.
 //
 // Weights are prepared once at upload (gemv_prepare):

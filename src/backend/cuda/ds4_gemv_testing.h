@@ -17,7 +17,7 @@ namespace fathom::cuda::ds4 {
 // f32-activation kernel (tests and A/B benchmarks).
 void set_gemv_q8_activations(bool on);
 
-// Measurement aids for the benchmarks (bench/cuda/bench_ds4_gemv.cpp, tests/cuda/bench_cuda_ds4.cpp):
+// Measurement aids for the benchmarks (bench/cuda/bench_ds4_gemv.cpp, bench/cuda/bench_cuda_ds4.cpp):
 // launch_read_probe: reads `bytes` (a multiple of 16) at src once with 16-byte streaming loads, `unroll`
 // (1, 2, 4 or 8) in flight per thread, `blocks` blocks of `threads`; contiguous: each block reads its
 // own contiguous slice (else grid-stride); pdl: launched with programmatic dependent launch. The xor

@@ -6,7 +6,7 @@
 // addresses; every count that can change per token (token id, expert ids, routing weights) is read
 // from device memory, so the launches can be captured in a CUDA graph and replayed.
 // Reference semantics: src/models/deepseek4_moe.cpp (the CPU reference these are tested against,
-// tests/cuda/test_cuda_ds4.cpp), spec ../shared/reference/ds4-architecture.md sections 3 and 5.
+// tests/backend/cuda/test_cuda_ds4.cpp), spec ../shared/reference/ds4-architecture.md sections 3 and 5.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -131,7 +131,7 @@ void launch_hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, c
 // Fused decode HC (one launch per sublayer instead of post + mixer + apply + RMSNorm): optionally the
 // previous sublayer's HCPost, then HCPre (or the HC head) and the RMSNorm of its output, bit for bit
 // what launch_hc_post, launch_hc_pre / launch_hc_head and launch_rms_norm(out, D, norm, rms_eps, D, 1,
-// out, D) give in sequence (same operations in the same order; tests/cuda/test_cuda_ds4_hc_fused.cpp).
+// out, D) give in sequence (same operations in the same order; tests/backend/cuda/test_cuda_ds4_hc_fused.cpp).
 // The kernel is launched with programmatic dependent launch: before its griddepcontrol.wait it only
 // touches fn (prefetch, or the split kernel's staging), so fn must not be written by the kernel just
 // before it; it lets the next kernel start early (that kernel must wait before reading out / post /

@@ -21,7 +21,7 @@
 //      order: deterministic, no float atomics anywhere.
 // Scratch (DS4-Flash, D 4096, F 2048, k 6, max_tok 4096): xg 201 MB, g|v 403 MB, h 101 MB, out 403
 // MB, out_sh + xb 101 MB, expert weights 16 x 33.5 MB = 537 MB: ~1.75 GB.
-// Cost (H200, DS4-Flash q2 mix, tests/cuda/test_cuda_ds4_prefill_mm.cpp BenchMoeFlashChunk): 11.2 ms
+// Cost (H200, DS4-Flash q2 mix, tests/backend/cuda/test_cuda_ds4_prefill_mm.cpp BenchMoeFlashChunk): 11.2 ms
 // per layer at 4096 tokens, 10.0 ms at 256: bound by the bf16 expert weights (every active expert's
 // 50 MB is written by the dequantiser, ~4.2 ms per layer, and read back by its GEMMs, ~7 ms), not by
 // the tensor cores (~130 TFLOP/s useful). A GEMM that decodes the weights in its main loop would

@@ -1,6 +1,6 @@
 // DS4 expert weight formats on the CUDA backend: decoding of 32-weight units of IQ2_XXS, Q2_K, MXFP4,
 // Q8_0 (the shared expert of the q2 mix) and the K-quants Q3_K .. Q6_K (q4 / Q4_K_M files; their
-// layouts in the K-quant section below), host + device so tests/cuda/test_cuda_ds4.cpp checks
+// layouts in the K-quant section below), host + device so tests/backend/cuda/test_cuda_ds4.cpp checks
 // every element against the CPU dequantize_row without a GPU. Used by ds4_moe.cu.
 //
 // A unit is 32 weights in 4 runs of 8: w[8 r + i] is row element base + r * stride + i.

@@ -13,7 +13,7 @@
 //   MoE half: HCPre, RMSNorm, router + routed experts + shared expert, HCPost
 // then HC head, RMSNorm, output head, device argmax. The KV row + compressor and the indexer run on
 // two side streams beside the query path (event fork / join; parallel branches of the graph), unless
-// cuda_run_options::serial_step or profiling.
+// cuda_testing::cuda_test_options::serial_step or profiling.
 #include "models/cuda/deepseek4_cuda.h"
 #include "models/cuda/deepseek4_cuda_impl.h"
 
@@ -1026,7 +1026,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     const bool par = branched();
     const cudaStream_t sk = par ? side[0] : s, si = par ? side[1] : s;
     auto pause = [&](cudaStream_t b, bool on_side) {
-        const int64_t ns = w->opt.branch_delay_ns;
+        const int64_t ns = w->test.branch_delay_ns;
         if (par && ns != 0 && (ns > 0) == on_side) cd::launch_gpu_sleep(static_cast<uint64_t>(ns > 0 ? ns : -ns), b);
     };
     // Every projection of the normed input xn in one launch (q_a, kv, compressor and indexer inputs),
@@ -1725,99 +1725,6 @@ int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, s
 void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) {
     if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
     eval_impl(tokens, {}, logits, hc_tail);  // the whole model: no state enters through the host
-}
-
-void cuda_sequence::fill_synthetic(int64_t n, uint64_t seed) {
-    impl &p = *p_;
-    const hparams &hp = p.w->hp;
-    if (n < 0 || n >= n_ctx_) throw error("cuda ds4: synthetic depth " + std::to_string(n) + " outside [0, n_ctx)");
-    reset();
-    map_rows(n + 1);
-    ck(cudaSetDevice(p.w->device), "selecting the device");
-    // A pattern of 4096 rows of the widest row (head_dim) in the KV precision, N(0, 1) values.
-    const size_t pat_rows = 4096, width = static_cast<size_t>(std::max(hp.head_dim, hp.idx_dim));
-    std::vector<uint8_t> pat(pat_rows * width * p.kv_elem);
-    uint64_t st = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < pat_rows * width; ++i) {
-        double u1 = 0, u2 = 0;
-        for (double *u : {&u1, &u2}) {
-            st ^= st << 13, st ^= st >> 7, st ^= st << 17;
-            *u = (static_cast<double>(st >> 11) + 0.5) / 9007199254740992.0;
-        }
-        const float v = static_cast<float>(std::sqrt(-2 * std::log(u1)) * std::cos(6.283185307179586 * u2));
-        if (p.kv_elem == 2) {
-            const uint16_t h = cpu::f32_to_f16(v);
-            std::memcpy(&pat[i * 2], &h, 2);
-        } else {
-            std::memcpy(&pat[i * 4], &v, 4);
-        }
-    }
-    auto fill = [&](void *dst, size_t bytes) {
-        size_t have = std::min(bytes, pat.size());
-        ck(cudaMemcpy(dst, pat.data(), have, cudaMemcpyHostToDevice), "filling state");
-        while (have < bytes) {
-            const size_t c = std::min(have, bytes - have);
-            ck(cudaMemcpy(static_cast<uint8_t *>(dst) + have, dst, c, cudaMemcpyDeviceToDevice), "filling state");
-            have += c;
-        }
-    };
-    const size_t d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim);
-    for (size_t il = 0; il < p.ls.size(); ++il) {
-        const int r = p.w->layers[il].ratio;
-        layer_state_dev &ls = p.ls[il];
-        fill(ls.ring, static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
-        if (r > 0 && n / r > 0) fill(ls.comp_rows, static_cast<size_t>(n / r) * d * p.kv_elem);
-        if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
-    }
-    // The copies ran on the legacy stream, which the sequence's non-blocking streams do not wait
-    // for (a device-to-device cudaMemcpy may return before it completes).
-    ck(cudaDeviceSynchronize(), "filling state");
-    n_past_ = reached_ = floor_ = n;
-}
-
-std::vector<std::pair<std::string, float>> cuda_sequence::profile_step(int32_t tok) {
-    impl &p = *p_;
-    if (tok < 0 || tok >= p.w->hp.n_vocab || n_past_ >= n_ctx_) throw error("cuda ds4: profile_step: bad token or context full");
-    ck(cudaSetDevice(p.w->device), "selecting the device");
-    *p.h_pos = n_past_;
-    *p.h_token = tok;
-    ck(cudaMemcpyAsync(p.pos, p.h_pos, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
-    ck(cudaMemcpyAsync(p.token, p.h_token, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
-    std::vector<std::pair<std::string, cudaEvent_t>> marks;
-    p.mark = [&](const char *name) {
-        cudaEvent_t e;
-        ck(cudaEventCreate(&e), "creating an event");
-        ck(cudaEventRecord(e, p.s), "recording an event");
-        marks.emplace_back(name, e);
-    };
-    cd::launch_gpu_sleep(200'000'000, p.s);  // 200 ms: the host enqueues the whole step meanwhile
-    try {
-        p.enqueue_step();
-    } catch (...) {
-        p.mark = nullptr;
-        throw;
-    }
-    p.mark = nullptr;
-    ck(cudaStreamSynchronize(p.s), "profiled step");
-    std::vector<std::pair<std::string, float>> out;
-    for (size_t i = 0; i + 1 < marks.size(); ++i) {
-        float ms = 0;
-        ck(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second), "event time");
-        auto it = std::find_if(out.begin(), out.end(), [&](const auto &x) { return x.first == marks[i].first; });
-        if (it == out.end()) out.emplace_back(marks[i].first, ms);
-        else it->second += ms;
-    }
-    for (auto &m : marks) cudaEventDestroy(m.second);
-    ++n_past_;
-    reached_ = std::max(reached_, n_past_);
-    return out;
-}
-
-int32_t cuda_sequence::step_greedy(int32_t token) {
-    if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: step_greedy() needs the whole model");
-    int32_t a = -1;
-    step(token, nullptr, &a);
-    return a;
 }
 
 }  // namespace fathom::ds4

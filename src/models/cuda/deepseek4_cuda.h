@@ -47,18 +47,14 @@ struct cuda_run_options {
     // of them); the embedding is uploaded only with block 0, the HC head and output head only with
     // the last block.
     int first_layer = 0, last_layer = -1;
-    // The decode step's attention runs its independent sub-chains on parallel branches (side streams
-    // forked and joined with events, captured into the step graph as parallel graph branches): the
-    // KV row + compressor, and the indexer, beside the query path. true: every launch on the one
-    // stream in issue order (tests compare the two bitwise; profile_step is always serial).
-    bool serial_step = false;
-    // Tests only: a device pause of this many ns at the start of each branch (> 0: on the side
-    // streams, exposing a missing join; < 0: on the main stream's query path, exposing a side branch
-    // that reads the query projections without waiting for them). Results do not change.
-    int64_t branch_delay_ns = 0;
+    // Test switches of the decode step (serial step, branch delays): cuda_testing::cuda_test_options
+    // (deepseek4_cuda_testing.h).
 };
 
 class cuda_weights;
+namespace cuda_testing {
+struct access;  // deepseek4_cuda_testing.cpp
+}
 
 // Upload every tensor of `m` to the device (m and its mapping may be released afterwards).
 // `progress(done, total)` reports bytes. Throws fathom::error before allocating when the device does
@@ -178,8 +174,6 @@ class cuda_sequence {
     // if the positions before had zero rows, as the CPU head's restart does (ds4_drafter.cpp). Throws
     // fathom::error for a model with compressed blocks or n outside [0, n_ctx].
     void restart_at(int64_t n);
-    // Evaluate one token and return the argmax of its logits (computed on the device; ties: lower id).
-    int32_t step_greedy(int32_t token);
     // The MTP head's row n_past (weights from cuda_upload_mtp; every other evaluation refuses them): hc
     // [n_hc * D] the target's final HC state at position n_past, next_token the token at n_past + 1. Returns
     // the argmax of the head's logits (the drafted token at n_past + 2; ties: lower id); logits (empty or
@@ -204,18 +198,8 @@ class cuda_sequence {
     void last_logits(std::span<float> out);
     top_summary logits_top(int k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
                            float frequency, float presence);
-    // Benchmarks only: make the sequence look n tokens deep without evaluating them. The raw ring,
-    // the n / R compressed rows and the n / 4 indexer rows of every layer are filled with seeded
-    // N(0, 1) values (compressor frontiers stay empty) and n_past becomes n, so the next decode step
-    // does exactly the work (rows scored, selected and attended) of a real step at position n.
-    // The logits that follow are meaningless; reset() before real use.
-    void fill_synthetic(int64_t n, uint64_t seed);
-    // Profiling: one eager decode step of `token` with device events between its phases (the host
-    // enqueues the whole step behind a device-side pause first, so phases run back to back).
-    // Returns (phase, milliseconds) summed over layers, in first-seen order; advances n_past.
-    std::vector<std::pair<std::string, float>> profile_step(int32_t token);
-    // Number of decode steps replayed from the captured graph (tests check graphs are really used).
-    uint64_t graph_replays() const { return replays_; }
+    // Test and benchmark hooks (fill_synthetic, profile_step, step_greedy, graph_replays): free functions
+    // of namespace cuda_testing (deepseek4_cuda_testing.h).
     // Saved states (the on-disk prompt cache, docs/prompt-cache.md "DS4 state"): the stream of
     // ds4::write_state (deepseek4_state.cpp) from the device - raw rings, compressor frontiers,
     // compressed and indexer rows, bits as stored - so a sequence that load_state()s it continues bit
@@ -245,6 +229,7 @@ class cuda_sequence {
     struct impl;
 
   private:
+    friend struct cuda_testing::access;  // the hooks of deepseek4_cuda_testing.h
     std::unique_ptr<impl> p_;
     int64_t n_past_ = 0, n_ctx_ = 0, chunk_ = 0;
     int64_t reached_ = 0, floor_ = 0;  // rollback bookkeeping (truncate)

@@ -20,6 +20,7 @@
 #include "backend/cuda/ds4_prefill.h"
 #include "core/error.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_testing.h"
 
 namespace fathom::ds4 {
 
@@ -99,6 +100,7 @@ class cuda_weights {
   public:
     hparams hp;
     cuda_run_options opt;
+    cuda_testing::cuda_test_options test;  // default except under cuda_testing::cuda_upload
     int device = 0;
     int first = 0, last = 0;  // blocks [first, last) on this device
     bool embed() const { return first == 0; }
@@ -203,8 +205,8 @@ struct cuda_sequence::impl {
     // layer after layer: a wait takes the record made before it, eagerly and under capture.
     cudaStream_t side[2] = {nullptr, nullptr};
     cudaEvent_t ev_fork = nullptr, ev_q = nullptr, ev_join[2] = {nullptr, nullptr};
-    // Branches on: neither opt.serial_step nor profiling (phase events time one stream).
-    bool branched() const { return !w->opt.serial_step && !mark; }
+    // Branches on: neither test.serial_step nor profiling (phase events time one stream).
+    bool branched() const { return !w->test.serial_step && !mark; }
     // Error paths: every side stream taking part rejoins s (a capture must end joined; eager work
     // must not outlive the step). Errors are ignored: the caller is already failing.
     void join_side() noexcept {

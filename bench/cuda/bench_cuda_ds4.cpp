@@ -1,0 +1,445 @@
+// DS4 decode on one CUDA device at context frontiers (not a ctest; run on the device):
+//   bench_cuda_ds4 MODEL.gguf [--depths 2048,8192,32768,131072] [--n 64] [--kv f16|f32] [--eager]
+//                  [--prefill 2048,8192,32768] [--chunk 2048] [--serial-step]
+//                  [--state-file PATH] [--gemv-trace FILE] [--ktrace FILE] [--rows 2,3,4,5]
+// For each depth N the sequence is made N tokens deep with cuda_testing::fill_synthetic (seeded
+// KV, compressed and indexer rows: the next step scores, selects and attends exactly the rows a real
+// step at position N would), then N_gen greedy steps are timed (graph replay, device argmax, one
+// 4-byte download per token). Also: an end-to-end prefill + decode from position 0 through eval()
+// (logits downloaded every token), the weight bytes a step reads, and the device copy bandwidth
+// measured in the same run, so every rate is also a fraction of the roofline.
+// --prefill a,b,c: a real prompt from position 0 through chunked prefill (eval of each interval
+// [0, a), [a, b), [b, c) as one call, last-token logits), the tok/s of every interval (an empty list
+// skips it); --chunk sets the chunk size (0: token-serial). --serial-step: the decode step on one
+// stream (cuda_testing::cuda_test_options::serial_step; default: the attention's parallel branches).
+// --state-file PATH: after the chunked prefill, the sequence's saved state (save_state, the disk prompt
+// cache's DS4 stream) written to PATH (fsync'd) and loaded into a second sequence, both timed; the
+// next decode step of both must agree bit for bit.
+// --gemv-trace FILE (a FATHOM_Q8X_TRACE build): the per-block timeline of every q8x GEMV launch in the
+// captured decode step (ds4_gemv.h set_gemv_trace), from the last timed replay at the first depth, as
+// CSV lines "launch,block,start,waited,x_ready,end,sm" (ns); scripts/device/gemv_trace.py reads it.
+// --ktrace FILE (a FATHOM_KTRACE build, backend/cuda/ktrace.h): every instrumented kernel's blocks in one
+// replayed step after the first depth's timed steps, as CSV lines "kernel,block,start,end,sm,grid" (ns;
+// grid: the launch's %gridid, low 32 bits);
+// scripts/device/ktrace.py turns them into launches and the step's timeline.
+// --rows a,b,..: at each depth, the time of a verification of R rows of one sequence (eval_rows: one
+// decode step per row, plain decoding's numerics) then its rollback (truncate), relative to a one-row
+// step: the cost a speculative step pays per row.
+// --seqs a,b,..: at each depth, S sequences (each made that deep) decoding together, one row each per
+// multi-row step (cuda_sequence::step_batch, the server's batched decode): ms per step, relative to a
+// one-row step, and the aggregate tok/s.
+// --paged: every sequence's compressed and indexer rows in blocks of one state pool (cuda_make_state_pool,
+// the engine's layout on one GPU) instead of allocated whole for its context.
+// --capacity a,b,..: before anything else, for each context length, paged sequences made that deep
+// (fill_synthetic) are created until the device has no room for another (the pool exhausted or a
+// sequence's own allocation refused): how many fit, and the device bytes each takes; then all are freed.
+#include <cuda_profiler_api.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_vmm.h"
+#include "backend/cuda/ds4_gemv.h"
+#include "backend/cuda/ds4_gemv_testing.h"
+#include "backend/cuda/ktrace.h"
+#include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_testing.h"
+#include "bench_util.h"
+#include "core/error.h"
+#include "models/deepseek4.h"
+
+using namespace fathom;
+
+using bench_util::now_s;
+using bench_util::parse_list;
+
+namespace {
+
+// A state stream to / from a file descriptor (the bench's stand-in for the prompt cache's entry file,
+// which adds a header and checksums).
+struct fd_writer final : state_writer {
+    int fd;
+    uint64_t n = 0;
+    void write(const void *data, size_t k) override {
+        const auto *p = static_cast<const char *>(data);
+        while (k > 0) {
+            const ssize_t r = ::write(fd, p, k);
+            if (r <= 0) throw error("state file: write failed");
+            p += r, k -= static_cast<size_t>(r), n += static_cast<uint64_t>(r);
+        }
+    }
+};
+struct fd_reader final : state_reader {
+    int fd;
+    uint64_t left;
+    void read(void *data, size_t k) override {
+        if (k > left) throw error("state file: ends early");
+        auto *p = static_cast<char *>(data);
+        while (k > 0) {
+            const ssize_t r = ::read(fd, p, k);
+            if (r <= 0) throw error("state file: read failed");
+            p += r, k -= static_cast<size_t>(r), left -= static_cast<uint64_t>(r);
+        }
+    }
+    uint64_t remaining() const override { return left; }
+};
+
+// Saves seq's state to path (fsync'd), loads it into a second sequence, and checks that the next
+// greedy step of both gives the same logits: the time a prompt-cache hit costs instead of the prefill.
+void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::cuda_weights> &w,
+                      const std::string &path, const std::vector<int32_t> &prompt, double t_prefill) {
+    const size_t V = static_cast<size_t>(seq.hp().n_vocab);
+    std::vector<float> lg(V);
+    seq.last_logits(lg);
+    double t0 = now_s();
+    fd_writer fw;
+    fw.fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0644);
+    if (fw.fd < 0) throw error("cannot create " + path);
+    seq.save_state(fw);
+    fw.write(lg.data(), V * sizeof(float));
+    ::fsync(fw.fd);
+    ::close(fw.fd);
+    const double t_save = now_s() - t0;
+    ds4::cuda_sequence b(w, seq.n_ctx(), true, ds4::default_prefill_chunk);
+    t0 = now_s();
+    fd_reader fr;
+    fr.fd = ::open(path.c_str(), O_RDONLY);
+    if (fr.fd < 0) throw error("cannot open " + path);
+    fr.left = fw.n;
+    b.load_state(fr, seq.n_past());
+    std::vector<float> lb(V);
+    fr.read(lb.data(), V * sizeof(float));
+    b.restore_logits(lb);
+    ::close(fr.fd);
+    const double t_load = now_s() - t0;  // from the page cache (just written)
+    const int32_t t = static_cast<int32_t>((prompt.back() + 1) % static_cast<int32_t>(V));
+    std::vector<float> la(V), l2(V);
+    seq.eval(std::span(&t, 1), la);
+    b.eval(std::span(&t, 1), l2);
+    const bool same = std::memcmp(la.data(), l2.data(), V * sizeof(float)) == 0;
+    std::printf(
+        "saved state after %lld tokens: %.1f MB; save + fsync %.3f s (%.2f GB/s), load %.3f s (%.2f GB/s) "
+        "vs prefill %.3f s; next step after the load: %s\n",
+        static_cast<long long>(seq.n_past() - 1), static_cast<double>(fw.n) / 1e6, t_save,
+        static_cast<double>(fw.n) / t_save / 1e9, t_load, static_cast<double>(fw.n) / t_load / 1e9, t_prefill,
+        same ? "bitwise identical" : "DIFFERENT");
+    if (!same) throw error("the loaded state diverged");
+    ::unlink(path.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char **argv) try {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n",
+                     argv[0]);
+        return 2;
+    }
+    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file;
+    std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
+    int n_gen = 64;
+    bool eager = false, serial_step = false, paged = false;
+    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity;
+    int64_t chunk = ds4::default_prefill_chunk;
+    for (int i = 2; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--depths" && i + 1 < argc)
+            depths = parse_list(argv[++i]);
+        else if (a == "--n" && i + 1 < argc)
+            n_gen = std::atoi(argv[++i]);
+        else if (a == "--kv" && i + 1 < argc)
+            kv = argv[++i];
+        else if (a == "--eager")
+            eager = true;
+        else if (a == "--serial-step")
+            serial_step = true;
+        else if (a == "--state-file" && i + 1 < argc)
+            state_file = argv[++i];
+        else if (a == "--gemv-trace" && i + 1 < argc)
+            trace_file = argv[++i];
+        else if (a == "--ktrace" && i + 1 < argc)
+            ktrace_file = argv[++i];
+        else if (a == "--prefill" && i + 1 < argc)
+            prefill = parse_list(argv[++i]);
+        else if (a == "--chunk" && i + 1 < argc)
+            chunk = std::atoll(argv[++i]);
+        else if (a == "--rows" && i + 1 < argc)
+            rows = parse_list(argv[++i]);
+        else if (a == "--seqs" && i + 1 < argc)
+            seqs_list = parse_list(argv[++i]);
+        else if (a == "--paged")
+            paged = true;
+        else if (a == "--capacity" && i + 1 < argc)
+            capacity = parse_list(argv[++i]);
+        else
+            throw error("unknown argument " + a);
+    }
+    const double t_load = now_s();
+    auto m = ds4::load_model(path);
+    ds4::cuda_run_options o;
+    o.kv = kv == "f32" ? kv_precision::f32 : kv_precision::f16;
+    ds4::cuda_testing::cuda_test_options test_opts;
+    test_opts.serial_step = serial_step;
+    auto w = ds4::cuda_testing::cuda_upload(*m, o, test_opts);
+    const double bytes = ds4::cuda_bytes_per_token(*w);
+    std::printf(
+        "model %s: %d layers, D %d, %d experts (%d used), vocab %d; %.2f GB on the device, uploaded in %.1f "
+        "s\n",
+        path.c_str(), m->hp.n_layer, m->hp.n_embd, m->hp.n_expert, m->hp.n_expert_used, m->hp.n_vocab,
+        static_cast<double>(ds4::cuda_weight_bytes(*w)) / 1e9, now_s() - t_load);
+    const double copy_bw = cuda_measure_copy_bandwidth(o.device);
+    std::printf(
+        "weights read per decoded token: %.3f GB; device copy bandwidth (1 GiB D2D, read + write): %.1f "
+        "GB/s; "
+        "roofline %.1f tok/s\n",
+        bytes / 1e9, copy_bw / 1e9, copy_bw / bytes);
+    int64_t max_depth = depths.empty() ? 0 : *std::max_element(depths.begin(), depths.end());
+    if (!prefill.empty()) max_depth = std::max(max_depth, *std::max_element(prefill.begin(), prefill.end()));
+    // Concurrent sequences per context length on this device (paged state, a shared prefill scratch).
+    for (int64_t ctx : capacity) {
+        auto pf = ds4::cuda_make_prefill_pool();
+        size_t free0 = 0, total = 0;
+        cudaMemGetInfo(&free0, &total);
+        std::shared_ptr<cuda::block_pool> pool = ds4::cuda_make_state_pool(*w, 0);
+        std::vector<std::unique_ptr<ds4::cuda_sequence>> held;
+        std::string stop;
+        const double t0 = now_s();
+        while (held.size() < 4096) {
+            try {
+                auto s = std::make_unique<ds4::cuda_sequence>(w, ctx, true, chunk, pf, pool);
+                ds4::cuda_testing::fill_synthetic(*s, ctx - 1, held.size() + 1);
+                held.push_back(std::move(s));
+            } catch (const std::exception &e) {
+                stop = e.what();
+                break;
+            }
+        }
+        size_t free1 = 0;
+        cudaMemGetInfo(&free1, &total);
+        const double per = held.empty() ? 0 : static_cast<double>(free0 - free1) / static_cast<double>(held.size());
+        std::printf("capacity at %lld tokens: %zu sequences fit (%.1f MB of device memory each, %.2f KB per token; "
+                    "rows %.1f MB in %lld blocks of the pool's %lld; %.1f s); stopped by: %s\n",
+                    static_cast<long long>(ctx), held.size(), per / 1e6, per / static_cast<double>(ctx) / 1e3,
+                    held.empty() ? 0.0 : static_cast<double>(held.back()->row_bytes()) / 1e6,
+                    static_cast<long long>(pool->used()), static_cast<long long>(pool->capacity()), now_s() - t0,
+                    stop.c_str());
+        held.clear();
+        pool.reset();
+    }
+    std::shared_ptr<cuda::block_pool> state_pool = paged ? ds4::cuda_make_state_pool(*w, 0) : nullptr;
+    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk, {}, state_pool);
+    std::vector<int> trace_launches;
+    uint64_t *trace_buf = nullptr;
+    m.reset();  // the host mapping is no longer needed
+
+    // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
+    {
+        std::vector<int32_t> prompt(256);
+        for (size_t i = 0; i < prompt.size(); ++i)
+            prompt[i] = static_cast<int32_t>((i * 7919 + 13) % 1000 + 100);
+        std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
+        uint64_t *trace = nullptr;
+        const size_t trace_blocks = 1 << 18;
+        if (!trace_file.empty()) {
+            if (cudaMalloc(reinterpret_cast<void **>(&trace), trace_blocks * 6 * sizeof(uint64_t)) !=
+                cudaSuccess)
+                throw error("trace buffer");
+            cudaMemset(trace, 0, trace_blocks * 6 * sizeof(uint64_t));
+            cuda::ds4::set_gemv_trace(trace, trace_blocks);
+        }
+        seq.eval(std::span(prompt).first(8), logits);  // warm-up + graph capture
+        seq.reset();
+        double t0 = now_s();
+        seq.eval(prompt, logits);
+        const double pf = static_cast<double>(prompt.size()) / (now_s() - t0);
+        int32_t t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        t0 = now_s();
+        for (int i = 0; i < n_gen; ++i) {
+            seq.eval(std::span(&t, 1), logits);
+            t = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        }
+        const double dc = n_gen / (now_s() - t0);
+        std::printf(
+            "end to end from position 0 (eval, logits to the host every token): prefill 256 tokens %.1f "
+            "tok/s "
+            "(chunk %lld), decode %.1f tok/s = %.1f%% of roofline\n",
+            pf, static_cast<long long>(chunk), dc, 100.0 * dc * bytes / copy_bw);
+        if (trace) {  // the decode graph was captured by the first one-token eval above
+            trace_launches = cuda::ds4::gemv_trace_launches();
+            trace_buf = trace;
+            cuda::ds4::set_gemv_trace(nullptr, 0);
+            std::printf("gemv trace: %zu q8x launches captured\n", trace_launches.size());
+        }
+    }
+    // Chunked prefill of a real prompt from position 0, interval by interval.
+    if (!prefill.empty()) {
+        std::sort(prefill.begin(), prefill.end());
+        std::vector<int32_t> prompt(static_cast<size_t>(prefill.back()));
+        for (size_t i = 0; i < prompt.size(); ++i)
+            prompt[i] = static_cast<int32_t>(
+                (i * 2654435761u + 17) % static_cast<size_t>(seq.hp().n_vocab - 200) + 100);
+        std::vector<float> logits(static_cast<size_t>(seq.hp().n_vocab));
+        seq.reset();
+        std::printf("chunked prefill from position 0 (chunk %lld tokens):\n%12s %12s %12s %12s\n",
+                    static_cast<long long>(chunk), "interval", "tokens", "seconds", "tok/s");
+        int64_t at = 0;
+        const double t_all = now_s();
+        for (int64_t end : prefill) {
+            const double t0 = now_s();
+            seq.eval(std::span(prompt).subspan(static_cast<size_t>(at), static_cast<size_t>(end - at)),
+                     logits);
+            const double dt = now_s() - t0;
+            std::printf("%5lld-%-6lld %12lld %12.3f %12.1f\n", static_cast<long long>(at),
+                        static_cast<long long>(end), static_cast<long long>(end - at), dt,
+                        static_cast<double>(end - at) / dt);
+            at = end;
+        }
+        const double t_prefill = now_s() - t_all;
+        std::printf("%12s %12lld %12.3f %12.1f\n", "total", static_cast<long long>(at), t_prefill,
+                    static_cast<double>(at) / t_prefill);
+        if (!state_file.empty()) state_round_trip(seq, w, state_file, prompt, t_prefill);
+    }
+    std::vector<std::pair<int64_t, std::vector<std::pair<std::string, float>>>> phases;
+    bool rows_differ = false;
+    std::printf("%10s %12s %12s %10s %12s\n", "depth", "tok/s", "ms/token", "GB/s", "% roofline");
+    for (int64_t depth : depths) {
+        ds4::cuda_testing::fill_synthetic(seq, depth, 1);
+        int32_t t = 100;
+        for (int i = 0; i < 3; ++i) t = ds4::cuda_testing::step_greedy(seq, t);  // warm-up
+        const double t0 = now_s();
+        // The timed replays form the profiler's capture range (scripts/device/ncu_step.sh runs Nsight
+        // Compute with --profile-from-start off); without a profiler these calls do nothing.
+        cudaProfilerStart();
+        for (int i = 0; i < n_gen; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
+        cudaProfilerStop();
+        const double dt = (now_s() - t0) / n_gen;
+        std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt,
+                    dt * 1e3, bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
+        for (int64_t r : rows) {  // R rows evaluated, then rolled back: the same position every time
+            if (r < 1 || r > ds4::max_rollback) throw error("--rows: 1.." + std::to_string(ds4::max_rollback));
+            const std::vector<int32_t> toks(static_cast<size_t>(r), t);
+            const int64_t base = seq.n_past();
+            seq.eval_rows(toks, {});
+            seq.truncate(base);
+            const int reps = std::max(4, n_gen / static_cast<int>(r));
+            const double r0 = now_s();
+            for (int i = 0; i < reps; ++i) {
+                seq.eval_rows(toks, {});
+                seq.truncate(base);
+            }
+            const double dr = (now_s() - r0) / reps;
+            // the rows' logits against the same tokens decoded one step at a time (batch invariance at
+            // full geometry, where the dense products take the columns form of the q8x GEMV)
+            const size_t V = static_cast<size_t>(seq.hp().n_vocab);
+            std::vector<int32_t> probe(static_cast<size_t>(r));
+            for (size_t i = 0; i < probe.size(); ++i) probe[i] = static_cast<int32_t>(100 + 37 * i);
+            std::vector<float> lr(probe.size() * V), ls(probe.size() * V);
+            seq.eval_rows(probe, lr);
+            seq.truncate(base);
+            for (size_t i = 0; i < probe.size(); ++i) seq.eval(std::span(probe).subspan(i, 1), std::span(ls).subspan(i * V, V));
+            seq.truncate(base);
+            const bool same = std::memcmp(lr.data(), ls.data(), lr.size() * sizeof(float)) == 0;
+            std::printf("%10s rows %2lld of one sequence + rollback: %8.3f ms = %.2fx a one-row step; logits %s\n", "",
+                        static_cast<long long>(r), dr * 1e3, dr / dt,
+                        same ? "bit-identical to one step per row" : "DIFFER from one step per row");
+            if (!same) rows_differ = true;
+        }
+        if (trace_buf && !trace_launches.empty()) {  // the last replay's per-block stamps
+            size_t n = 0;
+            for (int b : trace_launches) n += static_cast<size_t>(b);
+            std::vector<uint64_t> h(n * 6);
+            cudaMemcpy(h.data(), trace_buf, h.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost);
+            FILE *f = std::fopen(trace_file.c_str(), "w");
+            if (!f) throw error("cannot write " + trace_file);
+            size_t at = 0;
+            for (size_t l = 0; l < trace_launches.size(); ++l)
+                for (int b = 0; b < trace_launches[l]; ++b, ++at)
+                    std::fprintf(f, "%zu,%d,%llu,%llu,%llu,%llu,%llu\n", l, b, (unsigned long long)h[6 * at],
+                                 (unsigned long long)h[6 * at + 1], (unsigned long long)h[6 * at + 2],
+                                 (unsigned long long)h[6 * at + 3], (unsigned long long)h[6 * at + 4]);
+            std::fclose(f);
+            std::printf("gemv trace of depth %lld written to %s\n", static_cast<long long>(depth),
+                        trace_file.c_str());
+            trace_launches.clear();
+        }
+        if (!ktrace_file.empty()) {  // one more replayed step, every instrumented block recorded
+            namespace kt = cuda::ktrace;
+            const uint32_t cap = 1u << 19;
+            kt::record *buf = nullptr;
+            uint32_t *n = nullptr;
+            if (cudaMalloc(reinterpret_cast<void **>(&buf), cap * sizeof(kt::record)) != cudaSuccess ||
+                cudaMalloc(reinterpret_cast<void **>(&n), sizeof(uint32_t)) != cudaSuccess ||
+                cudaMemset(n, 0, sizeof(uint32_t)) != cudaSuccess)
+                throw error("ktrace buffers");
+            if (!kt::bind_all(buf, n, cap)) {
+                std::printf("ktrace: not a FATHOM_KTRACE build, nothing recorded\n");
+            } else {
+                t = ds4::cuda_testing::step_greedy(seq, t);
+                cudaDeviceSynchronize();
+                uint32_t count = 0;
+                cudaMemcpy(&count, n, sizeof count, cudaMemcpyDeviceToHost);
+                kt::bind_all(nullptr, nullptr, 0);
+                std::vector<kt::record> h(std::min(count, cap));
+                cudaMemcpy(h.data(), buf, h.size() * sizeof(kt::record), cudaMemcpyDeviceToHost);
+                FILE *f = std::fopen(ktrace_file.c_str(), "w");
+                if (!f) throw error("cannot write " + ktrace_file);
+                for (const kt::record &r : h)
+                    std::fprintf(f, "%s,%u,%llu,%llu,%u,%u\n", kt::name(r.kernel), r.block, (unsigned long long)r.start,
+                                 (unsigned long long)r.end, r.sm, r.grid);
+                std::fclose(f);
+                std::printf("ktrace of one step at depth %lld: %u block records%s, written to %s\n",
+                            static_cast<long long>(depth), count, count > cap ? " (buffer full: cut)" : "",
+                            ktrace_file.c_str());
+            }
+            cudaFree(buf);
+            cudaFree(n);
+            ktrace_file.clear();
+        }
+        if (!seqs_list.empty()) {  // several sequences per step
+            const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
+            std::vector<std::unique_ptr<ds4::cuda_sequence>> many;
+            const int reps = std::max(4, n_gen / 2);
+            const int64_t room = static_cast<int64_t>(reps + 1) * static_cast<int64_t>(seqs_list.size()) + 16;
+            for (int64_t i = 0; i < S; ++i) {
+                many.push_back(std::make_unique<ds4::cuda_sequence>(w, depth + room, true, 0, nullptr, state_pool));
+                ds4::cuda_testing::fill_synthetic(*many.back(), depth, static_cast<uint64_t>(2 + i));
+            }
+            for (int64_t n : seqs_list) {
+                if (n < 1 || n > 16) throw error("--seqs: 1..16");
+                std::vector<ds4::cuda_sequence *> ptrs;
+                for (int64_t i = 0; i < n; ++i) ptrs.push_back(many[static_cast<size_t>(i)].get());
+                const std::vector<int> counts(static_cast<size_t>(n), 1);
+                std::vector<int32_t> toks(static_cast<size_t>(n), t);
+                ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});  // warm-up (graph capture)
+                const double s0 = now_s();
+                for (int i = 0; i < reps; ++i) ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});
+                const double ds = (now_s() - s0) / reps;
+                std::printf("%10s %2lld sequences, one row each: %8.3f ms per step = %.2fx a one-row step, %.1f tok/s in all\n",
+                            "", static_cast<long long>(n), ds * 1e3, ds / dt, static_cast<double>(n) / ds);
+            }
+        }
+        phases.emplace_back(depth, ds4::cuda_testing::profile_step(seq, t));
+    }
+    // Where a step's time goes (eager launches queued behind a device pause; events between phases).
+    for (const auto &[depth, ph] : phases) {
+        float total = 0;
+        for (const auto &x : ph) total += x.second;
+        std::printf("phases at depth %lld (eager step, %.3f ms):\n", static_cast<long long>(depth), total);
+        for (const auto &x : ph)
+            std::printf("  %-44s %8.3f ms %5.1f%%\n", x.first.c_str(), x.second, 100.0 * x.second / total);
+    }
+    return rows_differ ? 1 : 0;
+} catch (const std::exception &e) {
+    std::fprintf(stderr, "bench_cuda_ds4: %s\n", e.what());
+    return 1;
+}
