@@ -11,8 +11,35 @@
 
 #include "core/error.h"
 #include "gguf/gguf.h"
+#ifdef FATHOM_ENGINE_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace fathom::dist {
+
+uint64_t device_free_bytes(const std::string &name) {
+#ifdef FATHOM_ENGINE_CUDA
+    int ordinal = -1;
+    if (name.rfind("cuda:", 0) == 0) {
+        try {
+            size_t used = 0;
+            ordinal = std::stoi(name.substr(5), &used);
+            if (used != name.size() - 5) ordinal = -1;
+        } catch (const std::exception &) {
+            ordinal = -1;
+        }
+    }
+    if (ordinal < 0) throw error("plan: device '" + name + "': expected cuda:N (or give --mem-gib)");
+    const int n = cuda_device_count();
+    if (ordinal >= n)
+        throw error("plan: device " + name + " not present (" + std::to_string(n) +
+                    " CUDA devices); give --mem-gib to plan for it");
+    return cuda_query_memory(ordinal).free_bytes;
+#else
+    (void)name;
+    throw error("plan: this build has no CUDA backend to query device memory; give --mem-gib (one value per device)");
+#endif
+}
 
 namespace {
 
