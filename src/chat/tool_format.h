@@ -103,7 +103,6 @@ public:
     // A json_schema response format as the model's format describes it in the system message ("" = not
     // described: the default; DS4: its encoder's "## Response Format" section).
     virtual std::string response_format_prompt(const nlohmann::json &schema) const { return {}; }
-
 };
 
 // The format called `name` ("hermes" | "dsml"; model_info::tool_format); throws fathom::error for
