@@ -16,13 +16,14 @@
 #include <string_view>
 #include <vector>
 
+#include "fathom/chat.h"          // chat_message, chat_thinking
 #include "fathom/dist_options.h"
 #include "fathom/error.h"
+#include "fathom/kv_precision.h"  // kv_precision
 #include "fathom/sampling.h"
+#include "fathom/state_stream.h"  // state_writer, state_reader
 
 namespace fathom {
-
-enum class kv_precision { f16, f32 };
 
 struct engine_options {
     std::string model_path;        // GGUF file
@@ -80,42 +81,14 @@ struct model_info {
     int32_t n_embd = 0;
     uint64_t kv_bytes_per_token = 0;
     std::string chat_template;  // tokenizer.chat_template ("" if none)
+    // The model's tool-call markup, as the server writes tools and parses calls (src/chat/tool_format.h):
+    // "hermes" (the default: Hermes / Qwen <tool_call>) or "dsml" (DeepSeek V4).
+    std::string tool_format = "hermes";
     std::string device = "cpu";   // where the forward runs: "cpu" or "cuda:N (<device name>)"
     uint64_t decode_weight_bytes = 0;  // weight bytes one decode step reads (all matrices, norms, output head; one embedding row)
 };
 
-struct chat_message {
-    std::string role;     // system | user | assistant | tool
-    std::string content;
-};
-
-// Thinking mode asked of a chat rendering (apply_chat_template; docs/server.md "Thinking").
-//   template_default — what the model's format does by itself (DS4's built-in format: non-thinking;
-//                      a Jinja template: its own default, no variable set);
-//   off / on         — DS4: the official encoder's "chat" / "thinking" mode; a Jinja template gets
-//                      enable_thinking (and thinking) = false / true, which templates that support
-//                      thinking read (Qwen3 and kin) and others ignore;
-//   max              — on, plus DS4's Think-Max paragraph (reasoning_effort "max"); Jinja: as on.
-enum class chat_thinking { template_default, off, on, max };
-
 class session;
-
-// A session's state as a byte stream (session::save_state / load_state; the on-disk prompt cache,
-// src/cache and docs/prompt-cache.md, frames, checksums and stores it). A writer takes the bytes in
-// order; a reader hands them back in the same order and never reads past the end of the stream.
-// Both throw fathom::error on failure (I/O, a stream that ends early).
-class state_writer {
-public:
-    virtual ~state_writer() = default;
-    virtual void write(const void *data, size_t n) = 0;
-};
-
-class state_reader {
-public:
-    virtual ~state_reader() = default;
-    virtual void read(void *data, size_t n) = 0;  // throws when fewer than n bytes remain
-    virtual uint64_t remaining() const = 0;       // bytes of the stream not yet read
-};
 
 // ---- batch / scheduler ----------------------------------------------------------------------
 // What the server's scheduler (src/sched/scheduler.h), the prompt cache (src/cache) and speculative

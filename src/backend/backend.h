@@ -150,7 +150,7 @@ public:
     virtual void attention_paged_rows(const tensor &q, std::span<const kv_pages> kv,
                                       std::span<const int64_t> n_past, const attn_params &p,
                                       const tensor &out);
-    // PFlash scoring (src/pflash/drafter.cpp): for each query row t of q [n_q, n_head*head_dim] (f32)
+    // PFlash scoring (src/engine/token_scorer.cpp): for each query row t of q [n_q, n_head*head_dim] (f32)
     // at position first_pos + t and each head h, p = softmax over keys j in [0, first_pos + t] of
     // s_j = scale * (q_th . k_j), softcapped (cap * tanh(s / cap)) when softcap > 0, with k_j row
     // (h / (n_head / n_head_kv)) * n_ctx + j of k [n_head_kv*n_ctx, head_dim] (f16); then

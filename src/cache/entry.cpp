@@ -13,6 +13,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/fd_io.h"
+
 namespace fathom::cache {
 
 static_assert(std::endian::native == std::endian::little, "entry files are little-endian");
@@ -189,16 +191,7 @@ void memory_source::read_at(uint64_t offset, void *dst, size_t n) const {
     std::memcpy(dst, b_.data() + offset, n);
 }
 
-void fd_sink::append(const void *data, size_t n) {
-    const auto *p = static_cast<const uint8_t *>(data);
-    while (n > 0) {
-        const ssize_t w = ::write(fd_, p, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w < 0) throw error(name_ + ": write: " + std::strerror(errno));
-        p += w;
-        n -= static_cast<size_t>(w);
-    }
-}
+void fd_sink::append(const void *data, size_t n) { fd_write_all(fd_, data, n, name_); }
 
 void fd_sink::write_at(uint64_t offset, const void *data, size_t n) {
     const auto *p = static_cast<const uint8_t *>(data);

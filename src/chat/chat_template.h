@@ -23,7 +23,7 @@
 
 #include "chat/jinja_value.h"  // jinja::template_exception
 #include "core/error.h"
-#include "fathom/engine.h"  // chat_thinking
+#include "fathom/chat.h"  // chat_thinking
 
 namespace fathom {
 

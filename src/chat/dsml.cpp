@@ -1,6 +1,6 @@
 // DSML tool calls of DeepSeek V4: Python-compatible JSON text, canonical rendering of calls and
 // of the "## Tools" section, the streaming parser, the exact-replay map, and the DSML
-// fathom::server::tool_format. Format facts come from the official encoding_dsv4.py; see
+// fathom::toolcall::tool_format. Format facts come from the official encoding_dsv4.py; see
 // docs/ds4-chat-format.md for every rule and its source.
 #include "chat/dsml.h"
 
@@ -11,7 +11,7 @@
 #include <cstdio>
 
 #include "core/error.h"
-#include "server/tool_calls.h"
+#include "chat/tool_format.h"
 
 namespace fathom::ds4chat {
 
@@ -740,10 +740,10 @@ size_t dsml_replay_map::size() const {
 }  // namespace fathom::ds4chat
 
 // ================================================================================================
-// fathom::server::tool_format for DSML
+// fathom::toolcall::tool_format for DSML
 // ================================================================================================
 
-namespace fathom::server {
+namespace fathom::toolcall {
 namespace {
 
 class dsml_format : public tool_format {
@@ -845,4 +845,4 @@ std::unique_ptr<call_decoder> dsml_format::decoder(const std::vector<std::string
 
 std::unique_ptr<tool_format> make_dsml_tool_format() { return std::make_unique<dsml_format>(); }
 
-}  // namespace fathom::server
+}  // namespace fathom::toolcall

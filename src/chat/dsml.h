@@ -210,9 +210,9 @@ private:
 
 }  // namespace fathom::ds4chat
 
-// Server hook: a fathom::server::tool_format speaking DSML (defined in dsml.cpp), registered for
-// architecture "deepseek4" by make_tool_format().
-namespace fathom::server {
+// The toolcall::tool_format speaking DSML (defined in dsml.cpp): make_tool_format("dsml"), the format the
+// DeepSeek V4 engine names (model_info::tool_format).
+namespace fathom::toolcall {
 class tool_format;
 std::unique_ptr<tool_format> make_dsml_tool_format();
-}  // namespace fathom::server
+}  // namespace fathom::toolcall

@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include "core/error.h"
-#include "fathom/engine.h"
+#include "fathom/state_stream.h"
 
 namespace fathom::state_io {
 

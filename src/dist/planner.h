@@ -62,6 +62,10 @@ struct device_spec {
     uint64_t free_bytes = 0;  // memory the plan may use
 };
 
+// The memory device `name` ("cuda:N") has free now (cudaMemGetInfo), for planning without --mem-gib.
+// Throws the one-line reason for another name, a device not present, or a build without CUDA.
+uint64_t device_free_bytes(const std::string &name);
+
 enum class layout { pipeline, tp };
 
 struct plan_options {

@@ -40,5 +40,8 @@ class dense_gpu {
 // The CUDA backend on device `ordinal` (its context and cuBLAS workspace created). Throws
 // fathom::error when the device cannot be used, or when the build has no CUDA backend.
 std::unique_ptr<dense_gpu> make_dense_gpu(int ordinal);
+// The CUDA backend of device `ordinal` alone (PFlash's token scorer runs its forward there). Throws when the
+// build has no CUDA backend.
+std::unique_ptr<backend> make_gpu_backend(int ordinal);
 
 }  // namespace fathom

@@ -297,6 +297,7 @@ std::vector<dist::layer_range> ds4_engine::planned_ranges(const std::vector<int>
 void ds4_engine::fill_info() {
     const ds4::hparams &hp = model_->hp;
     info_.arch = "deepseek4";
+    info_.tool_format = "dsml";
     info_.name = std::string(file_->get_string("general.name", ""));
     info_.path = opts_.model_path;
     info_.file_bytes = file_->size();

@@ -64,7 +64,7 @@
 #include <thread>
 
 #include "backend/cpu/thread_pool.h"
-#include "cache/identity.h"
+#include "gguf/fingerprint.h"
 #include "chat/chat_template.h"
 #include "chat/ds4_chat.h"
 #include "core/error.h"
@@ -234,7 +234,7 @@ class ds4_engine final : public engine {
             backend = std::string(" backend=cuda gpu=\"") + gpu_->name() + "\" indexer=" + (opts_.exact ? "exact" : "tensor-core");
         if (backend.empty() && ordinal_ >= 0) return {};
         if (backend.empty()) backend = std::string(" numerics=") + (opts_.exact ? "exact" : "quantised");
-        std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
+        std::call_once(identity_once_, [&] { file_identity_ = gguf::file_fingerprint(*file_); });
         return "deepseek4 file=" + file_identity_ + " kv=" + (opts_.kv == kv_precision::f32 ? "f32" : "f16") +
                " qat=" + opts_.ds4_qat + backend;
     }

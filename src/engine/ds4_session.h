@@ -6,6 +6,7 @@
 #include <string>
 
 #include "fathom/engine.h"
+#include "fathom/rank_process.h"
 
 namespace fathom {
 
@@ -17,10 +18,6 @@ class file;
 // Throws fathom::error for invalid options (device, threads, ctx, batch, ds4_qat) or a bad model.
 std::unique_ptr<engine> make_ds4_engine(const engine_options &opts, std::shared_ptr<const gguf::file> file);
 
-// The process of rank `rank` (> 0) of `world` for dist_options::rank_procs (`fathom rank`): loads the
-// model named by opts (the same options as rank 0's engine: devices, layout, threads, numerics, qat, kv),
-// joins rank 0 at `join_id` ("token@host:port") and serves its share of every session until rank 0 stops
-// it. Throws one line on any failure (load, join, a peer's death or abort).
-void serve_ds4_rank(const engine_options &opts, int rank, int world, const std::string &join_id);
+// serve_ds4_rank (`fathom rank`): declared in the public include/fathom/rank_process.h.
 
 }  // namespace fathom

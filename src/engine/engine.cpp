@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "backend/backend.h"
-#include "cache/identity.h"
+#include "gguf/fingerprint.h"
 #include "chat/chat_template.h"
 #include "engine/sync_plan.h"
 #include "engine/ds4_session.h"
@@ -224,7 +224,7 @@ public:
     // CPU (paged KV) only. kv changes the saved rows; the numerics change every value after a load.
     std::string state_identity() const override {
         if (!pool_ && cuda_ordinal_ < 0) return {};
-        std::call_once(identity_once_, [&] { file_identity_ = cache::file_fingerprint(*file_); });
+        std::call_once(identity_once_, [&] { file_identity_ = gguf::file_fingerprint(*file_); });
         const char *numerics = opts_.exact ? "exact" : opts_.batch_invariant ? "invariant" : "llamacpp";
         // A CUDA state is offered only to CUDA engines: the backends' logits differ in the last bits.
         return "dense arch=" + model_->hp.arch + " file=" + file_identity_ +

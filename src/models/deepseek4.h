@@ -20,7 +20,8 @@
 #include <vector>
 
 #include "core/types.h"
-#include "fathom/engine.h"
+#include "fathom/kv_precision.h"
+#include "fathom/state_stream.h"
 
 namespace fathom::gguf {
 class file;

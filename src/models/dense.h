@@ -133,7 +133,7 @@ struct dense_trace {
     void *user = nullptr;
 };
 
-// Attention hook, for PFlash's drafter (src/pflash/drafter.cpp: it keeps pre-RoPE keys and queries
+// Attention hook, for PFlash's drafter (src/engine/token_scorer.cpp: it keeps pre-RoPE keys and queries
 // for its scores and prefills with a sliding window). Off (fn null, window 0, stop_layer -1) by default.
 struct dense_attn_hook {
     // Called in each layer after the q/k projections (+ biases, + q/k norms), before RoPE and before

@@ -193,7 +193,7 @@ http_server::http_server(engine &eng, sched::scheduler &sch, server_options opts
         o.model_ids.push_back(mi.path.empty() ? std::string("fathom") : std::filesystem::path(mi.path).stem().string());
         if (!mi.name.empty() && mi.name != o.model_ids.front()) o.model_ids.push_back(mi.name);
     }
-    p_->ctx.fmt = make_tool_format(eng.info().arch);
+    p_->ctx.fmt = make_tool_format(eng.info().tool_format);
     if (!o.tool_turns_path.empty()) p_->ctx.fmt->persist_replay(o.tool_turns_path);
     p_->ctx.compressor = std::make_unique<prompt_compressor>(o.compression);
     p_->ctx.responses = std::make_unique<response_store>(o.responses_max_entries, o.responses_max_bytes);

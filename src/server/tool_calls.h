@@ -1,12 +1,5 @@
-// Tool calling, per model family: how tool definitions are described to the model, how earlier
-// calls and results are written back into the conversation, and how calls are parsed out of the
-// model's generated text (whole output, and a streaming-safe content prefix).
-//
-// The server renders tools itself (in the system message) so it works with any chat template.
-// Formats are pluggable: make_tool_format() picks one by model architecture; "hermes" (Hermes /
-// Qwen <tool_call>{json}</tool_call>, plus plain JSON function-call output) is the default.
-// Another format (e.g. DeepSeek's DSML) is added by implementing tool_format and registering it
-// in make_tool_format().
+// The server's side of tool calls: the model's format (chat/tool_format.h, named by the engine:
+// model_info::tool_format) together with the exact replay of the turns this server generated.
 #pragma once
 #include <nlohmann/json.hpp>
 
@@ -19,25 +12,16 @@
 #include <string_view>
 #include <vector>
 
+#include "chat/tool_format.h"
+
 namespace fathom::server {
 
-struct tool_call {
-    std::string id;         // "call_..." (OpenAI) / "toolu_..." (Anthropic), assigned by the server
-    std::string name;
-    std::string arguments;  // JSON object text
-};
-
-struct parsed_output {
-    std::string content;             // generated text without call markup (untrimmed: a streamed
-                                     // prefix stays a prefix of it)
-    std::vector<tool_call> calls;
-};
-
-// tool_choice, normalised across both APIs.
-struct tool_choice {
-    enum kind_t { none, auto_, required, function } kind = auto_;
-    std::string name;  // kind == function
-};
+using toolcall::call_decoder;
+using toolcall::call_event;
+using toolcall::parsed_output;
+using toolcall::random_id;
+using toolcall::tool_call;
+using toolcall::tool_choice;
 
 // Exact replay of assistant turns with tool calls: the text the model generated for a turn, kept under
 // the ids the server gave its calls, so that when a client sends the turn back (the calls under the same
@@ -83,73 +67,36 @@ private:
     std::deque<std::string> order_;  // keys, oldest first
 };
 
-// Streaming decode of calls (see call_decoder): one event of the generated text.
-struct call_event {
-    enum kind_t { content, call } kind = content;
-    std::string text;   // content: visible text; call: a fragment of the call's arguments text
-    size_t index = 0;   // call: 0-based number of the call in the turn
-    bool begin = false; // call: the call's first event (name set; text may hold a first fragment)
-    bool end = false;   // call: the arguments are complete (the last event of the call)
-    std::string name;   // call, begin: the function name
-    std::string id;     // call: the id the server gave the call (set by call_stream, not by decoders)
-};
-
-// Decodes a turn's calls while it is generated, for streamed responses: push() the generated text in
-// order, then finish(). Content comes out as soon as it is certainly not call markup (markup never
-// does); a call is announced (begin) as soon as its name is known and its arguments text follows in
-// fragments whose concatenation is the call's arguments; a call ends (end) when its arguments are
-// complete. Whatever the split of the text into pushes, the events concatenate to the same content
-// and calls. A call that began and never ended (output cut off, markup broken) keeps the arguments
-// it streamed.
-class call_decoder {
+// A model's tool-call format (toolcall::tool_format, every member forwarded) with the server's exact replay of
+// the turns it generated (call_replay).
+class tool_format : public toolcall::tool_format {
 public:
-    virtual ~call_decoder() = default;
-    virtual void push(std::string_view text, std::vector<call_event> &out) = 0;
-    virtual void finish(std::vector<call_event> &out) = 0;
-};
+    explicit tool_format(std::unique_ptr<toolcall::tool_format> f) : f_(std::move(f)) {}
 
-class tool_format {
-public:
-    virtual ~tool_format() = default;
-    virtual std::string name() const = 0;
-    // System-prompt text that describes `tools` (OpenAI form: [{type:"function", function:{name,
-    // description, parameters}}]) and how to call them; obeys tool_choice (never called with none).
-    virtual std::string system_prompt(const nlohmann::json &tools, const tool_choice &choice) const = 0;
-    // An assistant turn's calls as the model would have written them.
-    virtual std::string render_calls(const std::vector<tool_call> &calls) const = 0;
-    // A tool result as text of the following user turn.
-    virtual std::string render_result(std::string_view tool_name, std::string_view content) const = 0;
-    // Parses a finished output. Calls whose name is not in `known_names` stay plain content.
-    virtual parsed_output parse(std::string_view text, const std::vector<std::string> &known_names) const = 0;
-    // Streaming: length of the prefix of `text` (generated so far) that is certainly content, i.e.
-    // no call markup can begin inside it whatever is generated next.
-    virtual size_t safe_content_prefix(std::string_view text) const = 0;
-    // tool_choice required / a named function, enforced: the opening of a call (with the function's
-    // name for a named one) written after the generation prompt, so the model continues inside a
-    // call; the output (this text + the generated one) must then parse into calls. "" = this format
-    // cannot force a call (such requests get 400): the default.
-    virtual std::string forced_call_prefix(const tool_choice &) const { return {}; }
-    // A streaming decoder of this format's calls; names outside `known_names` are not calls (as in
-    // parse()).
-    virtual std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &known_names) const = 0;
-    // What joins consecutive tool results inside one user turn (Hermes "\n"; DS4's official encoder
-    // "\n\n", merge_tool_messages).
-    virtual std::string_view result_separator() const { return "\n"; }
-    // Whether consecutive results are put in the order of the calls of the latest assistant turn
-    // (DS4's official encoder does; Hermes keeps the client's order).
-    virtual bool results_in_call_order() const { return false; }
-    // Structured output of a forced call (server/structured.h): after forced_call_prefix, the output is
-    // `before` + the arguments (one JSON value) + `after` for the tool `name`; nullopt (the default):
-    // this format's arguments are not one JSON value, and the call is not constrained.
-    struct call_frame {
-        std::string before, after;
-    };
-    virtual std::optional<call_frame> forced_call_frame(const tool_choice &, const std::string &name) const {
-        return std::nullopt;
+    std::string name() const override { return f_->name(); }
+    std::string system_prompt(const nlohmann::json &tools, const tool_choice &choice) const override {
+        return f_->system_prompt(tools, choice);
     }
-    // A json_schema response format as the model's format describes it in the system message ("" = not
-    // described: the default; DS4: its encoder's "## Response Format" section).
-    virtual std::string response_format_prompt(const nlohmann::json &schema) const { return {}; }
+    std::string render_calls(const std::vector<tool_call> &calls) const override { return f_->render_calls(calls); }
+    std::string render_result(std::string_view tool_name, std::string_view content) const override {
+        return f_->render_result(tool_name, content);
+    }
+    parsed_output parse(std::string_view text, const std::vector<std::string> &known_names) const override {
+        return f_->parse(text, known_names);
+    }
+    size_t safe_content_prefix(std::string_view text) const override { return f_->safe_content_prefix(text); }
+    std::string forced_call_prefix(const tool_choice &c) const override { return f_->forced_call_prefix(c); }
+    std::unique_ptr<call_decoder> decoder(const std::vector<std::string> &known_names) const override {
+        return f_->decoder(known_names);
+    }
+    std::string_view result_separator() const override { return f_->result_separator(); }
+    bool results_in_call_order() const override { return f_->results_in_call_order(); }
+    std::optional<call_frame> forced_call_frame(const tool_choice &c, const std::string &name) const override {
+        return f_->forced_call_frame(c, name);
+    }
+    std::string response_format_prompt(const nlohmann::json &schema) const override {
+        return f_->response_format_prompt(schema);
+    }
 
     // An assistant turn of a request's history as prompt text: the generated bytes when the turn was
     // produced here (replay), else content + "\n" + render_calls(calls) (content alone without calls;
@@ -162,13 +109,12 @@ public:
     void persist_replay(const std::string &path) { replay_.persist_to(path); }
 
 private:
+    std::unique_ptr<toolcall::tool_format> f_;
     mutable call_replay replay_;
 };
 
-// "hermes" for every architecture at present.
-std::unique_ptr<tool_format> make_tool_format(std::string_view arch);
-
-// A fresh id: prefix + 24 random alphanumerics.
-std::string random_id(std::string_view prefix);
+// The format called `name` (toolcall::make_tool_format: "hermes" | "dsml"; the server passes the engine's
+// model_info::tool_format) with a replay of its own. Throws fathom::error for another name.
+std::unique_ptr<tool_format> make_tool_format(std::string_view name);
 
 }  // namespace fathom::server

@@ -473,7 +473,7 @@ TEST(DsmlReplay, HistoryRerendersSampledBytes) {
 // ---- server hook ----
 
 TEST(DsmlServerFormat, RegisteredForDeepseek4) {
-    auto f = fathom::server::make_tool_format("deepseek4");
+    auto f = fathom::server::make_tool_format("dsml");
     ASSERT_EQ(f->name(), "dsml");
     const auto p = f->parse("Let me check." + k_block, {"get_weather"});
     EXPECT_EQ(p.content, "Let me check.");

@@ -139,8 +139,11 @@ public:
         info_.n_ctx_train = n_ctx;
     }
     const model_info &info() const override { return info_; }
-    // The architecture the server sees (it picks the tool format by it: "deepseek4" gets DSML).
-    void set_arch(std::string arch) { info_.arch = std::move(arch); }
+    // The architecture the fake poses as, and its tool format as that engine names it ("deepseek4": DSML).
+    void set_arch(std::string arch) {
+        info_.tool_format = arch == "deepseek4" ? "dsml" : "hermes";
+        info_.arch = std::move(arch);
+    }
     std::vector<int32_t> tokenize(std::string_view text, bool add_special, bool) const override {
         std::vector<int32_t> out;
         if (add_special) out.push_back(k_bos);

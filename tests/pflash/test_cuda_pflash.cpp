@@ -61,7 +61,7 @@ TEST_F(CudaPflash, GpuDrafterScoresMatchCpuDrafter) {
     if (!fs::exists(vocab_dir() + "/ggml-vocab-qwen2.gguf")) GTEST_SKIP() << "vocab file missing";
     auto cpu = pflash::drafter::load(drafter_model(), 4, 512, "cpu");
     auto gpu = pflash::drafter::load(drafter_model(), 4, 512, "cuda");
-    const auto ids = ids_for(1500, cpu->hparams().n_vocab, 3);
+    const auto ids = ids_for(1500, cpu->n_vocab(), 3);
     pflash::drafter_score_params p;
     p.query_tokens = 8;
     p.window = 256;
@@ -80,7 +80,7 @@ TEST_F(CudaPflash, GpuDrafterScoresMatchCpuDrafter) {
     EXPECT_GE(common.size(), 135u);
     // The held prefix: a longer prompt re-evaluates only its new tokens and scores as a fresh drafter.
     auto ids2 = ids;
-    const auto more = ids_for(300, cpu->hparams().n_vocab, 4);
+    const auto more = ids_for(300, cpu->n_vocab(), 4);
     ids2.insert(ids2.end(), more.begin(), more.end());
     pflash::drafter_stats s2, s3;
     const auto c = gpu->score(ids2, p, s2);

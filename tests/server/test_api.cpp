@@ -14,11 +14,11 @@ namespace {
 fathom::sampling_params defaults() { return {}; }
 
 gen_request chat(const json &b) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     return parse_openai_chat(b, defaults(), *f);
 }
 gen_request anth(const json &b) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     return parse_anthropic(b, defaults(), *f, false);
 }
 
@@ -142,7 +142,7 @@ TEST(Api, ResponseFormatInTheDs4Prompt) {
     const json body = {{"messages", json::array({{{"role", "system"}, {"content", "S"}}, {{"role", "user"}, {"content", "x"}}})},
                        {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", {{"type", "object"},
                         {"properties", {{"b", {{"type", "string"}}}, {"a", {{"enum", {1, "é"}}}}}}}}}}}}};
-    auto ds4 = make_tool_format("deepseek4");
+    auto ds4 = make_tool_format("dsml");
     auto r = parse_openai_chat(body, defaults(), *ds4);
     ASSERT_EQ(r.messages.size(), 2u);
     EXPECT_EQ(r.messages[0].content,
@@ -170,7 +170,7 @@ TEST(Api, ResponsesTextFormat) {
 }
 
 TEST(Api, ForcedCallGrammar) {
-    auto fmt = make_tool_format("llama");  // Hermes: JSON arguments
+    auto fmt = make_tool_format("hermes");  // Hermes: JSON arguments
     const json tools = json::array(
         {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}, {"properties", {{"x", {{"type", "integer"}}}}}}}}}},
          {{"type", "function"}, {"function", {{"name", "g"}}}}});
@@ -181,7 +181,7 @@ TEST(Api, ForcedCallGrammar) {
     bad[1]["function"]["parameters"] = {{"type", "object"}, {"properties", {{"s", {{"type", "string"}, {"pattern", "a"}}}}}};
     expect_error([&] { forced_call_grammar(bad, required, *fmt); }, 400, "tools", "tool 'g'");
     EXPECT_NE(forced_call_grammar(bad, named, *fmt), nullptr);  // only the named tool's schema counts
-    auto dsml = make_tool_format("deepseek4");  // arguments as DSML parameters: not constrained
+    auto dsml = make_tool_format("dsml");  // arguments as DSML parameters: not constrained
     EXPECT_EQ(forced_call_grammar(tools, named, *dsml), nullptr);
 }
 
@@ -285,14 +285,14 @@ TEST(Api, Anthropic) {
     expect_error([] { anth({{"model", "m"}, {"max_tokens", 5}, {"messages", json::array({{{"role", "system"}, {"content", "x"}}})}}); },
                  400, "messages", "user or assistant");
     // count_tokens needs no max_tokens
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     EXPECT_NO_THROW(parse_anthropic({{"model", "m"}, {"messages", user_msgs("x")}}, defaults(), *f, true));
 }
 
 // A turn the server generated and parsed comes back in the next request's history as its generated
 // bytes (exact replay), in both APIs; a turn the server did not generate is rendered canonically.
 TEST(Api, GeneratedToolTurnIsReplayedExactly) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     const std::vector<std::string> known = {"get_weather"};
     const std::string gen = "On it.\n\n<tool_call>\n{\"name\": \"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>";
     const auto p = f->parse(gen, known);

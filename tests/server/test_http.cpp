@@ -223,7 +223,7 @@ TEST(Http, ReturnedToolTurnReusesItsKv) {
     json r1 = post_json(s, "/v1/chat/completions", chat_body(k_call_text, {{"tools", k_weather_tool}}), 200);
     const json calls = r1["choices"][0]["message"]["tool_calls"];
     ASSERT_EQ(calls.size(), 1u);
-    const std::string canonical = fathom::server::make_tool_format("fake")->render_calls(
+    const std::string canonical = fathom::server::make_tool_format("hermes")->render_calls(
         {{calls[0]["id"], "get_weather", calls[0]["function"]["arguments"].get<std::string>()}});
     ASSERT_NE(canonical, k_call_text);  // else exact replay could not be told from re-rendering
     const int64_t p1 = r1["usage"]["prompt_tokens"].get<int64_t>();

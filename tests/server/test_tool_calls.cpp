@@ -16,7 +16,7 @@ using json = nlohmann::json;
 
 namespace {
 const std::vector<std::string> k_known = {"get_weather", "add"};
-auto fmt() { return make_tool_format("llama"); }
+auto fmt() { return make_tool_format("hermes"); }
 }  // namespace
 
 TEST(ToolCalls, TaggedCall) {
@@ -173,7 +173,7 @@ TEST(CallReplay, EvictsOldestFirst) {
 
 // DeepSeek V4's DSML format takes the same path.
 TEST(CallReplay, DsmlTurn) {
-    auto f = make_tool_format("deepseek4");
+    auto f = make_tool_format("dsml");
     const auto canon = f->render_calls({{"", "add", "{\"a\": 1}"}});
     const std::string gen = "Sure." + canon;
     const auto p = f->parse(gen, {});

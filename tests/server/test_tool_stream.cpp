@@ -81,14 +81,14 @@ turn collect(const tool_format &f, const std::string &text, const std::vector<si
 }  // namespace
 
 TEST(HermesDecoder, TokenSplitHandWorked) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     EXPECT_EQ(run(*f, {"Sure", ".", " ", "<tool_call>", "\n", "{\"name\": \"", "get_weather", "\", \"arguments\": ",
                        "{\"city\": ", "\"Paris\"", "}}", "\n", "</tool_call>"}),
               strs({"C:Sure", "C:.", "B0:get_weather:", "F0:{\"city\": ", "F0:\"Paris\"", "F0:}E"}));
 }
 
 TEST(HermesDecoder, MarkerPrefixIsHeldThenReleased) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     // "<tool" may open a call; "<tools are" does not: released as text. Trailing spaces wait for text.
     EXPECT_EQ(run(*f, {"a <tool", "s are ", "fine"}), strs({"C:a", "C: <tools are", "C: fine"}));
     // Only whitespace after the text: it comes out at the end (no call was made).
@@ -96,7 +96,7 @@ TEST(HermesDecoder, MarkerPrefixIsHeldThenReleased) {
 }
 
 TEST(HermesDecoder, EverySplitGivesTheSameTurn) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     const std::string text =
         "I'll look.\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"a } \\\" ] { </tool_call>\", "
         "\"n\": [1, {\"k\": 2}]}}\n</tool_call>\nand\n<tool_call>{\"arguments\": {\"x\": 1}, \"name\": "
@@ -114,7 +114,7 @@ TEST(HermesDecoder, EverySplitGivesTheSameTurn) {
 }
 
 TEST(HermesDecoder, ShapesTakenWhole) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     // An unknown name is not a call: the block is text, as parse() keeps it.
     EXPECT_EQ(run(*f, {"x <tool_call>{\"name\": \"nope\", \"arguments\": {}}", "</tool_call>"}),
               strs({"C:x", "C: <tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>"}));
@@ -133,13 +133,13 @@ TEST(HermesDecoder, ShapesTakenWhole) {
 }
 
 TEST(HermesDecoder, CutOffInsideTheArguments) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     EXPECT_EQ(run(*f, {"<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"}),
               strs({"B0:get_weather:", "F0:{\"city\": \"Par"}));
 }
 
 TEST(HermesDecoder, ForcedOpeningComesFirst) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     tool_choice named{tool_choice::function, "get_weather"};
     EXPECT_EQ(run(*f, {f->forced_call_prefix(named), "{\"city\"", ": \"X\"}}"}),
               strs({"B0:get_weather:", "F0:{\"city\"", "F0:: \"X\"}E"}));
@@ -148,7 +148,7 @@ TEST(HermesDecoder, ForcedOpeningComesFirst) {
 }
 
 TEST(DsmlDecoder, ContentThenCallEvents) {
-    auto f = make_tool_format("deepseek4");
+    auto f = make_tool_format("dsml");
     EXPECT_EQ(run(*f, {"Checking.", "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"search\">\n",
                        "<｜DSML｜parameter name=\"q\" string=\"true\">x", "y</｜DSML｜parameter>\n</｜DSML｜invoke>",
                        "\n</｜DSML｜tool_calls>"}),
@@ -159,7 +159,7 @@ TEST(DsmlDecoder, ContentThenCallEvents) {
 }
 
 TEST(DsmlDecoder, MalformedMarkupIsTextUnlessACallWasStreamed) {
-    auto f = make_tool_format("deepseek4");
+    auto f = make_tool_format("dsml");
     // No invoke began: the broken block is content at the end (as the whole-output parse keeps it).
     EXPECT_EQ(run(*f, {"a", "<｜DSML｜tool_calls>junk"}), strs({"C:a", "C:<｜DSML｜tool_calls>junk"}));
     // An invoke already streamed: its markup is dropped, never shown as content.
@@ -167,7 +167,7 @@ TEST(DsmlDecoder, MalformedMarkupIsTextUnlessACallWasStreamed) {
 }
 
 TEST(CallStream, IdsAndTheTurn) {
-    auto f = make_tool_format("llama");
+    auto f = make_tool_format("hermes");
     call_stream cs(*f, k_names, "toolu_", true);
     std::vector<call_event> evs;
     cs.push("Hi <tool_call>{\"name\": \"search\", \"arguments\": {\"q\": 1}}</tool_call>", evs);
@@ -191,7 +191,7 @@ TEST(CallStream, IdsAndTheTurn) {
 }
 
 TEST(CallStream, NoParallelCallsStopsAfterTheFirst) {
-    auto f = make_tool_format("deepseek4");
+    auto f = make_tool_format("dsml");
     call_stream cs(*f, k_names, "call_", false);
     std::vector<call_event> evs;
     cs.push("<｜DSML｜tool_calls><｜DSML｜invoke name=\"search\"></｜DSML｜invoke>", evs);

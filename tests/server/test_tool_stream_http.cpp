@@ -390,7 +390,7 @@ TEST(ToolStreamHttp, HermesForcedCallsStream) {
 // ---- DS4 tool turns in the next request ----
 
 TEST(Ds4ToolTurns, HistoryRendersAsTheOfficialEncoder) {
-    auto fmt = server::make_tool_format("deepseek4");
+    auto fmt = server::make_tool_format("dsml");
     // Keys in sorted order (the server's tools JSON sorts them; the encoder keeps the given order).
     const std::string tools_text =
         R"([{"function": {"name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}, "type": "object"}}, "type": "function"},

@@ -5,7 +5,8 @@
 //   decode     one eval() call per token
 //   chunked:N  N tokens per eval() call (the last chunk may be shorter)
 // Other checks depend on this exact interface.
-// With --mtp or --dspark (DeepSeek V4 only) it writes a drafter's outputs instead (logits_drafter.h).
+// With --mtp or --dspark (DeepSeek V4 only) it writes a drafter's outputs instead
+// (include/fathom/drafter_logits.h).
 #include <bit>
 #include <charconv>
 #include <cstdio>
@@ -17,7 +18,7 @@
 
 #include "cli/commands.h"
 #include "cli/common.h"
-#include "cli/logits_drafter.h"
+#include "fathom/drafter_logits.h"
 #include "fathom/error.h"
 
 namespace fathom::cli {

@@ -14,9 +14,6 @@
 #include "core/error.h"
 #include "dist/planner.h"
 #include "gguf/gguf.h"
-#ifdef FATHOM_HAVE_CUDA
-#include "backend/cuda/cuda_backend.h"
-#endif
 
 namespace fathom::cli {
 
@@ -69,29 +66,8 @@ std::vector<dist::device_spec> resolve_devices(const plan_args &a) {
         for (size_t i = 0; i < devs.size(); ++i) devs[i].free_bytes = gib_to_bytes(mem[i]);
         return devs;
     }
-#ifdef FATHOM_HAVE_CUDA
-    const int n = cuda_device_count();
-    for (auto &d : devs) {
-        int ordinal = -1;
-        if (d.name.rfind("cuda:", 0) == 0) {
-            try {
-                size_t used = 0;
-                ordinal = std::stoi(d.name.substr(5), &used);
-                if (used != d.name.size() - 5) ordinal = -1;
-            } catch (const std::exception &) {
-                ordinal = -1;
-            }
-        }
-        if (ordinal < 0) throw error("plan: device '" + d.name + "': expected cuda:N (or give --mem-gib)");
-        if (ordinal >= n)
-            throw error("plan: device " + d.name + " not present (" + std::to_string(n) +
-                        " CUDA devices); give --mem-gib to plan for it");
-        d.free_bytes = cuda_query_memory(ordinal).free_bytes;
-    }
+    for (auto &d : devs) d.free_bytes = dist::device_free_bytes(d.name);
     return devs;
-#else
-    throw error("plan: this build has no CUDA backend to query device memory; give --mem-gib (one value per device)");
-#endif
 }
 
 void plan_main(const plan_args &a) {

@@ -20,8 +20,8 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "dist/rank_procs.h"
-#include "engine/ds4_session.h"
 #include "fathom/error.h"
+#include "fathom/rank_process.h"
 
 namespace fathom::cli {
 

@@ -4,7 +4,9 @@
 #include <string>
 #include <utility>
 
+#include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "dist/planner.h"
 #include "dist/gpu_stage.h"
 #include "models/cuda/deepseek4_cuda.h"
 
@@ -50,6 +52,26 @@ std::shared_ptr<const ds4::cuda_weights> upload_stage(
 
 double stage_bytes_per_token(const ds4::cuda_weights &w) {
     return ds4::cuda_bytes_per_token(w);
+}
+
+// planner.h: a CUDA device's free memory for `fathom plan`.
+uint64_t device_free_bytes(const std::string &name) {
+    int ordinal = -1;
+    if (name.rfind("cuda:", 0) == 0) {
+        try {
+            size_t used = 0;
+            ordinal = std::stoi(name.substr(5), &used);
+            if (used != name.size() - 5) ordinal = -1;
+        } catch (const std::exception &) {
+            ordinal = -1;
+        }
+    }
+    if (ordinal < 0) throw error("plan: device '" + name + "': expected cuda:N (or give --mem-gib)");
+    const int n = cuda_device_count();
+    if (ordinal >= n)
+        throw error("plan: device " + name + " not present (" + std::to_string(n) +
+                    " CUDA devices); give --mem-gib to plan for it");
+    return cuda_query_memory(ordinal).free_bytes;
 }
 
 }  // namespace fathom::dist

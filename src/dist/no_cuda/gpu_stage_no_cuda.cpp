@@ -2,6 +2,7 @@
 // directory stand in for those under cuda/): a CUDA stage cannot be built.
 #include "core/error.h"
 #include "dist/gpu_stage.h"
+#include "dist/planner.h"
 
 namespace fathom::dist {
 
@@ -27,6 +28,10 @@ std::shared_ptr<const ds4::cuda_weights> upload_stage(const ds4::model &, int, l
 
 double stage_bytes_per_token(const ds4::cuda_weights &) {
     no_cuda();
+}
+
+uint64_t device_free_bytes(const std::string &) {
+    throw error("plan: this build has no CUDA backend to query device memory; give --mem-gib (one value per device)");
 }
 
 }  // namespace fathom::dist

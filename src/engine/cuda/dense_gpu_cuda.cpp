@@ -37,6 +37,12 @@ class cuda_dense_gpu final : public dense_gpu {
 
 }  // namespace
 
+std::unique_ptr<backend> make_gpu_backend(int ordinal) {
+    cuda_options co;
+    co.device = ordinal;
+    return make_cuda_backend(co);
+}
+
 std::unique_ptr<dense_gpu> make_dense_gpu(int ordinal) {
     cuda_options co;
     co.device = ordinal;

@@ -38,6 +38,10 @@ std::unique_ptr<dense_gpu> make_dense_gpu(int) {
     no_cuda();
 }
 
+std::unique_ptr<backend> make_gpu_backend(int) {
+    no_cuda();
+}
+
 std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights>, int64_t) {
     no_cuda();
 }

@@ -25,7 +25,8 @@
 #include <vector>
 
 #include "core/types.h"
-#include "fathom/engine.h"
+#include "fathom/kv_precision.h"
+#include "fathom/state_stream.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_mtp.h"
 

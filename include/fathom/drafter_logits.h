@@ -1,14 +1,15 @@
-// `fathom logits --mtp` / `--dspark`: the DS4 drafters' outputs from outside the test suite. Unlike
-// the rest of `logits` (public engine API), this runs the DS4 CPU reference model directly
-// (src/models/deepseek4*.h): the engine has no drafter interface, and these outputs exist to be
-// checked against the goldens.
+// The DS4 drafters' raw outputs (`fathom logits --mtp` / `--dspark`), from outside the test suite:
+// the MTP head's logits at every position, or a DSpark block's logits and draft. Sessions only draft
+// tokens (session::draft); these rows exist to be checked against the goldens, so the engine computes
+// them with the DS4 CPU reference model (src/engine/ds4_drafter_logits.cpp), and the CLI needs no model
+// internals.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
-namespace fathom::cli {
+namespace fathom {
 
 struct drafter_logits_args {
     std::string model_path;  // target GGUF (resolved)
@@ -36,4 +37,4 @@ struct drafter_logits_result {
 drafter_logits_result drafter_logits(const drafter_logits_args &a,
                                      const std::function<std::vector<int32_t>(int32_t n_vocab)> &read_ids);
 
-}  // namespace fathom::cli
+}  // namespace fathom

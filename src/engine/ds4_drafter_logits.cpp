@@ -1,5 +1,5 @@
-// `fathom logits --mtp` / `--dspark` (see logits_drafter.h).
-#include "cli/logits_drafter.h"
+// The DS4 drafters' raw outputs for `fathom logits --mtp` / `--dspark` (include/fathom/drafter_logits.h).
+#include "fathom/drafter_logits.h"
 
 #include <algorithm>
 #include <memory>
@@ -14,7 +14,7 @@
 #include "models/deepseek4_dspark.h"
 #include "models/deepseek4_mtp.h"
 
-namespace fathom::cli {
+namespace fathom {
 
 namespace {
 
@@ -138,4 +138,4 @@ drafter_logits_result drafter_logits(const drafter_logits_args &a, const ids_rea
     return a.mtp.empty() ? run_dspark(a, *m, read_ids, exec, kv) : run_mtp(a, *m, read_ids, exec, kv);
 }
 
-}  // namespace fathom::cli
+}  // namespace fathom

@@ -1,5 +1,5 @@
-// Model file fingerprint (identity.h).
-#include "cache/identity.h"
+// Model file fingerprint (fingerprint.h).
+#include "gguf/fingerprint.h"
 
 #include <xxhash.h>
 
@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "gguf/gguf.h"
 
-namespace fathom::cache {
+namespace fathom::gguf {
 
 std::string file_fingerprint(const gguf::file &f) {
     const std::span<const uint8_t> b = f.bytes();
@@ -33,4 +33,4 @@ std::string file_fingerprint(const gguf::file &f) {
     return buf;
 }
 
-}  // namespace fathom::cache
+}  // namespace fathom::gguf
