@@ -547,7 +547,8 @@ std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp
     w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
     w->output = target->output;
     const int64_t replicate = main.file ? main.file->get_int("fathom.synth.replicate_rows", 0) : 0;
-    uploader u(*w, std::max<int64_t>(replicate, 0), total, {});
+    const std::function<void(uint64_t, uint64_t)> no_progress;  // the uploader keeps a reference
+    uploader u(*w, std::max<int64_t>(replicate, 0), total, no_progress);
     w->output_norm = u.vec(view.output_norm);
     w->hc_head = {u.mat(view.hc_head.fn), u.vec(view.hc_head.base), u.vec(view.hc_head.scale)};
     const rope_set ropes = make_rope_set(view.hp);

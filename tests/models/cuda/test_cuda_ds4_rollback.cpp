@@ -368,7 +368,7 @@ TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
 std::unique_ptr<engine> mtp_engine(const std::string &qat, int64_t n_batch = 0) {
     engine_options eo;
     eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
-    eo.n_ctx = 512;
+    eo.n_ctx = 1024;  // the longest golden case and its drafts
     eo.n_batch = n_batch;
     eo.device = "cuda";
     eo.kv = kv_precision::f32;
