@@ -8,7 +8,7 @@ carry_bin=fathom
 . "$(dirname "$0")/carry_env.sh"
 m="$c/shared/golden/ds4-tiny/ds4-tiny-a.gguf"
 port=18093
-"$c/fathom" serve -m "$m" --device cuda --port $port --ctx 2048 --parallel 4 > "$out/serve-batch.log" 2>&1 &
+"$c/fathom" serve -m "$m" --device ${DEVICE:-cuda} --port $port --ctx 2048 --parallel 4 > "$out/serve-batch.log" 2>&1 &
 pid=$!
 python3 - "$port" "${1:-8}" <<'PY'
 import json, sys, time, urllib.request, concurrent.futures as cf
