@@ -322,6 +322,23 @@ TEST_F(CudaDs4Rollback, EngineStepsBatchSessionsLikeEachAlone) {
     }
 }
 
+// The first 100 tokens of the first golden case that long; greedy and sampled (temperature 0.8) sampling.
+std::vector<int32_t> golden_prompt() {
+    for (const auto &c : ds4_test::load_cases("cases.jsonl"))
+        if (c.tokens.size() >= 100) return {c.tokens.begin(), c.tokens.begin() + 100};
+    return {};
+}
+sampling_params greedy_params() {
+    sampling_params p;
+    p.temperature = 0.0f;
+    return p;
+}
+sampling_params sampled_params() {
+    sampling_params p;
+    p.temperature = 0.8f;
+    return p;
+}
+
 TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
     engine_options eo;
     eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
@@ -329,14 +346,9 @@ TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
     eo.device = "cuda";
     auto e = engine::load(eo);
     const int V = static_cast<int>(e->info().n_vocab);
-    std::vector<int32_t> prompt;
-    for (const auto &c : ds4_test::load_cases("cases.jsonl"))
-        if (c.tokens.size() >= 100 && prompt.empty()) prompt.assign(c.tokens.begin(), c.tokens.begin() + 100);
+    const std::vector<int32_t> prompt = golden_prompt();
     ASSERT_EQ(prompt.size(), 100u);
-    sampling_params greedy;
-    greedy.temperature = 0.0f;
-    sampling_params sampled;
-    sampled.temperature = 0.8f;
+    sampling_params greedy = greedy_params(), sampled = sampled_params();
     sampled.seed = 3;
     for (const sampling_params &p : {greedy, sampled}) {
         const std::string what = p.temperature == 0 ? "greedy" : "sampled";
@@ -413,14 +425,9 @@ TEST_F(CudaDs4Rollback, MtpDrafterOnOneGpuDraftsTheGoldenTop1) {
 
 TEST_F(CudaDs4Rollback, MtpSpeculationOnOneGpuGivesPlainDecodingsTokens) {
     auto e = mtp_engine("full");
-    std::vector<int32_t> prompt;
-    for (const auto &c : ds4_test::load_cases("cases.jsonl"))
-        if (c.tokens.size() >= 100 && prompt.empty()) prompt.assign(c.tokens.begin(), c.tokens.begin() + 100);
+    const std::vector<int32_t> prompt = golden_prompt();
     ASSERT_EQ(prompt.size(), 100u);
-    sampling_params greedy;
-    greedy.temperature = 0.0f;
-    sampling_params sampled;
-    sampled.temperature = 0.8f;
+    sampling_params greedy = greedy_params(), sampled = sampled_params();
     sampled.seed = 5;
     for (const sampling_params &p : {greedy, sampled}) {
         const std::string what = p.temperature == 0 ? "greedy" : "sampled";
