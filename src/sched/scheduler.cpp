@@ -309,8 +309,33 @@ void scheduler::admit_locked() {
             break;  // not enough KV blocks until running requests end: the head keeps waiting (FIFO)
         }
         // The session keeps at most best_lcp tokens (sync would drop the rest): drop them now and
-        // reserve the request's positions (kv_make_room_locked made sure they are free).
-        if (!kv_prepare(*best, int64_t(best_lcp), need)) break;
+        // reserve the request's positions (kv_make_room_locked made sure they are free, counting blocks).
+        if (!kv_prepare(*best, int64_t(best_lcp), need)) {
+            // An engine pool that maps memory at a coarser grain than its blocks (DeepSeek V4 on a GPU: 2 MiB
+            // per row array) can refuse what the counts allowed: free every other idle slot's cache and try
+            // again; if that fails too and nothing runs (nothing will free memory), the request cannot fit.
+            for (auto &o : slots_)
+                if (o.get() != best && !o->j && !o->io_busy && kv_held(*o) > 0) {
+                    kv_evict(*o);
+                    o->n_tokens_published = 0;
+                    ++stats_.kv_evictions;
+                }
+            if (!kv_prepare(*best, int64_t(best_lcp), need)) {
+                bool running = false;
+                for (auto &o : slots_) running = running || o->j != nullptr;
+                if (running) break;  // running requests will give memory back: the head waits (FIFO)
+                queue_.pop_front();
+                event ev;
+                ev.final = true;
+                ev.reason = finish_reason::error;
+                ev.error = "the KV memory cannot hold this request's " + std::to_string(need) + " positions";
+                ev.n_prompt = int64_t(j->req_.prompt.size());
+                ev.total_s = secs(clock::now() - j->t_submit_);
+                j->post(std::move(ev));
+                ++stats_.requests_failed;
+                continue;
+            }
+        }
         best->kv_limit = need;
         queue_.pop_front();
         slot &s = *best;
