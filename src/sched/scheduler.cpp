@@ -251,14 +251,15 @@ std::vector<slot_info> scheduler::slots() const {
 // worker
 // ---------------------------------------------------------------------------------------------
 
-void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r) {
+void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r, std::string error) {
     event ev;
     ev.final = true;
     ev.reason = r;
+    ev.error = std::move(error);
     ev.n_prompt = int64_t(j->req_.prompt.size());
     ev.total_s = secs(clock::now() - j->t_submit_);
     j->post(std::move(ev));
-    ++stats_.requests_cancelled;
+    ++(r == finish_reason::error ? stats_.requests_failed : stats_.requests_cancelled);
 }
 
 void scheduler::admit_locked() {
@@ -325,14 +326,8 @@ void scheduler::admit_locked() {
                 for (auto &o : slots_) running = running || o->j != nullptr;
                 if (running) break;  // running requests will give memory back: the head waits (FIFO)
                 queue_.pop_front();
-                event ev;
-                ev.final = true;
-                ev.reason = finish_reason::error;
-                ev.error = "the KV memory cannot hold this request's " + std::to_string(need) + " positions";
-                ev.n_prompt = int64_t(j->req_.prompt.size());
-                ev.total_s = secs(clock::now() - j->t_submit_);
-                j->post(std::move(ev));
-                ++stats_.requests_failed;
+                finish_queued(j, finish_reason::error,
+                              "the KV memory cannot hold this request's " + std::to_string(need) + " positions");
                 continue;
             }
         }
