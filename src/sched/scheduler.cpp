@@ -251,14 +251,15 @@ std::vector<slot_info> scheduler::slots() const {
 // worker
 // ---------------------------------------------------------------------------------------------
 
-void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r) {
+void scheduler::finish_queued(const std::shared_ptr<job> &j, finish_reason r, std::string error) {
     event ev;
     ev.final = true;
     ev.reason = r;
+    ev.error = std::move(error);
     ev.n_prompt = int64_t(j->req_.prompt.size());
     ev.total_s = secs(clock::now() - j->t_submit_);
     j->post(std::move(ev));
-    ++stats_.requests_cancelled;
+    ++(r == finish_reason::error ? stats_.requests_failed : stats_.requests_cancelled);
 }
 
 void scheduler::admit_locked() {
@@ -309,8 +310,27 @@ void scheduler::admit_locked() {
             break;  // not enough KV blocks until running requests end: the head keeps waiting (FIFO)
         }
         // The session keeps at most best_lcp tokens (sync would drop the rest): drop them now and
-        // reserve the request's positions (kv_make_room_locked made sure they are free).
-        if (!kv_prepare(*best, int64_t(best_lcp), need)) break;
+        // reserve the request's positions (kv_make_room_locked made sure they are free, counting blocks).
+        if (!kv_prepare(*best, int64_t(best_lcp), need)) {
+            // An engine pool that maps memory at a coarser grain than its blocks (DeepSeek V4 on a GPU: 2 MiB
+            // per row array) can refuse what the counts allowed: free every other idle slot's cache and try
+            // again; if that fails too and nothing runs (nothing will free memory), the request cannot fit.
+            for (auto &o : slots_)
+                if (o.get() != best && !o->j && !o->io_busy && kv_held(*o) > 0) {
+                    kv_evict(*o);
+                    o->n_tokens_published = 0;
+                    ++stats_.kv_evictions;
+                }
+            if (!kv_prepare(*best, int64_t(best_lcp), need)) {
+                bool running = false;
+                for (auto &o : slots_) running = running || o->j != nullptr;
+                if (running) break;  // running requests will give memory back: the head waits (FIFO)
+                queue_.pop_front();
+                finish_queued(j, finish_reason::error,
+                              "the KV memory cannot hold this request's " + std::to_string(need) + " positions");
+                continue;
+            }
+        }
         best->kv_limit = need;
         queue_.pop_front();
         slot &s = *best;

@@ -246,7 +246,8 @@ private:
     void plan_drafts(slot &s, int32_t other_rows);
     void verify_and_emit(slot &s);
     void finish(slot &s, finish_reason r, const std::string &err = {});
-    void finish_queued(const std::shared_ptr<job> &j, finish_reason r);
+    // A queued job's final event (cancelled: counted as cancelled; error: as failed, with its message).
+    void finish_queued(const std::shared_ptr<job> &j, finish_reason r, std::string error = {});
     int64_t kv_need_tokens(const request &r) const;
     bool kv_make_room_locked(slot &s, int64_t keep_tokens, int64_t need_tokens);
     // KV accounting over the engine's paged pool (paged_) or the counting pool (pool_).

@@ -12,6 +12,7 @@
 //   entries a size); a state loads any prefix (loads_state_prefix), the logits re-derived from the
 //   tokens. Identity "fake-model" unless a test sets another.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -26,10 +27,34 @@ constexpr int32_t k_eog = 256;
 constexpr int32_t k_bos = 257;
 constexpr int32_t k_vocab = 258;
 
+// An engine-wide KV pool that maps memory at a coarser grain than the scheduler's blocks, as DeepSeek V4 on
+// a GPU does (2 MiB blocks per row array): a session holding n positions maps ceil(n / granule) + 1
+// granules (the +1: the rounding the block counts cannot see). Off while granule == 0.
+struct fake_coarse_pool {
+    int64_t granule = 0;   // positions per granule
+    int64_t capacity = 0;  // granules
+    int32_t block_tokens = 16;
+    std::atomic<int64_t> used{0};
+};
+
 class fake_session : public session {
 public:
-    fake_session(int n_ctx, std::atomic<int64_t> &evaluated, int delay_us)
-        : n_ctx_(n_ctx), evaluated_(evaluated), delay_us_(delay_us), logits_(k_vocab, 0.0f) {}
+    fake_session(int n_ctx, std::atomic<int64_t> &evaluated, int delay_us, fake_coarse_pool *pool = nullptr)
+        : n_ctx_(n_ctx), evaluated_(evaluated), delay_us_(delay_us), logits_(k_vocab, 0.0f), pool_(pool) {}
+    ~fake_session() override {
+        if (pool_) pool_->used -= granules_;
+    }
+    bool kv_reserve(int64_t n) override {
+        if (!pool_ || pool_->granule == 0) return true;
+        const int64_t want = (std::max<int64_t>(n, int64_t(toks_.size())) + pool_->granule - 1) / pool_->granule + 1;
+        if (want > granules_ && pool_->used + (want - granules_) > pool_->capacity) return false;
+        pool_->used += want - granules_;
+        granules_ = want;
+        return true;
+    }
+    int64_t kv_blocks() const override {
+        return pool_ && pool_->granule > 0 ? granules_ * pool_->granule / pool_->block_tokens : 0;
+    }
 
     void sync(std::span<const int32_t> prefix, const std::function<void(int64_t, int64_t)> &) override {
         size_t l = 0;
@@ -40,6 +65,9 @@ public:
     }
     void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) override {
         if (int64_t(toks_.size() + tokens.size()) > n_ctx_) throw error("fake: context full");
+        if (pool_ && pool_->granule > 0 && granules_ * pool_->granule < int64_t(toks_.size() + tokens.size()) + pool_->granule &&
+            !kv_reserve(int64_t(toks_.size() + tokens.size())))
+            throw error("fake: the KV pool is exhausted");
         for (size_t i = 0; i < tokens.size(); ++i) {
             const int32_t t = tokens[i];
             if (t < 0 || t >= k_vocab) throw error("fake: bad token");
@@ -66,7 +94,11 @@ public:
     bool rolls_back() const override { return true; }
     int64_t n_past() const override { return int64_t(toks_.size()); }
     const std::vector<int32_t> &tokens() const override { return toks_; }
-    void reset() override { toks_.clear(); }
+    void reset() override {
+        toks_.clear();
+        if (pool_) pool_->used -= granules_;
+        granules_ = 0;
+    }
     bool save_state(state_writer &w) const override {
         const uint64_t n = toks_.size();
         w.write("FAKE", 4);
@@ -126,6 +158,8 @@ private:
     int delay_us_;
     std::vector<int32_t> toks_;
     std::vector<float> logits_;
+    fake_coarse_pool *pool_ = nullptr;
+    int64_t granules_ = 0;
 };
 
 class fake_engine : public engine {
@@ -170,13 +204,28 @@ public:
     }
     std::unique_ptr<session> new_session() override {
         ++sessions_created;
-        auto s = std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_);
+        auto s = std::make_unique<fake_session>(info_.n_ctx, evaluated, delay_us_, coarse.granule > 0 ? &coarse : nullptr);
         s->state_pad = state_pad;
         s->load_throws = load_throws;
         s->loads_tried = &state_loads_tried;
         return s;
     }
     std::string state_identity() const override { return identity; }
+    // The coarse pool (fake_coarse_pool) as the scheduler sees a paged engine's pool.
+    fake_coarse_pool coarse;
+    bool kv_pool_configure(int32_t block_tokens, int64_t) override {
+        if (coarse.granule == 0) return false;
+        coarse.block_tokens = block_tokens;
+        return true;
+    }
+    kv_pool_info kv_pool() const override {
+        kv_pool_info i;
+        if (coarse.granule == 0) return i;
+        i.block_tokens = coarse.block_tokens;
+        i.max_blocks = i.n_blocks = coarse.capacity * coarse.granule / coarse.block_tokens;
+        i.n_used = coarse.used * coarse.granule / coarse.block_tokens;
+        return i;
+    }
     std::string identity = "fake-model";
     size_t state_pad = 1000;  // filler bytes of each saved state
     bool load_throws = false;               // new sessions' load_state throws std::bad_alloc

@@ -228,3 +228,32 @@ TEST(Scheduler, SmallBudgetSplitsPromptsIntoAlignedChunks) {
     EXPECT_EQ(s.stats().prompt_tokens_evaluated, prompt_tokens);
     EXPECT_GT(uint64_t(eng.sync_steps.load()), s.stats().steps);  // multi-chunk steps took several rounds
 }
+
+// A paged engine pool coarser than its block counts (DeepSeek V4 on a GPU: 2 MiB blocks per row array): a
+// request the counts admit but the pool cannot map next to an idle slot's cache gets that cache evicted
+// instead of waiting forever, and one that cannot fit even alone fails with a clear error (no hang).
+TEST(Scheduler, CoarsePagedPoolEvictsIdleCachesOrFailsClearly) {
+    test::fake_engine eng(512);
+    eng.coarse.granule = 64;
+    eng.coarse.capacity = 4;  // 256 positions in all; a session maps ceil(n / 64) + 1 granules
+    scheduler_options o;
+    o.n_slots = 2;
+    o.kv_block_tokens = 16;
+    scheduler s(eng, o);
+    EXPECT_EQ(s.stats().kv_blocks_total, 16);  // the engine's pool bounds the scheduler's
+    std::vector<int32_t> a(40, 'a'), b(60, 'b'), c(200, 'c');
+    // A: 40 + 20 positions (2 granules), finished: its slot keeps its cache (2 granules)
+    auto ra = collect(*s.submit(greedy(a, 20)));
+    EXPECT_EQ(ra.final.reason, finish_reason::length);
+    // B: 60 + 60 positions, 8 blocks by the counts (8 free), 3 granules in fact (2 free): A's cache goes
+    auto rb = collect(*s.submit(greedy(b, 60)));
+    EXPECT_EQ(rb.final.reason, finish_reason::length);
+    EXPECT_EQ(rb.text.size(), 60u);
+    EXPECT_GE(s.stats().kv_evictions, 1u);
+    // C: 200 + 56 positions = the whole pool by the counts, 5 granules in fact: cannot fit, even alone
+    auto rc = collect(*s.submit(greedy(c, 56)));
+    EXPECT_EQ(rc.final.reason, finish_reason::error);
+    EXPECT_NE(rc.final.error.find("cannot hold"), std::string::npos) << rc.final.error;
+    // and the scheduler keeps serving
+    EXPECT_EQ(collect(*s.submit(greedy(a, 10))).final.reason, finish_reason::length);
+}

@@ -227,10 +227,14 @@ outcome plain(engine &e, const std::vector<int32_t> &prompt, const sampling_para
     return o;
 }
 
+// d: the drafter; null: n-grams; own_draft_max > 0: the session's own drafter (session::draft), that wide.
 outcome speculative(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int max_tokens,
-                    const spec::drafter *d) {
+                    const spec::drafter *d, int own_draft_max = 0) {
     auto s = e.new_session();
     s->sync(prompt);
+    session &sr = *s;
+    const spec::drafter own = [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); };
+    if (own_draft_max > 0) d = &own;
     EXPECT_TRUE(s->rolls_back());
     sampler smp(p);
     outcome o;
@@ -241,7 +245,7 @@ outcome speculative(engine &e, const std::vector<int32_t> &prompt, const samplin
     };
     if (d) {
         spec::width_options w;
-        w.draft_max = 16;
+        w.draft_max = own_draft_max > 0 ? own_draft_max : 16;
         w.adaptive = false;
         o.st = spec::generate(*s, smp, e.info().n_ctx, w, *d, on_token);
     } else {
@@ -432,22 +436,7 @@ TEST_F(CudaDs4Rollback, MtpSpeculationOnOneGpuGivesPlainDecodingsTokens) {
     for (const sampling_params &p : {greedy, sampled}) {
         const std::string what = p.temperature == 0 ? "greedy" : "sampled";
         const outcome ref = plain(*e, prompt, p, 80);
-        auto s = e->new_session();
-        s->sync(prompt);
-        session &sr = *s;
-        sampler smp(p);
-        outcome got;
-        spec::width_options w;
-        w.draft_max = 4;
-        w.adaptive = false;
-        got.st = spec::generate(
-            sr, smp, e->info().n_ctx, w, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
-            [&](int32_t t) {
-                if (e->is_end_of_generation(t)) return spec::token_verdict::stop;
-                got.tokens.push_back(t);
-                return got.tokens.size() >= 80 ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;
-            });
-        got.held = s->tokens();
+        const outcome got = speculative(*e, prompt, p, 80, nullptr, 4);
         EXPECT_EQ(got.tokens, ref.tokens) << what;
         EXPECT_EQ(got.held, ref.held) << what;
         EXPECT_GT(got.st.drafted, 0) << what;
