@@ -722,24 +722,57 @@ cuda_sequence::cuda_sequence(std::shared_ptr<const cuda_weights> w, int64_t n_ct
     int64_t max_idx = 1;
     size_t part = 1;
     if (state_pool) p.vm = std::make_unique<cuda::vm_regions>(std::move(state_pool));
-    // The rows: a region of the state pool (paged), else allocated whole.
-    auto rows = [&](size_t bytes) -> void * { return p.vm ? p.vm->add(bytes) : p.dev<uint8_t>(bytes); };
+    // The row buffers, one per kind (impl::row_region): the compressed rows of each ratio, the indexer rows
+    // of the ratio-4 layers; a layer's rows are its slot of its kind's interleaved rows.
+    struct kind {
+        int ratio;
+        bool idx;
+        std::vector<size_t> layers;
+        void *base = nullptr;
+    };
+    std::vector<kind> kinds;
+    auto kind_of = [&](int ratio, bool idx) -> kind & {
+        for (kind &k : kinds)
+            if (k.ratio == ratio && k.idx == idx) return k;
+        kinds.push_back({ratio, idx, {}});
+        return kinds.back();
+    };
+    for (size_t il = 0; il < p.w->layers.size(); ++il) {
+        const int r = p.w->layers[il].ratio;
+        if (r > 0) kind_of(r, false).layers.push_back(il);
+        if (r == 4) kind_of(4, true).layers.push_back(il);
+    }
+    for (kind &k : kinds) {
+        const size_t row = static_cast<size_t>(k.idx ? Id : d) * p.kv_elem, stride = row * k.layers.size();
+        const int64_t max_rows = comp_capacity(n_ctx, k.ratio);
+        const size_t bytes = static_cast<size_t>(max_rows) * stride;
+        k.base = p.vm ? p.vm->add(bytes) : p.dev<uint8_t>(bytes);
+        p.row_regions.push_back({k.ratio, stride, max_rows});
+    }
     for (const dlayer &l : p.w->layers) {
         layer_state_dev st;
         st.ring = p.dev<uint8_t>(static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
+        const size_t il = p.ls.size();
+        auto slot = [&](bool idx, size_t &stride) -> void * {
+            kind &k = kind_of(l.ratio, idx);
+            const size_t row = static_cast<size_t>(idx ? Id : d) * p.kv_elem;
+            stride = row * k.layers.size();
+            const size_t at = static_cast<size_t>(std::find(k.layers.begin(), k.layers.end(), il) - k.layers.begin());
+            return static_cast<uint8_t *>(k.base) + at * row;
+        };
         if (l.ratio > 0) {
             const int c = l.ratio == 4 ? 2 : 1;
             st.comp_state_floats = static_cast<size_t>(frontier_slots(l.ratio)) * c * d;
             st.comp_kv = p.dev<float>(st.comp_state_floats);
             st.comp_score = p.dev<float>(st.comp_state_floats);
             st.max_comp = comp_capacity(n_ctx, l.ratio);
-            st.comp_rows = rows(static_cast<size_t>(st.max_comp) * d * p.kv_elem);
+            st.comp_rows = slot(false, st.comp_stride);
         }
         if (l.ratio == 4) {
             st.ic_state_floats = static_cast<size_t>(frontier_slots(4)) * 2 * Id;
             st.ic_kv = p.dev<float>(st.ic_state_floats);
             st.ic_score = p.dev<float>(st.ic_state_floats);
-            st.idx_rows = rows(static_cast<size_t>(st.max_comp) * Id * p.kv_elem);
+            st.idx_rows = slot(true, st.idx_stride);
             max_idx = std::max(max_idx, st.max_comp);
         }
         p.ls.push_back(st);
@@ -925,15 +958,9 @@ void cuda_sequence::reset() {
 // ---- paged state ----------------------------------------------------------------------------------------
 
 std::vector<size_t> cuda_sequence::impl::region_bytes(int64_t n) const {
-    const hparams &hp = w->hp;
     std::vector<size_t> b;
-    for (size_t il = 0; il < ls.size(); ++il) {
-        const layer_state_dev &st = ls[il];
-        const int ratio = w->layers[il].ratio;
-        const size_t rows = static_cast<size_t>(std::min(comp_capacity(n, ratio), st.max_comp));
-        if (st.comp_rows) b.push_back(rows * static_cast<size_t>(hp.head_dim) * kv_elem);
-        if (st.idx_rows) b.push_back(rows * static_cast<size_t>(hp.idx_dim) * kv_elem);
-    }
+    for (const row_region &r : row_regions)
+        b.push_back(static_cast<size_t>(std::min(comp_capacity(n, r.ratio), r.max_rows)) * r.stride);
     return b;
 }
 
@@ -945,12 +972,7 @@ size_t cuda_sequence::row_bytes() const {
     const impl &p = *p_;
     if (p.vm) return p.vm->mapped_bytes();
     size_t b = 0;
-    for (size_t il = 0; il < p.ls.size(); ++il) {
-        const layer_state_dev &st = p.ls[il];
-        const size_t rows = static_cast<size_t>(st.max_comp);
-        if (st.comp_rows) b += rows * static_cast<size_t>(p.w->hp.head_dim) * p.kv_elem;
-        if (st.idx_rows) b += rows * static_cast<size_t>(p.w->hp.idx_dim) * p.kv_elem;
-    }
+    for (const impl::row_region &r : p.row_regions) b += static_cast<size_t>(r.max_rows) * r.stride;
     return b;
 }
 
@@ -1057,20 +1079,20 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
                                static_cast<size_t>(d) * kv_elem, ring_rows(hp), pos, sk);
-    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
+    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, size_t stride, cd::qat_kind qk,
                           const float *a, const float *g, cudaStream_t on) {
-        cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a, g,
-                                   pos, err_d, on);
+        cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, stride, st.max_comp), a, g, pos,
+                                   err_d, on);
     };
     if (l.ratio > 0) {
         phase("attn compressor step");
-        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
+        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, st.comp_stride,
                    qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, ca, cg, sk);
     }
     const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
     if (idx) {
         phase("indexer compressor step");
-        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, iqk, ica, icg, si);
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, st.idx_stride, iqk, ica, icg, si);
     }
     phase("attn q (norm, q_b [+ indexer q_b], head norm+rope)");
     // RMSNorm(q_lat) folded into the q_b GEMV's activation staging (q_lat itself is not read again).
@@ -1090,7 +1112,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         cd::launch_head_norm_rope(iq, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, iqk, pos, si);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
         phase("indexer top-k");
-        cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4, st.max_comp,
+        cd::launch_indexer_topk(iq, iw, scale, st.idx_rows, f16, st.idx_stride, 4, st.max_comp,
                                 hp.idx_head, static_cast<int>(Id), hp.idx_topk, pos, score, sel, n_sel, si,
                                 w->opt.exact_indexer);
     }
@@ -1115,7 +1137,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
     a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
     a.comp = st.comp_rows;
     a.comp_f16 = f16;
-    a.comp_stride = static_cast<size_t>(d) * kv_elem;
+    a.comp_stride = st.comp_stride;
     a.ratio = l.ratio;
     a.sel = sel;
     a.n_sel = n_sel;
@@ -1271,20 +1293,20 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     cd::launch_kv_finish_batch(cs->kv, n, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
                                qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs->kv_rows, f16,
                                row_stride, pos, s);
-    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, int64_t width, cd::qat_kind qk,
+    auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, size_t stride, cd::qat_kind qk,
                           const float *a, const float *gt) {
-        cd::launch_compressor_chunk(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, width * kv_elem, st.max_comp), a,
-                                    gt, n, pos, err_d, s);
+        cd::launch_compressor_chunk(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, stride, st.max_comp), a, gt, n, pos,
+                                    err_d, s);
     };
     if (l.ratio > 0)
-        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, d,
+        compressor(l.comp, st.comp_kv, st.comp_score, st.comp_rows, st.comp_stride,
                    qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, cs->ca, cs->cg);
     if (l.ratio == 4) {
         const cd::qat_kind qk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
         cd::launch_head_norm_rope_batch(cs->iq, n, hp.idx_head, static_cast<int>(Id), false, hp.rms_eps, yarn, qk, pos, s);
-        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, Id, qk, cs->ica, cs->icg);
+        compressor(l.idx_comp, st.ic_kv, st.ic_score, st.idx_rows, st.idx_stride, qk, cs->ica, cs->icg);
         const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
-        cd::launch_indexer_topk_batch(cs->iq, cs->iw, scale, st.idx_rows, f16, static_cast<size_t>(Id) * kv_elem, 4,
+        cd::launch_indexer_topk_batch(cs->iq, cs->iw, scale, st.idx_rows, f16, st.idx_stride, 4,
                                       st.max_comp, hp.idx_head, static_cast<int>(Id), hp.idx_topk, n, pos, cs->score,
                                       cs->score_floats, cs->sel, cs->n_sel, s, w->opt.exact_indexer);
     }
@@ -1301,7 +1323,7 @@ void cuda_sequence::impl::enqueue_chunk_attention(const dlayer &l, layer_state_d
     a.mode = l.ratio == 0 ? cd::comp_mode::none : l.ratio == 4 ? cd::comp_mode::list : cd::comp_mode::all;
     a.comp = st.comp_rows;
     a.comp_f16 = f16;
-    a.comp_stride = row_stride;
+    a.comp_stride = st.comp_stride;
     a.ratio = l.ratio;
     a.sel = cs->sel;
     a.n_sel = cs->n_sel;
@@ -1434,7 +1456,22 @@ namespace {
 struct state_region {
     void *dev;
     std::span<uint8_t> host;
+    size_t pitch = 0, width = 0;  // rows of `width` bytes, `pitch` apart on the device (0: contiguous)
 };
+// host <-> device for one region (rows interleaved on the device: layer_state_dev::comp_stride).
+void copy_region(const state_region &g, bool to_host) {
+    if (g.host.empty()) return;
+    if (g.pitch == 0) {
+        ck(to_host ? cudaMemcpy(g.host.data(), g.dev, g.host.size(), cudaMemcpyDeviceToHost)
+                   : cudaMemcpy(g.dev, g.host.data(), g.host.size(), cudaMemcpyHostToDevice),
+           to_host ? "saving the state" : "loading the state");
+        return;
+    }
+    const size_t rows = g.host.size() / g.width;
+    ck(to_host ? cudaMemcpy2D(g.host.data(), g.width, g.dev, g.pitch, g.width, rows, cudaMemcpyDeviceToHost)
+               : cudaMemcpy2D(g.dev, g.pitch, g.host.data(), g.width, g.width, rows, cudaMemcpyHostToDevice),
+       to_host ? "saving the state" : "loading the state");
+}
 std::span<uint8_t> float_bytes(std::vector<float> &v) {
     return {reinterpret_cast<uint8_t *>(v.data()), v.size() * sizeof(float)};
 }
@@ -1444,13 +1481,13 @@ std::vector<state_region> layer_regions(const layer_state_dev &st, int ratio, in
         h.comp_rows.resize(n_past / ratio);
         r.push_back({st.comp_kv, float_bytes(h.comp.kv)});
         r.push_back({st.comp_score, float_bytes(h.comp.score)});
-        r.push_back({st.comp_rows, h.comp_rows.bytes()});
+        r.push_back({st.comp_rows, h.comp_rows.bytes(), st.comp_stride, h.comp_rows.bytes().size() / std::max<size_t>(1, static_cast<size_t>(h.comp_rows.size()))});
     }
     if (ratio == 4) {
         h.idx_rows.resize(n_past / 4);
         r.push_back({st.ic_kv, float_bytes(h.idx_comp.kv)});
         r.push_back({st.ic_score, float_bytes(h.idx_comp.score)});
-        r.push_back({st.idx_rows, h.idx_rows.bytes()});
+        r.push_back({st.idx_rows, h.idx_rows.bytes(), st.idx_stride, h.idx_rows.bytes().size() / std::max<size_t>(1, static_cast<size_t>(h.idx_rows.size()))});
     }
     return r;
 }
@@ -1466,9 +1503,7 @@ void cuda_sequence::save_state(state_writer &w) const {
     for (size_t il = 0; il < p.ls.size(); ++il) {
         const int ratio = p.w->layers[il].ratio;
         layer_state h = new_layer_state(hp, ratio, p.w->opt.kv);
-        for (const state_region &g : layer_regions(p.ls[il], ratio, n_past_, h))
-            if (!g.host.empty())
-                ck(cudaMemcpy(g.host.data(), g.dev, g.host.size(), cudaMemcpyDeviceToHost), "saving the state");
+        for (const state_region &g : layer_regions(p.ls[il], ratio, n_past_, h)) copy_region(g, true);
         put_layer_state(w, hp, ratio, h, n_past_);
     }
 }
@@ -1489,9 +1524,7 @@ void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
             const int ratio = p.w->layers[il].ratio;
             layer_state h = new_layer_state(hp, ratio, p.w->opt.kv);
             get_layer_state(r, hp, static_cast<int>(il), h, n_past);
-            for (const state_region &g : layer_regions(p.ls[il], ratio, n_past, h))
-                if (!g.host.empty())
-                    ck(cudaMemcpy(g.dev, g.host.data(), g.host.size(), cudaMemcpyHostToDevice), "loading the state");
+            for (const state_region &g : layer_regions(p.ls[il], ratio, n_past, h)) copy_region(g, false);
         }
     } catch (...) {
         reset();

@@ -69,10 +69,14 @@ struct dlayer {
 struct layer_state_dev {
     void *ring = nullptr;  // [window, d]
     float *comp_kv = nullptr, *comp_score = nullptr;  // [slots, c*d]
-    void *comp_rows = nullptr;                        // [max_comp, d]
+    void *comp_rows = nullptr;                        // [max_comp, d], rows comp_stride bytes apart
     int64_t max_comp = 0;
     float *ic_kv = nullptr, *ic_score = nullptr;  // [8, 2*idx_dim]
-    void *idx_rows = nullptr;                     // [max_comp, idx_dim]
+    void *idx_rows = nullptr;                     // [max_comp, idx_dim], rows idx_stride bytes apart
+    // The rows of every layer of a kind (compressed rows of one ratio, indexer rows) are interleaved in one
+    // buffer: row r of the kind's k-th layer at base + (r * layers + k) * row bytes (cuda_sequence::impl::
+    // row_region), so paged state rounds one buffer per kind, not one per layer, up to whole blocks.
+    size_t comp_stride = 0, idx_stride = 0;
     size_t comp_state_floats = 0, ic_state_floats = 0;
 };
 
@@ -178,7 +182,16 @@ struct cuda_sequence::impl {
     // mapped for the first mapped_tokens positions. Null without a pool (the rows allocated whole).
     std::unique_ptr<cuda::vm_regions> vm;
     int64_t mapped_tokens = 0;
-    // Bytes of each vm region that positions [0, n) use (rows comp_capacity(n, ratio), capped).
+    // The interleaved row buffers (layer_state_dev::comp_stride): one per compression ratio for the
+    // compressed rows, one for the ratio-4 layers' indexer rows; stride = layers * row bytes. With a
+    // state pool each is a region of vm (in this order), else one allocation.
+    struct row_region {
+        int ratio = 0;
+        size_t stride = 0;
+        int64_t max_rows = 0;
+    };
+    std::vector<row_region> row_regions;
+    // Bytes of each row buffer that positions [0, n) use (rows comp_capacity(n, ratio), capped).
     std::vector<size_t> region_bytes(int64_t n) const;
     int64_t *pos = nullptr;
     int32_t *token = nullptr;

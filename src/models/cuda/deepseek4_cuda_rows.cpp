@@ -355,11 +355,11 @@ void rows_exec::attention(int il) {
                                        static_cast<size_t>(d) * p_.kv_elem, ring_rows(hp_), r_.pos + r, s);
         if (l.ratio > 0)
             cd::launch_compressor_chunk(comp_args(hp_, l.comp, yarn, kvq, st.comp_kv, st.comp_score, st.comp_rows, f16,
-                                                  d * p_.kv_elem, st.max_comp),
+                                                  st.comp_stride, st.max_comp),
                                         r_.ca + f * cw, r_.cg + f * cw, run.count, r_.pos + f, p_.err_d, s);
         if (idx)
             cd::launch_compressor_chunk(comp_args(hp_, l.idx_comp, yarn, iqk, st.ic_kv, st.ic_score, st.idx_rows, f16,
-                                                  Id * p_.kv_elem, st.max_comp),
+                                                  st.idx_stride, st.max_comp),
                                         r_.ica + f * 2 * Id, r_.icg + f * 2 * Id, run.count, r_.pos + f, p_.err_d, s);
     }
     // queries (RMSNorm(q_lat) folded into q_b's staging as in the step), heads normed and RoPE'd per row
@@ -395,12 +395,13 @@ void rows_exec::attention(int il) {
         const layer_state_dev &st = run.seq->ls[li];
         a.ring = st.ring;
         a.comp = st.comp_rows;
+        a.comp_stride = st.comp_stride;
         a.max_comp = idx ? std::min<int64_t>(hp_.idx_topk, st.max_comp) : st.max_comp;
         fork();
         for (int r = run.first; r < run.first + run.count; ++r) {
             const auto &ln = lane(r);
             if (idx)
-                cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, Id * p_.kv_elem, 4,
+                cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
                                         st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, ln.score,
                                         ln.sel, ln.n_sel, ln.s, w_.opt.exact_indexer);
             a.sel = ln.sel;

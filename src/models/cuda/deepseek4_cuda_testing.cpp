@@ -76,8 +76,14 @@ void access::fill_synthetic(cuda_sequence &seq, int64_t n, uint64_t seed) {
         const int r = p.w->layers[il].ratio;
         layer_state_dev &ls = p.ls[il];
         fill(ls.ring, static_cast<size_t>(ring_rows(hp)) * d * p.kv_elem);
-        if (r > 0 && n / r > 0) fill(ls.comp_rows, static_cast<size_t>(n / r) * d * p.kv_elem);
-        if (r == 4 && n / 4 > 0) fill(ls.idx_rows, static_cast<size_t>(n / 4) * Id * p.kv_elem);
+        // the layer's rows are every stride-th row of its kind's interleaved buffer (layer_state_dev::comp_stride)
+        auto fill_rows = [&](void *dst, size_t stride, size_t row, int64_t rows) {
+            std::vector<uint8_t> tmp(static_cast<size_t>(rows) * row);
+            for (size_t o = 0; o < tmp.size(); o += pat.size()) std::memcpy(&tmp[o], pat.data(), std::min(pat.size(), tmp.size() - o));
+            ck(cudaMemcpy2D(dst, stride, tmp.data(), row, row, static_cast<size_t>(rows), cudaMemcpyHostToDevice), "filling state");
+        };
+        if (r > 0 && n / r > 0) fill_rows(ls.comp_rows, ls.comp_stride, d * p.kv_elem, n / r);
+        if (r == 4 && n / 4 > 0) fill_rows(ls.idx_rows, ls.idx_stride, Id * p.kv_elem, n / 4);
     }
     // The copies ran on the legacy stream, which the sequence's non-blocking streams do not wait
     // for (a device-to-device cudaMemcpy may return before it completes).
