@@ -367,6 +367,20 @@ struct fused_args {
     double *part;     // hc_split_kernel only: partial sums [n_mix + 1, gridDim.x]
     int64_t cols;     // hc_split_kernel only: columns per block (a multiple of 4, <= its block size)
 };
+// hc_split_kernel's arguments for row r of a multi-row launch (gridDim.y rows; launch_hc_*_fused_rows'
+// layout): every buffer of row r at its row offset, the same weights.
+__device__ __forceinline__ void fused_row(fused_args &a, int64_t r) {
+    const int64_t N = a.n_hc, D = a.D;
+    if (a.y) a.y += r * D;
+    a.x += r * N * D;
+    if (a.x_new) a.x_new += r * N * D;
+    if (a.post) a.post += r * N;
+    if (a.comb) a.comb += r * N * N;
+    a.mix += r * static_cast<int64_t>(hc_rows_mix_floats(a.n_hc));
+    a.sync += r;
+    a.out += r * D;
+    a.part += r * static_cast<int64_t>(hc_fused_part_count(a.n_hc));
+}
 constexpr int kNormThreads = 256;  // rms_norm_kernel's block size (its reduction order)
 
 // Step 2 (sv: shared [n_hc * D]); the x_new slice [lo, hi) goes to global memory.
@@ -766,6 +780,7 @@ __global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
     extern __shared__ float4 split_smem[];
     __shared__ double red[kSplitWarps][kMaxMix];
     __shared__ bool last;
+    if (blockIdx.y > 0) fused_row(a, blockIdx.y);
     const int C = static_cast<int>(a.cols), NC = a.n_hc * C, S = NC + (36 - NC % 32) % 32;  // S % 32 == 4
     const int64_t lo = static_cast<int64_t>(blockIdx.x) * C;
     const int cj = static_cast<int>(a.D - lo < C ? a.D - lo : C);
@@ -895,8 +910,9 @@ void hc_post_tokens(int n_hc, int64_t dim, int64_t n_tok, const float *y, const 
 // [HCPost +] HCPre / head + RMSNorm: hc_split_kernel when io.part is set (and its shared memory fits),
 // else hc_fused_kernel, or the unfused launches when one block's shared memory cannot hold the
 // n_hc * D state (the same results: the fused kernels repeat them; the split kernel's mix order aside).
+// rows > 1: launch_hc_*_fused_rows (the split kernel over gridDim.y = rows, or this function row by row).
 void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
-              const float *scale, const hc_fused_io &io, bool head, cudaStream_t s) {
+              const float *scale, const hc_fused_io &io, bool head, cudaStream_t s, int rows = 1) {
     const std::string what = head ? "cuda ds4 hc head (fused)" : "cuda ds4 hc pre (fused)";
     if (p.n_hc < 1 || p.n_hc > kMaxHc || p.dim < 1 || (!head && p.sinkhorn_iters < 1))
         throw error(what + ": unsupported n_hc " + std::to_string(p.n_hc) + " (1..5), dim " + std::to_string(p.dim) +
@@ -934,11 +950,28 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
             f16 ? smem_dynamic_limit<hc_split_kernel<true>>() : smem_dynamic_limit<hc_split_kernel<false>>();
         if (C <= kSplitThreads && smem <= limit) {
             a.part = io.part, a.cols = C;
-            const cudaError_t e =
-                launch_pdl(kernel, dim3(static_cast<unsigned>(B)), dim3(kSplitThreads), smem, s, true, a);
+            const cudaError_t e = launch_pdl(kernel, dim3(static_cast<unsigned>(B), static_cast<unsigned>(rows)),
+                                             dim3(kSplitThreads), smem, s, true, a);
             if (e != cudaSuccess) throw error(what + ": launch failed: " + cudaGetErrorString(e));
             return;
         }
+    }
+    if (rows > 1) {  // no split kernel: each row alone, at its offsets
+        const int64_t N = p.n_hc, D = p.dim;
+        for (int64_t r = 0; r < rows; ++r) {
+            hc_fused_io o = io;
+            if (o.y) o.y += r * D;
+            o.x += r * N * D;
+            if (o.x_new) o.x_new += r * N * D;
+            if (o.post) o.post += r * N;
+            if (o.comb) o.comb += r * N * N;
+            o.mix += r * static_cast<int64_t>(hc_rows_mix_floats(p.n_hc));
+            o.sync += r;
+            o.out += r * D;
+            if (o.part) o.part += r * static_cast<int64_t>(hc_fused_part_count(p.n_hc));
+            hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, o, head, s);
+        }
+        return;
     }
     // the kernel instance and the dynamic shared memory it may take (opt-in limit less its static part)
     void (*kernel)(fused_args) = nullptr;
@@ -1015,6 +1048,18 @@ void launch_hc_pre_fused(const hc_params &p, dtype fn_type, const void *fn, size
 void launch_hc_head_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
                           const float *scale, const hc_fused_io &io, cudaStream_t s) {
     hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, true, s);
+}
+
+void launch_hc_pre_fused_rows(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                              const float *scale, const hc_fused_io &io, int rows, cudaStream_t s) {
+    if (rows < 1 || rows > 65535) throw error("cuda ds4 hc pre (rows): bad row count " + std::to_string(rows));
+    hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, false, s, rows);
+}
+
+void launch_hc_head_fused_rows(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes,
+                               const float *base, const float *scale, const hc_fused_io &io, int rows, cudaStream_t s) {
+    if (rows < 1 || rows > 65535) throw error("cuda ds4 hc head (rows): bad row count " + std::to_string(rows));
+    hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, true, s, rows);
 }
 
 void launch_gpu_sleep(uint64_t ns, cudaStream_t s) {

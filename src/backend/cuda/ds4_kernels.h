@@ -106,6 +106,25 @@ struct moe_scratch {
 void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, const moe_scratch &sc, float *y,
                     uint32_t *err, cudaStream_t s);
 
+// The same chain for n rows at once (the rows of a multi-row decode step; n in 1..gemv_max_rows): row
+// r's y (y + r * y_stride) and h are bit-identical to launch_moe_ffn on xn + r * x_stride and
+// tokens[r] alone, while the shared expert's weights and the rows common to several rows' experts are
+// read from HBM about once (ds4_moe.cu, "multi-row MoE"). Needs moe_rows_supported(l): the q8
+// activation path of the decode chain (the DS4 q2 mix, q8_0, the K-quants) with one fused launch per
+// stage; other layers run launch_moe_ffn row by row. No PDL; xn 16-byte aligned, x_stride % 4 == 0.
+struct moe_rows_scratch {
+    float *logits = nullptr;   // [n, E]
+    int32_t *ids = nullptr;    // [n, k]
+    float *weights = nullptr;  // [n, k]
+    float *h = nullptr;        // [n, k + 1, F]
+    void *xq = nullptr;        // moe_rows_q8_bytes(n, D)
+    void *hq = nullptr;        // moe_rows_q8_bytes(n * (k + 1), F)
+};
+size_t moe_rows_q8_bytes(int64_t rows, int64_t cols);
+bool moe_rows_supported(const moe_layer &l);
+void launch_moe_ffn_rows(const moe_layer &l, int n, const float *xn, int64_t x_stride, const int32_t *tokens,
+                         const moe_rows_scratch &sc, float *y, int64_t y_stride, uint32_t *err, cudaStream_t s);
+
 // ---- hyper-connections (ds4_hc.cu) ---------------------------------------------------------------
 // HCPre for one token (spec 3.1-3.3): X [n_hc, D] (stream-major, 16-byte aligned) ->
 // u [D] = sum_s pre_s X_s, post [n_hc], comb [n_hc, n_hc] (row = source, column = destination).
@@ -164,6 +183,17 @@ void launch_hc_pre_fused(const hc_params &p, dtype fn_type, const void *fn, size
                          const float *scale, const hc_fused_io &io, cudaStream_t s);
 void launch_hc_head_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
                           const float *scale, const hc_fused_io &io, cudaStream_t s);
+// The same for `rows` rows at once (the rows of a multi-row step), each bit-identical to the one-row
+// launch on its own buffers: row r's at r * n_hc * D (x, x_new), r * D (y, out), r * n_hc (post),
+// r * n_hc^2 (comb), r * hc_rows_mix_floats(n_hc) (mix), r (sync: one zeroed counter per row) and
+// r * hc_fused_part_count(n_hc) (part). With io.part: one launch of the split kernel (gridDim.y = rows).
+constexpr size_t hc_rows_mix_floats(int n_hc) {
+    return static_cast<size_t>((2 + n_hc) * n_hc + 2);
+}
+void launch_hc_pre_fused_rows(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes, const float *base,
+                              const float *scale, const hc_fused_io &io, int rows, cudaStream_t s);
+void launch_hc_head_fused_rows(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_bytes,
+                               const float *base, const float *scale, const hc_fused_io &io, int rows, cudaStream_t s);
 
 // ---- indexer (ds4_indexer.cu) -----------------------------------------------------------------------
 // Indexer selection (spec 4.5) for one query: q [n_head, dim], w [n_head] (already scaled), rows

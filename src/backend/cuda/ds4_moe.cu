@@ -1129,6 +1129,166 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_staged_kernel(down_st
     });
 }
 
+// ---- multi-row MoE (launch_moe_ffn_rows) -----------------------------------------------------------
+// n rows (the tokens of a multi-row decode step) through one chain of launches, row r's h and y
+// bit-identical to launch_moe_ffn on row r alone: every row's activations are quantised exactly as the
+// decode kernels stage them (stage_q8, one row per block, into global memory), and every dot runs the
+// direct q8 kernels' per-row arithmetic (gate_up_rows_q8 / down_rows_q8: same units per lane in the
+// same order, same warp_sum), which the staged decode kernels equal bit for bit. What the rows share:
+// the shared expert's gate/up rows are loaded once per task for up to kTokChunk rows (registers), and
+// the tasks and blocks that read the same weights for different rows run side by side, so repeated
+// rows (the shared expert's down, experts chosen by several rows) come from L2, not HBM.
+// Layouts: xq [n, units_D] q8 blocks; h [n, k + 1, F] (row r's routed slots, then its shared expert);
+// hq [n, k + 1, units_F] q8 blocks; ids / wts [n, k].
+constexpr int kTokChunk = 4;  // rows per shared-expert gate/up task
+
+struct rows_args {
+    bank_dev g, up, gs, us, d, ds;  // routed gate/up/down, shared (data null: none)
+    const int32_t *ids;
+    const float *wts;
+    int n, k;
+    const ds4q::q8_blk *xq;
+    float *h;
+    const ds4q::q8_blk *hq;
+    float *y;
+    int64_t y_stride;
+    float clamp, clamp_sh;
+    uint32_t *err;
+};
+
+// Rows of `units` * 32 floats (row j at src + j * stride, 16-byte aligned) -> dst [rows, units] q8
+// blocks, one row per block: stage_q8's arithmetic, so the same bits as every decode kernel's staging.
+// Rows j with j % group >= used are skipped (h rows of a shared expert the layer does not have).
+__global__ void __launch_bounds__(256) quantize_rows_q8_kernel(const float *src, int64_t stride, int units, int group,
+                                                               int used, ds4q::q8_blk *dst) {
+    const int64_t j = blockIdx.x;
+    if (j % group >= used) return;
+    stage_q8(src + j * stride, [](int) { return int64_t{0}; }, 1, units, dst + j * units);
+}
+
+// gate_up_rows_q8 for R weight rows and np <= P activation rows at once: a round's unit loads serve
+// every activation row. Per (activation row, weight row) the lane sums run over the same units in the
+// same order as gate_up_rows_q8's, so each equals that function's result for that x bit for bit.
+template <dtype T, int R, int P>
+__device__ __forceinline__ void gate_up_rows_q8_tok(const uint8_t *const (&rg)[R], const uint8_t *const (&ru)[R],
+                                                    int units, int lane, const ds4q::q8_blk *const (&xs)[P], int np,
+                                                    const uint64_t *grid, float (&ag)[P][R], float (&au)[P][R]) {
+    constexpr int N = q8_units_in_flight<T, R>();
+    for (int u0 = lane; u0 < units; u0 += 32 * N) {
+        ds4q::unit_dot<T> g[R][N], v[R][N];
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int u = u0 + 32 * c;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (u < units && rg[r]) {
+                    g[r][c].load(rg[r], u);
+                    v[r][c].load(ru[r], u);
+                }
+        }
+#pragma unroll
+        for (int c = 0; c < N; ++c) {
+            const int u = u0 + 32 * c;
+            if (u >= units) continue;
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                if (p >= np) break;  // warp-uniform
+                ds4q::x_q8<T> x;
+                x.load(xs[p], u);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (rg[r]) {
+                        ag[p][r] += ds4q::dot_q8x<T>(g[r][c], x, grid);
+                        au[p][r] += ds4q::dot_q8x<T>(v[r][c], x, grid);
+                    }
+            }
+        }
+    }
+}
+
+// Warp tasks: first the shared expert's (row f, chunk of kTokChunk activation rows; the chunks of one
+// weight row are consecutive tasks), then the routed ones, row-major: (row r, slot s, pair p) as the
+// decode kernel's (slot, pair) for row r. Grid-stride over the tasks.
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_rows_kernel(rows_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int F = static_cast<int>(a.g.rows), units = static_cast<int>(a.g.units), k = a.k;
+    const int nc = (a.n + kTokChunk - 1) / kTokChunk, n_sh = a.gs.data ? F * nc : 0, pairs = gu_q8_pairs(F);
+    const int total = n_sh + a.n * k * pairs, stride = static_cast<int>(gridDim.x) * kWarps;
+    for (int t = static_cast<int>(blockIdx.x) * kWarps + warp; t < total; t += stride) {
+        if (t < n_sh) {
+            const int f = t / nc, c0 = (t - f * nc) * kTokChunk, np = min(kTokChunk, a.n - c0);
+            const uint8_t *const g1[1] = {row_ptr(a.gs, 0, f)}, *const u1[1] = {row_ptr(a.us, 0, f)};
+            const ds4q::q8_blk *xs[kTokChunk];
+#pragma unroll
+            for (int p = 0; p < kTokChunk; ++p) xs[p] = a.xq + static_cast<int64_t>(min(c0 + p, a.n - 1)) * units;
+            float ag[kTokChunk][1], au[kTokChunk][1];
+#pragma unroll
+            for (int p = 0; p < kTokChunk; ++p) ag[p][0] = au[p][0] = 0.0f;
+            gate_up_rows_q8_tok<TS, 1, kTokChunk>(g1, u1, units, lane, xs, np, grid, ag, au);
+#pragma unroll
+            for (int p = 0; p < kTokChunk; ++p) {
+                if (p >= np) break;  // warp-uniform
+                const float g = warp_sum(ag[p][0]), v = warp_sum(au[p][0]);
+                if (lane == 0) a.h[(static_cast<int64_t>(c0 + p) * (k + 1) + k) * F + f] = swiglu_clamped(g, v, a.clamp_sh);
+            }
+            continue;
+        }
+        const int tr = t - n_sh, r = tr / (k * pairs), rem = tr - r * k * pairs, s = rem / pairs;
+        const int r0 = kRoutedRows * (rem - s * pairs);
+        const int e = a.ids[r * k + s];
+        const int n = (e < 0 || e >= a.g.n_expert) ? 0 : min(kRoutedRows, F - r0);
+        if (n == 0) {
+            if (r0 == 0 && lane == 0) atomicOr(a.err, err_expert_id);
+            continue;
+        }
+        const uint8_t *rg[kRoutedRows], *ru[kRoutedRows];
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) {
+            rg[i] = i < n ? row_ptr(a.g, e, r0 + i) : nullptr;
+            ru[i] = i < n ? row_ptr(a.up, e, r0 + i) : nullptr;
+        }
+        float ag[kRoutedRows], au[kRoutedRows];
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) ag[i] = au[i] = 0.0f;
+        gate_up_rows_q8<TR, kRoutedRows>(rg, ru, units, lane, a.xq + static_cast<int64_t>(r) * units, grid, ag, au);
+        const float wmul = a.wts[r * k + s];
+        float *hrow = a.h + (static_cast<int64_t>(r) * (k + 1) + s) * F + r0;
+#pragma unroll
+        for (int i = 0; i < kRoutedRows; ++i) {
+            if (i >= n) break;  // warp-uniform
+            const float g = warp_sum(ag[i]), v = warp_sum(au[i]);
+            if (lane == i) hrow[i] = swiglu_clamped(g, v, a.clamp) * wmul;
+        }
+    }
+}
+
+// Block b: output rows (b / n) * kWarps * kDownRows .. of activation row b % n (the rows of one output
+// block are neighbours in launch order, so their shared-expert and common routed rows meet in L2), the
+// decode kernels' per-warp arithmetic (down_rows_q8) on row r's q8 h rows.
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_rows_kernel(rows_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.n));
+    const int blk = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.n));
+    down_args d{a.d, a.ds, a.ids + r * a.k, a.k, 0, a.k, nullptr, false, a.y + r * a.y_stride, a.err};
+    if (blk == 0 && static_cast<int>(threadIdx.x) < a.k) {  // as the decode kernel's block 0
+        const int e = d.ids[threadIdx.x];
+        if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
+    }
+    __syncthreads();  // the grid table
+    const int rb = blk * (kWarps * kDownRows) + kDownRows * warp;
+    const ds4q::q8_blk *xs = a.hq + static_cast<int64_t>(r) * (a.k + 1) * a.d.units;
+    down_rows_q8<TR, TS>(d, xs, rb, lane, grid, [&](int, int e, int i) { return row_ptr(d.d, e, rb + i); });
+}
+
 // softplus as the CPU computes it in float (log1pf(expf(x)), torch threshold 20), each step
 // evaluated in double and rounded once: the correctly rounded float result of each step.
 __device__ __forceinline__ float softplus_ref(float x) {
@@ -1639,6 +1799,100 @@ void launch_moe_ffn(const moe_layer &l, const float *xn, const int32_t *token, c
     gate_up_launch(l.gate, l.up, shared ? &l.gate_sh : nullptr, shared ? &l.up_sh : nullptr, sc.ids, sc.weights,
                    l.n_used, 0, xn, l.clamp, l.clamp_sh, sc.h, err, true, s);
     down_launch(l.down, shared ? &l.down_sh : nullptr, sc.ids, l.n_used, 0, l.n_used, sc.h, false, y, err, true, s);
+}
+
+size_t moe_rows_q8_bytes(int64_t rows, int64_t cols) {
+    return static_cast<size_t>(rows) * static_cast<size_t>((cols + 31) / 32) * sizeof(ds4q::q8_blk);
+}
+
+bool moe_rows_supported(const moe_layer &l) {
+    const bool shared = l.gate_sh.data != nullptr;
+    if (l.n_used < 1 || l.n_used > kMaxUsed || l.gate.type != l.up.type || (shared && l.gate_sh.type != l.up_sh.type))
+        return false;
+    const dtype ts = shared ? l.gate_sh.type : l.gate.type, tds = shared ? l.down_sh.type : l.down.type;
+    if (!expert_type_supported(l.gate.type) || !expert_type_supported(ts) || !expert_type_supported(l.down.type) ||
+        !expert_type_supported(tds) || !use_q8_rt(l.gate.type, ts) || !use_q8_rt(l.down.type, tds))
+        return false;
+    // one fused launch each in the decode chain (gate_up_launch / down_launch), so one sum order
+    if (!dispatch_pair(l.gate.type, ts, [&]<dtype, dtype>() {}) || !dispatch_pair(l.down.type, tds, [&]<dtype, dtype>() {}))
+        return false;
+    if (l.gate.cols > kMaxCols || l.down.cols > kMaxCols) return false;
+    return current_device().smem_optin / staged_bytes(l.down.cols, true) >= static_cast<size_t>(l.n_used + 1);
+}
+
+void launch_moe_ffn_rows(const moe_layer &l, int n, const float *xn, int64_t x_stride, const int32_t *tokens,
+                         const moe_rows_scratch &sc, float *y, int64_t y_stride, uint32_t *err, cudaStream_t s) {
+    const int64_t D = l.gate.cols, F = l.gate.rows;
+    const int E = l.n_expert, k = l.n_used;
+    if (n < 1 || n > gemv_max_rows) throw error("cuda ds4 moe rows: " + std::to_string(n) + " rows (1.." +
+                                                std::to_string(gemv_max_rows) + ")");
+    if (!moe_rows_supported(l)) throw error("cuda ds4 moe rows: the layer's expert types need the per-row chain");
+    check_bank(l.gate, "moe gate");
+    check_bank(l.up, "moe up");
+    check_bank(l.down, "moe down");
+    const bool shared = l.gate_sh.data != nullptr;
+    if (l.down.rows != D || l.down.cols != F || l.up.rows != F || l.up.cols != D || l.gate.n_expert != E ||
+        l.up.n_expert != E || l.down.n_expert != E)
+        throw error("cuda ds4 moe rows: routed banks do not form [F, D] / [D, F] stacks of n_expert");
+    if (shared) {
+        check_bank(l.gate_sh, "moe shared gate");
+        check_bank(l.up_sh, "moe shared up");
+        check_bank(l.down_sh, "moe shared down");
+        if (l.gate_sh.cols != D || l.gate_sh.rows != F || l.up_sh.cols != D || l.up_sh.rows != F || l.down_sh.rows != D ||
+            l.down_sh.cols != F)
+            throw error("cuda ds4 moe rows: shared expert shape differs from the routed experts");
+    }
+    if (reinterpret_cast<uintptr_t>(xn) % 16 != 0 || x_stride % 4 != 0 || x_stride < D || y_stride < D || F % 4 != 0)
+        throw error("cuda ds4 moe rows: x rows must be 16-byte aligned, strides at least one row");
+    if (!sc.logits || !sc.ids || !sc.weights || !sc.h || !sc.xq || !sc.hq) throw error("cuda ds4 moe rows: missing scratch");
+    // router logits [n, E]: the decode chain's GEMV, row by row or in its columns form (same bits)
+    if (gemv_fast_supported(l.gate_inp_type, D) && l.gate_inp_row_bytes % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(l.gate_inp) % 16 == 0 &&
+        (l.gate_inp_type == dtype::f16 || l.gate_inp_type == dtype::f32)) {
+        launch_gemv_rows(gemv_prepare(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, E, D, nullptr, s), n, xn, x_stride,
+                         sc.logits, s);
+    } else {
+        for (int r = 0; r < n; ++r)
+            launch_gemv(l.gate_inp_type, l.gate_inp, l.gate_inp_row_bytes, D, E, xn + r * x_stride, D, 1, sc.logits + r * E,
+                        E, s);
+    }
+    route_launch(sc.logits, E, l.exp_bias, l.tid2eid, l.n_vocab, tokens, k, l.weights_scale, sc.ids, sc.weights, err,
+                 false, s, n);
+    const int units_d = static_cast<int>((D + 31) / 32), units_f = static_cast<int>((F + 31) / 32);
+    auto *xq = static_cast<ds4q::q8_blk *>(sc.xq);
+    auto *hq = static_cast<ds4q::q8_blk *>(sc.hq);
+    quantize_rows_q8_kernel<<<static_cast<unsigned>(n), 256, 0, s>>>(xn, x_stride, units_d, 1, 1, xq);
+    check_launch("moe rows quantise");
+    rows_args a{to_dev(l.gate), to_dev(l.up), shared ? to_dev(l.gate_sh) : bank_dev{}, shared ? to_dev(l.up_sh) : bank_dev{},
+                to_dev(l.down), shared ? to_dev(l.down_sh) : bank_dev{}, sc.ids, sc.weights, n, k, xq, sc.h, hq, y, y_stride,
+                l.clamp, l.clamp_sh, err};
+    const int nc = (n + kTokChunk - 1) / kTokChunk;
+    const int64_t tasks = (shared ? F * nc : 0) + static_cast<int64_t>(n) * k * gu_q8_pairs(F);
+    if (tasks >= (int64_t{1} << 31) || D >= (int64_t{1} << 30)) throw error("cuda ds4 moe rows: too many tasks");
+    const device_info di = current_device();
+    const dtype ts = shared ? l.gate_sh.type : l.gate.type, tds = shared ? l.down_sh.type : l.down.type;
+    dispatch_pair(l.gate.type, ts, [&]<dtype TR, dtype TS>() {
+        if constexpr (use_q8<TR, TS>()) {
+            void (*kernel)(rows_args) = moe_gate_up_rows_kernel<TR, TS>;
+            int per_sm = 0;
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, 0) != cudaSuccess || per_sm < 1)
+                per_sm = 1;
+            const int64_t resident = static_cast<int64_t>(per_sm) * di.sms * kWarps;
+            const int64_t rounds = (tasks + resident - 1) / resident;
+            const unsigned grid = static_cast<unsigned>((tasks + kWarps * rounds - 1) / (kWarps * rounds));
+            kernel<<<grid, 32 * kWarps, 0, s>>>(a);
+            check_launch("moe rows gate/up");
+        }
+    });
+    quantize_rows_q8_kernel<<<static_cast<unsigned>(n * (k + 1)), 256, 0, s>>>(sc.h, F, units_f, k + 1, shared ? k + 1 : k, hq);
+    check_launch("moe rows quantise h");
+    dispatch_pair(l.down.type, tds, [&]<dtype TR, dtype TS>() {
+        if constexpr (use_q8<TR, TS>()) {
+            const int64_t blocks = (D + kWarps * kDownRows - 1) / (kWarps * kDownRows) * n;
+            moe_down_rows_kernel<TR, TS><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, s>>>(a);
+            check_launch("moe rows down");
+        }
+    });
 }
 
 void launch_fill_random(void *dst, size_t n, uint64_t seed, cudaStream_t s) {

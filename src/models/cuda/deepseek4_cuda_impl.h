@@ -285,21 +285,30 @@ struct cuda_sequence::impl {
         // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
         static constexpr size_t kMaxGraphs = 32;
         std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
-        // Lanes: the per-row chains (HC mixers, indexer + attention, MoE) of different rows are independent,
-        // so row r runs on lane r mod kLanes, a side stream forked from and joined to the step's stream
-        // (parallel branches of the captured graph); each lane has its own copy of the scratch those
-        // chains share in the one-row step.
+        // Lanes: the per-row chains (attention; the MoE of layers the rows chain does not take) of
+        // different rows are independent, so row r runs on lane r mod kLanes, a side stream forked from
+        // and joined to the step's stream (parallel branches of the captured graph); each lane has its own
+        // copy of the scratch those chains share in the one-row step.
         static constexpr int kLanes = 4;
         struct lane {
             cudaStream_t s = nullptr;
             cudaEvent_t done = nullptr;
-            float *mix = nullptr, *score = nullptr, *part = nullptr;
-            double *hc_part = nullptr;
-            int32_t *sel = nullptr, *n_sel = nullptr;
+            float *part = nullptr;
             cd::moe_scratch moe;
         };
         lane lanes[kLanes];
         cudaEvent_t fork = nullptr;
+        cd::moe_rows_scratch moe;  // the MoE of all rows in one chain (launch_moe_ffn_rows)
+        // the HC mixers of all rows in one launch (launch_hc_*_fused_rows): per-row mixer scratch,
+        // arrival counters (zeroed by every step) and split partial sums
+        float *hc_mix = nullptr;
+        uint32_t *hc_sync = nullptr;
+        double *hc_part = nullptr;
+        // the indexer of a sequence's consecutive rows in one batched launch (launch_indexer_topk_batch):
+        // every row's selection, and score rows for up to kIdxRows rows at once (more go in groups)
+        static constexpr int kIdxRows = 5;
+        int32_t *sel = nullptr, *n_sel = nullptr;
+        float *idx_score = nullptr;
     };
     // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
     struct row_run {

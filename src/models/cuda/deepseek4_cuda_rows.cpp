@@ -185,16 +185,27 @@ void cuda_sequence::impl::alloc_rows() {
     r->y = dev<float>(n * D);
     r->zh = dev<float>(n * D);
     r->logits = dev<float>(n * static_cast<size_t>(hp.n_vocab));
+    {
+        const size_t E = static_cast<size_t>(hp.n_expert), k = static_cast<size_t>(hp.n_expert_used),
+                     F = static_cast<size_t>(hp.n_ff_exp);
+        r->moe.logits = dev<float>(n * E);
+        r->moe.ids = dev<int32_t>(n * k);
+        r->moe.weights = dev<float>(n * k);
+        r->moe.h = dev<float>(n * (k + 1) * F);
+        r->moe.xq = dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n), static_cast<int64_t>(D)));
+        r->moe.hq = dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n * (k + 1)), static_cast<int64_t>(F)));
+    }
+    r->hc_mix = dev<float>(n * cd::hc_rows_mix_floats(hp.n_hc));
+    r->hc_sync = dev<uint32_t>(n);
+    r->hc_part = dev<double>(n * cd::hc_fused_part_count(hp.n_hc));
+    r->sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
+    r->n_sel = dev<int32_t>(n);
+    r->idx_score = dev<float>(row_scratch::kIdxRows * score_floats);
     ck(cudaEventCreateWithFlags(&r->fork, cudaEventDisableTiming), "creating an event");
     for (row_scratch::lane &ln : r->lanes) {
         ck(cudaStreamCreateWithFlags(&ln.s, cudaStreamNonBlocking), "creating a stream");
         ck(cudaEventCreateWithFlags(&ln.done, cudaEventDisableTiming), "creating an event");
-        ln.mix = dev<float>(static_cast<size_t>((2 + hp.n_hc) * hp.n_hc + 2));  // + the fused HC kernels' counter
-        ln.hc_part = dev<double>(cd::hc_fused_part_count(hp.n_hc));
-        ln.score = dev<float>(score_floats);
         ln.part = dev<float>(part_floats);
-        ln.sel = dev<int32_t>(static_cast<size_t>(std::max(hp.idx_topk, 1)));
-        ln.n_sel = dev<int32_t>(1);
         ln.moe.logits = dev<float>(static_cast<size_t>(hp.n_expert));
         ln.moe.ids = dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
         ln.moe.weights = dev<float>(static_cast<size_t>(hp.n_expert_used));
@@ -214,8 +225,7 @@ class rows_exec final : public executor {
         : p_(p), runs_(runs), w_(*p.w), r_(*p.rs), n_(n), hp_(w_.hp), hcp_{hp_.n_hc, hp_.n_embd, hp_.sinkhorn_iters, hp_.hc_eps, hp_.rms_eps},
           D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd),
           L_(std::min(n, cuda_sequence::impl::row_scratch::kLanes)) {
-        for (int k = 0; k < L_; ++k)
-            ck(cudaMemsetAsync(counter(k), 0, sizeof(uint32_t), p.s), "clearing the hc counter");
+        ck(cudaMemsetAsync(r_.hc_sync, 0, static_cast<size_t>(n) * sizeof(uint32_t), p.s), "clearing the hc counters");
     }
     ~rows_exec() { join(std::nothrow); }  // an error mid-step must not leave a lane unjoined (graph capture)
     void embed() override {
@@ -224,20 +234,26 @@ class rows_exec final : public executor {
             cuda::launch_get_rows(w_.tok_embd.type, w_.tok_embd.p, w_.tok_embd.row_bytes, D_, hp_.n_vocab, r_.tokens, n_,
                                   r_.x[0] + k * D_, S_, p_.err_d, p_.s);
     }
-    // Row r's HC mixer on its lane (the MoE before it, for the same row, ran on that lane too).
+    // Every row's HC mixer in one launch (launch_hc_pre_fused_rows: each row's bits as its decode step's).
     void hc_pre(int il, sublayer which) override {
         const dlayer &l = layer(il);
         const bool attn = which == sublayer::attention;
         const dhc &h = attn ? l.hc_attn : l.hc_ffn;
-        fork();
-        for (int r = 0; r < n_; ++r)
-            cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
-                                    io(r, attn ? l.attn_norm : l.ffn_norm, r_.xn + r * D_), lane(r).s);
+        join();
+        cd::launch_hc_pre_fused_rows(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
+                                     io(attn ? l.attn_norm : l.ffn_norm, r_.xn), n_, p_.s);
         flip();
     }
     void attention(int il) override;
+    // Every row's MoE in one chain on the step's stream (launch_moe_ffn_rows: the shared expert and the
+    // experts several rows chose read about once), else the decode chain per row on its lane.
     void moe(int il) override {
         const dlayer &l = layer(il);
+        if (cd::moe_rows_supported(l.moe)) {
+            join();
+            cd::launch_moe_ffn_rows(l.moe, n_, r_.xn, D_, r_.tokens, r_.moe, r_.y, D_, p_.err_d, p_.s);
+            return;
+        }
         fork();
         for (int r = 0; r < n_; ++r)
             cd::launch_moe_ffn(l.moe, r_.xn + r * D_, r_.tokens + r, lane(r).moe, r_.y + r * D_, p_.err_d, lane(r).s);
@@ -245,12 +261,10 @@ class rows_exec final : public executor {
     void hc_post() override { pending_ = true; }
     void head() override {
         const dhc &h = w_.hc_head;
-        fork();
-        for (int r = 0; r < n_; ++r)
-            cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
-                                     io(r, w_.output_norm, r_.zh + r * D_), lane(r).s);
-        flip();
         join();
+        cd::launch_hc_head_fused_rows(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, io(w_.output_norm, r_.zh),
+                                      n_, p_.s);
+        flip();
         if (w_.output.fast)
             cd::launch_gemv_rows(w_.output.fw, n_, r_.zh, D_, r_.logits, p_.s);
         else
@@ -286,24 +300,19 @@ class rows_exec final : public executor {
         forked_ = false;
     }
     cuda_sequence::impl::row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
-    uint32_t *counter(int k) const {
-        const int nh = hp_.n_hc;
-        return reinterpret_cast<uint32_t *>(r_.lanes[k].mix + (2 + nh) * nh + 1);
-    }
-
   private:
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
-    // Row r's fused-HC arguments (step_exec's, at row r's offsets, with its lane's mixer scratch and
-    // arrival counter); flip() then moves every row on.
-    cd::hc_fused_io io(int r, const float *norm, float *out) const {
+    // The fused-HC arguments of all rows (row r at its offsets: launch_hc_*_fused_rows); flip() then
+    // moves every row on.
+    cd::hc_fused_io io(const float *norm, float *out) const {
         cd::hc_fused_io o;
-        o.y = pending_ ? r_.y + r * D_ : nullptr;
-        o.x = r_.x[cur_] + r * S_;
-        o.x_new = pending_ ? r_.x[1 - cur_] + r * S_ : nullptr;
-        o.post = r_.post + r * hp_.n_hc, o.comb = r_.comb + r * hp_.n_hc * hp_.n_hc;
-        o.mix = lane(r).mix, o.sync = counter(r % L_);
+        o.y = pending_ ? r_.y : nullptr;
+        o.x = r_.x[cur_];
+        o.x_new = pending_ ? r_.x[1 - cur_] : nullptr;
+        o.post = r_.post, o.comb = r_.comb;
+        o.mix = r_.hc_mix, o.sync = r_.hc_sync;
         o.norm = norm, o.out = out;
-        o.part = lane(r).hc_part;
+        o.part = r_.hc_part;
         return o;
     }
     void flip() {
@@ -391,6 +400,16 @@ void rows_exec::attention(int il) {
     a.ratio = l.ratio;
     a.rope = rope;
     const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
+    const int64_t K = hp_.idx_topk;
+    if (idx)  // each sequence's rows (consecutive positions) in one batched indexer: each row's own selection
+        for (const row_run &run : runs_) {
+            const layer_state_dev &st = run.seq->ls[li];
+            const int f = run.first;
+            cd::launch_indexer_topk_batch(r_.iq + f * IH * Id, r_.iw + f * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
+                                          st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, run.count, r_.pos + f,
+                                          r_.idx_score, cuda_sequence::impl::row_scratch::kIdxRows * p_.score_floats,
+                                          r_.sel + f * K, r_.n_sel + f, s, w_.opt.exact_indexer);
+        }
     for (const row_run &run : runs_) {
         const layer_state_dev &st = run.seq->ls[li];
         a.ring = st.ring;
@@ -400,12 +419,8 @@ void rows_exec::attention(int il) {
         fork();
         for (int r = run.first; r < run.first + run.count; ++r) {
             const auto &ln = lane(r);
-            if (idx)
-                cd::launch_indexer_topk(r_.iq + r * IH * Id, r_.iw + r * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
-                                        st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, r_.pos + r, ln.score,
-                                        ln.sel, ln.n_sel, ln.s, w_.opt.exact_indexer);
-            a.sel = ln.sel;
-            a.n_sel = ln.n_sel;
+            a.sel = r_.sel + r * K;
+            a.n_sel = r_.n_sel + r;
             cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, ln.part, r_.o + r * H * d, ln.s);
         }
     }

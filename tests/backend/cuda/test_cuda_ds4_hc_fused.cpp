@@ -398,5 +398,68 @@ TEST_F(CudaDs4HcFused, BadArgumentsAreRejected) {
     EXPECT_THROW(cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io, s_), error);
 }
 
+// launch_hc_pre_fused_rows / launch_hc_head_fused_rows (every row of a multi-row step in one launch)
+// against the one-row launch on each row's own buffers: out, mix, post, comb and the new state bit for
+// bit, every row's counter zero again. With and without the HCPost input, the split kernel (part set)
+// and the row kernel (part null: the rows run one launch each).
+TEST_F(CudaDs4HcFused, RowsEqualEachRowAlone) {
+    const geom geoms[] = {{4, 4096, dtype::f32, 0, true}, {4, 4096, dtype::f16, 0, true}, {3, 1027, dtype::f32, 4, false}};
+    const int R = 5;
+    for (const geom &g : geoms)
+        for (bool head : {false, true})
+            for (bool with_y : {false, true})
+                for (bool split : {true, false}) {
+                    SCOPED_TRACE(name(g) + (head ? " head" : " pre") + (with_y ? " with y" : "") + (split ? " split" : " rows"));
+                    const int n = g.n_hc, n_mix = head ? n : (2 + n) * n;
+                    const int64_t D = g.D, S = n * D, M = static_cast<int64_t>(cd::hc_rows_mix_floats(n));
+                    const size_t P = cd::hc_fused_part_count(n);
+                    const cd::hc_params p = params(g);
+                    const hc_dev h = make_hc(g, n_mix);
+                    const auto x0 = randn(static_cast<size_t>(R * S), rng_), y0 = randn(static_cast<size_t>(R * D), rng_);
+                    std::vector<float> pc0(static_cast<size_t>(R * (n + n * n)));
+                    for (auto &v : pc0) v = 0.1f + 0.8f * std::uniform_real_distribution<float>()(rng_);
+                    const std::vector<float> post0(pc0.begin(), pc0.begin() + R * n), comb0(pc0.begin() + R * n, pc0.end());
+                    float *x = up(x0), *y = up(y0);
+                    // [0]: the rows launch, [1]: one launch per row
+                    float *xn[2], *post[2], *comb[2], *mix[2], *out[2];
+                    uint32_t *sync[2];
+                    double *part[2];
+                    for (int k = 0; k < 2; ++k) {
+                        xn[k] = poisoned(R * S), mix[k] = poisoned(R * M), out[k] = poisoned(R * D);
+                        post[k] = up(post0), comb[k] = up(comb0);
+                        sync[k] = dev<uint32_t>(R);
+                        part[k] = split ? dev<double>(R * P) : nullptr;
+                    }
+                    auto io_of = [&](int k, int r) {
+                        cd::hc_fused_io io;
+                        io.y = with_y ? y + r * D : nullptr;
+                        io.x = x + r * S;
+                        io.x_new = with_y ? xn[k] + r * S : nullptr;
+                        io.post = post[k] + r * n, io.comb = comb[k] + r * n * n, io.mix = mix[k] + r * M;
+                        io.sync = sync[k] + r, io.norm = h.norm, io.out = out[k] + r * D;
+                        io.part = split ? part[k] + r * static_cast<int64_t>(P) : nullptr;
+                        return io;
+                    };
+                    if (head) cd::launch_hc_head_fused_rows(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io_of(0, 0), R, s_);
+                    else cd::launch_hc_pre_fused_rows(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io_of(0, 0), R, s_);
+                    for (int r = 0; r < R; ++r) {
+                        if (head) cd::launch_hc_head_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io_of(1, r), s_);
+                        else cd::launch_hc_pre_fused(p, g.ft, h.fn, h.row_bytes, h.base, h.scale, io_of(1, r), s_);
+                    }
+                    ASSERT_EQ(cudaStreamSynchronize(s_), cudaSuccess);
+                    expect_bits(down(out[0], R * D).data(), down(out[1], R * D).data(), static_cast<size_t>(R * D), "out");
+                    for (int r = 0; r < R; ++r)
+                        expect_bits(down(mix[0] + r * M, n_mix + 1).data(), down(mix[1] + r * M, n_mix + 1).data(),
+                                    static_cast<size_t>(n_mix + 1), "mix");
+                    expect_bits(down(post[0], R * n).data(), down(post[1], R * n).data(), static_cast<size_t>(R * n), "post");
+                    expect_bits(down(comb[0], R * n * n).data(), down(comb[1], R * n * n).data(), static_cast<size_t>(R * n * n),
+                                "comb");
+                    if (with_y)
+                        expect_bits(down(xn[0], R * S).data(), down(xn[1], R * S).data(), static_cast<size_t>(R * S), "state");
+                    for (int r = 0; r < R; ++r) expect_counter_zero(sync[0] + r);
+                    if (HasFailure()) return;
+                }
+}
+
 }  // namespace
 }  // namespace fathom

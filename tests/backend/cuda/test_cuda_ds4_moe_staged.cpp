@@ -418,5 +418,72 @@ TEST_F(CudaDs4MoeStaged, GraphReplayIdsChange) {
     cudaGraphDestroy(graph);
 }
 
+// launch_moe_ffn_rows (the multi-row step's MoE: one chain for n rows) against launch_moe_ffn on each
+// row alone (the decode step's chain), bit for bit: every row's h rows and y, and the error word. Rows
+// share experts (few experts: most ids repeat across rows), one row's table repeats one expert six
+// times, one row's table holds an id out of range (flagged; its routed slots are skipped, as alone).
+TEST_F(CudaDs4MoeStaged, RowsEqualEachRowAloneBitForBit) {
+    struct rows_case {
+        int64_t D, F;
+        int E, k;
+        dtype tgu, tdn, tsh;
+        bool hash;
+        std::vector<int> ns;
+    };
+    const std::vector<rows_case> cases = {
+        {4096, 2048, 256, 6, dtype::iq2_xxs, dtype::q2_k, dtype::q8_0, false, {1, 4, 16}},  // DS4-Flash, learned
+        {4352, 224, 8, 6, dtype::q8_0, dtype::q8_0, dtype::q8_0, true, {5, 16}},            // hash, odd F
+        {1024, 256, 8, 2, dtype::q2_k, dtype::q2_k, dtype::q8_0, false, {3, 9}},
+        {2048, 512, 16, 4, dtype::iq2_xxs, dtype::iq2_xxs, dtype::iq2_xxs, true, {2, 7}},
+    };
+    for (const auto &c : cases) {
+        const int n_vocab = 6;
+        std::vector<int32_t> tid2eid(static_cast<size_t>(n_vocab * c.k));
+        for (auto &e : tid2eid) e = static_cast<int32_t>(rng_() % c.E);
+        for (int j = 0; j < c.k; ++j) tid2eid[static_cast<size_t>(c.k + j)] = 7 % c.E;  // token 1: one expert
+        tid2eid[static_cast<size_t>(3 * c.k + 1)] = c.E;                                 // token 3: out of range
+        const auto m = make_layer(*this, rng_, c.D, c.F, c.E, c.k, c.tgu, c.tdn, c.tsh, c.hash, tid2eid, n_vocab);
+        ASSERT_TRUE(cd::moe_rows_supported(m.l));
+        const int nmax = *std::max_element(c.ns.begin(), c.ns.end());
+        const size_t D = static_cast<size_t>(c.D), nh = static_cast<size_t>((c.k + 1) * c.F);
+        const cd::moe_scratch sc1 = dev_moe_scratch(c.E, c.k, c.F);
+        cd::moe_rows_scratch sc;
+        sc.logits = dev<float>(static_cast<size_t>(nmax * c.E));
+        sc.ids = dev<int32_t>(static_cast<size_t>(nmax * c.k));
+        sc.weights = dev<float>(static_cast<size_t>(nmax * c.k));
+        sc.h = dev<float>(static_cast<size_t>(nmax) * nh);
+        sc.xq = raw(cd::moe_rows_q8_bytes(nmax, c.D));
+        sc.hq = raw(cd::moe_rows_q8_bytes(static_cast<int64_t>(nmax) * (c.k + 1), c.F));
+        float *y1 = dev<float>(D), *y = dev<float>(static_cast<size_t>(nmax) * D);
+        const float *x = up(randn(static_cast<size_t>(nmax) * D, rng_));
+        std::vector<int32_t> toks(static_cast<size_t>(nmax));
+        for (size_t r = 0; r < toks.size(); ++r) toks[r] = static_cast<int32_t>(r % 2 == 0 ? rng_() % n_vocab : (r / 2) % n_vocab);
+        const int32_t *tok = up(toks);
+        for (int n : c.ns) {
+            SCOPED_TRACE(std::string(dtype_name(c.tgu)) + " D " + std::to_string(c.D) + " F " + std::to_string(c.F) +
+                         " rows " + std::to_string(n));
+            uint32_t err_ref = 0;
+            std::vector<ffn_out> ref;
+            for (int r = 0; r < n; ++r) {
+                ref.push_back(run_ffn(*this, 1, m, x + r * D, tok + r, sc1, y1, err_));
+                err_ref |= ref.back().err;
+            }
+            poison(sc.h, static_cast<size_t>(n) * nh);
+            poison(y, static_cast<size_t>(n) * D);
+            cd::launch_moe_ffn_rows(m.l, n, x, c.D, tok, sc, y, c.D, err_, s_);
+            const auto h = down(sc.h, static_cast<size_t>(n) * nh), yv = down(y, static_cast<size_t>(n) * D);
+            const uint32_t e = down(err_, 1)[0];
+            cudaMemset(err_, 0, 4);
+            EXPECT_EQ(e, err_ref);
+            for (int r = 0; r < n; ++r) {
+                SCOPED_TRACE("row " + std::to_string(r));
+                const auto r_ = static_cast<size_t>(r);
+                EXPECT_EQ(first_diff(std::vector<float>(h.begin() + r_ * nh, h.begin() + (r_ + 1) * nh), ref[r_].h), -1);
+                EXPECT_EQ(first_diff(std::vector<float>(yv.begin() + r_ * D, yv.begin() + (r_ + 1) * D), ref[r_].y), -1);
+            }
+        }
+    }
+}
+
 }  // namespace
 }  // namespace fathom
