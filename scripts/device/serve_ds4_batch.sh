@@ -11,12 +11,16 @@ port=18093
 "$c/fathom" serve -m "$m" --device ${DEVICE:-cuda} --port $port --ctx 2048 --parallel 4 > "$out/serve-batch.log" 2>&1 &
 pid=$!
 python3 - "$port" "${1:-8}" <<'PY'
-import json, sys, time, urllib.request, concurrent.futures as cf
+import json, sys, time, urllib.error, urllib.request, concurrent.futures as cf
 port, n = sys.argv[1], int(sys.argv[2])
 def http(method, path, body=None):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode() if body else None,
                                  method=method, headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=300).read().decode()
+    try:
+        return urllib.request.urlopen(req, timeout=300).read().decode()
+    except urllib.error.HTTPError as e:  # the server's error message, then fail
+        print(f"{method} {path}: HTTP {e.code}: {e.read().decode()[:400]}", file=sys.stderr)
+        raise
 for _ in range(240):
     try:
         http("GET", "/health"); break
