@@ -139,7 +139,9 @@ void swiglu_clamped(float *g, const float *v, int64_t n, float clamp) {
 static void expert_rows(const matrix &w1, const matrix &w3, const matrix &w2, float clamp, const float *xs,
                         const float *w, int64_t m, float *out) {
     const int64_t F = w1.rows;
-    std::vector<float> g(static_cast<size_t>(m * F)), v(g.size());
+    thread_local std::vector<float> g, v;  // kept between calls (see moe_forward_batch)
+    g.resize(static_cast<size_t>(m * F));
+    v.resize(g.size());
     matmul(w1, xs, m, g.data());
     matmul(w3, xs, m, v.data());
     for (int64_t i = 0; i < m; ++i) {
@@ -167,8 +169,10 @@ void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *x
             weight[static_cast<size_t>(i * n_slot + j)] = r.weights[static_cast<size_t>(j)];
         }
     }
-    std::vector<float> outs(static_cast<size_t>(n * n_slot * D));  // [n, n_slot, D]
-    std::vector<float> xs, ws, o;
+    // Per-thread buffers kept between calls: fresh allocations of a chunk's size are mmapped, faulted in
+    // and cleared on every layer.
+    thread_local std::vector<float> outs, xs, ws, o;
+    outs.resize(static_cast<size_t>(n * n_slot * D));  // [n, n_slot, D]
     auto run = [&](const matrix &w1, const matrix &w3, const matrix &w2, float clamp,
                    const std::vector<std::pair<int64_t, int>> &who) {
         const int64_t m = static_cast<int64_t>(who.size());
