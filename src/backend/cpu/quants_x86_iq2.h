@@ -314,44 +314,52 @@ inline void iq2_decode16(const uint8_t *b, iq2dec16 &o, float &d) {
     d = ldf16(b);
 }
 
+// The tile reads activations already widened to i16 (a16: [M][nb][8 groups][32], once per gemm call,
+// not once per 4-row group) and pairs rows in its epilogue: for rows 2p and 2p+1 one two-source permute
+// pair gives lanes 2L + 2L+1 of both (lanes 0..7: row 2p, 8..15: row 2p+1), converted and FMA'd as one
+// 512-bit vector with scales pdw[b][p] = (fp16(d_w[2p]) x 8, fp16(d_w[2p+1]) x 8) times d_a: the same
+// integers, products and FMA per lane as before, ~25 % fewer vector ops per super-block.
 template <int MB>
-inline void iq2_tile16(int64_t nb, const iq2dec16 *panel, const float *pd, const uint8_t *const x[MB],
-                       float out[MB][4]) {
-    alignas(32) float acc[MB][4][8] = {};
+inline void iq2_tile16(int64_t nb, const iq2dec16 *panel, const float *pdw, const int16_t *const a16[MB],
+                       const uint8_t *const x[MB], float out[MB][4]) {
+    __m512 acc[MB][2];
+    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     for (int64_t b = 0; b < nb; ++b) {
         const iq2dec16 *dec = panel + 4 * b;
-        const uint8_t *xb[MB];
-        for (int m = 0; m < MB; ++m) xb[m] = x[m] + b * iq2_q8k_bytes;
         __m512i S[MB][4];
         for (int m = 0; m < MB; ++m)
             for (int r = 0; r < 4; ++r) S[m][r] = _mm512_setzero_si512();
-        for (int g = 0; g < 8; ++g) {
-            __m512i a[MB];
-            for (int m = 0; m < MB; ++m) a[m] = _mm512_cvtepi8_epi16(iq2_ld(xb[m] + 4 + 32 * g));
+        for (int g = 0; g < 8; ++g)
             for (int r = 0; r < 4; ++r) {
                 const __m512i w = dec[r].w[g];
-                for (int m = 0; m < MB; ++m) S[m][r] = _mm512_dpwssd_epi32(S[m][r], w, a[m]);
+                for (int m = 0; m < MB; ++m)
+                    S[m][r] = _mm512_dpwssd_epi32(S[m][r], w, _mm512_loadu_si512(a16[m] + (b * 8 + g) * 32));
             }
-        }
         for (int m = 0; m < MB; ++m) {
             float da;
-            std::memcpy(&da, xb[m], 4);
-            for (int r = 0; r < 4; ++r) {
-                // lane L = lanes 2L + 2L+1: add each qword's high dword into its low one, keep the low dwords
-                const __m256i s8 =
-                    _mm512_cvtepi64_epi32(_mm512_add_epi32(S[m][r], _mm512_srli_epi64(S[m][r], 32)));
-                const __m256 a8 = _mm256_fmadd_ps(_mm256_set1_ps(pd[4 * b + r] * da), _mm256_cvtepi32_ps(s8),
-                                                  _mm256_load_ps(acc[m][r]));
-                _mm256_store_ps(acc[m][r], a8);
+            std::memcpy(&da, x[m] + b * iq2_q8k_bytes, 4);
+            const __m512 vda = _mm512_set1_ps(da);
+            for (int p = 0; p < 2; ++p) {
+                const __m512i A = S[m][2 * p], B = S[m][2 * p + 1];
+                const __m512i s16 =
+                    _mm512_add_epi32(_mm512_permutex2var_epi32(A, ev, B), _mm512_permutex2var_epi32(A, od, B));
+                acc[m][p] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(pdw + (2 * b + p) * 16), vda),
+                                            _mm512_cvtepi32_ps(s16), acc[m][p]);
             }
         }
     }
     for (int m = 0; m < MB; ++m)
-        for (int r = 0; r < 4; ++r) out[m][r] = 0.125f * hsum(_mm256_load_ps(acc[m][r]));
+        for (int p = 0; p < 2; ++p) {
+            out[m][2 * p] = 0.125f * hsum(_mm512_castps512_ps256(acc[m][p]));
+            out[m][2 * p + 1] = 0.125f * hsum(_mm512_extractf32x8_ps(acc[m][p], 1));
+        }
 }
 
 thread_local scratch<iq2dec16> t_iq2_panel16;  // per-thread decoded panel [nb][4]
-thread_local scratch<float> t_iq2_pd;          // its fp16(d_w) as f32 [nb][4]
+thread_local scratch<float> t_iq2_pdw;         // its fp16(d_w) as f32, row pairs [nb][2][16] (see iq2_tile16)
+thread_local scratch<int16_t> t_iq2_a16;       // the activations widened to i16 [M][nb][8][32]
 
 void gemm_iq2_xxs_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
                        size_t x_stride, int64_t M, float *y, int64_t ldy) {
@@ -360,30 +368,42 @@ void gemm_iq2_xxs_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, in
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
     iq2dec16 *pbuf = t_iq2_panel16.get(static_cast<size_t>(4 * nb));
-    float *pd = t_iq2_pd.get(static_cast<size_t>(4 * nb));
+    float *pdw = t_iq2_pdw.get(static_cast<size_t>(32 * nb));
+    int16_t *a16 = t_iq2_a16.get(static_cast<size_t>(M * nb * 256));
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b)
+            for (int g = 0; g < 8; ++g)
+                _mm512_storeu_si512(a16 + ((m * nb + b) * 8 + g) * 32,
+                                    _mm512_cvtepi8_epi16(iq2_ld(Xb + m * x_stride + b * iq2_q8k_bytes + 4 + 32 * g)));
     for (int64_t r = r0; r < r1; r += 4) {
         const int rows = static_cast<int>(imin(4, r1 - r));
-        for (int64_t b = 0; b < nb; ++b)
+        for (int64_t b = 0; b < nb; ++b) {
+            float pd[4];
             for (int i = 0; i < 4; ++i)
-                iq2_decode16(Wb + (r + imin(i, rows - 1)) * w_stride + b * iq2_bytes, pbuf[4 * b + i],
-                             pd[4 * b + i]);
+                iq2_decode16(Wb + (r + imin(i, rows - 1)) * w_stride + b * iq2_bytes, pbuf[4 * b + i], pd[i]);
+            for (int j = 0; j < 32; ++j) pdw[32 * b + j] = pd[j / 8];
+        }
         for (int64_t m = 0; m < M; m += 4) {
             const int mb = static_cast<int>(imin(4, M - m));
             const uint8_t *x[4];
-            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            const int16_t *a[4];
+            for (int j = 0; j < 4; ++j) {
+                x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+                a[j] = a16 + (m + imin(j, mb - 1)) * nb * 256;
+            }
             float out[4][4];
             switch (mb) {
                 case 1:
-                    iq2_tile16<1>(nb, pbuf, pd, x, out);
+                    iq2_tile16<1>(nb, pbuf, pdw, a, x, out);
                     break;
                 case 2:
-                    iq2_tile16<2>(nb, pbuf, pd, x, out);
+                    iq2_tile16<2>(nb, pbuf, pdw, a, x, out);
                     break;
                 case 3:
-                    iq2_tile16<3>(nb, pbuf, pd, x, out);
+                    iq2_tile16<3>(nb, pbuf, pdw, a, x, out);
                     break;
                 default:
-                    iq2_tile16<4>(nb, pbuf, pd, x, out);
+                    iq2_tile16<4>(nb, pbuf, pdw, a, x, out);
                     break;
             }
             for (int j = 0; j < mb; ++j)
