@@ -101,7 +101,10 @@ void split_range(int64_t total, int64_t align, int ith, int nth, int64_t &a, int
 }
 
 // Run fn(a, b) over [0, total) split across the pool (or inline when there is none / it is small).
-// Shares are multiples of `align` items (4 rows keep cpu::gemm's register blocks whole).
+// Shares are multiples of `align` items (4 rows keep cpu::gemm's register blocks whole). The range is
+// cut into up to 4 shares per thread, claimed as the threads come free: a thread slowed by another
+// process on its core (or a late wake-up) takes fewer, instead of the other waiting for its half.
+// Every row's result is independent of the cut (products are per row), so the bits are the same.
 template <class F>
 void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, F &&fn, int64_t align = 4) {
     // Below ~64k multiply-adds a dispatch costs more than it saves.
@@ -109,11 +112,15 @@ void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, 
         fn(int64_t{0}, total);
         return;
     }
-    pool->run([&](int ith, int nth) {
-        int64_t a = 0, b = 0;
-        split_range(total, align, ith, nth, a, b);
-        if (a < b) fn(a, b);
-    });
+    const int64_t units = (total + align - 1) / align;
+    const int n = static_cast<int>(std::min<int64_t>(units, 4 * static_cast<int64_t>(pool->size())));
+    pool->run_tasks(
+        [&](int ith, int nth) {
+            int64_t a = 0, b = 0;
+            split_range(total, align, ith, nth, a, b);
+            if (a < b) fn(a, b);
+        },
+        n);
 }
 
 // Quantised path: X [n, k] -> vec_dot_type(w) rows once, then cpu::gemm over row shares.
