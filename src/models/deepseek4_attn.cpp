@@ -106,11 +106,37 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     return idx;
 }
 
-// o[i] += p * v[i]: one multiply and one add per element (none of these targets enables FMA, so no
-// contraction): the same bits at every vector width.
-__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v,
-                                                                                  float *o, int64_t n) {
+// o[i] += p * v[i]: one multiply and one add per element, the same bits at every vector width. GCC's
+// avx512f target implies FMA, and its clone used to contract this into an FMA (other bits than the avx2
+// and default clones); contraction is off here.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off"))) static void axpy_f32(
+    float p, const float *v, float *o, int64_t n) {
     for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
+}
+
+// Heads [h0, h1) 4 at a time on AVX-512 (attention_scores_heads4 / attention_values_heads2: the bits
+// of the one-head loop below, whose softmax they share); returns the first head left to the loop.
+static int64_t attend_heads_grouped(const float *q, const float *kv, int64_t n, const float *sinks, int64_t h0,
+                                    int64_t h1, int64_t d, float scale, float *o) {
+    if (!attention_heads_avx512(d)) return h0;
+    thread_local std::vector<float> s, pr;
+    s.resize(static_cast<size_t>(4 * n));
+    pr.resize(static_cast<size_t>(4 * n));
+    int64_t h = h0;
+    for (; h + 4 <= h1; h += 4) {
+        attention_scores_heads4(q + h * d, kv, n, d, s.data());
+        for (int k = 0; k < 4; ++k) {
+            float *sk = &s[static_cast<size_t>(k * n)], *pk = &pr[static_cast<size_t>(k * n)];
+            float mx = sinks[h + k];
+            for (int64_t r = 0; r < n; ++r) mx = std::max(mx, sk[r] *= scale);
+            float denom = std::exp(sinks[h + k] - mx);
+            for (int64_t r = 0; r < n; ++r) denom += (sk[r] = std::exp(sk[r] - mx));
+            for (int64_t r = 0; r < n; ++r) pk[r] = sk[r] / denom;
+        }
+        attention_values_heads2(pr.data(), kv, n, d, o + h * d);
+        attention_values_heads2(pr.data() + 2 * n, kv, n, d, o + (h + 2) * d);
+    }
+    return h;
 }
 
 void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
@@ -118,7 +144,7 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
     // Heads are independent: split across the exec pool (same bits for any split).
     parallel_for(n_head, n * d * 2, [&](int64_t h0, int64_t h1) {
         std::vector<float> s(static_cast<size_t>(n));
-        for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t h = attend_heads_grouped(q, kv, n, sinks, h0, h1, d, scale, o); h < h1; ++h) {
             const float *qh = q + h * d;
             float mx = sinks[h];
             dot_f32_rows(qh, kv, n, d, s.data());
