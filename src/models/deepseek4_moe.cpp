@@ -52,15 +52,19 @@ void hc_split_sinkhorn(const float *mix, const float *scale, const float *base, 
     sinkhorn(comb, n_hc, iters, eps);
 }
 
-// m = (F v) / sqrt(mean(v^2) + eps) for the flattened state v [n_hc*D].
-static std::vector<float> hc_mix(const hparams &hp, const hc_weights &w, const float *x) {
+// mix = (F v) / sqrt(mean(v^2) + eps) for the flattened state v [n_hc*D], F v given in mix.
+static void hc_mix_scale(const hparams &hp, const hc_weights &w, const float *x, float *mix) {
     const int64_t n = static_cast<int64_t>(hp.n_hc) * hp.n_embd;
-    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
-    matmul(w.fn, x, 1, mix.data());
     double ss = 0;
     for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
     const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + hp.rms_eps));
-    for (float &m : mix) m *= r;
+    for (int64_t k = 0; k < w.fn.rows; ++k) mix[k] *= r;
+}
+
+static std::vector<float> hc_mix(const hparams &hp, const hc_weights &w, const float *x) {
+    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
+    matmul(w.fn, x, 1, mix.data());
+    hc_mix_scale(hp, w, x, mix.data());
     return mix;
 }
 
@@ -73,12 +77,19 @@ static void hc_weighted_sum(int n_hc, int64_t dim, const float *w, const float *
     }
 }
 
-void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
-    const std::vector<float> mix = hc_mix(hp, w, x);
+void hc_pre_mixed(const hparams &hp, const hc_weights &w, const float *x, float *mix, float *u, float *post,
+                  float *comb) {
+    hc_mix_scale(hp, w, x, mix);
     std::vector<float> pre(static_cast<size_t>(hp.n_hc));
-    hc_split_sinkhorn(mix.data(), w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps,
-                      pre.data(), post, comb);
+    hc_split_sinkhorn(mix, w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps, pre.data(), post,
+                      comb);
     hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, u);
+}
+
+void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
+    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
+    matmul(w.fn, x, 1, mix.data());
+    hc_pre_mixed(hp, w, x, mix.data(), u, post, comb);
 }
 
 void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post, const float *comb,
