@@ -188,24 +188,31 @@ void project_attention(const hparams &hp, const rope_set &ropes, const layer_wei
     const int64_t n = static_cast<int64_t>(pos.size()), d = hp.head_dim, nr = hp.n_rot;
     const rope_table &rope = ropes.for_ratio(l.ratio);
     project(p.q_lat, l.q_a, xn, n);
-    for (int64_t i = 0; i < n; ++i)
-        rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
-                 &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
+    // The per-row norms and rotations below run over the pool (rows are independent: the same bits).
+    parallel_for(n, 4 * hp.q_lora, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
+                     &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
+    });
     const int Hs = s.head1 - s.head0;  // this rank's heads (all of them on one rank)
     project(p.q, matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
-    for (int64_t i = 0; i < n; ++i)
-        for (int h = 0; h < Hs; ++h) {
-            float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
-            rms_norm(qh, d, nullptr, hp.rms_eps, qh);
-            rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-        }
+    parallel_for(n, Hs * (4 * d + 16 * nr), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            for (int h = 0; h < Hs; ++h) {
+                float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
+                rms_norm(qh, d, nullptr, hp.rms_eps, qh);
+                rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+            }
+    });
     project(p.kv, l.kv, xn, n);
-    for (int64_t i = 0; i < n; ++i) {
-        float *k = &p.kv[static_cast<size_t>(i * d)];
-        rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
-        rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-        if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
-    }
+    parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *k = &p.kv[static_cast<size_t>(i * d)];
+            rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
+            rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+            if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
+        }
+    });
     if (l.ratio > 0) {
         project(p.ca, l.comp.kv, xn, n);
         project(p.cg, l.comp.gate, xn, n);
@@ -216,15 +223,17 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
                      const float *xn, std::span<const int64_t> pos, attn_proj &p) {
     const int64_t n = static_cast<int64_t>(pos.size()), Id = hp.idx_dim;
     project(p.iq, l.idx_q_b, p.q_lat.data(), n);
-    for (int64_t i = 0; i < n; ++i)
-        for (int h = 0; h < hp.idx_head; ++h) {
-            float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
-            rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
-            if (qat != qat_mode::off) {
-                hadamard_normalised(qh, Id);
-                fp4_round_trip(qh, Id);
+    parallel_for(n, hp.idx_head * (16 * Id), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            for (int h = 0; h < hp.idx_head; ++h) {
+                float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
+                rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
+                if (qat != qat_mode::off) {
+                    hadamard_normalised(qh, Id);
+                    fp4_round_trip(qh, Id);
+                }
             }
-        }
+    });
     project(p.iw, l.idx_proj, xn, n);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
     for (float &w : p.iw) w *= scale;
