@@ -155,11 +155,17 @@ static void expert_rows(const matrix &w1, const matrix &w3, const matrix &w2, fl
     v.resize(g.size());
     matmul(w1, xs, m, g.data());
     matmul(w3, xs, m, v.data());
-    for (int64_t i = 0; i < m; ++i) {
-        float *gi = &g[static_cast<size_t>(i * F)];
-        swiglu_clamped(gi, &v[static_cast<size_t>(i * F)], F, clamp);
-        for (int64_t j = 0; j < F; ++j) gi[j] *= w[i];
-    }
+    // Rows are independent (the same bits over the pool). The task reads the buffers through pointers:
+    // naming a thread_local inside it would name the running thread's own copy.
+    float *gp = g.data();
+    const float *vp = v.data();
+    parallel_for(m, 8 * F, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *gi = gp + i * F;
+            swiglu_clamped(gi, vp + i * F, F, clamp);
+            for (int64_t j = 0; j < F; ++j) gi[j] *= w[i];
+        }
+    });
     matmul(w2, g.data(), m, out);
 }
 
@@ -222,15 +228,18 @@ void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *x
     if (shared)
         for (int64_t i = 0; i < n; ++i) mine[static_cast<size_t>(i * n_slot + k)] = 1;
     // y = sum over slots in routing order, then the shared expert (the order of a lone token).
-    for (int64_t i = 0; i < n; ++i) {
-        float *yi = y + i * D;
-        std::fill(yi, yi + D, 0.0f);
-        for (int s = 0; s < n_slot; ++s) {
-            if (!mine[static_cast<size_t>(i * n_slot + s)]) continue;
-            const float *os = &outs[static_cast<size_t>((i * n_slot + s) * D)];
-            for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
+    const float *outp = outs.data();  // (a thread_local: see expert_rows)
+    parallel_for(n, n_slot * D, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *yi = y + i * D;
+            std::fill(yi, yi + D, 0.0f);
+            for (int s = 0; s < n_slot; ++s) {
+                if (!mine[static_cast<size_t>(i * n_slot + s)]) continue;
+                const float *os = outp + (i * n_slot + s) * D;
+                for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
+            }
         }
-    }
+    });
 }
 
 void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y) {
