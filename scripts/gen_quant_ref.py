@@ -6,6 +6,7 @@ independent of Fathom's C++ kernels, so it serves as the truth for test_quant (t
 
   python3 scripts/gen_quant_ref.py refs       # -> tests/backend/cpu/data/*.bin   (pip install gguf numpy)
   python3 scripts/gen_quant_ref.py iq-tables  # -> src/backend/cpu/iq_tables.cpp
+  python3 scripts/gen_quant_ref.py iq2-cover  # -> tests/backend/cpu/data/deq_iq2_xxs_cover.bin
 
 Reference file layout (little-endian): magic b"FQRF", u32 kind (0 = dequant, 1 = quant), u32 ggml
 type id, u32 n (elements), then
@@ -131,6 +132,35 @@ def gen_refs():
     print(f"wrote {len(os.listdir(DATA))} files, {total} bytes to {DATA}")
 
 
+def gen_iq2_cover():
+    """IQ2_XXS blocks that use every grid index, every 7-bit sign code and every 4-bit scale (kind 0 file):
+    8 blocks x 32 indices = the 256 grid indices once each (shuffled), sign codes 0..127 twice, scales
+    0..15 four times, random f16 d of both signs."""
+    rng = np.random.default_rng(20261206)
+    n_blocks = 8
+    idx = rng.permutation(256)
+    codes = np.concatenate([rng.permutation(128), rng.permutation(128)])
+    scales = rng.permutation(np.tile(np.arange(16), 4))
+    blocks = np.zeros((n_blocks, 66), dtype=np.uint8)
+    for b in range(n_blocks):
+        d = rng.uniform(1e-3, 0.1) * rng.choice([-1.0, 1.0])
+        blocks[b, 0:2] = np.array([d], dtype=np.float16).view(np.uint8)
+        for g in range(8):
+            k = 8 * b + g  # group number
+            grid = np.array(idx[4 * k:4 * k + 4], dtype=np.uint32)
+            sg = np.uint32(0)
+            for j in range(4):
+                sg |= np.uint32(codes[4 * k + j]) << np.uint32(7 * j)
+            sg |= np.uint32(scales[k]) << np.uint32(28)
+            blocks[b, 2 + 8 * g:6 + 8 * g] = grid.astype(np.uint8)
+            blocks[b, 6 + 8 * g:10 + 8 * g] = np.array([sg], dtype=np.uint32).view(np.uint8)
+    n = n_blocks * 256
+    deq = quants.dequantize(blocks.reshape(1, -1), T.IQ2_XXS).astype(np.float32).reshape(-1)
+    assert deq.size == n and np.all(np.isfinite(deq))
+    write_ref("deq_iq2_xxs_cover.bin", 0, T.IQ2_XXS, n, blocks, deq)
+    print(f"wrote {os.path.join(DATA, 'deq_iq2_xxs_cover.bin')}")
+
+
 def gen_iq_tables():
     q = quants.IQ2_XXS
     q.init_grid()
@@ -168,5 +198,7 @@ if __name__ == "__main__":
         gen_refs()
     elif what == "iq-tables":
         gen_iq_tables()
+    elif what == "iq2-cover":
+        gen_iq2_cover()
     else:
-        sys.exit("usage: gen_quant_ref.py refs|iq-tables")
+        sys.exit("usage: gen_quant_ref.py refs|iq-tables|iq2-cover")

@@ -106,11 +106,37 @@ std::vector<int64_t> indexer_select(const float *q, const float *w, const row_st
     return idx;
 }
 
-// o[i] += p * v[i]: one multiply and one add per element (none of these targets enables FMA, so no
-// contraction): the same bits at every vector width.
-__attribute__((target_clones("avx512f", "avx2", "default"))) static void axpy_f32(float p, const float *v,
-                                                                                  float *o, int64_t n) {
+// o[i] += p * v[i]: one multiply and one add per element, the same bits at every vector width. GCC's
+// avx512f target implies FMA, and its clone used to contract this into an FMA (other bits than the avx2
+// and default clones); contraction is off here.
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off"))) static void axpy_f32(
+    float p, const float *v, float *o, int64_t n) {
     for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
+}
+
+// Heads [h0, h1) 4 at a time on AVX-512 (attention_scores_heads4 / attention_values_heads2: the bits
+// of the one-head loop below, whose softmax they share); returns the first head left to the loop.
+static int64_t attend_heads_grouped(const float *q, const float *kv, int64_t n, const float *sinks, int64_t h0,
+                                    int64_t h1, int64_t d, float scale, float *o) {
+    if (!attention_heads_avx512(d)) return h0;
+    thread_local std::vector<float> s, pr;
+    s.resize(static_cast<size_t>(4 * n));
+    pr.resize(static_cast<size_t>(4 * n));
+    int64_t h = h0;
+    for (; h + 4 <= h1; h += 4) {
+        attention_scores_heads4(q + h * d, kv, n, d, s.data());
+        for (int k = 0; k < 4; ++k) {
+            float *sk = &s[static_cast<size_t>(k * n)], *pk = &pr[static_cast<size_t>(k * n)];
+            float mx = sinks[h + k];
+            for (int64_t r = 0; r < n; ++r) mx = std::max(mx, sk[r] *= scale);
+            float denom = std::exp(sinks[h + k] - mx);
+            for (int64_t r = 0; r < n; ++r) denom += (sk[r] = std::exp(sk[r] - mx));
+            for (int64_t r = 0; r < n; ++r) pk[r] = sk[r] / denom;
+        }
+        attention_values_heads2(pr.data(), kv, n, d, o + h * d);
+        attention_values_heads2(pr.data() + 2 * n, kv, n, d, o + (h + 2) * d);
+    }
+    return h;
 }
 
 void attend_with_sink(const float *q, const float *kv, int64_t n, const float *sinks, int n_head, int64_t d,
@@ -118,7 +144,7 @@ void attend_with_sink(const float *q, const float *kv, int64_t n, const float *s
     // Heads are independent: split across the exec pool (same bits for any split).
     parallel_for(n_head, n * d * 2, [&](int64_t h0, int64_t h1) {
         std::vector<float> s(static_cast<size_t>(n));
-        for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t h = attend_heads_grouped(q, kv, n, sinks, h0, h1, d, scale, o); h < h1; ++h) {
             const float *qh = q + h * d;
             float mx = sinks[h];
             dot_f32_rows(qh, kv, n, d, s.data());
@@ -150,62 +176,69 @@ struct attn_proj {
     std::vector<float> ica, icg;  // [n, 2*Id]  indexer compressor inputs
 };
 
-std::vector<float> project(const matrix &w, const float *x, int64_t n) {
-    std::vector<float> y(static_cast<size_t>(n * w.rows));
+// y [n, w.rows] = W x. y is reused across calls (no fresh pages to fault in and clear per chunk).
+void project(std::vector<float> &y, const matrix &w, const float *x, int64_t n) {
+    y.resize(static_cast<size_t>(n * w.rows));
     matmul(w, x, n, y.data());
-    return y;
 }
 
 // Queries of heads [s.head0, s.head1) only (p.q [n, (head1-head0)*d]); the rest in full.
-attn_proj project_attention(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
-                            const float *xn, std::span<const int64_t> pos, const tp_slice &s) {
+void project_attention(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
+                       const float *xn, std::span<const int64_t> pos, const tp_slice &s, attn_proj &p) {
     const int64_t n = static_cast<int64_t>(pos.size()), d = hp.head_dim, nr = hp.n_rot;
     const rope_table &rope = ropes.for_ratio(l.ratio);
-    attn_proj p;
-    p.q_lat = project(l.q_a, xn, n);
-    for (int64_t i = 0; i < n; ++i)
-        rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
-                 &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
+    project(p.q_lat, l.q_a, xn, n);
+    // The per-row norms and rotations below run over the pool (rows are independent: the same bits).
+    parallel_for(n, 4 * hp.q_lora, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            rms_norm(&p.q_lat[static_cast<size_t>(i * hp.q_lora)], hp.q_lora, l.q_a_norm.data(), hp.rms_eps,
+                     &p.q_lat[static_cast<size_t>(i * hp.q_lora)]);
+    });
     const int Hs = s.head1 - s.head0;  // this rank's heads (all of them on one rank)
-    p.q = project(matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
-    for (int64_t i = 0; i < n; ++i)
-        for (int h = 0; h < Hs; ++h) {
-            float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
-            rms_norm(qh, d, nullptr, hp.rms_eps, qh);
-            rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+    project(p.q, matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
+    parallel_for(n, Hs * (4 * d + 16 * nr), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            for (int h = 0; h < Hs; ++h) {
+                float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
+                rms_norm(qh, d, nullptr, hp.rms_eps, qh);
+                rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+            }
+    });
+    project(p.kv, l.kv, xn, n);
+    parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *k = &p.kv[static_cast<size_t>(i * d)];
+            rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
+            rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+            if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
         }
-    p.kv = project(l.kv, xn, n);
-    for (int64_t i = 0; i < n; ++i) {
-        float *k = &p.kv[static_cast<size_t>(i * d)];
-        rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
-        rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-        if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
-    }
+    });
     if (l.ratio > 0) {
-        p.ca = project(l.comp.kv, xn, n);
-        p.cg = project(l.comp.gate, xn, n);
+        project(p.ca, l.comp.kv, xn, n);
+        project(p.cg, l.comp.gate, xn, n);
     }
-    return p;
 }
 
 void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
                      const float *xn, std::span<const int64_t> pos, attn_proj &p) {
     const int64_t n = static_cast<int64_t>(pos.size()), Id = hp.idx_dim;
-    p.iq = project(l.idx_q_b, p.q_lat.data(), n);
-    for (int64_t i = 0; i < n; ++i)
-        for (int h = 0; h < hp.idx_head; ++h) {
-            float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
-            rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
-            if (qat != qat_mode::off) {
-                hadamard_normalised(qh, Id);
-                fp4_round_trip(qh, Id);
+    project(p.iq, l.idx_q_b, p.q_lat.data(), n);
+    parallel_for(n, hp.idx_head * (16 * Id), [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+            for (int h = 0; h < hp.idx_head; ++h) {
+                float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
+                rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
+                if (qat != qat_mode::off) {
+                    hadamard_normalised(qh, Id);
+                    fp4_round_trip(qh, Id);
+                }
             }
-        }
-    p.iw = project(l.idx_proj, xn, n);
+    });
+    project(p.iw, l.idx_proj, xn, n);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
     for (float &w : p.iw) w *= scale;
-    p.ica = project(l.idx_comp.kv, xn, n);
-    p.icg = project(l.idx_comp.gate, xn, n);
+    project(p.ica, l.idx_comp.kv, xn, n);
+    project(p.icg, l.idx_comp.gate, xn, n);
 }
 
 // Grouped low-rank output projection (spec 4.7) of groups [s.group0, s.group1) over m rows: og
@@ -244,7 +277,10 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     const tp_slice s = slice ? *slice : tp_whole(hp);
     // H: the heads evaluated here (all of them, or one tensor-parallel rank's share).
     const int64_t n = static_cast<int64_t>(positions.size()), d = hp.head_dim, H = s.head1 - s.head0, W = hp.window;
-    attn_proj p = project_attention(hp, ropes, l, qat, xn, positions, s);
+    // Per-thread buffers kept between calls: a 256-row chunk's projections are ~45 MB, and fresh
+    // allocations of that size are mmapped, faulted in and cleared on every layer (~2.5 % of prefill).
+    thread_local attn_proj p;
+    project_attention(hp, ropes, l, qat, xn, positions, s, p);
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
     const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
                  icw = static_cast<size_t>(2 * hp.idx_dim);
@@ -253,7 +289,8 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     // Attention outputs of a block of up to `blk` rows, group-major [Gs, blk, gd], projected together.
     const int Gs = s.group1 - s.group0;
     const int64_t gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d, blk = std::min<int64_t>(n, 64);
-    std::vector<float> og(static_cast<size_t>(Gs * blk * gd));
+    thread_local std::vector<float> og;
+    og.resize(static_cast<size_t>(Gs * blk * gd));
     int64_t b0 = 0;  // first row of the pending block
     for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = positions[static_cast<size_t>(i)];

@@ -71,7 +71,6 @@ class cpu_executor final : public executor {
         y_.resize(n * D);
         post_.resize(n * nh);
         comb_.resize(n * nh * nh);
-        x_old_.resize(nh * D);
     }
 
     void embed() override {
@@ -79,18 +78,25 @@ class cpu_executor final : public executor {
         embed_tokens(*m_, tokens_, std::span<float>(x_, static_cast<size_t>(n_) * S));
     }
 
-    // (u, post, comb) = HCPre(X) per row; xn = RMSNorm(u) in place in u.
+    // (u, post, comb) = HCPre(X) per row; xn = RMSNorm(u) in place in u. The mixing products of all rows
+    // in one matmul (each row's as alone), the per-row rest over the pool: the bits of hc_pre row by row.
     void hc_pre(int il, sublayer which) override {
         const layer_weights &l = layer(il);
         const int64_t D = hp_.n_embd, S = hp_.n_hc * D;
         const size_t nh = static_cast<size_t>(hp_.n_hc);
         const bool attn = which == sublayer::attention;
-        for (int64_t i = 0; i < n_; ++i) {
-            float *ui = &u_[static_cast<size_t>(i * D)];
-            ds4::hc_pre(hp_, attn ? l.hc_attn : l.hc_ffn, x_ + i * S, ui, &post_[static_cast<size_t>(i) * nh],
-                        &comb_[static_cast<size_t>(i) * nh * nh]);
-            rms_norm(ui, D, attn ? l.attn_norm.data() : l.ffn_norm.data(), hp_.rms_eps, ui);
-        }
+        const hc_weights &w = attn ? l.hc_attn : l.hc_ffn;
+        const int64_t nm = w.fn.rows;
+        mix_.resize(static_cast<size_t>(n_ * nm));
+        matmul(w.fn, x_, n_, mix_.data());
+        parallel_for(n_, 8 * S, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; ++i) {
+                float *ui = &u_[static_cast<size_t>(i * D)];
+                ds4::hc_pre_mixed(hp_, w, x_ + i * S, &mix_[static_cast<size_t>(i * nm)], ui,
+                                  &post_[static_cast<size_t>(i) * nh], &comb_[static_cast<size_t>(i) * nh * nh]);
+                rms_norm(ui, D, attn ? l.attn_norm.data() : l.ffn_norm.data(), hp_.rms_eps, ui);
+            }
+        });
     }
 
     void attention(int il) override {
@@ -108,11 +114,15 @@ class cpu_executor final : public executor {
     void hc_post() override {
         const int64_t D = hp_.n_embd, S = hp_.n_hc * D;
         const size_t nh = static_cast<size_t>(hp_.n_hc);
-        for (int64_t i = 0; i < n_; ++i) {
-            std::copy(x_ + i * S, x_ + (i + 1) * S, x_old_.begin());
-            ds4::hc_post(hp_.n_hc, D, &y_[static_cast<size_t>(i * D)], x_old_.data(), &post_[static_cast<size_t>(i) * nh],
-                         &comb_[static_cast<size_t>(i) * nh * nh], x_ + i * S);
-        }
+        parallel_for(n_, 2 * S * hp_.n_hc, [&](int64_t i0, int64_t i1) {
+            thread_local std::vector<float> x_old;  // per thread: rows run on both threads
+            x_old.resize(static_cast<size_t>(S));
+            for (int64_t i = i0; i < i1; ++i) {
+                std::copy(x_ + i * S, x_ + (i + 1) * S, x_old.begin());
+                ds4::hc_post(hp_.n_hc, D, &y_[static_cast<size_t>(i * D)], x_old.data(),
+                             &post_[static_cast<size_t>(i) * nh], &comb_[static_cast<size_t>(i) * nh * nh], x_ + i * S);
+            }
+        });
     }
 
     void head() override {
@@ -138,7 +148,7 @@ class cpu_executor final : public executor {
     std::span<const int32_t> logit_rows_;
     std::span<float> out_;
     int64_t n_;
-    std::vector<float> u_, y_, post_, comb_, x_old_;
+    std::vector<float> u_, y_, post_, comb_, mix_;
 };
 
 }  // namespace

@@ -54,6 +54,10 @@ void sinkhorn(float *comb, int n, int iters, float eps);
 
 // HCPre for one token: X [n_hc, D] -> u [D], post [n_hc], comb [n_hc, n_hc].
 void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb);
+// The same with the mixing product already taken: mix [w.fn.rows] = F x (matmul of this row, which any
+// batch of rows gives bit for bit), scaled in place; hc_pre is matmul + this.
+void hc_pre_mixed(const hparams &hp, const hc_weights &w, const float *x, float *mix, float *u, float *post,
+                  float *comb);
 // HCPost: x_new[k] = post[k]*y + sum_j comb[j][k] * x_old[j]. x_new must not alias x_old.
 void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post, const float *comb,
              float *x_new);

@@ -52,15 +52,19 @@ void hc_split_sinkhorn(const float *mix, const float *scale, const float *base, 
     sinkhorn(comb, n_hc, iters, eps);
 }
 
-// m = (F v) / sqrt(mean(v^2) + eps) for the flattened state v [n_hc*D].
-static std::vector<float> hc_mix(const hparams &hp, const hc_weights &w, const float *x) {
+// mix = (F v) / sqrt(mean(v^2) + eps) for the flattened state v [n_hc*D], F v given in mix.
+static void hc_mix_scale(const hparams &hp, const hc_weights &w, const float *x, float *mix) {
     const int64_t n = static_cast<int64_t>(hp.n_hc) * hp.n_embd;
-    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
-    matmul(w.fn, x, 1, mix.data());
     double ss = 0;
     for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
     const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + hp.rms_eps));
-    for (float &m : mix) m *= r;
+    for (int64_t k = 0; k < w.fn.rows; ++k) mix[k] *= r;
+}
+
+static std::vector<float> hc_mix(const hparams &hp, const hc_weights &w, const float *x) {
+    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
+    matmul(w.fn, x, 1, mix.data());
+    hc_mix_scale(hp, w, x, mix.data());
     return mix;
 }
 
@@ -73,12 +77,19 @@ static void hc_weighted_sum(int n_hc, int64_t dim, const float *w, const float *
     }
 }
 
-void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
-    const std::vector<float> mix = hc_mix(hp, w, x);
+void hc_pre_mixed(const hparams &hp, const hc_weights &w, const float *x, float *mix, float *u, float *post,
+                  float *comb) {
+    hc_mix_scale(hp, w, x, mix);
     std::vector<float> pre(static_cast<size_t>(hp.n_hc));
-    hc_split_sinkhorn(mix.data(), w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps,
-                      pre.data(), post, comb);
+    hc_split_sinkhorn(mix, w.scale.data(), w.base.data(), hp.n_hc, hp.sinkhorn_iters, hp.hc_eps, pre.data(), post,
+                      comb);
     hc_weighted_sum(hp.n_hc, hp.n_embd, pre.data(), x, u);
+}
+
+void hc_pre(const hparams &hp, const hc_weights &w, const float *x, float *u, float *post, float *comb) {
+    std::vector<float> mix(static_cast<size_t>(w.fn.rows));
+    matmul(w.fn, x, 1, mix.data());
+    hc_pre_mixed(hp, w, x, mix.data(), u, post, comb);
 }
 
 void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const float *post, const float *comb,
@@ -139,14 +150,22 @@ void swiglu_clamped(float *g, const float *v, int64_t n, float clamp) {
 static void expert_rows(const matrix &w1, const matrix &w3, const matrix &w2, float clamp, const float *xs,
                         const float *w, int64_t m, float *out) {
     const int64_t F = w1.rows;
-    std::vector<float> g(static_cast<size_t>(m * F)), v(g.size());
+    thread_local std::vector<float> g, v;  // kept between calls (see moe_forward_batch)
+    g.resize(static_cast<size_t>(m * F));
+    v.resize(g.size());
     matmul(w1, xs, m, g.data());
     matmul(w3, xs, m, v.data());
-    for (int64_t i = 0; i < m; ++i) {
-        float *gi = &g[static_cast<size_t>(i * F)];
-        swiglu_clamped(gi, &v[static_cast<size_t>(i * F)], F, clamp);
-        for (int64_t j = 0; j < F; ++j) gi[j] *= w[i];
-    }
+    // Rows are independent (the same bits over the pool). The task reads the buffers through pointers:
+    // naming a thread_local inside it would name the running thread's own copy.
+    float *gp = g.data();
+    const float *vp = v.data();
+    parallel_for(m, 8 * F, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *gi = gp + i * F;
+            swiglu_clamped(gi, vp + i * F, F, clamp);
+            for (int64_t j = 0; j < F; ++j) gi[j] *= w[i];
+        }
+    });
     matmul(w2, g.data(), m, out);
 }
 
@@ -167,8 +186,10 @@ void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *x
             weight[static_cast<size_t>(i * n_slot + j)] = r.weights[static_cast<size_t>(j)];
         }
     }
-    std::vector<float> outs(static_cast<size_t>(n * n_slot * D));  // [n, n_slot, D]
-    std::vector<float> xs, ws, o;
+    // Per-thread buffers kept between calls: fresh allocations of a chunk's size are mmapped, faulted in
+    // and cleared on every layer.
+    thread_local std::vector<float> outs, xs, ws, o;
+    outs.resize(static_cast<size_t>(n * n_slot * D));  // [n, n_slot, D]
     auto run = [&](const matrix &w1, const matrix &w3, const matrix &w2, float clamp,
                    const std::vector<std::pair<int64_t, int>> &who) {
         const int64_t m = static_cast<int64_t>(who.size());
@@ -207,15 +228,18 @@ void moe_forward_batch(const hparams &hp, const layer_weights &l, const float *x
     if (shared)
         for (int64_t i = 0; i < n; ++i) mine[static_cast<size_t>(i * n_slot + k)] = 1;
     // y = sum over slots in routing order, then the shared expert (the order of a lone token).
-    for (int64_t i = 0; i < n; ++i) {
-        float *yi = y + i * D;
-        std::fill(yi, yi + D, 0.0f);
-        for (int s = 0; s < n_slot; ++s) {
-            if (!mine[static_cast<size_t>(i * n_slot + s)]) continue;
-            const float *os = &outs[static_cast<size_t>((i * n_slot + s) * D)];
-            for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
+    const float *outp = outs.data();  // (a thread_local: see expert_rows)
+    parallel_for(n, n_slot * D, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *yi = y + i * D;
+            std::fill(yi, yi + D, 0.0f);
+            for (int s = 0; s < n_slot; ++s) {
+                if (!mine[static_cast<size_t>(i * n_slot + s)]) continue;
+                const float *os = outp + (i * n_slot + s) * D;
+                for (int64_t c = 0; c < D; ++c) yi[c] += os[c];
+            }
         }
-    }
+    });
 }
 
 void moe_forward(const hparams &hp, const layer_weights &l, const float *xn, int32_t token, float *y) {

@@ -66,6 +66,80 @@ __attribute__((target("avx512f"))) static void dot_f32_rows4_avx512(const float 
 }
 #endif
 
+// ---- sink attention over heads in groups (AVX-512) ---------------------------------------------------
+// Scores of 4 heads against every candidate row: each row's 16-float chunks are widened to double once
+// and FMA'd into the 4 heads' lanes (the heads' queries widened once per group, kept in L1), instead of
+// widening every row again for every head. Lane l of (row, head) holds the double sum of elements l,
+// l+16, ... in order and the pairwise reduction is dot_f32's (acc[l] += acc[l + w], w = 8, 4, 2, 1, done
+// here as one vector add per level): the same bits as dot_f32 (float products are exact in double, so
+// fma(k, q, acc) rounds as acc + q*k does).
+__attribute__((target("avx512f"))) static void scores_heads4_avx512(const float *q, const float *kv, int64_t n,
+                                                                    int64_t d, float *s) {
+    thread_local std::vector<double> qd_buf;
+    qd_buf.resize(static_cast<size_t>(4 * d));
+    double *qd = qd_buf.data();
+    for (int64_t i = 0; i < 4 * d; ++i) qd[i] = static_cast<double>(q[i]);
+    for (int64_t r = 0; r < n; ++r) {
+        const float *k = kv + r * d;
+        __m512d lo[4], hi[4];
+        for (int h = 0; h < 4; ++h) lo[h] = hi[h] = _mm512_setzero_pd();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __m512 kv16 = _mm512_loadu_ps(k + i);
+            const __m512d klo = _mm512_cvtps_pd(_mm512_castps512_ps256(kv16));
+            const __m512d khi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kv16), 1)));
+            for (int h = 0; h < 4; ++h) {
+                lo[h] = _mm512_fmadd_pd(_mm512_loadu_pd(qd + h * d + i), klo, lo[h]);
+                hi[h] = _mm512_fmadd_pd(_mm512_loadu_pd(qd + h * d + i + 8), khi, hi[h]);
+            }
+        }
+        for (int h = 0; h < 4; ++h) {
+            const __m512d a8 = _mm512_add_pd(lo[h], hi[h]);  // acc[l] += acc[l + 8]
+            const __m256d a4 = _mm256_add_pd(_mm512_castpd512_pd256(a8), _mm512_extractf64x4_pd(a8, 1));
+            const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a4), _mm256_extractf128_pd(a4, 1));
+            const double a1 = _mm_cvtsd_f64(a2) + _mm_cvtsd_f64(_mm_unpackhi_pd(a2, a2));
+            s[h * n + r] = static_cast<float>(a1);
+        }
+    }
+}
+
+// o_h = sum over rows r in order of p[h][r] * v_r for 2 heads (h = 0, 1; p [2][n], o [2][d]): per
+// element one float multiply and one add per row, as axpy_f32 row after row does, with 128 elements of
+// both heads' outputs held in registers across the rows (each v chunk loaded once for both heads).
+// Contraction off: GCC's avx512f implies FMA and would fuse the intrinsics' multiply and add.
+__attribute__((target("avx512f"), optimize("fp-contract=off"))) static void values_heads2_avx512(const float *p, const float *kv, int64_t n,
+                                                                    int64_t d, float *o) {
+    for (int64_t c = 0; c < d; c += 128) {
+        __m512 o0[8], o1[8];
+        for (int j = 0; j < 8; ++j) o0[j] = o1[j] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < n; ++r) {
+            const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[n + r]);
+            const float *v = kv + r * d + c;
+            for (int j = 0; j < 8; ++j) {
+                const __m512 vj = _mm512_loadu_ps(v + 16 * j);
+                o0[j] = _mm512_add_ps(o0[j], _mm512_mul_ps(p0, vj));
+                o1[j] = _mm512_add_ps(o1[j], _mm512_mul_ps(p1, vj));
+            }
+        }
+        for (int j = 0; j < 8; ++j) {
+            _mm512_storeu_ps(o + c + 16 * j, o0[j]);
+            _mm512_storeu_ps(o + d + c + 16 * j, o1[j]);
+        }
+    }
+}
+
+bool attention_heads_avx512(int64_t d) {
+    static const bool avx512 = __builtin_cpu_supports("avx512f");
+    return avx512 && d % 128 == 0;
+}
+
+void attention_scores_heads4(const float *q, const float *kv, int64_t n, int64_t d, float *s) {
+    scores_heads4_avx512(q, kv, n, d, s);
+}
+
+void attention_values_heads2(const float *p, const float *kv, int64_t n, int64_t d, float *o) {
+    values_heads2_avx512(p, kv, n, d, o);
+}
+
 namespace {
 
 const exec_options default_exec{};
@@ -101,7 +175,10 @@ void split_range(int64_t total, int64_t align, int ith, int nth, int64_t &a, int
 }
 
 // Run fn(a, b) over [0, total) split across the pool (or inline when there is none / it is small).
-// Shares are multiples of `align` items (4 rows keep cpu::gemm's register blocks whole).
+// Shares are multiples of `align` items (4 rows keep cpu::gemm's register blocks whole). The range is
+// cut into up to 4 shares per thread, claimed as the threads come free: a thread slowed by another
+// process on its core (or a late wake-up) takes fewer, instead of the other waiting for its half.
+// Every row's result is independent of the cut (products are per row), so the bits are the same.
 template <class F>
 void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, F &&fn, int64_t align = 4) {
     // Below ~64k multiply-adds a dispatch costs more than it saves.
@@ -109,11 +186,15 @@ void parallel_rows(cpu::thread_pool *pool, int64_t total, int64_t work_per_row, 
         fn(int64_t{0}, total);
         return;
     }
-    pool->run([&](int ith, int nth) {
-        int64_t a = 0, b = 0;
-        split_range(total, align, ith, nth, a, b);
-        if (a < b) fn(a, b);
-    });
+    const int64_t units = (total + align - 1) / align;
+    const int n = static_cast<int>(std::min<int64_t>(units, 4 * static_cast<int64_t>(pool->size())));
+    pool->run_tasks(
+        [&](int ith, int nth) {
+            int64_t a = 0, b = 0;
+            split_range(total, align, ith, nth, a, b);
+            if (a < b) fn(a, b);
+        },
+        n);
 }
 
 // Quantised path: X [n, k] -> vec_dot_type(w) rows once, then cpu::gemm over row shares.

@@ -265,6 +265,112 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// ---- q2_k panels with AVX-512 VNNI (M > 4) ------------------------------------------------------------
+// A q2_k weight is q (0..3) times its 16-element scale (0..15), at most 45: the panel holds the products
+// as u8, so one vpdpbusd (u8 weight x s8 activation) adds 64 of them into 16 i32 lanes, where the ktile
+// above needs a maddubs and a vpdpwssd per 32. Lane i of 64-element chunk k holds elements 4i..4i+3
+// (one scale each: 4-element lanes never straddle a 16-element sub-block); adding the two halves after
+// the 4 chunks gives lane L = the sum over the 8 32-element groups of sc * (q . a) over elements
+// 4L..4L+3, the integer ktile's sq lane L holds. The mins, reduce4 and the float part are ktile's, so
+// the results are the same bits (QuantGemm.KQuantGemmEqualsDotBitwise: gemm == vec_dot for every M).
+struct q2dec512 {
+    __m512i w[4];  // chunk k = groups 2k (low 256 bits), 2k+1 (high): u8 q * sc
+    __m256i mn;    // i16 x16 multiplying q8_k bsums[0..15]
+    float d, dmin;
+};
+
+inline void q2k_decode512(const uint8_t *b, q2dec512 &o) {
+    const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
+    const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
+    const __m512i lo4 = _mm512_broadcast_i32x4(_mm_and_si128(s16, _mm_set1_epi8(0x0F)));
+    for (int k = 0; k < 4; ++k) {
+        const __m256i v = ld256(b + 16 + 32 * (k / 2));
+        const int j = 2 * (k % 2);  // groups 2k, 2k+1 = bit pairs j, j+1 of v
+        const __m512i q = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(v, 2 * j)), _mm256_srli_epi16(v, 2 * j + 2), 1),
+            three);
+        // 128-bit lane l of chunk k = sub-block 4k + l: its scale in every byte
+        const __m512i sc = _mm512_shuffle_epi8(lo4, _mm512_set_epi32(0x01010101 * (4 * k + 3), 0x01010101 * (4 * k + 3),
+                                                                     0x01010101 * (4 * k + 3), 0x01010101 * (4 * k + 3),
+                                                                     0x01010101 * (4 * k + 2), 0x01010101 * (4 * k + 2),
+                                                                     0x01010101 * (4 * k + 2), 0x01010101 * (4 * k + 2),
+                                                                     0x01010101 * (4 * k + 1), 0x01010101 * (4 * k + 1),
+                                                                     0x01010101 * (4 * k + 1), 0x01010101 * (4 * k + 1),
+                                                                     0x01010101 * (4 * k), 0x01010101 * (4 * k),
+                                                                     0x01010101 * (4 * k), 0x01010101 * (4 * k)));
+        // q * sc for q in 0..3: (q & 1) * sc + (q & 2) * sc
+        const __m512i w1 = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(q, one), sc);
+        o.w[k] = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(q, two), w1, _mm512_add_epi8(sc, sc));
+    }
+    o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
+    o.d = ldf16(b + 80);
+    o.dmin = ldf16(b + 82);
+}
+
+template <int MB>
+inline void q2k_tile512(int64_t nb, const q2dec512 *panel, const uint8_t *const x[MB], float out[MB][4]) {
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const q2dec512 *dec = panel + b * 4;
+        const __m256 d8 = _mm256_setr_ps(dec[0].d, dec[1].d, dec[2].d, dec[3].d, dec[0].d, dec[1].d, dec[2].d, dec[3].d);
+        const __m256 m8 =
+            _mm256_setr_ps(dec[0].dmin, dec[1].dmin, dec[2].dmin, dec[3].dmin, dec[0].dmin, dec[1].dmin, dec[2].dmin, dec[3].dmin);
+        for (int m = 0; m < MB; ++m) {
+            const uint8_t *xb = x[m] + b * q8k_size;
+            __m512i a[4];
+            for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_si512(xb + 4 + 64 * k);
+            __m256i sq[4], sm[4];
+            const __m256i bs = ld256(xb + 260);
+            for (int r = 0; r < 4; ++r) {
+                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec[r].w[0], a[0]);
+                for (int k = 1; k < 4; ++k) S = _mm512_dpbusd_epi32(S, dec[r].w[k], a[k]);
+                sq[r] = _mm256_add_epi32(_mm512_castsi512_si256(S), _mm512_extracti64x4_epi64(S, 1));
+                sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
+            }
+            float da;
+            std::memcpy(&da, xb, 4);
+            const __m256 vda = _mm256_set1_ps(da);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
+            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
+}
+
+thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb][4]
+
+void gemm_q2_k_512(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+                   int64_t M, float *y, int64_t ldy) {
+    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    q2dec512 *pbuf = t_q2k_panel512.get(static_cast<size_t>(4 * nb));
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 4; ++i)
+                q2k_decode512(Wb + (r + imin(i, rows - 1)) * w_stride + b * tr_q2_k::size, pbuf[4 * b + i]);
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(imin(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            float out[4][4];
+            switch (mb) {
+                case 1: q2k_tile512<1>(nb, pbuf, x, out); break;
+                case 2: q2k_tile512<2>(nb, pbuf, x, out); break;
+                case 3: q2k_tile512<3>(nb, pbuf, x, out); break;
+                default: q2k_tile512<4>(nb, pbuf, x, out); break;
+            }
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+#endif
+
 template <class T>
 float dot_k(int64_t n, const void *w, const void *a) {
     const uint8_t *wp[1] = {static_cast<const uint8_t *>(w)};
@@ -370,6 +476,9 @@ inline void fill_x86_kquants(kernel_table &t) {
     t.gemm[slot(dtype::q4_k)] = gemm_k_exact<tr_q4_k>;
     t.gemm[slot(dtype::q5_k)] = gemm_k<tr_q5_k>;
     t.gemm[slot(dtype::q6_k)] = gemm_k_exact<tr_q6_k>;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    t.gemm[slot(dtype::q2_k)] = gemm_q2_k_512;
+#endif
 }
 
 }  // namespace

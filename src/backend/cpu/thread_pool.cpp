@@ -32,10 +32,10 @@ thread_pool::~thread_pool() {
     for (auto &t : threads_) t.join();
 }
 
-void thread_pool::dispatch(task_ref t, int n_max) {
-    const int nth = std::clamp(n_max, 1, std::min(n_, 0xFFFF));
-    if (nth == 1) {
-        t(0, 1);
+void thread_pool::dispatch(task_ref t, int n_max, bool all_n) {
+    const int nth = std::clamp(n_max, 1, all_n ? 0xFFFF : std::min(n_, 0xFFFF));
+    if (nth == 1 || n_ == 1) {
+        for (int i = 0; i < nth; ++i) t(i, nth);
         return;
     }
     std::lock_guard<std::mutex> caller(caller_mu_);

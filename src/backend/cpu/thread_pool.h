@@ -39,11 +39,19 @@ public:
     template <class F>
     void run(F &&fn, int n_max = 1 << 30) {
         task_ref t(fn);
-        dispatch(t, n_max);
+        dispatch(t, n_max, false);
+    }
+    // Run fn(ith, n) for every ith in [0, n), n in [1, 65535] and possibly more than size(): the threads
+    // keep claiming calls until none is left, so work split into more calls than threads balances
+    // itself when one thread is slower (a core shared with another process, a late wake-up).
+    template <class F>
+    void run_tasks(F &&fn, int n) {
+        task_ref t(fn);
+        dispatch(t, n, true);
     }
 
 private:
-    void dispatch(task_ref t, int n_max);
+    void dispatch(task_ref t, int n_max, bool all_n);
     void worker();
     void claim_tasks();  // run unclaimed calls of the current job until none is left
 

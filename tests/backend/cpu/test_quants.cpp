@@ -488,7 +488,7 @@ TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
             const std::vector<float> wf = random_activations(K, rng);
             quantize_row(t, wf.data(), W.data() + r * ws, K);
         }
-        const int64_t Mmax = 9;
+        const int64_t Mmax = 17;
         std::vector<uint8_t> X(xs * Mmax, 0);
         for (int64_t m = 0; m < Mmax; ++m) {
             const std::vector<float> xf = random_activations(K, rng);
@@ -496,7 +496,7 @@ TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
         }
         for (isa level : isas()) {
             force_isa(level);
-            for (int64_t M : {1, 2, 3, 4, 5, 9})
+            for (int64_t M : {1, 2, 3, 4, 5, 9, 17})
                 for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N - 2}, {5, 6}}) {
                     std::vector<float> y(M * N, -7.0f);
                     gemm(t, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), N);

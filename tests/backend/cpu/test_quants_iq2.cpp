@@ -31,11 +31,11 @@ struct iq2_ref {
     std::vector<float> value;    // gguf-py dequantisation
 };
 
-iq2_ref load_iq2_ref() {
-    std::string path = std::string(FATHOM_SOURCE_DIR) + "/tests/backend/cpu/data/deq_iq2_xxs.bin";
+iq2_ref load_iq2_ref(const std::string &name = "deq_iq2_xxs.bin") {
+    std::string path = std::string(FATHOM_SOURCE_DIR) + "/tests/backend/cpu/data/" + name;
     std::ifstream f(path, std::ios::binary);
     if (!f) {
-        path = "tests/backend/cpu/data/deq_iq2_xxs.bin";
+        path = "tests/backend/cpu/data/" + name;
         f.open(path, std::ios::binary);
     }
     if (!f) throw std::runtime_error("missing reference file " + path);
@@ -142,6 +142,40 @@ TEST(QuantIq2, MatchesGgmlAvx2OrderBitExact) {
                     ASSERT_TRUE(same_bits(y[m * N + r], want[m * N + r]))
                         << isa_name(level) << " M=" << mm << " m=" << m << " r=" << r << ": " << y[m * N + r]
                         << " vs " << want[m * N + r];
+        }
+    }
+}
+
+// Every grid index, sign code and scale (deq_iq2_xxs_cover.bin: 8 blocks built to use each grid index
+// once, each sign code twice and each scale four times; values from gguf-py): vec_dot and gemm at M = 1
+// (the decode kernels, which look the grid up in registers on AVX-512) and M = 2, 5 equal ggml's order
+// bit for bit on the SIMD levels.
+TEST(QuantIq2, EveryGridIndexAndSignCodeBitExact) {
+    isa_guard g;
+    const iq2_ref w = load_iq2_ref("deq_iq2_xxs_cover.bin");
+    ASSERT_EQ(w.n, 8 * 256);
+    const int64_t K = 256, N = w.n / K;  // one block per row
+    const size_t ws = dtype_row_bytes(dtype::iq2_xxs, K), xs = dtype_row_bytes(dtype::q8_k, K);
+    const int64_t M = 5;
+    const std::vector<uint8_t> X = q8k_rows(K, M, xs, 31);
+    const std::vector<uint8_t> a1 = q8k_rows(w.n, 1, dtype_row_bytes(dtype::q8_k, w.n), 32);
+    const float want1 = ggml_order_dot(w.bytes.data(), w.value.data(), w.n / 256, a1.data());
+    for (isa level : isas()) {
+        if (level == isa::scalar) continue;
+        force_isa(level);
+        const float got1 = vec_dot(dtype::iq2_xxs, w.n, w.bytes.data(), a1.data());
+        EXPECT_TRUE(same_bits(got1, want1)) << isa_name(level) << ": " << got1 << " vs " << want1;
+        for (int64_t mm : {int64_t{1}, int64_t{2}, int64_t{5}}) {
+            std::vector<float> y(static_cast<size_t>(mm * N), -1.0f);
+            gemm(dtype::iq2_xxs, K, w.bytes.data(), ws, 0, N, X.data(), xs, mm, y.data(), N);
+            for (int64_t m = 0; m < mm; ++m)
+                for (int64_t r = 0; r < N; ++r) {
+                    const float want =
+                        ggml_order_dot(w.bytes.data() + r * ws, w.value.data() + r * K, 1, X.data() + m * xs);
+                    ASSERT_TRUE(same_bits(y[m * N + r], want))
+                        << isa_name(level) << " M=" << mm << " m=" << m << " r=" << r << ": " << y[m * N + r] << " vs "
+                        << want;
+                }
         }
     }
 }

@@ -32,6 +32,27 @@ TEST(ThreadPool, EveryCallOnceAcrossManyJobs) {
     }
 }
 
+// run_tasks(fn, n): every ith in [0, n) exactly once with nth == n, n up to many times the thread count
+// (the threads keep claiming), on one thread as well; a slow call does not stop the others being claimed.
+TEST(ThreadPool, RunTasksEveryCallOnceBeyondThreadCount) {
+    for (int n_threads : {1, 2, 3}) {
+        thread_pool pool(n_threads);
+        std::vector<std::atomic<int>> hits(64);
+        for (int iter = 0; iter < 5000; ++iter) {
+            const int n = 1 + iter % 64;
+            for (auto &h : hits) h.store(0);
+            std::atomic<int> bad_nth{0};
+            pool.run_tasks([&](int ith, int nth) {
+                if (nth != n) bad_nth.fetch_add(1);
+                hits[static_cast<size_t>(ith)].fetch_add(1);
+                if (iter % 499 == 0 && ith == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));
+            }, n);
+            ASSERT_EQ(bad_nth.load(), 0);
+            for (int i = 0; i < 64; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), i < n ? 1 : 0) << "iter " << iter;
+        }
+    }
+}
+
 // Several threads calling run() at once (the stages of a micro-batched layer pipeline share the
 // engine's pool): each caller's job still runs every ith exactly once with its own nth, and no job sees
 // another's tasks. Without the pool's caller lock the shared job word mixes the callers' jobs.

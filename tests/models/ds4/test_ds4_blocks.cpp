@@ -9,6 +9,7 @@
 #include <random>
 
 #include "backend/cpu/quants.h"
+#include "backend/cpu/thread_pool.h"
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_ops.h"
 #include "models/deepseek4_qat.h"
@@ -186,6 +187,59 @@ TEST(ds4_attention, dot_rows_bitwise) {
                 EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
             }
         }
+}
+
+// attend_with_sink == a scalar spelling of its definition, bit for bit: scores in dot_f32's order (16
+// double lanes, pairwise sum), scaled, softmax with the sink in the denominator (row order), outputs
+// accumulated row after row as o = o + p*v in float. Head counts with and without a 4-head remainder and
+// head sizes 128 / 512 (the AVX-512 grouped path) and 64 (the one-head loop), on one thread and the pool.
+TEST(ds4_attention, sink_attention_bitwise) {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    auto dot_spec = [](const float *a, const float *b, int64_t n) {
+        double acc[16] = {};
+        for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+        for (int w = 8; w > 0; w /= 2)
+            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+        return static_cast<float>(acc[0]);
+    };
+    fathom::cpu::thread_pool pool(2);
+    for (const bool threaded : {false, true})
+        for (int64_t d : {128, 512, 64})
+            for (int H : {4, 6, 9})
+                for (int64_t n : {1, 5, 37}) {
+                    std::vector<float> q(static_cast<size_t>(H * d)), kv(static_cast<size_t>(n * d)),
+                        sinks(static_cast<size_t>(H)), o(static_cast<size_t>(H * d), -1.0f);
+                    for (float &v : q) v = nd(rng);
+                    for (float &v : kv) v = nd(rng);
+                    for (float &v : sinks) v = nd(rng);
+                    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+                    exec_options ex;
+                    ex.pool = threaded ? &pool : nullptr;
+                    {
+                        const exec_scope scope(ex);
+                        attend_with_sink(q.data(), kv.data(), n, sinks.data(), H, d, scale, o.data());
+                    }
+                    for (int h = 0; h < H; ++h) {
+                        std::vector<float> sc(static_cast<size_t>(n)), want(static_cast<size_t>(d), 0.0f);
+                        float mx = sinks[h];
+                        for (int64_t r = 0; r < n; ++r) {
+                            sc[r] = dot_spec(&q[h * d], &kv[r * d], d) * scale;
+                            mx = std::max(mx, sc[r]);
+                        }
+                        float denom = std::exp(sinks[h] - mx);
+                        for (int64_t r = 0; r < n; ++r) denom += (sc[r] = std::exp(sc[r] - mx));
+                        for (int64_t r = 0; r < n; ++r) {
+                            const float p = sc[r] / denom;
+                            for (int64_t i = 0; i < d; ++i) {
+                                const float t = p * kv[r * d + i];
+                                want[i] = want[i] + t;
+                            }
+                        }
+                        ASSERT_EQ(std::memcmp(want.data(), &o[h * d], static_cast<size_t>(d) * 4), 0)
+                            << "d=" << d << " H=" << H << " n=" << n << " head " << h << " threaded " << threaded;
+                    }
+                }
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------------
