@@ -1152,7 +1152,8 @@ bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx
     const size_t per_col = col_bytes + (t.norm_w && any_f16 ? static_cast<size_t>(cols) * 4 : 0) +
                            static_cast<size_t>(max_parts) * 4;
     if (per_col * 2 > kQ8xColsMaxSmem) return false;  // not even two columns fit: column by column
-    const int fit = static_cast<int>(std::min<size_t>(16, kQ8xColsMaxSmem / per_col));
+    // per_col is 0 for f16-only tables without a norm or split rows (their x stays f32, read in place)
+    const int fit = per_col == 0 ? 16 : static_cast<int>(std::min<size_t>(16, kQ8xColsMaxSmem / per_col));
     for (int c0 = 0; c0 < nx; c0 += fit) {
         const int m = std::min(fit, nx - c0);
         q8x_table tc = t;  // the plan's, outputs moved to column c0

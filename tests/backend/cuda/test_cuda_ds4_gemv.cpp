@@ -349,7 +349,7 @@ TEST_F(CudaDs4Gemv, NormedMultiMatchesSeparateNorm) {
 
 // The rows form (several x at once: a multi-row decode step): every row's outputs bit-identical to the
 // single-x launch on that row (batch invariance), for the DS4 decode tables (the projections of xn, the
-// normed q_b + indexer q_b, grouped out_a, out_b, a 4096-wide head slice), with 1..16 rows, rows strided
+// normed q_b + indexer q_b, grouped out_a, out_b, a 4096-wide head slice, the f16 MoE router alone), with 1..16 rows, rows strided
 // wider than cols, int8 activations on and off (off: row-by-row fallback), and the single-x results near
 // the CPU reference (so equal bits are also right ones).
 TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
@@ -371,7 +371,10 @@ TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
         {"out_a (grouped, 8 groups)", {{dtype::q8_0, 8 * 256}}, 1024, 256, false},
         {"out_b", {{dtype::q8_0, 1024}}, 2048, 0, false},
         {"head slice", {{dtype::q8_0, 3000}}, 4096, 0, false},
-        {"f32 rows (fallback)", {{dtype::f32, 300}}, 512, 0, false}};
+        {"f32 rows (fallback)", {{dtype::f32, 300}}, 512, 0, false},
+        // an f16 table alone (the MoE router: x stays f32, nothing staged per column; it divided by zero)
+        {"router (f16 alone)", {{dtype::f16, 256}}, 4096, 0, false},
+        {"small router (f16 alone)", {{dtype::f16, 16}}, 256, 0, false}};
     for (bool q8x : {true, false}) {
         cd::set_gemv_q8_activations(q8x);
         for (const table &tb : tables) {
