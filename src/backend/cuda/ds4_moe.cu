@@ -1289,6 +1289,120 @@ __global__ void __launch_bounds__(32 * kWarps, 2) moe_down_rows_kernel(rows_args
     down_rows_q8<TR, TS>(d, xs, rb, lane, grid, [&](int, int e, int i) { return row_ptr(d.d, e, rb + i); });
 }
 
+// Staged forms of the two rows kernels (set_moe_staged != 0 and the weights 16-byte aligned), the decode
+// chain's staged kernels with rows: gate/up walks the slabs of moe_gate_up_staged_kernel - the shared
+// expert's slabs, each computed for every row from the one staged copy, then row-major (row, slot) routed
+// slabs - with each row's q8 x read from global memory; down stages a block's rows of its row's experts
+// as moe_down_staged_kernel does. Same per-row arithmetic (gu_compute, down_rows_q8), so the same bits.
+struct gu_rows_staged_args {
+    gate_up_args a;  // row 0's ids / wts / h, n_slot = k, s0 = 0
+    gu_stage_cfg c;  // total = sh_slabs + n * k * per_slot
+    int n;
+    const ds4q::q8_blk *xq;
+};
+// Slab i and its row (-1: a shared slab, for every row). Routed slabs read ids.
+__device__ __forceinline__ gu_slab gu_rows_slab_at(const gu_rows_staged_args &p, int i, int &tok) {
+    const gate_up_args &a = p.a;
+    const gu_stage_cfg &c = p.c;
+    if (i < c.sh_slabs) {
+        tok = -1;
+        return gu_slab_at(a, c, i);
+    }
+    const int j = i - c.sh_slabs, per_tok = a.n_slot * c.per_slot;
+    tok = j / per_tok;
+    gate_up_args at = a;
+    at.ids = a.ids + tok * a.n_slot;
+    return gu_slab_at(at, c, c.sh_slabs + (j - tok * per_tok));
+}
+
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_gate_up_rows_staged_kernel(gu_rows_staged_args p) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    __shared__ float red[kWarps];
+    const gate_up_args &a = p.a;
+    const gu_stage_cfg &c = p.c;
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    uint8_t *stages = reinterpret_cast<uint8_t *>(dyn_smem);
+    const int G = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+    const int units = static_cast<int>(a.g.units), k = a.n_slot;
+    const int64_t F = a.g.rows;
+    auto issue = [&](int i, int st) {
+        if (i >= c.total) return;
+        int tok;
+        gu_issue(a, c, gu_rows_slab_at(p, i, tok), stages + static_cast<size_t>(st) * c.stage_bytes);
+    };
+    for (int q = 0; q < c.stages - 1; ++q) {
+        issue(b + q * G, q);
+        cp_async_commit();
+    }
+    for (int it = 0;; ++it) {
+        const int i = b + it * G;
+        if (i >= c.total) break;
+        if (c.stages == 3) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // slab i visible (and the grid table); the stage computed last iteration is free
+        issue(i + (c.stages - 1) * G, (it + c.stages - 1) % c.stages);
+        int tok;
+        const gu_slab sl = gu_rows_slab_at(p, i, tok);
+        const uint8_t *stage = stages + static_cast<size_t>(it % c.stages) * c.stage_bytes;
+        gate_up_args at = a;
+        if (tok >= 0) {
+            at.ids = a.ids + tok * k;
+            at.wts = a.wts + tok * k;
+            at.h = a.h + tok * (k + 1) * F;
+            gu_compute<TR, TS>(at, c, sl, stage, p.xq + static_cast<int64_t>(tok) * units, grid, red);
+        } else {
+            for (int r = 0; r < p.n; ++r) {  // block-uniform: gu_compute's shared branch syncs
+                at.h = a.h + r * (k + 1) * F;
+                gu_compute<TR, TS>(at, c, sl, stage, p.xq + static_cast<int64_t>(r) * units, grid, red);
+                __syncthreads();  // every thread's reads of red done before the next row writes it
+            }
+        }
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+}
+
+template <dtype TR, dtype TS>
+__global__ void __launch_bounds__(32 * kWarps, 2) moe_down_rows_staged_kernel(rows_args a) {
+    constexpr bool need_grid = TR == dtype::iq2_xxs || TS == dtype::iq2_xxs;
+    constexpr int kBlockRows = kWarps * kDownRows;
+    extern __shared__ float4 dyn_smem[];
+    __shared__ uint64_t sgrid[need_grid ? 256 : 1];
+    const uint64_t *grid = stage_grid<need_grid>(sgrid);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.n));
+    const int blk = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.n));
+    down_args d{a.d, a.ds, a.ids + r * a.k, a.k, 0, a.k, nullptr, false, a.y + r * a.y_stride, a.err};
+    const int r0 = blk * kBlockRows, rbytes = static_cast<int>(a.d.row_bytes);
+    uint8_t *wst = reinterpret_cast<uint8_t *>(dyn_smem);
+    {
+        const int chunks = min(kBlockRows, static_cast<int>(a.d.rows) - r0) * (rbytes / 16);  // per slot
+        for (int s = 0; s < a.k; ++s) {
+            const int e = d.ids[s];
+            if (e < 0 || e >= a.d.n_expert) continue;  // block-uniform
+            const uint8_t *src = row_ptr(a.d, e, r0);
+            uint8_t *dst = wst + static_cast<size_t>(s) * kBlockRows * rbytes;
+            for (int q = static_cast<int>(threadIdx.x); q < chunks; q += static_cast<int>(blockDim.x))
+                cp_async16(dst + 16 * q, src + 16 * q);
+        }
+        cp_async_commit();
+    }
+    if (blk == 0 && static_cast<int>(threadIdx.x) < a.k) {  // as the decode kernel's block 0
+        const int e = d.ids[threadIdx.x];
+        if (e < 0 || e >= a.d.n_expert) atomicOr(a.err, err_expert_id);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // staged rows and the grid table visible
+    const int wr = kDownRows * warp, rb = r0 + wr;
+    const ds4q::q8_blk *xs = a.hq + static_cast<int64_t>(r) * (a.k + 1) * a.d.units;
+    down_rows_q8<TR, TS>(d, xs, rb, lane, grid, [=](int s, int, int i) {
+        return wst + static_cast<size_t>(s * kBlockRows + wr) * rbytes + static_cast<size_t>(i) * rbytes;
+    });
+}
+
 // softplus as the CPU computes it in float (log1pf(expf(x)), torch threshold 20), each step
 // evaluated in double and rounded once: the correctly rounded float result of each step.
 __device__ __forceinline__ float softplus_ref(float x) {
@@ -1712,6 +1826,81 @@ void route_launch(const float *logits, int E, const float *bias, const int32_t *
     if (e != cudaSuccess) throw error(std::string("cuda ds4 route: launch failed: ") + cudaGetErrorString(e));
 }
 
+// The staged rows gate/up launch (moe_gate_up_rows_staged_kernel) when the staged mode is on and the
+// weights allow it (as try_gate_up_staged: 16-byte aligned bases and strides, >= 2 stages resident); the
+// same slab sizes and depth choice. false: the caller launches the direct rows kernel.
+template <dtype TR, dtype TS>
+bool try_gate_up_rows_staged(const gate_up_args &a, int n, const ds4q::q8_blk *xq, cudaStream_t s) {
+    if (staged_flag().load() == 0) return false;
+    const bool sh = a.gs.data != nullptr;
+    auto al16 = [](const bank_dev &b, bool stack) {
+        return reinterpret_cast<uintptr_t>(b.data) % 16 == 0 && b.row_bytes % 16 == 0 &&
+               (!stack || b.expert_bytes % 16 == 0);
+    };
+    if (!al16(a.g, true) || !al16(a.up, true) || (sh && (!al16(a.gs, false) || !al16(a.us, false)))) return false;
+    const int64_t F = a.g.rows;
+    const size_t rb_r = a.g.row_bytes, rb_s = sh ? a.gs.row_bytes : 16;
+    gu_stage_cfg c{};
+    c.rows_r = static_cast<int>(std::clamp<size_t>(kGuHalfBytes / rb_r & ~size_t{1}, 2, kGuRoutedRows));
+    c.rows_s = static_cast<int>(std::clamp<size_t>(kGuHalfBytes / rb_s, 1, kGuSharedRows));
+    const int64_t per_slot = (F + c.rows_r - 1) / c.rows_r, sh_slabs = sh ? (F + c.rows_s - 1) / c.rows_s : 0;
+    const int64_t total = sh_slabs + per_slot * a.n_slot * n;
+    const size_t half = std::max(c.rows_r * rb_r, sh ? c.rows_s * rb_s : 0);
+    const size_t stage_bytes = 2 * half + 16;
+    if (total >= (int64_t{1} << 31) || stage_bytes >= (size_t{1} << 30)) return false;
+    c.per_slot = static_cast<int>(per_slot);
+    c.sh_slabs = static_cast<int>(sh_slabs);
+    c.total = static_cast<int>(total);
+    c.half = static_cast<int>(half);
+    c.stage_bytes = static_cast<int>(stage_bytes);
+    c.xs_bytes = 0;
+    void (*kernel)(gu_rows_staged_args) = moe_gate_up_rows_staged_kernel<TR, TS>;
+    const size_t limit = smem_dynamic_limit<moe_gate_up_rows_staged_kernel<TR, TS>>();
+    if (limit == 0) return false;
+    int best_stages = 0, best_per_sm = 0;
+    for (int st : {3, 2}) {
+        const size_t smem = static_cast<size_t>(st) * stage_bytes;
+        int per_sm = 0;
+        if (smem > limit ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, smem) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        if (per_sm > best_per_sm) {
+            best_per_sm = per_sm;
+            best_stages = st;
+        }
+    }
+    if (best_per_sm < 1) return false;
+    c.stages = best_stages;
+    const size_t smem = static_cast<size_t>(c.stages) * stage_bytes;
+    const int64_t resident = static_cast<int64_t>(best_per_sm) * current_device().sms;
+    const int64_t rounds = (total + resident - 1) / resident;
+    const unsigned grid = static_cast<unsigned>((total + rounds - 1) / rounds);
+    kernel<<<grid, 32 * kWarps, smem, s>>>(gu_rows_staged_args{a, c, n, xq});
+    check_launch("moe rows gate/up (staged)");
+    g_staged_launches.fetch_add(1);
+    return true;
+}
+
+// The staged rows down launch (moe_down_rows_staged_kernel) when the staged mode is on and the routed
+// weights allow it (as try_down_staged). false: the caller launches the direct rows kernel.
+template <dtype TR, dtype TS>
+bool try_down_rows_staged(const rows_args &a, cudaStream_t s) {
+    if (staged_flag().load() == 0) return false;
+    if (reinterpret_cast<uintptr_t>(a.d.data) % 16 != 0 || a.d.row_bytes % 16 != 0 || a.d.expert_bytes % 16 != 0 ||
+        a.d.rows >= (int64_t{1} << 30))
+        return false;
+    const size_t smem = static_cast<size_t>(a.k) * kWarps * kDownRows * a.d.row_bytes + 16;
+    constexpr void (*kernel)(rows_args) = moe_down_rows_staged_kernel<TR, TS>;
+    if (!smem_opt_in<kernel>(smem)) return false;
+    const int64_t blocks = (a.d.rows + kWarps * kDownRows - 1) / (kWarps * kDownRows) * a.n;
+    kernel<<<static_cast<unsigned>(blocks), 32 * kWarps, smem, s>>>(a);
+    check_launch("moe rows down (staged)");
+    g_staged_launches.fetch_add(1);
+    return true;
+}
+
 }  // namespace
 
 bool expert_type_supported(dtype t) {
@@ -1871,8 +2060,10 @@ void launch_moe_ffn_rows(const moe_layer &l, int n, const float *xn, int64_t x_s
     if (tasks >= (int64_t{1} << 31) || D >= (int64_t{1} << 30)) throw error("cuda ds4 moe rows: too many tasks");
     const device_info di = current_device();
     const dtype ts = shared ? l.gate_sh.type : l.gate.type, tds = shared ? l.down_sh.type : l.down.type;
+    const gate_up_args ga{a.g, a.up, a.gs, a.us, sc.ids, sc.weights, k, 0, nullptr, l.clamp, l.clamp_sh, sc.h, err};
     dispatch_pair(l.gate.type, ts, [&]<dtype TR, dtype TS>() {
         if constexpr (use_q8<TR, TS>()) {
+            if (try_gate_up_rows_staged<TR, TS>(ga, n, xq, s)) return;
             void (*kernel)(rows_args) = moe_gate_up_rows_kernel<TR, TS>;
             int per_sm = 0;
             if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kWarps, 0) != cudaSuccess || per_sm < 1)
@@ -1888,6 +2079,7 @@ void launch_moe_ffn_rows(const moe_layer &l, int n, const float *xn, int64_t x_s
     check_launch("moe rows quantise h");
     dispatch_pair(l.down.type, tds, [&]<dtype TR, dtype TS>() {
         if constexpr (use_q8<TR, TS>()) {
+            if (try_down_rows_staged<TR, TS>(a, s)) return;
             const int64_t blocks = (D + kWarps * kDownRows - 1) / (kWarps * kDownRows) * n;
             moe_down_rows_kernel<TR, TS><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, s>>>(a);
             check_launch("moe rows down");

@@ -418,8 +418,9 @@ TEST_F(CudaDs4MoeStaged, GraphReplayIdsChange) {
     cudaGraphDestroy(graph);
 }
 
-// launch_moe_ffn_rows (the multi-row step's MoE: one chain for n rows) against launch_moe_ffn on each
-// row alone (the decode step's chain), bit for bit: every row's h rows and y, and the error word. Rows
+// launch_moe_ffn_rows (the multi-row step's MoE: one chain for n rows; its direct and its staged
+// kernels) against launch_moe_ffn on each row alone (the decode step's chain), bit for bit: every row's
+// h rows and y, and the error word. Rows
 // share experts (few experts: most ids repeat across rows), one row's table repeats one expert six
 // times, one row's table holds an id out of range (flagged; its routed slots are skipped, as alone).
 TEST_F(CudaDs4MoeStaged, RowsEqualEachRowAloneBitForBit) {
@@ -468,19 +469,27 @@ TEST_F(CudaDs4MoeStaged, RowsEqualEachRowAloneBitForBit) {
                 ref.push_back(run_ffn(*this, 1, m, x + r * D, tok + r, sc1, y1, err_));
                 err_ref |= ref.back().err;
             }
-            poison(sc.h, static_cast<size_t>(n) * nh);
-            poison(y, static_cast<size_t>(n) * D);
-            cd::launch_moe_ffn_rows(m.l, n, x, c.D, tok, sc, y, c.D, err_, s_);
-            const auto h = down(sc.h, static_cast<size_t>(n) * nh), yv = down(y, static_cast<size_t>(n) * D);
-            const uint32_t e = down(err_, 1)[0];
-            cudaMemset(err_, 0, 4);
-            EXPECT_EQ(e, err_ref);
-            for (int r = 0; r < n; ++r) {
-                SCOPED_TRACE("row " + std::to_string(r));
-                const auto r_ = static_cast<size_t>(r);
-                EXPECT_EQ(first_diff(std::vector<float>(h.begin() + r_ * nh, h.begin() + (r_ + 1) * nh), ref[r_].h), -1);
-                EXPECT_EQ(first_diff(std::vector<float>(yv.begin() + r_ * D, yv.begin() + (r_ + 1) * D), ref[r_].y), -1);
+            for (int mode : {0, 1}) {  // the direct rows kernels, the staged ones
+                SCOPED_TRACE(mode ? "staged" : "direct");
+                cd::set_moe_staged(mode);
+                poison(sc.h, static_cast<size_t>(n) * nh);
+                poison(y, static_cast<size_t>(n) * D);
+                const uint64_t n0 = cd::moe_staged_launches();
+                cd::launch_moe_ffn_rows(m.l, n, x, c.D, tok, sc, y, c.D, err_, s_);
+                const auto h = down(sc.h, static_cast<size_t>(n) * nh), yv = down(y, static_cast<size_t>(n) * D);
+                const uint32_t e = down(err_, 1)[0];
+                cudaMemset(err_, 0, 4);
+                if (mode) EXPECT_GE(cd::moe_staged_launches() - n0, 1u) << "no staged rows kernel ran";
+                else EXPECT_EQ(cd::moe_staged_launches() - n0, 0u) << "a staged kernel ran in the direct mode";
+                EXPECT_EQ(e, err_ref);
+                for (int r = 0; r < n; ++r) {
+                    SCOPED_TRACE("row " + std::to_string(r));
+                    const auto r_ = static_cast<size_t>(r);
+                    EXPECT_EQ(first_diff(std::vector<float>(h.begin() + r_ * nh, h.begin() + (r_ + 1) * nh), ref[r_].h), -1);
+                    EXPECT_EQ(first_diff(std::vector<float>(yv.begin() + r_ * D, yv.begin() + (r_ + 1) * D), ref[r_].y), -1);
+                }
             }
+            cd::set_moe_staged(1);
         }
     }
 }
