@@ -152,7 +152,11 @@ bool ds4_engine::kv_pool_configure(int32_t block_tokens, int64_t max_blocks) {
     if (max_blocks > 0) {
         const double want = static_cast<double>(max_blocks) * kv_block_bytes();
         const ds4_gpu::state_pool_info sp = gpu_->state_pool();
-        const auto blocks = static_cast<int64_t>(std::ceil(want / static_cast<double>(sp.block_bytes)));
+        // + the rounding: every sequence rounds each of its row regions up to whole state blocks, and the
+        // scheduler's blocks bound the sequences (each holds at least one), so a tiny model's pool still
+        // holds every sequence the scheduler admits (without it, one state block: no sequence fit)
+        const auto blocks = static_cast<int64_t>(std::ceil(want / static_cast<double>(sp.block_bytes))) +
+                            static_cast<int64_t>(sp.regions) * max_blocks;
         gpu_->set_state_capacity(std::min(sp.capacity, blocks));
     }
     return true;

@@ -87,6 +87,7 @@ class ds4_gpu {
     struct state_pool_info {
         size_t block_bytes = 0;
         int64_t capacity = 0, used = 0;
+        int regions = 0;  // row regions per sequence: each maps at least one block of its own
     };
     virtual state_pool_info state_pool() const = 0;
     // A new capacity in blocks (at least 1; blocks in use above it stay until given back).

@@ -79,7 +79,7 @@ class cuda_gpu final : public ds4_gpu {
             std::make_unique<ds4::cuda_sequence>(w_, n_ctx_, graphs_, prefill_chunk_, prefill_, state_));
     }
     state_pool_info state_pool() const override {
-        return {state_->block_bytes(), state_->capacity(), state_->used()};
+        return {state_->block_bytes(), state_->capacity(), state_->used(), ds4::cuda_row_regions(hp_)};
     }
     void set_state_capacity(int64_t blocks) override { state_->set_capacity(blocks); }
     size_t row_bytes(int64_t n_tokens) const override { return ds4::cuda_row_bytes(hp_, kv_, n_tokens); }

@@ -641,6 +641,17 @@ size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n) {
     return b;
 }
 
+int cuda_row_regions(const hparams &hp) {
+    std::vector<int> ratios;  // the kinds of the sequence's row layout (impl::row_region)
+    bool idx = false;
+    for (int il = 0; il < hp.n_layer; ++il) {
+        const int r = hp.compress_ratio[static_cast<size_t>(il)];
+        if (r > 0 && std::find(ratios.begin(), ratios.end(), r) == ratios.end()) ratios.push_back(r);
+        idx = idx || r == 4;
+    }
+    return static_cast<int>(ratios.size()) + (idx ? 1 : 0);
+}
+
 std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, size_t max_bytes) {
     ck(cudaSetDevice(w.device), "selecting the device");
     if (max_bytes == 0) {

@@ -105,6 +105,9 @@ std::shared_ptr<cuda::block_pool> cuda_make_state_pool(const cuda_weights &w, si
 // Bytes of the growing state (compressed and indexer rows) of n tokens, unrounded: n times about 6.9 KB at
 // DS4-Flash.
 size_t cuda_row_bytes(const hparams &hp, kv_precision kv, int64_t n);
+// Row regions a sequence maps (one per kind: the compressed rows of each ratio, the ratio-4 layers'
+// indexer rows); a paged sequence holds at least one state block per region.
+int cuda_row_regions(const hparams &hp);
 
 class cuda_sequence {
   public:

@@ -151,15 +151,17 @@ TEST_F(CudaDs4Paged, ExhaustedPoolFailsCleanlyAndResetFreesBlocks) {
     auto m = ds4::load_model(model_path());
     const size_t V = static_cast<size_t>(m->hp.n_vocab);
     const auto w = ds4::cuda_upload(*m, {});
-    // The tiny model has 3 compressed layers (ratios 4, 128, 4): 5 row regions; one sequence's first
-    // token maps one block in each.
+    // The tiny model has 3 compressed layers (ratios 4, 128, 4): 3 row regions (the ratio-4 layers'
+    // compressed rows, the ratio-128 layer's, the ratio-4 layers' indexer rows, each interleaved over its
+    // layers); one sequence's first token maps one block in each.
     auto probe = ds4::cuda_make_state_pool(*w);
     const int64_t per_seq = [&] {
         ds4::cuda_sequence s(w, 256, true, 0, {}, probe);
         EXPECT_TRUE(s.reserve(1));
         return probe->used();
     }();
-    ASSERT_EQ(per_seq, 5);
+    ASSERT_EQ(per_seq, 3);
+    ASSERT_EQ(per_seq, ds4::cuda_row_regions(m->hp));
     EXPECT_EQ(probe->used(), 0);
     auto pool = ds4::cuda_make_state_pool(*w, static_cast<size_t>(per_seq) * probe->block_bytes());
     ds4::cuda_sequence a(w, 256, true, 0, {}, pool), b(w, 256, true, 0, {}, pool), ref(w, 256, true, 0);
