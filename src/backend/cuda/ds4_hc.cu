@@ -367,19 +367,20 @@ struct fused_args {
     double *part;     // hc_split_kernel only: partial sums [n_mix + 1, gridDim.x]
     int64_t cols;     // hc_split_kernel only: columns per block (a multiple of 4, <= its block size)
 };
-// hc_split_kernel's arguments for row r of a multi-row launch (gridDim.y rows; launch_hc_*_fused_rows'
-// layout): every buffer of row r at its row offset, the same weights.
-__device__ __forceinline__ void fused_row(fused_args &a, int64_t r) {
-    const int64_t N = a.n_hc, D = a.D;
+// Row r's buffers of a multi-row launch (launch_hc_*_fused_rows' layout), for fused_args (the split
+// kernel, gridDim.y rows) and hc_fused_io (the row-by-row fallback) alike: the same weights.
+template <class IO>
+__host__ __device__ __forceinline__ void offset_to_row(IO &a, int64_t r, int n_hc, int64_t D) {
+    const int64_t N = n_hc;
     if (a.y) a.y += r * D;
     a.x += r * N * D;
     if (a.x_new) a.x_new += r * N * D;
     if (a.post) a.post += r * N;
     if (a.comb) a.comb += r * N * N;
-    a.mix += r * static_cast<int64_t>(hc_rows_mix_floats(a.n_hc));
+    a.mix += r * static_cast<int64_t>(hc_rows_mix_floats(n_hc));
     a.sync += r;
     a.out += r * D;
-    a.part += r * static_cast<int64_t>(hc_fused_part_count(a.n_hc));
+    if (a.part) a.part += r * static_cast<int64_t>(hc_fused_part_count(n_hc));
 }
 constexpr int kNormThreads = 256;  // rms_norm_kernel's block size (its reduction order)
 
@@ -780,7 +781,7 @@ __global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
     extern __shared__ float4 split_smem[];
     __shared__ double red[kSplitWarps][kMaxMix];
     __shared__ bool last;
-    if (blockIdx.y > 0) fused_row(a, blockIdx.y);
+    if (blockIdx.y > 0) offset_to_row(a, blockIdx.y, a.n_hc, a.D);
     const int C = static_cast<int>(a.cols), NC = a.n_hc * C, S = NC + (36 - NC % 32) % 32;  // S % 32 == 4
     const int64_t lo = static_cast<int64_t>(blockIdx.x) * C;
     const int cj = static_cast<int>(a.D - lo < C ? a.D - lo : C);
@@ -957,18 +958,9 @@ void hc_fused(const hc_params &p, dtype fn_type, const void *fn, size_t fn_row_b
         }
     }
     if (rows > 1) {  // no split kernel: each row alone, at its offsets
-        const int64_t N = p.n_hc, D = p.dim;
         for (int64_t r = 0; r < rows; ++r) {
             hc_fused_io o = io;
-            if (o.y) o.y += r * D;
-            o.x += r * N * D;
-            if (o.x_new) o.x_new += r * N * D;
-            if (o.post) o.post += r * N;
-            if (o.comb) o.comb += r * N * N;
-            o.mix += r * static_cast<int64_t>(hc_rows_mix_floats(p.n_hc));
-            o.sync += r;
-            o.out += r * D;
-            if (o.part) o.part += r * static_cast<int64_t>(hc_fused_part_count(p.n_hc));
+            offset_to_row(o, r, p.n_hc, p.dim);
             hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, o, head, s);
         }
         return;
