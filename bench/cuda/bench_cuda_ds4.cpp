@@ -33,6 +33,9 @@
 // --capacity a,b,..: before anything else, for each context length, paged sequences made that deep
 // (fill_synthetic) are created until the device has no room for another (the pool exhausted or a
 // sequence's own allocation refused): how many fit, and the device bytes each takes; then all are freed.
+// --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
+// with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
+// last timed step of the largest --rows, or the last timed step of the most --seqs.
 #include <cuda_profiler_api.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -145,7 +148,7 @@ int main(int argc, char **argv) try {
                      argv[0]);
         return 2;
     }
-    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file;
+    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file, profile = "decode";
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false, paged = false;
@@ -179,11 +182,14 @@ int main(int argc, char **argv) try {
             seqs_list = parse_list(argv[++i]);
         else if (a == "--paged")
             paged = true;
+        else if (a == "--profile" && i + 1 < argc)
+            profile = argv[++i];
         else if (a == "--capacity" && i + 1 < argc)
             capacity = parse_list(argv[++i]);
         else
             throw error("unknown argument " + a);
     }
+    if (profile != "decode" && profile != "rows" && profile != "seqs") throw error("--profile: decode, rows or seqs");
     const double t_load = now_s();
     auto m = ds4::load_model(path);
     ds4::cuda_run_options o;
@@ -319,9 +325,9 @@ int main(int argc, char **argv) try {
         const double t0 = now_s();
         // The timed replays form the profiler's capture range (scripts/device/ncu_step.sh runs Nsight
         // Compute with --profile-from-start off); without a profiler these calls do nothing.
-        cudaProfilerStart();
+        if (profile == "decode") cudaProfilerStart();
         for (int i = 0; i < n_gen; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
-        cudaProfilerStop();
+        if (profile == "decode") cudaProfilerStop();
         const double dt = (now_s() - t0) / n_gen;
         std::printf("%10lld %12.1f %12.3f %10.1f %11.1f%%\n", static_cast<long long>(depth), 1.0 / dt,
                     dt * 1e3, bytes / dt / 1e9, 100.0 * bytes / dt / copy_bw);
@@ -333,8 +339,11 @@ int main(int argc, char **argv) try {
             seq.truncate(base);
             const int reps = std::max(4, n_gen / static_cast<int>(r));
             const double r0 = now_s();
+            const bool prof = profile == "rows" && r == *std::max_element(rows.begin(), rows.end());
             for (int i = 0; i < reps; ++i) {
+                if (prof && i == reps - 1) cudaProfilerStart();
                 seq.eval_rows(toks, {});
+                if (prof && i == reps - 1) cudaProfilerStop();
                 seq.truncate(base);
             }
             const double dr = (now_s() - r0) / reps;
@@ -422,7 +431,12 @@ int main(int argc, char **argv) try {
                 std::vector<int32_t> toks(static_cast<size_t>(n), t);
                 ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});  // warm-up (graph capture)
                 const double s0 = now_s();
-                for (int i = 0; i < reps; ++i) ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});
+                const bool prof = profile == "seqs" && n == S;
+                for (int i = 0; i < reps; ++i) {
+                    if (prof && i == reps - 1) cudaProfilerStart();
+                    ds4::cuda_sequence::step_batch(ptrs, counts, toks, {});
+                    if (prof && i == reps - 1) cudaProfilerStop();
+                }
                 const double ds = (now_s() - s0) / reps;
                 std::printf("%10s %2lld sequences, one row each: %8.3f ms per step = %.2fx a one-row step, %.1f tok/s in all\n",
                             "", static_cast<long long>(n), ds * 1e3, ds / dt, static_cast<double>(n) / ds);

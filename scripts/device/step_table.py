@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Per-kernel table of one decode step from ncu_step.sh's step.csv (run here, on the fetched file).
 
-The rows between the first embedding lookup (get_rows_kernel) and the argmax of the first step are one
-replayed step; kernels are grouped by name (template arguments and namespaces dropped) with their call
+The rows between the first embedding lookup (get_rows_kernel) and the argmax(es) ending the first step are one
+replayed step (a multi-row step's rows each end with one); kernels are grouped by name (template arguments and namespaces dropped) with their call
 count, mean and summed duration (us), largest sum first.
 Usage: python3 scripts/device/step_table.py step.csv
 """
@@ -27,6 +27,8 @@ def main(path):
         durs.append(float(r[ix["gpu__time_duration.sum"]].replace(",", "")) / 1000.0)  # ns -> us
     st = names.index("get_rows_kernel") if "get_rows_kernel" in names else 0
     en = names.index("argmax_kernel", st) if "argmax_kernel" in names[st:] else len(names) - 1
+    while en + 1 < len(names) and names[en + 1] == "argmax_kernel":  # a multi-row step: one argmax per row
+        en += 1
     agg = collections.defaultdict(lambda: [0, 0.0])
     for n, d in zip(names[st:en + 1], durs[st:en + 1]):
         agg[n][0] += 1

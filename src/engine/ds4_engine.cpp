@@ -140,7 +140,7 @@ kv_pool_info ds4_engine::kv_pool() const {
     i.block_tokens = kv_block_tokens_;
     i.max_blocks = static_cast<int64_t>(static_cast<double>(sp.capacity) * B / per);
     i.n_blocks = i.max_blocks;
-    i.n_used = static_cast<int64_t>(std::ceil(static_cast<double>(sp.used) * B / per));
+    i.n_used = gpu_->mapped_blocks(kv_block_tokens_);
     return i;
 }
 

@@ -40,6 +40,8 @@ class gpu_sequence {
     // blocks beyond. row_bytes(): the device bytes behind this sequence's rows (its mapped blocks).
     virtual bool reserve(int64_t n_tokens) = 0;
     virtual size_t row_bytes() const = 0;
+    // Positions whose rows are mapped (at least n_past(); what reserve asked for, until it shrinks).
+    virtual int64_t mapped_tokens() const = 0;
     // Tokens at positions n_past, n_past + 1, ...; logits empty (they stay on the device: last_logits,
     // top), [n_vocab] (the last token's) or [n * n_vocab]. More than one token: chunked prefill
     // (products rounded to bf16). Throws on a bad token or a full context (nothing evaluated), and on a
@@ -90,6 +92,9 @@ class ds4_gpu {
         int regions = 0;  // row regions per sequence: each maps at least one block of its own
     };
     virtual state_pool_info state_pool() const = 0;
+    // The live sequences' mapped positions in blocks of block_tokens (each sequence's rounded up): what
+    // the scheduler's admission counts (ds4_engine::kv_pool), not the pool's 2 MiB blocks.
+    virtual int64_t mapped_blocks(int32_t block_tokens) const = 0;
     // A new capacity in blocks (at least 1; blocks in use above it stay until given back).
     virtual void set_state_capacity(int64_t blocks) = 0;
     // Bytes of the growing state of n tokens, unrounded (ds4::cuda_row_bytes).

@@ -132,7 +132,7 @@ class ds4_session final : public session {
     bool save_state(state_writer &w) const override;
     bool load_state(state_reader &r, std::span<const int32_t> tokens, int64_t n_keep) override;
     // Paged state (one GPU): the rows of positions [0, n_tokens) mapped from the engine's state pool now
-    // (cuda_sequence::reserve); kv_blocks() is the session's mapped bytes in the scheduler's blocks
+    // (cuda_sequence::reserve); kv_blocks() is the session's mapped positions in the scheduler's blocks
     // (ds4_engine::kv_pool). Elsewhere the defaults (nothing paged).
     bool kv_reserve(int64_t n_tokens) override;
     int64_t kv_blocks() const override;
@@ -286,14 +286,17 @@ class ds4_engine final : public engine {
     // compressed and indexer rows are blocks of the ds4_gpu's state pool, mapped as they grow.
     std::unique_ptr<gpu_sequence> new_gpu_sequence() const { return gpu_ ? gpu_->new_sequence() : nullptr; }
     // Paged state on one GPU: the state pool in the scheduler's terms, blocks of block_tokens positions,
-    // each worth block_tokens times the rows' mean bytes per token (so the counts are real memory:
-    // n_used is the pool's mapped bytes, max_blocks its capacity). kv_pool_configure sets the block size
+    // each worth block_tokens times the rows' mean bytes per token (max_blocks: the pool's capacity in
+    // them). n_used counts the sessions' mapped positions (each session's rounded up to whole blocks, as
+    // kv_blocks() does), not the pool's 2 MiB blocks: every sequence also rounds each row region up to
+    // whole 2 MiB blocks, which kv_pool_configure adds to the pool as slack. kv_pool_configure sets the block size
     // and caps the pool at max_blocks of them (0: the device memory the pool was sized to at load).
     // Elsewhere (CPU, several devices) no pool: the scheduler counts tokens.
     kv_pool_info kv_pool() const override;
     bool kv_pool_configure(int32_t block_tokens, int64_t max_blocks) override;
     // Bytes one scheduler block stands for (0 before kv_pool_configure, or without a state pool).
     double kv_block_bytes() const;
+    int32_t kv_block_tokens() const { return kv_block_tokens_; }
     double measure_copy_bandwidth() override {
         if (ordinal_ >= 0) {
             std::lock_guard<std::mutex> lock(forward_mutex_);

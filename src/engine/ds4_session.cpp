@@ -74,8 +74,8 @@ bool ds4_session::kv_reserve(int64_t n_tokens) {
 }
 
 int64_t ds4_session::kv_blocks() const {
-    const double per = e_.kv_block_bytes();
-    if (gpu_ && per > 0) return static_cast<int64_t>(std::ceil(static_cast<double>(gpu_->row_bytes()) / per));
+    const int64_t bt = e_.kv_block_tokens();
+    if (gpu_ && bt > 0 && e_.kv_block_bytes() > 0) return (gpu_->mapped_tokens() + bt - 1) / bt;
     return 0;
 }
 

@@ -2,6 +2,7 @@
 // (models/cuda/deepseek4_cuda.h). Compiled only in CUDA builds (src/CMakeLists.txt: files under a cuda/
 // directory); engine/no_cuda/engine_no_cuda.cpp stands in otherwise.
 #include <algorithm>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,16 +19,33 @@ namespace fathom::ds4_detail {
 
 namespace {
 
-// A session's sequence: forwards to ds4::cuda_sequence.
+// The executor's live sequences (mapped_blocks sums their mapped positions).
+struct sequence_registry {
+    mutable std::mutex mu;
+    std::vector<const ds4::cuda_sequence *> live;
+};
+
+// A session's sequence: forwards to ds4::cuda_sequence; listed in its executor's registry while it lives.
 class cuda_gpu_sequence final : public gpu_sequence {
   public:
-    explicit cuda_gpu_sequence(std::unique_ptr<ds4::cuda_sequence> seq) : seq_(std::move(seq)) {}
+    cuda_gpu_sequence(std::unique_ptr<ds4::cuda_sequence> seq, std::shared_ptr<sequence_registry> reg)
+        : seq_(std::move(seq)), reg_(std::move(reg)) {
+        std::lock_guard<std::mutex> lock(reg_->mu);
+        reg_->live.push_back(seq_.get());
+    }
+    ~cuda_gpu_sequence() override {
+        std::lock_guard<std::mutex> lock(reg_->mu);
+        reg_->live.erase(std::find(reg_->live.begin(), reg_->live.end(), seq_.get()));
+    }
+    cuda_gpu_sequence(const cuda_gpu_sequence &) = delete;
+    cuda_gpu_sequence &operator=(const cuda_gpu_sequence &) = delete;
     ds4::cuda_sequence &seq() { return *seq_; }
 
     int64_t n_past() const override { return seq_->n_past(); }
     void reset() override { seq_->reset(); }
     bool reserve(int64_t n_tokens) override { return seq_->reserve(n_tokens); }
     size_t row_bytes() const override { return seq_->row_bytes(); }
+    int64_t mapped_tokens() const override { return seq_->mapped_tokens(); }
     void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) override {
         seq_->eval(tokens, logits, hc_tail);
     }
@@ -57,6 +75,7 @@ class cuda_gpu_sequence final : public gpu_sequence {
 
   private:
     std::unique_ptr<ds4::cuda_sequence> seq_;
+    std::shared_ptr<sequence_registry> reg_;
 };
 
 class cuda_gpu final : public ds4_gpu {
@@ -76,10 +95,17 @@ class cuda_gpu final : public ds4_gpu {
     double bytes_per_token() const override { return ds4::cuda_bytes_per_token(*w_); }
     std::unique_ptr<gpu_sequence> new_sequence() const override {
         return std::make_unique<cuda_gpu_sequence>(
-            std::make_unique<ds4::cuda_sequence>(w_, n_ctx_, graphs_, prefill_chunk_, prefill_, state_));
+            std::make_unique<ds4::cuda_sequence>(w_, n_ctx_, graphs_, prefill_chunk_, prefill_, state_), reg_);
     }
     state_pool_info state_pool() const override {
         return {state_->block_bytes(), state_->capacity(), state_->used(), ds4::cuda_row_regions(hp_)};
+    }
+    int64_t mapped_blocks(int32_t block_tokens) const override {
+        if (block_tokens < 1) throw error("ds4 gpu: block size must be >= 1 token");
+        std::lock_guard<std::mutex> lock(reg_->mu);
+        int64_t n = 0;
+        for (const ds4::cuda_sequence *s : reg_->live) n += (s->mapped_tokens() + block_tokens - 1) / block_tokens;
+        return n;
     }
     void set_state_capacity(int64_t blocks) override { state_->set_capacity(blocks); }
     size_t row_bytes(int64_t n_tokens) const override { return ds4::cuda_row_bytes(hp_, kv_, n_tokens); }
@@ -103,6 +129,7 @@ class cuda_gpu final : public ds4_gpu {
     // The sequences share one prefill scratch: their evaluations run under the engine's forward mutex.
     std::shared_ptr<ds4::cuda_prefill_pool> prefill_ = ds4::cuda_make_prefill_pool();
     std::shared_ptr<cuda::block_pool> state_;  // the sequences' compressed and indexer rows
+    std::shared_ptr<sequence_registry> reg_ = std::make_shared<sequence_registry>();
     std::string name_;
     ds4::hparams hp_;
     kv_precision kv_;

@@ -971,7 +971,8 @@ void cuda_sequence::reset() {
 std::vector<size_t> cuda_sequence::impl::region_bytes(int64_t n) const {
     std::vector<size_t> b;
     for (const row_region &r : row_regions)
-        b.push_back(static_cast<size_t>(std::min(comp_capacity(n, r.ratio), r.max_rows)) * r.stride);
+        // positions [0, n) complete rows 0 .. n / R - 1 (a row is written at its block's last position)
+        b.push_back(static_cast<size_t>(std::min(n / r.ratio, r.max_rows)) * r.stride);
     return b;
 }
 
@@ -985,6 +986,10 @@ size_t cuda_sequence::row_bytes() const {
     size_t b = 0;
     for (const impl::row_region &r : p.row_regions) b += static_cast<size_t>(r.max_rows) * r.stride;
     return b;
+}
+
+int64_t cuda_sequence::mapped_tokens() const {
+    return p_->vm ? p_->mapped_tokens : n_ctx_;
 }
 
 bool cuda_sequence::reserve(int64_t n_tokens) {

@@ -140,6 +140,8 @@ class cuda_sequence {
     bool paged() const;
     // Device bytes behind this sequence's rows: its mapped blocks (paged), else the whole context's rows.
     size_t row_bytes() const;
+    // Positions whose rows are mapped (paged: reserve / evaluations, at least n_past), else n_ctx.
+    int64_t mapped_tokens() const;
     const hparams &hp() const;
     // Forget every token (clears rings, frontiers and rows on the device).
     void reset();

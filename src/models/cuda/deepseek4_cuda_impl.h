@@ -191,7 +191,7 @@ struct cuda_sequence::impl {
         int64_t max_rows = 0;
     };
     std::vector<row_region> row_regions;
-    // Bytes of each row buffer that positions [0, n) use (rows comp_capacity(n, ratio), capped).
+    // Bytes of each row buffer that positions [0, n) use (rows n / ratio, the rows they complete, capped).
     std::vector<size_t> region_bytes(int64_t n) const;
     int64_t *pos = nullptr;
     int32_t *token = nullptr;

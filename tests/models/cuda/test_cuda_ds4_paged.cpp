@@ -153,11 +153,19 @@ TEST_F(CudaDs4Paged, ExhaustedPoolFailsCleanlyAndResetFreesBlocks) {
     const auto w = ds4::cuda_upload(*m, {});
     // The tiny model has 3 compressed layers (ratios 4, 128, 4): 3 row regions (the ratio-4 layers'
     // compressed rows, the ratio-128 layer's, the ratio-4 layers' indexer rows, each interleaved over its
-    // layers); one sequence's first token maps one block in each.
+    // layers). A region maps the rows its positions complete (n / ratio), no spare row: 3 tokens map
+    // nothing, 4 map a block in each ratio-4 region, 128 one in each region (256 tokens of the tiny
+    // model fit one block per region).
     auto probe = ds4::cuda_make_state_pool(*w);
     const int64_t per_seq = [&] {
         ds4::cuda_sequence s(w, 256, true, 0, {}, probe);
-        EXPECT_TRUE(s.reserve(1));
+        EXPECT_TRUE(s.reserve(3));
+        EXPECT_EQ(probe->used(), 0);
+        EXPECT_TRUE(s.reserve(4));
+        EXPECT_EQ(probe->used(), 2);
+        EXPECT_TRUE(s.reserve(127));
+        EXPECT_EQ(probe->used(), 2);
+        EXPECT_TRUE(s.reserve(128));
         return probe->used();
     }();
     ASSERT_EQ(per_seq, 3);
@@ -165,25 +173,31 @@ TEST_F(CudaDs4Paged, ExhaustedPoolFailsCleanlyAndResetFreesBlocks) {
     EXPECT_EQ(probe->used(), 0);
     auto pool = ds4::cuda_make_state_pool(*w, static_cast<size_t>(per_seq) * probe->block_bytes());
     ds4::cuda_sequence a(w, 256, true, 0, {}, pool), b(w, 256, true, 0, {}, pool), ref(w, 256, true, 0);
-    const auto toks = tokens_of(64, m->hp.n_vocab, 3);
+    const auto toks = tokens_of(256, m->hp.n_vocab, 3);
     std::vector<float> la(V), lr(V);
-    a.eval(std::span<const int32_t>(toks.data(), 1), la);
-    ref.eval(std::span<const int32_t>(toks.data(), 1), lr);
+    const std::span<const int32_t> prompt(toks.data(), 128);
+    a.eval(prompt, la);
+    ref.eval(prompt, lr);
+    ASSERT_TRUE(same_bits(la, lr));
     EXPECT_EQ(pool->used(), per_seq);
+    // b's first 3 tokens complete no row; its 4th needs a block the pool no longer has
+    b.eval(std::span<const int32_t>(toks.data(), 3), {});
+    EXPECT_EQ(b.n_past(), 3);
     try {
-        b.eval(std::span<const int32_t>(toks.data(), 1), {});
+        b.eval(std::span<const int32_t>(toks.data() + 3, 1), {});
         FAIL() << "expected the pool to be exhausted";
     } catch (const error &e) {
         EXPECT_NE(std::string(e.what()).find("state pool is exhausted"), std::string::npos) << e.what();
     }
-    EXPECT_EQ(b.n_past(), 0);
+    EXPECT_EQ(b.n_past(), 3);
     EXPECT_FALSE(b.reserve(10));
     // a batched step naming b fails before anything runs: a is unchanged
     ds4::cuda_sequence *both[] = {&a, &b};
-    const int counts[] = {1, 1};
-    EXPECT_THROW(ds4::cuda_sequence::step_batch(both, counts, std::vector<int32_t>{toks[1], toks[1]}, {}), error);
-    EXPECT_EQ(a.n_past(), 1);
-    for (size_t k = 1; k < 40; ++k) {
+    const int counts[] = {1, 2};
+    EXPECT_THROW(ds4::cuda_sequence::step_batch(both, counts, std::vector<int32_t>{toks[128], toks[3], toks[4]}, {}), error);
+    EXPECT_EQ(a.n_past(), 128);
+    EXPECT_EQ(b.n_past(), 3);
+    for (size_t k = 128; k < 168; ++k) {
         a.eval(std::span<const int32_t>(toks.data() + k, 1), la);
         ref.eval(std::span<const int32_t>(toks.data() + k, 1), lr);
         ASSERT_TRUE(same_bits(la, lr)) << "a after b's failures, token " << k;
@@ -194,10 +208,12 @@ TEST_F(CudaDs4Paged, ExhaustedPoolFailsCleanlyAndResetFreesBlocks) {
     a.reset();
     EXPECT_EQ(pool->used(), 0);
     EXPECT_EQ(a.row_bytes(), 0u);
-    EXPECT_TRUE(b.reserve(100));
+    EXPECT_TRUE(b.reserve(100));  // b's 3 tokens held; 100 map the ratio-4 regions
+    EXPECT_EQ(pool->used(), 2);
+    EXPECT_TRUE(b.reserve(200));
     EXPECT_EQ(pool->used(), per_seq);
-    b.eval(std::span<const int32_t>(toks.data(), 1), {});
-    EXPECT_EQ(b.n_past(), 1);
+    b.eval(std::span<const int32_t>(toks.data() + 3, 1), {});
+    EXPECT_EQ(b.n_past(), 4);
 }
 
 }  // namespace

@@ -326,6 +326,41 @@ TEST_F(CudaDs4Rollback, EngineStepsBatchSessionsLikeEachAlone) {
     }
 }
 
+// The engine's state pool in the scheduler's terms (kv_pool / kv_blocks): the sessions' mapped positions
+// in blocks of block_tokens, each session's rounded up, whatever the 2 MiB blocks behind its rows (a tiny
+// model's rows of 70 tokens take 3 of those: counted in them, used exceeded total in /metrics).
+TEST_F(CudaDs4Rollback, EnginePoolCountsMappedPositionsInTheSchedulersBlocks) {
+    engine_options eo;
+    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
+    eo.n_ctx = 512;
+    eo.device = "cuda";
+    auto e = engine::load(eo);
+    const int V = static_cast<int>(e->info().n_vocab);
+    ASSERT_TRUE(e->kv_pool_configure(16, 64));
+    EXPECT_EQ(e->kv_pool().block_tokens, 16);
+    EXPECT_GE(e->kv_pool().max_blocks, 64);
+    EXPECT_EQ(e->kv_pool().n_used, 0);
+    {
+        auto s = e->new_session();
+        s->sync(tokens_of(70, V, 41));
+        EXPECT_EQ(s->kv_blocks(), 5);  // ceil(70 / 16)
+        EXPECT_EQ(e->kv_pool().n_used, 5);
+        EXPECT_TRUE(s->kv_reserve(100));
+        EXPECT_EQ(s->kv_blocks(), 7);
+        EXPECT_EQ(e->kv_pool().n_used, 7);
+        EXPECT_TRUE(s->kv_reserve(0));  // back to what it holds
+        EXPECT_EQ(s->kv_blocks(), 5);
+        auto t = e->new_session();
+        t->sync(tokens_of(33, V, 42));
+        EXPECT_EQ(t->kv_blocks(), 3);
+        EXPECT_EQ(e->kv_pool().n_used, 8);
+        t->reset();
+        EXPECT_EQ(t->kv_blocks(), 0);
+        EXPECT_EQ(e->kv_pool().n_used, 5);
+    }
+    EXPECT_EQ(e->kv_pool().n_used, 0);  // destroyed sessions give their blocks back
+}
+
 // The first 100 tokens of the first golden case that long; greedy and sampled (temperature 0.8) sampling.
 std::vector<int32_t> golden_prompt() {
     for (const auto &c : ds4_test::load_cases("cases.jsonl"))
