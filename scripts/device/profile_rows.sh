@@ -2,10 +2,12 @@
 # Where a multi-row step's time goes: the DS4 suites named by FILTER (while a reduced-layer DS4-Flash file
 # is generated), then Nsight Compute over one decode step, one 16-sequence step and one 4-row step of that
 # file at 8K (bench_cuda_ds4 --profile decode|seqs|rows: each kernel's duration alone, ncu_step.sh), the
-# same steps' wall times (bench_cuda_ds4 --rows 4 --seqs 16), then the paged capacity at CAPS.
+# wall times of rows and sequences (bench_cuda_ds4 --rows WALL_ROWS --seqs WALL_SEQS; the carried old build's
+# too, .cuda-carry/bench_old, packed with BENCH_OLD=), then the paged capacity at CAPS.
 # Writes $OUT/step-{decode,seqs,rows}.csv (scripts/device/step_table.py reads them here).
 # Usage (device): bash scripts/device/profile_rows.sh [layers=8]
-# Env: STEPS (of "tests prof cap"; default all), FILTER, CAPS (131072), TEST_TIMEOUT (300), SEQS (16), ROWS (4)
+# Env: STEPS (of "tests prof cap"; default all), FILTER, CAPS (131072), TEST_TIMEOUT (300), SEQS (16), ROWS (4),
+# PROF_WHAT (of "decode seqs rows"), WALL_ROWS (2,4), WALL_SEQS (4,16)
 set -u
 . "$(dirname "$0")/carry_env.sh"
 sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
@@ -23,11 +25,13 @@ fi
 wait
 ls "$m" >/dev/null 2>&1 || { echo "no model file"; cat "$out/synth.log"; exit 1; }
 if [[ $steps == *" prof "* ]]; then
-    echo "== wall times ($L layers, 8K)"
-    timeout 200 "$c/bench_cuda_ds4" "$m" --depths 8192 --n 32 --prefill "" --paged --rows "${ROWS:-4}" --seqs "${SEQS:-16}" 2>&1 |
-        tee "$out/wall.log" | grep -E "^ +8192|rows|sequences" | head -8
+    for b in $([ -x "$c/bench_old" ] && echo old) cuda_ds4; do
+        echo "== $b: wall times ($L layers, 8K)"
+        timeout 200 "$c/bench_$b" "$m" --depths 8192 --n 32 --prefill "" --paged --rows "${WALL_ROWS:-2,4}" \
+            --seqs "${WALL_SEQS:-4,16}" 2>&1 | tee "$out/wall-$b.log" | grep -E "^ +8192|rows|sequences" | head -8
+    done
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for what in decode seqs rows; do
+    for what in ${PROF_WHAT:-decode seqs rows}; do
         timeout 240 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
             --profile-from-start off --launch-count 20000 --csv --page raw \
             "$c/bench_cuda_ds4" "$m" --depths 8192 --n 2 --prefill "" --paged --profile "$what" \

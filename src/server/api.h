@@ -29,6 +29,7 @@ public:
     std::string type;   // OpenAI vocabulary: invalid_request_error, authentication_error, not_found_error, ...
     std::string param;
     std::string code;   // OpenAI error code when the API defines one (e.g. previous_response_not_found); "" = derived
+    int retry_after_s = 0;  // > 0: the response's Retry-After header (seconds; a full queue's 503)
 };
 
 // Shorthand for a 400 invalid_request_error.

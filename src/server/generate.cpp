@@ -188,7 +188,10 @@ std::shared_ptr<sched::job> submit(server_context &ctx, prepared &p) {
     try {
         return ctx.sch.submit(std::move(sr));
     } catch (const sched::queue_full &e) {
-        throw api_error(503, "overloaded_error", e.what());
+        // the slots and the queue are full: a client may retry once a request has finished
+        api_error busy(503, "overloaded_error", e.what());
+        busy.retry_after_s = 1;
+        throw busy;
     } catch (const error &e) {
         bad_request(e.what());
     }

@@ -250,6 +250,7 @@ static void guarded(const httplib::Request &req, httplib::Response &res, F &&f) 
     try {
         f();
     } catch (const api_error &e) {
+        if (e.retry_after_s > 0) res.set_header("Retry-After", std::to_string(e.retry_after_s));
         send_error(req, res, e.status, e.type, e.what(), e.param, e.code);
     } catch (const std::exception &e) {
         send_error(req, res, 500, "api_error", std::string("internal error: ") + e.what());

@@ -249,9 +249,11 @@ struct cuda_sequence::impl {
             for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);
             for (auto &ln : rs->lanes) {
                 if (ln.done) cudaEventDestroy(ln.done);
+                if (ln.ready) cudaEventDestroy(ln.ready);
                 if (ln.s) cudaStreamDestroy(ln.s);
             }
             if (rs->fork) cudaEventDestroy(rs->fork);
+            if (rs->queries) cudaEventDestroy(rs->queries);
             if (rs->h_tokens) cudaFreeHost(rs->h_tokens);
             if (rs->h_pos) cudaFreeHost(rs->h_pos);
         }
@@ -285,19 +287,23 @@ struct cuda_sequence::impl {
         // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
         static constexpr size_t kMaxGraphs = 32;
         std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
-        // Lanes: the per-row chains (attention; the MoE of layers the rows chain does not take) of
-        // different rows are independent, so row r runs on lane r mod kLanes, a side stream forked from
-        // and joined to the step's stream (parallel branches of the captured graph); each lane has its own
-        // copy of the scratch those chains share in the one-row step.
-        static constexpr int kLanes = 4;
+        // Lanes: the per-sequence and per-row chains of a step are independent of each other's, so they
+        // run on side streams forked from and joined to the step's stream (parallel branches of the
+        // captured graph): sequence i's KV rows, compressors, query heads and indexer on the lane of its
+        // first row, row r's attention (and the MoE of layers the rows chain does not take) on lane r mod
+        // lanes. Each lane has its own copy of the scratch those chains share in the one-row step;
+        // allocated as steps first need them (ensure_lanes), up to one per row.
+        static constexpr int kLanes = cd::gemv_max_rows;
         struct lane {
             cudaStream_t s = nullptr;
-            cudaEvent_t done = nullptr;
+            cudaEvent_t done = nullptr, ready = nullptr;  // join; the lane's sequences' selections made
             float *part = nullptr;
+            float *score = nullptr;  // indexer scores (kIdxRows rows)
             cd::moe_scratch moe;
         };
         lane lanes[kLanes];
-        cudaEvent_t fork = nullptr;
+        int n_lanes = 0;                                   // lanes allocated
+        cudaEvent_t fork = nullptr, queries = nullptr;  // the step's fork; every row's query heads projected
         cd::moe_rows_scratch moe;  // the MoE of all rows in one chain (launch_moe_ffn_rows)
         // the HC mixers of all rows in one launch (launch_hc_*_fused_rows): per-row mixer scratch,
         // arrival counters (zeroed by every step) and split partial sums
@@ -305,10 +311,9 @@ struct cuda_sequence::impl {
         uint32_t *hc_sync = nullptr;
         double *hc_part = nullptr;
         // the indexer of a sequence's consecutive rows in one batched launch (launch_indexer_topk_batch):
-        // every row's selection, and score rows for up to kIdxRows rows at once (more go in groups)
+        // every row's selection; score rows for up to kIdxRows rows at once (more go in groups) in its lane
         static constexpr int kIdxRows = 5;
         int32_t *sel = nullptr, *n_sel = nullptr;
-        float *idx_score = nullptr;
     };
     // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
     struct row_run {
@@ -319,6 +324,7 @@ struct cuda_sequence::impl {
     uint64_t uid = 0;  // unique per sequence (the graph cache's key)
     size_t score_floats = 0, part_floats = 0;  // sizes of score / part (the lanes' copies)
     void alloc_rows();
+    void ensure_lanes(int n);  // lanes [0, n) allocated (n <= kLanes)
     void enqueue_rows(std::span<const row_run> runs, int n);
 
     // Prefill chunks (ds4_prefill.h): the scratch of one chunk (chunk_state, below the class), owned

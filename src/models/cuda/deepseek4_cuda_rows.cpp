@@ -79,6 +79,7 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
     for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->map_rows(seqs[i]->n_past_ + counts[i]);
     ck(cudaSetDevice(p.w->device), "selecting the device");
     if (!p.rs) p.alloc_rows();
+    p.ensure_lanes(std::min(n, impl::row_scratch::kLanes));
     impl::row_scratch &rs = *p.rs;
     for (size_t i = 0; i < runs.size(); ++i)
         for (int k = 0; k < runs[i].count; ++k) {
@@ -150,7 +151,9 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
 // decode step's numerics: every row's logits bit-identical to its own decode step. The dense products
 // read each weight once for all rows (ds4_gemv.h's columns form); the per-row stages run the decode
 // launchers row by row (HC, indexer, attention, MoE) or their chunk forms where those are bit-identical
-// to them (RoPE'd query heads, compressors: ds4_prefill.h). Causality among the rows: every row's KV row
+// to them (RoPE'd query heads, compressors: ds4_prefill.h). The chains of different sequences (KV rows,
+// compressors, query heads, indexer) and of different rows (attention) run on parallel lanes (row_scratch::
+// lane), so a step of 16 sequences is not 16 chains of small kernels one after another. Causality among the rows: every row's KV row
 // enters the ring and every compressor step runs (in row order) before any row attends, and a row reads
 // only positions <= its own (window span, compressed and indexer row counts from its position; the ring
 // and frontier slack of ds4::max_rollback keeps rows of later positions from landing on them).
@@ -200,18 +203,26 @@ void cuda_sequence::impl::alloc_rows() {
     r->hc_part = dev<double>(n * cd::hc_fused_part_count(hp.n_hc));
     r->sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
     r->n_sel = dev<int32_t>(n);
-    r->idx_score = dev<float>(row_scratch::kIdxRows * score_floats);
     ck(cudaEventCreateWithFlags(&r->fork, cudaEventDisableTiming), "creating an event");
-    for (row_scratch::lane &ln : r->lanes) {
+    ck(cudaEventCreateWithFlags(&r->queries, cudaEventDisableTiming), "creating an event");
+    rs = std::move(r);
+}
+
+void cuda_sequence::impl::ensure_lanes(int n) {
+    const hparams &hp = w->hp;
+    row_scratch &r = *rs;
+    for (; r.n_lanes < n; ++r.n_lanes) {
+        row_scratch::lane &ln = r.lanes[r.n_lanes];
         ck(cudaStreamCreateWithFlags(&ln.s, cudaStreamNonBlocking), "creating a stream");
         ck(cudaEventCreateWithFlags(&ln.done, cudaEventDisableTiming), "creating an event");
+        ck(cudaEventCreateWithFlags(&ln.ready, cudaEventDisableTiming), "creating an event");
         ln.part = dev<float>(part_floats);
+        ln.score = dev<float>(row_scratch::kIdxRows * score_floats);
         ln.moe.logits = dev<float>(static_cast<size_t>(hp.n_expert));
         ln.moe.ids = dev<int32_t>(static_cast<size_t>(hp.n_expert_used));
         ln.moe.weights = dev<float>(static_cast<size_t>(hp.n_expert_used));
         ln.moe.h = dev<float>(static_cast<size_t>((hp.n_expert_used + 1) * hp.n_ff_exp));
     }
-    rs = std::move(r);
 }
 
 namespace {
@@ -351,40 +362,59 @@ void rows_exec::attention(int il) {
         gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}, {&l.comp.kv, r_.ca}, {&l.comp.gate, r_.cg}}, n_, r_.xn, D_, s);
     else
         gemv_multi_rows({{&l.q_a, r_.q_lat}, {&l.kv, r_.kvrow}}, n_, r_.xn, D_, s);
-    // every row's KV row into its sequence's ring, each sequence's compressors over its rows (= its steps,
-    // bit for bit)
+    // Each sequence on the lane of its first row (its chain depends on nothing of the other sequences'):
+    // every row's KV row into its sequence's ring, the sequence's compressors over its rows (= its steps,
+    // bit for bit), while the step's stream projects the queries.
+    fork();
     const cd::qat_kind kvq = qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none;
     const cd::qat_kind iqk = qat != qat_mode::off ? cd::qat_kind::hadamard_fp4 : cd::qat_kind::none;
     const int64_t cw = (idx ? 2 : 1) * d;
     for (const row_run &run : runs_) {
         layer_state_dev &st = run.seq->ls[li];
         const int f = run.first;
+        const cudaStream_t ls = lane(f).s;
         for (int r = f; r < f + run.count; ++r)
             cd::launch_kv_finish_store(r_.kvrow + r * d, static_cast<int>(d), l.kv_norm, hp_.rms_eps, rope, kvq, st.ring, f16,
-                                       static_cast<size_t>(d) * p_.kv_elem, ring_rows(hp_), r_.pos + r, s);
+                                       static_cast<size_t>(d) * p_.kv_elem, ring_rows(hp_), r_.pos + r, ls);
         if (l.ratio > 0)
             cd::launch_compressor_chunk(comp_args(hp_, l.comp, yarn, kvq, st.comp_kv, st.comp_score, st.comp_rows, f16,
                                                   st.comp_stride, st.max_comp),
-                                        r_.ca + f * cw, r_.cg + f * cw, run.count, r_.pos + f, p_.err_d, s);
+                                        r_.ca + f * cw, r_.cg + f * cw, run.count, r_.pos + f, p_.err_d, ls);
         if (idx)
             cd::launch_compressor_chunk(comp_args(hp_, l.idx_comp, yarn, iqk, st.ic_kv, st.ic_score, st.idx_rows, f16,
                                                   st.idx_stride, st.max_comp),
-                                        r_.ica + f * 2 * Id, r_.icg + f * 2 * Id, run.count, r_.pos + f, p_.err_d, s);
+                                        r_.ica + f * 2 * Id, r_.icg + f * 2 * Id, run.count, r_.pos + f, p_.err_d, ls);
     }
-    // queries (RMSNorm(q_lat) folded into q_b's staging as in the step), heads normed and RoPE'd per row
+    // queries (RMSNorm(q_lat) folded into q_b's staging as in the step) on the step's stream
     if (idx)
         gemv_multi_rows({{&l.q_b, r_.q}, {&l.idx_q_b, r_.iq}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
     else
         gemv_multi_rows({{&l.q_b, r_.q}}, n_, r_.q_lat, hp_.q_lora, s, l.q_a_norm, hp_.rms_eps, hp_.q_lora);
-    for (const row_run &run : runs_) {  // positions are consecutive within a run
+    ck(cudaEventRecord(r_.queries, s), "recording the queries");
+    // per sequence on its lane, once the queries are there: its heads normed and RoPE'd, its rows' indexer
+    // selection (each row's own, one batched launch; positions are consecutive within a run)
+    const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
+    const int64_t K = hp_.idx_topk;
+    for (const row_run &run : runs_) {
+        const layer_state_dev &st = run.seq->ls[li];
         const int f = run.first;
+        const auto &ln = lane(f);
+        ck(cudaStreamWaitEvent(ln.s, r_.queries, 0), "waiting for the queries");
+        cd::launch_gpu_sleep(0, ln.s);  // a plain kernel after the wait (no PDL edge across streams)
         cd::launch_head_norm_rope_batch(r_.q + f * H * d, run.count, hp_.n_head, static_cast<int>(d), true, hp_.rms_eps, rope,
-                                        cd::qat_kind::none, r_.pos + f, s);
-        if (idx)
+                                        cd::qat_kind::none, r_.pos + f, ln.s);
+        if (idx) {
             cd::launch_head_norm_rope_batch(r_.iq + f * IH * Id, run.count, hp_.idx_head, static_cast<int>(Id), false, hp_.rms_eps,
-                                            yarn, iqk, r_.pos + f, s);
+                                            yarn, iqk, r_.pos + f, ln.s);
+            cd::launch_indexer_topk_batch(r_.iq + f * IH * Id, r_.iw + f * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
+                                          st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, run.count, r_.pos + f,
+                                          ln.score, cuda_sequence::impl::row_scratch::kIdxRows * p_.score_floats,
+                                          r_.sel + f * K, r_.n_sel + f, ln.s, w_.opt.exact_indexer);
+        }
+        if (run.count > 1) ck(cudaEventRecord(ln.ready, ln.s), "recording the selections");
     }
-    // per row: its indexer selection, its attention (the decode launchers at its position)
+    // per row, on its lane: its attention (the decode launcher at its position); a row on another lane
+    // than its sequence's first waits for that lane's selections
     cd::sparse_attn_args a;
     a.n_head = hp_.n_head;
     a.d = static_cast<int>(d);
@@ -399,26 +429,19 @@ void rows_exec::attention(int il) {
     a.comp_stride = static_cast<size_t>(d) * p_.kv_elem;
     a.ratio = l.ratio;
     a.rope = rope;
-    const float iscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp_.idx_head));
-    const int64_t K = hp_.idx_topk;
-    if (idx)  // each sequence's rows (consecutive positions) in one batched indexer: each row's own selection
-        for (const row_run &run : runs_) {
-            const layer_state_dev &st = run.seq->ls[li];
-            const int f = run.first;
-            cd::launch_indexer_topk_batch(r_.iq + f * IH * Id, r_.iw + f * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
-                                          st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, run.count, r_.pos + f,
-                                          r_.idx_score, cuda_sequence::impl::row_scratch::kIdxRows * p_.score_floats,
-                                          r_.sel + f * K, r_.n_sel + f, s, w_.opt.exact_indexer);
-        }
     for (const row_run &run : runs_) {
         const layer_state_dev &st = run.seq->ls[li];
         a.ring = st.ring;
         a.comp = st.comp_rows;
         a.comp_stride = st.comp_stride;
         a.max_comp = idx ? std::min<int64_t>(hp_.idx_topk, st.max_comp) : st.max_comp;
-        fork();
+        const auto &home = lane(run.first);
         for (int r = run.first; r < run.first + run.count; ++r) {
             const auto &ln = lane(r);
+            if (&ln != &home) {
+                ck(cudaStreamWaitEvent(ln.s, home.ready, 0), "waiting for the selections");
+                cd::launch_gpu_sleep(0, ln.s);
+            }
             a.sel = r_.sel + r * K;
             a.n_sel = r_.n_sel + r;
             cd::launch_sparse_sink_attention(a, r_.q + r * H * d, r_.pos + r, ln.part, r_.o + r * H * d, ln.s);
