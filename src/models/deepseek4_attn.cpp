@@ -197,12 +197,11 @@ void project_attention(const hparams &hp, const rope_set &ropes, const layer_wei
     const int Hs = s.head1 - s.head0;  // this rank's heads (all of them on one rank)
     project(p.q, matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
     parallel_for(n, Hs * (4 * d + 16 * nr), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
-            for (int h = 0; h < Hs; ++h) {
-                float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
-                rms_norm(qh, d, nullptr, hp.rms_eps, qh);
-                rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-            }
+        for (int64_t i = i0; i < i1; ++i) {
+            float *qi = &p.q[static_cast<size_t>(i * Hs * d)];
+            for (int h = 0; h < Hs; ++h) rms_norm(qi + h * d, d, nullptr, hp.rms_eps, qi + h * d);
+            rope_apply_heads(qi + (d - nr), d, Hs, rope, pos[static_cast<size_t>(i)], false);
+        }
     });
     project(p.kv, l.kv, xn, n);
     parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
@@ -224,15 +223,16 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
     const int64_t n = static_cast<int64_t>(pos.size()), Id = hp.idx_dim;
     project(p.iq, l.idx_q_b, p.q_lat.data(), n);
     parallel_for(n, hp.idx_head * (16 * Id), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
+        for (int64_t i = i0; i < i1; ++i) {
+            rope_apply_heads(&p.iq[static_cast<size_t>(i * hp.idx_head * Id + Id - hp.n_rot)], Id, hp.idx_head,
+                             ropes.yarn, pos[static_cast<size_t>(i)], false);
+            if (qat == qat_mode::off) continue;
             for (int h = 0; h < hp.idx_head; ++h) {
                 float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
-                rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
-                if (qat != qat_mode::off) {
-                    hadamard_normalised(qh, Id);
-                    fp4_round_trip(qh, Id);
-                }
+                hadamard_normalised(qh, Id);
+                fp4_round_trip(qh, Id);
             }
+        }
     });
     project(p.iw, l.idx_proj, xn, n);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
@@ -330,8 +330,7 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
         attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data() + s.head0,
                          static_cast<int>(H), d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                          o.data());
-        for (int64_t h = 0; h < H; ++h)
-            rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
+        rope_apply_heads(&o[static_cast<size_t>(d - hp.n_rot)], d, H, ropes.for_ratio(l.ratio), pos, true);
         const int64_t m = std::min(blk, n - b0), j = i - b0;  // row j of the pending block of m rows
         for (int g = 0; g < Gs; ++g)
             std::copy_n(&o[static_cast<size_t>(g * gd)], gd, &og[static_cast<size_t>((g * m + j) * gd)]);
