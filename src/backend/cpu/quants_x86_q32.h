@@ -337,18 +337,32 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // now 16 + 16 (~10 % faster at the prefill shapes).
 // The scale products dw*dx are the same f32 products, the FMA chain per output runs block after block
 // as before: every output equals dot_q32_exact's bit for bit, for any M and tile (test_quant).
-// The scale products are precomputed per tile: sc[16 * b + 4 * m + r] = fp16(d_w[r]) * fp16(d_x[m]) of
-// block b (one 512-bit multiply per block for the whole tile), each read by its FMA as an embedded
-// broadcast; a multiply and a broadcast per (row, column, block) on the FMA pipes cost ~15 % of the
-// throughput. wc[(4 * b + r) * 8 + L] = -128 * (lane L sum of block b of row r).
+// The scale products of a block, sc[4 * m + r] = fp16(d_w[r]) * fp16(d_x[m]) (one 512-bit multiply per
+// block for the whole tile), are stored to a small ring and read by the FMAs as embedded broadcasts; a
+// multiply and a broadcast per (row, column, block) on the FMA pipes cost ~15 % of the throughput. They
+// are made `dist` blocks ahead, inside the tile: a separate pass over the row's blocks before the tile
+// (its 64-byte stores not overlapped with the tile's FMAs) cost ~15 % of the gemm. The distance keeps
+// the broadcasts off stores still in flight.
+// dw[16 * b + j] = fp16(d_w) of block b of row j % 4; dx[4 * b + m] = fp16(d_x) of block b of token m;
+// wc[(4 * b + r) * 8 + L] = -128 * (lane L sum of block b of row r).
 template <int MB>
-inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], const float *sc,
-                           const int32_t *wc, float out[MB][4]) {
+inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], const float *dw,
+                           const float *dx, const int32_t *wc, float out[MB][4]) {
+    constexpr int64_t dist = 4, ring_n = 2 * dist;
     __m256 acc[MB][4];
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
     const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int64_t b = 0; b < nb; ++b, sc += 16, wc += 32) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    alignas(64) float ring[ring_n][16];
+    auto scales = [&](int64_t b) {  // sc of block b into its ring slot
+        const __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dx + 4 * b)));
+        _mm512_store_ps(ring[b % ring_n], _mm512_mul_ps(_mm512_loadu_ps(dw + 16 * b), d));
+    };
+    for (int64_t b = 0; b < dist && b < nb; ++b) scales(b);
+    for (int64_t b = 0; b < nb; ++b, wc += 32) {
+        if (b + dist < nb) scales(b + dist);
+        const float *sc = ring[b % ring_n];
         __m256i q[4], c[4];
         for (int r = 0; r < 4; ++r) {
             q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2));
@@ -377,7 +391,7 @@ inline void q8_0_row_corrections(int64_t nb, const uint8_t *const w[4], int32_t 
         }
 }
 
-thread_local scratch<float> t_q8_0_dw, t_q8_0_dx, t_q8_0_sc;  // per-thread scale scratch of gemm_q8_0_vnni
+thread_local scratch<float> t_q8_0_dw, t_q8_0_dx;  // per-thread scale scratch of gemm_q8_0_vnni
 thread_local scratch<int32_t> t_q8_0_wc;                     // its row corrections (+16: 64-byte alignment)
 
 // M == 1 (decode): one weight row at a time, a single sequential stream. Interleaving 4 rows (the tile
@@ -405,8 +419,8 @@ inline __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, con
 
 // 4 weight rows x 4 activation rows per tile; activation rows in panels of 64 (their blocks stay in L2
 // while a thread's weight rows stream past). The scales are converted with F16C 4 at a time, once per
-// panel (dx) and once per 4-row group (dw), and kept compact: the earlier scalar conversions (16 per
-// block per tile group) and 4x-expanded dx cost 15-25 % of the gemm at the prefill shapes.
+// panel (dx) and once per 4-row group (dw), and dx is kept compact: the earlier scalar conversions (16
+// per block per tile group) and 4x-expanded dx cost 15-25 % of the gemm at the prefill shapes.
 void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
                     size_t x_stride, int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / qk32;
@@ -420,14 +434,12 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
     // dx[(q * nb + b) * 4 + m] = fp16(d) of block b of token 4q + m of the panel (padded with the last
     // token): 4 floats per tile and block, 32 KiB per panel at K = 4096 (a 16-float expanded copy was
     // 128 KiB and pushed the activation rows out of L2: ~15 % slower); dw[b * 16 + j] = fp16(d) of
-    // block b of row j % 4; sc = dw * dx of one tile, sc[b * 16 + 4 * m + r] = the FMAs' scale operands
-    // (the same f32 products as ggml's d_w * d_x).
+    // block b of row j % 4 (the tile multiplies them into the FMAs' scale operands); wc: the 4 rows'
+    // lane corrections (q8_0_row_corrections).
     float *dx = t_q8_0_dx.get(static_cast<size_t>(panel * nb));
     float *dw = t_q8_0_dw.get(static_cast<size_t>(nb * 16));
-    float *sc = t_q8_0_sc.get(static_cast<size_t>(nb * 16));
     int32_t *wc = t_q8_0_wc.get(static_cast<size_t>(nb * 32 + 16));
     wc = reinterpret_cast<int32_t *>((reinterpret_cast<uintptr_t>(wc) + 63) & ~uintptr_t{63});
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t m0 = 0; m0 < M; m0 += panel) {
         const int64_t m1 = imin(M, m0 + panel);
         for (int64_t m = m0; m < m1; m += 4) {
@@ -450,23 +462,19 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
                 const uint8_t *x[4];
                 for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
                 const float *dxq = dx + (m - m0) / 4 * nb * 4;
-                for (int64_t b = 0; b < nb; ++b) {
-                    const __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dxq + b * 4)));
-                    _mm512_storeu_ps(sc + b * 16, _mm512_mul_ps(_mm512_loadu_ps(dw + b * 16), d));
-                }
                 float out[4][4];
                 switch (mb) {
                     case 1:
-                        q8_0_tile_vnni<1>(nb, w, x, sc, wc, out);
+                        q8_0_tile_vnni<1>(nb, w, x, dw, dxq, wc, out);
                         break;
                     case 2:
-                        q8_0_tile_vnni<2>(nb, w, x, sc, wc, out);
+                        q8_0_tile_vnni<2>(nb, w, x, dw, dxq, wc, out);
                         break;
                     case 3:
-                        q8_0_tile_vnni<3>(nb, w, x, sc, wc, out);
+                        q8_0_tile_vnni<3>(nb, w, x, dw, dxq, wc, out);
                         break;
                     default:
-                        q8_0_tile_vnni<4>(nb, w, x, sc, wc, out);
+                        q8_0_tile_vnni<4>(nb, w, x, dw, dxq, wc, out);
                         break;
                 }
                 for (int j = 0; j < mb; ++j)
