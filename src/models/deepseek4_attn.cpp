@@ -275,6 +275,12 @@ struct candidate_rows {
     const layer_state *ls = nullptr;    // whose window buf holds (nullptr: none)
     int64_t first = 0, last = -1, off = 0;
 
+    // Forget the window (a new step: the state may have been rolled back since); the buffer stays.
+    void reset() {
+        ls = nullptr;
+        off = 0;
+    }
+
     // Returns the first of the n_raw + sel.size() rows.
     const float *gather(const layer_state &st, int64_t first_pos, int64_t pos, std::span<const int64_t> sel,
                         int64_t d) {
@@ -325,7 +331,8 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
     const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
                  icw = static_cast<size_t>(2 * hp.idx_dim);
-    candidate_rows cand;
+    thread_local candidate_rows cand;  // its buffer kept between calls (as p's), its window not
+    cand.reset();
     std::vector<float> row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
     std::vector<float> o(static_cast<size_t>(H * d));
     // Attention outputs of a block of up to `blk` rows, group-major [Gs, blk, gd], projected together.
