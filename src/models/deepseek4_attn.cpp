@@ -4,7 +4,9 @@
 // attention, inverse RoPE on outputs and the grouped low-rank output projection.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <span>
 
 #include "models/deepseek4_impl.h"
 #include "models/deepseek4_qat.h"
@@ -197,12 +199,11 @@ void project_attention(const hparams &hp, const rope_set &ropes, const layer_wei
     const int Hs = s.head1 - s.head0;  // this rank's heads (all of them on one rank)
     project(p.q, matrix_rows(l.q_b, s.head0 * d, s.head1 * d), p.q_lat.data(), n);
     parallel_for(n, Hs * (4 * d + 16 * nr), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
-            for (int h = 0; h < Hs; ++h) {
-                float *qh = &p.q[static_cast<size_t>((i * Hs + h) * d)];
-                rms_norm(qh, d, nullptr, hp.rms_eps, qh);
-                rope_apply(qh + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-            }
+        for (int64_t i = i0; i < i1; ++i) {
+            float *qi = &p.q[static_cast<size_t>(i * Hs * d)];
+            for (int h = 0; h < Hs; ++h) rms_norm(qi + h * d, d, nullptr, hp.rms_eps, qi + h * d);
+            rope_apply_heads(qi + (d - nr), d, Hs, rope, pos[static_cast<size_t>(i)], false);
+        }
     });
     project(p.kv, l.kv, xn, n);
     parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
@@ -224,15 +225,16 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
     const int64_t n = static_cast<int64_t>(pos.size()), Id = hp.idx_dim;
     project(p.iq, l.idx_q_b, p.q_lat.data(), n);
     parallel_for(n, hp.idx_head * (16 * Id), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i)
+        for (int64_t i = i0; i < i1; ++i) {
+            rope_apply_heads(&p.iq[static_cast<size_t>(i * hp.idx_head * Id + Id - hp.n_rot)], Id, hp.idx_head,
+                             ropes.yarn, pos[static_cast<size_t>(i)], false);
+            if (qat == qat_mode::off) continue;
             for (int h = 0; h < hp.idx_head; ++h) {
                 float *qh = &p.iq[static_cast<size_t>((i * hp.idx_head + h) * Id)];
-                rope_apply(qh + (Id - hp.n_rot), ropes.yarn, pos[static_cast<size_t>(i)], false);
-                if (qat != qat_mode::off) {
-                    hadamard_normalised(qh, Id);
-                    fp4_round_trip(qh, Id);
-                }
+                hadamard_normalised(qh, Id);
+                fp4_round_trip(qh, Id);
             }
+        }
     });
     project(p.iw, l.idx_proj, xn, n);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
@@ -262,6 +264,51 @@ void output_projection(const hparams &hp, const layer_weights &l, const tp_slice
     matmul(matrix_cols(l.out_b, s.group0 * r, s.group1 * r, "attn_output_b"), z.data(), m, y);
 }
 
+// The candidate rows of one row of the step, [raw window first..pos | chosen compressed rows] as f32
+// (d values each), for attend_with_sink. Consecutive rows of one sequence share all but one row of
+// their raw window, so the window is kept from one row to the next (the new row appended, the ones
+// that left it skipped) instead of converting its W rows from f16 again per row (that serial gather
+// was ~2 % of the prefill samples while the other thread waited). The values are those of
+// row_store::get, so the attention sees the same rows.
+struct candidate_rows {
+    std::vector<float> buf;             // [cap rows, d]; the window starts at row off
+    const layer_state *ls = nullptr;    // whose window buf holds (nullptr: none)
+    int64_t first = 0, last = -1, off = 0;
+
+    // Forget the window (a new step: the state may have been rolled back since); the buffer stays.
+    void reset() {
+        ls = nullptr;
+        off = 0;
+    }
+
+    // Returns the first of the n_raw + sel.size() rows.
+    const float *gather(const layer_state &st, int64_t first_pos, int64_t pos, std::span<const int64_t> sel,
+                        int64_t d) {
+        const int64_t ring = st.raw.size(), n_raw = pos - first_pos + 1;
+        const bool slide = ls == &st && last + 1 == pos && first <= first_pos && first_pos <= pos;
+        if (slide) {
+            off += first_pos - first;  // rows that left the window
+        } else {
+            off = 0;
+        }
+        const int64_t kept = slide ? last - first_pos + 1 : 0;  // rows already in place
+        const int64_t need = n_raw + static_cast<int64_t>(sel.size());
+        if (off > 0 && static_cast<int64_t>(buf.size()) < (off + need) * d) {  // move the kept rows to the front
+            std::memmove(buf.data(), buf.data() + off * d, static_cast<size_t>(kept * d) * sizeof(float));
+            off = 0;
+        }
+        if (static_cast<int64_t>(buf.size()) < (off + need) * d)
+            buf.resize(static_cast<size_t>((off + need + 256) * d));  // slack: ~256 rows slide before a move
+        float *w = buf.data() + off * d;
+        for (int64_t q = first_pos + kept; q <= pos; ++q) st.raw.get(q % ring, w + (q - first_pos) * d);
+        for (size_t c = 0; c < sel.size(); ++c) st.comp_rows.get(sel[c], w + (n_raw + static_cast<int64_t>(c)) * d);
+        ls = &st;
+        first = first_pos;
+        last = pos;
+        return w;
+    }
+};
+
 }  // namespace
 
 void attention_layer(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
@@ -284,7 +331,9 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
     const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
                  icw = static_cast<size_t>(2 * hp.idx_dim);
-    std::vector<float> rows, row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
+    thread_local candidate_rows cand;  // its buffer kept between calls (as p's), its window not
+    cand.reset();
+    std::vector<float> row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
     std::vector<float> o(static_cast<size_t>(H * d));
     // Attention outputs of a block of up to `blk` rows, group-major [Gs, blk, gd], projected together.
     const int Gs = s.group1 - s.group0;
@@ -322,16 +371,12 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
             std::iota(sel.begin(), sel.end(), 0);
         }
         const int64_t n_rows = pos - first + 1 + static_cast<int64_t>(sel.size());
-        rows.resize(static_cast<size_t>(n_rows * d));
-        int64_t r = 0;
-        for (int64_t q = first; q <= pos; ++q, ++r) ls.raw.get(q % ring, &rows[static_cast<size_t>(r * d)]);
-        for (int64_t c : sel) ls.comp_rows.get(c, &rows[static_cast<size_t>(r++ * d)]);
+        const float *rows = cand.gather(ls, first, pos, sel, d);
         // 3. sink attention, inverse RoPE on each head's output, grouped output projection.
-        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows.data(), n_rows, l.sinks.data() + s.head0,
+        attend_with_sink(&p.q[ui * static_cast<size_t>(H * d)], rows, n_rows, l.sinks.data() + s.head0,
                          static_cast<int>(H), d, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                          o.data());
-        for (int64_t h = 0; h < H; ++h)
-            rope_apply(&o[static_cast<size_t>(h * d + d - hp.n_rot)], ropes.for_ratio(l.ratio), pos, true);
+        rope_apply_heads(&o[static_cast<size_t>(d - hp.n_rot)], d, H, ropes.for_ratio(l.ratio), pos, true);
         const int64_t m = std::min(blk, n - b0), j = i - b0;  // row j of the pending block of m rows
         for (int g = 0; g < Gs; ++g)
             std::copy_n(&o[static_cast<size_t>(g * gd)], gd, &og[static_cast<size_t>((g * m + j) * gd)]);

@@ -300,15 +300,24 @@ rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, floa
 }
 
 void rope_apply(float *x, const rope_table &t, int64_t pos, bool inverse) {
+    rope_apply_heads(x, 0, 1, t, pos, inverse);
+}
+
+// The cos/sin pair i is computed once per call and applied to every head (the same values rope_apply
+// computes per head: n_heads times fewer sin/cos evaluations, the same bits).
+void rope_apply_heads(float *x, int64_t stride, int64_t n_heads, const rope_table &t, int64_t pos, bool inverse) {
     for (size_t i = 0; i < t.freq.size(); ++i) {
         // The angle is an f32 product, as in the official f32 outer(t, freqs) table.
         const float ang = static_cast<float>(pos) * t.freq[i];
         const float c = static_cast<float>(std::cos(static_cast<double>(ang)));
         float s = static_cast<float>(std::sin(static_cast<double>(ang)));
         if (inverse) s = -s;
-        const float a = x[2 * i], b = x[2 * i + 1];
-        x[2 * i] = a * c - b * s;
-        x[2 * i + 1] = a * s + b * c;
+        for (int64_t h = 0; h < n_heads; ++h) {
+            float *xh = x + h * stride;
+            const float a = xh[2 * i], b = xh[2 * i + 1];
+            xh[2 * i] = a * c - b * s;
+            xh[2 * i + 1] = a * s + b * c;
+        }
     }
 }
 

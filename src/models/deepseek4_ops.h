@@ -66,6 +66,8 @@ rope_table rope_plain(float base, int n_rot);
 rope_table rope_yarn(float base, int n_rot, float factor, int64_t orig_ctx, float beta_fast, float beta_slow);
 // Rotate interleaved pairs (x[2i], x[2i+1]) of the n_rot dims at x by pos*f_i (inverse: -pos*f_i).
 void rope_apply(float *x, const rope_table &t, int64_t pos, bool inverse);
+// rope_apply on n_heads vectors at the same position, x + h * stride for h in [0, n_heads).
+void rope_apply_heads(float *x, int64_t stride, int64_t n_heads, const rope_table &t, int64_t pos, bool inverse);
 
 inline float sigmoid(float x) {
     return 1.0f / (1.0f + std::exp(-x));
