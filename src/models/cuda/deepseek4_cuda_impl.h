@@ -162,6 +162,69 @@ struct chunk_state {
     }
 };
 
+// The scratch of multi-row steps (cuda_sequence::step_batch, eval_rows of 2..gemv_max_rows rows): every
+// activation [rows, ...] row-major, the rows' tokens and positions in device memory (uploaded from pinned
+// copies), the captured graphs. It belongs to the step, not to a sequence: the sequences of an engine
+// (a cuda_prefill_pool) share one, taken by the step's first sequence for the step and given back after
+// it (steps run one at a time); a sequence without a pool keeps its own. Sized for one set of weights and
+// the largest score / attention partials a step's sequences need (score_floats, part_floats).
+struct row_scratch {
+    row_scratch(int device, const void *weights, size_t score_floats, size_t part_floats)
+        : device(device), weights(weights), score_floats(score_floats), part_floats(part_floats) {}
+    row_scratch(const row_scratch &) = delete;
+    row_scratch &operator=(const row_scratch &) = delete;
+    ~row_scratch();
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating multi-row scratch");
+        allocs.push_back(p);
+        return static_cast<T *>(p);
+    }
+    const int device;
+    const void *const weights;
+    const size_t score_floats, part_floats;
+    std::vector<void *> allocs;
+    int cap = 0;
+    int32_t *tokens = nullptr, *h_tokens = nullptr, *amax = nullptr;
+    int64_t *pos = nullptr, *h_pos = nullptr;
+    float *x[2] = {nullptr, nullptr};
+    float *xn, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *o, *z, *y, *zh, *logits;
+    // Graphs by step composition ((sequence id, rows) per sequence, the step's first sequence first): a
+    // batch's graph holds its sequences' state addresses (and its first sequence's error word), and ids
+    // are never reused, so a graph of a destroyed sequence is never replayed again; at most kMaxGraphs
+    // kept (the oldest dropped).
+    static constexpr size_t kMaxGraphs = 32;
+    std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
+    // Lanes: the per-sequence and per-row chains of a step are independent of each other's, so they
+    // run on side streams forked from and joined to the step's stream (parallel branches of the
+    // captured graph): sequence i's KV rows, compressors, query heads and indexer on the lane of its
+    // first row, row r's attention (and the MoE of layers the rows chain does not take) on lane r mod
+    // lanes. Each lane has its own copy of the scratch those chains share in the one-row step;
+    // allocated as steps first need them (ensure_lanes), up to one per row.
+    void ensure_lanes(int n, const hparams &hp);  // lanes [0, n) allocated (n <= kLanes)
+    static constexpr int kLanes = cd::gemv_max_rows;
+    struct lane {
+        cudaStream_t s = nullptr;
+        cudaEvent_t done = nullptr, ready = nullptr;  // join; the lane's sequences' selections made
+        float *part = nullptr;
+        float *score = nullptr;  // indexer scores (kIdxRows rows)
+        cd::moe_scratch moe;
+    };
+    lane lanes[kLanes];
+    int n_lanes = 0;                                   // lanes allocated
+    cudaEvent_t fork = nullptr, queries = nullptr;  // the step's fork; every row's query heads projected
+    cd::moe_rows_scratch moe;  // the MoE of all rows in one chain (launch_moe_ffn_rows)
+    // the HC mixers of all rows in one launch (launch_hc_*_fused_rows): per-row mixer scratch,
+    // arrival counters (zeroed by every step) and split partial sums
+    float *hc_mix = nullptr;
+    uint32_t *hc_sync = nullptr;
+    double *hc_part = nullptr;
+    // the indexer of a sequence's consecutive rows in one batched launch (launch_indexer_topk_batch):
+    // every row's selection; score rows for up to kIdxRows rows at once (more go in groups) in its lane
+    static constexpr int kIdxRows = 5;
+    int32_t *sel = nullptr, *n_sel = nullptr;
+};
 // Idle chunk scratch of an engine's sequences (cuda_make_prefill_pool). One chunk runs at a time per
 // engine (its forward mutex), so it holds one in practice.
 class cuda_prefill_pool {
@@ -169,6 +232,7 @@ class cuda_prefill_pool {
     std::mutex mu;
     std::vector<std::unique_ptr<chunk_state>> idle;
     int64_t created = 0;  // scratches allocated for it (the first with the first sequence)
+    std::unique_ptr<row_scratch> rows;  // the multi-row steps' scratch while no step holds it
 };
 
 struct cuda_sequence::impl {
@@ -245,18 +309,7 @@ struct cuda_sequence::impl {
         if (s) cudaStreamSynchronize(s);  // no kernel may still use the blocks vm gives back
         vm.reset();
         if (graph) cudaGraphExecDestroy(graph);
-        if (rs) {
-            for (auto &g : rs->graphs) cudaGraphExecDestroy(g.second);
-            for (auto &ln : rs->lanes) {
-                if (ln.done) cudaEventDestroy(ln.done);
-                if (ln.ready) cudaEventDestroy(ln.ready);
-                if (ln.s) cudaStreamDestroy(ln.s);
-            }
-            if (rs->fork) cudaEventDestroy(rs->fork);
-            if (rs->queries) cudaEventDestroy(rs->queries);
-            if (rs->h_tokens) cudaFreeHost(rs->h_tokens);
-            if (rs->h_pos) cudaFreeHost(rs->h_pos);
-        }
+        rs.reset();
         for (void *p : allocs) cudaFree(p);
         if (h_pos) cudaFreeHost(h_pos);
         if (h_token) cudaFreeHost(h_token);
@@ -272,59 +325,18 @@ struct cuda_sequence::impl {
     void enqueue_attention(const dlayer &l, layer_state_dev &st);
     void enqueue_step();
 
-    // Multi-row steps (eval_rows of 2..gemv_max_rows rows): every activation [rows, ...] row-major, the
-    // rows' tokens and positions in device memory (uploaded from pinned copies), a graph per row count.
-    // Allocated on the first multi-row evaluation. Shared with the one-row step (used row by row, in
-    // stream order): score, sel, n_sel, part, mix / hc_part, the MoE scratch.
-    struct row_scratch {
-        int cap = 0;
-        int32_t *tokens = nullptr, *h_tokens = nullptr, *amax = nullptr;
-        int64_t *pos = nullptr, *h_pos = nullptr;
-        float *x[2] = {nullptr, nullptr};
-        float *xn, *post, *comb, *q_lat, *q, *kvrow, *ca, *cg, *iq, *iw, *ica, *icg, *o, *z, *y, *zh, *logits;
-        // Graphs by step composition ((sequence id, rows) per sequence, this sequence first): a batch's
-        // graph holds its sequences' state addresses, and ids are never reused, so a graph of a destroyed
-        // sequence is never replayed again; at most kMaxGraphs kept (the oldest dropped).
-        static constexpr size_t kMaxGraphs = 32;
-        std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
-        // Lanes: the per-sequence and per-row chains of a step are independent of each other's, so they
-        // run on side streams forked from and joined to the step's stream (parallel branches of the
-        // captured graph): sequence i's KV rows, compressors, query heads and indexer on the lane of its
-        // first row, row r's attention (and the MoE of layers the rows chain does not take) on lane r mod
-        // lanes. Each lane has its own copy of the scratch those chains share in the one-row step;
-        // allocated as steps first need them (ensure_lanes), up to one per row.
-        static constexpr int kLanes = cd::gemv_max_rows;
-        struct lane {
-            cudaStream_t s = nullptr;
-            cudaEvent_t done = nullptr, ready = nullptr;  // join; the lane's sequences' selections made
-            float *part = nullptr;
-            float *score = nullptr;  // indexer scores (kIdxRows rows)
-            cd::moe_scratch moe;
-        };
-        lane lanes[kLanes];
-        int n_lanes = 0;                                   // lanes allocated
-        cudaEvent_t fork = nullptr, queries = nullptr;  // the step's fork; every row's query heads projected
-        cd::moe_rows_scratch moe;  // the MoE of all rows in one chain (launch_moe_ffn_rows)
-        // the HC mixers of all rows in one launch (launch_hc_*_fused_rows): per-row mixer scratch,
-        // arrival counters (zeroed by every step) and split partial sums
-        float *hc_mix = nullptr;
-        uint32_t *hc_sync = nullptr;
-        double *hc_part = nullptr;
-        // the indexer of a sequence's consecutive rows in one batched launch (launch_indexer_topk_batch):
-        // every row's selection; score rows for up to kIdxRows rows at once (more go in groups) in its lane
-        static constexpr int kIdxRows = 5;
-        int32_t *sel = nullptr, *n_sel = nullptr;
-    };
     // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
     struct row_run {
         impl *seq;
         int first, count;
     };
+    // The multi-row scratch: held during a step (take_rows / give_back_rows: from and back to the pool),
+    // or for good without a pool.
     std::unique_ptr<row_scratch> rs;
     uint64_t uid = 0;  // unique per sequence (the graph cache's key)
     size_t score_floats = 0, part_floats = 0;  // sizes of score / part (the lanes' copies)
-    void alloc_rows();
-    void ensure_lanes(int n);  // lanes [0, n) allocated (n <= kLanes)
+    void take_rows();
+    void give_back_rows() noexcept;
     void enqueue_rows(std::span<const row_run> runs, int n);
 
     // Prefill chunks (ds4_prefill.h): the scratch of one chunk (chunk_state, below the class), owned

@@ -78,9 +78,14 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
     // throws here; those grown before it keep their blocks, which they hold for their next rows anyway).
     for (size_t i = 0; i < seqs.size(); ++i) seqs[i]->map_rows(seqs[i]->n_past_ + counts[i]);
     ck(cudaSetDevice(p.w->device), "selecting the device");
-    if (!p.rs) p.alloc_rows();
-    p.ensure_lanes(std::min(n, impl::row_scratch::kLanes));
-    impl::row_scratch &rs = *p.rs;
+    // The step's scratch, from the engine's pool for this step (given back however it ends).
+    p.take_rows();
+    struct give_back {
+        impl &p;
+        ~give_back() { p.give_back_rows(); }
+    } back{p};
+    p.rs->ensure_lanes(std::min(n, row_scratch::kLanes), hp);
+    row_scratch &rs = *p.rs;
     for (size_t i = 0; i < runs.size(); ++i)
         for (int k = 0; k < runs[i].count; ++k) {
             rs.h_tokens[runs[i].first + k] = tokens[static_cast<size_t>(runs[i].first + k)];
@@ -105,7 +110,7 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
             const cudaError_t e = cudaGraphInstantiate(&gx, g, 0);
             cudaGraphDestroy(g);
             ck(e, "instantiating the multi-row graph");
-            if (rs.graphs.size() >= impl::row_scratch::kMaxGraphs) {
+            if (rs.graphs.size() >= row_scratch::kMaxGraphs) {
                 cudaGraphExecDestroy(rs.graphs.front().second);
                 rs.graphs.erase(rs.graphs.begin());
             }
@@ -158,61 +163,79 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
 // only positions <= its own (window span, compressed and indexer row counts from its position; the ring
 // and frontier slack of ds4::max_rollback keeps rows of later positions from landing on them).
 
-void cuda_sequence::impl::alloc_rows() {
-    const hparams &hp = w->hp;
-    auto r = std::make_unique<row_scratch>();
+row_scratch::~row_scratch() {
+    cudaSetDevice(device);
+    for (auto &g : graphs) cudaGraphExecDestroy(g.second);
+    for (lane &ln : lanes) {
+        if (ln.done) cudaEventDestroy(ln.done);
+        if (ln.ready) cudaEventDestroy(ln.ready);
+        if (ln.s) cudaStreamDestroy(ln.s);
+    }
+    if (fork) cudaEventDestroy(fork);
+    if (queries) cudaEventDestroy(queries);
+    if (h_tokens) cudaFreeHost(h_tokens);
+    if (h_pos) cudaFreeHost(h_pos);
+    for (void *p : allocs) cudaFree(p);
+}
+
+namespace {
+
+// A multi-row scratch for the weights w and sequences needing score / part floats (lanes: ensure_lanes).
+std::unique_ptr<row_scratch> make_row_scratch(const cuda_weights &w, size_t score_floats, size_t part_floats) {
+    const hparams &hp = w.hp;
+    auto r = std::make_unique<row_scratch>(w.device, &w, score_floats, part_floats);
     const size_t n = static_cast<size_t>(cd::gemv_max_rows), D = static_cast<size_t>(hp.n_embd),
                  d = static_cast<size_t>(hp.head_dim), Id = static_cast<size_t>(hp.idx_dim), nh = static_cast<size_t>(hp.n_hc);
     r->cap = cd::gemv_max_rows;
-    r->tokens = dev<int32_t>(n);
-    r->pos = dev<int64_t>(n);
-    r->amax = dev<int32_t>(n);
+    r->tokens = r->dev<int32_t>(n);
+    r->pos = r->dev<int64_t>(n);
+    r->amax = r->dev<int32_t>(n);
     ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_tokens), n * sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
     ck(cudaHostAlloc(reinterpret_cast<void **>(&r->h_pos), n * sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
-    r->x[0] = dev<float>(n * nh * D);
-    r->x[1] = dev<float>(n * nh * D);
-    r->xn = dev<float>(n * D);
-    r->post = dev<float>(n * nh);
-    r->comb = dev<float>(n * nh * nh);
-    r->q_lat = dev<float>(n * static_cast<size_t>(hp.q_lora));
-    r->q = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
-    r->kvrow = dev<float>(n * d);
-    r->ca = dev<float>(n * 2 * d);
-    r->cg = dev<float>(n * 2 * d);
-    r->iq = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)) * Id);
-    r->iw = dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)));
-    r->ica = dev<float>(n * 2 * Id);
-    r->icg = dev<float>(n * 2 * Id);
-    r->o = dev<float>(n * static_cast<size_t>(hp.n_head) * d);
-    r->z = dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
-    r->y = dev<float>(n * D);
-    r->zh = dev<float>(n * D);
-    r->logits = dev<float>(n * static_cast<size_t>(hp.n_vocab));
+    r->x[0] = r->dev<float>(n * nh * D);
+    r->x[1] = r->dev<float>(n * nh * D);
+    r->xn = r->dev<float>(n * D);
+    r->post = r->dev<float>(n * nh);
+    r->comb = r->dev<float>(n * nh * nh);
+    r->q_lat = r->dev<float>(n * static_cast<size_t>(hp.q_lora));
+    r->q = r->dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->kvrow = r->dev<float>(n * d);
+    r->ca = r->dev<float>(n * 2 * d);
+    r->cg = r->dev<float>(n * 2 * d);
+    r->iq = r->dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)) * Id);
+    r->iw = r->dev<float>(n * static_cast<size_t>(std::max(hp.idx_head, 1)));
+    r->ica = r->dev<float>(n * 2 * Id);
+    r->icg = r->dev<float>(n * 2 * Id);
+    r->o = r->dev<float>(n * static_cast<size_t>(hp.n_head) * d);
+    r->z = r->dev<float>(n * static_cast<size_t>(hp.o_groups * hp.o_rank));
+    r->y = r->dev<float>(n * D);
+    r->zh = r->dev<float>(n * D);
+    r->logits = r->dev<float>(n * static_cast<size_t>(hp.n_vocab));
     {
         const size_t E = static_cast<size_t>(hp.n_expert), k = static_cast<size_t>(hp.n_expert_used),
                      F = static_cast<size_t>(hp.n_ff_exp);
-        r->moe.logits = dev<float>(n * E);
-        r->moe.ids = dev<int32_t>(n * k);
-        r->moe.weights = dev<float>(n * k);
-        r->moe.h = dev<float>(n * (k + 1) * F);
-        r->moe.xq = dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n), static_cast<int64_t>(D)));
-        r->moe.hq = dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n * (k + 1)), static_cast<int64_t>(F)));
+        r->moe.logits = r->dev<float>(n * E);
+        r->moe.ids = r->dev<int32_t>(n * k);
+        r->moe.weights = r->dev<float>(n * k);
+        r->moe.h = r->dev<float>(n * (k + 1) * F);
+        r->moe.xq = r->dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n), static_cast<int64_t>(D)));
+        r->moe.hq = r->dev<uint8_t>(cd::moe_rows_q8_bytes(static_cast<int64_t>(n * (k + 1)), static_cast<int64_t>(F)));
     }
-    r->hc_mix = dev<float>(n * cd::hc_rows_mix_floats(hp.n_hc));
-    r->hc_sync = dev<uint32_t>(n);
-    r->hc_part = dev<double>(n * cd::hc_fused_part_count(hp.n_hc));
-    r->sel = dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
-    r->n_sel = dev<int32_t>(n);
+    r->hc_mix = r->dev<float>(n * cd::hc_rows_mix_floats(hp.n_hc));
+    r->hc_sync = r->dev<uint32_t>(n);
+    r->hc_part = r->dev<double>(n * cd::hc_fused_part_count(hp.n_hc));
+    r->sel = r->dev<int32_t>(n * static_cast<size_t>(std::max(hp.idx_topk, 1)));
+    r->n_sel = r->dev<int32_t>(n);
     ck(cudaEventCreateWithFlags(&r->fork, cudaEventDisableTiming), "creating an event");
     ck(cudaEventCreateWithFlags(&r->queries, cudaEventDisableTiming), "creating an event");
-    rs = std::move(r);
+    return r;
 }
 
-void cuda_sequence::impl::ensure_lanes(int n) {
-    const hparams &hp = w->hp;
-    row_scratch &r = *rs;
-    for (; r.n_lanes < n; ++r.n_lanes) {
-        row_scratch::lane &ln = r.lanes[r.n_lanes];
+}  // namespace
+
+void row_scratch::ensure_lanes(int n, const hparams &hp) {
+    for (; n_lanes < n; ++n_lanes) {
+        lane &ln = lanes[n_lanes];
         ck(cudaStreamCreateWithFlags(&ln.s, cudaStreamNonBlocking), "creating a stream");
         ck(cudaEventCreateWithFlags(&ln.done, cudaEventDisableTiming), "creating an event");
         ck(cudaEventCreateWithFlags(&ln.ready, cudaEventDisableTiming), "creating an event");
@@ -225,6 +248,30 @@ void cuda_sequence::impl::ensure_lanes(int n) {
     }
 }
 
+void cuda_sequence::impl::take_rows() {
+    if (rs) return;  // a sequence without a pool keeps its own
+    if (pool) {
+        std::lock_guard<std::mutex> lk(pool->mu);
+        const row_scratch *q = pool->rows.get();
+        if (q && q->weights == w.get() && q->score_floats >= score_floats && q->part_floats >= part_floats)
+            rs = std::move(pool->rows);
+    }
+    // (a pool's scratch too small for this sequence is replaced by this one when it goes back)
+    if (!rs) rs = make_row_scratch(*w, std::max(score_floats, size_t{1}), std::max(part_floats, size_t{1}));
+}
+
+void cuda_sequence::impl::give_back_rows() noexcept {
+    if (!pool || !rs) return;
+    cudaStreamSynchronize(s);  // the step's work on the scratch is done before another sequence's starts
+    try {
+        std::lock_guard<std::mutex> lk(pool->mu);
+        const row_scratch *q = pool->rows.get();
+        if (!q || (rs->score_floats >= q->score_floats && rs->part_floats >= q->part_floats)) pool->rows = std::move(rs);
+    } catch (...) {
+    }
+    rs.reset();  // freed when the pool keeps a larger one (or the lock failed)
+}
+
 namespace {
 
 class rows_exec final : public executor {
@@ -235,7 +282,7 @@ class rows_exec final : public executor {
     rows_exec(cuda_sequence::impl &p, std::span<const row_run> runs, int n)
         : p_(p), runs_(runs), w_(*p.w), r_(*p.rs), n_(n), hp_(w_.hp), hcp_{hp_.n_hc, hp_.n_embd, hp_.sinkhorn_iters, hp_.hc_eps, hp_.rms_eps},
           D_(hp_.n_embd), S_(static_cast<int64_t>(hp_.n_hc) * hp_.n_embd),
-          L_(std::min(n, cuda_sequence::impl::row_scratch::kLanes)) {
+          L_(std::min(n, row_scratch::kLanes)) {
         ck(cudaMemsetAsync(r_.hc_sync, 0, static_cast<size_t>(n) * sizeof(uint32_t), p.s), "clearing the hc counters");
     }
     ~rows_exec() { join(std::nothrow); }  // an error mid-step must not leave a lane unjoined (graph capture)
@@ -310,7 +357,7 @@ class rows_exec final : public executor {
             if (cudaEventRecord(r_.lanes[k].done, r_.lanes[k].s) == cudaSuccess) cudaStreamWaitEvent(p_.s, r_.lanes[k].done, 0);
         forked_ = false;
     }
-    cuda_sequence::impl::row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
+    row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
   private:
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
     // The fused-HC arguments of all rows (row r at its offsets: launch_hc_*_fused_rows); flip() then
@@ -333,7 +380,7 @@ class rows_exec final : public executor {
     cuda_sequence::impl &p_;
     std::span<const row_run> runs_;
     const cuda_weights &w_;
-    cuda_sequence::impl::row_scratch &r_;
+    row_scratch &r_;
     const int n_;
     const hparams &hp_;
     const cd::hc_params hcp_;
@@ -408,7 +455,7 @@ void rows_exec::attention(int il) {
                                             yarn, iqk, r_.pos + f, ln.s);
             cd::launch_indexer_topk_batch(r_.iq + f * IH * Id, r_.iw + f * IH, iscale, st.idx_rows, f16, st.idx_stride, 4,
                                           st.max_comp, hp_.idx_head, static_cast<int>(Id), hp_.idx_topk, run.count, r_.pos + f,
-                                          ln.score, cuda_sequence::impl::row_scratch::kIdxRows * p_.score_floats,
+                                          ln.score, row_scratch::kIdxRows * p_.score_floats,
                                           r_.sel + f * K, r_.n_sel + f, ln.s, w_.opt.exact_indexer);
         }
         if (run.count > 1) ck(cudaEventRecord(ln.ready, ln.s), "recording the selections");
