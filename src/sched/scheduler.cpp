@@ -197,7 +197,8 @@ std::shared_ptr<job> scheduler::submit(request req) {
     if (int64_t(req.prompt.size()) + 1 > pool_tokens) {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.requests_rejected;
-        throw queue_full("the prompt has " + std::to_string(req.prompt.size()) + " tokens but the KV pool holds " +
+        // never servable, so not a 503 to retry: the server answers 400 naming the limit
+        throw error("the prompt has " + std::to_string(req.prompt.size()) + " tokens but the KV pool holds " +
                          std::to_string(pool_tokens) + " (prompt plus at least one generated token)");
     }
     auto j = std::make_shared<job>();

@@ -28,7 +28,7 @@
 // (capped by the context and by the whole pool) for its slot; if the free blocks do not suffice,
 // the caches of idle slots are dropped (least recently used first), and if that is still not
 // enough the request waits at the head of the queue until running ones end. A request whose
-// prompt alone exceeds the pool gets queue_full (503). When a request ends, its slot keeps only
+// prompt alone exceeds the pool is refused with fathom::error (400: it could never run). When a request ends, its slot keeps only
 // the blocks covering the tokens its session still holds (prefix reuse).
 // Disk prompt cache (scheduler_options::prompt_cache, src/cache, docs/prompt-cache.md): at admission,
 // when an entry on disk leaves the session holding at least min_tokens more of the prompt than the

@@ -136,7 +136,14 @@ TEST(KvPool, PromptLargerThanThePoolIsRefused) {
     o.kv_blocks = 2;
     o.kv_block_tokens = 16;
     scheduler s(eng, o);
-    EXPECT_THROW(s.submit(completion(32, 1)), queue_full);  // 32 + 1 > 32 positions
+    try {  // 32 + 1 > 32 positions: never servable, so an error (400), not queue_full (503, retry)
+        s.submit(completion(32, 1));
+        ADD_FAILURE() << "expected an error";
+    } catch (const queue_full &) {
+        ADD_FAILURE() << "queue_full (503) for a prompt that can never fit";
+    } catch (const error &e) {
+        EXPECT_NE(std::string(e.what()).find("the KV pool holds 32"), std::string::npos) << e.what();
+    }
     EXPECT_EQ(s.stats().requests_rejected, 1u);
     // 20 tokens fit; generation is capped by the pool (32 positions): 12 sampled, the last one
     // needs no evaluation... so the request ends with 'length' after 13 tokens at most.
