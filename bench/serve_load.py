@@ -1,29 +1,73 @@
 #!/usr/bin/env python3
-"""Load benchmark for `fathom serve` over plain HTTP (standard library only).
+"""Load benchmark for `fathom serve` over plain HTTP (standard library only; a test-time tool).
 
-Two measurements:
+Four measurements (each optional):
 
-1. Aggregate decode throughput at several concurrency levels: C clients each send R streaming
-   /v1/completions requests back to back (greedy, max_tokens N, short distinct counting prompts
-   that run to max_tokens). Reported
-   per level: total generated tokens / wall time ("aggregate tok/s"), and the decode-only rate
-   (tokens after each request's first / the span from the first first-token to the last token).
+1. Aggregate decode throughput at several concurrency levels (--levels, 'none' skips): C clients
+   each send R streaming /v1/completions requests back to back (greedy, max_tokens N, short distinct
+   counting prompts that run to max_tokens). Reported per level: total generated tokens / wall time
+   ("aggregate tok/s"), and the decode-only rate (tokens after each request's first / the span from
+   the first first-token to the last token).
 
-2. TTFT overhead of the HTTP path: client-observed time to the first streamed token of a
-   max_tokens=1 completion (prompt cache defeated by alternating two prompts that differ in their
-   first word) against the prefill time `fathom run --no-chat -n 1` reports for the same prompt
-   in-process. Overhead = median(HTTP TTFT) - median(run prefill).
+2. TTFT overhead of the HTTP path (--no-ttft skips): client-observed time to the first streamed
+   token of a max_tokens=1 completion (prompt cache defeated by alternating two prompts that differ
+   in their first word) against the scheduler's submit -> first token (/metrics) and the prefill
+   time `fathom run --no-chat -n 1` reports for the same prompt in-process.
+
+3. TTFT of a long prompt while C streams decode (--ttft-under-load C[,C...], issue 20: "chunked
+   prefill must not stall decodes for more than one chunk's time"). First the idle TTFT of a fresh
+   P-token prompt (--prompt-tokens; --idle-reps times, median). Then C streaming greedy completions
+   (distinct prompts, --decode-tokens each; one that ends is replaced at once) run until every one
+   has streamed its first token; after --window seconds a fresh P-token prompt is submitted
+   (max_tokens 1), and --window seconds after its first token the C streams are closed. Prompts of
+   P tokens are random token ids from the middle of the vocabulary (/props n_vocab): exact length,
+   and no slot or disk prompt cache holds any prefix of them. Reported: the new request's TTFT
+   (client and scheduler), against idle; the C streams' inter-token latencies (arrival differences
+   of consecutive frames of one request) p50 / p99 / max in three windows: 'before' the submission,
+   'prefill' (gaps overlapping submit -> its first token) and 'after'; next to each, the server's
+   own token-gap histogram (fathom_token_latency_seconds) over the same window; and the longest
+   stall beyond a normal step (prefill max - before p50) in idle prefill steps (idle scheduler TTFT /
+   its scheduler steps, i.e. one chunk's time): ~1 when decodes wait for one chunk, ~P/chunk when
+   they wait for the whole prompt. --logprobs times every token instead of every text chunk (the
+   server then sends a frame per token, also for text it holds back, e.g. an incomplete UTF-8
+   sequence: needed on random-weight test models such as ds4-tiny, whose byte soup holds back ~10 %
+   of tokens).
+
+4. HTTP load test (--load-test C --duration S): C clients send streaming completions back to back
+   for S seconds (max_tokens between half and all of --max-tokens). Reported: requests, failures by
+   kind (HTTP status, error frames in the stream, truncated streams without [DONE], connection
+   errors), 503 retries, tok/s, ITL p50 / p99 / max over every stream and the stalls (gaps above
+   --stall-s), TTFT, the /metrics counters over the run (finished, rejected, failed, generated
+   tokens, which must agree with the client's counts), and, when the script spawned the server, its
+   RSS (/proc/PID/status VmRSS every 0.25 s): start, peak, end and the quarters of the run.
+
+Every request that gets 503 with Retry-After (the server's queue is full) is retried after the
+seconds it gives and counted (retries_503). --json FILE writes every figure (and the arguments).
+The exit status is 1 when any request failed or a load-test gap exceeded --stall-s.
+
+The spawned server gets --parallel = the largest concurrency asked for (C decodes + 1 for the new
+request in 3) and --ctx large enough for P and --decode-tokens; --parallel / --ctx inside
+--serve-args replace these (for C concurrent decodes plus the new request, --parallel must be >= C+1,
+else the new request queues).
 
 Usage (spawns the server itself on a free loopback port):
   python3 bench/serve_load.py --fathom build/fathom \\
       --model models/SmolLM2-135M-Instruct.Q4_1.gguf --levels 1,4,16 --max-tokens 64
-or against a running server: --url http://127.0.0.1:8080 (TTFT comparison then needs --fathom/--model).
+  python3 bench/serve_load.py --fathom build/fathom --model models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --threads 2 --levels none --no-ttft --ttft-under-load 4,8 --prompt-tokens 1024 \\
+      --load-test 8 --duration 30 --json smollm2.json
+On the GPU machine, DeepSeek V4 at C = 16 and 64 (CUDA build in build-cuda):
+  python3 bench/serve_load.py --fathom build-cuda/fathom --model DS4.gguf --levels none --no-ttft \\
+      --ttft-under-load 16,64 --prompt-tokens 4096 --decode-tokens 2048 --window 3 \\
+      --load-test 64 --duration 120 --max-tokens 256 --json ds4_cuda_load.json \\
+      --serve-args "--device cuda --parallel 65 --ctx 8192"
+or against a running server: --url http://127.0.0.1:8080 (the TTFT comparison of 2 then needs
+--fathom/--model; no RSS figures).
 """
 import argparse
 import http.client
 import json
 import math
-import os
 import random
 import re
 import statistics
