@@ -597,6 +597,8 @@ def load_test(url, c, duration, max_tokens, pid, stall_s, logprobs):
             with lock:
                 results.append(st)
             r += 1
+            if st.error_kind == "exception":
+                time.sleep(0.1)  # a refused or reset connection: do not spin on a dead server
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
     t0 = time.perf_counter()
@@ -605,9 +607,13 @@ def load_test(url, c, duration, max_tokens, pid, stall_s, logprobs):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    wait_idle(url)
-    time.sleep(1.0)  # memory settles after the last requests
-    m1 = metrics(url)
+    try:
+        wait_idle(url)
+        time.sleep(1.0)  # memory settles after the last requests
+        m1 = metrics(url)
+    except OSError as e:  # the server died: report what the clients saw
+        print("load test: /metrics unreachable after the run (%s)" % e)
+        m1 = m0
     mem = rss.stop() if rss else None
     kinds = {}
     for st in results:
