@@ -441,10 +441,14 @@ def wait_idle(url, timeout=60.0):
 
 
 def ttft_under_load(url, c, p_tokens, decode_tokens, window, idle_reps, rng, logprobs):
-    """Measurement 1 (issue 20): the TTFT of a fresh P-token prompt submitted while C streams decode,
+    """Measurement 3 (issue 20): the TTFT of a fresh P-token prompt submitted while C streams decode,
     against the same with the server idle, and the running streams' ITL before / during / after its
     prefill. Returns a dict of every figure."""
-    n_vocab = get_json(url, "/props")["model"]["n_vocab"]
+    props = get_json(url, "/props")
+    n_vocab = props["model"]["n_vocab"]
+    if props.get("parallel", c + 1) < c + 1:
+        print("warning: the server has %d slots; %d decodes and the new request need %d (the rest queue)"
+              % (props["parallel"], c, c + 1), flush=True)
     wait_idle(url)
     idle = idle_ttft(url, n_vocab, p_tokens, idle_reps, rng)
     stop = threading.Event()
@@ -576,7 +580,7 @@ class RssSampler:
 
 
 def load_test(url, c, duration, max_tokens, pid, stall_s, logprobs):
-    """Measurement 2: C clients send streaming completions back to back for `duration` seconds
+    """Measurement 4: C clients send streaming completions back to back for `duration` seconds
     (distinct counting prompts, max_tokens varied between half and all of `max_tokens` so requests
     end at different steps). Counts failures by kind, 503 retries, the longest gap between two
     chunks of any stream, and samples the server's RSS when its pid is known."""
