@@ -14,7 +14,8 @@ sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
 [ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
 L=${1:-8}
 m=/tmp/ds4flash-q2-$L.gguf
-(timeout 300 "$c/fathom-gguf" synth "$m" --preset flash --mix q2 --layers "$L" --sparse -q > "$out/synth.log" 2>&1) &
+[ -f "$m" ] || (timeout 300 "$c/fathom-gguf" synth "$m.tmp" --preset flash --mix q2 --layers "$L" --sparse -q > "$out/synth.log" 2>&1 &&
+    mv "$m.tmp" "$m") &
 rc=0
 steps=" ${STEPS:-tests prof cap} "
 if [[ $steps == *" tests "* ]]; then
