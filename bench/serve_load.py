@@ -77,6 +77,17 @@ import threading
 import time
 import urllib.parse
 
+def run_clients(client, n):
+    """Runs client(0) .. client(n - 1) on n threads at once; the wall time until all have returned."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def start_server(fathom, model, parallel, threads, ctx, extra):
     """Spawns `fathom serve` on a free loopback port; --parallel / --ctx given in `extra` win."""
     cmd = [fathom, "serve", "-m", model, "--port", "0"]
@@ -281,13 +292,7 @@ def run_level(url, clients, per_client, max_tokens):
             with lock:
                 (errors if res.error_kind else results).append(res)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, clients)
     if not results:
         return {"clients": clients, "requests": 0, "errors": len(errors), "tokens": 0, "wall_s": wall,
                 "aggregate_tok_s": 0.0, "decode_tok_s": 0.0, "steady_tok_s": float("nan"),
@@ -604,13 +609,7 @@ def load_test(url, c, duration, max_tokens, pid, stall_s, logprobs):
             if st.error_kind == "exception":
                 time.sleep(0.1)  # a refused or reset connection: do not spin on a dead server
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(c)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, c)
     try:
         wait_idle(url)
         time.sleep(1.0)  # memory settles after the last requests
