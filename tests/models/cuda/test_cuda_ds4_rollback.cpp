@@ -258,15 +258,20 @@ outcome speculative(engine &e, const std::vector<int32_t> &prompt, const samplin
     return o;
 }
 
-// The scheduler's steps on one GPU (engine::decode_step / sync_step): the decodes of several sessions
-// and verification rows (after a free rollback) run as rows of one multi-row step; every session's logits
-// equal, bit for bit, a twin session's decoding alone one token at a time.
-TEST_F(CudaDs4Rollback, EngineStepsBatchSessionsLikeEachAlone) {
+// ds4-tiny on one GPU, a 512-token context.
+std::unique_ptr<engine> tiny_cuda_engine() {
     engine_options eo;
     eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
     eo.n_ctx = 512;
     eo.device = "cuda";
-    auto e = engine::load(eo);
+    return engine::load(eo);
+}
+
+// The scheduler's steps on one GPU (engine::decode_step / sync_step): the decodes of several sessions
+// and verification rows (after a free rollback) run as rows of one multi-row step; every session's logits
+// equal, bit for bit, a twin session's decoding alone one token at a time.
+TEST_F(CudaDs4Rollback, EngineStepsBatchSessionsLikeEachAlone) {
+    auto e = tiny_cuda_engine();
     const int V = static_cast<int>(e->info().n_vocab);
     const size_t S = 5;
     std::vector<std::unique_ptr<session>> a, b;
@@ -330,11 +335,7 @@ TEST_F(CudaDs4Rollback, EngineStepsBatchSessionsLikeEachAlone) {
 // in blocks of block_tokens, each session's rounded up, whatever the 2 MiB blocks behind its rows (a tiny
 // model's rows of 70 tokens take 3 of those: counted in them, used exceeded total in /metrics).
 TEST_F(CudaDs4Rollback, EnginePoolCountsMappedPositionsInTheSchedulersBlocks) {
-    engine_options eo;
-    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
-    eo.n_ctx = 512;
-    eo.device = "cuda";
-    auto e = engine::load(eo);
+    auto e = tiny_cuda_engine();
     const int V = static_cast<int>(e->info().n_vocab);
     ASSERT_TRUE(e->kv_pool_configure(16, 64));
     EXPECT_EQ(e->kv_pool().block_tokens, 16);
@@ -379,11 +380,7 @@ sampling_params sampled_params() {
 }
 
 TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
-    engine_options eo;
-    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
-    eo.n_ctx = 512;
-    eo.device = "cuda";
-    auto e = engine::load(eo);
+    auto e = tiny_cuda_engine();
     const int V = static_cast<int>(e->info().n_vocab);
     const std::vector<int32_t> prompt = golden_prompt();
     ASSERT_EQ(prompt.size(), 100u);
