@@ -33,6 +33,10 @@
 // --capacity a,b,..: before anything else, for each context length, paged sequences made that deep
 // (fill_synthetic) are created until the device has no room for another (the pool exhausted or a
 // sequence's own allocation refused): how many fit, and the device bytes each takes; then all are freed.
+// --dspark FILE: a DSpark drafter for MODEL (fathom-gguf synth --dspark), uploaded beside it: at each depth,
+// the decode step's time with the drafter's feature capture on (cuda_sequence::set_feature_layers), and the
+// time of one draft block (cuda_dspark::draft after `window` context rows observed), relative to a one-row
+// step; then its block over the features of the real sequence at that depth is not checked (synthetic).
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
@@ -56,7 +60,9 @@
 #include "backend/cuda/ds4_gemv_testing.h"
 #include "backend/cuda/ktrace.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_dspark.h"
 #include "models/cuda/deepseek4_cuda_testing.h"
+#include "models/deepseek4_dspark.h"
 #include "bench_util.h"
 #include "core/error.h"
 #include "models/deepseek4.h"
@@ -142,13 +148,56 @@ void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::
 
 }  // namespace
 
+// --dspark: the decode step with the drafter's capture on, and one draft block after `window` observed rows
+// (deterministic pseudo-random features), relative to the one-row step (dt seconds).
+void dspark_costs(const ds4::model &m, const std::shared_ptr<const ds4::cuda_weights> &w, const std::string &file,
+                  ds4::cuda_sequence &seq, int32_t t, int n_gen, double dt) {
+    static std::unique_ptr<ds4::dspark_weights> dw;
+    static std::shared_ptr<const ds4::cuda_weights> dev;
+    if (!dw) {
+        dw = ds4::load_dspark(m, file);
+        dev = ds4::cuda_upload_dspark(m, *dw, w);
+        std::printf("dspark %s: %zu stages, block %d, window %d, Markov rank %d; %.2f GB on the device\n", file.c_str(),
+                    dw->stages.size(), dw->cfg.block_size, dw->cfg.window, dw->cfg.markov_rank,
+                    static_cast<double>(ds4::cuda_weight_bytes(*dev)) / 1e9);
+    }
+    seq.set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
+    for (int i = 0; i < 3; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
+    const double c0 = now_s();
+    for (int i = 0; i < n_gen; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
+    const double dc = (now_s() - c0) / n_gen;
+    seq.set_feature_layers({}, 0);
+    ds4::cuda_dspark d(dev, ds4::qat_mode::full);
+    const int64_t W = dw->cfg.window, F = d.feature_dim(), S = seq.n_past();
+    std::vector<float> feat(static_cast<size_t>(W * F));
+    uint64_t x = 88172645463325252ull;
+    for (float &f : feat) {  // xorshift, values in [-1, 1)
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        f = static_cast<float>(static_cast<double>(x >> 11) / 4503599627370496.0 - 1.0);
+    }
+    const double o0 = now_s();
+    d.observe(S - W, feat);
+    const double dobs = now_s() - o0;
+    for (int i = 0; i < 3; ++i) d.draft(S, t);  // warm-up (graph capture)
+    const int reps = std::max(8, n_gen);
+    const double d0 = now_s();
+    for (int i = 0; i < reps; ++i) d.draft(S, t);
+    const double dd = (now_s() - d0) / reps;
+    const double o1 = now_s();
+    d.observe(S, std::span(feat).first(static_cast<size_t>(F)));
+    const double dobs1 = now_s() - o1;
+    std::printf("%10s dspark: decode step with the feature capture %.3f ms (%.3fx); draft block %.3f ms = %.2fx a one-row step; "
+                "observe %lld rows %.3f ms, 1 row %.3f ms\n",
+                "", dc * 1e3, dc / dt, dd * 1e3, dd / dt, static_cast<long long>(W), dobs * 1e3, dobs1 * 1e3);
+}
+
 int main(int argc, char **argv) try {
     if (argc < 2) {
         std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n",
                      argv[0]);
         return 2;
     }
-    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file, profile = "decode";
+    std::string path = argv[1], kv = "f16", state_file, trace_file, ktrace_file, profile = "decode", dspark_file;
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false, paged = false;
@@ -186,6 +235,8 @@ int main(int argc, char **argv) try {
             profile = argv[++i];
         else if (a == "--capacity" && i + 1 < argc)
             capacity = parse_list(argv[++i]);
+        else if (a == "--dspark" && i + 1 < argc)
+            dspark_file = argv[++i];
         else
             throw error("unknown argument " + a);
     }
@@ -414,6 +465,7 @@ int main(int argc, char **argv) try {
             cudaFree(n);
             ktrace_file.clear();
         }
+        if (!dspark_file.empty()) dspark_costs(*m, w, dspark_file, seq, t, n_gen, dt);
         if (!seqs_list.empty()) {  // several sequences per step
             const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
             std::vector<std::unique_ptr<ds4::cuda_sequence>> many;

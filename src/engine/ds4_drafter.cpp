@@ -46,6 +46,7 @@ class mtp_drafter final : public ds4_drafter {
     }
     bool wants_hc_state() const override { return true; }
     std::span<const int> feature_layers() const override { return {}; }
+    int64_t context_rows() const override { return head_->window() + 2; }
 
     // Runs the head's rows n_past .. held.size() - 2 (each: the HC state at i, token i + 1); the states of
     // positions before p0 come from the ring, the rest from this forward's hc. The head's attention is
@@ -161,6 +162,7 @@ class dspark_drafter final : public ds4_drafter {
           feat_(static_cast<size_t>(w_->cfg.window + ds4::max_rollback) + 1, F_) {}
     bool wants_hc_state() const override { return false; }
     std::span<const int> feature_layers() const override { return w_->cfg.target_layers; }
+    int64_t context_rows() const override { return w_->cfg.window; }
 
     void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
                  std::span<const float> features) override {

@@ -38,6 +38,9 @@ class ds4_drafter {
     // What the target's step must capture for this drafter (ds4::step_extras).
     virtual bool wants_hc_state() const = 0;
     virtual std::span<const int> feature_layers() const = 0;
+    // Rows at the end of a long prompt the drafter can use (the rest cannot change a draft): a GPU target
+    // hands over the states / features of that many rows only.
+    virtual int64_t context_rows() const = 0;
     // The session now holds `held`; its last forward appended rows at positions [p0, p0 + n) with final
     // HC states hc [n, n_hc * D] (empty unless wants_hc_state) and features [n, F] (empty unless
     // feature_layers is not).
@@ -80,5 +83,9 @@ std::unique_ptr<ds4_drafter> make_mtp_drafter(std::unique_ptr<mtp_head> head, si
 std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights> head, int64_t n_ctx);
 std::unique_ptr<ds4_drafter> make_dspark_drafter(const ds4::model &target, std::shared_ptr<const ds4::dspark_weights> w,
                                                  ds4::qat_mode qat, const ds4::exec_options &exec);
+// CUDA builds only (engine/cuda/ds4_drafter_cuda.cpp): the DSpark drafter on the target's device
+// (ds4::cuda_dspark over the weights of ds4::cuda_upload_dspark), fed with the features the session's
+// cuda_sequence captures.
+std::unique_ptr<ds4_drafter> make_cuda_dspark_drafter(std::shared_ptr<const ds4::cuda_weights> w, ds4::qat_mode qat);
 
 }  // namespace fathom

@@ -40,9 +40,6 @@ ds4_engine::ds4_engine(const engine_options &o, std::shared_ptr<const gguf::file
     if (!o.ds4_draft.empty() && !o.dist.devices.empty())
         throw error("--spec " + o.ds4_draft + ": DeepSeek V4 drafts (and rolls back) on one device (the CPU or one GPU), "
                     "not with --devices");
-    if (o.ds4_draft == "dspark" && ordinal >= 0)
-        throw error("--spec dspark: the DSpark drafter runs on the CPU only so far, not with --device cuda (the MTP "
-                    "head and n-gram drafts run on one GPU: --spec mtp or ngram)");
     if (o.ds4_draft == "dspark" && o.ds4_draft_model.empty())
         throw error("--spec dspark needs --draft-model (a DSpark drafter GGUF for this model)");
     const std::vector<int> stage_ordinals = o.dist.devices.empty() ? std::vector<int>() : parse_device_list(o.dist.devices);
@@ -80,6 +77,7 @@ ds4_engine::ds4_engine(const engine_options &o, std::shared_ptr<const gguf::file
         make_cuda(ordinal);
     if (!o.ds4_draft.empty()) load_drafter();
     if (mtp_ && gpu_) gpu_->load_mtp(*model_, *mtp_);  // the head beside the weights, sharing embedding and output
+    if (dspark_ && gpu_) gpu_->load_dspark(*model_, *dspark_);  // likewise the DSpark drafter
     if (on_one_cpu() && o.ds4_checkpoint_mib > 0)
         ckpt_ = std::make_unique<ds4_checkpoints>(ds4_checkpoints::budget_from_mib(o.ds4_checkpoint_mib),
                                                   n_batch_);
@@ -586,7 +584,7 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
         std::lock_guard<std::mutex> lock(forward_mutex());
         const size_t B = static_cast<size_t>(gpu_->max_step_rows()), Vz = static_cast<size_t>(V),
                      S = static_cast<size_t>(model_->hp.n_hc) * static_cast<size_t>(model_->hp.n_embd);
-        std::vector<float> lg, hc;
+        std::vector<float> lg, hc, feat;
         for (size_t b0 = 0; b0 < batch.size();) {
             std::vector<gpu_sequence *> seqs;
             std::vector<int> counts;
@@ -600,12 +598,19 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 rows_wanted = rows_wanted || items[batch[b1].i].n_rows > 0;
             }
             lg.resize(rows_wanted ? toks.size() * Vz : 0);
-            // Every row's final HC state when a session of the step drafts with the MTP head (observe below).
+            // Every row's final HC state when a session of the step drafts with the MTP head, its features with
+            // DSpark (observe below; every session of an engine drafts alike).
             bool hc_wanted = false;
-            for (size_t k = b0; k < b1; ++k) hc_wanted = hc_wanted || (batch[k].s->drafter_ && batch[k].s->drafter_->wants_hc_state());
+            size_t F = 0;
+            for (size_t k = b0; k < b1; ++k)
+                if (const ds4_drafter *d = batch[k].s->drafter_.get()) {
+                    hc_wanted = hc_wanted || d->wants_hc_state();
+                    F = std::max(F, d->feature_layers().size() * static_cast<size_t>(model_->hp.n_embd));
+                }
             hc.resize(hc_wanted ? toks.size() * S : 0);
+            feat.resize(toks.size() * F);
             try {
-                gpu_->step_batch(seqs, counts, toks, lg, hc);
+                gpu_->step_batch(seqs, counts, toks, lg, hc, feat);
             } catch (...) {
                 for (size_t k = b0; k < b1; ++k)  // a device-side error reset the sequences: the sessions follow
                     if (batch[k].s->gpu_->n_past() != batch[k].s->n_past()) batch[k].s->reset();
@@ -623,9 +628,10 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 s.draft_conf_.clear();
                 s.have_logits_ = true;
                 s.logits_on_device_ = true;  // the last row's: sample() summarises them on the device
-                if (s.drafter_ && !hc.empty())
+                if (s.drafter_ && (!hc.empty() || F > 0))
                     s.drafter_->observe(s.tokens_, s.n_past() - static_cast<int64_t>(n),
-                                        std::span<const float>(hc).subspan((r - n) * S, n * S), {});
+                                        hc.empty() ? std::span<const float>() : std::span<const float>(hc).subspan((r - n) * S, n * S),
+                                        F == 0 ? std::span<const float>() : std::span<const float>(feat).subspan((r - n) * F, n * F));
             }
             b0 = b1;
         }

@@ -47,11 +47,18 @@ class gpu_sequence {
     // (products rounded to bf16). Throws on a bad token or a full context (nothing evaluated), and on a
     // device-side error (the sequence is then reset).
     // hc_tail (empty or [k, n_hc * D], k <= n): the final HC states of the last k tokens (the MTP head's input).
-    virtual void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {}) = 0;
+    // features_tail (empty or [k', F]): the DSpark features of the last k' tokens (set_feature_layers).
+    virtual void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {},
+                      std::span<float> features_tail = {}) = 0;
     // The same with plain decoding's numerics (each row bit-identical to its own decode step): a
     // speculative verification's rows. logits [n, n_vocab]; hc_out (empty or [n, n_hc * D]) every row's
     // final HC state.
-    virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {}) = 0;
+    // features (empty or [n, F]) every row's DSpark features.
+    virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
+                           std::span<float> features = {}) = 0;
+    // Capture the DSpark drafter's features (ds4::cuda_sequence::set_feature_layers): the mean of the HC
+    // streams after each of `layers`, at most max(tail_rows, 16) rows per evaluation.
+    virtual void set_feature_layers(std::span<const int> layers, int64_t tail_rows) = 0;
     // Rollback: forget positions [n, n_past), free down to rollback_floor() (max_rollback below the
     // furthest evaluated position); throws outside [rollback_floor(), n_past], nothing changed.
     virtual void truncate(int64_t n) = 0;
@@ -106,13 +113,20 @@ class ds4_gpu {
     // nothing evaluated on bad input; on a device-side error every sequence of the step is reset.
     virtual int max_step_rows() const = 0;
     // hc_out (empty or [rows, n_hc * D]): every row's final HC state (the MTP head's input).
+    // features (empty or [rows, F]): every row's DSpark features (the sequences capture the same layers).
     virtual void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts,
-                            std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {}) = 0;
+                            std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
+                            std::span<float> features = {}) = 0;
     // The MTP head on this device (ds4::cuda_upload_mtp: its block, sharing the embedding and output head
     // uploaded here), loaded once; new_mtp_head() a session's head over it (ds4_drafter.h), positions up
     // to n_ctx + ds4::max_rollback. Throws when no head is loaded, or a weight has no CUDA kernel.
     virtual void load_mtp(const ds4::model &m, const ds4::mtp_weights &w) = 0;
     virtual std::unique_ptr<mtp_head> new_mtp_head() const = 0;
+    // The DSpark drafter on this device (ds4::cuda_upload_dspark), loaded once; new_dspark_drafter() a
+    // session's drafter over it (its own context rings). Loading a drafter (MTP or DSpark) takes its bytes
+    // off the state pool's capacity. Throws when none is loaded, or a weight has no CUDA kernel.
+    virtual void load_dspark(const ds4::model &m, const ds4::dspark_weights &w) = 0;
+    virtual std::unique_ptr<ds4_drafter> new_dspark_drafter() const = 0;
 };
 
 struct ds4_gpu_options {

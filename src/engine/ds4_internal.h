@@ -178,6 +178,7 @@ class ds4_session final : public session {
     ds4_engine &e_;
     std::unique_ptr<ds4_drafter> drafter_;  // engine_options::ds4_draft (one device: CPU or GPU), else null
     extras_buffers xb_;                     // forward_chunk's extras for the drafter
+    size_t xb_rows_ = 0;                    // ... on one GPU: the rows they hold (the evaluation's last)
     ds4::state st_;  // CPU state (empty when the engine runs on CUDA or on several devices)
     // Several devices: this session's ranks (null after a failure until the next forward).
     std::unique_ptr<device_ranks> pl_;
@@ -247,6 +248,7 @@ class ds4_engine final : public engine {
         if (mtp_ && gpu_)  // the head on the device (ds4_gpu::load_mtp)
             return make_mtp_drafter(gpu_->new_mtp_head(), static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd));
         if (mtp_) return make_mtp_drafter(*model_, mtp_, qat_, opts_.kv, exec_);
+        if (dspark_ && gpu_) return gpu_->new_dspark_drafter();  // on the device (ds4_gpu::load_dspark)
         if (dspark_) return make_dspark_drafter(*model_, dspark_, qat_, exec_);
         return nullptr;
     }

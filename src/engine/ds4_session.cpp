@@ -11,6 +11,8 @@ ds4_session::ds4_session(ds4_engine &e) : e_(e) {
     if (e.pipelined()) pl_ = e.new_pipeline();
     if (!on_gpu() && !on_pipeline()) st_ = e.fresh_state();
     drafter_ = e.new_drafter();
+    if (gpu_ && drafter_ && !drafter_->feature_layers().empty())  // DSpark: the device captures its features
+        gpu_->set_feature_layers(drafter_->feature_layers(), drafter_->context_rows());
     logits_.assign(static_cast<size_t>(e.model().hp.n_vocab), 0.0f);
 }
 
@@ -106,18 +108,22 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
     }
     if (gpu_) {
         // A verification's rows (every row's logits, at most a rollback's width): one decode step each, so
-        // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16). With the
-        // MTP head: the final HC states of every verified row, or of a prompt's last window + 2 rows (the
-        // head's attention is window-only, so earlier rows cannot change a draft), into xb_.hc.
-        const size_t n = toks.size(), S = static_cast<size_t>(e_.model().hp.n_hc) * static_cast<size_t>(e_.model().hp.n_embd);
+        // greedy speculation gives plain decoding's tokens (chunked prefill rounds products to bf16). With a
+        // drafter: what it reads (the MTP head: final HC states into xb_.hc; DSpark: capture-layer features
+        // into xb_.features) of every verified row, or of a prompt's last context_rows() rows (earlier rows
+        // cannot change a draft); xb_rows_ of them.
+        const ds4::hparams &hp = e_.model().hp;
+        const size_t n = toks.size(), S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
         const bool rows = verification_rows(n, out.size());
+        xb_rows_ = drafter_ ? (rows ? n : std::min<size_t>(n, static_cast<size_t>(drafter_->context_rows()))) : 0;
         xb_.hc.clear();
-        if (drafter_ && drafter_->wants_hc_state())
-            xb_.hc.resize((rows ? n : std::min<size_t>(n, static_cast<size_t>(e_.model().hp.window) + 2)) * S);
+        xb_.features.clear();
+        if (drafter_ && drafter_->wants_hc_state()) xb_.hc.resize(xb_rows_ * S);
+        if (drafter_) xb_.features.resize(xb_rows_ * drafter_->feature_layers().size() * static_cast<size_t>(hp.n_embd));
         if (rows)
-            gpu_->eval_rows(toks, out, xb_.hc);
+            gpu_->eval_rows(toks, out, xb_.hc, xb_.features);
         else
-            gpu_->eval(toks, out, xb_.hc);
+            gpu_->eval(toks, out, xb_.hc, xb_.features);
         return;
     }
     if (!drafter_) {
@@ -176,10 +182,8 @@ void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
         }
         tokens_.insert(tokens_.end(), toks.begin() + done, toks.begin() + done + n);
         if (drafter_ && !on_gpu() && !on_pipeline()) observe(xb_, 0, n_past() - n, static_cast<size_t>(n));
-        if (drafter_ && on_gpu()) {  // the rows forward_chunk kept (the last ones)
-            const size_t k = xb_.hc.size() / (static_cast<size_t>(m.hp.n_hc) * static_cast<size_t>(m.hp.n_embd));
-            observe(xb_, 0, n_past() - static_cast<int64_t>(k), k);
-        }
+        if (drafter_ && on_gpu())  // the rows forward_chunk kept (the last ones)
+            observe(xb_, 0, n_past() - static_cast<int64_t>(xb_rows_), xb_rows_);
         done += n;
         if (last) {
             if (all_logits)

@@ -522,9 +522,9 @@ void resolve_spec_mode(spec_args &a, const model_args &m) {
     const std::string path = resolve_model_path(m.model, m.models_dir);
     const auto f = gguf::file::open(path);
     const std::string arch(f->get_string("general.architecture", ""));
-    // DeepSeek V4's own drafters run on one device: the MTP head on the CPU or one GPU, DSpark on the CPU
-    // only so far; elsewhere n-grams (prepare_spec turns speculation off when the sessions cannot roll back
-    // at all: several devices).
+    // DeepSeek V4's own drafters (the MTP head, DSpark) run on one device, the CPU or one GPU; elsewhere
+    // n-grams (prepare_spec turns speculation off when the sessions cannot roll back at all: several
+    // devices).
     if (arch == "deepseek4" && !m.devices.empty()) {
         a.mode = "ngram";
         return;
@@ -536,7 +536,7 @@ void resolve_spec_mode(spec_args &a, const model_args &m) {
         }
         const auto d = gguf::file::open(resolve_model_path(a.draft_model, m.models_dir));
         const bool dspark = d->get_string("general.architecture", "") == "deepseek4-dflash-draft";
-        a.mode = !dspark ? "mtp" : m.device == "cpu" ? "dspark" : "ngram";
+        a.mode = dspark ? "dspark" : "mtp";
         return;
     }
     a.mode = arch == "deepseek4" && f->get_int("deepseek4.nextn_predict_layers", 0) > 0 ? "mtp" : "ngram";

@@ -1164,8 +1164,10 @@ __device__ __forceinline__ void argmax_merge(float &v, int64_t &i, float v2, int
 }
 
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const float *__restrict__ x, int64_t n, int32_t *out) {
+    argmax_kernel(const float *__restrict__ x, int64_t n, int32_t *out, int64_t ld) {
     FATHOM_KTRACE_SCOPE(k_argmax);
+    x += static_cast<int64_t>(blockIdx.x) * ld;  // row blockIdx.x (launch_argmax_rows)
+    out += blockIdx.x;
     __shared__ float sv[kArgmaxThreads / 32];
     __shared__ int64_t si[kArgmaxThreads / 32];
     float v = -INFINITY;
@@ -1515,7 +1517,15 @@ void launch_gemv_grouped(dtype t, const void *W, size_t w_stride, int64_t K, int
 
 void launch_argmax(const float *x, int64_t n, int32_t *out, cudaStream_t s) {
     if (n < 1 || n > 0x7fffffff) throw error("cuda ds4 argmax: n = " + std::to_string(n) + " out of range");
-    argmax_kernel<<<1, kArgmaxThreads, 0, s>>>(x, n, out);
+    argmax_kernel<<<1, kArgmaxThreads, 0, s>>>(x, n, out, 0);
+    check_launch("argmax");
+}
+
+void launch_argmax_rows(const float *x, int64_t n, int rows, int64_t ld, int32_t *out, cudaStream_t s) {
+    if (n < 1 || n > 0x7fffffff || rows < 1 || rows > 65535 || ld < n)
+        throw error("cuda ds4 argmax: n = " + std::to_string(n) + ", " + std::to_string(rows) + " rows " +
+                    std::to_string(ld) + " apart out of range");
+    argmax_kernel<<<static_cast<unsigned>(rows), kArgmaxThreads, 0, s>>>(x, n, out, ld);
     check_launch("argmax");
 }
 

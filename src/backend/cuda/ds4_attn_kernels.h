@@ -145,6 +145,9 @@ void launch_gemv_grouped(dtype t, const void *W, size_t w_stride, int64_t K, int
 
 // Index of the largest of n logits (ties: lower index) into *out. n <= 2^31.
 void launch_argmax(const float *x, int64_t n, int32_t *out, cudaStream_t s);
+// The same for `rows` rows of x, ld floats apart, in one launch (one block per row, each row's reduction
+// launch_argmax's): out[r] for row r.
+void launch_argmax_rows(const float *x, int64_t n, int rows, int64_t ld, int32_t *out, cudaStream_t s);
 
 // Bit set in the error word when a compressor row index lands outside its buffer.
 constexpr uint32_t err_comp_row = 1u << 10;

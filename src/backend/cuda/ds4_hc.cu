@@ -334,6 +334,19 @@ __global__ void hc_post_kernel(int n, int64_t D, const float *__restrict__ y, co
     for (int k = 0; k < n; ++k) x_new[k * D + i] = hc_post_elem(post, comb, n, k, yi, xo);
 }
 
+// Thread i of token blockIdx.y: out[tok * out_stride + i] = (x_0[i] + ... + x_(n-1)[i]) / n, summed in
+// stream order then divided (the CPU's dspark_capture, bit for bit). x [n_tok, n, D].
+__global__ void hc_stream_mean_kernel(int n, int64_t D, const float *__restrict__ x, float *__restrict__ out,
+                                      int64_t out_stride) {
+    const size_t tok = blockIdx.y;
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= D) return;
+    x += tok * n * D;
+    float acc = 0.0f;
+    for (int k = 0; k < n; ++k) acc = __fadd_rn(acc, x[k * D + i]);
+    out[tok * out_stride + i] = __fdiv_rn(acc, static_cast<float>(n));
+}
+
 // ---- fused decode HC: [HCPost +] HCPre / HC head + RMSNorm in one launch ------------------------
 // Grid: one block per mixer output (n_mix + 1, kMixThreads threads), as hc_mix_kernel. Every block
 //   1. prefetches its fn row into L2 (weights only: the part allowed before the PDL wait), waits;
@@ -1052,6 +1065,17 @@ void launch_hc_head_fused_rows(const hc_params &p, dtype fn_type, const void *fn
                                const float *base, const float *scale, const hc_fused_io &io, int rows, cudaStream_t s) {
     if (rows < 1 || rows > 65535) throw error("cuda ds4 hc head (rows): bad row count " + std::to_string(rows));
     hc_fused(p, fn_type, fn, fn_row_bytes, base, scale, io, true, s, rows);
+}
+
+void launch_hc_stream_mean(int n_hc, int64_t dim, int64_t n_tok, const float *x, float *out, int64_t out_stride,
+                           cudaStream_t s) {
+    if (n_hc < 1 || n_hc > kMaxHc || dim < 1 || out_stride < dim)
+        throw error("cuda ds4 hc stream mean: unsupported n_hc " + std::to_string(n_hc) + " / output stride");
+    if (n_tok < 1 || n_tok > kMaxGridY)
+        throw error("cuda ds4 hc stream mean: token count " + std::to_string(n_tok) + " outside [1, 65535]");
+    const dim3 grid(static_cast<unsigned>((dim + 255) / 256), static_cast<unsigned>(n_tok));
+    hc_stream_mean_kernel<<<grid, 256, 0, s>>>(n_hc, dim, x, out, out_stride);
+    check_launch("hc stream mean");
 }
 
 void launch_gpu_sleep(uint64_t ns, cudaStream_t s) {

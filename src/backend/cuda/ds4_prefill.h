@@ -151,6 +151,12 @@ void launch_hc_pre_batch(const hc_params &p, dtype fn_type, const void *fn, size
 void launch_hc_post_batch(int n_hc, int64_t dim, int64_t n_tok, const float *y, const float *x_old, const float *post,
                           const float *comb, float *x_new, cudaStream_t s);
 
+// The DSpark drafter's target feature of each of n_tok tokens (spec 7): out[t * out_stride + i] = the mean
+// of the n_hc streams of x [n_tok, n_hc * D] at column i, summed in stream order then divided by n_hc (the
+// CPU's ds4::dspark_capture, bit for bit). out_stride >= D.
+void launch_hc_stream_mean(int n_hc, int64_t dim, int64_t n_tok, const float *x, float *out, int64_t out_stride,
+                           cudaStream_t s);
+
 // ---- query and KV rows, compressors (ds4_attn.cu) ----------------------------------------------
 
 // launch_head_norm_rope for each token (bit-identical): x [n_tok, n_head, hd], token t at *pos + t.

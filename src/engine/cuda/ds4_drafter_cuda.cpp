@@ -1,12 +1,15 @@
-// The MTP head on one GPU (ds4_drafter.h mtp_head): its block on the target's device (ds4::cuda_upload_mtp,
-// the embedding and output head shared with the target), one ds4::cuda_sequence per session, every row one
-// eval_mtp (a replayed graph). Compiled only in CUDA builds (src/CMakeLists.txt: engine/cuda/).
+// The drafters on one GPU: the MTP head (ds4_drafter.h mtp_head: its block on the target's device,
+// ds4::cuda_upload_mtp, the embedding and output head shared with the target, one ds4::cuda_sequence per
+// session, every row one eval_mtp, a replayed graph) and the DSpark drafter (ds4::cuda_dspark, one per
+// session). Compiled only in CUDA builds (src/CMakeLists.txt: engine/cuda/).
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "core/error.h"
 #include "engine/ds4_drafter.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_dspark.h"
 
 namespace fathom {
 namespace {
@@ -34,7 +37,42 @@ class cuda_mtp_head final : public mtp_head {
     size_t S_;
 };
 
+// The DSpark drafter on the device: the target's features go to the drafter's rings as they come (observe);
+// a draft is one block from the pending token over the longest run of observed positions before it.
+class cuda_dspark_drafter final : public ds4_drafter {
+  public:
+    cuda_dspark_drafter(std::shared_ptr<const ds4::cuda_weights> w, ds4::qat_mode qat) : d_(std::move(w), qat) {}
+    bool wants_hc_state() const override { return false; }
+    std::span<const int> feature_layers() const override { return d_.config().target_layers; }
+    int64_t context_rows() const override { return d_.config().window; }
+    void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
+                 std::span<const float> features) override {
+        (void)held, (void)hc;
+        d_.observe(p0, features);
+    }
+    void truncate(int64_t n) override { d_.truncate(n); }
+    void reset() override { d_.reset(); }
+    std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max,
+                               std::vector<float> *confidence) override {
+        if (confidence) confidence->clear();
+        if (max <= 0) return {};
+        const ds4::dspark_block b = d_.draft(static_cast<int64_t>(held.size()), pending);
+        std::vector<int32_t> d = b.draft_tokens;
+        if (static_cast<int64_t>(d.size()) > max) d.resize(static_cast<size_t>(max));
+        if (confidence) confidence->assign(b.confidence.begin(), b.confidence.begin() + static_cast<std::ptrdiff_t>(d.size()));
+        return d;
+    }
+
+  private:
+    ds4::cuda_dspark d_;
+};
+
 }  // namespace
+
+std::unique_ptr<ds4_drafter> make_cuda_dspark_drafter(std::shared_ptr<const ds4::cuda_weights> w, ds4::qat_mode qat) {
+    if (!w) throw error("ds4 drafter: no DSpark drafter on the device");
+    return std::make_unique<cuda_dspark_drafter>(std::move(w), qat);
+}
 
 std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_weights> head, int64_t n_ctx) {
     if (!head) throw error("ds4 drafter: no MTP head on the device");

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "engine/ds4_gpu.h"
 #include "models/cuda/deepseek4_cuda.h"
+#include "models/cuda/deepseek4_cuda_dspark.h"
 
 namespace fathom::ds4_detail {
 
@@ -46,11 +47,16 @@ class cuda_gpu_sequence final : public gpu_sequence {
     bool reserve(int64_t n_tokens) override { return seq_->reserve(n_tokens); }
     size_t row_bytes() const override { return seq_->row_bytes(); }
     int64_t mapped_tokens() const override { return seq_->mapped_tokens(); }
-    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) override {
-        seq_->eval(tokens, logits, hc_tail);
+    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail,
+              std::span<float> features_tail) override {
+        seq_->eval(tokens, logits, hc_tail, features_tail);
     }
-    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) override {
-        seq_->eval_rows(tokens, logits, hc_out);
+    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out,
+                   std::span<float> features) override {
+        seq_->eval_rows(tokens, logits, hc_out, features);
+    }
+    void set_feature_layers(std::span<const int> layers, int64_t tail_rows) override {
+        seq_->set_feature_layers(layers, tail_rows);
     }
     void truncate(int64_t n) override { seq_->truncate(n); }
     int64_t rollback_floor() const override { return seq_->rollback_floor(); }
@@ -89,7 +95,8 @@ class cuda_gpu final : public ds4_gpu {
           kv_(o.kv),
           n_ctx_(o.n_ctx),
           prefill_chunk_(o.prefill_chunk),
-          graphs_(o.cuda_graphs) {}
+          graphs_(o.cuda_graphs),
+          qat_(o.qat) {}
 
     const std::string &name() const override { return name_; }
     double bytes_per_token() const override { return ds4::cuda_bytes_per_token(*w_); }
@@ -111,21 +118,38 @@ class cuda_gpu final : public ds4_gpu {
     size_t row_bytes(int64_t n_tokens) const override { return ds4::cuda_row_bytes(hp_, kv_, n_tokens); }
     int max_step_rows() const override { return cuda::ds4::gemv_max_rows; }
     void step_batch(std::span<gpu_sequence *const> seqs, std::span<const int> counts, std::span<const int32_t> tokens,
-                    std::span<float> logits, std::span<float> hc_out) override {
+                    std::span<float> logits, std::span<float> hc_out, std::span<float> features) override {
         std::vector<ds4::cuda_sequence *> cs;  // every sequence is this executor's (new_sequence)
         cs.reserve(seqs.size());
         for (gpu_sequence *s : seqs) cs.push_back(s ? &static_cast<cuda_gpu_sequence *>(s)->seq() : nullptr);
-        ds4::cuda_sequence::step_batch(cs, counts, tokens, logits, hc_out);
+        ds4::cuda_sequence::step_batch(cs, counts, tokens, logits, hc_out, features);
     }
-    void load_mtp(const ds4::model &m, const ds4::mtp_weights &w) override { mtp_ = ds4::cuda_upload_mtp(m, w, w_); }
+    void load_mtp(const ds4::model &m, const ds4::mtp_weights &w) override {
+        mtp_ = ds4::cuda_upload_mtp(m, w, w_);
+        shrink_pool(ds4::cuda_weight_bytes(*mtp_));
+    }
     std::unique_ptr<mtp_head> new_mtp_head() const override {
         if (!mtp_) throw error("ds4 gpu: no MTP head loaded");
         return make_cuda_mtp_head(mtp_, n_ctx_ + ds4::max_rollback);
     }
+    void load_dspark(const ds4::model &m, const ds4::dspark_weights &w) override {
+        dspark_ = ds4::cuda_upload_dspark(m, w, w_);
+        shrink_pool(ds4::cuda_weight_bytes(*dspark_));
+    }
+    std::unique_ptr<ds4_drafter> new_dspark_drafter() const override {
+        if (!dspark_) throw error("ds4 gpu: no DSpark drafter loaded");
+        return make_cuda_dspark_drafter(dspark_, qat_);
+    }
 
   private:
+    // A drafter's weights came out of the memory the state pool was sized from (make_ds4_gpu).
+    void shrink_pool(size_t bytes) {
+        const int64_t blocks = static_cast<int64_t>((bytes + state_->block_bytes() - 1) / state_->block_bytes());
+        state_->set_capacity(std::max<int64_t>(1, state_->capacity() - blocks));
+    }
     std::shared_ptr<const ds4::cuda_weights> w_;
-    std::shared_ptr<const ds4::cuda_weights> mtp_;  // load_mtp (null without)
+    std::shared_ptr<const ds4::cuda_weights> mtp_;     // load_mtp (null without)
+    std::shared_ptr<const ds4::cuda_weights> dspark_;  // load_dspark (null without)
     // The sequences share one prefill scratch: their evaluations run under the engine's forward mutex.
     std::shared_ptr<ds4::cuda_prefill_pool> prefill_ = ds4::cuda_make_prefill_pool();
     std::shared_ptr<cuda::block_pool> state_;  // the sequences' compressed and indexer rows
@@ -135,6 +159,7 @@ class cuda_gpu final : public ds4_gpu {
     kv_precision kv_;
     int64_t n_ctx_, prefill_chunk_;
     bool graphs_;
+    ds4::qat_mode qat_;
 };
 
 }  // namespace

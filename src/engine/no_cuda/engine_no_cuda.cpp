@@ -46,6 +46,10 @@ std::unique_ptr<mtp_head> make_cuda_mtp_head(std::shared_ptr<const ds4::cuda_wei
     no_cuda();
 }
 
+std::unique_ptr<ds4_drafter> make_cuda_dspark_drafter(std::shared_ptr<const ds4::cuda_weights>, ds4::qat_mode) {
+    no_cuda();
+}
+
 namespace ds4_detail {
 
 std::unique_ptr<ds4_gpu> make_ds4_gpu(const ds4::model &, const ds4_gpu_options &) {

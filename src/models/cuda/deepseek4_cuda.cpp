@@ -53,105 +53,6 @@ namespace cd = cuda::ds4;
 
 namespace cuda_impl {
 
-// Copies host tensors to the device once each (a map from host address to device address), with
-// 256 zeroed bytes after every buffer (block decoders read a little past a row; float expert rows
-// up to 31 elements). replicate > 0: sparse synthetic file, rows >= replicate repeat rows 0..P-1.
-class uploader {
-  public:
-    uploader(cuda_weights &w, int64_t replicate, uint64_t total, const std::function<void(uint64_t, uint64_t)> &cb)
-        : w_(w), replicate_(replicate), total_(total), cb_(cb) {}
-
-    const void *bytes(const uint8_t *src, size_t n, size_t row_bytes, int64_t rows) {
-        if (auto it = seen_.find(src); it != seen_.end()) return it->second;
-        void *d = nullptr;
-        ck(cudaMalloc(&d, n + 256), "allocating weights");
-        w_.allocs.push_back(d);
-        ck(cudaMemset(static_cast<uint8_t *>(d) + n, 0, 256), "padding");
-        if (replicate_ > 0 && rows > replicate_ && row_bytes > 0) {
-            size_t have = static_cast<size_t>(replicate_) * row_bytes;
-            ck(cudaMemcpy(d, src, have, cudaMemcpyHostToDevice), "uploading weights");
-            while (have < n) {  // doubling device copies: row r = row r mod P
-                const size_t c = std::min(have, n - have);
-                ck(cudaMemcpy(static_cast<uint8_t *>(d) + have, d, c, cudaMemcpyDeviceToDevice), "replicating rows");
-                have += c;
-            }
-        } else {
-            ck(cudaMemcpy(d, src, n, cudaMemcpyHostToDevice), "uploading weights");
-        }
-        w_.bytes += n;
-        done_ += n;
-        if (cb_) cb_(std::min(done_, total_), total_);
-        seen_.emplace(src, d);
-        return d;
-    }
-    // gemv: the matrix is only ever multiplied by launch_gemv-style decode GEMVs, so it gets the fast
-    // form when ds4_gemv supports its type and shape (q8_0: repacked once on the device, the GGUF copy
-    // freed; f16 / f32: used in place).
-    dmat mat(const matrix &m, bool gemv = false) {
-        dmat r;
-        r.type = m.type;
-        r.rows = m.rows;
-        r.cols = m.cols;
-        r.row_bytes = m.row_bytes;
-        if (!m.data) return r;
-        const size_t n = static_cast<size_t>(m.rows - 1) * m.row_bytes + dtype_row_bytes(m.type, m.cols);
-        r.p = bytes(m.data, n, m.row_bytes, m.rows);
-        if (!gemv || !cd::gemv_fast_supported(m.type, m.cols) || (m.type != dtype::q8_0 && m.row_bytes % 16 != 0))
-            return r;
-        void *dst = nullptr;
-        if (m.type == dtype::q8_0) {
-            ck(cudaMalloc(&dst, cd::gemv_prepared_bytes(m.type, m.rows, m.cols) + 256), "allocating weights");
-            w_.allocs.push_back(dst);
-        }
-        r.fw = cd::gemv_prepare(m.type, r.p, m.row_bytes, m.rows, m.cols, dst, nullptr);
-        r.fast = true;
-        if (m.type == dtype::q8_0) {  // the repacked copy replaces the GGUF rows
-            ck(cudaDeviceSynchronize(), "repacking weights");
-            void *raw = const_cast<void *>(r.p);
-            w_.allocs.erase(std::find(w_.allocs.begin(), w_.allocs.end(), raw));
-            seen_.erase(m.data);
-            ck(cudaFree(raw), "freeing repacked rows");
-            r.p = nullptr;
-        }
-        return r;
-    }
-    const float *vec(const std::vector<float> &v) {
-        if (v.empty()) return nullptr;
-        return static_cast<const float *>(bytes(reinterpret_cast<const uint8_t *>(v.data()), v.size() * sizeof(float), 0, 0));
-    }
-    cd::expert_bank bank(const expert_bank &b) {
-        cd::expert_bank r;
-        r.type = b.first.type;
-        r.row_bytes = b.first.row_bytes;
-        r.expert_bytes = b.expert_bytes;
-        r.n_expert = b.n;
-        r.rows = b.first.rows;
-        r.cols = b.first.cols;
-        if (b.first.data)
-            r.data = bytes(b.first.data, b.expert_bytes * static_cast<size_t>(b.n), b.first.row_bytes, b.first.rows * b.n);
-        return r;
-    }
-    cd::expert_bank single(const matrix &m) {
-        cd::expert_bank r;
-        const dmat d = mat(m);
-        r.type = d.type;
-        r.data = d.p;
-        r.row_bytes = d.row_bytes;
-        r.expert_bytes = d.row_bytes * static_cast<size_t>(d.rows);
-        r.n_expert = 1;
-        r.rows = d.rows;
-        r.cols = d.cols;
-        return r;
-    }
-
-  private:
-    cuda_weights &w_;
-    int64_t replicate_;
-    uint64_t total_, done_ = 0;
-    const std::function<void(uint64_t, uint64_t)> &cb_;
-    std::unordered_map<const void *, void *> seen_;
-};
-
 double mat_bytes(const dmat &m) {
     return m.p || m.fast ? static_cast<double>(m.row_bytes) * static_cast<double>(m.rows) : 0.0;
 }
@@ -1207,6 +1108,7 @@ class step_exec final : public executor {
         p_.phase("hc post + pre + rmsnorm");
         cd::launch_hc_pre_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
                                 io(attn ? l.attn_norm : l.ffn_norm, p_.xn), p_.s);
+        capture();
     }
     void attention(int il) override { p_.enqueue_attention(layer(il), p_.ls[static_cast<size_t>(il - w_.first)]); }
     void moe(int il) override {
@@ -1219,9 +1121,13 @@ class step_exec final : public executor {
         p_.phase("head (hc post + head, norm, output, argmax)");
         const dhc &h = w_.hc_head;
         cd::launch_hc_head_fused(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, io(w_.output_norm, p_.zh), p_.s);
+        capture();
         gemv(w_.output, p_.zh, p_.logits, p_.s);
         cd::launch_argmax(p_.logits, w_.hp.n_vocab, p_.amax, p_.s);
     }
+    // DSpark features (set_feature_layers): the state after block il is whole once the next fused launch
+    // has folded its HCPost in (x[cur] then), so the capture of a capture block waits for that launch.
+    void after_block(int il) { cap_ = p_.feat_slot(il); }
     // A stage without the head: the pending post applied (two per block: the state is back in x[0]).
     void end_stage() {
         p_.phase("hc post");
@@ -1245,6 +1151,12 @@ class step_exec final : public executor {
         cuda::launch_elementwise(cuda::ew_op::add_bcast, p_.x[0], D, p_.y, 0, p_.x[0], D, D, nh, 0.0f, p_.s);
     }
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
+    void capture() {
+        if (cap_ < 0) return;
+        const int64_t D = w_.hp.n_embd;
+        cd::launch_hc_stream_mean(w_.hp.n_hc, D, 1, p_.x[cur_], p_.feat + cap_ * D, p_.feat_floats(), p_.s);
+        cap_ = -1;
+    }
     cd::hc_fused_io io(const float *norm, float *out) {
         cd::hc_fused_io r;
         r.y = pending_ ? p_.y : nullptr;
@@ -1260,7 +1172,7 @@ class step_exec final : public executor {
     const cuda_weights &w_;
     const cd::hc_params hcp_;
     uint32_t *sync_ = nullptr;
-    int cur_ = 0;
+    int cur_ = 0, cap_ = -1;
     bool pending_ = false;
 };
 
@@ -1268,7 +1180,9 @@ class step_exec final : public executor {
 
 void cuda_sequence::impl::enqueue_step() {
     step_exec ex(*this);
-    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), w->head());
+    std::function<void(int)> after;
+    if (!feat_layers.empty()) after = [&](int il) { ex.after_block(il); };
+    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), w->head(), after);
     if (!w->head()) ex.end_stage();
     phase("");
 }
@@ -1397,6 +1311,16 @@ class chunk_exec final : public executor {
         cur_ = 1 - cur_;
     }
     void head() override {}  // eval_chunk's: per wanted row, from cs->x[0]
+    // DSpark features of the chunk's rows [feat_first_, n) after a capture block (its state is whole here:
+    // the chunk applies every HCPost at once) into feat rows 0...
+    void after_block(int il) {
+        const int t = p_.feat_slot(il);
+        if (t < 0 || feat_first_ >= n_) return;
+        const int64_t D = w_.hp.n_embd;
+        cd::launch_hc_stream_mean(w_.hp.n_hc, D, n_ - feat_first_, cs_.x[cur_] + feat_first_ * w_.hp.n_hc * D,
+                                  p_.feat + t * D, p_.feat_floats(), p_.s);
+    }
+    int64_t feat_first_ = 0;
 
   private:
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
@@ -1410,14 +1334,17 @@ class chunk_exec final : public executor {
 
 }  // namespace
 
-void cuda_sequence::impl::enqueue_chunk(int64_t n) {
+void cuda_sequence::impl::enqueue_chunk(int64_t n, int64_t feat_first) {
     chunk_exec ex(*this, n);
-    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), false);
+    ex.feat_first_ = feat_first;
+    std::function<void(int)> after;
+    if (feat_first < n) after = [&](int il) { ex.after_block(il); };
+    run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), false, after);
 }
 
 // Logits of token i of the chunk (its state in cs->x[0]): HC head, norm, output head, argmax.
 void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits,
-                               bool all_logits, int64_t x_out_first) {
+                               bool all_logits, int64_t x_out_first, float *feat_out, int64_t feat_first) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     const int64_t n = static_cast<int64_t>(tokens.size()), D = hp.n_embd;
@@ -1428,7 +1355,11 @@ void cuda_sequence::eval_chunk(std::span<const int32_t> tokens, const float *x_i
     ck(cudaMemcpyAsync(p.cs->tokens, tokens.data(), tokens.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s),
        "uploading tokens");
     if (x_in) ck(cudaMemcpyAsync(p.cs->x[0], x_in, n * S * sizeof(float), cudaMemcpyHostToDevice, p.s), "uploading the state");
-    p.enqueue_chunk(n);
+    p.enqueue_chunk(n, feat_out ? feat_first : n);
+    if (feat_out)
+        ck(cudaMemcpyAsync(feat_out, p.feat, static_cast<size_t>((n - feat_first) * p.feat_floats()) * sizeof(float),
+                           cudaMemcpyDeviceToHost, p.s),
+           "downloading features");
     if (x_out)
         ck(cudaMemcpyAsync(x_out, p.cs->x[0] + x_out_first * S, (n - x_out_first) * S * sizeof(float), cudaMemcpyDeviceToHost,
                            p.s),
@@ -1622,7 +1553,8 @@ cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std:
     return r;
 }
 
-void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out) {
+void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out,
+                         float *feat_out) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
@@ -1673,6 +1605,9 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
            "downloading logits");
     if (argmax_host) ck(cudaMemcpyAsync(p.h_amax, p.amax, sizeof(int32_t), cudaMemcpyDeviceToHost, p.s), "downloading");
     if (x_out) ck(cudaMemcpyAsync(x_out, p.x[0], S * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading the state");
+    if (feat_out)
+        ck(cudaMemcpyAsync(feat_out, p.feat, static_cast<size_t>(p.feat_floats()) * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading features");
     ck(cudaStreamSynchronize(p.s), "decode step");
     if (*p.err_h != 0) {
         const uint32_t e = *p.err_h;
@@ -1706,7 +1641,7 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
 }
 
 void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits,
-                              std::span<float> hc_tail) {
+                              std::span<float> hc_tail, std::span<float> feat_tail) {
     const cuda_weights &w = *p_->w;
     const size_t n = tokens.size(), V = static_cast<size_t>(w.hp.n_vocab);
     const size_t S = static_cast<size_t>(w.hp.n_hc) * static_cast<size_t>(w.hp.n_embd);
@@ -1720,9 +1655,16 @@ void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> 
     if (hc_tail.size() % S != 0 || hc_tail.size() / S > n)
         throw error("cuda ds4: hc_tail buffer of " + std::to_string(hc_tail.size()) + " floats for " + std::to_string(n) +
                     " tokens of " + std::to_string(S) + "-float states");
+    const size_t F = static_cast<size_t>(p_->feat_floats());
+    if (!feat_tail.empty() && (F == 0 || feat_tail.size() % F != 0 || feat_tail.size() / F > n ||
+                               static_cast<int64_t>(feat_tail.size() / F) > p_->feat_rows))
+        throw error("cuda ds4: features buffer of " + std::to_string(feat_tail.size()) + " floats for " + std::to_string(n) +
+                    " tokens of " + std::to_string(F) + "-float features (at most " + std::to_string(p_->feat_rows) +
+                    " rows; set_feature_layers)");
     check_tokens(tokens);
     map_rows(n_past_ + static_cast<int64_t>(n));
     const size_t t0 = n - hc_tail.size() / S;  // the first token whose state goes to hc_tail
+    const size_t f0 = feat_tail.empty() ? n : n - feat_tail.size() / F;  // ... whose features go to feat_tail
     if (n > 1 && chunk_ > 1) {  // layer-major chunks
         p_->take_chunk();
         struct give_back {
@@ -1740,8 +1682,14 @@ void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> 
                 first = t0 > c0 ? t0 - c0 : 0;
                 out = hc_tail.data() + (c0 + first - t0) * S;
             }
+            float *fo = nullptr;
+            size_t ff = m;
+            if (c0 + m > f0) {  // ... some of the features' tail
+                ff = f0 > c0 ? f0 - c0 : 0;
+                fo = feat_tail.data() + (c0 + ff - f0) * F;
+            }
             eval_chunk(tokens.subspan(c0, m), w.embed() ? nullptr : x.data() + c0 * S, out, lg, all,
-                       static_cast<int64_t>(first));
+                       static_cast<int64_t>(first), fo, static_cast<int64_t>(ff));
         }
         return;
     }
@@ -1752,7 +1700,8 @@ void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> 
         else if (!logits.empty() && i + 1 == n)
             out = logits.data();
         float *state = w.head() ? (i >= t0 && !hc_tail.empty() ? hc_tail.data() + (i - t0) * S : nullptr) : x.data() + i * S;
-        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, state);
+        step(tokens[i], out, nullptr, w.embed() ? nullptr : x.data() + i * S, state,
+             i >= f0 ? feat_tail.data() + (i - f0) * F : nullptr);
     }
 }
 
@@ -1772,9 +1721,37 @@ int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, s
     return amax;
 }
 
-void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail) {
+void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail,
+                         std::span<float> features_tail) {
     if (!p_->w->embed() || !p_->w->head()) throw error("cuda ds4: eval() needs the whole model; a stage uses eval_stage()");
-    eval_impl(tokens, {}, logits, hc_tail);  // the whole model: no state enters through the host
+    eval_impl(tokens, {}, logits, hc_tail, features_tail);  // the whole model: no state enters through the host
+}
+
+void cuda_sequence::set_feature_layers(std::span<const int> layers, int64_t tail_rows) {
+    impl &p = *p_;
+    const cuda_weights &w = *p.w;
+    if (!layers.empty() && (!w.embed() || !w.head() || w.mtp))
+        throw error("cuda ds4: feature capture needs the whole target model on this device");
+    for (int il : layers)
+        if (il < 0 || il >= w.hp.n_layer)
+            throw error("cuda ds4: feature layer " + std::to_string(il) + " outside the model's " +
+                        std::to_string(w.hp.n_layer) + " blocks");
+    if (tail_rows < 0) throw error("cuda ds4: negative feature rows");
+    ck(cudaSetDevice(w.device), "selecting the device");
+    ck(cudaStreamSynchronize(p.s), "feature capture");
+    if (p.graph) {  // captured with the old capture points
+        cudaGraphExecDestroy(p.graph);
+        p.graph = nullptr;
+    }
+    p.feat_layers.assign(layers.begin(), layers.end());
+    ++p.feat_epoch;
+    const int64_t rows = layers.empty() ? 0 : std::max<int64_t>(tail_rows, cd::gemv_max_rows);
+    const size_t need = static_cast<size_t>(rows * p.feat_floats());
+    if (need > p.feat_cap) {  // (the smaller buffer stays allocated until the sequence goes)
+        p.feat = p.dev<float>(need);
+        p.feat_cap = need;
+    }
+    p.feat_rows = rows;
 }
 
 }  // namespace fathom::ds4

@@ -151,8 +151,10 @@ class cuda_sequence {
     // GEMVs' f32 activations: logits agree with token-serial evaluation to bf16 precision. Throws on a token outside the vocabulary or past
     // n_ctx (nothing evaluated), and on a device-side error (the sequence is then reset).
     // hc_tail (empty or [k, n_hc * D], k <= tokens.size()): the final HC states (before the HC head) of the
-    // last k tokens, what the MTP head drafts from (eval_mtp).
-    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {});
+    // last k tokens, what the MTP head drafts from (eval_mtp). features_tail (empty or [k', F], k' <=
+    // min(tokens.size(), the tail_rows of set_feature_layers)): the DSpark features of the last k' tokens.
+    void eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail = {},
+              std::span<float> features_tail = {});
     // A pipeline stage (weights uploaded for a block range): x [n, n_hc * D] is the HC state entering
     // the range (ignored when the range starts at block 0: the tokens are embedded here) and, unless
     // the range ends with the last block, receives the state leaving it. logits as in eval() (only
@@ -164,9 +166,17 @@ class cuda_sequence {
     // round products to bf16: what a speculative verification needs. The dense products read each weight
     // once for all the rows of a step; a graph is captured per row count and replayed. logits [n, n_vocab]
     // (every row's; may be empty), hc_out [n, n_hc * D] (the final HC state of every row before the HC
-    // head, the MTP head's input; may be empty). Throws as eval(); on a device-side error the sequence is
-    // reset.
-    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {});
+    // head, the MTP head's input; may be empty), features [n, F] (every row's DSpark features; may be
+    // empty). Throws as eval(); on a device-side error the sequence is reset.
+    void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
+                   std::span<float> features = {});
+    // The DSpark drafter's target features (deepseek4_dspark.h, spec 7): from now on every evaluation
+    // computes, for each row, the mean of the n_hc streams of the state after each of `layers` (block
+    // indices of the model, in feature order; F = layers.size() * n_embd floats a row, the bits of the
+    // CPU's ds4::dspark_capture), and hands them out where its features buffer asks; at most
+    // max(tail_rows, 16) rows per evaluation. Empty layers: no capture (the default). Drops the captured
+    // graphs. Throws fathom::error for a block outside the model or a pipeline stage.
+    void set_feature_layers(std::span<const int> layers, int64_t tail_rows);
     // Rollback (the CPU state's ds4::truncate): forget positions [n, n_past). The raw ring keeps
     // ds4::max_rollback rows more than the window and the compressor frontiers max_rollback slots more
     // than a block reads, all indexed by position, so the rows of positions < n are intact and nothing
@@ -228,8 +238,11 @@ class cuda_sequence {
     // its last row's. Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
     // other weights, more than 16 rows, a token outside the vocabulary, a full context; on a device-side
     // error every sequence of the step is reset.
+    // features (empty or [rows, F]): every row's DSpark features (seqs[0]'s set_feature_layers decides
+    // which).
     static void step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
-                           std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {});
+                           std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
+                           std::span<float> features = {});
 
     // The device state and launch code (deepseek4_cuda.cpp; its executors of the DS4 forward drive it).
     struct impl;
@@ -242,11 +255,13 @@ class cuda_sequence {
     bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
     uint64_t replays_ = 0;
     // x_out: the state leaving the chunk's rows [x_out_first, n) (stages: all of them).
+    // feat_out: the features of the chunk's rows [feat_first, n) (set_feature_layers), or null.
     void eval_chunk(std::span<const int32_t> tokens, const float *x_in, float *x_out, float *logits, bool all_logits,
-                    int64_t x_out_first = 0);
-    void eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits, std::span<float> hc_tail);
+                    int64_t x_out_first = 0, float *feat_out = nullptr, int64_t feat_first = 0);
+    void eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits, std::span<float> hc_tail,
+                   std::span<float> feat_tail = {});
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
-              float *x_out = nullptr);
+              float *x_out = nullptr, float *feat_out = nullptr);
 
     void check_tokens(std::span<const int32_t> tokens) const;
     // Paged state: the rows of positions [0, n_end) mapped, or fathom::error (nothing changed) when the

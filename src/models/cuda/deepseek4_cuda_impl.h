@@ -3,12 +3,14 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include "core/error.h"
 #include "models/cuda/deepseek4_cuda.h"
 #include "models/cuda/deepseek4_cuda_testing.h"
+#include "models/deepseek4_dspark.h"
 
 namespace fathom::ds4 {
 
@@ -124,6 +127,21 @@ class cuda_weights {
     dmat e_proj, h_proj;  // [D, D] each
     const float *enorm = nullptr, *hnorm = nullptr;
     std::shared_ptr<const cuda_weights> target;
+    // The DSpark drafter (cuda_upload_dspark, deepseek4_cuda_dspark.h): `layers` are its stages (ratio 0,
+    // learned routing), hc_head / output_norm the drafter's own, tok_embd / output the target's (aliases,
+    // as the MTP head's); the rest below.
+    struct dspark_parts {
+        dspark_config cfg;
+        dmat fc;                            // [D, F]
+        const float *hidden_norm = nullptr;  // [D]
+        dmat markov_w1, markov_w2;          // [V, r] each: a table (get_rows) and a GEMV
+        const float *conf_w = nullptr;      // [D + r]
+        float conf_bias = 0;
+        // RoPE tables of the stages: the plain table, its negation (a rotation by -angle: the inverse RoPE of
+        // the outputs) and zeros (no rotation: the attention's own inverse RoPE switched off)
+        const float *rope_neg = nullptr, *rope_zero = nullptr;
+    };
+    std::unique_ptr<dspark_parts> dspark;
     cuda_weights() = default;
     cuda_weights(const cuda_weights &) = delete;
     cuda_weights &operator=(const cuda_weights &) = delete;
@@ -132,6 +150,117 @@ class cuda_weights {
         for (void *p : allocs) cudaFree(p);
     }
 };
+
+namespace cuda_impl {
+
+// Copies host tensors to the device once each (a map from host address to device address), with
+// 256 zeroed bytes after every buffer (block decoders read a little past a row; float expert rows
+// up to 31 elements). replicate > 0: sparse synthetic file, rows >= replicate repeat rows 0..P-1.
+class uploader {
+  public:
+    uploader(cuda_weights &w, int64_t replicate, uint64_t total, const std::function<void(uint64_t, uint64_t)> &cb)
+        : w_(w), replicate_(replicate), total_(total), cb_(cb) {}
+
+    const void *bytes(const uint8_t *src, size_t n, size_t row_bytes, int64_t rows) {
+        if (auto it = seen_.find(src); it != seen_.end()) return it->second;
+        void *d = nullptr;
+        ck(cudaMalloc(&d, n + 256), "allocating weights");
+        w_.allocs.push_back(d);
+        ck(cudaMemset(static_cast<uint8_t *>(d) + n, 0, 256), "padding");
+        if (replicate_ > 0 && rows > replicate_ && row_bytes > 0) {
+            size_t have = static_cast<size_t>(replicate_) * row_bytes;
+            ck(cudaMemcpy(d, src, have, cudaMemcpyHostToDevice), "uploading weights");
+            while (have < n) {  // doubling device copies: row r = row r mod P
+                const size_t c = std::min(have, n - have);
+                ck(cudaMemcpy(static_cast<uint8_t *>(d) + have, d, c, cudaMemcpyDeviceToDevice), "replicating rows");
+                have += c;
+            }
+        } else {
+            ck(cudaMemcpy(d, src, n, cudaMemcpyHostToDevice), "uploading weights");
+        }
+        w_.bytes += n;
+        done_ += n;
+        if (cb_) cb_(std::min(done_, total_), total_);
+        seen_.emplace(src, d);
+        return d;
+    }
+    // gemv: the matrix is only ever multiplied by launch_gemv-style decode GEMVs, so it gets the fast
+    // form when ds4_gemv supports its type and shape (q8_0: repacked once on the device, the GGUF copy
+    // freed; f16 / f32: used in place).
+    dmat mat(const matrix &m, bool gemv = false) {
+        dmat r;
+        r.type = m.type;
+        r.rows = m.rows;
+        r.cols = m.cols;
+        r.row_bytes = m.row_bytes;
+        if (!m.data) return r;
+        const size_t n = static_cast<size_t>(m.rows - 1) * m.row_bytes + dtype_row_bytes(m.type, m.cols);
+        r.p = bytes(m.data, n, m.row_bytes, m.rows);
+        if (!gemv || !cd::gemv_fast_supported(m.type, m.cols) || (m.type != dtype::q8_0 && m.row_bytes % 16 != 0))
+            return r;
+        void *dst = nullptr;
+        if (m.type == dtype::q8_0) {
+            ck(cudaMalloc(&dst, cd::gemv_prepared_bytes(m.type, m.rows, m.cols) + 256), "allocating weights");
+            w_.allocs.push_back(dst);
+        }
+        r.fw = cd::gemv_prepare(m.type, r.p, m.row_bytes, m.rows, m.cols, dst, nullptr);
+        r.fast = true;
+        if (m.type == dtype::q8_0) {  // the repacked copy replaces the GGUF rows
+            ck(cudaDeviceSynchronize(), "repacking weights");
+            void *raw = const_cast<void *>(r.p);
+            w_.allocs.erase(std::find(w_.allocs.begin(), w_.allocs.end(), raw));
+            seen_.erase(m.data);
+            ck(cudaFree(raw), "freeing repacked rows");
+            r.p = nullptr;
+        }
+        return r;
+    }
+    const float *vec(const std::vector<float> &v) {
+        if (v.empty()) return nullptr;
+        return static_cast<const float *>(bytes(reinterpret_cast<const uint8_t *>(v.data()), v.size() * sizeof(float), 0, 0));
+    }
+    cd::expert_bank bank(const expert_bank &b) {
+        cd::expert_bank r;
+        r.type = b.first.type;
+        r.row_bytes = b.first.row_bytes;
+        r.expert_bytes = b.expert_bytes;
+        r.n_expert = b.n;
+        r.rows = b.first.rows;
+        r.cols = b.first.cols;
+        if (b.first.data)
+            r.data = bytes(b.first.data, b.expert_bytes * static_cast<size_t>(b.n), b.first.row_bytes, b.first.rows * b.n);
+        return r;
+    }
+    cd::expert_bank single(const matrix &m) {
+        cd::expert_bank r;
+        const dmat d = mat(m);
+        r.type = d.type;
+        r.data = d.p;
+        r.row_bytes = d.row_bytes;
+        r.expert_bytes = d.row_bytes * static_cast<size_t>(d.rows);
+        r.n_expert = 1;
+        r.rows = d.rows;
+        r.cols = d.cols;
+        return r;
+    }
+
+  private:
+    cuda_weights &w_;
+    int64_t replicate_;
+    uint64_t total_, done_ = 0;
+    const std::function<void(uint64_t, uint64_t)> &cb_;
+    std::unordered_map<const void *, void *> seen_;
+};
+
+// What the uploads share (deepseek4_cuda.cpp): a block's device copy (the weight types checked first by
+// check_weight_types, which throws naming the first tensor without a CUDA kernel), the bytes a decode step
+// reads from a matrix / a block.
+dlayer upload_layer(uploader &u, const hparams &hp, const layer_weights &l, const int32_t *tid2eid_dev);
+void check_weight_types(const model &m, int first, int last);
+double mat_bytes(const dmat &m);
+double layer_step_bytes(const hparams &hp, const dlayer &d);
+
+}  // namespace cuda_impl
 
 // Scratch of a prefill chunk of up to `cap` tokens, all [cap, ...] row-major (alloc_chunk sizes it for a
 // sequence's geometry and context; every sequence of an engine has the same).
@@ -266,6 +395,21 @@ struct cuda_sequence::impl {
     int32_t *sel, *n_sel, *amax;
     double *hc_part = nullptr;  // the column-split HC kernel's partial dots (cd::hc_fused_part_count)
     cd::moe_scratch moe;
+    // DSpark features (cuda_sequence::set_feature_layers): the capture blocks (model indices, in feature
+    // order) and feat [feat_rows, feat_floats()] on the device: row i of the rows an evaluation captures.
+    // feat_epoch counts the changes (the multi-row graphs' key).
+    std::vector<int> feat_layers;
+    float *feat = nullptr;
+    int64_t feat_rows = 0;
+    size_t feat_cap = 0;  // floats allocated
+    uint64_t feat_epoch = 0;
+    int64_t feat_floats() const { return static_cast<int64_t>(feat_layers.size()) * w->hp.n_embd; }
+    // The feature slot of block il (its index in feat_layers), or -1.
+    int feat_slot(int il) const {
+        for (size_t t = 0; t < feat_layers.size(); ++t)
+            if (feat_layers[t] == il) return static_cast<int>(t);
+        return -1;
+    }
     int64_t *h_pos = nullptr;  // pinned
     int32_t *h_token = nullptr, *h_amax = nullptr;
     uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
@@ -361,8 +505,9 @@ struct cuda_sequence::impl {
     void give_back_chunk() noexcept;
     void enqueue_chunk_attention(const dlayer &l, layer_state_dev &st, int64_t n);
     // The chunk's n tokens (cs->tokens, position *pos) through this device's blocks; the state leaving
-    // them is in cs->x[0]. Synchronises once per layer (MoE expert counts).
-    void enqueue_chunk(int64_t n);
+    // them is in cs->x[0]; the DSpark features of rows [feat_first, n) into feat (none when feat_first >= n).
+    // Synchronises once per layer (MoE expert counts).
+    void enqueue_chunk(int64_t n, int64_t feat_first);
 };
 
 }  // namespace fathom::ds4

@@ -14,7 +14,8 @@
 
 namespace fathom::ds4 {
 
-void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out,
+                              std::span<float> features) {
     impl &p = *p_;
     const hparams &hp = p.w->hp;
     const size_t n = tokens.size(), V = static_cast<size_t>(hp.n_vocab),
@@ -26,25 +27,31 @@ void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> 
     if (!hc_out.empty() && hc_out.size() != n * S)
         throw error("cuda ds4: eval_rows hc_out buffer of " + std::to_string(hc_out.size()) + " floats, expected " +
                     std::to_string(n * S));
+    const size_t F = static_cast<size_t>(p.feat_floats());
+    if (!features.empty() && (F == 0 || features.size() != n * F))
+        throw error("cuda ds4: eval_rows features buffer of " + std::to_string(features.size()) + " floats, expected " +
+                    std::to_string(n * F) + " (set_feature_layers)");
     check_tokens(tokens);
     cuda_sequence *self = this;
     for (size_t i0 = 0; i0 < n;) {
         const size_t m = std::min(n - i0, static_cast<size_t>(cd::gemv_max_rows));
         if (m == 1) {
             step(tokens[i0], logits.empty() ? nullptr : logits.data() + i0 * V, nullptr, nullptr,
-                 hc_out.empty() ? nullptr : hc_out.data() + i0 * S);
+                 hc_out.empty() ? nullptr : hc_out.data() + i0 * S, features.empty() ? nullptr : features.data() + i0 * F);
         } else {
             const int count = static_cast<int>(m);
             step_batch(std::span<cuda_sequence *const>(&self, 1), std::span<const int>(&count, 1), tokens.subspan(i0, m),
                        logits.empty() ? logits : logits.subspan(i0 * V, m * V),
-                       hc_out.empty() ? hc_out : hc_out.subspan(i0 * S, m * S));
+                       hc_out.empty() ? hc_out : hc_out.subspan(i0 * S, m * S),
+                       features.empty() ? features : features.subspan(i0 * F, m * F));
         }
         i0 += m;
     }
 }
 
 void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
-                               std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out) {
+                               std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out,
+                               std::span<float> features) {
     if (seqs.empty() || counts.size() != seqs.size()) throw error("cuda ds4 batch: one row count per sequence");
     impl &p = *seqs[0]->p_;
     const hparams &hp = p.w->hp;
@@ -70,6 +77,10 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
                     " rows (at most " + std::to_string(cd::gemv_max_rows) + ")");
     if ((!logits.empty() && logits.size() != static_cast<size_t>(n) * V) || (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n) * S))
         throw error("cuda ds4 batch: logits / state buffers do not match the rows");
+    const size_t F = static_cast<size_t>(p.feat_floats());
+    if (!features.empty() && (F == 0 || features.size() != static_cast<size_t>(n) * F))
+        throw error("cuda ds4 batch: the features buffer does not match the rows (set_feature_layers)");
+    key.push_back(p.feat_layers.empty() ? 0 : p.feat_epoch);  // the graph holds the first sequence's capture
     for (const impl::row_run &r : runs) {
         cuda_sequence *q = seqs[static_cast<size_t>(&r - runs.data())];
         q->check_tokens(tokens.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count)));
@@ -128,6 +139,9 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
     if (!hc_out.empty())
         ck(cudaMemcpyAsync(hc_out.data(), rs.x[0], static_cast<size_t>(n) * S * sizeof(float), cudaMemcpyDeviceToHost, p.s),
            "downloading the state");
+    if (!features.empty())
+        ck(cudaMemcpyAsync(features.data(), p.feat, features.size() * sizeof(float), cudaMemcpyDeviceToHost, p.s),
+           "downloading features");
     // each sequence's last row's logits are its last logits (last_logits, logits_top)
     for (const impl::row_run &r : runs)
         ck(cudaMemcpyAsync(r.seq->logits, rs.logits + static_cast<size_t>(r.first + r.count - 1) * V, V * sizeof(float),
@@ -301,6 +315,7 @@ class rows_exec final : public executor {
         cd::launch_hc_pre_fused_rows(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale,
                                      io(attn ? l.attn_norm : l.ffn_norm, r_.xn), n_, p_.s);
         flip();
+        capture();
     }
     void attention(int il) override;
     // Every row's MoE in one chain on the step's stream (launch_moe_ffn_rows: the shared expert and the
@@ -323,11 +338,12 @@ class rows_exec final : public executor {
         cd::launch_hc_head_fused_rows(hcp_, h.fn.type, h.fn.p, h.fn.row_bytes, h.base, h.scale, io(w_.output_norm, r_.zh),
                                       n_, p_.s);
         flip();
+        capture();
         if (w_.output.fast)
             cd::launch_gemv_rows(w_.output.fw, n_, r_.zh, D_, r_.logits, p_.s);
         else
             for (int r = 0; r < n_; ++r) gemv(w_.output, r_.zh + r * D_, r_.logits + r * hp_.n_vocab, p_.s);
-        for (int r = 0; r < n_; ++r) cd::launch_argmax(r_.logits + r * hp_.n_vocab, hp_.n_vocab, r_.amax + r, p_.s);
+        cd::launch_argmax_rows(r_.logits, hp_.n_vocab, n_, hp_.n_vocab, r_.amax, p_.s);
     }
 
     // The lanes (row_scratch::lanes): fork() starts every lane after what the step's stream has enqueued,
@@ -358,7 +374,16 @@ class rows_exec final : public executor {
         forked_ = false;
     }
     row_scratch::lane &lane(int r) const { return r_.lanes[r % L_]; }
+    // DSpark features of every row (the step's first sequence's set_feature_layers, into its feat): the
+    // state after block il is whole once the next fused launch has folded its HCPost in.
+    void after_block(int il) { cap_ = p_.feat_slot(il); }
+
   private:
+    void capture() {
+        if (cap_ < 0) return;
+        cd::launch_hc_stream_mean(hp_.n_hc, D_, n_, r_.x[cur_], p_.feat + cap_ * D_, p_.feat_floats(), p_.s);
+        cap_ = -1;
+    }
     const dlayer &layer(int il) const { return w_.layers[static_cast<size_t>(il - w_.first)]; }
     // The fused-HC arguments of all rows (row r at its offsets: launch_hc_*_fused_rows); flip() then
     // moves every row on.
@@ -386,7 +411,7 @@ class rows_exec final : public executor {
     const cd::hc_params hcp_;
     const int64_t D_, S_;
     const int L_;  // lanes in use: min(rows, kLanes)
-    int cur_ = 0;
+    int cur_ = 0, cap_ = -1;
     bool pending_ = false, forked_ = false;
 };
 
@@ -510,7 +535,9 @@ void rows_exec::attention(int il) {
 
 void cuda_sequence::impl::enqueue_rows(std::span<const row_run> runs, int n) {
     rows_exec ex(*this, runs, n);
-    run_forward(ex, w->hp.n_layer, w->first, w->last, true, true);
+    std::function<void(int)> after;
+    if (!feat_layers.empty()) after = [&](int il) { ex.after_block(il); };
+    run_forward(ex, w->hp.n_layer, w->first, w->last, true, true, after);
     ex.join();
 }
 

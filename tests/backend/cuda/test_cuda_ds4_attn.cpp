@@ -576,6 +576,20 @@ TEST_F(CudaDs4Attn, ArgmaxLowestIndexOnTies) {
         cd::launch_argmax(up(cases[k]), static_cast<int64_t>(cases[k].size()), out, s_);
         EXPECT_EQ(down(out, 1)[0], host_argmax(cases[k])) << "case " << k;
     }
+    // Rows form: the first two cases' rows (129280 each) 129290 floats apart, plus a third row of the
+    // first with its tie moved: one launch, each row's own answer.
+    const int64_t n = 129280, ld = 129290;
+    std::vector<float> rows(3 * ld, 1e30f);  // the gaps between rows hold values no row may pick
+    std::copy(cases[0].begin(), cases[0].end(), rows.begin());
+    std::copy(cases[1].begin(), cases[1].end(), rows.begin() + ld);
+    std::vector<float> third = cases[0];
+    third[77] = 0.0f;  // 5000 is now the first 40
+    std::copy(third.begin(), third.end(), rows.begin() + 2 * ld);
+    int32_t *outs = dev<int32_t>(3);
+    put(outs, std::vector<int32_t>{-5, -5, -5});
+    cd::launch_argmax_rows(up(rows), n, 3, ld, outs, s_);
+    EXPECT_EQ(down(outs, 3), (std::vector<int32_t>{77, 1000, 5000}));
+    EXPECT_THROW(cd::launch_argmax_rows(up(rows), n, 3, n - 1, outs, s_), error);
 }
 
 TEST_F(CudaDs4Attn, RejectsUnsupportedGeometry) {

@@ -27,6 +27,7 @@
 #include "models/cuda/deepseek4_cuda.h"
 #include "core/error.h"
 #include "backend/cuda/cuda_test_util.h"
+#include "models/ds4/dspark_golden.h"
 #include "models/ds4/golden_util.h"
 #include "ds4_host_util.h"
 #include "fathom/engine.h"
@@ -465,6 +466,76 @@ TEST_F(CudaDs4Rollback, MtpSpeculationOnOneGpuGivesPlainDecodingsTokens) {
     ASSERT_EQ(prompt.size(), 100u);
     sampling_params greedy = greedy_params(), sampled = sampled_params();
     sampled.seed = 5;
+    for (const sampling_params &p : {greedy, sampled}) {
+        const std::string what = p.temperature == 0 ? "greedy" : "sampled";
+        const outcome ref = plain(*e, prompt, p, 80);
+        const outcome got = speculative(*e, prompt, p, 80, nullptr, 4);
+        EXPECT_EQ(got.tokens, ref.tokens) << what;
+        EXPECT_EQ(got.held, ref.held) << what;
+        EXPECT_GT(got.st.drafted, 0) << what;
+        std::printf("  %s: %lld drafted, %lld kept\n", what.c_str(), static_cast<long long>(got.st.drafted),
+                    static_cast<long long>(got.st.accepted));
+    }
+}
+
+// The DSpark drafter on the device (engine_options::ds4_draft "dspark"): the session's cuda_sequence captures
+// the features, its ds4::cuda_dspark drafts.
+std::unique_ptr<engine> dspark_engine(const std::string &qat, int64_t n_batch = 0) {
+    engine_options eo;
+    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
+    eo.n_ctx = 1024;
+    eo.n_batch = n_batch;
+    eo.device = "cuda";
+    eo.kv = kv_precision::f32;
+    eo.ds4_qat = qat;
+    eo.ds4_draft = "dspark";
+    eo.ds4_draft_model = ds4_test::dspark_dir() + "/ds4-tiny-a-dspark.gguf";
+    return engine::load(eo);
+}
+
+// Through a session that verified and rolled back rows on its way (prefill pieces, rows of several tokens,
+// wrong rows dropped), the block drafted after each strict case's tokens is the golden one: every drafted
+// token up to the first row whose golden top-2 gap is within the tolerance (after it the chain may follow
+// the other token).
+TEST_F(CudaDs4Rollback, DsparkDrafterOnOneGpuDraftsTheGoldenBlock) {
+    int checked = 0;
+    for (const auto &c : ds4_test::load_dspark_cases()) {
+        if (!c.end_to_end) continue;
+        for (int64_t n_batch : {int64_t{0}, int64_t{1}}) {  // chunked prefill, token by token
+            auto e = dspark_engine(c.qat == ds4::qat_mode::full ? "full" : c.qat == ds4::qat_mode::fp4only ? "fp4only" : "off",
+                                   n_batch);
+            auto s = e->new_session();
+            ASSERT_TRUE(s->has_drafter());
+            std::mt19937 rng(5);
+            const size_t n = c.tokens.size(), first = std::min<size_t>(n, 3 + n / 2);
+            s->sync(std::span<const int32_t>(c.tokens).first(first));
+            while (s->tokens().size() < n) {
+                const size_t p = s->tokens().size(), left = n - p;
+                const size_t right = std::min<size_t>(rng() % 4, left - 1), wrong = rng() % 4;
+                std::vector<int32_t> batch(c.tokens.begin() + static_cast<std::ptrdiff_t>(p),
+                                           c.tokens.begin() + static_cast<std::ptrdiff_t>(p + 1 + right));
+                for (size_t j = 0; j < wrong; ++j) batch.push_back(static_cast<int32_t>((c.tokens[p] + 7 + j) % 512));
+                s->eval(batch);
+                s->truncate(static_cast<int64_t>(p + 1 + right));
+            }
+            std::vector<int32_t> h = s->tokens();
+            h.push_back(c.seed);
+            const std::vector<int32_t> d = s->draft(h, 5);
+            ASSERT_EQ(d.size(), 5u) << c.name;
+            const double gap_min = c.tol["top1_must_match_if_gap_gt"];
+            for (size_t j = 0; j < d.size() && c.corrected_gap[j] > gap_min; ++j, ++checked)
+                EXPECT_EQ(d[j], c.draft_tokens[j]) << c.name << " n_batch " << n_batch << " row " << j;
+        }
+    }
+    EXPECT_GT(checked, 8);
+}
+
+TEST_F(CudaDs4Rollback, DsparkSpeculationOnOneGpuGivesPlainDecodingsTokens) {
+    auto e = dspark_engine("full");
+    const std::vector<int32_t> prompt = golden_prompt();
+    ASSERT_EQ(prompt.size(), 100u);
+    sampling_params greedy = greedy_params(), sampled = sampled_params();
+    sampled.seed = 7;
     for (const sampling_params &p : {greedy, sampled}) {
         const std::string what = p.temperature == 0 ? "greedy" : "sampled";
         const outcome ref = plain(*e, prompt, p, 80);
