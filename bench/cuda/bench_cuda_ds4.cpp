@@ -192,6 +192,7 @@ void dspark_costs(const ds4::model &m, const std::shared_ptr<const ds4::cuda_wei
 }
 
 int main(int argc, char **argv) try {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come (a pipe to tee; a crash loses nothing)
     if (argc < 2) {
         std::fprintf(stderr, "usage: %s MODEL.gguf [--depths a,b,..] [--n N] [--kv f16|f32] [--eager]\n",
                      argv[0]);

@@ -30,7 +30,8 @@ wait
 if [ -f "$m" ] && [ -f "$d" ]; then
     echo "== bench ($L layers, 8K)"
     timeout 240 "$c/bench_cuda_ds4" "$m" --depths 8192 --n 32 --prefill "" --paged --rows "${ROWS:-2,4,5}" \
-        --seqs "${SEQS:-4,16}" --dspark "$d" 2>&1 | tee "$out/bench.log" | grep -E "^ +8192|rows|sequences|dspark|roofline" | head -20
+        --seqs "${SEQS:-4,16}" --dspark "$d" > "$out/bench.log" 2>&1
+    echo "bench rc=$?"; grep -E "^ +8192|rows|sequences|dspark|roofline|bench_cuda_ds4" "$out/bench.log" | head -20; tail -3 "$out/bench.log"
 else
     echo "no model files"; cat "$out/synth.log"
 fi
