@@ -22,6 +22,8 @@ ldd $bins | awk '/=> \// {print $3}' | sort -u |
     while read -r lib; do cp -L "$lib" "$root/.cuda-carry/lib/"; done
 # BENCH_OLD=path: an older bench_cuda_ds4 carried as bench_old (A/B in one device call)
 [ -n "${BENCH_OLD:-}" ] && strip -o "$root/.cuda-carry/bench_old" "$BENCH_OLD"
+# FATHOM_OLD=path: an older fathom carried as fathom_old (dense_decode_ab.sh)
+[ -n "${FATHOM_OLD:-}" ] && strip -o "$root/.cuda-carry/fathom_old" "$FATHOM_OLD"
 # ds4-tiny goldens (model, MTP and DSpark drafters, cases) for the DS4 tests (run_ds4_cuda.sh links it where FATHOM_SHARED_DIR points).
 mkdir -p "$root/.cuda-carry/shared/golden/ds4-tiny"
 for f in ds4-tiny-a.gguf cases.jsonl ds4-tiny-a-mtp.gguf ds4-tiny-a-mtp-ds4c.gguf mtp_cases.jsonl; do cp "$root/../shared/golden/ds4-tiny/$f" "$root/.cuda-carry/shared/golden/ds4-tiny/"; done

@@ -90,6 +90,21 @@ struct kv_pages {
     size_t k_offset = 0, v_offset = 0;  // bytes from a block's base to this layer's K / V [n_head_kv][block_tokens][head_dim]
 };
 
+// backend::qk_rope_store: what happens to one layer's q/k/v between the QKV projections and attention.
+struct qk_rope_store_params {
+    int32_t head_dim = 0;
+    const tensor *q_norm = nullptr;  // [head_dim] f32 per-head RMSNorm weight of q (qwen3, gemma3), or none
+    const tensor *k_norm = nullptr;  // the same for k
+    float eps = 0.0f;                // of those norms
+    const tensor *table = nullptr;   // [n_tok, n_rot] rope_table of the rows' positions
+    rope_mode mode = rope_mode::normal;
+    float q_scale = 1.0f;            // != 1: q scaled after RoPE (gemma3)
+    const tensor *k_cache = nullptr, *v_cache = nullptr;  // kv_store's caches [n_head_kv*n_ctx, head_dim]
+    int32_t n_head_kv = 0;
+    int64_t n_ctx = 0;
+    int64_t p0 = 0;                  // position of the first row (kv_store's p0)
+};
+
 enum class glu_kind {
     swiglu,  // silu(gate) * up
     geglu,   // gelu_tanh(gate) * up  (llama.cpp's tanh approximation)
@@ -165,6 +180,31 @@ public:
     virtual void softcap(const tensor &x, float cap) = 0;        // in place: cap * tanh(x / cap)
     virtual void softmax(const tensor &x) = 0;                   // in place, per row
     virtual void copy(const tensor &src, const tensor &dst) = 0; // same shape; f32 -> f32/f16
+
+    // ---- fused ops (optional) -----------------------------------------------------------------
+    // Coarse ops a decode step uses to issue fewer kernels. Each default is exactly the composition
+    // of the ops written beside it, so the CPU backend's results are those of the separate ops bit
+    // for bit; a device backend may run one as fewer kernels (cuda_backend.cpp, docs/cuda.md), with
+    // results within its ops' usual tolerances. Scratch operands (xn, tmp, x of rms_norm_add) hold
+    // the intermediate or are left unspecified: a fused backend may never write them.
+    //
+    // out_i = rms_norm(x, norm_w, eps) . W_i^T: rms_norm(x, &norm_w, eps, xn); mul_mat(xn, n_pairs, w, out).
+    virtual void mul_mat_normed(const tensor &x, const tensor &norm_w, float eps, const tensor &xn, int n_pairs,
+                                const tensor *const *w, const tensor *const *out);
+    // acc += x . W^T: mul_mat(x, 1, {w}, {tmp}); add(acc, tmp, acc). tmp [M, N] scratch.
+    virtual void mul_mat_add(const tensor &x, const tensor &w, const tensor &tmp, const tensor &acc);
+    // acc += glu(gate, up) . W^T: glu(gate, up, kind, gate); mul_mat_add(gate, w, tmp, acc). gate is
+    // scratch afterwards.
+    virtual void glu_mul_mat_add(const tensor &gate, const tensor &up, glu_kind kind, const tensor &w,
+                                 const tensor &tmp, const tensor &acc);
+    // acc += rms_norm(x, w, eps): rms_norm(x, &w, eps, x); add(acc, x, acc). x is scratch afterwards.
+    virtual void rms_norm_add(const tensor &x, const tensor &w, float eps, const tensor &acc);
+    // q [n, H*hd], k / v [n, Hkv*hd] of one sequence with a contiguous cache, in this order:
+    //   p.q_norm / p.k_norm: rms_norm(reshape(q, hd), q_norm, eps) in place, the same for k;
+    //   rope(q, hd, *p.table, p.mode); rope(k, ...); p.q_scale != 1: scale(q, p.q_scale);
+    //   kv_store(k, *p.k_cache, p.n_head_kv, p.n_ctx, p.p0); kv_store(v, *p.v_cache, ...).
+    // q and k hold their final values afterwards (as after the separate ops).
+    virtual void qk_rope_store(const tensor &q, const tensor &k, const tensor &v, const qk_rope_store_params &p);
 
     // Wait until every issued op has completed (no-op for the CPU backend).
     virtual void synchronize() = 0;

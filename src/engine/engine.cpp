@@ -286,7 +286,11 @@ private:
         const uint64_t E = static_cast<uint64_t>(hp.n_embd), Q = uint64_t(hp.n_head) * static_cast<uint64_t>(hp.head_dim),
                        KV = uint64_t(hp.n_head_kv) * static_cast<uint64_t>(hp.head_dim), F = static_cast<uint64_t>(hp.n_ff),
                        B = static_cast<uint64_t>(n_batch_), V = static_cast<uint64_t>(hp.n_vocab);
-        const uint64_t weights = file_->size();  // upper bound: tensor data plus the metadata
+        uint64_t weights = file_->size();  // upper bound: tensor data plus the metadata
+        // + the fast decode GEMV's repacked copies of q8_0 matrices (rows of whole 512-element tiles; the
+        // CUDA backend's prepare_weight keeps the GGUF rows too, for prefill): 17/16 of a row's 34/32.
+        for (const gguf::tensor_info &ti : file_->tensors())
+            if (ti.type == dtype::q8_0 && ti.ne[0] % 512 == 0) weights += ti.nbytes;
         const uint64_t kv = static_cast<uint64_t>(n_ctx_) *
                             kv_cache::bytes_per_token(hp.n_layer, hp.n_head_kv, hp.head_dim, kv_type());
         const uint64_t max_cols = std::max({E, Q, F});

@@ -125,11 +125,11 @@ int64_t plan_rows(const dense_hparams &hp, dense_scratch &s, std::span<const den
     return n;
 }
 
-// Layer il: store every sequence's new K/V at its positions, then attention of its rows over its
+// Layer il: store every sequence's new K/V at its positions (unless `stored`: qk_rope_store did), then attention of its rows over its
 // own cache (positions [0, pos + n_i)). When every sequence is paged, the one-token rows attend in
 // one batched call (backend::attention_paged_rows: each row's bits are those of its own call).
 void attend(const dense_hparams &hp, backend &be, dense_scratch &s, std::span<const dense_seq> seqs, int64_t n,
-            int32_t il, int32_t window) {
+            int32_t il, int32_t window, bool stored) {
     const tensor q = view_rows(s.q, 0, n), k = view_rows(s.k, 0, n), v = view_rows(s.v, 0, n),
                  attn = view_rows(s.attn, 0, n);
     attn_params ap;
@@ -153,8 +153,10 @@ void attend(const dense_hparams &hp, backend &be, dense_scratch &s, std::span<co
         if (sq.kv.cache) {
             kv_cache &kv = *sq.kv.cache;
             const tensor &kc = kv.k[static_cast<size_t>(il)], &vc = kv.v[static_cast<size_t>(il)];
-            be.kv_store(ki, kc, hp.n_head_kv, kv.n_ctx, sq.pos);
-            be.kv_store(vi, vc, hp.n_head_kv, kv.n_ctx, sq.pos);
+            if (!stored) {
+                be.kv_store(ki, kc, hp.n_head_kv, kv.n_ctx, sq.pos);
+                be.kv_store(vi, vc, hp.n_head_kv, kv.n_ctx, sq.pos);
+            }
             ap.n_ctx = kv.n_ctx;
             be.attention(qi, kc, vc, ap, oi);                                // [n_i, H*hd]
             continue;
@@ -263,6 +265,13 @@ void dense_forward(const dense_model &m, backend &be, dense_scratch &s, std::spa
         if (any_swa) be.rope_table(seqs[i].pos, ni, hp.rope_local, view_rows(rope_l, s.row0[i], ni));
     }
 
+    // The fused ops (backend.h: each the composition of the separate ops, so the CPU's results do not
+    // change; the CUDA backend runs a decode row's as fewer kernels). A trace callback gets the separate
+    // ops, whose every named intermediate it sees; the PFlash hook too (it reads q/k before RoPE).
+    // qk_rope_store takes one sequence with a contiguous cache; the residual adds fold when no bias comes
+    // between the projection and the add.
+    const bool fuse = !trace.fn;
+    const bool fuse_qk = fuse && !hook.fn && hook.stop_layer < 0 && seqs.size() == 1 && seqs[0].kv.cache;
     bool stopped = false;
     for (int32_t il = 0; il < hp.n_layer && !stopped; ++il) {
         const dense_layer &ly = m.layers[static_cast<size_t>(il)];
@@ -270,58 +279,99 @@ void dense_forward(const dense_model &m, backend &be, dense_scratch &s, std::spa
         stopped = il == hook.stop_layer;  // this layer's q/k are the last thing computed
 
         // ---- attention block ----
-        be.rms_norm(x, &ly.attn_norm, hp.rms_eps, xn);                       // attn_norm [n, E]
-        emit(trace, "attn_norm", il, xn);
         {
             const tensor *w[] = {&ly.wq, &ly.wk, &ly.wv};
             const tensor *y[] = {&q, &k, &v};
-            be.mul_mat(xn, stopped ? 2 : 3, w, y);                           // q [n, H*hd], k/v [n, Hkv*hd]
+            if (fuse) {
+                be.mul_mat_normed(x, ly.attn_norm, hp.rms_eps, xn, stopped ? 2 : 3, w, y);  // norm + QKV
+            } else {
+                be.rms_norm(x, &ly.attn_norm, hp.rms_eps, xn);               // attn_norm [n, E]
+                emit(trace, "attn_norm", il, xn);
+                be.mul_mat(xn, stopped ? 2 : 3, w, y);                       // q [n, H*hd], k/v [n, Hkv*hd]
+            }
         }
         if (ly.bq.data) be.add(q, ly.bq, q);
         if (ly.bk.data) be.add(k, ly.bk, k);
         if (ly.bv.data && !stopped) be.add(v, ly.bv, v);
-        if (hp.qk_norm) {
-            be.rms_norm(reshape(q, hd), &ly.attn_q_norm, hp.rms_eps, reshape(q, hd));  // per head [n*H, hd]
-            be.rms_norm(reshape(k, hd), &ly.attn_k_norm, hp.rms_eps, reshape(k, hd));
-        }
-        if (hook.fn) hook.fn(hook.user, il, q, k);                           // pre-RoPE q/k
-        if (stopped) break;
         const tensor &table = swa ? rope_l : rope_g;
-        be.rope(q, hd, table, hp.rope.mode);                                 // row r rotated by its position
-        be.rope(k, hd, table, hp.rope.mode);
-        if (hp.scale_q) be.scale(q, hp.attn_scale);                         // gemma3: q scaled, scores not
+        if (fuse_qk) {  // q/k norm, RoPE, q scale and the K/V store in one op
+            kv_cache &kv = *seqs[0].kv.cache;
+            qk_rope_store_params qp;
+            qp.head_dim = hd;
+            qp.q_norm = hp.qk_norm ? &ly.attn_q_norm : nullptr;
+            qp.k_norm = hp.qk_norm ? &ly.attn_k_norm : nullptr;
+            qp.eps = hp.rms_eps;
+            qp.table = &table;
+            qp.mode = hp.rope.mode;
+            qp.q_scale = hp.scale_q ? hp.attn_scale : 1.0f;
+            qp.k_cache = &kv.k[static_cast<size_t>(il)];
+            qp.v_cache = &kv.v[static_cast<size_t>(il)];
+            qp.n_head_kv = hp.n_head_kv;
+            qp.n_ctx = kv.n_ctx;
+            qp.p0 = seqs[0].pos;
+            be.qk_rope_store(q, k, v, qp);
+        } else {
+            if (hp.qk_norm) {
+                be.rms_norm(reshape(q, hd), &ly.attn_q_norm, hp.rms_eps, reshape(q, hd));  // per head [n*H, hd]
+                be.rms_norm(reshape(k, hd), &ly.attn_k_norm, hp.rms_eps, reshape(k, hd));
+            }
+            if (hook.fn) hook.fn(hook.user, il, q, k);                       // pre-RoPE q/k
+            if (stopped) break;
+            be.rope(q, hd, table, hp.rope.mode);                             // row r rotated by its position
+            be.rope(k, hd, table, hp.rope.mode);
+            if (hp.scale_q) be.scale(q, hp.attn_scale);                     // gemma3: q scaled, scores not
+        }
         emit(trace, "Qcur", il, q);
         emit(trace, "Kcur", il, k);
         emit(trace, "Vcur", il, v);
         // The model's own sliding window (gemma3 local layers), narrowed by the hook's if it has one.
         int32_t window = hook.window;
         if (swa && hp.n_swa > 0) window = window > 0 ? std::min(window, hp.n_swa) : hp.n_swa;
-        attend(hp, be, s, seqs, n, il, window);                              // attn [n, H*hd]
+        attend(hp, be, s, seqs, n, il, window, fuse_qk);                     // attn [n, H*hd]
         emit(trace, "kqv_out", il, attn);
-        linear(be, attn, ly.wo, o, ly.bo);                                   // attn_out [n, E]
-        emit(trace, "attn_out", il, o);
-        if (hp.post_norms) be.rms_norm(o, &ly.post_attn_norm, hp.rms_eps, o);
-        emit(trace, "attn_post_norm", il, o);
-        be.add(x, o, x);                                                     // residual
+        if (fuse && !ly.bo.data && !hp.post_norms) {
+            be.mul_mat_add(attn, ly.wo, o, x);                               // x += attn_out
+        } else if (fuse && !ly.bo.data) {
+            linear(be, attn, ly.wo, o, tensor{});
+            be.rms_norm_add(o, ly.post_attn_norm, hp.rms_eps, x);            // x += post_norm(attn_out)
+        } else {
+            linear(be, attn, ly.wo, o, ly.bo);                               // attn_out [n, E]
+            emit(trace, "attn_out", il, o);
+            if (hp.post_norms) be.rms_norm(o, &ly.post_attn_norm, hp.rms_eps, o);
+            emit(trace, "attn_post_norm", il, o);
+            be.add(x, o, x);                                                 // residual
+        }
         emit(trace, "ffn_inp", il, x);
 
         // ---- feed-forward block ----
-        be.rms_norm(x, &ly.ffn_norm, hp.rms_eps, xn);
-        emit(trace, "ffn_norm", il, xn);
         {
             const tensor *w[] = {&ly.ffn_gate, &ly.ffn_up};
             const tensor *y[] = {&gate, &up};
-            be.mul_mat(xn, 2, w, y);                                         // [n, n_ff] each
+            if (fuse) {
+                be.mul_mat_normed(x, ly.ffn_norm, hp.rms_eps, xn, 2, w, y);  // norm + gate, up
+            } else {
+                be.rms_norm(x, &ly.ffn_norm, hp.rms_eps, xn);
+                emit(trace, "ffn_norm", il, xn);
+                be.mul_mat(xn, 2, w, y);                                     // [n, n_ff] each
+            }
         }
         emit(trace, "ffn_gate", il, gate);
         emit(trace, "ffn_up", il, up);
-        be.glu(gate, up, hp.act, gate);                                      // act(gate) * up
-        emit(trace, "ffn_glu", il, gate);
-        linear(be, gate, ly.ffn_down, o, tensor{});                          // ffn_out [n, E]
-        emit(trace, "ffn_down", il, o);
-        if (hp.post_norms) be.rms_norm(o, &ly.post_ffn_norm, hp.rms_eps, o);
-        emit(trace, "ffn_out", il, o);
-        be.add(x, o, x);
+        if (fuse && !hp.post_norms) {
+            be.glu_mul_mat_add(gate, up, hp.act, ly.ffn_down, o, x);         // x += (act(gate) * up) . down
+        } else if (fuse) {
+            be.glu(gate, up, hp.act, gate);
+            linear(be, gate, ly.ffn_down, o, tensor{});
+            be.rms_norm_add(o, ly.post_ffn_norm, hp.rms_eps, x);             // x += post_norm(ffn_out)
+        } else {
+            be.glu(gate, up, hp.act, gate);                                  // act(gate) * up
+            emit(trace, "ffn_glu", il, gate);
+            linear(be, gate, ly.ffn_down, o, tensor{});                      // ffn_out [n, E]
+            emit(trace, "ffn_down", il, o);
+            if (hp.post_norms) be.rms_norm(o, &ly.post_ffn_norm, hp.rms_eps, o);
+            emit(trace, "ffn_out", il, o);
+            be.add(x, o, x);
+        }
         emit(trace, "l_out", il, x);
     }
     for (const dense_seq &sq : seqs)

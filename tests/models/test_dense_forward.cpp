@@ -240,6 +240,45 @@ TEST(DenseForward, RealModelsBatchBitIdenticalToSingle) {
     if (n_run == 0) GTEST_SKIP() << "no real dense model installed";
 }
 
+// The forward's fused ops (backend.h: mul_mat_normed, mul_mat_add, glu_mul_mat_add, rms_norm_add,
+// qk_rope_store; taken without a trace callback) are on the CPU exactly the separate ops the traced
+// forward runs: logits and KV caches bit for bit, prefill and decode, on the tiny qwen3 (q/k norms) and the
+// real models when installed (SmolLM2: llama; Gemma3: post-norms, q scale, sliding window).
+TEST(DenseForward, FusedOpsEqualSeparateOpsBitForBit) {
+    const dense_trace nop{[](void *, const char *, int32_t, const tensor &) {}, nullptr};
+    for (const std::string &path : {kTiny, kSmol, kGemma}) {
+        if (!std::filesystem::exists(path)) continue;
+        for (bool exact : {true, false}) {
+            SCOPED_TRACE(path + (exact ? " exact" : " fast"));
+            loaded l = load(path, exact);
+            const dense_model &m = *l.m;
+            const size_t V = static_cast<size_t>(m.hp.n_vocab);
+            std::vector<int32_t> toks;
+            for (int i = 0; i < 12; ++i) toks.push_back(3 + (i * 53) % (m.hp.n_vocab - 3));
+            std::vector<float> lg[2];
+            std::vector<std::vector<float>> caches[2];
+            for (int traced = 0; traced < 2; ++traced) {
+                kv_cache kv(*l.be, m.hp.n_layer, m.hp.n_head_kv, m.hp.head_dim, 16, dtype::f16);
+                auto s = dense_scratch_create(m.hp, *l.be, 16);
+                const dense_trace &tr = traced ? nop : dense_trace{};
+                lg[traced].assign(3 * V, 0.0f);
+                dense_forward(m, *l.be, kv, *s, toks.data(), 10, 0, 1, lg[traced].data(), tr);  // prefill
+                dense_forward(m, *l.be, kv, *s, &toks[10], 1, 10, 1, lg[traced].data() + V, tr);  // decode
+                dense_forward(m, *l.be, kv, *s, &toks[11], 1, 11, 1, lg[traced].data() + 2 * V, tr);
+                for (int32_t il = 0; il < m.hp.n_layer; ++il)
+                    for (const tensor *c : {&kv.k[size_t(il)], &kv.v[size_t(il)]}) {
+                        const auto *h = static_cast<const uint16_t *>(c->data);
+                        std::vector<float> f(c->nbytes() / 2);
+                        for (size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(h[i]);
+                        caches[traced].push_back(std::move(f));
+                    }
+            }
+            EXPECT_EQ(std::memcmp(lg[0].data(), lg[1].data(), lg[0].size() * sizeof(float)), 0) << "logits differ";
+            EXPECT_TRUE(caches[0] == caches[1]) << "KV caches differ";
+        }
+    }
+}
+
 TEST(DenseForward, Validation) {
     loaded l = load(kTiny, true);
     const dense_model &m = *l.m;

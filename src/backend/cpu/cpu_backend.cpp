@@ -87,6 +87,39 @@ void backend::attention_paged_rows(const tensor &q, std::span<const kv_pages> kv
     }
 }
 
+// The fused ops' defaults (backend.h): exactly the separate ops, in the documented order.
+void backend::mul_mat_normed(const tensor &x, const tensor &norm_w, float eps, const tensor &xn, int n_pairs,
+                             const tensor *const *w, const tensor *const *out) {
+    rms_norm(x, &norm_w, eps, xn);
+    mul_mat(xn, n_pairs, w, out);
+}
+void backend::mul_mat_add(const tensor &x, const tensor &w, const tensor &tmp, const tensor &acc) {
+    const tensor *pw[] = {&w};
+    const tensor *pt[] = {&tmp};
+    mul_mat(x, 1, pw, pt);
+    add(acc, tmp, acc);
+}
+void backend::glu_mul_mat_add(const tensor &gate, const tensor &up, glu_kind kind, const tensor &w,
+                              const tensor &tmp, const tensor &acc) {
+    glu(gate, up, kind, gate);
+    mul_mat_add(gate, w, tmp, acc);
+}
+void backend::rms_norm_add(const tensor &x, const tensor &w, float eps, const tensor &acc) {
+    rms_norm(x, &w, eps, x);
+    add(acc, x, acc);
+}
+void backend::qk_rope_store(const tensor &q, const tensor &k, const tensor &v, const qk_rope_store_params &p) {
+    if (!p.table || !p.k_cache || !p.v_cache) throw error("qk_rope_store: missing rope table or caches");
+    const int32_t hd = p.head_dim;
+    if (p.q_norm) rms_norm(reshape(q, hd), p.q_norm, p.eps, reshape(q, hd));  // per head [n*H, hd]
+    if (p.k_norm) rms_norm(reshape(k, hd), p.k_norm, p.eps, reshape(k, hd));
+    rope(q, hd, *p.table, p.mode);
+    rope(k, hd, *p.table, p.mode);
+    if (p.q_scale != 1.0f) scale(q, p.q_scale);
+    kv_store(k, *p.k_cache, p.n_head_kv, p.n_ctx, p.p0);
+    kv_store(v, *p.v_cache, p.n_head_kv, p.n_ctx, p.p0);
+}
+
 // Host-memory attention_prob_max, queries split over up to `threads` std::threads (each owns agg
 // rows: no two write the same element). Per (query, head) the exact loop the CPU drafter always ran:
 // f16 dots, scale, optional softcap, exp against the max, a double sum, max into agg.

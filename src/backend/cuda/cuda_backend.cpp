@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/ds4_gemv.h"
 #include "core/error.h"
 
 namespace fathom {
@@ -77,6 +78,7 @@ public:
     void *alloc(size_t bytes) override;
     void release(void *ptr) override;
     void *map_weights(const void *host, size_t bytes) override;
+    void prepare_weight(const tensor &w) override;
     void upload(const tensor &dst, const void *host) override;
     void download(const tensor &src, void *host) override;
     void synchronize() override;
@@ -110,6 +112,15 @@ public:
     void softmax(const tensor &x) override;
     void copy(const tensor &src, const tensor &dst) override;
 
+    // Fused decode ops (backend.h; docs/cuda.md "The dense decode step").
+    void mul_mat_normed(const tensor &x, const tensor &norm_w, float eps, const tensor &xn, int n_pairs,
+                        const tensor *const *w, const tensor *const *out) override;
+    void mul_mat_add(const tensor &x, const tensor &w, const tensor &tmp, const tensor &acc) override;
+    void glu_mul_mat_add(const tensor &gate, const tensor &up, glu_kind kind, const tensor &w, const tensor &tmp,
+                         const tensor &acc) override;
+    void rms_norm_add(const tensor &x, const tensor &w, float eps, const tensor &acc) override;
+    void qk_rope_store(const tensor &q, const tensor &k, const tensor &v, const qk_rope_store_params &p) override;
+
     void set_device_positions(bool on) override { device_pos_ = on; }
     void set_step_pos(int64_t pos) override;
     void get_rows_device(const tensor &table, const int32_t *dev_ids, int64_t n, const tensor &out) override;
@@ -132,6 +143,11 @@ private:
     const int64_t *pos_base() const { return device_pos_ ? pos_dev_ + 1 : pos_dev_; }
     void check_get_rows(const tensor &table, int64_t n, const tensor &out) const;
     void gemm_prefill(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out);
+    // The fast decode GEMV's form of weight w (prepare_weight), or null when it has none.
+    const ds4::gemv_weight *fast_weight(const tensor &w) const;
+    // Segments for the fast GEMV when x is one 16-byte aligned row and every weight has the fast form.
+    bool fast_segments(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out,
+                       ds4::gemv_segment *segs) const;
 
     int device_ = 0;
     int n_sm_ = 0;
@@ -146,6 +162,10 @@ private:
     std::unordered_map<void *, size_t> allocs_;
     std::map<std::pair<const void *, size_t>, void *> weights_;
     std::unordered_map<const float *, float *> freq_factors_;
+    // Weights with the fast decode GEMV's form (ds4_gemv.h), by device address: q8_0 repacked into
+    // fast_mem_ (the GGUF rows stay for prefill and M > 1), f16 / f32 used in place.
+    std::unordered_map<const void *, ds4::gemv_weight> fast_;
+    std::vector<void *> fast_mem_;
     size_t weight_bytes_ = 0;
     dev_buf wbuf_, xbuf_, attn_part_, ids_dev_;
     int32_t *ids_host_ = nullptr;   // pinned staging for host token ids
@@ -187,6 +207,7 @@ cuda_backend::~cuda_backend() {
     for (auto &[p, n] : allocs_) cudaFree(p);
     for (auto &[k, p] : weights_) cudaFree(p);
     for (auto &[k, p] : freq_factors_) cudaFree(p);
+    for (void *p : fast_mem_) cudaFree(p);
     for (dev_buf *b : {&wbuf_, &xbuf_, &attn_part_, &ids_dev_}) cudaFree(b->p);
     cudaFreeHost(ids_host_);
     cudaEventDestroy(ids_done_);
@@ -243,6 +264,42 @@ void *cuda_backend::map_weights(const void *host, size_t bytes) {
     weights_[key] = p;
     weight_bytes_ += bytes;
     return p;
+}
+
+// The fast decode GEMV's form of a weight, built at load: q8_0 matrices whose rows are whole 512-element
+// tiles are repacked into a copy (rows * cols * 17 / 16 bytes more on the device); f16 / f32 ones with
+// 16-byte aligned rows are taken in place. Others (k-quants, odd shapes) keep only the generic GEMV.
+void cuda_backend::prepare_weight(const tensor &w) {
+    not_capturing("prepare_weight");
+    if (!w.data || w.ne[1] < 1 || fast_.count(w.data) || !ds4::gemv_fast_supported(w.type, w.ne[0])) return;
+    if (w.type != dtype::q8_0 && (w.nb1 % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0)) return;
+    void *dst = nullptr;
+    if (w.type == dtype::q8_0) {
+        ck(cudaMalloc(&dst, ds4::gemv_prepared_bytes(w.type, w.ne[1], w.ne[0]) + 256), "prepare_weight");
+        fast_mem_.push_back(dst);
+    }
+    fast_[w.data] = ds4::gemv_prepare(w.type, w.data, w.nb1, w.ne[1], w.ne[0], dst, stream_);
+    // The fast GEMV starts reading weights before its predecessor ends (PDL): the repack must be done.
+    ck(cudaStreamSynchronize(stream_), "prepare_weight");
+}
+
+const ds4::gemv_weight *cuda_backend::fast_weight(const tensor &w) const {
+    const auto it = fast_.find(w.data);
+    if (it == fast_.end() || it->second.rows != w.ne[1] || it->second.cols != w.ne[0] || it->second.type != w.type)
+        return nullptr;
+    return &it->second;
+}
+
+bool cuda_backend::fast_segments(const tensor &x, int n_pairs, const tensor *const *w, const tensor *const *out,
+                                 ds4::gemv_segment *segs) const {
+    if (x.ne[1] != 1 || n_pairs > ds4::gemv_max_segments || reinterpret_cast<uintptr_t>(x.data) % 16 != 0)
+        return false;
+    for (int i = 0; i < n_pairs; ++i) {
+        const ds4::gemv_weight *fw = fast_weight(*w[i]);
+        if (!fw) return false;
+        segs[i] = {*fw, fp(*out[i])};
+    }
+    return true;
 }
 
 void cuda_backend::upload(const tensor &dst, const void *host) {
@@ -541,6 +598,133 @@ void cuda_backend::attention(const tensor &q, const tensor &k, const tensor &v, 
     launch_attention(fp(q), ld(q), n_tok, k.data, v.data, k.type == dtype::f16, k.nb1, a, pos_base(), fp(out), ld(out),
                      err_dev_, part, n_split, stream_);
     launched("attention");
+}
+
+// ---- fused decode ops ----------------------------------------------------------------------------
+
+// One row with fast weights: one launch of the int8 GEMV with the norm folded into its x staging (x is
+// not written; xn neither), or, when that kernel does not take the set (f32 weights), the norm into xn
+// and one launch of the f32-activation GEMV for all pairs. Otherwise the composition.
+void cuda_backend::mul_mat_normed(const tensor &x, const tensor &norm_w, float eps, const tensor &xn, int n_pairs,
+                                  const tensor *const *w, const tensor *const *out) {
+    check_f32(x, "mul_mat_normed", "x");
+    check_f32(xn, "mul_mat_normed", "xn");
+    check_same(x, xn, "mul_mat_normed");
+    check(norm_w.type == dtype::f32 && norm_w.ne[0] == x.ne[0], "mul_mat_normed",
+          "weight " + shape(norm_w) + " for x " + shape(x));
+    ds4::gemv_segment segs[ds4::gemv_max_segments];
+    if (!fast_segments(x, n_pairs, w, out, segs) || reinterpret_cast<uintptr_t>(xn.data) % 16 != 0) {
+        backend::mul_mat_normed(x, norm_w, eps, xn, n_pairs, w, out);
+        return;
+    }
+    for (int i = 0; i < n_pairs; ++i) {
+        check(w[i]->ne[0] == x.ne[0], "mul_mat_normed", "weight " + shape(*w[i]) + " for x " + shape(x));
+        check_f32(*out[i], "mul_mat_normed", "out");
+        check(out[i]->ne[0] == w[i]->ne[1] && out[i]->ne[1] == 1, "mul_mat_normed", "out " + shape(*out[i]));
+    }
+    if (ds4::gemv_multi_normed_folds(segs, n_pairs, fp(x), fp(norm_w))) {
+        ds4::launch_gemv_multi_normed(segs, n_pairs, fp(x), fp(norm_w), eps, stream_);  // x left as it is
+    } else {
+        launch_rms_norm(fp(x), ld(x), fp(norm_w), eps, x.ne[0], 1, fp(xn), ld(xn), stream_);
+        launched("mul_mat_normed: norm");
+        ds4::launch_gemv_multi(segs, n_pairs, fp(xn), stream_);
+    }
+    launched("mul_mat_normed");
+}
+
+// One row with a fast weight: the GEMV adds its result to acc (gemv_segment::accumulate), tmp unused.
+void cuda_backend::mul_mat_add(const tensor &x, const tensor &w, const tensor &tmp, const tensor &acc) {
+    check_f32(acc, "mul_mat_add", "acc");
+    check(acc.ne[0] == w.ne[1] && acc.ne[1] == x.ne[1], "mul_mat_add", "acc " + shape(acc) + " for weight " +
+          shape(w) + " and x " + shape(x));
+    ds4::gemv_segment seg;
+    const tensor *pw[] = {&w};
+    const tensor *pa[] = {&acc};
+    if (w.ne[0] != x.ne[0] || x.type != dtype::f32 || !fast_segments(x, 1, pw, pa, &seg)) {
+        backend::mul_mat_add(x, w, tmp, acc);
+        return;
+    }
+    seg.accumulate = true;
+    ds4::launch_gemv_multi(&seg, 1, fp(x), stream_);
+    launched("mul_mat_add");
+}
+
+// One row with a q8_0 fast weight: act(gate) * up is formed in the int8 GEMV's x staging and the result
+// added to acc (one launch; gate and up not written). Otherwise the composition.
+void cuda_backend::glu_mul_mat_add(const tensor &gate, const tensor &up, glu_kind kind, const tensor &w,
+                                   const tensor &tmp, const tensor &acc) {
+    check_f32(gate, "glu_mul_mat_add", "gate");
+    check_f32(up, "glu_mul_mat_add", "up");
+    check_same(gate, up, "glu_mul_mat_add");
+    check_f32(acc, "glu_mul_mat_add", "acc");
+    check(w.ne[0] == gate.ne[0] && acc.ne[0] == w.ne[1] && acc.ne[1] == gate.ne[1], "glu_mul_mat_add",
+          "weight " + shape(w) + " for gate " + shape(gate) + " and acc " + shape(acc));
+    ds4::gemv_segment seg;
+    const tensor *pw[] = {&w};
+    const tensor *pa[] = {&acc};
+    if (fast_segments(gate, 1, pw, pa, &seg)) {
+        seg.accumulate = true;
+        if (ds4::launch_gemv_glu(&seg, 1, fp(gate), fp(up), kind == glu_kind::swiglu ? 0 : 1, stream_)) {
+            launched("glu_mul_mat_add");
+            return;
+        }
+    }
+    backend::glu_mul_mat_add(gate, up, kind, w, tmp, acc);
+}
+
+void cuda_backend::rms_norm_add(const tensor &x, const tensor &w, float eps, const tensor &acc) {
+    check_f32(x, "rms_norm_add", "x");
+    check_f32(acc, "rms_norm_add", "acc");
+    check_same(x, acc, "rms_norm_add");
+    check(w.type == dtype::f32 && w.ne[0] == x.ne[0], "rms_norm_add", "weight " + shape(w) + " for x " + shape(x));
+    launch_rms_norm_add(fp(x), ld(x), fp(w), eps, x.ne[0], x.ne[1], fp(acc), ld(acc), stream_);
+    launched("rms_norm_add");
+}
+
+void cuda_backend::qk_rope_store(const tensor &q, const tensor &k, const tensor &v, const qk_rope_store_params &p) {
+    const char *op = "qk_rope_store";
+    check(p.table && p.k_cache && p.v_cache, op, "missing rope table or caches");
+    check_f32(q, op, "q");
+    check_f32(k, op, "k");
+    check_f32(v, op, "v");
+    check_f32(*p.table, op, "table");
+    const int32_t hd = p.head_dim;
+    if (hd > 512 || q.ne[1] > 65535) {  // beyond the kernel's head / grid limits: the separate ops
+        backend::qk_rope_store(q, k, v, p);
+        return;
+    }
+    const tensor &kc = *p.k_cache, &vc = *p.v_cache;
+    check(hd > 0 && q.ne[0] % hd == 0, op, "q " + shape(q) + " is not whole heads of " + std::to_string(hd));
+    check(p.n_head_kv > 0 && k.ne[0] == int64_t{p.n_head_kv} * hd && v.ne[0] == k.ne[0] && k.ne[1] == q.ne[1] &&
+              v.ne[1] == q.ne[1], op, "k " + shape(k) + " / v " + shape(v) + " vs q " + shape(q));
+    check((kc.type == dtype::f16 || kc.type == dtype::f32) && vc.type == kc.type && kc.nb1 == vc.nb1 &&
+              kc.ne[0] == hd && vc.ne[0] == hd && kc.ne[1] == p.n_head_kv * p.n_ctx && vc.ne[1] == kc.ne[1],
+          op, "cache " + shape(kc) + " vs head layout");
+    const int64_t n_rot = p.table->ne[0];
+    check(n_rot > 0 && n_rot % 2 == 0 && n_rot <= hd && p.table->ne[1] == q.ne[1], op,
+          "table " + shape(*p.table) + " for q " + shape(q));
+    for (const tensor *nw : {p.q_norm, p.k_norm})
+        if (nw) check(nw->type == dtype::f32 && nw->ne[0] == hd, op, "norm weight " + shape(*nw));
+    if (!device_pos_) check(p.p0 >= 0 && p.p0 + q.ne[1] <= p.n_ctx, op, "positions beyond the cache");
+    qk_rope_store_args a{};
+    a.n_head = static_cast<int32_t>(q.ne[0] / hd);
+    a.n_head_kv = p.n_head_kv;
+    a.hd = hd;
+    a.n_rot = static_cast<int32_t>(n_rot);
+    a.neox = p.mode == rope_mode::neox;
+    a.f16 = kc.type == dtype::f16;
+    a.q_norm = p.q_norm ? fp(*p.q_norm) : nullptr;
+    a.k_norm = p.k_norm ? fp(*p.k_norm) : nullptr;
+    a.eps = p.eps;
+    a.q_scale = p.q_scale;
+    a.k_cache = kc.data;
+    a.v_cache = vc.data;
+    a.cache_stride = kc.nb1;
+    a.n_ctx = p.n_ctx;
+    a.p0 = p.p0;
+    launch_qk_rope_store(fp(q), ld(q), fp(k), ld(k), fp(v), ld(v), q.ne[1], fp(*p.table), ld(*p.table), a, pos_base(),
+                         err_dev_, stream_);
+    launched(op);
 }
 
 // ---- elementwise -------------------------------------------------------------------------------

@@ -55,6 +55,25 @@ void launch_rope(float *x, int64_t ldx, int64_t rows, int64_t n_head, int32_t he
 void launch_kv_store(const float *src, int64_t lds, int64_t n_tok, int32_t n_head_kv, int32_t hd, void *cache,
                      bool f16, size_t cache_stride_bytes, int64_t n_ctx, const int64_t *pos_base, int64_t p0,
                      uint32_t *err, cudaStream_t s);
+// backend::qk_rope_store in one launch: per-head RMSNorm of q / k (norm weights [hd] or null), RoPE by
+// table row t (n_rot dims, neox or normal pairs), q * q_scale, then k (final values) and v stored at cache
+// rows h*n_ctx + *pos_base + p0 + t (outside the cache: err_kv_pos). q and k are updated in place.
+// hd <= 512.
+struct qk_rope_store_args {
+    int32_t n_head, n_head_kv, hd, n_rot;
+    bool neox, f16;
+    const float *q_norm, *k_norm;
+    float eps, q_scale;
+    void *k_cache, *v_cache;
+    size_t cache_stride;  // bytes between cache rows (k and v alike)
+    int64_t n_ctx, p0;
+};
+void launch_qk_rope_store(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t n_tok,
+                          const float *table, int64_t ldt, const qk_rope_store_args &a, const int64_t *pos_base,
+                          uint32_t *err, cudaStream_t s);
+// acc[r*lda + i] += rms_norm(x row r)[i] * w[i] (backend::rms_norm_add; x unchanged).
+void launch_rms_norm_add(const float *x, int64_t ldx, const float *w, float eps, int64_t n, int64_t rows, float *acc,
+                         int64_t lda, cudaStream_t s);
 struct attn_args {
     int32_t n_head, n_head_kv, head_dim;
     int64_t n_ctx, n_past;  // n_past is an offset added to *pos_base

@@ -128,6 +128,85 @@ __global__ void kv_store_kernel(const float *__restrict__ src, int64_t lds, int6
     else reinterpret_cast<float *>(row)[d] = v;
 }
 
+// ---- fused decode ops (backend::qk_rope_store, backend::rms_norm_add) ----------------------------
+// qk_rope_store: one block per (head slot, token); slots [0, H) are q heads, [H, H + Hkv) k heads,
+// [H + Hkv, H + 2 Hkv) v heads. A q / k head is staged in shared memory, normed (squares summed in
+// double, then rms_norm_kernel's arithmetic), rotated (rope_kernel's arithmetic), q scaled, written
+// back; k and v heads are stored in the cache at *pos_base + p0 + t (outside the cache: err_kv_pos,
+// nothing stored). One launch instead of q norm, k norm, two ropes, (scale), two kv_stores.
+constexpr int kQkThreads = 128;
+constexpr int kQkMaxHd = 512;
+__global__ void __launch_bounds__(kQkThreads) qk_rope_store_kernel(float *q, int64_t ldq, float *k, int64_t ldk,
+                                                                   const float *__restrict__ v, int64_t ldv,
+                                                                   const float *__restrict__ table, int64_t ldt,
+                                                                   qk_rope_store_args a, const int64_t *pos_base,
+                                                                   uint32_t *err) {
+    __shared__ float xs[kQkMaxHd];
+    __shared__ double sh[8];
+    const int slot = static_cast<int>(blockIdx.x);
+    const int64_t t = blockIdx.y;
+    const int hd = a.hd;
+    const int64_t pos = *pos_base + a.p0 + t;
+    const bool in_cache = pos >= 0 && pos < a.n_ctx;
+    if (!in_cache && threadIdx.x == 0 && slot >= a.n_head) atomicOr(err, err_kv_pos);
+    const auto store = [&](void *cache, int h, int d, float val) {
+        uint8_t *row = static_cast<uint8_t *>(cache) + static_cast<size_t>(h * a.n_ctx + pos) * a.cache_stride;
+        if (a.f16) reinterpret_cast<__half *>(row)[d] = __float2half_rn(val);
+        else reinterpret_cast<float *>(row)[d] = val;
+    };
+    if (slot >= a.n_head + a.n_head_kv) {  // v: stored as it is
+        const int h = slot - a.n_head - a.n_head_kv;
+        if (!in_cache) return;
+        const float *src = v + t * ldv + static_cast<int64_t>(h) * hd;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) store(a.v_cache, h, d, src[d]);
+        return;
+    }
+    const bool is_q = slot < a.n_head;
+    const int h = is_q ? slot : slot - a.n_head;
+    float *row = is_q ? q + t * ldq + static_cast<int64_t>(h) * hd : k + t * ldk + static_cast<int64_t>(h) * hd;
+    const float *nw = is_q ? a.q_norm : a.k_norm;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) xs[d] = row[d];
+    __syncthreads();
+    if (nw) {
+        double ss = 0;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += static_cast<double>(xs[d] * xs[d]);
+        ss = block_sum_d(ss, sh);
+        const float sc = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(hd)) + a.eps);
+        __syncthreads();
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) xs[d] = (xs[d] * sc) * nw[d];
+        __syncthreads();
+    }
+    const int half = a.n_rot / 2;
+    const float *tr = table + t * ldt;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const int ia = a.neox ? i : 2 * i, ib = a.neox ? i + half : 2 * i + 1;
+        const float c = tr[2 * i], sn = tr[2 * i + 1];
+        const float x0 = xs[ia], x1 = xs[ib];
+        xs[ia] = x0 * c - x1 * sn;
+        xs[ib] = x0 * sn + x1 * c;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float val = xs[d];
+        if (is_q && a.q_scale != 1.0f) val = val * a.q_scale;
+        row[d] = val;
+        if (!is_q && in_cache) store(a.k_cache, h, d, val);
+    }
+}
+
+// rms_norm_add: acc[r] += rms_norm(x[r]) * w, rms_norm_kernel's arithmetic then elementwise add's.
+__global__ void rms_norm_add_kernel(const float *__restrict__ x, int64_t ldx, const float *__restrict__ w, float eps,
+                                    int64_t n, float *acc, int64_t lda) {
+    __shared__ double sh[8];
+    const float *xr = x + blockIdx.x * ldx;
+    float *ar = acc + blockIdx.x * lda;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
+    ss = block_sum_d(ss, sh);
+    const float s = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ar[i] = ar[i] + (xr[i] * s) * w[i];
+}
+
 // ---- attention --------------------------------------------------------------------------------
 constexpr int kAttnWarps = 4;
 constexpr int kMaxHd = 256;  // head_dim limit: 8 dims per lane
@@ -318,6 +397,22 @@ void launch_rms_norm(const float *x, int64_t ldx, const float *w, float eps, int
                      int64_t ldy, cudaStream_t s) {
     if (rows == 0) return;
     rms_norm_kernel<<<grid_for(rows, 1), 256, 0, s>>>(x, ldx, w, eps, n, y, ldy);
+}
+
+void launch_qk_rope_store(float *q, int64_t ldq, float *k, int64_t ldk, const float *v, int64_t ldv, int64_t n_tok,
+                          const float *table, int64_t ldt, const qk_rope_store_args &a, const int64_t *pos_base,
+                          uint32_t *err, cudaStream_t s) {
+    if (n_tok == 0) return;
+    if (a.hd > kQkMaxHd || a.n_rot > a.hd || n_tok > 65535)
+        throw error("cuda qk_rope_store: head_dim " + std::to_string(a.hd) + " / n_rot / tokens out of range");
+    const dim3 grid(static_cast<unsigned>(a.n_head + 2 * a.n_head_kv), static_cast<unsigned>(n_tok));
+    qk_rope_store_kernel<<<grid, kQkThreads, 0, s>>>(q, ldq, k, ldk, v, ldv, table, ldt, a, pos_base, err);
+}
+
+void launch_rms_norm_add(const float *x, int64_t ldx, const float *w, float eps, int64_t n, int64_t rows, float *acc,
+                         int64_t lda, cudaStream_t s) {
+    if (rows == 0) return;
+    rms_norm_add_kernel<<<grid_for(rows, 1), 256, 0, s>>>(x, ldx, w, eps, n, acc, lda);
 }
 
 void launch_rope_table(const int64_t *pos_base, int64_t p0, int64_t n, const rope_table_args &a, float *out,

@@ -100,6 +100,24 @@ struct cuda_step_graph::impl final : public backend {
     void softcap(const tensor &x, float cap) override { gpu.softcap(x, cap); }
     void softmax(const tensor &x) override { gpu.softmax(x); }
     void copy(const tensor &src, const tensor &dst) override { gpu.copy(src, dst); }
+    // The fused ops too: the defaults would split them into the separate ops above.
+    void mul_mat_normed(const tensor &x, const tensor &norm_w, float eps, const tensor &xn, int n_pairs,
+                        const tensor *const *w, const tensor *const *out) override {
+        gpu.mul_mat_normed(x, norm_w, eps, xn, n_pairs, w, out);
+    }
+    void mul_mat_add(const tensor &x, const tensor &w, const tensor &tmp, const tensor &acc) override {
+        gpu.mul_mat_add(x, w, tmp, acc);
+    }
+    void glu_mul_mat_add(const tensor &gate, const tensor &up, glu_kind kind, const tensor &w, const tensor &tmp,
+                         const tensor &acc) override {
+        gpu.glu_mul_mat_add(gate, up, kind, w, tmp, acc);
+    }
+    void rms_norm_add(const tensor &x, const tensor &w, float eps, const tensor &acc) override {
+        gpu.rms_norm_add(x, w, eps, acc);
+    }
+    void qk_rope_store(const tensor &q, const tensor &k, const tensor &v, const qk_rope_store_params &p) override {
+        gpu.qk_rope_store(q, k, v, p);
+    }
 };
 
 cuda_step_graph::cuda_step_graph(cuda_backend_api &gpu, int64_t n_ids, size_t staging_bytes)

@@ -43,6 +43,7 @@ struct seg_dev {
     size_t q_stride, s_stride;
     int64_t rows, rows_per_group;
     int32_t kind;
+    int32_t accumulate;  // 1: y[r] += W_r . x (gemv_segment::accumulate)
     int32_t group;   // G: threads per row
     int32_t chunks;  // loads per row (16 bytes each; f16: 8 bytes)
     uint32_t block_begin;
@@ -66,6 +67,13 @@ __device__ __forceinline__ uint2 ld_stream8(const uint8_t *p) {
     uint2 v;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
+}
+
+// A row's result into y[i]: stored, or added to y's value (accumulate: the residual add folded into the
+// GEMV; the thread that writes y[i] is the only one that reads it, after the PDL wait).
+template <class Seg>
+__device__ __forceinline__ void store_y(const Seg &sg, int64_t i, float v) {
+    sg.y[i] = sg.accumulate ? sg.y[i] + v : v;
 }
 
 // Byte j of w (w already XORed with 0x80808080, i.e. q + 128) as the float q, exactly:
@@ -226,7 +234,7 @@ __global__ void __launch_bounds__(kMaxGroup, 2)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (G == 32) {
-        if (gl == 0 && r < sg.rows) sg.y[r] = acc;
+        if (gl == 0 && r < sg.rows) store_y(sg, r, acc);
         return;  // uniform over the block: G is per segment and a block lies in one segment
     }
     const int warp = static_cast<int>(threadIdx.x) >> 5, wpg = G >> 5;
@@ -235,7 +243,7 @@ __global__ void __launch_bounds__(kMaxGroup, 2)
     if (gl == 0 && r < sg.rows) {
         float s = part[warp];
         for (int i = 1; i < wpg; ++i) s += part[warp + i];
-        sg.y[r] = s;
+        store_y(sg, r, s);
     }
 }
 
@@ -289,6 +297,7 @@ struct q8x_seg {
     size_t q_stride, s_stride;
     int64_t rows, rows_per_group, rows_per_block;
     int32_t f16;     // 1: f16 rows (f32 x), 0: repacked q8_0 rows (int8 x)
+    int32_t accumulate;  // 1: y[r] += W_r . x (gemv_segment::accumulate)
     int32_t chunks;  // 16-byte chunks per row
     int32_t
         warps_per_row;  // W: 1, 2, 4, 8 or 16 (few rows: several warps share one, parts summed at the end)
@@ -304,6 +313,10 @@ struct q8x_table {
     const float *norm_w;
     float norm_eps;
     uint32_t xf_off;
+    // GLU prologue (launch_gemv_glu; null: none): x' = act(x) * glu_up, x the gate (glu_act 0: silu,
+    // 1: gelu_tanh, cuda_ops.cu's elementwise swiglu / geglu arithmetic). Only q8_0 segments, one group.
+    const float *glu_up;
+    int32_t glu_act;
     int32_t warps;    // the kernel's WARPS (host side: which instance to launch)
     uint64_t *trace;  // FATHOM_Q8X_TRACE builds: 6 u64 per block (set_gemv_trace)
     int64_t cols;
@@ -313,9 +326,16 @@ struct q8x_table {
 // order above). 8 threads per 32-element block, a float4 each; loads of kQ8xBatch blocks per 8 threads
 // issued before any arithmetic (one L2 round trip per batch).
 constexpr int kQ8xBatch = 4;
+__device__ __forceinline__ float glu_of(float g, float u, int act) {
+    if (act == 0) return g / (1.0f + expf(-g)) * u;
+    constexpr float kSqrt2OverPi = 0.79788456080286535587989211986876f, kCoef = 0.044715f;
+    return 0.5f * g * (1.0f + tanhf(kSqrt2OverPi * g * (1.0f + kCoef * g * g))) * u;
+}
+
 template <int THREADS>
 __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds,
-                                           const float *norm_w = nullptr, float r = 1.0f) {
+                                           const float *norm_w = nullptr, float r = 1.0f,
+                                           const float *glu_up = nullptr, int glu_act = 0) {
     const int sub = threadIdx.x & 7, nblk = static_cast<int>(cols >> 5);
     constexpr int per_pass = THREADS / 8;  // blocks per pass; a warp takes 4 consecutive ones
     // The loop bound is warp-uniform (the warp's first block), so the shuffles see the whole warp.
@@ -333,6 +353,11 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
                 v[i] =
                     make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
                                 __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
+            }
+            if (glu_up && b < nblk) {  // act(gate) * up
+                const float4 u = ldx4(glu_up + 32 * static_cast<int64_t>(b) + 4 * sub);
+                v[i] = make_float4(glu_of(v[i].x, u.x, glu_act), glu_of(v[i].y, u.y, glu_act),
+                                   glu_of(v[i].z, u.z, glu_act), glu_of(v[i].w, u.w, glu_act));
             }
         }
 #pragma unroll
@@ -491,7 +516,7 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
             for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (w.lane == 0) {
                 if (w.W == 1)
-                    sg.y[r] = acc;
+                    store_y(sg, r, acc);
                 else
                     part[(r - w.r0) * w.W + w.sub] = acc;
             }
@@ -554,7 +579,8 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
         const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
         const int64_t last = (r1 - 1) / sg.rows_per_group;
         quantise_x<32 * WARPS>(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s),
-                               reinterpret_cast<float *>(s + cols), NORM ? t.norm_w : nullptr, nr);
+                               reinterpret_cast<float *>(s + cols), NORM ? t.norm_w : nullptr, nr, t.glu_up,
+                               t.glu_act);
         if (last != w.g0)
             quantise_x<32 * WARPS>(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
                                    reinterpret_cast<float *>(s + slot_bytes + cols));
@@ -579,7 +605,7 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
         for (int64_t i = threadIdx.x; i < r1 - r0; i += blockDim.x) {
             float v = part[i * w.W];
             for (int k = 1; k < w.W; ++k) v += part[i * w.W + k];
-            sg.y[r0 + i] = v;
+            store_y(sg, r0 + i, v);
         }
     }
 }
@@ -679,7 +705,7 @@ __device__ __forceinline__ void q8x_compute_cols(const q8x_seg &sg, const q8x_wa
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                 if (w.lane == 0) {
                     if (w.W == 1)
-                        sg.y[col * sg.y_stride + r] = v;
+                        store_y(sg, col * sg.y_stride + r, v);
                     else
                         part[((r - w.r0) * w.W + w.sub) * cx.nx + col] = v;
                 }
@@ -768,7 +794,7 @@ __device__ __forceinline__ void q8x_rows_cols(const q8x_seg &sg, const q8x_table
             const int64_t row = i / cx.nx, col = i % cx.nx;
             float v = part[(row * w.W) * cx.nx + col];
             for (int k = 1; k < w.W; ++k) v += part[(row * w.W + k) * cx.nx + col];
-            sg.y[col * sg.y_stride + r0 + row] = v;
+            store_y(sg, col * sg.y_stride + r0 + row, v);
         }
     }
 }
@@ -832,6 +858,7 @@ void set_weight(Seg &d, const gemv_segment &seg, int64_t rows_per_group) {
     d.q = static_cast<const uint8_t *>(w.q);
     d.scales = static_cast<const uint8_t *>(w.scales);
     d.y = seg.y;
+    d.accumulate = seg.accumulate ? 1 : 0;
     d.q_stride = w.q_stride;
     d.s_stride = w.s_stride;
     d.rows = w.rows;
@@ -892,7 +919,8 @@ void launch_table(const seg_table &t, unsigned blocks, int block, const float *x
 }
 
 bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
-                cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f);
+                cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f, const float *glu_up = nullptr,
+                int glu_act = 0);
 
 // Fills the segment table (group sizes, block ranges) and launches. rpg[i] = rows per x group.
 // The checks every launch makes: 1..8 segments of supported, aligned weights with the same cols and an
@@ -1060,11 +1088,13 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
 }
 
 bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
-                cudaStream_t s, const float *norm_w, float norm_eps) {
+                cudaStream_t s, const float *norm_w, float norm_eps, const float *glu_up, int glu_act) {
     q8x_table t;
     size_t smem = 0;
     int64_t blocks = 0;
     if (!plan_q8x(segs, rpg, n, t, smem, blocks, norm_w, norm_eps)) return false;
+    t.glu_up = glu_up;
+    t.glu_act = glu_act;
     if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (g_trace && cudaStreamIsCapturing(s, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive &&
@@ -1210,7 +1240,7 @@ void launch_gemv_multi_rows(const gemv_segment *segs, int n_segs, int nx, const 
     if (nx > 1 && launch_q8x_cols(segs, rpg, n_segs, nx, x, x_stride, "multi gemv rows", s)) return;
     for (int c = 0; c < nx; ++c) {  // column by column: the single-x launches
         gemv_segment sc[gemv_max_segments];
-        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows};
+        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows, segs[i].accumulate};
         launch_segments(sc, rpg, n_segs, x + static_cast<int64_t>(c) * x_stride, "multi gemv rows", s);
     }
 }
@@ -1245,7 +1275,7 @@ void launch_gemv_multi_normed_rows(const gemv_segment *segs, int n_segs, int nx,
     if (nx > 1 && launch_q8x_cols(segs, rpg, n_segs, nx, x, x_stride, "normed gemv rows", s, norm_w, eps)) return;
     for (int c = 0; c < nx; ++c) {
         gemv_segment sc[gemv_max_segments];
-        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows};
+        for (int i = 0; i < n_segs; ++i) sc[i] = {segs[i].w, segs[i].y + static_cast<int64_t>(c) * segs[i].w.rows, segs[i].accumulate};
         launch_gemv_multi_normed(sc, n_segs, x + static_cast<int64_t>(c) * x_stride, norm_w, eps, s);
     }
 }
@@ -1418,6 +1448,30 @@ void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, co
     // otherwise: the separate norm in place, then the plain launch
     cuda::launch_rms_norm(x, segs[0].w.cols, norm_w, eps, segs[0].w.cols, 1, x, segs[0].w.cols, s);
     launch_gemv_multi(segs, n_segs, x, s);
+}
+
+bool launch_gemv_glu(const gemv_segment *segs, int n_segs, const float *gate, const float *up, int act,
+                     cudaStream_t s) {
+    if (n_segs < 1 || n_segs > gemv_max_segments) throw error("cuda ds4 glu gemv: 1..8 segments");
+    if (!up || reinterpret_cast<uintptr_t>(up) % 16 != 0) return false;
+    check_segments(segs, n_segs, gate, "glu gemv");
+    int64_t rpg[gemv_max_segments];
+    for (int i = 0; i < n_segs; ++i) {
+        if (segs[i].w.type != dtype::q8_0) return false;  // f16 rows would read the gate itself
+        rpg[i] = segs[i].w.rows;
+    }
+    return launch_q8x(segs, rpg, n_segs, gate, "glu gemv", s, nullptr, 0.0f, up, act);
+}
+
+bool gemv_multi_normed_folds(const gemv_segment *segs, int n_segs, const float *x, const float *norm_w) {
+    if (!norm_w) return false;
+    check_segments(segs, n_segs, x, "normed gemv");
+    int64_t rpg[gemv_max_segments];
+    for (int i = 0; i < n_segs; ++i) rpg[i] = segs[i].w.rows;
+    q8x_table t;
+    size_t smem = 0;
+    int64_t blocks = 0;
+    return plan_q8x(segs, rpg, n_segs, t, smem, blocks, norm_w, 1e-6f);
 }
 
 void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s) {

@@ -74,10 +74,13 @@ void launch_gemv_fast_grouped(const gemv_weight &w, int64_t rows_per_group, cons
 
 // Several weights with the same cols and the same x in ONE launch (DS4: q_a, kv, compressor kv/gate,
 // indexer projection and indexer compressor kv/gate all read the same normed input); types may
-// differ per segment. Segment i writes segs[i].y [segs[i].w.rows].
+// differ per segment. Segment i writes segs[i].y [segs[i].w.rows], or with accumulate adds to it
+// (y[r] = y[r] + W_r . x: a residual add folded into the GEMV that produces the addend; y must not
+// overlap x or another segment's y).
 struct gemv_segment {
     gemv_weight w;
     float *y = nullptr;
+    bool accumulate = false;
 };
 constexpr int gemv_max_segments = 8;
 void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cudaStream_t s);
@@ -88,6 +91,15 @@ void launch_gemv_multi(const gemv_segment *segs, int n_segs, const float *x, cud
 // x). norm_w [cols], 16-byte aligned for the folded form.
 void launch_gemv_multi_normed(const gemv_segment *segs, int n_segs, float *x, const float *norm_w, float eps,
                               cudaStream_t s);
+// True when launch_gemv_multi_normed folds the norm into the int8 kernel for these segments (x is then left
+// unchanged; the current device's occupancy is queried). Same checks as the launch.
+bool gemv_multi_normed_folds(const gemv_segment *segs, int n_segs, const float *x, const float *norm_w);
+// The same weights (every one q8_0) applied to a gated-FFN activation formed in the int8 kernel's x staging:
+// y_i = W_i . (act(gate) * up), act 0 = silu, 1 = gelu_tanh (cuda::launch_elementwise's swiglu / geglu
+// arithmetic; neither gate nor up is written). Returns false, launching nothing, when the int8 kernel does
+// not take the set (another type, up not 16-byte aligned): run the glu, then a plain launch.
+bool launch_gemv_glu(const gemv_segment *segs, int n_segs, const float *gate, const float *up, int act,
+                     cudaStream_t s);
 
 // Several x at once (the rows of a multi-row decode step): x row c at x + c * x_stride (floats, a multiple
 // of 4, >= the x a single launch reads), outputs of row c at y + c * rows (each segment's y [nx, rows]).
