@@ -5,7 +5,8 @@
 # decode step with the feature capture, one draft block, the observation of a window's rows); then the
 # whole test_cuda suite with what time is left (WHOLE=0 skips it). SERVE=1: before the whole suite, `fathom serve
 # --device cuda` on that file under bench/serve_load.py (TTFT of a 4096-token prompt while 16 streams decode, and
-# an HTTP load test of LOAD clients for LOAD_S seconds).
+# an HTTP load test of LOAD clients for LOAD_S seconds; --logprobs: every token timed, not every text chunk:
+# the synthetic model's byte soup holds text back).
 # Usage (device): bash scripts/device/dspark_check.sh [layers=8]
 # Env: FILTER, TEST_TIMEOUT (240), WHOLE (1), WHOLE_TIMEOUT (240), ROWS (2,4,5), SEQS (4,16), SERVE (0), LOAD (16,64),
 # LOAD_S (30)
@@ -39,7 +40,7 @@ if [ "${SERVE:-0}" = 1 ] && [ -f "$m" ]; then
     for C in $(echo "${LOAD:-16,64}" | tr , ' '); do
         echo "== serve_load: $C clients"
         timeout 200 python3 "$here/bench/serve_load.py" --fathom "$c/fathom" --model "$m" --levels none --no-ttft \
-            $([ "$C" = 16 ] && echo --ttft-under-load 16 --prompt-tokens 4096 --decode-tokens 1024 --window 2 --idle-reps 2) \
+            $([ "$C" = 16 ] && echo --ttft-under-load 16 --prompt-tokens 4096 --decode-tokens 1024 --window 2 --idle-reps 2 --logprobs) \
             --load-test "$C" --duration "${LOAD_S:-30}" --max-tokens 128 --json "$out/load-$C.json" \
             --serve-args "--device cuda --parallel $((C + 1)) --ctx 8192" > "$out/load-$C.log" 2>&1
         echo "rc=$?"; tail -40 "$out/load-$C.log"
