@@ -325,6 +325,11 @@ struct row_scratch {
     // kept (the oldest dropped).
     static constexpr size_t kMaxGraphs = 32;
     std::vector<std::pair<std::vector<uint64_t>, cudaGraphExec_t>> graphs;
+    // Compositions seen once (the newest kMaxSeen): a composition runs eagerly the first time and is
+    // captured the second, so one that never recurs (a verification's row counts, a finished sequence's
+    // last step) costs no capture and instantiation.
+    static constexpr size_t kMaxSeen = 64;
+    std::vector<std::vector<uint64_t>> seen;
     // Lanes: the per-sequence and per-row chains of a step are independent of each other's, so they
     // run on side streams forked from and joined to the step's stream (parallel branches of the
     // captured graph): sequence i's KV rows, compressors, query heads and indexer on the lane of its

@@ -104,8 +104,19 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
         }
     ck(cudaMemcpyAsync(rs.tokens, rs.h_tokens, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading tokens");
     ck(cudaMemcpyAsync(rs.pos, rs.h_pos, static_cast<size_t>(n) * sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading positions");
-    if (p.use_graph) {
-        auto it = std::find_if(rs.graphs.begin(), rs.graphs.end(), [&](const auto &g) { return g.first == key; });
+    auto it = std::find_if(rs.graphs.begin(), rs.graphs.end(), [&](const auto &g) { return g.first == key; });
+    bool graph = p.use_graph;
+    if (graph && it == rs.graphs.end()) {  // first sight: eager (and remembered); second: captured
+        const auto s = std::find(rs.seen.begin(), rs.seen.end(), key);
+        if (s == rs.seen.end()) {
+            graph = false;
+            if (rs.seen.size() >= row_scratch::kMaxSeen) rs.seen.erase(rs.seen.begin());
+            rs.seen.push_back(key);
+        } else {
+            rs.seen.erase(s);
+        }
+    }
+    if (graph) {
         if (it == rs.graphs.end()) {
             cudaGraph_t g = nullptr;
             ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
