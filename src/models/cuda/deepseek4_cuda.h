@@ -233,7 +233,8 @@ class cuda_sequence {
     // counts[i] rows of seqs[i] (tokens: seqs[0]'s rows, then seqs[1]'s, ...; 1..16 rows in all) in ONE
     // multi-row step, each row bit-identical to its own decode step. The sequences share the weights
     // (cuda_upload) and n_ctx; the step runs on seqs[0]'s stream with its scratch, and each distinct
-    // composition ((sequence, rows) list) is captured once as a graph (an LRU of 32). logits [rows, n_vocab]
+    // composition ((sequence, rows) list) runs eagerly the first time and is captured as a graph the second
+    // (an LRU of 32; a composition that never recurs costs no capture). logits [rows, n_vocab]
     // and hc_out [rows, n_hc * D] of every row (either may be empty); every sequence's last logits become
     // its last row's. Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
     // other weights, more than 16 rows, a token outside the vocabulary, a full context; on a device-side
