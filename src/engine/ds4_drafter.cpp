@@ -158,36 +158,28 @@ class dspark_drafter final : public ds4_drafter {
   public:
     dspark_drafter(const ds4::model &m, std::shared_ptr<const ds4::dspark_weights> w, ds4::qat_mode qat,
                    const ds4::exec_options &exec)
-        : m_(m), w_(std::move(w)), qat_(qat), exec_(exec), F_(static_cast<size_t>(w_->feature_dim())),
-          feat_(static_cast<size_t>(w_->cfg.window + ds4::max_rollback) + 1, F_) {}
+        : m_(m), w_(std::move(w)), qat_(qat), exec_(exec), ctx_(ds4::new_dspark_context(*w_)) {}
     bool wants_hc_state() const override { return false; }
     std::span<const int> feature_layers() const override { return w_->cfg.target_layers; }
     int64_t context_rows() const override { return w_->cfg.window; }
 
+    // Each observed position's K/V rows go into the context rings at once (ds4::dspark_context), so a draft
+    // computes its block rows only.
     void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
                  std::span<const float> features) override {
         (void)held, (void)hc;
-        const int64_t n = static_cast<int64_t>(features.size() / F_);
-        for (int64_t i = std::max<int64_t>(0, n - static_cast<int64_t>(feat_.slots())); i < n; ++i)
-            feat_.put(p0 + i, &features[static_cast<size_t>(i) * F_]);
+        ds4::dspark_observe(*w_, qat_, exec_, ctx_, p0, features);
     }
-    // The ring is indexed by position: rows of positions < n stay current (window + max_rollback + 1
-    // slots outlast a rollback), later ones are overwritten when evaluated again.
-    void truncate(int64_t) override {}
-    void reset() override { feat_.clear(); }
+    void truncate(int64_t n) override { ds4::dspark_truncate(ctx_, n); }
+    void reset() override { ds4::dspark_truncate(ctx_, 0); }
 
     std::vector<int32_t> draft(std::span<const int32_t> held, int32_t pending, int32_t max,
                                std::vector<float> *confidence) override {
         if (confidence) confidence->clear();
-        const int64_t S = static_cast<int64_t>(held.size());
         if (max <= 0) return {};
-        // The context: the longest run of observed positions ending at S - 1, at most `window`.
-        int64_t c0 = S;
-        while (c0 > 0 && S - c0 < w_->cfg.window && feat_.get(c0 - 1)) --c0;
-        std::vector<float> ctx;
-        ctx.reserve(static_cast<size_t>(S - c0) * F_);
-        for (int64_t q = c0; q < S; ++q) ctx.insert(ctx.end(), feat_.get(q), feat_.get(q) + F_);
-        const ds4::dspark_block b = ds4::dspark_draft(m_, *w_, qat_, exec_, ctx, c0, pending);
+        // The context: the longest run of observed positions ending at held.size() - 1, at most `window`.
+        const ds4::dspark_block b =
+            ds4::dspark_draft_at(m_, *w_, qat_, exec_, ctx_, static_cast<int64_t>(held.size()), pending);
         std::vector<int32_t> d = b.draft_tokens;
         if (static_cast<int64_t>(d.size()) > max) d.resize(static_cast<size_t>(max));
         if (confidence) confidence->assign(b.confidence.begin(), b.confidence.begin() + static_cast<std::ptrdiff_t>(d.size()));
@@ -199,8 +191,7 @@ class dspark_drafter final : public ds4_drafter {
     std::shared_ptr<const ds4::dspark_weights> w_;
     ds4::qat_mode qat_;
     ds4::exec_options exec_;
-    size_t F_;
-    position_ring feat_;  // capture-layer features of the newest positions
+    ds4::dspark_context ctx_;  // each stage's K/V rows of the newest positions
 };
 
 }  // namespace

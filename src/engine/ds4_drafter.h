@@ -12,8 +12,9 @@
 //          i made from (target HC state at i, token i+1). observe() runs the rows whose next token is
 //          known; draft() runs row n-1 with the pending token, then chains the head on its own output
 //          state and drafted token, and rolls its KV back to the n true rows.
-//   DSpark One draft block (deepseek4_dspark.h) from the pending token over the capture-layer features
-//          of the last `window` positions, kept in a position-indexed ring.
+//   DSpark One draft block (deepseek4_dspark.h) from the pending token over the last `window` positions,
+//          whose stage K/V rows are made once, as their features come (ds4::dspark_context: position-
+//          indexed rings on the CPU, ds4::cuda_dspark's on one GPU).
 // After a state load (the prompt cache) neither has the history of the loaded positions: the MTP head
 // restarts its rows there and DSpark drafts from the features it has; drafts are guesses either way
 // and only the acceptance rate suffers.

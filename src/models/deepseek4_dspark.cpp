@@ -79,12 +79,11 @@ void stage_kv(const hparams &hp, const rope_table &rope, const layer_weights &l,
 }
 
 // Attention sublayer of one stage over the block (spec 4 with the DSpark key set): xn [B, D] normed
-// block rows at positions S..S+B-1, main_x [n_ctx, D] context rows at ctx_pos0..; every block row
-// attends to all context rows and all B block rows (bidirectional: no mask inside the block).
-// Output y [B, D].
+// block rows at positions S..S+B-1, ctx_kv [n_ctx, d] this stage's K/V rows of the context positions (in
+// position order, dspark_context); every block row attends to all context rows and all B block rows
+// (bidirectional: no mask inside the block). Output y [B, D].
 void stage_attention(const hparams &hp, const rope_table &rope, const layer_weights &l, qat_mode qat,
-                     const float *xn, int64_t B, int64_t S, const std::vector<float> &main_x, int64_t n_ctx,
-                     int64_t ctx_pos0, float *y) {
+                     const float *xn, int64_t B, int64_t S, const float *ctx_kv, int64_t n_ctx, float *y) {
     const int64_t D = hp.n_embd, d = hp.head_dim, H = hp.n_head, nr = hp.n_rot, r = hp.o_rank;
     // q [B, H*d] = W_qb . RMSNorm(W_qa . x; q_norm), each head RMS-normalised, RoPE at S + j.
     std::vector<float> q_lat(static_cast<size_t>(B * hp.q_lora)), q(static_cast<size_t>(B * H * d));
@@ -100,8 +99,7 @@ void stage_attention(const hparams &hp, const rope_table &rope, const layer_weig
             rope_apply(qh + (d - nr), rope, S + j, false);
         }
     // keys = values [n_ctx + B, d]: the context rows (this stage's W_kv on main_x), then the block rows.
-    std::vector<float> kv;
-    stage_kv(hp, rope, l, qat, main_x.data(), n_ctx, ctx_pos0, kv);
+    std::vector<float> kv(ctx_kv, ctx_kv + n_ctx * d);
     stage_kv(hp, rope, l, qat, xn, B, S, kv);
     const int64_t n_keys = n_ctx + B, gd = H / hp.o_groups * d;
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
@@ -121,8 +119,7 @@ void stage_attention(const hparams &hp, const rope_table &rope, const layer_weig
 
 // One stage (an ordinary DS4 block with the attention above): X [B, n_hc, D] updated in place.
 void stage_forward(const hparams &hp, const rope_table &rope, const layer_weights &l, qat_mode qat,
-                   std::span<const int32_t> ids, int64_t S, const std::vector<float> &main_x, int64_t n_ctx,
-                   int64_t ctx_pos0, float *x) {
+                   std::span<const int32_t> ids, int64_t S, const float *ctx_kv, int64_t n_ctx, float *x) {
     const int64_t B = static_cast<int64_t>(ids.size()), D = hp.n_embd, SW = hp.n_hc * D;
     const size_t nh = static_cast<size_t>(hp.n_hc);
     std::vector<float> u(static_cast<size_t>(B * D)), y(static_cast<size_t>(B * D));
@@ -144,7 +141,7 @@ void stage_forward(const hparams &hp, const rope_table &rope, const layer_weight
         }
     };
     pre(l.hc_attn, l.attn_norm);
-    stage_attention(hp, rope, l, qat, u.data(), B, S, main_x, n_ctx, ctx_pos0, y.data());
+    stage_attention(hp, rope, l, qat, u.data(), B, S, ctx_kv, n_ctx, y.data());
     post_all();
     pre(l.hc_ffn, l.ffn_norm);
     moe_forward_batch(hp, l, u.data(), ids, y.data());  // learned routing: ids are not read
@@ -198,15 +195,56 @@ void block_head(const model &target, const dspark_weights &w, const float *x, st
 
 }  // namespace
 
-dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat,
-                          const exec_options &exec, std::span<const float> ctx_features, int64_t ctx_pos0,
-                          int32_t seed_token, std::span<const int32_t> markov_inputs) {
+dspark_context new_dspark_context(const dspark_weights &w) {
+    dspark_context c;
+    c.rows = static_cast<int64_t>(w.cfg.window) + w.cfg.block_size + max_rollback + 1;
+    c.pos.assign(static_cast<size_t>(c.rows), -1);
+    c.kv.assign(w.stages.size(), std::vector<float>(static_cast<size_t>(c.rows * w.hp.head_dim)));
+    return c;
+}
+
+void dspark_observe(const dspark_weights &w, qat_mode qat, const exec_options &exec, dspark_context &c, int64_t p0,
+                    std::span<const float> features) {
     const hparams &hp = w.hp;
-    const int64_t F = w.feature_dim(), D = hp.n_embd, B = w.cfg.block_size;
-    const int64_t n_all = static_cast<int64_t>(ctx_features.size()) / F;
-    if (n_all * F != static_cast<int64_t>(ctx_features.size()) || ctx_pos0 < 0)
-        throw error("ds4 dspark: " + std::to_string(ctx_features.size()) + " feature floats at position " +
-                    std::to_string(ctx_pos0) + " are not whole rows of " + std::to_string(F));
+    const int64_t F = w.feature_dim(), D = hp.n_embd, d = hp.head_dim;
+    const int64_t n = static_cast<int64_t>(features.size()) / F;
+    if (n * F != static_cast<int64_t>(features.size()) || p0 < 0)
+        throw error("ds4 dspark: " + std::to_string(features.size()) + " feature floats at position " +
+                    std::to_string(p0) + " are not whole rows of " + std::to_string(F));
+    if (c.kv.size() != w.stages.size() || c.rows < 1) throw error("ds4 dspark: the context is not this drafter's");
+    // Only the last `window` positions can be context of a later block (README step 2).
+    const int64_t keep = std::min<int64_t>(w.cfg.window, n), first = n - keep;
+    if (keep == 0) return;
+    const exec_scope scope(exec);
+    // main_x [keep, D] = RMSNorm(W_fc . feat; hidden_norm), then each stage's K/V rows of it.
+    std::vector<float> main_x(static_cast<size_t>(keep * D));
+    matmul(w.fc, &features[static_cast<size_t>(first * F)], keep, main_x.data());
+    for (int64_t i = 0; i < keep; ++i)
+        rms_norm(&main_x[static_cast<size_t>(i * D)], D, w.hidden_norm.data(), hp.rms_eps, &main_x[static_cast<size_t>(i * D)]);
+    const rope_table rope = rope_plain(hp.rope_base, hp.n_rot);
+    std::vector<float> kv;
+    for (size_t k = 0; k < w.stages.size(); ++k) {
+        kv.clear();
+        stage_kv(hp, rope, w.stages[k], qat, main_x.data(), keep, p0 + first, kv);
+        for (int64_t i = 0; i < keep; ++i) {
+            const int64_t q = p0 + first + i, r = q % c.rows;
+            std::copy(&kv[static_cast<size_t>(i * d)], &kv[static_cast<size_t>((i + 1) * d)], &c.kv[k][static_cast<size_t>(r * d)]);
+        }
+    }
+    for (int64_t i = 0; i < keep; ++i) c.pos[static_cast<size_t>((p0 + first + i) % c.rows)] = p0 + first + i;
+}
+
+void dspark_truncate(dspark_context &c, int64_t n) {
+    for (int64_t &q : c.pos)
+        if (q >= n) q = -1;
+}
+
+dspark_block dspark_draft_at(const model &target, const dspark_weights &w, qat_mode qat, const exec_options &exec,
+                             const dspark_context &c, int64_t S, int32_t seed_token,
+                             std::span<const int32_t> markov_inputs) {
+    const hparams &hp = w.hp;
+    const int64_t D = hp.n_embd, B = w.cfg.block_size, d = hp.head_dim;
+    if (S < 0) throw error("ds4 dspark: negative position");
     if (seed_token < 0 || seed_token >= hp.n_vocab)
         throw error("ds4 dspark: seed token " + std::to_string(seed_token) + " outside the vocabulary");
     if (!markov_inputs.empty() && static_cast<int64_t>(markov_inputs.size()) != B)
@@ -215,28 +253,46 @@ dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode
     for (int32_t t : markov_inputs)
         if (t < 0 || t >= hp.n_vocab)
             throw error("ds4 dspark: Markov input " + std::to_string(t) + " outside the vocabulary");
+    if (c.kv.size() != w.stages.size() || c.rows < 1) throw error("ds4 dspark: the context is not this drafter's");
     const exec_scope scope(exec);
     dspark_block b;
-    b.seed_pos = ctx_pos0 + n_all;
-    // Context C = the last min(window, S) positions (README step 2): main_x [n_ctx, D].
-    const int64_t n_ctx = std::min<int64_t>(w.cfg.window, n_all), c0 = n_all - n_ctx;
-    for (int64_t c = 0; c < n_ctx; ++c) b.ctx_positions.push_back(ctx_pos0 + c0 + c);
-    std::vector<float> main_x(static_cast<size_t>(n_ctx * D));
-    if (n_ctx > 0) matmul(w.fc, &ctx_features[static_cast<size_t>(c0 * F)], n_ctx, main_x.data());
-    for (int64_t c = 0; c < n_ctx; ++c)
-        rms_norm(&main_x[static_cast<size_t>(c * D)], D, w.hidden_norm.data(), hp.rms_eps,
-                 &main_x[static_cast<size_t>(c * D)]);
+    b.seed_pos = S;
+    // Context (README step 2): the longest run of observed positions ending at S - 1, at most `window`.
+    auto held = [&](int64_t q) { return q >= 0 && c.pos[static_cast<size_t>(q % c.rows)] == q; };
+    int64_t c0 = S;
+    while (c0 > 0 && S - c0 < w.cfg.window && held(c0 - 1)) --c0;
+    const int64_t n_ctx = S - c0;
+    for (int64_t q = c0; q < S; ++q) b.ctx_positions.push_back(q);
     // Block input (step 3): [seed, noise x (B-1)] embedded with the target's table into every stream.
     b.input_ids.assign(static_cast<size_t>(B), w.cfg.noise_token);
     b.input_ids[0] = seed_token;
     std::vector<float> x(static_cast<size_t>(B * hp.n_hc * D));
     embed_tokens(target, b.input_ids, x);
-    // Stages (step 4): ratio-0 attention, plain RoPE with the drafter's base.
+    // Stages (step 4): ratio-0 attention, plain RoPE with the drafter's base, each over its own context rows.
     const rope_table rope = rope_plain(hp.rope_base, hp.n_rot);
-    for (const layer_weights &l : w.stages)
-        stage_forward(hp, rope, l, qat, b.input_ids, b.seed_pos, main_x, n_ctx, ctx_pos0 + c0, x.data());
+    std::vector<float> ctx(static_cast<size_t>(n_ctx * d));
+    for (size_t k = 0; k < w.stages.size(); ++k) {
+        for (int64_t q = c0; q < S; ++q)
+            std::copy_n(&c.kv[k][static_cast<size_t>((q % c.rows) * d)], d, &ctx[static_cast<size_t>((q - c0) * d)]);
+        stage_forward(hp, rope, w.stages[k], qat, b.input_ids, S, ctx.data(), n_ctx, x.data());
+    }
     block_head(target, w, x.data(), markov_inputs, b);
     return b;
+}
+
+dspark_block dspark_draft(const model &target, const dspark_weights &w, qat_mode qat,
+                          const exec_options &exec, std::span<const float> ctx_features, int64_t ctx_pos0,
+                          int32_t seed_token, std::span<const int32_t> markov_inputs) {
+    const int64_t F = w.feature_dim();
+    const int64_t n_all = static_cast<int64_t>(ctx_features.size()) / F;
+    if (n_all * F != static_cast<int64_t>(ctx_features.size()) || ctx_pos0 < 0)
+        throw error("ds4 dspark: " + std::to_string(ctx_features.size()) + " feature floats at position " +
+                    std::to_string(ctx_pos0) + " are not whole rows of " + std::to_string(F));
+    if (seed_token < 0 || seed_token >= w.hp.n_vocab)  // (before any work)
+        throw error("ds4 dspark: seed token " + std::to_string(seed_token) + " outside the vocabulary");
+    dspark_context c = new_dspark_context(w);
+    dspark_observe(w, qat, exec, c, ctx_pos0, ctx_features);
+    return dspark_draft_at(target, w, qat, exec, c, ctx_pos0 + n_all, seed_token, markov_inputs);
 }
 
 }  // namespace fathom::ds4

@@ -78,6 +78,28 @@ struct dspark_block {
     std::vector<float> confidence;        // [B] sigmoid of it
 };
 
+// The context side of the drafter kept per position: each stage's K/V row of main_x(p) (RMSNorm, RoPE at p,
+// QAT as the stage attention makes them) for the positions observed, in position-indexed rings of window +
+// block_size + max_rollback + 1 rows, so a rollback of up to max_rollback positions finds the rows before it
+// intact and a draft computes only its block rows (what cuda_dspark keeps on the GPU). A row depends on its
+// position's features alone, so the rows are those dspark_draft computes from the features, bit for bit.
+struct dspark_context {
+    int64_t rows = 0;                     // ring rows
+    std::vector<int64_t> pos;             // [rows] the position a ring row holds (-1: none)
+    std::vector<std::vector<float>> kv;   // [n_stages][rows * head_dim]
+};
+dspark_context new_dspark_context(const dspark_weights &w);
+// Positions p0 .. p0 + n - 1 with their features [n, feature_dim()] (only the last `window` can be read by a
+// later block, so only those are computed); dspark_truncate forgets positions >= n.
+void dspark_observe(const dspark_weights &w, qat_mode qat, const exec_options &exec, dspark_context &c, int64_t p0,
+                    std::span<const float> features);
+void dspark_truncate(dspark_context &c, int64_t n);
+// One block after S positions with seed_token at S; the context is the longest run of observed positions
+// ending at S - 1, at most `window` long. markov_inputs as dspark_draft's.
+dspark_block dspark_draft_at(const model &target, const dspark_weights &w, qat_mode qat, const exec_options &exec,
+                             const dspark_context &c, int64_t S, int32_t seed_token,
+                             std::span<const int32_t> markov_inputs = {});
+
 // Draft one block after a sequence of S = ctx_pos0 + n tokens: ctx_features [n, feature_dim()] are
 // the features of positions ctx_pos0 .. S-1 (only the last min(window, n) are used, so passing a
 // whole sequence or just its window gives the same block); seed_token is the token at position S.
