@@ -1,3 +1,6 @@
+// Also a DSpark drafter's block at that geometry (window 128, full-size stages of 16 experts): from the
+// kept context (ds4::dspark_draft_at, what a session's drafter does) and with the window's rows recomputed
+// from the features (ds4::dspark_draft, what it did before each position's rows were kept).
 // Cost of a DS4 multi-row step on the CPU (ds4::step, src/models/deepseek4.h) relative to one row: a
 // verification of R rows of one sequence (R = 1..5) and a batched decode of one row in each of R
 // sequences (R = 1..16), every sequence at the same depth (one prefill, copied); each iteration is one step
@@ -18,6 +21,7 @@
 
 #include "backend/cpu/thread_pool.h"
 #include "models/deepseek4.h"
+#include "models/deepseek4_dspark.h"
 #include "models/deepseek4_synth.h"
 #include "fathom/speculative.h"
 
@@ -28,6 +32,7 @@ using namespace fathom;
 constexpr int64_t kDepth = 512;
 
 struct fixture {
+    ds4::hparams hp;
     std::unique_ptr<ds4::model> m;
     std::unique_ptr<cpu::thread_pool> pool;
     std::vector<ds4::state> seqs;  // 16 sequences at kDepth
@@ -45,6 +50,7 @@ fixture &data() {
         const std::string path =
             (std::filesystem::temp_directory_path() / ("fathom_bench_ds4_" + std::to_string(::getpid()) + ".gguf")).string();
         ds4::synth_write(path, hp, o);
+        x.hp = hp;
         x.m = ds4::load_model(path);
         std::filesystem::remove(path);  // the mapping stays valid
         x.pool = std::make_unique<cpu::thread_pool>(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
@@ -168,5 +174,38 @@ void BM_Ds4SpecControlled(benchmark::State &state) {
                                     static_cast<double>(steps);
 }
 BENCHMARK(BM_Ds4SpecControlled)->Arg(0)->Arg(60)->Arg(80)->Arg(90)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// One DSpark block (B = 5) after kDepth positions whose window of 128 rows was observed: arg 0 from the kept
+// context (dspark_draft_at), arg 1 recomputing the window's main_x and every stage's K/V rows (dspark_draft).
+void BM_Ds4DsparkDraft(benchmark::State &state) {
+    fixture &f = data();
+    static std::unique_ptr<ds4::dspark_weights> w = [&] {
+        ds4::synth_options o;
+        o.mix = "q2";
+        const std::string path = (std::filesystem::temp_directory_path() /
+                                  ("fathom_bench_ds4_dspark_" + std::to_string(::getpid()) + ".gguf")).string();
+        ds4::synth_write_dspark(path, f.hp, ds4::synth_dspark_preset("flash", f.hp), o);
+        auto d = ds4::load_dspark(*f.m, path);
+        std::filesystem::remove(path);
+        return d;
+    }();
+    ds4::exec_options ex;
+    ex.pool = f.pool.get();
+    ex.quantised = true;
+    const int64_t W = w->cfg.window, F = w->feature_dim();
+    std::vector<float> feat(static_cast<size_t>(W * F));
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float &v : feat) v = nd(rng);
+    ds4::dspark_context ctx = ds4::new_dspark_context(*w);
+    ds4::dspark_observe(*w, ds4::qat_mode::full, ex, ctx, kDepth - W, feat);
+    for (auto _ : state) {
+        const ds4::dspark_block b =
+            state.range(0) == 0 ? ds4::dspark_draft_at(*f.m, *w, ds4::qat_mode::full, ex, ctx, kDepth, 11)
+                                : ds4::dspark_draft(*f.m, *w, ds4::qat_mode::full, ex, feat, kDepth - W, 11);
+        benchmark::DoNotOptimize(b.draft_tokens.data());
+    }
+}
+BENCHMARK(BM_Ds4DsparkDraft)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
