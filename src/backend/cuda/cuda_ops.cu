@@ -58,15 +58,20 @@ __device__ float block_max(float a, float *sh) {
 }
 
 // ---- rms_norm: one 256-thread block per row; squares summed in double as the CPU does ----------
+// The row's scale 1 / sqrt(mean(x^2) + eps) (every thread of the block gets it).
+__device__ float rms_scale(const float *__restrict__ xr, int64_t n, float eps, double *sh) {
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
+    ss = block_sum_d(ss, sh);
+    return 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+}
+
 __global__ void rms_norm_kernel(const float *__restrict__ x, int64_t ldx, const float *__restrict__ w, float eps,
                                 int64_t n, float *__restrict__ y, int64_t ldy) {
     __shared__ double sh[8];
     const float *xr = x + blockIdx.x * ldx;
     float *yr = y + blockIdx.x * ldy;
-    double ss = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
-    ss = block_sum_d(ss, sh);
-    const float s = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+    const float s = rms_scale(xr, n, eps, sh);
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? (xr[i] * s) * w[i] : xr[i] * s;
 }
 
@@ -168,10 +173,7 @@ __global__ void __launch_bounds__(kQkThreads) qk_rope_store_kernel(float *q, int
     for (int d = threadIdx.x; d < hd; d += blockDim.x) xs[d] = row[d];
     __syncthreads();
     if (nw) {
-        double ss = 0;
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) ss += static_cast<double>(xs[d] * xs[d]);
-        ss = block_sum_d(ss, sh);
-        const float sc = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(hd)) + a.eps);
+        const float sc = rms_scale(xs, hd, a.eps, sh);
         __syncthreads();
         for (int d = threadIdx.x; d < hd; d += blockDim.x) xs[d] = (xs[d] * sc) * nw[d];
         __syncthreads();
@@ -200,10 +202,7 @@ __global__ void rms_norm_add_kernel(const float *__restrict__ x, int64_t ldx, co
     __shared__ double sh[8];
     const float *xr = x + blockIdx.x * ldx;
     float *ar = acc + blockIdx.x * lda;
-    double ss = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
-    ss = block_sum_d(ss, sh);
-    const float s = 1.0f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + eps);
+    const float s = rms_scale(xr, n, eps, sh);
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ar[i] = ar[i] + (xr[i] * s) * w[i];
 }
 

@@ -430,23 +430,8 @@ std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp
     uint64_t total = 0;
     for (const matrix *m : {&mw.e_proj, &mw.h_proj, &mw.block.gate_exps.first, &mw.block.up_exps.first, &mw.block.down_exps.first})
         total += static_cast<uint64_t>(m->rows) * m->row_bytes * (m == &mw.e_proj || m == &mw.h_proj ? 1 : mw.block.gate_exps.n);
-    size_t free_b = 0, total_b = 0;
-    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
-    if (static_cast<double>(total) + (1u << 30) > static_cast<double>(free_b))
-        throw error("cuda ds4: the MTP head needs " + gib(static_cast<double>(total)) + " (+1 GiB margin), " +
-                    gib(static_cast<double>(free_b)) + " free");
-    auto w = std::make_shared<cuda_weights>();
-    w->hp = view.hp;
-    w->opt = target->opt;
-    w->opt.first_layer = 0;
-    w->opt.last_layer = -1;
-    w->device = target->device;
-    w->first = 0;
-    w->last = 1;
+    std::shared_ptr<cuda_weights> w = drafter_weights(target, view.hp, total, "the MTP head");
     w->mtp = true;
-    w->target = target;
-    w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
-    w->output = target->output;
     const int64_t replicate = main.file ? main.file->get_int("fathom.synth.replicate_rows", 0) : 0;
     const std::function<void(uint64_t, uint64_t)> no_progress;  // the uploader keeps a reference
     uploader u(*w, std::max<int64_t>(replicate, 0), total, no_progress);
@@ -465,6 +450,43 @@ std::shared_ptr<const cuda_weights> cuda_upload_mtp(const model &main, const mtp
     ck(cudaDeviceSynchronize(), "finishing the upload");
     return w;
 }
+
+namespace cuda_impl {
+
+std::shared_ptr<cuda_weights> drafter_weights(const std::shared_ptr<const cuda_weights> &target, const hparams &hp,
+                                              uint64_t bytes, const char *what) {
+    size_t free_b = 0, total_b = 0;
+    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
+    if (static_cast<double>(bytes) + (1u << 30) > static_cast<double>(free_b))
+        throw error(std::string("cuda ds4: ") + what + " needs " + gib(static_cast<double>(bytes)) + " (+1 GiB margin), " +
+                    gib(static_cast<double>(free_b)) + " free");
+    auto w = std::make_shared<cuda_weights>();
+    w->hp = hp;
+    w->opt = target->opt;
+    w->opt.first_layer = 0;
+    w->opt.last_layer = -1;
+    w->device = target->device;
+    w->first = 0;
+    w->last = hp.n_layer;
+    w->target = target;
+    w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
+    w->output = target->output;
+    return w;
+}
+
+void output_projection_rows(const dlayer &l, const hparams &hp, int n, const float *o, float *z, float *y, cudaStream_t s) {
+    const int64_t d = hp.head_dim, H = hp.n_head, gd = static_cast<int64_t>(hp.n_head / hp.o_groups) * d,
+                  zw = static_cast<int64_t>(hp.o_groups) * hp.o_rank;
+    if (l.out_a.fast)
+        cd::launch_gemv_grouped_rows(l.out_a.fw, hp.o_rank, n, o, H * d, z, s);
+    else
+        for (int r = 0; r < n; ++r)
+            cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp.o_rank, hp.o_groups, o + r * H * d,
+                                    z + r * zw, s);
+    gemv_multi_rows({{&l.out_b, y}}, n, z, zw, s);
+}
+
+}  // namespace cuda_impl
 
 size_t cuda_weight_bytes(const cuda_weights &w) {
     return w.bytes;

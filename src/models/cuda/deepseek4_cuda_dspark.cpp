@@ -59,22 +59,7 @@ std::shared_ptr<const cuda_weights> cuda_upload_dspark(const model &target_model
     uint64_t total = 0;
     if (dw.file)
         for (const auto &t : dw.file->tensors()) total += t.nbytes;
-    size_t free_b = 0, total_b = 0;
-    ck(cudaMemGetInfo(&free_b, &total_b), "querying device memory");
-    if (static_cast<double>(total) + (1u << 30) > static_cast<double>(free_b))
-        throw error("cuda ds4: the DSpark drafter needs " + gib(static_cast<double>(total)) + " (+1 GiB margin), " +
-                    gib(static_cast<double>(free_b)) + " free");
-    auto w = std::make_shared<cuda_weights>();
-    w->hp = view.hp;
-    w->opt = target->opt;
-    w->opt.first_layer = 0;
-    w->opt.last_layer = -1;
-    w->device = target->device;
-    w->first = 0;
-    w->last = view.hp.n_layer;
-    w->target = target;
-    w->tok_embd = target->tok_embd;  // aliases: the target's allocations (w->target keeps them)
-    w->output = target->output;
+    std::shared_ptr<cuda_weights> w = drafter_weights(target, view.hp, total, "the DSpark drafter");
     const int64_t replicate = dw.file ? dw.file->get_int("fathom.synth.replicate_rows", 0) : 0;
     const std::function<void(uint64_t, uint64_t)> no_progress;  // the uploader keeps a reference
     uploader u(*w, std::max<int64_t>(replicate, 0), total, no_progress);
@@ -255,14 +240,7 @@ void dspark_exec::attention(int il) {
     for (int j = 0; j < B; ++j) cd::launch_sparse_sink_attention(a, p_.q + j * H * d, p_.pos + 2, p_.part, p_.o + j * H * d, s);
     cd::launch_head_norm_rope_batch(p_.o, B, hp_.n_head, static_cast<int>(d), false, hp_.rms_eps, {dp.rope_neg, hp_.n_rot},
                                     cd::qat_kind::none, p_.pos + 1, s);
-    const int64_t gd = static_cast<int64_t>(hp_.n_head / hp_.o_groups) * d, zw = static_cast<int64_t>(hp_.o_groups) * hp_.o_rank;
-    if (l.out_a.fast)
-        cd::launch_gemv_grouped_rows(l.out_a.fw, hp_.o_rank, B, p_.o, H * d, p_.z, s);
-    else
-        for (int j = 0; j < B; ++j)
-            cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp_.o_rank, hp_.o_groups, p_.o + j * H * d,
-                                    p_.z + j * zw, s);
-    gemv_multi_rows({{&l.out_b, p_.y}}, B, p_.z, zw, s);
+    output_projection_rows(l, hp_, B, p_.o, p_.z, p_.y, s);
 }
 
 }  // namespace

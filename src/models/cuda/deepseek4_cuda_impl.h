@@ -259,6 +259,14 @@ dlayer upload_layer(uploader &u, const hparams &hp, const layer_weights &l, cons
 void check_weight_types(const model &m, int first, int last);
 double mat_bytes(const dmat &m);
 double layer_step_bytes(const hparams &hp, const dlayer &d);
+// A drafter's weights on the target's device (the MTP head, the DSpark drafter): after the memory check of
+// its `bytes` (+1 GiB; fathom::error naming `what` and both sizes), blocks [0, hp.n_layer) with the
+// drafter's hp and the target's options, embedding and output head (aliases `target` keeps alive).
+std::shared_ptr<cuda_weights> drafter_weights(const std::shared_ptr<const cuda_weights> &target, const hparams &hp,
+                                              uint64_t bytes, const char *what);
+// The attention's output projections of n rows: z [n, groups * rank] = grouped W_oa . o [n, H * d], then
+// y [n, D] = W_ob . z (each row's bits as its one-row step's).
+void output_projection_rows(const dlayer &l, const hparams &hp, int n, const float *o, float *z, float *y, cudaStream_t s);
 
 }  // namespace cuda_impl
 

@@ -531,15 +531,7 @@ void rows_exec::attention(int il) {
         }
     }
     join();  // every row's attention output
-    // output projections over all rows
-    const int64_t gd = static_cast<int64_t>(hp_.n_head / hp_.o_groups) * d, zw = static_cast<int64_t>(hp_.o_groups) * hp_.o_rank;
-    if (l.out_a.fast)
-        cd::launch_gemv_grouped_rows(l.out_a.fw, hp_.o_rank, n_, r_.o, H * d, r_.z, s);
-    else
-        for (int r = 0; r < n_; ++r)
-            cd::launch_gemv_grouped(l.out_a.type, l.out_a.p, l.out_a.row_bytes, gd, hp_.o_rank, hp_.o_groups, r_.o + r * H * d,
-                                    r_.z + r * zw, s);
-    gemv_multi_rows({{&l.out_b, r_.y}}, n_, r_.z, zw, s);
+    output_projection_rows(l, hp_, n_, r_.o, r_.z, r_.y, s);  // over all rows
 }
 
 }  // namespace

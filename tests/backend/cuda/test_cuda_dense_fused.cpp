@@ -69,15 +69,6 @@ class CudaDenseFused : public cuda_test::cuda_backend_pair_test {
         for (int64_t i = 0; i < n; ++i) y[static_cast<size_t>(i)] = x[i] * r * (w ? w[i] : 1.0f);
         return y;
     }
-    static double rel(const std::vector<float> &a, const std::vector<double> &ref) {
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ref.size(); ++i) {
-            const double d = static_cast<double>(a[i]) - ref[i];
-            num += d * d;
-            den += ref[i] * ref[i];
-        }
-        return std::sqrt(num / std::max(den, 1e-30));
-    }
 
     std::mt19937 rng_{4321};
 };
@@ -129,7 +120,7 @@ TEST_F(CudaDenseFused, MulMatNormedMatchesReference) {
                     ref.insert(ref.end(), yr.begin(), yr.end());
                 }
                 const double tol = M == 1 ? m.tol : 1e-5;
-                EXPECT_LE(rel(got, ref), tol) << "pair " << i;
+                EXPECT_LE(cuda_test::rel_l2(got, ref), tol) << "pair " << i;
             }
         }
     }
@@ -157,7 +148,7 @@ TEST_F(CudaDenseFused, MulMatAddAccumulates) {
                     ref.insert(ref.end(), yr.begin(), yr.end());
                 }
                 for (size_t i = 0; i < got.size(); ++i) delta[i] = got[i] - av[i];
-                EXPECT_LE(rel(delta, ref), t == dtype::q8_0 && M == 1 ? 2e-2 : 1e-4);  // acc's rounding included
+                EXPECT_LE(cuda_test::rel_l2(delta, ref), t == dtype::q8_0 && M == 1 ? 2e-2 : 1e-4);  // acc's rounding included
             }
         }
     }
@@ -195,7 +186,7 @@ TEST_F(CudaDenseFused, GluMulMatAddAccumulates) {
                 }
                 std::vector<float> delta(got.size());
                 for (size_t i = 0; i < got.size(); ++i) delta[i] = got[i] - av[i];
-                EXPECT_LE(rel(delta, ref), t == dtype::q8_0 && M == 1 ? 2e-2 : 1e-4);
+                EXPECT_LE(cuda_test::rel_l2(delta, ref), t == dtype::q8_0 && M == 1 ? 2e-2 : 1e-4);
             }
         }
     }
@@ -215,7 +206,7 @@ TEST_F(CudaDenseFused, RmsNormAddMatchesReference) {
         const auto y = rmsnorm(xv.data() + r * n, wv.data(), n, eps);
         for (int64_t i = 0; i < n; ++i) ref.push_back(av[static_cast<size_t>(r * n + i)] + y[static_cast<size_t>(i)]);
     }
-    EXPECT_LE(rel(down(acc.d), ref), 1e-6);
+    EXPECT_LE(cuda_test::rel_l2(down(acc.d), ref), 1e-6);
 }
 
 // qk_rope_store against the definition: per-head RMSNorm (optional), RoPE of the first n_rot dims
@@ -308,8 +299,8 @@ TEST_F(CudaDenseFused, QkRopeStoreMatchesReference) {
                     k_ref.insert(k_ref.end(), r.begin(), r.end());
                 }
             }
-            EXPECT_LE(rel(down(q.d), q_ref), 1e-5) << "q";
-            EXPECT_LE(rel(down(k.d), k_ref), 1e-5) << "k";
+            EXPECT_LE(cuda_test::rel_l2(down(q.d), q_ref), 1e-5) << "q";
+            EXPECT_LE(cuda_test::rel_l2(down(k.d), k_ref), 1e-5) << "k";
             // Cache rows: position p0 + t of kv head h; f16 rounding of the reference's f32 value.
             std::vector<uint8_t> kcb(zero.size()), vcb(zero.size());
             gpu_->download(kc.d, kcb.data());

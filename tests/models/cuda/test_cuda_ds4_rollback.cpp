@@ -414,39 +414,69 @@ TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
 //    speculation-like steps (a true token plus right and wrong drafts, the wrong ones rolled back), wherever
 //    the golden's top-2 gap exceeds its tolerance; n_batch 1, so every row takes the decode step's numerics;
 //  - speculation with it gives plain decoding's tokens, greedy and sampled, and keeps some drafts.
-std::unique_ptr<engine> mtp_engine(const std::string &qat, int64_t n_batch = 0) {
+// ds4-tiny on one GPU with its own drafter (ds4_draft "mtp" or "dspark", from draft_model).
+std::unique_ptr<engine> drafting_engine(const std::string &draft, const std::string &draft_model, ds4::qat_mode qat,
+                                        int64_t n_batch) {
     engine_options eo;
     eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
     eo.n_ctx = 1024;  // the longest golden case and its drafts
     eo.n_batch = n_batch;
     eo.device = "cuda";
     eo.kv = kv_precision::f32;
-    eo.ds4_qat = qat;
-    eo.ds4_draft = "mtp";
-    eo.ds4_draft_model = ds4_test::golden_dir() + "/ds4-tiny-a-mtp.gguf";
+    eo.ds4_qat = qat == ds4::qat_mode::full ? "full" : qat == ds4::qat_mode::fp4only ? "fp4only" : "off";
+    eo.ds4_draft = draft;
+    eo.ds4_draft_model = draft_model;
     return engine::load(eo);
+}
+std::unique_ptr<engine> mtp_engine(ds4::qat_mode qat, int64_t n_batch = 0) {
+    return drafting_engine("mtp", ds4_test::golden_dir() + "/ds4-tiny-a-mtp.gguf", qat, n_batch);
+}
+
+// Brings the session (holding a prefix of `tokens`) to n tokens as speculation does: the true token, some
+// right drafts and some wrong ones, the wrong ones rolled back.
+void advance_with_rollbacks(session &s, const std::vector<int32_t> &tokens, size_t n, std::mt19937 &rng) {
+    while (s.tokens().size() < n) {
+        const size_t p = s.tokens().size(), left = n - p;
+        const size_t right = std::min<size_t>(rng() % 4, left - 1), wrong = rng() % 4;
+        std::vector<int32_t> batch(tokens.begin() + static_cast<std::ptrdiff_t>(p),
+                                   tokens.begin() + static_cast<std::ptrdiff_t>(p + 1 + right));
+        for (size_t j = 0; j < wrong; ++j) batch.push_back(static_cast<int32_t>((tokens[p] + 7 + j) % 512));
+        s.eval(batch);
+        s.truncate(static_cast<int64_t>(p + 1 + right));
+    }
+}
+
+// Speculation with the sessions' own drafts (width 4) gives plain decoding's tokens, greedy and sampled
+// (sampler seed `seed`), and drafts something.
+void expect_own_drafts_give_plain_decoding(engine &e, uint64_t seed) {
+    const std::vector<int32_t> prompt = golden_prompt();
+    ASSERT_EQ(prompt.size(), 100u);
+    sampling_params greedy = greedy_params(), sampled = sampled_params();
+    sampled.seed = seed;
+    for (const sampling_params &p : {greedy, sampled}) {
+        const std::string what = p.temperature == 0 ? "greedy" : "sampled";
+        const outcome ref = plain(e, prompt, p, 80);
+        const outcome got = speculative(e, prompt, p, 80, nullptr, 4);
+        EXPECT_EQ(got.tokens, ref.tokens) << what;
+        EXPECT_EQ(got.held, ref.held) << what;
+        EXPECT_GT(got.st.drafted, 0) << what;
+        std::printf("  %s: %lld drafted, %lld kept\n", what.c_str(), static_cast<long long>(got.st.drafted),
+                    static_cast<long long>(got.st.accepted));
+    }
 }
 
 TEST_F(CudaDs4Rollback, MtpDrafterOnOneGpuDraftsTheGoldenTop1) {
     int checked = 0;
     for (const auto &c : ds4_test::load_cases("mtp_cases.jsonl")) {
         if (c.tol["tier"] != "strict" || c.tokens.size() < 60) continue;  // long no_qat cases
-        auto e = mtp_engine(c.qat == ds4::qat_mode::full ? "full" : c.qat == ds4::qat_mode::fp4only ? "fp4only" : "off", 1);
+        auto e = mtp_engine(c.qat, 1);
         auto s = e->new_session();
         ASSERT_TRUE(s->has_drafter());
         std::mt19937 rng(3);
         const double gap_min = c.tol["top1_must_match_if_gap_gt"];
         s->sync(std::span<const int32_t>(c.tokens).first(7));
         for (size_t n = 7; n <= c.tokens.size(); n = std::min(c.tokens.size() + 1, n + 1 + rng() % 5)) {
-            while (s->tokens().size() < n) {  // the true token, some right drafts, wrong ones rolled back
-                const size_t p = s->tokens().size(), left = n - p;
-                const size_t right = std::min<size_t>(rng() % 4, left - 1), wrong = rng() % 4;
-                std::vector<int32_t> batch(c.tokens.begin() + static_cast<std::ptrdiff_t>(p),
-                                           c.tokens.begin() + static_cast<std::ptrdiff_t>(p + 1 + right));
-                for (size_t j = 0; j < wrong; ++j) batch.push_back(static_cast<int32_t>((c.tokens[p] + 7 + j) % 512));
-                s->eval(batch);
-                s->truncate(static_cast<int64_t>(p + 1 + right));
-            }
+            advance_with_rollbacks(*s, c.tokens, n, rng);
             std::vector<int32_t> h = s->tokens();
             h.push_back(c.mtp_tokens[n - 1]);
             const std::vector<int32_t> d = s->draft(h, 4);
@@ -461,36 +491,14 @@ TEST_F(CudaDs4Rollback, MtpDrafterOnOneGpuDraftsTheGoldenTop1) {
 }
 
 TEST_F(CudaDs4Rollback, MtpSpeculationOnOneGpuGivesPlainDecodingsTokens) {
-    auto e = mtp_engine("full");
-    const std::vector<int32_t> prompt = golden_prompt();
-    ASSERT_EQ(prompt.size(), 100u);
-    sampling_params greedy = greedy_params(), sampled = sampled_params();
-    sampled.seed = 5;
-    for (const sampling_params &p : {greedy, sampled}) {
-        const std::string what = p.temperature == 0 ? "greedy" : "sampled";
-        const outcome ref = plain(*e, prompt, p, 80);
-        const outcome got = speculative(*e, prompt, p, 80, nullptr, 4);
-        EXPECT_EQ(got.tokens, ref.tokens) << what;
-        EXPECT_EQ(got.held, ref.held) << what;
-        EXPECT_GT(got.st.drafted, 0) << what;
-        std::printf("  %s: %lld drafted, %lld kept\n", what.c_str(), static_cast<long long>(got.st.drafted),
-                    static_cast<long long>(got.st.accepted));
-    }
+    auto e = mtp_engine(ds4::qat_mode::full);
+    expect_own_drafts_give_plain_decoding(*e, 5);
 }
 
 // The DSpark drafter on the device (engine_options::ds4_draft "dspark"): the session's cuda_sequence captures
 // the features, its ds4::cuda_dspark drafts.
-std::unique_ptr<engine> dspark_engine(const std::string &qat, int64_t n_batch = 0) {
-    engine_options eo;
-    eo.model_path = ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
-    eo.n_ctx = 1024;
-    eo.n_batch = n_batch;
-    eo.device = "cuda";
-    eo.kv = kv_precision::f32;
-    eo.ds4_qat = qat;
-    eo.ds4_draft = "dspark";
-    eo.ds4_draft_model = ds4_test::dspark_dir() + "/ds4-tiny-a-dspark.gguf";
-    return engine::load(eo);
+std::unique_ptr<engine> dspark_engine(ds4::qat_mode qat, int64_t n_batch = 0) {
+    return drafting_engine("dspark", ds4_test::dspark_dir() + "/ds4-tiny-a-dspark.gguf", qat, n_batch);
 }
 
 // Through a session that verified and rolled back rows on its way (prefill pieces, rows of several tokens,
@@ -502,22 +510,13 @@ TEST_F(CudaDs4Rollback, DsparkDrafterOnOneGpuDraftsTheGoldenBlock) {
     for (const auto &c : ds4_test::load_dspark_cases()) {
         if (!c.end_to_end) continue;
         for (int64_t n_batch : {int64_t{0}, int64_t{1}}) {  // chunked prefill, token by token
-            auto e = dspark_engine(c.qat == ds4::qat_mode::full ? "full" : c.qat == ds4::qat_mode::fp4only ? "fp4only" : "off",
-                                   n_batch);
+            auto e = dspark_engine(c.qat, n_batch);
             auto s = e->new_session();
             ASSERT_TRUE(s->has_drafter());
             std::mt19937 rng(5);
             const size_t n = c.tokens.size(), first = std::min<size_t>(n, 3 + n / 2);
             s->sync(std::span<const int32_t>(c.tokens).first(first));
-            while (s->tokens().size() < n) {
-                const size_t p = s->tokens().size(), left = n - p;
-                const size_t right = std::min<size_t>(rng() % 4, left - 1), wrong = rng() % 4;
-                std::vector<int32_t> batch(c.tokens.begin() + static_cast<std::ptrdiff_t>(p),
-                                           c.tokens.begin() + static_cast<std::ptrdiff_t>(p + 1 + right));
-                for (size_t j = 0; j < wrong; ++j) batch.push_back(static_cast<int32_t>((c.tokens[p] + 7 + j) % 512));
-                s->eval(batch);
-                s->truncate(static_cast<int64_t>(p + 1 + right));
-            }
+            advance_with_rollbacks(*s, c.tokens, n, rng);
             std::vector<int32_t> h = s->tokens();
             h.push_back(c.seed);
             const std::vector<int32_t> d = s->draft(h, 5);
@@ -531,21 +530,8 @@ TEST_F(CudaDs4Rollback, DsparkDrafterOnOneGpuDraftsTheGoldenBlock) {
 }
 
 TEST_F(CudaDs4Rollback, DsparkSpeculationOnOneGpuGivesPlainDecodingsTokens) {
-    auto e = dspark_engine("full");
-    const std::vector<int32_t> prompt = golden_prompt();
-    ASSERT_EQ(prompt.size(), 100u);
-    sampling_params greedy = greedy_params(), sampled = sampled_params();
-    sampled.seed = 7;
-    for (const sampling_params &p : {greedy, sampled}) {
-        const std::string what = p.temperature == 0 ? "greedy" : "sampled";
-        const outcome ref = plain(*e, prompt, p, 80);
-        const outcome got = speculative(*e, prompt, p, 80, nullptr, 4);
-        EXPECT_EQ(got.tokens, ref.tokens) << what;
-        EXPECT_EQ(got.held, ref.held) << what;
-        EXPECT_GT(got.st.drafted, 0) << what;
-        std::printf("  %s: %lld drafted, %lld kept\n", what.c_str(), static_cast<long long>(got.st.drafted),
-                    static_cast<long long>(got.st.accepted));
-    }
+    auto e = dspark_engine(ds4::qat_mode::full);
+    expect_own_drafts_give_plain_decoding(*e, 7);
 }
 
 }  // namespace
