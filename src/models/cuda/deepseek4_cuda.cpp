@@ -1540,7 +1540,7 @@ cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std:
     }
     const int n_pen = static_cast<int>(penalties.size());
     if (n_pen > ss.pen_cap) {
-        ss.pen = p.dev<int32_t>(2 * static_cast<size_t>(n_pen));  // the old buffer stays in allocs until the sequence dies
+        ss.pen = p.dev<int32_t>(2 * static_cast<size_t>(n_pen));  // the old buffer stays allocated until the sequence dies
         ss.pen_cap = n_pen;
     }
     std::vector<int32_t> pen(2 * static_cast<size_t>(n_pen));

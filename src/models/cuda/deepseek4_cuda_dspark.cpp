@@ -87,12 +87,12 @@ std::shared_ptr<const cuda_weights> cuda_upload_dspark(const model &target_model
 
 // ---- the drafter's device state ------------------------------------------------------------------------
 
-struct cuda_dspark::impl {
+struct cuda_dspark::impl : device_buffers {
+    impl() : device_buffers("allocating DSpark state") {}
     std::shared_ptr<const cuda_weights> w;
     qat_mode qat = qat_mode::full;
     int64_t B = 0, W = 0, R = 0, F = 0, D = 0, S = 0, V = 0, d = 0;
     cudaStream_t s = nullptr;
-    std::vector<void *> allocs;
     // Rings: per stage [R, d] f32, position p in row p mod R; ring_pos[row] = the position it holds (-1:
     // none or dropped).
     std::vector<float *> rings;
@@ -122,18 +122,11 @@ struct cuda_dspark::impl {
     static constexpr size_t kMaxGraphs = 8;
     std::vector<graph> graphs;
 
-    template <class T>
-    T *dev(size_t n) {
-        void *p = nullptr;
-        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating DSpark state");
-        allocs.push_back(p);
-        return static_cast<T *>(p);
-    }
     ~impl() {
         if (w) cudaSetDevice(w->device);
         if (s) cudaStreamSynchronize(s);
         for (const graph &g : graphs) cudaGraphExecDestroy(g.exec);
-        for (void *p : allocs) cudaFree(p);
+        free_all();
         for (void *h : {static_cast<void *>(h_pos), static_cast<void *>(h_ids), static_cast<void *>(h_amax),
                         static_cast<void *>(h_mk), static_cast<void *>(h_conf), static_cast<void *>(err_h)})
             if (h) cudaFreeHost(h);

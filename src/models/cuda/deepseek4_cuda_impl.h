@@ -35,6 +35,31 @@ inline void ck(cudaError_t e, const char *what) {
     if (e != cudaSuccess) throw error(std::string("cuda ds4: ") + what + ": " + cudaGetErrorString(e));
 }
 
+// Device buffers an owner frees together (free_all: in its destructor, after whatever must stop using them;
+// else at the end): dev<T>(n) is n T's plus 256 bytes of padding; `what` names them in the allocation error.
+class device_buffers {
+  public:
+    explicit device_buffers(const char *what) : what_(what) {}
+    device_buffers(const device_buffers &) = delete;
+    device_buffers &operator=(const device_buffers &) = delete;
+    ~device_buffers() { free_all(); }
+    template <class T>
+    T *dev(size_t n) {
+        void *p = nullptr;
+        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), what_);
+        allocs_.push_back(p);
+        return static_cast<T *>(p);
+    }
+    void free_all() noexcept {
+        for (void *p : allocs_) cudaFree(p);
+        allocs_.clear();
+    }
+
+  private:
+    const char *what_;
+    std::vector<void *> allocs_;
+};
+
 inline std::string gib(double b) {
     char s[32];
     std::snprintf(s, sizeof s, "%.2f GiB", b / (1024.0 * 1024.0 * 1024.0));
@@ -272,9 +297,9 @@ void output_projection_rows(const dlayer &l, const hparams &hp, int n, const flo
 
 // Scratch of a prefill chunk of up to `cap` tokens, all [cap, ...] row-major (alloc_chunk sizes it for a
 // sequence's geometry and context; every sequence of an engine has the same).
-struct chunk_state {
+struct chunk_state : device_buffers {
+    chunk_state() : device_buffers("allocating prefill scratch") {}
     int device = 0;
-    std::vector<void *> allocs;
     int64_t cap = 0, n_ctx = 0;
     int32_t *tokens = nullptr;
     float *x[2] = {nullptr, nullptr};
@@ -284,18 +309,11 @@ struct chunk_state {
     size_t score_floats = 0;
     std::unique_ptr<cd::gemm_runner> gemm;
     std::unique_ptr<cd::moe_prefill> moe;
-    template <class T>
-    T *dev(size_t n) {
-        void *p = nullptr;
-        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating prefill scratch");
-        allocs.push_back(p);
-        return static_cast<T *>(p);
-    }
     ~chunk_state() {
         cudaSetDevice(device);
         moe.reset();
         gemm.reset();
-        for (void *p : allocs) cudaFree(p);
+        free_all();
     }
 };
 
@@ -305,23 +323,16 @@ struct chunk_state {
 // (a cuda_prefill_pool) share one, taken by the step's first sequence for the step and given back after
 // it (steps run one at a time); a sequence without a pool keeps its own. Sized for one set of weights and
 // the largest score / attention partials a step's sequences need (score_floats, part_floats).
-struct row_scratch {
+struct row_scratch : device_buffers {
     row_scratch(int device, const void *weights, size_t score_floats, size_t part_floats)
-        : device(device), weights(weights), score_floats(score_floats), part_floats(part_floats) {}
+        : device_buffers("allocating multi-row scratch"), device(device), weights(weights), score_floats(score_floats),
+          part_floats(part_floats) {}
     row_scratch(const row_scratch &) = delete;
     row_scratch &operator=(const row_scratch &) = delete;
     ~row_scratch();
-    template <class T>
-    T *dev(size_t n) {
-        void *p = nullptr;
-        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating multi-row scratch");
-        allocs.push_back(p);
-        return static_cast<T *>(p);
-    }
     const int device;
     const void *const weights;
     const size_t score_floats, part_floats;
-    std::vector<void *> allocs;
     int cap = 0;
     int32_t *tokens = nullptr, *h_tokens = nullptr, *amax = nullptr;
     int64_t *pos = nullptr, *h_pos = nullptr;
@@ -377,10 +388,10 @@ class cuda_prefill_pool {
     std::unique_ptr<row_scratch> rows;  // the multi-row steps' scratch while no step holds it
 };
 
-struct cuda_sequence::impl {
+struct cuda_sequence::impl : device_buffers {
+    impl() : device_buffers("allocating sequence state") {}
     std::shared_ptr<const cuda_weights> w;
     cudaStream_t s = nullptr;
-    std::vector<void *> allocs;
     std::vector<layer_state_dev> ls;
     size_t kv_elem = 2;
     // Paged state (a state pool given): the compressed and indexer rows of every layer are regions of vm
@@ -454,20 +465,13 @@ struct cuda_sequence::impl {
         }
     }
 
-    template <class T>
-    T *dev(size_t n) {
-        void *p = nullptr;
-        ck(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T) + 256), "allocating sequence state");
-        allocs.push_back(p);
-        return static_cast<T *>(p);
-    }
     ~impl() {
         if (w) cudaSetDevice(w->device);
         if (s) cudaStreamSynchronize(s);  // no kernel may still use the blocks vm gives back
         vm.reset();
         if (graph) cudaGraphExecDestroy(graph);
         rs.reset();
-        for (void *p : allocs) cudaFree(p);
+        free_all();
         if (h_pos) cudaFreeHost(h_pos);
         if (h_token) cudaFreeHost(h_token);
         if (h_amax) cudaFreeHost(h_amax);

@@ -200,7 +200,7 @@ row_scratch::~row_scratch() {
     if (queries) cudaEventDestroy(queries);
     if (h_tokens) cudaFreeHost(h_tokens);
     if (h_pos) cudaFreeHost(h_pos);
-    for (void *p : allocs) cudaFree(p);
+    free_all();
 }
 
 namespace {
