@@ -37,6 +37,10 @@
 // the decode step's time with the drafter's feature capture on (cuda_sequence::set_feature_layers), and the
 // time of one draft block (cuda_dspark::draft after `window` context rows observed), relative to a one-row
 // step; then its block over the features of the real sequence at that depth is not checked (synthetic).
+// --spec-accept a,b,.. (percent; 0 = drafts always wrong) [--spec-tokens 64] [--draft-max 4]: at each depth,
+// speculative decoding at controlled acceptance (spec_controlled below: the target's own greedy continuation
+// as drafts, each corrupted with probability 1 - a, adaptive width, the rejected rows rolled back; with
+// --dspark the drafter's whole cost paid every step): tok/s against plain decoding and tokens per step.
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
@@ -50,6 +54,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -65,6 +70,7 @@
 #include "models/deepseek4_dspark.h"
 #include "bench_util.h"
 #include "core/error.h"
+#include "fathom/speculative.h"
 #include "models/deepseek4.h"
 
 using namespace fathom;
@@ -146,35 +152,31 @@ void state_round_trip(ds4::cuda_sequence &seq, const std::shared_ptr<const ds4::
     ::unlink(path.c_str());
 }
 
-}  // namespace
+// Deterministic pseudo-random DSpark features (xorshift, values in [-1, 1)).
+std::vector<float> pseudo_features(int64_t n) {
+    std::vector<float> feat(static_cast<size_t>(n));
+    uint64_t x = 88172645463325252ull;
+    for (float &f : feat) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        f = static_cast<float>(static_cast<double>(x >> 11) / 4503599627370496.0 - 1.0);
+    }
+    return feat;
+}
+
 
 // --dspark: the decode step with the drafter's capture on, and one draft block after `window` observed rows
 // (deterministic pseudo-random features), relative to the one-row step (dt seconds).
-void dspark_costs(const ds4::model &m, const std::shared_ptr<const ds4::cuda_weights> &w, const std::string &file,
+void dspark_costs(const ds4::dspark_weights &dw, const std::shared_ptr<const ds4::cuda_weights> &dev,
                   ds4::cuda_sequence &seq, int32_t t, int n_gen, double dt) {
-    static std::unique_ptr<ds4::dspark_weights> dw;
-    static std::shared_ptr<const ds4::cuda_weights> dev;
-    if (!dw) {
-        dw = ds4::load_dspark(m, file);
-        dev = ds4::cuda_upload_dspark(m, *dw, w);
-        std::printf("dspark %s: %zu stages, block %d, window %d, Markov rank %d; %.2f GB on the device\n", file.c_str(),
-                    dw->stages.size(), dw->cfg.block_size, dw->cfg.window, dw->cfg.markov_rank,
-                    static_cast<double>(ds4::cuda_weight_bytes(*dev)) / 1e9);
-    }
-    seq.set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
+    seq.set_feature_layers(dw.cfg.target_layers, dw.cfg.window);
     for (int i = 0; i < 3; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
     const double c0 = now_s();
     for (int i = 0; i < n_gen; ++i) t = ds4::cuda_testing::step_greedy(seq, t);
     const double dc = (now_s() - c0) / n_gen;
     seq.set_feature_layers({}, 0);
     ds4::cuda_dspark d(dev, ds4::qat_mode::full);
-    const int64_t W = dw->cfg.window, F = d.feature_dim(), S = seq.n_past();
-    std::vector<float> feat(static_cast<size_t>(W * F));
-    uint64_t x = 88172645463325252ull;
-    for (float &f : feat) {  // xorshift, values in [-1, 1)
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        f = static_cast<float>(static_cast<double>(x >> 11) / 4503599627370496.0 - 1.0);
-    }
+    const int64_t W = dw.cfg.window, F = d.feature_dim(), S = seq.n_past();
+    std::vector<float> feat = pseudo_features(W * F);
     const double o0 = now_s();
     d.observe(S - W, feat);
     const double dobs = now_s() - o0;
@@ -191,6 +193,117 @@ void dspark_costs(const ds4::model &m, const std::shared_ptr<const ds4::cuda_wei
                 "", dc * 1e3, dc / dt, dd * 1e3, dd / dt, static_cast<long long>(W), dobs * 1e3, dobs1 * 1e3);
 }
 
+// --spec-accept: speculative decoding at controlled acceptance (issue 26). Synthetic weights make a real
+// drafter's acceptance meaningless, so the drafts are the target's own greedy continuation (computed
+// beforehand by plain decoding from the same state), each corrupted with probability 1 - a; the width is
+// spec::draft_budget's adaptive one (up to draft_max) with the verification cost curve learnt from the
+// timed steps (spec::verify_cost, as the engine does). Each verification is one eval_rows of 1 + k rows with
+// every row's logits downloaded (what the engine's acceptance reads), the kept rows' argmax chain decides,
+// the rejected rows are rolled back (truncate). With a DSpark drafter (dw, dev) its whole cost is paid every
+// step as a real speculative step pays it: the feature capture in the verification, observe() of the kept
+// rows' features, one draft block; its tokens are replaced by the oracle's. Plain decoding for the ratio is
+// the same loop with one row per step (eval of one token, logits downloaded). Each run starts from a fresh
+// sequence made `depth` deep with the same seed, so every run decodes the same tokens.
+void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const std::shared_ptr<cuda::block_pool> &pool,
+                     int64_t depth, size_t V, const std::vector<int64_t> &accepts, int n_tok, int draft_max,
+                     const ds4::dspark_weights *dw, const std::shared_ptr<const ds4::cuda_weights> &dev) {
+    const int64_t n_ctx = depth + n_tok + 64;
+    auto fresh = [&] {
+        auto s = std::make_unique<ds4::cuda_sequence>(w, n_ctx, true, 0, nullptr, pool);
+        ds4::cuda_testing::fill_synthetic(*s, depth, 7);
+        return s;
+    };
+    auto argmax = [&](const float *row) { return static_cast<int32_t>(std::max_element(row, row + V) - row); };
+    constexpr int32_t kFirst = 11;
+    std::vector<int32_t> cont;  // cont[i]: the greedy token after kFirst, cont[0..i)
+    std::vector<float> lg(V);
+    double plain_s = 0;
+    {
+        auto s = fresh();
+        int32_t t = kFirst;
+        for (int i = 0; i < 3; ++i) s->eval(std::span(&t, 1), lg), s->truncate(depth);  // warm-up (graph capture)
+        const double t0 = now_s();
+        for (int i = 0; i < n_tok + draft_max + 1; ++i) {
+            s->eval(std::span(&t, 1), lg);
+            t = argmax(lg.data());
+            cont.push_back(t);
+            if (i + 1 == n_tok) plain_s = now_s() - t0;
+        }
+    }
+    const double plain = n_tok / plain_s;
+    std::printf("speculation at controlled acceptance from depth %lld, %d tokens, width <= %d (adaptive)%s: plain decoding "
+                "%.1f tok/s (eval of one token, logits downloaded)\n",
+                static_cast<long long>(depth), n_tok, draft_max, dw ? ", DSpark drafting cost paid every step" : "", plain);
+    std::mt19937 rng(3);
+    spec::verify_cost cost;  // kept across the runs, as a serving process keeps it
+    for (int64_t ap : accepts) {
+        const double a = static_cast<double>(ap) / 100.0;
+        auto s = fresh();
+        std::unique_ptr<ds4::cuda_dspark> d;
+        int64_t F = 0;
+        if (dw) {
+            s->set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
+            d = std::make_unique<ds4::cuda_dspark>(dev, ds4::qat_mode::full);
+            F = d->feature_dim();
+            d->observe(depth - dw->cfg.window, pseudo_features(dw->cfg.window * F));
+            for (int i = 0; i < 2; ++i) d->draft(depth, kFirst);  // graph capture outside the timing
+        }
+        // Every row count's graph captured before the timing (a serving process has them).
+        for (int r = 1; r <= draft_max + 1; ++r) {
+            std::vector<int32_t> toks(static_cast<size_t>(r), kFirst);
+            for (int i = 0; i < 2; ++i) s->eval_rows(toks, {}), s->truncate(depth);
+        }
+        spec::draft_budget budget(draft_max, true);
+        int32_t pending = kFirst;
+        size_t emitted = 0;
+        int64_t steps = 0, drafted = 0, kept = 0;
+        std::vector<float> logits, feats;
+        const double t0 = now_s();
+        while (emitted < static_cast<size_t>(n_tok)) {
+            const int64_t base = s->n_past();
+            const int32_t k = budget.next(&cost);
+            if (d) d->draft(base, pending);  // the block's cost; its tokens are replaced by the oracle's
+            std::vector<int32_t> rows{pending};
+            for (int32_t j = 0; j < k; ++j) {
+                int32_t x = cont[emitted + static_cast<size_t>(j)];
+                if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
+                rows.push_back(x);
+            }
+            logits.resize(rows.size() * V);
+            feats.resize(static_cast<size_t>(d ? rows.size() * F : 0));
+            const double s0 = now_s();
+            s->eval_rows(rows, logits, {}, feats);
+            cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
+            ++steps;
+            size_t j = 0;
+            for (;; ++j) {  // row j's argmax is the next true token; drafts kept while they equal it
+                const int32_t y = argmax(&logits[j * V]);
+                ++emitted;
+                if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
+                pending = y;
+                break;
+            }
+            s->truncate(base + 1 + static_cast<int64_t>(j));
+            if (d) {
+                d->truncate(base);
+                d->observe(base, std::span(feats).first(static_cast<size_t>((j + 1) * F)));
+            }
+            budget.update(rows.size() - 1, j);
+            drafted += static_cast<int64_t>(rows.size()) - 1;
+            kept += static_cast<int64_t>(j);
+        }
+        const double tps = n_tok / (now_s() - t0);
+        std::printf("%10s a = %.2f: %.1f tok/s = %.2fx plain; %.2f tokens per step, %lld drafted, %lld kept; "
+                    "verify cost 2..%d rows / 1 row:",
+                    "", a, tps, tps / plain, static_cast<double>(n_tok) / static_cast<double>(steps),
+                    static_cast<long long>(drafted), static_cast<long long>(kept), draft_max + 1);
+        for (int r = 2; r <= draft_max + 1; ++r) std::printf(" %.2f", cost.ratio(r));
+        std::printf("\n");
+    }
+}
+
+}  // namespace
+
 int main(int argc, char **argv) try {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines out as they come (a pipe to tee; a crash loses nothing)
     if (argc < 2) {
@@ -202,7 +315,8 @@ int main(int argc, char **argv) try {
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false, paged = false;
-    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity;
+    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity, spec_accepts;
+    int spec_tokens = 64, draft_max = 4;
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
@@ -238,10 +352,20 @@ int main(int argc, char **argv) try {
             capacity = parse_list(argv[++i]);
         else if (a == "--dspark" && i + 1 < argc)
             dspark_file = argv[++i];
+        else if (a == "--spec-accept" && i + 1 < argc)
+            spec_accepts = parse_list(argv[++i]);
+        else if (a == "--spec-tokens" && i + 1 < argc)
+            spec_tokens = std::atoi(argv[++i]);
+        else if (a == "--draft-max" && i + 1 < argc)
+            draft_max = std::atoi(argv[++i]);
         else
             throw error("unknown argument " + a);
     }
     if (profile != "decode" && profile != "rows" && profile != "seqs") throw error("--profile: decode, rows or seqs");
+    for (int64_t a : spec_accepts)
+        if (a < 0 || a > 100) throw error("--spec-accept: percentages 0..100");
+    if (spec_tokens < 1 || draft_max < 1 || draft_max + 1 > ds4::max_rollback || draft_max + 1 > 16)
+        throw error("--spec-tokens >= 1, --draft-max 1.." + std::to_string(std::min<int64_t>(ds4::max_rollback, 16) - 1));
     const double t_load = now_s();
     auto m = ds4::load_model(path);
     ds4::cuda_run_options o;
@@ -298,6 +422,16 @@ int main(int argc, char **argv) try {
     ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk, {}, state_pool);
     std::vector<int> trace_launches;
     uint64_t *trace_buf = nullptr;
+    // The DSpark drafter reads the target's geometry from the host model: loaded before the mapping goes.
+    std::unique_ptr<ds4::dspark_weights> dspark_w;
+    std::shared_ptr<const ds4::cuda_weights> dspark_dev;
+    if (!dspark_file.empty()) {
+        dspark_w = ds4::load_dspark(*m, dspark_file);
+        dspark_dev = ds4::cuda_upload_dspark(*m, *dspark_w, w);
+        std::printf("dspark %s: %zu stages, block %d, window %d, Markov rank %d; %.2f GB on the device\n",
+                    dspark_file.c_str(), dspark_w->stages.size(), dspark_w->cfg.block_size, dspark_w->cfg.window,
+                    dspark_w->cfg.markov_rank, static_cast<double>(ds4::cuda_weight_bytes(*dspark_dev)) / 1e9);
+    }
     m.reset();  // the host mapping is no longer needed
 
     // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
@@ -466,7 +600,9 @@ int main(int argc, char **argv) try {
             cudaFree(n);
             ktrace_file.clear();
         }
-        if (!dspark_file.empty()) dspark_costs(*m, w, dspark_file, seq, t, n_gen, dt);
+        if (dspark_w) dspark_costs(*dspark_w, dspark_dev, seq, t, n_gen, dt);
+        if (!spec_accepts.empty())
+            spec_controlled(w, state_pool, depth, static_cast<size_t>(seq.hp().n_vocab), spec_accepts, spec_tokens, draft_max, dspark_w.get(), dspark_dev);
         if (!seqs_list.empty()) {  // several sequences per step
             const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
             std::vector<std::unique_ptr<ds4::cuda_sequence>> many;

@@ -156,31 +156,30 @@ __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(const dq_args a,
     }
 }
 
-// Repacked q8_0 rows r0 .. r0 + n_rows: thread (row i, tile t, lane l) reads the 16-byte chunk
-// 512 t + 16 l (word k = elements 512 t + 128 k + 4 l + 0..3) and the 4 scales at positions
-// 4 (l / 8) + k (block 4 k + l / 8); value = d * q as the CPU's dequantisation.
+// Repacked q8_0 rows r0 .. r0 + n_rows (ds4_gemv.h: quants in element order, scales in block order): thread
+// (row i, chunk c) reads the 16-byte chunk of elements 16 c .. 16 c + 15 and its block's scale (block c / 2);
+// value = d * q as the CPU's dequantisation.
 template <class Out>
 __global__ void __launch_bounds__(kThreads)
     dequant_q8_repacked_kernel(const uint8_t *__restrict__ q, const uint8_t *__restrict__ sc, size_t q_stride,
                                size_t s_stride, int64_t r0, int64_t n_rows, int64_t cols, Out *__restrict__ dst) {
-    const int64_t tiles = cols / kRepackTile;
+    const int64_t chunks = cols / 16;
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= n_rows * tiles * 32) return;
-    const int l = static_cast<int>(idx & 31);
-    const int64_t t = (idx >> 5) % tiles, i = (idx >> 5) / tiles;
+    if (idx >= n_rows * chunks) return;
+    const int64_t c = idx % chunks, i = idx / chunks;
     const size_t r = static_cast<size_t>(r0 + i);
-    const uint4 v = *reinterpret_cast<const uint4 *>(q + r * q_stride + kRepackTile * t + 16 * l);
-    const uint2 d = *reinterpret_cast<const uint2 *>(sc + r * s_stride + 32 * t + 8 * (l >> 3));
-    const float dk[4] = {half_bits(d.x & 0xFFFFu), half_bits(d.x >> 16), half_bits(d.y & 0xFFFFu), half_bits(d.y >> 16)};
+    const uint4 v = *reinterpret_cast<const uint4 *>(q + r * q_stride + 16 * c);
+    const unsigned short db = *reinterpret_cast<const unsigned short *>(sc + r * s_stride + 2 * (c >> 1));
+    const float d = half_bits(db);
     const uint32_t wq[4] = {v.x, v.y, v.z, v.w};
-    Out *o = dst + i * cols + kRepackTile * t + 4 * l;
+    Out *o = dst + i * cols + 16 * c;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         float f[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            f[j] = ds4q::mul_rn(dk[k], static_cast<float>(static_cast<int8_t>((wq[k] >> (8 * j)) & 0xFFu)));
-        store4(o + 128 * k, f);
+            f[j] = ds4q::mul_rn(d, static_cast<float>(static_cast<int8_t>((wq[k] >> (8 * j)) & 0xFFu)));
+        store4(o + 4 * k, f);
     }
 }
 
@@ -287,7 +286,7 @@ template <class Out>
 void dequant_range(const gemm_weight &w, int64_t r0, int64_t n, Out *dst, const uint64_t *grid, cudaStream_t s) {
     if (!w.p && w.fast->type == dtype::q8_0) {
         const gemv_weight &f = *w.fast;
-        dequant_q8_repacked_kernel<Out><<<blocks_for(n * (w.cols / kRepackTile) * 32, "gemm dequantise"), kThreads, 0, s>>>(
+        dequant_q8_repacked_kernel<Out><<<blocks_for(n * (w.cols / 16), "gemm dequantise"), kThreads, 0, s>>>(
             static_cast<const uint8_t *>(f.q), static_cast<const uint8_t *>(f.scales), f.q_stride, f.s_stride, r0, n,
             w.cols, dst);
         check_launch("gemm dequantise (repacked q8_0)");

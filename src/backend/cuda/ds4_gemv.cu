@@ -108,17 +108,16 @@ __device__ __forceinline__ float row_q8(const seg_dev &sg, int64_t r, const floa
     const uint8_t *q = sg.q + static_cast<size_t>(r) * sg.q_stride;
     const uint8_t *sc = sg.scales + static_cast<size_t>(r) * sg.s_stride;
     const int G = sg.group, chunks = sg.chunks;
-    const int lane = gl & 31;  // = chunk & 31 for every chunk of this thread (G % 32 == 0)
     float acc = 0.0f;
     for (int c0 = gl; c0 < chunks; c0 += G * U) {
         uint4 v[U];
-        uint2 d[U];
+        unsigned short d[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * G;
             if (c < chunks) {
                 v[u] = ld_stream16(q + 16 * static_cast<size_t>(c));
-                d[u] = __ldg(reinterpret_cast<const uint2 *>(sc + 32 * (c >> 5) + 8 * (lane >> 3)));
+                d[u] = __ldg(reinterpret_cast<const unsigned short *>(sc + 2 * (c >> 1)));
             }
         }
         if (c0 == gl) pdl_wait();
@@ -126,15 +125,14 @@ __device__ __forceinline__ float row_q8(const seg_dev &sg, int64_t r, const floa
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * G;
             if (c < chunks) {
-                const float *xb = x + kTile * (c >> 5) + 4 * lane;
+                const float *xb = x + 16 * static_cast<int64_t>(c);  // chunk c = elements 16c .. 16c + 15
                 const uint32_t w[4] = {v[u].x ^ 0x80808080u, v[u].y ^ 0x80808080u, v[u].z ^ 0x80808080u,
                                        v[u].w ^ 0x80808080u};
-                const float2 d01 = __half22float2(*reinterpret_cast<const __half2 *>(&d[u].x));
-                const float2 d23 = __half22float2(*reinterpret_cast<const __half2 *>(&d[u].y));
-                acc = fmaf(dot4_i8(w[0], ldx4(xb)), d01.x, acc);
-                acc = fmaf(dot4_i8(w[1], ldx4(xb + 128)), d01.y, acc);
-                acc = fmaf(dot4_i8(w[2], ldx4(xb + 256)), d23.x, acc);
-                acc = fmaf(dot4_i8(w[3], ldx4(xb + 384)), d23.y, acc);
+                const float ds = __half2float(__ushort_as_half(d[u]));
+                acc = fmaf(dot4_i8(w[0], ldx4(xb)), ds, acc);
+                acc = fmaf(dot4_i8(w[1], ldx4(xb + 4)), ds, acc);
+                acc = fmaf(dot4_i8(w[2], ldx4(xb + 8)), ds, acc);
+                acc = fmaf(dot4_i8(w[3], ldx4(xb + 12)), ds, acc);
             }
         }
     }
@@ -372,8 +370,7 @@ __device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_
             if (b < nblk) {
                 xq[8 * b + sub] = ds4q::q8_round(v[i].x, id) | ds4q::q8_round(v[i].y, id) << 8 |
                                   ds4q::q8_round(v[i].z, id) << 16 | ds4q::q8_round(v[i].w, id) << 24;
-                const int bi = b & 15;  // block within its tile -> position 4 (bi % 4) + bi / 4
-                if (sub == 0) ds[(b & ~15) + 4 * (bi & 3) + (bi >> 2)] = d;
+                if (sub == 0) ds[b] = d;
             }
         }
     }
@@ -412,7 +409,7 @@ struct q8x_warp {
 template <int U>
 struct q8x_batch {
     uint4 v[U];
-    uint2 d[U];
+    unsigned short d[U];  // q8_0: the f16 scale of the slot's block
 };
 
 // A walk over the warp's (row, step) slots: row r (r0 + grp + P ri), step j; the row's weight and
@@ -445,7 +442,7 @@ __device__ __forceinline__ void q8x_load(const q8x_seg &sg, const q8x_warp &w, q
         const int tile = w.sub + w.W * k.j, c = w.lane + 32 * tile;
         if (k.r < w.r1 && c < sg.chunks) {
             b.v[u] = ld_stream16(k.q + 16 * c);
-            if (!F16) b.d[u] = __ldg(reinterpret_cast<const uint2 *>(k.sc + 32 * tile + 8 * (w.lane >> 3)));
+            if (!F16) b.d[u] = __ldg(reinterpret_cast<const unsigned short *>(k.sc + 2 * (16 * tile + (w.lane >> 1))));
         }
         q8x_next(sg, w, k);
     }
@@ -462,8 +459,8 @@ __device__ __forceinline__ q8x_xrow q8x_x_of(const q8x_seg &sg, const q8x_warp &
     const int64_t g =
         static_cast<int64_t>(static_cast<uint64_t>(r) / static_cast<uint64_t>(sg.rows_per_group));
     const uint8_t *xs = smem + (g == w.g0 ? 0 : static_cast<size_t>(cols + cols / 8));
-    return {x + g * cols, reinterpret_cast<const uint32_t *>(xs) + w.lane,
-            reinterpret_cast<const float *>(xs + cols) + 4 * (w.lane >> 3)};
+    return {x + g * cols, reinterpret_cast<const uint32_t *>(xs) + 4 * w.lane,
+            reinterpret_cast<const float *>(xs + cols) + (w.lane >> 1)};
 }
 // f16 rows' x: global (ldx4: coherent, after the PDL wait) or the normed copy in shared memory.
 template <bool XS>
@@ -472,6 +469,23 @@ __device__ __forceinline__ float4 q8x_ldx(const float *p) {
         return *reinterpret_cast<const float4 *>(p);
     else
         return ldx4(p);
+}
+
+// One 16-byte q8_0 chunk of lane l: half of block p = l / 2 of its tile (elements 16 l .. 16 l + 15 of
+// the tile), dotted with the int8 x words of the same elements by 4 chained dp4a (exact); the lane pair's
+// halves are summed (exact: the block's integer dot), and the even lane alone accumulates the block:
+// acc = fma(d_w * d_x, dot, acc); the odd lane adds +0 (its acc stays +0). So a row's f32 arithmetic
+// is, per lane pair, one fma per 32-element block in the pair's block order: the canonical order of
+// ds4_gemv.h that the tensor-core columns kernel repeats. Warp-uniform call (the shuffle).
+__device__ __forceinline__ float q8x_block_fma(const uint4 &wq, const uint4 &xq, unsigned short dw_bits, float dx,
+                                               int lane, float acc) {
+    int s = ds4q::dp4a(static_cast<int>(wq.x), static_cast<int>(xq.x), 0);
+    s = ds4q::dp4a(static_cast<int>(wq.y), static_cast<int>(xq.y), s);
+    s = ds4q::dp4a(static_cast<int>(wq.z), static_cast<int>(xq.z), s);
+    s = ds4q::dp4a(static_cast<int>(wq.w), static_cast<int>(xq.w), s);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    const float sc = (lane & 1) ? 0.0f : __half2float(__ushort_as_half(dw_bits)) * dx;
+    return fmaf(sc, ds4q::i2f_exact(s), acc);
 }
 
 // Arithmetic of one batch. A row's last slot ends the warp's part of it: warp xor sum, then lane 0
@@ -496,18 +510,8 @@ __device__ __forceinline__ void q8x_compute(const q8x_seg &sg, const q8x_warp &w
                     acc = fmaf(f.y, xv[2 * i + 1], acc);
                 }
             } else {
-                const uint32_t *xw = xr.xw + 128 * tile;
-                const float4 dx = *reinterpret_cast<const float4 *>(xr.dx + 16 * tile);
-                const float2 d01 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].x));
-                const float2 d23 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].y));
-                const int s0 = ds4q::dp4a(static_cast<int>(b.v[u].x), static_cast<int>(xw[0]), 0);
-                const int s1 = ds4q::dp4a(static_cast<int>(b.v[u].y), static_cast<int>(xw[32]), 0);
-                const int s2 = ds4q::dp4a(static_cast<int>(b.v[u].z), static_cast<int>(xw[64]), 0);
-                const int s3 = ds4q::dp4a(static_cast<int>(b.v[u].w), static_cast<int>(xw[96]), 0);
-                acc = fmaf(d01.x * dx.x, ds4q::i2f_exact(s0), acc);
-                acc = fmaf(d01.y * dx.y, ds4q::i2f_exact(s1), acc);
-                acc = fmaf(d23.x * dx.z, ds4q::i2f_exact(s2), acc);
-                acc = fmaf(d23.y * dx.w, ds4q::i2f_exact(s3), acc);
+                const uint4 xv = *reinterpret_cast<const uint4 *>(xr.xw + 128 * tile);
+                acc = q8x_block_fma(b.v[u], xv, b.d[u], xr.dx[16 * tile], w.lane, acc);
             }
         }
         const int64_t r = k.r;
@@ -676,22 +680,13 @@ __device__ __forceinline__ void q8x_compute_cols(const q8x_seg &sg, const q8x_wa
                     }
                 }
             } else {
-                const float2 d01 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].x));
-                const float2 d23 = __half22float2(*reinterpret_cast<const __half2 *>(&b.d[u].y));
 #pragma unroll
                 for (int col = 0; col < NC; ++col) {
                     if (col >= cx.nx) break;  // warp-uniform
                     const size_t off = static_cast<size_t>(col) * cx.col_bytes;
-                    const uint32_t *xw = reinterpret_cast<const uint32_t *>(reinterpret_cast<const uint8_t *>(xr.xw) + off) + 128 * tile;
-                    const float4 dx = *reinterpret_cast<const float4 *>(reinterpret_cast<const uint8_t *>(xr.dx + 16 * tile) + off);
-                    const int s0 = ds4q::dp4a(static_cast<int>(b.v[u].x), static_cast<int>(xw[0]), 0);
-                    const int s1 = ds4q::dp4a(static_cast<int>(b.v[u].y), static_cast<int>(xw[32]), 0);
-                    const int s2 = ds4q::dp4a(static_cast<int>(b.v[u].z), static_cast<int>(xw[64]), 0);
-                    const int s3 = ds4q::dp4a(static_cast<int>(b.v[u].w), static_cast<int>(xw[96]), 0);
-                    acc[col] = fmaf(d01.x * dx.x, ds4q::i2f_exact(s0), acc[col]);
-                    acc[col] = fmaf(d01.y * dx.y, ds4q::i2f_exact(s1), acc[col]);
-                    acc[col] = fmaf(d23.x * dx.z, ds4q::i2f_exact(s2), acc[col]);
-                    acc[col] = fmaf(d23.y * dx.w, ds4q::i2f_exact(s3), acc[col]);
+                    const uint4 xv = *reinterpret_cast<const uint4 *>(reinterpret_cast<const uint8_t *>(xr.xw + 128 * tile) + off);
+                    const float dx = *reinterpret_cast<const float *>(reinterpret_cast<const uint8_t *>(xr.dx + 16 * tile) + off);
+                    acc[col] = q8x_block_fma(b.v[u], xv, b.d[u], dx, w.lane, acc[col]);
                 }
             }
         }
@@ -816,29 +811,242 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
         q8x_rows_cols<WARPS, true, U, NORM, NORM, NC>(sg, t, cx, x, q8x_smem, r0, r1);
 }
 
-// Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the tiled layout. One thread
-// per 16-byte output chunk (row r, tile t, lane l); lanes l < 16 also write scale position l.
+// ---- the columns form on tensor cores (q8_0 segments, 2..16 x) --------------------------------------------
+// Every output of a q8_0 row follows the canonical order of ds4_gemv.h, which only needs each 32-element
+// block's exact integer dot and one fma per block in a fixed order: an int8 MMA (m16n8k32: one k-step is
+// one q8_0 block) gives the dots of 16 rows x 8 columns per instruction, so the weights stream once for all
+// the columns at a few instructions per block instead of the dp4a kernel's per-column arithmetic.
+// Work: a block (kMmaWarps = 16 warps, one per accumulator p of a(s, p)) owns a contiguous range of 16-row
+// tiles of the q8_0 segments (the plan's segments, their W from the single-x plan). For each tile and each
+// s < W, warp p walks j (blocks b = 16 (s + W j) + p), one MMA per 8 columns and k-step, and keeps
+// a(s, p) of its 16 rows x nx columns in the MMA's accumulator layout (fma per element, as the decode
+// lane does); the block then forms each (row, column)'s 32-lane xor tree and the running sum of the warp
+// parts in the canonical order, and stores. x: every column's group quantised once into shared memory by
+// the block (warp w takes columns w, w + 16, ..; with the RMSNorm's r of q8x_norm_r, repeated by one warp in
+// the 256-thread order), again only when a tile's x group changes (grouped tables).
+constexpr int kMmaWarps = 16;
+constexpr int kMmaJ = 4;  // k-steps whose weight loads are issued together
+
+struct q8x_mma_args {
+    int32_t segs[gemv_max_segments];  // the table's q8_0 segments, in order
+    int32_t tiles_begin[gemv_max_segments + 1];  // their 16-row tiles end to end
+    int32_t n;
+    int32_t nx;
+    int64_t x_stride;
+    uint32_t xq_stride;  // shared bytes between columns' int8 x (cols + 16: conflict-free B loads)
+    uint32_t dx_off;     // shared byte offset of the columns' scales [8 NT][cols / 32 + 1] (padded: conflict-free)
+    uint32_t red_off;    // shared byte offset of the tree buffer [16 p][16 rows][16 columns] f32
+};
+
+// q8x_norm_r's r, by one warp: lane l stands for the 256-thread block's threads l + 32 v (v < 8), each
+// summing its strided double partials in the same order; each virtual warp's xor tree is the real one
+// (lane 0's value, as the block's lane 0 stores it), then the 8 sums in order.
+__device__ __forceinline__ float q8x_norm_r_warp(const float *x, int64_t cols, float eps, int lane) {
+    double ss[8];
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+        ss[v] = 0;
+        for (int64_t i = lane + 32 * v; i < cols; i += 256) {
+            const float e = x[i];
+            ss[v] += static_cast<double>(__fmul_rn(e, e));
+        }
+    }
+    double t = 0;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+        double a = ss[v];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        t += __shfl_sync(0xffffffffu, a, 0);
+    }
+    return 1.0f / sqrtf(static_cast<float>(t / static_cast<double>(cols)) + eps);
+}
+
+// One column's x group (cols floats) quantised by one warp into int8 words (element order) and the blocks'
+// scales, with quantise_x's arithmetic (4 blocks per pass, 8 lanes a block; norm as rms_norm_kernel's).
+__device__ __forceinline__ void q8x_quantise_warp(const float *x, int64_t cols, uint32_t *xq, float *ds,
+                                                  const float *norm_w, float r, int lane) {
+    const int sub = lane & 7, nblk = static_cast<int>(cols >> 5);
+    for (int b0 = 0; b0 < nblk; b0 += 4 * kQ8xBatch) {
+        float4 v[kQ8xBatch];
+#pragma unroll
+        for (int i = 0; i < kQ8xBatch; ++i) {
+            const int b = b0 + 4 * i + (lane >> 3);
+            v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (norm_w && b < nblk) {
+                const float4 wv = *reinterpret_cast<const float4 *>(norm_w + 32 * static_cast<int64_t>(b) + 4 * sub);
+                v[i] = make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
+                                   __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kQ8xBatch; ++i) {
+            const int b = b0 + 4 * i + (lane >> 3);
+            float amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+            const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
+            if (b < nblk) {
+                xq[8 * b + sub] = ds4q::q8_round(v[i].x, id) | ds4q::q8_round(v[i].y, id) << 8 |
+                                  ds4q::q8_round(v[i].z, id) << 16 | ds4q::q8_round(v[i].w, id) << 24;
+                if (sub == 0) ds[b] = d;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+__device__ __forceinline__ uint32_t ld_w32(const uint8_t *p) {
+    return __ldg(reinterpret_cast<const unsigned int *>(p));
+}
+
+template <int NT, bool NORM>
+__global__ void __launch_bounds__(32 * kMmaWarps, 1)
+    gemv_q8x_mma_kernel(const __grid_constant__ q8x_table t, const __grid_constant__ q8x_mma_args m, const float *x) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    pdl_launch_dependents();
+    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+    const int g = lane >> 2, tq = lane & 3;  // the MMA fragments' row group and thread in group
+    const int64_t cols = t.cols, nblk = cols / 32, ntile = cols / 512, dstride = nblk + 1;
+    const int total = m.tiles_begin[m.n];
+    const int tb = static_cast<int>((static_cast<int64_t>(blockIdx.x) * total) / gridDim.x);
+    const int te = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * total) / gridDim.x);
+    float *dxs = reinterpret_cast<float *>(smem + m.dx_off);
+    float *red = reinterpret_cast<float *>(smem + m.red_off);
+    pdl_wait();
+    int64_t staged = -1;  // the x group in shared memory
+    for (int tile = tb; tile < te; ++tile) {
+        int k = 0;
+        while (k + 1 < m.n && tile >= m.tiles_begin[k + 1]) ++k;
+        const q8x_seg &sg = t.s[m.segs[k]];
+        const int64_t r0 = static_cast<int64_t>(tile - m.tiles_begin[k]) * 16;
+        const int64_t grp = r0 / sg.rows_per_group;
+        if (grp != staged) {  // block-uniform
+            __syncthreads();  // nobody still reads the previous group
+            for (int col = warp; col < m.nx; col += kMmaWarps) {
+                const float *xc = x + col * m.x_stride + grp * cols;
+                const float r = NORM ? q8x_norm_r_warp(xc, cols, t.norm_eps, lane) : 1.0f;
+                q8x_quantise_warp(xc, cols, reinterpret_cast<uint32_t *>(smem + col * m.xq_stride), dxs + col * dstride,
+                                  NORM ? t.norm_w : nullptr, r, lane);
+            }
+            __syncthreads();
+            staged = grp;
+        }
+        // rows r0 + g and r0 + g + 8 of the fragments (past the segment's end: its last row, outputs dropped)
+        const int64_t ra = min(r0 + g, sg.rows - 1), rb = min(r0 + g + 8, sg.rows - 1);
+        const uint8_t *qa = sg.q + static_cast<size_t>(ra) * sg.q_stride + 4 * tq;
+        const uint8_t *qb = sg.q + static_cast<size_t>(rb) * sg.q_stride + 4 * tq;
+        const uint8_t *sa = sg.scales + static_cast<size_t>(ra) * sg.s_stride;
+        const uint8_t *sb = sg.scales + static_cast<size_t>(rb) * sg.s_stride;
+        const int W = sg.warps_per_row;
+        float part = 0.0f;  // thread (row, column) < 256: the running sum of the warp parts
+        for (int sub = 0; sub < W; ++sub) {
+            float acc[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+            for (int64_t j0 = sub; j0 < ntile; j0 += static_cast<int64_t>(W) * kMmaJ) {
+                uint32_t a[kMmaJ][4];
+                unsigned short da[kMmaJ], db[kMmaJ];
+#pragma unroll
+                for (int u = 0; u < kMmaJ; ++u) {
+                    const int64_t tl = j0 + static_cast<int64_t>(W) * u;
+                    if (tl < ntile) {
+                        const int64_t b = 16 * tl + warp;
+                        a[u][0] = ld_w32(qa + 32 * b);
+                        a[u][1] = ld_w32(qb + 32 * b);
+                        a[u][2] = ld_w32(qa + 32 * b + 16);
+                        a[u][3] = ld_w32(qb + 32 * b + 16);
+                        da[u] = __ldg(reinterpret_cast<const unsigned short *>(sa + 2 * b));
+                        db[u] = __ldg(reinterpret_cast<const unsigned short *>(sb + 2 * b));
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kMmaJ; ++u) {
+                    const int64_t tl = j0 + static_cast<int64_t>(W) * u;
+                    if (tl >= ntile) break;  // warp-uniform
+                    const int64_t b = 16 * tl + warp;
+                    const float fa = __half2float(__ushort_as_half(da[u])), fb = __half2float(__ushort_as_half(db[u]));
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        const int col = 8 * n + g;  // the B fragment's column
+                        const uint32_t *xw = reinterpret_cast<const uint32_t *>(smem + col * m.xq_stride) + 8 * b + tq;
+                        int c[4];
+                        mma_s8(c, a[u], xw[0], xw[4]);
+                        const int c0 = 8 * n + 2 * tq;  // this thread's accumulator columns c0, c0 + 1
+                        const float dx0 = dxs[c0 * dstride + b], dx1 = dxs[(c0 + 1) * dstride + b];
+                        acc[n][0] = fmaf(fa * dx0, ds4q::i2f_exact(c[0]), acc[n][0]);
+                        acc[n][1] = fmaf(fa * dx1, ds4q::i2f_exact(c[1]), acc[n][1]);
+                        acc[n][2] = fmaf(fb * dx0, ds4q::i2f_exact(c[2]), acc[n][2]);
+                        acc[n][3] = fmaf(fb * dx1, ds4q::i2f_exact(c[3]), acc[n][3]);
+                    }
+                }
+            }
+            // a(sub, warp) of rows g, g + 8 and columns c0, c0 + 1 -> red[warp][row][column]
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int c0 = 8 * n + 2 * tq;
+                red[(warp * 16 + g) * 16 + c0] = acc[n][0];
+                red[(warp * 16 + g) * 16 + c0 + 1] = acc[n][1];
+                red[(warp * 16 + g + 8) * 16 + c0] = acc[n][2];
+                red[(warp * 16 + g + 8) * 16 + c0 + 1] = acc[n][3];
+            }
+            __syncthreads();
+            // thread (row, column) = (threadIdx / 16, threadIdx % 16) < 256: the xor tree of 32 lanes holding
+            // a(sub, 0), +0, a(sub, 1), +0, .. as lane 0 ends it, then the running sum of the warp parts
+            if (threadIdx.x < 256) {
+                const int row = static_cast<int>(threadIdx.x >> 4), col = static_cast<int>(threadIdx.x & 15);
+                float v[32];
+#pragma unroll
+                for (int l = 0; l < 32; ++l) v[l] = (l & 1) ? 0.0f : red[((l >> 1) * 16 + row) * 16 + col];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    float nv[32];
+#pragma unroll
+                    for (int l = 0; l < 32; ++l) nv[l] = v[l] + v[l ^ o];
+#pragma unroll
+                    for (int l = 0; l < 32; ++l) v[l] = nv[l];
+                }
+                part = sub == 0 ? v[0] : part + v[0];
+            }
+            __syncthreads();  // red is rewritten by the next sub
+        }
+        if (threadIdx.x < 256) {
+            const int row = static_cast<int>(threadIdx.x >> 4), col = static_cast<int>(threadIdx.x & 15);
+            if (col < m.nx && r0 + row < sg.rows) store_y(sg, col * sg.y_stride + r0 + row, part);
+        }
+    }
+}
+
+// Repack of q8_0 GGUF rows (34-byte blocks: f16 d, int8 qs[32]) into the split layout: the quants of a
+// row end to end in element order, the scales apart in block order. One thread per 16-byte output chunk
+// (row r, chunk c = elements 16 c .. 16 c + 15 = half (c & 1) of block c / 2); even chunks also write
+// their block's scale.
 __global__ void repack_q8_kernel(const uint8_t *__restrict__ src, size_t src_stride, int64_t rows,
                                  int64_t cols, uint8_t *__restrict__ q, uint8_t *__restrict__ sc) {
-    const int64_t tiles = cols / kTile;
+    const int64_t chunks = cols / 16;
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= rows * tiles * 32) return;
-    const int l = static_cast<int>(idx & 31);
-    const int64_t t = (idx >> 5) % tiles, r = (idx >> 5) / tiles;
-    const uint8_t *row = src + static_cast<size_t>(r) * src_stride + 34 * 16 * t;  // tile t's 16 blocks
+    if (idx >= rows * chunks) return;
+    const int64_t c = idx % chunks, r = idx / chunks;
+    const uint8_t *blk = src + static_cast<size_t>(r) * src_stride + 34 * static_cast<size_t>(c >> 1);
+    const uint8_t *qs = blk + 2 + 16 * (c & 1);
     uint32_t w[4];
-    for (int k = 0; k < 4; ++k) {
-        const int b = 4 * k + (l >> 3), e = 4 * (l & 7);  // element 128k + 4l = block b, offset e
-        w[k] = 0;
-        for (int j = 0; j < 4; ++j) w[k] |= static_cast<uint32_t>(row[34 * b + 2 + e + j]) << (8 * j);
-    }
-    *reinterpret_cast<uint4 *>(q + static_cast<size_t>(r) * cols + kTile * t + 16 * l) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-    if (l < 16) {
-        const int g = l >> 2, k = l & 3, b = 4 * k + g;  // position 4g + k holds block 4k + g
-        uint8_t *o = sc + static_cast<size_t>(r) * (cols / 16) + 32 * t + 2 * l;
-        o[0] = row[34 * b];
-        o[1] = row[34 * b + 1];
+    for (int k = 0; k < 4; ++k)
+        w[k] = static_cast<uint32_t>(qs[4 * k]) | static_cast<uint32_t>(qs[4 * k + 1]) << 8 |
+               static_cast<uint32_t>(qs[4 * k + 2]) << 16 | static_cast<uint32_t>(qs[4 * k + 3]) << 24;
+    *reinterpret_cast<uint4 *>(q + static_cast<size_t>(r) * cols + 16 * c) = make_uint4(w[0], w[1], w[2], w[3]);
+    if ((c & 1) == 0) {
+        uint8_t *o = sc + static_cast<size_t>(r) * (cols / 16) + 2 * static_cast<size_t>(c >> 1);
+        o[0] = blk[0];
+        o[1] = blk[1];
     }
 }
 
@@ -992,6 +1200,7 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
 // ---- q8x host side ----
 
 bool g_q8x = true;            // set_gemv_q8_activations
+bool g_q8x_mma = true;        // set_gemv_tensor_cores
 uint64_t *g_trace = nullptr;  // set_gemv_trace: buffer, capacity in blocks, blocks taken, launches
 size_t g_trace_cap = 0, g_trace_used = 0;
 std::vector<int> g_trace_launches;
@@ -1119,6 +1328,7 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
 // columns (split into several launches when it would not fit). False when the q8x kernel does not take
 // the table (the caller launches column by column).
 constexpr size_t kQ8xColsMaxSmem = 200 * 1024;
+constexpr size_t kQ8xMmaMaxSmem = 200 * 1024;
 
 // The columns kernels' shared-memory limit raised to kQ8xColsMaxSmem, once per device (outside any graph
 // capture: gemv_rows_prepare, called at upload; the launches call it too, a no-op after the first time).
@@ -1142,6 +1352,14 @@ void prepare_cols_kernels() {
     set(gemv_q8x_cols_kernel<kQ8xWarpsWide, kQ8xU, false, 16>);
     set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, true, 16>);
     set(gemv_q8x_cols_kernel<kQ8xWarps, kQ8xU, false, 16>);
+    const int lim_mma = static_cast<int>(kQ8xMmaMaxSmem);
+    auto set_mma = [&](auto kernel) {
+        if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lim_mma);
+    };
+    set_mma(gemv_q8x_mma_kernel<1, false>);
+    set_mma(gemv_q8x_mma_kernel<1, true>);
+    set_mma(gemv_q8x_mma_kernel<2, false>);
+    set_mma(gemv_q8x_mma_kernel<2, true>);
     if (e != cudaSuccess) throw error(std::string("cuda ds4 gemv: cannot raise the shared memory limit: ") + cudaGetErrorString(e));
     done.push_back(dev);
 }
@@ -1161,22 +1379,16 @@ void launch_q8x_cols_nc(const q8x_table &t, const q8x_cols &cx, size_t smem, int
         throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
 }
 
-bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx, const float *x, int64_t x_stride,
-                     const char *what, cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f) {
-    q8x_table t;
-    size_t smem1 = 0;
-    int64_t blocks = 0;
-    if (!plan_q8x(segs, rpg, n, t, smem1, blocks, norm_w, norm_eps)) return false;
-    if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
+// The dp4a columns kernel over a planned table t (blocks: its grid); false when not even two columns fit.
+bool launch_cols_table(const q8x_table &t, int64_t blocks, size_t smem1, bool grouped, int nx, const float *x,
+                       int64_t x_stride, const char *what, cudaStream_t s) {
     const int64_t cols = t.cols;
-    bool any_q8 = false, any_f16 = false, grouped = false;
+    bool any_q8 = false, any_f16 = false;
     int64_t max_parts = 0;
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < t.n; ++i) {
         any_q8 = any_q8 || !t.s[i].f16;
         any_f16 = any_f16 || t.s[i].f16;
-        grouped = grouped || rpg[i] < segs[i].w.rows;
         if (t.s[i].warps_per_row > 1) max_parts = std::max(max_parts, t.s[i].rows_per_block * t.s[i].warps_per_row);
-        t.s[i].y_stride = t.s[i].rows;
     }
     const size_t col_bytes = static_cast<size_t>(any_q8 ? (grouped ? 2 : 1) : 0) * static_cast<size_t>(cols + cols / 8);
     const size_t per_col = col_bytes + (t.norm_w && any_f16 ? static_cast<size_t>(cols) * 4 : 0) +
@@ -1187,7 +1399,7 @@ bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx
     for (int c0 = 0; c0 < nx; c0 += fit) {
         const int m = std::min(fit, nx - c0);
         q8x_table tc = t;  // the plan's, outputs moved to column c0
-        for (int i = 0; i < n; ++i) tc.s[i].y += static_cast<int64_t>(c0) * t.s[i].y_stride;
+        for (int i = 0; i < t.n; ++i) tc.s[i].y += static_cast<int64_t>(c0) * t.s[i].y_stride;
         const float *xc = x + static_cast<int64_t>(c0) * x_stride;
         if (m == 1) {  // the single-x kernel itself, as launch_q8x
             void (*kernel)(const q8x_table, const float *) =
@@ -1214,6 +1426,102 @@ bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx
             launch_q8x_cols_nc<4>(tc, cx, off, blocks, xc, what, s);
         else
             launch_q8x_cols_nc<16>(tc, cx, off, blocks, xc, what, s);
+    }
+    return true;
+}
+
+// Shared bytes of the tensor-core kernel for NT 8-column tiles at cols.
+size_t mma_smem(int nt, int64_t cols) {
+    const size_t c = static_cast<size_t>(8 * nt);
+    return c * static_cast<size_t>(cols + 16) + c * static_cast<size_t>(cols / 32 + 1) * 4 + 16 * 16 * 16 * 4;
+}
+
+// The tensor-core kernel over the q8_0 segments of the planned table t (each segment's plan, W included, is
+// the single-x launch's: the same bits). False (nothing launched) when it does not take them: no q8_0
+// segment, fewer than 2 x, tensor cores switched off, a grouped segment whose groups are not whole 16-row tiles.
+bool launch_q8x_mma(const q8x_table &t, const int64_t *rpg, int nx, const float *x, int64_t x_stride, const char *what,
+                    cudaStream_t s) {
+    if (nx < 2 || !g_q8x_mma) return false;
+    q8x_mma_args m = {};
+    int64_t tiles = 0;
+    for (int i = 0; i < t.n; ++i) {
+        if (t.s[i].f16) continue;
+        if (rpg[i] < t.s[i].rows && rpg[i] % 16 != 0) return false;
+        m.segs[m.n] = i;
+        m.tiles_begin[m.n] = static_cast<int32_t>(tiles);
+        tiles += (t.s[i].rows + 15) / 16;
+        ++m.n;
+    }
+    if (m.n == 0 || tiles > 0x7fffffff) return false;
+    m.tiles_begin[m.n] = static_cast<int32_t>(tiles);
+    m.x_stride = x_stride;
+    const int64_t cols = t.cols;
+    const int per = mma_smem(2, cols) <= kQ8xMmaMaxSmem ? 16 : 8;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+    prepare_cols_kernels();
+    for (int c0 = 0; c0 < nx; c0 += per) {
+        const int cnt = std::min(per, nx - c0);
+        const int nt = cnt > 8 ? 2 : 1;
+        q8x_table tc = t;
+        for (int i = 0; i < t.n; ++i) tc.s[i].y += static_cast<int64_t>(c0) * t.s[i].y_stride;
+        m.nx = cnt;
+        m.xq_stride = static_cast<uint32_t>(cols + 16);
+        m.dx_off = static_cast<uint32_t>(static_cast<size_t>(8 * nt) * static_cast<size_t>(cols + 16));
+        m.red_off = static_cast<uint32_t>(m.dx_off + static_cast<size_t>(8 * nt) * static_cast<size_t>(cols / 32 + 1) * 4);
+        const size_t smem = mma_smem(nt, cols);
+        void (*kernel)(const q8x_table, const q8x_mma_args, const float *) =
+            nt == 2 ? (t.norm_w ? gemv_q8x_mma_kernel<2, true> : gemv_q8x_mma_kernel<2, false>)
+                    : (t.norm_w ? gemv_q8x_mma_kernel<1, true> : gemv_q8x_mma_kernel<1, false>);
+        const cudaError_t e = launch_pdl(kernel, dim3(grid), dim3(32 * kMmaWarps), smem, s, true, tc, m,
+                                         x + static_cast<int64_t>(c0) * x_stride);
+        if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+    }
+    return true;
+}
+
+bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx, const float *x, int64_t x_stride,
+                     const char *what, cudaStream_t s, const float *norm_w = nullptr, float norm_eps = 0.0f) {
+    q8x_table t;
+    size_t smem1 = 0;
+    int64_t blocks = 0;
+    if (!plan_q8x(segs, rpg, n, t, smem1, blocks, norm_w, norm_eps)) return false;
+    if (blocks > 0x7fffffff) throw error(std::string("cuda ds4 ") + what + ": too many rows");
+    bool grouped = false, any_f16 = false;
+    for (int i = 0; i < n; ++i) {
+        grouped = grouped || rpg[i] < segs[i].w.rows;
+        any_f16 = any_f16 || t.s[i].f16;
+        t.s[i].y_stride = t.s[i].rows;
+    }
+    if (!launch_q8x_mma(t, rpg, nx, x, x_stride, what, s))
+        return launch_cols_table(t, blocks, smem1, grouped, nx, x, x_stride, what, s);
+    if (!any_f16) return true;
+    // The f16 segments with their own plan entries (their W and rows per block: the same bits), blocks
+    // renumbered; x stays f32 (normed: x' staged per column as before).
+    q8x_table tf = t;
+    tf.n = 0;
+    int64_t fb = 0;
+    for (int i = 0; i < n; ++i) {
+        if (!t.s[i].f16) continue;
+        q8x_seg sg = t.s[i];
+        sg.block_begin = static_cast<uint32_t>(fb);
+        fb += (sg.rows + sg.rows_per_block - 1) / sg.rows_per_block;
+        tf.s[tf.n++] = sg;
+    }
+    tf.xf_off = 0;  // no int8 x slots in front of the normed f16 x
+    if (!launch_cols_table(tf, fb, smem1, false, nx, x, x_stride, what, s)) {
+        // column by column: the single-x kernel over the f16 table
+        for (int c = 0; c < nx; ++c) {
+            q8x_table tc = tf;
+            for (int i = 0; i < tf.n; ++i) tc.s[i].y += static_cast<int64_t>(c) * tf.s[i].y_stride;
+            void (*kernel)(const q8x_table, const float *) =
+                tf.warps == kQ8xWarpsWide
+                    ? (tf.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
+                    : (tf.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
+            const size_t sm = tf.norm_w ? static_cast<size_t>(tf.cols) * 4 : 0;
+            const cudaError_t e = launch_pdl(kernel, dim3(static_cast<unsigned>(fb)), dim3(32 * tf.warps), sm, s, true, tc,
+                                             x + static_cast<int64_t>(c) * x_stride);
+            if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
+        }
     }
     return true;
 }
@@ -1282,6 +1590,10 @@ void launch_gemv_multi_normed_rows(const gemv_segment *segs, int n_segs, int nx,
 
 void set_gemv_q8_activations(bool on) {
     g_q8x = on;
+}
+
+void set_gemv_tensor_cores(bool on) {
+    g_q8x_mma = on;
 }
 
 void set_gemv_trace(uint64_t *buf, size_t max_blocks) {
@@ -1412,7 +1724,7 @@ gemv_weight gemv_prepare(dtype t, const void *src, size_t src_stride, int64_t ro
     auto *q = static_cast<uint8_t *>(dst);
     uint8_t *sc =
         q + static_cast<size_t>(rows) * static_cast<size_t>(cols);  // 16-byte aligned: cols % 512 == 0
-    const int64_t threads = rows * (cols / kTile) * 32;
+    const int64_t threads = rows * (cols / 16);
     const int64_t grid = (threads + 255) / 256;
     if (grid > 0x7fffffff) throw error("cuda ds4 gemv prepare: weight too large");
     repack_q8_kernel<<<static_cast<unsigned>(grid), 256, 0, s>>>(static_cast<const uint8_t *>(src),

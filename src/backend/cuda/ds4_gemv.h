@@ -5,27 +5,29 @@
 //
 // Weights are prepared once at upload (gemv_prepare):
 //   q8_0 is REPACKED (a layout change only: every quant byte and f16 scale keeps its bits) into
-//     q      int8 [rows, cols], rows q_stride = cols bytes apart. Within a row, tile t (512 elements,
-//            512 bytes) stores element 512 t + 128 k + 4 l + j at byte 512 t + 16 l + 4 k + j
-//            (l < 32, k < 4, j < 4): lane l's 16-byte load holds four 4-element runs whose
-//            activations are 4 float4 that the 32 lanes read contiguously (512 bytes per
-//            instruction, conflict-free).
-//     scales f16 [rows, cols / 32], rows s_stride = cols / 16 bytes apart. Tile t's 16 scales sit
-//            at scales + 32 t: position 4 g + k holds the scale of the tile's block 4 k + g
-//            (block b = elements 32 b .. 32 b + 31 of the tile), so lane l reads its 4 scales
-//            (k = 0..3, g = l / 8) with one 8-byte load.
+//     q      int8 [rows, cols], rows q_stride = cols bytes apart, element order (the blocks' quants end
+//            to end): lane l's 16-byte load of tile t (512 elements) holds elements 512 t + 16 l .. + 15,
+//            half (l & 1) of the tile's block l / 2; the 32 lanes read 512 contiguous bytes.
+//     scales f16 [rows, cols / 32], rows s_stride = cols / 16 bytes apart, block order.
 //   f16 / f32 rows are read in place (q = the GGUF rows, scales unused).
 // Requirements (gemv_fast_supported): q8_0 cols % 512 == 0; f16 / f32 cols % 4 == 0 with 16-byte
 // aligned rows (pointer and stride); x 16-byte aligned, cols floats per group.
 //
 // Kernels: tables of q8_0 and f16 weights (cols <= 16384; grouped only when a block's rows span at
 // most two groups) run the persistent int8-activation kernel (gemv_q8x_kernel): x is quantised per
-// 32-element block as the MoE kernels stage it (ggml q8_1 reference rounding, f32 scale) and q8_0
-// rows are dotted with dp4a, d_w * d_x per 4-element run; f16 rows keep f32 x. Other tables (f32
-// segments, or ds4_gemv_testing.h's set_gemv_q8_activations(false)) run the f32-activation kernel.
-// Numerics (f32-activation kernel): each thread accumulates in f32 (q8_0: d_block * sum_j q_j x_j per
-// 4-element run), then a warp xor-shuffle tree and, for rows split over several warps, a fixed-order sum of
-// the warp partials: no atomics, so the same inputs give the same bits on every run.
+// 32-element block as the MoE kernels stage it (ggml q8_1 reference rounding, f32 scale). Other tables
+// (f32 segments, or ds4_gemv_testing.h's set_gemv_q8_activations(false)) run the f32-activation kernel.
+// Numerics of q8_0 rows with int8 x (the CANONICAL ORDER, which every kernel that computes such a row
+// follows bit for bit, so a row's result never depends on how many x a launch takes): the plan
+// (plan_q8x: warps per row W, from the table and the device) gives each row 16 W accumulators a(s, p),
+// s < W, p < 16; a(s, p) starts at +0 and takes, for j = 0, 1, .. in order, the block b = 16 (s + W j) + p
+// of the row (every W-th 512-element tile from tile s, its p-th block):
+//   a = fma(d_w[b] * d_x[b], (float) dot_b, a), dot_b the exact integer dot of the block's 32 quants;
+// the warp part of s is the xor-shuffle tree over 32 lanes holding a(s, 0), +0, a(s, 1), +0, .. (lane 2p
+// holds a(s, p); steps 16, 8, 4, 2, 1, value of lane 0), and the row is part(0) + part(1) + .. + part(W - 1)
+// in that order. f16 rows: f32 x, per-lane f32 accumulation and the same tree. (f32-activation kernel:
+// d_block * sum_j q_j x_j per 4-element run, per-thread, then the tree.) No atomics: the same inputs give
+// the same bits on every run.
 //
 // Launch ordering: the GEMVs are launched with programmatic dependent launch (PDL). A kernel starts
 // streaming its WEIGHTS while the previous kernel in the stream is still finishing, and waits for

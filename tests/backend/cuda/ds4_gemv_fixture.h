@@ -115,6 +115,7 @@ class CudaDs4Gemv : public cuda_test::cuda_fixture {
     }
     void TearDown() override {
         cd::set_gemv_q8_activations(true);
+        cd::set_gemv_tensor_cores(true);
         cuda_fixture::TearDown();
     }
 

@@ -127,14 +127,12 @@ TEST_F(CudaDs4Gemv, Q8RepackIsALayoutChange) {
     const auto sc = down(static_cast<const uint8_t *>(g.scales), static_cast<size_t>(rows * cols / 16));
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t *row = w.bytes.data() + w.stride * static_cast<size_t>(r);
-        for (int64_t e = 0; e < cols; ++e) {  // element e of the row = tile t, k, l, j
-            const int64_t t = e / 512, k = (e % 512) / 128, l = (e % 128) / 4, j = e % 4;
-            const uint8_t got = q[static_cast<size_t>(r * cols + 512 * t + 16 * l + 4 * k + j)];
+        for (int64_t e = 0; e < cols; ++e) {  // element order: the quants of block e / 32 end to end
+            const uint8_t got = q[static_cast<size_t>(r * cols + e)];
             ASSERT_EQ(got, row[34 * (e / 32) + 2 + e % 32]) << "row " << r << " element " << e;
         }
-        for (int64_t b = 0; b < cols / 32; ++b) {  // block b = tile t, tile block 4k + g
-            const int64_t t = b / 16, k = (b % 16) / 4, gg = b % 4;
-            const size_t at = static_cast<size_t>(r * (cols / 16) + 32 * t + 2 * (4 * gg + k));
+        for (int64_t b = 0; b < cols / 32; ++b) {  // block order
+            const size_t at = static_cast<size_t>(r * (cols / 16) + 2 * b);
             ASSERT_EQ(sc[at], row[34 * b]) << "row " << r << " block " << b;
             ASSERT_EQ(sc[at + 1], row[34 * b + 1]) << "row " << r << " block " << b;
         }
@@ -371,14 +369,20 @@ TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
         {"out_a (grouped, 8 groups)", {{dtype::q8_0, 8 * 256}}, 1024, 256, false},
         {"out_b", {{dtype::q8_0, 1024}}, 2048, 0, false},
         {"head slice", {{dtype::q8_0, 3000}}, 4096, 0, false},
+        // few rows: several warps per row (W > 1), the tensor-core kernel's running sum of warp parts
+        {"tiny q8_0 (several warps a row)", {{dtype::q8_0, 7}, {dtype::q8_0, 40}}, 4096, 0, false},
+        {"wide q8_0 (8192 columns)", {{dtype::q8_0, 300}}, 8192, 0, false},
         {"f32 rows (fallback)", {{dtype::f32, 300}}, 512, 0, false},
         // an f16 table alone (the MoE router: x stays f32, nothing staged per column; it divided by zero)
         {"router (f16 alone)", {{dtype::f16, 256}}, 4096, 0, false},
         {"small router (f16 alone)", {{dtype::f16, 16}}, 256, 0, false}};
-    for (bool q8x : {true, false}) {
+    // int8 activations with the tensor-core columns kernel, with the dp4a one, and f32 activations
+    for (int mode : {0, 1, 2}) {
+        const bool q8x = mode < 2;
         cd::set_gemv_q8_activations(q8x);
+        cd::set_gemv_tensor_cores(mode == 0);
         for (const table &tb : tables) {
-            SCOPED_TRACE(std::string(tb.name) + (q8x ? ", int8 allowed" : ", f32 activations"));
+            SCOPED_TRACE(std::string(tb.name) + (mode == 0 ? ", int8, tensor cores" : mode == 1 ? ", int8, dp4a columns" : ", f32 activations"));
             std::vector<host_weight> hw;
             std::vector<cd::gemv_weight> gw;
             for (const seg_shape &ss : tb.segs) {
