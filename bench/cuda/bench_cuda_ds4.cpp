@@ -419,7 +419,8 @@ int main(int argc, char **argv) try {
         pool.reset();
     }
     std::shared_ptr<cuda::block_pool> state_pool = paged ? ds4::cuda_make_state_pool(*w, 0) : nullptr;
-    ds4::cuda_sequence seq(w, max_depth + n_gen + 16, !eager, chunk, {}, state_pool);
+    // room for the timed steps, the DSpark capture steps (3 + n_gen) and the rows probes past the deepest depth
+    ds4::cuda_sequence seq(w, max_depth + 3 * n_gen + 64, !eager, chunk, {}, state_pool);
     std::vector<int> trace_launches;
     uint64_t *trace_buf = nullptr;
     // The DSpark drafter reads the target's geometry from the host model: loaded before the mapping goes.

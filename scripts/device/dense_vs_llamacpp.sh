@@ -25,9 +25,13 @@ if [ ! -f "$cache/llama_cpp_python-$ver/vendor/llama.cpp/CMakeLists.txt" ]; then
         { echo "dense_vs_llamacpp: cannot unpack .cuda-pack/llamacpp-src.tzst"; exit 2; }
 fi
 t0=$(date +%s)
+if [ "${LLAMA:-1}" = 0 ]; then  # LLAMA=0: no llama.cpp build, only the two fathom builds compared
+    build_pid=
+else
 ( python3 "$here/bench/llama_bench.py" --cuda --build-only --cache-dir "$cache" -j "${JOBS:-$(nproc)}" \
       > "$out/llamacpp-build.out" 2>&1; echo "rc=$?" >> "$out/llamacpp-build.out" ) &
 build_pid=$!
+fi
 m=/tmp/fathom-qwen3-q8_0.gguf
 [ -s "$m" ] || (timeout 150 "$c/cuda_synth" qwen3 "$m" 0 q8_0 > "$out/synth.log" 2>&1 || rm -f "$m") &
 synth_pid=$!
@@ -43,7 +47,28 @@ if [ -n "${EXTRA:-}" ]; then
     echo "== EXTRA: $EXTRA"
     bash -c "$EXTRA" || rc=1
 fi
+fathom_only() {  # old and new fathom alternating on the dense file (no llama.cpp)
+    [ -s "$m" ] || { echo "dense_vs_llamacpp: cuda_synth failed"; cat "$out/synth.log"; exit 1; }
+    for r in 1 2; do for side in old new; do
+        bin=$c/fathom; [ "$side" = old ] && bin=$c/fathom_old
+        [ -x "$bin" ] || continue
+        echo "== round $r $side"
+        timeout 60 "$bin" bench -m "$m" --device cuda -p 512 -n 128 --reps 3 2>&1 | grep -v '^rep ' | tail -4
+    done; done
+    exit $rc
+}
 wait "$synth_pid"
+[ -z "$build_pid" ] && fathom_only
+# LLAMA_WAIT_S: the most seconds since the start to wait for the llama.cpp build; past it the build is
+# stopped and only the two fathom builds are compared (fathom bench, alternating).
+while kill -0 "$build_pid" 2>/dev/null; do
+    if [ -n "${LLAMA_WAIT_S:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$LLAMA_WAIT_S" ]; then
+        pkill -P "$build_pid" 2>/dev/null; kill "$build_pid" 2>/dev/null; pkill -f "llama_bench.py --cuda --build-only" 2>/dev/null
+        echo "== llama.cpp build not done after $LLAMA_WAIT_S s: skipped"
+        fathom_only
+    fi
+    sleep 5
+done
 wait "$build_pid"
 echo "== llama.cpp build: $(( $(date +%s) - t0 )) s since start"
 tail -3 "$out/llamacpp-build.out"; tail -5 "$cache/build.log" > "$out/llamacpp-build.tail" 2>/dev/null
