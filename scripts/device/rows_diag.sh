@@ -46,7 +46,7 @@ for what in rows decode; do
 done
 if [ "$(left)" -gt 45 ]; then
     timeout $(( $(left) - 10 )) "$ncu" --clock-control none --profile-from-start off \
-        --kernel-name regex:'q8x_cols|rows_staged' --launch-count 6 \
+        --kernel-name regex:'q8x_mma|rows_staged' --launch-count 6 \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
         "$c/bench_cuda_ds4" "$m" --depths 8192 --n 2 --prefill "" --paged --profile rows --rows "${ROWS:-4}" \
         > "$out/sections-rows.txt" 2>&1
