@@ -17,8 +17,9 @@
 //
 // Tiles: M == 1 (decode) runs row by row, decoding each super-block as it is consumed (on AVX-512, with
 // the grid looked up in registers: iq2_rows_m1_512); M > 1 decodes
-// a panel of 4 rows x all super-blocks once per row group (thread-local scratch, 544 B per
-// block-row) and sweeps it over the activations 2 at a time.
+// a panel of 4 rows x all super-blocks once per row group (thread-local scratch, 320 B per
+// block-row: signs on the weights, activations offset to u8 once per gemm call, see iq2dec) and
+// sweeps it over the activations 2 at a time.
 #pragma once
 #include <bit>
 #include <cstring>
@@ -75,22 +76,30 @@ inline __m256i iq2_group_dot(__m256i q, __m256i s, __m256i a, __m256i scale16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_sign_epi8(a, s)), scale16);
 }
 
-// A decoded block-row of the M > 1 panel.
+// A decoded block-row of the M > 1 panel. The signs go on the weights (w = +-grid, |w| <= 43, s8) and
+// the tile reads the activations offset to u8 (a ^ 0x80 = a + 128; Fathom's q8_k never holds -128, so
+// w * a is exactly grid * sign(a, s), the product the other paths form): maddubs(a + 128, w) pairs stay
+// below 2 * 255 * 43 (no i16 saturation), and the offset's contribution per lane,
+// corr_L = 128 * sum_g (2 ls_g + 1) * (sum of w over lane L's 4 elements of group g), is subtracted by
+// starting the lane sums at -corr: the same exact i32 S_L, one sign op fewer per (row, token, group).
 struct iq2dec {
-    __m256i q[8];    // grid magnitudes of group g
-    __m256i s[8];    // sign bytes of group g
-    int16_t sc[8];   // 2 * ls_g + 1
-    float d;         // fp16(d_w) as f32
+    __m256i w[8];   // signed grid values of group g
+    __m256i ncorr;  // -corr_L (i32 x 8)
+    int16_t sc[8];  // 2 * ls_g + 1
+    float d;        // fp16(d_w) as f32
 };
 
 inline void iq2_decode(const uint8_t *b, iq2dec &o) {
     uint32_t aux[16];
     std::memcpy(aux, b + 2, 64);
+    __m256i corr = _mm256_setzero_si256();
     for (int g = 0; g < 8; ++g) {
-        o.q[g] = iq2_grid32(aux[2 * g]);
-        o.s[g] = iq2_signs32(aux[2 * g + 1]);
+        o.w[g] = _mm256_sign_epi8(iq2_grid32(aux[2 * g]), iq2_signs32(aux[2 * g + 1]));
         o.sc[g] = static_cast<int16_t>(2 * (aux[2 * g + 1] >> 28) + 1);
+        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(static_cast<char>(0x80)), o.w[g]),
+                                                        _mm256_set1_epi16(o.sc[g])));
     }
+    o.ncorr = _mm256_sub_epi32(_mm256_setzero_si256(), corr);
     o.d = ldf16(b);
 }
 
@@ -232,30 +241,27 @@ inline void iq2_rows_m1(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r
 #endif
 }
 
-// M > 1: 4 decoded rows (panel[4 * b + r] = super-block b of row r) against MB activation rows.
+// M > 1: 4 decoded rows (panel[4 * b + r] = super-block b of row r) against MB activation rows, read
+// offset to u8 from xu (xu[m]: [nb][256], see iq2dec) with their scales from da ([m]: [nb]).
 template <int MB>
-inline void iq2_tile_panel(int64_t nb, const iq2dec *panel, const uint8_t *const x[MB], float out[MB][4]) {
+inline void iq2_tile_panel(int64_t nb, const iq2dec *panel, const uint8_t *const xu[MB], const float *const dam[MB],
+                           float out[MB][4]) {
     __m256 acc[MB][4];
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const iq2dec *dec = panel + 4 * b;
-        const uint8_t *xb[MB];
-        float da[MB];
-        for (int m = 0; m < MB; ++m) {
-            xb[m] = x[m] + b * iq2_q8k_bytes;
-            std::memcpy(&da[m], xb[m], 4);
-        }
         for (int r = 0; r < 4; ++r) {
             __m256i sum[MB];
-            for (int m = 0; m < MB; ++m) sum[m] = _mm256_setzero_si256();
+            for (int m = 0; m < MB; ++m) sum[m] = dec[r].ncorr;
             for (int g = 0; g < 8; ++g) {
                 const __m256i sc = _mm256_set1_epi16(dec[r].sc[g]);
                 for (int m = 0; m < MB; ++m)
-                    sum[m] = _mm256_add_epi32(sum[m], iq2_group_dot(dec[r].q[g], dec[r].s[g], iq2_ld(xb[m] + 4 + 32 * g), sc));
+                    sum[m] = _mm256_add_epi32(
+                        sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(iq2_ld(xu[m] + b * 256 + 32 * g), dec[r].w[g]), sc));
             }
             for (int m = 0; m < MB; ++m)
-                acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dec[r].d * da[m]), _mm256_cvtepi32_ps(sum[m]), acc[m][r]);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(dec[r].d * dam[m][b]), _mm256_cvtepi32_ps(sum[m]), acc[m][r]);
         }
     }
     for (int m = 0; m < MB; ++m)
@@ -263,6 +269,8 @@ inline void iq2_tile_panel(int64_t nb, const iq2dec *panel, const uint8_t *const
 }
 
 thread_local scratch<iq2dec> t_iq2_panel;  // per-thread decoded panel [nb][4]
+thread_local scratch<uint8_t> t_iq2_xu;    // per-thread activations offset to u8 [M][nb][256]
+thread_local scratch<float> t_iq2_da;      // and their scales [M][nb]
 
 void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
                   int64_t M, float *y, int64_t ldy) {
@@ -270,9 +278,19 @@ void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
     if (M <= 0) return;
-    const bool use_panel = M > 1;
-    iq2dec *pbuf = use_panel ? t_iq2_panel.get(static_cast<size_t>(4 * nb)) : nullptr;
-    if (!use_panel) return iq2_rows_m1(nb, Wb, w_stride, r0, r1, Xb, y);
+    if (M == 1) return iq2_rows_m1(nb, Wb, w_stride, r0, r1, Xb, y);
+    iq2dec *pbuf = t_iq2_panel.get(static_cast<size_t>(4 * nb));
+    uint8_t *xu = t_iq2_xu.get(static_cast<size_t>(M * nb * 256));
+    float *da = t_iq2_da.get(static_cast<size_t>(M * nb));
+    const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *xb = Xb + m * x_stride + b * iq2_q8k_bytes;
+            std::memcpy(&da[m * nb + b], xb, 4);
+            for (int g = 0; g < 8; ++g)
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(xu + (m * nb + b) * 256 + 32 * g),
+                                    _mm256_xor_si256(iq2_ld(xb + 4 + 32 * g), off));
+        }
     for (int64_t r = r0; r < r1; r += 4) {
         const int rows = static_cast<int>(imin(4, r1 - r));
         const uint8_t *w[4];
@@ -281,10 +299,11 @@ void gemm_iq2_xxs(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t
             for (int i = 0; i < 4; ++i) iq2_decode(w[i] + b * iq2_bytes, pbuf[4 * b + i]);
         for (int64_t m = 0; m < M; m += 2) {
             const int mb = static_cast<int>(imin(2, M - m));
-            const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+            const uint8_t *x[2] = {xu + m * nb * 256, xu + (m + mb - 1) * nb * 256};
+            const float *dm[2] = {da + m * nb, da + (m + mb - 1) * nb};
             float out[2][4];
-            if (mb == 2) iq2_tile_panel<2>(nb, pbuf, x, out);
-            else iq2_tile_panel<1>(nb, pbuf, x, out);
+            if (mb == 2) iq2_tile_panel<2>(nb, pbuf, x, dm, out);
+            else iq2_tile_panel<1>(nb, pbuf, x, dm, out);
             for (int j = 0; j < mb; ++j)
                 for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
         }

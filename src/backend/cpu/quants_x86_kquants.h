@@ -218,6 +218,7 @@ inline void ktile_m1(int64_t nb, const uint8_t *const w[NR], const uint8_t *x, f
     _mm_storeu_ps(out, fold_halves(acc));
 }
 
+
 thread_local scratch<kdec> t_kpanel;  // per-thread decoded panel [nb][4]
 
 template <class T>
@@ -258,6 +259,103 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
                 case 2: ktile<T, 4, 2>(nb, w, panel, x, out); break;
                 case 3: ktile<T, 4, 3>(nb, w, panel, x, out); break;
                 default: ktile<T, 4, 4>(nb, w, panel, x, out); break;
+            }
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
+// ---- q2_k panels for M > 4 (AVX2) ---------------------------------------------------------------------
+// A q2_k weight is q (0..3) times its 16-element sub-block scale (0..15), at most 45: the panel holds the
+// products as u8 (chunk j = elements 32j..32j+31, as kdec's q[j]), so maddubs(w, a) pairs are at most
+// 2 * 45 * 127 = 11430 and two chunks' pairs add in i16 without overflow (22860); one madd by ones per
+// two chunks then gives i32 lane L = the sum of sc * q * a over elements 4L..4L+3 of both chunks, the
+// exact integers of ktile's madd(maddubs(q, a), sc) lanes. Mins, reduce4 and the float part are ktile's:
+// the same bits, with 5 ops per row and chunk pair instead of 6.
+struct q2pan {
+    __m256i w[8];  // u8 q * sc of chunk j
+    __m256i mn;    // i16 x16 multiplying q8_k bsums[0..15]
+    float d, dmin;
+};
+
+inline void q2k_decode_pan(const uint8_t *b, q2pan &o) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2);
+    const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
+    const __m256i lo4 = _mm256_broadcastsi128_si256(_mm_and_si128(s16, _mm_set1_epi8(0x0F)));
+    for (int c = 0; c < 2; ++c) {
+        const __m256i v = ld256(b + 16 + 32 * c);
+        for (int i = 0; i < 4; ++i) {
+            const int j = 4 * c + i;  // chunk j: bit pair i of v; sub-blocks 2j (bytes 0..15), 2j+1 (16..31)
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * i), three);
+            const __m256i sc = _mm256_shuffle_epi8(
+                lo4, _mm256_setr_m128i(_mm_set1_epi8(static_cast<char>(2 * j)), _mm_set1_epi8(static_cast<char>(2 * j + 1))));
+            const __m256i w1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(q, one), one), sc);
+            const __m256i w2 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(q, two), two), _mm256_add_epi8(sc, sc));
+            o.w[j] = _mm256_add_epi8(w1, w2);
+        }
+    }
+    o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
+    o.d = ldf16(b + 80);
+    o.dmin = ldf16(b + 82);
+}
+
+template <int MB>
+inline void q2k_tile_pan(int64_t nb, const q2pan *panel, const uint8_t *const x[MB], float out[MB][4]) {
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+        const q2pan *dec = panel + b * 4;
+        const __m256 d8 = _mm256_setr_ps(dec[0].d, dec[1].d, dec[2].d, dec[3].d, dec[0].d, dec[1].d, dec[2].d, dec[3].d);
+        const __m256 m8 =
+            _mm256_setr_ps(dec[0].dmin, dec[1].dmin, dec[2].dmin, dec[3].dmin, dec[0].dmin, dec[1].dmin, dec[2].dmin, dec[3].dmin);
+        for (int m = 0; m < MB; ++m) {
+            const uint8_t *xb = x[m] + b * q8k_size;
+            __m256i sq[4], sm[4];
+            for (int r = 0; r < 4; ++r) sq[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i a0 = ld256(xb + 4 + 32 * j), a1 = ld256(xb + 36 + 32 * j);
+                for (int r = 0; r < 4; ++r) {
+                    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(dec[r].w[j], a0), _mm256_maddubs_epi16(dec[r].w[j + 1], a1));
+                    sq[r] = _mm256_add_epi32(sq[r], _mm256_madd_epi16(t, ones));
+                }
+            }
+            const __m256i bs = ld256(xb + 260);
+            for (int r = 0; r < 4; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
+            float da;
+            std::memcpy(&da, xb, 4);
+            const __m256 vda = _mm256_set1_ps(da);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
+            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
+}
+
+thread_local scratch<q2pan> t_q2k_pan;  // per-thread decoded panel [nb][4]
+
+void gemm_q2_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
+               int64_t M, float *y, int64_t ldy) {
+    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    q2pan *pbuf = t_q2k_pan.get(static_cast<size_t>(4 * nb));
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 4; ++i) q2k_decode_pan(Wb + (r + imin(i, rows - 1)) * w_stride + b * tr_q2_k::size, pbuf[4 * b + i]);
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(imin(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            float out[4][4];
+            switch (mb) {
+                case 1: q2k_tile_pan<1>(nb, pbuf, x, out); break;
+                case 2: q2k_tile_pan<2>(nb, pbuf, x, out); break;
+                case 3: q2k_tile_pan<3>(nb, pbuf, x, out); break;
+                default: q2k_tile_pan<4>(nb, pbuf, x, out); break;
             }
             for (int j = 0; j < mb; ++j)
                 for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
@@ -472,7 +570,7 @@ inline void fill_x86_kquants(kernel_table &t) {
     t.dot[slot(dtype::q4_k)] = dot_k_exact<tr_q4_k>;
     t.dot[slot(dtype::q5_k)] = dot_k<tr_q5_k>;
     t.dot[slot(dtype::q6_k)] = dot_k_exact<tr_q6_k>;
-    t.gemm[slot(dtype::q2_k)] = gemm_k<tr_q2_k>;
+    t.gemm[slot(dtype::q2_k)] = gemm_q2_k;
     t.gemm[slot(dtype::q4_k)] = gemm_k_exact<tr_q4_k>;
     t.gemm[slot(dtype::q5_k)] = gemm_k<tr_q5_k>;
     t.gemm[slot(dtype::q6_k)] = gemm_k_exact<tr_q6_k>;
