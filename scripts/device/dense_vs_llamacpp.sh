@@ -20,8 +20,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 cache="$here/build-llamacpp"
 ver=0.3.36
 mkdir -p "$cache"
-if [ ! -f "$cache/llama_cpp_python-$ver/vendor/llama.cpp/CMakeLists.txt" ]; then
-    zstd -d -c "$here/.cuda-pack/llamacpp-src.tzst" 2>/dev/null | tar -C "$cache" -xf - ||
+if [ "${LLAMA:-1}" != 0 ] && [ ! -f "$cache/llama_cpp_python-$ver/vendor/llama.cpp/CMakeLists.txt" ]; then
+    # the image has no zstd (seen 2026-12-07): the carried one (unpack.sh put it in /tmp/zs for carry.tzst)
+    if command -v zstd > /dev/null; then z=zstd
+    else [ -x /tmp/zs/zstd ] || tar -C /tmp -xzf "$here/.cuda-pack/zstd.tgz"; z="env LD_LIBRARY_PATH=/tmp/zs /tmp/zs/zstd"; fi
+    $z -d -c "$here/.cuda-pack/llamacpp-src.tzst" | tar -C "$cache" -xf - ||
         { echo "dense_vs_llamacpp: cannot unpack .cuda-pack/llamacpp-src.tzst"; exit 2; }
 fi
 t0=$(date +%s)
