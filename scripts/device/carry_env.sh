@@ -9,3 +9,10 @@ c="$here/.cuda-carry"
 export LD_LIBRARY_PATH="$c/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 . "$here/scripts/device/cuda_libs.sh"
 cuda_libs "$c/${carry_bin:-test_cuda}"
+# The test binary reads the goldens at the build machine's <repo>/../shared (compiled in): that path made to
+# point at the carried copy (.cuda-carry/shared). Called by the scripts that run DS4 tests.
+link_shared() {
+    local sh
+    sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
+    [ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+}

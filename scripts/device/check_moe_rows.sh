@@ -8,8 +8,7 @@
 # CAPS (8192,32768,131072), TEST_TIMEOUT (300).
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 m=/tmp/ds4flash-q2-${1:-30}.gguf
 (timeout 300 "$c/fathom-gguf" synth "$m" --preset flash --mix q2 --layers "${1:-30}" --sparse -q > "$out/synth.log" 2>&1) &
 rc=0

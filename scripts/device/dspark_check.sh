@@ -12,8 +12,7 @@
 # LOAD_S (30)
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 L=${1:-8}
 m=/tmp/ds4flash-q2-$L.gguf d=/tmp/ds4flash-q2-$L-dspark.gguf

@@ -3,8 +3,7 @@
 # Usage (device): bash scripts/device/gdb_test.sh FILTER
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 g=$(command -v gdb || command -v cuda-gdb || ls /usr/local/cuda/bin/cuda-gdb 2>/dev/null | head -1)
 [ -n "$g" ] || { echo "no gdb"; exit 1; }
 timeout 240 "$g" -q -batch -ex run -ex bt -ex "info registers rip" --args "$c/test_cuda" --gtest_color=no --gtest_filter="$1" 2>&1 |

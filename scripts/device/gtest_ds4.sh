@@ -3,8 +3,7 @@
 # Usage (device): bash scripts/device/gtest_ds4.sh FILTER [timeout=300]
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 timeout "${2:-300}" "$c/test_cuda" --gtest_color=no --gtest_filter="$1" > "$out/gtest.log" 2>&1; rc=$?
 echo "== rc=$rc"; grep -E "^\[  FAILED|Failure|Expected|Which is|exception" "$out/gtest.log" | head -30; tail -15 "$out/gtest.log"
 exit $rc

@@ -22,7 +22,7 @@ ldd $bins | awk '/=> \// {print $3}' | sort -u |
     while read -r lib; do cp -L "$lib" "$root/.cuda-carry/lib/"; done
 # BENCH_OLD=path: an older bench_cuda_ds4 carried as bench_old (A/B in one device call)
 [ -n "${BENCH_OLD:-}" ] && strip -o "$root/.cuda-carry/bench_old" "$BENCH_OLD"
-# FATHOM_OLD=path: an older fathom carried as fathom_old (dense_decode_ab.sh)
+# FATHOM_OLD=path: an older fathom carried as fathom_old (dense_vs_llamacpp.sh)
 [ -n "${FATHOM_OLD:-}" ] && strip -o "$root/.cuda-carry/fathom_old" "$FATHOM_OLD"
 # ds4-tiny goldens (model, MTP and DSpark drafters, cases) for the DS4 tests (run_ds4_cuda.sh links it where FATHOM_SHARED_DIR points).
 mkdir -p "$root/.cuda-carry/shared/golden/ds4-tiny"

@@ -10,8 +10,7 @@
 # PROF_WHAT (of "decode seqs rows"), WALL_ROWS (2,4), WALL_SEQS (4,16)
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 L=${1:-8}
 m=/tmp/ds4flash-q2-$L.gguf
 [ -f "$m" ] || (timeout 300 "$c/fathom-gguf" synth "$m.tmp" --preset flash --mix q2 --layers "$L" --sparse -q > "$out/synth.log" 2>&1 &&

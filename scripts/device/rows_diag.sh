@@ -10,8 +10,7 @@
 # is left is skipped).
 set -u
 . "$(dirname "$0")/carry_env.sh"
-sh=$(grep -ao -E '/[[:alnum:]_/.-]*/\.\./shared' "$c/test_cuda" | head -1)
-[ -n "$sh" ] && mkdir -p "${sh%/../shared}" && ln -sfn "$c/shared" "$(cd "${sh%/../shared}/.." && pwd)/shared"
+link_shared
 t0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-330} - ($(date +%s) - t0) )); }
 L=${1:-8}

@@ -331,14 +331,15 @@ __device__ __forceinline__ float glu_of(float g, float u, int act) {
 }
 
 template <int THREADS>
-__device__ __forceinline__ void quantise_x(const float *x, int64_t cols, uint32_t *xq, float *ds,
+// tid: the thread's index among the THREADS taking part (threadIdx.x for a block, the lane for one warp).
+__device__ __forceinline__ void quantise_x(int tid, const float *x, int64_t cols, uint32_t *xq, float *ds,
                                            const float *norm_w = nullptr, float r = 1.0f,
                                            const float *glu_up = nullptr, int glu_act = 0) {
-    const int sub = threadIdx.x & 7, nblk = static_cast<int>(cols >> 5);
+    const int sub = tid & 7, nblk = static_cast<int>(cols >> 5);
     constexpr int per_pass = THREADS / 8;  // blocks per pass; a warp takes 4 consecutive ones
     // The loop bound is warp-uniform (the warp's first block), so the shuffles see the whole warp.
-    for (int wb = static_cast<int>(threadIdx.x >> 5) * 4; wb < nblk; wb += kQ8xBatch * per_pass) {
-        const int b0 = wb + static_cast<int>((threadIdx.x >> 3) & 3);
+    for (int wb = static_cast<int>(tid >> 5) * 4; wb < nblk; wb += kQ8xBatch * per_pass) {
+        const int b0 = wb + static_cast<int>((tid >> 3) & 3);
         float4 v[kQ8xBatch];
 #pragma unroll
         for (int i = 0; i < kQ8xBatch; ++i) {
@@ -582,11 +583,11 @@ __device__ __forceinline__ void q8x_rows(const q8x_seg &sg, const q8x_table &t, 
         uint8_t *s = const_cast<uint8_t *>(smem);
         const size_t slot_bytes = static_cast<size_t>(cols + cols / 8);
         const int64_t last = (r1 - 1) / sg.rows_per_group;
-        quantise_x<32 * WARPS>(x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s),
+        quantise_x<32 * WARPS>(static_cast<int>(threadIdx.x), x + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(s),
                                reinterpret_cast<float *>(s + cols), NORM ? t.norm_w : nullptr, nr, t.glu_up,
                                t.glu_act);
         if (last != w.g0)
-            quantise_x<32 * WARPS>(x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
+            quantise_x<32 * WARPS>(static_cast<int>(threadIdx.x), x + last * cols, cols, reinterpret_cast<uint32_t *>(s + slot_bytes),
                                    reinterpret_cast<float *>(s + slot_bytes + cols));
         __syncthreads();
     }
@@ -759,10 +760,10 @@ __device__ __forceinline__ void q8x_rows_cols(const q8x_seg &sg, const q8x_table
             if (col >= cx.nx) break;
             uint8_t *sc = s + static_cast<size_t>(col) * cx.col_bytes;
             const float *xc = x + col * cx.x_stride;
-            quantise_x<32 * WARPS>(xc + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(sc),
+            quantise_x<32 * WARPS>(static_cast<int>(threadIdx.x), xc + w.g0 * cols, cols, reinterpret_cast<uint32_t *>(sc),
                                    reinterpret_cast<float *>(sc + cols), NORM ? t.norm_w : nullptr, nr[col]);
             if (last != w.g0)
-                quantise_x<32 * WARPS>(xc + last * cols, cols, reinterpret_cast<uint32_t *>(sc + slot_bytes),
+                quantise_x<32 * WARPS>(static_cast<int>(threadIdx.x), xc + last * cols, cols, reinterpret_cast<uint32_t *>(sc + slot_bytes),
                                        reinterpret_cast<float *>(sc + slot_bytes + cols));
         }
         __syncthreads();
@@ -862,40 +863,6 @@ __device__ __forceinline__ float q8x_norm_r_warp(const float *x, int64_t cols, f
     return 1.0f / sqrtf(static_cast<float>(t / static_cast<double>(cols)) + eps);
 }
 
-// One column's x group (cols floats) quantised by one warp into int8 words (element order) and the blocks'
-// scales, with quantise_x's arithmetic (4 blocks per pass, 8 lanes a block; norm as rms_norm_kernel's).
-__device__ __forceinline__ void q8x_quantise_warp(const float *x, int64_t cols, uint32_t *xq, float *ds,
-                                                  const float *norm_w, float r, int lane) {
-    const int sub = lane & 7, nblk = static_cast<int>(cols >> 5);
-    for (int b0 = 0; b0 < nblk; b0 += 4 * kQ8xBatch) {
-        float4 v[kQ8xBatch];
-#pragma unroll
-        for (int i = 0; i < kQ8xBatch; ++i) {
-            const int b = b0 + 4 * i + (lane >> 3);
-            v[i] = b < nblk ? ldx4(x + 32 * static_cast<int64_t>(b) + 4 * sub) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (norm_w && b < nblk) {
-                const float4 wv = *reinterpret_cast<const float4 *>(norm_w + 32 * static_cast<int64_t>(b) + 4 * sub);
-                v[i] = make_float4(__fmul_rn(__fmul_rn(v[i].x, r), wv.x), __fmul_rn(__fmul_rn(v[i].y, r), wv.y),
-                                   __fmul_rn(__fmul_rn(v[i].z, r), wv.z), __fmul_rn(__fmul_rn(v[i].w, r), wv.w));
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < kQ8xBatch; ++i) {
-            const int b = b0 + 4 * i + (lane >> 3);
-            float amax = fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w)));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-            const float d = ds4q::q8_scale(amax), id = ds4q::q8_inv(d);
-            if (b < nblk) {
-                xq[8 * b + sub] = ds4q::q8_round(v[i].x, id) | ds4q::q8_round(v[i].y, id) << 8 |
-                                  ds4q::q8_round(v[i].z, id) << 16 | ds4q::q8_round(v[i].w, id) << 24;
-                if (sub == 0) ds[b] = d;
-            }
-        }
-    }
-}
-
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -933,8 +900,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
             for (int col = warp; col < m.nx; col += kMmaWarps) {
                 const float *xc = x + col * m.x_stride + grp * cols;
                 const float r = NORM ? q8x_norm_r_warp(xc, cols, t.norm_eps, lane) : 1.0f;
-                q8x_quantise_warp(xc, cols, reinterpret_cast<uint32_t *>(smem + col * m.xq_stride), dxs + col * dstride,
-                                  NORM ? t.norm_w : nullptr, r, lane);
+                quantise_x<32>(lane, xc, cols, reinterpret_cast<uint32_t *>(smem + col * m.xq_stride), dxs + col * dstride,
+                               NORM ? t.norm_w : nullptr, r);  // one warp: quantise_x's blocks, the same bits
             }
             __syncthreads();
             staged = grp;
@@ -1296,6 +1263,14 @@ bool plan_q8x(const gemv_segment *segs, const int64_t *rpg, int n, q8x_table &t,
     return true;
 }
 
+// The single-x kernel instance a planned table launches (its warps, with or without the norm prologue).
+using q8x_kernel_t = void (*)(const q8x_table, const float *);
+q8x_kernel_t q8x_kernel_of(const q8x_table &t) {
+    if (t.warps == kQ8xWarpsWide)
+        return t.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>;
+    return t.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>;
+}
+
 bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float *x, const char *what,
                 cudaStream_t s, const float *norm_w, float norm_eps, const float *glu_up, int glu_act) {
     q8x_table t;
@@ -1312,13 +1287,8 @@ bool launch_q8x(const gemv_segment *segs, const int64_t *rpg, int n, const float
         g_trace_used += static_cast<size_t>(blocks);
         g_trace_launches.push_back(static_cast<int>(blocks));
     }
-    void (*kernel)(const q8x_table, const float *) =
-        t.warps == kQ8xWarpsWide
-            ? (t.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true>
-                        : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
-            : (t.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
     const cudaError_t e =
-        launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem, s, true, t, x);
+        launch_pdl(q8x_kernel_of(t), dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem, s, true, t, x);
     if (e != cudaSuccess)
         throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
     return true;
@@ -1402,12 +1372,8 @@ bool launch_cols_table(const q8x_table &t, int64_t blocks, size_t smem1, bool gr
         for (int i = 0; i < t.n; ++i) tc.s[i].y += static_cast<int64_t>(c0) * t.s[i].y_stride;
         const float *xc = x + static_cast<int64_t>(c0) * x_stride;
         if (m == 1) {  // the single-x kernel itself, as launch_q8x
-            void (*kernel)(const q8x_table, const float *) =
-                t.warps == kQ8xWarpsWide
-                    ? (t.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
-                    : (t.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
             const cudaError_t e =
-                launch_pdl(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem1, s, true, tc, xc);
+                launch_pdl(q8x_kernel_of(t), dim3(static_cast<unsigned>(blocks)), dim3(32 * t.warps), smem1, s, true, tc, xc);
             if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
             continue;
         }
@@ -1508,21 +1474,9 @@ bool launch_q8x_cols(const gemv_segment *segs, const int64_t *rpg, int n, int nx
         tf.s[tf.n++] = sg;
     }
     tf.xf_off = 0;  // no int8 x slots in front of the normed f16 x
-    if (!launch_cols_table(tf, fb, smem1, false, nx, x, x_stride, what, s)) {
-        // column by column: the single-x kernel over the f16 table
-        for (int c = 0; c < nx; ++c) {
-            q8x_table tc = tf;
-            for (int i = 0; i < tf.n; ++i) tc.s[i].y += static_cast<int64_t>(c) * tf.s[i].y_stride;
-            void (*kernel)(const q8x_table, const float *) =
-                tf.warps == kQ8xWarpsWide
-                    ? (tf.norm_w ? gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarpsWide, kQ8xU, false>)
-                    : (tf.norm_w ? gemv_q8x_kernel<kQ8xWarps, kQ8xU, true> : gemv_q8x_kernel<kQ8xWarps, kQ8xU, false>);
-            const size_t sm = tf.norm_w ? static_cast<size_t>(tf.cols) * 4 : 0;
-            const cudaError_t e = launch_pdl(kernel, dim3(static_cast<unsigned>(fb)), dim3(32 * tf.warps), sm, s, true, tc,
-                                             x + static_cast<int64_t>(c) * x_stride);
-            if (e != cudaSuccess) throw error(std::string("cuda ds4 ") + what + ": launch failed: " + cudaGetErrorString(e));
-        }
-    }
+    // f16-only tables always fit two columns (no int8 slots: at most cols floats and the parts per column)
+    if (!launch_cols_table(tf, fb, smem1, false, nx, x, x_stride, what, s))
+        throw error(std::string("cuda ds4 ") + what + ": f16 segments do not fit the columns kernel");
     return true;
 }
 
