@@ -150,6 +150,17 @@ inline __m256i madd_acc(__m256i acc, __m256i q, __m256i a, __m256i sc) {
 // q8_k block: f32 d at 0, s8 qs[256] at 4, i16 bsums[16] at 260; 292 bytes.
 constexpr int q8k_size = 292;
 
+// The float part of one k-quant tile step (ktile and the q2_k panel tiles): acc += d da sum(sc q a) - dmin da
+// sum(m bsums) for the 4 rows' lanes (d8 / m8: the rows' d / dmin twice), da the q8_k block's scale at xb.
+inline __m256 kquant_float_step(__m256 acc, const __m256i (&sq)[4], const __m256i (&sm)[4], __m256 d8, __m256 m8,
+                                const uint8_t *xb) {
+    float da;
+    std::memcpy(&da, xb, 4);
+    const __m256 vda = _mm256_set1_ps(da);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc);
+}
+
 // NR weight rows (<= 4) x MB activation rows over nb super-blocks; out[m][r].
 // Weights are decoded here (panel == nullptr: decode, M <= 4) or read from a panel of nb x NR
 // decoded super-blocks that gemm_k fills once per 4 rows and reuses for every activation tile.
@@ -178,11 +189,7 @@ inline void ktile(int64_t nb, const uint8_t *const w[NR], const kdec *panel, con
             }
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < NR; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
-            float da;
-            std::memcpy(&da, xb, 4);
-            const __m256 vda = _mm256_set1_ps(da);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
-            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+            acc[m] = kquant_float_step(acc[m], sq, sm, d8, m8, xb);
         }
     }
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
@@ -267,6 +274,33 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
 }
 
 // ---- q2_k panels for M > 4 (AVX2) ---------------------------------------------------------------------
+// The q2_k gemm for M > 4 over decoded panels (Pan: the AVX2 or the AVX-512 form): each group of 4 weight rows
+// decoded once into the thread's panel (decode(block, pan)), then every 4 activation rows through
+// tile(mb, nb, panel, x, out) (out[m][i]: activation row m, weight row i).
+template <class Pan, class Decode, class Tile>
+void gemm_q2_k_panels(scratch<Pan> &pan, Decode decode, Tile tile, int64_t K, const void *W, size_t w_stride,
+                      int64_t r0, int64_t r1, const void *X, size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+    const int64_t nb = K / qk_k;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    Pan *pbuf = pan.get(static_cast<size_t>(4 * nb));
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        for (int64_t b = 0; b < nb; ++b)
+            for (int i = 0; i < 4; ++i) decode(Wb + (r + imin(i, rows - 1)) * w_stride + b * tr_q2_k::size, pbuf[4 * b + i]);
+        for (int64_t m = 0; m < M; m += 4) {
+            const int mb = static_cast<int>(imin(4, M - m));
+            const uint8_t *x[4];
+            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
+            float out[4][4];
+            tile(mb, nb, pbuf, x, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
 // A q2_k weight is q (0..3) times its 16-element sub-block scale (0..15), at most 45: the panel holds the
 // products as u8 (chunk j = elements 32j..32j+31, as kdec's q[j]), so maddubs(w, a) pairs are at most
 // 2 * 45 * 127 = 11430 and two chunks' pairs add in i16 without overflow (22860); one madd by ones per
@@ -323,11 +357,7 @@ inline void q2k_tile_pan(int64_t nb, const q2pan *panel, const uint8_t *const x[
             }
             const __m256i bs = ld256(xb + 260);
             for (int r = 0; r < 4; ++r) sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
-            float da;
-            std::memcpy(&da, xb, 4);
-            const __m256 vda = _mm256_set1_ps(da);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
-            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+            acc[m] = kquant_float_step(acc[m], sq, sm, d8, m8, xb);
         }
     }
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
@@ -336,31 +366,18 @@ inline void q2k_tile_pan(int64_t nb, const q2pan *panel, const uint8_t *const x[
 thread_local scratch<q2pan> t_q2k_pan;  // per-thread decoded panel [nb][4]
 
 void gemm_q2_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
-               int64_t M, float *y, int64_t ldy) {
-    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
-    const int64_t nb = K / qk_k;
-    const auto *Wb = static_cast<const uint8_t *>(W);
-    const auto *Xb = static_cast<const uint8_t *>(X);
-    q2pan *pbuf = t_q2k_pan.get(static_cast<size_t>(4 * nb));
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int rows = static_cast<int>(imin(4, r1 - r));
-        for (int64_t b = 0; b < nb; ++b)
-            for (int i = 0; i < 4; ++i) q2k_decode_pan(Wb + (r + imin(i, rows - 1)) * w_stride + b * tr_q2_k::size, pbuf[4 * b + i]);
-        for (int64_t m = 0; m < M; m += 4) {
-            const int mb = static_cast<int>(imin(4, M - m));
-            const uint8_t *x[4];
-            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
-            float out[4][4];
+              int64_t M, float *y, int64_t ldy) {
+    gemm_q2_k_panels(
+        t_q2k_pan, q2k_decode_pan,
+        [](int mb, int64_t nb, const q2pan *p, const uint8_t *const x[4], float out[4][4]) {
             switch (mb) {
-                case 1: q2k_tile_pan<1>(nb, pbuf, x, out); break;
-                case 2: q2k_tile_pan<2>(nb, pbuf, x, out); break;
-                case 3: q2k_tile_pan<3>(nb, pbuf, x, out); break;
-                default: q2k_tile_pan<4>(nb, pbuf, x, out); break;
+                case 1: q2k_tile_pan<1>(nb, p, x, out); break;
+                case 2: q2k_tile_pan<2>(nb, p, x, out); break;
+                case 3: q2k_tile_pan<3>(nb, p, x, out); break;
+                default: q2k_tile_pan<4>(nb, p, x, out); break;
             }
-            for (int j = 0; j < mb; ++j)
-                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
-        }
-    }
+        },
+        K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -427,11 +444,7 @@ inline void q2k_tile512(int64_t nb, const q2dec512 *panel, const uint8_t *const 
                 sq[r] = _mm256_add_epi32(_mm512_castsi512_si256(S), _mm512_extracti64x4_epi64(S, 1));
                 sm[r] = _mm256_madd_epi16(dec[r].mn, bs);
             }
-            float da;
-            std::memcpy(&da, xb, 4);
-            const __m256 vda = _mm256_set1_ps(da);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), _mm256_mul_ps(d8, vda), acc[m]);
-            acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc[m]);
+            acc[m] = kquant_float_step(acc[m], sq, sm, d8, m8, xb);
         }
     }
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
@@ -440,32 +453,18 @@ inline void q2k_tile512(int64_t nb, const q2dec512 *panel, const uint8_t *const 
 thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb][4]
 
 void gemm_q2_k_512(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
-                   int64_t M, float *y, int64_t ldy) {
-    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
-    const int64_t nb = K / qk_k;
-    const auto *Wb = static_cast<const uint8_t *>(W);
-    const auto *Xb = static_cast<const uint8_t *>(X);
-    q2dec512 *pbuf = t_q2k_panel512.get(static_cast<size_t>(4 * nb));
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int rows = static_cast<int>(imin(4, r1 - r));
-        for (int64_t b = 0; b < nb; ++b)
-            for (int i = 0; i < 4; ++i)
-                q2k_decode512(Wb + (r + imin(i, rows - 1)) * w_stride + b * tr_q2_k::size, pbuf[4 * b + i]);
-        for (int64_t m = 0; m < M; m += 4) {
-            const int mb = static_cast<int>(imin(4, M - m));
-            const uint8_t *x[4];
-            for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
-            float out[4][4];
+                  int64_t M, float *y, int64_t ldy) {
+    gemm_q2_k_panels(
+        t_q2k_panel512, q2k_decode512,
+        [](int mb, int64_t nb, const q2dec512 *p, const uint8_t *const x[4], float out[4][4]) {
             switch (mb) {
-                case 1: q2k_tile512<1>(nb, pbuf, x, out); break;
-                case 2: q2k_tile512<2>(nb, pbuf, x, out); break;
-                case 3: q2k_tile512<3>(nb, pbuf, x, out); break;
-                default: q2k_tile512<4>(nb, pbuf, x, out); break;
+                case 1: q2k_tile512<1>(nb, p, x, out); break;
+                case 2: q2k_tile512<2>(nb, p, x, out); break;
+                case 3: q2k_tile512<3>(nb, p, x, out); break;
+                default: q2k_tile512<4>(nb, p, x, out); break;
             }
-            for (int j = 0; j < mb; ++j)
-                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
-        }
-    }
+        },
+        K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
 }
 #endif
 
