@@ -826,11 +826,13 @@ __global__ void __launch_bounds__(32 * WARPS, 1)
 // the block (warp w takes columns w, w + 16, ..; with the RMSNorm's r of q8x_norm_r, repeated by one warp in
 // the 256-thread order), again only when a tile's x group changes (grouped tables).
 constexpr int kMmaWarps = 16;
-constexpr int kMmaJ = 4;  // k-steps whose weight loads are issued together
+// k-steps whose weight loads are issued together (x 2 tiles): 4 with 8 x, 3 with 16 (128 registers)
+template <int NT>
+constexpr int kMmaJ = NT == 1 ? 4 : 3;
 
 struct q8x_mma_args {
     int32_t segs[gemv_max_segments];  // the table's q8_0 segments, in order
-    int32_t tiles_begin[gemv_max_segments + 1];  // their 16-row tiles end to end
+    int32_t tiles_begin[gemv_max_segments + 1];  // their 32-row units end to end
     int32_t n;
     int32_t nx;
     int64_t x_stride;
@@ -874,6 +876,18 @@ __device__ __forceinline__ uint32_t ld_w32(const uint8_t *p) {
     return __ldg(reinterpret_cast<const unsigned int *>(p));
 }
 
+// Lane 0's value of the decode warp's xor tree (steps 16, 8, 4, 2, 1) over lanes 2p = v[p], odd lanes +0:
+// the 16-leaf butterfly on p (p ^ 8, p ^ 4, p ^ 2, p ^ 1) ends at p = 0 with this association; the last step
+// adds an odd lane's +0.
+__device__ __forceinline__ float q8x_lane_tree(const float *v, int stride) {
+    auto at = [&](int p) { return v[p * stride]; };
+    const float x0 = ((at(0) + at(8)) + (at(4) + at(12))) + ((at(2) + at(10)) + (at(6) + at(14)));
+    const float x1 = ((at(1) + at(9)) + (at(5) + at(13))) + ((at(3) + at(11)) + (at(7) + at(15)));
+    return (x0 + x1) + 0.0f;
+}
+
+// Block: 16 warps (warp p = accumulator p); a unit is 32 rows (two 16-row MMA tiles) of one segment, so
+// each warp has the loads of both tiles in flight and the block meets once per unit and warp part.
 template <int NT, bool NORM>
 __global__ void __launch_bounds__(32 * kMmaWarps, 1)
     gemv_q8x_mma_kernel(const __grid_constant__ q8x_table t, const __grid_constant__ q8x_mma_args m, const float *x) {
@@ -883,17 +897,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
     const int g = lane >> 2, tq = lane & 3;  // the MMA fragments' row group and thread in group
     const int64_t cols = t.cols, nblk = cols / 32, ntile = cols / 512, dstride = nblk + 1;
     const int total = m.tiles_begin[m.n];
-    const int tb = static_cast<int>((static_cast<int64_t>(blockIdx.x) * total) / gridDim.x);
-    const int te = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * total) / gridDim.x);
+    const int ub = static_cast<int>((static_cast<int64_t>(blockIdx.x) * total) / gridDim.x);
+    const int ue = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * total) / gridDim.x);
     float *dxs = reinterpret_cast<float *>(smem + m.dx_off);
-    float *red = reinterpret_cast<float *>(smem + m.red_off);
+    float *red = reinterpret_cast<float *>(smem + m.red_off);  // [2 tiles][16 p][16 rows][16 columns]
     pdl_wait();
     int64_t staged = -1;  // the x group in shared memory
-    for (int tile = tb; tile < te; ++tile) {
+    for (int unit = ub; unit < ue; ++unit) {
         int k = 0;
-        while (k + 1 < m.n && tile >= m.tiles_begin[k + 1]) ++k;
+        while (k + 1 < m.n && unit >= m.tiles_begin[k + 1]) ++k;
         const q8x_seg &sg = t.s[m.segs[k]];
-        const int64_t r0 = static_cast<int64_t>(tile - m.tiles_begin[k]) * 16;
+        const int64_t r0 = static_cast<int64_t>(unit - m.tiles_begin[k]) * 32;
         const int64_t grp = r0 / sg.rows_per_group;
         if (grp != staged) {  // block-uniform
             __syncthreads();  // nobody still reads the previous group
@@ -906,90 +920,93 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
             __syncthreads();
             staged = grp;
         }
-        // rows r0 + g and r0 + g + 8 of the fragments (past the segment's end: its last row, outputs dropped)
-        const int64_t ra = min(r0 + g, sg.rows - 1), rb = min(r0 + g + 8, sg.rows - 1);
-        const uint8_t *qa = sg.q + static_cast<size_t>(ra) * sg.q_stride + 4 * tq;
-        const uint8_t *qb = sg.q + static_cast<size_t>(rb) * sg.q_stride + 4 * tq;
-        const uint8_t *sa = sg.scales + static_cast<size_t>(ra) * sg.s_stride;
-        const uint8_t *sb = sg.scales + static_cast<size_t>(rb) * sg.s_stride;
+        // fragment rows r0 + 16 h + g and + 8 (past the segment's end: its last row, outputs dropped)
+        const uint8_t *qr[4], *sr[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int64_t r = min(r0 + 8 * i + g, sg.rows - 1);  // i = 2 h + (row half)
+            qr[i] = sg.q + static_cast<size_t>(r) * sg.q_stride + 4 * tq;
+            sr[i] = sg.scales + static_cast<size_t>(r) * sg.s_stride;
+        }
         const int W = sg.warps_per_row;
-        float part = 0.0f;  // thread (row, column) < 256: the running sum of the warp parts
+        float part = 0.0f;  // thread (tile, row, column): the running sum of the warp parts
         for (int sub = 0; sub < W; ++sub) {
-            float acc[NT][4];
+            float acc[2][NT][4];
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-            for (int64_t j0 = sub; j0 < ntile; j0 += static_cast<int64_t>(W) * kMmaJ) {
-                uint32_t a[kMmaJ][4];
-                unsigned short da[kMmaJ], db[kMmaJ];
+                for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int u = 0; u < kMmaJ; ++u) {
+                    for (int e = 0; e < 4; ++e) acc[h][n][e] = 0.0f;
+            for (int64_t j0 = sub; j0 < ntile; j0 += static_cast<int64_t>(W) * kMmaJ<NT>) {
+                uint32_t a[kMmaJ<NT>][2][4];
+                unsigned short d[kMmaJ<NT>][4];
+#pragma unroll
+                for (int u = 0; u < kMmaJ<NT>; ++u) {
                     const int64_t tl = j0 + static_cast<int64_t>(W) * u;
                     if (tl < ntile) {
                         const int64_t b = 16 * tl + warp;
-                        a[u][0] = ld_w32(qa + 32 * b);
-                        a[u][1] = ld_w32(qb + 32 * b);
-                        a[u][2] = ld_w32(qa + 32 * b + 16);
-                        a[u][3] = ld_w32(qb + 32 * b + 16);
-                        da[u] = __ldg(reinterpret_cast<const unsigned short *>(sa + 2 * b));
-                        db[u] = __ldg(reinterpret_cast<const unsigned short *>(sb + 2 * b));
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            a[u][h][0] = ld_w32(qr[2 * h] + 32 * b);
+                            a[u][h][1] = ld_w32(qr[2 * h + 1] + 32 * b);
+                            a[u][h][2] = ld_w32(qr[2 * h] + 32 * b + 16);
+                            a[u][h][3] = ld_w32(qr[2 * h + 1] + 32 * b + 16);
+                        }
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) d[u][i] = __ldg(reinterpret_cast<const unsigned short *>(sr[i] + 2 * b));
                     }
                 }
 #pragma unroll
-                for (int u = 0; u < kMmaJ; ++u) {
+                for (int u = 0; u < kMmaJ<NT>; ++u) {
                     const int64_t tl = j0 + static_cast<int64_t>(W) * u;
                     if (tl >= ntile) break;  // warp-uniform
                     const int64_t b = 16 * tl + warp;
-                    const float fa = __half2float(__ushort_as_half(da[u])), fb = __half2float(__ushort_as_half(db[u]));
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        const int col = 8 * n + g;  // the B fragment's column
-                        const uint32_t *xw = reinterpret_cast<const uint32_t *>(smem + col * m.xq_stride) + 8 * b + tq;
-                        int c[4];
-                        mma_s8(c, a[u], xw[0], xw[4]);
+                        const uint32_t *xw = reinterpret_cast<const uint32_t *>(smem + (8 * n + g) * m.xq_stride) + 8 * b + tq;
+                        const uint32_t b0 = xw[0], b1 = xw[4];
                         const int c0 = 8 * n + 2 * tq;  // this thread's accumulator columns c0, c0 + 1
                         const float dx0 = dxs[c0 * dstride + b], dx1 = dxs[(c0 + 1) * dstride + b];
-                        acc[n][0] = fmaf(fa * dx0, ds4q::i2f_exact(c[0]), acc[n][0]);
-                        acc[n][1] = fmaf(fa * dx1, ds4q::i2f_exact(c[1]), acc[n][1]);
-                        acc[n][2] = fmaf(fb * dx0, ds4q::i2f_exact(c[2]), acc[n][2]);
-                        acc[n][3] = fmaf(fb * dx1, ds4q::i2f_exact(c[3]), acc[n][3]);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            int c[4];
+                            mma_s8(c, a[u][h], b0, b1);
+                            const float fa = __half2float(__ushort_as_half(d[u][2 * h]));
+                            const float fb = __half2float(__ushort_as_half(d[u][2 * h + 1]));
+                            acc[h][n][0] = fmaf(fa * dx0, ds4q::i2f_exact(c[0]), acc[h][n][0]);
+                            acc[h][n][1] = fmaf(fa * dx1, ds4q::i2f_exact(c[1]), acc[h][n][1]);
+                            acc[h][n][2] = fmaf(fb * dx0, ds4q::i2f_exact(c[2]), acc[h][n][2]);
+                            acc[h][n][3] = fmaf(fb * dx1, ds4q::i2f_exact(c[3]), acc[h][n][3]);
+                        }
                     }
                 }
             }
-            // a(sub, warp) of rows g, g + 8 and columns c0, c0 + 1 -> red[warp][row][column]
+            // a(sub, warp) of the unit's rows and this thread's columns -> red[h][warp][row][column]
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int c0 = 8 * n + 2 * tq;
-                red[(warp * 16 + g) * 16 + c0] = acc[n][0];
-                red[(warp * 16 + g) * 16 + c0 + 1] = acc[n][1];
-                red[(warp * 16 + g + 8) * 16 + c0] = acc[n][2];
-                red[(warp * 16 + g + 8) * 16 + c0 + 1] = acc[n][3];
-            }
-            __syncthreads();
-            // thread (row, column) = (threadIdx / 16, threadIdx % 16) < 256: the xor tree of 32 lanes holding
-            // a(sub, 0), +0, a(sub, 1), +0, .. as lane 0 ends it, then the running sum of the warp parts
-            if (threadIdx.x < 256) {
-                const int row = static_cast<int>(threadIdx.x >> 4), col = static_cast<int>(threadIdx.x & 15);
-                float v[32];
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int l = 0; l < 32; ++l) v[l] = (l & 1) ? 0.0f : red[((l >> 1) * 16 + row) * 16 + col];
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    float nv[32];
-#pragma unroll
-                    for (int l = 0; l < 32; ++l) nv[l] = v[l] + v[l ^ o];
-#pragma unroll
-                    for (int l = 0; l < 32; ++l) v[l] = nv[l];
+                for (int n = 0; n < NT; ++n) {
+                    const int c0 = 8 * n + 2 * tq;
+                    float *rp = red + ((h * 16 + warp) * 16) * 16;
+                    rp[g * 16 + c0] = acc[h][n][0];
+                    rp[g * 16 + c0 + 1] = acc[h][n][1];
+                    rp[(g + 8) * 16 + c0] = acc[h][n][2];
+                    rp[(g + 8) * 16 + c0 + 1] = acc[h][n][3];
                 }
-                part = sub == 0 ? v[0] : part + v[0];
+            __syncthreads();
+            {  // thread = (tile h, row, column): the decode warp's tree, then the running sum of the parts
+                const int h = static_cast<int>(threadIdx.x >> 8), row = static_cast<int>((threadIdx.x >> 4) & 15),
+                          col = static_cast<int>(threadIdx.x & 15);
+                const float tv = q8x_lane_tree(red + ((h * 16) * 16 + row) * 16 + col, 16 * 16);
+                part = sub == 0 ? tv : part + tv;
             }
             __syncthreads();  // red is rewritten by the next sub
         }
-        if (threadIdx.x < 256) {
-            const int row = static_cast<int>(threadIdx.x >> 4), col = static_cast<int>(threadIdx.x & 15);
-            if (col < m.nx && r0 + row < sg.rows) store_y(sg, col * sg.y_stride + r0 + row, part);
-        }
+        const int h = static_cast<int>(threadIdx.x >> 8), row = static_cast<int>((threadIdx.x >> 4) & 15),
+                  col = static_cast<int>(threadIdx.x & 15);
+        const int64_t r = r0 + 16 * h + row;
+        if (col < m.nx && r < sg.rows) store_y(sg, col * sg.y_stride + r, part);
     }
 }
 
@@ -1399,7 +1416,7 @@ bool launch_cols_table(const q8x_table &t, int64_t blocks, size_t smem1, bool gr
 // Shared bytes of the tensor-core kernel for NT 8-column tiles at cols.
 size_t mma_smem(int nt, int64_t cols) {
     const size_t c = static_cast<size_t>(8 * nt);
-    return c * static_cast<size_t>(cols + 16) + c * static_cast<size_t>(cols / 32 + 1) * 4 + 16 * 16 * 16 * 4;
+    return c * static_cast<size_t>(cols + 16) + c * static_cast<size_t>(cols / 32 + 1) * 4 + 2 * 16 * 16 * 16 * 4;
 }
 
 // The tensor-core kernel over the q8_0 segments of the planned table t (each segment's plan, W included, is
@@ -1412,10 +1429,10 @@ bool launch_q8x_mma(const q8x_table &t, const int64_t *rpg, int nx, const float 
     int64_t tiles = 0;
     for (int i = 0; i < t.n; ++i) {
         if (t.s[i].f16) continue;
-        if (rpg[i] < t.s[i].rows && rpg[i] % 16 != 0) return false;
+        if (rpg[i] < t.s[i].rows && rpg[i] % 32 != 0) return false;
         m.segs[m.n] = i;
         m.tiles_begin[m.n] = static_cast<int32_t>(tiles);
-        tiles += (t.s[i].rows + 15) / 16;
+        tiles += (t.s[i].rows + 31) / 32;  // 32-row units
         ++m.n;
     }
     if (m.n == 0 || tiles > 0x7fffffff) return false;
