@@ -196,14 +196,16 @@ void dspark_costs(const ds4::dspark_weights &dw, const std::shared_ptr<const ds4
 // --spec-accept: speculative decoding at controlled acceptance (issue 26). Synthetic weights make a real
 // drafter's acceptance meaningless, so the drafts are the target's own greedy continuation (computed
 // beforehand by plain decoding from the same state), each corrupted with probability 1 - a; the width is
-// spec::draft_budget's adaptive one (up to draft_max) with the verification cost curve learnt from the
-// timed steps (spec::verify_cost, as the engine does). Each verification is one eval_rows of 1 + k rows with
-// every row's logits downloaded (what the engine's acceptance reads), the kept rows' argmax chain decides,
-// the rejected rows are rolled back (truncate). With a DSpark drafter (dw, dev) its whole cost is paid every
-// step as a real speculative step pays it: the feature capture in the verification, observe() of the kept
-// rows' features, one draft block; its tokens are replaced by the oracle's. Plain decoding for the ratio is
-// the same loop with one row per step (eval of one token, logits downloaded). Each run starts from a fresh
-// sequence made `depth` deep with the same seed, so every run decodes the same tokens.
+// spec::draft_budget's adaptive one (up to draft_max) with the verification and drafter cost curves learnt
+// from the timed steps (spec::verify_cost, as the engine does). Each verification is one eval_rows of 1 + k
+// rows whose logits stay on the device, each row's token taken from its device summary (row_top, what the
+// engine's eval_verify / sample_row do for a greedy sampler), the rejected rows rolled back (truncate). Each
+// acceptance runs twice: drafts free (the oracle alone: the verification's own speed), then, with a DSpark
+// drafter (dw, dev), paying its cost as a real step does: the feature capture in every verification and
+// observe() of the kept rows' features, and one draft block in each step that asks for drafts (its tokens
+// replaced by the oracle's). Plain decoding for the ratio: eval of one token, its token from the device
+// summary (the engine's plain step). Each run starts from a fresh sequence made `depth` deep with the same
+// seed, so every run decodes the same tokens.
 void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const std::shared_ptr<cuda::block_pool> &pool,
                      int64_t depth, size_t V, const std::vector<int64_t> &accepts, int n_tok, int draft_max,
                      const ds4::dspark_weights *dw, const std::shared_ptr<const ds4::cuda_weights> &dev) {
@@ -213,92 +215,105 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
         ds4::cuda_testing::fill_synthetic(*s, depth, 7);
         return s;
     };
-    auto argmax = [&](const float *row) { return static_cast<int32_t>(std::max_element(row, row + V) - row); };
+    // the greedy token of a row on the device: its one-candidate summary (ties: the lower id)
+    auto top1 = [](ds4::cuda_sequence &s, int row) { return s.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
     constexpr int32_t kFirst = 11;
     std::vector<int32_t> cont;  // cont[i]: the greedy token after kFirst, cont[0..i)
-    std::vector<float> lg(V);
     double plain_s = 0;
     {
         auto s = fresh();
         int32_t t = kFirst;
-        for (int i = 0; i < 3; ++i) s->eval(std::span(&t, 1), lg), s->truncate(depth);  // warm-up (graph capture)
+        for (int i = 0; i < 3; ++i) s->eval(std::span(&t, 1), {}), s->truncate(depth);  // warm-up (graph capture)
         const double t0 = now_s();
         for (int i = 0; i < n_tok + draft_max + 1; ++i) {
-            s->eval(std::span(&t, 1), lg);
-            t = argmax(lg.data());
+            s->eval(std::span(&t, 1), {});
+            t = s->logits_top(1, {}, 1.0f, 0.0f, 0.0f).ids.at(0);
             cont.push_back(t);
             if (i + 1 == n_tok) plain_s = now_s() - t0;
         }
     }
     const double plain = n_tok / plain_s;
-    std::printf("speculation at controlled acceptance from depth %lld, %d tokens, width <= %d (adaptive)%s: plain decoding "
-                "%.1f tok/s (eval of one token, logits downloaded)\n",
-                static_cast<long long>(depth), n_tok, draft_max, dw ? ", DSpark drafting cost paid every step" : "", plain);
+    std::printf("speculation at controlled acceptance from depth %lld, %d tokens, width <= %d (adaptive; drafter and rows "
+                "costed): plain decoding %.1f tok/s (eval of one token, its token from the device summary)\n",
+                static_cast<long long>(depth), n_tok, draft_max, plain);
     std::mt19937 rng(3);
-    spec::verify_cost cost;  // kept across the runs, as a serving process keeps it
-    for (int64_t ap : accepts) {
-        const double a = static_cast<double>(ap) / 100.0;
-        auto s = fresh();
-        std::unique_ptr<ds4::cuda_dspark> d;
-        int64_t F = 0;
-        if (dw) {
-            s->set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
-            d = std::make_unique<ds4::cuda_dspark>(dev, ds4::qat_mode::full);
-            F = d->feature_dim();
-            d->observe(depth - dw->cfg.window, pseudo_features(dw->cfg.window * F));
-            for (int i = 0; i < 2; ++i) d->draft(depth, kFirst);  // graph capture outside the timing
-        }
-        // Every row count's graph captured before the timing (a serving process has them).
-        for (int r = 1; r <= draft_max + 1; ++r) {
-            std::vector<int32_t> toks(static_cast<size_t>(r), kFirst);
-            for (int i = 0; i < 2; ++i) s->eval_rows(toks, {}), s->truncate(depth);
-        }
-        spec::draft_budget budget(draft_max, true);
-        int32_t pending = kFirst;
-        size_t emitted = 0;
-        int64_t steps = 0, drafted = 0, kept = 0;
-        std::vector<float> logits, feats;
-        const double t0 = now_s();
-        while (emitted < static_cast<size_t>(n_tok)) {
-            const int64_t base = s->n_past();
-            const int32_t k = budget.next(&cost);
-            if (d) d->draft(base, pending);  // the block's cost; its tokens are replaced by the oracle's
-            std::vector<int32_t> rows{pending};
-            for (int32_t j = 0; j < k; ++j) {
-                int32_t x = cont[emitted + static_cast<size_t>(j)];
-                if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
-                rows.push_back(x);
+    for (int paid = 0; paid <= (dw ? 1 : 0); ++paid) {
+        spec::verify_cost cost;  // kept across the acceptances, as a serving process keeps it
+        for (int64_t ap : accepts) {
+            const double a = static_cast<double>(ap) / 100.0;
+            auto s = fresh();
+            std::unique_ptr<ds4::cuda_dspark> d;
+            int64_t F = 0;
+            if (paid) {
+                s->set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
+                d = std::make_unique<ds4::cuda_dspark>(dev, ds4::qat_mode::full);
+                F = d->feature_dim();
+                d->observe(depth - dw->cfg.window, pseudo_features(dw->cfg.window * F));
+                for (int i = 0; i < 2; ++i) d->draft(depth, kFirst);  // graph capture outside the timing
             }
-            logits.resize(rows.size() * V);
-            feats.resize(static_cast<size_t>(d ? rows.size() * F : 0));
-            const double s0 = now_s();
-            s->eval_rows(rows, logits, {}, feats);
-            cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
-            ++steps;
-            size_t j = 0;
-            for (;; ++j) {  // row j's argmax is the next true token; drafts kept while they equal it
-                const int32_t y = argmax(&logits[j * V]);
-                ++emitted;
-                if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
-                pending = y;
-                break;
+            // Every row count's graph captured before the timing (a serving process has them).
+            for (int r = 1; r <= draft_max + 1; ++r) {
+                std::vector<int32_t> toks(static_cast<size_t>(r), kFirst);
+                for (int i = 0; i < 2; ++i) s->eval_rows(toks, {}), s->truncate(depth);
             }
-            s->truncate(base + 1 + static_cast<int64_t>(j));
-            if (d) {
-                d->truncate(base);
-                d->observe(base, std::span(feats).first(static_cast<size_t>((j + 1) * F)));
+            spec::draft_budget budget(draft_max, true);
+            int32_t pending = kFirst;
+            size_t emitted = 0;
+            int64_t steps = 0, drafted = 0, kept = 0, drafts_made = 0;
+            double draft_s = 0;
+            std::vector<float> feats;
+            const double t0 = now_s();
+            while (emitted < static_cast<size_t>(n_tok)) {
+                const int64_t base = s->n_past();
+                const int32_t k = budget.next(&cost);
+                if (d && k > 0) {  // the block's cost; its tokens are replaced by the oracle's
+                    const double d0 = now_s();
+                    d->draft(base, pending);
+                    const double dt = now_s() - d0;
+                    cost.observe_draft(k, dt);
+                    draft_s += dt;
+                    ++drafts_made;
+                }
+                std::vector<int32_t> rows{pending};
+                for (int32_t j = 0; j < k; ++j) {
+                    int32_t x = cont[emitted + static_cast<size_t>(j)];
+                    if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
+                    rows.push_back(x);
+                }
+                feats.resize(static_cast<size_t>(d ? rows.size() * F : 0));
+                const double s0 = now_s();
+                s->eval_rows(rows, {}, {}, feats);
+                cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
+                ++steps;
+                size_t j = 0;
+                for (;; ++j) {  // row j's greedy token is the next true token; drafts kept while they equal it
+                    const int32_t y = top1(*s, static_cast<int>(j));
+                    ++emitted;
+                    if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
+                    pending = y;
+                    break;
+                }
+                s->truncate(base + 1 + static_cast<int64_t>(j));
+                if (d) {
+                    d->truncate(base);
+                    d->observe(base, std::span(feats).first(static_cast<size_t>((j + 1) * F)));
+                }
+                budget.update(rows.size() - 1, j);
+                drafted += static_cast<int64_t>(rows.size()) - 1;
+                kept += static_cast<int64_t>(j);
             }
-            budget.update(rows.size() - 1, j);
-            drafted += static_cast<int64_t>(rows.size()) - 1;
-            kept += static_cast<int64_t>(j);
+            const double tps = n_tok / (now_s() - t0);
+            std::printf("%10s %s a = %.2f: %.1f tok/s = %.2fx plain; %.2f tokens per step, %lld drafted, %lld kept; "
+                        "verify cost 2..%d rows / 1 row:",
+                        "", paid ? "DSpark paid" : "drafts free", a, tps, tps / plain,
+                        static_cast<double>(n_tok) / static_cast<double>(steps), static_cast<long long>(drafted),
+                        static_cast<long long>(kept), draft_max + 1);
+            for (int r = 2; r <= draft_max + 1; ++r) std::printf(" %.2f", cost.ratio(r));
+            if (paid)
+                std::printf("; %lld draft blocks, %.3f ms each = %.2f steps", static_cast<long long>(drafts_made),
+                            drafts_made ? draft_s * 1e3 / static_cast<double>(drafts_made) : 0.0, cost.draft_ratio(1));
+            std::printf("\n");
         }
-        const double tps = n_tok / (now_s() - t0);
-        std::printf("%10s a = %.2f: %.1f tok/s = %.2fx plain; %.2f tokens per step, %lld drafted, %lld kept; "
-                    "verify cost 2..%d rows / 1 row:",
-                    "", a, tps, tps / plain, static_cast<double>(n_tok) / static_cast<double>(steps),
-                    static_cast<long long>(drafted), static_cast<long long>(kept), draft_max + 1);
-        for (int r = 2; r <= draft_max + 1; ++r) std::printf(" %.2f", cost.ratio(r));
-        std::printf("\n");
     }
 }
 

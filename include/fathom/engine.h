@@ -228,6 +228,17 @@ public:
     // default has no drafter and drafts nothing.
     virtual bool has_drafter() const { return false; }
     virtual std::vector<int32_t> draft(std::span<const int32_t> history, int32_t max);
+    // A speculative verification (spec::generate): append tokens (the pending token, then the drafts) and
+    // evaluate them as eval(tokens, rows) would with every row's logits, row j = the logits after
+    // tokens[0..j]. Returns true when `rows` ([tokens.size() x n_vocab], the caller's) received them (the
+    // default); false when they stay where the session computed them (DS4 on one GPU: a row's 129,280
+    // logits cost more to download than a step's rows cost to verify), so sample_row() samples them.
+    virtual bool eval_verify(std::span<const int32_t> tokens, float *rows);
+    // After an eval_verify() that returned false, until the next evaluation, truncate or reset: position
+    // j's token exactly as smp.sample(row j's logits, history) would give it, RNG draws included (a device
+    // summarises the row, sampler::sample_top, and downloads it only when the summary cannot decide).
+    // Throws fathom::error for a row that is not held (the default holds none).
+    virtual sample_result sample_row(size_t j, sampler &smp, std::span<const int32_t> history);
     // The last draft()'s per-token confidence: each draft's predicted probability of being kept given its
     // predecessors were (DSpark's confidence head; the speculation loop narrows the step by it, spec::
     // draft_budget::cut). Empty when the drafter gives none (MTP) or an evaluation came since.

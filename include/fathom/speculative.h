@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <span>
 #include <vector>
 
@@ -30,6 +31,10 @@ namespace fathom::spec {
 // more; the model's depth and the machine's load change it), with a weak prior scaled by the first
 // measurement (beta = 0.25 alpha) so that the fit is defined before two row counts were seen. The
 // CPU's rows cost ~0.85 of a step each; the GPU's a few percent: the same code learns either.
+// The drafter's own time is a second line, d(k) = d0 + d1 * (k - 1) for k >= 1 drafts asked for, fitted
+// the same way from timed drafts (observe_draft; no prior: free until the first draft is timed): a model
+// drafter (the MTP head) costs per token, a block drafter (DSpark) once per step whatever k. The width
+// pays for both (draft_budget): a drafter that costs more than its kept tokens save is not asked.
 class verify_cost {
   public:
     verify_cost() = default;
@@ -37,29 +42,46 @@ class verify_cost {
     void observe(int32_t rows, double seconds);  // rows >= 1, seconds > 0 (others ignored)
     // t(rows) / t(1) from the fit (>= 1, non-decreasing in rows); before any measurement the prior 1 + 0.25 (rows - 1).
     double ratio(int32_t rows) const;
-    int64_t observations() const { return n_; }
+    // A draft of k >= 1 tokens took `seconds` (others ignored).
+    void observe_draft(int32_t k, double seconds);
+    // d(k) / t(1): what drafting k tokens costs in one-row forwards; 0 for k <= 0, before any timed draft,
+    // and with a fixed row cost (the deterministic widths of tests).
+    double draft_ratio(int32_t k) const;
+    int64_t observations() const { return verify_.n; }
     // No recent forward of one row: the line's intercept rests on extrapolation (a run of wide drafts
     // cannot tell a row's price from the step's), so a plain step should be measured (draft_budget::next).
     bool wants_one_row() const { return fixed_ < 0 && w_one_ < 0.3; }
 
   private:
+    // A line y = a + b x by exponentially decayed least squares.
+    struct decayed_line {
+        double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+        int64_t n = 0;
+        void add(double x, double y, double w);
+        void decay(double f);
+        // (a, b) with b >= 0 (a cost never falls with more rows or drafts: the mean instead); b = 0 when
+        // every point has the same x.
+        std::pair<double, double> fit() const;
+    };
+    double alpha() const;  // t(1) in seconds (<= 0: unknown)
     double fixed_ = -1.0;  // >= 0: the fixed slope (observations ignored)
-    double sw_ = 0, sx_ = 0, sy_ = 0, sxx_ = 0, sxy_ = 0;  // decayed sums over (x = rows - 1, y = seconds)
+    decayed_line verify_;  // (x = rows - 1, y = seconds)
+    decayed_line draft_;   // (x = k - 1, y = seconds)
     double w_one_ = 0;  // decayed weight of one-row forwards
-    int64_t n_ = 0;
 };
 
 // How many tokens to draft each step (shared by generate and the server's scheduler).
 // Adaptive: the width k that maximises the expected tokens per unit of time,
-//   E(k) / c(1 + k),  E(k) = 1 + a + a^2 + ... + a^k,
+//   E(k) / (c(1 + k) + d(k)),  E(k) = 1 + a + a^2 + ... + a^k,
 // where a is the running per-draft acceptance (a draft is kept with probability a once its
 // predecessors were; estimated from decayed counts of kept drafts and first rejections, starting near
-// 2/3) and c the verification cost ratio (verify_cost; without one, c(r) = 1: the widest draft that
-// pays at all). A single sequence (other_rows 0) whose cost model has no recent one-row forward gets a
+// 2/3), c the verification cost ratio and d the drafter's (verify_cost; without one, c(r) = 1 and d = 0:
+// the widest draft that pays at all). A single sequence (other_rows 0) whose cost model has no recent one-row forward gets a
 // plain step first (verify_cost::wants_one_row: one in ~60 steps at worst). When k = 0 wins (the drafts cost more than they return), drafting pauses but probes one
 // draft after 1, 3, 7, ... 63 steps (the pause grows with every probe while k = 0 keeps winning; kept
-// probes raise the acceptance estimate until drafting pays again), so an always-wrong or mediocre
-// drafter costs ~1.5 % of plain decoding while a drafter that becomes good is noticed.
+// probes raise the acceptance estimate until drafting pays again; a probe dearer than ~0.9 of a step,
+// such as a DSpark block's, waits longer: up to 70 probe costs, at most 1023 steps), so an always-wrong or
+// mediocre drafter costs ~1.5 % of plain decoding while a drafter that becomes good is noticed.
 // Not adaptive: always max.
 class draft_budget {
   public:

@@ -6,8 +6,8 @@
 # per-kernel durations of a ROWS-row step and a one-row step (step-rows.csv, step-decode.csv;
 # scripts/device/step_table.py reads them), and ncu's sections (occupancy, warp stalls, launch stats) for
 # the multi-row dense GEMV (gemv_q8x_cols_kernel) and the rows MoE kernels of that step (sections-rows.txt).
-# Usage (device): bash scripts/device/rows_diag.sh [layers=8]; env FILTER, ROWS (4), BUDGET_S (330: what
-# is left is skipped).
+# Usage (device): bash scripts/device/rows_diag.sh [layers=8]; env FILTER ("none": no tests), ROWS (4),
+# BUDGET_S (330: what is left is skipped), SPEC (acceptances, 0,60,80,90), SPEC_TOKENS (64), NCU (0: no profiles).
 set -u
 . "$(dirname "$0")/carry_env.sh"
 link_shared
@@ -21,19 +21,22 @@ m=/tmp/ds4flash-q2-$L.gguf d=/tmp/ds4flash-q2-$L-dspark.gguf
       mv "$d.tmp" "$d" ) &
 rc=0
 f=${FILTER:-CudaDs4Dspark.*:CudaDs4Rollback.*}
-timeout 150 "$c/test_cuda" --gtest_color=no --gtest_filter="$f" > "$out/test_ds4.log" 2>&1 || rc=1
-echo "== DS4 tests ($f) rc=$rc"
-grep -E "^\[  FAILED|Failure|Expected|Which is|exception" "$out/test_ds4.log" | head -20; tail -2 "$out/test_ds4.log"
+if [ "$f" != none ]; then
+    timeout 150 "$c/test_cuda" --gtest_color=no --gtest_filter="$f" > "$out/test_ds4.log" 2>&1 || rc=1
+    echo "== DS4 tests ($f) rc=$rc"
+    grep -E "^\[  FAILED|Failure|Expected|Which is|exception" "$out/test_ds4.log" | head -20; tail -2 "$out/test_ds4.log"
+fi
 wait
 [ -f "$m" ] || { echo "no DS4 file"; cat "$out/synth-ds4.log"; exit 1; }
 ds=(); [ -f "$d" ] && ds=(--dspark "$d")
 timeout 200 "$c/bench_cuda_ds4" "$m" --depths "${DEPTHS:-8192,131072}" --n 32 --prefill "" --paged --rows 2,3,4,5 --seqs 4,16 "${ds[@]}" \
-    --spec-accept 0,60,80,90 > "$out/bench-rows.log" 2>&1
+    --spec-accept "${SPEC:-0,60,80,90}" --spec-tokens "${SPEC_TOKENS:-64}" > "$out/bench-rows.log" 2>&1
 echo "== bench rows rc=$? ($L layers, 8K)"; grep -E "^ +[0-9]+ |rows|sequences|dspark|DSpark|draft|observe|capture|a = |speculation" "$out/bench-rows.log" | head -40
 if [ -x "$c/bench_old" ]; then  # the carried old build (BENCH_OLD=): the same step sizes, for the A/B
     timeout 90 "$c/bench_old" "$m" --depths 8192 --n 32 --prefill "" --paged --rows 4 --seqs 16 > "$out/bench-rows-old.log" 2>&1
     echo "== bench_old rows rc=$?"; grep -E "^ +[0-9]+ |rows|sequences" "$out/bench-rows-old.log" | head -8
 fi
+[ "${NCU:-1}" = 0 ] && exit $rc  # NCU=0: no profiles
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for what in rows decode; do
     [ "$(left)" -gt 60 ] || { echo "skip ncu $what (budget)"; continue; }

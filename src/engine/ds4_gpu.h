@@ -54,8 +54,14 @@ class gpu_sequence {
     // speculative verification's rows. logits [n, n_vocab]; hc_out (empty or [n, n_hc * D]) every row's
     // final HC state.
     // features (empty or [n, F]) every row's DSpark features.
+    // logits empty (at most ds4_gpu::max_step_rows() rows): the rows' logits stay on the device, rows_held()
+    // of them, until the next evaluation, truncate or reset: row_top / row_logits as top / last_logits for row j.
     virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
                            std::span<float> features = {}) = 0;
+    virtual int rows_held() const = 0;
+    virtual std::optional<logits_top> row_top(size_t j, size_t k, std::span<const std::pair<int32_t, int32_t>> penalties,
+                                              float repeat, float frequency, float presence) = 0;
+    virtual void row_logits(size_t j, std::span<float> out) = 0;
     // Capture the DSpark drafter's features (ds4::cuda_sequence::set_feature_layers): the mean of the HC
     // streams after each of `layers`, at most max(tail_rows, 16) rows per evaluation.
     virtual void set_feature_layers(std::span<const int> layers, int64_t tail_rows) = 0;

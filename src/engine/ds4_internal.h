@@ -103,6 +103,11 @@ class ds4_session final : public session {
     void eval(std::span<const int32_t> tokens, float *all_logits) override;
     std::span<const float> logits() const override;
     sample_result sample(sampler &smp, std::span<const int32_t> history) override;
+    // One GPU: a verification's rows stay on the device (gpu_sequence::eval_rows without logits) and each
+    // sampled row is summarised there (row_top), downloaded only when the summary cannot decide; elsewhere
+    // the default (every row's logits into `rows`).
+    bool eval_verify(std::span<const int32_t> tokens, float *rows) override;
+    sample_result sample_row(size_t j, sampler &smp, std::span<const int32_t> history) override;
     bool samples_on_device() const override { return on_gpu(); }
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }
@@ -189,6 +194,10 @@ class ds4_session final : public session {
     // CUDA: the last token's logits are still only on the device (logits() downloads them; sample()
     // summarises them there).
     mutable bool logits_on_device_ = false;
+    // CUDA: eval_verify's evaluation in progress (forward_chunk leaves the rows on the device), and the rows
+    // it left there for sample_row (0 after any other evaluation, truncate or reset).
+    bool rows_to_device_ = false;
+    size_t device_rows_ = 0;
 };
 
 class ds4_engine final : public engine {
@@ -287,6 +296,7 @@ class ds4_engine final : public engine {
     // sequences share one prefill scratch (ds4_gpu): evaluations run under the forward mutex. Their
     // compressed and indexer rows are blocks of the ds4_gpu's state pool, mapped as they grow.
     std::unique_ptr<gpu_sequence> new_gpu_sequence() const { return gpu_ ? gpu_->new_sequence() : nullptr; }
+    int max_gpu_step_rows() const { return gpu_ ? gpu_->max_step_rows() : 0; }  // rows of one GPU step (0: no GPU)
     // Paged state on one GPU: the state pool in the scheduler's terms, blocks of block_tokens positions,
     // each worth block_tokens times the rows' mean bytes per token (max_blocks: the pool's capacity in
     // them). n_used counts the sessions' mapped positions (each session's rounded up to whole blocks, as

@@ -67,6 +67,7 @@ void ds4_session::reset() {
     tokens_.clear();
     have_logits_ = false;
     logits_on_device_ = false;
+    device_rows_ = 0;
 }
 
 bool ds4_session::kv_reserve(int64_t n_tokens) {
@@ -114,14 +115,14 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
         // cannot change a draft); xb_rows_ of them.
         const ds4::hparams &hp = e_.model().hp;
         const size_t n = toks.size(), S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
-        const bool rows = verification_rows(n, out.size());
+        const bool rows = verification_rows(n, out.size()) || rows_to_device_;
         xb_rows_ = drafter_ ? (rows ? n : std::min<size_t>(n, static_cast<size_t>(drafter_->context_rows()))) : 0;
         xb_.hc.clear();
         xb_.features.clear();
         if (drafter_ && drafter_->wants_hc_state()) xb_.hc.resize(xb_rows_ * S);
         if (drafter_) xb_.features.resize(xb_rows_ * drafter_->feature_layers().size() * static_cast<size_t>(hp.n_embd));
         if (rows)
-            gpu_->eval_rows(toks, out, xb_.hc, xb_.features);
+            gpu_->eval_rows(toks, rows_to_device_ ? std::span<float>() : out, xb_.hc, xb_.features);
         else
             gpu_->eval(toks, out, xb_.hc, xb_.features);
         return;
@@ -147,6 +148,7 @@ void ds4_session::forward_chunk(std::span<const int32_t> toks, std::span<const i
 void ds4_session::eval_chunks(std::span<const int32_t> toks, float *all_logits,
                               const std::function<void(int64_t, int64_t)> *on_progress) {
     draft_conf_.clear();
+    device_rows_ = 0;
     const ds4::model &m = e_.model();
     const int64_t n_vocab = m.hp.n_vocab, total = static_cast<int64_t>(toks.size());
     if (total == 0) return;
@@ -274,8 +276,40 @@ void ds4_session::eval(std::span<const int32_t> tokens, float *all_logits) {
     eval_chunks(tokens, all_logits, nullptr);
 }
 
+bool ds4_session::eval_verify(std::span<const int32_t> tokens, float *rows) {
+    const size_t n = tokens.size();
+    // One step of rows (at most a rollback's width and the device's step) on one GPU; else the default.
+    if (!gpu_ || n < 2 || static_cast<int64_t>(n) > rollback_limit() + 1 || n > static_cast<size_t>(e_.max_gpu_step_rows()) ||
+        n > static_cast<size_t>(e_.n_batch()))
+        return session::eval_verify(tokens, rows);
+    rows_to_device_ = true;
+    struct clear_flag {
+        bool &f;
+        ~clear_flag() { f = false; }
+    } clear{rows_to_device_};
+    eval_chunks(tokens, nullptr, nullptr);
+    device_rows_ = static_cast<size_t>(gpu_->rows_held());
+    if (device_rows_ != n) throw error("eval_verify: the device kept " + std::to_string(device_rows_) + " of " + std::to_string(n) + " rows");
+    return false;
+}
+
+sample_result ds4_session::sample_row(size_t j, sampler &smp, std::span<const int32_t> history) {
+    if (!gpu_ || j >= device_rows_) return session::sample_row(j, smp, history);
+    const sampling_params &p = smp.params();
+    const int64_t V = e_.model().hp.n_vocab;
+    const auto pen = smp.penalty_counts(history, V);
+    // nullopt on NaN / +inf, or a summary that cannot decide: the row's logits, as sample() does
+    if (std::optional<logits_top> t = gpu_->row_top(j, smp.top_candidates(), pen, p.repeat_penalty, p.frequency_penalty,
+                                                    p.presence_penalty))
+        if (auto r = smp.sample_top(*t)) return *r;
+    std::vector<float> row(static_cast<size_t>(V));
+    gpu_->row_logits(j, row);
+    return smp.sample(row, history);
+}
+
 size_t ds4_session::drop_after(size_t n) {
     if (n >= tokens_.size()) return tokens_.size();
+    device_rows_ = 0;
     if (rolls_back() && static_cast<int64_t>(n) >= rollback_floor()) {
         if (gpu_)
             gpu_->truncate(static_cast<int64_t>(n));

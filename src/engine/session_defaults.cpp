@@ -72,6 +72,15 @@ void session::truncate(int64_t n_keep) {
     else sync(keep);  // sync keeps keep.size() - 1 tokens and re-evaluates the last for its logits
 }
 
+bool session::eval_verify(std::span<const int32_t> tokens, float *rows) {
+    eval(tokens, rows);
+    return true;
+}
+
+sample_result session::sample_row(size_t j, sampler &, std::span<const int32_t>) {
+    throw error("sample_row: row " + std::to_string(j) + " is not held (this session hands a verification's rows to the caller)");
+}
+
 std::vector<int32_t> session::draft(std::span<const int32_t> history, int32_t max) {
     (void)history;
     (void)max;

@@ -779,8 +779,10 @@ void scheduler::plan_drafts(slot &s, int32_t other_rows) {
     if (room < 1) return;
     std::vector<int32_t> d;
     try {
+        const auto t0 = clock::now();
         d = opts_.spec_session_drafter ? s.sess->draft(s.history, static_cast<int32_t>(room))
                                        : spec::ngram_draft(s.history, opts_.spec_ngram, static_cast<int32_t>(room));
+        step_cost_.observe_draft(static_cast<int32_t>(room), secs(clock::now() - t0));  // the width pays for it
     } catch (const std::exception &e) {
         // A drafter that fails drafts nothing this step: the request decodes plainly (counted).
         std::lock_guard<std::mutex> lk(mu_);

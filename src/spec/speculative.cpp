@@ -55,46 +55,78 @@ constexpr double kCostPriorSlope = 0.25;  // prior beta / alpha
 constexpr double kCostPriorWeight = 0.5;  // per prior point (they decay with the data)
 constexpr double kAcceptDecay = 0.95;  // per verified step: ~20 steps of memory
 constexpr int32_t kMaxPause = 63;      // steps between probes of an unprofitable drafter
+constexpr double kProbeShare = 70;     // ... or probe costs (in steps) when that is more
+constexpr int32_t kMaxProbePause = 1023;
 }  // namespace
+
+void verify_cost::decayed_line::add(double x, double y, double w) {
+    sw += w;
+    sx += w * x;
+    sy += w * y;
+    sxx += w * x * x;
+    sxy += w * x * y;
+}
+
+void verify_cost::decayed_line::decay(double f) {
+    sw *= f;
+    sx *= f;
+    sy *= f;
+    sxx *= f;
+    sxy *= f;
+}
+
+std::pair<double, double> verify_cost::decayed_line::fit() const {
+    if (!(sw > 0)) return {0.0, 0.0};
+    const double den = sw * sxx - sx * sx;  // ~0: every point at one x
+    double b = den > 1e-12 * sw * sw ? (sw * sxy - sx * sy) / den : 0.0;
+    double a = (sy - b * sx) / sw;
+    if (b < 0) {  // more rows (drafts) cannot cost less: the mean is the cost of any width
+        b = 0;
+        a = sy / sw;
+    }
+    return {a, b};
+}
 
 void verify_cost::observe(int32_t rows, double seconds) {
     if (fixed_ >= 0 || rows < 1 || !(seconds > 0) || !std::isfinite(seconds)) return;
     const double x = rows - 1;
-    auto add = [this](double xi, double yi, double w) {
-        sw_ += w;
-        sx_ += w * xi;
-        sy_ += w * yi;
-        sxx_ += w * xi * xi;
-        sxy_ += w * xi * yi;
-    };
-    if (n_ == 0) {  // the prior, at this machine's scale: two points of the line alpha (1 + 0.25 x)
+    if (verify_.n == 0) {  // the prior, at this machine's scale: two points of the line alpha (1 + 0.25 x)
         const double alpha = seconds / (1 + kCostPriorSlope * x);
-        add(0, alpha, kCostPriorWeight);
-        add(4, alpha * (1 + 4 * kCostPriorSlope), kCostPriorWeight);
+        verify_.add(0, alpha, kCostPriorWeight);
+        verify_.add(4, alpha * (1 + 4 * kCostPriorSlope), kCostPriorWeight);
     }
-    sw_ *= kCostDecay;
-    sx_ *= kCostDecay;
-    sy_ *= kCostDecay;
-    sxx_ *= kCostDecay;
-    sxy_ *= kCostDecay;
+    verify_.decay(kCostDecay);
     w_one_ = w_one_ * kCostDecay + (rows == 1 ? 1.0 : 0.0);
-    add(x, seconds, 1.0);
-    ++n_;
+    verify_.add(x, seconds, 1.0);
+    ++verify_.n;
+}
+
+double verify_cost::alpha() const {
+    return verify_.n == 0 ? 0.0 : verify_.fit().first;
 }
 
 double verify_cost::ratio(int32_t rows) const {
     const double x = std::max(rows, 1) - 1;
     if (fixed_ >= 0) return 1 + fixed_ * x;
-    if (n_ == 0) return 1 + kCostPriorSlope * x;
-    const double den = sw_ * sxx_ - sx_ * sx_;  // > 0: the prior's two abscissae differ
-    double beta = den > 0 ? (sw_ * sxy_ - sx_ * sy_) / den : 0.0;
-    double alpha = (sy_ - beta * sx_) / sw_;
-    if (beta < 0) {  // rows cannot make a forward cheaper: the mean is the cost of any width
-        beta = 0;
-        alpha = sy_ / sw_;
-    }
-    if (!(alpha > 0)) return 1 + kCostPriorSlope * x;  // a line through zero: keep the prior's shape
-    return 1 + beta / alpha * x;
+    if (verify_.n == 0) return 1 + kCostPriorSlope * x;
+    const auto [a, b] = verify_.fit();
+    if (!(a > 0)) return 1 + kCostPriorSlope * x;  // a line through zero: keep the prior's shape
+    return 1 + b / a * x;
+}
+
+void verify_cost::observe_draft(int32_t k, double seconds) {
+    if (fixed_ >= 0 || k < 1 || !(seconds > 0) || !std::isfinite(seconds)) return;
+    draft_.decay(kCostDecay);
+    draft_.add(k - 1, seconds, 1.0);
+    ++draft_.n;
+}
+
+double verify_cost::draft_ratio(int32_t k) const {
+    if (k <= 0 || fixed_ >= 0 || draft_.n == 0) return 0.0;
+    const double t1 = alpha();
+    if (!(t1 > 0)) return 0.0;  // no forward timed yet: nothing to compare with
+    const auto [a, b] = draft_.fit();
+    return std::max(0.0, a + b * (k - 1)) / t1;
 }
 
 namespace {
@@ -111,7 +143,8 @@ int32_t best_width(int32_t n, const verify_cost *cost, int32_t other_rows, Odds 
     for (int32_t k = 1; k <= n; ++k) {
         p *= odds(k);
         e += p;
-        const double g = e / (cost ? cost->ratio(base + k) / c0 : 1.0);
+        // the verification's rows and the drafter's time, relative to the step without drafts
+        const double g = e / (cost ? (cost->ratio(base + k) + cost->draft_ratio(k)) / c0 : 1.0);
         if (g > best * (1 + 1e-9)) {
             best = g;
             best_k = k;
@@ -137,8 +170,16 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
         return 0;
     }
     // One draft, to learn whether the drafter got better; the next probe waits twice as long (a kept
-    // probe only moves the acceptance estimate: drafting resumes when the estimate says it pays).
-    pause_ = std::min(pause_ * 2 + 1, kMaxPause);
+    // probe only moves the acceptance estimate: drafting resumes when the estimate says it pays), at most
+    // kMaxPause steps, or kProbeShare probe costs when a probe costs more (a DSpark block: its pause then
+    // keeps the probes near 1.4 % of plain decoding's time).
+    int32_t cap = kMaxPause;
+    if (cost) {
+        const int32_t base = std::max(other_rows, 0) + 1;
+        const double probe = (cost->ratio(base + 1) + cost->draft_ratio(1)) / cost->ratio(base) - 1;  // in steps
+        if (probe * kProbeShare > kMaxPause) cap = static_cast<int32_t>(std::min(probe * kProbeShare, double(kMaxProbePause)));
+    }
+    pause_ = std::min(pause_ * 2 + 1, cap);
     skip_ = pause_;
     return 1;
 }
@@ -199,7 +240,12 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options
         const int64_t room = n_ctx - static_cast<int64_t>(hist.size());
         // ...and that the session can drop again (DS4: a few positions of history in its rings).
         const int32_t k_max = static_cast<int32_t>(std::min({static_cast<int64_t>(budget.next(&cost)), room, s.rollback_limit()}));
-        std::vector<int32_t> drafts = k_max > 0 ? draft(hist, k_max) : std::vector<int32_t>{};
+        std::vector<int32_t> drafts;
+        if (k_max > 0) {  // the drafter's time joins the cost model (draft_budget pays for it)
+            const auto d0 = std::chrono::steady_clock::now();
+            drafts = draft(hist, k_max);
+            cost.observe_draft(k_max, std::chrono::duration<double>(std::chrono::steady_clock::now() - d0).count());
+        }
         if (drafts.size() > static_cast<size_t>(std::max(k_max, 0))) drafts.resize(static_cast<size_t>(std::max(k_max, 0)));
         if (const std::vector<float> conf = s.draft_confidence(); !conf.empty() && width.adaptive)
             drafts.resize(std::min(drafts.size(), draft_budget::cut(std::span<const float>(conf).first(
@@ -211,7 +257,8 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options
         batch.insert(batch.end(), drafts.begin(), drafts.end());
         rows.resize(batch.size() * V);
         const auto t0 = std::chrono::steady_clock::now();
-        s.eval(batch, rows.data());
+        // rows filled, or (a GPU session) left on the device and sampled there (sample_row)
+        const bool host_rows = s.eval_verify(batch, rows.data());
         cost.observe(static_cast<int32_t>(batch.size()),
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         ++st.steps;
@@ -235,6 +282,7 @@ spec_stats generate(session &s, sampler &smp, int64_t n_ctx, const width_options
         const size_t j = accept_drafts(
             drafts,
             [&](size_t i) -> std::optional<int32_t> {
+                if (!host_rows) return s.sample_row(i, smp, hist).token;
                 cur = std::span<const float>(rows.data() + i * V, V);
                 return smp.sample(cur, hist).token;
             },

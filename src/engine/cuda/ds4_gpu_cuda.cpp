@@ -63,9 +63,22 @@ class cuda_gpu_sequence final : public gpu_sequence {
     void last_logits(std::span<float> out) override { seq_->last_logits(out); }
     std::optional<logits_top> top(size_t k, std::span<const std::pair<int32_t, int32_t>> penalties,
                                   float repeat, float frequency, float presence) override {
-        k = std::min<size_t>(k, static_cast<size_t>(cuda::logits_top_max_k));
-        ds4::cuda_sequence::top_summary d =
-            seq_->logits_top(static_cast<int>(k), penalties, repeat, frequency, presence);
+        return summary(seq_->logits_top(clamp_k(k), penalties, repeat, frequency, presence));
+    }
+    int rows_held() const override { return seq_->rows_held(); }
+    std::optional<logits_top> row_top(size_t j, size_t k, std::span<const std::pair<int32_t, int32_t>> penalties,
+                                      float repeat, float frequency, float presence) override {
+        return summary(seq_->row_top(row_index(j), clamp_k(k), penalties, repeat, frequency, presence));
+    }
+    void row_logits(size_t j, std::span<float> out) override { seq_->row_logits(row_index(j), out); }
+    void save_state(state_writer &w) const override { seq_->save_state(w); }
+    void load_state(state_reader &r, int64_t n_past) override { seq_->load_state(r, n_past); }
+    void restore_logits(std::span<const float> logits) override { seq_->restore_logits(logits); }
+
+  private:
+    static int clamp_k(size_t k) { return static_cast<int>(std::min<size_t>(k, static_cast<size_t>(cuda::logits_top_max_k))); }
+    static int row_index(size_t j) { return static_cast<int>(std::min<size_t>(j, INT32_MAX)); }
+    std::optional<logits_top> summary(ds4::cuda_sequence::top_summary d) const {
         if (d.bad != 0) return std::nullopt;  // NaN / +inf
         logits_top t;
         t.ids = std::move(d.ids);
@@ -75,11 +88,6 @@ class cuda_gpu_sequence final : public gpu_sequence {
         t.n_vocab = seq_->hp().n_vocab;
         return t;
     }
-    void save_state(state_writer &w) const override { seq_->save_state(w); }
-    void load_state(state_reader &r, int64_t n_past) override { seq_->load_state(r, n_past); }
-    void restore_logits(std::span<const float> logits) override { seq_->restore_logits(logits); }
-
-  private:
     std::unique_ptr<ds4::cuda_sequence> seq_;
     std::shared_ptr<sequence_registry> reg_;
 };

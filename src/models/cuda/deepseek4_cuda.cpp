@@ -887,6 +887,7 @@ void cuda_sequence::reset() {
     *p.err_h = 0;
     n_past_ = reached_ = floor_ = 0;
     have_logits_ = false;
+    rows_held_ = 0;
 }
 
 // ---- paged state ----------------------------------------------------------------------------------------
@@ -965,6 +966,7 @@ void cuda_sequence::truncate(int64_t n) {
     if (n == n_past_) return;
     n_past_ = n;  // every count the device derives (window span, compressed rows, indexer rows) follows it
     have_logits_ = false;
+    rows_held_ = 0;
 }
 
 void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st) {
@@ -1479,6 +1481,7 @@ void cuda_sequence::save_state(state_writer &w) const {
 
 void cuda_sequence::load_state(state_reader &r, int64_t n_past) {
     impl &p = *p_;
+    rows_held_ = 0;
     const hparams &hp = p.w->hp;
     if (!p.w->embed() || !p.w->head()) throw error("cuda ds4: a pipeline stage cannot load a state");
     if (n_past < 0 || n_past > n_ctx_)
@@ -1524,8 +1527,36 @@ void cuda_sequence::last_logits(std::span<float> out) {
 
 cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std::pair<int32_t, int32_t>> penalties,
                                                      float repeat, float frequency, float presence) {
-    impl &p = *p_;
     if (!have_logits_) throw error("cuda ds4: no logits (nothing evaluated since the reset, or a stage without the head)");
+    return top_of(p_->logits, k, penalties, repeat, frequency, presence);
+}
+
+const float *cuda_sequence::row_device_ptr(int j, const char *what) const {
+    if (j < 0 || j >= rows_held_ || !have_logits_)
+        throw error(std::string("cuda ds4: ") + what + ": row " + std::to_string(j) + " is not held (" +
+                    std::to_string(rows_held_) + " rows of the last multi-row evaluation)");
+    return rows_held_ == 1 ? p_->logits : p_->rows_logits + static_cast<size_t>(j) * static_cast<size_t>(p_->w->hp.n_vocab);
+}
+
+cuda_sequence::top_summary cuda_sequence::row_top(int j, int k, std::span<const std::pair<int32_t, int32_t>> penalties,
+                                                  float repeat, float frequency, float presence) {
+    return top_of(row_device_ptr(j, "row_top"), k, penalties, repeat, frequency, presence);
+}
+
+void cuda_sequence::row_logits(int j, std::span<float> out) {
+    impl &p = *p_;
+    const float *src = row_device_ptr(j, "row_logits");
+    if (out.size() != static_cast<size_t>(p.w->hp.n_vocab)) throw error("cuda ds4: row_logits needs n_vocab floats");
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    ck(cudaMemcpyAsync(out.data(), src, out.size() * sizeof(float), cudaMemcpyDeviceToHost, p.s), "downloading a row's logits");
+    ck(cudaStreamSynchronize(p.s), "downloading a row's logits");
+}
+
+// The summary of the logits at `logits` (device, n_vocab floats): cuda_sample.h's launch_logits_top.
+cuda_sequence::top_summary cuda_sequence::top_of(const float *logits, int k,
+                                                 std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
+                                                 float frequency, float presence) {
+    impl &p = *p_;
     const int64_t V = p.w->hp.n_vocab;
     k = static_cast<int>(std::min<int64_t>(std::clamp(k, 1, cuda::logits_top_max_k), V));
     ck(cudaSetDevice(p.w->device), "selecting the device");
@@ -1553,7 +1584,7 @@ cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std:
     if (n_pen > 0)
         ck(cudaMemcpyAsync(ss.pen, pen.data(), pen.size() * sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading penalties");
     cuda::logits_top_args a;
-    a.logits = p.logits;
+    a.logits = logits;
     a.n = V;
     a.pen_ids = ss.pen;
     a.pen_counts = ss.pen ? ss.pen + n_pen : nullptr;
@@ -1578,6 +1609,7 @@ cuda_sequence::top_summary cuda_sequence::logits_top(int k, std::span<const std:
 void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out,
                          float *feat_out) {
     impl &p = *p_;
+    rows_held_ = 0;
     const hparams &hp = p.w->hp;
     const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd);
     if (tok < 0 || tok >= hp.n_vocab)
@@ -1664,6 +1696,7 @@ void cuda_sequence::eval_stage(std::span<const int32_t> tokens, std::span<float>
 
 void cuda_sequence::eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits,
                               std::span<float> hc_tail, std::span<float> feat_tail) {
+    rows_held_ = 0;
     const cuda_weights &w = *p_->w;
     const size_t n = tokens.size(), V = static_cast<size_t>(w.hp.n_vocab);
     const size_t S = static_cast<size_t>(w.hp.n_hc) * static_cast<size_t>(w.hp.n_embd);

@@ -168,8 +168,13 @@ class cuda_sequence {
     // (every row's; may be empty), hc_out [n, n_hc * D] (the final HC state of every row before the HC
     // head, the MTP head's input; may be empty), features [n, F] (every row's DSpark features; may be
     // empty). Throws as eval(); on a device-side error the sequence is reset.
+    // logits empty and at most cuda::ds4::gemv_max_rows rows: every row's logits stay on the device
+    // (rows_held(), row_top, row_logits) until the next evaluation, truncate or reset.
     void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
                    std::span<float> features = {});
+    // The rows of the last eval_rows (or step_batch) that kept them: row j's logits summarised on the
+    // device as logits_top does (row_top) or downloaded (row_logits, [n_vocab]). Throw for j >= rows_held().
+    int rows_held() const { return rows_held_; }
     // The DSpark drafter's target features (deepseek4_dspark.h, spec 7): from now on every evaluation
     // computes, for each row, the mean of the n_hc streams of the state after each of `layers` (block
     // indices of the model, in feature order; F = layers.size() * n_embd floats a row, the bits of the
@@ -214,6 +219,9 @@ class cuda_sequence {
     void last_logits(std::span<float> out);
     top_summary logits_top(int k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
                            float frequency, float presence);
+    top_summary row_top(int j, int k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
+                        float frequency, float presence);
+    void row_logits(int j, std::span<float> out);
     // Test and benchmark hooks (fill_synthetic, profile_step, step_greedy, graph_replays): free functions
     // of namespace cuda_testing (deepseek4_cuda_testing.h).
     // Saved states (the on-disk prompt cache, docs/prompt-cache.md "DS4 state"): the stream of
@@ -236,7 +244,7 @@ class cuda_sequence {
     // composition ((sequence, rows) list) runs eagerly the first time and is captured as a graph the second
     // (an LRU of 32; a composition that never recurs costs no capture). logits [rows, n_vocab]
     // and hc_out [rows, n_hc * D] of every row (either may be empty); every sequence's last logits become
-    // its last row's. Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
+    // its last row's; with logits empty each sequence keeps its rows on the device (rows_held, row_top). Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
     // other weights, more than 16 rows, a token outside the vocabulary, a full context; on a device-side
     // error every sequence of the step is reset.
     // features (empty or [rows, F]): every row's DSpark features (seqs[0]'s set_feature_layers decides
@@ -254,6 +262,7 @@ class cuda_sequence {
     int64_t n_past_ = 0, n_ctx_ = 0, chunk_ = 0;
     int64_t reached_ = 0, floor_ = 0;  // rollback bookkeeping (truncate)
     bool have_logits_ = false;  // p_->logits holds the last evaluated token's logits
+    int rows_held_ = 0;  // rows of the last multi-row evaluation on the device (1: p_->logits; more: p_->rows_logits)
     uint64_t replays_ = 0;
     // x_out: the state leaving the chunk's rows [x_out_first, n) (stages: all of them).
     // feat_out: the features of the chunk's rows [feat_first, n) (set_feature_layers), or null.
@@ -265,6 +274,9 @@ class cuda_sequence {
               float *x_out = nullptr, float *feat_out = nullptr);
 
     void check_tokens(std::span<const int32_t> tokens) const;
+    const float *row_device_ptr(int j, const char *what) const;  // row j of the held rows (throws)
+    top_summary top_of(const float *logits, int k, std::span<const std::pair<int32_t, int32_t>> penalties, float repeat,
+                       float frequency, float presence);
     // Paged state: the rows of positions [0, n_end) mapped, or fathom::error (nothing changed) when the
     // pool cannot supply them.
     void map_rows(int64_t n_end);

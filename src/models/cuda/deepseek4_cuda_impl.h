@@ -507,6 +507,9 @@ struct cuda_sequence::impl : device_buffers {
     std::unique_ptr<chunk_state> cs_own;
     std::shared_ptr<cuda_prefill_pool> pool;
     int64_t chunk_cap = 0, n_ctx_of_state = 0;
+    // A multi-row evaluation's rows kept for row_top / row_logits (cuda_sequence::rows_held_ > 1):
+    // [gemv_max_rows, n_vocab], allocated when a sequence first keeps rows.
+    float *rows_logits = nullptr;
     // Sampling summary (logits_top): scratch allocated on first use.
     struct sample_state {
         float *work = nullptr, *vals = nullptr, *max = nullptr;

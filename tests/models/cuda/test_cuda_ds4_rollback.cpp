@@ -409,6 +409,51 @@ TEST_F(CudaDs4Rollback, SpeculationOnOneGpuGivesPlainDecodingsTokens) {
     }
 }
 
+// A verification on one GPU leaves its rows on the device (session::eval_verify returns false) and
+// sample_row(j) gives, for each row, exactly what the host sampler gives on that row's logits evaluated by
+// a twin session into host rows (eval with every row's logits): greedy, and sampled with penalties and the
+// same seed (the same RNG draws). Rows past the verification, and rows after a truncate, are refused.
+TEST_F(CudaDs4Rollback, VerificationRowsAreSampledOnTheDevice) {
+    auto e = tiny_cuda_engine();
+    const size_t V = static_cast<size_t>(e->info().n_vocab);
+    const std::vector<int32_t> prompt = golden_prompt();
+    ASSERT_EQ(prompt.size(), 100u);
+    sampling_params pen = sampled_params();
+    pen.seed = 9;
+    pen.repeat_penalty = 1.3f;
+    pen.frequency_penalty = 0.2f;
+    pen.presence_penalty = 0.1f;
+    pen.top_k = 0;  // the summary may not decide: then the row is downloaded (the fallback)
+    sampling_params topk = pen;
+    topk.top_k = 20;
+    for (const sampling_params &p : {greedy_params(), pen, topk}) {
+        auto a = e->new_session(), b = e->new_session();
+        a->sync(prompt);
+        b->sync(prompt);
+        const std::vector<int32_t> batch = {prompt[3], prompt[9], prompt[27], prompt[4], prompt[77]};
+        std::vector<float> host(batch.size() * V), unused(batch.size() * V);
+        ASSERT_FALSE(a->eval_verify(batch, unused.data()));
+        b->eval(batch, host.data());
+        sampler sa(p), sb(p);
+        std::vector<int32_t> hist = prompt;
+        for (size_t j = 0; j < batch.size(); ++j) {
+            hist.push_back(batch[j]);
+            const sample_result x = a->sample_row(j, sa, hist);
+            const sample_result y = sb.sample(std::span<const float>(host).subspan(j * V, V), hist);
+            EXPECT_EQ(x.token, y.token) << "row " << j << ", temperature " << p.temperature << ", top_k " << p.top_k;
+            EXPECT_NEAR(x.logprob, y.logprob, 1e-4) << "row " << j;
+        }
+        EXPECT_THROW(a->sample_row(batch.size(), sa, hist), error);
+        a->truncate(a->n_past() - 2);
+        EXPECT_THROW(a->sample_row(0, sa, hist), error);
+    }
+    // Wider than one step of rows (the device's 16) or than the rollback reach: the host rows, as eval.
+    auto c = e->new_session();
+    c->sync(prompt);
+    std::vector<float> all(17 * V);
+    EXPECT_TRUE(c->eval_verify(std::vector<int32_t>(17, prompt[5]), all.data()));
+}
+
 // The MTP head on one GPU as the session's drafter (engine_options::ds4_draft = "mtp", --device cuda):
 //  - its first draft is the golden MTP top-1 (../shared/golden/ds4-tiny/mtp_cases.jsonl) after a prefill and
 //    speculation-like steps (a true token plus right and wrong drafts, the wrong ones rolled back), wherever
