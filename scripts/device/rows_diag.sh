@@ -38,13 +38,17 @@ if [ -x "$c/bench_old" ]; then  # the carried old build (BENCH_OLD=): the same s
 fi
 [ "${NCU:-1}" = 0 ] && exit $rc  # NCU=0: no profiles
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-for what in rows decode; do
+for what in ${NCU_WHAT:-rows decode}; do  # NCU_WHAT: any of rows decode seqs (a step of SEQS sequences)
     [ "$(left)" -gt 60 ] || { echo "skip ncu $what (budget)"; continue; }
     timeout $(( $(left) - 20 )) "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --profile-from-start off --launch-count 20000 --csv --page raw \
         "$c/bench_cuda_ds4" "$m" --depths 8192 --n 2 --prefill "" --paged --profile "$what" \
-        $([ "$what" = rows ] && echo --rows "${ROWS:-4}") > "$out/step-$what.csv" 2> "$out/step-$what.err"
+        $([ "$what" = rows ] && echo --rows "${ROWS:-4}") $([ "$what" = seqs ] && echo --seqs "${SEQS:-16}") \
+        > "$out/step-$what.csv" 2> "$out/step-$what.err"
     echo "ncu $what rc=$? rows $(wc -l < "$out/step-$what.csv")"; tail -1 "$out/step-$what.err"
+    # the table here too (the device tool brings back only a few files)
+    python3 "$here/scripts/device/step_table.py" "$out/step-$what.csv" 2>&1 | head -24 > "$out/table-$what.txt"
+    cat "$out/table-$what.txt"
 done
 if [ "$(left)" -gt 45 ]; then
     timeout $(( $(left) - 10 )) "$ncu" --clock-control none --profile-from-start off \
