@@ -118,6 +118,9 @@ struct sync_item {
     // the session first keeps prefix[0, size - n_rows) without re-deriving its logits (sync_with_rows).
     int32_t n_rows = 0;
     float *rows = nullptr;
+    // n_rows > 0: the session may keep the rows where it computed them (session::eval_verify) instead of
+    // writing `rows`; verify_rows_held() == n_rows afterwards says it did (sample them with sample_row).
+    bool rows_on_device = false;
 };
 
 // sync_step's handling of an item with n_rows > 0: truncate the session to prefix[0, m) (m = size -
@@ -239,6 +242,8 @@ public:
     // summarises the row, sampler::sample_top, and downloads it only when the summary cannot decide).
     // Throws fathom::error for a row that is not held (the default holds none).
     virtual sample_result sample_row(size_t j, sampler &smp, std::span<const int32_t> history);
+    // Rows of the last verification the session holds for sample_row (0: none; the default).
+    virtual size_t verify_rows_held() const { return 0; }
     // The last draft()'s per-token confidence: each draft's predicted probability of being kept given its
     // predecessors were (DSpark's confidence head; the speculation loop narrows the step by it, spec::
     // draft_budget::cut). Empty when the drafter gives none (MTP) or an evaluation came since.

@@ -595,7 +595,8 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 seqs.push_back(batch[b1].s->gpu_.get());
                 counts.push_back(static_cast<int>(batch[b1].rows.size()));
                 toks.insert(toks.end(), batch[b1].rows.begin(), batch[b1].rows.end());
-                rows_wanted = rows_wanted || items[batch[b1].i].n_rows > 0;
+                // verification rows go to the host unless the item lets them stay (sampled there)
+                rows_wanted = rows_wanted || (items[batch[b1].i].n_rows > 0 && !items[batch[b1].i].rows_on_device);
             }
             lg.resize(rows_wanted ? toks.size() * Vz : 0);
             // Every row's final HC state when a session of the step drafts with the MTP head, its features with
@@ -621,8 +622,13 @@ void ds4_engine::run_gpu_step(std::span<const sync_item> items) {
                 ds4_session &s = *batch[k].s;
                 const sync_item &it = items[batch[k].i];
                 const size_t n = batch[k].rows.size();
-                if (it.n_rows > 0) std::copy(lg.begin() + static_cast<std::ptrdiff_t>(r * Vz),
-                                             lg.begin() + static_cast<std::ptrdiff_t>((r + n) * Vz), it.rows);
+                if (it.n_rows > 0 && !it.rows_on_device)
+                    std::copy(lg.begin() + static_cast<std::ptrdiff_t>(r * Vz), lg.begin() + static_cast<std::ptrdiff_t>((r + n) * Vz),
+                              it.rows);
+                // the step kept every sequence's rows on the device (gpu_sequence::rows_held)
+                s.device_rows_ = it.n_rows > 0 && it.rows_on_device ? static_cast<size_t>(s.gpu_->rows_held()) : 0;
+                if (s.device_rows_ != 0 && s.device_rows_ != n) throw error("sync_step: the device kept " +
+                    std::to_string(s.device_rows_) + " of a verification's " + std::to_string(n) + " rows");
                 r += n;
                 s.tokens_.insert(s.tokens_.end(), batch[k].rows.begin(), batch[k].rows.end());
                 s.draft_conf_.clear();

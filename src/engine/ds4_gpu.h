@@ -54,8 +54,9 @@ class gpu_sequence {
     // speculative verification's rows. logits [n, n_vocab]; hc_out (empty or [n, n_hc * D]) every row's
     // final HC state.
     // features (empty or [n, F]) every row's DSpark features.
-    // logits empty (at most ds4_gpu::max_step_rows() rows): the rows' logits stay on the device, rows_held()
-    // of them, until the next evaluation, truncate or reset: row_top / row_logits as top / last_logits for row j.
+    // At most ds4_gpu::max_step_rows() rows (here or in step_batch): the rows' logits also stay on the device,
+    // rows_held() of them, until the next evaluation, truncate or reset: row_top / row_logits as top /
+    // last_logits for row j.
     virtual void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
                            std::span<float> features = {}) = 0;
     virtual int rows_held() const = 0;

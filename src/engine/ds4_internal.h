@@ -108,6 +108,7 @@ class ds4_session final : public session {
     // the default (every row's logits into `rows`).
     bool eval_verify(std::span<const int32_t> tokens, float *rows) override;
     sample_result sample_row(size_t j, sampler &smp, std::span<const int32_t> history) override;
+    size_t verify_rows_held() const override { return device_rows_; }
     bool samples_on_device() const override { return on_gpu(); }
     int64_t n_past() const override { return static_cast<int64_t>(tokens_.size()); }
     const std::vector<int32_t> &tokens() const override { return tokens_; }

@@ -36,7 +36,10 @@ void sync_with_rows(const sync_item &it) {
         it.sess->truncate(static_cast<int64_t>(m));
     else
         it.sess->sync(it.prefix.first(m));
-    it.sess->eval(it.prefix.subspan(m), it.rows);
+    if (it.rows_on_device)
+        (void)it.sess->eval_verify(it.prefix.subspan(m), it.rows);  // rows written, or held (verify_rows_held)
+    else
+        it.sess->eval(it.prefix.subspan(m), it.rows);
 }
 
 void engine::sync_step(std::span<const sync_item> items) {

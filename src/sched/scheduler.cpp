@@ -564,7 +564,9 @@ void scheduler::evaluate(std::vector<step_entry> &es) {
     for (const step_entry &e : es) {
         if (e.decode && e.s->n_drafts > 0) {  // the pending token and the drafts, every row's logits
             items.push_back({e.s->sess.get(), e.s->spec_prefix, true, static_cast<int32_t>(1 + e.s->n_drafts),
-                             e.s->spec_rows.data()});
+                             e.s->spec_rows.data(),
+                             // rows sampled where the session holds them (no structured output: it masks host rows)
+                             e.s->sess->samples_on_device() && !e.s->j->req_.grammar});
             continue;
         }
         const std::vector<int32_t> &toks = e.decode ? e.s->history : e.s->j->req_.prompt;
@@ -705,6 +707,26 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
     return true;
 }
 
+// sample_slot for row j of a verification the session holds (sync_item::rows_on_device: no structured
+// output), sampled there (session::sample_row) with the same forced-token rule.
+bool scheduler::sample_held_row(slot &s, size_t j, std::span<const int32_t> history, sample_result &r) {
+    try {
+        const size_t n_prompt = s.j->req_.prompt.size();
+        if (history.size() >= n_prompt) {
+            if (const int32_t f = s.j->req_.thinking.forced(history.subspan(n_prompt)); f >= 0) {
+                r = sample_result{};
+                r.token = f;
+                return true;
+            }
+        }
+        r = s.sess->sample_row(j, *s.smp, history);
+    } catch (const std::exception &e) {
+        finish(s, finish_reason::error, e.what());
+        return false;
+    }
+    return true;
+}
+
 // Built once (std::call_once: submitting threads race for it); the worker reads it only for requests
 // whose submit() built it first, and the queue's mutex orders the two.
 const std::shared_ptr<const grammar::vocab_index> &scheduler::vocab() {
@@ -815,12 +837,14 @@ void scheduler::verify_and_emit(slot &s) {
     std::vector<int32_t> hist = s.history;
     std::vector<sample_result> out;  // the samples to emit: the kept drafts, then the step's last sample
     bool failed = false;             // sample_slot finished the request
+    const bool on_device = s.sess->verify_rows_held() == k + 1;  // the rows stayed where they were computed
     int32_t last = -1;
     spec::accept_drafts(
         std::span<const int32_t>(s.spec_prefix).subspan(base, k),
         [&](size_t j) -> std::optional<int32_t> {
             sample_result r;
-            if (!sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r)) {
+            if (!(on_device ? sample_held_row(s, j, hist, r)
+                            : sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r))) {
                 failed = true;
                 return std::nullopt;
             }

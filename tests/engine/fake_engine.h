@@ -64,6 +64,7 @@ public:
         eval(prefix.subspan(l));
     }
     void eval(std::span<const int32_t> tokens, float *all_logits = nullptr) override {
+        held_.clear();
         if (int64_t(toks_.size() + tokens.size()) > n_ctx_) throw error("fake: context full");
         if (pool_ && pool_->granule > 0 && granules_ * pool_->granule < int64_t(toks_.size() + tokens.size()) + pool_->granule &&
             !kv_reserve(int64_t(toks_.size() + tokens.size())))
@@ -84,8 +85,27 @@ public:
         logits_[next_token()] = 10.0f;
     }
     std::span<const float> logits() const override { return logits_; }
+    // device_rows: poses as a session whose logits live on a device (a DS4 GPU session): a verification's
+    // rows stay in `held_` (eval_verify returns false) and sample_row samples them, counted in rows_sampled.
+    bool samples_on_device() const override { return device_rows; }
+    bool eval_verify(std::span<const int32_t> tokens, float *rows) override {
+        if (!device_rows) return session::eval_verify(tokens, rows);
+        std::vector<float> held(tokens.size() * k_vocab);
+        eval(tokens, held.data());
+        held_ = std::move(held);
+        return false;
+    }
+    sample_result sample_row(size_t j, sampler &smp, std::span<const int32_t> history) override {
+        if (j >= verify_rows_held()) return session::sample_row(j, smp, history);
+        if (rows_sampled) ++*rows_sampled;
+        return smp.sample(std::span<const float>(held_).subspan(j * k_vocab, k_vocab), history);
+    }
+    size_t verify_rows_held() const override { return held_.size() / k_vocab; }
+    bool device_rows = false;
+    std::atomic<int64_t> *rows_sampled = nullptr;  // counts sample_row calls (the engine's counter)
     // Dropping positions is free (speculative decoding's rollback); the logits follow the kept tokens.
     void truncate(int64_t n_keep) override {
+        held_.clear();
         if (n_keep >= int64_t(toks_.size())) return;
         toks_.resize(size_t(std::max<int64_t>(n_keep, 0)));
         std::fill(logits_.begin(), logits_.end(), 0.0f);
@@ -95,6 +115,7 @@ public:
     int64_t n_past() const override { return int64_t(toks_.size()); }
     const std::vector<int32_t> &tokens() const override { return toks_; }
     void reset() override {
+        held_.clear();
         toks_.clear();
         if (pool_) pool_->used -= granules_;
         granules_ = 0;
@@ -158,6 +179,7 @@ private:
     int delay_us_;
     std::vector<int32_t> toks_;
     std::vector<float> logits_;
+    std::vector<float> held_;  // device_rows: the last verification's rows
     fake_coarse_pool *pool_ = nullptr;
     int64_t granules_ = 0;
 };
@@ -208,6 +230,8 @@ public:
         s->state_pad = state_pad;
         s->load_throws = load_throws;
         s->loads_tried = &state_loads_tried;
+        s->device_rows = device_rows;
+        s->rows_sampled = &rows_sampled;
         return s;
     }
     std::string state_identity() const override { return identity; }
@@ -247,6 +271,8 @@ public:
         if (n_dec > 0 && int(items.size()) > n_dec) ++mixed_steps;
         engine::sync_step(items);
     }
+    bool device_rows = false;            // new sessions pose as device sessions (fake_session::device_rows)
+    std::atomic<int64_t> rows_sampled{0};  // their sample_row calls
     std::atomic<int64_t> evaluated{0};   // tokens evaluated by all sessions
     std::atomic<int> sessions_created{0};
     std::atomic<int> sync_steps{0};      // engine steps (worker thread writes; read after the jobs end)

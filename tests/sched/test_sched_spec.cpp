@@ -179,6 +179,21 @@ TEST(SchedSpec, SeveralSlotsAndABlockBudget) {
     }
 }
 
+// A session whose verification rows stay on its device (sync_item::rows_on_device; DS4 on one GPU):
+// the scheduler samples them there (session::sample_row), with the same output as plain decoding, greedy
+// and sampled; a structured-output request keeps host rows (its grammar masks them).
+TEST(SchedSpec, RowsHeldOnTheDeviceAreSampledThere) {
+    test::fake_engine pe, se;
+    se.device_rows = true;
+    scheduler plain(pe, opts(false, 2)), spec(se, opts(true, 2));
+    const auto prompt = chat_prompt(pe, kText);
+    for (int32_t m : {1, 5, 17, 70, 200})
+        EXPECT_EQ(collect(*plain.submit(req(prompt, m))), collect(*spec.submit(req(prompt, m)))) << "max_tokens " << m;
+    EXPECT_EQ(collect(*plain.submit(req(prompt, 120, 0.7f, 5))), collect(*spec.submit(req(prompt, 120, 0.7f, 5))));
+    EXPECT_GT(spec.stats().spec_accepted, 100u);
+    EXPECT_GT(se.rows_sampled.load(), 100);
+}
+
 TEST(SchedSpec, BadOptionsAreRefused) {
     test::fake_engine eng;
     scheduler_options o = opts(true);

@@ -168,8 +168,8 @@ class cuda_sequence {
     // (every row's; may be empty), hc_out [n, n_hc * D] (the final HC state of every row before the HC
     // head, the MTP head's input; may be empty), features [n, F] (every row's DSpark features; may be
     // empty). Throws as eval(); on a device-side error the sequence is reset.
-    // logits empty and at most cuda::ds4::gemv_max_rows rows: every row's logits stay on the device
-    // (rows_held(), row_top, row_logits) until the next evaluation, truncate or reset.
+    // At most cuda::ds4::gemv_max_rows rows: every row's logits also stay on the device (rows_held(),
+    // row_top, row_logits) until the next evaluation, truncate or reset.
     void eval_rows(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_out = {},
                    std::span<float> features = {});
     // The rows of the last eval_rows (or step_batch) that kept them: row j's logits summarised on the
@@ -244,7 +244,7 @@ class cuda_sequence {
     // composition ((sequence, rows) list) runs eagerly the first time and is captured as a graph the second
     // (an LRU of 32; a composition that never recurs costs no capture). logits [rows, n_vocab]
     // and hc_out [rows, n_hc * D] of every row (either may be empty); every sequence's last logits become
-    // its last row's; with logits empty each sequence keeps its rows on the device (rows_held, row_top). Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
+    // its last row's, and each sequence keeps its rows on the device (rows_held, row_top). Throws fathom::error with nothing evaluated on: no rows, a null or repeated sequence,
     // other weights, more than 16 rows, a token outside the vocabulary, a full context; on a device-side
     // error every sequence of the step is reset.
     // features (empty or [rows, F]): every row's DSpark features (seqs[0]'s set_feature_layers decides

@@ -49,7 +49,7 @@ void cuda_sequence::eval_rows(std::span<const int32_t> tokens, std::span<float> 
         i0 += m;
     }
     // the rows stay on the device (one step's: step_batch kept them, or a single row's last logits)
-    rows_held_ = logits.empty() && n <= static_cast<size_t>(cd::gemv_max_rows) ? static_cast<int>(n) : 0;
+    rows_held_ = n <= static_cast<size_t>(cd::gemv_max_rows) ? static_cast<int>(n) : 0;
 }
 
 void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<const int> counts,
@@ -156,13 +156,13 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
     if (!features.empty())
         ck(cudaMemcpyAsync(features.data(), p.feat, features.size() * sizeof(float), cudaMemcpyDeviceToHost, p.s),
            "downloading features");
-    // each sequence's last row's logits are its last logits (last_logits, logits_top); without logits for
-    // the host, a sequence of several rows keeps them all (row_top: a verification sampled on the device)
+    // each sequence's last row's logits are its last logits (last_logits, logits_top); a sequence of several
+    // rows keeps them all (row_top: a verification sampled on the device; ~2 us for 5 rows)
     for (const impl::row_run &r : runs) {
         ck(cudaMemcpyAsync(r.seq->logits, rs.logits + static_cast<size_t>(r.first + r.count - 1) * V, V * sizeof(float),
                            cudaMemcpyDeviceToDevice, p.s),
            "keeping the last logits");
-        if (!logits.empty() || r.count < 2) continue;
+        if (r.count < 2) continue;
         if (!r.seq->rows_logits) r.seq->rows_logits = r.seq->dev<float>(static_cast<size_t>(cd::gemv_max_rows) * V);
         ck(cudaMemcpyAsync(r.seq->rows_logits, rs.logits + static_cast<size_t>(r.first) * V,
                            static_cast<size_t>(r.count) * V * sizeof(float), cudaMemcpyDeviceToDevice, p.s),
@@ -182,7 +182,7 @@ void cuda_sequence::step_batch(std::span<cuda_sequence *const> seqs, std::span<c
         q.n_past_ += counts[i];
         q.reached_ = std::max(q.reached_, q.n_past_);
         q.have_logits_ = true;
-        q.rows_held_ = logits.empty() ? counts[i] : 0;
+        q.rows_held_ = counts[i];
     }
 }
 
