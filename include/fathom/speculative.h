@@ -26,11 +26,16 @@
 
 namespace fathom::spec {
 
-// What a verification of r rows costs (r = 1 + drafts), learnt from measured forwards: a line
-// t(r) = alpha + beta * (r - 1) fitted by exponentially decayed least squares (recent forwards weigh
-// more; the model's depth and the machine's load change it), with a weak prior scaled by the first
-// measurement (beta = 0.25 alpha) so that the fit is defined before two row counts were seen. The
-// CPU's rows cost ~0.85 of a step each; the GPU's a few percent: the same code learns either.
+// What a verification of r rows costs (r = 1 + drafts), learnt from measured forwards: the one-row
+// forward's time t(1) (a decayed mean) and, apart from it, a line t(r) = g + h (r - 2) over the forwards
+// of r >= 2 rows, fitted by exponentially decayed least squares (recent forwards weigh more; the model's
+// depth and the machine's load change it). Before any multi-row forward the prior t(1) (1 + 0.25 (r - 1));
+// with one width r0 seen, its mean and beyond it the smaller of that slope and (t(r0) - t(1)) / (r0 - 1).
+// The two parts
+// because the curve need not be one line: a GPU's multi-row step pays a jump at r = 2 (another kernel
+// path: 1.84 steps on the 8-layer H100 file) and ~0.3 a row after it, which a single line through the
+// one- and two-row forwards would extrapolate to 4.4 at r = 5 (measured: 2.8). The CPU's rows cost ~0.85
+// of a step each, the GPU's a few percent: the same code learns either.
 // The drafter's own time is a second line, d(k) = d0 + d1 * (k - 1) for k >= 1 drafts asked for, fitted
 // the same way from timed drafts (observe_draft; no prior: free until the first draft is timed): a model
 // drafter (the MTP head) costs per token, a block drafter (DSpark) once per step whatever k. The width
@@ -47,7 +52,7 @@ class verify_cost {
     // d(k) / t(1): what drafting k tokens costs in one-row forwards; 0 for k <= 0, before any timed draft,
     // and with a fixed row cost (the deterministic widths of tests).
     double draft_ratio(int32_t k) const;
-    int64_t observations() const { return verify_.n; }
+    int64_t observations() const { return n_; }
     // No recent forward of one row: the line's intercept rests on extrapolation (a run of wide drafts
     // cannot tell a row's price from the step's), so a plain step should be measured (draft_budget::next).
     bool wants_one_row() const { return fixed_ < 0 && w_one_ < 0.3; }
@@ -62,11 +67,14 @@ class verify_cost {
         // (a, b) with b >= 0 (a cost never falls with more rows or drafts: the mean instead); b = 0 when
         // every point has the same x.
         std::pair<double, double> fit() const;
+        bool spread() const;  // x varies enough to fit a slope
     };
     double alpha() const;  // t(1) in seconds (<= 0: unknown)
     double fixed_ = -1.0;  // >= 0: the fixed slope (observations ignored)
-    decayed_line verify_;  // (x = rows - 1, y = seconds)
+    decayed_line one_;     // one-row forwards (x = 0, y = seconds): their decayed mean
+    decayed_line multi_;   // forwards of r >= 2 rows (x = r - 2, y = seconds)
     decayed_line draft_;   // (x = k - 1, y = seconds)
+    int64_t n_ = 0;
     double w_one_ = 0;  // decayed weight of one-row forwards
 };
 

@@ -77,8 +77,8 @@ void verify_cost::decayed_line::decay(double f) {
 
 std::pair<double, double> verify_cost::decayed_line::fit() const {
     if (!(sw > 0)) return {0.0, 0.0};
-    const double den = sw * sxx - sx * sx;  // ~0: every point at one x
-    double b = den > 1e-12 * sw * sw ? (sw * sxy - sx * sy) / den : 0.0;
+    const double den = sw * sxx - sx * sx;  // sw^2 * the weighted variance of x
+    double b = spread() ? (sw * sxy - sx * sy) / den : 0.0;
     double a = (sy - b * sx) / sw;
     if (b < 0) {  // more rows (drafts) cannot cost less: the mean is the cost of any width
         b = 0;
@@ -87,31 +87,45 @@ std::pair<double, double> verify_cost::decayed_line::fit() const {
     return {a, b};
 }
 
+bool verify_cost::decayed_line::spread() const {
+    // x varies enough to fix a slope: a weighted variance of at least 0.1 (decayed points of another width
+    // from long ago do not count)
+    return sw > 0 && (sw * sxx - sx * sx) >= 0.1 * sw * sw;
+}
+
 void verify_cost::observe(int32_t rows, double seconds) {
     if (fixed_ >= 0 || rows < 1 || !(seconds > 0) || !std::isfinite(seconds)) return;
-    const double x = rows - 1;
-    if (verify_.n == 0) {  // the prior, at this machine's scale: two points of the line alpha (1 + 0.25 x)
-        const double alpha = seconds / (1 + kCostPriorSlope * x);
-        verify_.add(0, alpha, kCostPriorWeight);
-        verify_.add(4, alpha * (1 + 4 * kCostPriorSlope), kCostPriorWeight);
-    }
-    verify_.decay(kCostDecay);
+    if (n_ == 0)  // the one-row time before one is measured, at this machine's scale: t(r) / (1 + 0.25 (r - 1))
+        one_.add(0, seconds / (1 + kCostPriorSlope * (rows - 1)), kCostPriorWeight);
+    one_.decay(kCostDecay);
+    multi_.decay(kCostDecay);
     w_one_ = w_one_ * kCostDecay + (rows == 1 ? 1.0 : 0.0);
-    verify_.add(x, seconds, 1.0);
-    ++verify_.n;
+    if (rows == 1)
+        one_.add(0, seconds, 1.0);
+    else
+        multi_.add(rows - 2, seconds, 1.0);
+    ++n_;
 }
 
 double verify_cost::alpha() const {
-    return verify_.n == 0 ? 0.0 : verify_.fit().first;
+    return one_.sw > 0 ? one_.sy / one_.sw : 0.0;
 }
 
 double verify_cost::ratio(int32_t rows) const {
-    const double x = std::max(rows, 1) - 1;
+    if (rows <= 1) return 1.0;
+    const double x = rows - 1;
     if (fixed_ >= 0) return 1 + fixed_ * x;
-    if (verify_.n == 0) return 1 + kCostPriorSlope * x;
-    const auto [a, b] = verify_.fit();
-    if (!(a > 0)) return 1 + kCostPriorSlope * x;  // a line through zero: keep the prior's shape
-    return 1 + b / a * x;
+    const double t1 = alpha();
+    if (n_ == 0 || !(t1 > 0) || !(multi_.sw > 0)) return 1 + kCostPriorSlope * x;  // the prior
+    if (multi_.spread()) {
+        const auto [a, b] = multi_.fit();  // b >= 0: non-decreasing in rows
+        return std::max(1.0, (a + b * (rows - 2)) / t1);
+    }
+    // One width r0 seen (the probes of a paused drafter): its mean m; beyond it the smaller of the prior's
+    // slope and the average step from one row to r0 (a GPU's jump at two rows is not a slope).
+    const double m = multi_.sy / multi_.sw, r0 = multi_.sx / multi_.sw + 2;
+    const double slope = std::min(kCostPriorSlope * t1, std::max(0.0, (m - t1) / (r0 - 1)));
+    return std::max(1.0, (m + slope * (rows - r0)) / t1);
 }
 
 void verify_cost::observe_draft(int32_t k, double seconds) {
