@@ -400,16 +400,18 @@ TEST_F(CudaDs4HcFused, BadArgumentsAreRejected) {
 
 // launch_hc_pre_fused_rows / launch_hc_head_fused_rows (every row of a multi-row step in one launch)
 // against the one-row launch on each row's own buffers: out, mix, post, comb and the new state bit for
-// bit, every row's counter zero again. With and without the HCPost input, the split kernel (part set)
-// and the row kernel (part null: the rows run one launch each).
+// bit, every row's counter zero again. With and without the HCPost input, the split kernel (part set: 2
+// rows over gridDim.y; 5 and 16 rows through hc_split_rows_kernel + hc_split_tail_kernel, 5 leaving its
+// second block of rows short) and the row kernel (part null: the rows run one launch each).
 TEST_F(CudaDs4HcFused, RowsEqualEachRowAlone) {
     const geom geoms[] = {{4, 4096, dtype::f32, 0, true}, {4, 4096, dtype::f16, 0, true}, {3, 1027, dtype::f32, 4, false}};
-    const int R = 5;
+    for (const int R : {2, 5, 16})
     for (const geom &g : geoms)
         for (bool head : {false, true})
             for (bool with_y : {false, true})
                 for (bool split : {true, false}) {
-                    SCOPED_TRACE(name(g) + (head ? " head" : " pre") + (with_y ? " with y" : "") + (split ? " split" : " rows"));
+                    SCOPED_TRACE(name(g) + (head ? " head" : " pre") + (with_y ? " with y" : "") + (split ? " split" : " rows") +
+                                 ", " + std::to_string(R) + " rows");
                     const int n = g.n_hc, n_mix = head ? n : (2 + n) * n;
                     const int64_t D = g.D, S = n * D, M = static_cast<int64_t>(cd::hc_rows_mix_floats(n));
                     const size_t P = cd::hc_fused_part_count(n);
