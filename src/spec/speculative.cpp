@@ -56,6 +56,7 @@ constexpr double kCostPriorWeight = 0.5;  // per prior point (they decay with th
 constexpr double kAcceptDecay = 0.95;  // per verified step: ~20 steps of memory
 constexpr int32_t kMaxPause = 63;      // steps between probes of an unprofitable drafter
 constexpr double kProbeShare = 70;     // ... or probe costs (in steps) when that is more
+constexpr double kProbeFloor = 40;     // the shortest pause, in probe costs
 constexpr int32_t kMaxProbePause = 1023;
 }  // namespace
 
@@ -186,14 +187,17 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
     // One draft, to learn whether the drafter got better; the next probe waits twice as long (a kept
     // probe only moves the acceptance estimate: drafting resumes when the estimate says it pays), at most
     // kMaxPause steps, or kProbeShare probe costs when a probe costs more (a DSpark block: its pause then
-    // keeps the probes near 1.4 % of plain decoding's time).
-    int32_t cap = kMaxPause;
+    // keeps the probes near 1.4 % of plain decoding's time); and from the first probe on at least
+    // kProbeFloor probe costs (~2.5 %: a probe of a two-row step and a DSpark block is ~2 steps, so the
+    // doubling 1, 3, 7, .. alone spent 6-12 % of the first 128-256 tokens in the 08:15 H100 run).
+    int32_t cap = kMaxPause, floor = 0;
     if (cost) {
         const int32_t base = std::max(other_rows, 0) + 1;
         const double probe = (cost->ratio(base + 1) + cost->draft_ratio(1)) / cost->ratio(base) - 1;  // in steps
         if (probe * kProbeShare > kMaxPause) cap = static_cast<int32_t>(std::min(probe * kProbeShare, double(kMaxProbePause)));
+        floor = static_cast<int32_t>(std::min(std::ceil(probe * kProbeFloor), double(cap)));
     }
-    pause_ = std::min(pause_ * 2 + 1, cap);
+    pause_ = std::min(std::max(pause_ * 2 + 1, floor), cap);
     skip_ = pause_;
     return 1;
 }

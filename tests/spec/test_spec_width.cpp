@@ -200,6 +200,16 @@ TEST(SpecWidth, AStepOfRowsThatJumpsAtTwoRowsIsNotExtrapolatedFromIt) {
     }
 }
 
+TEST(SpecWidth, AShortGenerationPaysLittleForAWrongDrafter) {
+    // 256 tokens of an always-wrong drafter on the 8-layer H100 file's curve, free and DSpark-priced (1.35
+    // steps): the first wide draft on the prior, then probes at least 40 probe costs apart (the doubling
+    // from 1 step spent 6-12 % here before).
+    const std::vector<double> gpu = {1.0, 1.84, 2.14, 2.39, 2.78};
+    for (const draft_price dp : {draft_price{}, draft_price{1.35, 0.0}})
+        for (uint64_t seed = 1; seed <= 2; ++seed)
+            EXPECT_GE(simulate(0.0, gpu, 4, 256, seed, dp).throughput(), 0.95) << "draft price " << dp.d0;
+}
+
 TEST(SpecWidth, APausedDrafterThatImprovesIsNoticed) {
     // 600 steps of an always-wrong drafter, then one that is always right: within the longest pause
     // (63 steps) a probe succeeds and the width grows back to the maximum.
