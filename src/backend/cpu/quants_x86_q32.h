@@ -503,10 +503,11 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 //    cache-line-splitting loads, ~3 % in the lab);
 //  - activations go in panels of up to 64 tokens (~256 KiB, so they stay in L2 while a thread's 4-row
 //    groups pass over them; DS4 calls gemm with the whole prompt at once).
-// What is left per (row, token, block) is the 2 maddubs/madd + cvt + fma that the order needs (+ a sign):
-// on the Zen 3 box they issue at ~2 per cycle together (a dependency-free mix in a microbenchmark), so
-// 32 MACs cost >= 2 cycles (~45 GMAC/s per thread at 2.8 GHz); the tile runs at 34-37 GMAC/s, the old
-// one at 27-28 (lab, K = 4096, 256-1024 rows x 64-256 tokens).
+// What is left per (row, token, block) is the sign, maddubs, madd, cvt and fma that the order needs: on
+// the Zen 3 box of docs/PERF.md that mix issues at ~2.3-2.9 ops per cycle (a dependency-free
+// microbenchmark), ~40-52 GMAC/s per thread at 2.8 GHz; the tile runs at 34-40 GMAC/s, the old one at
+// 27-31 (lab, K = 1024-8192, 256-1024 rows x 64-256 tokens). A mirrored sign trick (|a| made once per
+// call, one sign less) and a 2-row x 4-token tile were no faster there.
 constexpr int64_t kQ8PanelBlock = 160;  // bytes per block of a 4-row panel (q8_0_panel)
 
 // pw: the 4-row panel (q8_0_panel); x: the two tokens' q8_0 rows; dx0 / dx1: their fp16(d) per block.
