@@ -485,6 +485,157 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 }
 #endif
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+// ---- q8_0 on AVX2, M > 3: gemm_q32_exact's arithmetic with the per-output overhead taken out -----------
+// Every output is computed exactly as exact_tile4<tr_q8_0> does: per block the i32 lanes of
+// madd(maddubs(|w|, sign(a, w)), 1) (the same instructions, so even saturation would agree), one
+// fma(fp16(d_w) * fp16(d_x), float(lanes), acc) per block in block order, hsum at the end: same bits
+// (test_quant, test_ds4). What changed is what surrounds those 5 ops per (row, token, block):
+//  - the old tile converted the 6 f16 scales of a 4 x 2 tile with scalar F16C, multiplied the 8 scale
+//    products as scalars and broadcast each on the FP pipes (~3 more FP-pipe ops per output and block,
+//    and GCC spilled 7 of its 8 accumulators); here the scales are f32 arrays converted once per call
+//    (dx, per token) and once per 4-row group (in the panel), one vector multiply per block gives all 8
+//    products, stored to a small ring `dist` blocks ahead and read back by broadcast loads (load ports
+//    only; the distance keeps them off stores in flight, as in q8_0_tile_vnni);
+//  - |w| = sign(w, w) is made once per row and block for both tokens;
+//  - the 4 rows are copied per call into an aligned panel (160 B per block, 20 KiB at K = 4096: stays
+//    in L1 while every token pair of the activation panel passes over it; one pointer, no
+//    cache-line-splitting loads, ~3 % in the lab);
+//  - activations go in panels of up to 64 tokens (~256 KiB, so they stay in L2 while a thread's 4-row
+//    groups pass over them; DS4 calls gemm with the whole prompt at once).
+// What is left per (row, token, block) is the sign, maddubs, madd, cvt and fma that the order needs: on
+// the Zen 3 box of docs/PERF.md that mix issues at ~2.3-2.9 ops per cycle (a dependency-free
+// microbenchmark), ~40-52 GMAC/s per thread at 2.8 GHz; the tile runs at 34-40 GMAC/s, the old one at
+// 27-31 (lab, K = 1024-8192, 256-1024 rows x 64-256 tokens). A mirrored sign trick (|a| made once per
+// call, one sign less) and a 2-row x 4-token tile were no faster there.
+constexpr int64_t kQ8PanelBlock = 160;  // bytes per block of a 4-row panel (q8_0_panel)
+
+// pw: the 4-row panel (q8_0_panel); x: the two tokens' q8_0 rows; dx0 / dx1: their fp16(d) per block.
+template <int MB>
+inline void q8_0_tile_avx2(int64_t nb, const uint8_t *pw, const uint8_t *const x[2], const float *dx0, const float *dx1,
+                           float out[2][4]) {
+    constexpr int64_t dist = 4, ring_n = 2 * dist;
+    alignas(32) float ring[ring_n][8];
+    auto scales = [&](int64_t b) {  // [dw0 dw1 dw2 dw3] * dx0 | [dw0 dw1 dw2 dw3] * dx1 of block b
+        const __m256 d = _mm256_set_m128(_mm_broadcast_ss(dx1 + b), _mm_broadcast_ss(dx0 + b));
+        _mm256_store_ps(ring[b % ring_n],
+                        _mm256_mul_ps(_mm256_load_ps(reinterpret_cast<const float *>(pw + b * kQ8PanelBlock + 128)), d));
+    };
+    __m256 acc[MB][4];
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < dist && b < nb; ++b) scales(b);
+    for (int64_t b = 0; b < nb; ++b) {
+        if (b + dist < nb) scales(b + dist);
+        const float *sc = ring[b % ring_n];
+        const uint8_t *pb = pw + b * kQ8PanelBlock;
+        __m256i a[MB];
+        for (int m = 0; m < MB; ++m) a[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[m] + b * 34 + 2));
+        for (int r = 0; r < 4; ++r) {
+            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i *>(pb + 32 * r));
+            const __m256i aq = _mm256_sign_epi8(q, q);
+            for (int m = 0; m < MB; ++m) {
+                const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a[m], q)), ones);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + 4 * m + r), _mm256_cvtepi32_ps(s), acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int r = 0; r < 4; ++r) out[m][r] = hsum(acc[m][r]);
+}
+
+// Per-thread scratch of gemm_q8_0_avx2: the 4-row panel (32-byte aligned: an over-aligned element type),
+// dx, the f16 conversion buffer.
+struct alignas(32) q8_0_chunk {
+    uint8_t b[32];
+};
+thread_local scratch<q8_0_chunk> t_q8_0_pw;
+thread_local scratch<float> t_q8_0_dx, t_q8_0_tmp;
+
+// fp16(d) of the blocks of 8 rows (p[j] the first block of row j, blocks 34 B apart) -> out[8 * b + j].
+inline void f16_scales8(int64_t nb, const uint8_t *const p[8], float *out) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t o = b * 34;
+        const __m128i h = _mm_setr_epi16(
+            static_cast<short>(ld16(p[0] + o)), static_cast<short>(ld16(p[1] + o)), static_cast<short>(ld16(p[2] + o)),
+            static_cast<short>(ld16(p[3] + o)), static_cast<short>(ld16(p[4] + o)), static_cast<short>(ld16(p[5] + o)),
+            static_cast<short>(ld16(p[6] + o)), static_cast<short>(ld16(p[7] + o)));
+        _mm256_storeu_ps(out + 8 * b, _mm256_cvtph_ps(h));
+    }
+}
+
+// The panel of 4 rows (w[0..3]): per block kQ8PanelBlock bytes, the 4 rows' quants (32 B each) then
+// their fp16(d) as f32, twice ([d0 d1 d2 d3 d0 d1 d2 d3]).
+inline void q8_0_panel(int64_t nb, const uint8_t *const w[4], uint8_t *pw) {
+    for (int64_t b = 0; b < nb; ++b, pw += kQ8PanelBlock) {
+        const int64_t o = b * 34;
+        for (int r = 0; r < 4; ++r)
+            _mm256_store_si256(reinterpret_cast<__m256i *>(pw + 32 * r),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + o + 2)));
+        const __m128 d = _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(w[0] + o)), static_cast<short>(ld16(w[1] + o)),
+                                                     static_cast<short>(ld16(w[2] + o)), static_cast<short>(ld16(w[3] + o)),
+                                                     0, 0, 0, 0));
+        _mm256_store_ps(reinterpret_cast<float *>(pw + 128), _mm256_set_m128(d, d));
+    }
+}
+
+// One 4-row group (rows r .. r + rows - 1, packed in pw) x tokens [m0, m1) of the panel, in tiles of 2
+// tokens (a lone last token: MB = 1).
+inline void q8_0_group_avx2(int64_t nb, const uint8_t *pw, int rows, int64_t r, const uint8_t *Xb, size_t x_stride,
+                            int64_t m0, int64_t m1, const float *dx, float *y, int64_t ldy) {
+    for (int64_t m = m0; m < m1; m += 2) {
+        const int mb = static_cast<int>(imin(2, m1 - m));
+        const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+        const float *d0 = dx + (m - m0) * nb, *d1 = dx + (m + mb - 1 - m0) * nb;
+        float out[2][4];
+        if (mb == 2) q8_0_tile_avx2<2>(nb, pw, x, d0, d1, out);
+        else q8_0_tile_avx2<1>(nb, pw, x, d0, d1, out);
+        for (int j = 0; j < mb; ++j)
+            for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+    }
+}
+
+// 4 weight rows x 2 tokens per tile (8 accumulators; |w|, the two a, temporaries, scale and ones fill
+// the 16 ymm registers). M <= 3 keeps gemm_q32_exact (decode, and the few-token steps where the
+// per-call conversions and 4-row panels would not pay: 0.9x at 16 rows x 3 tokens in the lab).
+void gemm_q8_0_avx2(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
+                    size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    if (M <= 3) {
+        gemm_q32_exact<tr_q8_0>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+        return;
+    }
+    const int64_t nb = K / qk32;
+    const auto *Wb = static_cast<const uint8_t *>(W);
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    // Tokens per panel: ~256 KiB of activation rows (half of Zen 3's 512 KiB L2), 8..64.
+    const int64_t fit = static_cast<int64_t>((size_t{256} << 10) / x_stride) / 8 * 8;
+    const int64_t panel = fit < 8 ? 8 : imin(64, fit);
+    // dx[(m - m0) * nb + b] = fp16(d) of block b of token m of the panel, converted 8 tokens at a time
+    // (tokens past the panel's end repeat its last one).
+    float *dx = t_q8_0_dx.get(static_cast<size_t>(panel * nb));
+    float *tmp = t_q8_0_tmp.get(static_cast<size_t>(nb * 8));
+    auto *pw = reinterpret_cast<uint8_t *>(t_q8_0_pw.get(static_cast<size_t>(nb * kQ8PanelBlock / 32)));
+    for (int64_t m0 = 0; m0 < M; m0 += panel) {
+        const int64_t m1 = imin(M, m0 + panel);
+        for (int64_t m = m0; m < m1; m += 8) {
+            const uint8_t *xr[8];
+            for (int j = 0; j < 8; ++j) xr[j] = Xb + imin(m + j, m1 - 1) * x_stride;
+            f16_scales8(nb, xr, tmp);
+            for (int j = 0; j < 8 && m + j < m1; ++j)
+                for (int64_t b = 0; b < nb; ++b) dx[(m + j - m0) * nb + b] = tmp[8 * b + j];
+        }
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int rows = static_cast<int>(imin(4, r1 - r));
+            const uint8_t *w[4];
+            for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // pad with last row
+            q8_0_panel(nb, w, pw);
+            q8_0_group_avx2(nb, pw, rows, r, Xb, x_stride, m0, m1, dx, y, ldy);
+        }
+    }
+}
+#endif
+
 template <class T>
 float dot_q32_exact(int64_t n, const void *w, const void *a) {
     const uint8_t *wr[4] = {static_cast<const uint8_t *>(w), static_cast<const uint8_t *>(w),
@@ -727,9 +878,10 @@ inline void fill_x86_q32(kernel_table &t) {
     t.gemm[slot(dtype::q4_1)] = gemm_q32_exact<tr_q4_1>;
     t.gemm[slot(dtype::q5_0)] = gemm_q32_exact<tr_q5_0>;
     t.gemm[slot(dtype::q5_1)] = gemm_q32_exact<tr_q5_1>;
-    t.gemm[slot(dtype::q8_0)] = gemm_q32_exact<tr_q8_0>;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     t.gemm[slot(dtype::q8_0)] = gemm_q8_0_vnni;
+#else
+    t.gemm[slot(dtype::q8_0)] = gemm_q8_0_avx2;
 #endif
     t.gemm[slot(dtype::mxfp4)] = gemm_q32<tr_mxfp4>;
     t.dot[slot(dtype::f32)] = dot_float<ld_f32>;
