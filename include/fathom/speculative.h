@@ -101,7 +101,8 @@ class draft_budget {
     // A drafter that predicts each draft's chance (session::draft_confidence: c[j] = P(draft j kept | the
     // ones before it kept)): the prefix width k' <= c.size() that maximises E(k') / c(1 + k') with
     // E(k') = 1 + c0 + c0 c1 + ... (the same objective as next(), this step's own odds instead of the
-    // running acceptance). Confidences outside [0, 1] (NaN included) count as 0.
+    // running acceptance; the drafter's time is spent by then and not counted). Confidences outside [0, 1]
+    // (NaN included) count as 0.
     static size_t cut(std::span<const float> c, const verify_cost *cost = nullptr, int32_t other_rows = 0);
     void update(size_t drafted, size_t kept);
     double acceptance() const { return kept_ / (kept_ + rejected_); }

@@ -150,7 +150,7 @@ namespace {
 // p_j = odds(j) the chance that draft j is kept once the ones before it were, base = other_rows + 1
 // (the step's rows without these drafts), c the cost curve (null: rows are free). next() and cut().
 template <class Odds>
-int32_t best_width(int32_t n, const verify_cost *cost, int32_t other_rows, Odds &&odds) {
+int32_t best_width(int32_t n, const verify_cost *cost, int32_t other_rows, bool draft_paid, Odds &&odds) {
     const int32_t base = std::max(other_rows, 0) + 1;
     const double c0 = cost ? cost->ratio(base) : 1.0;
     int32_t best_k = 0;
@@ -158,8 +158,8 @@ int32_t best_width(int32_t n, const verify_cost *cost, int32_t other_rows, Odds 
     for (int32_t k = 1; k <= n; ++k) {
         p *= odds(k);
         e += p;
-        // the verification's rows and the drafter's time, relative to the step without drafts
-        const double g = e / (cost ? (cost->ratio(base + k) + cost->draft_ratio(k)) / c0 : 1.0);
+        // the verification's rows and (unless already spent) the drafter's time, relative to the step without drafts
+        const double g = e / (cost ? (cost->ratio(base + k) + (draft_paid ? 0.0 : cost->draft_ratio(k))) / c0 : 1.0);
         if (g > best * (1 + 1e-9)) {
             best = g;
             best_k = k;
@@ -174,7 +174,7 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
     if (!adaptive_) return max_;
     if (cost && other_rows <= 0 && cost->wants_one_row()) return 0;  // measure a plain step first
     const double a = acceptance();
-    const int32_t best_k = best_width(max_, cost, other_rows, [a](int32_t) { return a; });
+    const int32_t best_k = best_width(max_, cost, other_rows, false, [a](int32_t) { return a; });
     if (best_k > 0) {
         pause_ = 0;
         skip_ = 0;
@@ -203,7 +203,8 @@ int32_t draft_budget::next(const verify_cost *cost, int32_t other_rows) {
 }
 
 size_t draft_budget::cut(std::span<const float> c, const verify_cost *cost, int32_t other_rows) {
-    return static_cast<size_t>(best_width(static_cast<int32_t>(c.size()), cost, other_rows, [c](int32_t j) {
+    // the drafts exist: their drafting time is spent whatever the cut
+    return static_cast<size_t>(best_width(static_cast<int32_t>(c.size()), cost, other_rows, true, [c](int32_t j) {
         const float q = c[static_cast<size_t>(j - 1)];
         return (q >= 0.0f && q <= 1.0f) ? static_cast<double>(q) : 0.0;
     }));

@@ -263,6 +263,12 @@ TEST(SpecWidth, ConfidenceCutsTheDraftWhereItStopsPaying) {
     EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{1.5f}, &gpu), 0u);
     EXPECT_EQ(spec::draft_budget::cut(std::vector<float>{0.3f}, &cpu, 15), 1u);
     EXPECT_EQ(spec::draft_budget::cut({}, &cpu), 0u);
+    // A cut comes after the drafting: the drafter's time (here 3 steps) is spent and does not count.
+    spec::verify_cost dear;
+    for (int i = 0; i < 50; ++i) dear.observe(1 + i % 2, 0.001 * (1 + 0.05 * (i % 2)));
+    for (int i = 0; i < 20; ++i) dear.observe_draft(2, 0.003);
+    EXPECT_NEAR(dear.draft_ratio(2), 3.0, 0.01);
+    EXPECT_EQ(spec::draft_budget::cut(c, &dear), 2u);
 }
 
 }  // namespace
