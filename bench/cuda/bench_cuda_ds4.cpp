@@ -201,9 +201,9 @@ void dspark_costs(const ds4::dspark_weights &dw, const std::shared_ptr<const ds4
 // rows whose logits stay on the device, each row's token taken from its device summary (row_top, what the
 // engine's eval_verify / sample_row do for a greedy sampler), the rejected rows rolled back (truncate). Each
 // acceptance runs twice: drafts free (the oracle alone: the verification's own speed), then, with a DSpark
-// drafter (dw, dev), paying its cost as a real step does: the feature capture in every verification and
-// observe() of the kept rows' features, and one draft block in each step that asks for drafts (its tokens
-// replaced by the oracle's). Plain decoding for the ratio: eval of one token, its token from the device
+// drafter (dw, dev), paying its cost as the engine's drafter does: the feature capture in every
+// verification, and in each step that asks for drafts one observe() of the kept rows' features since the
+// last draft (at most a window of them) and one draft block (its tokens replaced by the oracle's). Plain decoding for the ratio: eval of one token, its token from the device
 // summary (the engine's plain step). Each run starts from a fresh sequence made `depth` deep with the same
 // seed, so every run decodes the same tokens.
 void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const std::shared_ptr<cuda::block_pool> &pool,
@@ -261,13 +261,18 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
             size_t emitted = 0;
             int64_t steps = 0, drafted = 0, kept = 0, drafts_made = 0;
             double draft_s = 0;
-            std::vector<float> feats;
+            std::vector<float> feats, pend;  // pend: features of positions pend_p0.. not yet observed
+            int64_t pend_p0 = 0;
             const double t0 = now_s();
             while (emitted < static_cast<size_t>(n_tok)) {
                 const int64_t base = s->n_past();
                 const int32_t k = budget.next(&cost);
                 if (d && k > 0) {  // the block's cost; its tokens are replaced by the oracle's
                     const double d0 = now_s();
+                    if (!pend.empty()) {  // the features waiting since the last draft (the engine's drafter)
+                        d->observe(pend_p0, pend);
+                        pend.clear();
+                    }
                     d->draft(base, pending);
                     const double dt = now_s() - d0;
                     cost.observe_draft(k, dt);
@@ -294,9 +299,15 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
                     break;
                 }
                 s->truncate(base + 1 + static_cast<int64_t>(j));
-                if (d) {
+                if (d) {  // the kept rows' features wait for the next draft (at most a window of them)
                     d->truncate(base);
-                    d->observe(base, std::span(feats).first(static_cast<size_t>((j + 1) * F)));
+                    if (pend.empty()) pend_p0 = base;
+                    pend.insert(pend.end(), feats.begin(), feats.begin() + static_cast<std::ptrdiff_t>((j + 1) * F));
+                    const int64_t over = static_cast<int64_t>(pend.size()) / F - dw->cfg.window;
+                    if (over > 0) {
+                        pend.erase(pend.begin(), pend.begin() + static_cast<std::ptrdiff_t>(over * F));
+                        pend_p0 += over;
+                    }
                 }
                 budget.update(rows.size() - 1, j);
                 drafted += static_cast<int64_t>(rows.size()) - 1;
