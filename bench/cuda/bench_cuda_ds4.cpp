@@ -269,8 +269,9 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
                 const int32_t k = budget.next(&cost);
                 if (d && k > 0) {  // the block's cost; its tokens are replaced by the oracle's
                     const double d0 = now_s();
-                    if (!pend.empty()) {  // the features waiting since the last draft (the engine's drafter)
-                        d->observe(pend_p0, pend);
+                    if (!pend.empty()) {  // the newest window of the features waiting since the last draft
+                        const int64_t skip = std::max<int64_t>(0, static_cast<int64_t>(pend.size()) / F - dw->cfg.window);
+                        d->observe(pend_p0 + skip, std::span<const float>(pend).subspan(static_cast<size_t>(skip * F)));
                         pend.clear();
                     }
                     d->draft(base, pending);
@@ -304,7 +305,7 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
                     if (pend.empty()) pend_p0 = base;
                     pend.insert(pend.end(), feats.begin(), feats.begin() + static_cast<std::ptrdiff_t>((j + 1) * F));
                     const int64_t over = static_cast<int64_t>(pend.size()) / F - dw->cfg.window;
-                    if (over > 0) {
+                    if (over >= dw->cfg.window) {  // trimmed once a window's worth is stale (not every step)
                         pend.erase(pend.begin(), pend.begin() + static_cast<std::ptrdiff_t>(over * F));
                         pend_p0 += over;
                     }

@@ -2,6 +2,7 @@
 // ds4::cuda_upload_mtp, the embedding and output head shared with the target, one ds4::cuda_sequence per
 // session, every row one eval_mtp, a replayed graph) and the DSpark drafter (ds4::cuda_dspark, one per
 // session). Compiled only in CUDA builds (src/CMakeLists.txt: engine/cuda/).
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <vector>
@@ -62,8 +63,10 @@ class cuda_dspark_drafter final : public ds4_drafter {
         }
         if (pend_.empty()) pend_p0_ = p0;
         pend_.insert(pend_.end(), features.begin(), features.end());
-        const int64_t over = static_cast<int64_t>(pend_.size() / F_) - d_.config().window;  // never read again
-        if (over > 0) {
+        // Rows older than the newest window are never read again: dropped once they are a window's worth
+        // (one move of the buffer per `window` steps, not a 6 MB move every step).
+        const int64_t over = static_cast<int64_t>(pend_.size() / F_) - d_.config().window;
+        if (over >= d_.config().window) {
             pend_.erase(pend_.begin(), pend_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(over) * F_));
             pend_p0_ += over;
         }
@@ -94,9 +97,10 @@ class cuda_dspark_drafter final : public ds4_drafter {
         if (pend_.empty() || n >= pend_end()) return;
         pend_.resize(n <= pend_p0_ ? 0 : static_cast<size_t>(n - pend_p0_) * F_);
     }
-    void flush() {
+    void flush() {  // the newest window of the pending rows (older ones cannot reach a block)
         if (pend_.empty()) return;
-        d_.observe(pend_p0_, pend_);
+        const int64_t rows = static_cast<int64_t>(pend_.size() / F_), skip = std::max<int64_t>(0, rows - d_.config().window);
+        d_.observe(pend_p0_ + skip, std::span<const float>(pend_).subspan(static_cast<size_t>(skip) * F_));
         pend_.clear();
     }
     ds4::cuda_dspark d_;
