@@ -39,8 +39,9 @@
 // step; then its block over the features of the real sequence at that depth is not checked (synthetic).
 // --spec-accept a,b,.. (percent; 0 = drafts always wrong) [--spec-tokens 64] [--draft-max 4]: at each depth,
 // speculative decoding at controlled acceptance (spec_controlled below: the target's own greedy continuation
-// as drafts, each corrupted with probability 1 - a, adaptive width, the rejected rows rolled back; with
-// --dspark the drafter's whole cost paid every step): tok/s against plain decoding and tokens per step.
+// as drafts, each corrupted with probability 1 - a, adaptive width, rows sampled on the device, the rejected
+// rows rolled back; drafts free, then with --dspark the drafter's cost paid as the engine pays it): tok/s
+// against plain decoding and tokens per step.
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
