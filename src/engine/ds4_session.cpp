@@ -260,15 +260,26 @@ std::span<const float> ds4_session::logits() const {
     return logits_;
 }
 
+namespace {
+
+// smp's token from logits that live on a device: their summary there (top(k, penalties, repeat, frequency,
+// presence): sampler::sample_top), else (a NaN / +inf, which sample() then reports, or a summary that cannot
+// decide) every logit downloaded (all()) and sampled on the host.
+template <class Top, class All>
+sample_result sample_summarised(sampler &smp, std::span<const int32_t> history, int64_t n_vocab, Top &&top, All &&all) {
+    const sampling_params &p = smp.params();
+    const auto pen = smp.penalty_counts(history, n_vocab);
+    if (std::optional<logits_top> t = top(smp.top_candidates(), pen, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+        if (auto r = smp.sample_top(*t)) return *r;
+    return smp.sample(all(), history);
+}
+
+}  // namespace
+
 sample_result ds4_session::sample(sampler &smp, std::span<const int32_t> history) {
-    if (have_logits_ && logits_on_device_) {  // summarised on the device: n_vocab logits stay there
-        const sampling_params &p = smp.params();
-        const auto pen = smp.penalty_counts(history, e_.model().hp.n_vocab);
-        // nullopt on NaN / +inf: sample() below reports them
-        if (std::optional<logits_top> t = gpu_->top(smp.top_candidates(), pen, p.repeat_penalty, p.frequency_penalty,
-                                                    p.presence_penalty))
-            if (auto r = smp.sample_top(*t)) return *r;
-    }
+    if (have_logits_ && logits_on_device_)  // summarised on the device: n_vocab logits stay there
+        return sample_summarised(smp, history, e_.model().hp.n_vocab,
+                                 [&](auto... a) { return gpu_->top(a...); }, [&] { return logits(); });
     return smp.sample(logits(), history);
 }
 
@@ -295,16 +306,15 @@ bool ds4_session::eval_verify(std::span<const int32_t> tokens, float *rows) {
 
 sample_result ds4_session::sample_row(size_t j, sampler &smp, std::span<const int32_t> history) {
     if (!gpu_ || j >= device_rows_) return session::sample_row(j, smp, history);
-    const sampling_params &p = smp.params();
     const int64_t V = e_.model().hp.n_vocab;
-    const auto pen = smp.penalty_counts(history, V);
-    // nullopt on NaN / +inf, or a summary that cannot decide: the row's logits, as sample() does
-    if (std::optional<logits_top> t = gpu_->row_top(j, smp.top_candidates(), pen, p.repeat_penalty, p.frequency_penalty,
-                                                    p.presence_penalty))
-        if (auto r = smp.sample_top(*t)) return *r;
-    std::vector<float> row(static_cast<size_t>(V));
-    gpu_->row_logits(j, row);
-    return smp.sample(row, history);
+    std::vector<float> row;
+    return sample_summarised(
+        smp, history, V, [&](auto... a) { return gpu_->row_top(j, a...); },
+        [&] {
+            row.resize(static_cast<size_t>(V));
+            gpu_->row_logits(j, row);
+            return std::span<const float>(row);
+        });
 }
 
 size_t ds4_session::drop_after(size_t n) {

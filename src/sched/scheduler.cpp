@@ -671,9 +671,12 @@ void scheduler::sample_and_emit(slot &s) {
     if (sample_slot(s, {}, s.history, r)) emit(s, std::move(r));
 }
 
-// The next token of slot s from `row` (a verification row) or, when empty, the session's last logits,
-// with `history` for the penalties. false (the slot finished with the error) when sampling throws.
-bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r) {
+// The next token of slot s from `row` (a verification row), from row `held` of a verification the session
+// holds (sync_item::rows_on_device: sampled there, session::sample_row; no structured output), or else from
+// the session's last logits, with `history` for the penalties. false (the slot finished with the error) when
+// sampling throws.
+bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r,
+                            std::optional<size_t> held) {
     try {
         const sampling_params &p = s.j->req_.sampling;
         const size_t n_prompt = s.j->req_.prompt.size();
@@ -683,6 +686,10 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
                 r.token = f;
                 return true;
             }
+        }
+        if (held) {
+            r = s.sess->sample_row(*held, *s.smp, history);
+            return true;
         }
         if (s.j->req_.grammar) {
             constrain(s, history, row.empty() ? s.sess->logits() : row);
@@ -700,26 +707,6 @@ bool scheduler::sample_slot(slot &s, std::span<const float> row, std::span<const
         // (a session sampling on its device needs no host scan: its summary is as cheap)
         r.token = s.sess->samples_on_device() ? -1 : greedy_token(p, s.j->req_.want_logprobs, s.sess->logits());
         if (r.token < 0) r = s.sess->sample(*s.smp, history);
-    } catch (const std::exception &e) {
-        finish(s, finish_reason::error, e.what());
-        return false;
-    }
-    return true;
-}
-
-// sample_slot for row j of a verification the session holds (sync_item::rows_on_device: no structured
-// output), sampled there (session::sample_row) with the same forced-token rule.
-bool scheduler::sample_held_row(slot &s, size_t j, std::span<const int32_t> history, sample_result &r) {
-    try {
-        const size_t n_prompt = s.j->req_.prompt.size();
-        if (history.size() >= n_prompt) {
-            if (const int32_t f = s.j->req_.thinking.forced(history.subspan(n_prompt)); f >= 0) {
-                r = sample_result{};
-                r.token = f;
-                return true;
-            }
-        }
-        r = s.sess->sample_row(j, *s.smp, history);
     } catch (const std::exception &e) {
         finish(s, finish_reason::error, e.what());
         return false;
@@ -843,8 +830,9 @@ void scheduler::verify_and_emit(slot &s) {
         std::span<const int32_t>(s.spec_prefix).subspan(base, k),
         [&](size_t j) -> std::optional<int32_t> {
             sample_result r;
-            if (!(on_device ? sample_held_row(s, j, hist, r)
-                            : sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r))) {
+            const bool ok = on_device ? sample_slot(s, {}, hist, r, j)
+                                      : sample_slot(s, std::span<const float>(s.spec_rows.data() + j * V, V), hist, r);
+            if (!ok) {
                 failed = true;
                 return std::nullopt;
             }

@@ -238,8 +238,8 @@ private:
     std::vector<prefill_chunk> plan_prefill(int budget) const;
     void evaluate(std::vector<step_entry> &es);
     void sample_and_emit(slot &s);
-    bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r);
-    bool sample_held_row(slot &s, size_t j, std::span<const int32_t> history, sample_result &r);
+    bool sample_slot(slot &s, std::span<const float> row, std::span<const int32_t> history, sample_result &r,
+                     std::optional<size_t> held = std::nullopt);
     void constrain(slot &s, std::span<const int32_t> history, std::span<const float> logits);
     const std::shared_ptr<const grammar::vocab_index> &vocab();  // built on first use (submit)
     void emit(slot &s, sample_result r);

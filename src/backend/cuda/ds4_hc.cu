@@ -792,34 +792,52 @@ __device__ __forceinline__ void split_tail(const fused_args &a, float *st, int B
     split_norm(a, st, smix, tid - 32);
 }
 
+// Steps 1-3 of column slice blockIdx.x for rows [r0, r1) (a: row 0's buffers): the weight slice staged
+// once (its first batch loaded before the PDL wait), then per row its state slice (x_new written) and its
+// partial sums part[.][blockIdx.x]. red, pc: the block's shared scratch (split_dots, post / comb).
 template <bool F16>
-__global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
-    FATHOM_KTRACE_SCOPE(k_hc_split);
+__device__ __forceinline__ void split_parts(const fused_args &a, int r0, int r1, double (*red)[kMaxMix], float *pc) {
     extern __shared__ float4 split_smem[];
-    __shared__ double red[kSplitWarps][kMaxMix];
-    __shared__ bool last;
-    if (blockIdx.y > 0) offset_to_row(a, blockIdx.y, a.n_hc, a.D);
     const int C = static_cast<int>(a.cols), NC = a.n_hc * C, S = NC + (36 - NC % 32) % 32;  // S % 32 == 4
     const int64_t lo = static_cast<int64_t>(blockIdx.x) * C;
     const int cj = static_cast<int>(a.D - lo < C ? a.D - lo : C);
-    __shared__ float pc[kMaxHc + kMaxHc * kMaxHc];  // post [n], comb [n, n]
     float *ws = reinterpret_cast<float *>(split_smem), *vs = ws + a.n_mix * S;  // [n_mix, S], [n_hc, C]
     float w[kStageK], xo[kMaxHc], yi;
     const int tid = threadIdx.x, total = a.n_mix * NC;
     split_stage_load<F16>(a, tid, lo, cj, w);  // 1. (first batch)
     pdl_launch_dependents();
     pdl_wait();
-    split_state_load(a, lo, cj, xo, yi, pc);  // 2.
+    fused_args ar = a;
+    offset_to_row(ar, r0, a.n_hc, a.D);
+    split_state_load(ar, lo, cj, xo, yi, pc);  // 2.
     split_stage_store(a, ws, tid, S, w);
     for (int b0 = tid + kStageK * kSplitThreads; b0 < total; b0 += kStageK * kSplitThreads) {
         split_stage_load<F16>(a, b0, lo, cj, w);
         split_stage_store(a, ws, b0, S, w);
     }
-    __syncthreads();
-    split_state_store(a, vs, lo, cj, xo, yi, pc);
-    __syncthreads();
-    split_dots(a, ws, vs, S, red);  // 3.
-    __syncthreads();                // 4. every thread's x_new / part stores happen before thread 0's fence
+    for (int r = r0;;) {
+        __syncthreads();  // ws and this row's pc complete; the previous row's vs / red reads done
+        split_state_store(ar, vs, lo, cj, xo, yi, pc);
+        __syncthreads();
+        split_dots(ar, ws, vs, S, red);  // 3. part[.][blockIdx.x] of row r
+        if (++r >= r1) break;
+        __syncthreads();  // pc, red free again
+        ar = a;
+        offset_to_row(ar, r, a.n_hc, a.D);
+        split_state_load(ar, lo, cj, xo, yi, pc);
+    }
+}
+
+template <bool F16>
+__global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
+    FATHOM_KTRACE_SCOPE(k_hc_split);
+    extern __shared__ float4 split_smem[];
+    __shared__ double red[kSplitWarps][kMaxMix];
+    __shared__ float pc[kMaxHc + kMaxHc * kMaxHc];  // post [n], comb [n, n]
+    __shared__ bool last;
+    split_parts<F16>(a, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.y) + 1, red, pc);  // 1-3.
+    if (blockIdx.y > 0) offset_to_row(a, blockIdx.y, a.n_hc, a.D);
+    __syncthreads();  // 4. every thread's x_new / part stores happen before thread 0's fence
     if (threadIdx.x == 0) {
         __threadfence();
         const bool l = atomicInc(a.sync, gridDim.x - 1) == gridDim.x - 1;
@@ -833,44 +851,16 @@ __global__ void __launch_bounds__(kSplitThreads) hc_split_kernel(fused_args a) {
 // ---- the split kernel for many rows: hc_split_rows_kernel + hc_split_tail_kernel ------------------
 // hc_split_kernel over gridDim.y = rows runs rows x B blocks of 1024 threads: 8 waves at 16 rows (86 us a
 // call on the H100, against 14 for one row). Here block (j, y) takes column slice j of rows_per_block
-// rows y * rows_per_block + q, the weight slice staged once for all of them and each row's steps 2-3 as
-// hc_split_kernel's (the same partial sums part[r][j], bit for bit); no arrival: one block per row of
+// rows y * rows_per_block + q (split_parts: the weight slice staged once for all of them, each row's
+// partial sums part[r][j] as hc_split_kernel's, bit for bit); no arrival: one block per row of
 // hc_split_tail_kernel (launched after it, PDL) runs step 4 with B = the column blocks. Every row's
 // state, mix, post / comb and output are hc_split_kernel's bits (the same operations in the same order).
 template <bool F16>
 __global__ void __launch_bounds__(kSplitThreads) hc_split_rows_kernel(fused_args a, int rows, int rows_per_block) {
-    extern __shared__ float4 split_smem[];
     __shared__ double red[kSplitWarps][kMaxMix];
     __shared__ float pc[kMaxHc + kMaxHc * kMaxHc];
-    const int C = static_cast<int>(a.cols), NC = a.n_hc * C, S = NC + (36 - NC % 32) % 32;
-    const int64_t lo = static_cast<int64_t>(blockIdx.x) * C;
-    const int cj = static_cast<int>(a.D - lo < C ? a.D - lo : C);
-    float *ws = reinterpret_cast<float *>(split_smem), *vs = ws + a.n_mix * S;
-    float w[kStageK], xo[kMaxHc], yi;
-    const int tid = threadIdx.x, total = a.n_mix * NC;
-    const int r0 = static_cast<int>(blockIdx.y) * rows_per_block, r1 = min(rows, r0 + rows_per_block);
-    split_stage_load<F16>(a, tid, lo, cj, w);
-    pdl_launch_dependents();
-    pdl_wait();
-    fused_args ar = a;
-    offset_to_row(ar, r0, a.n_hc, a.D);
-    split_state_load(ar, lo, cj, xo, yi, pc);
-    split_stage_store(a, ws, tid, S, w);
-    for (int b0 = tid + kStageK * kSplitThreads; b0 < total; b0 += kStageK * kSplitThreads) {
-        split_stage_load<F16>(a, b0, lo, cj, w);
-        split_stage_store(a, ws, b0, S, w);
-    }
-    for (int r = r0;;) {
-        __syncthreads();  // ws and this row's pc complete; the previous row's vs / red reads done
-        split_state_store(ar, vs, lo, cj, xo, yi, pc);
-        __syncthreads();
-        split_dots(ar, ws, vs, S, red);  // part[.][blockIdx.x] of row r
-        if (++r >= r1) break;
-        __syncthreads();  // pc, red free again
-        ar = a;
-        offset_to_row(ar, r, a.n_hc, a.D);
-        split_state_load(ar, lo, cj, xo, yi, pc);
-    }
+    const int r0 = static_cast<int>(blockIdx.y) * rows_per_block;
+    split_parts<F16>(a, r0, min(rows, r0 + rows_per_block), red, pc);
 }
 
 // Step 4 of row blockIdx.x (the state from L2 into shared memory: n_hc * D floats), B column blocks.
