@@ -12,7 +12,7 @@ a short timeout). Meanwhile --hostile clients (default 8) misbehave in turns: tr
     carries an error frame; every 200 stream ends properly unless the client hung up itself;
   * afterwards the server is idle (/metrics: no busy slot, empty queue, no KV block reserved by a
     running request, no failed request) and still answers;
-  * its resident memory is back to the baseline taken after a warm-up at full concurrency
+  * its anonymous resident memory is back to the baseline taken after a warm-up at full concurrency
     (tolerance --rss-tolerance-mib + 10%); skipped with --no-rss (sanitizer builds);
   * every hostile connection got its expected end in time, and /health always answered within 5 s;
   * it exits cleanly (status 0) on SIGTERM, with no sanitizer report on stderr.
@@ -71,9 +71,12 @@ class Server:
             self.stderr_lines.append(line)
 
     def rss_mib(self):
+        # Anonymous resident memory: the heap, arenas, KV and scratch. Not VmRSS: it also counts the
+        # model file's mapped pages, which grow as new tokens' embedding rows are first read (page
+        # cache the kernel can drop, not memory the server holds on to).
         with open("/proc/%d/status" % self.proc.pid) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith("RssAnon:"):
                     return int(line.split()[1]) / 1024.0
         return 0.0
 

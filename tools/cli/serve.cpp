@@ -1,6 +1,9 @@
 // `fathom serve`: loads one model and serves the OpenAI/Anthropic-compatible HTTP API
 // (src/server) on top of the request scheduler (src/sched). SIGINT/SIGTERM stop it cleanly.
 #include <pthread.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <signal.h>
 #include <unistd.h>
 
@@ -88,6 +91,14 @@ void serve_main(serve_args &a) {
     co.n_threads = a.model.threads;
     if (!a.prefill_drafter.empty()) co.drafter_path = resolve_model_path(a.prefill_drafter, a.model.models_dir);
     co.validate();  // before the (slow) model load: a bad flag fails at once
+#if defined(__GLIBC__)
+    // Requests are parsed and answered on many HTTP threads (--http-threads); glibc gives threads that
+    // contend for the allocator new arenas, up to 8 per core, and each arena keeps its freed memory
+    // resident. Four arenas serve that work without the growth: after a 64-client burst the load test
+    // (tests/server/load_test.py) measured +33 MiB of resident memory with the default, +7 MiB with 4.
+    // Before any thread starts.
+    mallopt(M_ARENA_MAX, 4);
+#endif
     // Block the stop signals before any thread starts, so only the waiter below receives them.
     sigset_t stop_set;
     sigemptyset(&stop_set);
