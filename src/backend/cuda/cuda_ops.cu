@@ -3,11 +3,18 @@
 // over f16 caches goes to the tensor-core kernel of cuda_attn_mma.cu),
 // row-wise elementwise ops and softmax. Positions for rope_table / kv_store / attention are read on
 // the device as *pos_base + offset so a captured CUDA graph replays at a new position.
+// The decode step's per-layer chain (QKV GEMV, qk_rope_store, attention, combine, output GEMV) is launched
+// with PDL (cuda_pdl.cuh): qk_rope_store, attn_kernel and attn_combine_kernel wait for their predecessor
+// before touching memory and let their successor launch at once, so the next kernel's launch (and the
+// next GEMV's weight loads, issued before its own wait) overlap the running one instead of following it.
+// Only the dense backend launches these (after a kernel of the same stream, never after a cross-stream
+// wait); pdl_wait is a no-op in a launch without the attribute.
 #include <cuda_fp16.h>
 
 #include <cmath>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_pdl.cuh"
 #include "core/error.h"
 
 namespace fathom::cuda {
@@ -148,6 +155,8 @@ __global__ void __launch_bounds__(kQkThreads) qk_rope_store_kernel(float *q, int
                                                                    uint32_t *err) {
     __shared__ float xs[kQkMaxHd];
     __shared__ double sh[8];
+    pdl_wait();               // q, k, v are the preceding GEMV's output; the caches may be read by it
+    pdl_launch_dependents();  // the attention may be scheduled (it waits for this grid itself)
     const int slot = static_cast<int>(blockIdx.x);
     const int64_t t = blockIdx.y;
     const int hd = a.hd;
@@ -229,6 +238,8 @@ __global__ void __launch_bounds__(32 * kAttnWarps) attn_kernel(const float *__re
                                                                uint32_t *err) {
     __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps];
     __shared__ float sm_acc[kAttnWarps][kMaxHd];
+    pdl_wait();  // q and the cache rows are written by the preceding kernel
+    pdl_launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64_t item = blockIdx.x;
     const int split = blockIdx.y, n_split = gridDim.y;
@@ -319,6 +330,8 @@ __global__ void __launch_bounds__(32 * kAttnWarps) attn_kernel(const float *__re
 
 __global__ void attn_combine_kernel(const float *__restrict__ part, int n_split, attn_args a,
                                     const int64_t *pos_base, float *out, int64_t ldo) {
+    pdl_wait();  // the partials of attn_kernel
+    pdl_launch_dependents();  // the output GEMV may start its weight loads
     const int64_t item = blockIdx.x;
     const int64_t t = item / a.n_head;
     const int h = static_cast<int>(item % a.n_head), hd = a.head_dim;
@@ -405,7 +418,9 @@ void launch_qk_rope_store(float *q, int64_t ldq, float *k, int64_t ldk, const fl
     if (a.hd > kQkMaxHd || a.n_rot > a.hd || n_tok > 65535)
         throw error("cuda qk_rope_store: head_dim " + std::to_string(a.hd) + " / n_rot / tokens out of range");
     const dim3 grid(static_cast<unsigned>(a.n_head + 2 * a.n_head_kv), static_cast<unsigned>(n_tok));
-    qk_rope_store_kernel<<<grid, kQkThreads, 0, s>>>(q, ldq, k, ldk, v, ldv, table, ldt, a, pos_base, err);
+    const cudaError_t e = launch_pdl(qk_rope_store_kernel, grid, dim3(kQkThreads), 0, s, true, q, ldq, k, ldk, v, ldv,
+                                     table, ldt, a, pos_base, err);
+    if (e != cudaSuccess) throw error(std::string("cuda qk_rope_store: launch failed: ") + cudaGetErrorString(e));
 }
 
 void launch_rms_norm_add(const float *x, int64_t ldx, const float *w, float eps, int64_t n, int64_t rows, float *acc,
@@ -461,13 +476,16 @@ void launch_attention(const float *q, int64_t ldq, int64_t n_tok, const void *k,
     // scalar split kernel (kAttnMmaMinTokens).
     if (f16 && n_tok >= kAttnMmaMinTokens && attention_mma_usable(a.head_dim, k, v, kv_stride_bytes))
         launch_attention_mma(q, ldq, n_tok, k, v, kv_stride_bytes, a, pos_base, out, ldo, err, part, n_split, s);
-    else if (f16)
-        attn_kernel<true><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out,
-                                                           ldo, part, err);
-    else
-        attn_kernel<false><<<grid, 32 * kAttnWarps, 0, s>>>(q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out,
-                                                            ldo, part, err);
-    if (n_split > 1) attn_combine_kernel<<<grid_for(items, 1), 128, 0, s>>>(part, n_split, a, pos_base, out, ldo);
+    else {
+        const cudaError_t e = launch_pdl(f16 ? attn_kernel<true> : attn_kernel<false>, grid, dim3(32 * kAttnWarps), 0, s,
+                                         true, q, ldq, k8, v8, kv_stride_bytes, a, pos_base, out, ldo, part, err);
+        if (e != cudaSuccess) throw error(std::string("cuda attention: launch failed: ") + cudaGetErrorString(e));
+    }
+    if (n_split > 1) {
+        const cudaError_t e = launch_pdl(attn_combine_kernel, dim3(grid_for(items, 1)), dim3(128), 0, s, true,
+                                         static_cast<const float *>(part), n_split, a, pos_base, out, ldo);
+        if (e != cudaSuccess) throw error(std::string("cuda attention combine: launch failed: ") + cudaGetErrorString(e));
+    }
 }
 
 void launch_elementwise(ew_op op, const float *a, int64_t lda, const float *b, int64_t ldb, void *out, int64_t ldo,

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Per-kernel table of a dense model's decode step on the device (issue 24: where Fathom's dense decode loses
+# to llama.cpp's): Nsight Compute (one metric, gpu__time_duration, caches and clocks as they are) over
+# `fathom bench` on the synthetic Qwen3-0.6B-geometry q8_0 file twice, with 1 and with 1 + N decoded tokens;
+# kernels are grouped by name and the difference of the two profiles, divided by N, is one decode step's
+# kernels (prefill and set-up cancel out). Kernels run one at a time under ncu, so the sum is each kernel
+# alone; the bench's replayed step time minus that sum is what the gaps between kernels cost.
+# Usage (device, after pack_cuda.sh's carry is unpacked): bash scripts/device/dense_step_table.sh [N=4]
+# Env: FATHOM_BIN (default the carried fathom; fathom_old for the old build), DENSE_MODEL (default the
+# file dense_vs_llamacpp.sh makes), STEP_NAME (suffix of the csv files written to $OUT).
+set -u
+carry_bin=fathom
+. "$(dirname "$0")/carry_env.sh"
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 1; }
+n=${1:-4}
+m=${DENSE_MODEL:-/tmp/fathom-qwen3-q8_0.gguf}
+[ -s "$m" ] || timeout 150 "$c/cuda_synth" qwen3 "$m" 0 q8_0 > "$out/synth.log" 2>&1 || { echo "cuda_synth failed"; exit 1; }
+bin=${FATHOM_BIN:-$c/fathom}
+for k in 1 $((n + 1)); do
+    timeout "${NCU_TIMEOUT:-240}" "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        --csv --page raw "$bin" bench -m "$m" --device cuda -p 64 -n "$k" --reps 1 \
+        > "$out/dense-$k${STEP_NAME:+-$STEP_NAME}.csv" 2> "$out/dense-$k.err"
+    echo "ncu (n=$k) rc=$? rows $(wc -l < "$out/dense-$k${STEP_NAME:+-$STEP_NAME}.csv")"
+done
+python3 - "$out/dense-1${STEP_NAME:+-$STEP_NAME}.csv" "$out/dense-$((n + 1))${STEP_NAME:+-$STEP_NAME}.csv" "$n" <<'PY'
+import collections, csv, re, sys
+def load(path):
+    lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith('"ID"'))
+    rows = list(csv.reader(lines[start:]))
+    ix = {h: j for j, h in enumerate(rows[0])}
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for r in rows[2:]:
+        if len(r) != len(rows[0]):
+            continue
+        k = r[ix["Kernel Name"]].replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+        k = re.sub(r"<.*", "", re.sub(r"\(.*", "", k)).replace("void ", "").split("::")[-1]
+        agg[k][0] += 1
+        agg[k][1] += float(r[ix["gpu__time_duration.sum"]].replace(",", "")) / 1000.0
+    return agg
+a, b, n = load(sys.argv[1]), load(sys.argv[2]), int(sys.argv[3])
+rows = []
+for k in set(a) | set(b):
+    c = (b[k][0] - a[k][0]) / n
+    d = (b[k][1] - a[k][1]) / n
+    if c > 0:
+        rows.append((k, c, d))
+rows.sort(key=lambda r: -r[2])
+print(f"one decode step (difference of the two profiles / {n}): {sum(r[1] for r in rows):.0f} kernels, "
+      f"{sum(r[2] for r in rows):.1f} us in sum")
+print("| kernel | calls | us per call | us in sum |\n| --- | --- | --- | --- |")
+for k, c, d in rows:
+    print(f"| {k} | {c:g} | {d / c:.2f} | {d:.1f} |")
+PY
