@@ -25,9 +25,17 @@ std::string tiny_path() {
     return ds4_test::golden_dir() + "/ds4-tiny-a.gguf";
 }
 
-// A synthetic DS4 of the tiny geometry with q8_0 matrices and a raw window of 8 (written once).
+// A synthetic DS4 of the tiny geometry with q8_0 matrices and a raw window of 8 (written once per
+// process, removed when the process exits: ctest runs every test in a process of its own).
+struct temp_file {
+    std::string path;
+    ~temp_file() {
+        std::error_code ec;
+        std::filesystem::remove(path, ec);
+    }
+};
 std::string synth_path() {
-    static const std::string path = [] {
+    static const temp_file file{[] {
         ds4::hparams hp = ds4::synth_preset("tiny");
         hp.window = 8;
         ds4::synth_options o;
@@ -38,8 +46,8 @@ std::string synth_path() {
                                   .string();
         ds4::synth_write(p, hp, o);
         return p;
-    }();
-    return path;
+    }()};
+    return file.path;
 }
 
 std::unique_ptr<engine> load(const std::string &path, int64_t mib, int n_batch = 16) {
