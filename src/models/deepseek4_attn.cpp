@@ -116,11 +116,11 @@ __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contrac
     for (int64_t i = 0; i < n; ++i) o[i] += p * v[i];
 }
 
-// Heads [h0, h1) 4 at a time on AVX-512 (attention_scores_heads4 / attention_values_heads2: the bits
+// Heads [h0, h1) 4 at a time on AVX-512 or AVX2 + FMA (attention_scores_heads4 / attention_values_heads2: the bits
 // of the one-head loop below, whose softmax they share); returns the first head left to the loop.
 static int64_t attend_heads_grouped(const float *q, const float *kv, int64_t n, const float *sinks, int64_t h0,
                                     int64_t h1, int64_t d, float scale, float *o) {
-    if (!attention_heads_avx512(d)) return h0;
+    if (!attention_heads_grouped(d)) return h0;
     thread_local std::vector<float> s, pr;
     s.resize(static_cast<size_t>(4 * n));
     pr.resize(static_cast<size_t>(4 * n));

@@ -127,17 +127,110 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void valu
     }
 }
 
-bool attention_heads_avx512(int64_t d) {
-    static const bool avx512 = __builtin_cpu_supports("avx512f");
-    return avx512 && d % 128 == 0;
+// ---- the same kernels on AVX2 + FMA (16 ymm registers) --------------------------------------------
+// Lanes as on AVX-512: the 16 double lanes of a dot are 4 ymm (lanes 0-3, 4-7, 8-11, 12-15), element
+// i + l of a 16-float chunk into lane l; dot_f32's pairwise reduction is then (0-3 += 8-11, 4-7 +=
+// 12-15), (0-3 += 4-7), (lanes 0,1 += 2,3), lane 0 += lane 1. FMA is exact here: a product of two
+// floats is exact in double, so fma(a, b, acc) rounds as acc + a*b does. Same bits as dot_f32.
+__attribute__((target("avx2,fma"))) static inline float reduce16_avx2(__m256d a0, __m256d a1, __m256d a2, __m256d a3) {
+    a0 = _mm256_add_pd(a0, a2);  // acc[l] += acc[l + 8]
+    a1 = _mm256_add_pd(a1, a3);
+    a0 = _mm256_add_pd(a0, a1);  // acc[l] += acc[l + 4]
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(a0), _mm256_extractf128_pd(a0, 1));  // += acc[l + 2]
+    return static_cast<float>(_mm_cvtsd_f64(h) + _mm_cvtsd_f64(_mm_unpackhi_pd(h, h)));       // += acc[l + 1]
+}
+
+// dot_f32 of one a against 2 rows of b (n a multiple of 16): a's chunk widened once for both rows.
+__attribute__((target("avx2,fma"))) static void dot_f32_rows2_avx2(const float *a, const float *b, int64_t n,
+                                                                   float *out) {
+    __m256d acc[2][4];
+    for (int r = 0; r < 2; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256d av[4];
+        for (int j = 0; j < 4; ++j) av[j] = _mm256_cvtps_pd(_mm_loadu_ps(a + i + 4 * j));
+        for (int r = 0; r < 2; ++r)
+            for (int j = 0; j < 4; ++j)
+                acc[r][j] = _mm256_fmadd_pd(av[j], _mm256_cvtps_pd(_mm_loadu_ps(b + r * n + i + 4 * j)), acc[r][j]);
+    }
+    for (int r = 0; r < 2; ++r) out[r] = reduce16_avx2(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// Scores of 2 heads (q [2, d], widened to double once per call) against every row: each row's chunk
+// widened once for both heads. s[h * n + r], d a multiple of 16.
+__attribute__((target("avx2,fma"))) static void scores_heads2_avx2(const float *q, const float *kv, int64_t n, int64_t d,
+                                                                   float *s, int64_t s_stride) {
+    thread_local std::vector<double> qd_buf;
+    qd_buf.resize(static_cast<size_t>(2 * d));
+    double *qd = qd_buf.data();
+    for (int64_t i = 0; i < 2 * d; ++i) qd[i] = static_cast<double>(q[i]);
+    for (int64_t r = 0; r < n; ++r) {
+        const float *k = kv + r * d;
+        __m256d acc[2][4];
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_pd();
+        for (int64_t i = 0; i < d; i += 16) {
+            __m256d kd[4];
+            for (int j = 0; j < 4; ++j) kd[j] = _mm256_cvtps_pd(_mm_loadu_ps(k + i + 4 * j));
+            for (int h = 0; h < 2; ++h)
+                for (int j = 0; j < 4; ++j)
+                    acc[h][j] = _mm256_fmadd_pd(_mm256_loadu_pd(qd + h * d + i + 4 * j), kd[j], acc[h][j]);
+        }
+        for (int h = 0; h < 2; ++h) s[h * s_stride + r] = reduce16_avx2(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    }
+}
+
+// values_heads2_avx512 in 32-element chunks: per element one float multiply and one add per row, in row
+// order (axpy_f32's bits), both heads' 32 outputs in 8 registers across the rows. Contraction off: the
+// fma target would otherwise fuse the multiply and the add.
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) static void values_heads2_avx2(const float *p, const float *kv,
+                                                                                             int64_t n, int64_t d, float *o) {
+    for (int64_t c = 0; c < d; c += 32) {
+        __m256 o0[4], o1[4];
+        for (int j = 0; j < 4; ++j) o0[j] = o1[j] = _mm256_setzero_ps();
+        for (int64_t r = 0; r < n; ++r) {
+            const __m256 p0 = _mm256_set1_ps(p[r]), p1 = _mm256_set1_ps(p[n + r]);
+            const float *v = kv + r * d + c;
+            for (int j = 0; j < 4; ++j) {
+                const __m256 vj = _mm256_loadu_ps(v + 8 * j);
+                o0[j] = _mm256_add_ps(o0[j], _mm256_mul_ps(p0, vj));
+                o1[j] = _mm256_add_ps(o1[j], _mm256_mul_ps(p1, vj));
+            }
+        }
+        for (int j = 0; j < 4; ++j) {
+            _mm256_storeu_ps(o + c + 8 * j, o0[j]);
+            _mm256_storeu_ps(o + d + c + 8 * j, o1[j]);
+        }
+    }
+}
+
+namespace {
+enum class grouped_isa { none, avx2, avx512 };
+grouped_isa grouped_kernels() {
+    static const grouped_isa isa = __builtin_cpu_supports("avx512f")                                       ? grouped_isa::avx512
+                                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? grouped_isa::avx2
+                                                                                                      : grouped_isa::none;
+    return isa;
+}
+}  // namespace
+
+bool attention_heads_grouped(int64_t d) {
+    switch (grouped_kernels()) {
+        case grouped_isa::avx512: return d % 128 == 0;
+        case grouped_isa::avx2: return d % 32 == 0;
+        default: return false;
+    }
 }
 
 void attention_scores_heads4(const float *q, const float *kv, int64_t n, int64_t d, float *s) {
-    scores_heads4_avx512(q, kv, n, d, s);
+    if (grouped_kernels() == grouped_isa::avx512) return scores_heads4_avx512(q, kv, n, d, s);
+    scores_heads2_avx2(q, kv, n, d, s, n);
+    scores_heads2_avx2(q + 2 * d, kv, n, d, s + 2 * n, n);
 }
 
 void attention_values_heads2(const float *p, const float *kv, int64_t n, int64_t d, float *o) {
-    values_heads2_avx512(p, kv, n, d, o);
+    if (grouped_kernels() == grouped_isa::avx512) return values_heads2_avx512(p, kv, n, d, o);
+    values_heads2_avx2(p, kv, n, d, o);
 }
 
 namespace {
@@ -220,9 +313,12 @@ void quantised_rows(const matrix &w, int64_t r0, int64_t r1, const float *x, int
 void dot_f32_rows(const float *a, const float *b, int64_t rows, int64_t n, float *out) {
     int64_t r = 0;
 #if defined(__x86_64__)
-    static const bool avx512 = __builtin_cpu_supports("avx512f");
-    if (avx512 && n % 16 == 0)
-        for (; r + 4 <= rows; r += 4) dot_f32_rows4_avx512(a, b + r * n, n, out + r);
+    if (n % 16 == 0) {
+        if (grouped_kernels() == grouped_isa::avx512)
+            for (; r + 4 <= rows; r += 4) dot_f32_rows4_avx512(a, b + r * n, n, out + r);
+        else if (grouped_kernels() == grouped_isa::avx2)
+            for (; r + 2 <= rows; r += 2) dot_f32_rows2_avx2(a, b + r * n, n, out + r);
+    }
 #endif
     for (; r < rows; ++r) out[r] = dot_f32(a, b + r * n, n);
 }

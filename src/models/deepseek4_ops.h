@@ -37,11 +37,11 @@ float dot_f32(const float *a, const float *b, int64_t n);
 // CPU allows: one a against the rows of b, e.g. a query head against the candidate K rows).
 void dot_f32_rows(const float *a, const float *b, int64_t rows, int64_t n, float *out);
 
-// Sink attention over heads in groups, on AVX-512 when attention_heads_avx512(d) (d a multiple of 128):
-// s[h*n + r] = dot_f32(q + h*d, kv + r*d, d) for 4 heads (q [4, d]), bit for bit; and
-// o[h*d + i] = sum over r in order of p[h*n + r] * kv[r*d + i] (a float multiply then an add per row,
-// as the one-head loop does) for 2 heads (p [2, n], o [2, d]).
-bool attention_heads_avx512(int64_t d);
+// Sink attention over heads in groups when attention_heads_grouped(d) (AVX-512F: d a multiple of 128;
+// AVX2 + FMA: of 32): s[h*n + r] = dot_f32(q + h*d, kv + r*d, d) for 4 heads (q [4, d]), bit for bit;
+// and o[h*d + i] = sum over r in order of p[h*n + r] * kv[r*d + i] (a float multiply then an add per
+// row, as the one-head loop does) for 2 heads (p [2, n], o [2, d]).
+bool attention_heads_grouped(int64_t d);
 void attention_scores_heads4(const float *q, const float *kv, int64_t n, int64_t d, float *s);
 void attention_values_heads2(const float *p, const float *kv, int64_t n, int64_t d, float *o);
 

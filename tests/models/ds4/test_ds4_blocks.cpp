@@ -157,7 +157,7 @@ TEST(ds4_attention, sink_adds_mass_without_value) {
     EXPECT_NEAR(o[0], 0.0, 1e-12);
 }
 
-// dot_f32_rows (several rows per pass, FMA on AVX-512) == dot_f32 row by row, bit for bit, and both
+// dot_f32_rows (several rows per pass, FMA on AVX-512 and AVX2) == dot_f32 row by row, bit for bit, and both
 // == a scalar spelling of the documented order (16 double lanes in element order, pairwise sum), for
 // row counts around the 4-row blocks, lengths with and without a 16-element tail, and values over a
 // wide dynamic range (so any reassociation would show).
@@ -192,7 +192,9 @@ TEST(ds4_attention, dot_rows_bitwise) {
 // attend_with_sink == a scalar spelling of its definition, bit for bit: scores in dot_f32's order (16
 // double lanes, pairwise sum), scaled, softmax with the sink in the denominator (row order), outputs
 // accumulated row after row as o = o + p*v in float. Head counts with and without a 4-head remainder and
-// head sizes 128 / 512 (the AVX-512 grouped path) and 64 (the one-head loop), on one thread and the pool.
+// head sizes 128 / 512 (the grouped path on AVX-512 and AVX2), 64 (grouped on AVX2, the one-head loop on
+// AVX-512), 80 (the one-head loop with dot_f32_rows' row blocks) and 40 (the scalar dots), on one thread
+// and the pool.
 TEST(ds4_attention, sink_attention_bitwise) {
     std::mt19937 rng(11);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -205,7 +207,7 @@ TEST(ds4_attention, sink_attention_bitwise) {
     };
     fathom::cpu::thread_pool pool(2);
     for (const bool threaded : {false, true})
-        for (int64_t d : {128, 512, 64})
+        for (int64_t d : {128, 512, 64, 80, 40})
             for (int H : {4, 6, 9})
                 for (int64_t n : {1, 5, 37}) {
                     std::vector<float> q(static_cast<size_t>(H * d)), kv(static_cast<size_t>(n * d)),
@@ -240,6 +242,59 @@ TEST(ds4_attention, sink_attention_bitwise) {
                             << "d=" << d << " H=" << H << " n=" << n << " head " << h << " threaded " << threaded;
                     }
                 }
+}
+
+// The documented order, probed by cancellation: random inputs cannot tell two association orders apart
+// (the sums are in double, the result a float), so these vectors are built so that only dot_f32's order
+// gives its value. Against a vector of ones: +B at element i, -B at element j and 1 at element k (B =
+// 2^60, so B + 1 rounds to B) sum to 1 where the order meets i and j before k joins them, else 0. All
+// (i, j, k) over the first two 16-element chunks, so every lane pairing of the pairwise reduction and the in-lane
+// element order are probed. dot_f32_rows (row blocks), dot_f32 and the grouped attention scores must
+// each equal the spelled-out order on every probe.
+TEST(ds4_attention, accumulation_order_probes) {
+    constexpr int64_t m = 32, n = 128;  // probes over the first 32 elements of 128 (AVX-512's grouped width)
+    auto spec = [](const float *a, const float *b, int64_t len) {
+        double acc[16] = {};
+        for (int64_t i = 0; i < len; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+        for (int w = 8; w > 0; w /= 2)
+            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+        return static_cast<float>(acc[0]);
+    };
+    const float B = std::ldexp(1.0f, 60);
+    std::vector<float> probes;  // rows of n
+    for (int i = 0; i < m; ++i)
+        for (int j = 0; j < m; ++j)
+            for (int k = 0; k < m; ++k) {
+                if (i == j || j == k || i == k) continue;
+                std::vector<float> v(static_cast<size_t>(n), 0.0f);
+                v[static_cast<size_t>(i)] = B;
+                v[static_cast<size_t>(j)] = -B;
+                v[static_cast<size_t>(k)] = 1.0f;
+                probes.insert(probes.end(), v.begin(), v.end());
+            }
+    const int64_t rows = static_cast<int64_t>(probes.size()) / n;
+    const std::vector<float> ones(static_cast<size_t>(n), 1.0f);
+    std::vector<float> out(static_cast<size_t>(rows));
+    dot_f32_rows(ones.data(), probes.data(), rows, n, out.data());
+    int64_t ones_seen = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float want = spec(ones.data(), &probes[static_cast<size_t>(r * n)], n);
+        ones_seen += want == 1.0f;
+        ASSERT_EQ(out[static_cast<size_t>(r)], want) << "dot_f32_rows, probe " << r;
+        ASSERT_EQ(dot_f32(ones.data(), &probes[static_cast<size_t>(r * n)], n), want) << "dot_f32, probe " << r;
+    }
+    // both outcomes occur, so an order that differs anywhere shows
+    EXPECT_GT(ones_seen, 0);
+    EXPECT_LT(ones_seen, rows);
+    if (!attention_heads_grouped(n)) GTEST_SKIP() << "no grouped attention kernels on this CPU";
+    // The grouped scores: 4 probe heads against one row of ones (and the ones against 4 probe rows).
+    std::vector<float> sc(4);
+    for (int64_t r = 0; r + 4 <= rows; r += 4) {
+        attention_scores_heads4(&probes[static_cast<size_t>(r * n)], ones.data(), 1, n, sc.data());
+        for (int h = 0; h < 4; ++h)
+            ASSERT_EQ(sc[static_cast<size_t>(h)], spec(&probes[static_cast<size_t>((r + h) * n)], ones.data(), n))
+                << "scores, probe " << r + h;
+    }
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------------
