@@ -510,16 +510,40 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // call, one sign less) and a 2-row x 4-token tile were no faster there.
 constexpr int64_t kQ8PanelBlock = 160;  // bytes per block of a 4-row panel (q8_0_panel)
 
-// pw: the 4-row panel (q8_0_panel); x: the two tokens' q8_0 rows; dx0 / dx1: their fp16(d) per block.
-template <int MB>
-inline void q8_0_tile_avx2(int64_t nb, const uint8_t *pw, const uint8_t *const x[2], const float *dx0, const float *dx1,
+// Where a tile reads its 4 weight rows: the aligned panel (q8_0_panel: prefill, where its copy pays
+// over many tokens), or the rows where they lie (M <= 3: decode and verification rows, where a copy per
+// call would cost as much as the tile). quants(r, b): row r's 32 quants of block b; dw8(b): the 4 rows'
+// fp16(d) as f32, twice ([d0 d1 d2 d3 d0 d1 d2 d3]).
+struct q8_0_panel_src {
+    const uint8_t *pw;
+    __m256i quants(int r, int64_t b) const {
+        return _mm256_load_si256(reinterpret_cast<const __m256i *>(pw + b * kQ8PanelBlock + 32 * r));
+    }
+    __m256 dw8(int64_t b) const { return _mm256_load_ps(reinterpret_cast<const float *>(pw + b * kQ8PanelBlock + 128)); }
+};
+struct q8_0_rows_src {
+    const uint8_t *const *w;  // 4 rows of q8_0 blocks (34 B: fp16 d, 32 quants)
+    __m256i quants(int r, int64_t b) const {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2));
+    }
+    __m256 dw8(int64_t b) const {
+        const int64_t o = b * 34;
+        const __m128 d = _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(w[0] + o)), static_cast<short>(ld16(w[1] + o)),
+                                                     static_cast<short>(ld16(w[2] + o)), static_cast<short>(ld16(w[3] + o)),
+                                                     0, 0, 0, 0));
+        return _mm256_set_m128(d, d);
+    }
+};
+
+// src: the 4 weight rows; x: the two tokens' q8_0 rows; dx0 / dx1: their fp16(d) per block.
+template <int MB, class Src>
+inline void q8_0_tile_avx2(int64_t nb, const Src &src, const uint8_t *const x[2], const float *dx0, const float *dx1,
                            float out[2][4]) {
     constexpr int64_t dist = 4, ring_n = 2 * dist;
     alignas(32) float ring[ring_n][8];
     auto scales = [&](int64_t b) {  // [dw0 dw1 dw2 dw3] * dx0 | [dw0 dw1 dw2 dw3] * dx1 of block b
         const __m256 d = _mm256_set_m128(_mm_broadcast_ss(dx1 + b), _mm_broadcast_ss(dx0 + b));
-        _mm256_store_ps(ring[b % ring_n],
-                        _mm256_mul_ps(_mm256_load_ps(reinterpret_cast<const float *>(pw + b * kQ8PanelBlock + 128)), d));
+        _mm256_store_ps(ring[b % ring_n], _mm256_mul_ps(src.dw8(b), d));
     };
     __m256 acc[MB][4];
     for (int m = 0; m < MB; ++m)
@@ -529,11 +553,10 @@ inline void q8_0_tile_avx2(int64_t nb, const uint8_t *pw, const uint8_t *const x
     for (int64_t b = 0; b < nb; ++b) {
         if (b + dist < nb) scales(b + dist);
         const float *sc = ring[b % ring_n];
-        const uint8_t *pb = pw + b * kQ8PanelBlock;
         __m256i a[MB];
         for (int m = 0; m < MB; ++m) a[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[m] + b * 34 + 2));
         for (int r = 0; r < 4; ++r) {
-            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i *>(pb + 32 * r));
+            const __m256i q = src.quants(r, b);
             const __m256i aq = _mm256_sign_epi8(q, q);
             for (int m = 0; m < MB; ++m) {
                 const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(a[m], q)), ones);
@@ -589,20 +612,51 @@ inline void q8_0_group_avx2(int64_t nb, const uint8_t *pw, int rows, int64_t r, 
         const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
         const float *d0 = dx + (m - m0) * nb, *d1 = dx + (m + mb - 1 - m0) * nb;
         float out[2][4];
-        if (mb == 2) q8_0_tile_avx2<2>(nb, pw, x, d0, d1, out);
-        else q8_0_tile_avx2<1>(nb, pw, x, d0, d1, out);
+        const q8_0_panel_src src{pw};
+        if (mb == 2) q8_0_tile_avx2<2>(nb, src, x, d0, d1, out);
+        else q8_0_tile_avx2<1>(nb, src, x, d0, d1, out);
         for (int j = 0; j < mb; ++j)
             for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
     }
 }
 
+// M <= 3 (decode, verification rows, a few batched sequences): the same tile reading the rows where
+// they lie (q8_0_rows_src), no panel copy; the tokens' scales converted once per call. A 2-row step of
+// the DS4 CPU model spent ~2x its 1-row step's time here with gemm_q32_exact's tile (its scalar scale
+// conversions and products and the |w| per token made the q8_0 products compute-bound at 2 tokens,
+// where one token is about at the memory's rate).
+void gemm_q8_0_small_avx2(int64_t K, const uint8_t *Wb, size_t w_stride, int64_t r0, int64_t r1, const uint8_t *Xb,
+                          size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    const int64_t nb = K / qk32;
+    float *dx = t_q8_0_dx.get(static_cast<size_t>(M * nb));
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < nb; ++b) dx[m * nb + b] = ldf16(Xb + m * x_stride + b * 34);
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int rows = static_cast<int>(imin(4, r1 - r));
+        const uint8_t *w[4];
+        for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // pad with last row
+        const q8_0_rows_src src{w};
+        for (int64_t m = 0; m < M; m += 2) {
+            const int mb = static_cast<int>(imin(2, M - m));
+            const uint8_t *x[2] = {Xb + m * x_stride, Xb + (m + mb - 1) * x_stride};
+            float out[2][4];
+            if (mb == 2) q8_0_tile_avx2<2>(nb, src, x, dx + m * nb, dx + (m + 1) * nb, out);
+            else q8_0_tile_avx2<1>(nb, src, x, dx + m * nb, dx + m * nb, out);
+            for (int j = 0; j < mb; ++j)
+                for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
+        }
+    }
+}
+
 // 4 weight rows x 2 tokens per tile (8 accumulators; |w|, the two a, temporaries, scale and ones fill
-// the 16 ymm registers). M <= 3 keeps gemm_q32_exact (decode, and the few-token steps where the
-// per-call conversions and 4-row panels would not pay: 0.9x at 16 rows x 3 tokens in the lab).
+// the 16 ymm registers); M > 3 through 4-row panels, M <= 3 from the rows (gemm_q8_0_small_avx2: the
+// per-call panels would not pay there: 0.9x at 16 rows x 3 tokens in the lab).
 void gemm_q8_0_avx2(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
                     size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    if (M <= 0) return;
     if (M <= 3) {
-        gemm_q32_exact<tr_q8_0>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+        gemm_q8_0_small_avx2(K, static_cast<const uint8_t *>(W), w_stride, r0, r1, static_cast<const uint8_t *>(X), x_stride,
+                             M, y, ldy);
         return;
     }
     const int64_t nb = K / qk32;
