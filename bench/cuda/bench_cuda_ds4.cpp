@@ -435,6 +435,17 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
     }
 }
 
+// The model file's MTP head (llama.cpp's layout: fathom-gguf synth --mtp), for --spec-accept's "MTP paid" runs:
+// read from the same host model and uploaded beside the target as the engine's --spec mtp does
+// (cuda_upload_mtp; a sparse file's pooled rows replicated on the device like the target's). Null without one.
+std::shared_ptr<const ds4::cuda_weights> upload_mtp_head(const ds4::model &m, const std::shared_ptr<const ds4::cuda_weights> &w) {
+    if (m.hp.n_nextn < 1) return nullptr;
+    auto dev = ds4::cuda_upload_mtp(m, *ds4::load_mtp(m, m.file), w);
+    std::printf("mtp head (blk.%d of the model file): %.2f GB on the device\n", m.hp.n_layer,
+                static_cast<double>(ds4::cuda_weight_bytes(*dev)) / 1e9);
+    return dev;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) try {
@@ -566,15 +577,7 @@ int main(int argc, char **argv) try {
                     dspark_file.c_str(), dspark_w->stages.size(), dspark_w->cfg.block_size, dspark_w->cfg.window,
                     dspark_w->cfg.markov_rank, static_cast<double>(ds4::cuda_weight_bytes(*dspark_dev)) / 1e9);
     }
-    // The model file's MTP head (llama.cpp's layout: fathom-gguf synth --mtp), for --spec-accept's "MTP paid" runs:
-    // read from the same host model and uploaded beside the target as the engine's --spec mtp does
-    // (cuda_upload_mtp; a sparse file's pooled rows replicated on the device like the target's).
-    std::shared_ptr<const ds4::cuda_weights> mtp_dev;
-    if (m->hp.n_nextn > 0 && !spec_accepts.empty()) {
-        mtp_dev = ds4::cuda_upload_mtp(*m, *ds4::load_mtp(*m, m->file), w);
-        std::printf("mtp head (blk.%d of the model file): %.2f GB on the device\n", m->hp.n_layer,
-                    static_cast<double>(ds4::cuda_weight_bytes(*mtp_dev)) / 1e9);
-    }
+    const auto mtp_dev = spec_accepts.empty() ? nullptr : upload_mtp_head(*m, w);  // null: no MTP head in the file
     m.reset();  // the host mapping is no longer needed
 
     // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
