@@ -40,8 +40,10 @@
 // --spec-accept a,b,.. (percent; 0 = drafts always wrong) [--spec-tokens 64] [--draft-max 4]: at each depth,
 // speculative decoding at controlled acceptance (spec_controlled below: the target's own greedy continuation
 // as drafts, each corrupted with probability 1 - a, adaptive width, rows sampled on the device, the rejected
-// rows rolled back; drafts free, then with --dspark the drafter's cost paid as the engine pays it): tok/s
-// against plain decoding and tokens per step.
+// rows rolled back; drafts free, then with --dspark the drafter's cost paid as the engine pays it, then, when
+// MODEL holds an MTP head (fathom-gguf synth --mtp; llama.cpp's nextn layout), the head's cost paid: k chained
+// eval_mtp rows per drafting step and its rows over every verification): tok/s against plain decoding and
+// tokens per step, and each drafter's cost in one-row steps.
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
@@ -71,6 +73,7 @@
 #include "models/deepseek4_dspark.h"
 #include "bench_util.h"
 #include "core/error.h"
+#include "engine/ds4_drafter.h"
 #include "fathom/speculative.h"
 #include "models/deepseek4.h"
 
@@ -201,24 +204,180 @@ void dspark_costs(const ds4::dspark_weights &dw, const std::shared_ptr<const ds4
 // from the timed steps (spec::verify_cost, as the engine does). Each verification is one eval_rows of 1 + k
 // rows whose logits stay on the device, each row's token taken from its device summary (row_top, what the
 // engine's eval_verify / sample_row do for a greedy sampler), the rejected rows rolled back (truncate). Each
-// acceptance runs twice: drafts free (the oracle alone: the verification's own speed), then, with a DSpark
-// drafter (dw, dev), paying its cost as the engine's drafter does: the feature capture in every
-// verification, and in each step that asks for drafts one observe() of the kept rows' features since the
-// last draft (at most a window of them) and one draft block (its tokens replaced by the oracle's). Plain decoding for the ratio: eval of one token, its token from the device
-// summary (the engine's plain step). Each run starts from a fresh sequence made `depth` deep with the same
-// seed, so every run decodes the same tokens.
+// acceptance runs with drafts free (the oracle alone: the verification's own speed), then with each drafter
+// the run has (paid_drafter below: a DSpark drafter, the model file's MTP head) paying its cost as the
+// engine's drafter does, its drafts replaced by the oracle's. Plain decoding for the ratio: eval of one token,
+// its token from the device summary (the engine's plain step). Each run starts from a fresh sequence made
+// `depth` deep with the same seed, so every run decodes the same tokens.
+constexpr int32_t kFirst = 11;  // the token decoding starts from
+
+// A drafter whose cost spec_controlled pays: draft() is timed as the drafter's cost (spec::generate's
+// observe_draft), verify() as the verification (eval_rows with what the drafter reads, and what the engine's
+// session does with it inside eval_verify), rollback() follows the target's truncate.
+class paid_drafter {
+  public:
+    virtual ~paid_drafter() = default;
+    virtual const char *name() const = 0;
+    virtual void draft(int64_t base, int32_t pending, int32_t k) = 0;
+    virtual void verify(ds4::cuda_sequence &s, std::span<const int32_t> rows) = 0;
+    virtual void rollback(int64_t base, int64_t kept) = 0;  // the target keeps rows [base, base + kept)
+    double verify_side_s = 0;  // the drafter's part of verify()
+};
+
+// DSpark (dw, dev): the feature capture in every verification, and in each step that asks for drafts one
+// observe() of the kept rows' features since the last draft (at most a window of them) and one draft block.
+class dspark_paid final : public paid_drafter {
+  public:
+    dspark_paid(ds4::cuda_sequence &s, const ds4::dspark_weights &dw, const std::shared_ptr<const ds4::cuda_weights> &dev,
+                int64_t depth)
+        : d_(dev, ds4::qat_mode::full), W_(dw.cfg.window), F_(d_.feature_dim()) {
+        s.set_feature_layers(dw.cfg.target_layers, dw.cfg.window);
+        d_.observe(depth - W_, pseudo_features(W_ * F_));
+        for (int i = 0; i < 2; ++i) d_.draft(depth, kFirst);  // graph capture outside the timing
+    }
+    const char *name() const override { return "DSpark paid"; }
+    void draft(int64_t base, int32_t pending, int32_t) override {
+        if (!pend_.empty()) {  // the newest window of the features waiting since the last draft
+            const int64_t skip = std::max<int64_t>(0, static_cast<int64_t>(pend_.size()) / F_ - W_);
+            d_.observe(pend_p0_ + skip, std::span<const float>(pend_).subspan(static_cast<size_t>(skip * F_)));
+            pend_.clear();
+        }
+        d_.draft(base, pending);
+    }
+    void verify(ds4::cuda_sequence &s, std::span<const int32_t> rows) override {
+        feats_.resize(rows.size() * static_cast<size_t>(F_));
+        s.eval_rows(rows, {}, {}, feats_);
+    }
+    void rollback(int64_t base, int64_t kept) override {  // the kept rows' features wait for the next draft
+        d_.truncate(base);
+        if (pend_.empty()) pend_p0_ = base;
+        pend_.insert(pend_.end(), feats_.begin(), feats_.begin() + static_cast<std::ptrdiff_t>(kept * F_));
+        const int64_t over = static_cast<int64_t>(pend_.size()) / F_ - W_;
+        if (over >= W_) {  // trimmed once a window's worth is stale (not every step)
+            pend_.erase(pend_.begin(), pend_.begin() + static_cast<std::ptrdiff_t>(over * F_));
+            pend_p0_ += over;
+        }
+    }
+
+  private:
+    ds4::cuda_dspark d_;
+    int64_t W_, F_;
+    std::vector<float> feats_, pend_;  // pend_: features of positions pend_p0_.. not yet observed
+    int64_t pend_p0_ = 0;
+};
+
+// The MTP head (mtp_dev: cuda_upload_mtp of the model file's head) as a session's drafter on one GPU (the
+// engine's own make_mtp_drafter over make_cuda_mtp_head): each step that asks for k drafts chains the head
+// k rows (one eval_mtp each, a replayed graph) from the target's final HC state and rolls them back; every
+// verification hands the verified rows' final HC states over (eval_rows' hc_out) and the head runs its rows
+// over them (observe: part of the verification, as in the session's eval_verify); rollback truncates it. The
+// head's history starts as after a prompt: its last window of rows, from deterministic pseudo-random states
+// (the sequence's synthetic depth has no real ones).
+class mtp_paid final : public paid_drafter {
+  public:
+    mtp_paid(const std::shared_ptr<const ds4::cuda_weights> &mtp_dev, const ds4::hparams &hp, int64_t depth, int64_t n_ctx)
+        : S_(static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd)),
+          d_(make_mtp_drafter(make_cuda_mtp_head(mtp_dev, n_ctx + ds4::max_rollback), S_)) {
+        held_.resize(static_cast<size_t>(depth));
+        for (size_t i = 0; i < held_.size(); ++i) held_[i] = static_cast<int32_t>((i * 7919 + 13) % static_cast<size_t>(hp.n_vocab));
+        const int64_t rows = std::min<int64_t>(depth, d_->context_rows());
+        d_->observe(held_, depth - rows, pseudo_features(rows * static_cast<int64_t>(S_)), {});
+        for (int i = 0; i < 2; ++i) d_->draft(held_, kFirst, 2, nullptr);  // graph capture outside the timing
+    }
+    const char *name() const override { return "MTP paid"; }
+    void draft(int64_t base, int32_t pending, int32_t k) override {
+        if (static_cast<int64_t>(held_.size()) != base) throw error("mtp_paid: the held tokens do not match the target");
+        d_->draft(held_, pending, k, nullptr);
+    }
+    void verify(ds4::cuda_sequence &s, std::span<const int32_t> rows) override {
+        hc_.resize(rows.size() * S_);
+        const int64_t base = s.n_past();
+        s.eval_rows(rows, {}, hc_);
+        const double h0 = now_s();
+        held_.insert(held_.end(), rows.begin(), rows.end());
+        d_->observe(held_, base, hc_, {});
+        verify_side_s += now_s() - h0;
+    }
+    void rollback(int64_t base, int64_t kept) override {
+        held_.resize(static_cast<size_t>(base + kept));
+        d_->truncate(base + kept);
+    }
+
+  private:
+    size_t S_;
+    std::unique_ptr<ds4_drafter> d_;
+    std::vector<int32_t> held_;  // the tokens the target holds (the drafter reads them)
+    std::vector<float> hc_;      // [rows, S_] the verified rows' final HC states
+};
+
+struct spec_result {
+    int64_t steps = 0, drafted = 0, kept = 0, drafts = 0;
+    double seconds = 0, draft_s = 0;
+};
+
+// n_tok tokens from s (made depth deep) with drafts from cont (the greedy continuation), each kept with
+// probability a, the width adaptive up to draft_max; d (or null: drafts free) pays its cost.
+spec_result spec_run(ds4::cuda_sequence &s, paid_drafter *d, const std::vector<int32_t> &cont, double a, int n_tok,
+                     int draft_max, spec::verify_cost &cost, std::mt19937 &rng, size_t V) {
+    // the greedy token of a row on the device: its one-candidate summary (ties: the lower id)
+    auto top1 = [](ds4::cuda_sequence &q, int row) { return q.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
+    spec::draft_budget budget(draft_max, true);
+    int32_t pending = kFirst;
+    size_t emitted = 0;
+    spec_result r;
+    const double t0 = now_s();
+    while (emitted < static_cast<size_t>(n_tok)) {
+        const int64_t base = s.n_past();
+        const int32_t k = budget.next(&cost);
+        if (d && k > 0) {  // the drafter's cost; its tokens are replaced by the oracle's
+            const double d0 = now_s();
+            d->draft(base, pending, k);
+            const double dt = now_s() - d0;
+            cost.observe_draft(k, dt);
+            r.draft_s += dt;
+            ++r.drafts;
+        }
+        std::vector<int32_t> rows{pending};
+        for (int32_t j = 0; j < k; ++j) {
+            int32_t x = cont[emitted + static_cast<size_t>(j)];
+            if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
+            rows.push_back(x);
+        }
+        const double s0 = now_s();
+        if (d)
+            d->verify(s, rows);
+        else
+            s.eval_rows(rows, {});
+        cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
+        ++r.steps;
+        size_t j = 0;
+        for (;; ++j) {  // row j's greedy token is the next true token; drafts kept while they equal it
+            const int32_t y = top1(s, static_cast<int>(j));
+            ++emitted;
+            if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
+            pending = y;
+            break;
+        }
+        s.truncate(base + 1 + static_cast<int64_t>(j));
+        if (d) d->rollback(base, 1 + static_cast<int64_t>(j));
+        budget.update(rows.size() - 1, j);
+        r.drafted += static_cast<int64_t>(rows.size()) - 1;
+        r.kept += static_cast<int64_t>(j);
+    }
+    r.seconds = now_s() - t0;
+    return r;
+}
+
 void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const std::shared_ptr<cuda::block_pool> &pool,
                      int64_t depth, size_t V, const std::vector<int64_t> &accepts, int n_tok, int draft_max,
-                     const ds4::dspark_weights *dw, const std::shared_ptr<const ds4::cuda_weights> &dev) {
+                     const ds4::dspark_weights *dw, const std::shared_ptr<const ds4::cuda_weights> &dev,
+                     const std::shared_ptr<const ds4::cuda_weights> &mtp_dev) {
     const int64_t n_ctx = depth + n_tok + 64;
     auto fresh = [&] {
         auto s = std::make_unique<ds4::cuda_sequence>(w, n_ctx, true, 0, nullptr, pool);
         ds4::cuda_testing::fill_synthetic(*s, depth, 7);
         return s;
     };
-    // the greedy token of a row on the device: its one-candidate summary (ties: the lower id)
-    auto top1 = [](ds4::cuda_sequence &s, int row) { return s.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
-    constexpr int32_t kFirst = 11;
     std::vector<int32_t> cont;  // cont[i]: the greedy token after kFirst, cont[0..i)
     double plain_s = 0;
     {
@@ -233,101 +392,58 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
             if (i + 1 == n_tok) plain_s = now_s() - t0;
         }
     }
-    const double plain = n_tok / plain_s;
+    const double plain = n_tok / plain_s, step_s = plain_s / n_tok;
     std::printf("speculation at controlled acceptance from depth %lld, %d tokens, width <= %d (adaptive; drafter and rows "
                 "costed): plain decoding %.1f tok/s (eval of one token, its token from the device summary)\n",
                 static_cast<long long>(depth), n_tok, draft_max, plain);
     std::mt19937 rng(3);
-    for (int paid = 0; paid <= (dw ? 1 : 0); ++paid) {
+    for (int mode = 0; mode < 3; ++mode) {  // drafts free, DSpark paid, MTP paid
+        if ((mode == 1 && !dw) || (mode == 2 && !mtp_dev)) continue;
         spec::verify_cost cost;  // kept across the acceptances, as a serving process keeps it
         for (int64_t ap : accepts) {
             const double a = static_cast<double>(ap) / 100.0;
             auto s = fresh();
-            std::unique_ptr<ds4::cuda_dspark> d;
-            int64_t F = 0;
-            if (paid) {
-                s->set_feature_layers(dw->cfg.target_layers, dw->cfg.window);
-                d = std::make_unique<ds4::cuda_dspark>(dev, ds4::qat_mode::full);
-                F = d->feature_dim();
-                d->observe(depth - dw->cfg.window, pseudo_features(dw->cfg.window * F));
-                for (int i = 0; i < 2; ++i) d->draft(depth, kFirst);  // graph capture outside the timing
-            }
+            std::unique_ptr<paid_drafter> d;
+            if (mode == 1) d = std::make_unique<dspark_paid>(*s, *dw, dev, depth);
+            if (mode == 2) d = std::make_unique<mtp_paid>(mtp_dev, s->hp(), depth, n_ctx);
             // Every row count's graph captured before the timing (a serving process has them).
             for (int r = 1; r <= draft_max + 1; ++r) {
                 std::vector<int32_t> toks(static_cast<size_t>(r), kFirst);
                 for (int i = 0; i < 2; ++i) s->eval_rows(toks, {}), s->truncate(depth);
             }
-            spec::draft_budget budget(draft_max, true);
-            int32_t pending = kFirst;
-            size_t emitted = 0;
-            int64_t steps = 0, drafted = 0, kept = 0, drafts_made = 0;
-            double draft_s = 0;
-            std::vector<float> feats, pend;  // pend: features of positions pend_p0.. not yet observed
-            int64_t pend_p0 = 0;
-            const double t0 = now_s();
-            while (emitted < static_cast<size_t>(n_tok)) {
-                const int64_t base = s->n_past();
-                const int32_t k = budget.next(&cost);
-                if (d && k > 0) {  // the block's cost; its tokens are replaced by the oracle's
-                    const double d0 = now_s();
-                    if (!pend.empty()) {  // the newest window of the features waiting since the last draft
-                        const int64_t skip = std::max<int64_t>(0, static_cast<int64_t>(pend.size()) / F - dw->cfg.window);
-                        d->observe(pend_p0 + skip, std::span<const float>(pend).subspan(static_cast<size_t>(skip * F)));
-                        pend.clear();
-                    }
-                    d->draft(base, pending);
-                    const double dt = now_s() - d0;
-                    cost.observe_draft(k, dt);
-                    draft_s += dt;
-                    ++drafts_made;
-                }
-                std::vector<int32_t> rows{pending};
-                for (int32_t j = 0; j < k; ++j) {
-                    int32_t x = cont[emitted + static_cast<size_t>(j)];
-                    if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
-                    rows.push_back(x);
-                }
-                feats.resize(static_cast<size_t>(d ? rows.size() * F : 0));
-                const double s0 = now_s();
-                s->eval_rows(rows, {}, {}, feats);
-                cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
-                ++steps;
-                size_t j = 0;
-                for (;; ++j) {  // row j's greedy token is the next true token; drafts kept while they equal it
-                    const int32_t y = top1(*s, static_cast<int>(j));
-                    ++emitted;
-                    if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
-                    pending = y;
-                    break;
-                }
-                s->truncate(base + 1 + static_cast<int64_t>(j));
-                if (d) {  // the kept rows' features wait for the next draft (at most a window of them)
-                    d->truncate(base);
-                    if (pend.empty()) pend_p0 = base;
-                    pend.insert(pend.end(), feats.begin(), feats.begin() + static_cast<std::ptrdiff_t>((j + 1) * F));
-                    const int64_t over = static_cast<int64_t>(pend.size()) / F - dw->cfg.window;
-                    if (over >= dw->cfg.window) {  // trimmed once a window's worth is stale (not every step)
-                        pend.erase(pend.begin(), pend.begin() + static_cast<std::ptrdiff_t>(over * F));
-                        pend_p0 += over;
-                    }
-                }
-                budget.update(rows.size() - 1, j);
-                drafted += static_cast<int64_t>(rows.size()) - 1;
-                kept += static_cast<int64_t>(j);
-            }
-            const double tps = n_tok / (now_s() - t0);
+            const spec_result r = spec_run(*s, d.get(), cont, a, n_tok, draft_max, cost, rng, V);
+            const double tps = n_tok / r.seconds;
             std::printf("%10s %s a = %.2f: %.1f tok/s = %.2fx plain; %.2f tokens per step, %lld drafted, %lld kept; "
                         "verify cost 2..%d rows / 1 row:",
-                        "", paid ? "DSpark paid" : "drafts free", a, tps, tps / plain,
-                        static_cast<double>(n_tok) / static_cast<double>(steps), static_cast<long long>(drafted),
-                        static_cast<long long>(kept), draft_max + 1);
-            for (int r = 2; r <= draft_max + 1; ++r) std::printf(" %.2f", cost.ratio(r));
-            if (paid)
-                std::printf("; %lld draft blocks, %.3f ms each = %.2f steps", static_cast<long long>(drafts_made),
-                            drafts_made ? draft_s * 1e3 / static_cast<double>(drafts_made) : 0.0, cost.draft_ratio(1));
+                        "", d ? d->name() : "drafts free", a, tps, tps / plain,
+                        static_cast<double>(n_tok) / static_cast<double>(r.steps), static_cast<long long>(r.drafted),
+                        static_cast<long long>(r.kept), draft_max + 1);
+            for (int q = 2; q <= draft_max + 1; ++q) std::printf(" %.2f", cost.ratio(q));
+            const double each = r.drafts ? r.draft_s / static_cast<double>(r.drafts) : 0.0;
+            if (mode == 1)
+                std::printf("; %lld draft blocks, %.3f ms each = %.2f steps", static_cast<long long>(r.drafts), each * 1e3,
+                            cost.draft_ratio(1));
+            if (mode == 2)  // a draft chains k head rows: its cost per drafted token, in plain decoding steps
+                std::printf("; %lld MTP drafts of %.2f tokens, %.3f ms each = %.2f steps, %.2f steps a drafted token; "
+                            "head rows over the verified ones %.3f ms a step",
+                            static_cast<long long>(r.drafts),
+                            r.drafts ? static_cast<double>(r.drafted) / static_cast<double>(r.drafts) : 0.0, each * 1e3,
+                            each / step_s, r.drafted ? r.draft_s / static_cast<double>(r.drafted) / step_s : 0.0,
+                            d->verify_side_s * 1e3 / static_cast<double>(std::max<int64_t>(1, r.steps)));
             std::printf("\n");
         }
     }
+}
+
+// The model file's MTP head (llama.cpp's layout: fathom-gguf synth --mtp), for --spec-accept's "MTP paid" runs:
+// read from the same host model and uploaded beside the target as the engine's --spec mtp does
+// (cuda_upload_mtp; a sparse file's pooled rows replicated on the device like the target's). Null without one.
+std::shared_ptr<const ds4::cuda_weights> upload_mtp_head(const ds4::model &m, const std::shared_ptr<const ds4::cuda_weights> &w) {
+    if (m.hp.n_nextn < 1) return nullptr;
+    auto dev = ds4::cuda_upload_mtp(m, *ds4::load_mtp(m, m.file), w);
+    std::printf("mtp head (blk.%d of the model file): %.2f GB on the device\n", m.hp.n_layer,
+                static_cast<double>(ds4::cuda_weight_bytes(*dev)) / 1e9);
+    return dev;
 }
 
 }  // namespace
@@ -461,6 +577,7 @@ int main(int argc, char **argv) try {
                     dspark_file.c_str(), dspark_w->stages.size(), dspark_w->cfg.block_size, dspark_w->cfg.window,
                     dspark_w->cfg.markov_rank, static_cast<double>(ds4::cuda_weight_bytes(*dspark_dev)) / 1e9);
     }
+    const auto mtp_dev = spec_accepts.empty() ? nullptr : upload_mtp_head(*m, w);  // null: no MTP head in the file
     m.reset();  // the host mapping is no longer needed
 
     // End to end from position 0: 256-token prompt through eval (logits downloaded), then decode.
@@ -631,7 +748,8 @@ int main(int argc, char **argv) try {
         }
         if (dspark_w) dspark_costs(*dspark_w, dspark_dev, seq, t, n_gen, dt);
         if (!spec_accepts.empty())
-            spec_controlled(w, state_pool, depth, static_cast<size_t>(seq.hp().n_vocab), spec_accepts, spec_tokens, draft_max, dspark_w.get(), dspark_dev);
+            spec_controlled(w, state_pool, depth, static_cast<size_t>(seq.hp().n_vocab), spec_accepts, spec_tokens, draft_max,
+                            dspark_w.get(), dspark_dev, mtp_dev);
         if (!seqs_list.empty()) {  // several sequences per step
             const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
             std::vector<std::unique_ptr<ds4::cuda_sequence>> many;

@@ -7,15 +7,18 @@
 # scripts/device/step_table.py reads them), and ncu's sections (occupancy, warp stalls, launch stats) for
 # the multi-row dense GEMV (gemv_q8x_cols_kernel) and the rows MoE kernels of that step (sections-rows.txt).
 # Usage (device): bash scripts/device/rows_diag.sh [layers=8]; env FILTER ("none": no tests), ROWS (4),
-# BUDGET_S (330: what is left is skipped), SPEC (acceptances, 0,60,80,90), SPEC_TOKENS (64), NCU (0: no profiles).
+# BUDGET_S (330: what is left is skipped), SPEC (acceptances, 0,60,80,90), SPEC_TOKENS (64), NCU (0: no profiles),
+# MTP (1: the target synthesised with its MTP block, fathom-gguf synth --mtp, so --spec-accept adds the "MTP paid"
+# runs: the head's chained drafts and rows costed; its own file name, /tmp/ds4flash-q2-L-mtp.gguf).
 set -u
 . "$(dirname "$0")/carry_env.sh"
 link_shared
 t0=$(date +%s)
 left() { echo $(( ${BUDGET_S:-330} - ($(date +%s) - t0) )); }
 L=${1:-8}
-m=/tmp/ds4flash-q2-$L.gguf d=/tmp/ds4flash-q2-$L-dspark.gguf
-( [ -f "$m" ] || timeout 240 "$c/fathom-gguf" synth "$m.tmp" --preset flash --mix q2 --layers "$L" --sparse -q > "$out/synth-ds4.log" 2>&1 &&
+mtp=(); [ "${MTP:-0}" = 1 ] && mtp=(--mtp)
+m=/tmp/ds4flash-q2-$L${mtp:+-mtp}.gguf d=/tmp/ds4flash-q2-$L-dspark.gguf
+( [ -f "$m" ] || timeout 240 "$c/fathom-gguf" synth "$m.tmp" --preset flash --mix q2 --layers "$L" --sparse "${mtp[@]}" -q > "$out/synth-ds4.log" 2>&1 &&
       mv "$m.tmp" "$m"
   [ -f "$d" ] || timeout 200 "$c/fathom-gguf" synth "$d.tmp" --preset flash --mix q2 --layers "$L" --sparse --dspark -q >> "$out/synth-ds4.log" 2>&1 &&
       mv "$d.tmp" "$d" ) &
@@ -29,9 +32,9 @@ fi
 wait
 [ -f "$m" ] || { echo "no DS4 file"; cat "$out/synth-ds4.log"; exit 1; }
 ds=(); [ -f "$d" ] && ds=(--dspark "$d")
-timeout 200 "$c/bench_cuda_ds4" "$m" --depths "${DEPTHS:-8192,131072}" --n 32 --prefill "" --paged --rows 2,3,4,5 --seqs 4,16 "${ds[@]}" \
+timeout $([ ${#mtp[@]} -gt 0 ] && echo 260 || echo 200) "$c/bench_cuda_ds4" "$m" --depths "${DEPTHS:-8192,131072}" --n 32 --prefill "" --paged --rows 2,3,4,5 --seqs 4,16 "${ds[@]}" \
     --spec-accept "${SPEC:-0,60,80,90}" --spec-tokens "${SPEC_TOKENS:-64}" > "$out/bench-rows.log" 2>&1
-echo "== bench rows rc=$? ($L layers, 8K)"; grep -E "^ +[0-9]+ |rows|sequences|dspark|DSpark|draft|observe|capture|a = |speculation" "$out/bench-rows.log" | head -40
+echo "== bench rows rc=$? ($L layers, 8K)"; grep -E "^ +[0-9]+ |rows|sequences|dspark|DSpark|mtp|MTP|draft|observe|capture|a = |speculation" "$out/bench-rows.log" | head -48
 if [ -x "$c/bench_old" ]; then  # the carried old build (BENCH_OLD=): the same step sizes, for the A/B
     timeout 90 "$c/bench_old" "$m" --depths 8192 --n 32 --prefill "" --paged --rows 4 --seqs 16 > "$out/bench-rows-old.log" 2>&1
     echo "== bench_old rows rc=$?"; grep -E "^ +[0-9]+ |rows|sequences" "$out/bench-rows-old.log" | head -8

@@ -173,6 +173,21 @@ tensor_adder adder_for(std::vector<tensor_spec> &out, const std::string &mix) {
     };
 }
 
+// The MTP (nextn) block in llama.cpp's layout (ds4::load_mtp), after every other tensor: blk.<n_layer>.*
+// as a window-only block with learned routing + bias, then its input projection and norms. eh_proj
+// {2D, D}: input columns 0..D-1 take the embedding, D..2D-1 an HC stream (load_mtp splits each row at
+// column D, so the type is chosen for a row of D); initialised N(0, 1/(2D)), its fan-in.
+void mtp_tensors(std::vector<tensor_spec> &out, const hparams &hp, const std::string &mix) {
+    const tensor_adder add = adder_for(out, mix);
+    const int64_t D = hp.n_embd;
+    const std::string p = "blk." + std::to_string(hp.n_layer) + ".";
+    layer_tensors(add, out, hp, p, 0, false);
+    out.push_back({p + "nextn.eh_proj.weight", type_for(mix, wclass::projection, D), {2 * D, D}, init::linear});
+    add(p + "nextn.enorm.weight", wclass::vector, {D}, init::norm);
+    add(p + "nextn.hnorm.weight", wclass::vector, {D}, init::norm);
+    add(p + "nextn.shared_head_norm.weight", wclass::vector, {D}, init::norm);
+}
+
 std::vector<tensor_spec> tensor_list(const hparams &hp, const std::string &mix) {
     std::vector<tensor_spec> out;
     const tensor_adder add = adder_for(out, mix);
@@ -331,7 +346,9 @@ void write_metadata(gguf::writer &w, const hparams &hp, const synth_options &o) 
     w.set_u32(a + "context_length", static_cast<uint32_t>(std::min<double>(
                                         4294967295.0, static_cast<double>(hp.yarn_orig_ctx) * hp.yarn_factor)));
     w.set_u32(a + "embedding_length", static_cast<uint32_t>(hp.n_embd));
-    w.set_u32(a + "block_count", static_cast<uint32_t>(hp.n_layer));
+    // llama.cpp's MTP layout: the nextn blocks counted in block_count (and in the per-block arrays)
+    w.set_u32(a + "block_count", static_cast<uint32_t>(hp.n_layer + hp.n_nextn));
+    if (hp.n_nextn > 0) w.set_u32(a + "nextn_predict_layers", static_cast<uint32_t>(hp.n_nextn));
     w.set_u32(a + "attention.head_count", static_cast<uint32_t>(hp.n_head));
     w.set_u32(a + "attention.head_count_kv", 1);
     w.set_u32(a + "attention.key_length", static_cast<uint32_t>(hp.head_dim));
@@ -521,14 +538,23 @@ void synth_check(const hparams &hp) {
     need((hp.head_dim - hp.n_rot) % 64 == 0 && hp.n_rot < hp.head_dim, "head dim - RoPE dims must be a positive multiple of 64");
     need(std::has_single_bit(static_cast<unsigned>(hp.idx_dim)) && hp.idx_dim >= 32 && hp.n_rot <= hp.idx_dim,
          "indexer key length must be a power of two >= 32 and >= the RoPE dims");
+    need(hp.n_nextn == 0, "the geometry counts MTP blocks (n_nextn); ask for one with the mtp option instead");
     need(static_cast<int>(hp.compress_ratio.size()) == hp.n_layer && static_cast<int>(hp.clamp_exp.size()) == hp.n_layer,
          "per-layer arrays do not match the layer count");
 }
 
 uint64_t synth_write(const std::string &path, const hparams &hp, const synth_options &o) {
     synth_check(hp);
-    return write_file(path, tensor_list(hp, o.mix), hp, o,
-                      [&](gguf::writer &w) { write_metadata(w, hp, o); });
+    std::vector<tensor_spec> specs = tensor_list(hp, o.mix);
+    hparams fh = hp;  // the file's keys: with the MTP block, block_count and the per-block arrays grow by one
+    if (o.mtp) {
+        fh.n_nextn = 1;
+        fh.compress_ratio.push_back(0);
+        fh.clamp_exp.push_back(hp.clamp_exp.back());
+        fh.clamp_shexp.push_back(hp.clamp_shexp.back());
+        mtp_tensors(specs, hp, o.mix);
+    }
+    return write_file(path, specs, hp, o, [&](gguf::writer &w) { write_metadata(w, fh, o); });
 }
 
 dspark_synth synth_dspark_preset(const std::string &name, const hparams &target) {
@@ -550,6 +576,7 @@ dspark_synth synth_dspark_preset(const std::string &name, const hparams &target)
 uint64_t synth_write_dspark(const std::string &path, const hparams &target, const dspark_synth &d,
                             const synth_options &o) {
     synth_check(target);
+    if (o.mtp) throw error("synth: an MTP block belongs to a target file, not to a DSpark drafter");
     if (d.n_stages < 1 || d.block_size < 1 || d.markov_rank < 1 || d.window < 1 || d.capture_layers.empty())
         throw error(
             "synth: a DSpark drafter needs stages, block size, Markov rank, window and capture layers >= 1");

@@ -1,7 +1,9 @@
 // `fathom-gguf synth`: writes a DS4-architecture GGUF (llama.cpp `deepseek4` layout, every key and
 // tensor ds4::load_model reads, plus a byte-level gpt2 tokenizer) with seeded random weights for
-// any geometry, streamed through gguf::writer so memory stays bounded (one row pool per tensor); and
-// DSpark drafters for such a target (lucebox's `deepseek4-dflash-draft` layout, ds4::load_dspark).
+// any geometry, streamed through gguf::writer so memory stays bounded (one row pool per tensor),
+// optionally with one MTP (nextn) block in llama.cpp's layout (ds4::load_mtp reads it from the same
+// file); and DSpark drafters for such a target (lucebox's `deepseek4-dflash-draft` layout,
+// ds4::load_dspark).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -41,6 +43,15 @@ struct synth_options {
     // CUDA loader to fill row r with row r mod P on the device. The CPU loader refuses such files
     // (their zero rows would not be the model the key describes). Needs pool_rows > 0.
     bool sparse = false;
+    // Target files: one MTP (nextn) block after the main ones, in llama.cpp's layout (ds4::load_mtp):
+    // deepseek4.nextn_predict_layers = 1, block_count = n_layer + 1, the block as blk.<n_layer>.* (ratio 0,
+    // learned routing + bias, the last main block's SwiGLU clamps, weight types by `mix` as the main
+    // blocks') plus blk.<n_layer>.nextn.{eh_proj, enorm, hnorm, shared_head_norm}. The head's HC collapse
+    // is read from output_hc_*, the main model's (one file cannot hold both under llama.cpp's names; the
+    // golden MTP file is separate for that reason): a synthetic head shares the main model's collapse.
+    // Every other tensor keeps its bytes (each tensor has its own random stream), so the main model of an
+    // --mtp file is the file without it. synth_write_dspark refuses it (a drafter file has no MTP block).
+    bool mtp = false;
     std::string name;  // general.name ("" = "ds4-synth")
     std::function<void(uint64_t done, uint64_t total)> on_progress;  // bytes of tensor data
 };

@@ -4,7 +4,8 @@
 //
 //   fathom-gguf synth OUT.gguf [--preset tiny|flash] [--layers N] [--dim D] [--experts E]
 //       [--experts-used K] [--ff F] [--vocab V] [--heads H] [--q-lora R] [--window W]
-//       [--mix q2|q2k|mxfp4|q4k|q3k|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME] [--dspark]
+//       [--mix q2|q2k|mxfp4|q4k|q3k|q8_0|f16|f32] [--seed S] [--pool-rows N] [--name NAME] [--sparse]
+//       [--mtp | --dspark]
 #pragma once
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -64,8 +65,9 @@ inline int run_synth_command(const synth_cli_args &a) {
     }
     const uint64_t bytes = synth_write(a.out, hp, o);
     if (!a.quiet) std::fprintf(stderr, "\n");
-    std::printf("wrote %s: %d layers, D %d, %d experts (%d used), vocab %d, mix %s, seed %llu, %llu tensor bytes\n",
-                a.out.c_str(), hp.n_layer, hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_vocab, o.mix.c_str(),
+    std::printf("wrote %s: %d layers%s, D %d, %d experts (%d used), vocab %d, mix %s, seed %llu, %llu tensor bytes\n",
+                a.out.c_str(), hp.n_layer, o.mtp ? " + 1 MTP block" : "", hp.n_embd, hp.n_expert, hp.n_expert_used,
+                hp.n_vocab, o.mix.c_str(),
                 static_cast<unsigned long long>(o.seed), static_cast<unsigned long long>(bytes));
     return 0;
 }
@@ -101,6 +103,10 @@ inline void setup_synth_command(CLI::App &app, int &rc) {
     s->add_flag("--sparse", a->opt.sparse,
                 "Store each pooled tensor's pool once and leave the rest as a file hole; the CUDA loader "
                 "replicates the pool on the device (device-scale benchmarks; the CPU refuses such files)");
+    s->add_flag("--mtp", a->opt.mtp,
+                "Also write one MTP (nextn) block in llama.cpp's layout (nextn_predict_layers = 1, the block as "
+                "blk.<layers>.*, ratio 0, learned routing; its HC collapse is the main model's output_hc_*): "
+                "the file then drafts itself with --spec mtp");
     s->add_flag(
         "--dspark", a->dspark,
         "Write a DSpark drafter (deepseek4-dflash-draft) for this target geometry instead: 3 stages, "

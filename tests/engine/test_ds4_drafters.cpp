@@ -23,6 +23,7 @@
 #include "server/daemon.h"
 #include "fathom/engine.h"
 #include "fathom/speculative.h"
+#include "engine/ds4_spec_util.h"
 #include "models/ds4/golden_util.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_dspark.h"
@@ -171,36 +172,6 @@ TEST(ds4_drafters, dspark_block_equals_a_fresh_computation_everywhere) {
     EXPECT_GT(checked, 80);
 }
 
-// The plain loop and the speculative loop with the session's own drafter (fixed width, so every step
-// drafts and rolls back): the same tokens, greedy and sampled.
-std::vector<int32_t> generate(engine &e, const std::vector<int32_t> &prompt, const sampling_params &p, int n, bool spec,
-                              spec::spec_stats *st = nullptr) {
-    auto s = e.new_session();
-    s->sync(prompt);
-    sampler smp(p);
-    std::vector<int32_t> out;
-    if (!spec) {
-        while (static_cast<int>(out.size()) < n) {
-            const int32_t t = s->sample(smp, s->tokens()).token;
-            out.push_back(t);
-            s->eval(std::span<const int32_t>(&t, 1));
-        }
-        return out;
-    }
-    session &sr = *s;
-    spec::width_options w;
-    w.draft_max = 4;
-    w.adaptive = false;
-    const spec::spec_stats r = spec::generate(
-        sr, smp, e.info().n_ctx, w, [&sr](std::span<const int32_t> h, int32_t max) { return sr.draft(h, max); },
-        [&](int32_t t) {
-            out.push_back(t);
-            return static_cast<int>(out.size()) >= n ? spec::token_verdict::keep_and_stop : spec::token_verdict::keep;
-        });
-    if (st) *st = r;
-    return out;
-}
-
 TEST(ds4_drafters, speculation_with_either_drafter_is_plain_decoding) {
     const auto cases = ds4_test::load_cases("cases.jsonl");
     const std::vector<int32_t> prompt(cases.at(0).tokens.begin(), cases.at(0).tokens.end());
@@ -210,9 +181,9 @@ TEST(ds4_drafters, speculation_with_either_drafter_is_plain_decoding) {
             sampling_params p;
             p.temperature = k == 0 ? 0.0f : 0.9f;
             p.seed = 7;
-            const auto plain = generate(*e, prompt, p, 150, false);
+            const auto plain = ds4_test::generate(*e, prompt, p, 150, false);
             spec::spec_stats st;
-            EXPECT_EQ(generate(*e, prompt, p, 150, true, &st), plain) << kind << (k ? " sampled" : " greedy");
+            EXPECT_EQ(ds4_test::generate(*e, prompt, p, 150, true, &st), plain) << kind << (k ? " sampled" : " greedy");
             EXPECT_GT(st.drafted, 100) << kind;
         }
     }

@@ -6,12 +6,19 @@
 //  - the CPU head (ds4::mtp_forward) on a chained draft: rows fed with the head's own output state and
 //    argmax token, rolled back and resumed; logits within the golden tier's tolerance of the CPU's, the
 //    same argmax, and the output state close;
-//  - bad input: eval_mtp on the target's weights, eval on the head's, wrong buffer sizes.
+//  - bad input: eval_mtp on the target's weights, eval on the head's, wrong buffer sizes;
+//  - a synthetic target carrying its MTP block (fathom-gguf synth --mtp: llama.cpp's layout in the model file
+//    itself) uploads from the file's host model and follows the CPU head on rows of the target's own states:
+//    f32 mix within 1e-4 and the same argmax; q2 mix (a Q8_0 eh_proj split at column D, rows 2D apart; the
+//    device MoE's q8 activations) median relative L2 <= 0.1 (a wrong split or stride is ~1); a sparse file
+//    (rows replicated on the device) drafts finite logits.
 // Skips without a CUDA device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +29,7 @@
 #include "models/cuda/deepseek4_cuda.h"
 #include "models/deepseek4.h"
 #include "models/deepseek4_mtp.h"
+#include "models/deepseek4_synth.h"
 
 namespace fathom {
 namespace {
@@ -188,6 +196,84 @@ TEST_F(CudaDs4Mtp, BadInputIsRefused) {
     EXPECT_EQ(head.n_past(), 0);
     EXPECT_GE(head.eval_mtp(1, hc), 0);
     EXPECT_EQ(head.n_past(), 1);
+}
+
+std::string synth_file(const std::string &tag, const std::string &mix, bool sparse) {
+    ds4::hparams hp = ds4::synth_preset("tiny");
+    ds4::synth_options o;
+    o.seed = 3;
+    o.mix = mix;
+    o.mtp = true;
+    if (sparse) {
+        hp.n_expert = 64;  // expert banks larger than the pool: stored once, replicated on the device
+        o.pool_rows = 16;
+        o.sparse = true;
+    }
+    const std::string p = (std::filesystem::temp_directory_path() / ("cuda_ds4_synth_mtp_" + tag + ".gguf")).string();
+    ds4::synth_write(p, hp, o);
+    return p;
+}
+
+TEST_F(CudaDs4Mtp, SyntheticMtpFileFollowsTheCpuHead) {
+    for (const std::string mix : {"f32", "q2"}) {
+        const std::string path = synth_file(mix, mix, false);
+        const auto m = ds4::load_model(path);
+        const auto mw = ds4::load_mtp(*m, m->file);
+        const ds4::hparams &hp = m->hp;
+        const size_t V = static_cast<size_t>(hp.n_vocab), S = static_cast<size_t>(hp.n_hc * hp.n_embd), n = 24;
+        std::vector<int32_t> toks(n + 1);
+        for (size_t i = 0; i <= n; ++i) toks[i] = static_cast<int32_t>((i * 37 + 5) % V);
+        // the target's states on the CPU (the reference head's inputs; the device head gets the same)
+        ds4::state st = ds4::new_state(*m, ds4::qat_mode::full, kv_precision::f32);
+        std::vector<float> hc(n * S);
+        std::vector<int64_t> pos(n);
+        for (size_t i = 0; i < n; ++i) pos[i] = static_cast<int64_t>(i);
+        ds4::forward(*m, st, std::span(toks).first(n), pos, {{}, hc});
+        ds4::cuda_run_options o;
+        o.kv = kv_precision::f32;
+        const auto w = ds4::cuda_upload(*m, o);
+        const auto hw = ds4::cuda_upload_mtp(*m, *mw, w);
+        ds4::cuda_sequence head(hw, static_cast<int64_t>(n) + 1, true, 0);
+        ds4::mtp_state ref = ds4::new_mtp_state(*m, *mw, ds4::qat_mode::full, kv_precision::f32);
+        std::vector<float> lg(V), lr(V);
+        std::vector<double> errs;
+        for (size_t i = 0; i < n; ++i) {
+            const auto x = std::span<const float>(hc).subspan(i * S, S);
+            const int32_t top = head.eval_mtp(toks[i + 1], x, lg);
+            ds4::mtp_forward(*m, *mw, ref, x, std::span(&toks[i + 1], 1), std::span(&pos[i], 1), lr);
+            ASSERT_TRUE(std::all_of(lg.begin(), lg.end(), [](float v) { return std::isfinite(v); })) << mix << " row " << i;
+            errs.push_back(cuda_test::rel_l2(lg.data(), lr.data(), V));
+            if (mix == "f32") {
+                EXPECT_LT(errs.back(), 1e-4) << "row " << i;
+                EXPECT_EQ(top, static_cast<int32_t>(std::max_element(lr.begin(), lr.end()) - lr.begin())) << "row " << i;
+            }
+        }
+        std::sort(errs.begin(), errs.end());
+        EXPECT_LT(errs[errs.size() / 2], 0.1) << mix << ": median relative L2 against the CPU head";
+        std::printf("  synth --mtp %s: median rel L2 %.3g, max %.3g\n", mix.c_str(), errs[errs.size() / 2], errs.back());
+        std::filesystem::remove(path);
+    }
+}
+
+TEST_F(CudaDs4Mtp, SparseSyntheticMtpFileUploadsAndDrafts) {
+    const std::string path = synth_file("sparse", "q2", true);
+    const auto m = ds4::load_model(path);  // the host side of the CUDA loader (the CPU engine refuses the file)
+    const auto mw = ds4::load_mtp(*m, m->file);
+    const size_t V = static_cast<size_t>(m->hp.n_vocab), S = static_cast<size_t>(m->hp.n_hc * m->hp.n_embd), n = 12;
+    ds4::cuda_run_options o;
+    const auto w = ds4::cuda_upload(*m, o);
+    const auto hw = ds4::cuda_upload_mtp(*m, *mw, w);
+    std::vector<int32_t> toks(n + 1);
+    for (size_t i = 0; i <= n; ++i) toks[i] = static_cast<int32_t>((i * 53 + 2) % V);
+    ds4::cuda_sequence target(w, static_cast<int64_t>(n) + 1, true, 0), head(hw, static_cast<int64_t>(n) + 1, true, 0);
+    std::vector<float> hc(n * S), lg(V);
+    target.eval_rows(std::span(toks).first(n), {}, hc);
+    for (size_t i = 0; i < n; ++i) {
+        const int32_t top = head.eval_mtp(toks[i + 1], std::span<const float>(hc).subspan(i * S, S), lg);
+        EXPECT_TRUE(std::all_of(lg.begin(), lg.end(), [](float v) { return std::isfinite(v); })) << "row " << i;
+        EXPECT_EQ(top, static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin())) << "row " << i;
+    }
+    std::filesystem::remove(path);
 }
 
 }  // namespace

@@ -8,8 +8,11 @@
     and its logit within 1e-4: that README's strict tier);
   * `fathom-gguf synth --dspark`: a tiny drafter for a synthesised tiny target drafts finite blocks
     through `fathom logits --dspark`; a drafter for another vocabulary, a sparse (CUDA-only) drafter,
-    or --dspark without --seed-token, is one clear error.
-Independent truth: the golden JSON, read with numpy."""
+    or --dspark without --seed-token, is one clear error;
+  * `fathom-gguf synth --mtp`: the target drafts for itself (`run --spec mtp` without --draft-model prints
+    the plain run's text, `logits --mtp` on the file itself gives finite MTP logits); without --mtp,
+    --spec mtp is the engine's clear error; --mtp with --dspark is refused.
+Independent truth: the golden JSON, read with numpy; plain decoding's text."""
 import argparse
 import json
 import os
@@ -20,8 +23,8 @@ import tempfile
 import numpy as np
 
 
-def run(cmd, expect_ok=True):
-    r = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd, expect_ok=True, text=True):
+    r = subprocess.run(cmd, capture_output=True, text=text)  # text=False: a random model's bytes (not UTF-8)
     if expect_ok and r.returncode != 0:
         sys.exit(f"FAIL: {' '.join(cmd)}\n{r.stderr}")
     if not expect_ok and r.returncode == 0:
@@ -138,6 +141,31 @@ def check_synth(a, ddir, td):
     print("ok: a drafter for another vocabulary, a sparse drafter and a missing --seed-token are refused")
 
 
+def check_synth_mtp(a, td):
+    t, p = os.path.join(td, "tm.gguf"), os.path.join(td, "tp.gguf")
+    run([a.fathom_gguf, "synth", t, "--preset", "tiny", "--mtp", "--seed", "4", "-q"])
+    run([a.fathom_gguf, "synth", p, "--preset", "tiny", "--seed", "4", "-q"])
+    toks, out = os.path.join(td, "m.txt"), os.path.join(td, "m.bin")
+    write_tokens(toks, [0, 5, 9, 257, 2, 2, 7])
+    run([a.fathom, "logits", "-m", t, "--mtp", t, "--next-token", "11", "--tokens-file", toks, "--out", out, "-t", "2"])
+    l = np.fromfile(out, dtype="<f4")
+    if l.size != 7 * 512 or not np.isfinite(l).all():
+        sys.exit("FAIL: the synthesised MTP head's logits have the wrong shape or are not finite")
+    args = [a.fathom, "run", "-m", t, "-p", "one two three one two", "-n", "24", "--temp", "0", "-t", "2"]
+    plain, spec = run(args, text=False), run(args + ["--spec", "mtp", "--draft-max", "4"], text=False)
+    if plain.stdout != spec.stdout or b"drafted" not in spec.stderr:
+        sys.exit(f"FAIL: run --spec mtp on a synth --mtp file: {spec.stdout!r} vs plain {plain.stdout!r}; {spec.stderr[-300:]!r}")
+    print("ok: synth --mtp tiny target: logits --mtp on the file itself, run --spec mtp prints the plain text")
+    r = run([a.fathom, "run", "-m", p, "-p", "hi", "-n", "2", "--spec", "mtp"], expect_ok=False)
+    if "no usable MTP head" not in r.stderr:
+        sys.exit(f"FAIL: --spec mtp on a file without an MTP block: {r.stderr}")
+    r = run([a.fathom_gguf, "synth", os.path.join(td, "x.gguf"), "--preset", "tiny", "--mtp", "--dspark", "-q"],
+            expect_ok=False)
+    if "MTP" not in r.stderr:
+        sys.exit(f"FAIL: synth --mtp --dspark not refused clearly: {r.stderr}")
+    print("ok: --spec mtp without an MTP block and synth --mtp --dspark are refused")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fathom", required=True)
@@ -149,6 +177,7 @@ def main():
         ddir = os.path.join(a.shared, "golden", "ds4-tiny-dspark")
         check_dspark(a, ddir, td)
         check_synth(a, ddir, td)
+        check_synth_mtp(a, td)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 #   ds4_cli  `fathom logits` on ds4-tiny-a in prefill/decode/chunked:7 vs the goldens (--qat off and
 #            fp4only), and `fathom-gguf synth --preset tiny` (deterministic, loads, finite logits)
 #   ds4_cli_drafters (check_cli_drafters.py)  `fathom logits --mtp` / `--dspark` vs the MTP and DSpark
-#            goldens, and `fathom-gguf synth --dspark` drafters through `logits --dspark`
+#            goldens, `fathom-gguf synth --dspark` drafters through `logits --dspark`, and `synth --mtp`
+#            targets through `logits --mtp` and `run --spec mtp` (the plain run's text)
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND AND TARGET fathom AND TARGET fathom-gguf)
     add_test(NAME ds4_cli
