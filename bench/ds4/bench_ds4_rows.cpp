@@ -129,9 +129,10 @@ BENCHMARK(BM_Ds4BatchedDecode)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Unit(be
 //     session's drafter runs it (engine/ds4_drafter.h make_mtp_drafter: draft() chains the head k rows from
 //     the target's final HC state and rolls them back; its tokens are then replaced by the oracle's), its time
 //     joining the cost model as spec::generate adds it (observe_draft: the width pays for it); after each
-//     verification the head runs its rows over the verified ones (observe, inside the step's timed cost as in
-//     session::eval_verify) and follows the rollback (truncate). Its history starts as a session's does after
-//     the prompt (the prompt's last window of rows, outside the timing). Extra counters: draft_ms (one draft
+//     verification the drafter is handed the verified rows' states (observe, inside the step's timed cost as
+//     in session::eval_verify; the head runs them lazily, at its next draft) and follows the rollback
+//     (truncate). Its history starts as a session's does after the prompt (the prompt's last context_rows()
+//     rows, outside the timing). Extra counters: draft_ms (one draft
 //     call), draft_tok_steps (its time per drafted token in plain decoding steps, timed by the oracle's plain
 //     run), head_rows_ms (the head's rows per step), drafts/step.
 struct spec_run {

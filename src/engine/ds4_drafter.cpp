@@ -38,23 +38,28 @@ class position_ring {
 };
 
 // The MTP drafting rule over a head that runs rows on the CPU or a GPU (mtp_head).
-// Lazy: observe() only keeps the target's HC states (a ring of the newest window + max_rollback + 2
-// positions); draft() first runs the head over the rows it has not seen, at most the last `window` of
-// them. The head's attention is window-only (ratio 0), so rows more than a window behind the last one
-// cannot change a draft: the drafts are those of a head that had run every row as it came, while a step
-// that does not draft (the width paused by the cost model: an always-wrong drafter) costs the head
-// nothing. Before, the head ran every verified row at once, ~30 ms of a ~70 ms step on the 2-core CPU
-// and a block's forward per step on the GPU, drafting or not.
+// Lazy: observe() only keeps the target's HC states (a ring of the newest kCatchUp + max_rollback + 2
+// positions); draft() first runs the head over the rows it has not seen since its last draft. A step that
+// does not draft (the width paused by the cost model: an always-wrong drafter) costs the head nothing;
+// before, the head ran every verified row at once, drafting or not (~30 ms of a ~70 ms step of the
+// 4-block CPU bench model, a block's forward per verified row on the GPU). While drafting goes on, each
+// draft catches up the rows verified since the previous one (at most max_rollback + 1), so its timed cost
+// (verify_cost::observe_draft) is what drafting costs per step and the head's history is whole. After a
+// pause the head resumes from at most kCatchUp rows back (its window is 128): such a draft comes from a
+// shorter history than a head that never paused (a proposal only; the verification decides what is
+// kept) and costs kCatchUp rows more, not a window's, so the probes that decide whether to resume are
+// not priced as if drafting always cost that much.
+constexpr int64_t kCatchUp = 2 * ds4::max_rollback;
 class mtp_drafter final : public ds4_drafter {
   public:
     mtp_drafter(std::unique_ptr<mtp_head> head, size_t state_floats)
         : head_(std::move(head)), S_(state_floats),
-          hc_(static_cast<size_t>(head_->window() + ds4::max_rollback) + 2, S_) {
+          hc_(static_cast<size_t>(kCatchUp + ds4::max_rollback) + 2, S_) {
         head_->restart(0);
     }
     bool wants_hc_state() const override { return true; }
     std::span<const int> feature_layers() const override { return {}; }
-    int64_t context_rows() const override { return head_->window() + 2; }
+    int64_t context_rows() const override { return std::min<int64_t>(kCatchUp, head_->window()) + 2; }
 
     // Keeps the states of positions p0 .. (hc: this forward's rows); the head runs them at the next draft.
     void observe(std::span<const int32_t> held, int64_t p0, std::span<const float> hc,
@@ -105,11 +110,12 @@ class mtp_drafter final : public ds4_drafter {
     }
 
   private:
-    // The head's rows up to `end` - 1 (each: the HC state at i, token i + 1), from where it stands or a
-    // window before `end`, whichever is later; a state the ring no longer holds (or never held: a loaded
-    // state, a long prefill) starts the head's history after it.
+    // The head's rows up to `end` - 1 (each: the HC state at i, token i + 1), from where it stands or
+    // kCatchUp rows before `end`, whichever is later; a state the ring no longer holds (or never held: a
+    // loaded state) starts the head's history after it.
     void catch_up(std::span<const int32_t> held, int64_t end) {
-        if (head_->n_past() < end - head_->window()) head_->restart(end - head_->window());  // too old to matter
+        const int64_t from = end - std::min<int64_t>(kCatchUp, head_->window());
+        if (head_->n_past() < from) head_->restart(from);
         for (int64_t q = end - 1; q >= head_->n_past(); --q)
             if (!hc_.get(q)) {
                 head_->restart(q + 1);
