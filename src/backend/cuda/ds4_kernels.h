@@ -1,6 +1,6 @@
 // Host launchers of the DS4 (DeepSeek V4 Flash) decode building blocks on CUDA: the MoE expert
 // GEMVs reading only the selected experts' weights (ds4_moe.cu), the router (sqrt-softplus scores,
-// hash or biased top-k, weight normalisation; ds4_moe.cu) and the hyper-connection pre/post mixers
+// hash or biased top-k, weight normalisation; ds4_moe_route.cu) and the hyper-connection pre/post mixers
 // with Sinkhorn normalisation (ds4_hc.cu), the indexer's scoring and exact top-k (ds4_indexer.cu).
 // One token per call (decode). Pointers are device
 // addresses; every count that can change per token (token id, expert ids, routing weights) is read

@@ -132,7 +132,7 @@ class moe_prefill {
     std::unique_ptr<impl> p_;
 };
 
-// launch_moe_route for each of n_tok tokens (ds4_moe.cu, the same kernel: ids and weights bit-identical
+// launch_moe_route for each of n_tok tokens (ds4_moe_route.cu, the same kernel: ids and weights bit-identical
 // to the per-token launch): logits [n_tok, E], tokens [n_tok] (hash routing), ids / weights [n_tok, k].
 void launch_moe_route_batch(const float *logits, int E, const float *bias, const int32_t *tid2eid, int64_t n_vocab,
                             const int32_t *tokens, int64_t n_tok, int k, float scale, int32_t *ids, float *weights,

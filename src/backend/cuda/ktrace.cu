@@ -7,6 +7,7 @@
 bool fathom_ktrace_bind_ds4_gemv(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
 bool fathom_ktrace_bind_ds4_hc(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
 bool fathom_ktrace_bind_ds4_moe(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
+bool fathom_ktrace_bind_ds4_moe_route(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
 bool fathom_ktrace_bind_ds4_attn(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
 bool fathom_ktrace_bind_ds4_indexer(fathom::cuda::ktrace::record *, uint32_t *, uint32_t);
 
@@ -35,7 +36,7 @@ const char *name(uint32_t kernel) {
 bool bind_all(record *buf, uint32_t *n, uint32_t cap) {
     bool any = false;
     for (auto *bind : {fathom_ktrace_bind_ds4_gemv, fathom_ktrace_bind_ds4_hc, fathom_ktrace_bind_ds4_moe,
-                       fathom_ktrace_bind_ds4_attn, fathom_ktrace_bind_ds4_indexer})
+                       fathom_ktrace_bind_ds4_moe_route, fathom_ktrace_bind_ds4_attn, fathom_ktrace_bind_ds4_indexer})
         any = bind(buf, n, cap) || any;
     return any;
 }
