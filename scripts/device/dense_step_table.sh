@@ -23,33 +23,5 @@ for k in 1 $((n + 1)); do
         > "$out/dense-$k${STEP_NAME:+-$STEP_NAME}.csv" 2> "$out/dense-$k.err"
     echo "ncu (n=$k) rc=$? rows $(wc -l < "$out/dense-$k${STEP_NAME:+-$STEP_NAME}.csv")"
 done
-python3 - "$out/dense-1${STEP_NAME:+-$STEP_NAME}.csv" "$out/dense-$((n + 1))${STEP_NAME:+-$STEP_NAME}.csv" "$n" <<'PY'
-import collections, csv, re, sys
-def load(path):
-    lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith('"ID"'))
-    rows = list(csv.reader(lines[start:]))
-    ix = {h: j for j, h in enumerate(rows[0])}
-    agg = collections.defaultdict(lambda: [0, 0.0])
-    for r in rows[2:]:
-        if len(r) != len(rows[0]):
-            continue
-        k = r[ix["Kernel Name"]].replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
-        k = re.sub(r"<.*", "", re.sub(r"\(.*", "", k)).replace("void ", "").split("::")[-1]
-        agg[k][0] += 1
-        agg[k][1] += float(r[ix["gpu__time_duration.sum"]].replace(",", "")) / 1000.0
-    return agg
-a, b, n = load(sys.argv[1]), load(sys.argv[2]), int(sys.argv[3])
-rows = []
-for k in set(a) | set(b):
-    c = (b[k][0] - a[k][0]) / n
-    d = (b[k][1] - a[k][1]) / n
-    if c > 0:
-        rows.append((k, c, d))
-rows.sort(key=lambda r: -r[2])
-print(f"one decode step (difference of the two profiles / {n}): {sum(r[1] for r in rows):.0f} kernels, "
-      f"{sum(r[2] for r in rows):.1f} us in sum")
-print("| kernel | calls | us per call | us in sum |\n| --- | --- | --- | --- |")
-for k, c, d in rows:
-    print(f"| {k} | {c:g} | {d / c:.2f} | {d:.1f} |")
-PY
+python3 "$here/scripts/device/step_table.py" --diff "$out/dense-1${STEP_NAME:+-$STEP_NAME}.csv" \
+    "$out/dense-$((n + 1))${STEP_NAME:+-$STEP_NAME}.csv" "$n"

@@ -13,6 +13,14 @@
 
 namespace ds4_test {
 
+// The two samplers the identity tests run: greedy, and temperature 0.9 with seed 7.
+inline fathom::sampling_params greedy_or_sampled(bool sampled) {
+    fathom::sampling_params p;
+    p.temperature = sampled ? 0.9f : 0.0f;
+    p.seed = 7;
+    return p;
+}
+
 inline std::vector<int32_t> generate(fathom::engine &e, const std::vector<int32_t> &prompt,
                                      const fathom::sampling_params &p, int n, bool spec,
                                      fathom::spec::spec_stats *st = nullptr) {

@@ -178,9 +178,7 @@ TEST(ds4_drafters, speculation_with_either_drafter_is_plain_decoding) {
     for (const auto &[kind, file] : {std::pair{"mtp", kMtp}, std::pair{"dspark", kDspark}}) {
         auto e = load(kind, file, "full", 512);
         for (int k = 0; k < 2; ++k) {
-            sampling_params p;
-            p.temperature = k == 0 ? 0.0f : 0.9f;
-            p.seed = 7;
+            const sampling_params p = ds4_test::greedy_or_sampled(k == 1);
             const auto plain = ds4_test::generate(*e, prompt, p, 150, false);
             spec::spec_stats st;
             EXPECT_EQ(ds4_test::generate(*e, prompt, p, 150, true, &st), plain) << kind << (k ? " sampled" : " greedy");

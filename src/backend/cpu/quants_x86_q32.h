@@ -591,15 +591,10 @@ inline void f16_scales8(int64_t nb, const uint8_t *const p[8], float *out) {
 // The panel of 4 rows (w[0..3]): per block kQ8PanelBlock bytes, the 4 rows' quants (32 B each) then
 // their fp16(d) as f32, twice ([d0 d1 d2 d3 d0 d1 d2 d3]).
 inline void q8_0_panel(int64_t nb, const uint8_t *const w[4], uint8_t *pw) {
+    const q8_0_rows_src src{w};
     for (int64_t b = 0; b < nb; ++b, pw += kQ8PanelBlock) {
-        const int64_t o = b * 34;
-        for (int r = 0; r < 4; ++r)
-            _mm256_store_si256(reinterpret_cast<__m256i *>(pw + 32 * r),
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + o + 2)));
-        const __m128 d = _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(w[0] + o)), static_cast<short>(ld16(w[1] + o)),
-                                                     static_cast<short>(ld16(w[2] + o)), static_cast<short>(ld16(w[3] + o)),
-                                                     0, 0, 0, 0));
-        _mm256_store_ps(reinterpret_cast<float *>(pw + 128), _mm256_set_m128(d, d));
+        for (int r = 0; r < 4; ++r) _mm256_store_si256(reinterpret_cast<__m256i *>(pw + 32 * r), src.quants(r, b));
+        _mm256_store_ps(reinterpret_cast<float *>(pw + 128), src.dw8(b));
     }
 }
 

@@ -157,6 +157,15 @@ TEST(ds4_attention, sink_adds_mass_without_value) {
     EXPECT_NEAR(o[0], 0.0, 1e-12);
 }
 
+// dot_f32's documented order spelled out: 16 double lanes in element order, then the pairwise sum.
+float dot_spec(const float *a, const float *b, int64_t n) {
+    double acc[16] = {};
+    for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return static_cast<float>(acc[0]);
+}
+
 // dot_f32_rows (several rows per pass, FMA on AVX-512 and AVX2) == dot_f32 row by row, bit for bit, and both
 // == a scalar spelling of the documented order (16 double lanes in element order, pairwise sum), for
 // row counts around the 4-row blocks, lengths with and without a 16-element tail, and values over a
@@ -165,13 +174,6 @@ TEST(ds4_attention, dot_rows_bitwise) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     std::uniform_int_distribution<int> ex(-20, 20);
-    auto spec = [](const float *a, const float *b, int64_t n) {
-        double acc[16] = {};
-        for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-        for (int w = 8; w > 0; w /= 2)
-            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-        return static_cast<float>(acc[0]);
-    };
     for (int64_t n : {16, 128, 512, 100, 7})
         for (int64_t rows : {1, 3, 4, 5, 9}) {
             std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(rows * n)),
@@ -181,7 +183,7 @@ TEST(ds4_attention, dot_rows_bitwise) {
             dot_f32_rows(a.data(), b.data(), rows, n, out.data());
             for (int64_t r = 0; r < rows; ++r) {
                 const float one = dot_f32(a.data(), b.data() + r * n, n),
-                            want = spec(a.data(), b.data() + r * n, n);
+                            want = dot_spec(a.data(), b.data() + r * n, n);
                 const float got = out[static_cast<size_t>(r)];
                 EXPECT_EQ(std::memcmp(&got, &one, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
                 EXPECT_EQ(std::memcmp(&got, &want, 4), 0) << "n=" << n << " rows=" << rows << " r=" << r;
@@ -198,13 +200,6 @@ TEST(ds4_attention, dot_rows_bitwise) {
 TEST(ds4_attention, sink_attention_bitwise) {
     std::mt19937 rng(11);
     std::normal_distribution<float> nd(0.0f, 1.0f);
-    auto dot_spec = [](const float *a, const float *b, int64_t n) {
-        double acc[16] = {};
-        for (int64_t i = 0; i < n; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-        for (int w = 8; w > 0; w /= 2)
-            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-        return static_cast<float>(acc[0]);
-    };
     fathom::cpu::thread_pool pool(2);
     for (const bool threaded : {false, true})
         for (int64_t d : {128, 512, 64, 80, 40})
@@ -253,13 +248,6 @@ TEST(ds4_attention, sink_attention_bitwise) {
 // each equal the spelled-out order on every probe.
 TEST(ds4_attention, accumulation_order_probes) {
     constexpr int64_t m = 32, n = 128;  // probes over the first 32 elements of 128 (AVX-512's grouped width)
-    auto spec = [](const float *a, const float *b, int64_t len) {
-        double acc[16] = {};
-        for (int64_t i = 0; i < len; ++i) acc[i % 16] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-        for (int w = 8; w > 0; w /= 2)
-            for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-        return static_cast<float>(acc[0]);
-    };
     const float B = std::ldexp(1.0f, 60);
     std::vector<float> probes;  // rows of n
     for (int i = 0; i < m; ++i)
@@ -278,7 +266,7 @@ TEST(ds4_attention, accumulation_order_probes) {
     dot_f32_rows(ones.data(), probes.data(), rows, n, out.data());
     int64_t ones_seen = 0;
     for (int64_t r = 0; r < rows; ++r) {
-        const float want = spec(ones.data(), &probes[static_cast<size_t>(r * n)], n);
+        const float want = dot_spec(ones.data(), &probes[static_cast<size_t>(r * n)], n);
         ones_seen += want == 1.0f;
         ASSERT_EQ(out[static_cast<size_t>(r)], want) << "dot_f32_rows, probe " << r;
         ASSERT_EQ(dot_f32(ones.data(), &probes[static_cast<size_t>(r * n)], n), want) << "dot_f32, probe " << r;
@@ -292,7 +280,7 @@ TEST(ds4_attention, accumulation_order_probes) {
     for (int64_t r = 0; r + 4 <= rows; r += 4) {
         attention_scores_heads4(&probes[static_cast<size_t>(r * n)], ones.data(), 1, n, sc.data());
         for (int h = 0; h < 4; ++h)
-            ASSERT_EQ(sc[static_cast<size_t>(h)], spec(&probes[static_cast<size_t>((r + h) * n)], ones.data(), n))
+            ASSERT_EQ(sc[static_cast<size_t>(h)], dot_spec(&probes[static_cast<size_t>((r + h) * n)], ones.data(), n))
                 << "scores, probe " << r + h;
     }
 }

@@ -217,9 +217,7 @@ TEST(ds4_synth_mtp, speculation_with_the_files_own_head_is_plain_decoding) {
     auto spec_e = engine::load(opts(tiny().with, "mtp"));  // no ds4_draft_model: the head from the model file
     EXPECT_FALSE(plain_e->new_session()->has_drafter());
     for (int k = 0; k < 2; ++k) {
-        sampling_params p;
-        p.temperature = k == 0 ? 0.0f : 0.9f;
-        p.seed = 7;
+        const sampling_params p = ds4_test::greedy_or_sampled(k == 1);
         const auto plain = ds4_test::generate(*plain_e, kPrompt, p, 120, false);
         spec::spec_stats st;
         EXPECT_EQ(ds4_test::generate(*spec_e, kPrompt, p, 120, true, &st), plain) << (k ? "sampled" : "greedy");
