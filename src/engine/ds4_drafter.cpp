@@ -148,7 +148,7 @@ class cpu_mtp_head final : public mtp_head {
     void rows(std::span<const float> x, std::span<const int32_t> next) override {
         std::vector<int64_t> pos(next.size());
         for (size_t i = 0; i < pos.size(); ++i) pos[i] = st_.n_past + static_cast<int64_t>(i);
-        ds4::mtp_forward(m_, *w_, st_, x, next, pos, {});
+        ds4::mtp_observe(m_, *w_, st_, x, next, pos);
     }
     int32_t row(std::span<const float> x, int32_t next, std::span<float> out) override {
         const int64_t p = st_.n_past;

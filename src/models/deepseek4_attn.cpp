@@ -184,6 +184,31 @@ void project(std::vector<float> &y, const matrix &w, const float *x, int64_t n) 
     matmul(w, x, n, y.data());
 }
 
+// What the layer's state takes from each row (the KV row; the compressors' inputs, the indexer
+// compressor's on ratio-4 layers): the part of the projections the rows' queries do not need.
+void project_state(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat, const float *xn,
+                   std::span<const int64_t> pos, attn_proj &p) {
+    const int64_t n = static_cast<int64_t>(pos.size()), d = hp.head_dim, nr = hp.n_rot;
+    const rope_table &rope = ropes.for_ratio(l.ratio);
+    project(p.kv, l.kv, xn, n);
+    parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            float *k = &p.kv[static_cast<size_t>(i * d)];
+            rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
+            rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
+            if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
+        }
+    });
+    if (l.ratio > 0) {
+        project(p.ca, l.comp.kv, xn, n);
+        project(p.cg, l.comp.gate, xn, n);
+    }
+    if (l.ratio == 4) {
+        project(p.ica, l.idx_comp.kv, xn, n);
+        project(p.icg, l.idx_comp.gate, xn, n);
+    }
+}
+
 // Queries of heads [s.head0, s.head1) only (p.q [n, (head1-head0)*d]); the rest in full.
 void project_attention(const hparams &hp, const rope_set &ropes, const layer_weights &l, qat_mode qat,
                        const float *xn, std::span<const int64_t> pos, const tp_slice &s, attn_proj &p) {
@@ -205,18 +230,23 @@ void project_attention(const hparams &hp, const rope_set &ropes, const layer_wei
             rope_apply_heads(qi + (d - nr), d, Hs, rope, pos[static_cast<size_t>(i)], false);
         }
     });
-    project(p.kv, l.kv, xn, n);
-    parallel_for(n, 4 * d + 16 * nr, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-            float *k = &p.kv[static_cast<size_t>(i * d)];
-            rms_norm(k, d, l.kv_norm.data(), hp.rms_eps, k);
-            rope_apply(k + (d - nr), rope, pos[static_cast<size_t>(i)], false);
-            if (qat == qat_mode::full) fp8_round_trip(k, d - nr);
-        }
-    });
-    if (l.ratio > 0) {
-        project(p.ca, l.comp.kv, xn, n);
-        project(p.cg, l.comp.gate, xn, n);
+    project_state(hp, ropes, l, qat, xn, pos, p);
+}
+
+// Row ui's state updates at position pos (all precede its attention): the raw ring, the compressors.
+// row / irow: scratch of d and idx_dim floats.
+void push_state(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
+                const attn_proj &p, size_t ui, int64_t pos, float *row, float *irow) {
+    const size_t d = static_cast<size_t>(hp.head_dim), cw = (l.ratio == 4 ? 2 : 1) * d,
+                 icw = static_cast<size_t>(2 * hp.idx_dim);
+    ls.raw.set(pos % ls.raw.size(), &p.kv[ui * d]);  // window + rollback rows, slot = pos mod ring
+    if (l.ratio > 0 && compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row)) {
+        compressor_finish(hp, ropes, l.comp, false, qat, pos, row);
+        ls.comp_rows.push(row);
+    }
+    if (l.ratio == 4 && compressor_push(ls.idx_comp, l.idx_comp, &p.ica[ui * icw], &p.icg[ui * icw], pos, irow)) {
+        compressor_finish(hp, ropes, l.idx_comp, true, qat, pos, irow);
+        ls.idx_rows.push(irow);
     }
 }
 
@@ -239,8 +269,6 @@ void project_indexer(const hparams &hp, const rope_set &ropes, const layer_weigh
     project(p.iw, l.idx_proj, xn, n);
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Id) * hp.idx_head));
     for (float &w : p.iw) w *= scale;
-    project(p.ica, l.idx_comp.kv, xn, n);
-    project(p.icg, l.idx_comp.gate, xn, n);
 }
 
 // Grouped low-rank output projection (spec 4.7) of groups [s.group0, s.group1) over m rows: og
@@ -329,8 +357,6 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     thread_local attn_proj p;
     project_attention(hp, ropes, l, qat, xn, positions, s, p);
     if (l.ratio == 4) project_indexer(hp, ropes, l, qat, xn, positions, p);
-    const size_t cw = static_cast<size_t>((l.ratio == 4 ? 2 : 1) * d),
-                 icw = static_cast<size_t>(2 * hp.idx_dim);
     thread_local candidate_rows cand;  // its buffer kept between calls (as p's), its window not
     cand.reset();
     std::vector<float> row(static_cast<size_t>(d)), irow(static_cast<size_t>(hp.idx_dim));
@@ -344,20 +370,9 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
     for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = positions[static_cast<size_t>(i)];
         const size_t ui = static_cast<size_t>(i);
-        layer_state &ls = *states[ui];      // this row's sequence
-        const int64_t ring = ls.raw.size();  // window + rollback rows, slot = pos mod ring
+        layer_state &ls = *states[ui];  // this row's sequence
         // 1. state updates for token pos (all precede its attention): raw ring, compressors.
-        ls.raw.set(pos % ring, &p.kv[ui * static_cast<size_t>(d)]);
-        if (l.ratio > 0 &&
-            compressor_push(ls.comp, l.comp, &p.ca[ui * cw], &p.cg[ui * cw], pos, row.data())) {
-            compressor_finish(hp, ropes, l.comp, false, qat, pos, row.data());
-            ls.comp_rows.push(row.data());
-        }
-        if (l.ratio == 4 &&
-            compressor_push(ls.idx_comp, l.idx_comp, &p.ica[ui * icw], &p.icg[ui * icw], pos, irow.data())) {
-            compressor_finish(hp, ropes, l.idx_comp, true, qat, pos, irow.data());
-            ls.idx_rows.push(irow.data());
-        }
+        push_state(hp, ropes, l, ls, qat, p, ui, pos, row.data(), irow.data());
         // 2. candidate rows: raw window max(0, pos-W+1)..pos, then the chosen compressed rows.
         const int64_t first = std::max<int64_t>(0, pos - W + 1);
         const int64_t n_comp = l.ratio > 0 ? ls.comp_rows.size() : 0;
@@ -385,6 +400,16 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
             b0 += m;
         }
     }
+}
+
+void attention_state_rows(const hparams &hp, const rope_set &ropes, const layer_weights &l,
+                          std::span<layer_state *const> states, qat_mode qat, const float *xn,
+                          std::span<const int64_t> positions) {
+    thread_local attn_proj p;  // kept between calls, as attention_rows' (its q parts stay unused)
+    project_state(hp, ropes, l, qat, xn, positions, p);
+    std::vector<float> row(static_cast<size_t>(hp.head_dim)), irow(static_cast<size_t>(hp.idx_dim));
+    for (size_t i = 0; i < positions.size(); ++i)
+        push_state(hp, ropes, l, *states[i], qat, p, i, positions[i], row.data(), irow.data());
 }
 
 }  // namespace fathom::ds4

@@ -14,6 +14,8 @@
 //     moe(il)                   y = MoE(xn): route, routed experts, shared expert
 //     hc_post
 //   head                        logits of the rows the executor was asked for: HCHead, RMSNorm, output
+//   state-only rows (run_block_state): hc_pre(il, attention), then attention_state(il): the KV row and
+//                               compressors of each row into its sequence state, nothing else
 //
 // Blocks are named by their index in the model (il): an executor holds its own weights (host tensors
 // on the CPU, device copies on a GPU) and each row's sequence state. Executors:
@@ -31,6 +33,7 @@
 #include <functional>
 #include <span>
 
+#include "core/error.h"
 #include "models/deepseek4.h"
 
 namespace fathom::ds4 {
@@ -46,6 +49,12 @@ class executor {
     virtual void moe(int il) = 0;
     virtual void hc_post() = 0;
     virtual void head() = 0;
+    // The attention sublayer's state updates alone (KV rows, compressors), its output not computed
+    // (run_block_state). Executors that never run such rows keep this default.
+    virtual void attention_state(int il) {
+        (void)il;
+        throw error("ds4: this executor has no state-only attention");
+    }
 };
 
 // One DS4 block: HC-wrapped attention, then HC-wrapped MoE.
@@ -56,6 +65,13 @@ inline void run_block(executor &ex, int il) {
     ex.hc_pre(il, sublayer::ffn);
     ex.moe(il);
     ex.hc_post();
+}
+
+// What a block keeps from a row whose output nothing reads (the MTP head catching its history up): the
+// attention half's HCPre and state updates. x is not advanced (no HCPost follows).
+inline void run_block_state(executor &ex, int il) {
+    ex.hc_pre(il, sublayer::attention);
+    ex.attention_state(il);
 }
 
 // Blocks [l0, l1) of a model of n_layer blocks (the whole model: 0, n_layer), with the embedding when

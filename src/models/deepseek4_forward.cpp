@@ -106,6 +106,12 @@ class cpu_executor final : public executor {
         if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's heads -> the sum over all ranks
     }
 
+    void attention_state(int il) override {
+        std::vector<layer_state *> states(static_cast<size_t>(n_));
+        for (size_t i = 0; i < states.size(); ++i) states[i] = &state_of_(i, il);
+        attention_state_rows(hp_, ropes_, layer(il), states, qat_, u_.data(), positions_);
+    }
+
     void moe(int il) override {
         moe_forward_batch(hp_, layer(il), u_.data(), tokens_, y_.data(), tp_ ? &tp_->slice : nullptr);
         if (tp_) tp_->reduce(y_);  // partial [n, D] of this rank's experts -> the sum over all ranks
@@ -159,6 +165,13 @@ void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights
     cpu_executor ex(nullptr, hp, std::span<const layer_weights>(&l, 1), 0, ropes, qat, x, tokens, positions,
                     [&](size_t, int) -> layer_state & { return ls; }, tp);
     run_block(ex, 0);
+}
+
+void block_state(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
+                 float *x, std::span<const int32_t> tokens, std::span<const int64_t> positions) {
+    cpu_executor ex(nullptr, hp, std::span<const layer_weights>(&l, 1), 0, ropes, qat, x, tokens, positions,
+                    [&](size_t, int) -> layer_state & { return ls; }, nullptr);
+    run_block_state(ex, 0);
 }
 
 // Embedding row of `token` into all n_hc streams of x [n_hc, D].

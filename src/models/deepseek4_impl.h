@@ -122,6 +122,14 @@ void attention_rows(const hparams &hp, const rope_set &ropes, const layer_weight
                     std::span<layer_state *const> states, qat_mode qat, const float *xn,
                     std::span<const int64_t> positions, float *y, const tp_slice *slice = nullptr);
 
+// Only the state updates of attention_rows (each row's KV row into its ring, the compressors and the
+// indexer compressor stepped): the layer's state afterwards equals attention_rows' bit for bit, with no
+// query, attention or output computed. For rows whose attention output nothing reads (the MTP head's
+// rows that only catch its history up, mtp_observe).
+void attention_state_rows(const hparams &hp, const rope_set &ropes, const layer_weights &l,
+                          std::span<layer_state *const> states, qat_mode qat, const float *xn,
+                          std::span<const int64_t> positions);
+
 // Full block (HC attention half + HC MoE half) for a chunk: x [n, n_hc, D] updated in place.
 // Tensor parallel (tp non-null): each sublayer computes tp->slice's partial y [n, D], then
 // tp->reduce(y) must replace it by the sum over all ranks (an all-reduce) before HCPost.
@@ -132,6 +140,10 @@ struct tp_block {
 void block_forward(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls,
                    qat_mode qat, float *x, std::span<const int32_t> tokens,
                    std::span<const int64_t> positions, const tp_block *tp = nullptr);
+// The block's state updates for a chunk (run_block_state: HCPre of the attention half, then
+// attention_state_rows): ls ends as block_forward leaves it; x [n, n_hc, D] is only read.
+void block_state(const hparams &hp, const rope_set &ropes, const layer_weights &l, layer_state &ls, qat_mode qat,
+                 float *x, std::span<const int32_t> tokens, std::span<const int64_t> positions);
 
 // forward_layers (deepseek4.h) for one tensor-parallel rank: blocks [l0, l1) with `tp`'s slice and
 // all-reduce. Every rank keeps the full HC state x [n, n_hc, D] and every layer's full KV state.

@@ -136,20 +136,15 @@ void mtp_truncate(mtp_state &st, int64_t n) {
     st.n_past = n;  // a window-only block: its ring is indexed by position, nothing else to drop
 }
 
-void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
-                 std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
-                 std::span<float> logits, std::span<float> hc_out) {
-    const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
-    const hparams &hp = main.hp;
-    const int64_t n = static_cast<int64_t>(next_tokens.size()), D = hp.n_embd, S = hp.n_hc * D,
-                  V = hp.n_vocab;
+namespace {
+
+// The arguments of mtp_forward / mtp_observe for n rows (each mismatch named).
+void check_rows(const hparams &hp, const mtp_state &st, std::span<const float> hc_state,
+                std::span<const int32_t> next_tokens, std::span<const int64_t> positions) {
+    const int64_t n = static_cast<int64_t>(next_tokens.size()), S = hp.n_hc * hp.n_embd;
     if (positions.size() != next_tokens.size() || hc_state.size() != static_cast<size_t>(n * S))
         throw error("ds4 mtp: " + std::to_string(n) + " tokens, " + std::to_string(positions.size()) +
                     " positions and " + std::to_string(hc_state.size()) + " state floats do not match");
-    if (!logits.empty() && logits.size() != static_cast<size_t>(n * V) && logits.size() != static_cast<size_t>(V))
-        throw error("ds4 mtp: logits buffer of " + std::to_string(logits.size()) + " floats");
-    if (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n * S))
-        throw error("ds4 mtp: hc_out buffer of " + std::to_string(hc_out.size()) + " floats");
     for (int64_t i = 0; i < n; ++i) {
         if (positions[static_cast<size_t>(i)] != st.n_past + i)
             throw error("ds4 mtp: position " + std::to_string(positions[static_cast<size_t>(i)]) +
@@ -158,25 +153,53 @@ void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::sp
             throw error("ds4 mtp: token id " + std::to_string(next_tokens[static_cast<size_t>(i)]) +
                         " out of range");
     }
-    if (n == 0) return;
-    std::vector<float> x(static_cast<size_t>(n * S)), emb(static_cast<size_t>(D)), e(static_cast<size_t>(D)),
-        hs(static_cast<size_t>(D)), h(static_cast<size_t>(D));
+}
+
+// The block's input of n rows: x [n, n_hc, D], stream s of row i = e_proj(RMSNorm(embed(t_i)) * enorm)
+// + h_proj(RMSNorm(hc_state[i, s]) * hnorm). Each product takes all its rows at once (matmul is batch
+// invariant: every row's bits are those of a one-row product), so h_proj's weights are read once per
+// call, not once per stream and row.
+std::vector<float> mtp_input(const model &main, const mtp_weights &w, std::span<const float> hc_state,
+                             std::span<const int32_t> next_tokens) {
+    const hparams &hp = main.hp;
+    const int64_t n = static_cast<int64_t>(next_tokens.size()), D = hp.n_embd, nh = hp.n_hc;
+    std::vector<float> emb(static_cast<size_t>(n * D)), e(static_cast<size_t>(n * D)),
+        hs(static_cast<size_t>(n * nh * D)), h(static_cast<size_t>(n * nh * D));
     for (int64_t i = 0; i < n; ++i) {
+        float *ei = &emb[static_cast<size_t>(i * D)];
         const uint8_t *row = main.tok_embd.row(next_tokens[static_cast<size_t>(i)]);
         if (main.tok_embd.type == dtype::f32)
-            std::memcpy(emb.data(), row, static_cast<size_t>(D) * sizeof(float));
+            std::memcpy(ei, row, static_cast<size_t>(D) * sizeof(float));
         else
-            cpu::dequantize_row(main.tok_embd.type, row, emb.data(), D);
-        rms_norm(emb.data(), D, w.enorm.data(), hp.rms_eps, emb.data());
-        matmul(w.e_proj, emb.data(), 1, e.data());
-        for (int s = 0; s < hp.n_hc; ++s) {  // per-stream RMSNorm of the main state
-            rms_norm(&hc_state[static_cast<size_t>(i * S + s * D)], D, w.hnorm.data(), hp.rms_eps, hs.data());
-            matmul(w.h_proj, hs.data(), 1, h.data());
-            for (int64_t k = 0; k < D; ++k)
-                x[static_cast<size_t>(i * S + s * D + k)] =
-                    e[static_cast<size_t>(k)] + h[static_cast<size_t>(k)];
-        }
+            cpu::dequantize_row(main.tok_embd.type, row, ei, D);
+        rms_norm(ei, D, w.enorm.data(), hp.rms_eps, ei);
     }
+    matmul(w.e_proj, emb.data(), n, e.data());
+    for (int64_t r = 0; r < n * nh; ++r)  // per-stream RMSNorm of the main state
+        rms_norm(&hc_state[static_cast<size_t>(r * D)], D, w.hnorm.data(), hp.rms_eps, &hs[static_cast<size_t>(r * D)]);
+    matmul(w.h_proj, hs.data(), n * nh, h.data());
+    std::vector<float> x(static_cast<size_t>(n * nh * D));
+    for (int64_t r = 0; r < n * nh; ++r)
+        for (int64_t k = 0; k < D; ++k)
+            x[static_cast<size_t>(r * D + k)] = e[static_cast<size_t>((r / nh) * D + k)] + h[static_cast<size_t>(r * D + k)];
+    return x;
+}
+
+}  // namespace
+
+void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
+                 std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
+                 std::span<float> logits, std::span<float> hc_out) {
+    const exec_scope exec(st.exec);  // threading / quantised products for every matmul below
+    const hparams &hp = main.hp;
+    const int64_t n = static_cast<int64_t>(next_tokens.size()), D = hp.n_embd, S = hp.n_hc * D, V = hp.n_vocab;
+    check_rows(hp, st, hc_state, next_tokens, positions);
+    if (!logits.empty() && logits.size() != static_cast<size_t>(n * V) && logits.size() != static_cast<size_t>(V))
+        throw error("ds4 mtp: logits buffer of " + std::to_string(logits.size()) + " floats");
+    if (!hc_out.empty() && hc_out.size() != static_cast<size_t>(n * S))
+        throw error("ds4 mtp: hc_out buffer of " + std::to_string(hc_out.size()) + " floats");
+    if (n == 0) return;
+    std::vector<float> x = mtp_input(main, w, hc_state, next_tokens);
     block_forward(hp, make_rope_set(hp), w.block, st.block, st.qat, x.data(), next_tokens, positions);
     st.n_past += n;
     st.reached = std::max(st.reached, st.n_past);
@@ -189,6 +212,17 @@ void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::sp
         rms_norm(z.data(), D, w.norm.data(), hp.rms_eps, z.data());
         matmul(main.output, z.data(), 1, &logits[static_cast<size_t>((i - i0) * V)]);
     }
+}
+
+void mtp_observe(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
+                 std::span<const int32_t> next_tokens, std::span<const int64_t> positions) {
+    const exec_scope exec(st.exec);
+    check_rows(main.hp, st, hc_state, next_tokens, positions);
+    if (next_tokens.empty()) return;
+    std::vector<float> x = mtp_input(main, w, hc_state, next_tokens);
+    block_state(main.hp, make_rope_set(main.hp), w.block, st.block, st.qat, x.data(), next_tokens, positions);
+    st.n_past += static_cast<int64_t>(next_tokens.size());
+    st.reached = std::max(st.reached, st.n_past);
 }
 
 }  // namespace fathom::ds4

@@ -46,5 +46,11 @@ void mtp_truncate(mtp_state &st, int64_t n);
 void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
                  std::span<const int32_t> next_tokens, std::span<const int64_t> positions,
                  std::span<float> logits, std::span<float> hc_out = {});
+// The same rows' effect on the head's state alone (its KV rows: the block's window-only attention is the
+// only state it keeps), for rows whose output nothing reads (the drafter catching its history up):
+// st ends bit for bit as mtp_forward leaves it, at the cost of the input mixing, the attention half's
+// HCPre and the KV projection (no query, attention, MoE or output head).
+void mtp_observe(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,
+                 std::span<const int32_t> next_tokens, std::span<const int64_t> positions);
 
 }  // namespace fathom::ds4

@@ -1,6 +1,6 @@
 // The drafters on one GPU: the MTP head (ds4_drafter.h mtp_head: its block on the target's device,
 // ds4::cuda_upload_mtp, the embedding and output head shared with the target, one ds4::cuda_sequence per
-// session, every row one eval_mtp, a replayed graph) and the DSpark drafter (ds4::cuda_dspark, one per
+// session: a drafted row one eval_mtp, a row it only catches up on one observe_mtp, each a replayed graph) and the DSpark drafter (ds4::cuda_dspark, one per
 // session). Compiled only in CUDA builds (src/CMakeLists.txt: engine/cuda/).
 #include <algorithm>
 #include <memory>
@@ -25,7 +25,7 @@ class cuda_mtp_head final : public mtp_head {
     int64_t rollback_floor() const override { return seq_.rollback_floor(); }
     void rows(std::span<const float> x, std::span<const int32_t> next) override {
         if (x.size() != next.size() * S_) throw error("cuda mtp head: states and tokens do not match");
-        for (size_t i = 0; i < next.size(); ++i) seq_.eval_mtp(next[i], x.subspan(i * S_, S_));
+        for (size_t i = 0; i < next.size(); ++i) seq_.observe_mtp(next[i], x.subspan(i * S_, S_));
     }
     int32_t row(std::span<const float> x, int32_t next, std::span<float> out) override {
         return seq_.eval_mtp(next, x, {}, out);

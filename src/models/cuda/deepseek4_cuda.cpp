@@ -969,6 +969,27 @@ void cuda_sequence::truncate(int64_t n) {
     rows_held_ = 0;
 }
 
+// The row's KV row (kvrow, the projection's output) normed, rotated, QAT-rounded into the ring at pos.
+void cuda_sequence::impl::store_kv_row(const dlayer &l, layer_state_dev &st, cudaStream_t on) {
+    const hparams &hp = w->hp;
+    const int64_t d = hp.head_dim;
+    const cd::rope_args rope{l.ratio > 0 ? w->rope_yarn : w->rope_plain, hp.n_rot};
+    phase("attn kv (norm, rope, fp8, ring)");
+    cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
+                               w->opt.qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring,
+                               kv_elem == 2, static_cast<size_t>(d) * kv_elem, ring_rows(hp), pos, on);
+}
+
+void cuda_sequence::impl::enqueue_attention_state(const dlayer &l, layer_state_dev &st) {
+    if (l.ratio != 0)
+        throw error("cuda ds4: a state-only row takes window-only blocks (the MTP head), not a ratio-" +
+                    std::to_string(l.ratio) + " block");
+    // The decode step's projection launch (q_a beside kv: the same plan, so the KV row's bits), then its store.
+    phase("projections of xn (q_a, kv)");
+    gemv_multi({{&l.q_a, q_lat}, {&l.kv, kvrow}}, xn, s);
+    store_kv_row(l, st, s);
+}
+
 void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st) {
     const hparams &hp = w->hp;
     const qat_mode qat = w->opt.qat;
@@ -1016,10 +1037,7 @@ void cuda_sequence::impl::enqueue_attention(const dlayer &l, layer_state_dev &st
         if (idx) pause(si, true);
         pause(s, false);
     }
-    phase("attn kv (norm, rope, fp8, ring)");
-    cd::launch_kv_finish_store(kvrow, static_cast<int>(d), l.kv_norm, hp.rms_eps, rope,
-                               qat == qat_mode::full ? cd::qat_kind::fp8_nope : cd::qat_kind::none, st.ring, f16,
-                               static_cast<size_t>(d) * kv_elem, ring_rows(hp), pos, sk);
+    store_kv_row(l, st, sk);
     auto compressor = [&](const dcomp &c, float *skv, float *sscore, void *rows, size_t stride, cd::qat_kind qk,
                           const float *a, const float *g, cudaStream_t on) {
         cd::launch_compressor_step(comp_args(hp, c, yarn, qk, skv, sscore, rows, f16, stride, st.max_comp), a, g, pos,
@@ -1135,6 +1153,9 @@ class step_exec final : public executor {
         capture();
     }
     void attention(int il) override { p_.enqueue_attention(layer(il), p_.ls[static_cast<size_t>(il - w_.first)]); }
+    void attention_state(int il) override {
+        p_.enqueue_attention_state(layer(il), p_.ls[static_cast<size_t>(il - w_.first)]);
+    }
     void moe(int il) override {
         p_.phase("moe (router, 6 routed + shared expert)");
         cd::launch_moe_ffn(layer(il).moe, p_.xn, p_.token, p_.moe, p_.y, p_.err_d, p_.s);
@@ -1208,6 +1229,14 @@ void cuda_sequence::impl::enqueue_step() {
     if (!feat_layers.empty()) after = [&](int il) { ex.after_block(il); };
     run_forward(ex, w->hp.n_layer, w->first, w->last, w->embed(), w->head(), after);
     if (!w->head()) ex.end_stage();
+    phase("");
+}
+
+void cuda_sequence::impl::enqueue_state_row() {
+    if (!w->mtp || w->last - w->first != 1) throw error("cuda ds4: a state-only row is the MTP head's (one block)");
+    step_exec ex(*this);
+    ex.embed();
+    run_block_state(ex, w->first);
     phase("");
 }
 
@@ -1607,7 +1636,7 @@ cuda_sequence::top_summary cuda_sequence::top_of(const float *logits, int k,
 }
 
 void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out,
-                         float *feat_out) {
+                         float *feat_out, bool state_only) {
     impl &p = *p_;
     rows_held_ = 0;
     const hparams &hp = p.w->hp;
@@ -1624,14 +1653,19 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     if (x_in)  // the MTP head mixes its input state in the step (step_exec::embed_mtp); a stage starts from it
         ck(cudaMemcpyAsync(p.w->mtp ? p.hc_in : p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s),
            "uploading the state");
+    const auto enqueue = [&] {
+        if (state_only) p.enqueue_state_row();
+        else p.enqueue_step();
+    };
     if (p.use_graph) {
-        if (!p.graph) {
+        cudaGraphExec_t &graph = state_only ? p.graph_state : p.graph;
+        if (!graph) {
             cudaGraph_t g = nullptr;
             ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
             // Side streams join the capture through the fork events and rejoin s before its end
             // (enqueue_attention), so the graph holds the branches as parallel paths.
             try {
-                p.enqueue_step();
+                enqueue();
             } catch (...) {
                 p.join_side();
                 cudaStreamEndCapture(p.s, &g);
@@ -1639,15 +1673,15 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
                 throw;
             }
             ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
-            const cudaError_t e = cudaGraphInstantiate(&p.graph, g, 0);
+            const cudaError_t e = cudaGraphInstantiate(&graph, g, 0);
             cudaGraphDestroy(g);
             ck(e, "instantiating the decode graph");
         }
-        ck(cudaGraphLaunch(p.graph, p.s), "launching the decode graph");
+        ck(cudaGraphLaunch(graph, p.s), "launching the decode graph");
         ++replays_;
     } else {
         try {
-            p.enqueue_step();
+            enqueue();
         } catch (...) {
             p.join_side();
             throw;
@@ -1676,7 +1710,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     if (argmax_host) *argmax_host = *p.h_amax;
     ++n_past_;
     reached_ = std::max(reached_, n_past_);
-    have_logits_ = p.w->head();
+    have_logits_ = p.w->head() && !state_only;
 }
 
 void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
@@ -1774,6 +1808,14 @@ int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, s
     int32_t amax = -1;
     step(next_token, logits.empty() ? nullptr : logits.data(), &amax, hc.data(), hc_out.empty() ? nullptr : hc_out.data());
     return amax;
+}
+
+void cuda_sequence::observe_mtp(int32_t next_token, std::span<const float> hc) {
+    const hparams &hp = p_->w->hp;
+    if (!p_->w->mtp) throw error("cuda ds4: observe_mtp needs the MTP head's weights (cuda_upload_mtp)");
+    if (hc.size() != static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd))
+        throw error("cuda ds4: observe_mtp state of " + std::to_string(hc.size()) + " floats (expected n_hc * D)");
+    step(next_token, nullptr, nullptr, hc.data(), nullptr, nullptr, true);
 }
 
 void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail,

@@ -438,6 +438,7 @@ struct cuda_sequence::impl : device_buffers {
     int32_t *h_token = nullptr, *h_amax = nullptr;
     uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
     cudaGraphExec_t graph = nullptr;
+    cudaGraphExec_t graph_state = nullptr;  // the MTP head's state-only row (enqueue_state_row)
     bool use_graph = true;
     std::function<void(const char *)> mark;  // profiling: phase boundary (null otherwise)
     void phase(const char *name) {
@@ -470,6 +471,7 @@ struct cuda_sequence::impl : device_buffers {
         if (s) cudaStreamSynchronize(s);  // no kernel may still use the blocks vm gives back
         vm.reset();
         if (graph) cudaGraphExecDestroy(graph);
+        if (graph_state) cudaGraphExecDestroy(graph_state);
         rs.reset();
         free_all();
         if (h_pos) cudaFreeHost(h_pos);
@@ -484,7 +486,13 @@ struct cuda_sequence::impl : device_buffers {
     }
 
     void enqueue_attention(const dlayer &l, layer_state_dev &st);
+    void store_kv_row(const dlayer &l, layer_state_dev &st, cudaStream_t on);
+    // The attention sublayer's state updates alone (executor::attention_state): window-only layers (the
+    // MTP block), whose one state is the KV row; the same launches as enqueue_attention's for it.
+    void enqueue_attention_state(const dlayer &l, layer_state_dev &st);
     void enqueue_step();
+    // The MTP head's state-only row (run_block_state over the embedding: what mtp_observe computes).
+    void enqueue_state_row();
 
     // A run of a multi-row step: `count` rows of sequence `seq` starting at row `first`.
     struct row_run {

@@ -152,6 +152,46 @@ TEST_F(CudaDs4Mtp, ChainedDraftWithRollbackFollowsTheCpuHead) {
     }
 }
 
+// observe_mtp (the drafter's catch-up rows: the KV row only) leaves the head's state as eval_mtp does: the
+// rows after it get the same logits and drafted tokens, bit for bit, in every golden case (QAT modes) and
+// both layouts; and a head that skipped those rows drafts other logits (the check can fail).
+TEST_F(CudaDs4Mtp, ObservedRowsLeaveTheStateOfEvaluatedRows) {
+    const auto cases = ds4_test::load_cases("mtp_cases.jsonl");
+    const ds4::hparams &hp = data().main->hp;
+    const size_t V = static_cast<size_t>(hp.n_vocab), S = static_cast<size_t>(hp.n_hc * hp.n_embd);
+    int checked = 0;
+    for (const auto &c : cases) {
+        const size_t n = c.tokens.size(), k = n / 2;
+        if (k == 0) continue;
+        const auto w = upload(c.qat);
+        ds4::cuda_sequence target(w, static_cast<int64_t>(n) + 1, true, 0);
+        std::vector<float> hc(n * S);
+        target.eval_rows(c.tokens, {}, hc);
+        for (const ds4::mtp_weights *mw : {data().llama_names.get(), data().ds4_names.get()}) {
+            const auto hw = ds4::cuda_upload_mtp(*data().main, *mw, w);
+            // mode 0: rows [0, k) evaluated, 1: observed, 2: skipped (the head starts at k)
+            std::vector<float> lg[3];
+            for (int mode = 0; mode < 3; ++mode) {
+                ds4::cuda_sequence head(hw, static_cast<int64_t>(n) + 1, true, 0);
+                if (mode == 2) head.restart_at(static_cast<int64_t>(k));
+                for (size_t i = 0; i < k && mode < 2; ++i) {
+                    const auto x = std::span(hc).subspan(i * S, S);
+                    if (mode == 0) head.eval_mtp(c.mtp_tokens[i], x);
+                    else head.observe_mtp(c.mtp_tokens[i], x);
+                }
+                ASSERT_EQ(head.n_past(), static_cast<int64_t>(k));
+                lg[mode].assign((n - k) * V, 0.0f);
+                for (size_t i = k; i < n; ++i)
+                    head.eval_mtp(c.mtp_tokens[i], std::span(hc).subspan(i * S, S), std::span(lg[mode]).subspan((i - k) * V, V));
+            }
+            EXPECT_EQ(std::memcmp(lg[0].data(), lg[1].data(), lg[0].size() * sizeof(float)), 0) << c.name;
+            EXPECT_NE(std::memcmp(lg[0].data(), lg[2].data(), lg[0].size() * sizeof(float)), 0) << c.name;
+            ++checked;
+        }
+    }
+    EXPECT_GT(checked, 4);
+}
+
 // eval()'s hc_tail (what the MTP head drafts from after a prompt): token-serial, the decode steps' states
 // bit for bit (eval_rows' hc_out); through chunks of 5 tokens with the tail spanning three chunks, every row
 // within bf16 error of its decode state (an off-by-one row would be a different position's state: far off).
@@ -188,11 +228,14 @@ TEST_F(CudaDs4Mtp, BadInputIsRefused) {
     ds4::cuda_sequence target(w, 8, true, 0), head(hw, 8, true, 0);
     const std::vector<float> hc(S, 0.5f), short_hc(S - 1, 0.5f);
     EXPECT_THROW(target.eval_mtp(1, hc), error);
+    EXPECT_THROW(target.observe_mtp(1, hc), error);
     const std::vector<int32_t> toks = {1, 2};
     EXPECT_THROW(head.eval(toks, {}), error);
     EXPECT_THROW(head.eval_rows(toks, {}), error);
     EXPECT_THROW(head.eval_mtp(1, short_hc), error);
     EXPECT_THROW(head.eval_mtp(hp.n_vocab, hc), error);
+    EXPECT_THROW(head.observe_mtp(1, short_hc), error);
+    EXPECT_THROW(head.observe_mtp(-1, hc), error);
     EXPECT_EQ(head.n_past(), 0);
     EXPECT_GE(head.eval_mtp(1, hc), 0);
     EXPECT_EQ(head.n_past(), 1);

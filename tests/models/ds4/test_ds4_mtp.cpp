@@ -3,6 +3,7 @@
 // (H_i, t_(i+1)) all at once, one by one and in chunks of 7, for both file layouts.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <numeric>
 
 #include "core/error.h"
@@ -86,6 +87,75 @@ TEST(ds4_mtp, same_token_pairing_fails) {
     ds4_test::golden_case wrong = c;
     wrong.mtp_tokens = c.tokens;
     EXPECT_FALSE(ds4_test::compare(c, run_mtp(*data().llama_names, wrong, hc, n), m.hp.n_vocab).ok);
+}
+
+// mtp_observe (the drafter's catch-up rows: state only) leaves the head's state as mtp_forward does, bit
+// for bit: the same ring bytes, and the rows after it get the same logits, for both layouts, every
+// golden case (QAT modes, lengths), the reference and the quantised products.
+TEST(ds4_mtp, observe_leaves_the_state_of_forward) {
+    const ds4::model &m = *data().main;
+    const size_t S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd), V = static_cast<size_t>(m.hp.n_vocab);
+    int checked = 0;
+    for (const ds4::mtp_weights *w : {data().llama_names.get(), data().ds4_names.get()})
+        for (const auto &c : data().cases)
+            for (bool quantised : {false, true}) {
+                const size_t n = c.tokens.size(), k = n / 2;
+                if (k == 0) continue;
+                ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
+                std::vector<float> hc(n * S);
+                std::vector<int64_t> pos(n);
+                std::iota(pos.begin(), pos.end(), 0);
+                ds4::forward(m, st, c.tokens, pos, {{}, hc});
+                const std::span<const float> hs(hc);
+                const std::span<const int32_t> ts(c.mtp_tokens);
+                const std::span<const int64_t> ps(pos);
+                // rows [0, k) by forward or by observe, then rows [k, n) by forward with their logits
+                auto run = [&](bool observe, std::vector<float> &logits) {
+                    ds4::mtp_state h = ds4::new_mtp_state(m, *w, c.qat, kv_precision::f32);
+                    h.exec.quantised = quantised;
+                    if (observe) ds4::mtp_observe(m, *w, h, hs.subspan(0, k * S), ts.subspan(0, k), ps.subspan(0, k));
+                    else ds4::mtp_forward(m, *w, h, hs.subspan(0, k * S), ts.subspan(0, k), ps.subspan(0, k), {});
+                    EXPECT_EQ(h.n_past, static_cast<int64_t>(k));
+                    const auto ring = h.block.raw.bytes();
+                    std::vector<uint8_t> bytes(ring.begin(), ring.end());
+                    logits.assign((n - k) * V, 0.0f);
+                    ds4::mtp_forward(m, *w, h, hs.subspan(k * S), ts.subspan(k), ps.subspan(k), logits);
+                    return bytes;
+                };
+                std::vector<float> lf, lo;
+                const auto rf = run(false, lf), ro = run(true, lo);
+                ASSERT_EQ(rf.size(), ro.size());
+                EXPECT_EQ(std::memcmp(rf.data(), ro.data(), rf.size()), 0) << c.name << ": the ring after " << k << " rows";
+                EXPECT_EQ(std::memcmp(lf.data(), lo.data(), lf.size() * sizeof(float)), 0) << c.name << ": logits after";
+                ++checked;
+            }
+    EXPECT_GT(checked, 8);
+}
+
+// A head that observes nothing of the rows before (a drafter that skipped its catch-up) drafts other
+// logits: the observe test above could not pass by comparing two heads that never read those rows.
+TEST(ds4_mtp, skipped_rows_change_the_logits) {
+    const ds4::model &m = *data().main;
+    const auto &c = data().cases.back();
+    const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd), V = static_cast<size_t>(m.hp.n_vocab);
+    ASSERT_GE(n, 2u);
+    ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
+    std::vector<float> hc(n * S);
+    std::vector<int64_t> pos(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    ds4::forward(m, st, c.tokens, pos, {{}, hc});
+    const ds4::mtp_weights &w = *data().llama_names;
+    std::vector<float> seen(V), fresh(V);
+    ds4::mtp_state a = ds4::new_mtp_state(m, w, c.qat, kv_precision::f32);
+    ds4::mtp_observe(m, w, a, std::span(hc).subspan(0, (n - 1) * S), std::span(c.mtp_tokens).subspan(0, n - 1),
+                     std::span(pos).subspan(0, n - 1));
+    ds4::mtp_forward(m, w, a, std::span(hc).subspan((n - 1) * S), std::span(c.mtp_tokens).subspan(n - 1),
+                     std::span(pos).subspan(n - 1), seen);
+    ds4::mtp_state b = ds4::new_mtp_state(m, w, c.qat, kv_precision::f32);
+    b.n_past = b.reached = static_cast<int64_t>(n - 1);  // the same position, no history
+    ds4::mtp_forward(m, w, b, std::span(hc).subspan((n - 1) * S), std::span(c.mtp_tokens).subspan(n - 1),
+                     std::span(pos).subspan(n - 1), fresh);
+    EXPECT_NE(std::memcmp(seen.data(), fresh.data(), V * sizeof(float)), 0);
 }
 
 }  // namespace
