@@ -44,6 +44,9 @@
 // MODEL holds an MTP head (fathom-gguf synth --mtp; llama.cpp's nextn layout), the head's cost paid: k chained
 // eval_mtp rows per drafting step and its rows over every verification): tok/s against plain decoding and
 // tokens per step, and each drafter's cost in one-row steps.
+// --spec-seqs a,b,.. (with --spec-accept): the same inside a batch of a, b, .. sequences (spec_batched below:
+// each sequence's own adaptive width, forwards of at most 16 rows as the engine packs them): aggregate tok/s
+// against plain batched decoding of as many sequences, drafts free and (an MTP head in MODEL) each head paid.
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
@@ -293,11 +296,17 @@ class mtp_paid final : public paid_drafter {
         hc_.resize(rows.size() * S_);
         const int64_t base = s.n_past();
         s.eval_rows(rows, {}, hc_);
+        verified(base, rows, hc_);
+    }
+    // The rows [base, base + rows) just evaluated with their final HC states hc [rows, S] (eval_rows or
+    // a batched step's hc_out): the head observes them, as the session does inside eval_verify.
+    void verified(int64_t base, std::span<const int32_t> rows, std::span<const float> hc) {
         const double h0 = now_s();
         held_.insert(held_.end(), rows.begin(), rows.end());
-        d_->observe(held_, base, hc_, {});
+        d_->observe(held_, base, hc, {});
         verify_side_s += now_s() - h0;
     }
+    size_t state_floats() const { return S_; }
     void rollback(int64_t base, int64_t kept) override {
         held_.resize(static_cast<size_t>(base + kept));
         d_->truncate(base + kept);
@@ -435,6 +444,170 @@ void spec_controlled(const std::shared_ptr<const ds4::cuda_weights> &w, const st
     }
 }
 
+// --spec-seqs: speculation inside a batch (issue 26: it composes with continuous batching). S sequences, each
+// made `depth` deep with its own seed, decode n_tok tokens each. Every step, each sequence still generating
+// asks its own draft_budget for a width as the scheduler's plan_drafts does (other_rows: the other
+// sequences' rows of the step; one verify_cost for all, fed with every forward), its rows (the pending token,
+// then drafts from its own greedy continuation, each corrupted with probability 1 - a) join the step, and the
+// step runs as the engine's GPU step does (ds4_engine.cpp sync_step): forwards of at most kStepRows rows, the
+// sequences packed in order, none split; a composition new to the graph cache runs eagerly (step_batch). Each
+// sequence's rows are sampled greedily on the device (row_top), the rejected ones rolled back. Plain = the
+// same sequences decoding one row each per step, packed the same way. Drafts free, then (an MTP head in the
+// file) every sequence's own head paid: its draft timed, its observe of the verified rows after each forward.
+constexpr int kStepRows = 16;  // cuda::ds4::gemv_max_rows: the rows of one GPU forward (ds4_gpu::max_step_rows)
+
+struct batch_seq {
+    std::unique_ptr<ds4::cuda_sequence> s;
+    std::unique_ptr<mtp_paid> d;  // null: drafts free
+    std::unique_ptr<spec::draft_budget> budget;
+    int32_t pending = kFirst;
+    size_t emitted = 0;
+    std::vector<int32_t> rows;  // this step's rows
+    int64_t base = 0;
+};
+
+// One step over the sequences' rows: forwards of at most kStepRows rows (whole sequences, in order), each
+// timed into `cost` (when given); hc_out of every row when a sequence pays an MTP head.
+void batch_forwards(std::vector<batch_seq *> &act, spec::verify_cost *cost, int64_t &forwards) {
+    for (size_t b0 = 0; b0 < act.size();) {
+        std::vector<ds4::cuda_sequence *> ptrs;
+        std::vector<int> counts;
+        std::vector<int32_t> toks;
+        size_t b1 = b0;
+        bool hc_wanted = false;
+        for (; b1 < act.size() && toks.size() + act[b1]->rows.size() <= static_cast<size_t>(kStepRows); ++b1) {
+            ptrs.push_back(act[b1]->s.get());
+            counts.push_back(static_cast<int>(act[b1]->rows.size()));
+            toks.insert(toks.end(), act[b1]->rows.begin(), act[b1]->rows.end());
+            hc_wanted = hc_wanted || act[b1]->d;
+        }
+        if (b1 == b0) throw error("--spec-seqs: a sequence's rows exceed one forward");
+        const size_t S = hc_wanted ? act[b0]->d->state_floats() : 0;
+        std::vector<float> hc(toks.size() * S);
+        const double t0 = now_s();
+        ds4::cuda_sequence::step_batch(ptrs, counts, toks, {}, hc);
+        if (cost) cost->observe(static_cast<int32_t>(toks.size()), now_s() - t0);
+        ++forwards;
+        size_t r0 = 0;
+        for (size_t k = b0; k < b1; ++k) {
+            batch_seq &q = *act[k];
+            if (q.d) q.d->verified(q.base, q.rows, std::span<const float>(hc).subspan(r0 * S, q.rows.size() * S));
+            r0 += q.rows.size();
+        }
+        b0 = b1;
+    }
+}
+
+void spec_batched(const std::shared_ptr<const ds4::cuda_weights> &w, const std::shared_ptr<cuda::block_pool> &pool,
+                  int64_t depth, size_t V, const std::vector<int64_t> &accepts, int n_tok, int draft_max, int64_t n_seqs,
+                  const std::shared_ptr<const ds4::cuda_weights> &mtp_dev) {
+    if (n_seqs < 1 || n_seqs > kStepRows) throw error("--spec-seqs: 1.." + std::to_string(kStepRows) + " sequences");
+    const int64_t n_ctx = depth + n_tok + 64;
+    auto top1 = [](ds4::cuda_sequence &q, int row) { return q.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
+    auto fresh = [&](std::vector<batch_seq> &v, bool paid) {
+        v.clear();
+        v.resize(static_cast<size_t>(n_seqs));
+        for (int64_t i = 0; i < n_seqs; ++i) {
+            batch_seq &q = v[static_cast<size_t>(i)];
+            q.s = std::make_unique<ds4::cuda_sequence>(w, n_ctx, true, 0, nullptr, pool);
+            ds4::cuda_testing::fill_synthetic(*q.s, depth, static_cast<uint64_t>(2 + i));
+            q.budget = std::make_unique<spec::draft_budget>(draft_max, true);
+            if (paid) q.d = std::make_unique<mtp_paid>(mtp_dev, q.s->hp(), depth, n_ctx);
+        }
+    };
+    // Plain batched decoding: each sequence's greedy continuation (the oracle's drafts) and the step time.
+    std::vector<batch_seq> seqs;
+    fresh(seqs, false);
+    std::vector<std::vector<int32_t>> cont(static_cast<size_t>(n_seqs));
+    std::vector<batch_seq *> all;
+    for (batch_seq &q : seqs) all.push_back(&q);
+    int64_t forwards = 0;
+    for (int i = 0; i < 2; ++i) {  // the one-row composition captured before the timing
+        for (batch_seq &q : seqs) q.rows = {kFirst}, q.base = q.s->n_past();
+        batch_forwards(all, nullptr, forwards);
+        for (batch_seq &q : seqs) q.s->truncate(depth);
+    }
+    double plain_s = 0;
+    const double p0 = now_s();
+    for (int i = 0; i < n_tok + draft_max + 1; ++i) {
+        for (batch_seq &q : seqs) q.rows = {q.pending}, q.base = q.s->n_past();
+        batch_forwards(all, nullptr, forwards);
+        for (size_t k = 0; k < seqs.size(); ++k) {
+            seqs[k].pending = top1(*seqs[k].s, 0);
+            cont[k].push_back(seqs[k].pending);
+        }
+        if (i + 1 == n_tok) plain_s = now_s() - p0;
+    }
+    const double plain = static_cast<double>(n_seqs) * n_tok / plain_s;
+    std::printf("speculation inside a batch of %lld sequences from depth %lld, %d tokens each, width <= %d each "
+                "(adaptive, one cost curve), forwards of <= %d rows: plain batched decoding %.1f tok/s in all\n",
+                static_cast<long long>(n_seqs), static_cast<long long>(depth), n_tok, draft_max, kStepRows, plain);
+    std::mt19937 rng(5);
+    for (int mode = 0; mode < 2; ++mode) {  // drafts free, MTP paid
+        if (mode == 1 && !mtp_dev) continue;
+        spec::verify_cost cost;
+        for (int64_t ap : accepts) {
+            const double a = static_cast<double>(ap) / 100.0;
+            fresh(seqs, mode == 1);
+            int64_t steps = 0, drafted = 0, kept = 0, rows_total = 0;
+            forwards = 0;
+            double draft_s = 0;
+            const double t0 = now_s();
+            for (;;) {
+                std::vector<batch_seq *> act;
+                for (batch_seq &q : seqs)
+                    if (q.emitted < static_cast<size_t>(n_tok)) act.push_back(&q);
+                if (act.empty()) break;
+                for (batch_seq *q : act) {  // widths as plan_drafts: the other sequences' rows are paid anyway
+                    const int32_t left = n_tok - static_cast<int32_t>(q->emitted) - 1;
+                    const int32_t k = std::min(q->budget->next(&cost, static_cast<int32_t>(act.size()) - 1), std::max(left, 0));
+                    q->base = q->s->n_past();
+                    if (q->d && k > 0) {
+                        const double d0 = now_s();
+                        q->d->draft(q->base, q->pending, k);
+                        const double dt = now_s() - d0;
+                        cost.observe_draft(k, dt);
+                        draft_s += dt;
+                    }
+                    const size_t idx = static_cast<size_t>(q - seqs.data());
+                    q->rows = {q->pending};
+                    for (int32_t j = 0; j < k; ++j) {
+                        int32_t x = cont[idx][q->emitted + static_cast<size_t>(j)];
+                        if (std::uniform_real_distribution<double>(0, 1)(rng) >= a) x = (x + 1) % static_cast<int32_t>(V);
+                        q->rows.push_back(x);
+                    }
+                    rows_total += static_cast<int64_t>(q->rows.size());
+                }
+                batch_forwards(act, &cost, forwards);
+                ++steps;
+                for (batch_seq *q : act) {
+                    size_t j = 0;
+                    for (;; ++j) {  // as spec_run: drafts kept while they equal each row's greedy token
+                        const int32_t y = top1(*q->s, static_cast<int>(j));
+                        ++q->emitted;
+                        if (j + 1 < q->rows.size() && q->rows[j + 1] == y && q->emitted < static_cast<size_t>(n_tok)) continue;
+                        q->pending = y;
+                        break;
+                    }
+                    q->s->truncate(q->base + 1 + static_cast<int64_t>(j));
+                    if (q->d) q->d->rollback(q->base, 1 + static_cast<int64_t>(j));
+                    q->budget->update(q->rows.size() - 1, j);
+                    drafted += static_cast<int64_t>(q->rows.size()) - 1;
+                    kept += static_cast<int64_t>(j);
+                }
+            }
+            const double tps = static_cast<double>(n_seqs) * n_tok / (now_s() - t0);
+            std::printf("%10s %s a = %.2f: %.1f tok/s in all = %.2fx plain batched; %lld steps, %lld forwards, %.1f rows a "
+                        "step, %lld drafted, %lld kept",
+                        "", mode == 1 ? "MTP paid" : "drafts free", a, tps, tps / plain, static_cast<long long>(steps),
+                        static_cast<long long>(forwards), static_cast<double>(rows_total) / static_cast<double>(steps),
+                        static_cast<long long>(drafted), static_cast<long long>(kept));
+            if (mode == 1) std::printf("; drafting %.3f ms a step", draft_s * 1e3 / static_cast<double>(std::max<int64_t>(1, steps)));
+            std::printf("\n");
+        }
+    }
+}
+
 // The model file's MTP head (llama.cpp's layout: fathom-gguf synth --mtp), for --spec-accept's "MTP paid" runs:
 // read from the same host model and uploaded beside the target as the engine's --spec mtp does
 // (cuda_upload_mtp; a sparse file's pooled rows replicated on the device like the target's). Null without one.
@@ -459,7 +632,7 @@ int main(int argc, char **argv) try {
     std::vector<int64_t> depths = {2048, 8192, 32768, 131072};
     int n_gen = 64;
     bool eager = false, serial_step = false, paged = false;
-    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity, spec_accepts;
+    std::vector<int64_t> prefill = {2048, 8192, 32768}, rows, seqs_list, capacity, spec_accepts, spec_seqs;
     int spec_tokens = 64, draft_max = 4;
     int64_t chunk = ds4::default_prefill_chunk;
     for (int i = 2; i < argc; ++i) {
@@ -498,6 +671,8 @@ int main(int argc, char **argv) try {
             dspark_file = argv[++i];
         else if (a == "--spec-accept" && i + 1 < argc)
             spec_accepts = parse_list(argv[++i]);
+        else if (a == "--spec-seqs" && i + 1 < argc)
+            spec_seqs = parse_list(argv[++i]);
         else if (a == "--spec-tokens" && i + 1 < argc)
             spec_tokens = std::atoi(argv[++i]);
         else if (a == "--draft-max" && i + 1 < argc)
@@ -750,6 +925,9 @@ int main(int argc, char **argv) try {
         if (!spec_accepts.empty())
             spec_controlled(w, state_pool, depth, static_cast<size_t>(seq.hp().n_vocab), spec_accepts, spec_tokens, draft_max,
                             dspark_w.get(), dspark_dev, mtp_dev);
+        for (int64_t ns : spec_accepts.empty() ? std::vector<int64_t>{} : spec_seqs)
+            spec_batched(w, state_pool, depth, static_cast<size_t>(seq.hp().n_vocab), spec_accepts, spec_tokens, draft_max, ns,
+                         mtp_dev);
         if (!seqs_list.empty()) {  // several sequences per step
             const int64_t S = *std::max_element(seqs_list.begin(), seqs_list.end());
             std::vector<std::unique_ptr<ds4::cuda_sequence>> many;

@@ -46,6 +46,7 @@ if [ "$filter" != none ]; then
     grep -E '^\[  FAILED|Failure|Expected|Which is|rel L2|^\[  PASSED' "$out/test_cuda.log" | head -40
     tail -1 "$out/test_cuda.log"
 fi
+wait "$synth_pid"  # EXTRA may read the dense file (dense_step_table.sh)
 if [ -n "${EXTRA:-}" ]; then
     echo "== EXTRA: $EXTRA"
     bash -c "$EXTRA" || rc=1
@@ -60,7 +61,6 @@ fathom_only() {  # old and new fathom alternating on the dense file (no llama.cp
     done; done
     exit $rc
 }
-wait "$synth_pid"
 [ -z "$build_pid" ] && fathom_only
 # LLAMA_WAIT_S: the most seconds since the start to wait for the llama.cpp build; past it the build is
 # stopped and only the two fathom builds are compared (fathom bench, alternating).

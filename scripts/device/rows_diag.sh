@@ -10,6 +10,8 @@
 # BUDGET_S (330: what is left is skipped), SPEC (acceptances, 0,60,80,90), SPEC_TOKENS (64), NCU (0: no profiles),
 # MTP (1: the target synthesised with its MTP block, fathom-gguf synth --mtp, so --spec-accept adds the "MTP paid"
 # runs: the head's chained drafts and rows costed; its own file name, /tmp/ds4flash-q2-L-mtp.gguf).
+# OLD_SPEC (1: the carried bench_old runs --spec-accept too, the A/B of a drafting change), SPEC_SEQS (a,b: also
+# speculation inside batches of a, b sequences, --spec-seqs).
 set -u
 . "$(dirname "$0")/carry_env.sh"
 link_shared
@@ -32,12 +34,14 @@ fi
 wait
 [ -f "$m" ] || { echo "no DS4 file"; cat "$out/synth-ds4.log"; exit 1; }
 ds=(); [ -f "$d" ] && ds=(--dspark "$d")
-timeout $([ ${#mtp[@]} -gt 0 ] && echo 260 || echo 200) "$c/bench_cuda_ds4" "$m" --depths "${DEPTHS:-8192,131072}" --n 32 --prefill "" --paged --rows 2,3,4,5 --seqs 4,16 "${ds[@]}" \
-    --spec-accept "${SPEC:-0,60,80,90}" --spec-tokens "${SPEC_TOKENS:-64}" > "$out/bench-rows.log" 2>&1
-echo "== bench rows rc=$? ($L layers, 8K)"; grep -E "^ +[0-9]+ |rows|sequences|dspark|DSpark|mtp|MTP|draft|observe|capture|a = |speculation" "$out/bench-rows.log" | head -48
+timeout ${BENCH_TIMEOUT:-$([ ${#mtp[@]} -gt 0 ] && echo 260 || echo 200)} "$c/bench_cuda_ds4" "$m" --depths "${DEPTHS:-8192,131072}" --n 32 --prefill "" --paged --rows 2,3,4,5 --seqs 4,16 "${ds[@]}" \
+    --spec-accept "${SPEC:-0,60,80,90}" --spec-tokens "${SPEC_TOKENS:-64}" ${SPEC_SEQS:+--spec-seqs "$SPEC_SEQS"} > "$out/bench-rows.log" 2>&1
+echo "== bench rows rc=$? ($L layers, 8K)"; grep -E "^ +[0-9]+ |rows|sequences|dspark|DSpark|mtp|MTP|draft|observe|capture|a = |speculation" "$out/bench-rows.log" | head -64
 if [ -x "$c/bench_old" ]; then  # the carried old build (BENCH_OLD=): the same step sizes, for the A/B
-    timeout 90 "$c/bench_old" "$m" --depths 8192 --n 32 --prefill "" --paged --rows 4 --seqs 16 > "$out/bench-rows-old.log" 2>&1
-    echo "== bench_old rows rc=$?"; grep -E "^ +[0-9]+ |rows|sequences" "$out/bench-rows-old.log" | head -8
+    old_spec=(); [ "${OLD_SPEC:-0}" = 1 ] && old_spec=(--spec-accept "${SPEC:-0,60,80,90}" --spec-tokens "${SPEC_TOKENS:-64}")
+    timeout $([ ${#old_spec[@]} -gt 0 ] && echo 200 || echo 90) "$c/bench_old" "$m" --depths 8192 --n 32 --prefill "" --paged \
+        --rows 4 --seqs 16 "${old_spec[@]}" > "$out/bench-rows-old.log" 2>&1
+    echo "== bench_old rows rc=$?"; grep -E "^ +[0-9]+ |rows|sequences|mtp|MTP|a = |speculation" "$out/bench-rows-old.log" | head -24
 fi
 [ "${NCU:-1}" = 0 ] && exit $rc  # NCU=0: no profiles
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
