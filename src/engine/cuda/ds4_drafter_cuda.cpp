@@ -25,7 +25,7 @@ class cuda_mtp_head final : public mtp_head {
     int64_t rollback_floor() const override { return seq_.rollback_floor(); }
     void rows(std::span<const float> x, std::span<const int32_t> next) override {
         if (x.size() != next.size() * S_) throw error("cuda mtp head: states and tokens do not match");
-        for (size_t i = 0; i < next.size(); ++i) seq_.observe_mtp(next[i], x.subspan(i * S_, S_));
+        seq_.observe_mtp(next, x);
     }
     int32_t row(std::span<const float> x, int32_t next, std::span<float> out) override {
         return seq_.eval_mtp(next, x, {}, out);

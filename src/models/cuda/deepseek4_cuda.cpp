@@ -1636,7 +1636,7 @@ cuda_sequence::top_summary cuda_sequence::top_of(const float *logits, int k,
 }
 
 void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, const float *x_in, float *x_out,
-                         float *feat_out, bool state_only) {
+                         float *feat_out) {
     impl &p = *p_;
     rows_held_ = 0;
     const hparams &hp = p.w->hp;
@@ -1653,40 +1653,7 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
     if (x_in)  // the MTP head mixes its input state in the step (step_exec::embed_mtp); a stage starts from it
         ck(cudaMemcpyAsync(p.w->mtp ? p.hc_in : p.x[0], x_in, S * sizeof(float), cudaMemcpyHostToDevice, p.s),
            "uploading the state");
-    const auto enqueue = [&] {
-        if (state_only) p.enqueue_state_row();
-        else p.enqueue_step();
-    };
-    if (p.use_graph) {
-        cudaGraphExec_t &graph = state_only ? p.graph_state : p.graph;
-        if (!graph) {
-            cudaGraph_t g = nullptr;
-            ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
-            // Side streams join the capture through the fork events and rejoin s before its end
-            // (enqueue_attention), so the graph holds the branches as parallel paths.
-            try {
-                enqueue();
-            } catch (...) {
-                p.join_side();
-                cudaStreamEndCapture(p.s, &g);
-                if (g) cudaGraphDestroy(g);
-                throw;
-            }
-            ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
-            const cudaError_t e = cudaGraphInstantiate(&graph, g, 0);
-            cudaGraphDestroy(g);
-            ck(e, "instantiating the decode graph");
-        }
-        ck(cudaGraphLaunch(graph, p.s), "launching the decode graph");
-        ++replays_;
-    } else {
-        try {
-            enqueue();
-        } catch (...) {
-            p.join_side();
-            throw;
-        }
-    }
+    launch_step_graph(false);
     if (logits_host)
         ck(cudaMemcpyAsync(logits_host, p.logits, static_cast<size_t>(hp.n_vocab) * sizeof(float),
                            cudaMemcpyDeviceToHost, p.s),
@@ -1697,20 +1664,11 @@ void cuda_sequence::step(int32_t tok, float *logits_host, int32_t *argmax_host, 
         ck(cudaMemcpyAsync(feat_out, p.feat, static_cast<size_t>(p.feat_floats()) * sizeof(float), cudaMemcpyDeviceToHost, p.s),
            "downloading features");
     ck(cudaStreamSynchronize(p.s), "decode step");
-    if (*p.err_h != 0) {
-        const uint32_t e = *p.err_h;
-        reset();
-        throw error("cuda ds4: device-side error 0x" + [&] {
-            char b[16];
-            std::snprintf(b, sizeof b, "%x", e);
-            return std::string(b);
-        }() + " at position " + std::to_string(*p.h_pos) + " (bad token/expert id or a row index past its buffer); "
-              "the sequence was reset");
-    }
+    check_device_error();
     if (argmax_host) *argmax_host = *p.h_amax;
     ++n_past_;
     reached_ = std::max(reached_, n_past_);
-    have_logits_ = p.w->head() && !state_only;
+    have_logits_ = p.w->head();
 }
 
 void cuda_sequence::check_tokens(std::span<const int32_t> tokens) const {
@@ -1810,12 +1768,100 @@ int32_t cuda_sequence::eval_mtp(int32_t next_token, std::span<const float> hc, s
     return amax;
 }
 
-void cuda_sequence::observe_mtp(int32_t next_token, std::span<const float> hc) {
-    const hparams &hp = p_->w->hp;
-    if (!p_->w->mtp) throw error("cuda ds4: observe_mtp needs the MTP head's weights (cuda_upload_mtp)");
-    if (hc.size() != static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd))
-        throw error("cuda ds4: observe_mtp state of " + std::to_string(hc.size()) + " floats (expected n_hc * D)");
-    step(next_token, nullptr, nullptr, hc.data(), nullptr, nullptr, true);
+void cuda_sequence::launch_step_graph(bool state_only) {
+    impl &p = *p_;
+    const auto enqueue = [&] {
+        if (state_only) p.enqueue_state_row();
+        else p.enqueue_step();
+    };
+    if (!p.use_graph) {
+        try {
+            enqueue();
+        } catch (...) {
+            p.join_side();
+            throw;
+        }
+        return;
+    }
+    cudaGraphExec_t &graph = state_only ? p.graph_state : p.graph;
+    if (!graph) {
+        cudaGraph_t g = nullptr;
+        ck(cudaStreamBeginCapture(p.s, cudaStreamCaptureModeThreadLocal), "beginning graph capture");
+        // Side streams join the capture through the fork events and rejoin s before its end
+        // (enqueue_attention), so the graph holds the branches as parallel paths.
+        try {
+            enqueue();
+        } catch (...) {
+            p.join_side();
+            cudaStreamEndCapture(p.s, &g);
+            if (g) cudaGraphDestroy(g);
+            throw;
+        }
+        ck(cudaStreamEndCapture(p.s, &g), "ending graph capture");
+        const cudaError_t e = cudaGraphInstantiate(&graph, g, 0);
+        cudaGraphDestroy(g);
+        ck(e, "instantiating the decode graph");
+    }
+    ck(cudaGraphLaunch(graph, p.s), "launching the decode graph");
+    ++replays_;
+}
+
+void cuda_sequence::check_device_error() {
+    impl &p = *p_;
+    if (*p.err_h == 0) return;
+    const uint32_t e = *p.err_h;
+    const int64_t at = *p.h_pos;
+    reset();
+    char b[16];
+    std::snprintf(b, sizeof b, "%x", e);
+    throw error("cuda ds4: device-side error 0x" + std::string(b) + " at position " + std::to_string(at) +
+                " (bad token/expert id or a row index past its buffer); the sequence was reset");
+}
+
+void cuda_sequence::observe_mtp(std::span<const int32_t> next_tokens, std::span<const float> hc) {
+    impl &p = *p_;
+    const hparams &hp = p.w->hp;
+    const size_t S = static_cast<size_t>(hp.n_hc) * static_cast<size_t>(hp.n_embd), n = next_tokens.size();
+    if (!p.w->mtp) throw error("cuda ds4: observe_mtp needs the MTP head's weights (cuda_upload_mtp)");
+    if (hc.size() != n * S)
+        throw error("cuda ds4: observe_mtp states of " + std::to_string(hc.size()) + " floats for " + std::to_string(n) +
+                    " rows (expected n * n_hc * D)");
+    for (int32_t t : next_tokens)
+        if (t < 0 || t >= hp.n_vocab)
+            throw error("cuda ds4: token id " + std::to_string(t) + " outside [0, " + std::to_string(hp.n_vocab) + ")");
+    if (n_past_ + static_cast<int64_t>(n) > n_ctx_)
+        throw error("cuda ds4: " + std::to_string(n_past_) + " + " + std::to_string(n) + " rows exceed n_ctx " +
+                    std::to_string(n_ctx_));
+    if (n == 0) return;
+    rows_held_ = 0;
+    map_rows(n_past_ + static_cast<int64_t>(n));
+    ck(cudaSetDevice(p.w->device), "selecting the device");
+    constexpr size_t B = impl::kObserveRows;
+    if (!p.obs_hc) {
+        ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_obs_pos), B * sizeof(int64_t), cudaHostAllocDefault), "pinned memory");
+        ck(cudaHostAlloc(reinterpret_cast<void **>(&p.h_obs_tok), B * sizeof(int32_t), cudaHostAllocDefault), "pinned memory");
+        p.obs_hc = p.dev<float>(B * S);
+    }
+    for (size_t i0 = 0; i0 < n; i0 += B) {  // B rows queued back to back, then one synchronisation
+        const size_t m = std::min(B, n - i0);
+        ck(cudaMemcpyAsync(p.obs_hc, hc.data() + i0 * S, m * S * sizeof(float), cudaMemcpyHostToDevice, p.s),
+           "uploading the states");
+        for (size_t i = 0; i < m; ++i) {
+            p.h_obs_pos[i] = n_past_ + static_cast<int64_t>(i);
+            p.h_obs_tok[i] = next_tokens[i0 + i];
+            ck(cudaMemcpyAsync(p.pos, p.h_obs_pos + i, sizeof(int64_t), cudaMemcpyHostToDevice, p.s), "uploading the position");
+            ck(cudaMemcpyAsync(p.token, p.h_obs_tok + i, sizeof(int32_t), cudaMemcpyHostToDevice, p.s), "uploading the token");
+            ck(cudaMemcpyAsync(p.hc_in, p.obs_hc + i * S, S * sizeof(float), cudaMemcpyDeviceToDevice, p.s),
+               "staging the state");
+            launch_step_graph(true);
+        }
+        ck(cudaStreamSynchronize(p.s), "observing rows");
+        *p.h_pos = n_past_;  // the first row of the batch, for the error message
+        check_device_error();
+        n_past_ += static_cast<int64_t>(m);
+        reached_ = std::max(reached_, n_past_);
+    }
+    have_logits_ = false;
 }
 
 void cuda_sequence::eval(std::span<const int32_t> tokens, std::span<float> logits, std::span<float> hc_tail,

@@ -203,10 +203,11 @@ class cuda_sequence {
     // the head's window-only history back.
     int32_t eval_mtp(int32_t next_token, std::span<const float> hc, std::span<float> logits = {},
                      std::span<float> hc_out = {});
-    // The same row's effect on the head's state alone (ds4::mtp_observe's device form: its KV row into the
-    // ring, bit for bit as eval_mtp writes it; no query, attention, MoE or output head), for the rows a
-    // drafter only catches up on. Its own captured graph; no logits afterwards.
-    void observe_mtp(int32_t next_token, std::span<const float> hc);
+    // Rows n_past, n_past + 1, ..: their effect on the head's state alone (ds4::mtp_observe's device form: each
+    // row's KV row into the ring, bit for bit as eval_mtp writes it; no query, attention, MoE or output head),
+    // for the rows a drafter only catches up on. hc [n, n_hc * D], next_tokens [n]. Each row is a replay of
+    // its own captured graph, queued back to back (one synchronisation per 32 rows); no logits afterwards.
+    void observe_mtp(std::span<const int32_t> next_tokens, std::span<const float> hc);
     // The last evaluated token's logits stay on the device (eval() with empty logits downloads
     // nothing): last_logits() downloads them; logits_top() summarises them for the host sampler
     // (cuda_sample.h: penalties applied to the (token, count) pairs, softmax statistics, the k best)
@@ -274,9 +275,12 @@ class cuda_sequence {
                     int64_t x_out_first = 0, float *feat_out = nullptr, int64_t feat_first = 0);
     void eval_impl(std::span<const int32_t> tokens, std::span<float> x, std::span<float> logits, std::span<float> hc_tail,
                    std::span<float> feat_tail = {});
-    // state_only: the MTP head's state-only row (observe_mtp) instead of the decode step.
     void step(int32_t token, float *logits_host, int32_t *argmax_host, const float *x_in = nullptr,
-              float *x_out = nullptr, float *feat_out = nullptr, bool state_only = false);
+              float *x_out = nullptr, float *feat_out = nullptr);
+    // The step's graph (state_only: the state-only row's) launched on the stream, captured first if needed.
+    void launch_step_graph(bool state_only);
+    // A device-side error word set: the sequence reset and a fathom::error naming the position.
+    void check_device_error();
 
     void check_tokens(std::span<const int32_t> tokens) const;
     const float *row_device_ptr(int j, const char *what) const;  // row j of the held rows (throws)

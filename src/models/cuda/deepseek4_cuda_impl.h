@@ -439,6 +439,12 @@ struct cuda_sequence::impl : device_buffers {
     uint32_t *err_h = nullptr, *err_d = nullptr;  // host-mapped error word
     cudaGraphExec_t graph = nullptr;
     cudaGraphExec_t graph_state = nullptr;  // the MTP head's state-only row (enqueue_state_row)
+    // observe_mtp's rows, queued back to back (allocated at its first call): their states on the device
+    // (each copied into hc_in before its replay) and their positions and tokens in pinned memory.
+    static constexpr int kObserveRows = 32;
+    float *obs_hc = nullptr;
+    int64_t *h_obs_pos = nullptr;
+    int32_t *h_obs_tok = nullptr;
     bool use_graph = true;
     std::function<void(const char *)> mark;  // profiling: phase boundary (null otherwise)
     void phase(const char *name) {
@@ -477,6 +483,8 @@ struct cuda_sequence::impl : device_buffers {
         if (h_pos) cudaFreeHost(h_pos);
         if (h_token) cudaFreeHost(h_token);
         if (h_amax) cudaFreeHost(h_amax);
+        if (h_obs_pos) cudaFreeHost(h_obs_pos);
+        if (h_obs_tok) cudaFreeHost(h_obs_tok);
         if (err_h) cudaFreeHost(err_h);
         for (cudaEvent_t e : {ev_fork, ev_q, ev_join[0], ev_join[1]})
             if (e) cudaEventDestroy(e);

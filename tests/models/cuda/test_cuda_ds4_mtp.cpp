@@ -174,11 +174,11 @@ TEST_F(CudaDs4Mtp, ObservedRowsLeaveTheStateOfEvaluatedRows) {
             for (int mode = 0; mode < 3; ++mode) {
                 ds4::cuda_sequence head(hw, static_cast<int64_t>(n) + 1, true, 0);
                 if (mode == 2) head.restart_at(static_cast<int64_t>(k));
-                for (size_t i = 0; i < k && mode < 2; ++i) {
-                    const auto x = std::span(hc).subspan(i * S, S);
-                    if (mode == 0) head.eval_mtp(c.mtp_tokens[i], x);
-                    else head.observe_mtp(c.mtp_tokens[i], x);
-                }
+                if (mode == 0)
+                    for (size_t i = 0; i < k; ++i) head.eval_mtp(c.mtp_tokens[i], std::span(hc).subspan(i * S, S));
+                if (mode == 1)  // rows 0 and 1 alone, the rest in one call (queued back to back)
+                    for (const auto [b, e] : {std::pair<size_t, size_t>{0, std::min<size_t>(1, k)}, {std::min<size_t>(1, k), std::min<size_t>(2, k)}, {std::min<size_t>(2, k), k}})
+                        head.observe_mtp(std::span(c.mtp_tokens).subspan(b, e - b), std::span(hc).subspan(b * S, (e - b) * S));
                 ASSERT_EQ(head.n_past(), static_cast<int64_t>(k));
                 lg[mode].assign((n - k) * V, 0.0f);
                 for (size_t i = k; i < n; ++i)
@@ -228,14 +228,16 @@ TEST_F(CudaDs4Mtp, BadInputIsRefused) {
     ds4::cuda_sequence target(w, 8, true, 0), head(hw, 8, true, 0);
     const std::vector<float> hc(S, 0.5f), short_hc(S - 1, 0.5f);
     EXPECT_THROW(target.eval_mtp(1, hc), error);
-    EXPECT_THROW(target.observe_mtp(1, hc), error);
+    const std::vector<int32_t> one = {1}, bad_low = {-1};
+    EXPECT_THROW(target.observe_mtp(one, hc), error);
     const std::vector<int32_t> toks = {1, 2};
     EXPECT_THROW(head.eval(toks, {}), error);
     EXPECT_THROW(head.eval_rows(toks, {}), error);
     EXPECT_THROW(head.eval_mtp(1, short_hc), error);
     EXPECT_THROW(head.eval_mtp(hp.n_vocab, hc), error);
-    EXPECT_THROW(head.observe_mtp(1, short_hc), error);
-    EXPECT_THROW(head.observe_mtp(-1, hc), error);
+    EXPECT_THROW(head.observe_mtp(one, short_hc), error);
+    EXPECT_THROW(head.observe_mtp(bad_low, hc), error);
+    EXPECT_THROW(head.observe_mtp(toks, hc), error);  // two tokens, one state
     EXPECT_EQ(head.n_past(), 0);
     EXPECT_GE(head.eval_mtp(1, hc), 0);
     EXPECT_EQ(head.n_past(), 1);
