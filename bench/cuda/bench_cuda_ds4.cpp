@@ -324,12 +324,30 @@ struct spec_result {
     double seconds = 0, draft_s = 0;
 };
 
+// Row j's greedy token: its one-candidate summary on the device (ties: the lower id).
+int32_t greedy_row(ds4::cuda_sequence &s, int j) {
+    return s.row_top(j, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0);
+}
+
+// After a verification of `rows` (the pending token, then the drafts) on s: row j's greedy token is the next
+// true token, and the drafts are kept while they equal it (and the n_tok tokens are not all out). Counts the
+// emitted tokens, sets the next pending token, returns the drafts kept; the caller truncates s to its base +
+// 1 + that.
+size_t accept_greedy(ds4::cuda_sequence &s, std::span<const int32_t> rows, size_t &emitted, int n_tok, int32_t &pending) {
+    size_t j = 0;
+    for (;; ++j) {
+        const int32_t y = greedy_row(s, static_cast<int>(j));
+        ++emitted;
+        if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
+        pending = y;
+        return j;
+    }
+}
+
 // n_tok tokens from s (made depth deep) with drafts from cont (the greedy continuation), each kept with
 // probability a, the width adaptive up to draft_max; d (or null: drafts free) pays its cost.
 spec_result spec_run(ds4::cuda_sequence &s, paid_drafter *d, const std::vector<int32_t> &cont, double a, int n_tok,
                      int draft_max, spec::verify_cost &cost, std::mt19937 &rng, size_t V) {
-    // the greedy token of a row on the device: its one-candidate summary (ties: the lower id)
-    auto top1 = [](ds4::cuda_sequence &q, int row) { return q.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
     spec::draft_budget budget(draft_max, true);
     int32_t pending = kFirst;
     size_t emitted = 0;
@@ -359,14 +377,7 @@ spec_result spec_run(ds4::cuda_sequence &s, paid_drafter *d, const std::vector<i
             s.eval_rows(rows, {});
         cost.observe(static_cast<int32_t>(rows.size()), now_s() - s0);
         ++r.steps;
-        size_t j = 0;
-        for (;; ++j) {  // row j's greedy token is the next true token; drafts kept while they equal it
-            const int32_t y = top1(s, static_cast<int>(j));
-            ++emitted;
-            if (j + 1 < rows.size() && rows[j + 1] == y && emitted < static_cast<size_t>(n_tok)) continue;
-            pending = y;
-            break;
-        }
+        const size_t j = accept_greedy(s, rows, emitted, n_tok, pending);
         s.truncate(base + 1 + static_cast<int64_t>(j));
         if (d) d->rollback(base, 1 + static_cast<int64_t>(j));
         budget.update(rows.size() - 1, j);
@@ -503,7 +514,6 @@ void spec_batched(const std::shared_ptr<const ds4::cuda_weights> &w, const std::
                   const std::shared_ptr<const ds4::cuda_weights> &mtp_dev) {
     if (n_seqs < 1 || n_seqs > kStepRows) throw error("--spec-seqs: 1.." + std::to_string(kStepRows) + " sequences");
     const int64_t n_ctx = depth + n_tok + 64;
-    auto top1 = [](ds4::cuda_sequence &q, int row) { return q.row_top(row, 1, {}, 1.0f, 0.0f, 0.0f).ids.at(0); };
     auto fresh = [&](std::vector<batch_seq> &v, bool paid) {
         v.clear();
         v.resize(static_cast<size_t>(n_seqs));
@@ -533,7 +543,7 @@ void spec_batched(const std::shared_ptr<const ds4::cuda_weights> &w, const std::
         for (batch_seq &q : seqs) q.rows = {q.pending}, q.base = q.s->n_past();
         batch_forwards(all, nullptr, forwards);
         for (size_t k = 0; k < seqs.size(); ++k) {
-            seqs[k].pending = top1(*seqs[k].s, 0);
+            seqs[k].pending = greedy_row(*seqs[k].s, 0);
             cont[k].push_back(seqs[k].pending);
         }
         if (i + 1 == n_tok) plain_s = now_s() - p0;
@@ -581,14 +591,7 @@ void spec_batched(const std::shared_ptr<const ds4::cuda_weights> &w, const std::
                 batch_forwards(act, &cost, forwards);
                 ++steps;
                 for (batch_seq *q : act) {
-                    size_t j = 0;
-                    for (;; ++j) {  // as spec_run: drafts kept while they equal each row's greedy token
-                        const int32_t y = top1(*q->s, static_cast<int>(j));
-                        ++q->emitted;
-                        if (j + 1 < q->rows.size() && q->rows[j + 1] == y && q->emitted < static_cast<size_t>(n_tok)) continue;
-                        q->pending = y;
-                        break;
-                    }
+                    const size_t j = accept_greedy(*q->s, q->rows, q->emitted, n_tok, q->pending);
                     q->s->truncate(q->base + 1 + static_cast<int64_t>(j));
                     if (q->d) q->d->rollback(q->base, 1 + static_cast<int64_t>(j));
                     q->budget->update(q->rows.size() - 1, j);
