@@ -16,7 +16,8 @@
 // with exactly this sequence too, so gemm() == vec_dot() bit for bit for any M (batch invariance).
 //
 // Tiles: M == 1 (decode) runs row by row, decoding each super-block as it is consumed (on AVX-512, with
-// the grid looked up in registers: iq2_rows_m1_512); M > 1 decodes
+// the grid looked up in registers: iq2_rows_512, which also takes M = 2..4 with one decode per block for
+// all of them); larger M decodes
 // a panel of 4 rows x all super-blocks once per row group (thread-local scratch, 320 B per
 // block-row: signs on the weights, activations offset to u8 once per gemm call, see iq2dec) and
 // sweeps it over the activations 2 at a time.
@@ -163,9 +164,13 @@ inline const iq2_code_table &iq2_codes() {
     return t;
 }
 
-// Rows [r0, r1) of W (rows w_stride bytes apart) against one activation row x: y[r] for each.
-inline void iq2_rows_m1_512(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1, const uint8_t *x,
-                            float *y) {
+// Rows [r0, r1) of W (rows w_stride bytes apart) against MB activation rows x[m]: y[m * ldy + r] for each.
+// A block's weight decode (grid codes, scales, sign masks) is done once for the MB rows; each row's integer
+// products and float accumulation are the one-row kernel's, so its bits are those of MB = 1 (decode's 2-4
+// rows: the panel path's i16 decode of 4 rows per tile cost 2.5x a one-row pass there).
+template <int MB>
+inline void iq2_rows_512(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
+                         const uint8_t *const *x, float *y, int64_t ldy) {
     const iq2_code_table &ct = iq2_codes();
     __m512i tab[8];
     for (int t = 0; t < 8; ++t) tab[t] = _mm512_load_si512(ct.code + 32 * t);
@@ -187,11 +192,10 @@ inline void iq2_rows_m1_512(int64_t nb, const uint8_t *W, size_t w_stride, int64
     }
     for (int64_t r = r0; r < r1; ++r) {
     const uint8_t *w = W + r * w_stride;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *xb = x + b * iq2_q8k_bytes, *wb = w + b * iq2_bytes;
-        float da;
-        std::memcpy(&da, xb, 4);
+        const uint8_t *wb = w + b * iq2_bytes;
         uint32_t aux[16];  // per group g: aux[2g] = 4 grid indices, aux[2g+1] = 4 sign codes | scale << 28
         std::memcpy(aux, wb + 2, 64);
         const __m512i raw = _mm512_loadu_si512(wb + 2);
@@ -207,7 +211,8 @@ inline void iq2_rows_m1_512(int64_t nb, const uint8_t *W, size_t w_stride, int64
         // dword g = 2 ls_g + 1
         const __m512i sc = _mm512_add_epi32(
             _mm512_slli_epi32(_mm512_srli_epi32(_mm512_permutexvar_epi32(odd_dw, raw), 28), 1), _mm512_set1_epi32(1));
-        __m512i s = zero;
+        __m512i s[MB];
+        for (int m = 0; m < MB; ++m) s[m] = zero;
         for (int k = 0; k < 4; ++k) {
             const int g = 2 * k;
             const __m512i q = _mm512_shuffle_epi8(
@@ -219,14 +224,22 @@ inline void iq2_rows_m1_512(int64_t nb, const uint8_t *W, size_t w_stride, int64
             par ^= par >> 2;
             par ^= par >> 1;  // bit 0 of each byte: the parity of that byte
             const __mmask64 neg = bytes | (par & 0x0101010101010101ull) << 7;
-            const __m512i av = _mm512_loadu_si512(xb + 4 + 32 * g);
-            const __m512i a = _mm512_mask_sub_epi8(av, neg, zero, av);
-            s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(q, a), _mm512_permutexvar_epi16(scsel[k], sc));
+            const __m512i scs = _mm512_permutexvar_epi16(scsel[k], sc);
+            for (int m = 0; m < MB; ++m) {
+                const __m512i av = _mm512_loadu_si512(x[m] + b * iq2_q8k_bytes + 4 + 32 * g);
+                const __m512i a = _mm512_mask_sub_epi8(av, neg, zero, av);
+                s[m] = _mm512_dpwssd_epi32(s[m], _mm512_maddubs_epi16(q, a), scs);
+            }
         }
-        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(ldf16(wb) * da), _mm256_cvtepi32_ps(s8), acc);
+        const float dw = ldf16(wb);
+        for (int m = 0; m < MB; ++m) {
+            float da;
+            std::memcpy(&da, x[m] + b * iq2_q8k_bytes, 4);
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s[m]), _mm512_extracti64x4_epi64(s[m], 1));
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(s8), acc[m]);
+        }
     }
-    y[r] = 0.125f * hsum(acc);
+    for (int m = 0; m < MB; ++m) y[m * ldy + r] = 0.125f * hsum(acc[m]);
     }
 }
 #endif
@@ -235,7 +248,7 @@ inline void iq2_rows_m1_512(int64_t nb, const uint8_t *W, size_t w_stride, int64
 inline void iq2_rows_m1(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1, const uint8_t *x,
                         float *y) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
-    iq2_rows_m1_512(nb, W, w_stride, r0, r1, x, y);
+    iq2_rows_512<1>(nb, W, w_stride, r0, r1, &x, y, 0);
 #else
     for (int64_t r = r0; r < r1; ++r) y[r] = iq2_row_m1(nb, W + r * w_stride, x);
 #endif
@@ -386,6 +399,16 @@ void gemm_iq2_xxs_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, in
     const int64_t nb = K / qk_k;
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
+#if defined(__BMI2__)
+    if (M <= 4) {  // decode's few rows: one weight decode per block for all of them (iq2_rows_512)
+        const uint8_t *xr[4];
+        for (int64_t m = 0; m < 4; ++m) xr[m] = Xb + imin(m, M - 1) * x_stride;
+        if (M == 2) iq2_rows_512<2>(nb, Wb, w_stride, r0, r1, xr, y, ldy);
+        else if (M == 3) iq2_rows_512<3>(nb, Wb, w_stride, r0, r1, xr, y, ldy);
+        else iq2_rows_512<4>(nb, Wb, w_stride, r0, r1, xr, y, ldy);
+        return;
+    }
+#endif
     iq2dec16 *pbuf = t_iq2_panel16.get(static_cast<size_t>(4 * nb));
     float *pdw = t_iq2_pdw.get(static_cast<size_t>(32 * nb));
     int16_t *a16 = t_iq2_a16.get(static_cast<size_t>(M * nb * 256));

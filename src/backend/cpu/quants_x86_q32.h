@@ -456,8 +456,10 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
         for (int64_t r = r0; r < r1; ++r) y[r] = q8_0_row_vnni(nb, Wb + r * w_stride, Xb);
         return;
     }
-    if (M <= 3) {  // decode's few rows: one pass over the weights (q8_0_rows_vnni)
-        const uint8_t *xr[3] = {Xb, Xb + x_stride, Xb + (M > 2 ? 2 : 1) * x_stride};
+    if (M <= 3) {  // decode's few rows: one pass over the weights (q8_0_rows_vnni; at M = 4 the panel's tile
+                   // is as fast: 4.3 ms both)
+        const uint8_t *xr[3];
+        for (int64_t m = 0; m < 3; ++m) xr[m] = Xb + imin(m, M - 1) * x_stride;
         float out[3];
         for (int64_t r = r0; r < r1; ++r) {
             if (M == 2) q8_0_rows_vnni<2>(nb, Wb + r * w_stride, xr, out);
