@@ -58,6 +58,17 @@ std::shared_ptr<const ds4::cuda_weights> upload(ds4::qat_mode q) {
     return ds4::cuda_upload(*data().main, o);
 }
 
+// The target's final HC state at every position of c's tokens on the device (one multi-row evaluation on
+// w): the head's inputs.
+std::vector<float> target_states(const std::shared_ptr<const ds4::cuda_weights> &w, const ds4_test::golden_case &c) {
+    const ds4::hparams &hp = data().main->hp;
+    const size_t n = c.tokens.size();
+    ds4::cuda_sequence target(w, static_cast<int64_t>(n) + 1, true, 0);
+    std::vector<float> hc(n * static_cast<size_t>(hp.n_hc * hp.n_embd));
+    target.eval_rows(c.tokens, {}, hc);
+    return hc;
+}
+
 // The head's logits for rows (hc[i], next[i]), i = 0.., one eval_mtp each.
 std::vector<float> run_head(const std::shared_ptr<const ds4::cuda_weights> &hw, const std::vector<float> &hc,
                             const std::vector<int32_t> &next) {
@@ -77,15 +88,12 @@ TEST_F(CudaDs4Mtp, GoldenCasesBothLayouts) {
     const auto cases = ds4_test::load_cases("mtp_cases.jsonl");
     ASSERT_FALSE(cases.empty());
     const ds4::hparams &hp = data().main->hp;
-    const size_t V = static_cast<size_t>(hp.n_vocab), S = static_cast<size_t>(hp.n_hc * hp.n_embd);
     bool wrong_checked = false;
     for (const auto &c : cases) {
         const size_t n = c.tokens.size();
         ASSERT_EQ(c.mtp_tokens.size(), n);
         const auto w = upload(c.qat);
-        ds4::cuda_sequence target(w, static_cast<int64_t>(n) + 1, true, 0);
-        std::vector<float> hc(n * S);
-        target.eval_rows(c.tokens, {}, hc);
+        const std::vector<float> hc = target_states(w, c);
         for (const ds4::mtp_weights *mw : {data().llama_names.get(), data().ds4_names.get()}) {
             const auto hw = ds4::cuda_upload_mtp(*data().main, *mw, w);
             const auto v = ds4_test::compare(c, run_head(hw, hc, c.mtp_tokens), hp.n_vocab);
@@ -98,7 +106,6 @@ TEST_F(CudaDs4Mtp, GoldenCasesBothLayouts) {
             EXPECT_FALSE(ds4_test::compare(c, run_head(hw, hc, c.tokens), hp.n_vocab).ok);
             wrong_checked = true;
         }
-        (void)V;
     }
     EXPECT_TRUE(wrong_checked);
 }
@@ -164,9 +171,7 @@ TEST_F(CudaDs4Mtp, ObservedRowsLeaveTheStateOfEvaluatedRows) {
         const size_t n = c.tokens.size(), k = n / 2;
         if (k == 0) continue;
         const auto w = upload(c.qat);
-        ds4::cuda_sequence target(w, static_cast<int64_t>(n) + 1, true, 0);
-        std::vector<float> hc(n * S);
-        target.eval_rows(c.tokens, {}, hc);
+        const std::vector<float> hc = target_states(w, c);
         for (const ds4::mtp_weights *mw : {data().llama_names.get(), data().ds4_names.get()}) {
             const auto hw = ds4::cuda_upload_mtp(*data().main, *mw, w);
             // mode 0: rows [0, k) evaluated, 1: observed, 2: skipped (the head starts at k)
@@ -177,7 +182,7 @@ TEST_F(CudaDs4Mtp, ObservedRowsLeaveTheStateOfEvaluatedRows) {
                 if (mode == 0)
                     for (size_t i = 0; i < k; ++i) head.eval_mtp(c.mtp_tokens[i], std::span(hc).subspan(i * S, S));
                 if (mode == 1)  // rows 0 and 1 alone, the rest in one call (queued back to back)
-                    for (const auto [b, e] : {std::pair<size_t, size_t>{0, std::min<size_t>(1, k)}, {std::min<size_t>(1, k), std::min<size_t>(2, k)}, {std::min<size_t>(2, k), k}})
+                    for (const auto &[b, e] : {std::pair<size_t, size_t>{0, std::min<size_t>(1, k)}, {std::min<size_t>(1, k), std::min<size_t>(2, k)}, {std::min<size_t>(2, k), k}})
                         head.observe_mtp(std::span(c.mtp_tokens).subspan(b, e - b), std::span(hc).subspan(b * S, (e - b) * S));
                 ASSERT_EQ(head.n_past(), static_cast<int64_t>(k));
                 lg[mode].assign((n - k) * V, 0.0f);

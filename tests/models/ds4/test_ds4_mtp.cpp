@@ -33,6 +33,22 @@ const fixture_data &data() {
     return d;
 }
 
+// Positions 0 .. n - 1.
+std::vector<int64_t> positions(size_t n) {
+    std::vector<int64_t> pos(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    return pos;
+}
+
+// The main model's final HC state at every position of c's tokens (one prefill, f32 KV): the head's inputs.
+std::vector<float> main_states(const ds4_test::golden_case &c) {
+    const ds4::model &m = *data().main;
+    ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
+    std::vector<float> hc(c.tokens.size() * static_cast<size_t>(m.hp.n_hc * m.hp.n_embd));
+    ds4::forward(m, st, c.tokens, positions(c.tokens.size()), {{}, hc});
+    return hc;
+}
+
 std::vector<float> run_mtp(const ds4::mtp_weights &w, const ds4_test::golden_case &c,
                            const std::vector<float> &hc, size_t chunk) {
     const ds4::model &m = *data().main;
@@ -40,8 +56,7 @@ std::vector<float> run_mtp(const ds4::mtp_weights &w, const ds4_test::golden_cas
     const size_t S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
     ds4::mtp_state st = ds4::new_mtp_state(m, w, c.qat, kv_precision::f32);
     std::vector<float> logits(n * V);
-    std::vector<int64_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
+    const std::vector<int64_t> pos = positions(n);
     for (size_t b = 0; b < n; b += chunk) {
         const size_t e = std::min(n, b + chunk);
         ds4::mtp_forward(m, w, st, std::span(hc).subspan(b * S, (e - b) * S),
@@ -54,13 +69,9 @@ std::vector<float> run_mtp(const ds4::mtp_weights &w, const ds4_test::golden_cas
 TEST(ds4_mtp, golden_cases_both_layouts) {
     const ds4::model &m = *data().main;
     for (const auto &c : data().cases) {
-        const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
+        const size_t n = c.tokens.size();
         ASSERT_EQ(c.mtp_tokens.size(), n);
-        ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
-        std::vector<float> hc(n * S);
-        std::vector<int64_t> pos(n);
-        std::iota(pos.begin(), pos.end(), 0);
-        ds4::forward(m, st, c.tokens, pos, {{}, hc});
+        const std::vector<float> hc = main_states(c);
         for (size_t chunk : {n, size_t{1}, size_t{7}}) {
             const auto v = ds4_test::compare(c, run_mtp(*data().llama_names, c, hc, chunk), m.hp.n_vocab);
             EXPECT_TRUE(v.ok) << c.name << " (llama.cpp names) chunk " << chunk << ": " << v.why;
@@ -78,15 +89,10 @@ TEST(ds4_mtp, same_token_pairing_fails) {
     const ds4::model &m = *data().main;
     const auto &c = data().cases[8];  // mtp.len5.no_qat
     ASSERT_EQ(c.name, "mtp.len5.no_qat");
-    const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd);
-    ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
-    std::vector<float> hc(n * S);
-    std::vector<int64_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    ds4::forward(m, st, c.tokens, pos, {{}, hc});
+    const std::vector<float> hc = main_states(c);
     ds4_test::golden_case wrong = c;
     wrong.mtp_tokens = c.tokens;
-    EXPECT_FALSE(ds4_test::compare(c, run_mtp(*data().llama_names, wrong, hc, n), m.hp.n_vocab).ok);
+    EXPECT_FALSE(ds4_test::compare(c, run_mtp(*data().llama_names, wrong, hc, c.tokens.size()), m.hp.n_vocab).ok);
 }
 
 // mtp_observe (the drafter's catch-up rows: state only) leaves the head's state as mtp_forward does, bit
@@ -101,11 +107,8 @@ TEST(ds4_mtp, observe_leaves_the_state_of_forward) {
             for (bool quantised : {false, true}) {
                 const size_t n = c.tokens.size(), k = n / 2;
                 if (k == 0) continue;
-                ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
-                std::vector<float> hc(n * S);
-                std::vector<int64_t> pos(n);
-                std::iota(pos.begin(), pos.end(), 0);
-                ds4::forward(m, st, c.tokens, pos, {{}, hc});
+                const std::vector<float> hc = main_states(c);
+                const std::vector<int64_t> pos = positions(n);
                 const std::span<const float> hs(hc);
                 const std::span<const int32_t> ts(c.mtp_tokens);
                 const std::span<const int64_t> ps(pos);
@@ -139,11 +142,8 @@ TEST(ds4_mtp, skipped_rows_change_the_logits) {
     const auto &c = data().cases.back();
     const size_t n = c.tokens.size(), S = static_cast<size_t>(m.hp.n_hc * m.hp.n_embd), V = static_cast<size_t>(m.hp.n_vocab);
     ASSERT_GE(n, 2u);
-    ds4::state st = ds4::new_state(m, c.qat, kv_precision::f32);
-    std::vector<float> hc(n * S);
-    std::vector<int64_t> pos(n);
-    std::iota(pos.begin(), pos.end(), 0);
-    ds4::forward(m, st, c.tokens, pos, {{}, hc});
+    const std::vector<float> hc = main_states(c);
+    const std::vector<int64_t> pos = positions(n);
     const ds4::mtp_weights &w = *data().llama_names;
     std::vector<float> seen(V), fresh(V);
     ds4::mtp_state a = ds4::new_mtp_state(m, w, c.qat, kv_precision::f32);
