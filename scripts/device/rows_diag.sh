@@ -6,7 +6,7 @@
 # per-kernel durations of a ROWS-row step and a one-row step (step-rows.csv, step-decode.csv;
 # scripts/device/step_table.py reads them), and ncu's sections (occupancy, warp stalls, launch stats) for
 # the multi-row dense GEMV (gemv_q8x_cols_kernel) and the rows MoE kernels of that step (sections-rows.txt).
-# Usage (device): bash scripts/device/rows_diag.sh [layers=8]; env FILTER ("none": no tests), ROWS (4),
+# Usage (device): bash scripts/device/rows_diag.sh [layers=8]; env FILTER ("none": no tests; TEST_TIMEOUT 150), ROWS (4),
 # BUDGET_S (330: what is left is skipped), SPEC (acceptances, 0,60,80,90), SPEC_TOKENS (64), NCU (0: no profiles),
 # MTP (1: the target synthesised with its MTP block, fathom-gguf synth --mtp, so --spec-accept adds the "MTP paid"
 # runs: the head's chained drafts and rows costed; its own file name, /tmp/ds4flash-q2-L-mtp.gguf).
@@ -27,7 +27,7 @@ m=/tmp/ds4flash-q2-$L${mtp:+-mtp}.gguf d=/tmp/ds4flash-q2-$L-dspark.gguf
 rc=0
 f=${FILTER:-CudaDs4Dspark.*:CudaDs4Rollback.*}
 if [ "$f" != none ]; then
-    timeout 150 "$c/test_cuda" --gtest_color=no --gtest_filter="$f" > "$out/test_ds4.log" 2>&1 || rc=1
+    timeout ${TEST_TIMEOUT:-150} "$c/test_cuda" --gtest_color=no --gtest_filter="$f" > "$out/test_ds4.log" 2>&1 || rc=1
     echo "== DS4 tests ($f) rc=$rc"
     grep -E "^\[  FAILED|Failure|Expected|Which is|exception" "$out/test_ds4.log" | head -20; tail -2 "$out/test_ds4.log"
 fi
