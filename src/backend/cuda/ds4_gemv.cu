@@ -839,43 +839,7 @@ struct q8x_mma_args {
     uint32_t xq_stride;  // shared bytes between columns' int8 x (cols + 16: conflict-free B loads)
     uint32_t dx_off;     // shared byte offset of the columns' scales [8 NT][cols / 32 + 1] (padded: conflict-free)
     uint32_t red_off;    // shared byte offset of the tree buffer [16 p][16 rows][16 columns] f32
-    int32_t prefetch;    // k-rounds of weights hinted into L2 ahead of the loads (0: none; mma_prefetch_rows)
 };
-
-// L2 hints for the tensor-core kernel. A block walks its units one after another, and within a unit each
-// warp's k-loop issues the loads of kMmaJ k-tiles (512 columns each) of the unit's 32 rows at a time (a
-// "round": rpu = ceil(tiles / kMmaJ) per unit), so without hints every round waits a whole HBM round trip:
-// at the DS4 shapes a unit is 1-4 rounds and a block 8-30 units, all serial (the 4-row step's q_b: 38 us
-// for 35 MB). Round R of a unit is columns [R J 512, (R + 1) J 512) of its rows: their quant bytes and the
-// matching f16 scales. With m.prefetch = P > 0: the block hints the first min(P, rpu) rounds of its first
-// max(1, P / rpu) units before the PDL wait, at each unit's start those of the unit as far ahead, and at
-// each round of a unit its round R + P (each warp its share). Thread tid of nthreads hints its share of a
-// round's 128-byte lines (each row's range: len / 128 + 1 lines, the last clamped to the range, so an
-// unaligned row start still covers every line). Hints only: no result depends on them.
-__device__ __forceinline__ void mma_prefetch_rows(const q8x_seg &sg, int64_t r0, int R, int J, int64_t cols, int tid,
-                                                  int nthreads) {
-    const int nr = static_cast<int>(min(static_cast<int64_t>(32), sg.rows - r0));
-    const int64_t b0 = static_cast<int64_t>(R) * J * 512, b1 = min(cols, b0 + static_cast<int64_t>(J) * 512);
-    if (b0 >= b1 || nr <= 0) return;
-    const int lq = static_cast<int>((b1 - b0) / 128) + 1, ls = static_cast<int>((b1 - b0) / 16 / 128) + 1, per = lq + ls;
-    for (int i = tid; i < nr * per; i += nthreads) {
-        const int r = i / per, l = i - r * per;
-        const bool q = l < lq;
-        const uint8_t *row = q ? sg.q + static_cast<size_t>(r0 + r) * sg.q_stride
-                               : sg.scales + static_cast<size_t>(r0 + r) * sg.s_stride;
-        const int64_t lo = q ? b0 : b0 / 16, hi = q ? b1 : b1 / 16;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + min(lo + 128 * static_cast<int64_t>(q ? l : l - lq), hi - 1)));
-    }
-}
-// The first `rounds` rounds of unit `unit` (its segment looked up), by the whole block.
-__device__ __forceinline__ void mma_prefetch_unit(const q8x_table &t, const q8x_mma_args &m, int unit, int rounds,
-                                                  int J) {
-    int k = 0;
-    while (k + 1 < m.n && unit >= m.tiles_begin[k + 1]) ++k;
-    const q8x_seg &sg = t.s[m.segs[k]];
-    const int64_t r0 = static_cast<int64_t>(unit - m.tiles_begin[k]) * 32;
-    for (int R = 0; R < rounds; ++R) mma_prefetch_rows(sg, r0, R, J, t.cols, static_cast<int>(threadIdx.x), 32 * kMmaWarps);
-}
 
 // q8x_norm_r's r, by one warp: lane l stands for the 256-thread block's threads l + 32 v (v < 8), each
 // summing its strided double partials in the same order; each virtual warp's xor tree is the real one
@@ -937,11 +901,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
     const int ue = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * total) / gridDim.x);
     float *dxs = reinterpret_cast<float *>(smem + m.dx_off);
     float *red = reinterpret_cast<float *>(smem + m.red_off);  // [2 tiles][16 p][16 rows][16 columns]
-    // L2 hints (mma_prefetch_rows): the block's first units' first rounds before the wait (the weights do
-    // not depend on the previous kernel)
-    const int rpu = static_cast<int>((ntile + kMmaJ<NT> - 1) / kMmaJ<NT>);
-    const int ahead = m.prefetch > 0 ? max(1, m.prefetch / rpu) : 0, first = min(m.prefetch, rpu);
-    for (int u = ub; u < min(ue, ub + ahead); ++u) mma_prefetch_unit(t, m, u, first, kMmaJ<NT>);
     pdl_wait();
     int64_t staged = -1;  // the x group in shared memory
     for (int unit = ub; unit < ue; ++unit) {
@@ -969,10 +928,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
             qr[i] = sg.q + static_cast<size_t>(r) * sg.q_stride + 4 * tq;
             sr[i] = sg.scales + static_cast<size_t>(r) * sg.s_stride;
         }
-        if (ahead > 0 && unit + ahead < ue) mma_prefetch_unit(t, m, unit + ahead, first, kMmaJ<NT>);
         const int W = sg.warps_per_row;
         float part = 0.0f;  // thread (tile, row, column): the running sum of the warp parts
-        int round = 0;      // this warp's k-rounds in the unit so far (W = 1: the round index)
         for (int sub = 0; sub < W; ++sub) {
             float acc[2][NT][4];
 #pragma unroll
@@ -982,11 +939,6 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[h][n][e] = 0.0f;
             for (int64_t j0 = sub; j0 < ntile; j0 += static_cast<int64_t>(W) * kMmaJ<NT>) {
-                // each warp its share of the unit's round m.prefetch ahead (every warp passes every round)
-                if (round + m.prefetch < rpu)
-                    mma_prefetch_rows(sg, r0, round + m.prefetch, kMmaJ<NT>, cols, static_cast<int>(threadIdx.x),
-                                      32 * kMmaWarps);
-                ++round;
                 uint32_t a[kMmaJ<NT>][2][4];
                 unsigned short d[kMmaJ<NT>][4];
 #pragma unroll
@@ -1233,7 +1185,6 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
 
 bool g_q8x = true;            // set_gemv_q8_activations
 bool g_q8x_mma = true;        // set_gemv_tensor_cores
-int g_mma_prefetch = 2;       // set_gemv_mma_prefetch: k-rounds hinted ahead by the tensor-core kernel
 uint64_t *g_trace = nullptr;  // set_gemv_trace: buffer, capacity in blocks, blocks taken, launches
 size_t g_trace_cap = 0, g_trace_used = 0;
 std::vector<int> g_trace_launches;
@@ -1487,7 +1438,6 @@ bool launch_q8x_mma(const q8x_table &t, const int64_t *rpg, int nx, const float 
     if (m.n == 0 || tiles > 0x7fffffff) return false;
     m.tiles_begin[m.n] = static_cast<int32_t>(tiles);
     m.x_stride = x_stride;
-    m.prefetch = g_mma_prefetch;
     const int64_t cols = t.cols;
     const int per = mma_smem(2, cols) <= kQ8xMmaMaxSmem ? 16 : 8;
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
@@ -1613,10 +1563,6 @@ void set_gemv_q8_activations(bool on) {
     g_q8x = on;
 }
 
-void set_gemv_mma_prefetch(int rounds) {
-    if (rounds < 0 || rounds > 8) throw error("cuda ds4 gemv: mma prefetch rounds must be 0..8, not " + std::to_string(rounds));
-    g_mma_prefetch = rounds;
-}
 void set_gemv_tensor_cores(bool on) {
     g_q8x_mma = on;
 }

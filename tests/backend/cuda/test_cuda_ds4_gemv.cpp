@@ -376,17 +376,13 @@ TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
         // an f16 table alone (the MoE router: x stays f32, nothing staged per column; it divided by zero)
         {"router (f16 alone)", {{dtype::f16, 256}}, 4096, 0, false},
         {"small router (f16 alone)", {{dtype::f16, 16}}, 256, 0, false}};
-    // int8 activations with the tensor-core columns kernel (its L2 hints 2 rounds ahead: the default; none;
-    // 8 rounds: several units ahead), with the dp4a one, and f32 activations
-    for (int mode : {0, 1, 2, 3, 4}) {
-        const bool q8x = mode != 2;
+    // int8 activations with the tensor-core columns kernel, with the dp4a one, and f32 activations
+    for (int mode : {0, 1, 2}) {
+        const bool q8x = mode < 2;
         cd::set_gemv_q8_activations(q8x);
-        cd::set_gemv_tensor_cores(mode != 1 && mode != 2);
-        cd::set_gemv_mma_prefetch(mode == 3 ? 0 : mode == 4 ? 8 : 2);
-        const char *what[] = {", int8, tensor cores", ", int8, dp4a columns", ", f32 activations",
-                              ", int8, tensor cores, no L2 hints", ", int8, tensor cores, hints 8 rounds ahead"};
+        cd::set_gemv_tensor_cores(mode == 0);
         for (const table &tb : tables) {
-            SCOPED_TRACE(std::string(tb.name) + what[mode]);
+            SCOPED_TRACE(std::string(tb.name) + (mode == 0 ? ", int8, tensor cores" : mode == 1 ? ", int8, dp4a columns" : ", f32 activations"));
             std::vector<host_weight> hw;
             std::vector<cd::gemv_weight> gw;
             for (const seg_shape &ss : tb.segs) {
