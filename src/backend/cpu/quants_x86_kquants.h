@@ -161,6 +161,49 @@ inline __m256 kquant_float_step(__m256 acc, const __m256i (&sq)[4], const __m256
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc);
 }
 
+// ---- q2_k for 1-4 activation rows (decode, verification, a few batched sequences: gemm_q2_k_rows) -------
+// ktile<tr_q2_k, 4, MB> took 2-4 rows before: each block decoded once for 4 weight rows into a stack copy,
+// then re-read and applied in the 256-bit form (maddubs + madd per 32 elements) per activation row; at
+// 4096 x 8192, one thread, M = 2 cost 1.8x the one-row pass. Here one weight row at a time (one sequential
+// weight stream, as ktile_m1), each super-block decoded once into registers as u8 products q * sc for
+// all MB activation rows (q2k_rows512 / q2k_rows_pan); the rows take reduce4's 4 slots in place of ktile's
+// 4 weight rows. sq[m] / sm[m] hold row m's integer lanes (the exact integers of ktile_m1's for that row),
+// so lane m (m + 4) of the reduced vector is the low (high) 4-lane sum that ktile_m1's lane 0 (4) holds,
+// and da8 = (d_a of rows 0..3) x 2 gives lane m the product d * d_a (one multiply, either order: the same
+// float). Each lane then sees ktile_m1's cvt, fma and fnma per block and the final fold_halves: row m's
+// bits are those of a one-row call (QuantGemm.KQuantGemmEqualsDotBitwise).
+inline __m256 q2k_rows_float_step(__m256 acc, const __m256i (&sq)[4], const __m256i (&sm)[4], float d, float dmin,
+                                  __m256 da8) {
+    const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(d), da8), dm = _mm256_mul_ps(_mm256_set1_ps(dmin), da8);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce4(sq[0], sq[1], sq[2], sq[3])), dd, acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), dm, acc);
+}
+
+thread_local scratch<float> t_q2k_da;  // per-thread q8_k scales of the 1-4 activation rows [nb][8]
+
+// Weight rows [r0, r1) against M (<= 4) activation rows through rows(M, nb, W, w_stride, r0, r1, x, da8, y,
+// ldy): x[4] the activation rows (past M: the last again), da8[8 b + l] = d_a of block b of row l % 4
+// (0 past M), gathered once per call instead of once per weight row and block. M = 1 runs here too: at
+// MB = 1 these kernels are as fast as ktile_m1 row by row (4096 x 8192: 1.05 against 1.06 ms, AVX2 form
+// 1.13 against 1.15) with the same bits, and one path serves all of decode's row counts.
+template <class Rows>
+void gemm_q2_k_rows(Rows rows, int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
+                    size_t x_stride, int64_t M, float *y, int64_t ldy) {
+    if (M <= 0) return;
+    const int64_t nb = K / qk_k;
+    const auto *Xb = static_cast<const uint8_t *>(X);
+    const uint8_t *x[4];
+    for (int m = 0; m < 4; ++m) x[m] = Xb + imin(m, M - 1) * x_stride;
+    float *da8 = t_q2k_da.get(static_cast<size_t>(8 * nb));
+    for (int64_t b = 0; b < nb; ++b)
+        for (int l = 0; l < 8; ++l) {
+            float da = 0;
+            if ((l & 3) < M) std::memcpy(&da, x[l & 3] + b * q8k_size, 4);
+            da8[8 * b + l] = da;
+        }
+    rows(static_cast<int>(M), nb, static_cast<const uint8_t *>(W), w_stride, r0, r1, x, da8, y, ldy);
+}
+
 // NR weight rows (<= 4) x MB activation rows over nb super-blocks; out[m][r].
 // Weights are decoded here (panel == nullptr: decode, M <= 4) or read from a panel of nb x NR
 // decoded super-blocks that gemm_k fills once per 4 rows and reuses for every activation tile.
@@ -280,7 +323,6 @@ void gemm_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, c
 template <class Pan, class Decode, class Tile>
 void gemm_q2_k_panels(scratch<Pan> &pan, Decode decode, Tile tile, int64_t K, const void *W, size_t w_stride,
                       int64_t r0, int64_t r1, const void *X, size_t x_stride, int64_t M, float *y, int64_t ldy) {
-    if (M <= 4) return gemm_k<tr_q2_k>(K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     const int64_t nb = K / qk_k;
     const auto *Wb = static_cast<const uint8_t *>(W);
     const auto *Xb = static_cast<const uint8_t *>(X);
@@ -313,20 +355,35 @@ struct q2pan {
     float d, dmin;
 };
 
+// The products come from a per-block table, one pshufb per chunk: byte 4 sb + q of the 64-byte table
+// (tab[sb / 8], 128-bit lane (sb / 4) % 2, byte 4 (sb % 4) + q) = q * sc[sb] (sub-block sb = 0..15, q = 0..3).
+// Chunk j (sub-blocks 2j, 2j+1) looks its q up in the lane of sub-blocks 4 (j / 2) .. +3, copied to both
+// halves, at index 8 (j % 2) + 4 h + q in half h.
 inline void q2k_decode_pan(const uint8_t *b, q2pan &o) {
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), two = _mm256_set1_epi8(2);
+    const __m256i three = _mm256_set1_epi8(3);
     const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
     const __m256i lo4 = _mm256_broadcastsi128_si256(_mm_and_si128(s16, _mm_set1_epi8(0x0F)));
+    __m256i tab[2];
+    for (int h = 0; h < 2; ++h) {
+        const int s0 = 8 * h;  // dword d -> scale s0 + d in each of its 4 bytes
+        const __m256i s4 = _mm256_shuffle_epi8(
+            lo4, _mm256_setr_epi32(0x01010101 * s0, 0x01010101 * (s0 + 1), 0x01010101 * (s0 + 2), 0x01010101 * (s0 + 3),
+                                   0x01010101 * (s0 + 4), 0x01010101 * (s0 + 5), 0x01010101 * (s0 + 6),
+                                   0x01010101 * (s0 + 7)));
+        // q * sc = (q & 1) * sc + (q & 2) * sc: bytes with q = 1, 3 take sc, those with q = 2, 3 add 2 sc
+        const __m256i q13 = _mm256_set1_epi32(static_cast<int>(0xFF00FF00u)),
+                      q23 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+        tab[h] = _mm256_add_epi8(_mm256_and_si256(s4, q13), _mm256_and_si256(_mm256_add_epi8(s4, s4), q23));
+    }
+    const __m256i off[2] = {_mm256_setr_m128i(_mm_set1_epi8(0), _mm_set1_epi8(4)),
+                            _mm256_setr_m128i(_mm_set1_epi8(8), _mm_set1_epi8(12))};
     for (int c = 0; c < 2; ++c) {
         const __m256i v = ld256(b + 16 + 32 * c);
         for (int i = 0; i < 4; ++i) {
-            const int j = 4 * c + i;  // chunk j: bit pair i of v; sub-blocks 2j (bytes 0..15), 2j+1 (16..31)
-            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * i), three);
-            const __m256i sc = _mm256_shuffle_epi8(
-                lo4, _mm256_setr_m128i(_mm_set1_epi8(static_cast<char>(2 * j)), _mm_set1_epi8(static_cast<char>(2 * j + 1))));
-            const __m256i w1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(q, one), one), sc);
-            const __m256i w2 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(q, two), two), _mm256_add_epi8(sc, sc));
-            o.w[j] = _mm256_add_epi8(w1, w2);
+            const int j = 4 * c + i;  // chunk j: bit pair i of v
+            const __m256i t = _mm256_permute4x64_epi64(tab[j / 4], (j / 2) % 2 ? 0xEE : 0x44);
+            const __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * i), three), off[j % 2]);
+            o.w[j] = _mm256_shuffle_epi8(t, idx);
         }
     }
     o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
@@ -363,10 +420,53 @@ inline void q2k_tile_pan(int64_t nb, const q2pan *panel, const uint8_t *const x[
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
+// 1-4 activation rows (gemm_q2_k_rows): row r's super-block decoded once into registers (q2pan's form) and
+// applied to the MB rows with q2k_tile_pan's integer steps; the float part is q2k_rows_float_step's.
+template <int MB>
+inline void q2k_rows_pan(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
+                         const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *w = W + r * w_stride;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            q2pan dec;
+            q2k_decode_pan(w + b * tr_q2_k::size, dec);
+            __m256i sq[4], sm[4];
+            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
+            for (int m = 0; m < MB; ++m) {
+                const uint8_t *xb = x[m] + b * q8k_size;
+                for (int j = 0; j < 8; j += 2) {
+                    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(dec.w[j], ld256(xb + 4 + 32 * j)),
+                                                       _mm256_maddubs_epi16(dec.w[j + 1], ld256(xb + 36 + 32 * j)));
+                    sq[m] = _mm256_add_epi32(sq[m], _mm256_madd_epi16(t, ones));
+                }
+                sm[m] = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
+            }
+            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
+        }
+        float out[4];
+        _mm_storeu_ps(out, fold_halves(acc));
+        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
+    }
+}
+
 thread_local scratch<q2pan> t_q2k_pan;  // per-thread decoded panel [nb][4]
 
 void gemm_q2_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
               int64_t M, float *y, int64_t ldy) {
+    if (M <= 4)
+        return gemm_q2_k_rows(
+            [](int mb, int64_t nb, const uint8_t *Wb, size_t ws, int64_t lo, int64_t hi, const uint8_t *const x[4],
+               const float *da8, float *yy, int64_t ld) {
+                switch (mb) {
+                    case 1: q2k_rows_pan<1>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    case 2: q2k_rows_pan<2>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    case 3: q2k_rows_pan<3>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    default: q2k_rows_pan<4>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                }
+            },
+            K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     gemm_q2_k_panels(
         t_q2k_pan, q2k_decode_pan,
         [](int mb, int64_t nb, const q2pan *p, const uint8_t *const x[4], float out[4][4]) {
@@ -395,28 +495,33 @@ struct q2dec512 {
     float d, dmin;
 };
 
+// The products come from a per-block table instead of two masked adds per chunk: byte 4 sb + q of tab =
+// q * sc[sb] (sub-block sb = 0..15, q = 0..3; 128-bit lane L = sub-blocks 4L..4L+3), built once per
+// block; chunk k's 128-bit lane l (sub-block 4k + l) then looks q up in tab's lane k at index 4l + q
+// (one pshufb). The bit pairs come from one variable shift of the 32 quant bytes broadcast to both halves.
 inline void q2k_decode512(const uint8_t *b, q2dec512 &o) {
-    const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
     const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b));
-    const __m512i lo4 = _mm512_broadcast_i32x4(_mm_and_si128(s16, _mm_set1_epi8(0x0F)));
+    // dword d of the shuffle index = d x 4 bytes: lane L byte i -> scale 4L + i / 4
+    const __m512i s4 = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_and_si128(s16, _mm_set1_epi8(0x0F))),
+                                           _mm512_setr_epi32(0x00000000, 0x01010101, 0x02020202, 0x03030303, 0x04040404,
+                                                             0x05050505, 0x06060606, 0x07070707, 0x08080808, 0x09090909,
+                                                             0x0A0A0A0A, 0x0B0B0B0B, 0x0C0C0C0C, 0x0D0D0D0D, 0x0E0E0E0E,
+                                                             0x0F0F0F0F));
+    // q * sc = (q & 1) * sc + (q & 2) * sc: bytes with q = 1, 3 take sc, those with q = 2, 3 add 2 sc
+    const __m512i t1 = _mm512_maskz_mov_epi8(0xAAAAAAAAAAAAAAAAull, s4);
+    const __m512i tab = _mm512_mask_add_epi8(t1, 0xCCCCCCCCCCCCCCCCull, t1, _mm512_add_epi8(s4, s4));
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m512i lane4 = _mm512_setr_epi32(0, 0, 0, 0, 0x04040404, 0x04040404, 0x04040404, 0x04040404, 0x08080808,
+                                            0x08080808, 0x08080808, 0x08080808, 0x0C0C0C0C, 0x0C0C0C0C, 0x0C0C0C0C,
+                                            0x0C0C0C0C);  // 4l in 128-bit lane l
     for (int k = 0; k < 4; ++k) {
-        const __m256i v = ld256(b + 16 + 32 * (k / 2));
-        const int j = 2 * (k % 2);  // groups 2k, 2k+1 = bit pairs j, j+1 of v
-        const __m512i q = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(v, 2 * j)), _mm256_srli_epi16(v, 2 * j + 2), 1),
-            three);
-        // 128-bit lane l of chunk k = sub-block 4k + l: its scale in every byte
-        const __m512i sc = _mm512_shuffle_epi8(lo4, _mm512_set_epi32(0x01010101 * (4 * k + 3), 0x01010101 * (4 * k + 3),
-                                                                     0x01010101 * (4 * k + 3), 0x01010101 * (4 * k + 3),
-                                                                     0x01010101 * (4 * k + 2), 0x01010101 * (4 * k + 2),
-                                                                     0x01010101 * (4 * k + 2), 0x01010101 * (4 * k + 2),
-                                                                     0x01010101 * (4 * k + 1), 0x01010101 * (4 * k + 1),
-                                                                     0x01010101 * (4 * k + 1), 0x01010101 * (4 * k + 1),
-                                                                     0x01010101 * (4 * k), 0x01010101 * (4 * k),
-                                                                     0x01010101 * (4 * k), 0x01010101 * (4 * k)));
-        // q * sc for q in 0..3: (q & 1) * sc + (q & 2) * sc
-        const __m512i w1 = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(q, one), sc);
-        o.w[k] = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(q, two), w1, _mm512_add_epi8(sc, sc));
+        // groups 2k (low 256 bits), 2k+1 (high) = bit pairs j, j+1 of bytes 16 + 32 (k / 2) .. +31
+        const int j = 2 * (k % 2);
+        const __m512i v = _mm512_broadcast_i64x4(ld256(b + 16 + 32 * (k / 2)));
+        const int64_t lo = 2 * j, hi = 2 * j + 2;  // bit pair j in the low half, j + 1 in the high
+        const __m512i q = _mm512_srlv_epi64(v, _mm512_setr_epi64(lo, lo, lo, lo, hi, hi, hi, hi));
+        const __m512i idx = _mm512_ternarylogic_epi32(q, three, lane4, 0xEA);  // (q & 3) | 4l
+        o.w[k] = _mm512_shuffle_epi8(_mm512_shuffle_i32x4(tab, tab, 0x55 * k), idx);
     }
     o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
     o.d = ldf16(b + 80);
@@ -450,10 +555,51 @@ inline void q2k_tile512(int64_t nb, const q2dec512 *panel, const uint8_t *const 
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
+// 1-4 activation rows (gemm_q2_k_rows): row r's super-block decoded once into 4 zmm of u8 products
+// (q2k_decode512) and applied to the MB rows with q2k_tile512's 4 vpdpbusd per row and block; the float
+// part is q2k_rows_float_step's.
+template <int MB>
+inline void q2k_rows512(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
+                        const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *w = W + r * w_stride;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            q2dec512 dec;
+            q2k_decode512(w + b * tr_q2_k::size, dec);
+            __m256i sq[4], sm[4];
+            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
+            for (int m = 0; m < MB; ++m) {
+                const uint8_t *xb = x[m] + b * q8k_size;
+                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.w[0], _mm512_loadu_si512(xb + 4));
+                for (int k = 1; k < 4; ++k) S = _mm512_dpbusd_epi32(S, dec.w[k], _mm512_loadu_si512(xb + 4 + 64 * k));
+                sq[m] = _mm256_add_epi32(_mm512_castsi512_si256(S), _mm512_extracti64x4_epi64(S, 1));
+                sm[m] = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
+            }
+            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
+        }
+        float out[4];
+        _mm_storeu_ps(out, fold_halves(acc));
+        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
+    }
+}
+
 thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb][4]
 
 void gemm_q2_k_512(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
                   int64_t M, float *y, int64_t ldy) {
+    if (M <= 4)
+        return gemm_q2_k_rows(
+            [](int mb, int64_t nb, const uint8_t *Wb, size_t ws, int64_t lo, int64_t hi, const uint8_t *const x[4],
+               const float *da8, float *yy, int64_t ld) {
+                switch (mb) {
+                    case 1: q2k_rows512<1>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    case 2: q2k_rows512<2>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    case 3: q2k_rows512<3>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                    default: q2k_rows512<4>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
+                }
+            },
+            K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     gemm_q2_k_panels(
         t_q2k_panel512, q2k_decode512,
         [](int mb, int64_t nb, const q2dec512 *p, const uint8_t *const x[4], float out[4][4]) {
