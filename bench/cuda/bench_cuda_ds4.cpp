@@ -47,6 +47,8 @@
 // --spec-seqs a,b,.. (with --spec-accept): the same inside a batch of a, b, .. sequences (spec_batched below:
 // each sequence's own adaptive width, forwards of at most 16 rows as the engine packs them): aggregate tok/s
 // against plain batched decoding of as many sequences, drafts free and (an MTP head in MODEL) each head paid.
+// --mma-slots S: units per block-wide meeting of the multi-row tensor-core GEMV (1..4, default 4;
+// ds4_gemv_testing.h set_gemv_mma_slots): the A/B of the batched meetings in one build.
 // --profile decode|rows|seqs: what the profiler's capture range holds (cudaProfilerStart/Stop; Nsight
 // with --profile-from-start off, scripts/device/ncu_step.sh): the timed decode replays (default), the
 // last timed step of the largest --rows, or the last timed step of the most --seqs.
@@ -680,6 +682,8 @@ int main(int argc, char **argv) try {
             spec_tokens = std::atoi(argv[++i]);
         else if (a == "--draft-max" && i + 1 < argc)
             draft_max = std::atoi(argv[++i]);
+        else if (a == "--mma-slots" && i + 1 < argc)
+            cuda::ds4::set_gemv_mma_slots(std::atoi(argv[++i]));
         else
             throw error("unknown argument " + a);
     }

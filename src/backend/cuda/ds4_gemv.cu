@@ -838,8 +838,12 @@ struct q8x_mma_args {
     int64_t x_stride;
     uint32_t xq_stride;  // shared bytes between columns' int8 x (cols + 16: conflict-free B loads)
     uint32_t dx_off;     // shared byte offset of the columns' scales [8 NT][cols / 32 + 1] (padded: conflict-free)
-    uint32_t red_off;    // shared byte offset of the tree buffer [16 p][16 rows][16 columns] f32
+    uint32_t red_off;    // shared byte offset of the tree buffers [slots][2 tiles][16 p][16 rows][16 columns] f32
+    int32_t slots;       // units whose warp parts wait in shared memory for one meeting (1..kMmaSlots)
 };
+// Units per block-wide meeting at most (32 KB of tree buffer each).
+constexpr int kMmaSlots = 4;
+constexpr size_t kMmaRedBytes = 2 * 16 * 16 * 16 * sizeof(float);
 
 // q8x_norm_r's r, by one warp: lane l stands for the 256-thread block's threads l + 32 v (v < 8), each
 // summing its strided double partials in the same order; each virtual warp's xor tree is the real one
@@ -887,7 +891,11 @@ __device__ __forceinline__ float q8x_lane_tree(const float *v, int stride) {
 }
 
 // Block: 16 warps (warp p = accumulator p); a unit is 32 rows (two 16-row MMA tiles) of one segment, so
-// each warp has the loads of both tiles in flight and the block meets once per unit and warp part.
+// each warp has the loads of both tiles in flight. Units of one warp part (W = 1: every large DS4 segment)
+// leave their a(0, p) in one of m.slots tree buffers and the block meets once per m.slots units (then every
+// thread forms the trees of all of them): a meeting per unit left the warps waiting at the barrier for the
+// slowest one's loads ~38 % of the time (ncu, the 4-row step on an H100). Units of W > 1 parts meet per
+// part as before (the running sum over the parts), after the waiting units' trees.
 template <int NT, bool NORM>
 __global__ void __launch_bounds__(32 * kMmaWarps, 1)
     gemv_q8x_mma_kernel(const __grid_constant__ q8x_table t, const __grid_constant__ q8x_mma_args m, const float *x) {
@@ -900,7 +908,25 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
     const int ub = static_cast<int>((static_cast<int64_t>(blockIdx.x) * total) / gridDim.x);
     const int ue = static_cast<int>((static_cast<int64_t>(blockIdx.x + 1) * total) / gridDim.x);
     float *dxs = reinterpret_cast<float *>(smem + m.dx_off);
-    float *red = reinterpret_cast<float *>(smem + m.red_off);  // [2 tiles][16 p][16 rows][16 columns]
+    float *red = reinterpret_cast<float *>(smem + m.red_off);  // [slots][2 tiles][16 p][16 rows][16 columns]
+    // thread (tile h, row, column) of the trees
+    const int th = static_cast<int>(threadIdx.x >> 8), trow = static_cast<int>((threadIdx.x >> 4) & 15),
+              tcol = static_cast<int>(threadIdx.x & 15);
+    int pending = 0;  // W = 1 units whose parts wait in red slots 0 .. pending - 1: units last - pending + 1 .. last
+    auto meet = [&](int last) {  // block-uniform: their trees, each the decode warp's, stored
+        __syncthreads();
+        for (int q = 0; q < pending; ++q) {
+            const int u = last - pending + 1 + q;
+            int kq = 0;
+            while (kq + 1 < m.n && u >= m.tiles_begin[kq + 1]) ++kq;
+            const q8x_seg &sq = t.s[m.segs[kq]];
+            const int64_t r = static_cast<int64_t>(u - m.tiles_begin[kq]) * 32 + 16 * th + trow;
+            const float tv = q8x_lane_tree(red + q * (kMmaRedBytes / 4) + ((th * 16) * 16 + trow) * 16 + tcol, 16 * 16);
+            if (tcol < m.nx && r < sq.rows) store_y(sq, tcol * sq.y_stride + r, tv);
+        }
+        __syncthreads();  // the slots are rewritten by the next units
+        pending = 0;
+    };
     pdl_wait();
     int64_t staged = -1;  // the x group in shared memory
     for (int unit = ub; unit < ue; ++unit) {
@@ -908,6 +934,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
         while (k + 1 < m.n && unit >= m.tiles_begin[k + 1]) ++k;
         const q8x_seg &sg = t.s[m.segs[k]];
         const int64_t r0 = static_cast<int64_t>(unit - m.tiles_begin[k]) * 32;
+        const int W = sg.warps_per_row;
+        if (W > 1 && pending > 0) meet(unit - 1);  // its parts use slot 0
         const int64_t grp = r0 / sg.rows_per_group;
         if (grp != staged) {  // block-uniform
             __syncthreads();  // nobody still reads the previous group
@@ -928,8 +956,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
             qr[i] = sg.q + static_cast<size_t>(r) * sg.q_stride + 4 * tq;
             sr[i] = sg.scales + static_cast<size_t>(r) * sg.s_stride;
         }
-        const int W = sg.warps_per_row;
-        float part = 0.0f;  // thread (tile, row, column): the running sum of the warp parts
+        float part = 0.0f;  // thread (tile, row, column): the running sum of the warp parts (W > 1)
         for (int sub = 0; sub < W; ++sub) {
             float acc[2][NT][4];
 #pragma unroll
@@ -982,31 +1009,34 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
                     }
                 }
             }
-            // a(sub, warp) of the unit's rows and this thread's columns -> red[h][warp][row][column]
+            // a(sub, warp) of the unit's rows and this thread's columns -> red slot [h][warp][row][column]
+            // (W = 1: the next free slot; W > 1: slot 0, one part at a time)
+            float *slot = red + (W == 1 ? pending : 0) * (kMmaRedBytes / 4);
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
                     const int c0 = 8 * n + 2 * tq;
-                    float *rp = red + ((h * 16 + warp) * 16) * 16;
+                    float *rp = slot + ((h * 16 + warp) * 16) * 16;
                     rp[g * 16 + c0] = acc[h][n][0];
                     rp[g * 16 + c0 + 1] = acc[h][n][1];
                     rp[(g + 8) * 16 + c0] = acc[h][n][2];
                     rp[(g + 8) * 16 + c0 + 1] = acc[h][n][3];
                 }
+            if (W == 1) break;  // its tree waits for the meeting
             __syncthreads();
             {  // thread = (tile h, row, column): the decode warp's tree, then the running sum of the parts
-                const int h = static_cast<int>(threadIdx.x >> 8), row = static_cast<int>((threadIdx.x >> 4) & 15),
-                          col = static_cast<int>(threadIdx.x & 15);
-                const float tv = q8x_lane_tree(red + ((h * 16) * 16 + row) * 16 + col, 16 * 16);
+                const float tv = q8x_lane_tree(red + ((th * 16) * 16 + trow) * 16 + tcol, 16 * 16);
                 part = sub == 0 ? tv : part + tv;
             }
             __syncthreads();  // red is rewritten by the next sub
         }
-        const int h = static_cast<int>(threadIdx.x >> 8), row = static_cast<int>((threadIdx.x >> 4) & 15),
-                  col = static_cast<int>(threadIdx.x & 15);
-        const int64_t r = r0 + 16 * h + row;
-        if (col < m.nx && r < sg.rows) store_y(sg, col * sg.y_stride + r, part);
+        if (W == 1) {
+            if (++pending == m.slots || unit + 1 == ue) meet(unit);
+            continue;
+        }
+        const int64_t r = r0 + 16 * th + trow;
+        if (tcol < m.nx && r < sg.rows) store_y(sg, tcol * sg.y_stride + r, part);
     }
 }
 
@@ -1185,6 +1215,7 @@ void launch_segments(const gemv_segment *segs, const int64_t *rpg, int n, const 
 
 bool g_q8x = true;            // set_gemv_q8_activations
 bool g_q8x_mma = true;        // set_gemv_tensor_cores
+int g_mma_slots = kMmaSlots;  // set_gemv_mma_slots: units per meeting of the tensor-core kernel
 uint64_t *g_trace = nullptr;  // set_gemv_trace: buffer, capacity in blocks, blocks taken, launches
 size_t g_trace_cap = 0, g_trace_used = 0;
 std::vector<int> g_trace_launches;
@@ -1413,10 +1444,11 @@ bool launch_cols_table(const q8x_table &t, int64_t blocks, size_t smem1, bool gr
     return true;
 }
 
-// Shared bytes of the tensor-core kernel for NT 8-column tiles at cols.
-size_t mma_smem(int nt, int64_t cols) {
+// Shared bytes of the tensor-core kernel for NT 8-column tiles at cols with `slots` tree buffers.
+size_t mma_smem(int nt, int64_t cols, int slots = 1) {
     const size_t c = static_cast<size_t>(8 * nt);
-    return c * static_cast<size_t>(cols + 16) + c * static_cast<size_t>(cols / 32 + 1) * 4 + 2 * 16 * 16 * 16 * 4;
+    return c * static_cast<size_t>(cols + 16) + c * static_cast<size_t>(cols / 32 + 1) * 4 +
+           static_cast<size_t>(slots) * kMmaRedBytes;
 }
 
 // The tensor-core kernel over the q8_0 segments of the planned table t (each segment's plan, W included, is
@@ -1451,7 +1483,9 @@ bool launch_q8x_mma(const q8x_table &t, const int64_t *rpg, int nx, const float 
         m.xq_stride = static_cast<uint32_t>(cols + 16);
         m.dx_off = static_cast<uint32_t>(static_cast<size_t>(8 * nt) * static_cast<size_t>(cols + 16));
         m.red_off = static_cast<uint32_t>(m.dx_off + static_cast<size_t>(8 * nt) * static_cast<size_t>(cols / 32 + 1) * 4);
-        const size_t smem = mma_smem(nt, cols);
+        m.slots = g_mma_slots;  // as many tree buffers as fit beside x (kQ8xMmaMaxSmem)
+        while (m.slots > 1 && mma_smem(nt, cols, m.slots) > kQ8xMmaMaxSmem) --m.slots;
+        const size_t smem = mma_smem(nt, cols, m.slots);
         void (*kernel)(const q8x_table, const q8x_mma_args, const float *) =
             nt == 2 ? (t.norm_w ? gemv_q8x_mma_kernel<2, true> : gemv_q8x_mma_kernel<2, false>)
                     : (t.norm_w ? gemv_q8x_mma_kernel<1, true> : gemv_q8x_mma_kernel<1, false>);
@@ -1563,6 +1597,12 @@ void set_gemv_q8_activations(bool on) {
     g_q8x = on;
 }
 
+void set_gemv_mma_slots(int slots) {
+    if (slots < 1 || slots > kMmaSlots)
+        throw error("cuda ds4 gemv: tensor-core meeting slots must be 1.." + std::to_string(kMmaSlots) + ", not " +
+                    std::to_string(slots));
+    g_mma_slots = slots;
+}
 void set_gemv_tensor_cores(bool on) {
     g_q8x_mma = on;
 }

@@ -19,6 +19,9 @@ void set_gemv_q8_activations(bool on);
 // Process-wide switch of the tensor-core columns kernel (the rows forms' q8_0 segments with 2..16 x; default
 // on); off: they take the dp4a columns kernel. Either gives the single-x launch's bits (tests, A/B).
 void set_gemv_tensor_cores(bool on);
+// Process-wide units per block-wide meeting of the tensor-core kernel (1..4, default 4; fewer where shared
+// memory does not hold them beside x). The same bits for any value (tests, A/B).
+void set_gemv_mma_slots(int slots);
 
 // Measurement aids for the benchmarks (bench/cuda/bench_ds4_gemv.cpp, bench/cuda/bench_cuda_ds4.cpp):
 // launch_read_probe: reads `bytes` (a multiple of 16) at src once with 16-byte streaming loads, `unroll`

@@ -116,6 +116,7 @@ class CudaDs4Gemv : public cuda_test::cuda_fixture {
     void TearDown() override {
         cd::set_gemv_q8_activations(true);
         cd::set_gemv_tensor_cores(true);
+        cd::set_gemv_mma_slots(4);
         cuda_fixture::TearDown();
     }
 

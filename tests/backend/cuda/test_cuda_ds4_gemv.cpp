@@ -372,17 +372,23 @@ TEST_F(CudaDs4Gemv, RowsFormEqualsSingleLaunchesBitForBit) {
         // few rows: several warps per row (W > 1), the tensor-core kernel's running sum of warp parts
         {"tiny q8_0 (several warps a row)", {{dtype::q8_0, 7}, {dtype::q8_0, 40}}, 4096, 0, false},
         {"wide q8_0 (8192 columns)", {{dtype::q8_0, 300}}, 8192, 0, false},
+        // more units than blocks, the last block's W = 1 unit waiting for its meeting when a W > 1 unit follows
+        {"big + tiny (a meeting before several warps a row)", {{dtype::q8_0, 8192}, {dtype::q8_0, 3}}, 4096, 0, false},
         {"f32 rows (fallback)", {{dtype::f32, 300}}, 512, 0, false},
         // an f16 table alone (the MoE router: x stays f32, nothing staged per column; it divided by zero)
         {"router (f16 alone)", {{dtype::f16, 256}}, 4096, 0, false},
         {"small router (f16 alone)", {{dtype::f16, 16}}, 256, 0, false}};
-    // int8 activations with the tensor-core columns kernel, with the dp4a one, and f32 activations
-    for (int mode : {0, 1, 2}) {
-        const bool q8x = mode < 2;
+    // int8 activations with the tensor-core columns kernel (4 units per meeting: the default; 1; 2), with the
+    // dp4a one, and f32 activations
+    for (int mode : {0, 1, 2, 3, 4}) {
+        const bool q8x = mode != 2;
         cd::set_gemv_q8_activations(q8x);
-        cd::set_gemv_tensor_cores(mode == 0);
+        cd::set_gemv_tensor_cores(mode != 1 && mode != 2);
+        cd::set_gemv_mma_slots(mode == 3 ? 1 : mode == 4 ? 2 : 4);
+        const char *what[] = {", int8, tensor cores", ", int8, dp4a columns", ", f32 activations",
+                              ", int8, tensor cores, a meeting per unit", ", int8, tensor cores, 2 units a meeting"};
         for (const table &tb : tables) {
-            SCOPED_TRACE(std::string(tb.name) + (mode == 0 ? ", int8, tensor cores" : mode == 1 ? ", int8, dp4a columns" : ", f32 activations"));
+            SCOPED_TRACE(std::string(tb.name) + what[mode]);
             std::vector<host_weight> hw;
             std::vector<cd::gemv_weight> gw;
             for (const seg_shape &ss : tb.segs) {
