@@ -441,7 +441,8 @@ inline void q8_0_rows_vnni(int64_t nb, const uint8_t *w, const uint8_t *const *x
 // 8 m + L] = q8_0_row_vnni's `corr` of block b of row m, xd[2 b + m] = its fp16(d)); per (row, block) there
 // remain two loads, one dpbusd, the conversion and the fma, the same integers and floats as above. One thread,
 // 4096 x 8192: 1.92-1.96 -> 1.65-1.69 ms (M = 1: 1.21-1.25). The same for three rows measured slower (2.6 ->
-// 3.7-4.2 ms), so they keep the form above.
+// 3.7-4.7 ms, also written out by hand): three x rows plus their corrections (27 KB at K = 4096) and the
+// weight stream no longer fit the 32 KB L1, so three rows keep the form above.
 thread_local scratch<int32_t> t_q8_0_xc;  // the corrections of q8_0_rows2_vnni (+16: 64-byte alignment)
 thread_local scratch<float> t_q8_0_xd;    // and the scales
 inline void q8_0_rows2_vnni(int64_t nb, const uint8_t *w, const uint8_t *const *x, const int32_t *xc, const float *xd,
