@@ -5,7 +5,7 @@
 # speculation at controlled acceptance over SPEC_TOKENS tokens (the MTP head paid: a long run shows the
 # adaptive width's steady state, not its first probes).
 # Usage (device): bash scripts/device/mma_ab.sh [layers=8]; env FILTER ("none": no tests; TEST_TIMEOUT 200),
-# SLOTS (1,4), ROUNDS (2), ROWS (2,4), SEQS (4,16), SPEC (0,90; "none": skip), SPEC_TOKENS (512), NCU (0).
+# SLOTS (1,4), OLD (0), ROUNDS (2), ROWS (2,4), SEQS (4,16), SPEC (0,90; "none": skip), SPEC_TOKENS (512), NCU (0).
 set -u
 . "$(dirname "$0")/carry_env.sh"
 link_shared
@@ -22,12 +22,16 @@ if [ "$f" != none ]; then
 fi
 wait
 [ -f "$m" ] || { echo "no DS4 file"; cat "$out/synth-ds4.log"; exit 1; }
+# OLD=1: instead of the slots, this build against the carried bench_old (BENCH_OLD= at pack time), alternated
+runs=(); if [ "${OLD:-0}" = 1 ]; then runs=("bench_cuda_ds4:" "bench_old:"); else
+    for p in $(echo "${SLOTS:-1,4}" | tr , ' '); do runs+=("bench_cuda_ds4:--mma-slots $p"); done; fi
 for r in $(seq "${ROUNDS:-2}"); do
-    for p in $(echo "${SLOTS:-1,4}" | tr , ' '); do
-        timeout 120 "$c/bench_cuda_ds4" "$m" --depths 8192 --n 32 --prefill "" --paged --rows "${ROWS:-2,4}" \
-            --seqs "${SEQS:-4,16}" --mma-slots "$p" > "$out/bench-p$p-r$r.log" 2>&1
-        echo "== round $r, mma slots $p: rc=$?"
-        grep -E "^ +8192 |rows +[0-9]+ of|sequences, one row" "$out/bench-p$p-r$r.log" | sed -e 's/; logits bit-identical.*//' -e 's/; a new composition.*//'
+    for run in "${runs[@]}"; do
+        b=${run%%:*} extra=${run#*:} tag=$(echo "${run}" | tr -c 'a-z0-9\n' _)
+        timeout 120 "$c/$b" "$m" --depths 8192 --n 32 --prefill "" --paged --rows "${ROWS:-2,4}" \
+            --seqs "${SEQS:-4,16}" $extra > "$out/bench-$tag-r$r.log" 2>&1
+        echo "== round $r, $b $extra: rc=$?"
+        grep -E "^ +8192 |rows +[0-9]+ of|sequences, one row" "$out/bench-$tag-r$r.log" | sed -e 's/; logits bit-identical.*//' -e 's/; a new composition.*//'
     done
 done
 if [ "${SPEC:-0,90}" != none ]; then
@@ -38,12 +42,13 @@ fi
 # NCU=1: the tensor-core kernel's own durations in a ROWS_NCU-row step (4) at each of SLOTS (Nsight Compute)
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [ "${NCU:-0}" = 1 ] && [ -n "$ncu" ]; then
-    for p in $(echo "${SLOTS:-1,4}" | tr , ' '); do
+    for run in "${runs[@]}"; do
+        b=${run%%:*} extra=${run#*:} p=$(echo "${run}" | tr -c 'a-z0-9\n' _)
         timeout 100 "$ncu" --clock-control none --profile-from-start off --kernel-name regex:'q8x_mma' --launch-count 8 \
             --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed --csv --page raw \
-            "$c/bench_cuda_ds4" "$m" --depths 8192 --n 2 --prefill "" --paged --profile rows --rows "${ROWS_NCU:-4}" \
-            --mma-slots "$p" > "$out/ncu-slots$p.csv" 2> "$out/ncu-slots$p.err"
-        echo "== ncu mma slots $p rc=$? (us, DRAM %):"
+            "$c/$b" "$m" --depths 8192 --n 2 --prefill "" --paged --profile rows --rows "${ROWS_NCU:-4}" \
+            $extra > "$out/ncu-slots$p.csv" 2> "$out/ncu-slots$p.err"
+        echo "== ncu $b $extra rc=$? (us, DRAM %):"
         python3 - "$out/ncu-slots$p.csv" <<'PY'
 import csv, sys
 lines = open(sys.argv[1], errors="replace").read().splitlines()
