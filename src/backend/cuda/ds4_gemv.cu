@@ -890,39 +890,6 @@ __device__ __forceinline__ float q8x_lane_tree(const float *v, int stride) {
     return (x0 + x1) + 0.0f;
 }
 
-// Every column's x group (at xg + col * x_stride) quantised into shared memory by the block (caller syncs
-// before and after). A column takes G = 16 / P warps (P: nx rounded up to a power of two), quantise_x over G
-// warps: its blocks are each quantised alone, so any number of threads gives the same bits. One warp a column,
-// as before, left 16 - nx warps idle and each column's 8192 floats (out_b) 16 L2 round trips long. With the
-// RMSNorm, r = q8x_norm_r_warp (the 256-thread order) by the group's first warp, shared before quantising.
-template <int G, bool NORM>
-__device__ __forceinline__ void mma_stage_group(const q8x_table &t, const q8x_mma_args &m, const float *xg, uint8_t *smem,
-                                                float *dxs, int warp, int lane, float *rs) {
-    const int64_t cols = t.cols, dstride = cols / 32 + 1;
-    const int col = warp / G, tid = (warp % G) * 32 + lane;
-    const float *xc = xg + col * m.x_stride;
-    if (NORM) {
-        if (col < m.nx && warp % G == 0) {
-            const float r = q8x_norm_r_warp(xc, cols, t.norm_eps, lane);
-            if (lane == 0) rs[col] = r;
-        }
-        __syncthreads();
-    }
-    if (col < m.nx)
-        quantise_x<32 * G>(tid, xc, cols, reinterpret_cast<uint32_t *>(smem + col * m.xq_stride), dxs + col * dstride,
-                           NORM ? t.norm_w : nullptr, NORM ? rs[col] : 1.0f);
-}
-template <bool NORM>
-__device__ __noinline__ void mma_stage_x(const q8x_table &t, const q8x_mma_args &m, const float *xg, uint8_t *smem,
-                                            float *dxs, int warp, int lane) {
-    __shared__ float rs[kMmaWarps];  // the columns' RMSNorm r
-    if (m.nx <= 1) mma_stage_group<16, NORM>(t, m, xg, smem, dxs, warp, lane, rs);
-    else if (m.nx <= 2) mma_stage_group<8, NORM>(t, m, xg, smem, dxs, warp, lane, rs);
-    else if (m.nx <= 4) mma_stage_group<4, NORM>(t, m, xg, smem, dxs, warp, lane, rs);
-    else if (m.nx <= 8) mma_stage_group<2, NORM>(t, m, xg, smem, dxs, warp, lane, rs);
-    else mma_stage_group<1, NORM>(t, m, xg, smem, dxs, warp, lane, rs);
-}
-
 // Block: 16 warps (warp p = accumulator p); a unit is 32 rows (two 16-row MMA tiles) of one segment, so
 // each warp has the loads of both tiles in flight. Units of one warp part (W = 1: every large DS4 segment)
 // leave their a(0, p) in one of m.slots tree buffers and the block meets once per m.slots units (then every
@@ -972,7 +939,12 @@ __global__ void __launch_bounds__(32 * kMmaWarps, 1)
         const int64_t grp = r0 / sg.rows_per_group;
         if (grp != staged) {  // block-uniform
             __syncthreads();  // nobody still reads the previous group
-            mma_stage_x<NORM>(t, m, x + grp * cols, smem, dxs, warp, lane);
+            for (int col = warp; col < m.nx; col += kMmaWarps) {
+                const float *xc = x + col * m.x_stride + grp * cols;
+                const float r = NORM ? q8x_norm_r_warp(xc, cols, t.norm_eps, lane) : 1.0f;
+                quantise_x<32>(lane, xc, cols, reinterpret_cast<uint32_t *>(smem + col * m.xq_stride), dxs + col * dstride,
+                               NORM ? t.norm_w : nullptr, r);  // one warp: quantise_x's blocks, the same bits
+            }
             __syncthreads();
             staged = grp;
         }
