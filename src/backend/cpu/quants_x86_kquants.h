@@ -166,8 +166,8 @@ inline __m256 kquant_float_step(__m256 acc, const __m256i (&sq)[4], const __m256
 // then re-read and applied in the 256-bit form (maddubs + madd per 32 elements) per activation row; at
 // 4096 x 8192, one thread, M = 2 cost 1.8x the one-row pass. Here one weight row at a time (one sequential
 // weight stream, as ktile_m1), each super-block decoded once into registers as u8 products q * sc for
-// all MB activation rows (q2k_rows512 / q2k_rows_pan); the rows take reduce4's 4 slots in place of ktile's
-// 4 weight rows. sq[m] / sm[m] hold row m's integer lanes (the exact integers of ktile_m1's for that row),
+// all MB activation rows (q2k_rows with q2k_row_ints512 / q2k_row_ints_pan); the rows take reduce4's 4
+// slots in place of ktile's 4 weight rows. sq[m] / sm[m] hold row m's integer lanes (the exact integers of ktile_m1's for that row),
 // so lane m (m + 4) of the reduced vector is the low (high) 4-lane sum that ktile_m1's lane 0 (4) holds,
 // and da8 = (d_a of rows 0..3) x 2 gives lane m the product d * d_a (one multiply, either order: the same
 // float). Each lane then sees ktile_m1's cvt, fma and fnma per block and the final fold_halves: row m's
@@ -181,17 +181,40 @@ inline __m256 q2k_rows_float_step(__m256 acc, const __m256i (&sq)[4], const __m2
 
 thread_local scratch<float> t_q2k_da;  // per-thread q8_k scales of the 1-4 activation rows [nb][8]
 
-// Weight rows [r0, r1) against M (<= 4) activation rows through rows(M, nb, W, w_stride, r0, r1, x, da8, y,
-// ldy): x[4] the activation rows (past M: the last again), da8[8 b + l] = d_a of block b of row l % 4
-// (0 past M), gathered once per call instead of once per weight row and block. M = 1 runs here too: at
-// MB = 1 these kernels are as fast as ktile_m1 row by row (4096 x 8192: 1.05 against 1.06 ms, AVX2 form
-// 1.13 against 1.15) with the same bits, and one path serves all of decode's row counts.
-template <class Rows>
-void gemm_q2_k_rows(Rows rows, int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X,
-                    size_t x_stride, int64_t M, float *y, int64_t ldy) {
+// Weight rows [r0, r1) of q2_k against MB (<= 4) activation rows x[0..3] (past MB: the last again): each
+// super-block decoded once (decode(block, Dec &)), then ints(dec, activation block, sq[m], sm[m]) forms row m's
+// integer lanes; the float part is q2k_rows_float_step's. da8[8 b + l] = d_a of block b of row l % 4 (0 past MB).
+template <int MB, class Dec, class Decode, class Ints>
+inline void q2k_rows(Decode decode, Ints ints, int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
+                     const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t *w = W + r * w_stride;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            Dec dec;
+            decode(w + b * tr_q2_k::size, dec);
+            __m256i sq[4], sm[4];
+            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
+            for (int m = 0; m < MB; ++m) ints(dec, x[m] + b * q8k_size, sq[m], sm[m]);
+            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
+        }
+        float out[4];
+        _mm_storeu_ps(out, fold_halves(acc));
+        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
+    }
+}
+
+// M (<= 4) activation rows through q2k_rows, with the activation scales gathered once per call instead of once
+// per weight row and block. M = 1 runs here too: at MB = 1 these kernels are as fast as ktile_m1 row by row
+// (4096 x 8192: 1.05 against 1.06 ms, AVX2 form 1.13 against 1.15) with the same bits, and one path serves all
+// of decode's row counts.
+template <class Dec, class Decode, class Ints>
+void gemm_q2_k_rows(Decode decode, Ints ints, int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1,
+                    const void *X, size_t x_stride, int64_t M, float *y, int64_t ldy) {
     if (M <= 0) return;
     const int64_t nb = K / qk_k;
     const auto *Xb = static_cast<const uint8_t *>(X);
+    const auto *Wb = static_cast<const uint8_t *>(W);
     const uint8_t *x[4];
     for (int m = 0; m < 4; ++m) x[m] = Xb + imin(m, M - 1) * x_stride;
     float *da8 = t_q2k_da.get(static_cast<size_t>(8 * nb));
@@ -201,7 +224,12 @@ void gemm_q2_k_rows(Rows rows, int64_t K, const void *W, size_t w_stride, int64_
             if ((l & 3) < M) std::memcpy(&da, x[l & 3] + b * q8k_size, 4);
             da8[8 * b + l] = da;
         }
-    rows(static_cast<int>(M), nb, static_cast<const uint8_t *>(W), w_stride, r0, r1, x, da8, y, ldy);
+    switch (M) {
+        case 1: return q2k_rows<1, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 2: return q2k_rows<2, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 3: return q2k_rows<3, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        default: return q2k_rows<4, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+    }
 }
 
 // NR weight rows (<= 4) x MB activation rows over nb super-blocks; out[m][r].
@@ -420,35 +448,15 @@ inline void q2k_tile_pan(int64_t nb, const q2pan *panel, const uint8_t *const x[
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
-// 1-4 activation rows (gemm_q2_k_rows): row r's super-block decoded once into registers (q2pan's form) and
-// applied to the MB rows with q2k_tile_pan's integer steps; the float part is q2k_rows_float_step's.
-template <int MB>
-inline void q2k_rows_pan(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
-                         const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
+// Row m's integer lanes for q2k_rows from a q2pan-decoded super-block: q2k_tile_pan's steps for one row.
+inline void q2k_row_ints_pan(const q2pan &dec, const uint8_t *xb, __m256i &sq, __m256i &sm) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t *w = W + r * w_stride;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            q2pan dec;
-            q2k_decode_pan(w + b * tr_q2_k::size, dec);
-            __m256i sq[4], sm[4];
-            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
-            for (int m = 0; m < MB; ++m) {
-                const uint8_t *xb = x[m] + b * q8k_size;
-                for (int j = 0; j < 8; j += 2) {
-                    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(dec.w[j], ld256(xb + 4 + 32 * j)),
-                                                       _mm256_maddubs_epi16(dec.w[j + 1], ld256(xb + 36 + 32 * j)));
-                    sq[m] = _mm256_add_epi32(sq[m], _mm256_madd_epi16(t, ones));
-                }
-                sm[m] = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
-            }
-            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
-        }
-        float out[4];
-        _mm_storeu_ps(out, fold_halves(acc));
-        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
+    for (int j = 0; j < 8; j += 2) {
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(dec.w[j], ld256(xb + 4 + 32 * j)),
+                                           _mm256_maddubs_epi16(dec.w[j + 1], ld256(xb + 36 + 32 * j)));
+        sq = _mm256_add_epi32(sq, _mm256_madd_epi16(t, ones));
     }
+    sm = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
 }
 
 thread_local scratch<q2pan> t_q2k_pan;  // per-thread decoded panel [nb][4]
@@ -456,17 +464,7 @@ thread_local scratch<q2pan> t_q2k_pan;  // per-thread decoded panel [nb][4]
 void gemm_q2_k(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
               int64_t M, float *y, int64_t ldy) {
     if (M <= 4)
-        return gemm_q2_k_rows(
-            [](int mb, int64_t nb, const uint8_t *Wb, size_t ws, int64_t lo, int64_t hi, const uint8_t *const x[4],
-               const float *da8, float *yy, int64_t ld) {
-                switch (mb) {
-                    case 1: q2k_rows_pan<1>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    case 2: q2k_rows_pan<2>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    case 3: q2k_rows_pan<3>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    default: q2k_rows_pan<4>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                }
-            },
-            K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+        return gemm_q2_k_rows<q2pan>(q2k_decode_pan, q2k_row_ints_pan, K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     gemm_q2_k_panels(
         t_q2k_pan, q2k_decode_pan,
         [](int mb, int64_t nb, const q2pan *p, const uint8_t *const x[4], float out[4][4]) {
@@ -555,33 +553,12 @@ inline void q2k_tile512(int64_t nb, const q2dec512 *panel, const uint8_t *const 
     for (int m = 0; m < MB; ++m) _mm_storeu_ps(out[m], fold_halves(acc[m]));
 }
 
-// 1-4 activation rows (gemm_q2_k_rows): row r's super-block decoded once into 4 zmm of u8 products
-// (q2k_decode512) and applied to the MB rows with q2k_tile512's 4 vpdpbusd per row and block; the float
-// part is q2k_rows_float_step's.
-template <int MB>
-inline void q2k_rows512(int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
-                        const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
-    for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t *w = W + r * w_stride;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            q2dec512 dec;
-            q2k_decode512(w + b * tr_q2_k::size, dec);
-            __m256i sq[4], sm[4];
-            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
-            for (int m = 0; m < MB; ++m) {
-                const uint8_t *xb = x[m] + b * q8k_size;
-                __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.w[0], _mm512_loadu_si512(xb + 4));
-                for (int k = 1; k < 4; ++k) S = _mm512_dpbusd_epi32(S, dec.w[k], _mm512_loadu_si512(xb + 4 + 64 * k));
-                sq[m] = _mm256_add_epi32(_mm512_castsi512_si256(S), _mm512_extracti64x4_epi64(S, 1));
-                sm[m] = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
-            }
-            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
-        }
-        float out[4];
-        _mm_storeu_ps(out, fold_halves(acc));
-        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
-    }
+// Row m's integer lanes for q2k_rows from a q2k_decode512 super-block: q2k_tile512's 4 vpdpbusd for one row.
+inline void q2k_row_ints512(const q2dec512 &dec, const uint8_t *xb, __m256i &sq, __m256i &sm) {
+    __m512i S = _mm512_dpbusd_epi32(_mm512_setzero_si512(), dec.w[0], _mm512_loadu_si512(xb + 4));
+    for (int k = 1; k < 4; ++k) S = _mm512_dpbusd_epi32(S, dec.w[k], _mm512_loadu_si512(xb + 4 + 64 * k));
+    sq = _mm256_add_epi32(_mm512_castsi512_si256(S), _mm512_extracti64x4_epi64(S, 1));
+    sm = _mm256_madd_epi16(dec.mn, ld256(xb + 260));
 }
 
 thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb][4]
@@ -589,17 +566,7 @@ thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb]
 void gemm_q2_k_512(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
                   int64_t M, float *y, int64_t ldy) {
     if (M <= 4)
-        return gemm_q2_k_rows(
-            [](int mb, int64_t nb, const uint8_t *Wb, size_t ws, int64_t lo, int64_t hi, const uint8_t *const x[4],
-               const float *da8, float *yy, int64_t ld) {
-                switch (mb) {
-                    case 1: q2k_rows512<1>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    case 2: q2k_rows512<2>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    case 3: q2k_rows512<3>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                    default: q2k_rows512<4>(nb, Wb, ws, lo, hi, x, da8, yy, ld); break;
-                }
-            },
-            K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
+        return gemm_q2_k_rows<q2dec512>(q2k_decode512, q2k_row_ints512, K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     gemm_q2_k_panels(
         t_q2k_panel512, q2k_decode512,
         [](int mb, int64_t nb, const q2dec512 *p, const uint8_t *const x[4], float out[4][4]) {
