@@ -409,7 +409,9 @@ inline void q2k_decode_pan(const uint8_t *b, q2pan &o) {
         const __m256i v = ld256(b + 16 + 32 * c);
         for (int i = 0; i < 4; ++i) {
             const int j = 4 * c + i;  // chunk j: bit pair i of v
-            const __m256i t = _mm256_permute4x64_epi64(tab[j / 4], (j / 2) % 2 ? 0xEE : 0x44);
+            // the immediate must be a literal even where the loop is not unrolled (-O0 / -O1)
+            const __m256i t = (j / 2) % 2 ? _mm256_permute4x64_epi64(tab[j / 4], 0xEE)
+                                          : _mm256_permute4x64_epi64(tab[j / 4], 0x44);
             const __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * i), three), off[j % 2]);
             o.w[j] = _mm256_shuffle_epi8(t, idx);
         }
@@ -519,7 +521,12 @@ inline void q2k_decode512(const uint8_t *b, q2dec512 &o) {
         const int64_t lo = 2 * j, hi = 2 * j + 2;  // bit pair j in the low half, j + 1 in the high
         const __m512i q = _mm512_srlv_epi64(v, _mm512_setr_epi64(lo, lo, lo, lo, hi, hi, hi, hi));
         const __m512i idx = _mm512_ternarylogic_epi32(q, three, lane4, 0xEA);  // (q & 3) | 4l
-        o.w[k] = _mm512_shuffle_epi8(_mm512_shuffle_i32x4(tab, tab, 0x55 * k), idx);
+        // lane k of tab in all four lanes; the immediate must be a literal even where the loop is not unrolled
+        const __m512i tk = k == 0   ? _mm512_shuffle_i32x4(tab, tab, 0x00)
+                           : k == 1 ? _mm512_shuffle_i32x4(tab, tab, 0x55)
+                           : k == 2 ? _mm512_shuffle_i32x4(tab, tab, 0xAA)
+                                    : _mm512_shuffle_i32x4(tab, tab, 0xFF);
+        o.w[k] = _mm512_shuffle_epi8(tk, idx);
     }
     o.mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s16, 4), _mm_set1_epi8(0x0F)));
     o.d = ldf16(b + 80);

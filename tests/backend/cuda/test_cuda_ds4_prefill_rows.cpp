@@ -151,47 +151,6 @@ TEST_F(CudaDs4PrefillRows, HcPreAndPostBatchMatchDecode) {
     }
 }
 
-// HCPre + HCPost of a 4096-token chunk at the DS4-Flash width (n_hc 4, D 4096, f16 mixer): time printed
-// (not checked); outputs finite.
-TEST_F(CudaDs4PrefillRows, HcBatchTiming) {
-    const int n = 4, n_mix = (2 + n) * n;
-    const int64_t D = 4096, S = n * D, T = 4096;
-    const size_t rb = dtype_row_bytes(dtype::f16, S);
-    std::vector<uint16_t> fnh(static_cast<size_t>(n_mix * S));
-    const auto fn = randn(fnh.size(), rng_, 4.0f / std::sqrt(static_cast<float>(S)));
-    for (size_t i = 0; i < fnh.size(); ++i) fnh[i] = cpu::f32_to_f16(fn[i]);
-    const uint16_t *fnd = up(fnh);
-    const float *base = up(randn(static_cast<size_t>(n_mix), rng_, 0.5f));
-    const float *scale = up(randn(3, rng_, 1.0f));
-    const cd::hc_params p{n, D, 20, 1e-6f, 1e-6f};
-    const float *x = up(randn(static_cast<size_t>(T * S), rng_, 2.0f)),
-                *y = up(randn(static_cast<size_t>(T * D), rng_));
-    float *mix = dev<float>(static_cast<size_t>(T * (n_mix + 1))),
-          *u = dev<float>(static_cast<size_t>(T * D)), *post = dev<float>(static_cast<size_t>(T * n)),
-          *comb = dev<float>(static_cast<size_t>(T * n * n)), *xn = dev<float>(static_cast<size_t>(T * S));
-    cudaEvent_t e0, e1, e2;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventCreate(&e2);
-    cd::launch_hc_pre_batch(p, dtype::f16, fnd, rb, base, scale, x, T, mix, u, post, comb, s_);  // warm-up
-    cudaEventRecord(e0, s_);
-    cd::launch_hc_pre_batch(p, dtype::f16, fnd, rb, base, scale, x, T, mix, u, post, comb, s_);
-    cudaEventRecord(e1, s_);
-    cd::launch_hc_post_batch(n, D, T, y, x, post, comb, xn, s_);
-    cudaEventRecord(e2, s_);
-    CK(cudaEventSynchronize(e2));
-    float pre_ms = 0, post_ms = 0;
-    cudaEventElapsedTime(&pre_ms, e0, e1);
-    cudaEventElapsedTime(&post_ms, e1, e2);
-    std::printf("  hc batch n_hc 4 D 4096, 4096 tokens: pre %.1f us, post %.1f us\n", 1000.0f * pre_ms,
-                1000.0f * post_ms);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cudaEventDestroy(e2);
-    const auto uh = down(u, static_cast<size_t>(T * D));
-    for (size_t i = 0; i < uh.size(); i += 997) ASSERT_TRUE(std::isfinite(uh[i]));
-}
-
 // ---- query heads ---------------------------------------------------------------------------------------
 
 // Warp-row widths (512, 128) and block-path widths (192, 1024, an odd 100), with and without the norm,
@@ -431,52 +390,9 @@ TEST_F(CudaDs4PrefillRows, CompressorSmallRatiosAndWidths) {
     run_comp({32, 256, 64, cd::qat_kind::fp8_nope, false}, schedules(32)[1]);
 }
 
-// The chunk launch at DS4-Flash shapes over 4096 tokens (timing printed, not checked: the lead's
-// budget is far below a layer's matrix products), and its rows against the steps once.
-TEST_F(CudaDs4PrefillRows, CompressorLongChunkTiming) {
+// The chunk launch at DS4-Flash shapes over 4096 tokens: its rows against the per-token steps.
+TEST_F(CudaDs4PrefillRows, CompressorLongChunk) {
     run_comp({4, 512, 64, cd::qat_kind::fp8_nope, true}, {{false, 1}, {true, 4096}});
-    struct cfg {
-        int R, dim;
-    };
-    for (const cfg c : {cfg{4, 512}, cfg{4, 128}, cfg{128, 512}}) {
-        const int width = (c.R == 4 ? 2 : 1) * c.dim, slots = (c.R == 4 ? 2 * c.R : c.R) + static_cast<int>(ds4::max_rollback);
-        const int64_t T = 4096;
-        cd::compressor_args a;
-        a.ratio = c.R;
-        a.dim = c.dim;
-        a.slots = slots;
-        a.ape = up(randn(static_cast<size_t>(c.R) * width, rng_, 0.5f));
-        a.norm_w = up(randn(static_cast<size_t>(c.dim), rng_, 0.2f, 1.0f));
-        a.eps = kEps;
-        a.rope = rope(64, true);
-        a.qat = cd::qat_kind::fp8_nope;
-        a.state_kv = dev<float>(static_cast<size_t>(slots) * width);
-        a.state_score = up(std::vector<float>(static_cast<size_t>(slots) * width, -INFINITY));
-        a.rows_f16 = true;
-        a.row_stride = static_cast<size_t>(c.dim) * 2;
-        a.max_rows = T / c.R + 1;
-        a.rows = dev<uint8_t>(a.row_stride * static_cast<size_t>(a.max_rows));
-        const float *ca = up(randn(static_cast<size_t>(T) * width, rng_));
-        const float *cg = up(randn(static_cast<size_t>(T) * width, rng_));
-        const int64_t *pos = positions(0, 1);
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        CK(cudaMemset(err_, 0, sizeof(uint32_t)));
-        cd::launch_compressor_chunk(a, ca, cg, T, pos, err_, s_);  // warm-up
-        cudaEventRecord(e0, s_);
-        const int reps = 5;
-        for (int i = 0; i < reps; ++i) cd::launch_compressor_chunk(a, ca, cg, T, pos, err_, s_);
-        cudaEventRecord(e1, s_);
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        std::printf("  compressor chunk R=%d dim=%d, 4096 tokens: %.1f us\n", c.R, c.dim,
-                    1000.0f * ms / reps);
-        cudaEventDestroy(e0);
-        cudaEventDestroy(e1);
-        EXPECT_EQ(down(err_, 1)[0], 0u);
-    }
 }
 
 TEST_F(CudaDs4PrefillRows, RejectsBadArguments) {
