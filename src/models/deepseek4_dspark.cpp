@@ -167,15 +167,19 @@ void block_head(const model &target, const dspark_weights &w, const float *x, st
     b.hc_head_out.resize(static_cast<size_t>(B * D));
     b.base_logits.resize(static_cast<size_t>(B * V));
     b.corrected_logits.resize(static_cast<size_t>(B * V));
-    std::vector<float> zn(static_cast<size_t>(D)), bias(static_cast<size_t>(V)),
+    std::vector<float> zn(static_cast<size_t>(B * D)), bias(static_cast<size_t>(V)),
         cin(static_cast<size_t>(D + r));
-    int32_t prev = b.input_ids[0];  // x_0 = the seed
     for (int64_t j = 0; j < B; ++j) {
         float *z = &b.hc_head_out[static_cast<size_t>(j * D)];
         hc_head(hp, w.hc_head, x + j * SW, z);  // z_j (pre-norm) feeds the confidence head too
-        rms_norm(z, D, w.output_norm.data(), hp.rms_eps, zn.data());
-        float *U = &b.base_logits[static_cast<size_t>(j * V)];
-        matmul(target.output, zn.data(), 1, U);  // base logits with the target's output head
+        rms_norm(z, D, w.output_norm.data(), hp.rms_eps, &zn[static_cast<size_t>(j * D)]);
+    }
+    // base logits with the target's output head, all B rows in one pass over it (a row's bits are a lone row's)
+    matmul(target.output, zn.data(), B, b.base_logits.data());
+    int32_t prev = b.input_ids[0];  // x_0 = the seed
+    for (int64_t j = 0; j < B; ++j) {
+        const float *z = &b.hc_head_out[static_cast<size_t>(j * D)];
+        const float *U = &b.base_logits[static_cast<size_t>(j * V)];
         const int32_t xj = forced.empty() ? prev : forced[static_cast<size_t>(j)];
         const std::vector<float> e = table_row(w.markov_w1, xj);  // W1[x_j] [r]
         matmul(w.markov_w2, e.data(), 1, bias.data());            // B_j = W2 . W1[x_j] [V]

@@ -131,11 +131,11 @@ class cpu_executor final : public executor {
         });
     }
 
-    void head() override {
-        const size_t S = static_cast<size_t>(hp_.n_hc) * static_cast<size_t>(hp_.n_embd), V = static_cast<size_t>(hp_.n_vocab);
-        for (size_t k = 0; k < logit_rows_.size(); ++k)
-            head_logits(*m_, current_exec(), std::span<const float>(x_ + static_cast<size_t>(logit_rows_[k]) * S, S),
-                        out_.subspan(k * V, V));
+    void head() override {  // every logit row in one pass over the output matrix
+        const size_t S = static_cast<size_t>(hp_.n_hc) * static_cast<size_t>(hp_.n_embd);
+        std::vector<const float *> rows;
+        for (const int32_t r : logit_rows_) rows.push_back(x_ + static_cast<size_t>(r) * S);
+        head_rows(hp_, m_->hc_head, m_->output_norm.data(), m_->output, rows, out_.data());
     }
 
   private:
@@ -245,11 +245,24 @@ void head_logits(const model &m, const exec_options &exec, std::span<const float
     const exec_scope scope(exec);
     // z = HCHead(X); logits = W_out * RMSNorm(z; output_norm) (all tokens or the last one).
     const int64_t i0 = static_cast<int64_t>(logits.size()) == V ? n - 1 : 0;
-    std::vector<float> z(static_cast<size_t>(D));
-    for (int64_t i = i0; i < n; ++i) {
-        hc_head(hp, m.hc_head, &x[static_cast<size_t>(i * S)], z.data());
-        rms_norm(z.data(), D, m.output_norm.data(), hp.rms_eps, z.data());
-        matmul(m.output, z.data(), 1, &logits[static_cast<size_t>((i - i0) * V)]);
+    std::vector<const float *> rows;
+    for (int64_t i = i0; i < n; ++i) rows.push_back(&x[static_cast<size_t>(i * S)]);
+    head_rows(hp, m.hc_head, m.output_norm.data(), m.output, rows, logits.data());
+}
+
+void head_rows(const hparams &hp, const hc_weights &hc, const float *norm, const matrix &output,
+               std::span<const float *const> rows, float *logits) {
+    const int64_t D = hp.n_embd, V = hp.n_vocab, n = static_cast<int64_t>(rows.size());
+    constexpr int64_t kRows = 64;  // z rows per product: the quantised GEMMs' activation panel
+    std::vector<float> z(static_cast<size_t>(std::min(n, kRows) * D));
+    for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+        const int64_t m = std::min(kRows, n - r0);
+        for (int64_t i = 0; i < m; ++i) {
+            float *zi = &z[static_cast<size_t>(i * D)];
+            hc_head(hp, hc, rows[static_cast<size_t>(r0 + i)], zi);
+            rms_norm(zi, D, norm, hp.rms_eps, zi);
+        }
+        matmul(output, z.data(), m, logits + r0 * V);
     }
 }
 

@@ -63,6 +63,12 @@ void hc_post(int n_hc, int64_t dim, const float *y, const float *x_old, const fl
              float *x_new);
 // HC head collapse (spec 3.4): X [n_hc, D] -> z [D].
 void hc_head(const hparams &hp, const hc_weights &w, const float *x, float *z);
+// The output head over n final HC states: rows[i] -> X [n_hc, D]; logits row i [n_vocab] = output x
+// RMSNorm(HCHead(X); norm). The rows' products go through the output matrix together (64 at a time), so a
+// step's verification rows or batched sequences read the head once, not once per row; matmul gives every
+// row the bits of a lone row.
+void head_rows(const hparams &hp, const hc_weights &hc, const float *norm, const matrix &output,
+               std::span<const float *const> rows, float *logits);
 
 // ---- MoE (deepseek4_moe.cpp) ---------------------------------------------------------------------
 

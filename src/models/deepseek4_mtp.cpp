@@ -206,12 +206,9 @@ void mtp_forward(const model &main, const mtp_weights &w, mtp_state &st, std::sp
     if (!hc_out.empty()) std::copy(x.begin(), x.end(), hc_out.begin());
     if (logits.empty()) return;
     const int64_t i0 = static_cast<int64_t>(logits.size()) == V ? n - 1 : 0;
-    std::vector<float> z(static_cast<size_t>(D));
-    for (int64_t i = i0; i < n; ++i) {
-        hc_head(hp, w.hc_head, &x[static_cast<size_t>(i * S)], z.data());
-        rms_norm(z.data(), D, w.norm.data(), hp.rms_eps, z.data());
-        matmul(main.output, z.data(), 1, &logits[static_cast<size_t>((i - i0) * V)]);
-    }
+    std::vector<const float *> rows;
+    for (int64_t i = i0; i < n; ++i) rows.push_back(&x[static_cast<size_t>(i * S)]);
+    head_rows(hp, w.hc_head, w.norm.data(), main.output, rows, logits.data());
 }
 
 void mtp_observe(const model &main, const mtp_weights &w, mtp_state &st, std::span<const float> hc_state,

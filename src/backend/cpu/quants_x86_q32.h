@@ -345,19 +345,40 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // the broadcasts off stores still in flight.
 // dw[16 * b + j] = fp16(d_w) of block b of row j % 4; dx[4 * b + m] = fp16(d_x) of block b of token m;
 // wc[(4 * b + r) * 8 + L] = -128 * (lane L sum of block b of row r).
-template <int MB>
-inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], const float *dw,
-                           const float *dx, const int32_t *wc, float out[MB][4]) {
+// Where the weight side (wc, dw) comes from, per tile: kRead takes the arrays that an earlier tile of the
+// same 4-row group wrote; kMakeStore forms them from the rows as it goes (the group's first tile) and
+// stores them for the later tiles; kMake forms them and stores nothing (a group with one tile: M <= 4).
+// Formed in the tile, the group's first pass over its weight rows (a DRAM stream) overlaps the tile's
+// arithmetic; as separate passes before it (q8_0_row_corrections and the dw loop) they were a serial
+// memory-bound phase per group, ~35 % of an M = 4 call. The integers and floats are the same either way.
+// fp16(d) of 4 blocks (at p[0..3]) as 4 floats: one F16C conversion instead of four scalar ones.
+inline __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(p0)), static_cast<short>(ld16(p1)),
+                                       static_cast<short>(ld16(p2)), static_cast<short>(ld16(p3)), 0, 0, 0, 0));
+}
+
+enum class q8_side { kRead, kMakeStore, kMake };
+template <int MB, q8_side kSide = q8_side::kRead>
+inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float *dw,
+                           const float *dx, int32_t *wc, float out[MB][4]) {
+    constexpr bool make = kSide != q8_side::kRead, store = kSide == q8_side::kMakeStore;
     constexpr int64_t dist = 4, ring_n = 2 * dist;
     __m256 acc[MB][4];
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < 4; ++r) acc[m][r] = _mm256_setzero_ps();
-    const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80)), zero = _mm256_setzero_si256();
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     alignas(64) float ring[ring_n][16];
     auto scales = [&](int64_t b) {  // sc of block b into its ring slot
         const __m512 d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(dx + 4 * b)));
-        _mm512_store_ps(ring[b % ring_n], _mm512_mul_ps(_mm512_loadu_ps(dw + 16 * b), d));
+        __m512 wd;
+        if constexpr (make) {
+            wd = _mm512_broadcast_f32x4(f16x4(w[0] + b * 34, w[1] + b * 34, w[2] + b * 34, w[3] + b * 34));
+            if constexpr (store) _mm512_storeu_ps(dw + 16 * b, wd);
+        } else {
+            wd = _mm512_loadu_ps(dw + 16 * b);
+        }
+        _mm512_store_ps(ring[b % ring_n], _mm512_mul_ps(wd, d));
     };
     for (int64_t b = 0; b < dist && b < nb; ++b) scales(b);
     for (int64_t b = 0; b < nb; ++b, wc += 32) {
@@ -366,7 +387,12 @@ inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t 
         __m256i q[4], c[4];
         for (int r = 0; r < 4; ++r) {
             q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2));
-            c[r] = _mm256_load_si256(reinterpret_cast<const __m256i *>(wc + 8 * r));
+            if constexpr (make) {
+                c[r] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, q[r]));
+                if constexpr (store) _mm256_store_si256(reinterpret_cast<__m256i *>(wc + 8 * r), c[r]);
+            } else {
+                c[r] = _mm256_load_si256(reinterpret_cast<const __m256i *>(wc + 8 * r));
+            }
         }
         for (int m = 0; m < MB; ++m) {
             const __m256i au =
@@ -378,17 +404,6 @@ inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t 
     }
     for (int m = 0; m < MB; ++m)
         for (int r = 0; r < 4; ++r) out[m][r] = hsum(acc[m][r]);
-}
-
-// wc (64-byte aligned, 32 x i32 per block) of the 4 rows w[0..3]: -128 * the lane sums of each block.
-inline void q8_0_row_corrections(int64_t nb, const uint8_t *const w[4], int32_t *wc) {
-    const __m256i off = _mm256_set1_epi8(static_cast<char>(0x80)), zero = _mm256_setzero_si256();
-    for (int64_t b = 0; b < nb; ++b)
-        for (int r = 0; r < 4; ++r) {
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(w[r] + b * 34 + 2));
-            _mm256_store_si256(reinterpret_cast<__m256i *>(wc + (4 * b + r) * 8),
-                               _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, q)));
-        }
 }
 
 thread_local scratch<float> t_q8_0_dw, t_q8_0_dx;  // per-thread scale scratch of gemm_q8_0_vnni
@@ -464,10 +479,38 @@ inline void q8_0_rows2_vnni(int64_t nb, const uint8_t *w, const uint8_t *const *
     out[1] = hsum(acc1);
 }
 
-// fp16(d) of 4 blocks (at p[0..3]) as 4 floats: one F16C conversion instead of four scalar ones.
-inline __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
-    return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(p0)), static_cast<short>(ld16(p1)),
-                                       static_cast<short>(ld16(p2)), static_cast<short>(ld16(p3)), 0, 0, 0, 0));
+// q8_0_tile_vnni<mb, side> for a runtime tile height mb (1..4) and weight-side source.
+template <int MB>
+inline void q8_0_tile_side(q8_side side, int64_t nb, const uint8_t *const w[4], const uint8_t *const x[4], float *dw,
+                           const float *dx, int32_t *wc, float out[4][4]) {
+    switch (side) {
+        case q8_side::kRead:
+            q8_0_tile_vnni<MB, q8_side::kRead>(nb, w, x, dw, dx, wc, out);
+            break;
+        case q8_side::kMakeStore:
+            q8_0_tile_vnni<MB, q8_side::kMakeStore>(nb, w, x, dw, dx, wc, out);
+            break;
+        case q8_side::kMake:
+            q8_0_tile_vnni<MB, q8_side::kMake>(nb, w, x, dw, dx, wc, out);
+            break;
+    }
+}
+inline void q8_0_tile_dispatch(int mb, q8_side side, int64_t nb, const uint8_t *const w[4], const uint8_t *const x[4],
+                               float *dw, const float *dx, int32_t *wc, float out[4][4]) {
+    switch (mb) {
+        case 1:
+            q8_0_tile_side<1>(side, nb, w, x, dw, dx, wc, out);
+            break;
+        case 2:
+            q8_0_tile_side<2>(side, nb, w, x, dw, dx, wc, out);
+            break;
+        case 3:
+            q8_0_tile_side<3>(side, nb, w, x, dw, dx, wc, out);
+            break;
+        default:
+            q8_0_tile_side<4>(side, nb, w, x, dw, dx, wc, out);
+            break;
+    }
 }
 
 // 4 weight rows x 4 activation rows per tile; activation rows in panels of 64 (their blocks stay in L2
@@ -483,8 +526,9 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
         for (int64_t r = r0; r < r1; ++r) y[r] = q8_0_row_vnni(nb, Wb + r * w_stride, Xb);
         return;
     }
-    if (M <= 3) {  // decode's few rows: one pass over the weights (q8_0_rows_vnni; at M = 4 the panel's tile
-                   // is as fast: 4.3 ms both)
+    if (M <= 3) {  // decode's few rows: one pass over the weights (q8_0_rows_vnni). From M = 4 on the panel's tile
+                   // (one thread, 4096 x 8192, M = 4: 2.9-3.1 ms, against 4.3-4.6 ms when the tile's weight side
+                   // came from separate passes; M = 3 through the tile measured the same as here, 2.9 ms)
         const uint8_t *xr[3];
         for (int64_t m = 0; m < 3; ++m) xr[m] = Xb + imin(m, M - 1) * x_stride;
         int32_t *xc = nullptr;
@@ -516,7 +560,7 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
     // token): 4 floats per tile and block, 32 KiB per panel at K = 4096 (a 16-float expanded copy was
     // 128 KiB and pushed the activation rows out of L2: ~15 % slower); dw[b * 16 + j] = fp16(d) of
     // block b of row j % 4 (the tile multiplies them into the FMAs' scale operands); wc: the 4 rows'
-    // lane corrections (q8_0_row_corrections).
+    // lane corrections (64-byte aligned, 32 x i32 per block). Both written by a group's first tile.
     float *dx = t_q8_0_dx.get(static_cast<size_t>(panel * nb));
     float *dw = t_q8_0_dw.get(static_cast<size_t>(nb * 16));
     int32_t *wc = t_q8_0_wc.get(static_cast<size_t>(nb * 32 + 16));
@@ -534,30 +578,16 @@ void gemm_q8_0_vnni(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
             const int rows = static_cast<int>(imin(4, r1 - r));
             const uint8_t *w[4];
             for (int i = 0; i < 4; ++i) w[i] = Wb + (r + imin(i, rows - 1)) * w_stride;  // pad with last row
-            q8_0_row_corrections(nb, w, wc);
-            for (int64_t b = 0; b < nb; ++b)
-                _mm512_storeu_ps(dw + b * 16, _mm512_broadcast_f32x4(f16x4(w[0] + b * 34, w[1] + b * 34, w[2] + b * 34,
-                                                                          w[3] + b * 34)));
+            // the group's first tile forms the weight side (and stores it when more tiles follow)
+            const bool one_tile = m1 - m0 <= 4;
             for (int64_t m = m0; m < m1; m += 4) {
                 const int mb = static_cast<int>(imin(4, m1 - m));
                 const uint8_t *x[4];
                 for (int j = 0; j < 4; ++j) x[j] = Xb + (m + imin(j, mb - 1)) * x_stride;
                 const float *dxq = dx + (m - m0) / 4 * nb * 4;
                 float out[4][4];
-                switch (mb) {
-                    case 1:
-                        q8_0_tile_vnni<1>(nb, w, x, dw, dxq, wc, out);
-                        break;
-                    case 2:
-                        q8_0_tile_vnni<2>(nb, w, x, dw, dxq, wc, out);
-                        break;
-                    case 3:
-                        q8_0_tile_vnni<3>(nb, w, x, dw, dxq, wc, out);
-                        break;
-                    default:
-                        q8_0_tile_vnni<4>(nb, w, x, dw, dxq, wc, out);
-                        break;
-                }
+                const q8_side side = m > m0 ? q8_side::kRead : one_tile ? q8_side::kMake : q8_side::kMakeStore;
+                q8_0_tile_dispatch(mb, side, nb, w, x, dw, dxq, wc, out);
                 for (int j = 0; j < mb; ++j)
                     for (int i = 0; i < rows; ++i) y[(m + j) * ldy + r + i] = out[j][i];
             }
