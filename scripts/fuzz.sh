@@ -4,8 +4,11 @@
 # into a temp dir, and runs the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
 #   scripts/fuzz.sh [SECONDS=60] [TARGET=gguf]
 # TARGET: gguf (the GGUF reader; seeds from gguf_seeds), prompt_cache (the prompt-cache entry decoder,
-# src/cache/entry.h; seeds from prompt_cache_seeds) or json_schema (structured output's schema compiler
-# and matcher, src/grammar; hand-written seeds: schema NUL document).
+# src/cache/entry.h; seeds from prompt_cache_seeds), json_schema (structured output's schema compiler
+# and matcher, src/grammar; hand-written seeds: schema NUL document), chat_template (the Jinja chat
+# template engine, src/chat; seeds: the templates under tests/chat/templates, and hand-written ones with
+# messages after a NUL) or tool_calls (the DSML stream parser and the Hermes / DSML call decoders,
+# src/chat; hand-written seeds: an options byte, then model output).
 # Needs: clang and libclang-rt-14-dev (the libFuzzer/ASan runtimes; Debian bookworm's clang-14 gets them
 # from that package).
 set -euo pipefail
@@ -13,8 +16,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 target="${2:-gguf}"
 case "$target" in
-    gguf|prompt_cache|json_schema) ;;
-    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache or json_schema)" >&2; exit 2 ;;
+    gguf|prompt_cache|json_schema|chat_template|tool_calls) ;;
+    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache, json_schema, chat_template or tool_calls)" >&2; exit 2 ;;
 esac
 build=build-fuzz
 
@@ -25,22 +28,39 @@ fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
       -DFATHOM_FUZZ=ON -DFATHOM_TESTS=OFF >/dev/null
-seeds=("${target}_seeds")
-[ "$target" = json_schema ] && seeds=()
+seeds=()
+case "$target" in gguf|prompt_cache) seeds=("${target}_seeds") ;; esac
 cmake --build "$build" --target "fuzz_$target" "${seeds[@]}" -j2
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/corpus" "$work/artifacts"
-if [ "$target" = json_schema ]; then
+case "$target" in
+json_schema)
     printf '{"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"array","items":{"enum":["x","y"]}}},"required":["a"],"additionalProperties":false}\0{"a": -12, "b": ["x","y"]}' >"$work/corpus/object"
     printf '{"anyOf":[{"type":"string","maxLength":4},{"type":"null"}]}\0"ab\\u00e9"' >"$work/corpus/anyof"
     printf '{"$defs":{"n":{"type":"object","properties":{"c":{"$ref":"#/$defs/n"}}}},"$ref":"#/$defs/n"}\0{"c":{"c":{}}}' >"$work/corpus/ref"
     printf '{"type":["number","boolean"],"const":true}\0true' >"$work/corpus/const"
     printf '{}\0[1.5e3, {"k": null}, "s"]' >"$work/corpus/any"
-else
+    ;;
+chat_template)
+    for t in tests/chat/templates/*.jinja; do cp "$t" "$work/corpus/$(basename "$t")"; done
+    printf '{%% for m in messages %%}{{ m.role }}: {{ m.content | trim }}{%% if not loop.last %%}\n{%% endif %%}{%% endfor %%}\0[{"role":"user","content":" hi "}]' >"$work/corpus/loop"
+    printf '{%% macro f(n) %%}{{ n }}{%% if n > 0 %%}{{ f(n - 1) }}{%% endif %%}{%% endmacro %%}{{ f(3) }}{{ tools | tojson(indent=2) }}{{ "%%s-%%d" | format("a", 2) }}' >"$work/corpus/macro"
+    printf '{%% set ns = namespace(x=0) %%}{%% for i in range(5) %%}{%% set ns.x = ns.x + i %%}{%% endfor %%}{{ ns.x }}{{ raise_exception("no") if ns.x > 100 }}{{ messages[-1]["content"][0].text | upper }}' >"$work/corpus/ns"
+    ;;
+tool_calls)
+    dsml='\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="n" string="false">[1, {"a": 2}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+    printf "\x04Sure.$dsml" >"$work/corpus/dsml"
+    printf "\x05thinking</think>Ok.$dsml<｜end▁of▁sentence｜>" >"$work/corpus/dsml_think"
+    printf '\x06<tool_calls><invoke name="f"><parameter name="x" string="true">1</parameter></invoke>' >"$work/corpus/dsml_bare"
+    printf '\0Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' >"$work/corpus/hermes"
+    printf '\x02{"name": "search", "arguments": {"q": "x"}}' >"$work/corpus/hermes_json"
+    ;;
+*)
     "$build/fuzz/${target}_seeds" "$work/corpus"
-fi
+    ;;
+esac
 # A few hand-made edge seeds: empty, bare magic, header only.
 printf '' >"$work/corpus/empty"
 if [ "$target" = gguf ]; then

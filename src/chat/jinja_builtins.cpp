@@ -278,6 +278,8 @@ static value repeat(const value &seq, int64_t n) {
     size_t unit = seq.is_string() ? seq.as_string().size() : seq.items().size();
     if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (size_t{1} << 28) / unit)
         throw fathom::error("sequence repetition result too large (over 2^28 elements)");
+    if (n > 0 && static_cast<uint64_t>(n) > kMaxValueBytes / std::max<size_t>(1, approx_bytes(seq)))
+        check_string_size(kMaxValueBytes + 1);  // the sandbox's size limit (jinja_value.h)
     if (seq.is_string()) {
         std::string out;
         for (int64_t i = 0; i < n; ++i) out += seq.as_string();
@@ -289,7 +291,11 @@ static value repeat(const value &seq, int64_t n) {
 }
 
 value binary_op(const std::string &op, const value &a, const value &b) {
-    if (op == "~") return value::string(py_str(a) + py_str(b));
+    if (op == "~") {
+        std::string l = py_str(a), r = py_str(b);
+        check_string_size(l.size() + r.size());
+        return value::string(l + r);
+    }
     if (op == "%" && a.is_string()) {  // printf-style formatting: a tuple spreads, anything else is one argument
         value_list args = b.is_tuple() ? b.items() : value_list{b};
         // Python skips the "not all arguments converted" check for operands with __getitem__.
@@ -299,8 +305,12 @@ value binary_op(const std::string &op, const value &a, const value &b) {
     if (b.is_undefined()) fail_undefined(b);
     if (a.is_number() && b.is_number()) return arith(op, a, b);
     if (op == "+") {
-        if (a.is_string() && b.is_string()) return value::string(a.as_string() + b.as_string());
+        if (a.is_string() && b.is_string()) {
+            check_string_size(a.as_string().size() + b.as_string().size());
+            return value::string(a.as_string() + b.as_string());
+        }
         if (a.kind() == b.kind() && a.is_sequence()) {
+            check_string_size(approx_bytes(a) + approx_bytes(b));
             value_list out = a.items();
             out.insert(out.end(), b.items().begin(), b.items().end());
             return a.is_tuple() ? value::tuple(std::move(out)) : value::list(std::move(out));

@@ -231,6 +231,7 @@ value f_join(const value &v, call_args &a) {
         if (!first) out += sep;
         first = false;
         out += soft_str(attr && !attr->is_none() ? attr_path(e, py_str(*attr)) : e);
+        check_string_size(out.size());
     }
     return value::string(out);
 }

@@ -65,6 +65,13 @@ public:
 private:
     const render_options &opt_;
     int call_depth_ = 0;  // nested macro calls (recursive macros are legal; unbounded ones are not)
+    int64_t steps_ = 0;   // statements and loop iterations run (the sandbox's kMaxRenderSteps)
+
+    void step() {
+        if (++steps_ > kMaxRenderSteps)
+            throw fathom::error("over " + std::to_string(kMaxRenderSteps) +
+                                " statements and loop iterations: the chat template sandbox's limit");
+    }
 
     // ---- statements --------------------------------------------------------------------------
 
@@ -78,7 +85,10 @@ private:
 
     flow exec_located(const stmt &s, const scope_ptr &sc, std::string &out) {
         try {
-            return exec(s, sc, out);
+            step();
+            const flow f = exec(s, sc, out);
+            check_string_size(out.size());  // the text rendered so far (a block's, or the whole output)
+            return f;
         } catch (const template_exception &) {
             throw;
         } catch (const located_error &) {
@@ -150,6 +160,7 @@ private:
         if (s.cond) {  // "for x in xs if cond": filtered before loop.length / loop.last are known
             value_list kept;
             for (const auto &it : items) {
+                step();
                 auto probe = child_of(sc);
                 bind_targets(s.targets, it, *probe);
                 if (eval(*s.cond, probe).truthy()) kept.push_back(it);
@@ -158,6 +169,7 @@ private:
         }
         const int64_t n = static_cast<int64_t>(items.size());
         for (int64_t i = 0; i < n; ++i) {
+            step();
             auto body = child_of(sc);
             bind_targets(s.targets, items[static_cast<size_t>(i)], *body);
             body->set("loop", make_loop(items, i));
@@ -292,7 +304,9 @@ private:
         eval_args(e, 1, sc, a);
         if (caller) a.kw.emplace_back("caller", *caller);
         if (fn.is_undefined()) fail_undefined(fn);
-        return call_value(fn, a);
+        value r = call_value(fn, a);
+        check_value_size(r);
+        return r;
     }
 
     // Filter chain node; `base` replaces the innermost null input ({% filter %} / block set body).
@@ -301,7 +315,9 @@ private:
                                 : *base;
         call_args a;
         eval_args(e, 1, sc, a);
-        return apply_filter(e.name, input, a);
+        value r = apply_filter(e.name, input, a);
+        check_value_size(r);
+        return r;
     }
 
     bool compare(const std::string &op, const value &l, const value &r) {

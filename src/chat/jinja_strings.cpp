@@ -209,6 +209,7 @@ std::string py_replace(const std::string &s, const std::string &old_s, const std
                 ++done;
             }
             utf8_append(out, c);
+            check_string_size(out.size());
         }
         if (count < 0 || done < count) out += new_s;
         return out;
@@ -219,6 +220,7 @@ std::string py_replace(const std::string &s, const std::string &old_s, const std
         if (f == std::string::npos) break;
         out.append(s, pos, f - pos);
         out += new_s;
+        check_string_size(out.size());
         pos = f + old_s.size();
         ++done;
     }

@@ -119,6 +119,33 @@ const value *value::find(const value &key) const {
     return nullptr;
 }
 
+size_t approx_bytes(const value &v, size_t cap) {
+    if (v.is_string()) return std::min(v.as_string().size(), cap + 1);
+    size_t n = 16;
+    if (v.is_list() || v.is_tuple()) {  // immutable in the sandbox: no cycles
+        for (const auto &e : v.items()) {
+            n += approx_bytes(e, cap - std::min(n, cap));
+            if (n > cap) return cap + 1;
+        }
+    } else if (v.is_dict()) {
+        for (const auto &[k, e] : v.entries()) {
+            n += approx_bytes(k, cap - std::min(n, cap)) + approx_bytes(e, cap - std::min(n, cap));
+            if (n > cap) return cap + 1;
+        }
+    }
+    return n;  // numbers, none, namespaces (which may hold themselves) and functions: their own 16
+}
+
+void check_string_size(size_t bytes) {
+    if (bytes > kMaxValueBytes)
+        throw fathom::error("result too large (over " + std::to_string(kMaxValueBytes >> 20) +
+                            " MiB): the chat template sandbox's limit");
+}
+
+void check_value_size(const value &v) {
+    if (approx_bytes(v) > kMaxValueBytes) check_string_size(kMaxValueBytes + 1);
+}
+
 bool value::truthy() const {
     switch (kind_) {
     case value_kind::value_kind_undefined:

@@ -120,6 +120,19 @@ struct call_args {
     void check(size_t max_pos, std::initializer_list<std::string_view> allowed) const;
 };
 
+// ---- sandbox limits ------------------------------------------------------------------------------
+// A chat template comes from the model file, so a hostile one must not exhaust the server. jinja2's sandbox
+// bounds range() only; here no single value (a string, or a list / dict counting its elements' strings) may
+// exceed kMaxValueBytes, the rendered text neither, and a render runs at most kMaxRenderSteps statements and
+// loop iterations. Real templates stay far below both (a 1M-token prompt is a few MiB of text).
+constexpr size_t kMaxValueBytes = size_t{64} << 20;
+constexpr int64_t kMaxRenderSteps = 4'000'000;
+// The bytes of v's strings plus 16 per element, counted until they pass `cap` (then cap + 1).
+size_t approx_bytes(const value &v, size_t cap = kMaxValueBytes);
+// Throws fathom::error when approx_bytes(v) or `bytes` passes kMaxValueBytes.
+void check_value_size(const value &v);
+void check_string_size(size_t bytes);
+
 // ---- Python semantics --------------------------------------------------------------------------
 std::string py_str(const value &v);   // str(v): what {{ v }} prints
 std::string py_repr(const value &v);  // repr(v): how v appears inside a printed list / dict
