@@ -40,6 +40,7 @@ std::string chat_template::render(const chat_template_inputs &in) const {
     }
     jinja::render_options opt;
     opt.now = in.now;
+    opt.max_steps = in.max_steps;
     return jinja::jinja_render(*ast_, vars, opt);
 }
 

@@ -41,6 +41,9 @@ struct chat_template_inputs {
     nlohmann::ordered_json extra = nlohmann::ordered_json::object();
     // What strftime_now() formats; nullopt = the current local time. Set it for reproducible prompts.
     std::optional<std::tm> now;
+    // Statements and loop iterations the render may run before it stops with an error (the sandbox's limit,
+    // docs/chat-templates.md); the fuzz target lowers it so that a runaway template ends fast under ASan.
+    int64_t max_steps = jinja::kMaxRenderSteps;
 };
 
 

@@ -65,11 +65,11 @@ public:
 private:
     const render_options &opt_;
     int call_depth_ = 0;  // nested macro calls (recursive macros are legal; unbounded ones are not)
-    int64_t steps_ = 0;   // statements and loop iterations run (the sandbox's kMaxRenderSteps)
+    int64_t steps_ = 0;   // statements and loop iterations run (render_options::max_steps)
 
     void step() {
-        if (++steps_ > kMaxRenderSteps)
-            throw fathom::error("over " + std::to_string(kMaxRenderSteps) +
+        if (++steps_ > opt_.max_steps)
+            throw fathom::error("over " + std::to_string(opt_.max_steps) +
                                 " statements and loop iterations: the chat template sandbox's limit");
     }
 

@@ -14,6 +14,7 @@ namespace fathom::jinja {
 
 struct render_options {
     std::optional<std::tm> now;  // what strftime_now formats; nullopt = the current local time
+    int64_t max_steps = kMaxRenderSteps;  // statements and loop iterations a render may run (the sandbox)
 };
 
 // Renders `ast` with template variables `vars` (messages, tools, bos_token, ...). Errors are
