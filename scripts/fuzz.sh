@@ -8,7 +8,8 @@
 # and matcher, src/grammar; hand-written seeds: schema NUL document), chat_template (the Jinja chat
 # template engine, src/chat; seeds: the templates under tests/chat/templates, and hand-written ones with
 # messages after a NUL) or tool_calls (the DSML stream parser and the Hermes / DSML call decoders,
-# src/chat; hand-written seeds: an options byte, then model output).
+# src/chat; hand-written seeds: an options byte, then model output) or tokenizer (BPE and SentencePiece
+# encode / decode round trips over ../shared/tokenizer-tests' vocabularies; seeds: their test strings).
 # Needs: clang and libclang-rt-14-dev (the libFuzzer/ASan runtimes; Debian bookworm's clang-14 gets them
 # from that package).
 set -euo pipefail
@@ -16,8 +17,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 target="${2:-gguf}"
 case "$target" in
-    gguf|prompt_cache|json_schema|chat_template|tool_calls) ;;
-    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache, json_schema, chat_template or tool_calls)" >&2; exit 2 ;;
+    gguf|prompt_cache|json_schema|chat_template|tool_calls|tokenizer) ;;
+    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache, json_schema, chat_template, tool_calls or tokenizer)" >&2; exit 2 ;;
 esac
 build=build-fuzz
 
@@ -56,6 +57,16 @@ tool_calls)
     printf '\x06<tool_calls><invoke name="f"><parameter name="x" string="true">1</parameter></invoke>' >"$work/corpus/dsml_bare"
     printf '\0Let me check.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>' >"$work/corpus/hermes"
     printf '\x02{"name": "search", "arguments": {"q": "x"}}' >"$work/corpus/hermes_json"
+    ;;
+tokenizer)  # a selector byte (vocabulary, special parsing), then one of the suites' test strings
+    python3 - "$work/corpus" <<'PY'
+import pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for v, name in enumerate(["llama-bpe", "qwen2", "deepseek-v3", "gpt-2", "llama-spm"]):
+    text = pathlib.Path(f"../shared/tokenizer-tests/ggml-vocab-{name}.gguf.inp").read_bytes()
+    for i, case in enumerate(text.split(b"\n__ggml_vocab_test__\n")):
+        (out / f"{name}-{i}").write_bytes(bytes([v | (0x80 if i % 4 == 0 else 0)]) + case[:4000])
+PY
     ;;
 *)
     "$build/fuzz/${target}_seeds" "$work/corpus"

@@ -7,8 +7,9 @@
 //
 // Behaviour matches llama.cpp's llama-vocab.cpp (tokenize / token_to_piece / detokenize), which the suites in
 // ../shared/tokenizer-tests pin down. Differences, by design: input bytes that are not valid UTF-8 are kept as
-// single bytes (llama.cpp replaces them by U+FFFD before BPE), so decode(encode(x)) == x for every byte string;
-// and decode() never applies clean_up_tokenization_spaces.
+// single bytes (llama.cpp replaces them by U+FFFD before BPE), so decode(encode(x)) == x for every byte string
+// (SPM: a U+2581 of x, SentencePiece's escaped space, decodes as a space, as in llama.cpp and sentencepiece;
+// checked by fuzz/fuzz_tokenizer.cpp); and decode() never applies clean_up_tokenization_spaces.
 //
 // A tokenizer is immutable after construction; all const members are safe to call from several threads.
 // It copies what it needs, so the gguf::file may be closed afterwards.
