@@ -9,7 +9,9 @@
 # template engine, src/chat; seeds: the templates under tests/chat/templates, and hand-written ones with
 # messages after a NUL) or tool_calls (the DSML stream parser and the Hermes / DSML call decoders,
 # src/chat; hand-written seeds: an options byte, then model output) or tokenizer (BPE and SentencePiece
-# encode / decode round trips over ../shared/tokenizer-tests' vocabularies; seeds: their test strings).
+# encode / decode round trips over ../shared/tokenizer-tests' vocabularies; seeds: their test strings) or
+# api_request (the HTTP API's request parsers, src/server/api.cpp and responses_api.cpp: OpenAI, Anthropic,
+# Responses bodies; hand-written seeds: an endpoint byte, then a body).
 # Needs: clang and libclang-rt-14-dev (the libFuzzer/ASan runtimes; Debian bookworm's clang-14 gets them
 # from that package).
 set -euo pipefail
@@ -17,8 +19,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 target="${2:-gguf}"
 case "$target" in
-    gguf|prompt_cache|json_schema|chat_template|tool_calls|tokenizer) ;;
-    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache, json_schema, chat_template, tool_calls or tokenizer)" >&2; exit 2 ;;
+    gguf|prompt_cache|json_schema|chat_template|tool_calls|tokenizer|api_request) ;;
+    *) echo "fuzz.sh: unknown target '$target' (gguf, prompt_cache, json_schema, chat_template, tool_calls, tokenizer or api_request)" >&2; exit 2 ;;
 esac
 build=build-fuzz
 
@@ -67,6 +69,14 @@ for v, name in enumerate(["llama-bpe", "qwen2", "deepseek-v3", "gpt-2", "llama-s
     for i, case in enumerate(text.split(b"\n__ggml_vocab_test__\n")):
         (out / f"{name}-{i}").write_bytes(bytes([v | (0x80 if i % 4 == 0 else 0)]) + case[:4000])
 PY
+    ;;
+api_request)  # endpoint byte: % 5 = chat, completion, messages, count_tokens, responses; & 8 = DSML tools
+    printf '\0{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"temperature":0.7,"top_p":0.9,"max_tokens":16,"stop":["x"],"stream":true,"seed":3,"logprobs":true,"top_logprobs":2,"reasoning_effort":"high"}' >"$work/corpus/chat"
+    printf '\x08{"messages":[{"role":"user","content":"w?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"weather","arguments":"{\\"city\\":\\"P\\"}"}}]},{"role":"tool","tool_call_id":"c1","content":"21"}],"tools":[{"type":"function","function":{"name":"weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],"tool_choice":"required","response_format":{"type":"json_schema","json_schema":{"name":"r","schema":{"type":"object"}}}}' >"$work/corpus/chat_tools"
+    printf '\x01{"prompt":"Once","max_tokens":8,"min_p":0.1,"repeat_penalty":1.1,"n":1}' >"$work/corpus/completion"
+    printf '\x02{"model":"m","max_tokens":32,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{"a":1}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"ok"}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}],"thinking":{"type":"enabled","budget_tokens":1024},"tool_choice":{"type":"auto"}}' >"$work/corpus/messages"
+    printf '\x03{"messages":[{"role":"user","content":"count"}]}' >"$work/corpus/count"
+    printf '\x04{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]}],"instructions":"be brief","max_output_tokens":20,"text":{"format":{"type":"json_schema","name":"n","schema":{"type":"object"}}},"reasoning":{"effort":"low"},"store":false}' >"$work/corpus/responses"
     ;;
 *)
     "$build/fuzz/${target}_seeds" "$work/corpus"
