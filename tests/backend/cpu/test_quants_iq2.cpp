@@ -120,7 +120,7 @@ TEST(QuantIq2, MatchesGgmlAvx2OrderBitExact) {
     const float want1 = ggml_order_dot(w.bytes.data(), w.value.data(), w.n / 256, a1.data());
     const int64_t K = 512, N = w.n / K, nb = K / 256;
     const size_t ws = dtype_row_bytes(dtype::iq2_xxs, K), xs = dtype_row_bytes(dtype::q8_k, K) + 4;
-    const int64_t M = 5;
+    const int64_t M = 9;  // up to the rows kernel's 8 and the panel's 9
     const std::vector<uint8_t> X = q8k_rows(K, M, xs, 4);
     std::vector<float> want(static_cast<size_t>(M * N));
     for (int64_t m = 0; m < M; ++m)
@@ -134,7 +134,7 @@ TEST(QuantIq2, MatchesGgmlAvx2OrderBitExact) {
             continue;
         }
         EXPECT_TRUE(same_bits(got1, want1)) << isa_name(level) << ": " << got1 << " vs " << want1;
-        for (int64_t mm : {int64_t{1}, int64_t{2}, int64_t{5}}) {
+        for (int64_t mm : {int64_t{1}, int64_t{2}, int64_t{5}, int64_t{8}, int64_t{9}}) {
             std::vector<float> y(static_cast<size_t>(mm * N), -1.0f);
             gemm(dtype::iq2_xxs, K, w.bytes.data(), ws, 0, N, X.data(), xs, mm, y.data(), N);
             for (int64_t m = 0; m < mm; ++m)
@@ -201,7 +201,7 @@ TEST(QuantIq2, GemmEqualsDotBitwise) {
         for (int64_t m = 0; m < Mmax; ++m)
             for (int64_t r = 0; r < N; ++r)
                 ref[m * N + r] = vec_dot(dtype::iq2_xxs, K, W.data() + r * ws, X.data() + m * xs);
-        for (int64_t M : {1, 2, 3, 4, 5, 7, 9, 17, 70})
+        for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 70})
             for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N}, {2, 3}, {5, 10}}) {
                 const int64_t ldy = N + 1;
                 std::vector<float> y(static_cast<size_t>(M * ldy), -7.0f);
