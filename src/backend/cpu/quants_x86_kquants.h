@@ -161,7 +161,7 @@ inline __m256 kquant_float_step(__m256 acc, const __m256i (&sq)[4], const __m256
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), _mm256_mul_ps(m8, vda), acc);
 }
 
-// ---- q2_k for 1-4 activation rows (decode, verification, a few batched sequences: gemm_q2_k_rows) -------
+// ---- q2_k for 1-8 activation rows (decode, verification, a few batched sequences: gemm_q2_k_rows) -------
 // ktile<tr_q2_k, 4, MB> took 2-4 rows before: each block decoded once for 4 weight rows into a stack copy,
 // then re-read and applied in the 256-bit form (maddubs + madd per 32 elements) per activation row; at
 // 4096 x 8192, one thread, M = 2 cost 1.8x the one-row pass. Here one weight row at a time (one sequential
@@ -179,56 +179,72 @@ inline __m256 q2k_rows_float_step(__m256 acc, const __m256i (&sq)[4], const __m2
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(reduce4(sm[0], sm[1], sm[2], sm[3])), dm, acc);
 }
 
-thread_local scratch<float> t_q2k_da;  // per-thread q8_k scales of the 1-4 activation rows [nb][8]
+thread_local scratch<float> t_q2k_da;  // per-thread q8_k scales of the 1-8 activation rows [nb][groups][8]
 
-// Weight rows [r0, r1) of q2_k against MB (<= 4) activation rows x[0..3] (past MB: the last again): each
-// super-block decoded once (decode(block, Dec &)), then ints(dec, activation block, sq[m], sm[m]) forms row m's
-// integer lanes; the float part is q2k_rows_float_step's. da8[8 b + l] = d_a of block b of row l % 4 (0 past MB).
+// Weight rows [r0, r1) of q2_k against MB (<= 8) activation rows x[0..7] (past MB: the last again), in groups
+// of 4 (reduce4's 4 slots each): each super-block decoded once (decode(block, Dec &)) for all of them, then
+// ints(dec, activation block, sq[j], sm[j]) forms row 4g + j's integer lanes and group g's float part is
+// q2k_rows_float_step's. da8[8 (G b + g) + l] = d_a of block b of row 4g + l % 4 (0 past MB), G = the groups.
 template <int MB, class Dec, class Decode, class Ints>
 inline void q2k_rows(Decode decode, Ints ints, int64_t nb, const uint8_t *W, size_t w_stride, int64_t r0, int64_t r1,
-                     const uint8_t *const x[4], const float *da8, float *y, int64_t ldy) {
+                     const uint8_t *const x[8], const float *da8, float *y, int64_t ldy) {
+    constexpr int G = (MB + 3) / 4;
     for (int64_t r = r0; r < r1; ++r) {
         const uint8_t *w = W + r * w_stride;
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             Dec dec;
             decode(w + b * tr_q2_k::size, dec);
-            __m256i sq[4], sm[4];
-            for (int m = 0; m < 4; ++m) sq[m] = sm[m] = _mm256_setzero_si256();
-            for (int m = 0; m < MB; ++m) ints(dec, x[m] + b * q8k_size, sq[m], sm[m]);
-            acc = q2k_rows_float_step(acc, sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * b));
+            for (int g = 0; g < G; ++g) {
+                __m256i sq[4], sm[4];
+                for (int j = 0; j < 4; ++j) sq[j] = sm[j] = _mm256_setzero_si256();
+                for (int j = 0; j < 4 && 4 * g + j < MB; ++j) ints(dec, x[4 * g + j] + b * q8k_size, sq[j], sm[j]);
+                acc[g] = q2k_rows_float_step(acc[g], sq, sm, dec.d, dec.dmin, _mm256_loadu_ps(da8 + 8 * (G * b + g)));
+            }
         }
-        float out[4];
-        _mm_storeu_ps(out, fold_halves(acc));
-        for (int m = 0; m < MB; ++m) y[m * ldy + r] = out[m];
+        for (int g = 0; g < G; ++g) {
+            float out[4];
+            _mm_storeu_ps(out, fold_halves(acc[g]));
+            for (int j = 0; j < 4 && 4 * g + j < MB; ++j) y[(4 * g + j) * ldy + r] = out[j];
+        }
     }
 }
 
-// M (<= 4) activation rows through q2k_rows, with the activation scales gathered once per call instead of once
+// M (<= 8) activation rows through q2k_rows, with the activation scales gathered once per call instead of once
 // per weight row and block. M = 1 runs here too: at MB = 1 these kernels are as fast as ktile_m1 row by row
 // (4096 x 8192: 1.05 against 1.06 ms, AVX2 form 1.13 against 1.15) with the same bits, and one path serves all
-// of decode's row counts.
+// of decode's row counts. 5-8 rows (a batched step's experts) go in two groups of 4 per decoded block on AVX-512
+// (4096 x 2048, one thread, against the panels: M = 5 0.60 -> 0.53 ms, 6 0.67 -> 0.59, 8 0.83 -> 0.76); the AVX2
+// form measured no faster there (M = 5 0.69 -> 0.79 ms), so AVX2 keeps the panels from 5 rows on.
 template <class Dec, class Decode, class Ints>
 void gemm_q2_k_rows(Decode decode, Ints ints, int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1,
                     const void *X, size_t x_stride, int64_t M, float *y, int64_t ldy) {
     if (M <= 0) return;
     const int64_t nb = K / qk_k;
+    const int G = M > 4 ? 2 : 1;
     const auto *Xb = static_cast<const uint8_t *>(X);
     const auto *Wb = static_cast<const uint8_t *>(W);
-    const uint8_t *x[4];
-    for (int m = 0; m < 4; ++m) x[m] = Xb + imin(m, M - 1) * x_stride;
-    float *da8 = t_q2k_da.get(static_cast<size_t>(8 * nb));
+    const uint8_t *x[8];
+    for (int m = 0; m < 8; ++m) x[m] = Xb + imin(m, M - 1) * x_stride;
+    float *da8 = t_q2k_da.get(static_cast<size_t>(8 * G * nb));
     for (int64_t b = 0; b < nb; ++b)
-        for (int l = 0; l < 8; ++l) {
-            float da = 0;
-            if ((l & 3) < M) std::memcpy(&da, x[l & 3] + b * q8k_size, 4);
-            da8[8 * b + l] = da;
-        }
+        for (int g = 0; g < G; ++g)
+            for (int l = 0; l < 8; ++l) {
+                const int m = 4 * g + (l & 3);
+                float da = 0;
+                if (m < M) std::memcpy(&da, x[m] + b * q8k_size, 4);
+                da8[8 * (G * b + g) + l] = da;
+            }
     switch (M) {
         case 1: return q2k_rows<1, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
         case 2: return q2k_rows<2, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
         case 3: return q2k_rows<3, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
-        default: return q2k_rows<4, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 4: return q2k_rows<4, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 5: return q2k_rows<5, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 6: return q2k_rows<6, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        case 7: return q2k_rows<7, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
+        default: return q2k_rows<8, Dec>(decode, ints, nb, Wb, w_stride, r0, r1, x, da8, y, ldy);
     }
 }
 
@@ -572,7 +588,7 @@ thread_local scratch<q2dec512> t_q2k_panel512;  // per-thread decoded panel [nb]
 
 void gemm_q2_k_512(int64_t K, const void *W, size_t w_stride, int64_t r0, int64_t r1, const void *X, size_t x_stride,
                   int64_t M, float *y, int64_t ldy) {
-    if (M <= 4)
+    if (M <= 8)  // 5-8 rows too: see gemm_q2_k_rows
         return gemm_q2_k_rows<q2dec512>(q2k_decode512, q2k_row_ints512, K, W, w_stride, r0, r1, X, x_stride, M, y, ldy);
     gemm_q2_k_panels(
         t_q2k_panel512, q2k_decode512,

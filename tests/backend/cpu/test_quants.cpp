@@ -496,7 +496,7 @@ TEST(QuantGemm, KQuantGemmEqualsDotBitwise) {
         }
         for (isa level : isas()) {
             force_isa(level);
-            for (int64_t M : {1, 2, 3, 4, 5, 9, 17})
+            for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17})
                 for (auto [r0, r1] : {std::pair<int64_t, int64_t>{0, N}, {1, N - 2}, {5, 6}}) {
                     std::vector<float> y(M * N, -7.0f);
                     gemm(t, K, W.data(), ws, r0, r1, X.data(), xs, M, y.data(), N);
