@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Fuzz a parser: builds fuzz_<TARGET> with clang (libFuzzer + ASan + UBSan; the parser sources are
 # instrumented too, see fuzz/CMakeLists.txt) in build-fuzz, writes a seed corpus with Fathom's own writer
-# into a temp dir, and runs the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
+# (or hand-written seeds) into a temp dir, and runs the target for N seconds. Exits non-zero on any crash, sanitizer report or leak.
 #   scripts/fuzz.sh [SECONDS=60] [TARGET=gguf]
 # TARGET: gguf (the GGUF reader; seeds from gguf_seeds), prompt_cache (the prompt-cache entry decoder,
 # src/cache/entry.h; seeds from prompt_cache_seeds), json_schema (structured output's schema compiler
 # and matcher, src/grammar; hand-written seeds: schema NUL document), chat_template (the Jinja chat
 # template engine, src/chat; seeds: the templates under tests/chat/templates, and hand-written ones with
-# messages after a NUL) or tool_calls (the DSML stream parser and the Hermes / DSML call decoders,
-# src/chat; hand-written seeds: an options byte, then model output) or tokenizer (BPE and SentencePiece
+# messages after a NUL), tool_calls (the DSML stream parser and the Hermes / DSML call decoders,
+# src/chat; hand-written seeds: an options byte, then model output), tokenizer (BPE and SentencePiece
 # encode / decode round trips over ../shared/tokenizer-tests' vocabularies; seeds: their test strings) or
 # api_request (the HTTP API's request parsers, src/server/api.cpp and responses_api.cpp: OpenAI, Anthropic,
 # Responses bodies; hand-written seeds: an endpoint byte, then a body).

@@ -326,13 +326,19 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// fp16(d) of 4 blocks (at p[0..3]) as 4 floats: one F16C conversion instead of four scalar ones.
+inline __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
+    return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(p0)), static_cast<short>(ld16(p1)),
+                                       static_cast<short>(ld16(p2)), static_cast<short>(ld16(p3)), 0, 0, 0, 0));
+}
+
 // ---- q8_0 with VNNI, in the same float order as gemm_q32_exact (ggml's) ---------------------------------
 // The i32 lanes (lane L = sum of the products of elements 4L..4L+3 of a block) are exact integers, so
 // any way of computing them gives the same bits: the activations are offset to u8 (a ^ 0x80 = a + 128,
 // once per block and token, shared by the tile's 4 rows) and one dpbusd per (row, column) pair, started
 // from the row's -128 * (lane sums of q), gives sum q*a directly (the sign trick needs four
-// instructions). The row corrections wc are computed once per 4-row group and reused by every tile of
-// the panel: with the correction on the activation side (one dpbusd per token and block in every tile)
+// instructions). The row corrections wc are computed once per 4-row group (by its first tile, below) and
+// reused by every tile of the panel: with the correction on the activation side (one dpbusd per token and block in every tile)
 // the tile issued 20 dpbusd + 16 FMA per block on the two pipes that run both (Zen 4: 2 per cycle);
 // now 16 + 16 (~10 % faster at the prefill shapes).
 // The scale products dw*dx are the same f32 products, the FMA chain per output runs block after block
@@ -351,12 +357,6 @@ void gemm_q32_exact(int64_t K, const void *W, size_t w_stride, int64_t r0, int64
 // Formed in the tile, the group's first pass over its weight rows (a DRAM stream) overlaps the tile's
 // arithmetic; as separate passes before it (q8_0_row_corrections and the dw loop) they were a serial
 // memory-bound phase per group, ~35 % of an M = 4 call. The integers and floats are the same either way.
-// fp16(d) of 4 blocks (at p[0..3]) as 4 floats: one F16C conversion instead of four scalar ones.
-inline __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3) {
-    return _mm_cvtph_ps(_mm_setr_epi16(static_cast<short>(ld16(p0)), static_cast<short>(ld16(p1)),
-                                       static_cast<short>(ld16(p2)), static_cast<short>(ld16(p3)), 0, 0, 0, 0));
-}
-
 enum class q8_side { kRead, kMakeStore, kMake };
 template <int MB, q8_side kSide = q8_side::kRead>
 inline void q8_0_tile_vnni(int64_t nb, const uint8_t *const w[4], const uint8_t *const x[MB], float *dw,
