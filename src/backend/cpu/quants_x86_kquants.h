@@ -222,7 +222,7 @@ void gemm_q2_k_rows(Decode decode, Ints ints, int64_t K, const void *W, size_t w
                     const void *X, size_t x_stride, int64_t M, float *y, int64_t ldy) {
     if (M <= 0) return;
     const int64_t nb = K / qk_k;
-    const int G = M > 4 ? 2 : 1;
+    const int G = static_cast<int>((M + 3) / 4);  // q2k_rows' groups of 4 (M <= 8)
     const auto *Xb = static_cast<const uint8_t *>(X);
     const auto *Wb = static_cast<const uint8_t *>(W);
     const uint8_t *x[8];
